@@ -1,0 +1,389 @@
+"""Pure-torch reference of every kernel: the CPU path of the trainer and the oracle of the tests.
+
+Why plain torch ops (index_select / index_add_) instead of F.embedding_bag: they give one code path
+for every dtype rule we promise (fp32 accumulation for fp16/bf16 storage, int32 or int64 indices,
+per-sample weights with ``mean``) and autograd for free, including a dense gradient for ``storage``
+and a gradient for ``per_sample_weights``.
+
+Layout shared by all kernels ("sample-major bags"):
+    storage  [S, d]       one slot space (shard rows, cache rows, replicated rows)
+    slots    [N]          int32|int64, slot of every looked-up id, bag after bag
+    offsets  [B*T + 1]    int32|int64, bag j = entries offsets[j]:offsets[j+1], sample j // T,
+                          table j % T
+    per_sample_weights [N] optional float, multiplies each row before pooling
+Pooling: sum, or mean = weighted sum / number of entries (an empty bag gives zeros).
+Accumulation is float32 (float64 for float64 inputs, which gradcheck uses).
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import torch
+from torch import Tensor
+
+from kernels.hashmap import IdSlotMap
+
+MODES = ("sum", "mean")
+OPTIMIZERS = ("sgd", "adagrad", "rowwise_adagrad")
+
+
+# ----------------------------------------------------------------------------- shared helpers
+
+
+def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
+    """float64 stays float64 (gradcheck); everything else accumulates in float32."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def check_bags(slots: Tensor, offsets: Tensor, num_tables: int, mode: str) -> int:
+    """Validate the bag layout; return the number of samples B. Shape checks only (no sync)."""
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    if slots.dim() != 1 or offsets.dim() != 1:
+        raise ValueError("slots [N] and offsets [B*T+1] must be 1-D")
+    for name, t in (("slots", slots), ("offsets", offsets)):
+        if t.dtype not in (torch.int32, torch.int64):
+            raise TypeError(f"{name} must be int32 or int64, got {t.dtype}")
+    if num_tables < 1 or offsets.numel() < 1 or (offsets.numel() - 1) % num_tables:
+        raise ValueError(
+            f"offsets has {offsets.numel()} entries; expected B*T+1 with T={num_tables}"
+        )
+    return (offsets.numel() - 1) // num_tables
+
+
+def check_weights(per_sample_weights: Optional[Tensor], slots: Tensor) -> None:
+    """per_sample_weights, when given, is a float [N] aligned with slots."""
+    if per_sample_weights is None:
+        return
+    if per_sample_weights.shape != slots.shape or not per_sample_weights.is_floating_point():
+        raise ValueError("per_sample_weights must be a float tensor shaped like slots [N]")
+
+
+def bag_lengths(offsets: Tensor) -> Tensor:
+    """Entries per bag. offsets [B*T+1] -> [B*T] int64."""
+    return (offsets[1:] - offsets[:-1]).long()
+
+
+def entry_bags(offsets: Tensor, num_entries: int) -> Tensor:
+    """Bag index of every entry. offsets [B*T+1] -> [N] int64."""
+    bags = torch.arange(offsets.numel() - 1, device=offsets.device)
+    return torch.repeat_interleave(bags, bag_lengths(offsets), output_size=num_entries)
+
+
+def entry_coefficients(
+    offsets: Tensor,
+    num_entries: int,
+    mode: str,
+    per_sample_weights: Optional[Tensor],
+    dtype: torch.dtype,
+) -> Optional[Tensor]:
+    """Factor each entry's row is multiplied by (weight, / bag length for mean). -> [N] or None."""
+    coef = None
+    if per_sample_weights is not None:
+        coef = per_sample_weights.to(dtype)
+    if mode == "mean":
+        inv = 1.0 / bag_lengths(offsets).clamp_min(1).to(dtype)
+        inv = inv.index_select(0, entry_bags(offsets, num_entries))
+        coef = inv if coef is None else coef * inv
+    return coef
+
+
+# ----------------------------------------------------------------------------- pooled gather
+
+
+def pooled_gather(
+    storage: Tensor,
+    slots: Tensor,
+    offsets: Tensor,
+    num_tables: int,
+    mode: str = "sum",
+    per_sample_weights: Optional[Tensor] = None,
+) -> Tensor:
+    """Pooled lookup. storage [S, d], slots [N], offsets [B*T+1] -> [B, T, d] float32.
+
+    Differentiable w.r.t. storage (dense grad [S, d] in storage's dtype) and per_sample_weights.
+    """
+    batch = check_bags(slots, offsets, num_tables, mode)
+    check_weights(per_sample_weights, slots)
+    acc = accumulation_dtype(storage.dtype)
+    num_entries, dim = slots.numel(), storage.shape[1]
+    rows = storage.index_select(0, slots.long()).to(acc)
+    coef = entry_coefficients(offsets, num_entries, mode, per_sample_weights, acc)
+    if coef is not None:
+        rows = rows * coef[:, None]
+    out = rows.new_zeros(offsets.numel() - 1, dim)
+    out = out.index_add(0, entry_bags(offsets, num_entries), rows)
+    return out.view(batch, num_tables, dim)
+
+
+def pooled_gather_torch(
+    storage: Tensor,
+    slots: Tensor,
+    offsets: Tensor,
+    num_tables: int,
+    mode: str = "sum",
+    per_sample_weights: Optional[Tensor] = None,
+) -> Tensor:
+    """The CPU path of pooled_gather: F.embedding_bag where it has the same semantics, else the
+    oracle above. Same contract as pooled_gather (tests check they agree)."""
+    fast = storage.dtype in (torch.float32, torch.float64) and (
+        per_sample_weights is None or mode == "sum")
+    if not fast:
+        return pooled_gather(storage, slots, offsets, num_tables, mode, per_sample_weights)
+    batch = check_bags(slots, offsets, num_tables, mode)
+    check_weights(per_sample_weights, slots)
+    psw = None if per_sample_weights is None else per_sample_weights.to(storage.dtype)
+    out = torch.nn.functional.embedding_bag(
+        slots.long(), storage, offsets.long(), mode=mode, include_last_offset=True,
+        per_sample_weights=psw)
+    return out.view(batch, num_tables, storage.shape[1])
+
+
+# ----------------------------------------------------------------------------- gradient scatter
+
+
+def entry_grads(
+    grad: Tensor,
+    slots: Tensor,
+    offsets: Tensor,
+    num_tables: int,
+    mode: str,
+    per_sample_weights: Optional[Tensor],
+) -> Tensor:
+    """Gradient reaching every entry's row. grad [B, T, d] or [B*T, d] -> [N, d] float32."""
+    check_bags(slots, offsets, num_tables, mode)
+    check_weights(per_sample_weights, slots)
+    acc = accumulation_dtype(grad.dtype)
+    bag_grad = grad.reshape(offsets.numel() - 1, -1).to(acc)
+    num_entries = slots.numel()
+    rows = bag_grad.index_select(0, entry_bags(offsets, num_entries))
+    coef = entry_coefficients(offsets, num_entries, mode, per_sample_weights, acc)
+    return rows if coef is None else rows * coef[:, None]
+
+
+def accumulate_row_grads(
+    grad: Tensor,
+    slots: Tensor,
+    offsets: Tensor,
+    num_tables: int,
+    mode: str = "sum",
+    per_sample_weights: Optional[Tensor] = None,
+    num_slots: Optional[int] = None,
+    deterministic: Optional[bool] = None,
+) -> Tensor:
+    """Sum of entry gradients per slot. grad [B, T, d] | [B*T, d] -> [num_slots, d] float32.
+
+    Duplicates within and across bags add up. index_add_ on CPU adds in entry order (deterministic);
+    ``deterministic`` is accepted for interface parity with the Triton launcher.
+    """
+    del deterministic
+    rows = entry_grads(grad, slots, offsets, num_tables, mode, per_sample_weights)
+    if num_slots is None:
+        num_slots = int(slots.max()) + 1 if slots.numel() else 0
+    out = rows.new_zeros(num_slots, rows.shape[1])
+    return out.index_add_(0, slots.long(), rows)
+
+
+def unique_row_grads(
+    grad: Tensor,
+    slots: Tensor,
+    offsets: Tensor,
+    num_tables: int,
+    mode: str,
+    per_sample_weights: Optional[Tensor],
+) -> Tuple[Tensor, Tensor]:
+    """Compact per-slot gradient. -> (unique slots [U] int64 ascending, grads [U, d] float32)."""
+    rows = entry_grads(grad, slots, offsets, num_tables, mode, per_sample_weights)
+    uniq, inverse = torch.unique(slots.long(), return_inverse=True)
+    out = rows.new_zeros(uniq.numel(), rows.shape[1])
+    return uniq, out.index_add_(0, inverse, rows)
+
+
+# ----------------------------------------------------------------------------- sparse optimizer
+
+
+def remote_flags(
+    uniq: Tensor, remote: Optional[Tensor], remote_start: Optional[int]
+) -> Optional[Tensor]:
+    """Which unique slots are remote: remote[slot] (bool [S]) or slot >= remote_start. -> [U]|None."""
+    flags = None
+    if remote is not None:
+        flags = remote.to(device=uniq.device, dtype=torch.bool).index_select(0, uniq)
+    if remote_start is not None:
+        beyond = uniq >= remote_start
+        flags = beyond if flags is None else flags | beyond
+    return flags
+
+
+def check_update_args(
+    storage: Tensor, state: Optional[Tensor], optimizer: str, flagged: bool, pending: Optional[Tensor]
+) -> None:
+    """Shape/dtype contract of scatter_update (fails early with a clear message)."""
+    if optimizer not in OPTIMIZERS:
+        raise ValueError(f"optimizer must be one of {OPTIMIZERS}, got {optimizer!r}")
+    if storage.dim() != 2:
+        raise ValueError("storage must be [S, d]")
+    want = {"sgd": None, "adagrad": tuple(storage.shape), "rowwise_adagrad": (storage.shape[0],)}
+    shape = want[optimizer]
+    if shape is not None and (state is None or tuple(state.shape) != shape):
+        raise ValueError(f"{optimizer} needs state of shape {shape}")
+    if flagged and (pending is None or pending.dim() != 2 or pending.shape[1] != storage.shape[1]):
+        raise ValueError("remote slots need a pending buffer [P, d]")
+
+
+def apply_optimizer(
+    rows: Tensor,
+    state_rows: Optional[Tensor],
+    grads: Tensor,
+    optimizer: str,
+    lr: float,
+    eps: float,
+) -> Tuple[Tensor, Optional[Tensor]]:
+    """One sparse step on gathered rows (float32 math). rows, grads [U, d]; state [U, d] | [U].
+
+    Adagrad matches torch.optim.Adagrad (lr_decay=0, initial_accumulator_value=0):
+    state += g*g; w -= lr * g / (sqrt(state) + eps). Row-wise Adagrad keeps one accumulator per row
+    and adds mean(g*g) over d (as FBGEMM's EXACT_ROWWISE_ADAGRAD).
+    """
+    if optimizer == "sgd":
+        return rows - lr * grads, None
+    if optimizer == "adagrad":
+        state_rows = state_rows + grads * grads
+        return rows - lr * grads / (state_rows.sqrt() + eps), state_rows
+    state_rows = state_rows + (grads * grads).mean(dim=1)
+    return rows - lr * grads / (state_rows.sqrt() + eps)[:, None], state_rows
+
+
+def scatter_update(
+    storage: Tensor,
+    grad: Tensor,
+    slots: Tensor,
+    offsets: Tensor,
+    num_tables: int,
+    *,
+    optimizer: str = "sgd",
+    lr: float = 0.01,
+    eps: float = 1e-10,
+    state: Optional[Tensor] = None,
+    mode: str = "sum",
+    per_sample_weights: Optional[Tensor] = None,
+    remote: Optional[Tensor] = None,
+    remote_start: Optional[int] = None,
+    pending: Optional[Tensor] = None,
+    pending_offset: int = 0,
+) -> Tensor:
+    """Fused backward scatter + sparse optimizer, in place on storage / state / pending.
+
+    storage [S, d]; grad [B, T, d] | [B*T, d]; state [S, d] (adagrad), [S] (rowwise_adagrad) or None;
+    remote bool [S] and/or remote_start: slots whose summed gradient goes to
+    pending[slot - pending_offset] += g (pending [P, d]) instead of the optimizer.
+    Returns the unique slots touched [U] int64 (ascending).
+    """
+    uniq, grads = unique_row_grads(grad, slots, offsets, num_tables, mode, per_sample_weights)
+    flags = remote_flags(uniq, remote, remote_start)
+    check_update_args(storage, state, optimizer, flags is not None, pending)
+    local = uniq if flags is None else uniq[~flags]
+    local_grads = grads if flags is None else grads[~flags]
+    _update_rows(storage, state, local, local_grads, optimizer, lr, eps)
+    if flags is not None:
+        rows = uniq[flags] - pending_offset
+        pending.index_add_(0, rows, grads[flags].to(pending.dtype))
+    return uniq
+
+
+def _update_rows(
+    storage: Tensor,
+    state: Optional[Tensor],
+    rows_idx: Tensor,
+    grads: Tensor,
+    optimizer: str,
+    lr: float,
+    eps: float,
+) -> None:
+    """Apply the optimizer to storage[rows_idx] (and state) in place."""
+    acc = grads.dtype
+    with torch.no_grad():
+        rows = storage.index_select(0, rows_idx).to(acc)
+        st = None if state is None else state.index_select(0, rows_idx).to(acc)
+        rows, st = apply_optimizer(rows, st, grads, optimizer, lr, eps)
+        storage.index_copy_(0, rows_idx, rows.to(storage.dtype))
+        if st is not None:
+            state.index_copy_(0, rows_idx, st.to(state.dtype))
+
+
+# ----------------------------------------------------------------------------- id -> slot map
+
+
+class ReferenceIdSlotMap(IdSlotMap):
+    """Id-to-slot map over sorted arrays and searchsorted (any device, pure torch).
+
+    Keys: int64 ids >= 0. Values: int64 slots. ``capacity`` is only a hint (the arrays grow).
+    """
+
+    def __init__(self, capacity: int = 0, device: torch.device | str = "cpu") -> None:
+        del capacity
+        self._device = torch.device(device)
+        self._keys = torch.empty(0, dtype=torch.int64, device=self._device)
+        self._vals = torch.empty(0, dtype=torch.int64, device=self._device)
+
+    @property
+    def device(self) -> torch.device:
+        return self._device
+
+    def __len__(self) -> int:
+        return self._keys.numel()
+
+    def _find(self, ids: Tensor) -> Tuple[Tensor, Tensor]:
+        """Position of each id in the sorted keys and whether it is there. ids [n] -> ([n], [n])."""
+        pos = torch.searchsorted(self._keys, ids).clamp_max(max(self._keys.numel() - 1, 0))
+        if not self._keys.numel():
+            return pos, torch.zeros_like(ids, dtype=torch.bool)
+        return pos, self._keys.index_select(0, pos) == ids
+
+    def lookup(self, ids: Tensor) -> Tuple[Tensor, Tensor]:
+        ids = self._prepare(ids)
+        pos, hit = self._find(ids)
+        found = self._vals.index_select(0, pos) if self._vals.numel() else ids.clone()
+        return torch.where(hit, found, torch.full_like(ids, -1)), ~hit
+
+    def insert(self, ids: Tensor, slots: Tensor) -> Tensor:
+        ids, slots = self._prepare(ids), self._prepare(slots)
+        _, hit = self._find(ids)
+        first = _first_occurrence(ids)
+        keep_ids, keep_vals = _last_value_per_id(ids, slots)
+        pos, existing = self._find(keep_ids)
+        self._vals[pos[existing]] = keep_vals[existing]
+        keys = torch.cat([self._keys, keep_ids[~existing]])
+        vals = torch.cat([self._vals, keep_vals[~existing]])
+        self._keys, order = torch.sort(keys)
+        self._vals = vals.index_select(0, order)
+        return ~hit & first
+
+    def erase(self, ids: Tensor) -> Tensor:
+        ids = self._prepare(ids)
+        _, hit = self._find(ids)
+        drop = torch.isin(self._keys, ids[hit])
+        self._keys, self._vals = self._keys[~drop], self._vals[~drop]
+        return hit
+
+    def items(self) -> Tuple[Tensor, Tensor]:
+        return self._keys.clone(), self._vals.clone()
+
+
+def _first_occurrence(ids: Tensor) -> Tensor:
+    """True at the first occurrence of each id in the batch. ids [n] -> bool [n]."""
+    order = torch.argsort(ids, stable=True)
+    sorted_ids = ids.index_select(0, order)
+    head = torch.ones_like(sorted_ids, dtype=torch.bool)
+    head[1:] = sorted_ids[1:] != sorted_ids[:-1]
+    return torch.zeros_like(head).index_put_((order,), head)
+
+
+def _last_value_per_id(ids: Tensor, vals: Tensor) -> Tuple[Tensor, Tensor]:
+    """Dedup a batch keeping the last value of each id. -> (unique ids [u], values [u])."""
+    order = torch.argsort(ids, stable=True)
+    sorted_ids = ids.index_select(0, order)
+    tail = torch.ones_like(sorted_ids, dtype=torch.bool)
+    tail[:-1] = sorted_ids[1:] != sorted_ids[:-1]
+    return sorted_ids[tail], vals.index_select(0, order)[tail]

@@ -1,0 +1,90 @@
+"""Test helpers: compose configs like `python -m trainer` does, and run real W-process gloo jobs.
+
+Distributed tests start W real processes (spawn), each calling trainer.run() with the torch
+backend over gloo on localhost, and compare against an in-process single-worker reference.
+"""
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import socket
+import tempfile
+import traceback
+from typing import Any, Callable
+
+import torch
+from hydra import compose, initialize_config_dir
+
+from trainer.__main__ import CONF_DIR
+from trainer.runner import RunResult, run
+
+SHARED_DATA = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "..",
+                           "shared", "data")
+
+
+def make_cfg(overrides: list[str]):
+    """The composed Hydra config of `python -m trainer <overrides>`."""
+    with initialize_config_dir(config_dir=CONF_DIR, version_base=None):
+        return compose(config_name="config", overrides=list(overrides))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _child(rank: int, world: int, port: int, fn: Callable[..., Any], args: tuple, path: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
+    try:
+        out = {"ok": True, "value": fn(rank, world, *args)}
+    except BaseException as exc:  # noqa: BLE001 - report everything to the parent
+        out = {"ok": False, "error": f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"}
+    torch.save(out, path)
+
+
+def spawn(world: int, fn: Callable[..., Any], *args: Any, timeout: float = 240.0) -> list[Any]:
+    """Run fn(rank, world, *args) in `world` processes with torchrun-like env; return the values.
+
+    fn must be importable (module level). Raises if any rank fails, dies or exceeds timeout.
+    """
+    ctx = mp.get_context("spawn")
+    port = free_port()
+    with tempfile.TemporaryDirectory() as tmp:
+        paths = [os.path.join(tmp, f"rank{r}.pt") for r in range(world)]
+        procs = [ctx.Process(target=_child, args=(r, world, port, fn, args, paths[r]))
+                 for r in range(world)]
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.join(timeout)
+        alive = [p for p in procs if p.is_alive()]
+        for p in alive:
+            p.kill()
+        if alive:
+            raise TimeoutError(f"{len(alive)} rank(s) still running after {timeout}s")
+        results = []
+        for r, path in enumerate(paths):
+            if not os.path.exists(path):
+                raise RuntimeError(f"rank {r} died with exit code {procs[r].exitcode}")
+            out = torch.load(path, weights_only=False)
+            if not out["ok"]:
+                raise RuntimeError(f"rank {r} failed:\n{out['error']}")
+            results.append(out["value"])
+        return results
+
+
+def train_worker(rank: int, world: int, overrides: list[str], return_state: bool) -> RunResult:
+    """Child body: one rank of `python -m trainer comm=torch <overrides>`."""
+    return run(make_cfg(list(overrides) + ["comm=torch"]), return_state=return_state)
+
+
+def run_world(world: int, overrides: list[str], return_state: bool = True) -> list[RunResult]:
+    """Train on `world` gloo workers; index 0 is rank 0's result."""
+    return spawn(world, train_worker, list(overrides), return_state)
+
+
+def run_single(overrides: list[str], return_state: bool = True) -> RunResult:
+    """The single-process reference, in this process (local backend)."""
+    return run(make_cfg(list(overrides) + ["comm=local"]), return_state=return_state)

@@ -1,0 +1,50 @@
+"""`python -m trainer`: the Hydra entry point. All logic lives in runner.run(), callable from tests.
+
+Under a launcher every rank runs this same Hydra job; Hydra's timestamped directory may differ by a
+second between ranks, so rank 0's directory is broadcast and used by all (runner.Trainer), and a
+non-zero rank removes the directory Hydra made for it if nobody uses it.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+
+import hydra
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import DictConfig
+
+from .config import ConfigError
+from .runner import TrainingError, run
+
+CONF_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "conf")
+
+
+def _remove_stray_dir(mine: str, used: str | None) -> None:
+    """Drop a Hydra output dir this rank got but did not use (it holds only Hydra's files)."""
+    if used is None or os.path.abspath(mine) == os.path.abspath(used):
+        return
+    leftovers = set(os.listdir(mine)) - {".hydra"} if os.path.isdir(mine) else {"?"}
+    if not leftovers:
+        shutil.rmtree(mine, ignore_errors=True)
+
+
+@hydra.main(version_base=None, config_path=CONF_DIR, config_name="config")
+def main(cfg: DictConfig) -> None:
+    out_dir = HydraConfig.get().runtime.output_dir
+    try:
+        result = run(cfg, out_dir=out_dir)
+    except (ConfigError, TrainingError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        sys.exit(2)
+    used = result.summary.get("output_dir")
+    _remove_stray_dir(out_dir, used)
+    if result.rank == 0:
+        keys = ("world_size", "steps", "samples_per_sec", "final_loss", "eval_auc", "bytes_per_sample")
+        print(json.dumps({k: result.summary[k] for k in keys}))
+        print(f"summary: {os.path.join(used or out_dir, 'summary.json')}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,40 @@
+"""Collectives: one interface, backends local / torch (gloo, nccl) / horovod, chosen by config.
+
+`make_collectives("auto")` picks horovod under horovodrun, torch under torchrun (WORLD_SIZE > 1),
+and local otherwise.
+"""
+from __future__ import annotations
+
+import os
+
+from .base import KINDS, ByteCounter, CollectiveError, Collectives
+from .local import LocalCollectives
+
+__all__ = ["KINDS", "ByteCounter", "CollectiveError", "Collectives", "LocalCollectives",
+           "make_collectives", "detect_backend"]
+
+
+def detect_backend() -> str:
+    """The backend a launcher implies: horovod, torch, or local."""
+    if "HOROVOD_RANK" in os.environ or "OMPI_COMM_WORLD_RANK" in os.environ and \
+            "HOROVOD_CONTROLLER" in os.environ:
+        return "horovod"
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1 and "RANK" in os.environ:
+        return "torch"
+    return "local"
+
+
+def make_collectives(backend: str = "auto", timeout_s: float = 60.0,
+                     dist_backend: str = "auto") -> Collectives:
+    """Create the Collectives for `backend` (auto|local|torch|horovod)."""
+    if backend == "auto":
+        backend = detect_backend()
+    if backend == "local":
+        return LocalCollectives(timeout_s)
+    if backend == "torch":
+        from .torch_dist import TorchCollectives
+        return TorchCollectives(timeout_s, dist_backend)
+    if backend == "horovod":
+        from .horovod import HorovodCollectives  # noqa: F401 - issue "Horovod backend"
+        return HorovodCollectives(timeout_s)
+    raise ValueError(f"comm.backend={backend!r} is not one of auto, local, torch, horovod")

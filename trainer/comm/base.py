@@ -1,0 +1,179 @@
+"""The one collective interface every part of the trainer talks to.
+
+Why: the design keeps Horovod and torch.distributed behind a single seam so that the embedding
+exchange, the dense allreduce and the metrics never know which launcher started them, and so that
+every byte that crosses the wire is counted in one place, by kind.
+
+Byte accounting (what "sent" means, identical for every backend):
+- alltoall: the bytes of the splits sent to *other* ranks (the self split never leaves the process).
+- allreduce / grouped allreduce: 2 * (W - 1) / W * payload bytes, the per-rank traffic of a
+  bandwidth-optimal ring allreduce; 0 when W == 1.
+- allgather: (W - 1) * local bytes (our piece goes to every peer).
+- broadcast: (W - 1) * bytes on the root, 0 elsewhere.
+Counters are kept per rank; `summary.json` sums them over ranks.
+"""
+from __future__ import annotations
+
+import abc
+import math
+import pickle
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import torch
+
+KINDS = ("ids", "versions", "rows", "grads", "dense", "meta")
+
+
+class CollectiveError(RuntimeError):
+    """A collective failed or timed out; the message names the operation and the rank."""
+
+
+@dataclass
+class ByteCounter:
+    """Bytes sent by this rank, per kind, split into phases ("train", "eval", "other")."""
+
+    phase: str = "train"
+    by_phase: dict[str, dict[str, int]] = field(default_factory=lambda: defaultdict(lambda: defaultdict(int)))
+    calls: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+
+    def add(self, kind: str, nbytes: float, op: str) -> None:
+        if kind not in KINDS:
+            raise ValueError(f"unknown byte kind {kind!r}; expected one of {KINDS}")
+        self.by_phase[self.phase][kind] += int(round(nbytes))
+        self.calls[op] += 1
+
+    def totals(self, phase: str = "train") -> dict[str, int]:
+        """Bytes per kind for one phase, every kind present (zeros included)."""
+        got = self.by_phase.get(phase, {})
+        return {k: int(got.get(k, 0)) for k in KINDS}
+
+    def snapshot(self, phase: str = "train") -> dict[str, int]:
+        return dict(self.totals(phase))
+
+
+class Collectives(abc.ABC):
+    """rank/size + collectives; subclasses implement the `_op` methods, this class counts bytes."""
+
+    def __init__(self, rank: int, size: int, timeout_s: float) -> None:
+        self.rank = rank
+        self.size = size
+        self.timeout_s = timeout_s
+        self.counter = ByteCounter()
+
+    # ----- public API (counts, then delegates) ---------------------------------------------
+    def allreduce(self, t: torch.Tensor, op: str = "sum", kind: str = "dense") -> torch.Tensor:
+        """Reduce `t` over ranks; op is "sum" or "mean". Returns a new tensor."""
+        self._count_allreduce([t], kind, "allreduce")
+        return self._guard("allreduce", lambda: self._allreduce([t], op)[0])
+
+    def grouped_allreduce(self, ts: Sequence[torch.Tensor], op: str = "sum",
+                          kind: str = "dense") -> list[torch.Tensor]:
+        """Reduce several tensors in one collective (fused buffer). Returns new tensors."""
+        if not ts:
+            return []
+        self._count_allreduce(ts, kind, "grouped_allreduce")
+        return self._guard("grouped_allreduce", lambda: self._allreduce(list(ts), op))
+
+    def alltoall(self, t: torch.Tensor, splits: Sequence[int], kind: str,
+                 recv_splits: Sequence[int] | None = None) -> tuple[torch.Tensor, list[int]]:
+        """Send rows t[sum(splits[:j]) : sum(splits[:j+1])] to rank j along dim 0.
+
+        Returns (received rows concatenated in rank order, received split sizes). When the caller
+        already knows recv_splits (a reply to a request), pass them to skip the size exchange.
+        """
+        splits = [int(s) for s in splits]
+        if len(splits) != self.size or sum(splits) != t.shape[0]:
+            raise ValueError(f"alltoall: splits {splits} do not match world size {self.size} "
+                             f"and {t.shape[0]} rows")
+        if recv_splits is None:
+            recv_splits = self._exchange_splits(splits)
+        recv_splits = [int(s) for s in recv_splits]
+        row_bytes = t.element_size() * math.prod(t.shape[1:])
+        sent = sum(s for j, s in enumerate(splits) if j != self.rank)
+        self.counter.add(kind, sent * row_bytes, "alltoall")
+        out = self._guard("alltoall", lambda: self._alltoall(t.contiguous(), splits, recv_splits))
+        return out, recv_splits
+
+    def allgather(self, t: torch.Tensor, kind: str = "meta") -> torch.Tensor:
+        """Concatenate every rank's `t` along dim 0 (first dims may differ between ranks)."""
+        self.counter.add(kind, (self.size - 1) * t.numel() * t.element_size(), "allgather")
+        return self._guard("allgather", lambda: self._allgather(t.contiguous()))
+
+    def broadcast(self, t: torch.Tensor, root: int = 0, kind: str = "dense") -> torch.Tensor:
+        """Return root's `t` on every rank (same shape everywhere)."""
+        if self.rank == root:
+            self.counter.add(kind, (self.size - 1) * t.numel() * t.element_size(), "broadcast")
+        return self._guard("broadcast", lambda: self._broadcast(t.contiguous(), root))
+
+    def broadcast_object(self, obj: Any, root: int = 0) -> Any:
+        """Broadcast a picklable object from root (counted as meta)."""
+        payload = pickle.dumps(obj) if self.rank == root else b""
+        n = self.broadcast(torch.tensor([len(payload)], dtype=torch.int64), root, kind="meta")
+        buf = torch.zeros(int(n.item()), dtype=torch.uint8)
+        if self.rank == root:
+            buf = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+        buf = self.broadcast(buf, root, kind="meta")
+        return pickle.loads(buf.numpy().tobytes())
+
+    def barrier(self) -> None:
+        self._guard("barrier", self._barrier)
+
+    def close(self) -> None:
+        """Release the backend (idempotent)."""
+
+    # ----- helpers --------------------------------------------------------------------------
+    def _exchange_splits(self, splits: list[int]) -> list[int]:
+        if self.size == 1:
+            return list(splits)
+        send = torch.tensor(splits, dtype=torch.int64)
+        self.counter.add("meta", (self.size - 1) * 8, "alltoall_splits")
+        ones = [1] * self.size
+        recv = self._guard("alltoall(split sizes)", lambda: self._alltoall(send, ones, ones))
+        return [int(x) for x in recv.tolist()]
+
+    def _count_allreduce(self, ts: Sequence[torch.Tensor], kind: str, op: str) -> None:
+        nbytes = sum(t.numel() * t.element_size() for t in ts)
+        self.counter.add(kind, 2.0 * (self.size - 1) / self.size * nbytes, op)
+
+    def _guard(self, op: str, fn):
+        """Run a collective; turn any backend failure (timeout, dead peer) into CollectiveError."""
+        try:
+            return fn()
+        except CollectiveError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - backends raise RuntimeError, DistBackendError...
+            raise CollectiveError(
+                f"collective '{op}' failed on rank {self.rank}/{self.size} "
+                f"(timeout {self.timeout_s:g}s; a peer may have died or not called it): {exc}"
+            ) from exc
+
+    # ----- backend hooks ----------------------------------------------------------------------
+    @abc.abstractmethod
+    def _allreduce(self, ts: list[torch.Tensor], op: str) -> list[torch.Tensor]: ...
+
+    @abc.abstractmethod
+    def _alltoall(self, t: torch.Tensor, splits: list[int], recv_splits: list[int]) -> torch.Tensor: ...
+
+    @abc.abstractmethod
+    def _allgather(self, t: torch.Tensor) -> torch.Tensor: ...
+
+    @abc.abstractmethod
+    def _broadcast(self, t: torch.Tensor, root: int) -> torch.Tensor: ...
+
+    @abc.abstractmethod
+    def _barrier(self) -> None: ...
+
+
+def flatten(ts: Sequence[torch.Tensor]) -> torch.Tensor:
+    """One contiguous buffer of all tensors (same dtype), for a fused collective."""
+    return torch.cat([t.reshape(-1) for t in ts]) if len(ts) > 1 else ts[0].reshape(-1).clone()
+
+
+def unflatten(buf: torch.Tensor, like: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    out, pos = [], 0
+    for t in like:
+        out.append(buf[pos:pos + t.numel()].view_as(t))
+        pos += t.numel()
+    return out

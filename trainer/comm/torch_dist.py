@@ -1,0 +1,92 @@
+"""torch.distributed backend (gloo on CPU, nccl on GPU) behind the Collectives interface.
+
+Why a separate file: the rest of the trainer must never import torch.distributed; this is the only
+place that does. Every collective is issued async and waited with the configured timeout, and the
+process group itself is created with the same timeout, so a dead or absent peer becomes a
+CollectiveError naming the operation instead of a hang.
+"""
+from __future__ import annotations
+
+import datetime as _dt
+import os
+
+import torch
+import torch.distributed as dist
+
+from .base import Collectives, flatten, unflatten
+
+
+class TorchCollectives(Collectives):
+    """Collectives over a torch.distributed process group initialised from env:// (torchrun)."""
+
+    def __init__(self, timeout_s: float, backend: str = "auto") -> None:
+        if backend == "auto":
+            backend = "nccl" if torch.cuda.is_available() and os.environ.get("LOCAL_RANK") else "gloo"
+        self.backend = backend
+        self._owns_group = not dist.is_initialized()
+        timeout = _dt.timedelta(seconds=timeout_s)
+        if self._owns_group:
+            if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
+                raise RuntimeError("comm.backend=torch needs RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT "
+                                   "in the environment (launch with torchrun)")
+            dist.init_process_group(backend=backend, timeout=timeout)
+        super().__init__(dist.get_rank(), dist.get_world_size(), timeout_s)
+        self._timeout = timeout
+        self.device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" \
+            else torch.device("cpu")
+
+    def _wait(self, work) -> None:
+        if not work.wait(self._timeout):
+            raise TimeoutError(f"no completion within {self.timeout_s:g}s")
+
+    def _to_dev(self, t: torch.Tensor) -> torch.Tensor:
+        return t.to(self.device) if t.device != self.device else t
+
+    def _allreduce(self, ts, op):
+        out: list[torch.Tensor] = [None] * len(ts)  # type: ignore[list-item]
+        by_dtype: dict[torch.dtype, list[int]] = {}
+        for i, t in enumerate(ts):
+            by_dtype.setdefault(t.dtype, []).append(i)
+        for idx in by_dtype.values():
+            group = [ts[i] for i in idx]
+            buf = self._to_dev(flatten(group))
+            self._wait(dist.all_reduce(buf, op=dist.ReduceOp.SUM, async_op=True))
+            if op == "mean":
+                buf /= self.size
+            elif op != "sum":
+                raise ValueError(f"unsupported allreduce op {op!r}")
+            for i, piece in zip(idx, unflatten(buf.to(group[0].device), group)):
+                out[i] = piece
+        return out
+
+    def _alltoall(self, t, splits, recv_splits):
+        out = torch.empty((sum(recv_splits),) + tuple(t.shape[1:]), dtype=t.dtype, device=self.device)
+        work = dist.all_to_all_single(out, self._to_dev(t), output_split_sizes=list(recv_splits),
+                                      input_split_sizes=list(splits), async_op=True)
+        self._wait(work)
+        return out.to(t.device)
+
+    def _allgather(self, t):
+        n = torch.tensor([t.shape[0]], dtype=torch.int64, device=self.device)
+        sizes = [torch.zeros_like(n) for _ in range(self.size)]
+        self._wait(dist.all_gather(sizes, n, async_op=True))
+        sizes_i = [int(s.item()) for s in sizes]
+        mx = max(sizes_i)
+        pad = torch.zeros((mx,) + tuple(t.shape[1:]), dtype=t.dtype, device=self.device)
+        pad[: t.shape[0]] = self._to_dev(t)
+        bufs = [torch.empty_like(pad) for _ in range(self.size)]
+        self._wait(dist.all_gather(bufs, pad, async_op=True))
+        return torch.cat([b[:s] for b, s in zip(bufs, sizes_i)]).to(t.device)
+
+    def _broadcast(self, t, root):
+        buf = self._to_dev(t.clone())
+        self._wait(dist.broadcast(buf, src=root, async_op=True))
+        return buf.to(t.device)
+
+    def _barrier(self):
+        self._wait(dist.barrier(async_op=True))
+
+    def close(self) -> None:
+        if self._owns_group and dist.is_initialized():
+            dist.destroy_process_group()
+            self._owns_group = False

@@ -1,0 +1,200 @@
+"""Typed config schemas (one dataclass per Hydra group) and validation with clear messages.
+
+Why: Hydra composes YAML; this module turns the composed tree into typed dataclasses (OmegaConf
+rejects unknown keys and wrong types, naming the full key) and then checks ranges and cross-field
+rules, so a bad sweep value fails at start-up with `key=value: reason`, not deep inside a step.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from omegaconf import MISSING, DictConfig, OmegaConf
+
+MODELS = ("dlrm",)
+DATASETS = ("synthetic",)
+DENSE_OPTIMS = ("sgd", "adagrad", "adam")
+SPARSE_OPTIMS = ("sgd", "adagrad", "rowwise_adagrad")
+POOLINGS = ("sum", "mean")
+BACKENDS = ("auto", "local", "torch", "horovod")
+
+
+class ConfigError(ValueError):
+    """A config value is out of range or inconsistent; the message names the key."""
+
+
+@dataclass
+class ModelConfig:
+    name: str = MISSING  # model architecture: dlrm
+    embedding_dim: int = 16  # d, the width of every embedding row
+    bottom_mlp: list[int] = field(default_factory=lambda: [64, 32])  # hidden widths of the dense MLP (a d-wide layer is appended)
+    top_mlp: list[int] = field(default_factory=lambda: [64, 32])  # hidden widths of the top MLP (a 1-wide logit layer is appended)
+    pooling: str = "sum"  # bag pooling of multi-hot features: sum | mean
+
+
+@dataclass
+class DataConfig:
+    name: str = MISSING  # dataset kind: synthetic
+    preset: str = "custom"  # informational name of the preset (tiny, criteo_like, bench)
+    num_dense: int = 13  # number of dense (continuous) features
+    table_rows: list[int] = MISSING  # rows per embedding table (cardinalities), before the cap
+    max_table_rows: int = 0  # cap applied to every table's rows; 0 = no cap
+    min_bag: int = 1  # fewest ids in one sample's bag of a table (0 allows empty bags)
+    max_bag: int = 1  # most ids in one bag (> 1 = multi-hot)
+    zipf_alpha: float = 1.1  # skew of id popularity, p(rank k) ~ 1 / (k + 1) ** alpha
+    signal: float = 2.0  # strength of the planted label signal (0 = labels are coin flips)
+    batch_size: int = 128  # samples per rank per step (ignored when global_batch_size is set)
+    global_batch_size: Optional[int] = None  # if set: samples per step over all ranks (must divide by W)
+    train_samples: int = 0  # size of the training set (epochs wrap); 0 = a fresh stream every step
+    eval_samples: int = 4096  # size of the held-out eval split
+    eval_batch_size: int = 1024  # eval samples per rank per eval step
+    seed: int = 1234  # data seed (ids, labels, planted weights)
+
+
+@dataclass
+class OptimConfig:
+    name: str = "sgd"  # preset name (informational)
+    dense: str = "sgd"  # optimizer of dense parameters: sgd | adagrad | adam
+    sparse: str = "sgd"  # owner-side optimizer of embedding rows: sgd | adagrad | rowwise_adagrad
+    lr: float = 0.1  # learning rate of dense parameters (and of rows unless sparse_lr is set)
+    sparse_lr: Optional[float] = None  # learning rate of embedding rows; null = lr
+    eps: float = 1e-10  # Adagrad/Adam epsilon (torch's placement: lr * g / (sqrt(state) + eps))
+    momentum: float = 0.0  # SGD momentum of dense parameters
+    initial_accumulator: float = 0.1  # Adagrad state start (TensorFlow's 0.1; 0 = torch's, ill-conditioned: see README)
+
+
+@dataclass
+class CommConfig:
+    backend: str = "auto"  # auto | local | torch | horovod (auto follows the launcher)
+    dist_backend: str = "auto"  # torch backend's transport: auto | gloo | nccl
+    timeout_s: float = 60.0  # a collective waiting longer than this raises, naming the operation
+
+
+@dataclass
+class EmbeddingConfig:
+    init_scale: Optional[float] = None  # rows ~ U(-s, s); null = sqrt(1 / rows) per table (DLRM)
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 200  # training steps (each consumes one global batch)
+    seed: int = 0  # seed of dense init and embedding init
+    log_every: int = 10  # write a JSONL metrics line every N steps
+    eval_every: int = 0  # evaluate every N steps too (0 = only at the end)
+    threads: int = 0  # torch threads per rank; 0 = cores / local ranks
+    progress: str = "auto"  # progress bar on rank 0: auto (when interactive) | on | off
+    device: str = "cpu"  # cpu | cuda | auto
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    comm: CommConfig = field(default_factory=CommConfig)
+    embedding: EmbeddingConfig = field(default_factory=EmbeddingConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+
+
+def to_config(cfg: Any) -> Config:
+    """Merge a Hydra/OmegaConf tree (or a Config) onto the schema and validate it."""
+    if isinstance(cfg, Config):
+        conf = cfg
+    else:
+        base = OmegaConf.structured(Config)
+        plain = OmegaConf.to_container(cfg, resolve=True) if isinstance(cfg, DictConfig) else cfg
+        plain = {k: v for k, v in dict(plain).items() if k != "hydra"}
+        try:
+            merged = OmegaConf.merge(base, plain)
+            conf = OmegaConf.to_object(merged)
+        except Exception as exc:  # omegaconf errors already name full_key
+            raise ConfigError(f"invalid config: {exc}") from exc
+    validate(conf)
+    return conf
+
+
+def _check(ok: bool, key: str, value: Any, reason: str) -> None:
+    if not ok:
+        raise ConfigError(f"{key}={value!r}: {reason}")
+
+
+def _one_of(key: str, value: str, allowed: tuple[str, ...]) -> None:
+    _check(value in allowed, key, value, f"must be one of {', '.join(allowed)}")
+
+
+def validate(c: Config) -> None:
+    """Range and consistency checks that do not depend on the world size."""
+    _one_of("model.name", c.model.name, MODELS)
+    _check(c.model.embedding_dim > 0, "model.embedding_dim", c.model.embedding_dim, "must be > 0")
+    _one_of("model.pooling", c.model.pooling, POOLINGS)
+    for key, widths in (("model.bottom_mlp", c.model.bottom_mlp), ("model.top_mlp", c.model.top_mlp)):
+        _check(all(w > 0 for w in widths), key, widths, "every layer width must be > 0")
+    d = c.data
+    _one_of("data.name", d.name, DATASETS)
+    _check(d.num_dense > 0, "data.num_dense", d.num_dense, "must be > 0")
+    _check(len(d.table_rows) > 0, "data.table_rows", d.table_rows, "needs at least one table")
+    for i, n in enumerate(d.table_rows):
+        _check(n > 0, f"data.table_rows[{i}]", n, "every table needs > 0 rows")
+    _check(d.max_table_rows >= 0, "data.max_table_rows", d.max_table_rows, "must be >= 0 (0 = no cap)")
+    _check(d.min_bag >= 0, "data.min_bag", d.min_bag, "must be >= 0")
+    _check(d.max_bag >= max(d.min_bag, 1), "data.max_bag", d.max_bag, "must be >= max(1, data.min_bag)")
+    _check(d.zipf_alpha >= 0, "data.zipf_alpha", d.zipf_alpha, "must be >= 0")
+    _check(d.batch_size > 0, "data.batch_size", d.batch_size, "must be > 0")
+    if d.global_batch_size is not None:
+        _check(d.global_batch_size > 0, "data.global_batch_size", d.global_batch_size, "must be > 0")
+    _check(d.train_samples >= 0, "data.train_samples", d.train_samples, "must be >= 0")
+    _check(d.eval_samples >= 0, "data.eval_samples", d.eval_samples, "must be >= 0")
+    _check(d.eval_batch_size > 0, "data.eval_batch_size", d.eval_batch_size, "must be > 0")
+    o = c.optim
+    _one_of("optim.dense", o.dense, DENSE_OPTIMS)
+    _one_of("optim.sparse", o.sparse, SPARSE_OPTIMS)
+    _check(o.lr > 0, "optim.lr", o.lr, "must be > 0")
+    if o.sparse_lr is not None:
+        _check(o.sparse_lr > 0, "optim.sparse_lr", o.sparse_lr, "must be > 0")
+    _check(o.eps > 0, "optim.eps", o.eps, "must be > 0")
+    _check(0 <= o.momentum < 1, "optim.momentum", o.momentum, "must be in [0, 1)")
+    _check(o.initial_accumulator >= 0, "optim.initial_accumulator", o.initial_accumulator, "must be >= 0")
+    _one_of("comm.backend", c.comm.backend, BACKENDS)
+    _one_of("comm.dist_backend", c.comm.dist_backend, ("auto", "gloo", "nccl"))
+    _check(c.comm.timeout_s > 0, "comm.timeout_s", c.comm.timeout_s, "must be > 0")
+    if c.embedding.init_scale is not None:
+        _check(c.embedding.init_scale > 0, "embedding.init_scale", c.embedding.init_scale, "must be > 0")
+    t = c.train
+    _check(t.steps > 0, "train.steps", t.steps, "must be > 0")
+    _check(t.log_every > 0, "train.log_every", t.log_every, "must be > 0")
+    _check(t.eval_every >= 0, "train.eval_every", t.eval_every, "must be >= 0")
+    _check(t.threads >= 0, "train.threads", t.threads, "must be >= 0 (0 = auto)")
+    _one_of("train.progress", t.progress, ("auto", "on", "off"))
+    _one_of("train.device", t.device, ("cpu", "cuda", "auto"))
+
+
+def table_rows(c: Config) -> list[int]:
+    """Rows per table after the cap."""
+    cap = c.data.max_table_rows
+    return [min(n, cap) if cap > 0 else n for n in c.data.table_rows]
+
+
+def local_batch_size(c: Config, world: int) -> int:
+    """Samples per rank per step, from batch_size or global_batch_size."""
+    g = c.data.global_batch_size
+    if g is None:
+        return c.data.batch_size
+    _check(g % world == 0, "data.global_batch_size", g, f"must be divisible by the world size {world}")
+    return g // world
+
+
+def validate_world(c: Config, world: int) -> None:
+    """Checks that need the world size (known only once the collectives are up)."""
+    local_batch_size(c, world)
+    for i, n in enumerate(table_rows(c)):
+        _check(n >= world, f"data.table_rows[{i}]", n,
+               f"has fewer rows than the {world} workers; every worker must own at least one row")
+
+
+def auto_threads(c: Config) -> int:
+    """torch threads per rank: the configured value, or cores / local ranks."""
+    if c.train.threads > 0:
+        return c.train.threads
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("HOROVOD_LOCAL_SIZE", "1")))
+    return max(1, (os.cpu_count() or 1) // max(local, 1))

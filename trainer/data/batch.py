@@ -1,0 +1,43 @@
+"""The batch type every data source yields and every model/embedding consumes.
+
+Sparse features are stored sample-major: bag j = (sample j // T, table j % T), its ids are
+values[offsets[j]:offsets[j + 1]]. This is the order the pooled-gather kernel reads and it makes
+the pooled output [B, T, d] a plain reshape.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class Batch:
+    dense: torch.Tensor  # [B, F] float32 dense features
+    values: torch.Tensor  # [N] int64 per-table row ids, bags in sample-major order
+    lengths: torch.Tensor  # [B, T] int64 ids per bag
+    labels: torch.Tensor  # [B] float32 click labels in {0, 1}
+
+    @property
+    def batch_size(self) -> int:
+        return int(self.labels.shape[0])
+
+    @property
+    def num_tables(self) -> int:
+        return int(self.lengths.shape[1])
+
+    def offsets(self) -> torch.Tensor:
+        """[B*T + 1] int64 bag offsets into values."""
+        flat = self.lengths.reshape(-1)
+        out = torch.zeros(flat.numel() + 1, dtype=torch.int64)
+        torch.cumsum(flat, 0, out=out[1:])
+        return out
+
+    def table_index(self) -> torch.Tensor:
+        """[N] int64 table of every value."""
+        t = torch.arange(self.num_tables, dtype=torch.int64).repeat(self.batch_size)
+        return torch.repeat_interleave(t, self.lengths.reshape(-1))
+
+    def to(self, device: torch.device) -> "Batch":
+        return Batch(self.dense.to(device), self.values.to(device), self.lengths.to(device),
+                     self.labels.to(device))

@@ -1,0 +1,43 @@
+"""Counter-based random numbers: value = f(seed, stream, index), no sequential state.
+
+Why: every sample, planted weight and embedding row must be reproducible from its index alone, so
+that any rank can generate exactly its slice of the global batch (or its shard of a table) and a
+W-worker run sees the very same numbers as the single-process reference.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+_M1 = np.uint64(0xBF58476D1CE4E5B9)
+_M2 = np.uint64(0x94D049BB133111EB)
+_GOLD = np.uint64(0x9E3779B97F4A7C15)
+
+
+def _mix(x: np.ndarray) -> np.ndarray:
+    """splitmix64 finaliser on uint64 arrays (wrapping arithmetic)."""
+    x = x ^ (x >> np.uint64(30))
+    x = x * _M1
+    x = x ^ (x >> np.uint64(27))
+    x = x * _M2
+    return x ^ (x >> np.uint64(31))
+
+
+def hash64(seed: int, stream: int, index: np.ndarray) -> np.ndarray:
+    """[...] uint64 hash of (seed, stream, index); index is any integer array."""
+    with np.errstate(over="ignore"):
+        key = _mix(np.uint64(seed & 0xFFFFFFFFFFFFFFFF) * _GOLD + np.uint64(stream) * _M2)
+        x = np.asarray(index).astype(np.uint64) * _GOLD + key
+        return _mix(_mix(x) + key)
+
+
+def uniform(seed: int, stream: int, index: np.ndarray) -> np.ndarray:
+    """[...] float64 in [0, 1), deterministic per (seed, stream, index)."""
+    return (hash64(seed, stream, index) >> np.uint64(11)).astype(np.float64) * (1.0 / (1 << 53))
+
+
+def normal(seed: int, stream: int, index: np.ndarray) -> np.ndarray:
+    """[...] float64 standard normal (Box-Muller over two hashed uniforms)."""
+    idx = np.asarray(index).astype(np.uint64)
+    u1 = uniform(seed, stream, idx * np.uint64(2))
+    u2 = uniform(seed, stream, idx * np.uint64(2) + np.uint64(1))
+    return np.sqrt(-2.0 * np.log1p(-u1)) * np.cos(2.0 * np.pi * u2)

@@ -1,0 +1,133 @@
+"""Synthetic skewed CTR data: per-table Zipf(alpha) ids, a planted signal, deterministic by seed.
+
+Why: tests and benchmarks need data with real skew (a few rows take most lookups, as in Criteo)
+and a learnable label, generated without a file and identical for any world size: sample i of the
+training stream is a pure function of (seed, i), so each rank builds only its slice of the global
+batch, and W workers together see exactly the global batch of the single-process reference.
+
+Label model: logit = signal * (sum_t mean_{id in bag t} w_t[id] / sqrt(T) + x . v / sqrt(F)) with
+planted w_t[id], v ~ N(0, 1); label ~ Bernoulli(sigmoid(logit)).
+"""
+from __future__ import annotations
+
+import math
+from typing import Iterator
+
+import numpy as np
+import torch
+
+from ..config import DataConfig
+from . import rng
+from .batch import Batch
+
+TRAIN, EVAL = 0, 1
+_S_LEN, _S_ID, _S_DENSE, _S_LABEL = 1, 2, 3, 4
+_S_WEIGHT, _S_DENSE_W = 90, 91
+
+
+def _stream(split: int, kind: int) -> int:
+    return split * 100 + kind
+
+
+def zipf_rank(u: np.ndarray, n: np.ndarray, alpha: float) -> np.ndarray:
+    """Popularity rank in [0, n) for uniforms u: a continuous Zipf sampled in closed form.
+
+    x has density ~ x ** -alpha on [1, n + 1) and rank = floor(x) - 1, so
+    p(rank k) ~ integral_{k+1}^{k+2} x ** -alpha dx ~ (k + 1.5) ** -alpha. No per-table CDF is
+    stored, so tables of any size cost nothing and sampling is one pow per id.
+    """
+    top = (n + 1).astype(np.float64)
+    if abs(alpha - 1.0) < 1e-9:
+        x = np.exp(u * np.log(top))
+    else:
+        e = 1.0 - alpha
+        x = (1.0 + u * (top ** e - 1.0)) ** (1.0 / e)
+    return np.minimum(np.floor(x).astype(np.int64) - 1, n - 1).clip(min=0)
+
+
+def coprime_multiplier(n: int) -> int:
+    """A multiplier a with gcd(a, n) == 1, so rank -> (a * rank + c) mod n is a permutation."""
+    a = int(0.6180339887 * n) | 1
+    while math.gcd(a, n) != 1:
+        a += 2 if n % 2 == 0 else 1
+    return max(a, 1)
+
+
+class SyntheticData:
+    """Generates the local slice of each global batch for one rank."""
+
+    def __init__(self, cfg: DataConfig, rows: list[int], rank: int, world: int, local_batch: int):
+        self.cfg, self.rows, self.rank, self.world, self.b = cfg, list(rows), rank, world, local_batch
+        self.T, self.F = len(rows), cfg.num_dense
+        self._n = np.asarray(rows, dtype=np.int64)
+        self._mult = np.asarray([coprime_multiplier(n) for n in rows], dtype=np.int64)
+        self._shift = np.asarray([(7919 * (t + 1)) % n for t, n in enumerate(rows)], dtype=np.int64)
+        self._dense_w = rng.normal(cfg.seed, _S_DENSE_W, np.arange(self.F))
+
+    @property
+    def global_batch(self) -> int:
+        return self.b * self.world
+
+    # ---- sample generation -----------------------------------------------------------------
+    def _lengths(self, split: int, idx: np.ndarray) -> np.ndarray:
+        lo, hi = self.cfg.min_bag, self.cfg.max_bag
+        if lo == hi:
+            return np.full((idx.size, self.T), lo, dtype=np.int64)
+        keys = idx[:, None] * self.T + np.arange(self.T)[None, :]
+        u = rng.uniform(self.cfg.seed, _stream(split, _S_LEN), keys)
+        return lo + np.floor(u * (hi - lo + 1)).astype(np.int64)
+
+    def _ids(self, split: int, idx: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+        flat = lengths.reshape(-1)
+        bag = np.repeat(np.arange(flat.size), flat)
+        starts = np.concatenate([[0], np.cumsum(flat)[:-1]]) if flat.size else flat
+        pos = np.arange(bag.size) - np.repeat(starts, flat)
+        table = bag % self.T
+        key = (idx[bag // self.T] * self.cfg.max_bag + pos) * self.T + table
+        u = rng.uniform(self.cfg.seed, _stream(split, _S_ID), key)
+        rank = zipf_rank(u, self._n[table], self.cfg.zipf_alpha)
+        return (rank * self._mult[table] + self._shift[table]) % self._n[table]
+
+    def planted_weight(self, table: np.ndarray, ids: np.ndarray) -> np.ndarray:
+        """[N] float64 hidden per-row weight w_t[id] of the label model."""
+        return rng.normal(self.cfg.seed, _S_WEIGHT, ids * self.T + table)
+
+    def samples(self, split: int, idx: np.ndarray) -> Batch:
+        """The samples with global indices idx (1-D int64) of a split."""
+        idx = np.asarray(idx, dtype=np.int64)
+        lengths = self._lengths(split, idx)
+        values = self._ids(split, idx, lengths)
+        dense = rng.normal(self.cfg.seed, _stream(split, _S_DENSE),
+                           idx[:, None] * self.F + np.arange(self.F)[None, :])
+        bag = np.repeat(np.arange(lengths.size), lengths.reshape(-1))
+        w = self.planted_weight(bag % self.T, values)
+        bag_sum = np.bincount(bag, weights=w, minlength=lengths.size).reshape(lengths.shape)
+        bag_mean = bag_sum / np.maximum(lengths, 1)
+        logit = self.cfg.signal * (bag_mean.sum(1) / math.sqrt(self.T)
+                                   + dense @ self._dense_w / math.sqrt(self.F))
+        u = rng.uniform(self.cfg.seed, _stream(split, _S_LABEL), idx)
+        labels = (u < 1.0 / (1.0 + np.exp(-logit))).astype(np.float32)
+        return Batch(torch.from_numpy(dense.astype(np.float32)), torch.from_numpy(values),
+                     torch.from_numpy(lengths), torch.from_numpy(labels))
+
+    # ---- iteration -------------------------------------------------------------------------
+    def train_indices(self, step: int) -> np.ndarray:
+        start = step * self.global_batch + self.rank * self.b
+        idx = np.arange(start, start + self.b, dtype=np.int64)
+        return idx % self.cfg.train_samples if self.cfg.train_samples > 0 else idx
+
+    def train_batch(self, step: int) -> Batch:
+        """This rank's slice [rank*b, (rank+1)*b) of global batch `step`."""
+        return self.samples(TRAIN, self.train_indices(step))
+
+    def num_eval_steps(self) -> int:
+        per_step = self.cfg.eval_batch_size * self.world
+        return -(-self.cfg.eval_samples // per_step)
+
+    def eval_batches(self) -> Iterator[Batch]:
+        """Every rank yields the same number of batches (some may be empty) covering the split."""
+        be = self.cfg.eval_batch_size
+        for k in range(self.num_eval_steps()):
+            start = k * be * self.world + self.rank * be
+            stop = min(start + be, self.cfg.eval_samples)
+            yield self.samples(EVAL, np.arange(start, max(start, stop), dtype=np.int64))

@@ -1,0 +1,58 @@
+"""The owner's shard: its rows of every table, in one [local_rows, d] tensor, plus optimizer state.
+
+Why one tensor: the pooled-gather kernels read one storage with one slot space, and the fused
+global id space (sharding.py) makes a row's storage slot simply gid div W.
+Row init is a pure function of (seed, table, id), so any world size starts from the same tables.
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from ..data import rng
+from .optim import SparseOptimizer, make_sparse_optimizer
+from .sharding import RowSharding
+
+_S_INIT = 77
+
+
+def init_rows(seed: int, table_rows: list[int], dim: int, table: torch.Tensor, ids: torch.Tensor,
+              scale: float | None) -> torch.Tensor:
+    """[len(ids), dim] float32 initial rows: U(-s, s), s = scale or sqrt(1 / rows of the table)."""
+    starts = np.cumsum([0] + list(table_rows[:-1])).astype(np.int64)
+    t, i = table.numpy(), ids.numpy()
+    key = (starts[t] + i)[:, None] * dim + np.arange(dim)[None, :]
+    u = rng.uniform(seed, _S_INIT, key)
+    n = np.asarray(table_rows, dtype=np.float64)[t]
+    s = np.full_like(n, scale) if scale is not None else np.sqrt(1.0 / n)
+    return torch.from_numpy(((2.0 * u - 1.0) * s[:, None]).astype(np.float32))
+
+
+class ShardStore:
+    """Rows owned by this rank and their optimizer; `step` applies one update per row."""
+
+    def __init__(self, sharding: RowSharding, dim: int, seed: int, init_scale: float | None,
+                 optimizer: str, lr: float, eps: float, device: torch.device,
+                 accumulator_init: float = 0.0) -> None:
+        self.sharding, self.dim = sharding, dim
+        gids = sharding.local_gids()
+        table, ids = sharding.decode(gids)
+        real = ids < torch.tensor(sharding.table_rows, dtype=torch.int64)[table]
+        weight = torch.zeros(sharding.local_rows, dim)
+        weight[real] = init_rows(seed, sharding.table_rows, dim, table[real], ids[real], init_scale)
+        self.weight = weight.to(device)
+        self.optimizer: SparseOptimizer = make_sparse_optimizer(optimizer, self.weight, lr, eps,
+                                                                 accumulator_init)
+
+    def rows(self, gids: torch.Tensor) -> torch.Tensor:
+        """[n, d] current rows of owned gids."""
+        return self.weight.index_select(0, self.sharding.local_index(gids))
+
+    def apply(self, gids: torch.Tensor, grads: torch.Tensor) -> None:
+        """Sum grads [n, d] per row (gids may repeat) and update each touched row once."""
+        if gids.numel() == 0:
+            return
+        uniq, inv = torch.unique(gids, return_inverse=True)
+        summed = torch.zeros(uniq.numel(), self.dim, dtype=grads.dtype, device=grads.device)
+        summed.index_add_(0, inv, grads)
+        self.optimizer.step(self.sharding.local_index(uniq), summed)

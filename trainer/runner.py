@@ -1,0 +1,257 @@
+"""run(cfg): the training job, identical on every rank, callable from tests and from Hydra.
+
+Parallelism is applied here, from outside the model: dense parameters are replicated and their
+gradients allreduced; embedding rows are sharded and exchanged by HybridEmbedding. The local loss is
+sum(BCE over the local slice) / global batch, so gradients summed over ranks equal the gradient of
+the single-process reference's mean loss over the global batch (DESIGN.md section 2).
+"""
+from __future__ import annotations
+
+import math
+import os
+import sys
+import time
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass
+from typing import Any, Iterator
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from .comm import KINDS, Collectives, make_collectives
+from .config import Config, auto_threads, local_batch_size, table_rows, to_config, validate_world
+from .data import make_data
+from .embedding import HybridEmbedding, RowSharding, ShardStore
+from .metrics import JsonlWriter, auc_logloss, write_json_atomic
+from .models import build_model
+
+
+class TrainingError(RuntimeError):
+    """Training cannot go on (non-finite loss, ...); the message names the step."""
+
+
+@dataclass
+class RunResult:
+    summary: dict[str, Any]
+    rank: int
+    losses: list[float]  # global mean training loss of every step
+    state: dict[str, Any] | None = None  # {"dense": state_dict, "tables": [Tensor [rows_t, d]]}
+
+
+def run(cfg: Any, out_dir: str | None = None, return_state: bool = False,
+        comm: Collectives | None = None) -> RunResult:
+    """Train with `cfg` (Hydra DictConfig or Config); write metrics and summary.json to out_dir."""
+    config = to_config(cfg)
+    own = comm is None
+    if comm is None:
+        comm = make_collectives(config.comm.backend, config.comm.timeout_s, config.comm.dist_backend)
+    try:
+        return Trainer(config, comm, out_dir).fit(return_state)
+    finally:
+        if own:
+            comm.close()
+
+
+def _device(c: Config) -> torch.device:
+    if c.train.device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if c.train.device == "cuda" and not torch.cuda.is_available():
+        raise TrainingError("train.device='cuda' but no CUDA device is available")
+    return torch.device(c.train.device)
+
+
+def _dense_optimizer(c: Config, params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
+    o = c.optim
+    if o.dense == "sgd":
+        return torch.optim.SGD(params, lr=o.lr, momentum=o.momentum)
+    if o.dense == "adagrad":
+        return torch.optim.Adagrad(params, lr=o.lr, eps=o.eps,
+                                   initial_accumulator_value=o.initial_accumulator)
+    return torch.optim.Adam(params, lr=o.lr, eps=o.eps)
+
+
+class Trainer:
+    """Holds one rank's model, embedding shard, data slice and collectives."""
+
+    def __init__(self, c: Config, comm: Collectives, out_dir: str | None) -> None:
+        validate_world(c, comm.size)
+        self.c, self.comm = c, comm
+        self.rank, self.world = comm.rank, comm.size
+        torch.set_num_threads(auto_threads(c))
+        self.device = _device(c)
+        self.out_dir = self._agree_out_dir(out_dir)
+        self.data = make_data(c, self.rank, self.world)
+        self.global_batch = local_batch_size(c, self.world) * self.world
+        rows = table_rows(c)
+        self.sharding = RowSharding(rows, self.world, self.rank)
+        lr = c.optim.sparse_lr if c.optim.sparse_lr is not None else c.optim.lr
+        store = ShardStore(self.sharding, c.model.embedding_dim, c.train.seed, c.embedding.init_scale,
+                           c.optim.sparse, lr, c.optim.eps, self.device, c.optim.initial_accumulator)
+        self.emb = HybridEmbedding(comm, self.sharding, store, c.model.pooling)
+        torch.manual_seed(c.train.seed)
+        self.model = build_model(c.model, c.data.num_dense, len(rows)).to(self.device)
+        self._broadcast_dense()
+        self.params = [p for p in self.model.parameters() if p.requires_grad]
+        self.opt = _dense_optimizer(c, self.params)
+        self.losses: list[float] = []
+        self.evals: list[dict[str, Any]] = []
+
+    # ---- setup helpers ---------------------------------------------------------------------
+    def _agree_out_dir(self, out_dir: str | None) -> str | None:
+        """Every rank writes into rank 0's output directory (Hydra dirs may differ by a second)."""
+        with self._phase("other"):
+            agreed = self.comm.broadcast_object(out_dir)
+        if agreed is not None and self.rank == 0:
+            os.makedirs(agreed, exist_ok=True)
+        return agreed
+
+    def _broadcast_dense(self) -> None:
+        with self._phase("other"), torch.no_grad():
+            for p in self.model.parameters():
+                p.copy_(self.comm.broadcast(p.detach(), root=0, kind="dense"))
+
+    @contextmanager
+    def _phase(self, name: str) -> Iterator[None]:
+        prev, self.comm.counter.phase = self.comm.counter.phase, name
+        try:
+            yield
+        finally:
+            self.comm.counter.phase = prev
+
+    # ---- one step --------------------------------------------------------------------------
+    def train_step(self, step: int) -> float:
+        """Forward, backward, embedding push + owner update, dense allreduce + step. Collective."""
+        batch = self.data.train_batch(step).to(self.device)
+        self.model.train()
+        pooled = self.emb.lookup(batch, train=True)
+        logits = self.model(batch.dense, pooled)
+        loss = F.binary_cross_entropy_with_logits(logits, batch.labels, reduction="sum") / self.global_batch
+        self.opt.zero_grad(set_to_none=False)
+        loss.backward()
+        self.emb.apply_gradients()
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
+        reduced = self.comm.grouped_allreduce(grads + [loss.detach().reshape(1)], op="sum", kind="dense")
+        for p, g in zip(self.params, reduced[:-1]):
+            p.grad = g
+        self.opt.step()
+        value = float(reduced[-1].item())
+        if not math.isfinite(value):
+            raise TrainingError(f"loss is {value} at step {step}; stopping (lower optim.lr?)")
+        return value
+
+    # ---- evaluation ------------------------------------------------------------------------
+    @torch.no_grad()
+    def evaluate(self) -> dict[str, Any]:
+        """Exact AUC / logloss over the whole eval split, gathered from every rank. Collective."""
+        self.model.eval()
+        logits, labels = [], []
+        with self._phase("eval"):
+            for batch in self.data.eval_batches():
+                batch = batch.to(self.device)
+                pooled = self.emb.lookup(batch, train=False)
+                logits.append(self.model(batch.dense, pooled).float().cpu())
+                labels.append(batch.labels.cpu())
+            local = torch.stack([torch.cat(logits), torch.cat(labels)], dim=1) if logits \
+                else torch.zeros(0, 2)
+            both = self.comm.allgather(local, kind="meta").numpy()
+        auc, ll = auc_logloss(both[:, 0], both[:, 1])
+        return {"eval_auc": auc, "eval_logloss": ll, "eval_samples": int(both.shape[0])}
+
+    # ---- the loop --------------------------------------------------------------------------
+    def fit(self, return_state: bool = False) -> RunResult:
+        c = self.c
+        metrics = JsonlWriter(os.path.join(self.out_dir, "metrics.jsonl")
+                              if self.out_dir and self.rank == 0 else None)
+        bar = self._progress_bar()
+        train_time, window_t, window_start = 0.0, time.perf_counter(), 0
+        try:
+            for step in range(c.train.steps):
+                t0 = time.perf_counter()
+                self.losses.append(self.train_step(step))
+                train_time += time.perf_counter() - t0
+                if bar is not None:
+                    bar.update(1)
+                    bar.set_postfix(loss=f"{self.losses[-1]:.4f}")
+                done = step + 1
+                if done % c.train.log_every == 0 or done == c.train.steps:
+                    now = time.perf_counter()
+                    metrics.write(self._step_record(step, (done - window_start) * self.global_batch
+                                                    / max(now - window_t, 1e-9)))
+                    window_t, window_start = now, done
+                if c.train.eval_every and done % c.train.eval_every == 0 and done < c.train.steps:
+                    self.evals.append({"step": done, **self.evaluate()})
+                    metrics.write({"event": "eval", **self.evals[-1]})
+            final_eval = self.evaluate()
+            self.evals.append({"step": c.train.steps, **final_eval})
+            metrics.write({"event": "eval", **self.evals[-1]})
+            summary = self._summary(train_time, final_eval)
+            if self.out_dir and self.rank == 0:
+                write_json_atomic(os.path.join(self.out_dir, "summary.json"), summary)
+            state = self._gather_state() if return_state else None
+        finally:
+            metrics.close()
+            if bar is not None:
+                bar.close()
+        return RunResult(summary, self.rank, list(self.losses), state)
+
+    def _progress_bar(self):
+        mode = self.c.train.progress
+        show = self.rank == 0 and (mode == "on" or (mode == "auto" and sys.stderr.isatty()))
+        if not show:
+            return None
+        from tqdm import tqdm
+        return tqdm(total=self.c.train.steps, desc=f"train W={self.world}", unit="step",
+                    dynamic_ncols=True)
+
+    def _global_bytes(self, phase: str) -> dict[str, int]:
+        """Bytes per kind summed over ranks (the sum itself runs in phase 'other')."""
+        local = torch.tensor([self.comm.counter.totals(phase)[k] for k in KINDS], dtype=torch.float64)
+        with self._phase("other"):
+            total = self.comm.allreduce(local, op="sum", kind="meta")
+        return {k: int(v) for k, v in zip(KINDS, total.tolist())}
+
+    def _step_record(self, step: int, samples_per_sec: float) -> dict[str, Any]:
+        s = self.emb.stats
+        return {"step": step + 1, "loss": self.losses[-1], "samples_per_sec": samples_per_sec,
+                "bytes": self._global_bytes("train"),
+                "rank0_ids": s.ids, "rank0_unique": s.unique, "rank0_remote": s.remote}
+
+    def _summary(self, train_time: float, final_eval: dict[str, Any]) -> dict[str, Any]:
+        c, steps = self.c, self.c.train.steps
+        samples = steps * self.global_batch
+        bytes_ = self._global_bytes("train")
+        lookups = torch.tensor([float(v) for v in self.emb.stats.totals.values()], dtype=torch.float64)
+        with self._phase("other"):
+            lookups = self.comm.allreduce(lookups, op="sum", kind="meta").tolist()
+        tail = self.losses[-10:]
+        return {
+            "world_size": self.world,
+            "output_dir": self.out_dir,
+            "backend": type(self.comm).__name__,
+            "steps": steps,
+            "global_batch_size": self.global_batch,
+            "samples": samples,
+            "train_time_s": train_time,
+            "samples_per_sec": samples / max(train_time, 1e-9),
+            "final_loss": float(np.mean(tail)),
+            "eval_auc": final_eval["eval_auc"],
+            "eval_logloss": final_eval["eval_logloss"],
+            "eval_samples": final_eval["eval_samples"],
+            "bytes": bytes_,
+            "bytes_total": sum(bytes_.values()),
+            "bytes_per_sample": sum(bytes_.values()) / samples,
+            "bytes_per_sample_by_kind": {k: v / samples for k, v in bytes_.items()},
+            "eval_bytes": self._global_bytes("eval"),
+            "embedding": {"table_rows": self.sharding.table_rows, "dim": self.emb.dim,
+                          **{f"{k}_per_step": v / steps for k, v in
+                             zip(self.emb.stats.totals.keys(), lookups)}},
+            "evals": self.evals,
+            "config": asdict(c),
+        }
+
+    def _gather_state(self) -> dict[str, Any]:
+        with self._phase("other"):
+            tables = self.emb.full_tables()
+        dense = {k: v.detach().cpu().clone() for k, v in self.model.state_dict().items()}
+        return {"dense": dense, "tables": tables}
