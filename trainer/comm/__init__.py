@@ -15,12 +15,18 @@ __all__ = ["KINDS", "ByteCounter", "CollectiveError", "Collectives", "LocalColle
 
 
 def detect_backend() -> str:
-    """The backend a launcher implies: horovod, torch, or local."""
-    if "HOROVOD_RANK" in os.environ or "OMPI_COMM_WORLD_RANK" in os.environ and \
-            "HOROVOD_CONTROLLER" in os.environ:
+    """The backend the launcher implies: horovod, torch, or local.
+
+    horovodrun sets HOROVOD_RANK; torchrun sets RANK/WORLD_SIZE; a bare mpirun of more than one
+    process (Horovod built with MPI) sets OMPI_COMM_WORLD_SIZE / PMI_SIZE. Alone: local.
+    """
+    env = os.environ
+    if "HOROVOD_RANK" in env:
         return "horovod"
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1 and "RANK" in os.environ:
+    if int(env.get("WORLD_SIZE", "1")) > 1 and "RANK" in env:
         return "torch"
+    if any(int(env.get(k, "1")) > 1 for k in ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE")):
+        return "horovod"
     return "local"
 
 
@@ -35,6 +41,6 @@ def make_collectives(backend: str = "auto", timeout_s: float = 60.0,
         from .torch_dist import TorchCollectives
         return TorchCollectives(timeout_s, dist_backend)
     if backend == "horovod":
-        from .horovod import HorovodCollectives  # noqa: F401 - issue "Horovod backend"
+        from .horovod import HorovodCollectives
         return HorovodCollectives(timeout_s)
     raise ValueError(f"comm.backend={backend!r} is not one of auto, local, torch, horovod")
