@@ -125,19 +125,41 @@ def pooled_gather_torch(
     mode: str = "sum",
     per_sample_weights: Optional[Tensor] = None,
 ) -> Tensor:
-    """The CPU path of pooled_gather: F.embedding_bag where it has the same semantics, else the
-    oracle above. Same contract as pooled_gather (tests check they agree)."""
-    fast = storage.dtype in (torch.float32, torch.float64) and (
+    """The CPU path of pooled_gather: F.embedding_bag forward and an index_add_ backward where they
+    have the same semantics, else the oracle above. Same contract as pooled_gather (tests check).
+
+    Why a custom backward: embedding_bag's CPU backward sorts the indices and costs ~30x its
+    forward; the gradient of a pooled gather is one index_select + index_add_ (accumulate_row_grads).
+    """
+    weighted_grad = per_sample_weights is not None and per_sample_weights.requires_grad
+    fast = storage.dtype in (torch.float32, torch.float64) and not weighted_grad and (
         per_sample_weights is None or mode == "sum")
     if not fast:
         return pooled_gather(storage, slots, offsets, num_tables, mode, per_sample_weights)
-    batch = check_bags(slots, offsets, num_tables, mode)
+    check_bags(slots, offsets, num_tables, mode)
     check_weights(per_sample_weights, slots)
-    psw = None if per_sample_weights is None else per_sample_weights.to(storage.dtype)
-    out = torch.nn.functional.embedding_bag(
-        slots.long(), storage, offsets.long(), mode=mode, include_last_offset=True,
-        per_sample_weights=psw)
-    return out.view(batch, num_tables, storage.shape[1])
+    return _FastPooledGather.apply(storage, slots, offsets, num_tables, mode, per_sample_weights)
+
+
+class _FastPooledGather(torch.autograd.Function):
+    """storage [S, d] -> [B, T, d]; backward gives the dense [S, d] gradient of storage."""
+
+    @staticmethod
+    def forward(ctx, storage, slots, offsets, num_tables, mode, per_sample_weights):
+        psw = None if per_sample_weights is None else per_sample_weights.to(storage.dtype)
+        out = torch.nn.functional.embedding_bag(
+            slots.long(), storage, offsets.long(), mode=mode, include_last_offset=True,
+            per_sample_weights=psw)
+        ctx.save_for_backward(slots, offsets, per_sample_weights)
+        ctx.num_tables, ctx.mode, ctx.num_slots = num_tables, mode, storage.shape[0]
+        return out.view(-1, num_tables, storage.shape[1])
+
+    @staticmethod
+    def backward(ctx, grad):
+        slots, offsets, psw = ctx.saved_tensors
+        g = accumulate_row_grads(grad.contiguous(), slots, offsets, ctx.num_tables, ctx.mode, psw,
+                                 ctx.num_slots)
+        return g.to(grad.dtype), None, None, None, None, None
 
 
 # ----------------------------------------------------------------------------- gradient scatter

@@ -13,6 +13,7 @@ import sys
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
 from omegaconf import DictConfig
 
 from .config import ConfigError
@@ -30,6 +31,14 @@ def _remove_stray_dir(mine: str, used: str | None) -> None:
         shutil.rmtree(mine, ignore_errors=True)
 
 
+def _remove_stray_sweep_dir(sweep_dir: str, used: str | None) -> None:
+    """Multirun: drop this rank's own sweep dir (only Hydra's multirun.yaml) if rank 0's is used."""
+    if used is None or os.path.abspath(used).startswith(os.path.abspath(sweep_dir) + os.sep):
+        return
+    if os.path.isdir(sweep_dir) and not set(os.listdir(sweep_dir)) - {"multirun.yaml"}:
+        shutil.rmtree(sweep_dir, ignore_errors=True)
+
+
 @hydra.main(version_base=None, config_path=CONF_DIR, config_name="config")
 def main(cfg: DictConfig) -> None:
     out_dir = HydraConfig.get().runtime.output_dir
@@ -40,6 +49,8 @@ def main(cfg: DictConfig) -> None:
         sys.exit(2)
     used = result.summary.get("output_dir")
     _remove_stray_dir(out_dir, used)
+    if HydraConfig.get().mode == RunMode.MULTIRUN:
+        _remove_stray_sweep_dir(HydraConfig.get().sweep.dir, used)
     if result.rank == 0:
         keys = ("world_size", "steps", "samples_per_sec", "final_loss", "eval_auc", "bytes_per_sample")
         print(json.dumps({k: result.summary[k] for k in keys}))

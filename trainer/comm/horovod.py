@@ -63,6 +63,8 @@ class HorovodCollectives(Collectives):
         super().__init__(hvd.rank(), hvd.size(), timeout_s)
         self.local_rank = hvd.local_rank()
         self.on_gpu = bool(hvd.nccl_built()) and torch.cuda.is_available()
+        if torch.cuda.is_available():  # one GPU per rank: device "cuda" means this rank's GPU
+            torch.cuda.set_device(self.local_rank % torch.cuda.device_count())
 
     # ---- plumbing ----------------------------------------------------------------------------
     def _dev(self, t: torch.Tensor) -> torch.Tensor:

@@ -23,6 +23,7 @@ from .batch import Batch
 TRAIN, EVAL = 0, 1
 _S_LEN, _S_ID, _S_DENSE, _S_LABEL = 1, 2, 3, 4
 _S_WEIGHT, _S_DENSE_W = 90, 91
+_PLANTED_TABLE_MAX_ROWS = 20_000_000
 
 
 def _stream(split: int, kind: int) -> int:
@@ -63,6 +64,13 @@ class SyntheticData:
         self._mult = np.asarray([coprime_multiplier(n) for n in rows], dtype=np.int64)
         self._shift = np.asarray([(7919 * (t + 1)) % n for t, n in enumerate(rows)], dtype=np.int64)
         self._dense_w = rng.normal(cfg.seed, _S_DENSE_W, np.arange(self.F))
+        # planted weights: a lookup table when small enough (saves two hashes per id per batch)
+        self._w_start = np.cumsum([0] + list(rows[:-1])).astype(np.int64)
+        self._w_table = None
+        if sum(rows) <= _PLANTED_TABLE_MAX_ROWS:
+            t = np.repeat(np.arange(self.T), rows)
+            i = np.arange(sum(rows)) - self._w_start[t]
+            self._w_table = self._planted(t, i).astype(np.float32)
 
     @property
     def global_batch(self) -> int:
@@ -88,9 +96,14 @@ class SyntheticData:
         rank = zipf_rank(u, self._n[table], self.cfg.zipf_alpha)
         return (rank * self._mult[table] + self._shift[table]) % self._n[table]
 
-    def planted_weight(self, table: np.ndarray, ids: np.ndarray) -> np.ndarray:
-        """[N] float64 hidden per-row weight w_t[id] of the label model."""
+    def _planted(self, table: np.ndarray, ids: np.ndarray) -> np.ndarray:
         return rng.normal(self.cfg.seed, _S_WEIGHT, ids * self.T + table)
+
+    def planted_weight(self, table: np.ndarray, ids: np.ndarray) -> np.ndarray:
+        """[N] hidden per-row weight w_t[id] ~ N(0, 1) of the label model."""
+        if self._w_table is not None:
+            return self._w_table[self._w_start[table] + ids]
+        return self._planted(table, ids)
 
     def samples(self, split: int, idx: np.ndarray) -> Batch:
         """The samples with global indices idx (1-D int64) of a split."""

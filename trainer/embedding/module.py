@@ -55,8 +55,8 @@ class HybridEmbedding:
         plan = plan_lookup(self.sharding, gids)
         ws = torch.empty(plan.uniq.numel(), self.dim, dtype=self.store.weight.dtype,
                          device=self.store.weight.device)
-        ws[plan.owned_pos] = self.store.rows(plan.owned_ids)
-        ws[plan.remote_pos] = self.exchange.pull(plan.remote_ids, plan.splits)
+        ws.index_copy_(0, plan.owned_pos, self.store.rows(plan.owned_ids))
+        ws.index_copy_(0, plan.remote_pos, self.exchange.pull(plan.remote_ids, plan.splits))
         if train:
             ws.requires_grad_(True)
             self._pending = (plan, ws)
@@ -73,7 +73,8 @@ class HybridEmbedding:
         grad = ws.grad if ws.grad is not None else torch.zeros_like(ws)
         recv_ids, recv_grads = self.exchange.push(grad[plan.remote_pos])
         self.store.apply(torch.cat([plan.owned_ids, recv_ids]),
-                         torch.cat([grad[plan.owned_pos], recv_grads]))
+                         torch.cat([grad[plan.owned_pos], recv_grads]),
+                         unique=recv_ids.numel() == 0)  # owned ids alone are distinct
 
     def full_tables(self) -> list[torch.Tensor]:
         """Every table, whole ([rows_t, d] each), assembled from all shards. Collective."""

@@ -11,7 +11,8 @@ import torch
 
 
 class SparseOptimizer:
-    """Updates rows `idx` (unique) of `weight` [R, d] with gradients `grad` [len(idx), d]."""
+    """Updates rows `idx` (unique: gather, update, scatter back) of `weight` [R, d] with
+    gradients `grad` [len(idx), d]."""
 
     name = "base"
 
@@ -24,12 +25,17 @@ class SparseOptimizer:
     def state_tensors(self) -> dict[str, torch.Tensor]:
         return {}
 
+    def _write(self, idx: torch.Tensor, step: torch.Tensor) -> None:
+        """weight[idx] -= lr * step for distinct idx (select + copy: index_add_ is ~4x slower
+        on CPU for scattered rows of a large table)."""
+        self.weight.index_copy_(0, idx, self.weight.index_select(0, idx) - self.lr * step)
+
 
 class SparseSGD(SparseOptimizer):
     name = "sgd"
 
     def step(self, idx, grad):
-        self.weight.index_add_(0, idx, grad, alpha=-self.lr)
+        self._write(idx, grad)
 
 
 class SparseAdagrad(SparseOptimizer):
@@ -42,9 +48,9 @@ class SparseAdagrad(SparseOptimizer):
         self.state = torch.full_like(weight, init)
 
     def step(self, idx, grad):
-        s = self.state[idx] + grad * grad
-        self.state[idx] = s
-        self.weight.index_add_(0, idx, grad / (s.sqrt() + self.eps), alpha=-self.lr)
+        s = self.state.index_select(0, idx) + grad * grad
+        self.state.index_copy_(0, idx, s)
+        self._write(idx, grad / (s.sqrt() + self.eps))
 
     def state_tensors(self):
         return {"sum": self.state}
@@ -60,9 +66,9 @@ class SparseRowWiseAdagrad(SparseOptimizer):
         self.state = torch.full((weight.shape[0],), init, dtype=weight.dtype, device=weight.device)
 
     def step(self, idx, grad):
-        s = self.state[idx] + (grad * grad).mean(1)
-        self.state[idx] = s
-        self.weight.index_add_(0, idx, grad / (s.sqrt() + self.eps)[:, None], alpha=-self.lr)
+        s = self.state.index_select(0, idx) + (grad * grad).mean(1)
+        self.state.index_copy_(0, idx, s)
+        self._write(idx, grad / (s.sqrt() + self.eps)[:, None])
 
     def state_tensors(self):
         return {"sum": self.state}

@@ -48,9 +48,13 @@ class ShardStore:
         """[n, d] current rows of owned gids."""
         return self.weight.index_select(0, self.sharding.local_index(gids))
 
-    def apply(self, gids: torch.Tensor, grads: torch.Tensor) -> None:
-        """Sum grads [n, d] per row (gids may repeat) and update each touched row once."""
+    def apply(self, gids: torch.Tensor, grads: torch.Tensor, unique: bool = False) -> None:
+        """Sum grads [n, d] per row and update each touched row once (unique=True: gids are
+        known to be distinct, skip the sum)."""
         if gids.numel() == 0:
+            return
+        if unique:
+            self.optimizer.step(self.sharding.local_index(gids), grads)
             return
         uniq, inv = torch.unique(gids, return_inverse=True)
         summed = torch.zeros(uniq.numel(), self.dim, dtype=grads.dtype, device=grads.device)

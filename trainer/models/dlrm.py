@@ -20,6 +20,21 @@ def mlp(widths: list[int], final_relu: bool) -> nn.Sequential:
     return nn.Sequential(*layers)
 
 
+class _Gram(torch.autograd.Function):
+    """z [B, n, d] -> z z^T [B, n, n], with the backward as ONE bmm: dz = (G + G^T) z
+    (autograd's generic bmm backward runs two)."""
+
+    @staticmethod
+    def forward(ctx, z: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(z)
+        return torch.bmm(z, z.transpose(1, 2))
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor) -> torch.Tensor:
+        (z,) = ctx.saved_tensors
+        return torch.bmm(g + g.transpose(1, 2), z)
+
+
 class DLRM(nn.Module):
     def __init__(self, num_dense: int, num_tables: int, dim: int, bottom: list[int],
                  top: list[int]) -> None:
@@ -27,13 +42,15 @@ class DLRM(nn.Module):
         self.bottom = mlp([num_dense, *bottom, dim], final_relu=True)
         n = num_tables + 1
         li, lj = torch.tril_indices(n, n, offset=-1)
-        self.register_buffer("li", li, persistent=False)
-        self.register_buffer("lj", lj, persistent=False)
+        # flat positions of the strictly-lower triangle in [n*n]; index_select (not [:, li, lj])
+        # keeps the backward an index_add instead of a slow accumulating index_put
+        self.register_buffer("tril", li * n + lj, persistent=False)
         self.top = mlp([dim + li.numel(), *top, 1], final_relu=False)
 
     def forward(self, dense: torch.Tensor, sparse: torch.Tensor) -> torch.Tensor:
         """dense [B, F], sparse [B, T, d] -> logits [B]."""
         x = self.bottom(dense)  # [B, d]
         z = torch.cat([x.unsqueeze(1), sparse], dim=1)  # [B, T+1, d]
-        inter = torch.bmm(z, z.transpose(1, 2))[:, self.li, self.lj]  # [B, (T+1)T/2]
+        zz = _Gram.apply(z).flatten(1)  # [B, (T+1)^2]
+        inter = zz.index_select(1, self.tril)  # [B, (T+1)T/2]
         return self.top(torch.cat([x, inter], dim=1)).squeeze(1)

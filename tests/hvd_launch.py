@@ -1,0 +1,66 @@
+"""Launch helpers for the horovodrun / torchrun tests: run tests/horovod_worker.py and read results."""
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from helpers import free_port
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BIN = os.path.dirname(sys.executable)
+WORKER = os.path.join(ROOT, "tests", "horovod_worker.py")
+HOROVODRUN = os.path.join(BIN, "horovodrun")
+TORCHRUN = os.path.join(BIN, "torchrun")
+
+
+def require_horovod() -> None:
+    """CI installs Horovod (scripts/setup.sh); a missing one is a failure, not a skip."""
+    if importlib.util.find_spec("horovod") is None or not os.path.exists(HOROVODRUN):
+        pytest.fail("horovod is not installed in this venv: run `bash scripts/setup.sh` "
+                    "(builds Horovod 0.28.1, cached wheel after the first time)")
+
+
+def env() -> dict:
+    e = {k: v for k, v in os.environ.items()
+         if not k.startswith(("HOROVOD_", "OMPI_", "PMI_")) and k not in ("RANK", "WORLD_SIZE")}
+    e["PYTHONPATH"] = ROOT + os.pathsep + e.get("PYTHONPATH", "")
+    e["TC_MASTER_PORT"] = str(free_port())
+    e["PYTHONUNBUFFERED"] = "1"
+    return e
+
+
+def horovodrun(args: list[str], np_: int = 2, cwd: str | None = None,
+               timeout: float = 300) -> subprocess.CompletedProcess:
+    """`horovodrun -np N -H localhost:N --gloo python ARGS` (no ssh needed on localhost)."""
+    require_horovod()
+    cmd = [sys.executable, HOROVODRUN, "-np", str(np_), "-H", f"localhost:{np_}", "--gloo",
+           sys.executable] + args
+    return subprocess.run(cmd, cwd=cwd or ROOT, env=env(), capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def torchrun(args: list[str], np_: int = 2, timeout: float = 300) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, TORCHRUN, "--standalone", "--nproc_per_node", str(np_)] + args
+    return subprocess.run(cmd, cwd=ROOT, env=env(), capture_output=True, text=True, timeout=timeout)
+
+
+def tail(proc: subprocess.CompletedProcess, n: int = 4000) -> str:
+    return f"rc={proc.returncode}\nstdout:\n{proc.stdout[-n:]}\nstderr:\n{proc.stderr[-n:]}"
+
+
+def worker_results(proc: subprocess.CompletedProcess, out_dir: str, world: int = 2) -> list[dict]:
+    """Per-rank results of tests/horovod_worker.py; fails with the worker's traceback."""
+    results = []
+    for r in range(world):
+        path = os.path.join(out_dir, f"rank{r}.pt")
+        assert os.path.exists(path), f"rank {r} wrote no result\n{tail(proc)}"
+        res = torch.load(path, weights_only=False)
+        assert res["ok"], f"rank {r} failed:\n{res['error']}\n{tail(proc)}"
+        results.append(res)
+    assert proc.returncode == 0, tail(proc)
+    return results
