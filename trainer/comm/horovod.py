@@ -52,6 +52,9 @@ def init_horovod(timeout_s: float) -> None:
     # Gloo's transport timeout is read at init only; never below the collectives' own deadline.
     if "HOROVOD_GLOO_TIMEOUT_SECONDS" not in os.environ:
         os.environ["HOROVOD_GLOO_TIMEOUT_SECONDS"] = str(int(max(30.0, timeout_s + 5.0)))
+    # Horovod's response cache keys on op names; ours are unique per call (alltoall shapes change
+    # every step), so the cache would only churn and warn about evictions. HOROVOD_* env wins.
+    os.environ.setdefault("HOROVOD_CACHE_CAPACITY", "0")
     hvd.init()
 
 

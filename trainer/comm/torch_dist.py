@@ -20,6 +20,8 @@ class TorchCollectives(Collectives):
     """Collectives over a torch.distributed process group initialised from env:// (torchrun)."""
 
     def __init__(self, timeout_s: float, backend: str = "auto") -> None:
+        if torch.cuda.is_available() and "LOCAL_RANK" in os.environ:
+            torch.cuda.set_device(int(os.environ["LOCAL_RANK"]) % torch.cuda.device_count())
         if backend == "auto":
             backend = "nccl" if torch.cuda.is_available() and os.environ.get("LOCAL_RANK") else "gloo"
         self.backend = backend
