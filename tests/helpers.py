@@ -28,17 +28,6 @@ def make_cfg(overrides: list[str]):
         return compose(config_name="config", overrides=list(overrides))
 
 
-def subprocess_env() -> dict:
-    """Environment for a launched job: this checkout importable, no launcher variables leaking in."""
-    e = {k: v for k, v in os.environ.items()
-         if not k.startswith(("HOROVOD_", "OMPI_", "PMI_")) and k not in ("RANK", "WORLD_SIZE")}
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    e["PYTHONPATH"] = root + os.pathsep + e.get("PYTHONPATH", "")
-    e["TC_MASTER_PORT"] = str(free_port())
-    e["PYTHONUNBUFFERED"] = "1"
-    return e
-
-
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -9,7 +9,7 @@ import sys
 import pytest
 import torch
 
-from helpers import subprocess_env
+from helpers import free_port
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BIN = os.path.dirname(sys.executable)
@@ -25,7 +25,13 @@ def require_horovod() -> None:
                     "(builds Horovod 0.28.1, cached wheel after the first time)")
 
 
-env = subprocess_env
+def env() -> dict:
+    e = {k: v for k, v in os.environ.items()
+         if not k.startswith(("HOROVOD_", "OMPI_", "PMI_")) and k not in ("RANK", "WORLD_SIZE")}
+    e["PYTHONPATH"] = ROOT + os.pathsep + e.get("PYTHONPATH", "")
+    e["TC_MASTER_PORT"] = str(free_port())
+    e["PYTHONUNBUFFERED"] = "1"
+    return e
 
 
 def horovodrun(args: list[str], np_: int = 2, cwd: str | None = None,

@@ -9,18 +9,25 @@ import sys
 import numpy as np
 import pytest
 
-from helpers import make_cfg, run_world, subprocess_env
+from helpers import run_world
 from trainer.config import to_config
 from trainer.data import make_data
 
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BIN = os.path.dirname(sys.executable)
+
+
+def _env() -> dict:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
+    return env
 
 
 def test_default_job_learns(tmp_path):
     """`python -m trainer` (tiny preset, single process) writes summary.json with AUC > 0.6."""
     out = tmp_path / "run"
     proc = subprocess.run([sys.executable, "-m", "trainer", f"hydra.run.dir={out}"],
-                          cwd=tmp_path, env=subprocess_env(), capture_output=True, text=True, timeout=600)
+                          cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     summary = json.loads((out / "summary.json").read_text())
     for key in ("world_size", "steps", "samples_per_sec", "final_loss", "eval_auc", "eval_logloss",
@@ -35,7 +42,7 @@ def test_default_job_learns(tmp_path):
 
 def test_bad_config_exits_with_message(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "trainer", "data.batch_size=-1",
-                           f"hydra.run.dir={tmp_path / 'r'}"], cwd=tmp_path, env=subprocess_env(),
+                           f"hydra.run.dir={tmp_path / 'r'}"], cwd=tmp_path, env=_env(),
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2
     assert "data.batch_size=-1" in proc.stderr and "must be > 0" in proc.stderr
@@ -46,7 +53,7 @@ def test_torchrun_two_workers_share_one_output_dir(tmp_path):
     """torchrun with Hydra's default (timestamped) run dir: one directory, one summary.json."""
     cmd = [os.path.join(BIN, "torchrun"), "--standalone", "--nproc_per_node", "2", "-m",
            "trainer", "comm=torch", "train.steps=20", "data.eval_samples=512", "train.progress=off"]
-    proc = subprocess.run(cmd, cwd=tmp_path, env=subprocess_env(), capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(cmd, cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     runs = [os.path.join(d, f) for d, _, files in os.walk(tmp_path / "outputs") for f in files
             if f == "summary.json"]
@@ -65,7 +72,7 @@ def test_bytes_match_analytic_count_of_unique_remote_rows():
     overrides = ["data=tiny", f"train.steps={steps}", f"model.embedding_dim={dim}",
                  "data.eval_samples=64", "train.progress=off"]
     summary = run_world(world, overrides, return_state=False)[0].summary
-    cfg = to_config(make_cfg(overrides))
+    cfg = to_config(__import__("helpers").make_cfg(overrides))
     remote = 0
     for rank in range(world):
         data = make_data(cfg, rank, world)
