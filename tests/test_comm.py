@@ -2,6 +2,7 @@
 counters, ragged allgather, broadcast, and a timeout that raises instead of hanging."""
 from __future__ import annotations
 
+import os
 import pickle
 import time
 
@@ -106,3 +107,21 @@ def test_alltoall_rejects_bad_splits():
 def test_make_collectives_rejects_unknown_backend():
     with pytest.raises(ValueError, match="comm.backend"):
         make_collectives("mpi")
+
+
+def _close_worker(rank: int, world: int) -> list[str]:
+    comm = make_collectives("torch", 30.0)
+    comm.allreduce(torch.ones(4))
+    torch.optim.SGD([torch.nn.Parameter(torch.ones(2))], lr=0.1)  # imports torch._dynamo lazily
+    comm.barrier()
+    comm.close()
+    return [open(f"/proc/self/task/{t}/comm").read().strip() for t in os.listdir("/proc/self/task")]
+
+
+@pytest.mark.dist
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="needs Linux /proc")
+def test_close_stops_gloo_threads():
+    """After close() no gloo thread may survive: one alive at interpreter exit can abort a process
+    that trained successfully (SIGABRT, 'terminate called without an active exception')."""
+    for names in spawn(2, _close_worker):
+        assert not [n for n in names if "gloo" in n], names
