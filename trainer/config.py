@@ -12,8 +12,10 @@ from typing import Any, Optional
 
 from omegaconf import MISSING, DictConfig, OmegaConf
 
-MODELS = ("dlrm",)
-DATASETS = ("synthetic",)
+MODELS = ("dlrm", "wdl", "deepfm", "dcn")
+DATASETS = ("synthetic", "criteo", "movielens")
+FILE_DATASETS = ("criteo", "movielens")  # shape (dense, table rows) comes from the files
+LOADERS = ("dali", "memmap")
 DENSE_OPTIMS = ("sgd", "adagrad", "adam")
 SPARSE_OPTIMS = ("sgd", "adagrad", "rowwise_adagrad")
 POOLINGS = ("sum", "mean")
@@ -31,6 +33,8 @@ class ModelConfig:
     bottom_mlp: list[int] = field(default_factory=lambda: [64, 32])  # hidden widths of the dense MLP (a d-wide layer is appended)
     top_mlp: list[int] = field(default_factory=lambda: [64, 32])  # hidden widths of the top MLP (a 1-wide logit layer is appended)
     pooling: str = "sum"  # bag pooling of multi-hot features: sum | mean
+    cross_layers: int = 3  # dcn: number of cross layers
+    cross_rank: int = 0  # dcn: rank of each cross layer's weight (0 = full rank, DCN-v2's W)
 
 
 @dataclass
@@ -50,6 +54,11 @@ class DataConfig:
     eval_samples: int = 4096  # size of the held-out eval split
     eval_batch_size: int = 1024  # eval samples per rank per eval step
     seed: int = 1234  # data seed (ids, labels, planted weights)
+    dir: Optional[str] = None  # criteo: directory from scripts/prepare_criteo.py; movielens: folder with ml-100k.* (null = recbole's)
+    loader: str = "dali"  # criteo reader: dali (default) | memmap (the reference)
+    loader_threads: int = 1  # criteo: DALI pipeline threads per rank
+    eval_fraction: float = 0.1  # held-out share: criteo's tail (when no test split), movielens' random split
+    shuffle: bool = True  # criteo/movielens: seeded shuffle of training rows (criteo: block order + rows in a block)
 
 
 @dataclass
@@ -110,8 +119,27 @@ def to_config(cfg: Any) -> Config:
             conf = OmegaConf.to_object(merged)
         except Exception as exc:  # omegaconf errors already name full_key
             raise ConfigError(f"invalid config: {exc}") from exc
+    resolve_dataset(conf)
     validate(conf)
     return conf
+
+
+def resolve_dataset(c: Config) -> None:
+    """File datasets: fill data.num_dense / data.table_rows from the prepared metadata."""
+    d = c.data
+    if d.name not in FILE_DATASETS:
+        return
+    _check(d.name != "criteo" or bool(d.dir), "data.dir", d.dir,
+           "data=criteo needs the directory written by scripts/prepare_criteo.py --out DIR")
+    from .data import dataset_shape
+    try:
+        num_dense, rows = dataset_shape(d)
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"data.dir={d.dir!r}: {exc}") from exc
+    _check(d.num_dense == num_dense, "data.num_dense", d.num_dense, f"the data has {num_dense} dense features")
+    _check(not d.table_rows or list(d.table_rows) == rows, "data.table_rows", d.table_rows,
+           f"the data has tables of {rows} rows; leave data.table_rows empty ([])")
+    d.table_rows = rows
 
 
 def _check(ok: bool, key: str, value: Any, reason: str) -> None:
@@ -146,6 +174,11 @@ def validate(c: Config) -> None:
     _check(d.train_samples >= 0, "data.train_samples", d.train_samples, "must be >= 0")
     _check(d.eval_samples >= 0, "data.eval_samples", d.eval_samples, "must be >= 0")
     _check(d.eval_batch_size > 0, "data.eval_batch_size", d.eval_batch_size, "must be > 0")
+    _one_of("data.loader", d.loader, LOADERS)
+    _check(d.loader_threads > 0, "data.loader_threads", d.loader_threads, "must be > 0")
+    _check(0 < d.eval_fraction < 1, "data.eval_fraction", d.eval_fraction, "must be in (0, 1)")
+    _check(c.model.cross_layers >= 0, "model.cross_layers", c.model.cross_layers, "must be >= 0")
+    _check(c.model.cross_rank >= 0, "model.cross_rank", c.model.cross_rank, "must be >= 0 (0 = full rank)")
     o = c.optim
     _one_of("optim.dense", o.dense, DENSE_OPTIMS)
     _one_of("optim.sparse", o.sparse, SPARSE_OPTIMS)

@@ -1,0 +1,47 @@
+"""Test helpers for real data: the Criteo sample (read from ../shared/data, never copied into the
+repo; derived files go to pytest's tmp_path) prepared by the real preprocessing code, and a worker
+body that trains several models in one pair of gloo processes (saves process start-ups)."""
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from helpers import SHARED_DATA, make_cfg
+from trainer.data.prepare import PrepOptions, prepare
+from trainer.runner import run
+
+SAMPLE = os.path.join(SHARED_DATA, "criteo_sample_2k.tsv")
+N_TRAIN = 1600  # first rows of the sample used for training; the rest is the test split
+
+
+def sample_lines() -> list[str]:
+    """The raw sample rows (with their newlines)."""
+    with open(SAMPLE) as f:
+        return f.readlines()
+
+
+def write_lines(path: str, lines: list[str]) -> str:
+    with open(path, "w") as f:
+        f.writelines(lines)
+    return path
+
+
+def prepare_sample(out: str, with_test: bool = True, **opts: Any) -> dict:
+    """Prepare the sample into `out` (train = first N_TRAIN rows, test = the rest)."""
+    lines = sample_lines()
+    raw = os.path.join(out, "raw")
+    os.makedirs(raw, exist_ok=True)
+    train = write_lines(os.path.join(raw, "train.tsv"), lines[:N_TRAIN] if with_test else lines)
+    test = [write_lines(os.path.join(raw, "test.tsv"), lines[N_TRAIN:])] if with_test else []
+    kw = dict(hash_rows=[1000] * 26, workers=1, chunk_mb=0.05, progress=False)
+    kw.update(opts)
+    return prepare(PrepOptions(out=os.path.join(out, "prepared"), train=[train], test=test, **kw))
+
+
+def train_models(rank: int, world: int, runs: list[list[str]]) -> list[dict]:
+    """Child body: one rank of several `python -m trainer comm=torch <overrides>` runs in sequence."""
+    out = []
+    for overrides in runs:
+        res = run(make_cfg(list(overrides) + ["comm=torch"]))
+        out.append({"summary": res.summary, "losses": res.losses})
+    return out

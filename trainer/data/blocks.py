@@ -1,0 +1,196 @@
+"""A prepared Criteo directory as the trainer's Batch stream: splits, rank shards, row order, batching,
+and the numpy-memmap reference reader.
+
+Why one module around the reader: DALI (trainer/data/dali.py) only reads blocks, one block per
+sample, and picks this rank's blocks with shard_id/num_shards. Everything else (which rows of which
+block belong to a split, the seeded block and row order, how blocks become batches of exactly b
+rows) lives here and is shared by both readers, so the memmap reference differs from DALI only in
+who reads the file: that is what the loader-equivalence test pins down.
+
+Sharding follows DALI's reader rule: of N blocks, rank r of W reads blocks [N*r//W, N*(r+1)//W) and
+loops over them (stick_to_shard). So the data order depends on W (as with any sharded reader); the
+eval split is still covered exactly once, and every rank yields the same number of eval batches.
+"""
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+from typing import Callable, Iterator, Optional
+
+import numpy as np
+import torch
+
+from ..config import DataConfig
+from .batch import Batch
+from .criteo import CriteoFormatError, from_block, read_meta
+
+Columns = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # labels [n] f32, dense [n, F] f32, ids [n, T] i64
+BlockReader = Callable[[list[str], int, int], Iterator[Columns]]  # (files, shard_id, num_shards)
+
+
+@dataclass(frozen=True)
+class Segment:
+    """Rows [lo, hi) of one block file."""
+
+    file: str
+    lo: int
+    hi: int
+
+    @property
+    def rows(self) -> int:
+        return self.hi - self.lo
+
+
+def _cut(segs: list[Segment], start: int, stop: int) -> list[Segment]:
+    """The segments covering rows [start, stop) of the concatenation of segs."""
+    out, pos = [], 0
+    for s in segs:
+        lo, hi = max(start - pos, 0), min(stop - pos, s.rows)
+        if lo < hi:
+            out.append(Segment(s.file, s.lo + lo, s.lo + hi))
+        pos += s.rows
+    return out
+
+
+def split_segments(meta: dict, directory: str, cfg: DataConfig) -> tuple[list[Segment], list[Segment]]:
+    """(train, eval) segments: the test split when prepared, else the last eval_fraction of train;
+    data.train_samples / data.eval_samples (> 0) keep only the first rows of each."""
+    blocks = lambda s: [Segment(os.path.join(directory, b["file"]), 0, b["rows"])  # noqa: E731
+                        for b in meta["splits"][s]["blocks"]]
+    train = blocks("train")
+    if "test" in meta["splits"]:
+        evals = blocks("test")
+    else:
+        n = sum(s.rows for s in train)
+        n_eval = math.ceil(cfg.eval_fraction * n)
+        train, evals = _cut(train, 0, n - n_eval), _cut(train, n - n_eval, n)
+    if cfg.train_samples > 0:
+        train = _cut(train, 0, cfg.train_samples)
+    if cfg.eval_samples > 0:
+        evals = _cut(evals, 0, cfg.eval_samples)
+    return train, evals
+
+
+def shard_range(n: int, rank: int, world: int) -> tuple[int, int]:
+    """DALI's reader sharding: shard r of n samples is [n*r//W, n*(r+1)//W)."""
+    return n * rank // world, n * (rank + 1) // world
+
+
+def memmap_reader(num_dense: int) -> BlockReader:
+    """The reference reader: np.load(mmap_mode='r') of this shard's blocks, looping forever."""
+    def read(files: list[str], shard_id: int, num_shards: int) -> Iterator[Columns]:
+        lo, hi = shard_range(len(files), shard_id, num_shards)
+        while True:
+            for f in files[lo:hi]:
+                yield tuple(torch.from_numpy(x) for x in from_block(np.load(f, mmap_mode="r"), num_dense))
+    return read
+
+
+class BlockStream:
+    """This rank's rows of a split, in order, as an endless (or one-pass) stream of batches."""
+
+    def __init__(self, segs: list[Segment], reader: BlockReader, rank: int, world: int,
+                 seed: Optional[int]) -> None:
+        lo, hi = shard_range(len(segs), rank, world)
+        self.mine = segs[lo:hi]
+        self.seed = seed  # None = file order; else rows shuffled per (seed, epoch, block)
+        self._blocks = reader([s.file for s in segs], rank, world) if self.mine else iter(())
+        self._buf: list[Columns] = []
+        self._have = 0
+        self._read = 0  # blocks read so far
+
+    @property
+    def rows(self) -> int:
+        return sum(s.rows for s in self.mine)
+
+    def _next_block(self) -> Columns:
+        seg = self.mine[self._read % len(self.mine)]
+        labels, dense, ids = next(self._blocks)
+        if labels.shape[0] < seg.hi:
+            raise CriteoFormatError(f"{seg.file}: the reader gave {labels.shape[0]} rows, expected >= {seg.hi}")
+        if self.seed is None:
+            self._read += 1
+            return labels[seg.lo:seg.hi], dense[seg.lo:seg.hi], ids[seg.lo:seg.hi]
+        epoch, k = divmod(self._read, len(self.mine))
+        perm = seg.lo + np.random.default_rng([self.seed, epoch, k]).permutation(seg.rows)
+        idx = torch.from_numpy(perm).to(labels.device)
+        self._read += 1
+        return labels[idx], dense[idx], ids[idx]
+
+    def take(self, n: int) -> Columns:
+        """The next n > 0 rows, across block boundaries (the shard repeats: epochs)."""
+        while self._have < n:
+            self._buf.append(self._next_block())
+            self._have += self._buf[-1][0].shape[0]
+        cols = [torch.cat([b[i] for b in self._buf]) if len(self._buf) > 1 else self._buf[0][i]
+                for i in range(3)]
+        tail = (cols[0][n:], cols[1][n:], cols[2][n:])
+        self._buf, self._have = ([tail], self._have - n) if self._have > n else ([], 0)
+        return cols[0][:n], cols[1][:n], cols[2][:n]
+
+
+def to_batch(cols: Columns, num_dense: int, rows: torch.Tensor) -> Batch:
+    """Columns -> Batch (one id per bag); ids folded into the configured table sizes (id mod rows)."""
+    labels, dense, ids = cols
+    b, t = labels.shape[0], rows.numel()
+    ids = torch.remainder(ids.reshape(b, t), rows.to(ids.device))
+    return Batch(dense.reshape(b, num_dense).contiguous(), ids.reshape(-1).contiguous(),
+                 torch.ones((b, t), dtype=torch.int64, device=ids.device), labels.contiguous())
+
+
+class CriteoData:
+    """make_data's source for data=criteo: this rank's slice of every batch, DALI or memmap reader."""
+
+    def __init__(self, cfg: DataConfig, rows: list[int], rank: int, world: int, local_batch: int,
+                 reader: BlockReader) -> None:
+        self.cfg, self.rank, self.world, self.b, self.reader = cfg, rank, world, local_batch, reader
+        self.meta = read_meta(cfg.dir)
+        self.F, self.rows = int(self.meta["num_dense"]), torch.tensor(rows, dtype=torch.int64)
+        self.train_segs, self.eval_segs = split_segments(self.meta, cfg.dir, cfg)
+        if len(self.train_segs) < world:
+            raise CriteoFormatError(f"{cfg.dir}: the training split has {len(self.train_segs)} blocks for "
+                                    f"{world} workers; prepare with a smaller --chunk-mb")
+        self.train_segs = self._block_order(self.train_segs)
+        self._train: BlockStream | None = None
+        self._step = 0
+        self._eval: BlockStream | None = None
+
+    def _block_order(self, segs: list[Segment]) -> list[Segment]:
+        if not self.cfg.shuffle:
+            return segs
+        perm = np.random.default_rng([self.cfg.seed, 7]).permutation(len(segs))
+        return [segs[i] for i in perm]
+
+    def _new_train(self) -> BlockStream:
+        return BlockStream(self.train_segs, self.reader, self.rank, self.world,
+                           self.cfg.seed if self.cfg.shuffle else None)
+
+    def train_batch(self, step: int) -> Batch:
+        """This rank's batch `step` (sequential; another step restarts the stream and skips)."""
+        if self._train is None or step != self._step:
+            self._train, self._step = self._new_train(), 0
+            for _ in range(step):
+                self._train.take(self.b)
+                self._step += 1
+        self._step += 1
+        return to_batch(self._train.take(self.b), self.F, self.rows)
+
+    def num_eval_steps(self) -> int:
+        per_rank = [sum(s.rows for s in self.eval_segs[slice(*shard_range(len(self.eval_segs), r, self.world))])
+                    for r in range(self.world)]
+        return max(-(-n // self.cfg.eval_batch_size) for n in per_rank)
+
+    def eval_batches(self) -> Iterator[Batch]:
+        """One pass over this rank's eval shard; every rank yields num_eval_steps() batches."""
+        if self._eval is None:  # one reader for all evals: each pass reads exactly one epoch
+            self._eval = BlockStream(self.eval_segs, self.reader, self.rank, self.world, None)
+        left = self._eval.rows
+        for _ in range(self.num_eval_steps()):
+            n = min(left, self.cfg.eval_batch_size)
+            left -= n
+            cols = self._eval.take(n) if n else self._empty()
+            yield to_batch(cols, self.F, self.rows)
+
+    def _empty(self) -> Columns:
+        return (torch.zeros(0), torch.zeros((0, self.F)), torch.zeros((0, self.rows.numel()), dtype=torch.int64))

@@ -1,0 +1,389 @@
+"""Streaming, parallel, resumable Criteo preprocessing: raw TSV (or .gz) files -> blocks + meta.json.
+
+Why this shape: a Terabyte day file is ~45 GB and Kaggle's train.txt 11 GB, so a file is never read
+whole: the parent reads chunks of whole lines (gzip decompresses as a stream) and hands them to a
+pool of worker processes, at most 2 per worker in flight (bounded memory). Workers parse, encode and
+write their block themselves and return only counts, so results are collected in order, which is
+what makes bad-row line numbers exact. A file is finished when its marker (progress/*.json) is
+written; a re-run skips finished files and redoes the others, so an interrupted run resumes per file.
+
+Vocabulary mode (min_count) needs a counting pass over the training files first; its memory is
+O(distinct values) (numpy arrays of (value, count), no dicts). Hashing mode is one pass, O(1) memory.
+"""
+from __future__ import annotations
+
+import gzip
+import json
+import os
+import sys
+import time
+from collections import deque
+from dataclasses import asdict, dataclass, field
+from multiprocessing import get_context
+from typing import Any, Callable, Iterator, Optional
+
+import numpy as np
+
+from .criteo import (FORMAT, META, NUM_CAT, NUM_DENSE, REASONS, CriteoFormatError, Encoder,
+                     parse_chunk, to_block)
+
+SPLITS = ("train", "test")
+KEEP_BAD = 20  # first bad rows kept (line numbers) per file and overall
+
+
+@dataclass
+class PrepOptions:
+    out: str  # output directory
+    train: list[str]  # training files, in order
+    test: list[str] = field(default_factory=list)  # test files (empty = the trainer holds out a tail)
+    hash_rows: Optional[list[int]] = None  # hashing mode: 26 table sizes (reserved ids included)
+    min_count: Optional[int] = None  # vocabulary mode: keep values seen at least this often
+    strict: bool = False  # fail at the first bad row instead of skipping it
+    workers: int = 1  # worker processes
+    chunk_mb: float = 64.0  # text per chunk (one block per chunk)
+    progress: bool = True  # tqdm progress bar on stderr
+
+
+@dataclass
+class ChunkStat:
+    """What a worker reports back for one chunk (no row data)."""
+
+    lines: int
+    rows: int
+    positives: int
+    bad: dict[str, int]  # reason -> count
+    first_bad: list[tuple[int, str]]  # (0-based line in chunk, reason), at most KEEP_BAD
+
+
+# ---- reading ----------------------------------------------------------------------------------
+def iter_chunks(path: str, chunk_bytes: int) -> Iterator[tuple[bytes, int]]:
+    """(chunk of whole lines, compressed bytes read so far); .gz files are decompressed."""
+    with open(path, "rb") as raw:
+        src = gzip.GzipFile(fileobj=raw) if path.endswith(".gz") else raw
+        while True:
+            buf = src.read(chunk_bytes)
+            if not buf:
+                return
+            if not buf.endswith(b"\n"):
+                buf += src.readline()
+            yield buf, raw.tell()
+
+
+# ---- worker side --------------------------------------------------------------------------------
+_ENCODER: Encoder | None = None
+
+
+def _init_worker(encoder: Encoder | None) -> None:
+    global _ENCODER
+    _ENCODER = encoder
+
+
+def _bad_stats(p: Any) -> tuple[dict[str, int], list[tuple[int, str]]]:
+    kinds = [r.split(":", 1)[0] for r in p.bad_reasons]
+    counts = {k: kinds.count(k) for k in REASONS if k in kinds}
+    return counts, [(int(i), r) for i, r in zip(p.bad_lines[:KEEP_BAD], p.bad_reasons[:KEEP_BAD])]
+
+
+def encode_task(args: tuple[bytes, str]) -> ChunkStat:
+    """Parse + encode one chunk and write its block (atomically) to `path` if it has rows."""
+    buf, path = args
+    p = parse_chunk(buf)
+    if p.labels.size:
+        block = to_block(p.labels, p.dense, _ENCODER.encode(p.cats, p.empty))
+        tmp = path + ".tmp.npy"
+        np.save(tmp, block)
+        os.replace(tmp, path)
+    bad, first = _bad_stats(p)
+    return ChunkStat(p.num_lines, int(p.labels.size), int(p.labels.sum()), bad, first)
+
+
+def count_task(buf: bytes) -> list[tuple[np.ndarray, np.ndarray]]:
+    """Per table: (distinct non-empty values, their counts) over the good rows of one chunk."""
+    p = parse_chunk(buf)
+    return [np.unique(p.cats[~p.empty[:, t], t], return_counts=True) for t in range(NUM_CAT)]
+
+
+# ---- ordered parallel map ---------------------------------------------------------------------------
+class Workers:
+    """In-order map over a task stream with at most 2 tasks per worker in flight."""
+
+    def __init__(self, n: int, encoder: Encoder | None) -> None:
+        self.n = n
+        _init_worker(encoder)
+        self.pool = get_context("fork").Pool(n, _init_worker, (encoder,)) if n > 1 else None
+
+    def map(self, fn: Callable[[Any], Any], tasks: Iterator[Any]) -> Iterator[Any]:
+        if self.pool is None:
+            yield from (fn(t) for t in tasks)
+            return
+        pending: deque = deque()
+        for t in tasks:
+            pending.append(self.pool.apply_async(fn, (t,)))
+            if len(pending) >= 2 * self.n:
+                yield pending.popleft().get()
+        while pending:
+            yield pending.popleft().get()
+
+    def close(self) -> None:
+        if self.pool is not None:
+            self.pool.terminate()
+            self.pool.join()
+
+
+# ---- progress -------------------------------------------------------------------------------------
+class Progress:
+    """A tqdm bar over input bytes (compressed bytes for .gz) with the bad-row count."""
+
+    def __init__(self, total: int, enabled: bool) -> None:
+        self.bar = None
+        if enabled:
+            from tqdm import tqdm
+            self.bar = tqdm(total=total, unit="B", unit_scale=True, desc="prepare", file=sys.stderr,
+                            dynamic_ncols=True)
+        self.bad = 0
+
+    def advance(self, nbytes: int, bad: int) -> None:
+        self.bad += bad
+        if self.bar is not None:
+            self.bar.update(nbytes)
+            if bad:
+                self.bar.set_postfix(bad_rows=self.bad)
+
+    def note(self, text: str) -> None:
+        if self.bar is not None:
+            self.bar.write(text, file=sys.stderr)
+        else:
+            print(text, file=sys.stderr)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+def _ordered_with_pos(workers: Workers, fn: Callable[[Any], Any],
+                      tasks: Iterator[tuple[Any, int]]) -> Iterator[tuple[Any, int]]:
+    """workers.map over (payload, position) pairs, yielding (result, position) in order."""
+    positions: deque = deque()
+
+    def payloads() -> Iterator[Any]:
+        for payload, pos in tasks:
+            positions.append(pos)
+            yield payload
+
+    for result in workers.map(fn, payloads()):
+        yield result, positions.popleft()
+
+
+# ---- vocabulary (counting pass) ---------------------------------------------------------------------
+def _merge(parts: list[tuple[np.ndarray, np.ndarray]]) -> tuple[np.ndarray, np.ndarray]:
+    """Sum (values, counts) pairs into one sorted (values, counts) pair."""
+    if len(parts) == 1:
+        return parts[0]
+    keys = np.concatenate([k for k, _ in parts])
+    counts = np.concatenate([c for _, c in parts])
+    uniq, inv = np.unique(keys, return_inverse=True)
+    return uniq, np.bincount(inv, weights=counts, minlength=uniq.size).astype(np.int64)
+
+
+def _count_file(opt: PrepOptions, workers: Workers, progress: Progress, i: int,
+                path: str) -> list[tuple[np.ndarray, np.ndarray]]:
+    """Per-table value counts of one training file, cached in progress/count-NNN.npz."""
+    marker = os.path.join(opt.out, "progress", f"count-{i:03d}.npz")
+    if os.path.exists(marker):
+        progress.advance(os.path.getsize(path), 0)
+        z = np.load(marker)
+        return [(z[f"k{t}"], z[f"c{t}"]) for t in range(NUM_CAT)]
+    acc: list[list] = [[] for _ in range(NUM_CAT)]
+    last = 0
+    chunks = iter_chunks(path, int(opt.chunk_mb * 2**20))
+    for k, (res, pos) in enumerate(_ordered_with_pos(workers, count_task, chunks)):
+        for t in range(NUM_CAT):
+            acc[t].append(res[t])
+        if k % 16 == 15:
+            acc = [[_merge(a)] for a in acc]
+        progress.advance(pos - last, 0)
+        last = pos
+    merged = [_merge(a) if a else (np.zeros(0, np.uint64), np.zeros(0, np.int64)) for a in acc]
+    _save_npz(marker, {**{f"k{t}": m[0] for t, m in enumerate(merged)},
+                       **{f"c{t}": m[1] for t, m in enumerate(merged)}})
+    return merged
+
+
+def _save_npz(path: str, arrays: dict[str, np.ndarray]) -> None:
+    tmp = path + ".tmp.npz"
+    np.savez(tmp, **arrays)
+    os.replace(tmp, path)
+
+
+def build_vocab(opt: PrepOptions, progress: Progress) -> Encoder:
+    """Counting pass over the training files -> the min_count vocabulary (saved as vocab.npz)."""
+    workers = Workers(opt.workers, None)
+    try:
+        per_file = [_count_file(opt, workers, progress, i, p) for i, p in enumerate(opt.train)]
+    finally:
+        workers.close()
+    vocab = []
+    for t in range(NUM_CAT):
+        keys, counts = _merge([f[t] for f in per_file])
+        vocab.append(keys[counts >= opt.min_count])
+    _save_npz(os.path.join(opt.out, "vocab.npz"), {f"t{t}": v for t, v in enumerate(vocab)})
+    return Encoder.from_vocab(vocab, opt.min_count)
+
+
+# ---- encoding pass --------------------------------------------------------------------------------
+def _source(path: str) -> dict[str, Any]:
+    return {"path": os.path.abspath(path), "size": os.path.getsize(path)}
+
+
+def _finished(opt: PrepOptions, marker: str, path: str) -> dict[str, Any] | None:
+    """The marker's record when this file was finished before from the same source."""
+    if not os.path.exists(marker):
+        return None
+    with open(marker) as f:
+        rec = json.load(f)
+    blocks_ok = all(os.path.exists(os.path.join(opt.out, b["file"])) for b in rec["blocks"])
+    return rec if rec["source"] == _source(path) and blocks_ok else None
+
+
+def _remove_blocks(directory: str, prefix: str) -> None:
+    for name in os.listdir(directory):
+        if name.startswith(prefix):
+            os.remove(os.path.join(directory, name))
+
+
+def _add_chunk(rec: dict[str, Any], stat: ChunkStat, opt: PrepOptions, progress: Progress,
+               block: str) -> None:
+    """Fold one chunk's counts into the file record; bad rows get their 1-based line numbers."""
+    for line, reason in stat.first_bad:
+        where = f"{rec['path']}:{rec['lines'] + line + 1}"
+        if opt.strict:
+            raise CriteoFormatError(f"{where}: bad row: {reason} (--strict)")
+        if len(rec["first_bad"]) < KEEP_BAD:
+            rec["first_bad"].append({"file": rec["path"], "line": rec["lines"] + line + 1, "reason": reason})
+            progress.note(f"{where}: bad row skipped: {reason}")
+    rec["lines"] += stat.lines
+    rec["rows"] += stat.rows
+    rec["positives"] += stat.positives
+    for k, v in stat.bad.items():
+        rec["bad"][k] = rec["bad"].get(k, 0) + v
+    if stat.rows:
+        rec["blocks"].append({"file": block, "rows": stat.rows})
+
+
+def _encode_file(opt: PrepOptions, workers: Workers, progress: Progress, split: str, i: int,
+                 path: str) -> dict[str, Any]:
+    """Encode one input file into blocks SPLIT/bIII-KKKKK.npy; skipped when finished before."""
+    marker = os.path.join(opt.out, "progress", f"{split}-{i:03d}.json")
+    done = _finished(opt, marker, path)
+    if done is not None:
+        progress.advance(os.path.getsize(path), 0)
+        progress.note(f"{path}: finished in an earlier run, skipped")
+        return done
+    _remove_blocks(os.path.join(opt.out, split), f"b{i:03d}-")
+    rec: dict[str, Any] = {"source": _source(path), "path": path, "lines": 0, "rows": 0, "positives": 0,
+                           "bad": {}, "first_bad": [], "blocks": []}
+    name = lambda k: f"{split}/b{i:03d}-{k:05d}.npy"  # noqa: E731
+    tasks = (((buf, os.path.join(opt.out, name(k))), pos)
+             for k, (buf, pos) in enumerate(iter_chunks(path, int(opt.chunk_mb * 2**20))))
+    last = 0
+    for k, (stat, pos) in enumerate(_ordered_with_pos(workers, encode_task, tasks)):
+        _add_chunk(rec, stat, opt, progress, name(k))
+        progress.advance(pos - last, sum(stat.bad.values()))
+        last = pos
+    write_json(marker, rec)
+    return rec
+
+
+def write_json(path: str, obj: Any) -> None:
+    """Write JSON atomically (temporary file + rename)."""
+    tmp = f"{path}.tmp.{os.getpid()}"
+    with open(tmp, "w") as f:
+        json.dump(obj, f, indent=1)
+    os.replace(tmp, path)
+
+
+# ---- the whole run --------------------------------------------------------------------------------
+def check_options(opt: PrepOptions) -> None:
+    """Fail early, naming the option, before any file is touched."""
+    if not opt.train:
+        raise CriteoFormatError("--train: at least one training file is needed")
+    for p in opt.train + opt.test:
+        if not os.path.isfile(p):
+            raise CriteoFormatError(f"input file {p!r} does not exist")
+    if (opt.hash_rows is None) == (opt.min_count is None):
+        raise CriteoFormatError("give exactly one of --hash-rows (hashing) or --min-count (vocabulary)")
+    if opt.hash_rows is not None and (len(opt.hash_rows) != NUM_CAT or min(opt.hash_rows) < 2
+                                      or max(opt.hash_rows) >= 2**31):
+        raise CriteoFormatError(f"--hash-rows: need 1 or {NUM_CAT} sizes in [2, 2^31), got {opt.hash_rows}")
+    if opt.min_count is not None and opt.min_count < 1:
+        raise CriteoFormatError(f"--min-count={opt.min_count}: must be >= 1")
+    if opt.workers < 1 or opt.chunk_mb <= 0:
+        raise CriteoFormatError("--workers must be >= 1 and --chunk-mb > 0")
+
+
+def _check_signature(opt: PrepOptions) -> None:
+    """A resumed run must use the same encoding, chunking and training files."""
+    sig = {"hash_rows": opt.hash_rows, "min_count": opt.min_count, "chunk_mb": opt.chunk_mb,
+           "train": [_source(p) for p in opt.train]}
+    path = os.path.join(opt.out, "progress", "options.json")
+    if os.path.exists(path):
+        with open(path) as f:
+            old = json.load(f)
+        if old != sig:
+            raise CriteoFormatError(f"{opt.out} was prepared with other options or training files "
+                                    f"({old} != {sig}); use a fresh --out directory")
+    else:
+        write_json(path, sig)
+
+
+def _split_meta(recs: list[dict[str, Any]]) -> dict[str, Any]:
+    return {"rows": sum(r["rows"] for r in recs), "positives": sum(r["positives"] for r in recs),
+            "blocks": [b for r in recs for b in r["blocks"]],
+            "sources": [{k: r[k] for k in ("path", "lines", "rows", "bad")} for r in recs]}
+
+
+def _bad_meta(recs: list[dict[str, Any]]) -> dict[str, Any]:
+    by_reason: dict[str, int] = {}
+    for r in recs:
+        for k, v in r["bad"].items():
+            by_reason[k] = by_reason.get(k, 0) + v
+    first = [b for r in recs for b in r["first_bad"]][:KEEP_BAD]
+    return {"total": sum(by_reason.values()), "by_reason": by_reason, "first": first}
+
+
+def make_meta(opt: PrepOptions, encoder: Encoder, recs: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
+    return {"format": FORMAT, "num_dense": NUM_DENSE, "num_tables": NUM_CAT,
+            "table_rows": list(encoder.rows),
+            "dense_rule": "log(1 + max(x, 0)) as float32; missing -> 0",
+            "categorical": encoder.rule(),
+            "block_layout": f"int32 [n, {1 + NUM_DENSE + NUM_CAT}]: label, {NUM_DENSE} dense float32 "
+                            f"bit patterns, {NUM_CAT} ids",
+            "splits": {s: _split_meta(r) for s, r in recs.items()},
+            "bad_rows": _bad_meta([x for r in recs.values() for x in r]),
+            "options": {k: v for k, v in asdict(opt).items() if k != "progress"},
+            "created": time.strftime("%Y-%m-%dT%H:%M:%S")}
+
+
+def prepare(opt: PrepOptions) -> dict[str, Any]:
+    """Prepare opt.out from the raw files; returns (and writes) meta.json."""
+    check_options(opt)
+    for sub in ("progress", "train", "test"):
+        os.makedirs(os.path.join(opt.out, sub), exist_ok=True)
+    _check_signature(opt)
+    sizes = sum(os.path.getsize(p) for p in opt.train + opt.test)
+    counting = sum(os.path.getsize(p) for p in opt.train) if opt.min_count is not None else 0
+    progress = Progress(sizes + counting, opt.progress)
+    try:
+        encoder = (Encoder.hashing(opt.hash_rows) if opt.hash_rows is not None
+                   else build_vocab(opt, progress))
+        workers = Workers(opt.workers, encoder)
+        try:
+            recs = {s: [_encode_file(opt, workers, progress, s, i, p) for i, p in enumerate(files)]
+                    for s, files in (("train", opt.train), ("test", opt.test)) if files}
+        finally:
+            workers.close()
+    finally:
+        progress.close()
+    meta = make_meta(opt, encoder, recs)
+    write_json(os.path.join(opt.out, META), meta)
+    return meta
