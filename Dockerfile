@@ -80,10 +80,12 @@ assert horovod.__version__ == '${HOROVOD_VERSION}', horovod.__version__; \
 assert hvd.nccl_built() and hvd.gloo_built() and hvd.mpi_built(), 'horovod flavour'" \
     && rm -rf ${HOROVOD_WHEEL_CACHE} /tmp/install_horovod.sh
 
-# The project (editable, with its test extras), last so code changes rebuild only this layer.
+# The project (editable, with its test extras) and recbole's MovieLens-100K files (--no-deps: only
+# the data is used), last so code changes rebuild only this layer.
 WORKDIR /workspace/hybrid-trainer
 COPY . .
 RUN pip install -e ".[test]" \
+    && pip install --no-deps recbole==1.2.1 \
     && python -c "import torch, trainer, kernels; print('torch', torch.__version__)" \
     && horovodrun --check-build
 

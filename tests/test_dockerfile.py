@@ -53,7 +53,8 @@ PINS = _pyproject_pins()
 
 
 @pytest.mark.parametrize("package, arg", [("torch", "TORCH_VERSION"), ("triton", "TRITON_VERSION"),
-                                          ("hydra-core", "HYDRA_CORE_VERSION")])
+                                          ("hydra-core", "HYDRA_CORE_VERSION"),
+                                          ("nvidia-dali-cuda120", "DALI_VERSION")])
 def test_pins_equal_pyproject(package, arg):
     assert package in PINS, f"pyproject.toml no longer pins {package}"
     assert ARGS.get(arg) == PINS[package], f"Dockerfile ARG {arg}={ARGS.get(arg)} but pyproject pins {package}=={PINS[package]}"

@@ -48,8 +48,19 @@ def _to_torch(out) -> torch.Tensor:
     return torch.from_dlpack(out[0]).clone()
 
 
+def require_dali() -> None:
+    """Fail at start-up, not at the first batch, when DALI is not installed."""
+    try:
+        import nvidia.dali  # noqa: F401
+    except ImportError as exc:
+        raise ImportError("data.loader=dali needs NVIDIA DALI (pip install nvidia-dali-cuda120==2.4.0, "
+                          "Linux x86_64; scripts/setup.sh installs it), or use data.loader=memmap") from exc
+
+
 def dali_reader(num_dense: int, threads: int = 1, device_id: Optional[int] = None) -> BlockReader:
     """A BlockReader backed by a DALI pipeline: (files, shard_id, num_shards) -> endless blocks."""
+    require_dali()
+
     def read(files: list[str], shard_id: int, num_shards: int) -> Iterator[Columns]:
         pipe = _pipeline(files, shard_id, num_shards, num_dense, threads, device_id)
         while True:
