@@ -1,0 +1,92 @@
+#!/usr/bin/env python
+"""Input-pipeline benchmark: Criteo preprocessing MB/s (total and per core) and loader samples/s,
+DALI against the numpy-memmap reference. One JSON line per figure on stdout.
+
+The input is a real Criteo file (--input), or the shared 2k-row sample repeated --repeat times into
+a temporary directory (never inside the repo). Everything derived is written under a temporary
+directory and removed at the end.
+
+    .venv/bin/python scripts/bench_data.py [--input day_0] [--repeat 100] [--workers 1 2] [--batch 4096]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from trainer.config import to_config  # noqa: E402
+from trainer.data import make_data  # noqa: E402
+from trainer.data.criteo import NUM_CAT  # noqa: E402
+from trainer.data.prepare import PrepOptions, prepare  # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SAMPLE = os.path.join(ROOT, "..", "shared", "data", "criteo_sample_2k.tsv")
+
+
+def make_input(tmp: str, repeat: int) -> str:
+    """The sample repeated `repeat` times (a stand-in for a large Criteo file)."""
+    with open(SAMPLE, "rb") as f:
+        text = f.read()
+    path = os.path.join(tmp, "input.tsv")
+    with open(path, "wb") as f:
+        for _ in range(repeat):
+            f.write(text)
+    return path
+
+
+def bench_prepare(src: str, tmp: str, workers: int, chunk_mb: float) -> tuple[dict, str]:
+    out = os.path.join(tmp, f"prepared-{workers}")
+    t0 = time.perf_counter()
+    meta = prepare(PrepOptions(out=out, train=[src], hash_rows=[1_000_000] * NUM_CAT, workers=workers,
+                               chunk_mb=chunk_mb, progress=False))
+    dt = time.perf_counter() - t0
+    mb = os.path.getsize(src) / 2**20
+    return {"bench": "prepare", "workers": workers, "input_mb": round(mb, 1),
+            "rows": meta["splits"]["train"]["rows"], "seconds": round(dt, 3),
+            "mb_per_s": round(mb / dt, 2), "mb_per_s_per_core": round(mb / dt / workers, 2)}, out
+
+
+def bench_loader(directory: str, loader: str, batch: int, steps: int) -> dict:
+    cfg = to_config({"model": {"name": "dlrm"}, "data": {
+        "name": "criteo", "dir": directory, "loader": loader, "num_dense": 13, "table_rows": [],
+        "batch_size": batch, "shuffle": True}})
+    data = make_data(cfg, 0, 1)
+    data.train_batch(0)  # pipeline start-up, first block
+    t0 = time.perf_counter()
+    for step in range(1, steps + 1):
+        data.train_batch(step)
+    dt = time.perf_counter() - t0
+    return {"bench": "loader", "loader": loader, "batch": batch, "steps": steps,
+            "samples_per_s": round(steps * batch / dt, 1)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--input", help="a raw Criteo TSV file (default: the shared sample, repeated)")
+    ap.add_argument("--repeat", type=int, default=100, help="repetitions of the sample (default 100, ~46 MB)")
+    ap.add_argument("--workers", type=int, nargs="+", default=sorted({1, os.cpu_count() or 1}))
+    ap.add_argument("--chunk-mb", type=float, default=8.0)
+    ap.add_argument("--batch", type=int, default=4096)
+    ap.add_argument("--steps", type=int, default=100)
+    a = ap.parse_args()
+    tmp = tempfile.mkdtemp(prefix="bench_data_")
+    try:
+        src = a.input or make_input(tmp, a.repeat)
+        prepared = None
+        for w in a.workers:
+            rec, prepared = bench_prepare(src, tmp, w, a.chunk_mb)
+            print(json.dumps(rec), flush=True)
+        for loader in ("memmap", "dali"):
+            print(json.dumps(bench_loader(prepared, loader, a.batch, a.steps)), flush=True)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
