@@ -29,7 +29,7 @@ def prepared(tmp_path_factory) -> str:
 
 def _criteo(d: str, model: str, *extra: str) -> list[str]:
     return [f"model={model}", "data=criteo", f"data.dir={d}", "data.batch_size=64", "optim=adam",
-            "train.steps=50", "train.progress=off", *extra]
+            "data.epochs=0", "train.steps=50", "train.progress=off", *extra]
 
 
 @pytest.mark.parametrize("model", MODELS)
@@ -58,15 +58,17 @@ def test_criteo_sample_trains_every_model_on_two_workers(prepared):
 
 
 def test_python_m_trainer_data_criteo(prepared, tmp_path):
-    """The documented command line writes summary.json with the exact eval metrics."""
+    """The documented command line (one epoch by default) writes summary.json with the exact
+    eval metrics."""
     out = tmp_path / "run"
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     proc = subprocess.run([sys.executable, "-m", "trainer", "data=criteo", f"data.dir={prepared}",
-                           "train.steps=20", "data.batch_size=64", f"hydra.run.dir={out}"],
+                           "data.batch_size=64", f"hydra.run.dir={out}"],
                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     s = json.loads((out / "summary.json").read_text())
     assert s["eval_samples"] == N_TEST and s["eval_auc"] is not None and s["eval_logloss"] > 0
+    assert s["steps"] == -(-N_TRAIN // 64) and s["config"]["train"]["steps"] == s["steps"]
     assert s["config"]["data"]["loader"] == "dali" and s["embedding"]["table_rows"] == [1000] * 26
     bad = subprocess.run([sys.executable, "-m", "trainer", "data=criteo", f"hydra.run.dir={out}"],
                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)

@@ -59,6 +59,7 @@ class DataConfig:
     loader_threads: int = 1  # criteo: DALI pipeline threads per rank
     eval_fraction: float = 0.1  # held-out share: criteo's tail (when no test split), movielens' random split
     shuffle: bool = True  # criteo/movielens: seeded shuffle of training rows (criteo: block order + rows in a block)
+    epochs: float = 0.0  # criteo/movielens: > 0 sets train.steps = ceil(epochs * training rows / global batch)
 
 
 @dataclass
@@ -177,6 +178,7 @@ def validate(c: Config) -> None:
     _one_of("data.loader", d.loader, LOADERS)
     _check(d.loader_threads > 0, "data.loader_threads", d.loader_threads, "must be > 0")
     _check(0 < d.eval_fraction < 1, "data.eval_fraction", d.eval_fraction, "must be in (0, 1)")
+    _check(d.epochs >= 0, "data.epochs", d.epochs, "must be >= 0 (0 = use train.steps)")
     _check(c.model.cross_layers >= 0, "model.cross_layers", c.model.cross_layers, "must be >= 0")
     _check(c.model.cross_rank >= 0, "model.cross_rank", c.model.cross_rank, "must be >= 0 (0 = full rank)")
     o = c.optim

@@ -5,6 +5,7 @@ synthetic: generated Zipf data; criteo: blocks prepared by scripts/prepare_crite
 """
 from __future__ import annotations
 
+import math
 from typing import Optional, Union
 
 from ..config import Config, DataConfig, local_batch_size, table_rows
@@ -35,7 +36,15 @@ def _local_gpu(cfg: Config) -> Optional[int]:
 
 
 def make_data(cfg: Config, rank: int, world: int) -> Union[SyntheticData, "CriteoData", "MovieLensData"]:
-    """The data source named by cfg.data.name for this rank."""
+    """The data source named by cfg.data.name for this rank. With data.epochs > 0 it also sets
+    cfg.train.steps: this is the first place where both the training rows and W are known."""
+    data = _make_data(cfg, rank, world)
+    if cfg.data.epochs > 0 and cfg.data.name in ("criteo", "movielens"):
+        cfg.train.steps = max(1, math.ceil(cfg.data.epochs * data.train_rows / (data.b * world)))
+    return data
+
+
+def _make_data(cfg: Config, rank: int, world: int) -> Union[SyntheticData, "CriteoData", "MovieLensData"]:
     b = local_batch_size(cfg, world)
     if cfg.data.name == "synthetic":
         return SyntheticData(cfg.data, table_rows(cfg), rank, world, b)

@@ -156,6 +156,11 @@ class CriteoData:
         self._step = 0
         self._eval: BlockStream | None = None
 
+    @property
+    def train_rows(self) -> int:
+        """Rows of the training split (all ranks)."""
+        return sum(s.rows for s in self.train_segs)
+
     def _block_order(self, segs: list[Segment]) -> list[Segment]:
         if not self.cfg.shuffle:
             return segs

@@ -125,6 +125,10 @@ class MovieLensData:
         self._order: tuple[int, np.ndarray] = (-1, np.zeros(0, np.int64))
 
     @property
+    def train_rows(self) -> int:
+        return int(self.train_idx.size)
+
+    @property
     def global_batch(self) -> int:
         return self.b * self.world
 
