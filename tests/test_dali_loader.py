@@ -81,3 +81,18 @@ def test_prepared_test_split_is_the_eval_split(tmp_path):
     prepare_sample(str(tmp_path))
     d = _data(str(tmp_path / "prepared"), "dali", 0, 1)
     assert sum(b.batch_size for b in d.eval_batches()) == 1999 - N_TRAIN
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_dali_gpu_pipeline_matches_memmap(prepared):
+    """On a GPU machine (train.device=cuda) the DALI pipeline runs on the GPU; same batches."""
+    for rank in range(2):
+        gpu = _data(prepared, "dali", rank, 2, "train.device=cuda")
+        ref = _data(prepared, "memmap", rank, 2)
+        for step in range(12):
+            a = gpu.train_batch(step)
+            assert a.dense.is_cuda and a.values.is_cuda
+            _same(a.to(torch.device("cpu")), ref.train_batch(step))
+        for a, b in zip(gpu.eval_batches(), ref.eval_batches(), strict=True):
+            _same(a.to(torch.device("cpu")), b)
