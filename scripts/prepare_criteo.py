@@ -41,7 +41,8 @@ def parse_args(argv: list[str] | None = None) -> PrepOptions:
                      help="vocabulary of values seen >= K times in the training files; others -> OOV id")
     ap.add_argument("--strict", action="store_true", help="fail at the first bad row")
     ap.add_argument("--workers", type=int, default=os.cpu_count() or 1, help="worker processes (default: cores)")
-    ap.add_argument("--chunk-mb", type=float, default=64.0, help="MB of text per chunk/block (default 64)")
+    ap.add_argument("--chunk-mb", type=float, default=16.0,
+                    help="MB of text per chunk = one block (default 16; a worker needs ~12x this in memory)")
     ap.add_argument("--no-progress", action="store_true", help="no progress bar")
     a = ap.parse_args(argv)
     hash_rows = a.hash_rows if a.hash_rows is not None or a.min_count is not None \

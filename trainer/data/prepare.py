@@ -40,7 +40,7 @@ class PrepOptions:
     min_count: Optional[int] = None  # vocabulary mode: keep values seen at least this often
     strict: bool = False  # fail at the first bad row instead of skipping it
     workers: int = 1  # worker processes
-    chunk_mb: float = 64.0  # text per chunk (one block per chunk)
+    chunk_mb: float = 16.0  # MB of text per chunk (one block per chunk; a worker needs ~12x in memory)
     progress: bool = True  # tqdm progress bar on stderr
 
 
