@@ -96,3 +96,9 @@ def test_dali_gpu_pipeline_matches_memmap(prepared):
             _same(a.to(torch.device("cpu")), ref.train_batch(step))
         for a, b in zip(gpu.eval_batches(), ref.eval_batches(), strict=True):
             _same(a.to(torch.device("cpu")), b)
+
+
+def test_more_workers_than_blocks_is_a_config_error(prepared):
+    from trainer.config import ConfigError
+    with pytest.raises(ConfigError, match=r"data\.dir=.*blocks for 64 workers.*--chunk-mb"):
+        _data(prepared, "memmap", 0, 64)

@@ -21,7 +21,7 @@ from typing import Callable, Iterator, Optional
 import numpy as np
 import torch
 
-from ..config import DataConfig
+from ..config import ConfigError, DataConfig
 from .batch import Batch
 from .criteo import CriteoFormatError, from_block, read_meta
 
@@ -149,8 +149,9 @@ class CriteoData:
         self.F, self.rows = int(self.meta["num_dense"]), torch.tensor(rows, dtype=torch.int64)
         self.train_segs, self.eval_segs = split_segments(self.meta, cfg.dir, cfg)
         if len(self.train_segs) < world:
-            raise CriteoFormatError(f"{cfg.dir}: the training split has {len(self.train_segs)} blocks for "
-                                    f"{world} workers; prepare with a smaller --chunk-mb")
+            raise ConfigError(f"data.dir={cfg.dir!r}: the training split has {len(self.train_segs)} blocks "
+                              f"for {world} workers; every worker reads whole blocks, so prepare it "
+                              f"with a smaller --chunk-mb")
         self.train_segs = self._block_order(self.train_segs)
         self._train: BlockStream | None = None
         self._step = 0
