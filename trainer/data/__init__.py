@@ -6,11 +6,15 @@ synthetic: generated Zipf data; criteo: blocks prepared by scripts/prepare_crite
 from __future__ import annotations
 
 import math
-from typing import Optional, Union
+from typing import TYPE_CHECKING, Optional, Union
 
 from ..config import Config, DataConfig, local_batch_size, table_rows
 from .batch import Batch
 from .synthetic import SyntheticData
+
+if TYPE_CHECKING:  # the real-data modules are imported only when selected (DALI is heavy)
+    from .blocks import CriteoData
+    from .movielens import MovieLensData
 
 __all__ = ["Batch", "SyntheticData", "make_data", "dataset_shape"]
 
@@ -35,7 +39,7 @@ def _local_gpu(cfg: Config) -> Optional[int]:
     return torch.cuda.current_device() if on_cuda else None
 
 
-def make_data(cfg: Config, rank: int, world: int) -> Union[SyntheticData, "CriteoData", "MovieLensData"]:
+def make_data(cfg: Config, rank: int, world: int) -> Union[SyntheticData, CriteoData, MovieLensData]:
     """The data source named by cfg.data.name for this rank. With data.epochs > 0 it also sets
     cfg.train.steps: this is the first place where both the training rows and W are known."""
     data = _make_data(cfg, rank, world)
@@ -44,7 +48,7 @@ def make_data(cfg: Config, rank: int, world: int) -> Union[SyntheticData, "Crite
     return data
 
 
-def _make_data(cfg: Config, rank: int, world: int) -> Union[SyntheticData, "CriteoData", "MovieLensData"]:
+def _make_data(cfg: Config, rank: int, world: int) -> Union[SyntheticData, CriteoData, MovieLensData]:
     b = local_batch_size(cfg, world)
     if cfg.data.name == "synthetic":
         return SyntheticData(cfg.data, table_rows(cfg), rank, world, b)
