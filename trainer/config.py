@@ -20,6 +20,7 @@ DENSE_OPTIMS = ("sgd", "adagrad", "adam")
 SPARSE_OPTIMS = ("sgd", "adagrad", "rowwise_adagrad")
 POOLINGS = ("sum", "mean")
 BACKENDS = ("auto", "local", "torch", "horovod")
+CACHE_POLICIES = ("none", "lru", "lfu", "lfu_pinned")
 
 
 class ConfigError(ValueError):
@@ -84,6 +85,44 @@ class CommConfig:
 @dataclass
 class EmbeddingConfig:
     init_scale: Optional[float] = None  # rows ~ U(-s, s); null = sqrt(1 / rows) per table (DLRM)
+    audit: bool = False  # record every read's version and every computed row gradient (tests; slow)
+
+
+@dataclass
+class TableCacheConfig:
+    """Per-table override of the cache capacity (either field; null = inherit)."""
+
+    capacity_rows: Optional[int] = None  # rows of this table a worker may cache
+    capacity_fraction: Optional[float] = None  # ... or this fraction of the table's rows
+
+
+@dataclass
+class CacheConfig:
+    """HET's per-worker cache of remote rows (DESIGN.md section 3)."""
+
+    policy: str = "none"  # none | lru | lfu | lfu_pinned
+    capacity_fraction: float = 0.1  # cached rows per table, as a fraction of the table's rows
+    capacity_rows: Optional[int] = None  # cached rows per table (overrides capacity_fraction)
+    pin_threshold: int = 8  # lfu_pinned: an entry used at least this often is never evicted
+    tables: dict[str, TableCacheConfig] = field(default_factory=dict)  # per-table overrides, key = table index
+
+
+@dataclass
+class TableBoundsConfig:
+    """Per-table override of the staleness bounds (null = inherit)."""
+
+    pull_bound: Optional[int] = None
+    push_bound: Optional[int] = None
+
+
+@dataclass
+class ConsistencyConfig:
+    """HET bounded staleness: bounds of 0 are exact synchronous training (BSP); -1 = unbounded."""
+
+    name: str = "bsp"  # preset name (informational): bsp | ssp | asp
+    pull_bound: int = 0  # a cached row is re-read when its owner is more than this many updates ahead
+    push_bound: int = 0  # local updates are pushed once a row holds more than this many
+    tables: dict[str, TableBoundsConfig] = field(default_factory=dict)  # per-table overrides, key = table index
 
 
 @dataclass
@@ -104,6 +143,8 @@ class Config:
     optim: OptimConfig = field(default_factory=OptimConfig)
     comm: CommConfig = field(default_factory=CommConfig)
     embedding: EmbeddingConfig = field(default_factory=EmbeddingConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    consistency: ConsistencyConfig = field(default_factory=ConsistencyConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
 
 
@@ -195,6 +236,7 @@ def validate(c: Config) -> None:
     _check(c.comm.timeout_s > 0, "comm.timeout_s", c.comm.timeout_s, "must be > 0")
     if c.embedding.init_scale is not None:
         _check(c.embedding.init_scale > 0, "embedding.init_scale", c.embedding.init_scale, "must be > 0")
+    _validate_cache(c)
     t = c.train
     _check(t.steps > 0, "train.steps", t.steps, "must be > 0")
     _check(t.log_every > 0, "train.log_every", t.log_every, "must be > 0")
@@ -202,6 +244,63 @@ def validate(c: Config) -> None:
     _check(t.threads >= 0, "train.threads", t.threads, "must be >= 0 (0 = auto)")
     _one_of("train.progress", t.progress, ("auto", "on", "off"))
     _one_of("train.device", t.device, ("cpu", "cuda", "auto"))
+
+
+def _table_key(group: str, key: str, num_tables: int) -> int:
+    _check(key.isdigit() and int(key) < num_tables, f"{group}.tables.{key}", key,
+           f"table keys are table indices 0..{num_tables - 1}")
+    return int(key)
+
+
+def _validate_cache(c: Config) -> None:
+    k = c.cache
+    _one_of("cache.policy", k.policy, CACHE_POLICIES)
+    _check(0 <= k.capacity_fraction <= 1, "cache.capacity_fraction", k.capacity_fraction, "must be in [0, 1]")
+    if k.capacity_rows is not None:
+        _check(k.capacity_rows >= 0, "cache.capacity_rows", k.capacity_rows, "must be >= 0")
+    _check(k.pin_threshold > 0, "cache.pin_threshold", k.pin_threshold, "must be > 0")
+    n = len(c.data.table_rows)
+    for key, t in k.tables.items():
+        _table_key("cache", key, n)
+        if t.capacity_rows is not None:
+            _check(t.capacity_rows >= 0, f"cache.tables.{key}.capacity_rows", t.capacity_rows, "must be >= 0")
+        if t.capacity_fraction is not None:
+            _check(0 <= t.capacity_fraction <= 1, f"cache.tables.{key}.capacity_fraction",
+                   t.capacity_fraction, "must be in [0, 1]")
+    s = c.consistency
+    for key, v in (("consistency.pull_bound", s.pull_bound), ("consistency.push_bound", s.push_bound)):
+        _check(v >= -1, key, v, "must be >= 0, or -1 for unbounded")
+    for key, t in s.tables.items():
+        _table_key("consistency", key, n)
+        for name, v in (("pull_bound", t.pull_bound), ("push_bound", t.push_bound)):
+            if v is not None:
+                _check(v >= -1, f"consistency.tables.{key}.{name}", v, "must be >= 0, or -1 for unbounded")
+
+
+def cache_capacities(c: Config) -> list[int]:
+    """Rows each worker may cache per table (0 everywhere when cache.policy is none)."""
+    rows = table_rows(c)
+    if c.cache.policy == "none":
+        return [0] * len(rows)
+    out = []
+    for t, n in enumerate(rows):
+        o = c.cache.tables.get(str(t), TableCacheConfig())
+        cap_rows = o.capacity_rows if o.capacity_rows is not None else (
+            None if o.capacity_fraction is not None else c.cache.capacity_rows)
+        frac = o.capacity_fraction if o.capacity_fraction is not None else c.cache.capacity_fraction
+        out.append(min(n, cap_rows) if cap_rows is not None else int(frac * n))
+    return out
+
+
+def staleness_bounds(c: Config) -> tuple[list[int], list[int]]:
+    """(pull_bound, push_bound) per table, overrides applied; -1 = unbounded."""
+    n = len(c.data.table_rows)
+    pull, push = [c.consistency.pull_bound] * n, [c.consistency.push_bound] * n
+    for key, t in c.consistency.tables.items():
+        i = int(key)
+        pull[i] = t.pull_bound if t.pull_bound is not None else pull[i]
+        push[i] = t.push_bound if t.push_bound is not None else push[i]
+    return pull, push
 
 
 def table_rows(c: Config) -> list[int]:

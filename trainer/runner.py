@@ -20,9 +20,14 @@ import torch
 import torch.nn.functional as F
 
 from .comm import KINDS, Collectives, make_collectives
-from .config import Config, auto_threads, local_batch_size, table_rows, to_config, validate_world
+from .config import (Config, auto_threads, cache_capacities, local_batch_size, staleness_bounds,
+                     table_rows, to_config, validate_world)
 from .data import make_data
 from .embedding import HybridEmbedding, RowSharding, ShardStore
+from .embedding.cache import RowCache, make_policy
+from .embedding.consistency import HIST_BINS, UNBOUNDED, Bounds
+from .embedding.exchange import het_wire_bytes
+from .embedding.module import CACHE_COUNTERS
 from .metrics import JsonlWriter, auc_logloss, write_json_atomic
 from .models import build_model
 
@@ -88,7 +93,8 @@ class Trainer:
         lr = c.optim.sparse_lr if c.optim.sparse_lr is not None else c.optim.lr
         store = ShardStore(self.sharding, c.model.embedding_dim, c.train.seed, c.embedding.init_scale,
                            c.optim.sparse, lr, c.optim.eps, self.device, c.optim.initial_accumulator)
-        self.emb = HybridEmbedding(comm, self.sharding, store, c.model.pooling)
+        self.emb = HybridEmbedding(comm, self.sharding, store, c.model.pooling,
+                                   *self._make_cache(c, lr), audit=c.embedding.audit)
         torch.manual_seed(c.train.seed)
         self.model = build_model(c.model, c.data.num_dense, len(rows)).to(self.device)
         self._broadcast_dense()
@@ -98,6 +104,16 @@ class Trainer:
         self.evals: list[dict[str, Any]] = []
 
     # ---- setup helpers ---------------------------------------------------------------------
+    def _make_cache(self, c: Config, lr: float) -> tuple[RowCache | None, Bounds]:
+        """The HET cache of remote rows (none at W = 1: nothing is remote) and the bounds."""
+        bounds = Bounds.from_lists(*staleness_bounds(c))
+        if c.cache.policy == "none" or self.world == 1:
+            return None, bounds
+        cache = RowCache(cache_capacities(c), c.model.embedding_dim,
+                         make_policy(c.cache.policy, c.cache.pin_threshold),
+                         int(self.sharding.table_offsets[-1]), lr, self.device)
+        return cache, bounds
+
     def _agree_out_dir(self, out_dir: str | None) -> str | None:
         """Every rank writes into rank 0's output directory (Hydra dirs may differ by a second)."""
         with self._phase("other"):
@@ -143,7 +159,9 @@ class Trainer:
     # ---- evaluation ------------------------------------------------------------------------
     @torch.no_grad()
     def evaluate(self) -> dict[str, Any]:
-        """Exact AUC / logloss over the whole eval split, gathered from every rank. Collective."""
+        """Exact AUC / logloss over the whole eval split, gathered from every rank. Collective.
+        Cached updates are flushed first, so eval reads exactly what the owners hold."""
+        self.emb.flush()
         self.model.eval()
         logits, labels = [], []
         with self._phase("eval"):
@@ -213,9 +231,64 @@ class Trainer:
 
     def _step_record(self, step: int, samples_per_sec: float) -> dict[str, Any]:
         s = self.emb.stats
-        return {"step": step + 1, "loss": self.losses[-1], "samples_per_sec": samples_per_sec,
-                "bytes": self._global_bytes("train"),
-                "rank0_ids": s.ids, "rank0_unique": s.unique, "rank0_remote": s.remote}
+        rec = {"step": step + 1, "loss": self.losses[-1], "samples_per_sec": samples_per_sec,
+               "bytes": self._global_bytes("train"),
+               "rank0_ids": s.ids, "rank0_unique": s.unique, "rank0_remote": s.remote}
+        if self.emb.cache is not None:
+            tot = self._cache_totals()
+            rec["cache"] = {"hit_rate": tot["hits"].sum() / max(tot["requested"].sum(), 1),
+                            "fresh_hit_rate": tot["fresh_hits"].sum() / max(tot["requested"].sum(), 1),
+                            "pulled": int(tot["pulled"].sum()), "pushed_rows": int(tot["pushed_rows"].sum()),
+                            "max_staleness": int(tot["max_staleness"].max())}
+        return rec
+
+    def _cache_totals(self) -> dict[str, np.ndarray]:
+        """Cache counters [T] summed over ranks (max for staleness), plus the staleness histogram."""
+        st, ex, t = self.emb.cache_stats, self.emb.exchange, self.sharding.num_tables
+        pending = torch.tensor([float(self.emb.cache.pending_updates())], dtype=torch.float64)
+        with self._phase("other"):
+            summed = self.comm.allreduce(torch.cat([st.vector(), ex.staleness.flatten().double().cpu(),
+                                                    pending]), op="sum", kind="meta").numpy()
+            mx = self.comm.allgather(ex.max_staleness.cpu().reshape(1, -1), kind="meta").numpy()
+        out = {k: summed[i * t:(i + 1) * t] for i, k in enumerate(CACHE_COUNTERS)}
+        n = len(CACHE_COUNTERS) * t
+        out["staleness_hist"] = summed[n:n + t * HIST_BINS].reshape(t, HIST_BINS)
+        out["pending_updates"] = summed[-1:]
+        out["max_staleness"] = mx.max(0)
+        return out
+
+    def _cache_summary(self) -> dict[str, Any] | None:
+        """summary.json's `cache` block: hit rates, pulls, pushes, version-check bytes, staleness,
+        per table and in total (bytes computed from counts and wire sizes)."""
+        if self.emb.cache is None:
+            return None
+        c, tot = self.c, self._cache_totals()
+        wire = torch.tensor([], dtype=self.emb.exchange.wire_dtype).element_size()
+        nb = het_wire_bytes(tot["requested"], tot["pulled"], tot["pushed_rows"], self.emb.dim,
+                            self.emb.store.weight.element_size(), wire)
+        check = nb["version_check"]
+        pull_b, push_b = self.emb.bounds.pull.tolist(), self.emb.bounds.push.tolist()
+        caps = self.emb.cache.capacities
+        tables = [{"table": i, "capacity_rows": caps[i], "pull_bound": _bound(pull_b[i]),
+                   "push_bound": _bound(push_b[i]),
+                   **{k: int(tot[k][i]) for k in CACHE_COUNTERS},
+                   "hit_rate": _ratio(tot["hits"][i], tot["requested"][i]),
+                   "version_check_bytes": int(check[i]), "row_bytes": int(nb["rows"][i]),
+                   "push_bytes": int(nb["pushes"][i]),
+                   "max_staleness": int(tot["max_staleness"][i])} for i in range(len(caps))]
+        hist = tot["staleness_hist"].sum(0)
+        return {"policy": c.cache.policy, "consistency": c.consistency.name,
+                "pull_bound": _bound(c.consistency.pull_bound), "push_bound": _bound(c.consistency.push_bound),
+                "capacity_rows": int(sum(caps)),
+                **{k: int(tot[k].sum()) for k in CACHE_COUNTERS},
+                "hit_rate": _ratio(tot["hits"].sum(), tot["requested"].sum()),
+                "fresh_hit_rate": _ratio(tot["fresh_hits"].sum(), tot["requested"].sum()),
+                "version_check_bytes": int(check.sum()),
+                "pending_updates_after_flush": int(tot["pending_updates"][0]),
+                "staleness": {"max": int(tot["max_staleness"].max()),
+                              "hist": {str(b) if b < HIST_BINS - 1 else f">={b}": int(n)
+                                       for b, n in enumerate(hist) if n}},
+                "tables": tables}
 
     def _summary(self, train_time: float, final_eval: dict[str, Any]) -> dict[str, Any]:
         c, steps = self.c, self.c.train.steps
@@ -247,6 +320,7 @@ class Trainer:
                           **{f"{k}_per_step": v / steps for k, v in
                              zip(self.emb.stats.totals.keys(), lookups)}},
             "evals": self.evals,
+            "cache": self._cache_summary(),
             "config": asdict(c),
         }
 
@@ -254,4 +328,14 @@ class Trainer:
         with self._phase("other"):
             tables = self.emb.full_tables()
         dense = {k: v.detach().cpu().clone() for k, v in self.model.state_dict().items()}
-        return {"dense": dense, "tables": tables}
+        audit = self.emb.audit.result() if self.emb.audit is not None else None
+        return {"dense": dense, "tables": tables, "audit": audit}
+
+
+def _bound(b: int) -> int:
+    """A bound as configured: -1 for unbounded (int64 max inside)."""
+    return -1 if b < 0 or b >= UNBOUNDED else int(b)
+
+
+def _ratio(a: float, b: float) -> float:
+    return float(a) / float(b) if b else 0.0

@@ -38,11 +38,13 @@ class ByteCounter:
     by_phase: dict[str, dict[str, int]] = field(default_factory=lambda: defaultdict(lambda: defaultdict(int)))
     calls: dict[str, int] = field(default_factory=lambda: defaultdict(int))
 
-    def add(self, kind: str, nbytes: float, op: str) -> None:
+    def add(self, kind: str, nbytes: float, op: str | None) -> None:
+        """Count nbytes of `kind`; op names the call (None: same call as the previous add)."""
         if kind not in KINDS:
             raise ValueError(f"unknown byte kind {kind!r}; expected one of {KINDS}")
         self.by_phase[self.phase][kind] += int(round(nbytes))
-        self.calls[op] += 1
+        if op is not None:
+            self.calls[op] += 1
 
     def totals(self, phase: str = "train") -> dict[str, int]:
         """Bytes per kind for one phase, every kind present (zeros included)."""
@@ -76,12 +78,14 @@ class Collectives(abc.ABC):
         self._count_allreduce(ts, kind, "grouped_allreduce")
         return self._guard("grouped_allreduce", lambda: self._allreduce(list(ts), op))
 
-    def alltoall(self, t: torch.Tensor, splits: Sequence[int], kind: str,
+    def alltoall(self, t: torch.Tensor, splits: Sequence[int], kind: str | dict[str, int],
                  recv_splits: Sequence[int] | None = None) -> tuple[torch.Tensor, list[int]]:
         """Send rows t[sum(splits[:j]) : sum(splits[:j+1])] to rank j along dim 0.
 
         Returns (received rows concatenated in rank order, received split sizes). When the caller
         already knows recv_splits (a reply to a request), pass them to skip the size exchange.
+        `kind` may map kinds to column counts of a packed 2-D `t` (e.g. {"ids": 1, "versions": 1}
+        for [n, 2] id/version pairs), so each column's bytes are counted under its own kind.
         """
         splits = [int(s) for s in splits]
         if len(splits) != self.size or sum(splits) != t.shape[0]:
@@ -90,9 +94,8 @@ class Collectives(abc.ABC):
         if recv_splits is None:
             recv_splits = self._exchange_splits(splits)
         recv_splits = [int(s) for s in recv_splits]
-        row_bytes = t.element_size() * math.prod(t.shape[1:])
         sent = sum(s for j, s in enumerate(splits) if j != self.rank)
-        self.counter.add(kind, sent * row_bytes, "alltoall")
+        self._count_columns(t, sent, kind)
         out = self._guard("alltoall", lambda: self._alltoall(t.contiguous(), splits, recv_splits))
         return out, recv_splits
 
@@ -132,6 +135,14 @@ class Collectives(abc.ABC):
         ones = [1] * self.size
         recv = self._guard("alltoall(split sizes)", lambda: self._alltoall(send, ones, ones))
         return [int(x) for x in recv.tolist()]
+
+    def _count_columns(self, t: torch.Tensor, rows: int, kind: str | dict[str, int]) -> None:
+        cols = math.prod(t.shape[1:])
+        kinds = {kind: cols} if isinstance(kind, str) else dict(kind)
+        if sum(kinds.values()) != cols:
+            raise ValueError(f"alltoall: kind columns {kinds} do not add up to {cols} columns")
+        for i, (k, n) in enumerate(kinds.items()):
+            self.counter.add(k, rows * n * t.element_size(), "alltoall" if i == 0 else None)
 
     def _count_allreduce(self, ts: Sequence[torch.Tensor], kind: str, op: str) -> None:
         nbytes = sum(t.numel() * t.element_size() for t in ts)

@@ -41,6 +41,7 @@ class ShardStore:
         weight = torch.zeros(sharding.local_rows, dim)
         weight[real] = init_rows(seed, sharding.table_rows, dim, table[real], ids[real], init_scale)
         self.weight = weight.to(device)
+        self.version = torch.zeros(sharding.local_rows, dtype=torch.int64, device=device)  # updates applied
         self.optimizer: SparseOptimizer = make_sparse_optimizer(optimizer, self.weight, lr, eps,
                                                                  accumulator_init)
 
@@ -48,15 +49,26 @@ class ShardStore:
         """[n, d] current rows of owned gids."""
         return self.weight.index_select(0, self.sharding.local_index(gids))
 
-    def apply(self, gids: torch.Tensor, grads: torch.Tensor, unique: bool = False) -> None:
-        """Sum grads [n, d] per row and update each touched row once (unique=True: gids are
-        known to be distinct, skip the sum)."""
+    def versions(self, local_idx: torch.Tensor) -> torch.Tensor:
+        """[n] current versions (updates applied) of storage rows local_idx."""
+        return self.version.index_select(0, local_idx)
+
+    def apply(self, gids: torch.Tensor, grads: torch.Tensor, unique: bool = False,
+              counts: torch.Tensor | None = None) -> None:
+        """Sum grads [n, d] per row, update each touched row once, and advance its version by the
+        number of updates folded into it (counts [n], default 1 each). unique=True: gids are known
+        to be distinct, skip the sum."""
         if gids.numel() == 0:
             return
+        counts = torch.ones_like(gids) if counts is None else counts
         if unique:
-            self.optimizer.step(self.sharding.local_index(gids), grads)
+            idx = self.sharding.local_index(gids)
+            self.optimizer.step(idx, grads)
+            self.version.index_add_(0, idx, counts)
             return
         uniq, inv = torch.unique(gids, return_inverse=True)
         summed = torch.zeros(uniq.numel(), self.dim, dtype=grads.dtype, device=grads.device)
         summed.index_add_(0, inv, grads)
-        self.optimizer.step(self.sharding.local_index(uniq), summed)
+        idx = self.sharding.local_index(uniq)
+        self.optimizer.step(idx, summed)
+        self.version.index_add_(0, idx, torch.zeros_like(uniq).index_add_(0, inv, counts))

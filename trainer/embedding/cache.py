@@ -1,0 +1,278 @@
+"""HET's per-worker cache of remote rows: slots, versions, pending local updates, eviction policy.
+
+Why a cache: lookups are skewed, so the same remote rows are read step after step. Keeping a copy
+(and the owner version it was read at) lets a worker skip pulling rows that are fresh enough and
+batch its own updates to a row before pushing them (consistency.py holds the two rules).
+
+Layout: one slot space [C, d] split into per-table regions (capacity per table). Each slot holds the
+row, the owner version it was read at, the accumulated local gradient not yet pushed (`pending`), the
+number of local updates in it (`count`), and policy metadata (use frequency, last step used). An
+id -> slot map finds slots (a direct array on CPU when the id space is small enough, the Triton
+hash table on GPU through kernels.make_id_slot_map).
+
+Local updates are applied to the cached copy at once with plain SGD at the sparse learning rate
+(copy -= lr * g): the owner keeps the only optimizer state (Adagrad accumulators) and applies the
+real optimizer to the pushed sums. Under BSP every updated copy is re-read before its next use, so
+this local rule never reaches the model; with bounds > 0 it is the cached view a worker trains on.
+
+Rows needed by the current step are never evicted. When a table's region cannot hold all of a step's
+misses, the rest are "transient": used for this step only and their gradients pushed at once.
+
+Nothing here talks to other workers: the same object drives scripts/simulate_cache.py.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+import kernels
+from kernels.hashmap import IdSlotMap
+
+DIRECT_MAP_MAX_IDS = 1 << 27  # CPU: a direct id -> slot array up to this many ids (512 MiB int32)
+
+
+class CachePolicy:
+    """Eviction order: victims are the evictable slots with the smallest keys."""
+
+    name = "base"
+
+    def __init__(self, pin_threshold: int = 0) -> None:
+        self.pin_threshold = pin_threshold
+
+    def keys(self, freq: torch.Tensor, last_use: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def evictable(self, freq: torch.Tensor) -> torch.Tensor:
+        return torch.ones_like(freq, dtype=torch.bool)
+
+
+class LRU(CachePolicy):
+    name = "lru"
+
+    def keys(self, freq, last_use):
+        return last_use
+
+
+class LFU(CachePolicy):
+    """Least frequently used (uses while cached), ties broken by least recent."""
+
+    name = "lfu"
+
+    def keys(self, freq, last_use):
+        return freq * (1 << 32) + last_use
+
+
+class LFUPinned(LFU):
+    """LFU where an entry used at least pin_threshold times is never evicted (HET's LFUOpt)."""
+
+    name = "lfu_pinned"
+
+    def evictable(self, freq):
+        return freq < self.pin_threshold
+
+
+POLICIES = {p.name: p for p in (LRU, LFU, LFUPinned)}
+
+
+def make_policy(name: str, pin_threshold: int = 8) -> CachePolicy:
+    try:
+        return POLICIES[name](pin_threshold)
+    except KeyError:
+        raise ValueError(f"cache.policy={name!r} is not one of {sorted(POLICIES)}") from None
+
+
+class DirectSlotMap(IdSlotMap):
+    """id -> slot as a dense int32 array over the whole id space [0, n_ids) (CPU fast path)."""
+
+    def __init__(self, n_ids: int, device: torch.device | str = "cpu") -> None:
+        self._slot = torch.full((n_ids,), -1, dtype=torch.int32, device=device)
+        self._live = 0
+
+    @property
+    def device(self) -> torch.device:
+        return self._slot.device
+
+    def __len__(self) -> int:
+        return self._live
+
+    def lookup(self, ids):
+        slots = self._slot.index_select(0, ids).long()
+        return slots, slots < 0
+
+    def insert(self, ids, slots):
+        new = self._slot.index_select(0, ids) < 0
+        self._slot.index_copy_(0, ids, slots.to(torch.int32))
+        self._live += int(new.sum())
+        return new
+
+    def items(self):
+        ids = torch.nonzero(self._slot >= 0).squeeze(1)
+        return ids, self._slot.index_select(0, ids).long()
+
+    def erase(self, ids):
+        found = self._slot.index_select(0, ids) >= 0
+        self._slot.index_fill_(0, ids, -1)
+        self._live -= int(found.sum())
+        return found
+
+
+@dataclass
+class Pushes:
+    """Row updates leaving a worker: global ids [n], summed gradients [n, d], update counts [n]."""
+
+    gids: torch.Tensor
+    grads: torch.Tensor
+    counts: torch.Tensor
+
+    @classmethod
+    def empty(cls, dim: int, device: torch.device) -> "Pushes":
+        return cls(torch.empty(0, dtype=torch.int64, device=device), torch.empty(0, dim, device=device),
+                   torch.empty(0, dtype=torch.int64, device=device))
+
+    @classmethod
+    def cat(cls, parts: list["Pushes"]) -> "Pushes":
+        return cls(torch.cat([p.gids for p in parts]), torch.cat([p.grads for p in parts]),
+                   torch.cat([p.counts for p in parts]))
+
+    def __len__(self) -> int:
+        return int(self.gids.numel())
+
+
+class RowCache:
+    """Cached remote rows of one worker, per-table capacities, one policy."""
+
+    def __init__(self, capacities: list[int], dim: int, policy: CachePolicy, n_ids: int,
+                 local_lr: float, device: torch.device | str = "cpu") -> None:
+        dev = torch.device(device)
+        self.capacities, self.dim, self.policy, self.local_lr = list(capacities), dim, policy, local_lr
+        self.num_tables = len(capacities)
+        caps = torch.tensor(capacities, dtype=torch.int64)
+        self.slot_table = torch.repeat_interleave(torch.arange(self.num_tables), caps).to(dev)  # [C]
+        c = int(caps.sum())
+        self.rows = torch.zeros(c, dim, device=dev)
+        self.pending = torch.zeros(c, dim, device=dev)
+        self.version = torch.zeros(c, dtype=torch.int64, device=dev)
+        self.count = torch.zeros(c, dtype=torch.int64, device=dev)
+        self.gid = torch.full((c,), -1, dtype=torch.int64, device=dev)
+        self.freq = torch.zeros(c, dtype=torch.int64, device=dev)
+        self.last_use = torch.full((c,), -1, dtype=torch.int64, device=dev)
+        direct = dev.type == "cpu" and n_ids <= DIRECT_MAP_MAX_IDS
+        self.map = DirectSlotMap(n_ids, dev) if direct else kernels.make_id_slot_map(max(c, 1), dev)
+
+    @property
+    def size(self) -> int:
+        return int(self.gid.numel())
+
+    def occupancy(self) -> torch.Tensor:
+        """[T] cached rows per table."""
+        live = self.gid >= 0
+        return torch.bincount(self.slot_table[live], minlength=self.num_tables)
+
+    # ---- reads ---------------------------------------------------------------------------
+    def lookup(self, gids: torch.Tensor) -> torch.Tensor:
+        """[n] slot of each gid, -1 when not cached."""
+        if self.size == 0 or gids.numel() == 0:
+            return torch.full_like(gids, -1)
+        return self.map.lookup(gids)[0]
+
+    def touch(self, slots: torch.Tensor, step: int) -> None:
+        """Mark cached slots [k] (>= 0) as used at `step` (protects them from eviction this step)."""
+        self.freq.index_add_(0, slots, torch.ones_like(slots))
+        self.last_use.index_fill_(0, slots, step)
+
+    def refresh(self, slots: torch.Tensor, rows: torch.Tensor, versions: torch.Tensor) -> None:
+        """Re-read copies: owner rows [k, d] at `versions`, own pending updates re-applied."""
+        local = rows - self.local_lr * self.pending.index_select(0, slots)
+        self.rows.index_copy_(0, slots, local)
+        self.version.index_copy_(0, slots, versions)
+
+    def install(self, gids: torch.Tensor, tables: torch.Tensor, rows: torch.Tensor,
+                versions: torch.Tensor, step: int) -> tuple[torch.Tensor, Pushes]:
+        """Cache fetched misses gids [n] (of `tables`) with rows [n, d] read at `versions`.
+
+        Returns (slot of each, -1 = transient; dirty evicted entries whose updates must be pushed).
+        """
+        slots = self._choose_slots(tables, step)
+        ok = slots >= 0
+        placed = slots[ok]
+        evicted = self._evict(placed)
+        self.gid.index_copy_(0, placed, gids[ok])
+        self.rows.index_copy_(0, placed, rows[ok])
+        self.version.index_copy_(0, placed, versions[ok])
+        self.freq.index_fill_(0, placed, 1)
+        self.last_use.index_fill_(0, placed, step)
+        if placed.numel():
+            self.map.insert(gids[ok], placed)
+        return slots, evicted
+
+    # ---- writes --------------------------------------------------------------------------
+    def record_updates(self, slots: torch.Tensor, grads: torch.Tensor) -> None:
+        """One local update per cached slot [k] (distinct): copy -= lr * g, pending += g."""
+        self.rows.index_add_(0, slots, grads, alpha=-self.local_lr)
+        self.pending.index_add_(0, slots, grads)
+        self.count.index_add_(0, slots, torch.ones_like(slots))
+
+    def take_due(self, slots: torch.Tensor, push_bound: torch.Tensor) -> Pushes:
+        """Pending updates of slots [k] whose count passed their table's push bound [T]."""
+        due = slots[self.count.index_select(0, slots) > push_bound[self.slot_table[slots]]]
+        return self._take(due)
+
+    def take_all(self) -> Pushes:
+        """Every pending update (flush before eval, checkpoint and exit)."""
+        return self._take(torch.nonzero(self.count > 0).squeeze(1))
+
+    def pending_updates(self) -> int:
+        return int(self.count.sum())
+
+    # ---- internals -----------------------------------------------------------------------
+    def _take(self, slots: torch.Tensor) -> Pushes:
+        out = Pushes(self.gid.index_select(0, slots), self.pending.index_select(0, slots),
+                     self.count.index_select(0, slots))
+        self.pending.index_fill_(0, slots, 0.0)
+        self.count.index_fill_(0, slots, 0)
+        return out
+
+    def _evict(self, slots: torch.Tensor) -> Pushes:
+        """Free slots [k] (some may be empty); return the dirty entries' pending updates."""
+        old = self.gid.index_select(0, slots)
+        live = slots[old >= 0]
+        if live.numel():
+            self.map.erase(self.gid.index_select(0, live))
+        dirty = live[self.count.index_select(0, live) > 0]
+        out = self._take(dirty)
+        self.gid.index_fill_(0, live, -1)
+        return out
+
+    def _choose_slots(self, tables: torch.Tensor, step: int) -> torch.Tensor:
+        """A slot for each miss [n] of `tables`: free slots first, then policy victims among
+        entries not used this step; -1 where the table's region has nothing left."""
+        n, t = tables.numel(), self.num_tables
+        out = torch.full((n,), -1, dtype=torch.int64, device=tables.device)
+        if n == 0 or self.size == 0:
+            return out
+        free = self.gid < 0
+        cand_mask = free | (self.policy.evictable(self.freq) & (self.last_use != step))
+        cand = torch.nonzero(cand_mask).squeeze(1)
+        key = torch.where(free[cand], torch.full_like(cand, -1),
+                          self.policy.keys(self.freq[cand], self.last_use[cand]))
+        cand = cand[torch.argsort(key, stable=True)]
+        cand = cand[torch.argsort(self.slot_table[cand], stable=True)]  # by table, then key
+        need = torch.bincount(tables, minlength=t)
+        rank = _rank_within_groups(self.slot_table[cand], t)
+        chosen = cand[rank < need[self.slot_table[cand]]]  # grouped by table, best first
+        avail = torch.bincount(self.slot_table[chosen], minlength=t)
+        order = torch.argsort(tables, stable=True)
+        mt = tables[order]
+        mrank = _rank_within_groups(mt, t)
+        ok = mrank < avail[mt]
+        start = torch.cumsum(avail, 0) - avail
+        out[order[ok]] = chosen[start[mt[ok]] + mrank[ok]]
+        return out
+
+
+def _rank_within_groups(group: torch.Tensor, num_groups: int) -> torch.Tensor:
+    """Position of each element within its group, for `group` [n] sorted ascending."""
+    counts = torch.bincount(group, minlength=num_groups)
+    start = torch.cumsum(counts, 0) - counts
+    return torch.arange(group.numel(), device=group.device) - start[group]

@@ -1,0 +1,65 @@
+"""HET's consistency model as two small pure rules, shared by the trainer and the simulator.
+
+Why pure functions over tensors: the owner answering a version check, the cache deciding which local
+updates are due, and scripts/simulate_cache.py replaying a trace must apply the *same* rule; keeping
+it here (no comm, no storage) makes that true by construction.
+
+Versions: the owner of a row counts the updates applied to it (its version). A worker's cached copy
+remembers the owner version it was read at. Read staleness = owner version now - version read at.
+- pull: a cached copy may be used while its staleness is <= pull_bound; otherwise (or when there is
+  no copy, version -1) the owner sends the row.
+- push: a worker's local updates to a cached row are pushed once it holds more than push_bound of
+  them (and on eviction and flush).
+A bound of -1 means unbounded; bounds of 0 are bulk-synchronous (exact) training.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+UNBOUNDED = torch.iinfo(torch.int64).max
+MISSING = -1  # the version sent for an id the worker has no copy of
+HIST_BINS = 65  # staleness histogram: bins 0..63 exactly, bin 64 = 64 or more
+
+
+def _effective(bounds: list[int]) -> torch.Tensor:
+    return torch.tensor([UNBOUNDED if b < 0 else b for b in bounds], dtype=torch.int64)
+
+
+@dataclass
+class Bounds:
+    """Per-table pull and push bounds ([T] int64 each, unbounded as int64 max)."""
+
+    pull: torch.Tensor
+    push: torch.Tensor
+
+    @classmethod
+    def from_lists(cls, pull: list[int], push: list[int]) -> "Bounds":
+        return cls(_effective(pull), _effective(push))
+
+    @property
+    def is_bsp(self) -> bool:
+        return bool((self.pull == 0).all() and (self.push == 0).all())
+
+
+def needs_row(cached_version: torch.Tensor, owner_version: torch.Tensor,
+              pull_bound: torch.Tensor) -> torch.Tensor:
+    """[n] bool: the owner must send the row (no copy, or the copy is more than the bound behind).
+
+    cached_version: [n] version the requester read its copy at (MISSING = no copy);
+    owner_version:  [n] the owner's current versions; pull_bound: [n] bound of each row's table.
+    """
+    return (cached_version < 0) | (owner_version - cached_version > pull_bound)
+
+
+def push_due(local_updates: torch.Tensor, push_bound: torch.Tensor) -> torch.Tensor:
+    """[n] bool: cached rows whose pending local updates must be pushed now (count > bound)."""
+    return local_updates > push_bound
+
+
+def staleness_histogram(staleness: torch.Tensor, table: torch.Tensor, num_tables: int) -> torch.Tensor:
+    """[T, HIST_BINS] counts of read staleness per table (last bin: HIST_BINS - 1 or more)."""
+    b = staleness.clamp(0, HIST_BINS - 1)
+    flat = torch.bincount(table * HIST_BINS + b, minlength=num_tables * HIST_BINS)
+    return flat.view(num_tables, HIST_BINS)
