@@ -12,12 +12,14 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
 
 from helpers import run_single
-from hvd_launch import WORKER, horovodrun, tail, worker_results
+from hvd_launch import ROOT, WORKER, horovodrun, tail, worker_results
 from test_parity import BASE, assert_same_run
 from trainer.runner import RunResult
 
@@ -172,3 +174,29 @@ def test_multirun_under_horovodrun(tmp_path):
     assert summaries[0]["final_loss"] != summaries[1]["final_loss"]
     # one Horovod init served both jobs: same process ids ran job 0 and job 1
     assert proc.stdout.count("Launching 2 jobs locally") == W
+
+
+def test_staleness_sweep_under_horovodrun_and_plot(tmp_path):
+    """The users' sweep: `horovodrun ... -m cache=lru consistency.pull_bound=0,8` runs both bounds in
+    the same processes; scripts/plot_sweep.py turns the summaries into a PNG and a JSON report where
+    the stale bound moves fewer embedding bytes than BSP."""
+    sweep = tmp_path / "sweep"
+    wide = ["data.table_rows=[97,3001,13,1250]", "data.global_batch_size=96", "train.steps=20"]
+    proc = horovodrun(["-m", "trainer", "-m", "cache=lru", "consistency.pull_bound=0,8",
+                       "consistency.push_bound=4", f"hydra.sweep.dir={sweep}"] + SHORT + wide,
+                      cwd=str(tmp_path))
+    assert proc.returncode == 0, tail(proc)
+    summaries = [json.loads((sweep / str(j) / "summary.json").read_text()) for j in range(2)]
+    assert [s["cache"]["pull_bound"] for s in summaries] == [0, 8]
+    assert summaries[0]["cache"]["staleness"]["max"] == 0 < summaries[1]["cache"]["staleness"]["max"] <= 8
+    png = tmp_path / "sweep.png"
+    plot = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "plot_sweep.py"), str(sweep),
+                           "--out", str(png), "--auc-tol", "1.0"], capture_output=True, text=True,
+                          timeout=120)
+    assert plot.returncode == 0, plot.stderr
+    rep = json.loads(plot.stdout.strip().splitlines()[-1])
+    assert [p["x"] for p in rep["points"]] == [0, 8]
+    by_x = {p["x"]: p["embedding_bytes_per_sample"] for p in rep["points"]}
+    assert by_x[8] < by_x[0] == pytest.approx(summaries[0]["embedding_bytes_per_sample"])
+    assert rep["chosen"]["x"] == 8  # with a loose AUC tolerance the cheaper bound is chosen
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000

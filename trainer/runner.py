@@ -19,7 +19,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from .comm import KINDS, Collectives, make_collectives
+from .comm import EMBEDDING_KINDS, KINDS, Collectives, make_collectives
 from .config import (Config, auto_threads, cache_capacities, local_batch_size, staleness_bounds,
                      table_rows, to_config, validate_world)
 from .data import make_data
@@ -108,6 +108,11 @@ class Trainer:
         """The HET cache of remote rows (none at W = 1: nothing is remote) and the bounds."""
         bounds = Bounds.from_lists(*staleness_bounds(c))
         if c.cache.policy == "none" or self.world == 1:
+            why = ("cache=none" if c.cache.policy == "none" else
+                   f"cache={c.cache.policy} at W=1, where every row is local") if not bounds.is_bsp else None
+            if why and self.rank == 0:
+                print(f"[trainer] warning: consistency bounds have no effect with {why}: every remote row "
+                      "is pulled and pushed every step", file=sys.stderr)
             return None, bounds
         cache = RowCache(cache_capacities(c), c.model.embedding_dim,
                          make_policy(c.cache.policy, c.cache.pin_threshold),
@@ -315,6 +320,7 @@ class Trainer:
             "bytes_total": sum(bytes_.values()),
             "bytes_per_sample": sum(bytes_.values()) / samples,
             "bytes_per_sample_by_kind": {k: v / samples for k, v in bytes_.items()},
+            "embedding_bytes_per_sample": sum(bytes_[k] for k in EMBEDDING_KINDS) / samples,
             "eval_bytes": self._global_bytes("eval"),
             "embedding": {"table_rows": self.sharding.table_rows, "dim": self.emb.dim,
                           **{f"{k}_per_step": v / steps for k, v in

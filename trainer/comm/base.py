@@ -24,6 +24,7 @@ from typing import Any, Sequence
 import torch
 
 KINDS = ("ids", "versions", "rows", "grads", "dense", "meta")
+EMBEDDING_KINDS = ("ids", "versions", "rows", "grads")  # the sparse side's traffic
 
 
 class CollectiveError(RuntimeError):
@@ -87,15 +88,11 @@ class Collectives(abc.ABC):
         `kind` may map kinds to column counts of a packed 2-D `t` (e.g. {"ids": 1, "versions": 1}
         for [n, 2] id/version pairs), so each column's bytes are counted under its own kind.
         """
-        splits = [int(s) for s in splits]
-        if len(splits) != self.size or sum(splits) != t.shape[0]:
-            raise ValueError(f"alltoall: splits {splits} do not match world size {self.size} "
-                             f"and {t.shape[0]} rows")
+        splits = self._check_splits(t, splits)
         if recv_splits is None:
             recv_splits = self._exchange_splits(splits)
         recv_splits = [int(s) for s in recv_splits]
-        sent = sum(s for j, s in enumerate(splits) if j != self.rank)
-        self._count_columns(t, sent, kind)
+        self._count_alltoall(t, splits, kind)
         out = self._guard("alltoall", lambda: self._alltoall(t.contiguous(), splits, recv_splits))
         return out, recv_splits
 
@@ -136,7 +133,16 @@ class Collectives(abc.ABC):
         recv = self._guard("alltoall(split sizes)", lambda: self._alltoall(send, ones, ones))
         return [int(x) for x in recv.tolist()]
 
-    def _count_columns(self, t: torch.Tensor, rows: int, kind: str | dict[str, int]) -> None:
+    def _check_splits(self, t: torch.Tensor, splits: Sequence[int]) -> list[int]:
+        splits = [int(s) for s in splits]
+        if len(splits) != self.size or sum(splits) != t.shape[0]:
+            raise ValueError(f"alltoall: splits {splits} do not match world size {self.size} "
+                             f"and {t.shape[0]} rows")
+        return splits
+
+    def _count_alltoall(self, t: torch.Tensor, splits: list[int], kind: str | dict[str, int]) -> None:
+        """Count the rows sent to other ranks, each column under its kind (see alltoall)."""
+        rows = sum(s for j, s in enumerate(splits) if j != self.rank)
         cols = math.prod(t.shape[1:])
         kinds = {kind: cols} if isinstance(kind, str) else dict(kind)
         if sum(kinds.values()) != cols:

@@ -13,7 +13,6 @@ allows it: sums are reduced with op=Sum and "mean" divides afterwards, exactly a
 """
 from __future__ import annotations
 
-import math
 import os
 import time
 
@@ -96,14 +95,9 @@ class HorovodCollectives(Collectives):
         """
         if recv_splits is not None or self.size == 1:
             return super().alltoall(t, splits, kind, recv_splits)
-        splits = [int(s) for s in splits]
-        if len(splits) != self.size or sum(splits) != t.shape[0]:
-            raise ValueError(f"alltoall: splits {splits} do not match world size {self.size} "
-                             f"and {t.shape[0]} rows")
+        splits = self._check_splits(t, splits)
         self.counter.add("meta", (self.size - 1) * 8, "alltoall_splits")
-        row_bytes = t.element_size() * math.prod(t.shape[1:])
-        sent = sum(s for j, s in enumerate(splits) if j != self.rank)
-        self.counter.add(kind, sent * row_bytes, "alltoall")
+        self._count_alltoall(t, splits, kind)
         return self._guard("alltoall", lambda: self._alltoall_any(t, splits))
 
     def _alltoall_any(self, t: torch.Tensor, splits: list[int]) -> tuple[torch.Tensor, list[int]]:

@@ -30,6 +30,7 @@ import kernels
 from kernels.hashmap import IdSlotMap
 
 DIRECT_MAP_MAX_IDS = 1 << 27  # CPU: a direct id -> slot array up to this many ids (512 MiB int32)
+_NEVER = torch.iinfo(torch.int64).max  # eviction key of entries that must stay
 
 
 class CachePolicy:
@@ -149,6 +150,7 @@ class RowCache:
         self.num_tables = len(capacities)
         caps = torch.tensor(capacities, dtype=torch.int64)
         self.slot_table = torch.repeat_interleave(torch.arange(self.num_tables), caps).to(dev)  # [C]
+        self.bounds = [0] + torch.cumsum(caps, 0).tolist()  # table t's slots: [bounds[t], bounds[t+1])
         c = int(caps.sum())
         self.rows = torch.zeros(c, dim, device=dev)
         self.pending = torch.zeros(c, dim, device=dev)
@@ -246,33 +248,34 @@ class RowCache:
 
     def _choose_slots(self, tables: torch.Tensor, step: int) -> torch.Tensor:
         """A slot for each miss [n] of `tables`: free slots first, then policy victims among
-        entries not used this step; -1 where the table's region has nothing left."""
-        n, t = tables.numel(), self.num_tables
+        entries not used this step; -1 where the table's region has nothing left. Misses of a table
+        take its victims best first, in the order they come."""
+        n = tables.numel()
         out = torch.full((n,), -1, dtype=torch.int64, device=tables.device)
         if n == 0 or self.size == 0:
             return out
-        free = self.gid < 0
-        cand_mask = free | (self.policy.evictable(self.freq) & (self.last_use != step))
-        cand = torch.nonzero(cand_mask).squeeze(1)
-        key = torch.where(free[cand], torch.full_like(cand, -1),
-                          self.policy.keys(self.freq[cand], self.last_use[cand]))
-        cand = cand[torch.argsort(key, stable=True)]
-        cand = cand[torch.argsort(self.slot_table[cand], stable=True)]  # by table, then key
-        need = torch.bincount(tables, minlength=t)
-        rank = _rank_within_groups(self.slot_table[cand], t)
-        chosen = cand[rank < need[self.slot_table[cand]]]  # grouped by table, best first
-        avail = torch.bincount(self.slot_table[chosen], minlength=t)
-        order = torch.argsort(tables, stable=True)
-        mt = tables[order]
-        mrank = _rank_within_groups(mt, t)
-        ok = mrank < avail[mt]
-        start = torch.cumsum(avail, 0) - avail
-        out[order[ok]] = chosen[start[mt[ok]] + mrank[ok]]
+        need = torch.bincount(tables, minlength=self.num_tables)
+        order = torch.argsort(tables, stable=True)  # misses grouped by table
+        first = (torch.cumsum(need, 0) - need).tolist()
+        for t in torch.nonzero(need).squeeze(1).tolist():
+            victims = self._victims(t, int(need[t]), step)
+            out[order[first[t]:first[t] + victims.numel()]] = victims
         return out
 
-
-def _rank_within_groups(group: torch.Tensor, num_groups: int) -> torch.Tensor:
-    """Position of each element within its group, for `group` [n] sorted ascending."""
-    counts = torch.bincount(group, minlength=num_groups)
-    start = torch.cumsum(counts, 0) - counts
-    return torch.arange(group.numel(), device=group.device) - start[group]
+    def _victims(self, table: int, k: int, step: int) -> torch.Tensor:
+        """Up to k slots of `table`'s region to (re)use, best first: free ones (by slot), then the
+        evictable entries not used this step with the smallest policy keys. O(region) per call:
+        a partial selection (topk), never a sort of the whole cache."""
+        lo, hi = self.bounds[table], self.bounds[table + 1]
+        gid = self.gid[lo:hi]
+        free = torch.nonzero(gid < 0).squeeze(1)
+        if free.numel() >= k:
+            return free[:k] + lo
+        freq, last = self.freq[lo:hi], self.last_use[lo:hi]
+        ok = (gid >= 0) & self.policy.evictable(freq) & (last != step)
+        key = torch.where(ok, self.policy.keys(freq, last), torch.full_like(last, _NEVER))
+        r = min(k - free.numel(), int(ok.sum()))
+        if r <= 0:
+            return free + lo
+        idx = torch.topk(key, r, largest=False, sorted=True).indices
+        return torch.cat([free, idx]) + lo

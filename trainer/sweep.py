@@ -1,0 +1,155 @@
+"""Reading a Hydra sweep back: one point per job's summary.json, for plots and for the README.
+
+Why a module (scripts/plot_sweep.py is a thin CLI over it): the staleness sweep is how users choose a
+bound, so "the smallest bound whose eval AUC stays within tol of BSP, and the bytes it saves" must be
+computed the same way in the plot, in tests and in the README's figures.
+
+A point's x is a config value read from summary["config"] by a dotted path (default
+consistency.pull_bound; -1, unbounded, is placed after the largest finite bound). Embedding bytes
+are the sparse side's wire traffic per training sample (ids + versions + rows + grads), i.e.
+summary["embedding_bytes_per_sample"].
+"""
+from __future__ import annotations
+
+import glob
+import json
+import math
+import os
+from dataclasses import dataclass
+from typing import Any, Optional
+
+from .comm import EMBEDDING_KINDS
+
+
+
+@dataclass
+class Point:
+    """One sweep job."""
+
+    path: str  # the job's summary.json
+    x: float  # the swept value (math.inf for an unbounded bound)
+    series: str  # label of the job's series ("" when not split)
+    eval_auc: float
+    embedding_bytes_per_sample: float
+    world_size: int
+
+
+def embedding_bytes_per_sample(summary: dict[str, Any]) -> float:
+    """Sparse-side bytes per training sample of a summary (the dense allreduce and metrics excluded)."""
+    by_kind = summary["bytes_per_sample_by_kind"]
+    return float(sum(by_kind.get(k, 0.0) for k in EMBEDDING_KINDS))
+
+
+def config_value(summary: dict[str, Any], dotted: str) -> Any:
+    """summary["config"] at a dotted path; KeyError naming the path when it is absent."""
+    node: Any = summary["config"]
+    for part in dotted.split("."):
+        if not isinstance(node, dict) or part not in node:
+            raise KeyError(f"{dotted!r} is not in the run's config")
+        node = node[part]
+    return node
+
+
+def find_summaries(roots: list[str]) -> list[str]:
+    """Every summary.json under the given sweep directories (or the files themselves), sorted."""
+    found: list[str] = []
+    for root in roots:
+        if os.path.isfile(root):
+            found.append(root)
+            continue
+        if not os.path.isdir(root):
+            raise FileNotFoundError(f"{root}: no such sweep directory")
+        found += glob.glob(os.path.join(root, "**", "summary.json"), recursive=True)
+    if not found:
+        raise FileNotFoundError(f"no summary.json under {roots}: did the sweep finish?")
+    return sorted(set(found))
+
+
+def load_points(paths: list[str], x_key: str, series_key: Optional[str] = None) -> list[Point]:
+    """Points sorted by (series, x); an unbounded (-1) bound becomes math.inf."""
+    points = []
+    for path in paths:
+        with open(path) as f:
+            s = json.load(f)
+        x = float(config_value(s, x_key))
+        x = math.inf if x_key.endswith("_bound") and x < 0 else x
+        series = "" if series_key is None else f"{series_key}={config_value(s, series_key)}"
+        points.append(Point(path, x, series, float(s["eval_auc"]), embedding_bytes_per_sample(s),
+                            int(s["world_size"])))
+    return sorted(points, key=lambda p: (p.series, p.x))
+
+
+def cheapest_good_bound(points: list[Point], tol: float = 0.002) -> Optional[Point]:
+    """The point with the fewest embedding bytes among those whose eval AUC is within tol of the
+    bound-0 (BSP) run (ties: the smaller bound); None without a bound-0 point."""
+    bsp = [p for p in points if p.x == 0]
+    if not bsp:
+        return None
+    ok = [p for p in points if p.eval_auc >= bsp[0].eval_auc - tol]
+    return min(ok, key=lambda p: (p.embedding_bytes_per_sample, p.x))
+
+
+def report(points: list[Point], baseline: Optional[dict[str, Any]], tol: float) -> dict[str, Any]:
+    """The sweep as one JSON-able dict: points, the chosen bound and its saving vs the baseline."""
+    best = cheapest_good_bound(points, tol)
+    out: dict[str, Any] = {
+        "points": [{"x": _jsonable(p.x), "series": p.series, "eval_auc": p.eval_auc,
+                    "embedding_bytes_per_sample": p.embedding_bytes_per_sample,
+                    "world_size": p.world_size, "summary": p.path} for p in points],
+        "auc_tolerance": tol,
+        "chosen": None if best is None else {"x": _jsonable(best.x), "eval_auc": best.eval_auc,
+                                             "embedding_bytes_per_sample": best.embedding_bytes_per_sample},
+    }
+    if baseline is not None:
+        base = embedding_bytes_per_sample(baseline)
+        out["baseline"] = {"eval_auc": baseline["eval_auc"], "embedding_bytes_per_sample": base}
+        if best is not None and base > 0:
+            out["chosen"]["bytes_reduction_vs_baseline"] = 1.0 - best.embedding_bytes_per_sample / base
+    return out
+
+
+def _jsonable(x: float) -> Any:
+    return -1 if math.isinf(x) else (int(x) if float(x).is_integer() else x)
+
+
+def plot(points: list[Point], baseline: Optional[dict[str, Any]], x_key: str, out_png: str,
+         title: str = "") -> None:
+    """Two panels against the swept value: eval AUC, and embedding bytes per sample."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    finite = [p.x for p in points if not math.isinf(p.x)]
+    inf_at = (max(finite) * 4 if finite and max(finite) > 0 else 1.0)  # where "unbounded" is drawn
+    fig, (ax_auc, ax_b) = plt.subplots(1, 2, figsize=(11, 4.2))
+    for series in sorted({p.series for p in points}):
+        pts = [p for p in points if p.series == series]
+        xs = [inf_at if math.isinf(p.x) else p.x for p in pts]
+        label = series or None
+        ax_auc.plot(xs, [p.eval_auc for p in pts], "o-", label=label)
+        ax_b.plot(xs, [p.embedding_bytes_per_sample for p in pts], "o-", label=label)
+    if baseline is not None:
+        for ax, v, name in ((ax_auc, baseline["eval_auc"], "no cache"),
+                            (ax_b, embedding_bytes_per_sample(baseline), "no cache")):
+            ax.axhline(v, color="gray", ls="--", lw=1, label=name)
+    best = cheapest_good_bound(points)
+    if best is not None:
+        bx = inf_at if math.isinf(best.x) else best.x
+        ax_b.plot([bx], [best.embedding_bytes_per_sample], "r*", ms=14, label="cheapest bound within AUC tol")
+    ticks = sorted(set(finite)) + ([inf_at] if any(math.isinf(p.x) for p in points) else [])
+    for ax, ylabel in ((ax_auc, "eval AUC"), (ax_b, "embedding bytes / sample")):
+        ax.set_xscale("symlog", linthresh=1)
+        ax.set_xticks(ticks)
+        ax.set_xticklabels(["inf" if t == inf_at and any(math.isinf(p.x) for p in points) else f"{t:g}"
+                            for t in ticks])
+        ax.set_xlabel(x_key)
+        ax.set_ylabel(ylabel)
+        ax.grid(alpha=0.3)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=8)
+    ax_b.set_ylim(bottom=0)
+    fig.suptitle(title or f"staleness sweep (W={points[0].world_size})")
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(os.path.abspath(out_png)), exist_ok=True)
+    fig.savefig(out_png, dpi=110)
+    plt.close(fig)
