@@ -37,7 +37,7 @@ def main(argv: list[str] | None = None) -> int:
     except (FileNotFoundError, KeyError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    plot(points, baseline, a.x, a.out, a.title)
+    plot(points, baseline, a.x, a.out, a.title, a.auc_tol)
     print(json.dumps({"png": a.out, **report(points, baseline, a.auc_tol)}))
     return 0
 

@@ -189,6 +189,10 @@ def test_staleness_sweep_under_horovodrun_and_plot(tmp_path):
     summaries = [json.loads((sweep / str(j) / "summary.json").read_text()) for j in range(2)]
     assert [s["cache"]["pull_bound"] for s in summaries] == [0, 8]
     assert summaries[0]["cache"]["staleness"]["max"] == 0 < summaries[1]["cache"]["staleness"]["max"] <= 8
+    steps = [json.loads(x) for x in (sweep / "1" / "metrics.jsonl").read_text().splitlines()]
+    last = [x for x in steps if "loss" in x][-1]["cache"]  # the JSONL carries the cache block too
+    assert len(last["tables"]) == 4 and last["version_check_bytes"] > 0 and "hist" in last["staleness"]
+    assert last["requested"] <= summaries[1]["cache"]["requested"]
     png = tmp_path / "sweep.png"
     plot = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "plot_sweep.py"), str(sweep),
                            "--out", str(png), "--auc-tol", "1.0"], capture_output=True, text=True,

@@ -240,11 +240,7 @@ class Trainer:
                "bytes": self._global_bytes("train"),
                "rank0_ids": s.ids, "rank0_unique": s.unique, "rank0_remote": s.remote}
         if self.emb.cache is not None:
-            tot = self._cache_totals()
-            rec["cache"] = {"hit_rate": tot["hits"].sum() / max(tot["requested"].sum(), 1),
-                            "fresh_hit_rate": tot["fresh_hits"].sum() / max(tot["requested"].sum(), 1),
-                            "pulled": int(tot["pulled"].sum()), "pushed_rows": int(tot["pushed_rows"].sum()),
-                            "max_staleness": int(tot["max_staleness"].max())}
+            rec["cache"] = self._cache_summary()  # so far: totals, per table, staleness histogram
         return rec
 
     def _cache_totals(self) -> dict[str, np.ndarray]:
@@ -289,7 +285,7 @@ class Trainer:
                 "hit_rate": _ratio(tot["hits"].sum(), tot["requested"].sum()),
                 "fresh_hit_rate": _ratio(tot["fresh_hits"].sum(), tot["requested"].sum()),
                 "version_check_bytes": int(check.sum()),
-                "pending_updates_after_flush": int(tot["pending_updates"][0]),
+                "pending_updates": int(tot["pending_updates"][0]),
                 "staleness": {"max": int(tot["max_staleness"].max()),
                               "hist": {str(b) if b < HIST_BINS - 1 else f">={b}": int(n)
                                        for b, n in enumerate(hist) if n}},
@@ -326,7 +322,7 @@ class Trainer:
                           **{f"{k}_per_step": v / steps for k, v in
                              zip(self.emb.stats.totals.keys(), lookups)}},
             "evals": self.evals,
-            "cache": self._cache_summary(),
+            "cache": _after_flush(self._cache_summary()),
             "config": asdict(c),
         }
 
@@ -341,6 +337,13 @@ class Trainer:
 def _bound(b: int) -> int:
     """A bound as configured: -1 for unbounded (int64 max inside)."""
     return -1 if b < 0 or b >= UNBOUNDED else int(b)
+
+
+def _after_flush(cache: dict[str, Any] | None) -> dict[str, Any] | None:
+    """The summary's cache block: pending updates are those left after the final flush (0)."""
+    if cache is not None:
+        cache["pending_updates_after_flush"] = cache.pop("pending_updates")
+    return cache
 
 
 def _ratio(a: float, b: float) -> float:

@@ -113,8 +113,9 @@ def _jsonable(x: float) -> Any:
 
 
 def plot(points: list[Point], baseline: Optional[dict[str, Any]], x_key: str, out_png: str,
-         title: str = "") -> None:
-    """Two panels against the swept value: eval AUC, and embedding bytes per sample."""
+         title: str = "", tol: float = 0.002) -> None:
+    """Two panels against the swept value: eval AUC (with the BSP - tol line), and embedding
+    bytes per sample (the chosen bound starred)."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -132,7 +133,10 @@ def plot(points: list[Point], baseline: Optional[dict[str, Any]], x_key: str, ou
         for ax, v, name in ((ax_auc, baseline["eval_auc"], "no cache"),
                             (ax_b, embedding_bytes_per_sample(baseline), "no cache")):
             ax.axhline(v, color="gray", ls="--", lw=1, label=name)
-    best = cheapest_good_bound(points)
+    bsp = [p for p in points if p.x == 0]
+    if bsp:
+        ax_auc.axhline(bsp[0].eval_auc - tol, color="red", ls=":", lw=1, label=f"BSP - {tol:g}")
+    best = cheapest_good_bound(points, tol)
     if best is not None:
         bx = inf_at if math.isinf(best.x) else best.x
         ax_b.plot([bx], [best.embedding_bytes_per_sample], "r*", ms=14, label="cheapest bound within AUC tol")
@@ -148,6 +152,7 @@ def plot(points: list[Point], baseline: Optional[dict[str, Any]], x_key: str, ou
         if ax.get_legend_handles_labels()[0]:
             ax.legend(fontsize=8)
     ax_b.set_ylim(bottom=0)
+    ax_auc.ticklabel_format(axis="y", useOffset=False)
     fig.suptitle(title or f"staleness sweep (W={points[0].world_size})")
     fig.tight_layout()
     os.makedirs(os.path.dirname(os.path.abspath(out_png)), exist_ok=True)
