@@ -42,6 +42,9 @@ def test_consistency_rules():
     b = Bounds.from_lists([-1, 0], [3, -1])
     assert b.pull.tolist() == [UNBOUNDED, 0] and b.push.tolist() == [3, UNBOUNDED]
     assert push_due(torch.tensor([3, 4, 10**9]), b.push[torch.tensor([0, 0, 1])]).tolist() == [False, True, False]
+    assert [Bounds.from_lists(p, q).label for p, q in (([0, 0], [0, 0]), ([-1, -1], [-1, -1]),
+                                                       ([0, 0], [0, 1]), ([-1, 0], [-1, -1]))] == \
+        ["bsp", "asp", "ssp", "ssp"]
 
 
 def _cache(policy, caps=(3,), dim=2):

@@ -119,7 +119,7 @@ class TableBoundsConfig:
 class ConsistencyConfig:
     """HET bounded staleness: bounds of 0 are exact synchronous training (BSP); -1 = unbounded."""
 
-    name: str = "bsp"  # preset name (informational): bsp | ssp | asp
+    name: str = "bsp"  # preset chosen (bsp | ssp | asp); summary.json reports the label of the bounds in force
     pull_bound: int = 0  # a cached row is re-read when its owner is more than this many updates ahead
     push_bound: int = 0  # local updates are pushed once a row holds more than this many
     tables: dict[str, TableBoundsConfig] = field(default_factory=dict)  # per-table overrides, key = table index

@@ -278,7 +278,7 @@ class Trainer:
                    "push_bytes": int(nb["pushes"][i]),
                    "max_staleness": int(tot["max_staleness"][i])} for i in range(len(caps))]
         hist = tot["staleness_hist"].sum(0)
-        return {"policy": c.cache.policy, "consistency": c.consistency.name,
+        return {"policy": c.cache.policy, "consistency": self.emb.bounds.label,
                 "pull_bound": _bound(c.consistency.pull_bound), "push_bound": _bound(c.consistency.push_bound),
                 "capacity_rows": int(sum(caps)),
                 **{k: int(tot[k].sum()) for k in CACHE_COUNTERS},

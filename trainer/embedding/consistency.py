@@ -42,6 +42,13 @@ class Bounds:
     def is_bsp(self) -> bool:
         return bool((self.pull == 0).all() and (self.push == 0).all())
 
+    @property
+    def label(self) -> str:
+        """bsp (all bounds 0), asp (all unbounded) or ssp (anything else), from the bounds in force."""
+        if self.is_bsp:
+            return "bsp"
+        return "asp" if bool((self.pull == UNBOUNDED).all() and (self.push == UNBOUNDED).all()) else "ssp"
+
 
 def needs_row(cached_version: torch.Tensor, owner_version: torch.Tensor,
               pull_bound: torch.Tensor) -> torch.Tensor:
