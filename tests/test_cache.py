@@ -161,6 +161,7 @@ BSP_CASES = {
                                        "model.pooling=mean"]),
     "w2-lfu-whole-table-adam-rowwise": (2, ["cache=lfu", "cache.capacity_fraction=1.0", "optim=adam",
                                              "+cache.tables.1.capacity_rows=2"]),
+    "w2-lru-zero-capacity-all-transient": (2, ["cache=lru", "cache.capacity_fraction=0"]),
 }
 
 
@@ -173,7 +174,11 @@ def test_bsp_with_cache_equals_single_process(case):
     for res in results:
         assert_same_run(ref, res)
     c = results[0].summary["cache"]
-    assert c["requested"] > 0 and c["hits"] > 0, c  # the cache was really used
+    assert c["requested"] > 0, c
+    if "cache.capacity_fraction=0" in extra:  # no slot at all: every remote row is transient
+        assert c["hits"] == 0 and c["transient"] == c["requested"]
+    else:
+        assert c["hits"] > 0, c  # the cache was really used
     assert c["staleness"]["max"] == 0 and c["pending_updates_after_flush"] == 0
     assert c["pushed_updates"] == c["requested"]  # every read row got exactly one update, pushed
     if "capacity_rows=1" in extra:

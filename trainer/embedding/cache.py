@@ -178,6 +178,13 @@ class RowCache:
             return torch.full_like(gids, -1)
         return self.map.lookup(gids)[0]
 
+    def versions_of(self, slots: torch.Tensor) -> torch.Tensor:
+        """[n] version each slot's copy was read at; -1 (no copy) where the slot is -1."""
+        out = torch.full_like(slots, -1)
+        hit = slots >= 0
+        out[hit] = self.version.index_select(0, slots[hit])
+        return out
+
     def touch(self, slots: torch.Tensor, step: int) -> None:
         """Mark cached slots [k] (>= 0) as used at `step` (protects them from eviction this step)."""
         self.freq.index_add_(0, slots, torch.ones_like(slots))

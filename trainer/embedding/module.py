@@ -56,6 +56,20 @@ class CacheStats:
     def add(self, key: str, tables: torch.Tensor, weights: torch.Tensor | None = None) -> None:
         self.t[key] += torch.bincount(tables, weights=weights, minlength=self.num_tables).to(torch.int64)
 
+    def reads(self, table: torch.Tensor, hit: torch.Tensor, need: torch.Tensor,
+              transient: torch.Tensor) -> None:
+        """One step's remote reads ([Ur] each): table, cache hit, row pulled, transient."""
+        self.add("requested", table)
+        self.add("hits", table[hit])
+        self.add("fresh_hits", table[hit & ~need])
+        self.add("pulled", table[need])
+        self.add("transient", table[transient])
+
+    def pushes(self, table: torch.Tensor, counts: torch.Tensor) -> None:
+        """Rows pushed ([n] table of each) and the updates they carry ([n] counts)."""
+        self.add("pushed_rows", table)
+        self.add("pushed_updates", table, counts.double())
+
     def vector(self) -> torch.Tensor:
         """[len(CACHE_COUNTERS) * T] float64, for one allreduce over ranks."""
         return torch.cat([self.t[k] for k in CACHE_COUNTERS]).double().cpu()
@@ -135,8 +149,7 @@ class HybridEmbedding:
         slots = cache.lookup(remote)
         hit = slots >= 0
         cache.touch(slots[hit], step)
-        cached_ver = torch.where(hit, cache.version.index_select(0, slots.clamp(min=0)),
-                                 torch.full_like(slots, -1))
+        cached_ver = cache.versions_of(slots)
         need, versions, rows = self.exchange.check(remote, cached_ver, plan.splits, self.bounds.pull)
         at = torch.cumsum(need.long(), 0) - 1  # row index of each needed id in `rows`
         stale = hit & need
@@ -150,19 +163,11 @@ class HybridEmbedding:
             torch.empty(slots.numel(), self.dim, device=ws.device)
         remote_rows[transient] = rows[at[transient]]
         ws.index_copy_(0, plan.remote_pos, remote_rows)
-        self._count_reads(table, hit, need, transient)
+        self.cache_stats.reads(table, hit, need, transient)
         if self.audit is not None:
             read_ver = torch.where(need, versions, cached_ver)
             self.audit.read(step, remote, read_ver)
         return slots
-
-    def _count_reads(self, table, hit, need, transient) -> None:
-        st = self.cache_stats
-        st.add("requested", table)
-        st.add("hits", table[hit])
-        st.add("fresh_hits", table[hit & ~need])
-        st.add("pulled", table[need])
-        st.add("transient", table[transient])
 
     def apply_gradients(self) -> None:
         """Push remote row gradients to owners; owners update every touched row once. Collective."""
@@ -193,9 +198,7 @@ class HybridEmbedding:
         st = self.cache_stats
         st.add("evicted_dirty", self.sharding.decode(evicted.gids)[0])
         pushes = Pushes.cat([due, transient, evicted])
-        t = self.sharding.decode(pushes.gids)[0]
-        st.add("pushed_rows", t)
-        st.add("pushed_updates", t, pushes.counts.double())
+        st.pushes(self.sharding.decode(pushes.gids)[0], pushes.counts)
         return pushes
 
     def _apply(self, owned: Pushes, received: Pushes) -> None:
@@ -212,9 +215,7 @@ class HybridEmbedding:
         if self.cache is None:
             return 0
         pushes = self.cache.take_all()
-        t = self.sharding.decode(pushes.gids)[0]
-        self.cache_stats.add("pushed_rows", t)
-        self.cache_stats.add("pushed_updates", t, pushes.counts.double())
+        self.cache_stats.pushes(self.sharding.decode(pushes.gids)[0], pushes.counts)
         empty = Pushes.empty(self.dim, self.store.weight.device)
         self._apply(empty, self.exchange.push_updates(pushes))
         return len(pushes)

@@ -1,0 +1,68 @@
+"""Replay an id trace through the trainer's cache + consistency code for W simulated workers; print
+one JSON line (pulls, pushes, bytes, hit rate, Belady OPT hit rate). Progress goes to stderr.
+
+    python scripts/simulate_cache.py --workers 8 --steps 200 data=criteo_like cache=lru \\
+        consistency=ssp consistency.pull_bound=4
+    python scripts/simulate_cache.py --workers 2 data=criteo data.dir=DIR cache=lfu
+    python scripts/simulate_cache.py --workers 1 --owners server --trace ids.npz cache=lru
+    python scripts/simulate_cache.py --workers 4 --trace ids.txt --batch 1024 cache=lfu_pinned
+
+Positional arguments are Hydra overrides of `python -m trainer` (cache=..., consistency=...,
+cache.capacity_fraction=..., data=...). Semantics, trace formats and the exact OPT definition
+follow (trainer/simulate.py's docstring).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+from trainer import simulate as sim  # noqa: E402
+from trainer.config import ConfigError  # noqa: E402
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__ + "\n" + (sim.__doc__ or ""),
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("overrides", nargs="*", help="Hydra overrides, e.g. data=criteo_like cache=lru")
+    p.add_argument("--workers", "-W", type=int, default=2, help="simulated workers W (default 2)")
+    p.add_argument("--steps", type=int, default=None,
+                   help="steps to replay (default: the whole trace file, else train.steps)")
+    p.add_argument("--owners", choices=sim.OWNERS, default="sharded",
+                   help="sharded: worker g mod W owns row g (the trainer); server: a parameter "
+                        "server outside the workers owns every row (HET's setting)")
+    p.add_argument("--trace", default=None, help=".npz (ids [S, B, T], optional table_rows [T]) or "
+                                                 "text file (one sample of T ids per line)")
+    p.add_argument("--batch", type=int, default=None, help="text trace: global samples per step")
+    p.add_argument("--per-table", action="store_true", help="add per_table counters")
+    p.add_argument("--opt-bypass", action="store_true",
+                   help="also report opt_bypass_hit_rate (MIN that may leave a miss uncached)")
+    p.add_argument("--quiet", action="store_true", help="no progress on stderr")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = parse_args(argv)
+    log = None if a.quiet else sys.stderr
+    try:
+        trace, spec, cfg = sim.build(a.overrides, a.workers, a.owners, a.trace, a.batch, sys.stderr)
+        steps = sim.resolve_steps(trace, cfg, a.steps, sys.stderr)
+        if log is not None:
+            print(f"simulate: W={spec.workers} owners={spec.owners} policy={spec.policy} "
+                  f"capacity={sum(spec.capacities)} rows/worker, {steps} steps of "
+                  f"{trace.global_batch} samples ({trace.description})", file=log, flush=True)
+        out = sim.simulate(trace, spec, steps, a.per_table, a.opt_bypass, log)
+    except (ConfigError, sim.TraceError, OSError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print(json.dumps(out))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
