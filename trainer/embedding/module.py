@@ -77,8 +77,7 @@ class CacheStats:
 
 class Audit:
     """Test-only record (embedding.audit=true): every cached-path remote read (step, gid, version
-    read at),
-    every owner version change (step, gid, version after), the sum of computed row gradients."""
+    read at), every owner version change (step, gid, version after), the sum of row gradients."""
 
     def __init__(self, n_ids: int, dim: int) -> None:
         self.reads: list[torch.Tensor] = []
