@@ -4,7 +4,7 @@ one JSON line (pulls, pushes, bytes, hit rate, Belady OPT hit rate). Progress go
     python scripts/simulate_cache.py --workers 8 --steps 200 data=criteo_like cache=lru \\
         consistency=ssp consistency.pull_bound=4
     python scripts/simulate_cache.py --workers 2 data=criteo data.dir=DIR cache=lfu
-    python scripts/simulate_cache.py --workers 1 --owners server --trace ids.npz cache=lru
+    python scripts/simulate_cache.py --workers 1 --trace ids.npz cache=lru    # W=1: a parameter server
     python scripts/simulate_cache.py --workers 4 --trace ids.txt --batch 1024 cache=lfu_pinned
 
 Positional arguments are Hydra overrides of `python -m trainer` (cache=..., consistency=...,
@@ -33,9 +33,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--workers", "-W", type=int, default=2, help="simulated workers W (default 2)")
     p.add_argument("--steps", type=int, default=None,
                    help="steps to replay (default: the whole trace file, else train.steps)")
-    p.add_argument("--owners", choices=sim.OWNERS, default="sharded",
+    p.add_argument("--owners", choices=("auto",) + sim.OWNERS, default="auto",
                    help="sharded: worker g mod W owns row g (the trainer); server: a parameter "
-                        "server outside the workers owns every row (HET's setting)")
+                        "server outside the workers owns every row (HET's setting); auto "
+                        "(default): sharded when W > 1, server when W = 1")
     p.add_argument("--trace", default=None, help=".npz (ids [S, B, T], optional table_rows [T]) or "
                                                  "text file (one sample of T ids per line)")
     p.add_argument("--batch", type=int, default=None, help="text trace: global samples per step")

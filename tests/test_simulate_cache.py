@@ -340,3 +340,15 @@ def test_criteo_dir(tmp_path):
         assert torch.equal(trace.batch(s, 1)[0], ref.train_batch(s).values)
     out = sim.simulate(trace, spec, 4)
     assert out["requested"] > 0 and out["hits"] > 0
+
+
+def test_owners_auto_uses_a_server_at_one_worker(tmp_path):
+    """W=1 with the default owners replays the whole trace through one cache (nothing is local)."""
+    ids = np.array([[[1], [2]], [[1], [3]], [[1], [2]]], dtype=np.int64)  # 3 steps, 2 samples, 1 table
+    path = str(tmp_path / "t.npz")
+    np.savez(path, ids=ids)
+    trace, spec, _ = sim.build(["cache=lru", "cache.capacity_rows=2"], 1, trace_file=path, log=None)
+    assert spec.owners == "server"
+    out = sim.simulate(trace, spec, 3)
+    assert out["requested"] == 6 and out["hits"] == 2  # 1 and 2 re-read from the cache of 2 rows
+    assert sim.build(["cache=lru"], 2, trace_file=path, log=None)[1].owners == "sharded"

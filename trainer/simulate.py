@@ -34,7 +34,9 @@ One simulated step, mirroring HybridEmbedding (module.py) step for step:
 
 Owners: --owners sharded (our trainer: fused global id g is owned by worker g mod W); --owners
 server (HET's parameter-server setting: every row lives on a server outside the workers, so every
-id is remote for every worker and nothing is owned; versions are still per row, at the server).
+id is remote for every worker and nothing is owned; versions are still per row, at the server);
+--owners auto (the CLI default): sharded when W > 1, server when W = 1 (where sharded would make
+every row local and leave nothing to cache).
 
 Trace sources: (1) a Hydra config (synthetic presets, data=criteo data.dir=DIR with the memmap
 reader): worker w's batch of step s is exactly rank w's batch of a W-worker training run. (2) an
@@ -668,12 +670,24 @@ def simulate(trace: Trace, spec: SimSpec, steps: int, per_table: bool = False,
     return out
 
 
-def build(overrides: list[str], workers: int, owners: str = "sharded", trace_file: Optional[str] = None,
+def resolve_owners(owners: str, workers: int, log: Optional[TextIO] = None) -> str:
+    """auto: sharded over the workers when W > 1; at W = 1 every row would be local (nothing to
+    cache), so the rows live on a parameter server (HET's setting) instead, said on `log`."""
+    if owners != "auto":
+        return owners
+    if workers == 1 and log is not None:
+        print("simulate: W=1: rows live on a parameter server (--owners server), so every id is "
+              "remote and cacheable; --owners sharded would make every row local", file=log)
+    return "server" if workers == 1 else "sharded"
+
+
+def build(overrides: list[str], workers: int, owners: str = "auto", trace_file: Optional[str] = None,
           batch: Optional[int] = None, log: Optional[TextIO] = sys.stderr) -> tuple[Trace, SimSpec, Config]:
     """The trace and spec of a CLI call: Hydra overrides, plus an optional trace file whose table
     sizes replace data.table_rows (so cache capacities and per-table overrides apply to it)."""
     if workers <= 0:
         raise TraceError(f"--workers {workers}: must be > 0")
+    owners = resolve_owners(owners, workers, log)
     if trace_file is None:
         cfg = compose_config(overrides)
         trace: Trace = ConfigTrace(cfg, workers)
