@@ -1,17 +1,25 @@
 """Hot-path kernels of the sparse side, with one dispatch: Triton on CUDA tensors, torch otherwise.
 
-Why one dispatch: the trainer's embedding module calls ``kernels.pooled_gather`` /
-``kernels.scatter_update`` / ``kernels.make_id_slot_map`` and never chooses an implementation itself,
-so there is a single code path whose backend is picked here:
+Why one dispatch: the trainer calls ``kernels.pooled_gather`` (forward over the step's workspace;
+its backward is ``accumulate_row_grads``), ``kernels.row_update`` (the owner's gradient sum +
+sparse optimizer in ShardStore.apply, the row-gradient entry point of the fused scatter + optimizer
+family next to ``kernels.scatter_update``) and ``kernels.make_id_slot_map`` (the cache), and never
+chooses an implementation itself, so there is a single code path whose backend is picked here:
 
 - ``"auto"`` (default): Triton when the tensors are on CUDA and Triton is importable, else the
   pure-torch reference (kernels.reference), which is also the CPU path.
 - ``"triton"``: always Triton. On CPU tensors this works only under ``TRITON_INTERPRET=1`` (the
-  interpreter, for tests); otherwise a clear RuntimeError is raised.
+  interpreter, for tests); otherwise a clear error is raised.
 - ``"reference"``: always the reference.
 
-Choose with ``set_backend(name)`` (or ``use_backend(name)`` as a context manager) or the environment
-variable ``TRAINER_KERNELS``; ``set_backend`` wins, ``set_backend(None)`` returns to the variable.
+Where the backend comes from, strongest first:
+1. ``set_backend(name)`` / ``use_backend(name)`` (context manager): programmatic, for tests and
+   benchmarks; ``set_backend(None)`` clears it.
+2. The environment variable ``TRAINER_KERNELS`` (auto | triton | reference): an operator's override
+   of the config, e.g. ``TRAINER_KERNELS=reference python -m trainer ...`` on a GPU box.
+3. ``configure(backend, device)``: the trainer's start-up call with the config key
+   ``kernels.backend``; it also checks that the backend can run on the trainer's device.
+4. ``"auto"``.
 
 Note: the public functions ``pooled_gather`` and ``scatter_update`` share their names with the kernel
 files. The files are imported first and the functions bound afterwards, so the package attributes are
@@ -37,15 +45,23 @@ from kernels.hashmap import IdSlotMap, TritonIdSlotMap
 from kernels.reference import ReferenceIdSlotMap
 
 __all__ = [
-    "BACKENDS", "IdSlotMap", "ReferenceIdSlotMap", "TritonIdSlotMap", "accumulate_row_grads",
-    "get_backend", "make_id_slot_map", "pooled_gather", "reference", "scatter_update",
-    "set_backend", "triton_available", "use_backend", "use_triton",
+    "BACKENDS", "BackendError", "IdSlotMap", "ReferenceIdSlotMap", "TritonIdSlotMap",
+    "accumulate_row_grads", "check_backend", "configure", "get_backend", "make_id_slot_map",
+    "pooled_gather", "reference", "row_update", "scatter_update", "set_backend",
+    "triton_available", "use_backend", "use_triton",
 ]
 
 BACKENDS = ("auto", "triton", "reference")
 ENV_VAR = "TRAINER_KERNELS"
-_override: Optional[str] = None
+_override: Optional[str] = None  # set_backend / use_backend
+_configured: str = "auto"  # configure(), from the config key kernels.backend
 _warned_fallback = False
+
+
+class BackendError(ValueError, RuntimeError):
+    """The kernel backend asked for is unknown or cannot run here; the message says which and why.
+
+    A ValueError (a bad setting) and a RuntimeError (what a failed launch raised before)."""
 
 
 def triton_available() -> bool:
@@ -53,23 +69,61 @@ def triton_available() -> bool:
     return has_triton()
 
 
-def _validate(name: str) -> str:
+def _validate(name: str, source: str = "kernel backend") -> str:
     if name not in BACKENDS:
-        raise ValueError(f"kernel backend must be one of {BACKENDS}, got {name!r}")
+        raise BackendError(f"{source}={name!r}: must be one of {', '.join(BACKENDS)}")
     return name
 
 
 def set_backend(name: Optional[str]) -> None:
-    """Force a backend ("auto" | "triton" | "reference"); None defers to $TRAINER_KERNELS."""
+    """Force a backend ("auto" | "triton" | "reference") over everything; None clears the force."""
     global _override
     _override = None if name is None else _validate(name)
 
 
+def _env_backend() -> Optional[str]:
+    value = os.environ.get(ENV_VAR, "").strip().lower()
+    return _validate(value, ENV_VAR) if value else None
+
+
 def get_backend() -> str:
-    """The backend in force: set_backend's, else $TRAINER_KERNELS, else "auto"."""
+    """The backend in force: set_backend's, else $TRAINER_KERNELS, else configure()'s ("auto")."""
     if _override is not None:
         return _override
-    return _validate(os.environ.get(ENV_VAR, "auto").strip().lower() or "auto")
+    return _env_backend() or _configured
+
+
+def check_backend(name: str, device: torch.device | str, source: str = "kernels.backend") -> None:
+    """Fail now, with a clear BackendError naming ``source``, if backend ``name`` cannot run kernels
+    on tensors living on ``device`` (unknown name; triton not installed; triton forced on a CPU
+    device without TRITON_INTERPRET=1)."""
+    _validate(name, source)
+    if name != "triton":
+        return
+    if not has_triton():
+        raise BackendError(f"{source}='triton' but the `triton` package is not installed; install "
+                           "triton==3.7.1 or use 'auto' / 'reference'")
+    if torch.device(device).type != "cuda" and not interpret_enabled():
+        raise BackendError(
+            f"{source}='triton' but the trainer's tensors are on {torch.device(device)}: compiled "
+            "Triton kernels need CUDA. Use 'auto' or 'reference' on CPU, or set TRITON_INTERPRET=1 "
+            "(Triton's interpreter: slow, for tests)")
+
+
+def configure(backend: str, device: torch.device | str) -> str:
+    """Trainer start-up: apply the config key ``kernels.backend`` and check it against ``device``.
+
+    $TRAINER_KERNELS, when set, overrides ``backend`` (and is what gets checked). Returns the
+    implementation the trainer's kernels will use on ``device``: "triton" or "reference".
+    Raises BackendError (a ValueError) with a message naming the key or the variable.
+    """
+    global _configured
+    _configured = _validate(backend, "kernels.backend")
+    env = _env_backend()
+    effective, source = (env, f"{ENV_VAR} (overrides kernels.backend)") if env else (
+        _configured, "kernels.backend")
+    check_backend(effective, device, source)
+    return "triton" if use_triton(device) else "reference"
 
 
 @contextlib.contextmanager
@@ -93,7 +147,7 @@ def use_triton(device: torch.device | str) -> bool:
         return device.type == "cuda" and _triton_or_warn()
     require_triton()
     if device.type != "cuda" and not interpret_enabled():
-        raise RuntimeError(
+        raise BackendError(
             f"kernel backend 'triton' was forced but the tensors are on {device}: compiled Triton "
             "kernels need CUDA tensors. Set TRITON_INTERPRET=1 to run them in Triton's interpreter "
             "(slow, for tests), or use backend 'auto' or 'reference'."
@@ -175,6 +229,25 @@ def scatter_update(
     return fn(storage, grad, slots, offsets, num_tables, optimizer=optimizer, lr=lr, eps=eps,
               state=state, mode=mode, per_sample_weights=per_sample_weights, remote=remote,
               remote_start=remote_start, pending=pending, pending_offset=pending_offset)
+
+
+def row_update(
+    storage: Tensor,
+    rows: Tensor,
+    grads: Tensor,
+    *,
+    optimizer: str = "sgd",
+    lr: float = 0.01,
+    eps: float = 1e-10,
+    state: Optional[Tensor] = None,
+    unique: bool = False,
+) -> None:
+    """The owner's sparse update, in place: sum grads [n, d] per storage row (rows [n], repeated
+    when several workers pushed one row), then SGD / Adagrad (state [S, d]) / row-wise Adagrad
+    (state [S]) once per distinct row. unique=True: rows are known distinct (no sum)."""
+    fn = (_scatter_update_module.row_update_triton if use_triton(storage.device)
+          else reference.row_update)
+    fn(storage, rows, grads, optimizer=optimizer, lr=lr, eps=eps, state=state, unique=unique)
 
 
 def make_id_slot_map(capacity: int, device: torch.device | str = "cpu") -> IdSlotMap:

@@ -10,6 +10,9 @@ touch the same row, so no atomics are needed.
 Remote slots (cache rows owned by another worker) do not run the optimizer: their summed gradient is
 added to ``pending[slot - pending_offset]`` for the cache to push later (HET).
 
+``row_update_triton`` is the owner's update (ShardStore.apply): the same segment kernel over row
+gradients [n, d] received from every worker, one entry per gradient row, summed per storage row.
+
 ``accumulate_row_grads_triton`` (also pooled_gather's backward) returns the dense per-slot gradient:
 bag-parallel atomics by default, or the sorted-segment kernel when ``deterministic`` (default:
 torch.are_deterministic_algorithms_enabled()).
@@ -115,8 +118,7 @@ def scatter_update_triton(
     ref.check_weights(per_sample_weights, slots)
     flagged = remote is not None or remote_start is not None
     ref.check_update_args(storage, state, optimizer, flagged, pending)
-    if storage.stride(1) != 1 or (state is not None and state.dim() == 2 and state.stride(1) != 1):
-        raise ValueError("scatter_update updates in place: storage/state columns must be contiguous")
+    _check_in_place(storage, state)
     bag_grad = _bag_grads(grad, offsets)
     segs = sort_segments(slots, offsets, mode, per_sample_weights, bag_grad.dtype)
     if segs.uniq.numel() == 0 or storage.shape[1] == 0:
@@ -125,6 +127,50 @@ def scatter_update_triton(
     _launch_segments(segs, bag_grad, storage, optimizer, state=state, flags=flags,
                      pending=pending, pending_offset=pending_offset, lr=lr, eps=eps)
     return segs.uniq
+
+
+def row_update_triton(
+    storage: Tensor,
+    rows: Tensor,
+    grads: Tensor,
+    *,
+    optimizer: str = "sgd",
+    lr: float = 0.01,
+    eps: float = 1e-10,
+    state: Optional[Tensor] = None,
+    unique: bool = False,
+) -> None:
+    """Same contract as kernels.reference.row_update: rows [n], grads [n, d] -> in place.
+
+    The received row gradients are the segment kernel's input with one entry per gradient row:
+    entries are stable-sorted by storage row (unique=True: taken as they are, one per segment).
+    """
+    ref.check_update_args(storage, state, optimizer, False, None)
+    if grads.dim() != 2 or grads.shape[0] != rows.numel() or grads.shape[1] != storage.shape[1]:
+        raise ValueError(f"grads must be [len(rows), d] = [{rows.numel()}, {storage.shape[1]}]")
+    _check_in_place(storage, state)
+    if rows.numel() == 0 or storage.shape[1] == 0:
+        return
+    grads = grads.to(ref.accumulation_dtype(grads.dtype)).contiguous()
+    segs = _row_segments(rows.long(), unique)
+    _launch_segments(segs, grads, storage, optimizer, state=state, lr=lr, eps=eps)
+
+
+def _row_segments(rows: Tensor, unique: bool) -> Segments:
+    """Segments over gradient rows: entry e is gradient row e (no bags, no coefficients)."""
+    if unique:
+        order = torch.arange(rows.numel(), device=rows.device)
+        return Segments(rows, torch.arange(rows.numel() + 1, device=rows.device), order, None)
+    sorted_rows, order = torch.sort(rows, stable=True)
+    uniq, counts = torch.unique_consecutive(sorted_rows, return_counts=True)
+    starts = torch.zeros(uniq.numel() + 1, dtype=torch.int64, device=rows.device)
+    torch.cumsum(counts, 0, out=starts[1:])
+    return Segments(uniq, starts, order, None)
+
+
+def _check_in_place(storage: Tensor, state: Optional[Tensor]) -> None:
+    if storage.stride(1) != 1 or (state is not None and state.dim() == 2 and state.stride(1) != 1):
+        raise ValueError("scatter_update updates in place: storage/state columns must be contiguous")
 
 
 def _launch_segments(segs: Segments, bag_grad: Tensor, out: Tensor, op: str, *,

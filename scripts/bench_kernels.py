@@ -13,6 +13,8 @@ Bytes counted (the minimum a kernel must move; repeated lookups of a hot row cou
     pooled_gather       N*d*elem (rows) + N*idx + (B*T+1)*idx + B*T*d*4 (output)
     row_grads           B*T*d*4 (grad) + N*idx + N*d*4 (one scatter per entry)
     scatter_update/opt  B*T*d*4 (grad) + N*idx + U*d*elem*2 (rows rw) + state rw
+    row_update/opt      N*d*4 (row grads) + N*idx + U*d*elem*2 (rows rw) + state rw (the owner's
+                        update of ShardStore.apply: one gradient row per entry, repeats summed)
     hashmap_lookup      n*8 (ids) + n*8 (slots) + n*16 (one probed cell)
 
 Usage: python scripts/bench_kernels.py [--device cuda|cpu] [--quick] [--out FILE]
@@ -177,6 +179,14 @@ def update_bytes(grad: Tensor, slots: Tensor, uniq: int, storage: Tensor, optimi
     return grad.numel() * 4 + slots.numel() * 8 + uniq * dim * storage.element_size() * 2 + state
 
 
+def row_update_impls(args: argparse.Namespace) -> Iterator[Tuple[str, Callable[..., Any]]]:
+    if args.device.startswith("cuda") and kernels.triton_available():
+        from kernels.scatter_update import row_update_triton
+
+        yield "triton", row_update_triton
+    yield "reference", ref.row_update
+
+
 def row_grad_impls(args: argparse.Namespace) -> Iterator[Tuple[str, Callable[..., Any]]]:
     if args.device.startswith("cuda") and kernels.triton_available():
         from kernels.scatter_update import accumulate_row_grads_triton
@@ -215,6 +225,7 @@ def bench_point(args: argparse.Namespace, dim: int, bag: int, dist: str,
     grad = torch.randn(args.batch, args.tables, dim, device=args.device)
     yield from bench_row_grads(args, base, grad, slots, offsets, copy_gbps)
     yield from bench_updates(args, base, storage, grad, slots, offsets, copy_gbps)
+    yield from bench_row_updates(args, base, storage, slots, copy_gbps)
 
 
 def bench_row_grads(args, base, grad, slots, offsets, copy_gbps) -> Iterator[Dict[str, Any]]:
@@ -237,6 +248,26 @@ def bench_updates(args, base, storage, grad, slots, offsets,
                              optimizer=optimizer, lr=1e-6, state=state)
             yield point({**base, "kernel": f"scatter_update_{optimizer}", "unique": uniq}, impl,
                         nbytes, time_ms(run, args.device, args.reps), copy_gbps)
+
+
+def bench_row_updates(args, base, storage, slots, copy_gbps) -> Iterator[Dict[str, Any]]:
+    """The owner's update: N row gradients (one per looked-up entry, hot rows repeated)."""
+    rows = slots.long()
+    grads = torch.randn(rows.numel(), storage.shape[1], device=args.device)
+    uniq = int(torch.unique(rows).numel())
+    states = {"sgd": None, "adagrad": torch.zeros(storage.shape, device=args.device),
+              "rowwise_adagrad": torch.zeros(storage.shape[0], device=args.device)}
+    for optimizer, state in states.items():
+        nbytes = update_bytes(grads, rows, uniq, storage, optimizer)
+        for impl, fn in row_update_impls(args):
+            run = lambda: fn(storage, rows, grads, optimizer=optimizer, lr=1e-6,  # noqa: E731
+                             state=state)
+            yield point({**base, "kernel": f"row_update_{optimizer}", "unique": uniq}, impl,
+                        nbytes, time_ms(run, args.device, args.reps), copy_gbps)
+        if optimizer == "sgd":  # the unfused torch baseline: one index_add_ per entry
+            run = lambda: storage.index_add_(0, rows, grads, alpha=-1e-6)  # noqa: E731
+            yield point({**base, "kernel": "row_update_sgd", "unique": uniq}, "torch", nbytes,
+                        time_ms(run, args.device, args.reps), copy_gbps)
 
 
 def bench_hashmap(args: argparse.Namespace, copy_gbps: float) -> Iterator[Dict[str, Any]]:

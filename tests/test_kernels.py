@@ -1,15 +1,18 @@
 """Every Triton kernel against its pure-torch reference, and the reference against torch itself.
 
-Why this shape: CI has no GPU, so the Triton kernels run in Triton's interpreter (TRITON_INTERPRET=1,
-set per test by the autouse fixture below, so it never leaks into other test modules) on tiny
-shapes that still hit the edge cases: odd d (1, 7, 33, 300 -> column-block tails), bags longer than
-a tile (entry-block tails), empty bags, duplicate ids within and across bags, int32/int64 indices,
-fp32/fp16/bf16 storage, per-sample weights, sum/mean. Tests marked ``gpu`` run the compiled kernels
-at realistic sizes and are skipped without CUDA.
+Why this shape: CI has no GPU, so the Triton kernels run in Triton's interpreter (TRITON_INTERPRET=1)
+on tiny shapes that still hit the edge cases: odd d (1, 7, 33, 300 -> column-block tails), bags
+longer than a tile (entry-block tails), empty bags, duplicate ids within and across bags,
+int32/int64 indices, fp32/fp16/bf16 storage, per-sample weights, sum/mean. Tests marked ``gpu`` run
+the compiled kernels at realistic sizes and are skipped without CUDA.
 
 TRITON_INTERPRET is read by Triton when it is imported, so it is set here, at collection, before
 anything imports triton, and only when there is no CUDA device (then the interpreter is the only way
 to run Triton, and no other test can want compiled kernels). ``kernels`` imports triton lazily.
+
+No silent skips: triton is a pinned dependency on Linux x86_64 (pyproject.toml), so there the Triton
+tests always run and a missing or broken triton FAILS them (and test_triton_is_usable_where_pinned
+says why). They skip only on platforms where triton cannot be installed.
 """
 
 from __future__ import annotations
@@ -22,11 +25,12 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import importlib
+import platform
 import subprocess
 import sys
 import textwrap
 from pathlib import Path
-from typing import Any, Iterator, Optional, Tuple
+from typing import Any, Callable, Iterator, Optional, Tuple
 
 import pytest
 import torch.nn.functional as F
@@ -36,22 +40,27 @@ import kernels
 from kernels import reference as ref
 from kernels._triton import has_triton, interpret_enabled, interpreter_ready
 from kernels.pooled_gather import pooled_gather_triton
-from kernels.scatter_update import accumulate_row_grads_triton, scatter_update_triton
+from kernels.scatter_update import (accumulate_row_grads_triton, row_update_triton,
+                                    scatter_update_triton)
 
 HAS_TRITON = has_triton()
-COMPILED = torch.cuda.is_available() and HAS_TRITON and not interpret_enabled()
+# pyproject.toml: "triton==3.7.1; platform_system == 'Linux' and platform_machine == 'x86_64'"
+TRITON_PINNED = platform.system() == "Linux" and platform.machine() == "x86_64"
+# This process runs Triton compiled (CUDA, no TRITON_INTERPRET) or interpreted (everything else).
+CUDA_COMPILED_MODE = torch.cuda.is_available() and not interpret_enabled()
+COMPILED = CUDA_COMPILED_MODE and HAS_TRITON
 INTERPRETED = interpreter_ready()
 # Small edge-case tests run compiled on CUDA where there is a GPU, interpreted on CPU elsewhere.
-DEV = "cuda" if COMPILED else "cpu"
+DEV = "cuda" if CUDA_COMPILED_MODE else "cpu"
+RUN_TRITON = TRITON_PINNED or COMPILED or INTERPRETED
 needs_triton = pytest.mark.skipif(
-    not (COMPILED or INTERPRETED),
-    reason="needs triton: compiled with CUDA, or TRITON_INTERPRET=1 set before triton is imported",
-)
-needs_interpreter = pytest.mark.skipif(not INTERPRETED, reason="needs triton's interpreter")
+    not RUN_TRITON, reason="triton is not a dependency on this platform and is not installed")
+needs_interpreter = pytest.mark.skipif(
+    CUDA_COMPILED_MODE or not RUN_TRITON,
+    reason="this process runs compiled Triton on CUDA (the interpreter tests run on CPU machines)")
 gpu = pytest.mark.gpu
 needs_cuda = pytest.mark.skipif(
-    not COMPILED, reason="needs a CUDA device, triton, and compiled (not interpreted) kernels"
-)
+    not CUDA_COMPILED_MODE, reason="needs a CUDA device and compiled (not interpreted) kernels")
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 INDEX_DTYPES = [torch.int32, torch.int64]
@@ -69,11 +78,24 @@ def _one_thread():
 
 @pytest.fixture(autouse=True)
 def _default_backend(monkeypatch: pytest.MonkeyPatch):
-    """Every test starts on backend "auto" and leaves it there."""
+    """Every test starts on backend "auto" (no force, no variable, configured "auto") and leaves
+    it there."""
     monkeypatch.delenv(kernels.ENV_VAR, raising=False)
     kernels.set_backend(None)
+    kernels.configure("auto", "cpu")
     yield
     kernels.set_backend(None)
+    monkeypatch.delenv(kernels.ENV_VAR, raising=False)
+    kernels.configure("auto", "cpu")
+
+
+@pytest.mark.skipif(not TRITON_PINNED, reason="triton is not a dependency on this platform")
+def test_triton_is_usable_where_pinned():
+    """Where triton is pinned, it must import and run (compiled on CUDA, else interpreted)."""
+    assert HAS_TRITON, "triton==3.7.1 is a dependency on Linux x86_64 but is not installed"
+    if not CUDA_COMPILED_MODE:
+        assert interpret_enabled(), "no CUDA: the Triton tests need TRITON_INTERPRET=1"
+        assert INTERPRETED, "triton was imported before TRITON_INTERPRET=1 was set (see _triton.py)"
 
 
 def make_bags(
@@ -407,12 +429,112 @@ def test_scatter_update_validation():
         ref.scatter_update(storage, grad, slots, offsets, 1, optimizer="adam")
 
 
+# ----------------------------------------------------------------------------- owner row update
+
+
+def _row_grads(n: int, rows: int, dim: int, unique: bool, seed: int = 12) -> Tuple[Tensor, Tensor]:
+    """Storage rows [n] (distinct, or with many repeats) and their gradients [n, d] on DEV."""
+    gen = torch.Generator().manual_seed(seed)
+    idx = (torch.randperm(rows, generator=gen)[:n] if unique else
+           torch.randint(0, max(rows // 3, 1), (n,), generator=gen))
+    return idx.to(DEV), torch.randn(n, dim, generator=gen).to(DEV)
+
+
+def _run_row_update(fn: Callable[..., None], storage: Tensor, state: Optional[Tensor],
+                    **kw: Any) -> Tuple[Tensor, Optional[Tensor]]:
+    storage, state = storage.clone(), None if state is None else state.clone()
+    fn(storage, state=state, **kw)
+    return storage, state
+
+
+@needs_triton
+@pytest.mark.parametrize("optimizer", ["sgd", "adagrad", "rowwise_adagrad"])
+@pytest.mark.parametrize("unique", [False, True])
+@pytest.mark.parametrize("dim", [7, 33, 300])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_row_update(optimizer, unique, dim, dtype):
+    """Triton == reference: pushes of several workers for one row (repeats) sum, then one step."""
+    idx, grads = _row_grads(24, 40, dim, unique)
+    storage, state = rand_storage(40, dim, dtype), _opt_state(optimizer, 40, dim)
+    kw = dict(rows=idx, grads=grads, optimizer=optimizer, lr=0.3, eps=1e-8, unique=unique)
+    got = _run_row_update(row_update_triton, storage, state, **kw)
+    want = _run_row_update(ref.row_update, storage, state, **kw)
+    tol = {torch.float32: 1e-5, torch.float16: 1e-3, torch.bfloat16: 1e-2}[dtype]
+    torch.testing.assert_close(got[0].float(), want[0].float(), rtol=tol, atol=tol)
+    if state is not None:
+        torch.testing.assert_close(got[1], want[1], rtol=1e-5, atol=1e-5)
+    untouched = torch.ones(40, dtype=torch.bool, device=DEV)
+    untouched[idx] = False
+    assert torch.equal(got[0][untouched], storage[untouched])
+
+
+@needs_triton
+@pytest.mark.parametrize("fn", [ref.row_update, row_update_triton], ids=["reference", "triton"])
+def test_row_update_is_scatter_update_of_one_entry_bags(fn):
+    """The owner's row update == the fused scatter + optimizer with every gradient row a bag of one."""
+    idx, grads = _row_grads(30, 20, 5, unique=False)
+    storage, state = rand_storage(20, 5, torch.float32), _opt_state("adagrad", 20, 5)
+    got = _run_row_update(fn, storage, state, rows=idx, grads=grads, optimizer="adagrad", lr=0.2)
+    offsets = torch.arange(idx.numel() + 1, device=DEV)
+    want = _run_row_update(ref.scatter_update, storage, state, grad=grads[:, None, :], slots=idx,
+                           offsets=offsets, num_tables=1, optimizer="adagrad", lr=0.2)
+    torch.testing.assert_close(got[0], want[0])
+    torch.testing.assert_close(got[1], want[1])
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adagrad"])
+def test_reference_row_update_matches_torch_optim(optimizer: str):
+    """Row gradients with repeats, 3 steps, Adagrad's accumulator starting at 0.1 (the trainer's
+    default): the same as torch.optim on a dense parameter whose grad is the per-row sum."""
+    storage = rand_storage(15, 4, torch.float32, device="cpu")
+    dense = torch.nn.Parameter(storage.clone())
+    state = torch.full_like(storage, 0.1) if optimizer == "adagrad" else None
+    opt = (torch.optim.SGD([dense], lr=0.3) if optimizer == "sgd" else
+           torch.optim.Adagrad([dense], lr=0.3, eps=1e-10, initial_accumulator_value=0.1))
+    for step in range(3):
+        gen = torch.Generator().manual_seed(step)
+        idx, grads = torch.randint(0, 8, (12,), generator=gen), torch.randn(12, 4, generator=gen)
+        ref.row_update(storage, idx, grads, optimizer=optimizer, lr=0.3, eps=1e-10, state=state)
+        dense.grad = torch.zeros_like(storage).index_add_(0, idx, grads)
+        dense.grad[8:] = 0.0
+        opt.step()
+    torch.testing.assert_close(storage, dense.detach(), rtol=1e-6, atol=1e-7)
+    if state is not None:
+        torch.testing.assert_close(state, opt.state[dense]["sum"])
+
+
+def test_reference_rowwise_adagrad_formula():
+    storage = rand_storage(6, 3, torch.float64, device="cpu")
+    state = torch.full((6,), 0.1, dtype=torch.float64)
+    idx, grads = torch.tensor([4, 1, 4]), torch.randn(3, 3, dtype=torch.float64)
+    want_w, want_s = storage.clone(), state.clone()
+    for row in (1, 4):
+        g = grads[idx == row].sum(0)
+        want_s[row] += (g * g).mean()
+        want_w[row] -= 0.5 * g / (want_s[row].sqrt() + 1e-10)
+    ref.row_update(storage, idx, grads, optimizer="rowwise_adagrad", lr=0.5, eps=1e-10, state=state)
+    torch.testing.assert_close(storage, want_w)
+    torch.testing.assert_close(state, want_s)
+
+
+@needs_triton
+def test_row_update_validation_and_empty():
+    storage = torch.zeros(4, 3, device=DEV)
+    for fn in (ref.row_update, row_update_triton):
+        with pytest.raises(ValueError, match="state"):
+            fn(storage, torch.tensor([1], device=DEV), torch.ones(1, 3, device=DEV), optimizer="adagrad")
+        with pytest.raises(ValueError, match="grads"):
+            fn(storage, torch.tensor([1, 2], device=DEV), torch.ones(1, 3, device=DEV))
+        fn(storage, torch.empty(0, dtype=torch.int64, device=DEV), torch.empty(0, 3, device=DEV))
+    assert not storage.any()
+
+
 # ----------------------------------------------------------------------------- hash map
 
 
 def _map_factories() -> Iterator[Any]:
     yield pytest.param(lambda: kernels.ReferenceIdSlotMap(4, "cpu"), id="reference")
-    if COMPILED or INTERPRETED:
+    if RUN_TRITON:
         yield pytest.param(lambda: kernels.TritonIdSlotMap(4, DEV), id="triton")
 
 
@@ -521,6 +643,144 @@ def test_dispatch_routes_all_kernels(monkeypatch: pytest.MonkeyPatch):
         outs.append((storage, kernels.accumulate_row_grads(grad, slots, offsets, 2, num_slots=6)))
     torch.testing.assert_close(outs[0][0], outs[1][0])
     torch.testing.assert_close(outs[0][1], outs[1][1])
+
+
+# ----------------------------------------------------------------------------- config / trainer
+
+
+def test_configure_applies_config_key_and_env_overrides(monkeypatch: pytest.MonkeyPatch):
+    assert kernels.configure("reference", "cpu") == "reference"
+    assert kernels.get_backend() == "reference"
+    assert kernels.configure("auto", "cpu") == "reference"
+    monkeypatch.setenv(kernels.ENV_VAR, "reference")  # the variable overrides the config key
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    assert kernels.configure("triton", "cpu") == "reference"
+    assert kernels.get_backend() == "reference"
+    with kernels.use_backend("auto"):  # set_backend / use_backend override both
+        assert kernels.get_backend() == "auto"
+    monkeypatch.setenv(kernels.ENV_VAR, "nope")
+    with pytest.raises(kernels.BackendError, match="TRAINER_KERNELS='nope'"):
+        kernels.configure("auto", "cpu")
+    monkeypatch.delenv(kernels.ENV_VAR)
+    with pytest.raises(kernels.BackendError, match="kernels.backend='cuda'"):
+        kernels.configure("cuda", "cpu")
+
+
+@needs_triton
+def test_configure_forced_triton_on_cpu(monkeypatch: pytest.MonkeyPatch):
+    """Forcing triton without CUDA fails at start-up with a message naming the key and the fix."""
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(kernels.BackendError, match=r"kernels.backend='triton'.*TRITON_INTERPRET=1"):
+        kernels.configure("triton", "cpu")
+    monkeypatch.setenv(kernels.ENV_VAR, "triton")
+    with pytest.raises(kernels.BackendError, match=r"TRAINER_KERNELS \(overrides kernels.backend\)"):
+        kernels.configure("reference", "cpu")
+    monkeypatch.delenv(kernels.ENV_VAR)
+    assert kernels.configure("triton", "cuda") == "triton"
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert kernels.configure("triton", "cpu") == "triton"
+
+
+def test_config_key_validation(monkeypatch: pytest.MonkeyPatch):
+    from helpers import make_cfg
+    from trainer.config import ConfigError, to_config
+
+    base = ["data=tiny", "train.device=cpu"]
+    assert to_config(make_cfg(base)).kernels.backend == "auto"
+    assert to_config(make_cfg(base + ["kernels.backend=reference"])).kernels.backend == "reference"
+    with pytest.raises(ConfigError, match="kernels.backend='gpu': must be one of auto, triton, reference"):
+        to_config(make_cfg(base + ["kernels.backend=gpu"]))
+    monkeypatch.setenv(kernels.ENV_VAR, "fast")
+    with pytest.raises(ConfigError, match="TRAINER_KERNELS='fast'"):
+        to_config(make_cfg(base))
+    monkeypatch.setenv(kernels.ENV_VAR, "reference")  # the override wins over a forced triton
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    to_config(make_cfg(base + ["kernels.backend=triton"]))
+
+
+@needs_triton
+def test_config_forced_triton_without_cuda_is_a_config_error(monkeypatch: pytest.MonkeyPatch):
+    from helpers import make_cfg
+    from trainer.config import ConfigError, to_config
+
+    forced = ["data=tiny", "train.device=cpu", "kernels.backend=triton"]
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(ConfigError, match=r"kernels.backend='triton'.*cpu.*TRITON_INTERPRET=1"):
+        to_config(make_cfg(forced))
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert to_config(make_cfg(forced)).kernels.backend == "triton"
+
+
+TINY_RUN = ["data=tiny", "train.steps=3", "data.batch_size=16", "data.eval_samples=32",
+            "data.eval_batch_size=32", "train.threads=1", "train.progress=off", "data.min_bag=0"]
+
+
+def _count_calls(monkeypatch: pytest.MonkeyPatch, owner: Any, name: str) -> list:
+    """Wrap owner.name so that every call is recorded; returns the list of calls."""
+    calls: list = []
+    inner = getattr(owner, name)
+
+    def wrapper(*args: Any, **kw: Any) -> Any:
+        calls.append(kw.get("unique"))
+        return inner(*args, **kw)
+
+    monkeypatch.setattr(owner, name, wrapper)
+    return calls
+
+
+@needs_interpreter
+@pytest.mark.parametrize("optim", ["adagrad", "adam"])  # adam: dense adam, rows rowwise_adagrad
+def test_trainer_owner_update_goes_through_the_dispatch(monkeypatch: pytest.MonkeyPatch, optim):
+    """A 3-step W=1 run with TRAINER_KERNELS=triton (interpreted) and one on the reference: the
+    owner updates of ShardStore.apply are the dispatch's row_update, once per step, and both
+    backends train the same losses, dense parameters and tables within 1e-5."""
+    from helpers import run_single
+
+    triton_calls = _count_calls(monkeypatch, kernels._scatter_update_module, "row_update_triton")
+    ref_calls = _count_calls(monkeypatch, kernels.reference, "row_update")
+    overrides = TINY_RUN + [f"optim={optim}"]
+    monkeypatch.setenv(kernels.ENV_VAR, "triton")
+    got = run_single(overrides)
+    assert len(triton_calls) == 3 and not ref_calls
+    monkeypatch.setenv(kernels.ENV_VAR, "reference")
+    want = run_single(overrides)
+    assert len(ref_calls) == 3 and len(triton_calls) == 3
+    torch.testing.assert_close(torch.tensor(got.losses), torch.tensor(want.losses),
+                               rtol=1e-5, atol=1e-6)
+    for name, value in want.state["dense"].items():
+        torch.testing.assert_close(got.state["dense"][name], value, rtol=1e-5, atol=1e-6)
+    for a, b in zip(got.state["tables"], want.state["tables"]):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    assert any(not torch.equal(a, b) for a, b in zip(want.state["tables"], _initial_tables()))
+
+
+@needs_interpreter
+@pytest.mark.dist
+def test_triton_backend_parity_two_workers(monkeypatch: pytest.MonkeyPatch):
+    """W=2 gloo workers on the Triton backend (interpreted; the variables reach the spawned ranks)
+    equal the single-process reference run: owners sum the pushes of both workers for one row."""
+    from helpers import run_single, run_world
+
+    overrides = TINY_RUN + ["optim=adagrad", "data.global_batch_size=32"]
+    want = run_single(overrides)
+    monkeypatch.setenv(kernels.ENV_VAR, "triton")
+    got = run_world(2, overrides)
+    for res in got:
+        torch.testing.assert_close(torch.tensor(res.losses), torch.tensor(want.losses),
+                                   rtol=1e-5, atol=1e-6)
+        for a, b in zip(res.state["tables"], want.state["tables"]):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    assert got[0].summary["bytes"]["grads"] > 0
+
+
+def _initial_tables() -> list[Tensor]:
+    from helpers import make_cfg
+    from trainer.config import table_rows, to_config
+    from trainer.embedding import init_rows
+
+    c = to_config(make_cfg(TINY_RUN))
+    return [init_rows(c.train.seed, table_rows(c), c.model.embedding_dim, torch.full((n,), t),
+                      torch.arange(n), c.embedding.init_scale) for t, n in enumerate(table_rows(c))]
 
 
 def test_import_without_triton():

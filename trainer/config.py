@@ -21,6 +21,7 @@ SPARSE_OPTIMS = ("sgd", "adagrad", "rowwise_adagrad")
 POOLINGS = ("sum", "mean")
 BACKENDS = ("auto", "local", "torch", "horovod")
 CACHE_POLICIES = ("none", "lru", "lfu", "lfu_pinned")
+KERNEL_BACKENDS = ("auto", "triton", "reference")  # = kernels.BACKENDS
 
 
 class ConfigError(ValueError):
@@ -126,6 +127,13 @@ class ConsistencyConfig:
 
 
 @dataclass
+class KernelsConfig:
+    """Which implementation runs the sparse hot path (pooled gather, scatter + optimizer, id map)."""
+
+    backend: str = "auto"  # auto (Triton on CUDA tensors, torch reference otherwise) | triton | reference; $TRAINER_KERNELS overrides
+
+
+@dataclass
 class TrainConfig:
     steps: int = 200  # training steps (each consumes one global batch)
     seed: int = 0  # seed of dense init and embedding init
@@ -145,6 +153,7 @@ class Config:
     embedding: EmbeddingConfig = field(default_factory=EmbeddingConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     consistency: ConsistencyConfig = field(default_factory=ConsistencyConfig)
+    kernels: KernelsConfig = field(default_factory=KernelsConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
 
 
@@ -244,6 +253,29 @@ def validate(c: Config) -> None:
     _check(t.threads >= 0, "train.threads", t.threads, "must be >= 0 (0 = auto)")
     _one_of("train.progress", t.progress, ("auto", "on", "off"))
     _one_of("train.device", t.device, ("cpu", "cuda", "auto"))
+    _validate_kernels(c)
+
+
+def _validate_kernels(c: Config) -> None:
+    """kernels.backend is known and can run on train.device ($TRAINER_KERNELS, when set, is the
+    value in force and is checked instead): forcing triton needs triton, and CUDA or
+    TRITON_INTERPRET=1. The same check runs again in kernels.configure at start-up."""
+    _one_of("kernels.backend", c.kernels.backend, KERNEL_BACKENDS)
+    import kernels  # torch + the dispatch; triton itself is never imported here
+
+    env = os.environ.get(kernels.ENV_VAR, "").strip().lower()
+    name, source = (env, kernels.ENV_VAR) if env else (c.kernels.backend, "kernels.backend")
+    cuda = c.train.device == "cuda" or (c.train.device == "auto" and _cuda_available())
+    try:
+        kernels.check_backend(name, "cuda" if cuda else "cpu", source)
+    except kernels.BackendError as exc:
+        raise ConfigError(str(exc)) from None
+
+
+def _cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
 
 
 def _table_key(group: str, key: str, num_tables: int) -> int:

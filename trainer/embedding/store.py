@@ -55,20 +55,11 @@ class ShardStore:
 
     def apply(self, gids: torch.Tensor, grads: torch.Tensor, unique: bool = False,
               counts: torch.Tensor | None = None) -> None:
-        """Sum grads [n, d] per row, update each touched row once, and advance its version by the
-        number of updates folded into it (counts [n], default 1 each). unique=True: gids are known
-        to be distinct, skip the sum."""
+        """Sum grads [n, d] per row, update each touched row once (kernels.row_update: Triton on
+        CUDA, the reference on CPU), and advance its version by the number of updates folded into
+        it (counts [n], default 1 each). unique=True: gids are known to be distinct, skip the sum."""
         if gids.numel() == 0:
             return
-        counts = torch.ones_like(gids) if counts is None else counts
-        if unique:
-            idx = self.sharding.local_index(gids)
-            self.optimizer.step(idx, grads)
-            self.version.index_add_(0, idx, counts)
-            return
-        uniq, inv = torch.unique(gids, return_inverse=True)
-        summed = torch.zeros(uniq.numel(), self.dim, dtype=grads.dtype, device=grads.device)
-        summed.index_add_(0, inv, grads)
-        idx = self.sharding.local_index(uniq)
-        self.optimizer.step(idx, summed)
-        self.version.index_add_(0, idx, torch.zeros_like(uniq).index_add_(0, inv, counts))
+        idx = self.sharding.local_index(gids)
+        self.optimizer.step(idx, grads, unique=unique)
+        self.version.index_add_(0, idx, torch.ones_like(idx) if counts is None else counts)
