@@ -755,6 +755,19 @@ def test_trainer_owner_update_goes_through_the_dispatch(monkeypatch: pytest.Monk
 
 
 @needs_interpreter
+def test_config_key_kernels_backend_selects_the_owner_update(monkeypatch: pytest.MonkeyPatch):
+    """kernels.backend=triton (no variable set) reaches the trainer via kernels.configure."""
+    from helpers import run_single
+
+    triton_calls = _count_calls(monkeypatch, kernels._scatter_update_module, "row_update_triton")
+    ref_calls = _count_calls(monkeypatch, kernels.reference, "row_update")
+    run_single(TINY_RUN + ["kernels.backend=triton"])
+    assert len(triton_calls) == 3 and not ref_calls
+    run_single(TINY_RUN + ["kernels.backend=reference"])
+    assert len(ref_calls) == 3 and len(triton_calls) == 3
+
+
+@needs_interpreter
 @pytest.mark.dist
 def test_triton_backend_parity_two_workers(monkeypatch: pytest.MonkeyPatch):
     """W=2 gloo workers on the Triton backend (interpreted; the variables reach the spawned ranks)

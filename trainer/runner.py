@@ -19,6 +19,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+import kernels
+
 from .comm import EMBEDDING_KINDS, KINDS, Collectives, make_collectives
 from .config import (Config, auto_threads, cache_capacities, local_batch_size, staleness_bounds,
                      table_rows, to_config, validate_world)
@@ -85,6 +87,7 @@ class Trainer:
         self.rank, self.world = comm.rank, comm.size
         torch.set_num_threads(auto_threads(c))
         self.device = _device(c)
+        kernels.configure(c.kernels.backend, self.device)
         self.out_dir = self._agree_out_dir(out_dir)
         self.data = make_data(c, self.rank, self.world)
         self.global_batch = local_batch_size(c, self.world) * self.world
