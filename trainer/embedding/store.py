@@ -16,16 +16,25 @@ from .sharding import RowSharding
 _S_INIT = 77
 
 
+_INIT_CHUNK_ROWS = 1 << 18  # rows hashed at once: bounds init's temporaries to ~100 MB at d = 16
+
+
 def init_rows(seed: int, table_rows: list[int], dim: int, table: torch.Tensor, ids: torch.Tensor,
               scale: float | None) -> torch.Tensor:
-    """[len(ids), dim] float32 initial rows: U(-s, s), s = scale or sqrt(1 / rows of the table)."""
+    """[len(ids), dim] float32 initial rows: U(-s, s), s = scale or sqrt(1 / rows of the table).
+    Element (t, i, k) is a pure function of (seed, t, i, k); computed in chunks of rows, so the
+    hashing's uint64/float64 temporaries never exceed a chunk (26 x 1M rows peaked at 15 GB whole)."""
     starts = np.cumsum([0] + list(table_rows[:-1])).astype(np.int64)
-    t, i = table.numpy(), ids.numpy()
-    key = (starts[t] + i)[:, None] * dim + np.arange(dim)[None, :]
-    u = rng.uniform(seed, _S_INIT, key)
-    n = np.asarray(table_rows, dtype=np.float64)[t]
-    s = np.full_like(n, scale) if scale is not None else np.sqrt(1.0 / n)
-    return torch.from_numpy(((2.0 * u - 1.0) * s[:, None]).astype(np.float32))
+    sizes = np.asarray(table_rows, dtype=np.float64)
+    t_all, i_all = table.numpy(), ids.numpy()
+    out = np.empty((t_all.size, dim), dtype=np.float32)
+    for lo in range(0, t_all.size, _INIT_CHUNK_ROWS):
+        t, i = t_all[lo:lo + _INIT_CHUNK_ROWS], i_all[lo:lo + _INIT_CHUNK_ROWS]
+        key = (starts[t] + i)[:, None] * dim + np.arange(dim)[None, :]
+        u = rng.uniform(seed, _S_INIT, key)
+        s = np.full(t.size, scale, dtype=np.float64) if scale is not None else np.sqrt(1.0 / sizes[t])
+        out[lo:lo + t.size] = (2.0 * u - 1.0) * s[:, None]
+    return torch.from_numpy(out)
 
 
 class ShardStore:
@@ -39,7 +48,8 @@ class ShardStore:
         table, ids = sharding.decode(gids)
         real = ids < torch.tensor(sharding.table_rows, dtype=torch.int64)[table]
         weight = torch.zeros(sharding.local_rows, dim)
-        weight[real] = init_rows(seed, sharding.table_rows, dim, table[real], ids[real], init_scale)
+        at = torch.nonzero(real).squeeze(1)
+        weight.index_copy_(0, at, init_rows(seed, sharding.table_rows, dim, table[at], ids[at], init_scale))
         self.weight = weight.to(device)
         self.version = torch.zeros(sharding.local_rows, dtype=torch.int64, device=device)  # updates applied
         self.optimizer: SparseOptimizer = make_sparse_optimizer(optimizer, self.weight, lr, eps,
