@@ -25,6 +25,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def command(world: int, steps: int, out: str, extra: list[str], backend: str) -> list[str]:
     args = ["data=bench", "model.embedding_dim=16", "train.threads=1", f"train.steps={steps}",
             "train.log_every=10", "data.eval_samples=8192", "train.progress=off",
+            "checkpoint.enabled=false",
             f"hydra.run.dir={out}", *extra]
     if world == 1:
         return [sys.executable, "-m", "trainer", *args]

@@ -16,6 +16,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig
 
+from .checkpoint import CheckpointError
 from .config import ConfigError
 from .runner import TrainingError, run
 
@@ -44,7 +45,7 @@ def main(cfg: DictConfig) -> None:
     out_dir = HydraConfig.get().runtime.output_dir
     try:
         result = run(cfg, out_dir=out_dir)
-    except (ConfigError, TrainingError) as exc:
+    except (ConfigError, TrainingError, CheckpointError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         sys.exit(2)
     used = result.summary.get("output_dir")

@@ -145,6 +145,17 @@ class TrainConfig:
 
 
 @dataclass
+class CheckpointConfig:
+    """Periodic + final checkpoints (trainer/checkpoint.py) and resume, also on another W."""
+
+    enabled: bool = True  # false: write no checkpoint at all (benchmarks, throwaway runs); resume still works
+    dir: Optional[str] = None  # where step_K directories go (shared by all ranks); null = <run output dir>/checkpoints
+    every: int = 0  # also save every N steps (0 = only the final checkpoint)
+    keep_last: int = 3  # complete checkpoints kept; older ones are deleted after a new one is complete (0 = keep all)
+    resume: Optional[str] = None  # null = start fresh | auto = newest complete checkpoint in dir (none: fresh) | PATH of a step_K dir
+
+
+@dataclass
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -155,6 +166,7 @@ class Config:
     consistency: ConsistencyConfig = field(default_factory=ConsistencyConfig)
     kernels: KernelsConfig = field(default_factory=KernelsConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
 
 
 def to_config(cfg: Any) -> Config:
@@ -254,6 +266,18 @@ def validate(c: Config) -> None:
     _one_of("train.progress", t.progress, ("auto", "on", "off"))
     _one_of("train.device", t.device, ("cpu", "cuda", "auto"))
     _validate_kernels(c)
+    _validate_checkpoint(c)
+
+
+def _validate_checkpoint(c: Config) -> None:
+    k = c.checkpoint
+    _check(k.every >= 0, "checkpoint.every", k.every, "must be >= 0 (0 = only the final checkpoint)")
+    _check(k.keep_last >= 0, "checkpoint.keep_last", k.keep_last, "must be >= 0 (0 = keep all)")
+    if k.dir is not None:
+        _check(bool(k.dir.strip()), "checkpoint.dir", k.dir, "must be a directory path or null")
+    if k.resume is not None and k.resume != "auto":
+        _check(os.path.isdir(k.resume), "checkpoint.resume", k.resume,
+               "must be null, auto, or an existing checkpoint directory (step_K)")
 
 
 def _validate_kernels(c: Config) -> None:

@@ -21,6 +21,9 @@ import torch.nn.functional as F
 
 import kernels
 
+from .checkpoint import CheckpointError, Checkpointer, rng_state, set_rng_state
+from .checkpoint import load as load_checkpoint
+from .checkpoint import resolve as resolve_checkpoint
 from .comm import EMBEDDING_KINDS, KINDS, Collectives, make_collectives
 from .config import (Config, auto_threads, cache_capacities, local_batch_size, staleness_bounds,
                      table_rows, to_config, validate_world)
@@ -105,6 +108,13 @@ class Trainer:
         self.opt = _dense_optimizer(c, self.params)
         self.losses: list[float] = []
         self.evals: list[dict[str, Any]] = []
+        self.ckpt_dir = c.checkpoint.dir or (os.path.join(self.out_dir, "checkpoints")
+                                             if self.out_dir else None)  # None: no checkpoints
+        self.checkpointer = (Checkpointer(comm, self.ckpt_dir, c.checkpoint.keep_last)
+                             if self.ckpt_dir and c.checkpoint.enabled else None)
+        self.last_checkpoint: str | None = None
+        self.resumed_from: str | None = None
+        self.start_step = self._resume()
 
     # ---- setup helpers ---------------------------------------------------------------------
     def _make_cache(self, c: Config, lr: float) -> tuple[RowCache | None, Bounds]:
@@ -134,6 +144,61 @@ class Trainer:
         with self._phase("other"), torch.no_grad():
             for p in self.model.parameters():
                 p.copy_(self.comm.broadcast(p.detach(), root=0, kind="dense"))
+
+    # ---- checkpoints -----------------------------------------------------------------------
+    def _schema(self) -> dict[str, Any]:
+        """What a checkpoint must agree on to be loaded into this run (checkpoint.SCHEMA_KEYS)."""
+        c = self.c
+        return {"table_rows": list(self.sharding.table_rows), "dim": c.model.embedding_dim,
+                "model": c.model.name, "optim_sparse": c.optim.sparse, "optim_dense": c.optim.dense}
+
+    def _trainer_state(self, step: int) -> dict[str, Any]:
+        """Rank 0's part: dense model + optimizer, step (= data position: batches are a function
+        of the step), RNG states, the loss history and evals so far."""
+        return {"step": step, "data_position": step,
+                "model": {k: v.detach().cpu() for k, v in self.model.state_dict().items()},
+                "optimizer": self.opt.state_dict(), "rng": rng_state(self.device),
+                "losses": list(self.losses), "evals": list(self.evals)}
+
+    def save_checkpoint(self, step: int) -> str:
+        """Flush the caches, then write checkpoint `step` (after `step` steps). Collective."""
+        with self._phase("other"):
+            self.emb.flush()
+            state = self._trainer_state(step) if self.rank == 0 else None
+            self.last_checkpoint = self.checkpointer.save(
+                step, self.emb.store, state, {**self._schema(), "config": asdict(self.c)})
+        return self.last_checkpoint
+
+    def _resume(self) -> int:
+        """Load checkpoint.resume (if any) into this rank; returns the step to continue from."""
+        with self._phase("other"):
+            path = resolve_checkpoint(self.comm, self.c.checkpoint.resume, self.ckpt_dir)
+            if path is None:
+                return 0
+            state = load_checkpoint(self.comm, path, self.emb.store, self._schema())
+        self._load_trainer_state(path, state)
+        self.resumed_from = path
+        return int(state["step"])
+
+    def _load_trainer_state(self, path: str, state: dict[str, Any]) -> None:
+        """Dense model + optimizer, RNG, loss history and step counter from rank 0's file."""
+        step = int(state["step"])
+        if step > self.c.train.steps:
+            raise CheckpointError(f"checkpoint {path} is at step {step}, "
+                                  f"beyond train.steps={self.c.train.steps}")
+        try:
+            self.model.load_state_dict(state["model"])
+            self.opt.load_state_dict(state["optimizer"])
+        except (RuntimeError, ValueError, KeyError) as exc:
+            raise CheckpointError(f"checkpoint {path}: dense state does not fit this model: {exc}") from exc
+        set_rng_state(state["rng"], self.device)
+        self.losses, self.evals = list(state["losses"]), list(state["evals"])
+        self.emb.step = step - 1  # the cache's clock (LRU ages, audit) continues too
+
+    def _save_due(self, done: int) -> bool:
+        every = self.c.checkpoint.every
+        return (self.checkpointer is not None and every > 0 and done % every == 0
+                and done < self.c.train.steps)
 
     @contextmanager
     def _phase(self, name: str) -> Iterator[None]:
@@ -190,9 +255,9 @@ class Trainer:
         metrics = JsonlWriter(os.path.join(self.out_dir, "metrics.jsonl")
                               if self.out_dir and self.rank == 0 else None)
         bar = self._progress_bar()
-        train_time, window_t, window_start = 0.0, time.perf_counter(), 0
+        train_time, window_t, window_start = 0.0, time.perf_counter(), self.start_step
         try:
-            for step in range(c.train.steps):
+            for step in range(self.start_step, c.train.steps):
                 t0 = time.perf_counter()
                 self.losses.append(self.train_step(step))
                 train_time += time.perf_counter() - t0
@@ -208,6 +273,10 @@ class Trainer:
                 if c.train.eval_every and done % c.train.eval_every == 0 and done < c.train.steps:
                     self.evals.append({"step": done, **self.evaluate()})
                     metrics.write({"event": "eval", **self.evals[-1]})
+                if self._save_due(done):
+                    self.save_checkpoint(done)
+            if self.checkpointer is not None and self.start_step < c.train.steps:
+                self.save_checkpoint(c.train.steps)
             final_eval = self.evaluate()
             self.evals.append({"step": c.train.steps, **final_eval})
             metrics.write({"event": "eval", **self.evals[-1]})
@@ -227,8 +296,8 @@ class Trainer:
         if not show:
             return None
         from tqdm import tqdm
-        return tqdm(total=self.c.train.steps, desc=f"train W={self.world}", unit="step",
-                    dynamic_ncols=True)
+        return tqdm(total=self.c.train.steps, initial=self.start_step, desc=f"train W={self.world}",
+                    unit="step", dynamic_ncols=True)
 
     def _global_bytes(self, phase: str) -> dict[str, int]:
         """Bytes per kind summed over ranks (the sum itself runs in phase 'other')."""
@@ -297,6 +366,8 @@ class Trainer:
     def _summary(self, train_time: float, final_eval: dict[str, Any]) -> dict[str, Any]:
         c, steps = self.c, self.c.train.steps
         samples = steps * self.global_batch
+        trained = max(steps - self.start_step, 1)  # steps run by this process (after a resume)
+        run_samples = trained * self.global_batch  # what this process's byte counters cover
         bytes_ = self._global_bytes("train")
         lookups = torch.tensor([float(v) for v in self.emb.stats.totals.values()], dtype=torch.float64)
         with self._phase("other"):
@@ -310,23 +381,26 @@ class Trainer:
             "global_batch_size": self.global_batch,
             "samples": samples,
             "train_time_s": train_time,
-            "samples_per_sec": samples / max(train_time, 1e-9),
+            "samples_per_sec": run_samples / max(train_time, 1e-9),
             "final_loss": float(np.mean(tail)),
             "eval_auc": final_eval["eval_auc"],
             "eval_logloss": final_eval["eval_logloss"],
             "eval_samples": final_eval["eval_samples"],
             "bytes": bytes_,
             "bytes_total": sum(bytes_.values()),
-            "bytes_per_sample": sum(bytes_.values()) / samples,
-            "bytes_per_sample_by_kind": {k: v / samples for k, v in bytes_.items()},
-            "embedding_bytes_per_sample": sum(bytes_[k] for k in EMBEDDING_KINDS) / samples,
+            "bytes_per_sample": sum(bytes_.values()) / run_samples,
+            "bytes_per_sample_by_kind": {k: v / run_samples for k, v in bytes_.items()},
+            "embedding_bytes_per_sample": sum(bytes_[k] for k in EMBEDDING_KINDS) / run_samples,
             "eval_bytes": self._global_bytes("eval"),
             "embedding": {"table_rows": self.sharding.table_rows, "dim": self.emb.dim,
-                          **{f"{k}_per_step": v / steps for k, v in
+                          **{f"{k}_per_step": v / trained for k, v in
                              zip(self.emb.stats.totals.keys(), lookups)}},
             "evals": self.evals,
             "cache": _after_flush(self._cache_summary()),
             "config": asdict(c),
+            "start_step": self.start_step,
+            "resumed_from": self.resumed_from,
+            "checkpoint": self.last_checkpoint,
         }
 
     def _gather_state(self) -> dict[str, Any]:
