@@ -56,14 +56,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def compose(directory: str, overrides: list[str]):
     """The trainer's validated config for `data=criteo data.dir=DIR <overrides>` (hydra.* ignored)."""
-    from hydra import compose as hydra_compose, initialize_config_dir
+    from trainer.config import compose_config
 
-    from trainer.config import to_config
-
-    with initialize_config_dir(config_dir=os.path.join(ROOT, "conf"), version_base=None):
-        cfg = hydra_compose(config_name="config", overrides=["data=criteo", f"data.dir={directory}"] +
-                            [o for o in overrides if not o.lstrip("+~").startswith("hydra.")])
-    return to_config(cfg)
+    return compose_config(["data=criteo", f"data.dir={directory}"] +
+                          [o for o in overrides if not o.lstrip("+~").startswith("hydra.")])
 
 
 def run_trainer(directory: str, overrides: list[str], run_dir: str) -> dict:

@@ -13,9 +13,7 @@ import traceback
 from typing import Any, Callable
 
 import torch
-from hydra import compose, initialize_config_dir
-
-from trainer.__main__ import CONF_DIR
+from trainer.config import compose
 from trainer.runner import RunResult, run
 
 SHARED_DATA = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "..",
@@ -24,8 +22,7 @@ SHARED_DATA = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__fil
 
 def make_cfg(overrides: list[str]):
     """The composed Hydra config of `python -m trainer <overrides>`."""
-    with initialize_config_dir(config_dir=CONF_DIR, version_base=None):
-        return compose(config_name="config", overrides=list(overrides))
+    return compose(overrides)
 
 
 def free_port() -> int:

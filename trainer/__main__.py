@@ -17,10 +17,8 @@ from hydra.types import RunMode
 from omegaconf import DictConfig
 
 from .checkpoint import CheckpointError
-from .config import ConfigError
+from .config import CONF_DIR, ConfigError
 from .runner import TrainingError, run
-
-CONF_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "conf")
 
 
 def _remove_stray_dir(mine: str, used: str | None) -> None:

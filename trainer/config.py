@@ -169,6 +169,21 @@ class Config:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
 
 
+CONF_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "conf")
+
+
+def compose(overrides: list[str]) -> DictConfig:
+    """The composed Hydra config of `python -m trainer <overrides>` (same conf/ dir and defaults)."""
+    from hydra import compose as hydra_compose, initialize_config_dir
+    with initialize_config_dir(config_dir=CONF_DIR, version_base=None):
+        return hydra_compose(config_name="config", overrides=list(overrides))
+
+
+def compose_config(overrides: list[str]) -> "Config":
+    """The validated Config of `python -m trainer <overrides>`."""
+    return to_config(compose(overrides))
+
+
 def to_config(cfg: Any) -> Config:
     """Merge a Hydra/OmegaConf tree (or a Config) onto the schema and validate it."""
     if isinstance(cfg, Config):

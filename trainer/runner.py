@@ -336,7 +336,7 @@ class Trainer:
         if self.emb.cache is None:
             return None
         c, tot = self.c, self._cache_totals()
-        wire = torch.tensor([], dtype=self.emb.exchange.wire_dtype).element_size()
+        wire = self.emb.exchange.wire_dtype.itemsize
         nb = het_wire_bytes(tot["requested"], tot["pulled"], tot["pushed_rows"], self.emb.dim,
                             self.emb.store.weight.element_size(), wire)
         check = nb["version_check"]

@@ -84,29 +84,20 @@ from typing import Any, Optional, Protocol, TextIO
 import numpy as np
 import torch
 
-from .config import (Config, cache_capacities, local_batch_size, staleness_bounds, table_rows,
-                     to_config)
+from .config import (Config, cache_capacities, compose_config, local_batch_size, staleness_bounds,
+                     table_rows)
 from .embedding.cache import Pushes, RowCache, make_policy
 from .embedding.consistency import HIST_BINS, UNBOUNDED, Bounds, needs_row, staleness_histogram
-from .embedding.exchange import het_wire_bytes, no_cache_wire_bytes, plan_lookup
+from .embedding.exchange import het_wire_bytes, no_cache_wire_bytes, plan_lookup, wire_dtype
 from .embedding.module import CacheStats
 from .embedding.sharding import RowSharding
 
-CONF_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "conf")
 OWNERS = ("sharded", "server")
 ROW_ELEM = 4  # float32 rows on the wire
 
 
 class TraceError(ValueError):
     """A trace file or trace option is malformed; the message names the file and position."""
-
-
-def compose_config(overrides: list[str]) -> Config:
-    """The validated Config of `python -m trainer <overrides>` (same conf/ dir, same defaults)."""
-    from hydra import compose, initialize_config_dir
-    with initialize_config_dir(config_dir=CONF_DIR, version_base=None):
-        cfg = compose(config_name="config", overrides=list(overrides))
-    return to_config(cfg)
 
 
 # ============================================================================ trace sources
@@ -272,13 +263,13 @@ class Owners:
     @property
     def wire(self) -> int:
         """Bytes of an id/version/count on the wire (int32 while an owner's rows fit)."""
-        return 4 if self.layout.local_rows < 2 ** 31 - 1 else 8
+        return wire_dtype(self.layout.local_rows).itemsize
 
     def gids(self, values: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
         return self.layout.global_ids(values, tables)
 
     def table(self, gids: torch.Tensor) -> torch.Tensor:
-        return torch.searchsorted(self.layout.table_offsets[1:], gids, right=True)
+        return self.layout.decode(gids)[0]
 
     def split(self, rank: int, gids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(owned [Uo], remote [Ur] in the trainer's request order, remote ascending [Ur]) of a batch."""
@@ -492,7 +483,7 @@ class CacheSimulator:
         per = [np.concatenate(s) if s else np.zeros(0, np.int64) for s in self.streams]
         gid = np.concatenate(per) if per else np.zeros(0, np.int64)
         worker = np.repeat(np.arange(len(per)), [p.size for p in per])
-        table = np.searchsorted(self.owners.layout.table_offsets[1:].numpy(), gid, side="right")
+        table = self.owners.table(torch.from_numpy(gid)).numpy()
         return worker, table, gid
 
 

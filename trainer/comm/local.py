@@ -5,7 +5,6 @@ of the parity tests run the very same exchange code as W workers do, through thi
 """
 from __future__ import annotations
 
-import torch
 
 from .base import Collectives
 

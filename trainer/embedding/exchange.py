@@ -107,7 +107,7 @@ class RowExchange:
     @property
     def wire_dtype(self) -> torch.dtype:
         """Integer type of ids (owner storage rows), versions and counts on the wire."""
-        return torch.int32 if self.store.sharding.local_rows < 2 ** 31 - 1 else torch.int64
+        return wire_dtype(self.store.sharding.local_rows)
 
     def check(self, remote_ids: torch.Tensor, cached_versions: torch.Tensor, splits: list[int],
               pull_bound: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -148,6 +148,11 @@ class RowExchange:
         got, recv_splits = self.comm.alltoall(head, splits, kind={"ids": 1, "versions": 1})
         recv, _ = self.comm.alltoall(grads, splits, kind="grads", recv_splits=recv_splits)
         return Pushes(got[:, 0].long() * sh.world + sh.rank, recv, got[:, 1].long())
+
+
+def wire_dtype(local_rows: int) -> torch.dtype:
+    """Integer type of ids / versions / counts on the wire: int32 while an owner's rows fit."""
+    return torch.int32 if local_rows < 2 ** 31 - 1 else torch.int64
 
 
 def het_wire_bytes(requested, pulled, pushed_rows, dim: int, row_elem: int, wire: int) -> dict:

@@ -21,7 +21,7 @@ import kernels
 from ..comm import Collectives
 from ..data.batch import Batch
 from .cache import Pushes, RowCache
-from .consistency import HIST_BINS, Bounds
+from .consistency import Bounds
 from .exchange import LookupPlan, RowExchange, plan_lookup
 from .sharding import RowSharding
 from .store import ShardStore
