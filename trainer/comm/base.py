@@ -23,8 +23,9 @@ from typing import Any, Sequence
 
 import torch
 
-KINDS = ("ids", "versions", "rows", "grads", "dense", "meta")
-EMBEDDING_KINDS = ("ids", "versions", "rows", "grads")  # the sparse side's traffic
+KINDS = ("ids", "versions", "rows", "grads", "replica", "dense", "meta")
+EMBEDDING_KINDS = ("ids", "versions", "rows", "grads", "replica")  # the sparse side's traffic
+# replica: the allreduce of replicated (hot) rows' gradients
 
 
 class CollectiveError(RuntimeError):

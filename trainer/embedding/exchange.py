@@ -15,6 +15,7 @@ is its owner's storage row (gid div W), as int32 whenever the shard allows, like
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -31,9 +32,11 @@ class LookupPlan:
 
     uniq:       [U] sorted unique global ids of the batch
     inverse:    [N] slot in uniq of every id of the batch (the gather's slot indices)
-    owned_pos:  [Uo] positions in uniq of ids this rank owns
+    owned_pos:  [Uo] positions in uniq of ids this rank owns (replicated ones excluded)
     remote_pos: [Ur] positions in uniq of remote ids, grouped by owner rank (ascending)
     splits:     [W] number of remote ids per owner (0 for this rank)
+    hot_pos:    [Uh] positions in uniq of replicated (hot) ids
+    hot_slots:  [Uh] their replica slots
     """
 
     uniq: torch.Tensor
@@ -41,6 +44,8 @@ class LookupPlan:
     owned_pos: torch.Tensor
     remote_pos: torch.Tensor
     splits: list[int]
+    hot_pos: torch.Tensor
+    hot_slots: torch.Tensor
 
     @property
     def remote_ids(self) -> torch.Tensor:
@@ -51,18 +56,23 @@ class LookupPlan:
         return self.uniq[self.owned_pos]
 
 
-def plan_lookup(sharding: RowSharding, gids: torch.Tensor) -> LookupPlan:
-    """Dedup the batch's global ids and split them into owned and remote-by-owner."""
+def plan_lookup(sharding: RowSharding, gids: torch.Tensor,
+                hot_slot_of: Callable[[torch.Tensor], torch.Tensor] | None = None) -> LookupPlan:
+    """Dedup the batch's global ids and split them into replicated, owned and remote-by-owner.
+    hot_slot_of(uniq) -> [U] replica slot or -1 (None: nothing is replicated)."""
     uniq, inverse = torch.unique(gids, sorted=True, return_inverse=True)
+    slot = hot_slot_of(uniq) if hot_slot_of is not None else torch.full_like(uniq, -1)
+    hot = slot >= 0
     owner = sharding.owner(uniq)
-    mine = owner == sharding.rank
+    mine = (owner == sharding.rank) & ~hot
     owned_pos = torch.nonzero(mine).squeeze(1)
-    remote_pos = torch.nonzero(~mine).squeeze(1)
+    remote_pos = torch.nonzero(~mine & ~hot).squeeze(1)
     remote_owner = owner[remote_pos]
     order = torch.argsort(remote_owner, stable=True)
     remote_pos = remote_pos[order]
     splits = torch.bincount(remote_owner, minlength=sharding.world).tolist()
-    return LookupPlan(uniq, inverse, owned_pos, remote_pos, splits)
+    hot_pos = torch.nonzero(hot).squeeze(1)
+    return LookupPlan(uniq, inverse, owned_pos, remote_pos, splits, hot_pos, slot[hot_pos])
 
 
 class RowExchange:

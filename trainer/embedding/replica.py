@@ -1,0 +1,95 @@
+"""Hot rows replicated on every worker (FAE, and the cost-model planner's replicate tier).
+
+Why a replica instead of the owner: a hot row is read by every worker in almost every step, so
+pulling it and pushing its gradient costs (W - 1) row transfers each way per step. A replicated row
+is read locally; its gradient is summed over workers by one allreduce and every worker applies the
+same sparse optimizer step to its own copy, so all copies (values and optimizer state) stay
+identical and equal to the single-process reference: exact, like the dense parameters.
+
+Only the hot rows touched by the step's global batch are reduced: every rank knows the global batch
+(the scheduler's global view, trainer/schedule/feed.py), so the union of touched hot rows is the
+same list on every rank and no mask has to travel.
+
+The owners keep their (stale) copies of hot rows; `write_to_owner` copies the replica's values and
+optimizer state back into the owner's shard before a checkpoint or a full-table gather, and
+`load_from_owners` builds the replica from the owners (start and resume), so checkpoints never see
+the replica at all and resume on another W or another placement just works.
+"""
+from __future__ import annotations
+
+import torch
+
+from ..comm import Collectives
+from .optim import make_sparse_optimizer
+from .store import ShardStore
+
+
+class Replica:
+    """Rows `gids` [H] (fused global ids, sorted) on every rank: weight [H, d] + optimizer state."""
+
+    def __init__(self, gids: torch.Tensor, store: ShardStore) -> None:
+        opt = store.optimizer
+        self.gids = torch.as_tensor(gids, dtype=torch.int64).to(store.weight.device)
+        if self.gids.numel() > 1 and not bool((self.gids[1:] > self.gids[:-1]).all()):
+            raise ValueError("replicated ids must be sorted and distinct")
+        self.sharding, self.dim = store.sharding, store.dim
+        self.weight = torch.zeros(self.gids.numel(), store.dim, dtype=store.weight.dtype,
+                                  device=store.weight.device)
+        self.optimizer = make_sparse_optimizer(opt.name, self.weight, opt.lr, opt.eps, opt.init)
+
+    def __len__(self) -> int:
+        return int(self.gids.numel())
+
+    @property
+    def row_bytes(self) -> int:
+        """Bytes one replicated row costs a worker: the row plus its optimizer state."""
+        state = self.optimizer.state
+        per_state = 0 if state is None else state[0].numel() * state.element_size()
+        return self.dim * self.weight.element_size() + per_state
+
+    def find(self, gids: torch.Tensor) -> torch.Tensor:
+        """[n] replica slot of each gid, -1 where the row is not replicated."""
+        if len(self) == 0 or gids.numel() == 0:
+            return torch.full_like(gids, -1)
+        pos = torch.searchsorted(self.gids, gids).clamp(max=len(self) - 1)
+        return torch.where(self.gids[pos] == gids, pos, torch.full_like(pos, -1))
+
+    def rows(self, slots: torch.Tensor) -> torch.Tensor:
+        return self.weight.index_select(0, slots)
+
+    def apply(self, slots: torch.Tensor, grads: torch.Tensor) -> None:
+        """One optimizer step on distinct slots [u] with the gradient summed over workers [u, d]."""
+        if slots.numel():
+            self.optimizer.step(slots, grads, unique=True)
+
+    # ---- owners <-> replica ----------------------------------------------------------------
+    def _owned(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(replica slots, owner storage rows) of the replicated rows this rank owns."""
+        sh = self.sharding
+        slots = torch.nonzero(sh.owner(self.gids) == sh.rank).squeeze(1)
+        return slots, sh.local_index(self.gids[slots])
+
+    def load_from_owners(self, comm: Collectives, store: ShardStore) -> None:
+        """Every rank receives every replicated row (and its optimizer state) from its owner.
+        Collective (one allgather of slots, one of values)."""
+        slots, idx = self._owned()
+        parts = [store.weight.index_select(0, idx)]
+        state = store.optimizer.state
+        if state is not None:
+            parts.append(state.index_select(0, idx).reshape(idx.numel(), -1))
+        got_slots = comm.allgather(slots.cpu(), kind="meta").to(self.weight.device)
+        got = comm.allgather(torch.cat(parts, 1).cpu(), kind="meta").to(self.weight.device)
+        if got_slots.numel() != len(self):
+            raise RuntimeError(f"replica: owners sent {got_slots.numel()} rows for {len(self)} replicated ids")
+        self.weight.index_copy_(0, got_slots, got[:, :self.dim])
+        if state is not None:
+            mine = self.optimizer.state
+            mine.index_copy_(0, got_slots, got[:, self.dim:].reshape((-1,) + tuple(mine.shape[1:])))
+
+    def write_to_owner(self, store: ShardStore) -> None:
+        """Copy the replica's values and optimizer state of the rows this rank owns into its shard
+        (no communication: every rank holds the same replica)."""
+        slots, idx = self._owned()
+        store.weight.index_copy_(0, idx, self.weight.index_select(0, slots))
+        if store.optimizer.state is not None:
+            store.optimizer.state.index_copy_(0, idx, self.optimizer.state.index_select(0, slots))
