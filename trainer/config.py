@@ -22,6 +22,9 @@ POOLINGS = ("sum", "mean")
 BACKENDS = ("auto", "local", "torch", "horovod")
 CACHE_POLICIES = ("none", "lru", "lfu", "lfu_pinned")
 KERNEL_BACKENDS = ("auto", "triton", "reference")  # = kernels.BACKENDS
+PLACEMENTS = ("none", "fae", "sca")  # = placement.PLANNERS
+SCHEDULES = ("random", "herald")
+GLOBAL_VIEW_DATASETS = ("synthetic", "movielens")  # random access to any sample: schedulers, profiles
 
 
 class ConfigError(ValueError):
@@ -134,6 +137,28 @@ class KernelsConfig:
 
 
 @dataclass
+class PlacementConfig:
+    """Which rows are replicated on every worker (hot) instead of sharded (trainer/placement/)."""
+
+    name: str = "none"  # none (every row sharded) | fae (hot rows by budget + hot/cold batches) | sca (cost-model planner)
+    budget_bytes: int = 1048576  # per-worker memory for replicated rows (sca: replicated + cached rows), bytes
+    profile_fraction: float = 0.05  # share of the run's training samples the profiler counts (every k-th sample)
+    hot_batches: bool = False  # schedule hot batches (every id replicated: no alltoall) apart from cold ones
+    hot_rate: float = 0.5  # at most this share of a window's steps are hot batches
+    window_batches: int = 16  # hot/cold batches are formed within windows of this many global batches
+    buckets: int = 32  # sca: frequency buckets the planner decides for (replicate / cache / shard)
+
+
+@dataclass
+class ScheduleConfig:
+    """Which worker trains which sample of a global batch, and when updated rows are synchronised."""
+
+    name: str = "random"  # random (equal contiguous slices of the shuffled global batch) | herald
+    on_demand_sync: bool = True  # herald: push a row's update only when another worker reads it next step (or at a flush)
+    cache_aware: bool = True  # herald: a sample also scores for the rows a worker holds (on-demand sync's lent rows)
+
+
+@dataclass
 class TrainConfig:
     steps: int = 200  # training steps (each consumes one global batch)
     seed: int = 0  # seed of dense init and embedding init
@@ -165,6 +190,8 @@ class Config:
     cache: CacheConfig = field(default_factory=CacheConfig)
     consistency: ConsistencyConfig = field(default_factory=ConsistencyConfig)
     kernels: KernelsConfig = field(default_factory=KernelsConfig)
+    placement: PlacementConfig = field(default_factory=PlacementConfig)
+    schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
 
@@ -282,6 +309,33 @@ def validate(c: Config) -> None:
     _one_of("train.device", t.device, ("cpu", "cuda", "auto"))
     _validate_kernels(c)
     _validate_checkpoint(c)
+    _validate_placement(c)
+
+
+def needs_global_view(c: Config) -> bool:
+    """Placement or a schedule other than random: every rank reads every global batch's ids."""
+    return c.placement.name != "none" or c.schedule.name != "random"
+
+
+def _validate_placement(c: Config) -> None:
+    p, s = c.placement, c.schedule
+    _one_of("placement.name", p.name, PLACEMENTS)
+    _one_of("schedule.name", s.name, SCHEDULES)
+    _check(p.budget_bytes >= 0, "placement.budget_bytes", p.budget_bytes, "must be >= 0")
+    _check(0 < p.profile_fraction <= 1, "placement.profile_fraction", p.profile_fraction, "must be in (0, 1]")
+    _check(0 <= p.hot_rate <= 1, "placement.hot_rate", p.hot_rate, "must be in [0, 1]")
+    _check(p.window_batches > 0, "placement.window_batches", p.window_batches, "must be > 0")
+    _check(p.buckets > 0, "placement.buckets", p.buckets, "must be > 0")
+    if needs_global_view(c):
+        what = f"placement={p.name}" if p.name != "none" else f"schedule={s.name}"
+        _check(c.data.name in GLOBAL_VIEW_DATASETS, "data.name", c.data.name,
+               f"{what} needs random access to every sample of a global batch (data="
+               f"{' or '.join(GLOBAL_VIEW_DATASETS)}); data=criteo streams per-rank blocks")
+    if s.name == "herald":
+        _check(c.consistency.pull_bound == 0 and c.consistency.push_bound == 0 and not c.consistency.tables,
+               "consistency", c.consistency.name, "schedule=herald is exact (BSP): use consistency=bsp")
+        _check(c.cache.policy in ("none", "lru"), "cache.policy", c.cache.policy,
+               "schedule=herald holds lent rows in an LRU cache: use cache=lru (or cache=none)")
 
 
 def _validate_checkpoint(c: Config) -> None:

@@ -25,14 +25,17 @@ from .checkpoint import CheckpointError, Checkpointer, rng_state, set_rng_state
 from .checkpoint import load as load_checkpoint
 from .checkpoint import resolve as resolve_checkpoint
 from .comm import EMBEDDING_KINDS, KINDS, Collectives, make_collectives
-from .config import (Config, auto_threads, cache_capacities, local_batch_size, staleness_bounds,
-                     table_rows, to_config, validate_world)
+from .config import (Config, auto_threads, cache_capacities, local_batch_size, needs_global_view,
+                     staleness_bounds, table_rows, to_config, validate_world)
 from .data import make_data
 from .embedding import HybridEmbedding, RowSharding, ShardStore
 from .embedding.cache import RowCache, make_policy
 from .embedding.consistency import HIST_BINS, UNBOUNDED, Bounds
 from .embedding.exchange import het_wire_bytes
 from .embedding.module import CACHE_COUNTERS
+from .embedding.replica import Replica
+from .placement import Plan, make_plan, profile_stream, row_bytes
+from .schedule import Feed, HotColdOrder, StreamOrder
 from .metrics import JsonlWriter, auc_logloss, write_json_atomic
 from .models import build_model
 
@@ -99,14 +102,20 @@ class Trainer:
         lr = c.optim.sparse_lr if c.optim.sparse_lr is not None else c.optim.lr
         store = ShardStore(self.sharding, c.model.embedding_dim, c.train.seed, c.embedding.init_scale,
                            c.optim.sparse, lr, c.optim.eps, self.device, c.optim.initial_accumulator)
-        self.emb = HybridEmbedding(comm, self.sharding, store, c.model.pooling,
-                                   *self._make_cache(c, lr), audit=c.embedding.audit)
+        self.plan = self._make_plan(rows)
+        replica = (Replica(self.plan.hot_gids(rows, self.sharding.table_offsets), store)
+                   if self.plan.hot.size else None)
+        with self._phase("other"):
+            self.emb = HybridEmbedding(comm, self.sharding, store, c.model.pooling,
+                                       *self._make_cache(c, lr), audit=c.embedding.audit, replica=replica)
+        self.feed = self._make_feed(rows) if needs_global_view(c) else None
         torch.manual_seed(c.train.seed)
         self.model = build_model(c.model, c.data.num_dense, len(rows)).to(self.device)
         self._broadcast_dense()
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.opt = _dense_optimizer(c, self.params)
         self.losses: list[float] = []
+        self.alltoalls = {"hot": 0, "cold": 0}  # alltoall calls of this rank in hot / other steps
         self.evals: list[dict[str, Any]] = []
         self.ckpt_dir = c.checkpoint.dir or (os.path.join(self.out_dir, "checkpoints")
                                              if self.out_dir else None)  # None: no checkpoints
@@ -117,6 +126,35 @@ class Trainer:
         self.start_step = self._resume()
 
     # ---- setup helpers ---------------------------------------------------------------------
+    def _make_plan(self, rows: list[int]) -> Plan:
+        """Rank 0 profiles the run's training stream and plans; every rank gets rank 0's plan."""
+        p, c = self.c.placement, self.c
+        if p.name == "none":
+            return Plan("none")
+        plan = None
+        if self.rank == 0:
+            t0 = time.perf_counter()
+            profile = profile_stream(self.data, rows, c.train.steps * self.global_batch, p.profile_fraction)
+            plan = make_plan(p.name, profile, budget_bytes=p.budget_bytes,
+                             per_row=row_bytes(c.model.embedding_dim, c.optim.sparse), config=c,
+                             world=self.world)
+            plan.info["plan_seconds"] = round(time.perf_counter() - t0, 3)
+        with self._phase("other"):
+            return self.comm.broadcast_object(plan)
+
+    def _make_feed(self, rows: list[int]) -> Feed:
+        """The global view: FAE's hot/cold order or the data's own, Herald's partition and sync."""
+        c, hot = self.c, self.plan.hot
+        if c.placement.hot_batches and hot.size:
+            def is_hot(flat: np.ndarray) -> np.ndarray:
+                pos = np.searchsorted(hot, flat).clip(max=hot.size - 1)
+                return hot[pos] == flat
+            order = HotColdOrder(self.data, self.global_batch, is_hot, rows, c.placement.window_batches,
+                                 c.placement.hot_rate)
+        else:
+            order = StreamOrder(self.data, self.global_batch)
+        return Feed(self.data, order, rows, self.rank, self.world, hot)
+
     def _make_cache(self, c: Config, lr: float) -> tuple[RowCache | None, Bounds]:
         """The HET cache of remote rows (none at W = 1: nothing is remote) and the bounds."""
         bounds = Bounds.from_lists(*staleness_bounds(c))
@@ -127,7 +165,8 @@ class Trainer:
                 print(f"[trainer] warning: consistency bounds have no effect with {why}: every remote row "
                       "is pulled and pushed every step", file=sys.stderr)
             return None, bounds
-        cache = RowCache(cache_capacities(c), c.model.embedding_dim,
+        caps = self.plan.cache_rows if self.plan.cache_rows is not None else cache_capacities(c)
+        cache = RowCache(caps, c.model.embedding_dim,
                          make_policy(c.cache.policy, c.cache.pin_threshold),
                          int(self.sharding.table_offsets[-1]), lr, self.device)
         return cache, bounds
@@ -176,6 +215,8 @@ class Trainer:
             if path is None:
                 return 0
             state = load_checkpoint(self.comm, path, self.emb.store, self._schema())
+            if self.emb.replica is not None:
+                self.emb.replica.load_from_owners(self.comm, self.emb.store)
         self._load_trainer_state(path, state)
         self.resumed_from = path
         return int(state["step"])
@@ -211,9 +252,19 @@ class Trainer:
     # ---- one step --------------------------------------------------------------------------
     def train_step(self, step: int) -> float:
         """Forward, backward, embedding push + owner update, dense allreduce + step. Collective."""
-        batch = self.data.train_batch(step).to(self.device)
+        batch, info = self.feed.step(step) if self.feed is not None else (self.data.train_batch(step), None)
+        calls = self._alltoall_calls()
+        value = self._step(batch.to(self.device), info, step)
+        self.alltoalls["hot" if info is not None and info.hot else "cold"] += self._alltoall_calls() - calls
+        return value
+
+    def _alltoall_calls(self) -> int:
+        calls = self.comm.counter.calls
+        return calls.get("alltoall", 0) + calls.get("alltoall_splits", 0)
+
+    def _step(self, batch: Any, info: Any, step: int) -> float:
         self.model.train()
-        pooled = self.emb.lookup(batch, train=True)
+        pooled = self.emb.lookup(batch, train=True, info=info)
         logits = self.model(batch.dense, pooled)
         loss = F.binary_cross_entropy_with_logits(logits, batch.labels, reduction="sum") / self.global_batch
         self.opt.zero_grad(set_to_none=False)
@@ -397,11 +448,33 @@ class Trainer:
                              zip(self.emb.stats.totals.keys(), lookups)}},
             "evals": self.evals,
             "cache": _after_flush(self._cache_summary()),
+            "placement": self._placement_summary(bytes_, run_samples),
             "config": asdict(c),
             "start_step": self.start_step,
             "resumed_from": self.resumed_from,
             "checkpoint": self.last_checkpoint,
         }
+
+    def _placement_summary(self, bytes_: dict[str, int], run_samples: int) -> dict[str, Any]:
+        """The plan, hot steps (none ran an alltoall), and predicted vs measured embedding bytes."""
+        out = self.plan.summary()
+        trained = max(self.c.train.steps - self.start_step, 1)
+        if self.feed is not None:
+            order = self.feed.order
+            out["hot_steps"] = self.feed.hot_steps
+            out["alltoalls_in_hot_steps"] = self.alltoalls["hot"]
+            out["alltoalls_in_cold_steps"] = self.alltoalls["cold"]
+            out["hot_step_fraction"] = self.feed.hot_steps / trained
+            if isinstance(order, HotColdOrder):
+                out["hot_sample_fraction"] = order.hot_samples / max(order.samples, 1)
+        if self.plan.predicted is not None:
+            measured = {k: bytes_[k] / run_samples for k in EMBEDDING_KINDS}
+            pred = sum(self.plan.predicted.values())
+            got = sum(measured.values())
+            out["measured_bytes_per_sample"] = measured
+            out["predicted_vs_measured"] = {"predicted": pred, "measured": got,
+                                            "error": (pred - got) / got if got else None}
+        return out
 
     def _gather_state(self) -> dict[str, Any]:
         with self._phase("other"):

@@ -160,6 +160,18 @@ class MovieLensData:
             self._order = (epoch, rng.permutation(n) if self.cfg.shuffle else np.arange(n))
         return self._order[1]
 
+    # ---- the global view (schedulers, placement profiles) ------------------------------------
+    def stream_keys(self, pos: np.ndarray) -> np.ndarray:
+        """Dataset rows at positions `pos` of the (epoch-shuffled) training stream."""
+        return self._train_rows(np.asarray(pos, dtype=np.int64))
+
+    def sample_ids(self, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        b = self.samples(np.asarray(keys, dtype=np.int64))
+        return b.values.numpy(), b.lengths.numpy()
+
+    def sample_batch(self, keys: np.ndarray) -> Batch:
+        return self.samples(np.asarray(keys, dtype=np.int64))
+
     def train_batch(self, step: int) -> Batch:
         """This rank's slice [rank*b, (rank+1)*b) of global batch `step`."""
         start = step * self.global_batch + self.rank * self.b

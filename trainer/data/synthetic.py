@@ -123,6 +123,21 @@ class SyntheticData:
         return Batch(torch.from_numpy(dense.astype(np.float32)), torch.from_numpy(values),
                      torch.from_numpy(lengths), torch.from_numpy(labels))
 
+    # ---- the global view (schedulers, placement profiles) ------------------------------------
+    def stream_keys(self, pos: np.ndarray) -> np.ndarray:
+        """Sample keys (training sample indices) at positions `pos` of the training stream."""
+        pos = np.asarray(pos, dtype=np.int64)
+        return pos % self.cfg.train_samples if self.cfg.train_samples > 0 else pos
+
+    def sample_ids(self, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(values [N], lengths [n, T]) of training samples `keys`: the ids only, no features."""
+        keys = np.asarray(keys, dtype=np.int64)
+        lengths = self._lengths(TRAIN, keys)
+        return self._ids(TRAIN, keys, lengths), lengths
+
+    def sample_batch(self, keys: np.ndarray) -> Batch:
+        return self.samples(TRAIN, keys)
+
     # ---- iteration -------------------------------------------------------------------------
     def train_indices(self, step: int) -> np.ndarray:
         start = step * self.global_batch + self.rank * self.b
