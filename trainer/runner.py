@@ -35,7 +35,9 @@ from .embedding.exchange import het_wire_bytes
 from .embedding.module import CACHE_COUNTERS
 from .embedding.replica import Replica
 from .placement import Plan, make_plan, profile_stream, row_bytes
+from .embedding.herald import HeraldRemote
 from .schedule import Feed, HotColdOrder, StreamOrder
+from .schedule.herald import HeraldPartition, HeraldPlanner, IdSpace
 from .metrics import JsonlWriter, auc_logloss, write_json_atomic
 from .models import build_model
 
@@ -105,9 +107,13 @@ class Trainer:
         self.plan = self._make_plan(rows)
         replica = (Replica(self.plan.hot_gids(rows, self.sharding.table_offsets), store)
                    if self.plan.hot.size else None)
+        self.space = IdSpace(rows, self.sharding.table_offsets.numpy(), self.plan.hot)
+        self.herald = self._make_herald(c)
+        remote = HeraldRemote(comm, store, self.herald) if self.herald is not None else None
+        cache = self._make_cache(c, lr) if self.herald is None else (None, None)
         with self._phase("other"):
-            self.emb = HybridEmbedding(comm, self.sharding, store, c.model.pooling,
-                                       *self._make_cache(c, lr), audit=c.embedding.audit, replica=replica)
+            self.emb = HybridEmbedding(comm, self.sharding, store, c.model.pooling, *cache,
+                                       audit=c.embedding.audit, replica=replica, remote=remote)
         self.feed = self._make_feed(rows) if needs_global_view(c) else None
         torch.manual_seed(c.train.seed)
         self.model = build_model(c.model, c.data.num_dense, len(rows)).to(self.device)
@@ -153,7 +159,17 @@ class Trainer:
                                  c.placement.hot_rate)
         else:
             order = StreamOrder(self.data, self.global_batch)
-        return Feed(self.data, order, rows, self.rank, self.world, hot)
+        partition = (HeraldPartition(self.world, self.space, self.herald, c.schedule.cache_aware)
+                     if c.schedule.name == "herald" else None)
+        return Feed(self.data, order, rows, self.rank, self.world, hot, partition, self.herald)
+
+    def _make_herald(self, c: Config) -> HeraldPlanner | None:
+        """Herald's on-demand sync planner; lent rows live in an LRU cache of the cache config's
+        total capacity per worker (0 with cache=none: nothing is lent, pushes are still planned)."""
+        if c.schedule.name != "herald" or not c.schedule.on_demand_sync:
+            return None
+        caps = self.plan.cache_rows if self.plan.cache_rows is not None else cache_capacities(c)
+        return HeraldPlanner(self.world, self.space, sum(caps))
 
     def _make_cache(self, c: Config, lr: float) -> tuple[RowCache | None, Bounds]:
         """The HET cache of remote rows (none at W = 1: nothing is remote) and the bounds."""
@@ -467,6 +483,11 @@ class Trainer:
             out["hot_step_fraction"] = self.feed.hot_steps / trained
             if isinstance(order, HotColdOrder):
                 out["hot_sample_fraction"] = order.hot_samples / max(order.samples, 1)
+        if self.feed is not None and self.feed.partition is not None:
+            part = self.feed.partition
+            out["schedule"] = {"name": self.c.schedule.name, "locality_score": part.score,
+                               "random_locality_score": part.random_score,
+                               **(self.herald.summary() if self.herald is not None else {})}
         if self.plan.predicted is not None:
             measured = {k: bytes_[k] / run_samples for k in EMBEDDING_KINDS}
             pred = sum(self.plan.predicted.values())

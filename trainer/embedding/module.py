@@ -104,9 +104,6 @@ class HybridEmbedding:
         plan = self.plan(batch)
         ws = torch.empty(plan.uniq.numel(), self.dim, dtype=self.store.weight.dtype,
                          device=self.store.weight.device)
-        ws.index_copy_(0, plan.owned_pos, self.store.rows(plan.owned_ids))
-        if plan.hot_pos.numel():
-            ws.index_copy_(0, plan.hot_pos, self.replica.rows(plan.hot_slots))
         if train:
             self.step += 1
         if info.hot:
@@ -117,6 +114,10 @@ class HybridEmbedding:
             self.remote.read(plan, ws, self.step, info.sync)
         else:
             ws.index_copy_(0, plan.remote_pos, self.exchange.pull(plan.remote_ids, plan.splits))
+        # owned rows after the protocol: Herald's writebacks may have just returned some of them
+        ws.index_copy_(0, plan.owned_pos, self.store.rows(plan.owned_ids))
+        if plan.hot_pos.numel():
+            ws.index_copy_(0, plan.hot_pos, self.replica.rows(plan.hot_slots))
         if train:
             ws.requires_grad_(True)
             self._pending = (plan, ws, info)

@@ -1,0 +1,194 @@
+"""Herald's on-demand synchronisation as a remote-row protocol (the planner is
+trainer/schedule/herald.py; this module moves the rows it decides to move).
+
+Why no ids on the wire: every rank computes the same SyncPlan from the global batch, so an owner
+knows which rows each worker pulls, which gradients and writebacks reach it and in which order
+(owner order, then ascending gid). Only values travel: rows (+ optimizer state for a lent row),
+gradients, and writebacks (row, state, update count).
+
+A worker keeps the rows lent to it in LentRows, with their optimizer state, and applies the real
+sparse optimizer to them (kernels.row_update), so its copy is exactly the row the single-process
+reference holds; the owner takes value and state back on writeback and advances the row's version
+by the updates it carried.
+"""
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import numpy as np
+import torch
+
+import kernels
+from ..comm import Collectives
+from .cache import DIRECT_MAP_MAX_IDS, DirectSlotMap, Pushes
+from .exchange import LookupPlan
+from .optim import make_sparse_optimizer
+from .store import ShardStore
+
+
+def _state_width(store: ShardStore) -> int:
+    s = store.optimizer.state
+    return 0 if s is None else (s.shape[1] if s.dim() == 2 else 1)
+
+
+class LentRows:
+    """Rows lent to this worker: value, optimizer state and local update count per slot."""
+
+    def __init__(self, capacity: int, store: ShardStore, n_ids: int) -> None:
+        dev, opt = store.weight.device, store.optimizer
+        self.weight = torch.zeros(capacity, store.dim, dtype=store.weight.dtype, device=dev)
+        self.optimizer = make_sparse_optimizer(opt.name, self.weight, opt.lr, opt.eps, opt.init)
+        self.count = torch.zeros(capacity, dtype=torch.int64, device=dev)
+        self.used = torch.zeros(capacity, dtype=torch.bool, device=dev)
+        direct = dev.type == "cpu" and n_ids <= DIRECT_MAP_MAX_IDS
+        self.map = DirectSlotMap(n_ids, dev) if direct else kernels.make_id_slot_map(max(capacity, 1), dev)
+        self.sw = _state_width(store)
+
+    def __len__(self) -> int:
+        return int(self.used.sum())
+
+    def find(self, gids: torch.Tensor) -> torch.Tensor:
+        if gids.numel() == 0:
+            return gids.clone()
+        slots, missing = self.map.lookup(gids)
+        if bool(missing.any()):
+            raise RuntimeError(f"herald: rows {gids[missing][:5].tolist()} are not lent to this worker")
+        return slots
+
+    def state(self, slots: torch.Tensor) -> torch.Tensor:
+        """[n, sw] optimizer state of slots (sw = 0 for SGD)."""
+        s = self.optimizer.state
+        if s is None:
+            return torch.zeros(slots.numel(), 0, dtype=self.weight.dtype, device=self.weight.device)
+        return s.index_select(0, slots).reshape(slots.numel(), self.sw)
+
+    def install(self, gids: torch.Tensor, rows: torch.Tensor, state: torch.Tensor) -> None:
+        free = torch.nonzero(~self.used).squeeze(1)[:gids.numel()]
+        if free.numel() < gids.numel():
+            raise RuntimeError(f"herald: {gids.numel()} rows lent but only {free.numel()} slots free")
+        self.weight.index_copy_(0, free, rows)
+        if self.optimizer.state is not None:
+            st = self.optimizer.state
+            st.index_copy_(0, free, state.reshape((-1,) + tuple(st.shape[1:])))
+        self.count.index_fill_(0, free, 0)
+        self.used.index_fill_(0, free, True)
+        self.map.insert(gids, free)
+
+    def remove(self, gids: torch.Tensor) -> None:
+        slots = self.find(gids)
+        self.used.index_fill_(0, slots, False)
+        self.map.erase(gids)
+
+    def update(self, slots: torch.Tensor, grads: torch.Tensor) -> None:
+        """One exact optimizer step per distinct slot [k] (this worker is the row's only reader)."""
+        if slots.numel():
+            self.optimizer.step(slots, grads, unique=True)
+            self.count.index_add_(0, slots, torch.ones_like(slots))
+
+
+class HeraldRemote:
+    """The trainer side of Herald's plan: writebacks, pulls (+ lending), local updates, pushes."""
+
+    def __init__(self, comm: Collectives, store: ShardStore, planner: Any) -> None:
+        self.comm, self.store, self.sh, self.planner = comm, store, store.sharding, planner
+        self.lent = LentRows(planner.capacity, store, int(self.sh.table_offsets[-1]))
+        self.dev = store.weight.device
+        self._sync: Any = None
+
+    # ---- helpers ---------------------------------------------------------------------------
+    def _t(self, x: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(np.ascontiguousarray(x, dtype=np.int64)).to(self.dev)
+
+    def _to_me(self, per_worker: list[np.ndarray], mask: Optional[list[np.ndarray]] = None
+               ) -> tuple[np.ndarray, list[int]]:
+        """The gids every worker sends to this rank as owner (concatenated in rank order) + splits."""
+        w, r = self.sh.world, self.sh.rank
+        parts = [x[(x % w == r) & (mask[k] if mask is not None else True)] for k, x in enumerate(per_worker)]
+        return (np.concatenate(parts) if parts else np.zeros(0, np.int64)), [p.size for p in parts]
+
+    def _splits(self, gids: np.ndarray) -> list[int]:
+        return np.bincount(gids % self.sh.world, minlength=self.sh.world).tolist()
+
+    @staticmethod
+    def _positions(ids: torch.Tensor, want: torch.Tensor) -> torch.Tensor:
+        """[k] positions in ids [n] (distinct) of want [k] (all present)."""
+        order = torch.argsort(ids)
+        pos = order[torch.searchsorted(ids[order], want)] if want.numel() else want.clone()
+        if want.numel() and not torch.equal(ids[pos], want):
+            raise RuntimeError("herald: the plan and this rank's batch disagree on its remote rows")
+        return pos
+
+    # ---- the protocol ----------------------------------------------------------------------
+    def writeback(self, wb: list[np.ndarray]) -> None:
+        """Send back the rows of `wb` (per worker) and install what this rank receives as owner."""
+        if sum(x.size for x in wb) == 0:
+            return
+        mine = self._t(wb[self.sh.rank])
+        slots = self.lent.find(mine)
+        payload = torch.cat([self.lent.weight.index_select(0, slots), self.lent.state(slots),
+                             self.lent.count.index_select(0, slots).to(self.lent.weight.dtype)[:, None]], 1)
+        got_ids, recv = self._to_me(wb)
+        cols = {"grads": self.store.dim + self.lent.sw, "versions": 1}
+        got, _ = self.comm.alltoall(payload, self._splits(wb[self.sh.rank]), kind=cols, recv_splits=recv)
+        idx = self.sh.local_index(self._t(got_ids))
+        d = self.store.dim
+        self.store.weight.index_copy_(0, idx, got[:, :d])
+        st = self.store.optimizer.state
+        if st is not None:
+            st.index_copy_(0, idx, got[:, d:d + self.lent.sw].reshape((-1,) + tuple(st.shape[1:])))
+        self.store.version.index_add_(0, idx, got[:, -1].round().long())
+        self.lent.remove(mine)
+
+    def _pull(self, sync: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        """(rows [n, d], state [n_lent, sw]) of this rank's pull list, served by the owners."""
+        r = self.sh.rank
+        mine = sync.pull[r]
+        if sum(x.size for x in sync.pull) == 0:
+            return torch.zeros(0, self.store.dim, device=self.dev), self.lent.state(self._t(mine[:0]))
+        serve, send = self._to_me(sync.pull)
+        rows, _ = self.comm.alltoall(self.store.rows(self._t(serve)), send, kind="rows",
+                                     recv_splits=self._splits(mine))
+        state = self.lent.state(self._t(mine[:0]))
+        if self.lent.sw and sum(int(x.sum()) for x in sync.lend):
+            serve_l, send_l = self._to_me(sync.pull, sync.lend)
+            st = self.store.optimizer.state.index_select(0, self.sh.local_index(self._t(serve_l)))
+            state, _ = self.comm.alltoall(st.reshape(serve_l.size, self.lent.sw), send_l, kind="rows",
+                                          recv_splits=self._splits(mine[sync.lend[r]]))
+        return rows, state
+
+    def read(self, plan: LookupPlan, ws: torch.Tensor, step: int, sync: Any = None) -> None:
+        if sync is None:
+            raise RuntimeError("schedule=herald: a training step needs the global SyncPlan")
+        r = self.sh.rank
+        local = self._t(sync.local[r])
+        local_rows = self.lent.weight.index_select(0, self.lent.find(local))  # before writebacks
+        self.writeback(sync.writeback)
+        rows, state = self._pull(sync)
+        pull = self._t(sync.pull[r])
+        lend = torch.from_numpy(sync.lend[r]).to(self.dev)
+        self.lent.install(pull[lend], rows[lend], state)
+        src = torch.cat([pull, local])
+        at = self._positions(src, plan.remote_ids)
+        if src.numel() != plan.remote_ids.numel():
+            raise RuntimeError("herald: the plan and this rank's batch disagree on its remote rows")
+        ws.index_copy_(0, plan.remote_pos, torch.cat([rows, local_rows]).index_select(0, at))
+        self._sync = sync
+
+    def write(self, plan: LookupPlan, grad: torch.Tensor) -> Pushes:
+        sync, self._sync = self._sync, None
+        r, remote, g = self.sh.rank, plan.remote_ids, grad[plan.remote_pos]
+        own = torch.cat([self._t(sync.local[r][sync.keep[r]]), self._t(sync.pull[r][sync.lend[r]])])
+        self.lent.update(self.lent.find(own), g.index_select(0, self._positions(remote, own)))
+        push = self._t(sync.push[r])
+        got_ids, recv = self._to_me(sync.push)
+        if sum(x.size for x in sync.push) == 0:
+            return Pushes.empty(self.store.dim, self.dev)
+        got, _ = self.comm.alltoall(g.index_select(0, self._positions(remote, push)), self._splits(sync.push[r]),
+                                    kind="grads", recv_splits=recv)
+        ids = self._t(got_ids)
+        return Pushes(ids, got, torch.ones_like(ids))
+
+    def flush(self) -> Pushes:
+        """Every lent row goes back to its owner (collective; the plan is the same everywhere)."""
+        self.writeback(self.planner.flush())
+        return Pushes.empty(self.store.dim, self.dev)

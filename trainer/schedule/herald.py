@@ -1,0 +1,243 @@
+"""Herald (Zeng et al.): location-aware sample partition and on-demand synchronisation.
+
+Why global planning: every rank sees every global batch's ids (feed.py), so every rank can compute
+the same partition and the same synchronisation plan. No decision, id request or "is it fresh?"
+question ever travels: an owner knows which of its rows each worker pulls, which gradients arrive
+and which rows come back, in which order.
+
+Partition (HeraldPartition): sample i scores s(i, w) = ids of i owned by worker w + (cache_aware)
+ids of i whose row w holds (lent, below). Samples go to their best worker, highest scores first,
+exactly B per worker (rounds of proposals; a worker that is full drops out). The result is used only
+if its total score is at least the contiguous (random) partition's, so Herald is never worse than
+random on the score it maximises. Deterministic: numpy on the same inputs on every rank.
+
+On-demand sync (HeraldPlanner), exact (BSP) for every sparse optimizer:
+- a row read in a step by exactly one worker w that is not its owner is *lent* to w: w pulls the
+  row with its optimizer state and applies the real optimizer step locally, step after step, with
+  no traffic at all while nobody else reads the row;
+- the row goes back (value, optimizer state, update count: a "writeback") only when another worker
+  (the owner included) reads it in the next step, or on eviction (the holder's LRU cache of lent
+  rows is full), or at a flush (eval, checkpoint, exit);
+- rows read by several workers in a step follow BSP: non-owners pull the row and push their
+  gradient, the owner sums and updates once. A holder among them reads its own copy (just written
+  back, so equal to the owner's) instead of pulling it.
+The writebacks of step k are sent at the start of step k, before any read: "another worker will
+read it" is then certain, not guessed, and a row never goes back earlier than needed.
+
+Counters (naive = contiguous partition, every remote read pulled and its gradient pushed):
+pulls, pushes (gradients + writebacks) and the naive baseline, for summary.json and the simulator.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import numpy as np
+
+from .feed import GlobalBatch
+
+
+def owner_order(gids: np.ndarray, world: int) -> np.ndarray:
+    """gids sorted by (owner = gid mod W, gid): the order rows travel in, per owner."""
+    gids = np.asarray(gids, dtype=np.int64)
+    return gids[np.lexsort((gids, gids % world))]
+
+
+class IdSpace:
+    """flat ids (W-independent) -> fused global ids of a sharding (padded table offsets)."""
+
+    def __init__(self, table_rows: list[int], table_offsets: np.ndarray, hot_flat: np.ndarray) -> None:
+        self.ends = np.cumsum(table_rows).astype(np.int64)
+        self.shift = np.asarray(table_offsets[:-1], np.int64) - (self.ends - np.asarray(table_rows))
+        self.hot = np.asarray(hot_flat, np.int64)
+        self.n_ids = int(table_offsets[-1])
+
+    def gids(self, flat: np.ndarray) -> np.ndarray:
+        return flat + self.shift[np.searchsorted(self.ends, flat, side="right")]
+
+    def not_hot(self, flat: np.ndarray) -> np.ndarray:
+        if self.hot.size == 0:
+            return np.ones(flat.shape, bool)
+        pos = np.searchsorted(self.hot, flat).clip(max=self.hot.size - 1)
+        return self.hot[pos] != flat
+
+
+def read_pairs(space: IdSpace, gb: GlobalBatch, worker_of: np.ndarray, world: int) -> tuple[np.ndarray, np.ndarray]:
+    """(gid [m], worker [m]): the distinct non-replicated rows each worker reads, sorted by gid."""
+    keep = space.not_hot(gb.flat)
+    key = np.unique(space.gids(gb.flat[keep]) * world + worker_of[gb.sample[keep]])
+    return key // world, key % world
+
+
+def remote_reads(space: IdSpace, gb: GlobalBatch, worker_of: np.ndarray, world: int) -> int:
+    """Distinct (row, worker) reads of rows the worker does not own: naive pulls = naive pushes."""
+    g, w = read_pairs(space, gb, worker_of, world)
+    return int((g % world != w).sum())
+
+
+def contiguous(g: int, world: int) -> np.ndarray:
+    return np.repeat(np.arange(world), g // world)
+
+
+class HeraldPartition:
+    """Location-aware, exactly balanced assignment of a global batch's samples to workers."""
+
+    def __init__(self, world: int, space: IdSpace, planner: Optional["HeraldPlanner"] = None,
+                 cache_aware: bool = True) -> None:
+        self.world, self.space, self.planner, self.cache_aware = world, space, planner, cache_aware
+        self.score = 0  # total locality score of the partitions chosen so far
+        self.random_score = 0  # ... and of the contiguous (random) partitions of the same batches
+
+    def scores(self, gb: GlobalBatch) -> np.ndarray:
+        """[G, W] ids of each sample owned (+ held, when cache-aware) by each worker."""
+        w, n = self.world, gb.keys.size
+        keep = self.space.not_hot(gb.flat)
+        gid, sample = self.space.gids(gb.flat[keep]), gb.sample[keep]
+        s = np.bincount(sample * w + gid % w, minlength=n * w)
+        if self.cache_aware and self.planner is not None:
+            h = self.planner.holder[gid]
+            s = s + np.bincount(sample[h >= 0] * w + h[h >= 0], minlength=n * w)
+        return s.reshape(n, w)
+
+    def assign(self, gb: GlobalBatch) -> np.ndarray:
+        s = self.scores(gb)
+        naive = contiguous(gb.keys.size, self.world)
+        got = balanced_greedy(s, gb.keys.size // self.world)
+        total = lambda a: int(s[np.arange(a.size), a].sum())  # noqa: E731
+        best = got if total(got) >= total(naive) else naive
+        self.score += total(best)
+        self.random_score += total(naive)
+        return best
+
+
+def balanced_greedy(s: np.ndarray, cap: int) -> np.ndarray:
+    """[n] worker of each sample, exactly `cap` per worker: in rounds, every unassigned sample
+    proposes its best worker with room (lowest index on ties); each worker keeps the highest
+    scoring proposals (ties: lower sample index) up to its room. A round fills a worker or ends."""
+    n, w = s.shape
+    out = np.full(n, -1, np.int64)
+    room = np.full(w, cap, np.int64)
+    score = s.astype(np.float64)
+    while (out < 0).any():
+        free = np.nonzero(out < 0)[0]
+        masked = np.where(room[None, :] > 0, score[free], -np.inf)
+        best = masked.argmax(1)
+        val = masked[np.arange(free.size), best]
+        order = np.lexsort((free, -val, best))  # by worker, then score desc, then sample
+        b_sorted = best[order]
+        start = np.searchsorted(b_sorted, np.arange(w))
+        rank_in = np.arange(order.size) - start[b_sorted]
+        take = rank_in < room[b_sorted]
+        out[free[order[take]]] = b_sorted[take]
+        room -= np.bincount(b_sorted[take], minlength=w)
+    return out
+
+
+@dataclass
+class SyncPlan:
+    """One step's synchronisation, per worker w (gids in owner order, then ascending):
+
+    writeback[w]: rows w sends back (value, optimizer state, update count) before anyone reads
+    pull[w]:      rows w pulls from their owners; lend[w] (bool over pull[w]): with their optimizer
+                  state, to keep and update locally
+    local[w]:     rows w reads from its own copy; keep[w] (bool over local[w]): w stays the holder
+                  and updates it locally, else (just written back, shared) w pushes its gradient
+    push[w]:      rows whose gradient w pushes to their owners this step
+    """
+
+    writeback: list[np.ndarray]
+    pull: list[np.ndarray]
+    lend: list[np.ndarray]
+    local: list[np.ndarray]
+    keep: list[np.ndarray]
+    push: list[np.ndarray]
+
+
+class HeraldPlanner:
+    """The global state of on-demand sync: which worker holds which lent row (LRU per worker)."""
+
+    def __init__(self, world: int, space: IdSpace, capacity: int) -> None:
+        self.world, self.space, self.capacity = world, space, int(capacity)
+        self.holder = np.full(space.n_ids, -1, np.int64)
+        self.last_use = np.full(space.n_ids, -1, np.int64)
+        self.held = [np.zeros(0, np.int64) for _ in range(world)]
+        self.counts = {"pulls": 0, "lend_pulls": 0, "grad_pushes": 0, "writebacks": 0,
+                       "local_reads": 0, "naive_remote_reads": 0}
+
+    def plan(self, step: int, gb: GlobalBatch, worker_of: np.ndarray) -> SyncPlan:
+        g, w = read_pairs(self.space, gb, worker_of, self.world)
+        self.counts["naive_remote_reads"] += remote_reads(self.space, gb, contiguous(gb.keys.size, self.world),
+                                                           self.world)
+        owner = g % self.world
+        _, inv, cnt = np.unique(g, return_inverse=True, return_counts=True)
+        readers = cnt[inv]
+        h = self.holder[g]
+        excl = (readers == 1) & (w != owner)
+        back = np.unique(g[(h >= 0) & (w != h)])  # held rows somebody else reads now
+        wb = [back[self.holder[back] == k] for k in range(self.world)]
+        self.holder[back] = -1
+        plan = self._per_worker(step, g, w, owner, h, excl, wb)
+        self._count(plan)
+        return plan
+
+    def _per_worker(self, step: int, g, w, owner, h, excl, wb) -> SyncPlan:
+        out = SyncPlan([], [], [], [], [], [])
+        for k in range(self.world):
+            mine = w == k
+            keep_g = g[mine & excl & (h == k)]  # held, read by k alone: local update
+            clean = g[mine & ~excl & (h == k)]  # k held it, others read too: written back above
+            shared = g[mine & ~excl & (h != k) & (owner != k)]
+            want = g[mine & excl & (h != k)]  # candidates to lend
+            held = np.setdiff1d(self.held[k], wb[k], assume_unique=True)
+            evict, lends = self._make_room(held, keep_g, want)
+            held = np.union1d(np.setdiff1d(held, evict, assume_unique=True), lends)
+            self.held[k] = held
+            self.holder[evict] = -1
+            self.holder[lends] = k
+            self.last_use[np.concatenate([keep_g, lends])] = step
+            transient = np.setdiff1d(want, lends, assume_unique=True)
+            pull = owner_order(np.concatenate([shared, want]), self.world)
+            local = owner_order(np.concatenate([keep_g, clean]), self.world)
+            out.writeback.append(owner_order(np.concatenate([wb[k], evict]), self.world))
+            out.pull.append(pull)
+            out.lend.append(np.isin(pull, lends))
+            out.local.append(local)
+            out.keep.append(np.isin(local, keep_g))
+            out.push.append(owner_order(np.concatenate([shared, clean, transient]), self.world))
+        return out
+
+    def _make_room(self, held: np.ndarray, used: np.ndarray, want: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(rows to evict, rows to lend): LRU victims among held rows not used this step, then as
+        many candidates (ascending) as fit the capacity; the rest are transient."""
+        over = held.size + want.size - self.capacity
+        evict = np.zeros(0, np.int64)
+        if over > 0:
+            idle = np.setdiff1d(held, used, assume_unique=True)
+            order = np.lexsort((idle, self.last_use[idle]))
+            evict = np.sort(idle[order[:min(over, idle.size)]])
+        room = max(self.capacity - (held.size - evict.size), 0)
+        return evict, want[:room]
+
+    def _count(self, p: SyncPlan) -> None:
+        c = self.counts
+        c["pulls"] += sum(x.size for x in p.pull)
+        c["lend_pulls"] += sum(int(x.sum()) for x in p.lend)
+        c["grad_pushes"] += sum(x.size for x in p.push)
+        c["writebacks"] += sum(x.size for x in p.writeback)
+        c["local_reads"] += sum(x.size for x in p.local)
+
+    def flush(self) -> list[np.ndarray]:
+        """Every held row goes back to its owner (eval, checkpoint, exit); nothing stays lent."""
+        out = [owner_order(x, self.world) for x in self.held]
+        self.counts["writebacks"] += sum(x.size for x in out)
+        for x in self.held:
+            self.holder[x] = -1
+        self.held = [np.zeros(0, np.int64) for _ in range(self.world)]
+        return out
+
+    def summary(self) -> dict[str, Any]:
+        c = dict(self.counts)
+        naive = c["naive_remote_reads"]
+        pushes = c["grad_pushes"] + c["writebacks"]
+        return {**c, "pushes": pushes, "pulls_vs_naive": c["pulls"] / naive if naive else None,
+                "pushes_vs_naive": pushes / naive if naive else None, "capacity_rows": self.capacity}
