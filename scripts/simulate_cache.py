@@ -6,6 +6,14 @@ one JSON line (pulls, pushes, bytes, hit rate, Belady OPT hit rate). Progress go
     python scripts/simulate_cache.py --workers 2 data=criteo data.dir=DIR cache=lfu
     python scripts/simulate_cache.py --workers 1 --trace ids.npz cache=lru    # W=1: a parameter server
     python scripts/simulate_cache.py --workers 4 --trace ids.txt --batch 1024 cache=lfu_pinned
+    python scripts/simulate_cache.py --workers 8 data=criteo_like cache=lru placement=fae  # replicated rows
+    python scripts/simulate_cache.py --workers 8 --steps 40 data=criteo_like cache=lru schedule=herald
+
+Placements (placement=fae|sca) are planned as a run would plan them (profile + planner for this W)
+and replayed through the run's own feed: replicated rows leave the protocol, bytes gain `replica`
+(the allreduce of the rows each step touches). schedule=herald (or --schedule-baseline for the
+naive counts alone) runs Herald's partition and on-demand sync planner instead of the cache replay
+and prints pulls / pushes against the naive baseline (random partition, sync every update).
 
 Positional arguments are Hydra overrides of `python -m trainer` (cache=..., consistency=...,
 cache.capacity_fraction=..., data=...). Semantics, trace formats and the exact OPT definition
@@ -44,6 +52,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--opt-bypass", action="store_true",
                    help="also report opt_bypass_hit_rate (MIN that may leave a miss uncached)")
     p.add_argument("--quiet", action="store_true", help="no progress on stderr")
+    p.add_argument("--schedule-baseline", action="store_true",
+                   help="with schedule=random: count the naive pulls/pushes of the sync planner")
     return p.parse_args(argv)
 
 
@@ -51,6 +61,13 @@ def main(argv: list[str] | None = None) -> int:
     a = parse_args(argv)
     log = None if a.quiet else sys.stderr
     try:
+        if a.schedule_baseline or any(o.replace(" ", "") == "schedule=herald" for o in a.overrides):
+            cfg = sim.compose_config(a.overrides)
+            steps = a.steps if a.steps is not None else cfg.train.steps
+            if steps <= 0 or a.workers <= 0:
+                raise sim.TraceError(f"--steps {steps} / --workers {a.workers}: must be > 0")
+            print(json.dumps(sim.simulate_schedule(cfg, a.workers, steps, log)))
+            return 0
         trace, spec, cfg = sim.build(a.overrides, a.workers, a.owners, a.trace, a.batch, sys.stderr)
         steps = sim.resolve_steps(trace, cfg, a.steps, sys.stderr)
         if log is not None:

@@ -147,6 +147,7 @@ class PlacementConfig:
     hot_rate: float = 0.5  # at most this share of a window's steps are hot batches
     window_batches: int = 16  # hot/cold batches are formed within windows of this many global batches
     buckets: int = 32  # sca: frequency buckets the planner decides for (replicate / cache / shard)
+    plan_steps: int = 32  # sca: steps of the run's stream each candidate placement is replayed on (simulator)
 
 
 @dataclass
@@ -156,6 +157,7 @@ class ScheduleConfig:
     name: str = "random"  # random (equal contiguous slices of the shuffled global batch) | herald
     on_demand_sync: bool = True  # herald: push a row's update only when another worker reads it next step (or at a flush)
     cache_aware: bool = True  # herald: a sample also scores for the rows a worker holds (on-demand sync's lent rows)
+    passes: int = 2  # herald: co-location passes after the owner/holder pass (each ~N ids x W lookups)
 
 
 @dataclass
@@ -326,6 +328,8 @@ def _validate_placement(c: Config) -> None:
     _check(0 <= p.hot_rate <= 1, "placement.hot_rate", p.hot_rate, "must be in [0, 1]")
     _check(p.window_batches > 0, "placement.window_batches", p.window_batches, "must be > 0")
     _check(p.buckets > 0, "placement.buckets", p.buckets, "must be > 0")
+    _check(p.plan_steps > 0, "placement.plan_steps", p.plan_steps, "must be > 0")
+    _check(s.passes >= 0, "schedule.passes", s.passes, "must be >= 0")
     if needs_global_view(c):
         what = f"placement={p.name}" if p.name != "none" else f"schedule={s.name}"
         _check(c.data.name in GLOBAL_VIEW_DATASETS, "data.name", c.data.name,

@@ -34,9 +34,10 @@ from .embedding.consistency import HIST_BINS, UNBOUNDED, Bounds
 from .embedding.exchange import het_wire_bytes
 from .embedding.module import CACHE_COUNTERS
 from .embedding.replica import Replica
-from .placement import Plan, make_plan, profile_stream, row_bytes
+from .placement import Plan, plan_run
 from .embedding.herald import HeraldRemote
-from .schedule import Feed, HotColdOrder, StreamOrder
+from .schedule import Feed, HotColdOrder
+from .schedule.feed import make_order
 from .schedule.herald import HeraldPartition, HeraldPlanner, IdSpace
 from .metrics import JsonlWriter, auc_logloss, write_json_atomic
 from .models import build_model
@@ -134,32 +135,18 @@ class Trainer:
     # ---- setup helpers ---------------------------------------------------------------------
     def _make_plan(self, rows: list[int]) -> Plan:
         """Rank 0 profiles the run's training stream and plans; every rank gets rank 0's plan."""
-        p, c = self.c.placement, self.c
-        if p.name == "none":
+        if self.c.placement.name == "none":
             return Plan("none")
-        plan = None
-        if self.rank == 0:
-            t0 = time.perf_counter()
-            profile = profile_stream(self.data, rows, c.train.steps * self.global_batch, p.profile_fraction)
-            plan = make_plan(p.name, profile, budget_bytes=p.budget_bytes,
-                             per_row=row_bytes(c.model.embedding_dim, c.optim.sparse), config=c,
-                             world=self.world)
-            plan.info["plan_seconds"] = round(time.perf_counter() - t0, 3)
+        plan = plan_run(self.c, self.data, self.world) if self.rank == 0 else None
         with self._phase("other"):
             return self.comm.broadcast_object(plan)
 
     def _make_feed(self, rows: list[int]) -> Feed:
         """The global view: FAE's hot/cold order or the data's own, Herald's partition and sync."""
         c, hot = self.c, self.plan.hot
-        if c.placement.hot_batches and hot.size:
-            def is_hot(flat: np.ndarray) -> np.ndarray:
-                pos = np.searchsorted(hot, flat).clip(max=hot.size - 1)
-                return hot[pos] == flat
-            order = HotColdOrder(self.data, self.global_batch, is_hot, rows, c.placement.window_batches,
-                                 c.placement.hot_rate)
-        else:
-            order = StreamOrder(self.data, self.global_batch)
-        partition = (HeraldPartition(self.world, self.space, self.herald, c.schedule.cache_aware)
+        order = make_order(self.data, self.global_batch, hot, rows, c.placement)
+        partition = (HeraldPartition(self.world, self.space, self.herald, c.schedule.cache_aware,
+                                     c.schedule.passes)
                      if c.schedule.name == "herald" else None)
         return Feed(self.data, order, rows, self.rank, self.world, hot, partition, self.herald)
 
@@ -485,8 +472,8 @@ class Trainer:
                 out["hot_sample_fraction"] = order.hot_samples / max(order.samples, 1)
         if self.feed is not None and self.feed.partition is not None:
             part = self.feed.partition
-            out["schedule"] = {"name": self.c.schedule.name, "locality_score": part.score,
-                               "random_locality_score": part.random_score,
+            out["schedule"] = {"name": self.c.schedule.name, "remote_reads": part.remote,
+                               "random_remote_reads": part.random_remote,
                                **(self.herald.summary() if self.herald is not None else {})}
         if self.plan.predicted is not None:
             measured = {k: bytes_[k] / run_samples for k in EMBEDDING_KINDS}

@@ -84,8 +84,8 @@ from typing import Any, Optional, Protocol, TextIO
 import numpy as np
 import torch
 
-from .config import (Config, cache_capacities, compose_config, local_batch_size, staleness_bounds,
-                     table_rows)
+from .config import (Config, cache_capacities, compose_config, local_batch_size, needs_global_view,
+                     staleness_bounds, table_rows)
 from .embedding.cache import Pushes, RowCache, make_policy
 from .embedding.consistency import HIST_BINS, UNBOUNDED, Bounds, needs_row, staleness_histogram
 from .embedding.exchange import het_wire_bytes, no_cache_wire_bytes, plan_lookup, wire_dtype
@@ -246,15 +246,58 @@ def _table_rows(path: str, ids: np.ndarray, rows: Optional[np.ndarray]) -> list[
 
 
 # ============================================================================ owners, spec
+class FeedTrace:
+    """The trainer's global feed (schedule/feed.py), as a run with a placement or a schedule feeds
+    its ranks: the order (the data's own, or FAE's hot/cold batches) and the partition (contiguous
+    slices, or Herald's). Worker w's batch of step s is exactly rank w's batch of such a run."""
+
+    def __init__(self, cfg: Config, workers: int, hot_flat: np.ndarray, data: Any = None,
+                 partition: Any = None, sync: Any = None) -> None:
+        from .data import make_data
+        from .schedule.feed import Feed, make_order
+        self.workers, self.table_rows = workers, table_rows(cfg)
+        self.global_batch = local_batch_size(cfg, workers) * workers
+        self.description = f"data={cfg.data.preset} placement={cfg.placement.name}"
+        self.data = data if data is not None else make_data(cfg, 0, workers)
+        order = make_order(self.data, self.global_batch, np.asarray(hot_flat, np.int64), self.table_rows,
+                           cfg.placement)
+        self.feed = Feed(self.data, order, self.table_rows, 0, workers, hot_flat, partition, sync)
+        self.steps = None
+        self._at: tuple[int, Any, Any, Any] = (-1, None, None, None)
+
+    def global_step(self, step: int) -> tuple[Any, np.ndarray, np.ndarray]:
+        """(GlobalBatch, [G] worker of each sample, [N] table of each id) of `step` (cached)."""
+        if self._at[0] != step:
+            gb = self.feed.global_batch(step)
+            t = gb.lengths.shape[1]
+            tables = np.repeat(np.tile(np.arange(t), gb.keys.size), gb.lengths.reshape(-1))
+            self._at = (step, gb, self.feed.workers(gb), tables)
+        return self._at[1], self._at[2], self._at[3]
+
+    def batch(self, step: int, worker: int) -> tuple[torch.Tensor, torch.Tensor]:
+        gb, owner, tables = self.global_step(step)
+        sel = owner[gb.sample] == worker
+        return (torch.from_numpy(np.ascontiguousarray(gb.values[sel], np.int64)),
+                torch.from_numpy(tables[sel]))
+
+
 class Owners:
     """Who owns a row: worker g mod W (sharded) or a server outside the workers (server)."""
 
-    def __init__(self, rows: list[int], workers: int, mode: str) -> None:
+    def __init__(self, rows: list[int], workers: int, mode: str,
+                 hot_flat: Optional[np.ndarray] = None) -> None:
         if mode not in OWNERS:
             raise ValueError(f"owners={mode!r} is not one of {', '.join(OWNERS)}")
         self.mode, self.workers = mode, workers
         self.layout = RowSharding(rows, workers if mode == "sharded" else 1, 0)  # fused id space
         self._shards = [RowSharding(rows, workers, r) for r in range(workers)] if mode == "sharded" else []
+        # replicated rows (placement): read locally on every worker, never in the protocol
+        self.hot = torch.zeros(self.n_ids, dtype=torch.bool)
+        if hot_flat is not None and len(hot_flat):
+            from .schedule.herald import IdSpace
+            space = IdSpace(rows, self.layout.table_offsets.numpy(), np.asarray(hot_flat))
+            self.hot[torch.from_numpy(space.gids(np.asarray(hot_flat, np.int64)))] = True
+        self.any_hot = bool(self.hot.any())
 
     @property
     def n_ids(self) -> int:
@@ -272,7 +315,10 @@ class Owners:
         return self.layout.decode(gids)[0]
 
     def split(self, rank: int, gids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(owned [Uo], remote [Ur] in the trainer's request order, remote ascending [Ur]) of a batch."""
+        """(owned [Uo], remote [Ur] in the trainer's request order, remote ascending [Ur]) of a batch
+        (replicated rows are in neither)."""
+        if self.any_hot:
+            gids = gids[~self.hot[gids]]
         if self.mode == "server":
             uniq = torch.unique(gids)
             return uniq[:0], uniq, uniq
@@ -293,12 +339,18 @@ class SimSpec:
     owners: str = "sharded"
     pin_threshold: int = 8
     dim: int = 16  # embedding_dim the bytes are counted at
+    hot: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))  # replicated flat ids
 
     @classmethod
-    def from_config(cls, c: Config, workers: int, owners: str = "sharded") -> "SimSpec":
+    def from_config(cls, c: Config, workers: int, owners: str = "sharded", plan: Any = None) -> "SimSpec":
+        """The spec of config `c`; with a placement Plan, its replicated rows and cache capacities."""
         pull, push = staleness_bounds(c)
-        return cls(table_rows(c), workers, cache_capacities(c), pull, push, c.cache.policy, owners,
-                   c.cache.pin_threshold, c.model.embedding_dim)
+        caps = cache_capacities(c)
+        if plan is not None and plan.cache_rows is not None and c.cache.policy != "none":
+            caps = list(plan.cache_rows)
+        hot = plan.hot if plan is not None else np.zeros(0, np.int64)
+        return cls(table_rows(c), workers, caps, pull, push, c.cache.policy, owners,
+                   c.cache.pin_threshold, c.model.embedding_dim, hot)
 
 
 # ============================================================================ counters, audit
@@ -441,7 +493,8 @@ class CacheSimulator:
 
     def __init__(self, spec: SimSpec, audit: bool = False) -> None:
         self.spec = spec
-        self.owners = Owners(spec.table_rows, spec.workers, spec.owners)
+        self.owners = Owners(spec.table_rows, spec.workers, spec.owners, spec.hot)
+        self.replica_rows = 0  # sum over steps of the replicated rows the step's batches touched
         self.bounds = Bounds.from_lists(spec.pull, spec.push)
         self.versions = torch.zeros(self.owners.n_ids, dtype=torch.int64)  # updates applied per row
         self.workers = [make_worker(r, self.owners, spec, self.bounds) for r in range(spec.workers)]
@@ -454,8 +507,11 @@ class CacheSimulator:
         """One step; batches[w] = (values [N], tables [N]) of worker w."""
         s = self.steps_run
         reads = []
-        for w, (values, tables) in zip(self.workers, batches):
-            gids = self.owners.gids(values, tables)
+        all_gids = [self.owners.gids(values, tables) for values, tables in batches]
+        if self.owners.any_hot:  # one allreduce of the union of touched replicated rows
+            g = torch.cat(all_gids)
+            self.replica_rows += int(torch.unique(g[self.owners.hot[g]]).numel())
+        for w, gids in zip(self.workers, all_gids):
             reads.append(w.read(s, gids, self.versions, self.stats, self.audit))
             self.streams[w.rank].append(reads[-1].ascending.numpy())
         for w, r in zip(self.workers, reads):
@@ -597,6 +653,8 @@ def _bytes(sim: CacheSimulator) -> tuple[dict[str, int], int]:
         out = het_wire_bytes(req, int(t["pulled"].sum()), int(t["pushed_rows"].sum()), spec.dim,
                              ROW_ELEM, sim.owners.wire)
     out = {k: int(v) for k, v in out.items()}
+    if sim.owners.any_hot:  # ring allreduce of [u, d] float32: 2 (W - 1) / W * bytes per worker
+        out["replica"] = int(2 * (spec.workers - 1) * sim.replica_rows * spec.dim * ROW_ELEM)
     out["total"] = sum(out.values())
     return out, base
 
@@ -661,6 +719,44 @@ def simulate(trace: Trace, spec: SimSpec, steps: int, per_table: bool = False,
     return out
 
 
+def simulate_schedule(cfg: Config, workers: int, steps: int,
+                      log: Optional[TextIO] = None) -> dict[str, Any]:
+    """Herald for W simulated workers (config schedule=herald): the trainer's own feed, partition
+    and on-demand sync planner (schedule/herald.py) over `steps` global batches, then the final
+    flush. Counts rows: pulls (rows sent to a reader, lends included), pushes (gradients +
+    writebacks), both against the naive baseline (contiguous = random partition of the shuffled
+    global batch, every remote read pulled and its gradient pushed every step)."""
+    from .data import make_data
+    from .placement import plan_run
+    from .schedule.herald import HeraldPartition, HeraldPlanner, IdSpace
+    t0 = time.perf_counter()
+    rows = table_rows(cfg)
+    data = make_data(cfg, 0, workers)
+    plan = plan_run(cfg, data, workers)
+    space = IdSpace(rows, RowSharding(rows, workers, 0).table_offsets.numpy(), plan.hot)
+    caps = plan.cache_rows if plan.cache_rows is not None else cache_capacities(cfg)
+    planner = HeraldPlanner(workers, space, sum(caps))
+    part = (HeraldPartition(workers, space, planner, cfg.schedule.cache_aware, cfg.schedule.passes)
+            if cfg.schedule.name == "herald" else None)
+    trace = FeedTrace(cfg, workers, plan.hot, data, part, planner)
+    every = max(1, steps // 10)
+    for s in range(steps):
+        gb, owner, _ = trace.global_step(s)
+        if not gb.hot:
+            planner.plan(s, gb, owner)
+        if log is not None and ((s + 1) % every == 0 or s + 1 == steps):
+            print(f"simulate: step {s + 1}/{steps} {time.perf_counter() - t0:.1f}s", file=log, flush=True)
+    planner.flush()
+    out: dict[str, Any] = {"workers": workers, "steps": steps, "global_batch": trace.global_batch,
+                           "trace": trace.description, "schedule": cfg.schedule.name,
+                           "on_demand_sync": True, "placement": plan.name,
+                           "replicated_rows": int(plan.hot.size), **planner.summary()}
+    if part is not None:
+        out["remote_reads"], out["random_remote_reads"] = part.remote, part.random_remote
+    out["seconds"] = round(time.perf_counter() - t0, 3)
+    return out
+
+
 def resolve_owners(owners: str, workers: int, log: Optional[TextIO] = None) -> str:
     """auto: sharded over the workers when W > 1; at W = 1 every row would be local (nothing to
     cache), so the rows live on a parameter server (HET's setting) instead, said on `log`."""
@@ -681,7 +777,17 @@ def build(overrides: list[str], workers: int, owners: str = "auto", trace_file: 
     owners = resolve_owners(owners, workers, log)
     if trace_file is None:
         cfg = compose_config(overrides)
-        trace: Trace = ConfigTrace(cfg, workers)
+        if needs_global_view(cfg):  # placement / schedule: the trainer's global feed and its plan
+            from .data import make_data
+            from .placement import plan_run
+            data = make_data(cfg, 0, workers)
+            plan = plan_run(cfg, data, workers)
+            if log is not None and plan.name != "none":
+                print(f"simulate: placement={plan.name}: {plan.hot.size} replicated rows "
+                      f"({plan.info.get('plan_seconds')}s to plan)", file=log, flush=True)
+            trace: Trace = FeedTrace(cfg, workers, plan.hot, data)
+            return trace, SimSpec.from_config(cfg, workers, owners, plan), cfg
+        trace = ConfigTrace(cfg, workers)
         return trace, SimSpec.from_config(cfg, workers, owners), cfg
     if any(o.split("=")[0].lstrip("+~") in ("data",) for o in overrides):
         raise TraceError("--trace replaces the data config: drop the data=... override")
@@ -705,6 +811,6 @@ def resolve_steps(trace: Trace, cfg: Config, steps: Optional[int], log: Optional
     return want
 
 
-__all__ = ["ArrayTrace", "CacheSimulator", "ConfigTrace", "Owners", "SimSpec", "Trace", "TraceError",
+__all__ = ["ArrayTrace", "CacheSimulator", "ConfigTrace", "FeedTrace", "simulate_schedule", "Owners", "SimSpec", "Trace", "TraceError",
            "belady_hits", "build", "compose_config", "load_trace", "next_use", "opt_hits_by_table",
            "resolve_steps", "run_simulation", "simulate"]

@@ -17,6 +17,8 @@ the replica at all and resume on another W or another placement just works.
 """
 from __future__ import annotations
 
+import math
+
 import torch
 
 from ..comm import Collectives
@@ -76,7 +78,7 @@ class Replica:
         parts = [store.weight.index_select(0, idx)]
         state = store.optimizer.state
         if state is not None:
-            parts.append(state.index_select(0, idx).reshape(idx.numel(), -1))
+            parts.append(state.index_select(0, idx).reshape(idx.numel(), math.prod(state.shape[1:])))
         got_slots = comm.allgather(slots.cpu(), kind="meta").to(self.weight.device)
         got = comm.allgather(torch.cat(parts, 1).cpu(), kind="meta").to(self.weight.device)
         if got_slots.numel() != len(self):

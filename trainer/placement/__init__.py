@@ -23,7 +23,7 @@ from .profile import AccessProfile, flat_ids, profile_stream
 
 PLANNERS = ("none", "fae", "sca")
 __all__ = ["AccessProfile", "PLANNERS", "Plan", "flat_ids", "profile_stream", "row_bytes",
-           "fae_plan", "make_plan"]
+           "fae_plan", "make_plan", "plan_run"]
 
 
 @dataclass
@@ -88,3 +88,22 @@ def make_plan(name: str, profile: AccessProfile | None, **kw: Any) -> Plan:
         from .sca import sca_plan
         return sca_plan(profile, **kw)
     raise ConfigError(f"placement.name={name!r}: must be one of {', '.join(PLANNERS)}")
+
+
+def plan_run(c: Any, data: Any, world: int) -> Plan:
+    """What rank 0 of a run does (and scripts/plan.py, the simulator): profile the run's training
+    stream (`data` offers the global view) and plan with config c's placement for W = world."""
+    import time
+    from ..config import local_batch_size, table_rows
+    p = c.placement
+    if p.name == "none":
+        return Plan("none")
+    t0 = time.perf_counter()
+    rows = table_rows(c)
+    profile = profile_stream(data, rows, c.train.steps * local_batch_size(c, world) * world,
+                             p.profile_fraction)
+    plan = make_plan(p.name, profile, budget_bytes=p.budget_bytes,
+                     per_row=row_bytes(c.model.embedding_dim, c.optim.sparse), config=c, world=world,
+                     data=data)
+    plan.info["plan_seconds"] = round(time.perf_counter() - t0, 3)
+    return plan

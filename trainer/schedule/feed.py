@@ -103,6 +103,25 @@ class HotColdOrder:
         return out
 
 
+def is_member(sorted_ids: np.ndarray) -> Callable[[np.ndarray], np.ndarray]:
+    """x -> [x in sorted_ids] elementwise (sorted_ids sorted, non-empty)."""
+    def member(x: np.ndarray) -> np.ndarray:
+        pos = np.searchsorted(sorted_ids, x).clip(max=sorted_ids.size - 1)
+        return sorted_ids[pos] == x
+    return member
+
+
+def make_order(data: GlobalData, global_batch: int, hot_flat: np.ndarray, table_rows: list[int],
+               placement: Any) -> "StreamOrder | HotColdOrder":
+    """The order a run with `placement` (PlacementConfig) uses: FAE's hot/cold batches when
+    placement.hot_batches and rows are replicated, else the data's own. The trainer and the
+    simulator both build their order here."""
+    if placement.hot_batches and hot_flat.size:
+        return HotColdOrder(data, global_batch, is_member(hot_flat), table_rows,
+                            placement.window_batches, placement.hot_rate)
+    return StreamOrder(data, global_batch)
+
+
 class Feed:
     """Per step: this rank's Batch and the GlobalStep every rank agrees on."""
 

@@ -5,11 +5,12 @@ the same partition and the same synchronisation plan. No decision, id request or
 question ever travels: an owner knows which of its rows each worker pulls, which gradients arrive
 and which rows come back, in which order.
 
-Partition (HeraldPartition): sample i scores s(i, w) = ids of i owned by worker w + (cache_aware)
-ids of i whose row w holds (lent, below). Samples go to their best worker, highest scores first,
-exactly B per worker (rounds of proposals; a worker that is full drops out). The result is used only
-if its total score is at least the contiguous (random) partition's, so Herald is never worse than
-random on the score it maximises. Deterministic: numpy on the same inputs on every rank.
+Partition (HeraldPartition): minimise the distinct (row, worker) reads of rows the worker neither
+owns nor holds (lent, below). Sample i scores at worker w the ids of i that are free there (owned,
+held, and after the first pass also read by the other samples assigned to w); samples go to their
+best worker, highest scores first, exactly B per worker. The best of these passes and of the
+contiguous (random) partition is kept, so Herald is never worse than random on its objective.
+Deterministic: numpy on the same inputs on every rank.
 
 On-demand sync (HeraldPlanner), exact (BSP) for every sparse optimizer:
 - a row read in a step by exactly one worker w that is not its owner is *lent* to w: w pulls the
@@ -80,34 +81,74 @@ def contiguous(g: int, world: int) -> np.ndarray:
 
 
 class HeraldPartition:
-    """Location-aware, exactly balanced assignment of a global batch's samples to workers."""
+    """Location-aware, exactly balanced assignment of a global batch's samples to workers.
+
+    Objective: the distinct (row, worker) reads of rows the worker neither owns nor holds (each
+    one a pull and a push under BSP; replicated rows do not count). Pass 0 scores sample i at
+    worker w by the ids of i that w owns or holds; each further pass adds the ids that samples
+    already assigned to w read too (co-location), and re-assigns. The best of the passes and of
+    the contiguous (random) partition is kept, so Herald is never worse than random on it.
+    """
 
     def __init__(self, world: int, space: IdSpace, planner: Optional["HeraldPlanner"] = None,
-                 cache_aware: bool = True) -> None:
+                 cache_aware: bool = True, passes: int = 2) -> None:
         self.world, self.space, self.planner, self.cache_aware = world, space, planner, cache_aware
-        self.score = 0  # total locality score of the partitions chosen so far
-        self.random_score = 0  # ... and of the contiguous (random) partitions of the same batches
+        self.passes = passes
+        self.remote = 0  # remote reads (the objective) of the partitions chosen so far
+        self.random_remote = 0  # ... and of the contiguous (random) partitions of the same batches
 
-    def scores(self, gb: GlobalBatch) -> np.ndarray:
-        """[G, W] ids of each sample owned (+ held, when cache-aware) by each worker."""
-        w, n = self.world, gb.keys.size
+    def _pairs(self, gb: GlobalBatch) -> tuple[np.ndarray, np.ndarray]:
+        """(sample [m], gid [m]): distinct non-replicated (sample, row) pairs."""
         keep = self.space.not_hot(gb.flat)
-        gid, sample = self.space.gids(gb.flat[keep]), gb.sample[keep]
-        s = np.bincount(sample * w + gid % w, minlength=n * w)
+        n = self.space.n_ids
+        key = np.unique(gb.sample[keep].astype(np.int64) * n + self.space.gids(gb.flat[keep]))
+        return key // n, key % n
+
+    def _free(self, gid: np.ndarray) -> np.ndarray:
+        """[m, W] bool: the row is owned (or held, when cache-aware) by each worker."""
+        w = self.world
+        free = (gid % w)[:, None] == np.arange(w)[None, :]
         if self.cache_aware and self.planner is not None:
-            h = self.planner.holder[gid]
-            s = s + np.bincount(sample[h >= 0] * w + h[h >= 0], minlength=n * w)
-        return s.reshape(n, w)
+            free |= self.planner.holder[gid][:, None] == np.arange(w)[None, :]
+        return free
+
+    def remote_reads(self, sample: np.ndarray, gid: np.ndarray, free: np.ndarray, a: np.ndarray) -> int:
+        """The objective for assignment a: distinct (row, worker) reads not free at the worker."""
+        w = a[sample]
+        key, first = np.unique(gid * self.world + w, return_index=True)
+        return int((~free[first, w[first]]).sum())
 
     def assign(self, gb: GlobalBatch) -> np.ndarray:
-        s = self.scores(gb)
-        naive = contiguous(gb.keys.size, self.world)
-        got = balanced_greedy(s, gb.keys.size // self.world)
-        total = lambda a: int(s[np.arange(a.size), a].sum())  # noqa: E731
-        best = got if total(got) >= total(naive) else naive
-        self.score += total(best)
-        self.random_score += total(naive)
-        return best
+        n, w = gb.keys.size, self.world
+        sample, gid = self._pairs(gb)
+        free = self._free(gid)
+        naive = contiguous(n, w)
+        cands = [naive]
+        score = np.stack([np.bincount(sample, weights=free[:, k], minlength=n) for k in range(w)], 1)
+        a = balanced_greedy(score, n // w)
+        cands.append(a)
+        for _ in range(self.passes):
+            a = balanced_greedy(self._colocated(sample, gid, free, a, n), n // w)
+            cands.append(a)
+        costs = [self.remote_reads(sample, gid, free, c) for c in cands]
+        best = int(np.argmin(costs))  # ties keep the earlier candidate (contiguous first)
+        self.remote += costs[best]
+        self.random_remote += costs[0]
+        return cands[best]
+
+    def _colocated(self, sample: np.ndarray, gid: np.ndarray, free: np.ndarray, a: np.ndarray,
+                   n: int) -> np.ndarray:
+        """[G, W] ids of each sample free at each worker given assignment a (owned, held, or read
+        by another sample assigned there)."""
+        w = self.world
+        uk, cnt = np.unique(gid * w + a[sample], return_counts=True)
+        out = np.empty((n, w))
+        for k in range(w):
+            key = gid * w + k
+            pos = np.searchsorted(uk, key).clip(max=uk.size - 1)
+            others = np.where(uk[pos] == key, cnt[pos], 0) - (a[sample] == k)
+            out[:, k] = np.bincount(sample, weights=free[:, k] | (others > 0), minlength=n)
+        return out
 
 
 def balanced_greedy(s: np.ndarray, cap: int) -> np.ndarray:
@@ -167,7 +208,7 @@ class HeraldPlanner:
     def plan(self, step: int, gb: GlobalBatch, worker_of: np.ndarray) -> SyncPlan:
         g, w = read_pairs(self.space, gb, worker_of, self.world)
         self.counts["naive_remote_reads"] += remote_reads(self.space, gb, contiguous(gb.keys.size, self.world),
-                                                           self.world)
+                                                           self.world)  # random partition, no lending
         owner = g % self.world
         _, inv, cnt = np.unique(g, return_inverse=True, return_counts=True)
         readers = cnt[inv]
