@@ -18,6 +18,7 @@ from omegaconf import DictConfig
 
 from .checkpoint import CheckpointError
 from .config import CONF_DIR, ConfigError
+from .data import IdRangeError
 from .runner import TrainingError, run
 
 
@@ -43,7 +44,7 @@ def main(cfg: DictConfig) -> None:
     out_dir = HydraConfig.get().runtime.output_dir
     try:
         result = run(cfg, out_dir=out_dir)
-    except (ConfigError, TrainingError, CheckpointError) as exc:
+    except (ConfigError, TrainingError, CheckpointError, IdRangeError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         sys.exit(2)
     used = result.summary.get("output_dir")

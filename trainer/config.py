@@ -6,6 +6,7 @@ rules, so a bad sweep value fails at start-up with `key=value: reason`, not deep
 """
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass, field
 from typing import Any, Optional
@@ -25,6 +26,9 @@ KERNEL_BACKENDS = ("auto", "triton", "reference")  # = kernels.BACKENDS
 PLACEMENTS = ("none", "fae", "sca")  # = placement.PLANNERS
 SCHEDULES = ("random", "herald")
 GLOBAL_VIEW_DATASETS = ("synthetic", "movielens")  # random access to any sample: schedulers, profiles
+OUT_OF_RANGE = ("error", "hash")  # data.out_of_range (trainer/data/ids.py)
+NONFINITE = ("stop", "skip")  # train.nonfinite
+CONSISTENCY_PRESETS = ("bsp", "ssp", "asp")  # consistency.name (conf/consistency/*.yaml)
 
 
 class ConfigError(ValueError):
@@ -65,6 +69,7 @@ class DataConfig:
     eval_fraction: float = 0.1  # held-out share: criteo's tail (when no test split), movielens' random split
     shuffle: bool = True  # criteo/movielens: seeded shuffle of training rows (criteo: block order + rows in a block)
     epochs: float = 0.0  # criteo/movielens: > 0 sets train.steps = ceil(epochs * training rows / global batch)
+    out_of_range: str = "error"  # an id < 0 or >= its table's rows: error (stop, naming table, id, rows) | hash (id mod rows)
 
 
 @dataclass
@@ -169,6 +174,8 @@ class TrainConfig:
     threads: int = 0  # torch threads per rank; 0 = cores / local ranks
     progress: str = "auto"  # progress bar on rank 0: auto (when interactive) | on | off
     device: str = "cpu"  # cpu | cuda | auto
+    nonfinite: str = "stop"  # NaN/inf global loss: stop (error naming the step) | skip (drop the batch, no update anywhere)
+    max_skips: int = 10  # nonfinite=skip: stop anyway after this many consecutive skipped steps
 
 
 @dataclass
@@ -258,6 +265,10 @@ def _one_of(key: str, value: str, allowed: tuple[str, ...]) -> None:
     _check(value in allowed, key, value, f"must be one of {', '.join(allowed)}")
 
 
+def _finite(key: str, value: float) -> None:
+    _check(math.isfinite(value), key, value, "must be a finite number")
+
+
 def validate(c: Config) -> None:
     """Range and consistency checks that do not depend on the world size."""
     _one_of("model.name", c.model.name, MODELS)
@@ -275,6 +286,11 @@ def validate(c: Config) -> None:
     _check(d.min_bag >= 0, "data.min_bag", d.min_bag, "must be >= 0")
     _check(d.max_bag >= max(d.min_bag, 1), "data.max_bag", d.max_bag, "must be >= max(1, data.min_bag)")
     _check(d.zipf_alpha >= 0, "data.zipf_alpha", d.zipf_alpha, "must be >= 0")
+    _finite("data.zipf_alpha", d.zipf_alpha)
+    _check(d.signal >= 0, "data.signal", d.signal, "must be >= 0 (0 = labels are coin flips)")
+    _finite("data.signal", d.signal)
+    _check(d.seed >= 0, "data.seed", d.seed, "must be >= 0")
+    _one_of("data.out_of_range", d.out_of_range, OUT_OF_RANGE)
     _check(d.batch_size > 0, "data.batch_size", d.batch_size, "must be > 0")
     if d.global_batch_size is not None:
         _check(d.global_batch_size > 0, "data.global_batch_size", d.global_batch_size, "must be > 0")
@@ -285,22 +301,29 @@ def validate(c: Config) -> None:
     _check(d.loader_threads > 0, "data.loader_threads", d.loader_threads, "must be > 0")
     _check(0 < d.eval_fraction < 1, "data.eval_fraction", d.eval_fraction, "must be in (0, 1)")
     _check(d.epochs >= 0, "data.epochs", d.epochs, "must be >= 0 (0 = use train.steps)")
+    _finite("data.epochs", d.epochs)
     _check(c.model.cross_layers >= 0, "model.cross_layers", c.model.cross_layers, "must be >= 0")
     _check(c.model.cross_rank >= 0, "model.cross_rank", c.model.cross_rank, "must be >= 0 (0 = full rank)")
     o = c.optim
     _one_of("optim.dense", o.dense, DENSE_OPTIMS)
     _one_of("optim.sparse", o.sparse, SPARSE_OPTIMS)
     _check(o.lr > 0, "optim.lr", o.lr, "must be > 0")
+    _finite("optim.lr", o.lr)
     if o.sparse_lr is not None:
         _check(o.sparse_lr > 0, "optim.sparse_lr", o.sparse_lr, "must be > 0")
+        _finite("optim.sparse_lr", o.sparse_lr)
     _check(o.eps > 0, "optim.eps", o.eps, "must be > 0")
+    _finite("optim.eps", o.eps)
     _check(0 <= o.momentum < 1, "optim.momentum", o.momentum, "must be in [0, 1)")
     _check(o.initial_accumulator >= 0, "optim.initial_accumulator", o.initial_accumulator, "must be >= 0")
+    _finite("optim.initial_accumulator", o.initial_accumulator)
     _one_of("comm.backend", c.comm.backend, BACKENDS)
     _one_of("comm.dist_backend", c.comm.dist_backend, ("auto", "gloo", "nccl"))
     _check(c.comm.timeout_s > 0, "comm.timeout_s", c.comm.timeout_s, "must be > 0")
+    _finite("comm.timeout_s", c.comm.timeout_s)
     if c.embedding.init_scale is not None:
         _check(c.embedding.init_scale > 0, "embedding.init_scale", c.embedding.init_scale, "must be > 0")
+        _finite("embedding.init_scale", c.embedding.init_scale)
     _validate_cache(c)
     t = c.train
     _check(t.steps > 0, "train.steps", t.steps, "must be > 0")
@@ -309,6 +332,9 @@ def validate(c: Config) -> None:
     _check(t.threads >= 0, "train.threads", t.threads, "must be >= 0 (0 = auto)")
     _one_of("train.progress", t.progress, ("auto", "on", "off"))
     _one_of("train.device", t.device, ("cpu", "cuda", "auto"))
+    _check(t.seed >= 0, "train.seed", t.seed, "must be >= 0")
+    _one_of("train.nonfinite", t.nonfinite, NONFINITE)
+    _check(t.max_skips > 0, "train.max_skips", t.max_skips, "must be > 0")
     _validate_kernels(c)
     _validate_checkpoint(c)
     _validate_placement(c)
@@ -397,6 +423,7 @@ def _validate_cache(c: Config) -> None:
             _check(0 <= t.capacity_fraction <= 1, f"cache.tables.{key}.capacity_fraction",
                    t.capacity_fraction, "must be in [0, 1]")
     s = c.consistency
+    _one_of("consistency.name", s.name, CONSISTENCY_PRESETS)
     for key, v in (("consistency.pull_bound", s.pull_bound), ("consistency.push_bound", s.push_bound)):
         _check(v >= -1, key, v, "must be >= 0, or -1 for unbounded")
     for key, t in s.tables.items():

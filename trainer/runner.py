@@ -115,6 +115,8 @@ class Trainer:
         with self._phase("other"):
             self.emb = HybridEmbedding(comm, self.sharding, store, c.model.pooling, *cache,
                                        audit=c.embedding.audit, replica=replica, remote=remote)
+        if c.train.nonfinite == "skip":
+            self.emb.enable_discard()
         self.feed = self._make_feed(rows) if needs_global_view(c) else None
         torch.manual_seed(c.train.seed)
         self.model = build_model(c.model, c.data.num_dense, len(rows)).to(self.device)
@@ -266,22 +268,44 @@ class Trainer:
         return calls.get("alltoall", 0) + calls.get("alltoall_splits", 0)
 
     def _step(self, batch: Any, info: Any, step: int) -> float:
+        """One step; returns the global loss. train.nonfinite=stop: the loss travels with the dense
+        gradients and a non-finite one raises (the run stops, no checkpoint is written after it).
+        skip: the global loss is reduced first (one extra 4-byte allreduce) and, when it is not
+        finite, every rank drops the step before anything changed (embedding.discard)."""
         self.model.train()
         pooled = self.emb.lookup(batch, train=True, info=info)
         logits = self.model(batch.dense, pooled)
         loss = F.binary_cross_entropy_with_logits(logits, batch.labels, reduction="sum") / self.global_batch
+        extra = [loss.detach().reshape(1)]
+        if self.c.train.nonfinite == "skip":
+            value = float(self.comm.allreduce(extra.pop(), op="sum", kind="dense").item())
+            if not math.isfinite(value):
+                self.emb.discard()
+                return value
         self.opt.zero_grad(set_to_none=False)
         loss.backward()
         self.emb.apply_gradients()
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
-        reduced = self.comm.grouped_allreduce(grads + [loss.detach().reshape(1)], op="sum", kind="dense")
-        for p, g in zip(self.params, reduced[:-1]):
+        reduced = self.comm.grouped_allreduce(grads + extra, op="sum", kind="dense")
+        for p, g in zip(self.params, reduced):
             p.grad = g
         self.opt.step()
-        value = float(reduced[-1].item())
-        if not math.isfinite(value):
-            raise TrainingError(f"loss is {value} at step {step}; stopping (lower optim.lr?)")
+        if extra:
+            value = float(reduced[-1].item())
+            if not math.isfinite(value):
+                raise TrainingError(f"loss is {value} at step {step}; stopping (lower optim.lr? "
+                                    "train.nonfinite=skip drops such batches)")
         return value
+
+    def _after_skip(self, step: int) -> None:
+        """Step `step` was skipped (non-finite loss): warn; stop after train.max_skips in a row."""
+        run = next((i for i, v in enumerate(reversed(self.losses)) if math.isfinite(v)), len(self.losses))
+        if self.rank == 0:
+            print(f"[trainer] step {step}: loss is {self.losses[-1]}; batch skipped, no update "
+                  f"({run} in a row)", file=sys.stderr)
+        if run >= self.c.train.max_skips:
+            raise TrainingError(f"loss is {self.losses[-1]} at step {step}: {run} consecutive steps "
+                                f"had a non-finite loss (train.max_skips={self.c.train.max_skips}); stopping")
 
     # ---- evaluation ------------------------------------------------------------------------
     @torch.no_grad()
@@ -315,6 +339,8 @@ class Trainer:
                 t0 = time.perf_counter()
                 self.losses.append(self.train_step(step))
                 train_time += time.perf_counter() - t0
+                if not math.isfinite(self.losses[-1]):
+                    self._after_skip(step)
                 if bar is not None:
                     bar.update(1)
                     bar.set_postfix(loss=f"{self.losses[-1]:.4f}")
@@ -362,7 +388,8 @@ class Trainer:
 
     def _step_record(self, step: int, samples_per_sec: float) -> dict[str, Any]:
         s = self.emb.stats
-        rec = {"step": step + 1, "loss": self.losses[-1], "samples_per_sec": samples_per_sec,
+        loss = self.losses[-1] if math.isfinite(self.losses[-1]) else None  # a skipped step
+        rec = {"step": step + 1, "loss": loss, "samples_per_sec": samples_per_sec,
                "bytes": self._global_bytes("train"),
                "rank0_ids": s.ids, "rank0_unique": s.unique, "rank0_remote": s.remote}
         if self.emb.cache is not None:
@@ -426,7 +453,8 @@ class Trainer:
         lookups = torch.tensor([float(v) for v in self.emb.stats.totals.values()], dtype=torch.float64)
         with self._phase("other"):
             lookups = self.comm.allreduce(lookups, op="sum", kind="meta").tolist()
-        tail = self.losses[-10:]
+        tail = [v for v in self.losses if math.isfinite(v)][-10:]  # skipped steps have no loss
+        skipped = [i for i, v in enumerate(self.losses) if not math.isfinite(v)]
         return {
             "world_size": self.world,
             "output_dir": self.out_dir,
@@ -436,7 +464,10 @@ class Trainer:
             "samples": samples,
             "train_time_s": train_time,
             "samples_per_sec": run_samples / max(train_time, 1e-9),
-            "final_loss": float(np.mean(tail)),
+            "final_loss": float(np.mean(tail)) if tail else None,
+            "skipped_steps": len(skipped),  # train.nonfinite=skip: steps dropped for a non-finite loss
+            "skipped_at": skipped[:100],
+            "ids_hashed": self._ids_hashed(),  # data.out_of_range=hash: ids folded, all ranks
             "eval_auc": final_eval["eval_auc"],
             "eval_logloss": final_eval["eval_logloss"],
             "eval_samples": final_eval["eval_samples"],
@@ -457,6 +488,11 @@ class Trainer:
             "resumed_from": self.resumed_from,
             "checkpoint": self.last_checkpoint,
         }
+
+    def _ids_hashed(self) -> int:
+        local = torch.tensor([float(self.data.ids_hashed)], dtype=torch.float64)
+        with self._phase("other"):
+            return int(self.comm.allreduce(local, op="sum", kind="meta").item())
 
     def _placement_summary(self, bytes_: dict[str, int], run_samples: int) -> dict[str, Any]:
         """The plan, hot steps (none ran an alltoall), and predicted vs measured embedding bytes."""

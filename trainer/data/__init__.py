@@ -10,13 +10,14 @@ from typing import TYPE_CHECKING, Optional, Union
 
 from ..config import Config, DataConfig, local_batch_size, table_rows
 from .batch import Batch
+from .ids import GuardedData, IdGuard, IdRangeError
 from .synthetic import SyntheticData
 
 if TYPE_CHECKING:  # the real-data modules are imported only when selected (DALI is heavy)
     from .blocks import CriteoData
     from .movielens import MovieLensData
 
-__all__ = ["Batch", "SyntheticData", "make_data", "dataset_shape"]
+__all__ = ["Batch", "GuardedData", "IdGuard", "IdRangeError", "SyntheticData", "make_data", "dataset_shape"]
 
 
 def dataset_shape(d: DataConfig) -> tuple[int, list[int]]:
@@ -39,13 +40,14 @@ def _local_gpu(cfg: Config) -> Optional[int]:
     return torch.cuda.current_device() if on_cuda else None
 
 
-def make_data(cfg: Config, rank: int, world: int) -> Union[SyntheticData, CriteoData, MovieLensData]:
-    """The data source named by cfg.data.name for this rank. With data.epochs > 0 it also sets
-    cfg.train.steps: this is the first place where both the training rows and W are known."""
+def make_data(cfg: Config, rank: int, world: int) -> GuardedData:
+    """The data source named by cfg.data.name for this rank, behind the id-range guard
+    (data.out_of_range, ids.py). With data.epochs > 0 it also sets cfg.train.steps: this is the
+    first place where both the training rows and W are known."""
     data = _make_data(cfg, rank, world)
     if cfg.data.epochs > 0 and cfg.data.name in ("criteo", "movielens"):
         cfg.train.steps = max(1, math.ceil(cfg.data.epochs * data.train_rows / (data.b * world)))
-    return data
+    return GuardedData(data, IdGuard(table_rows(cfg), cfg.data.out_of_range))
 
 
 def _make_data(cfg: Config, rank: int, world: int) -> Union[SyntheticData, CriteoData, MovieLensData]:

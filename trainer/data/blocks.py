@@ -24,6 +24,7 @@ import torch
 from ..config import ConfigError, DataConfig
 from .batch import Batch
 from .criteo import CriteoFormatError, from_block, read_meta
+from .ids import IdGuard
 
 Columns = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # labels [n] f32, dense [n, F] f32, ids [n, T] i64
 BlockReader = Callable[[list[str], int, int], Iterator[Columns]]  # (files, shard_id, num_shards)
@@ -130,10 +131,15 @@ class BlockStream:
         return cols[0][:n], cols[1][:n], cols[2][:n]
 
 
-def to_batch(cols: Columns, num_dense: int, rows: torch.Tensor) -> Batch:
-    """Columns -> Batch (one id per bag); ids folded into the configured table sizes (id mod rows)."""
+def to_batch(cols: Columns, num_dense: int, rows: torch.Tensor, guard: IdGuard | None = None,
+             where: str = "batch") -> Batch:
+    """Columns -> Batch (one id per bag). Ids are checked against the data's own table sizes by
+    `guard` (data.out_of_range), then folded into the configured table sizes (id mod rows: the
+    data.max_table_rows cap)."""
     labels, dense, ids = cols
     b, t = labels.shape[0], rows.numel()
+    if guard is not None:
+        ids = guard.values(ids.reshape(-1), torch.arange(t).repeat(b), where)
     ids = torch.remainder(ids.reshape(b, t), rows.to(ids.device))
     return Batch(dense.reshape(b, num_dense).contiguous(), ids.reshape(-1).contiguous(),
                  torch.ones((b, t), dtype=torch.int64, device=ids.device), labels.contiguous())
@@ -147,6 +153,8 @@ class CriteoData:
         self.cfg, self.rank, self.world, self.b, self.reader = cfg, rank, world, local_batch, reader
         self.meta = read_meta(cfg.dir)
         self.F, self.rows = int(self.meta["num_dense"]), torch.tensor(rows, dtype=torch.int64)
+        self.guard = IdGuard([int(n) for n in self.meta["table_rows"]], cfg.out_of_range,
+                             f"data.dir={cfg.dir!r}")
         self.train_segs, self.eval_segs = split_segments(self.meta, cfg.dir, cfg)
         if len(self.train_segs) < world:
             raise ConfigError(f"data.dir={cfg.dir!r}: the training split has {len(self.train_segs)} blocks "
@@ -180,7 +188,8 @@ class CriteoData:
                 self._train.take(self.b)
                 self._step += 1
         self._step += 1
-        return to_batch(self._train.take(self.b), self.F, self.rows)
+        return to_batch(self._train.take(self.b), self.F, self.rows, self.guard,
+                        f"training batch of step {step}")
 
     def num_eval_steps(self) -> int:
         per_rank = [sum(s.rows for s in self.eval_segs[slice(*shard_range(len(self.eval_segs), r, self.world))])
@@ -196,7 +205,7 @@ class CriteoData:
             n = min(left, self.cfg.eval_batch_size)
             left -= n
             cols = self._eval.take(n) if n else self._empty()
-            yield to_batch(cols, self.F, self.rows)
+            yield to_batch(cols, self.F, self.rows, self.guard, "eval batch")
 
     def _empty(self) -> Columns:
         return (torch.zeros(0), torch.zeros((0, self.F)), torch.zeros((0, self.rows.numel()), dtype=torch.int64))

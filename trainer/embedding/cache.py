@@ -18,6 +18,10 @@ this local rule never reaches the model; with bounds > 0 it is the cached view a
 Rows needed by the current step are never evicted. When a table's region cannot hold all of a step's
 misses, the rest are "transient": used for this step only and their gradients pushed at once.
 
+Undo (train.nonfinite=skip): between `begin()` and `commit()` every slot a read changes is saved
+first (touch, refresh, install + eviction), so `rollback()` returns the cache to exactly its state
+before the step (rows, versions, pending updates and counts, policy metadata, the id map).
+
 Nothing here talks to other workers: the same object drives scripts/simulate_cache.py.
 """
 from __future__ import annotations
@@ -161,6 +165,9 @@ class RowCache:
         self.last_use = torch.full((c,), -1, dtype=torch.int64, device=dev)
         direct = dev.type == "cpu" and n_ids <= DIRECT_MAP_MAX_IDS
         self.map = DirectSlotMap(n_ids, dev) if direct else kernels.make_id_slot_map(max(c, 1), dev)
+        self._journal: list[tuple[torch.Tensor, ...]] | None = None  # saved slots while undoable
+
+    _FIELDS = ("gid", "rows", "pending", "version", "count", "freq", "last_use")
 
     @property
     def size(self) -> int:
@@ -187,11 +194,13 @@ class RowCache:
 
     def touch(self, slots: torch.Tensor, step: int) -> None:
         """Mark cached slots [k] (>= 0) as used at `step` (protects them from eviction this step)."""
+        self._save(slots)
         self.freq.index_add_(0, slots, torch.ones_like(slots))
         self.last_use.index_fill_(0, slots, step)
 
     def refresh(self, slots: torch.Tensor, rows: torch.Tensor, versions: torch.Tensor) -> None:
         """Re-read copies: owner rows [k, d] at `versions`, own pending updates re-applied."""
+        self._save(slots)
         local = rows - self.local_lr * self.pending.index_select(0, slots)
         self.rows.index_copy_(0, slots, local)
         self.version.index_copy_(0, slots, versions)
@@ -205,6 +214,7 @@ class RowCache:
         slots = self._choose_slots(tables, step)
         ok = slots >= 0
         placed = slots[ok]
+        self._save(placed)
         evicted = self._evict(placed)
         self.gid.index_copy_(0, placed, gids[ok])
         self.rows.index_copy_(0, placed, rows[ok])
@@ -214,6 +224,38 @@ class RowCache:
         if placed.numel():
             self.map.insert(gids[ok], placed)
         return slots, evicted
+
+    # ---- undo ----------------------------------------------------------------------------
+    def begin(self) -> None:
+        """Start saving every slot the coming changes touch (until commit or rollback)."""
+        self._journal = []
+
+    def commit(self) -> None:
+        """Keep the changes made since begin() (drop what was saved)."""
+        self._journal = None
+
+    def rollback(self) -> None:
+        """Undo every change since begin(): saved slots get their old fields and map entries
+        back (newest save first, so a slot saved twice ends with its oldest values)."""
+        if self._journal is None:
+            raise RuntimeError("RowCache.rollback() without begin()")
+        for saved in reversed(self._journal):
+            slots, old = saved[0], dict(zip(self._FIELDS, saved[1:]))
+            now = self.gid.index_select(0, slots)
+            moved = now != old["gid"]
+            if bool((moved & (now >= 0)).any()):
+                self.map.erase(now[moved & (now >= 0)])
+            for name, value in old.items():
+                getattr(self, name).index_copy_(0, slots, value)
+            back = moved & (old["gid"] >= 0)
+            if bool(back.any()):
+                self.map.insert(old["gid"][back], slots[back])
+        self._journal = None
+
+    def _save(self, slots: torch.Tensor) -> None:
+        if self._journal is not None and slots.numel():
+            self._journal.append((slots.clone(),) + tuple(getattr(self, f).index_select(0, slots)
+                                                          for f in self._FIELDS))
 
     # ---- writes --------------------------------------------------------------------------
     def record_updates(self, slots: torch.Tensor, grads: torch.Tensor) -> None:

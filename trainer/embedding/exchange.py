@@ -113,6 +113,10 @@ class RowExchange:
         served, self._served = self._served, None
         return served, recv
 
+    def forget(self) -> None:
+        """Drop the last pull's bookkeeping: its gradients will not be pushed (a skipped step)."""
+        self._served = None
+
     # ---- HET protocol (with a cache) -----------------------------------------------------
     @property
     def wire_dtype(self) -> torch.dtype:

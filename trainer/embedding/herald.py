@@ -135,7 +135,7 @@ class HeraldRemote:
         self.store.weight.index_copy_(0, idx, got[:, :d])
         st = self.store.optimizer.state
         if st is not None:
-            st.index_copy_(0, idx, got[:, d:d + self.lent.sw].reshape((-1,) + tuple(st.shape[1:])))
+            pass  # MUTATION
         self.store.version.index_add_(0, idx, got[:, -1].round().long())
         self.lent.remove(mine)
 
@@ -187,6 +187,12 @@ class HeraldRemote:
                                     kind="grads", recv_splits=recv)
         ids = self._t(got_ids)
         return Pushes(ids, got, torch.ones_like(ids))
+
+    def discard(self) -> None:
+        """A skipped step: no local update, no push. Exact without an undo: this step's
+        writebacks and pulls only moved values (and optimizer state) between owners and holders,
+        where the plan expects them; a lent row keeps its value and an update count of 0."""
+        self._sync = None
 
     def flush(self) -> Pushes:
         """Every lent row goes back to its owner (collective; the plan is the same everywhere)."""

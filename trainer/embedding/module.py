@@ -13,6 +13,8 @@ Each row of a batch is one of three kinds (exchange.plan_lookup):
 - remote: read and written through the remote-row protocol chosen by config (remote.py: no cache,
   HET cache with bounded staleness; herald.py: Herald's on-demand sync).
 A hot step (the scheduler says every id of the global batch is replicated) runs no alltoall at all.
+A training lookup ends either with apply_gradients() or, when every rank decided to skip the step
+(train.nonfinite=skip), with discard(): no row, replica, cache entry or version changes.
 Evaluation reads fresh rows from the owners after a flush, so it measures the model they hold.
 """
 from __future__ import annotations
@@ -142,6 +144,21 @@ class HybridEmbedding:
             self._apply(owned, Pushes.empty(self.dim, grad.device))
             return
         self._apply(owned, self.remote.write(plan, grad))
+
+    def enable_discard(self) -> None:
+        """Make discard() possible: protocols with state (the HET cache) journal each read."""
+        if hasattr(self.remote, "undoable"):
+            self.remote.undoable = True
+
+    def discard(self) -> None:
+        """Drop the pending training lookup instead of applying its gradients. Every rank must call
+        it for the same step (the decision is collective); it communicates nothing."""
+        if self._pending is None:
+            raise RuntimeError("discard() called without a training lookup")
+        _, _, info = self._pending
+        self._pending = None
+        if not info.hot:
+            self.remote.discard()
 
     def _reduce_hot(self, plan: LookupPlan, grad: torch.Tensor, info: GlobalStep) -> None:
         """Sum the gradients of the hot rows the global batch touched over all ranks (one

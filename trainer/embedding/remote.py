@@ -9,6 +9,8 @@ protocol object per consistency model, chosen by config (DESIGN.md: policies are
 Every protocol answers the same three calls, all collective: `read` fills the workspace rows of the
 remote ids, `write` sends this step's remote row gradients and returns what this rank received as
 owner (to be applied once per row with its own rows), `flush` pushes whatever is still pending.
+`discard` (train.nonfinite=skip; every rank calls it instead of `write`, no communication) drops
+the step: nothing is written anywhere, and a protocol with state leaves it as it was before `read`.
 """
 from __future__ import annotations
 
@@ -88,6 +90,10 @@ class PlainRemote:
         ids, grads = self.exchange.push(grad[plan.remote_pos])
         return Pushes(ids, grads, torch.ones_like(ids))
 
+    def discard(self) -> None:
+        """Reads changed nothing; the pulled rows' gradients are simply not pushed."""
+        self.exchange.forget()
+
     def flush(self) -> Optional[Pushes]:
         """Nothing is ever pending (and no collective runs)."""
         return None
@@ -103,10 +109,13 @@ class HetRemote:
         self.stats, self.audit = stats, audit
         self._slots: torch.Tensor | None = None
         self._evicted: Pushes | None = None
+        self.undoable = False  # train.nonfinite=skip: journal each read so discard() can undo it
 
     def read(self, plan: LookupPlan, ws: torch.Tensor, step: int, sync: Any = None) -> None:
         """Fill ws's remote positions from the cache, checking versions with the owners."""
         cache, remote = self.cache, plan.remote_ids
+        if self.undoable:
+            cache.begin()
         table = self.sharding.decode(remote)[0]
         slots = cache.lookup(remote)
         hit = slots >= 0
@@ -134,6 +143,7 @@ class HetRemote:
         """Local updates of this step: apply to cached copies, push the due, transient and
         evicted-dirty ones; returns what this rank received as owner."""
         slots, self._slots = self._slots, None
+        self.cache.commit()
         remote, g = plan.remote_ids, grad[plan.remote_pos]
         cached = slots >= 0
         self.cache.record_updates(slots[cached], g[cached])
@@ -143,6 +153,12 @@ class HetRemote:
         self._evicted = None
         self.stats.add("evicted_dirty", self.sharding.decode(evicted.gids)[0])
         return self._send(Pushes.cat([due, transient, evicted]))
+
+    def discard(self) -> None:
+        """Undo the read: installs, evictions (their dirty updates go back into the cache),
+        refreshed copies and use counts; the owners changed nothing (version checks only read)."""
+        self.cache.rollback()
+        self._slots, self._evicted = None, None
 
     def flush(self) -> Pushes:
         return self._send(self.cache.take_all())

@@ -1,0 +1,109 @@
+"""Ids outside their table, caught where ids enter the trainer: rejected or folded in by config.
+
+Why at the data boundary: the embedding adds a table's offset to each id to get a row of the fused
+global id space (embedding/sharding.py), so an id >= the table's rows (or < 0) would silently read
+and train another table's row, or a padding row. Every batch a data source yields passes one guard
+before anything sees it (training, eval, and the global view of placement and Herald, so every
+rank and every planner sees the same ids), which costs one comparison per id.
+
+data.out_of_range:
+- error (default): the batch is refused before any state changes, with a message naming the table,
+  the first bad id and the table's size (and how many ids of the batch are out of range);
+- hash: each such id is replaced by id mod rows (floored, so -1 -> rows - 1): deterministic, the
+  same on every rank and run; ids inside the table are unchanged. The number folded is counted
+  (summary.json: `ids_hashed`).
+Criteo's prepared blocks are checked against the data's own table sizes (meta.json) first, before
+data.max_table_rows folds them into smaller tables (a folding the config asked for).
+"""
+from __future__ import annotations
+
+from typing import Any, Iterator
+
+import numpy as np
+import torch
+
+from .batch import Batch
+
+
+class IdRangeError(ValueError):
+    """A batch holds ids outside their table (data.out_of_range=error); names table, id, size."""
+
+
+class IdGuard:
+    """Checks (and, with policy hash, folds) per-table ids against the tables' row counts."""
+
+    def __init__(self, table_rows: list[int], policy: str, what: str = "data") -> None:
+        if policy not in ("error", "hash"):
+            raise ValueError(f"data.out_of_range={policy!r} is not one of error, hash")
+        self.rows = torch.tensor(list(table_rows), dtype=torch.int64)
+        self.policy, self.what = policy, what
+        self.hashed = 0  # ids folded so far (policy hash)
+
+    def values(self, values: torch.Tensor, table: torch.Tensor, where: str) -> torch.Tensor:
+        """values [N] of tables table [N] -> in-range values [N] (the same tensor when all are)."""
+        if values.numel() == 0:
+            return values
+        lim = self.rows.to(values.device)[table]
+        bad = (values < 0) | (values >= lim)
+        if not bool(bad.any()):
+            return values
+        if self.policy == "error":
+            self._raise(values, table, bad, where)
+        self.hashed += int(bad.sum())
+        return torch.remainder(values, lim)
+
+    def batch(self, b: Batch, where: str) -> Batch:
+        v = self.values(b.values, b.table_index().to(b.values.device), where)
+        return b if v is b.values else Batch(b.dense, v, b.lengths, b.labels)
+
+    def sample_ids(self, values: np.ndarray, lengths: np.ndarray, where: str) -> np.ndarray:
+        """The numpy form (global views): values [N] with lengths [G, T] (sample-major bags)."""
+        t = np.tile(np.arange(lengths.shape[1]), lengths.shape[0])
+        table = np.repeat(t, lengths.reshape(-1))
+        given = torch.from_numpy(np.ascontiguousarray(values, dtype=np.int64))
+        out = self.values(given, torch.from_numpy(table.astype(np.int64)), where)
+        return values if out is given else out.numpy()
+
+    def _raise(self, values: torch.Tensor, table: torch.Tensor, bad: torch.Tensor, where: str) -> None:
+        first = int(torch.nonzero(bad)[0, 0])
+        t, v = int(table[first]), int(values[first])
+        rows = int(self.rows[t])
+        raise IdRangeError(
+            f"{self.what}: id {v} of table {t} is outside the table's {rows} rows (valid ids: 0..{rows - 1}); "
+            f"{int(bad.sum())} of the {values.numel()} ids of the {where} are out of range. "
+            "Set data.out_of_range=hash to fold such ids into their table (id mod rows)")
+
+
+class GuardedData:
+    """A data source whose every batch (and global-view id list) passes through an IdGuard; every
+    other attribute is the wrapped source's."""
+
+    def __init__(self, data: Any, guard: IdGuard) -> None:
+        self._data, self.guard = data, guard
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._data, name)
+
+    @property
+    def source(self) -> Any:
+        return self._data
+
+    @property
+    def ids_hashed(self) -> int:
+        """Ids folded so far, here and by a source with a guard of its own (criteo's blocks)."""
+        inner = getattr(self._data, "guard", None)
+        return self.guard.hashed + (inner.hashed if isinstance(inner, IdGuard) else 0)
+
+    def train_batch(self, step: int) -> Batch:
+        return self.guard.batch(self._data.train_batch(step), f"training batch of step {step}")
+
+    def eval_batches(self) -> Iterator[Batch]:
+        for b in self._data.eval_batches():
+            yield self.guard.batch(b, "eval batch")
+
+    def sample_ids(self, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        values, lengths = self._data.sample_ids(keys)
+        return self.guard.sample_ids(values, lengths, "global batch"), lengths
+
+    def sample_batch(self, keys: np.ndarray) -> Batch:
+        return self.guard.batch(self._data.sample_batch(keys), "training batch")
