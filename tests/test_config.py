@@ -1,10 +1,13 @@
 """Config validation: every bad value is rejected at start-up with a message naming the key."""
 from __future__ import annotations
 
+import dataclasses
+import typing
+
 import pytest
 
 from helpers import make_cfg
-from trainer.config import ConfigError, local_batch_size, to_config, validate_world
+from trainer.config import Config, ConfigError, local_batch_size, to_config, validate_world
 
 BAD = [
     ("data.batch_size=0", "data.batch_size"),
@@ -27,14 +30,106 @@ BAD = [
     ("train.steps=0", "train.steps"),
     ("train.progress=maybe", "train.progress"),
     ("data.batch_size=abc", "data.batch_size"),  # type error from the schema
+    # the audit: every numeric / enum key out of range (and non-finite floats) names its key
+    ("model.bottom_mlp=[0]", "model.bottom_mlp"),
+    ("model.top_mlp=[8,-1]", "model.top_mlp"),
+    ("+model.cross_layers=-1", "model.cross_layers"),
+    ("+model.cross_rank=-1", "model.cross_rank"),
+    ("data.name=parquet", "data.name"),
+    ("data.num_dense=0", "data.num_dense"),
+    ("data.max_table_rows=-1", "data.max_table_rows"),
+    ("data.zipf_alpha=inf", "data.zipf_alpha"),
+    ("data.signal=-1", "data.signal"),
+    ("data.signal=nan", "data.signal"),
+    ("data.train_samples=-1", "data.train_samples"),
+    ("data.eval_samples=-1", "data.eval_samples"),
+    ("data.seed=-1", "data.seed"),
+    ("+data.loader=arrow", "data.loader"),
+    ("+data.loader_threads=0", "data.loader_threads"),
+    ("+data.eval_fraction=0", "data.eval_fraction"),
+    ("+data.eval_fraction=1", "data.eval_fraction"),
+    ("+data.epochs=-1", "data.epochs"),
+    ("+data.epochs=inf", "data.epochs"),
+    ("data.out_of_range=clip", "data.out_of_range"),
+    ("optim.lr=-0.1", "optim.lr"),
+    ("optim.lr=nan", "optim.lr"),
+    ("optim.lr=inf", "optim.lr"),
+    ("optim.sparse_lr=0", "optim.sparse_lr"),
+    ("optim.sparse_lr=inf", "optim.sparse_lr"),
+    ("optim.eps=0", "optim.eps"),
+    ("optim.eps=inf", "optim.eps"),
+    ("optim.momentum=1", "optim.momentum"),
+    ("optim.momentum=-0.5", "optim.momentum"),
+    ("optim.initial_accumulator=-1", "optim.initial_accumulator"),
+    ("optim.initial_accumulator=inf", "optim.initial_accumulator"),
+    ("comm.dist_backend=mpi", "comm.dist_backend"),
+    ("comm.timeout_s=-5", "comm.timeout_s"),
+    ("comm.timeout_s=inf", "comm.timeout_s"),
+    ("embedding.init_scale=0", "embedding.init_scale"),
+    ("embedding.init_scale=inf", "embedding.init_scale"),
+    ("cache.policy=fifo", "cache.policy"),
+    ("cache.capacity_fraction=1.5", "cache.capacity_fraction"),
+    ("cache.capacity_fraction=-0.1", "cache.capacity_fraction"),
+    ("cache.capacity_rows=-1", "cache.capacity_rows"),
+    ("cache.pin_threshold=0", "cache.pin_threshold"),
+    ("+cache.tables.9={capacity_rows:1}", "cache.tables.9"),
+    ("+cache.tables.0={capacity_rows:-1}", "cache.tables.0.capacity_rows"),
+    ("+cache.tables.1={capacity_fraction:2}", "cache.tables.1.capacity_fraction"),
+    ("consistency.name=tso", "consistency.name"),
+    ("consistency.pull_bound=-2", "consistency.pull_bound"),
+    ("consistency.push_bound=-2", "consistency.push_bound"),
+    ("+consistency.tables.x={pull_bound:1}", "consistency.tables.x"),
+    ("+consistency.tables.0={pull_bound:-2}", "consistency.tables.0.pull_bound"),
+    ("+consistency.tables.2={push_bound:-3}", "consistency.tables.2.push_bound"),
+    ("kernels.backend=cuda", "kernels.backend"),
+    ("placement.name=hot", "placement.name"),
+    ("placement.budget_bytes=-1", "placement.budget_bytes"),
+    ("placement.profile_fraction=0", "placement.profile_fraction"),
+    ("placement.profile_fraction=1.5", "placement.profile_fraction"),
+    ("placement.hot_rate=1.5", "placement.hot_rate"),
+    ("placement.window_batches=0", "placement.window_batches"),
+    ("placement.buckets=0", "placement.buckets"),
+    ("placement.plan_steps=0", "placement.plan_steps"),
+    ("schedule.name=round_robin", "schedule.name"),
+    ("schedule.passes=-1", "schedule.passes"),
+    ("train.steps=-3", "train.steps"),
+    ("train.seed=-1", "train.seed"),
+    ("train.log_every=0", "train.log_every"),
+    ("train.eval_every=-1", "train.eval_every"),
+    ("train.threads=-1", "train.threads"),
+    ("train.device=tpu", "train.device"),
+    ("train.nonfinite=retry", "train.nonfinite"),
+    ("train.max_skips=0", "train.max_skips"),
+    ("checkpoint.every=-1", "checkpoint.every"),
+    ("checkpoint.keep_last=-1", "checkpoint.keep_last"),
+    ("checkpoint.dir=' '", "checkpoint.dir"),
+    ("checkpoint.resume=/no/such/step_00000005", "checkpoint.resume"),
 ]
+# keys with no range to check: free text (informational names, paths) and booleans
+NO_RANGE = {"data.preset", "data.dir", "data.shuffle", "optim.name", "embedding.audit", "checkpoint.enabled",
+            "placement.hot_batches", "schedule.on_demand_sync", "schedule.cache_aware"}
 
 
 @pytest.mark.parametrize("override,key", BAD, ids=[b[0] for b in BAD])
 def test_bad_value_names_the_key(override, key):
     with pytest.raises(ConfigError) as err:
         to_config(make_cfg([override]))
-    assert key in str(err.value)
+    msg = str(err.value)
+    assert f"{key}=" in msg or f"full_key: {key}" in msg, msg
+
+
+def test_every_key_of_the_schema_has_an_out_of_range_case():
+    """The audit stays complete: a new numeric or enum knob needs a BAD case (or a NO_RANGE entry)."""
+    hints = typing.get_type_hints(Config)
+    keys = []
+    for group, cls in hints.items():
+        sub = typing.get_type_hints(cls)
+        keys += [f"{group}.{name}" for name, t in sub.items()
+                 if not (isinstance(t, type) and dataclasses.is_dataclass(t))]
+    covered = {k for _, k in BAD}
+    missing = [k for k in keys if k not in NO_RANGE and not any(c == k or c.startswith(k + ".") or
+                                                                c.startswith(k + "[") for c in covered)]
+    assert not missing, f"config keys without an out-of-range test case: {missing}"
 
 
 def test_unknown_key_is_rejected_by_hydra():
