@@ -135,7 +135,7 @@ class HeraldRemote:
         self.store.weight.index_copy_(0, idx, got[:, :d])
         st = self.store.optimizer.state
         if st is not None:
-            pass  # MUTATION
+            st.index_copy_(0, idx, got[:, d:d + self.lent.sw].reshape((-1,) + tuple(st.shape[1:])))
         self.store.version.index_add_(0, idx, got[:, -1].round().long())
         self.lent.remove(mine)
 
