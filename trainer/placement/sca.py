@@ -17,7 +17,8 @@ Two cost models, one cheap and one exact:
 2. Replay ("streamed statistics"): each candidate placement (sharded / cached with a capacity and
    the configured bounds / replicated) runs through the cache simulator (trainer/simulate.py: the
    trainer's own cache, consistency and byte formulas, the trainer's own feed) over the first
-   placement.plan_steps steps of the run's stream. This is the prediction reported, and the one the
+   K = placement.plan_steps steps of the run's stream; the run's other steps are extrapolated at the
+   rate of the last K/2 replayed steps (warm caches), and the final flush is added. This is the prediction reported, and the one the
    choice is made on; training reports the measured bytes next to it (summary.json placement).
 
 Candidates (each within the budget; the budget counts replicated rows, per_row bytes each = row +
@@ -138,16 +139,29 @@ def _plan_steps(c: Config) -> int:
 
 
 def predict_bytes(c: Config, world: int, plan: Plan, data: Any) -> dict[str, float]:
-    """Embedding bytes per global sample by kind (+ total) of `plan`, replayed through the cache
-    simulator on the first plan_steps steps of the run's own feed."""
-    from ..simulate import FeedTrace, SimSpec, run_simulation, _bytes
-    steps = _plan_steps(c)
+    """Embedding bytes per global sample by kind (+ total) of `plan` over the run's train.steps:
+    the first K = plan_steps steps of the run's own feed replayed exactly through the cache
+    simulator (caches warming up included), the remaining steps at the rate of the last K/2
+    replayed steps (warm caches), plus the final flush."""
+    from ..simulate import CacheSimulator, FeedTrace, SimSpec, _bytes
+    k, total = _plan_steps(c), max(c.train.steps, 1)
     trace = FeedTrace(c, world, plan.hot, data)
-    spec = SimSpec.from_config(c, world, "sharded", plan)
-    sim = run_simulation(trace, spec, steps)
-    nbytes, _ = _bytes(sim)
-    samples = steps * trace.global_batch
-    return {k: v / samples for k, v in nbytes.items()}
+    sim = CacheSimulator(SimSpec.from_config(c, world, "sharded", plan))
+    tail = max(1, k // 2)
+    mark: dict[str, int] = {}
+    for s in range(k):
+        if s == k - tail:
+            mark = _bytes(sim)[0]
+        sim.step([trace.batch(s, w) for w in range(world)])
+    before_flush = _bytes(sim)[0]
+    sim.finish()
+    done = _bytes(sim)[0]
+    rest = total - k
+    out = {}
+    for key, v in done.items():
+        rate = (before_flush[key] - mark.get(key, 0)) / tail
+        out[key] = (v + rest * rate) / (total * trace.global_batch)
+    return out
 
 
 def _cache_caps(profile: AccessProfile, hot: np.ndarray, rows: int) -> list[int]:
