@@ -17,6 +17,7 @@ from hydra.types import RunMode
 from omegaconf import DictConfig
 
 from .checkpoint import CheckpointError
+from .comm import CollectiveError
 from .config import CONF_DIR, ConfigError
 from .data import IdRangeError
 from .runner import TrainingError, run
@@ -39,6 +40,16 @@ def _remove_stray_sweep_dir(sweep_dir: str, used: str | None) -> None:
         shutil.rmtree(sweep_dir, ignore_errors=True)
 
 
+def _exit_after_failed_collective(exc: CollectiveError) -> None:
+    """A peer died or stalled: report and leave at once (status 3). A normal exit would run
+    Horovod's shutdown, which waits for its background thread, still stuck in the dead collective
+    until Gloo's own timeout; the launcher then stops the remaining workers."""
+    print(f"error: {exc}", file=sys.stderr)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(3)
+
+
 @hydra.main(version_base=None, config_path=CONF_DIR, config_name="config")
 def main(cfg: DictConfig) -> None:
     out_dir = HydraConfig.get().runtime.output_dir
@@ -47,6 +58,8 @@ def main(cfg: DictConfig) -> None:
     except (ConfigError, TrainingError, CheckpointError, IdRangeError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         sys.exit(2)
+    except CollectiveError as exc:
+        _exit_after_failed_collective(exc)
     used = result.summary.get("output_dir")
     _remove_stray_dir(out_dir, used)
     if HydraConfig.get().mode == RunMode.MULTIRUN:

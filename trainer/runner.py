@@ -22,9 +22,10 @@ import torch.nn.functional as F
 import kernels
 
 from .checkpoint import CheckpointError, Checkpointer, rng_state, set_rng_state
+from .checkpoint import latest as latest_checkpoint
 from .checkpoint import load as load_checkpoint
 from .checkpoint import resolve as resolve_checkpoint
-from .comm import EMBEDDING_KINDS, KINDS, Collectives, make_collectives
+from .comm import EMBEDDING_KINDS, KINDS, CollectiveError, Collectives, make_collectives
 from .config import (Config, auto_threads, cache_capacities, local_batch_size, needs_global_view,
                      staleness_bounds, table_rows, to_config, validate_world)
 from .data import make_data
@@ -62,11 +63,27 @@ def run(cfg: Any, out_dir: str | None = None, return_state: bool = False,
     own = comm is None
     if comm is None:
         comm = make_collectives(config.comm.backend, config.comm.timeout_s, config.comm.dist_backend)
+    trainer = None
     try:
-        return Trainer(config, comm, out_dir).fit(return_state)
+        trainer = Trainer(config, comm, out_dir)
+        return trainer.fit(return_state)
+    except CollectiveError as exc:  # a peer died or stalled: say where we were and how to go on
+        raise CollectiveError(f"{exc}\n{_failure_hint(config, comm, trainer)}") from exc
     finally:
         if own:
             comm.close()
+
+
+def _failure_hint(c: Config, comm: Collectives, trainer: "Trainer | None") -> str:
+    """Where this rank stopped and which checkpoint a relaunch with resume=auto continues from."""
+    where = f"at step {trainer.current_step} of {c.train.steps}" if trainer and trainer.current_step \
+        is not None else "outside the training loop"
+    root = trainer.ckpt_dir if trainer is not None else c.checkpoint.dir
+    last = latest_checkpoint(root) if root else None
+    resume = (f"continues from the newest complete checkpoint ({last})" if last else
+              "finds no complete checkpoint yet and starts over (checkpoint.every=N saves every N steps)")
+    return (f"rank {comm.rank}/{comm.size} stopped {where}: a worker died or stalled (comm.timeout_s="
+            f"{c.comm.timeout_s:g}). Relaunch the same command with checkpoint.resume=auto: it {resume}.")
 
 
 def _device(c: Config) -> torch.device:
@@ -131,6 +148,7 @@ class Trainer:
         self.checkpointer = (Checkpointer(comm, self.ckpt_dir, c.checkpoint.keep_last)
                              if self.ckpt_dir and c.checkpoint.enabled else None)
         self.last_checkpoint: str | None = None
+        self.current_step: int | None = None  # the step in progress (failure reports)
         self.resumed_from: str | None = None
         self.start_step = self._resume()
 
@@ -336,6 +354,7 @@ class Trainer:
         train_time, window_t, window_start = 0.0, time.perf_counter(), self.start_step
         try:
             for step in range(self.start_step, c.train.steps):
+                self.current_step = step
                 t0 = time.perf_counter()
                 self.losses.append(self.train_step(step))
                 train_time += time.perf_counter() - t0

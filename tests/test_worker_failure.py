@@ -1,0 +1,145 @@
+"""Worker failure under the real launchers (torchrun and horovodrun, W = 2, gloo on localhost).
+
+- A worker killed (SIGKILL) after the run has written a checkpoint: the launcher and the surviving
+  worker exit non-zero within comm.timeout_s + a margin, never hang, and the survivor's message
+  names the failed collective and the relaunch; the same command with checkpoint.resume=auto then
+  continues from the newest complete checkpoint and reaches the final step.
+- A worker that stalls (SIGSTOP) without dying: the survivor's collective times out after
+  comm.timeout_s and the survivor process exits by itself right after (the launcher does not notice
+  a stopped process, so this is our own exit path: status 3, no wait for Horovod's shutdown).
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+
+import pytest
+
+from hvd_launch import HOROVODRUN, ROOT, env, require_horovod
+from trainer import checkpoint as ckpt
+
+pytestmark = pytest.mark.dist
+TIMEOUT_S = 10  # comm.timeout_s of these runs
+STEPS, EVERY = 300, 20
+ARGS = ["-m", "trainer", "data=tiny", f"train.steps={STEPS}", f"comm.timeout_s={TIMEOUT_S}",
+        f"checkpoint.every={EVERY}", "checkpoint.keep_last=0", "train.progress=off", "train.threads=1",
+        "data.eval_samples=512"]
+LAUNCHERS = ("torchrun", "horovodrun")
+
+
+def _command(launcher: str, out: str, extra: list[str]) -> list[str]:
+    args = ARGS + [f"hydra.run.dir={out}"] + extra
+    if launcher == "torchrun":
+        return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"] + \
+            args + ["comm=torch"]
+    require_horovod()
+    return [sys.executable, HOROVODRUN, "-np", "2", "-H", "localhost:2", "--gloo", sys.executable] + \
+        args + ["comm=horovod"]
+
+
+def _start(launcher: str, out: str, extra: list[str] = ()) -> tuple[subprocess.Popen, str]:
+    marker = uuid.uuid4().hex  # inherited by the workers: finds them among all processes
+    proc = subprocess.Popen(_command(launcher, out, list(extra)), cwd=ROOT, env={**env(), "TEST_RUN": marker},
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    return proc, marker
+
+
+def _worker(marker: str, rank: int) -> int:
+    """pid of the `-m trainer` process of `rank` started with `marker` (torchrun: RANK,
+    horovodrun: HOROVOD_RANK; launchers and shell wrappers are not `-m trainer` processes)."""
+    want = str(rank).encode()
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                envs = dict(x.split(b"=", 1) for x in f.read().split(b"\0") if b"=" in x)
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                cmd = f.read()
+        except OSError:
+            continue
+        if envs.get(b"TEST_RUN") == marker.encode() and b"-m\0trainer\0" in cmd and \
+                want in (envs.get(b"RANK"), envs.get(b"HOROVOD_RANK")):
+            return int(pid)
+    raise AssertionError(f"no worker of rank {rank} found")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")  # a zombie has exited
+    except OSError:
+        return False
+
+
+def _wait_for_checkpoint(proc: subprocess.Popen, root: str, timeout: float = 90) -> None:
+    t0 = time.monotonic()
+    while not ckpt.complete_checkpoints(root):
+        if proc.poll() is not None:
+            raise AssertionError(f"run ended before its first checkpoint:\n{proc.communicate()[0][-3000:]}")
+        if time.monotonic() - t0 > timeout:
+            proc.kill()
+            raise AssertionError(f"no checkpoint after {timeout}s:\n{proc.communicate()[0][-3000:]}")
+        time.sleep(0.05)
+
+
+def _finish(proc: subprocess.Popen, timeout: float) -> str:
+    try:
+        return proc.communicate(timeout=timeout)[0]
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        raise AssertionError(f"the launcher hangs {timeout}s after the failure:\n{proc.communicate()[0][-3000:]}")
+
+
+@pytest.mark.parametrize("launcher", LAUNCHERS)
+def test_killed_worker_stops_the_others_then_resume_auto_finishes(launcher, tmp_path):
+    out = str(tmp_path / "run")
+    root = os.path.join(out, "checkpoints")
+    proc, marker = _start(launcher, out)
+    _wait_for_checkpoint(proc, root)
+    victim = _worker(marker, 1)
+    t0 = time.monotonic()
+    os.kill(victim, signal.SIGKILL)
+    log = _finish(proc, TIMEOUT_S + 30)
+    took = time.monotonic() - t0
+    assert proc.returncode != 0, log[-3000:]
+    assert took < TIMEOUT_S + 10, (took, log[-3000:])
+    assert "collective '" in log and "failed on rank 0/2" in log, log[-3000:]  # the survivor names it
+    assert "Relaunch the same command with checkpoint.resume=auto" in log, log[-3000:]
+    assert ckpt.complete_checkpoints(root)[-1][0] < STEPS  # it really stopped early
+
+    step, path = ckpt.complete_checkpoints(root)[-1]  # what auto must pick
+    again = subprocess.run(_command(launcher, out, ["checkpoint.resume=auto"]), cwd=ROOT, env=env(),
+                           capture_output=True, text=True, timeout=120)
+    assert again.returncode == 0, again.stdout[-2000:] + again.stderr[-3000:]
+    summary = json.loads(open(os.path.join(out, "summary.json")).read())
+    assert summary["resumed_from"] == path and summary["start_step"] == step >= EVERY
+    assert summary["steps"] == STEPS and summary["world_size"] == 2
+    last = [json.loads(x) for x in open(os.path.join(out, "metrics.jsonl")) if '"loss"' in x][-1]
+    assert last["step"] == STEPS
+    assert ckpt.complete_checkpoints(root)[-1][0] == STEPS
+
+
+@pytest.mark.parametrize("launcher", LAUNCHERS)
+def test_stalled_worker_times_out_and_the_survivor_exits_by_itself(launcher, tmp_path):
+    out = str(tmp_path / "run")
+    proc, marker = _start(launcher, out)
+    _wait_for_checkpoint(proc, os.path.join(out, "checkpoints"))
+    victim, survivor = _worker(marker, 1), _worker(marker, 0)
+    t0 = time.monotonic()
+    os.kill(victim, signal.SIGSTOP)
+    try:
+        while _alive(survivor) and time.monotonic() - t0 < TIMEOUT_S + 30:
+            time.sleep(0.05)
+        took = time.monotonic() - t0
+    finally:
+        os.kill(victim, signal.SIGKILL)  # a stopped process ignores the launcher's SIGTERM
+    log = _finish(proc, 30)
+    assert not _alive(survivor)
+    assert TIMEOUT_S - 1 < took < TIMEOUT_S + 6, (took, log[-3000:])
+    assert proc.returncode != 0
+    assert "failed on rank 0/2 (timeout 10s" in log, log[-3000:]
+    assert "timed out" in log or "no completion within 10s" in log, log[-3000:]  # gloo's words, or ours
