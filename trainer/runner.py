@@ -224,8 +224,9 @@ class Trainer:
 
     def save_checkpoint(self, step: int) -> str:
         """Flush the caches, then write checkpoint `step` (after `step` steps). Collective."""
-        with self._phase("other"):
+        with self._phase("train"):  # the flush's pushes are training traffic, saved or not
             self.emb.flush()
+        with self._phase("other"):
             state = self._trainer_state(step) if self.rank == 0 else None
             self.last_checkpoint = self.checkpointer.save(
                 step, self.emb.store, state, {**self._schema(), "config": asdict(self.c)})
