@@ -26,7 +26,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
-from trainer import simulate as sim  # noqa: E402
+from trainer.tools import simulate as sim  # noqa: E402
 from trainer.config import cache_capacities  # noqa: E402
 from trainer.placement.sca import slot_bytes  # noqa: E402
 

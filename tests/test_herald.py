@@ -31,7 +31,7 @@ def _setup(world, overrides=(), capacity=200, passes=2):
     rows = table_rows(c)
     g = c.data.global_batch_size
     data = SyntheticData(c.data, rows, 0, world, g // world)
-    space = IdSpace(rows, RowSharding(rows, world, 0).table_offsets.numpy(), np.zeros(0, np.int64))
+    space = IdSpace(RowSharding(rows, world, 0), np.zeros(0, np.int64))
     planner = HeraldPlanner(world, space, capacity)
     part = HeraldPartition(world, space, planner, True, passes)
     return Feed(data, StreamOrder(data, g), rows, 0, world, None, part, planner), part, planner, space

@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 import torch
 
-from trainer import simulate as sim
+from trainer.tools import simulate as sim
 from trainer.config import local_batch_size, table_rows
 from trainer.data import SyntheticData
 

@@ -176,6 +176,7 @@ class TrainConfig:
     device: str = "cpu"  # cpu | cuda | auto
     nonfinite: str = "stop"  # NaN/inf global loss: stop (error naming the step) | skip (drop the batch, no update anywhere)
     max_skips: int = 10  # nonfinite=skip: stop anyway after this many consecutive skipped steps
+    tensorboard: bool = True  # also write TensorBoard scalars to <output dir>/tensorboard (when there is an output dir)
 
 
 @dataclass

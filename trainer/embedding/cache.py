@@ -22,16 +22,17 @@ Undo (train.nonfinite=skip): between `begin()` and `commit()` every slot a read 
 first (touch, refresh, install + eviction), so `rollback()` returns the cache to exactly its state
 before the step (rows, versions, pending updates and counts, policy metadata, the id map).
 
-Nothing here talks to other workers: the same object drives scripts/simulate_cache.py.
+Nothing here talks to other workers: the simulator (trainer/sim/) drives the same object.
 """
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 import torch
 
 import kernels
 from kernels.hashmap import IdSlotMap
+
+from .consistency import push_due
+from .types import Pushes
 
 DIRECT_MAP_MAX_IDS = 1 << 27  # CPU: a direct id -> slot array up to this many ids (512 MiB int32)
 _NEVER = torch.iinfo(torch.int64).max  # eviction key of entries that must stay
@@ -120,28 +121,6 @@ class DirectSlotMap(IdSlotMap):
         self._slot.index_fill_(0, ids, -1)
         self._live -= int(found.sum())
         return found
-
-
-@dataclass
-class Pushes:
-    """Row updates leaving a worker: global ids [n], summed gradients [n, d], update counts [n]."""
-
-    gids: torch.Tensor
-    grads: torch.Tensor
-    counts: torch.Tensor
-
-    @classmethod
-    def empty(cls, dim: int, device: torch.device) -> "Pushes":
-        return cls(torch.empty(0, dtype=torch.int64, device=device), torch.empty(0, dim, device=device),
-                   torch.empty(0, dtype=torch.int64, device=device))
-
-    @classmethod
-    def cat(cls, parts: list["Pushes"]) -> "Pushes":
-        return cls(torch.cat([p.gids for p in parts]), torch.cat([p.grads for p in parts]),
-                   torch.cat([p.counts for p in parts]))
-
-    def __len__(self) -> int:
-        return int(self.gids.numel())
 
 
 class RowCache:
@@ -266,7 +245,8 @@ class RowCache:
 
     def take_due(self, slots: torch.Tensor, push_bound: torch.Tensor) -> Pushes:
         """Pending updates of slots [k] whose count passed their table's push bound [T]."""
-        due = slots[self.count.index_select(0, slots) > push_bound[self.slot_table[slots]]]
+        due = slots[push_due(self.count.index_select(0, slots),
+                             push_bound.to(slots.device)[self.slot_table[slots]])]
         return self._take(due)
 
     def take_all(self) -> Pushes:

@@ -10,8 +10,8 @@ Each row of a batch is one of three kinds (exchange.plan_lookup):
 - replicated (hot, replica.py): read from this rank's replica; gradients summed by one allreduce
   over the hot rows the global batch touched, then every rank applies the same update;
 - owned: read from and updated in this rank's shard;
-- remote: read and written through the remote-row protocol chosen by config (remote.py: no cache,
-  HET cache with bounded staleness; herald.py: Herald's on-demand sync).
+- remote: read and written through the remote-row protocol chosen by config (remote/: no cache,
+  HET cache with bounded staleness, Herald's on-demand sync; all behind remote/base.RemoteRows).
 A hot step (the scheduler says every id of the global batch is replicated) runs no alltoall at all.
 A training lookup ends either with apply_gradients() or, when every rank decided to skip the step
 (train.nonfinite=skip), with discard(): no row, replica, cache entry or version changes.
@@ -20,22 +20,20 @@ Evaluation reads fresh rows from the owners after a flush, so it measures the mo
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Optional
 
 import torch
 
 import kernels
 from ..comm import Collectives
 from ..data.batch import Batch
-from .cache import Pushes, RowCache
-from .consistency import Bounds
-from .exchange import LookupPlan, RowExchange, plan_lookup
-from .remote import CACHE_COUNTERS, Audit, CacheStats, HetRemote, PlainRemote
+from .exchange import RowExchange, plan_lookup
+from .remote import CACHE_COUNTERS, Audit, CacheStats, PlainRemote, RemoteRows
 from .replica import Replica
-from .sharding import RowSharding
+from .sharding import Sharding
 from .store import ShardStore
+from .types import GlobalStep, LookupPlan, Pushes
 
-__all__ = ["CACHE_COUNTERS", "Audit", "CacheStats", "GlobalStep", "HybridEmbedding", "LookupStats"]
+__all__ = ["CACHE_COUNTERS", "HybridEmbedding", "LookupStats"]
 
 
 @dataclass
@@ -53,43 +51,33 @@ class LookupStats:
             self.totals[k] += v
 
 
-@dataclass
-class GlobalStep:
-    """What every rank knows about the current step's global batch (from the scheduler's feed).
-
-    hot:       every id of the global batch is replicated: the step runs no alltoall at all
-    hot_slots: [u] sorted replica slots the global batch touches (the rows the allreduce sums)
-    sync:      the remote protocol's plan for this step (Herald), identical on every rank
-    """
-
-    hot: bool = False
-    hot_slots: Optional[torch.Tensor] = None
-    sync: Any = None
-
-
 class HybridEmbedding:
     """Pooled lookups [B, T, d] over row-sharded tables, with owner-side sparse updates."""
 
-    def __init__(self, comm: Collectives, sharding: RowSharding, store: ShardStore,
-                 pooling: str, cache: RowCache | None = None, bounds: Bounds | None = None,
-                 audit: bool = False, replica: Replica | None = None, remote: Any = None) -> None:
+    def __init__(self, comm: Collectives, sharding: Sharding, store: ShardStore, pooling: str,
+                 remote: RemoteRows | None = None, replica: Replica | None = None,
+                 audit: Audit | None = None) -> None:
+        """remote: the remote-row protocol (default: no cache, PlainRemote over this module's
+        RowExchange); replica: the replicated rows (placement), loaded from their owners here."""
         self.comm, self.sharding, self.store, self.pooling = comm, sharding, store, pooling
-        self.exchange = RowExchange(comm, store)
+        self.exchange = RowExchange(comm, store)  # the no-cache wire; evaluation reads through it
         self.stats = LookupStats()
-        self.cache, self.bounds = cache, bounds
-        if cache is not None and bounds is None:
-            raise ValueError("a cache needs consistency bounds")
-        self.cache_stats = CacheStats(sharding.num_tables, store.weight.device)
-        self.audit = Audit(int(sharding.table_offsets[-1]), store.dim) if audit else None
-        if remote is None:
-            remote = (HetRemote(self.exchange, sharding, cache, bounds, self.cache_stats, self.audit)
-                      if cache is not None else PlainRemote(self.exchange))
-        self.remote = remote
+        self.remote: RemoteRows = remote if remote is not None else PlainRemote(self.exchange)
+        self.audit = audit
         self.replica = replica
         if replica is not None:
             replica.load_from_owners(comm, store)
         self.step = -1  # index of the current training step
         self._pending: tuple[LookupPlan, torch.Tensor, GlobalStep] | None = None
+
+    @property
+    def cache(self):
+        """The HET cache when the protocol has one (else None)."""
+        return getattr(self.remote, "cache", None)
+
+    @property
+    def cache_stats(self) -> CacheStats | None:
+        return self.remote.stats
 
     @property
     def dim(self) -> int:
@@ -139,7 +127,7 @@ class HybridEmbedding:
             self.audit.grads.index_add_(0, plan.uniq.cpu(), grad.detach().double().cpu())
         if self.replica is not None:
             self._reduce_hot(plan, grad, info)
-        owned = Pushes(plan.owned_ids, grad[plan.owned_pos], torch.ones_like(plan.owned_ids))
+        owned = Pushes.single(plan.owned_ids, grad[plan.owned_pos])
         if info.hot:
             self._apply(owned, Pushes.empty(self.dim, grad.device))
             return
@@ -147,8 +135,7 @@ class HybridEmbedding:
 
     def enable_discard(self) -> None:
         """Make discard() possible: protocols with state (the HET cache) journal each read."""
-        if hasattr(self.remote, "undoable"):
-            self.remote.undoable = True
+        self.remote.enable_undo()
 
     def discard(self) -> None:
         """Drop the pending training lookup instead of applying its gradients. Every rank must call
@@ -202,8 +189,10 @@ class HybridEmbedding:
         if self.replica is not None:
             self.replica.write_to_owner(self.store)
         shards = self.comm.allgather(self.store.weight.detach().cpu(), kind="meta")
-        w, r = self.sharding.world, self.sharding.local_rows
-        by_gid = shards.view(w, r, self.dim).transpose(0, 1).reshape(w * r, self.dim)
-        offs = self.sharding.table_offsets
+        sh = self.sharding
+        by_gid = torch.empty(sh.n_ids, self.dim, dtype=shards.dtype)
+        for r in range(sh.world):
+            by_gid[sh.local_gids(r)] = shards[r * sh.local_rows:(r + 1) * sh.local_rows]
+        offs = sh.table_offsets
         return [by_gid[int(offs[t]): int(offs[t]) + n].clone()
                 for t, n in enumerate(self.sharding.table_rows)]

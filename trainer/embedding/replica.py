@@ -17,8 +17,6 @@ the replica at all and resume on another W or another placement just works.
 """
 from __future__ import annotations
 
-import math
-
 import torch
 
 from ..comm import Collectives
@@ -66,21 +64,18 @@ class Replica:
 
     # ---- owners <-> replica ----------------------------------------------------------------
     def _owned(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(replica slots, owner storage rows) of the replicated rows this rank owns."""
-        sh = self.sharding
-        slots = torch.nonzero(sh.owner(self.gids) == sh.rank).squeeze(1)
-        return slots, sh.local_index(self.gids[slots])
+        """(replica slots, gids) of the replicated rows this rank owns."""
+        slots = torch.nonzero(self.sharding.owned_by(self.gids)).squeeze(1)
+        return slots, self.gids[slots]
 
     def load_from_owners(self, comm: Collectives, store: ShardStore) -> None:
         """Every rank receives every replicated row (and its optimizer state) from its owner.
         Collective (one allgather of slots, one of values)."""
-        slots, idx = self._owned()
-        parts = [store.weight.index_select(0, idx)]
+        slots, gids = self._owned()
+        parts = torch.cat([store.rows(gids), store.state_rows(gids)], 1)
         state = store.optimizer.state
-        if state is not None:
-            parts.append(state.index_select(0, idx).reshape(idx.numel(), math.prod(state.shape[1:])))
         got_slots = comm.allgather(slots.cpu(), kind="meta").to(self.weight.device)
-        got = comm.allgather(torch.cat(parts, 1).cpu(), kind="meta").to(self.weight.device)
+        got = comm.allgather(parts.cpu(), kind="meta").to(self.weight.device)
         if got_slots.numel() != len(self):
             raise RuntimeError(f"replica: owners sent {got_slots.numel()} rows for {len(self)} replicated ids")
         self.weight.index_copy_(0, got_slots, got[:, :self.dim])
@@ -91,7 +86,6 @@ class Replica:
     def write_to_owner(self, store: ShardStore) -> None:
         """Copy the replica's values and optimizer state of the rows this rank owns into its shard
         (no communication: every rank holds the same replica)."""
-        slots, idx = self._owned()
-        store.weight.index_copy_(0, idx, self.weight.index_select(0, slots))
-        if store.optimizer.state is not None:
-            store.optimizer.state.index_copy_(0, idx, self.optimizer.state.index_select(0, slots))
+        slots, gids = self._owned()
+        state = self.optimizer.state.index_select(0, slots) if self.optimizer.state is not None else None
+        store.put(gids, self.weight.index_select(0, slots), state)

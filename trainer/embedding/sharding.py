@@ -1,17 +1,145 @@
-"""Row-wise sharding: row `id` of every table is owned by worker id mod W.
+"""Where every embedding row lives: the ONE place ids are converted.
 
-Why this layout: all tables live in one fused global id space whose table offsets are padded to a
-multiple of W. Then for any global id g: owner(g) = g mod W and the owner's local storage row is
-g div W, with no per-table lookup on the hot path. Each rank stores ceil(n_t / W) rows per table
-(at most one padding row per table that no id ever maps to); tables need not divide by W.
+Three id spaces appear in the trainer:
+- table-local ids: (table t, id i) with 0 <= i < table_rows[t], what the data yields;
+- flat ids: sum(table_rows[:t]) + i, independent of the world size W (profiles, placement plans and
+  the scheduler's global view are kept in it, so a plan made for one W applies to any W);
+- fused global ids ("gids"): the id space of a sharding, where the trainer's lookups, caches and
+  wire protocols work. A strategy decides the layout of this space and which worker owns a gid.
+
+Every conversion between them, and every "who owns this row / where is it stored" question, is a
+method of a `Sharding` object; no other module computes `gid % W` or `gid // W`. A second strategy
+(table-wise, column-wise) is a new subclass here, not edits in ten places.
+
+RowSharding (the one in use): row i of every table is owned by worker i mod W. All tables live in
+one fused space whose table offsets are padded to a multiple of W, so for any gid g: owner(g) =
+g mod W and the owner's storage row is g div W, with no per-table lookup on the hot path. Each rank
+stores ceil(n_t / W) rows per table (at most one padding row per table that no id maps to); tables
+need not divide by W.
+
+The conversions accept torch tensors and, where the scheduler and planners need them, numpy arrays.
 """
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
+from typing import TypeVar, Union
+
+import numpy as np
 import torch
 
+Ids = TypeVar("Ids", torch.Tensor, np.ndarray)
+Array = Union[torch.Tensor, np.ndarray]
 
-class RowSharding:
-    """Maps (table, id) <-> fused global id <-> (owner rank, local row)."""
+
+def flat_starts(table_rows: list[int]) -> np.ndarray:
+    """[T] first flat id of every table (the flat space has no padding)."""
+    return np.concatenate([[0], np.cumsum(table_rows)[:-1]]).astype(np.int64)
+
+
+def flat_ids(values: np.ndarray, lengths: np.ndarray, table_rows: list[int]) -> np.ndarray:
+    """[N] flat ids of a sample-major id list (values [N], lengths [n, T]: ids per sample and table)."""
+    t = np.repeat(np.tile(np.arange(lengths.shape[1]), lengths.shape[0]), lengths.reshape(-1))
+    return np.asarray(values, dtype=np.int64) + flat_starts(table_rows)[t]
+
+
+class Sharding(ABC):
+    """A layout of the fused global id space and the owner of every row (abstract strategy).
+
+    table_rows: rows per table; world, rank: this worker; table_offsets [T+1] (torch int64): first
+    gid of every table (the last entry is the size of the space); local_rows: storage rows each
+    worker holds.
+    """
+
+    table_rows: list[int]
+    world: int
+    rank: int
+    table_offsets: torch.Tensor
+    local_rows: int
+
+    @property
+    def num_tables(self) -> int:
+        return len(self.table_rows)
+
+    @property
+    def n_ids(self) -> int:
+        """Size of the fused global id space (padding included)."""
+        return int(self.table_offsets[-1])
+
+    # ---- table-local <-> global ----------------------------------------------------------
+    def global_ids(self, values: torch.Tensor, table_index: torch.Tensor) -> torch.Tensor:
+        """[N] fused global ids of per-table ids `values` in tables `table_index`."""
+        return values + self.table_offsets.to(values.device)[table_index]
+
+    def decode(self, gids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(table, per-table id) of gids; padding ids give id >= table_rows[table]."""
+        offs = self.table_offsets.to(gids.device)
+        table = torch.searchsorted(offs[1:], gids, right=True)
+        return table, gids - offs[table]
+
+    def table_of(self, gids: torch.Tensor) -> torch.Tensor:
+        return self.decode(gids)[0]
+
+    def valid(self, gids: torch.Tensor) -> torch.Tensor:
+        """Mask of gids that are real rows (not padding)."""
+        table, ids = self.decode(gids)
+        return ids < torch.tensor(self.table_rows, dtype=torch.int64, device=gids.device)[table]
+
+    # ---- flat <-> global -----------------------------------------------------------------
+    def from_flat(self, flat: Ids) -> Ids:
+        """Fused global ids of flat ids (numpy or torch)."""
+        ends = np.cumsum(self.table_rows).astype(np.int64)
+        shift = self.table_offsets[:-1].numpy() - (ends - np.asarray(self.table_rows, np.int64))
+        if isinstance(flat, torch.Tensor):
+            f = flat.cpu().numpy()
+            return torch.from_numpy(f + shift[np.searchsorted(ends, f, side="right")]).to(flat.device)
+        flat = np.asarray(flat, np.int64)
+        return flat + shift[np.searchsorted(ends, flat, side="right")]
+
+    # ---- ownership and storage -----------------------------------------------------------
+    @abstractmethod
+    def owner(self, gids: Ids) -> Ids:
+        """Worker that owns each gid."""
+
+    @abstractmethod
+    def local_index(self, gids: Ids) -> Ids:
+        """Storage row of each gid on its owner."""
+
+    @abstractmethod
+    def global_of(self, local_idx: Ids, rank: int) -> Ids:
+        """Gids of storage rows `local_idx` of worker `rank` (inverse of owner + local_index)."""
+
+    def owned_by(self, gids: Ids, rank: int | None = None) -> Ids:
+        """Mask of gids owned by `rank` (default: this worker)."""
+        return self.owner(gids) == (self.rank if rank is None else rank)
+
+    def split(self, gids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Boolean masks (owned here, remote) over gids."""
+        mine = self.owned_by(gids)
+        return mine, ~mine
+
+    def per_owner(self, gids: Ids) -> list[int]:
+        """Number of gids per owner [W] (the splits of an alltoall grouped by owner)."""
+        if isinstance(gids, torch.Tensor):
+            return torch.bincount(self.owner(gids), minlength=self.world).tolist()
+        return np.bincount(self.owner(np.asarray(gids, np.int64)), minlength=self.world).tolist()
+
+    def owner_order(self, gids: np.ndarray) -> np.ndarray:
+        """gids (numpy) sorted by (owner, gid): the order rows travel in, per owner."""
+        gids = np.asarray(gids, dtype=np.int64)
+        return gids[np.lexsort((gids, self.owner(gids)))]
+
+    def local_gids(self, rank: int | None = None) -> torch.Tensor:
+        """[local_rows] global id of every storage row of `rank` (padding rows included)."""
+        r = self.rank if rank is None else rank
+        return self.global_of(torch.arange(self.local_rows, dtype=torch.int64), r)
+
+    def for_rank(self, rank: int) -> "Sharding":
+        """The same layout seen from worker `rank`."""
+        return type(self)(self.table_rows, self.world, rank)
+
+
+class RowSharding(Sharding):
+    """Row i of every table on worker i mod W, in a fused space padded per table to a multiple of W."""
 
     def __init__(self, table_rows: list[int], world: int, rank: int) -> None:
         if not 0 <= rank < world:
@@ -23,37 +151,15 @@ class RowSharding:
         self.table_offsets = self.local_table_offsets * world  # [T+1] padded global offsets
         self.local_rows = int(self.local_table_offsets[-1])  # rows stored on every rank
 
-    @property
-    def num_tables(self) -> int:
-        return len(self.table_rows)
-
-    def global_ids(self, values: torch.Tensor, table_index: torch.Tensor) -> torch.Tensor:
-        """[N] fused global ids of per-table ids `values` in tables `table_index`."""
-        return values + self.table_offsets[table_index]
-
-    def owner(self, gids: torch.Tensor) -> torch.Tensor:
+    def owner(self, gids):
         return gids % self.world
 
-    def local_index(self, gids: torch.Tensor) -> torch.Tensor:
-        """Storage row of gids on their owner."""
+    def local_index(self, gids):
         return gids // self.world
 
-    def split(self, gids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Boolean masks (owned here, remote) over gids."""
-        mine = self.owner(gids) == self.rank
-        return mine, ~mine
+    def global_of(self, local_idx, rank):
+        return local_idx * self.world + rank
 
-    def local_gids(self, rank: int | None = None) -> torch.Tensor:
-        """[local_rows] global id of every storage row of `rank` (padding rows included)."""
-        r = self.rank if rank is None else rank
-        return torch.arange(self.local_rows, dtype=torch.int64) * self.world + r
-
-    def decode(self, gids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(table, per-table id) of gids; padding ids give id >= table_rows[table]."""
-        table = torch.searchsorted(self.table_offsets[1:], gids, right=True)
-        return table, gids - self.table_offsets[table]
-
-    def valid(self, gids: torch.Tensor) -> torch.Tensor:
-        """Mask of gids that are real rows (not padding)."""
-        table, ids = self.decode(gids)
-        return ids < torch.tensor(self.table_rows, dtype=torch.int64)[table]
+    def local_table_of(self, local_idx: torch.Tensor) -> torch.Tensor:
+        """Table of storage rows `local_idx` (on any worker)."""
+        return torch.searchsorted(self.local_table_offsets.to(local_idx.device)[1:], local_idx, right=True)

@@ -11,7 +11,7 @@ import torch
 
 from ..data import rng
 from .optim import SparseOptimizer, make_sparse_optimizer
-from .sharding import RowSharding
+from .sharding import Sharding
 
 _S_INIT = 77
 
@@ -40,13 +40,13 @@ def init_rows(seed: int, table_rows: list[int], dim: int, table: torch.Tensor, i
 class ShardStore:
     """Rows owned by this rank and their optimizer; `step` applies one update per row."""
 
-    def __init__(self, sharding: RowSharding, dim: int, seed: int, init_scale: float | None,
+    def __init__(self, sharding: Sharding, dim: int, seed: int, init_scale: float | None,
                  optimizer: str, lr: float, eps: float, device: torch.device,
                  accumulator_init: float = 0.0) -> None:
         self.sharding, self.dim = sharding, dim
         gids = sharding.local_gids()
         table, ids = sharding.decode(gids)
-        real = ids < torch.tensor(sharding.table_rows, dtype=torch.int64)[table]
+        real = sharding.valid(gids)
         weight = torch.zeros(sharding.local_rows, dim)
         at = torch.nonzero(real).squeeze(1)
         weight.index_copy_(0, at, init_rows(seed, sharding.table_rows, dim, table[at], ids[at], init_scale))
@@ -73,3 +73,30 @@ class ShardStore:
         idx = self.sharding.local_index(gids)
         self.optimizer.step(idx, grads, unique=unique)
         self.version.index_add_(0, idx, torch.ones_like(idx) if counts is None else counts)
+
+    # ---- whole rows with their optimizer state (replicas and lent rows come and go) ---------
+    @property
+    def state_width(self) -> int:
+        """Optimizer state values per row (0 for SGD)."""
+        s = self.optimizer.state
+        return 0 if s is None else (s.shape[1] if s.dim() == 2 else 1)
+
+    def state_rows(self, gids: torch.Tensor) -> torch.Tensor:
+        """[n, state_width] optimizer state of owned gids."""
+        s = self.optimizer.state
+        idx = self.sharding.local_index(gids)
+        if s is None:
+            return torch.zeros(idx.numel(), 0, dtype=self.weight.dtype, device=self.weight.device)
+        return s.index_select(0, idx).reshape(idx.numel(), self.state_width)
+
+    def put(self, gids: torch.Tensor, rows: torch.Tensor, state: torch.Tensor | None = None,
+            updates: torch.Tensor | None = None) -> None:
+        """Take owned rows back from a holder: values [n, d], optimizer state [n, state_width]
+        (None: keep), and advance versions by the updates [n] the holder applied (None: 0)."""
+        idx = self.sharding.local_index(gids)
+        self.weight.index_copy_(0, idx, rows)
+        s = self.optimizer.state
+        if state is not None and s is not None:
+            s.index_copy_(0, idx, state.reshape((-1,) + tuple(s.shape[1:])))
+        if updates is not None:
+            self.version.index_add_(0, idx, updates)

@@ -1,5 +1,6 @@
 """Placement: which rows are replicated on every worker (hot) and which stay sharded (and cached).
 
+Modules: plan.py (Plan, FAE, plan_run), profile.py (access profiles), sca.py (cost model).
 A planner is a pure function from an access profile (profile.py), the world size, the table
 shapes, the optimizer and a per-worker memory budget to a Plan. Plans are checked up front and fail
 with a clear message when they cannot fit. Planners:
@@ -10,100 +11,9 @@ with a clear message when they cannot fit. Planners:
         predicted bytes per step under the budget.
 Rank 0 plans and broadcasts the plan, so every rank applies the very same plan.
 """
-from __future__ import annotations
-
-from dataclasses import dataclass, field
-from typing import Any, Optional
-
-import numpy as np
-import torch
-
-from ..config import ConfigError
+from .plan import PLANNERS, Plan, fae_plan, make_plan, plan_run, register, row_bytes
 from .profile import AccessProfile, flat_ids, profile_stream
+from .sca import sca_plan
 
-PLANNERS = ("none", "fae", "sca")
-__all__ = ["AccessProfile", "PLANNERS", "Plan", "flat_ids", "profile_stream", "row_bytes",
-           "fae_plan", "make_plan", "plan_run"]
-
-
-@dataclass
-class Plan:
-    """The placement of every row.
-
-    hot:        [H] sorted flat ids replicated on every worker
-    cache_rows: per-table cache capacity the planner chose (None: the cache config's)
-    predicted:  predicted bytes per global sample by kind (None: the planner does not predict)
-    """
-
-    name: str
-    hot: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
-    cache_rows: Optional[list[int]] = None
-    predicted: Optional[dict[str, float]] = None
-    info: dict[str, Any] = field(default_factory=dict)
-
-    def hot_gids(self, table_rows: list[int], table_offsets: torch.Tensor) -> torch.Tensor:
-        """[H] fused global ids of the hot rows (sorted, like `hot`: the fused layout keeps the
-        table order), for a sharding with `table_offsets`."""
-        starts = np.concatenate([[0], np.cumsum(table_rows)[:-1]]).astype(np.int64)
-        t = np.searchsorted(np.cumsum(table_rows), self.hot, side="right")
-        gids = self.hot - starts[t] + table_offsets.numpy()[t]
-        return torch.from_numpy(gids.astype(np.int64))
-
-    def summary(self) -> dict[str, Any]:
-        out = {"name": self.name, "hot_rows": int(self.hot.size), **self.info}
-        if self.cache_rows is not None:
-            out["cache_rows"] = list(self.cache_rows)
-        if self.predicted is not None:
-            out["predicted_bytes_per_sample"] = dict(self.predicted)
-        return out
-
-
-def row_bytes(dim: int, optimizer: str, elem: int = 4) -> int:
-    """Bytes a replicated row costs one worker: the row plus its sparse optimizer state."""
-    state = {"sgd": 0, "adagrad": dim, "rowwise_adagrad": 1}[optimizer]
-    return (dim + state) * elem
-
-
-def fae_plan(profile: AccessProfile, budget_bytes: int, per_row: int) -> Plan:
-    """FAE: the most read rows (ties: smaller flat id) that fit budget_bytes on every worker."""
-    n = min(budget_bytes // per_row, profile.ids.size)
-    top = profile.by_frequency()[:n]
-    hot = np.sort(profile.ids[top])
-    covered = int(profile.counts[top].sum())
-    return Plan("fae", hot, info={"budget_bytes": int(budget_bytes), "bytes_per_row": per_row,
-                                  "replicated_bytes": int(n * per_row),
-                                  "profile": profile.summary(),
-                                  "profile_read_coverage": covered / max(int(profile.counts.sum()), 1)})
-
-
-def make_plan(name: str, profile: AccessProfile | None, **kw: Any) -> Plan:
-    """The plan of planner `name` (kw: budget_bytes, per_row, and sca's cost inputs)."""
-    if name == "none":
-        return Plan("none")
-    if profile is None:
-        raise ConfigError(f"placement={name!r} needs an access profile")
-    if name == "fae":
-        return fae_plan(profile, kw["budget_bytes"], kw["per_row"])
-    if name == "sca":
-        from .sca import sca_plan
-        return sca_plan(profile, **kw)
-    raise ConfigError(f"placement.name={name!r}: must be one of {', '.join(PLANNERS)}")
-
-
-def plan_run(c: Any, data: Any, world: int) -> Plan:
-    """What rank 0 of a run does (and scripts/plan.py, the simulator): profile the run's training
-    stream (`data` offers the global view) and plan with config c's placement for W = world."""
-    import time
-    from ..config import local_batch_size, table_rows
-    p = c.placement
-    if p.name == "none":
-        return Plan("none")
-    t0 = time.perf_counter()
-    rows = table_rows(c)
-    profile = profile_stream(data, rows, c.train.steps * local_batch_size(c, world) * world,
-                             p.profile_fraction)
-    plan = make_plan(p.name, profile, budget_bytes=p.budget_bytes,
-                     per_row=row_bytes(c.model.embedding_dim, c.optim.sparse), config=c, world=world,
-                     data=data)
-    plan.info["plan_seconds"] = round(time.perf_counter() - t0, 3)
-    return plan
+__all__ = ["AccessProfile", "PLANNERS", "Plan", "fae_plan", "flat_ids", "make_plan", "plan_run", "profile_stream",
+           "register", "row_bytes", "sca_plan"]

@@ -14,6 +14,8 @@ from typing import Any
 
 import numpy as np
 
+from ..embedding.sharding import flat_ids
+
 
 @dataclass
 class AccessProfile:
@@ -46,13 +48,6 @@ class AccessProfile:
     def summary(self) -> dict[str, Any]:
         return {"samples": int(self.samples), "rows_seen": int(self.ids.size),
                 "reads": int(self.counts.sum())}
-
-
-def flat_ids(values: np.ndarray, lengths: np.ndarray, table_rows: list[int]) -> np.ndarray:
-    """[N] flat ids of a sample-major (values, lengths [n, T]) id list."""
-    starts = np.concatenate([[0], np.cumsum(table_rows)[:-1]]).astype(np.int64)
-    t = np.repeat(np.tile(np.arange(lengths.shape[1]), lengths.shape[0]), lengths.reshape(-1))
-    return np.asarray(values, dtype=np.int64) + starts[t]
 
 
 def profile_stream(data: Any, table_rows: list[int], stream_samples: int, fraction: float,

@@ -15,7 +15,7 @@ Two cost models, one cheap and one exact:
    this says: a row read every step costs about the same either way, 2 (W - 1) 4d; replication saves
    the ids and the alltoall, and loses on rows a step touches on few workers.)
 2. Replay ("streamed statistics"): each candidate placement (sharded / cached with a capacity and
-   the configured bounds / replicated) runs through the cache simulator (trainer/simulate.py: the
+   the configured bounds / replicated) runs through the cache simulator (trainer/sim/: the
    trainer's own cache, consistency and byte formulas, the trainer's own feed) over the first
    K = placement.plan_steps steps of the run's stream; the run's other steps are extrapolated at the
    rate of the last K/2 replayed steps (warm caches), and the final flush is added. This is the prediction reported, and the one the
@@ -34,7 +34,9 @@ from typing import Any, Optional
 import numpy as np
 
 from ..config import Config, cache_capacities, local_batch_size
-from . import Plan
+from ..schedule.replay import FeedTrace, spec_from_config
+from ..sim import CacheSimulator
+from .plan import Plan, register
 from .profile import AccessProfile
 
 
@@ -143,19 +145,18 @@ def predict_bytes(c: Config, world: int, plan: Plan, data: Any) -> dict[str, flo
     the first K = plan_steps steps of the run's own feed replayed exactly through the cache
     simulator (caches warming up included), the remaining steps at the rate of the last K/2
     replayed steps (warm caches), plus the final flush."""
-    from ..simulate import CacheSimulator, FeedTrace, SimSpec, _bytes
     k, total = _plan_steps(c), max(c.train.steps, 1)
     trace = FeedTrace(c, world, plan.hot, data)
-    sim = CacheSimulator(SimSpec.from_config(c, world, "sharded", plan))
+    sim = CacheSimulator(spec_from_config(c, world, "sharded", plan))
     tail = max(1, k // 2)
     mark: dict[str, int] = {}
     for s in range(k):
         if s == k - tail:
-            mark = _bytes(sim)[0]
+            mark = sim.bytes()[0]
         sim.step([trace.batch(s, w) for w in range(world)])
-    before_flush = _bytes(sim)[0]
+    before_flush = sim.bytes()[0]
     sim.finish()
-    done = _bytes(sim)[0]
+    done = sim.bytes()[0]
     rest = total - k
     out = {}
     for key, v in done.items():
@@ -194,3 +195,6 @@ def _bucket_table(edges: np.ndarray, p: np.ndarray, ranked: np.ndarray, n_hot: i
                     "decision": what, "shard_bytes_per_step": float(shard[lo:hi].sum()),
                     "replicate_bytes_per_step": float(repl[lo:hi].sum())})
     return out
+
+
+register("sca", sca_plan)

@@ -21,8 +21,8 @@ import numpy as np
 import torch
 
 from ..data.batch import Batch
-from ..embedding.module import GlobalStep
-from ..placement.profile import flat_ids
+from ..embedding.sharding import flat_ids
+from ..embedding.types import GlobalStep
 
 
 class GlobalData(Protocol):

@@ -35,45 +35,49 @@ from typing import Any, Optional
 
 import numpy as np
 
-from .feed import GlobalBatch
-
-
-def owner_order(gids: np.ndarray, world: int) -> np.ndarray:
-    """gids sorted by (owner = gid mod W, gid): the order rows travel in, per owner."""
-    gids = np.asarray(gids, dtype=np.int64)
-    return gids[np.lexsort((gids, gids % world))]
+from ..embedding.sharding import Sharding
+from .feed import GlobalBatch, is_member
 
 
 class IdSpace:
-    """flat ids (W-independent) -> fused global ids of a sharding (padded table offsets)."""
+    """The scheduler's view of the id space: flat ids (W-independent, what the feed yields) ->
+    fused global ids of the run's sharding, and which rows are replicated (hot, flat ids)."""
 
-    def __init__(self, table_rows: list[int], table_offsets: np.ndarray, hot_flat: np.ndarray) -> None:
-        self.ends = np.cumsum(table_rows).astype(np.int64)
-        self.shift = np.asarray(table_offsets[:-1], np.int64) - (self.ends - np.asarray(table_rows))
+    def __init__(self, sharding: Sharding, hot_flat: np.ndarray) -> None:
+        self.sharding = sharding
         self.hot = np.asarray(hot_flat, np.int64)
-        self.n_ids = int(table_offsets[-1])
+        self.n_ids = sharding.n_ids
+        self._is_hot = is_member(self.hot) if self.hot.size else None
 
     def gids(self, flat: np.ndarray) -> np.ndarray:
-        return flat + self.shift[np.searchsorted(self.ends, flat, side="right")]
+        return self.sharding.from_flat(flat)
 
     def not_hot(self, flat: np.ndarray) -> np.ndarray:
-        if self.hot.size == 0:
-            return np.ones(flat.shape, bool)
-        pos = np.searchsorted(self.hot, flat).clip(max=self.hot.size - 1)
-        return self.hot[pos] != flat
+        return np.ones(flat.shape, bool) if self._is_hot is None else ~self._is_hot(flat)
+
+    def owner(self, gids: np.ndarray) -> np.ndarray:
+        return self.sharding.owner(gids)
+
+    def owner_order(self, gids: np.ndarray) -> np.ndarray:
+        return self.sharding.owner_order(gids)
+
+
+def unique_pairs(a: np.ndarray, b: np.ndarray, base: int) -> tuple[np.ndarray, np.ndarray]:
+    """The distinct (a, b) pairs (0 <= b < base), sorted by (a, b)."""
+    key = np.unique(np.asarray(a, np.int64) * base + b)
+    return np.divmod(key, base)
 
 
 def read_pairs(space: IdSpace, gb: GlobalBatch, worker_of: np.ndarray, world: int) -> tuple[np.ndarray, np.ndarray]:
     """(gid [m], worker [m]): the distinct non-replicated rows each worker reads, sorted by gid."""
     keep = space.not_hot(gb.flat)
-    key = np.unique(space.gids(gb.flat[keep]) * world + worker_of[gb.sample[keep]])
-    return key // world, key % world
+    return unique_pairs(space.gids(gb.flat[keep]), worker_of[gb.sample[keep]], world)
 
 
 def remote_reads(space: IdSpace, gb: GlobalBatch, worker_of: np.ndarray, world: int) -> int:
     """Distinct (row, worker) reads of rows the worker does not own: naive pulls = naive pushes."""
     g, w = read_pairs(space, gb, worker_of, world)
-    return int((g % world != w).sum())
+    return int((space.owner(g) != w).sum())
 
 
 def contiguous(g: int, world: int) -> np.ndarray:
@@ -100,14 +104,12 @@ class HeraldPartition:
     def _pairs(self, gb: GlobalBatch) -> tuple[np.ndarray, np.ndarray]:
         """(sample [m], gid [m]): distinct non-replicated (sample, row) pairs."""
         keep = self.space.not_hot(gb.flat)
-        n = self.space.n_ids
-        key = np.unique(gb.sample[keep].astype(np.int64) * n + self.space.gids(gb.flat[keep]))
-        return key // n, key % n
+        return unique_pairs(gb.sample[keep], self.space.gids(gb.flat[keep]), self.space.n_ids)
 
     def _free(self, gid: np.ndarray) -> np.ndarray:
         """[m, W] bool: the row is owned (or held, when cache-aware) by each worker."""
         w = self.world
-        free = (gid % w)[:, None] == np.arange(w)[None, :]
+        free = self.space.owner(gid)[:, None] == np.arange(w)[None, :]
         if self.cache_aware and self.planner is not None:
             free |= self.planner.holder[gid][:, None] == np.arange(w)[None, :]
         return free
@@ -209,7 +211,7 @@ class HeraldPlanner:
         g, w = read_pairs(self.space, gb, worker_of, self.world)
         self.counts["naive_remote_reads"] += remote_reads(self.space, gb, contiguous(gb.keys.size, self.world),
                                                            self.world)  # random partition, no lending
-        owner = g % self.world
+        owner = self.space.owner(g)
         _, inv, cnt = np.unique(g, return_inverse=True, return_counts=True)
         readers = cnt[inv]
         h = self.holder[g]
@@ -237,14 +239,14 @@ class HeraldPlanner:
             self.holder[lends] = k
             self.last_use[np.concatenate([keep_g, lends])] = step
             transient = np.setdiff1d(want, lends, assume_unique=True)
-            pull = owner_order(np.concatenate([shared, want]), self.world)
-            local = owner_order(np.concatenate([keep_g, clean]), self.world)
-            out.writeback.append(owner_order(np.concatenate([wb[k], evict]), self.world))
+            pull = self.space.owner_order(np.concatenate([shared, want]))
+            local = self.space.owner_order(np.concatenate([keep_g, clean]))
+            out.writeback.append(self.space.owner_order(np.concatenate([wb[k], evict])))
             out.pull.append(pull)
             out.lend.append(np.isin(pull, lends))
             out.local.append(local)
             out.keep.append(np.isin(local, keep_g))
-            out.push.append(owner_order(np.concatenate([shared, clean, transient]), self.world))
+            out.push.append(self.space.owner_order(np.concatenate([shared, clean, transient])))
         return out
 
     def _make_room(self, held: np.ndarray, used: np.ndarray, want: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -269,7 +271,7 @@ class HeraldPlanner:
 
     def flush(self) -> list[np.ndarray]:
         """Every held row goes back to its owner (eval, checkpoint, exit); nothing stays lent."""
-        out = [owner_order(x, self.world) for x in self.held]
+        out = [self.space.owner_order(x) for x in self.held]
         self.counts["writebacks"] += sum(x.size for x in out)
         for x in self.held:
             self.holder[x] = -1

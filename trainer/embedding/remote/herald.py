@@ -19,16 +19,12 @@ import numpy as np
 import torch
 
 import kernels
-from ..comm import Collectives
-from .cache import DIRECT_MAP_MAX_IDS, DirectSlotMap, Pushes
-from .exchange import LookupPlan
-from .optim import make_sparse_optimizer
-from .store import ShardStore
-
-
-def _state_width(store: ShardStore) -> int:
-    s = store.optimizer.state
-    return 0 if s is None else (s.shape[1] if s.dim() == 2 else 1)
+from ...comm import Collectives
+from ..cache import DIRECT_MAP_MAX_IDS, DirectSlotMap
+from ..optim import make_sparse_optimizer
+from ..store import ShardStore
+from ..types import LookupPlan, Pushes
+from .base import RemoteRows
 
 
 class LentRows:
@@ -42,7 +38,7 @@ class LentRows:
         self.used = torch.zeros(capacity, dtype=torch.bool, device=dev)
         direct = dev.type == "cpu" and n_ids <= DIRECT_MAP_MAX_IDS
         self.map = DirectSlotMap(n_ids, dev) if direct else kernels.make_id_slot_map(max(capacity, 1), dev)
-        self.sw = _state_width(store)
+        self.sw = store.state_width
 
     def __len__(self) -> int:
         return int(self.used.sum())
@@ -86,7 +82,7 @@ class LentRows:
             self.count.index_add_(0, slots, torch.ones_like(slots))
 
 
-class HeraldRemote:
+class HeraldRemote(RemoteRows):
     """The trainer side of Herald's plan: writebacks, pulls (+ lending), local updates, pushes."""
 
     def __init__(self, comm: Collectives, store: ShardStore, planner: Any) -> None:
@@ -102,12 +98,12 @@ class HeraldRemote:
     def _to_me(self, per_worker: list[np.ndarray], mask: Optional[list[np.ndarray]] = None
                ) -> tuple[np.ndarray, list[int]]:
         """The gids every worker sends to this rank as owner (concatenated in rank order) + splits."""
-        w, r = self.sh.world, self.sh.rank
-        parts = [x[(x % w == r) & (mask[k] if mask is not None else True)] for k, x in enumerate(per_worker)]
+        parts = [x[self.sh.owned_by(x) & (mask[k] if mask is not None else True)]
+                 for k, x in enumerate(per_worker)]
         return (np.concatenate(parts) if parts else np.zeros(0, np.int64)), [p.size for p in parts]
 
     def _splits(self, gids: np.ndarray) -> list[int]:
-        return np.bincount(gids % self.sh.world, minlength=self.sh.world).tolist()
+        return self.sh.per_owner(gids)
 
     @staticmethod
     def _positions(ids: torch.Tensor, want: torch.Tensor) -> torch.Tensor:
@@ -130,13 +126,8 @@ class HeraldRemote:
         got_ids, recv = self._to_me(wb)
         cols = {"grads": self.store.dim + self.lent.sw, "versions": 1}
         got, _ = self.comm.alltoall(payload, self._splits(wb[self.sh.rank]), kind=cols, recv_splits=recv)
-        idx = self.sh.local_index(self._t(got_ids))
         d = self.store.dim
-        self.store.weight.index_copy_(0, idx, got[:, :d])
-        st = self.store.optimizer.state
-        if st is not None:
-            st.index_copy_(0, idx, got[:, d:d + self.lent.sw].reshape((-1,) + tuple(st.shape[1:])))
-        self.store.version.index_add_(0, idx, got[:, -1].round().long())
+        self.store.put(self._t(got_ids), got[:, :d], got[:, d:d + self.lent.sw], got[:, -1].round().long())
         self.lent.remove(mine)
 
     def _pull(self, sync: Any) -> tuple[torch.Tensor, torch.Tensor]:
@@ -151,8 +142,8 @@ class HeraldRemote:
         state = self.lent.state(self._t(mine[:0]))
         if self.lent.sw and sum(int(x.sum()) for x in sync.lend):
             serve_l, send_l = self._to_me(sync.pull, sync.lend)
-            st = self.store.optimizer.state.index_select(0, self.sh.local_index(self._t(serve_l)))
-            state, _ = self.comm.alltoall(st.reshape(serve_l.size, self.lent.sw), send_l, kind="rows",
+            st = self.store.state_rows(self._t(serve_l))
+            state, _ = self.comm.alltoall(st, send_l, kind="rows",
                                           recv_splits=self._splits(mine[sync.lend[r]]))
         return rows, state
 
@@ -186,7 +177,7 @@ class HeraldRemote:
         got, _ = self.comm.alltoall(g.index_select(0, self._positions(remote, push)), self._splits(sync.push[r]),
                                     kind="grads", recv_splits=recv)
         ids = self._t(got_ids)
-        return Pushes(ids, got, torch.ones_like(ids))
+        return Pushes.single(ids, got)
 
     def discard(self) -> None:
         """A skipped step: no local update, no push. Exact without an undo: this step's

@@ -1,0 +1,171 @@
+"""Assembling one rank's training parts from the config: the parallelism is applied here, from
+outside the model (the dense model stays a plain nn.Module).
+
+- dense side: the model (identical on every rank: built from the same seed, then broadcast from
+  rank 0) and its optimizer; its gradients are allreduced by the training loop;
+- sparse side (`build_sparse`): the sharding, the owner's shard store, the placement plan and the
+  replica of hot rows, the remote-row protocol chosen by cache / consistency / schedule, the
+  scheduler's global feed, all wired into one HybridEmbedding.
+
+Nothing here runs a training step; runner.py's loop only uses what these functions return.
+"""
+from __future__ import annotations
+
+import sys
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any, Iterator, Optional
+
+import torch
+
+from .comm import Collectives
+from .config import Config, cache_capacities, needs_global_view, staleness_bounds, table_rows
+from .embedding import HybridEmbedding, RowSharding, ShardStore
+from .embedding.cache import RowCache, make_policy
+from .embedding.consistency import Bounds
+from .embedding.remote import Audit, CacheStats, HeraldRemote, HetRemote, HetWire, RemoteRows
+from .embedding.replica import Replica
+from .embedding.sharding import Sharding
+from .models import build_model
+from .placement import Plan, plan_run
+from .schedule import Feed
+from .schedule.feed import make_order
+from .schedule.herald import HeraldPartition, HeraldPlanner, IdSpace
+
+
+class TrainingError(RuntimeError):
+    """Training cannot go on (non-finite loss, no device, ...); the message names the step."""
+
+
+@contextmanager
+def phase(comm: Collectives, name: str) -> Iterator[None]:
+    """Count the bytes sent inside the block under phase `name` (train / eval / other)."""
+    prev, comm.counter.phase = comm.counter.phase, name
+    try:
+        yield
+    finally:
+        comm.counter.phase = prev
+
+
+def device_of(c: Config) -> torch.device:
+    if c.train.device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if c.train.device == "cuda" and not torch.cuda.is_available():
+        raise TrainingError("train.device='cuda' but no CUDA device is available")
+    return torch.device(c.train.device)
+
+
+# ---- dense side ------------------------------------------------------------------------------
+def build_dense(c: Config, comm: Collectives, num_tables: int, device: torch.device
+                ) -> tuple[torch.nn.Module, list[torch.nn.Parameter], torch.optim.Optimizer]:
+    """The model (rank 0's initial values on every rank), its trainable parameters and optimizer."""
+    torch.manual_seed(c.train.seed)
+    model = build_model(c.model, c.data.num_dense, num_tables).to(device)
+    with phase(comm, "other"), torch.no_grad():
+        for p in model.parameters():
+            p.copy_(comm.broadcast(p.detach(), root=0, kind="dense"))
+    params = [p for p in model.parameters() if p.requires_grad]
+    return model, params, dense_optimizer(c, params)
+
+
+def dense_optimizer(c: Config, params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
+    o = c.optim
+    if o.dense == "sgd":
+        return torch.optim.SGD(params, lr=o.lr, momentum=o.momentum)
+    if o.dense == "adagrad":
+        return torch.optim.Adagrad(params, lr=o.lr, eps=o.eps,
+                                   initial_accumulator_value=o.initial_accumulator)
+    return torch.optim.Adam(params, lr=o.lr, eps=o.eps)
+
+
+# ---- sparse side -----------------------------------------------------------------------------
+@dataclass
+class Sparse:
+    """One rank's sparse side, as assembled by build_sparse."""
+
+    sharding: Sharding
+    emb: HybridEmbedding
+    plan: Plan
+    bounds: Bounds  # the staleness bounds in force (all 0 without a cache: exact)
+    feed: Optional[Feed]  # the scheduler's global view (placement / schedule), else None
+    herald: Optional[HeraldPlanner]
+
+
+def sparse_lr(c: Config) -> float:
+    return c.optim.sparse_lr if c.optim.sparse_lr is not None else c.optim.lr
+
+
+def build_sparse(c: Config, comm: Collectives, data: Any, global_batch: int,
+                 device: torch.device) -> Sparse:
+    """Sharding -> store -> plan (+ replica) -> remote-row protocol -> HybridEmbedding -> feed."""
+    rank, world = comm.rank, comm.size
+    rows = table_rows(c)
+    sharding = RowSharding(rows, world, rank)
+    store = ShardStore(sharding, c.model.embedding_dim, c.train.seed, c.embedding.init_scale,
+                       c.optim.sparse, sparse_lr(c), c.optim.eps, device, c.optim.initial_accumulator)
+    plan = _make_plan(c, comm, data)
+    replica = Replica(plan.hot_gids(sharding), store) if plan.hot.size else None
+    space = IdSpace(sharding, plan.hot)
+    herald = _make_herald(c, world, space, plan)
+    bounds = Bounds.from_lists(*staleness_bounds(c))
+    audit = Audit(sharding.n_ids, store.dim) if c.embedding.audit else None
+    remote = _make_remote(c, comm, store, plan, herald, bounds, audit)
+    with phase(comm, "other"):  # the replica is loaded from the owners
+        emb = HybridEmbedding(comm, sharding, store, c.model.pooling, remote, replica, audit)
+    if c.train.nonfinite == "skip":
+        emb.enable_discard()
+    feed = _make_feed(c, data, global_batch, rank, world, plan, space, herald) \
+        if needs_global_view(c) else None
+    return Sparse(sharding, emb, plan, bounds, feed, herald)
+
+
+def _make_plan(c: Config, comm: Collectives, data: Any) -> Plan:
+    """Rank 0 profiles the run's training stream and plans; every rank gets rank 0's plan."""
+    if c.placement.name == "none":
+        return Plan("none")
+    plan = plan_run(c, data, comm.size) if comm.rank == 0 else None
+    with phase(comm, "other"):
+        return comm.broadcast_object(plan)
+
+
+def _cache_rows(c: Config, plan: Plan) -> list[int]:
+    return plan.cache_rows if plan.cache_rows is not None else cache_capacities(c)
+
+
+def _make_herald(c: Config, world: int, space: IdSpace, plan: Plan) -> Optional[HeraldPlanner]:
+    """Herald's on-demand sync planner; lent rows live in an LRU cache of the cache config's
+    total capacity per worker (0 with cache=none: nothing is lent, pushes are still planned)."""
+    if c.schedule.name != "herald" or not c.schedule.on_demand_sync:
+        return None
+    return HeraldPlanner(world, space, sum(_cache_rows(c, plan)))
+
+
+def _make_remote(c: Config, comm: Collectives, store: ShardStore, plan: Plan,
+                 herald: Optional[HeraldPlanner], bounds: Bounds, audit: Optional[Audit]
+                 ) -> Optional[RemoteRows]:
+    """The remote-row protocol: Herald's, HET's cache, or None (the no-cache default)."""
+    if herald is not None:
+        return HeraldRemote(comm, store, herald)
+    if c.cache.policy == "none" or comm.size == 1:
+        why = ("cache=none" if c.cache.policy == "none" else
+               f"cache={c.cache.policy} at W=1, where every row is local") if not bounds.is_bsp else None
+        if why and comm.rank == 0:
+            print(f"[trainer] warning: consistency bounds have no effect with {why}: every remote row "
+                  "is pulled and pushed every step", file=sys.stderr)
+        return None
+    sh = store.sharding
+    cache = RowCache(_cache_rows(c, plan), c.model.embedding_dim,
+                     make_policy(c.cache.policy, c.cache.pin_threshold), sh.n_ids, sparse_lr(c),
+                     store.weight.device)
+    return HetRemote(HetWire(comm, store), sh, cache, bounds, CacheStats(sh.num_tables, store.weight.device),
+                     audit)
+
+
+def _make_feed(c: Config, data: Any, global_batch: int, rank: int, world: int, plan: Plan,
+               space: IdSpace, herald: Optional[HeraldPlanner]) -> Feed:
+    """The global view: FAE's hot/cold order or the data's own, Herald's partition and sync."""
+    rows = table_rows(c)
+    order = make_order(data, global_batch, plan.hot, rows, c.placement)
+    partition = (HeraldPartition(world, space, herald, c.schedule.cache_aware, c.schedule.passes)
+                 if c.schedule.name == "herald" else None)
+    return Feed(data, order, rows, rank, world, plan.hot, partition, herald)

@@ -1,0 +1,128 @@
+"""The remote-row protocol: how a worker reads the rows it does not own and returns their gradients.
+
+HybridEmbedding (module.py) splits a batch's rows into replicated, owned and remote ones; the remote
+ones go through one `RemoteRows` object chosen by config:
+
+- plain.PlainRemote: no cache; every remote row is pulled and its gradient pushed in the same step;
+- het.HetRemote: HET's cache with per-row version clocks and bounded pull/push staleness;
+- herald.HeraldRemote: Herald's on-demand synchronisation, driven by the scheduler's global plan.
+
+Every protocol answers the same calls; read/write/flush are collective (every rank calls them for
+the same step), discard communicates nothing:
+
+- read(plan, ws, step, sync): fill the workspace rows ws[plan.remote_pos];
+- write(plan, grad) -> Pushes: send this step's remote row gradients; return what this rank
+  received as owner (applied by the caller once per row, together with its own rows);
+- flush() -> Pushes | None: push whatever is still pending (before eval, checkpoint, exit); None when
+  the protocol never holds anything (no collective runs then);
+- discard(): drop the step instead of write (train.nonfinite=skip): nothing is written anywhere,
+  and a protocol with state leaves it exactly as it was before read (its undo journal, switched on
+  by enable_undo(), makes that possible);
+- stats / staleness: its per-table counters (None when it keeps none).
+
+The wire itself is a separate object (the `exchange` each protocol is given), so the simulator
+drives the very same protocol objects through an in-process exchange (trainer/sim/).
+"""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Any, Optional
+
+import torch
+
+from ..consistency import HIST_BINS, staleness_histogram
+from ..types import LookupPlan, Pushes
+
+CACHE_COUNTERS = ("requested", "hits", "fresh_hits", "pulled", "transient", "pushed_rows",
+                  "pushed_updates", "evicted_dirty")
+
+
+class CacheStats:
+    """Per-table counters of a worker's cache traffic ([T] int64 each)."""
+
+    def __init__(self, num_tables: int, device: torch.device) -> None:
+        self.t = {k: torch.zeros(num_tables, dtype=torch.int64, device=device) for k in CACHE_COUNTERS}
+        self.num_tables = num_tables
+
+    def add(self, key: str, tables: torch.Tensor, weights: torch.Tensor | None = None) -> None:
+        self.t[key] += torch.bincount(tables, weights=weights, minlength=self.num_tables).to(torch.int64)
+
+    def reads(self, table: torch.Tensor, hit: torch.Tensor, need: torch.Tensor,
+              transient: torch.Tensor) -> None:
+        """One step's remote reads ([Ur] each): table, cache hit, row pulled, transient."""
+        self.add("requested", table)
+        self.add("hits", table[hit])
+        self.add("fresh_hits", table[hit & ~need])
+        self.add("pulled", table[need])
+        self.add("transient", table[transient])
+
+    def pushes(self, table: torch.Tensor, counts: torch.Tensor) -> None:
+        """Rows pushed ([n] table of each) and the updates they carry ([n] counts)."""
+        self.add("pushed_rows", table)
+        self.add("pushed_updates", table, counts.double())
+
+    def vector(self) -> torch.Tensor:
+        """[len(CACHE_COUNTERS) * T] float64, for one allreduce over ranks."""
+        return torch.cat([self.t[k] for k in CACHE_COUNTERS]).double().cpu()
+
+
+class StalenessStats:
+    """Owner side: the staleness of the reads it let through, per table (histogram + max)."""
+
+    def __init__(self, num_tables: int, device: torch.device) -> None:
+        self.num_tables = num_tables
+        self.hist = torch.zeros(num_tables, HIST_BINS, dtype=torch.int64, device=device)
+        self.max = torch.zeros(num_tables, dtype=torch.int64, device=device)
+
+    def record(self, gap: torch.Tensor, table: torch.Tensor) -> None:
+        """Reads of staleness `gap` [n] (0 where the row was sent) in tables `table` [n]."""
+        self.hist += staleness_histogram(gap, table, self.num_tables)
+        self.max.scatter_reduce_(0, table, gap, reduce="amax")
+
+
+class Audit:
+    """Test-only record (embedding.audit=true): every cached-path remote read (step, gid, version
+    read at), every owner version change (step, gid, version after), the sum of row gradients."""
+
+    def __init__(self, n_ids: int, dim: int) -> None:
+        self.reads: list[torch.Tensor] = []
+        self.updates: list[torch.Tensor] = []
+        self.grads = torch.zeros(n_ids, dim, dtype=torch.float64)
+
+    def read(self, step: int, gids: torch.Tensor, versions: torch.Tensor) -> None:
+        self.reads.append(torch.stack([torch.full_like(gids, step), gids, versions], 1).cpu())
+
+    def update(self, step: int, gids: torch.Tensor, versions: torch.Tensor) -> None:
+        self.updates.append(torch.stack([torch.full_like(gids, step), gids, versions], 1).cpu())
+
+    def result(self) -> dict[str, torch.Tensor]:
+        empty = torch.zeros(0, 3, dtype=torch.int64)
+        return {"reads": torch.cat(self.reads) if self.reads else empty,
+                "updates": torch.cat(self.updates) if self.updates else empty, "grads": self.grads}
+
+
+class RemoteRows(ABC):
+    """A remote-row protocol (see the module docstring for the contract of each call)."""
+
+    stats: Optional[CacheStats] = None
+    staleness: Optional[StalenessStats] = None
+
+    @abstractmethod
+    def read(self, plan: LookupPlan, ws: torch.Tensor, step: int, sync: Any = None) -> None:
+        """Fill ws[plan.remote_pos] with the remote rows of this training step. Collective."""
+
+    @abstractmethod
+    def write(self, plan: LookupPlan, grad: torch.Tensor) -> Pushes:
+        """Send the step's remote row gradients; return the pushes this rank received as owner."""
+
+    @abstractmethod
+    def flush(self) -> Optional[Pushes]:
+        """Push everything pending; None when nothing can ever be pending (no collective)."""
+
+    @abstractmethod
+    def discard(self) -> None:
+        """Drop the step read last instead of writing it; leave no trace (no communication)."""
+
+    def enable_undo(self) -> None:
+        """Journal each read so that discard() can restore the state before it (protocols whose
+        read changes local state override this; the others are exact without a journal)."""

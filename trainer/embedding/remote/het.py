@@ -1,0 +1,177 @@
+"""HET: a per-worker cache of remote rows with per-row version clocks and bounded staleness.
+
+This file holds the whole HET protocol: the worker side (HetRemote, driving the RowCache of
+cache.py with the two rules of consistency.py) and its wire (HetWire, over alltoall), plus the
+byte formula of that wire. The simulator (trainer/sim/) drives the same HetRemote through an
+in-process exchange that implements HetWire's two calls on one owner-version array.
+
+The wire, per step:
+- check: the worker sends (id, cached version) for every remote id (version -1: no copy); the owner
+  answers every id with its current version when it sends the row (no copy, or the copy is more
+  than the pull bound behind: consistency.needs_row) or -1 ("still fresh"); then only those rows
+  travel. The owner records the staleness of the reads it let through.
+- push_updates: (id, update count, summed gradient) for whichever rows the cache decided to push
+  (consistency.push_due, evictions, transient rows, the flush).
+On the wire an id is its owner's storage row (Sharding.local_index), as int32 whenever the shard
+allows (exchange.wire_dtype), like the versions and counts.
+"""
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+
+from ...comm import Collectives
+from ..cache import RowCache
+from ..consistency import Bounds, needs_row
+from ..exchange import segment_counts, wire_dtype
+from ..sharding import Sharding
+from ..store import ShardStore
+from ..types import LookupPlan, Pushes
+from .base import Audit, CacheStats, RemoteRows, StalenessStats
+
+
+def serve_check(cached_version: torch.Tensor, owner_version: torch.Tensor,
+                pull_bound: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The owner's answer to a version check: (send [n] bool, staleness [n] of each read: 0 where the
+    row is sent, owner - cached where the worker's copy is used)."""
+    send = needs_row(cached_version, owner_version, pull_bound)
+    return send, torch.where(send, torch.zeros_like(owner_version), owner_version - cached_version)
+
+
+class HetWire:
+    """HET's two collective calls over alltoall; every rank is requester and owner in each call."""
+
+    def __init__(self, comm: Collectives, store: ShardStore) -> None:
+        self.comm, self.store, self.sh = comm, store, store.sharding
+        self.staleness = StalenessStats(self.sh.num_tables, store.weight.device)
+
+    @property
+    def wire_dtype(self) -> torch.dtype:
+        """Integer type of ids (owner storage rows), versions and counts on the wire."""
+        return wire_dtype(self.sh.local_rows)
+
+    def check(self, remote_ids: torch.Tensor, cached_versions: torch.Tensor, splits: list[int],
+              pull_bound: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Version check + pull of the rows that must be re-read.
+
+        remote_ids [Ur] grouped by owner as `splits`; cached_versions [Ur] (-1 = no copy);
+        pull_bound [T] per table. Returns (need [Ur] bool, versions [Ur] owner version of each row
+        sent, -1 elsewhere; rows [need.sum(), d] in the order of `need`).
+        """
+        sh, wire = self.sh, self.wire_dtype
+        req = torch.stack([sh.local_index(remote_ids), cached_versions], 1).to(wire)
+        served, served_splits = self.comm.alltoall(req, splits, kind={"ids": 1, "versions": 1})
+        idx, ver = served[:, 0].long(), served[:, 1].long()
+        now = self.store.versions(idx)
+        table = sh.local_table_of(idx)
+        send, gap = serve_check(ver, now, pull_bound.to(now.device)[table])
+        self.staleness.record(gap, table)
+        reply = torch.where(send, now, torch.full_like(now, -1)).to(wire)
+        got, _ = self.comm.alltoall(reply, served_splits, kind="versions", recv_splits=splits)
+        versions = got.long()
+        need = versions >= 0
+        rows, _ = self.comm.alltoall(self.store.weight.index_select(0, idx[send]),
+                                     segment_counts(send, served_splits), kind="rows",
+                                     recv_splits=segment_counts(need, splits))
+        return need, versions, rows
+
+    def push_updates(self, pushes: Pushes) -> Pushes:
+        """Send (id, count, gradient) of pushed rows to their owners; return what this rank
+        received as owner (global ids, gradients, counts), not yet applied."""
+        sh = self.sh
+        order = torch.argsort(sh.owner(pushes.gids), stable=True)
+        gids, grads, counts = pushes.gids[order], pushes.grads[order], pushes.counts[order]
+        head = torch.stack([sh.local_index(gids), counts], 1).to(self.wire_dtype)
+        got, recv_splits = self.comm.alltoall(head, sh.per_owner(gids), kind={"ids": 1, "versions": 1})
+        recv, _ = self.comm.alltoall(grads, sh.per_owner(gids), kind="grads", recv_splits=recv_splits)
+        return Pushes(sh.global_of(got[:, 0].long(), sh.rank), recv, got[:, 1].long())
+
+
+def het_wire_bytes(requested, pulled, pushed_rows, dim: int, row_elem: int, wire: int) -> dict:
+    """Bytes on the wire of the HET protocol from its counts (numbers or arrays, per table or total).
+
+    requested: remote ids looked up (each sends (id, version) and gets a version-or-(-1) back);
+    pulled: rows sent by owners; pushed_rows: rows pushed (id, count, gradient each).
+    dim, row_elem: row width and element size; wire: size of an id/version/count on the wire.
+    The trainer's summary and the simulator both count bytes with this function.
+    """
+    row = dim * row_elem
+    return {"version_check": requested * 3 * wire, "rows": pulled * row,
+            "pushes": pushed_rows * (2 * wire + row)}
+
+
+class HetRemote(RemoteRows):
+    """HET: remote rows come from the cache where fresh enough, the rest through the wire's check;
+    row gradients of cached rows stay in the cache until their push is due.
+
+    wire: HetWire (training) or the simulator's in-process exchange (check + push_updates).
+    """
+
+    def __init__(self, wire: Any, sharding: Sharding, cache: RowCache, bounds: Bounds,
+                 stats: CacheStats, audit: Optional[Audit] = None) -> None:
+        self.wire, self.sharding, self.cache, self.bounds = wire, sharding, cache, bounds
+        self.stats, self.audit = stats, audit
+        self.staleness = getattr(wire, "staleness", None)
+        self._slots: torch.Tensor | None = None
+        self._evicted: Pushes | None = None
+        self.undoable = False  # train.nonfinite=skip: journal each read so discard() can undo it
+
+    def enable_undo(self) -> None:
+        self.undoable = True
+
+    def read(self, plan: LookupPlan, ws: torch.Tensor, step: int, sync: Any = None) -> None:
+        """Fill ws's remote positions from the cache, checking versions with the owners."""
+        cache, remote = self.cache, plan.remote_ids
+        if self.undoable:
+            cache.begin()
+        table = self.sharding.table_of(remote)
+        slots = cache.lookup(remote)
+        hit = slots >= 0
+        cache.touch(slots[hit], step)
+        cached_ver = cache.versions_of(slots)
+        need, versions, rows = self.wire.check(remote, cached_ver, plan.splits, self.bounds.pull)
+        at = torch.cumsum(need.long(), 0) - 1  # row index of each needed id in `rows`
+        stale = hit & need
+        cache.refresh(slots[stale], rows[at[stale]], versions[stale])
+        miss = ~hit
+        new_slots, self._evicted = cache.install(remote[miss], table[miss], rows[at[miss]],
+                                                 versions[miss], step)
+        slots[miss] = new_slots
+        transient = slots < 0
+        remote_rows = cache.rows.index_select(0, slots.clamp(min=0)) if cache.size else \
+            torch.empty(slots.numel(), ws.shape[1], dtype=ws.dtype, device=ws.device)
+        remote_rows[transient] = rows[at[transient]]
+        ws.index_copy_(0, plan.remote_pos, remote_rows)
+        self.stats.reads(table, hit, need, transient)
+        if self.audit is not None:
+            self.audit.read(step, remote, torch.where(need, versions, cached_ver))
+        self._slots = slots
+
+    def write(self, plan: LookupPlan, grad: torch.Tensor) -> Pushes:
+        """Local updates of this step: apply to cached copies, push the due, transient and
+        evicted-dirty ones; returns what this rank received as owner."""
+        slots, self._slots = self._slots, None
+        self.cache.commit()
+        remote, g = plan.remote_ids, grad[plan.remote_pos]
+        cached = slots >= 0
+        self.cache.record_updates(slots[cached], g[cached])
+        due = self.cache.take_due(slots[cached], self.bounds.push)
+        transient = Pushes.single(remote[~cached], g[~cached])
+        evicted = self._evicted if self._evicted is not None else Pushes.empty(g.shape[1], g.device)
+        self._evicted = None
+        self.stats.add("evicted_dirty", self.sharding.table_of(evicted.gids))
+        return self._send(Pushes.cat([due, transient, evicted]))
+
+    def discard(self) -> None:
+        """Undo the read: installs, evictions (their dirty updates go back into the cache),
+        refreshed copies and use counts; the owners changed nothing (version checks only read)."""
+        self.cache.rollback()
+        self._slots, self._evicted = None, None
+
+    def flush(self) -> Pushes:
+        return self._send(self.cache.take_all())
+
+    def _send(self, pushes: Pushes) -> Pushes:
+        self.stats.pushes(self.sharding.table_of(pushes.gids), pushes.counts)
+        return self.wire.push_updates(pushes)
