@@ -2,35 +2,18 @@
 report with Belady's OPT, and Herald's schedule replay. The engine is trainer/sim/.
 
 Why a simulator: the HET cache's value (pulls and pushes saved, bytes, staleness) depends only on
-which ids each worker reads in which step, not on the model. Replaying a trace through the SAME
-objects the trainer uses (embedding/cache.py RowCache, consistency.py needs_row / Bounds,
-exchange.py plan_lookup and the byte formulas het_wire_bytes / no_cache_wire_bytes) answers "what
-would policy P, capacity C and bounds (s_pull, s_push) cost at W workers" without training, for W
-up to 64 on one machine. The trainer's cache counters for the same config and steps are equal to the
-simulator's (tests/test_simulate_cache.py checks this against a real 2-process run).
+which ids each worker reads in which step, not on the model. The engine (trainer/sim/) replays a
+trace through the SAME objects the trainer uses (plan_lookup, HetRemote / PlainRemote with their
+RowCache and consistency rules, the byte formulas het_wire_bytes / no_cache_wire_bytes) over an
+in-process exchange, which answers "what would policy P, capacity C and bounds (s_pull, s_push)
+cost at W workers" without training, for W up to 64 on one machine. The trainer's cache counters
+for the same config and steps are equal to the simulator's (tests/test_simulate_cache.py checks
+this against a real 2-process run).
 
-Pieces (later placements and schedules plug in here): a trace source (ConfigTrace: synthetic
-presets / a prepared Criteo dir through the data pipeline; ArrayTrace: an id file), Owners (who
-owns a row, which ids a worker must fetch), one worker object per simulated worker (CachedWorker /
-UncachedWorker), CacheSimulator (one step of all W workers, the owner versions), and belady_hits
-(OPT).
-
-One simulated step, mirroring HybridEmbedding (module.py) step for step:
-  phase 1, reads (every worker, against the owner versions at the end of the previous step):
-    dedup the worker's batch ids (fused global ids), split owned / remote (remote ids in the
-    trainer's request order: grouped by owner rank, ascending within a group); look the remote ids
-    up in the cache (a hit = the cache holds a slot), touch the hits, send (id, cached version or
-    -1); the owner rule needs_row(cached, owner, pull_bound) decides which rows are pulled; the
-    read staleness of each id (owner - cached where not pulled, 0 where pulled) is recorded; stale
-    hits are refreshed, misses installed (dirty entries evicted on the way are pushed this step),
-    misses that find no slot are transient (used once, their update pushed at once).
-  phase 2, writes: one local update per cached remote row (RowCache.record_updates; the value does
-    not matter, rows are 1 wide inside, bytes are counted at the configured embedding_dim), the due
-    ones (count > push_bound) are taken, plus transient and evicted-dirty pushes; each pushed row
-    adds its update count to the owner version, each owned row a worker used adds 1.
-  after the last step: every worker flushes (take_all), counted as pushes too (the trainer flushes
-  before its final eval). cache.policy=none is the trainer's no-cache protocol: every remote id is
-  pulled and pushed every step; its bytes are also the baseline of every run (no_cache_*).
+Pieces here: trace sources (ConfigTrace: synthetic presets / a prepared Criteo dir through the data
+pipeline; ArrayTrace: an id file; schedule/replay.FeedTrace: the trainer's global feed with a
+placement or schedule), the spec of a config (schedule/replay.spec_from_config), the report (OPT
+by sim.opt_hits_by_table), simulate_schedule (Herald's partition and sync planner alone).
 
 Owners: --owners sharded (our trainer: fused global id g is owned by worker g mod W); --owners
 server (HET's parameter-server setting: every row lives on a server outside the workers, so every
