@@ -27,7 +27,8 @@ from .checkpoint import load as load_checkpoint
 from .checkpoint import resolve as resolve_checkpoint
 from .comm import EMBEDDING_KINDS, KINDS, CollectiveError, Collectives, make_collectives
 from .config import (Config, auto_threads, cache_capacities, local_batch_size, needs_global_view,
-                     staleness_bounds, table_rows, to_config, validate_world)
+                     staleness_bounds, table_rows, validate_world)
+from .configure import apply_data_steps, load_config
 from .data import make_data
 from .embedding import HybridEmbedding, RowSharding, ShardStore
 from .embedding.cache import RowCache, make_policy
@@ -59,7 +60,7 @@ class RunResult:
 def run(cfg: Any, out_dir: str | None = None, return_state: bool = False,
         comm: Collectives | None = None) -> RunResult:
     """Train with `cfg` (Hydra DictConfig or Config); write metrics and summary.json to out_dir."""
-    config = to_config(cfg)
+    config = load_config(cfg)
     own = comm is None
     if comm is None:
         comm = make_collectives(config.comm.backend, config.comm.timeout_s, config.comm.dist_backend)
@@ -116,6 +117,7 @@ class Trainer:
         kernels.configure(c.kernels.backend, self.device)
         self.out_dir = self._agree_out_dir(out_dir)
         self.data = make_data(c, self.rank, self.world)
+        apply_data_steps(c, self.world)  # data.epochs -> train.steps, now that W is known
         self.global_batch = local_batch_size(c, self.world) * self.world
         rows = table_rows(c)
         self.sharding = RowSharding(rows, self.world, self.rank)

@@ -84,8 +84,9 @@ from typing import Any, Optional, Protocol, TextIO
 import numpy as np
 import torch
 
-from .config import (Config, cache_capacities, compose_config, local_batch_size, needs_global_view,
-                     staleness_bounds, table_rows)
+from .config import (Config, cache_capacities, local_batch_size, needs_global_view, staleness_bounds,
+                     table_rows)
+from .configure import compose_config
 from .embedding.cache import Pushes, RowCache, make_policy
 from .embedding.consistency import HIST_BINS, UNBOUNDED, Bounds, needs_row, staleness_histogram
 from .embedding.exchange import het_wire_bytes, no_cache_wire_bytes, plan_lookup, wire_dtype
@@ -133,7 +134,7 @@ class ConfigTrace:
             base = SyntheticData(cfg.data, self.table_rows, 0, self.workers, b)
             return [_with_rank(base, w) for w in range(self.workers)]
         cfg.data.loader = "memmap"  # the reference reader: same rows as DALI, no pipeline to start
-        return [make_data(cfg, w, self.workers) for w in range(self.workers)]  # criteo: sets steps
+        return [make_data(cfg, w, self.workers) for w in range(self.workers)]  # steps: compose_config(.., W)
 
     def batch(self, step: int, worker: int) -> tuple[torch.Tensor, torch.Tensor]:
         b = self._data[worker].train_batch(step)
@@ -776,7 +777,7 @@ def build(overrides: list[str], workers: int, owners: str = "auto", trace_file: 
         raise TraceError(f"--workers {workers}: must be > 0")
     owners = resolve_owners(owners, workers, log)
     if trace_file is None:
-        cfg = compose_config(overrides)
+        cfg = compose_config(overrides, workers)  # data.epochs -> train.steps for W workers
         if needs_global_view(cfg):  # placement / schedule: the trainer's global feed and its plan
             from .data import make_data
             from .placement import plan_run
