@@ -99,3 +99,11 @@ def test_cli_on_the_trainer_package_lists_what_find_cycles_finds():
     assert proc.returncode == (1 if cycles else 0), proc.stdout + proc.stderr
     for i, comp in enumerate(cycles, 1):
         assert f"cycle {i}: {len(comp)} module(s): {', '.join(comp)}" in proc.stdout
+
+
+def test_importing_config_loads_nothing_else_of_the_package():
+    code = ("import sys, trainer.config; "
+            "print(sorted(m for m in sys.modules if m.startswith('trainer.')))")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "['trainer.config']"
