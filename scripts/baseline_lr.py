@@ -1,6 +1,6 @@
 #!/usr/bin/env python
 """Logistic-regression baseline on a prepared Criteo directory (scripts/prepare_criteo.py --out DIR),
-on exactly the rows the trainer trains and evaluates on (trainer/data/baseline.py):
+on exactly the rows the trainer trains and evaluates on (trainer/tools/baseline.py):
 
     scripts/baseline_lr.py DIR [data.key=value ...]             # one JSON line
     scripts/baseline_lr.py DIR --compare [trainer overrides ...] # also python -m trainer on DIR
@@ -22,10 +22,7 @@ import sys
 import tempfile
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-
-from trainer.data.baseline import DEFAULT_CS, SOLVERS, run_baseline  # noqa: E402
+from trainer.tools.baseline import DEFAULT_CS, SOLVERS, run_baseline
 
 
 def _floats(text: str) -> list[float]:
@@ -56,7 +53,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def compose(directory: str, overrides: list[str]):
     """The trainer's validated config for `data=criteo data.dir=DIR <overrides>` (hydra.* ignored)."""
-    from trainer.config import compose_config
+    from trainer.configure import compose_config
 
     return compose_config(["data=criteo", f"data.dir={directory}"] +
                           [o for o in overrides if not o.lstrip("+~").startswith("hydra.")])
@@ -64,11 +61,10 @@ def compose(directory: str, overrides: list[str]):
 
 def run_trainer(directory: str, overrides: list[str], run_dir: str) -> dict:
     """`python -m trainer data=criteo data.dir=DIR <overrides>`; its summary.json."""
-    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     cmd = [sys.executable, "-m", "trainer", "data=criteo", f"data.dir={directory}", "train.progress=off",
            f"hydra.run.dir={run_dir}", *overrides]
     t0 = time.perf_counter()
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0:
         raise RuntimeError(f"the trainer failed (exit {proc.returncode}): {' '.join(cmd)}\n"
                            f"{proc.stderr[-3000:]}")

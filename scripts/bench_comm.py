@@ -23,8 +23,6 @@ import sys
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if ROOT not in sys.path:
-    sys.path.insert(0, ROOT)
 
 DEFAULT_SIZES = "1KiB,16KiB,256KiB,1MiB,4MiB"
 UNITS = {"KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30, "B": 1}
@@ -98,8 +96,7 @@ def worker(args: argparse.Namespace) -> int:
 
 
 def _launch(cmd: list[str], timeout: float) -> list[dict]:
-    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
     lines = []
     for raw in proc.stdout.splitlines():
         text = raw.split("<stdout>:", 1)[-1].strip()  # horovodrun prefixes "[0]<stdout>:"

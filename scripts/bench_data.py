@@ -14,16 +14,13 @@ import argparse
 import json
 import os
 import shutil
-import sys
 import tempfile
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from trainer.config import to_config  # noqa: E402
-from trainer.data import make_data  # noqa: E402
-from trainer.data.criteo import NUM_CAT  # noqa: E402
-from trainer.data.prepare import PrepOptions, prepare  # noqa: E402
+from trainer.configure import load_config
+from trainer.data import make_data
+from trainer.data.criteo import NUM_CAT
+from trainer.data.prepare import PrepOptions, prepare
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SAMPLE = os.path.join(ROOT, "..", "shared", "data", "criteo_sample_2k.tsv")
@@ -53,7 +50,7 @@ def bench_prepare(src: str, tmp: str, workers: int, chunk_mb: float) -> tuple[di
 
 
 def bench_loader(directory: str, loader: str, batch: int, steps: int) -> dict:
-    cfg = to_config({"model": {"name": "dlrm"}, "data": {
+    cfg = load_config({"model": {"name": "dlrm"}, "data": {
         "name": "criteo", "dir": directory, "loader": loader, "num_dense": 13, "table_rows": [],
         "batch_size": batch, "shuffle": True}})
     data = make_data(cfg, 0, 1)

@@ -35,10 +35,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-import kernels  # noqa: E402
-from kernels import reference as ref  # noqa: E402
+import kernels
+from kernels import reference as ref
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 

@@ -22,13 +22,15 @@ import os
 import sys
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if ROOT not in sys.path:
-    sys.path.insert(0, ROOT)
+from trainer import simulate as sim
+from trainer.config import cache_capacities
+from trainer.placement.sca import slot_bytes
 
-from trainer.tools import simulate as sim  # noqa: E402
-from trainer.config import cache_capacities  # noqa: E402
-from trainer.placement.sca import slot_bytes  # noqa: E402
+from trainer.config import cache_capacities
+from trainer.placement.sca import slot_bytes
+from trainer.tools import simulate as sim
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _bytes_per_sample(overrides: list[str], workers: int, steps: int) -> dict:

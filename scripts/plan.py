@@ -14,14 +14,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if ROOT not in sys.path:
-    sys.path.insert(0, ROOT)
-
-from trainer.config import ConfigError, compose_config, needs_global_view  # noqa: E402
+from trainer.config import ConfigError, needs_global_view
+from trainer.configure import compose_config
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -38,7 +34,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if a.workers <= 0:
             raise ConfigError(f"--workers {a.workers}: must be > 0")
-        cfg = compose_config(a.overrides)
+        cfg = compose_config(a.overrides, a.workers)  # data.epochs -> train.steps for W workers
         if not needs_global_view(cfg):
             raise ConfigError("placement=none: nothing to plan (use placement=fae or placement=sca)")
         from trainer.data import make_data

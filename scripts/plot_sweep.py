@@ -12,12 +12,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from trainer.sweep import find_summaries, load_points, plot, report  # noqa: E402
+from trainer.tools.sweep import find_summaries, load_points, plot, report
 
 
 def main(argv: list[str] | None = None) -> int:

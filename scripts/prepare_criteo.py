@@ -15,10 +15,8 @@ import argparse
 import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from trainer.data.criteo import NUM_CAT, CriteoFormatError  # noqa: E402
-from trainer.data.prepare import PrepOptions, prepare  # noqa: E402
+from trainer.data.criteo import NUM_CAT, CriteoFormatError
+from trainer.data.prepare import PrepOptions, prepare
 
 DEFAULT_HASH_ROWS = 1_000_000
 

@@ -23,15 +23,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if ROOT not in sys.path:
-    sys.path.insert(0, ROOT)
-
-from trainer.tools import simulate as sim  # noqa: E402
-from trainer.config import ConfigError  # noqa: E402
+from trainer.config import ConfigError
+from trainer.tools import simulate as sim
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

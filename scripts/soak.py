@@ -22,14 +22,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 
 import numpy as np
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
 
 
 def rss_mib() -> float:
@@ -60,7 +57,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
 def soak(steps: int, sample_every: int, overrides: list[str]) -> tuple[list[tuple[int, float, float]], float, list]:
     """Train; return ([(steps done, rss MiB, samples/s of the window)], wall seconds, losses)."""
     from trainer.comm import LocalCollectives
-    from trainer.config import compose_config
+    from trainer.configure import compose_config
     from trainer.runner import Trainer
 
     cfg = compose_config(["comm=local", "train.progress=off", "checkpoint.enabled=false", *overrides,

@@ -13,9 +13,10 @@ import pytest
 
 from data_helpers import N_TRAIN, prepare_sample
 from helpers import make_cfg
-from trainer.config import table_rows, to_config
-from trainer.data.baseline import Features, Split, _folds, load_splits
+from trainer.config import table_rows
+from trainer.configure import load_config
 from trainer.data.blocks import CriteoData, memmap_reader
+from trainer.tools.baseline import Features, Split, _folds, load_splits
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "scripts", "baseline_lr.py")
@@ -40,7 +41,7 @@ def prepared_tail(tmp_path_factory) -> str:
 
 
 def _trainer_split_rows(d: str, *overrides: str) -> tuple[int, int]:
-    c = to_config(make_cfg(["data=criteo", f"data.dir={d}", "data.loader=memmap", *overrides]))
+    c = load_config(make_cfg(["data=criteo", f"data.dir={d}", "data.loader=memmap", *overrides]))
     data = CriteoData(c.data, table_rows(c), 0, 1, c.data.batch_size, memmap_reader(c.data.num_dense))
     return data.train_rows, sum(s.rows for s in data.eval_segs)
 

@@ -1,4 +1,5 @@
-"""HET cache + bounded staleness (DESIGN.md sections 2 and 3).
+"""HET cache + bounded staleness (docs/design.md, sections 1 "What correct means" and 5 "The HET
+cache and its bounds").
 
 - BSP (bounds 0) with every policy and capacity, tiny ones included, equals the single-process
   reference exactly (the parity backbone, extended).
@@ -18,7 +19,8 @@ import torch
 
 from helpers import make_cfg, run_single, run_world
 from test_parity import assert_same_run
-from trainer.config import ConfigError, table_rows, to_config
+from trainer.config import ConfigError, table_rows
+from trainer.configure import load_config
 from trainer.embedding.cache import LFU, LRU, LFUPinned, RowCache
 from trainer.embedding.consistency import UNBOUNDED, Bounds, needs_row, push_due
 from trainer.embedding.sharding import RowSharding
@@ -252,7 +254,7 @@ def test_no_update_is_lost(case):
     world, extra = LOST_CASES[case]
     overrides = WIDE + ["train.steps=20", "optim=sgd"] + extra
     results = run_world(world, overrides)
-    cfg = to_config(make_cfg(overrides))
+    cfg = load_config(make_cfg(overrides))
     grads = sum(r.state["audit"]["grads"] for r in results)  # every row gradient computed anywhere
     rows = table_rows(cfg)
     lr = cfg.optim.sparse_lr or cfg.optim.lr
@@ -297,5 +299,5 @@ def test_cache_bytes_add_up_and_bounds_save_bytes():
 ])
 def test_bad_cache_config_is_rejected(override, needle):
     with pytest.raises(ConfigError) as err:
-        to_config(make_cfg(["data=tiny", override]))
+        load_config(make_cfg(["data=tiny", override]))
     assert needle in str(err.value)

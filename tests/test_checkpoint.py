@@ -20,7 +20,8 @@ import torch
 import trainer.checkpoint as ckpt
 from helpers import make_cfg, run_single, run_world, spawn, train_worker
 from test_parity import assert_same_run
-from trainer.config import ConfigError, to_config
+from trainer.config import ConfigError
+from trainer.configure import load_config
 from trainer.embedding import RowSharding, ShardStore
 
 STEPS, K = 12, 5
@@ -291,7 +292,7 @@ def test_cli_resume_auto_and_bad_checkpoint_exit_code(tmp_path):
 ])
 def test_bad_checkpoint_config_names_the_key(override, key):
     with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
-        to_config(make_cfg(BASE + [override]))
+        load_config(make_cfg(BASE + [override]))
 
 
 def test_rng_state_round_trips():

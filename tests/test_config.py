@@ -7,7 +7,8 @@ import typing
 import pytest
 
 from helpers import make_cfg
-from trainer.config import Config, ConfigError, local_batch_size, to_config, validate_world
+from trainer.config import Config, ConfigError, local_batch_size, validate_world
+from trainer.configure import load_config
 
 BAD = [
     ("data.batch_size=0", "data.batch_size"),
@@ -113,7 +114,7 @@ NO_RANGE = {"data.preset", "data.dir", "data.shuffle", "optim.name", "embedding.
 @pytest.mark.parametrize("override,key", BAD, ids=[b[0] for b in BAD])
 def test_bad_value_names_the_key(override, key):
     with pytest.raises(ConfigError) as err:
-        to_config(make_cfg([override]))
+        load_config(make_cfg([override]))
     msg = str(err.value)
     assert f"{key}=" in msg or f"full_key: {key}" in msg, msg
 
@@ -138,14 +139,14 @@ def test_unknown_key_is_rejected_by_hydra():
 
 
 def test_more_ranks_than_rows_is_rejected():
-    cfg = to_config(make_cfg(["data.table_rows=[100,2,50]"]))
+    cfg = load_config(make_cfg(["data.table_rows=[100,2,50]"]))
     validate_world(cfg, 2)
     with pytest.raises(ConfigError, match=r"data.table_rows\[1\]=2.*3 workers"):
         validate_world(cfg, 3)
 
 
 def test_global_batch_must_divide_by_world():
-    cfg = to_config(make_cfg(["data.global_batch_size=64"]))
+    cfg = load_config(make_cfg(["data.global_batch_size=64"]))
     assert local_batch_size(cfg, 4) == 16
     with pytest.raises(ConfigError, match="data.global_batch_size=64.*3"):
         validate_world(cfg, 3)
@@ -153,13 +154,13 @@ def test_global_batch_must_divide_by_world():
 
 @pytest.mark.parametrize("preset", ["tiny", "criteo_like", "bench"])
 def test_presets_are_valid(preset):
-    cfg = to_config(make_cfg([f"data={preset}"]))
+    cfg = load_config(make_cfg([f"data={preset}"]))
     assert cfg.data.preset == preset
 
 
 def test_criteo_like_has_kaggle_cardinalities_capped():
     from trainer.config import table_rows
-    cfg = to_config(make_cfg(["data=criteo_like", "data.max_table_rows=50000"]))
+    cfg = load_config(make_cfg(["data=criteo_like", "data.max_table_rows=50000"]))
     rows = table_rows(cfg)
     assert len(rows) == 26 and cfg.data.num_dense == 13
     assert max(rows) == 50000 and rows[8] == 3  # the 3-value feature is untouched by the cap

@@ -15,7 +15,8 @@ import pytest
 
 from data_helpers import N_TRAIN, prepare_sample, sample_lines, write_lines
 from helpers import make_cfg
-from trainer.config import ConfigError, to_config
+from trainer.config import ConfigError
+from trainer.configure import load_config
 from trainer.data.criteo import NUM_CAT, from_block, parse_chunk, parse_line
 from trainer.data.prepare import PrepOptions, prepare
 
@@ -151,18 +152,18 @@ def test_resume_skips_finished_files_and_gzip_input(tmp_path):
 
 def test_trainer_config_errors_name_the_key(tmp_path):
     with pytest.raises(ConfigError, match=r"data\.dir=None"):
-        to_config(make_cfg(["data=criteo"]))
+        load_config(make_cfg(["data=criteo"]))
     with pytest.raises(ConfigError, match=r"data\.dir=.*meta\.json is missing"):
-        to_config(make_cfg(["data=criteo", f"data.dir={tmp_path}"]))
+        load_config(make_cfg(["data=criteo", f"data.dir={tmp_path}"]))
     with pytest.raises(ConfigError, match=r"data\.dir=.*not a directory"):
-        to_config(make_cfg(["data=criteo", f"data.dir={tmp_path / 'nope'}"]))
+        load_config(make_cfg(["data=criteo", f"data.dir={tmp_path / 'nope'}"]))
     prepare_sample(str(tmp_path))
     d = tmp_path / "prepared"
-    c = to_config(make_cfg(["data=criteo", f"data.dir={d}"]))
+    c = load_config(make_cfg(["data=criteo", f"data.dir={d}"]))
     assert c.data.table_rows == [1000] * NUM_CAT and c.data.num_dense == 13
     with pytest.raises(ConfigError, match=r"data\.table_rows=\[5, 5\]"):
-        to_config(make_cfg(["data=criteo", f"data.dir={d}", "data.table_rows=[5,5]"]))
+        load_config(make_cfg(["data=criteo", f"data.dir={d}", "data.table_rows=[5,5]"]))
     with pytest.raises(ConfigError, match=r"data\.loader='x'"):
-        to_config(make_cfg(["data=criteo", f"data.dir={d}", "data.loader=x"]))
+        load_config(make_cfg(["data=criteo", f"data.dir={d}", "data.loader=x"]))
     with pytest.raises(ConfigError, match=r"data\.dir=.*lacks ml-100k\.inter"):
-        to_config(make_cfg(["data=movielens", f"data.dir={tmp_path}"]))
+        load_config(make_cfg(["data=movielens", f"data.dir={tmp_path}"]))

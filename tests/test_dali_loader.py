@@ -9,7 +9,7 @@ import torch
 
 from data_helpers import N_TRAIN, prepare_sample
 from helpers import make_cfg
-from trainer.config import to_config
+from trainer.configure import load_config
 from trainer.data import make_data
 from trainer.data.blocks import CriteoData
 
@@ -22,7 +22,7 @@ def prepared(tmp_path_factory) -> str:
 
 
 def _data(d: str, loader: str, rank: int, world: int, *extra: str) -> CriteoData:
-    cfg = to_config(make_cfg(["data=criteo", f"data.dir={d}", f"data.loader={loader}", "data.batch_size=96",
+    cfg = load_config(make_cfg(["data=criteo", f"data.dir={d}", f"data.loader={loader}", "data.batch_size=96",
                               "data.eval_batch_size=70", "data.eval_fraction=0.15", *extra]))
     return make_data(cfg, rank, world)
 

@@ -6,14 +6,14 @@ import pytest
 import torch
 
 from helpers import make_cfg
-from trainer.config import to_config
+from trainer.configure import load_config
 from trainer.data import make_data
 from trainer.data.synthetic import EVAL, zipf_rank
 from trainer.embedding import RowSharding, plan_lookup
 
 
 def _cfg(*extra):
-    return to_config(make_cfg(["data=tiny", "data.global_batch_size=48", *extra]))
+    return load_config(make_cfg(["data=tiny", "data.global_batch_size=48", *extra]))
 
 
 def test_rank_slices_concatenate_to_the_global_batch():

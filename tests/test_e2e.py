@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from helpers import run_world
-from trainer.config import to_config
+from trainer.configure import load_config
 from trainer.data import make_data
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -72,7 +72,7 @@ def test_bytes_match_analytic_count_of_unique_remote_rows():
     overrides = ["data=tiny", f"train.steps={steps}", f"model.embedding_dim={dim}",
                  "data.eval_samples=64", "train.progress=off"]
     summary = run_world(world, overrides, return_state=False)[0].summary
-    cfg = to_config(__import__("helpers").make_cfg(overrides))
+    cfg = load_config(__import__("helpers").make_cfg(overrides))
     remote = 0
     for rank in range(world):
         data = make_data(cfg, rank, world)

@@ -1,4 +1,5 @@
-"""Herald: location-aware partition and exact on-demand sync (DESIGN.md section 2).
+"""Herald: location-aware partition and exact on-demand sync (docs/design.md, section 1
+"What correct means").
 
 - BSP parity with the single-process reference for schedule=herald, with lending (on-demand sync,
   every sparse optimizer: the lent row travels with its optimizer state), without it, and with
@@ -15,7 +16,8 @@ import pytest
 
 from helpers import make_cfg, run_single, run_world
 from test_parity import assert_same_run
-from trainer.config import ConfigError, table_rows, to_config
+from trainer.config import ConfigError, table_rows
+from trainer.configure import load_config
 from trainer.data import SyntheticData
 from trainer.embedding.sharding import RowSharding
 from trainer.schedule.feed import Feed, StreamOrder
@@ -27,7 +29,7 @@ HERALD = BASE + ["schedule=herald", "cache=lru", "cache.capacity_fraction=0.05"]
 
 
 def _setup(world, overrides=(), capacity=200, passes=2):
-    c = to_config(make_cfg(BASE + list(overrides)))
+    c = load_config(make_cfg(BASE + list(overrides)))
     rows = table_rows(c)
     g = c.data.global_batch_size
     data = SyntheticData(c.data, rows, 0, world, g // world)
@@ -97,11 +99,11 @@ def test_planner_invariants_step_by_step():
 
 def test_herald_config_errors():
     with pytest.raises(ConfigError, match="consistency"):
-        to_config(make_cfg(["schedule=herald", "cache=lru", "consistency=ssp"]))
+        load_config(make_cfg(["schedule=herald", "cache=lru", "consistency=ssp"]))
     with pytest.raises(ConfigError, match="cache.policy"):
-        to_config(make_cfg(["schedule=herald", "cache=lfu"]))
+        load_config(make_cfg(["schedule=herald", "cache=lfu"]))
     with pytest.raises(ConfigError, match="schedule.passes"):
-        to_config(make_cfg(["schedule=herald", "schedule.passes=-1"]))
+        load_config(make_cfg(["schedule=herald", "schedule.passes=-1"]))
 
 
 # ---------------------------------------------------------------------------- parity

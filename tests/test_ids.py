@@ -24,7 +24,8 @@ from data_helpers import prepare_sample
 from helpers import make_cfg, run_single
 from test_parity import assert_same_run
 from trainer.comm import LocalCollectives
-from trainer.config import ConfigError, to_config
+from trainer.config import ConfigError
+from trainer.configure import load_config
 from trainer.data import Batch, GuardedData, IdGuard, IdRangeError, make_data
 from trainer.data.synthetic import SyntheticData
 from trainer.runner import RunResult, Trainer
@@ -67,7 +68,7 @@ def test_hash_folds_only_out_of_range_ids_mod_rows():
 def test_global_view_and_batches_see_the_same_guarded_ids(monkeypatch):
     """GuardedData.sample_ids (what placement and Herald plan with) and sample_batch (what a rank
     trains on) fold identically; the numpy path agrees with the torch path."""
-    c = to_config(make_cfg(["data=tiny", "data.out_of_range=hash"]))
+    c = load_config(make_cfg(["data=tiny", "data.out_of_range=hash"]))
     src = SyntheticData(c.data, ROWS, 0, 1, 16)
     real_ids, real_batch = SyntheticData.sample_ids, SyntheticData.sample_batch
 
@@ -111,8 +112,8 @@ def _state(t: Trainer) -> RunResult:
 @pytest.mark.parametrize("extra", [[], ["cache=lru"]], ids=["plain", "cache"])
 def test_error_stops_before_any_state_change(monkeypatch, extra):
     _poison(monkeypatch, 4, 3, 250)
-    t = Trainer(to_config(make_cfg(BASE + extra)), LocalCollectives(), None)
-    ref = Trainer(to_config(make_cfg(BASE + extra)), LocalCollectives(), None)
+    t = Trainer(load_config(make_cfg(BASE + extra)), LocalCollectives(), None)
+    ref = Trainer(load_config(make_cfg(BASE + extra)), LocalCollectives(), None)
     for s in range(4):
         t.train_step(s)
         ref.train_step(s)
@@ -138,7 +139,7 @@ def test_hash_equals_data_that_held_the_folded_id(monkeypatch):
 
 def test_out_of_range_config_key():
     with pytest.raises(ConfigError, match="data.out_of_range"):
-        to_config(make_cfg(["data.out_of_range=clip"]))
+        load_config(make_cfg(["data.out_of_range=clip"]))
 
 
 # ---------------------------------------------------------------------------- prepared Criteo

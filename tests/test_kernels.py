@@ -683,32 +683,34 @@ def test_configure_forced_triton_on_cpu(monkeypatch: pytest.MonkeyPatch):
 
 def test_config_key_validation(monkeypatch: pytest.MonkeyPatch):
     from helpers import make_cfg
-    from trainer.config import ConfigError, to_config
+    from trainer.config import ConfigError
+    from trainer.configure import load_config
 
     base = ["data=tiny", "train.device=cpu"]
-    assert to_config(make_cfg(base)).kernels.backend == "auto"
-    assert to_config(make_cfg(base + ["kernels.backend=reference"])).kernels.backend == "reference"
+    assert load_config(make_cfg(base)).kernels.backend == "auto"
+    assert load_config(make_cfg(base + ["kernels.backend=reference"])).kernels.backend == "reference"
     with pytest.raises(ConfigError, match="kernels.backend='gpu': must be one of auto, triton, reference"):
-        to_config(make_cfg(base + ["kernels.backend=gpu"]))
+        load_config(make_cfg(base + ["kernels.backend=gpu"]))
     monkeypatch.setenv(kernels.ENV_VAR, "fast")
     with pytest.raises(ConfigError, match="TRAINER_KERNELS='fast'"):
-        to_config(make_cfg(base))
+        load_config(make_cfg(base))
     monkeypatch.setenv(kernels.ENV_VAR, "reference")  # the override wins over a forced triton
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    to_config(make_cfg(base + ["kernels.backend=triton"]))
+    load_config(make_cfg(base + ["kernels.backend=triton"]))
 
 
 @needs_triton
 def test_config_forced_triton_without_cuda_is_a_config_error(monkeypatch: pytest.MonkeyPatch):
     from helpers import make_cfg
-    from trainer.config import ConfigError, to_config
+    from trainer.config import ConfigError
+    from trainer.configure import load_config
 
     forced = ["data=tiny", "train.device=cpu", "kernels.backend=triton"]
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     with pytest.raises(ConfigError, match=r"kernels.backend='triton'.*cpu.*TRITON_INTERPRET=1"):
-        to_config(make_cfg(forced))
+        load_config(make_cfg(forced))
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    assert to_config(make_cfg(forced)).kernels.backend == "triton"
+    assert load_config(make_cfg(forced)).kernels.backend == "triton"
 
 
 TINY_RUN = ["data=tiny", "train.steps=3", "data.batch_size=16", "data.eval_samples=32",
@@ -788,10 +790,11 @@ def test_triton_backend_parity_two_workers(monkeypatch: pytest.MonkeyPatch):
 
 def _initial_tables() -> list[Tensor]:
     from helpers import make_cfg
-    from trainer.config import table_rows, to_config
+    from trainer.config import table_rows
+    from trainer.configure import load_config
     from trainer.embedding import init_rows
 
-    c = to_config(make_cfg(TINY_RUN))
+    c = load_config(make_cfg(TINY_RUN))
     return [init_rows(c.train.seed, table_rows(c), c.model.embedding_dim, torch.full((n,), t),
                       torch.arange(n), c.embedding.init_scale) for t, n in enumerate(table_rows(c))]
 

@@ -21,7 +21,8 @@ import torch
 from helpers import make_cfg, run_single, spawn
 from test_parity import assert_same_run
 from trainer.comm import LocalCollectives, make_collectives
-from trainer.config import ConfigError, to_config
+from trainer.config import ConfigError
+from trainer.configure import load_config
 from trainer.data.synthetic import SyntheticData
 from trainer.embedding.cache import RowCache, make_policy
 from trainer.runner import RunResult, Trainer, TrainingError, run
@@ -56,7 +57,7 @@ def poison(steps: tuple[int, ...], rank: int) -> None:
 
 def reference(comm, overrides: list[str], skip: tuple[int, ...], t: Trainer | None = None) -> RunResult:
     """The same trainer, never calling train_step for the steps in `skip`; flushed, gathered."""
-    t = t if t is not None else Trainer(to_config(make_cfg(overrides)), comm, None)
+    t = t if t is not None else Trainer(load_config(make_cfg(overrides)), comm, None)
     losses = [t.train_step(s) for s in range(t.c.train.steps) if s not in skip]
     t.emb.flush()
     return RunResult({}, comm.rank, losses, t._gather_state())
@@ -106,7 +107,7 @@ FAE = ["optim=adagrad", "data.table_rows=[97,1001,13,250]", "placement=fae", "pl
 
 @pytest.mark.parametrize("extra", [["optim=adam"], FAE], ids=["plain-adam", "fae-hot-and-cold"])
 def test_skip_equals_a_run_that_never_saw_the_batch(monkeypatch, tmp_path, extra):
-    ref_trainer = Trainer(to_config(make_cfg(BASE + extra)), LocalCollectives(), None)
+    ref_trainer = Trainer(load_config(make_cfg(BASE + extra)), LocalCollectives(), None)
     bad = (3, 8)
     if ref_trainer.feed is not None:  # FAE: skip one hot step (replicas only) and one cold step
         hot = [ref_trainer.feed.order.batch(s)[1] for s in range(ref_trainer.c.train.steps)]
@@ -142,7 +143,7 @@ def test_max_skips_stops_after_consecutive_skips(monkeypatch):
                                           ("train.max_skips=0", "train.max_skips")])
 def test_nonfinite_config_errors(override, key):
     with pytest.raises(ConfigError, match=key):
-        to_config(make_cfg([override]))
+        load_config(make_cfg([override]))
 
 
 # ---------------------------------------------------------------------------- W = 2 (gloo)

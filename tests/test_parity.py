@@ -1,4 +1,5 @@
-"""The backbone: W gloo workers reproduce the single-process reference (DESIGN.md section 2).
+"""The backbone: W gloo workers reproduce the single-process reference (docs/design.md, section 1
+"What correct means").
 
 Same seed, same global batch (data.global_batch_size fixes it for every W), loss = mean over the
 global batch. Every loss and every parameter, dense and every embedding row, must agree within

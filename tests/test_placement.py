@@ -15,7 +15,8 @@ import pytest
 
 from helpers import make_cfg, run_single, run_world
 from test_parity import assert_same_run
-from trainer.config import ConfigError, to_config
+from trainer.config import ConfigError
+from trainer.configure import load_config
 from trainer.data import SyntheticData
 from trainer.placement import fae_plan, flat_ids, profile_stream, row_bytes
 from trainer.schedule import HotColdOrder
@@ -27,7 +28,7 @@ FAE = BASE + ["placement=fae", "placement.budget_bytes=16000"]
 
 
 def _tiny(overrides=()):
-    c = to_config(make_cfg(["data=tiny"] + list(overrides)))
+    c = load_config(make_cfg(["data=tiny"] + list(overrides)))
     return SyntheticData(c.data, c.data.table_rows, 0, 1, 48)
 
 
@@ -80,11 +81,11 @@ def test_hot_cold_windows_partition_the_stream():
 
 def test_placement_config_errors():
     with pytest.raises(ConfigError, match="placement.budget_bytes"):
-        to_config(make_cfg(["placement=fae", "placement.budget_bytes=-1"]))
+        load_config(make_cfg(["placement=fae", "placement.budget_bytes=-1"]))
     with pytest.raises(ConfigError, match="placement.hot_rate"):
-        to_config(make_cfg(["placement=fae", "placement.hot_rate=1.5"]))
+        load_config(make_cfg(["placement=fae", "placement.hot_rate=1.5"]))
     with pytest.raises(ConfigError, match="placement.profile_fraction"):
-        to_config(make_cfg(["placement=fae", "placement.profile_fraction=0"]))
+        load_config(make_cfg(["placement=fae", "placement.profile_fraction=0"]))
 
 
 # ---------------------------------------------------------------------------- parity

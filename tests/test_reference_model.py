@@ -11,14 +11,15 @@ import torch
 import torch.nn.functional as F
 
 from helpers import make_cfg, run_single
-from trainer.config import table_rows, to_config
+from trainer.config import table_rows
+from trainer.configure import load_config
 from trainer.data import make_data
 from trainer.embedding import init_rows
 from trainer.models import build_model
 
 
 def plain_torch_run(overrides: list[str]):
-    c = to_config(make_cfg(overrides))
+    c = load_config(make_cfg(overrides))
     rows, d = table_rows(c), c.model.embedding_dim
     tables = [torch.nn.Parameter(init_rows(c.train.seed, rows, d, torch.full((n,), t), torch.arange(n), None))
               for t, n in enumerate(rows)]

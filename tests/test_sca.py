@@ -19,7 +19,8 @@ import pytest
 
 from helpers import make_cfg, run_single, run_world
 from test_parity import assert_same_run
-from trainer.config import ConfigError, cache_capacities, to_config
+from trainer.config import ConfigError, cache_capacities
+from trainer.configure import load_config
 from trainer.data import SyntheticData
 from trainer.placement import fae_plan, profile_stream, row_bytes
 from trainer.placement.sca import analytic_costs, bucket_edges, predict_bytes, sca_plan, slot_bytes
@@ -31,7 +32,7 @@ SCA = BASE + ["placement=sca"]
 
 
 def _setup(overrides, world):
-    c = to_config(make_cfg(BASE + list(overrides)))
+    c = load_config(make_cfg(BASE + list(overrides)))
     data = SyntheticData(c.data, c.data.table_rows, 0, world, c.data.global_batch_size // world)
     prof = profile_stream(data, c.data.table_rows, c.train.steps * c.data.global_batch_size,
                           c.placement.profile_fraction)
@@ -85,9 +86,9 @@ def test_sca_budget_zero_replicates_nothing_and_config_errors():
     plan = sca_plan(prof, 0, 64, c, 2, data)
     assert plan.hot.size == 0
     with pytest.raises(ConfigError, match="placement.plan_steps"):
-        to_config(make_cfg(["placement=sca", "placement.plan_steps=0"]))
+        load_config(make_cfg(["placement=sca", "placement.plan_steps=0"]))
     with pytest.raises(ConfigError, match="placement.buckets"):
-        to_config(make_cfg(["placement=sca", "placement.buckets=0"]))
+        load_config(make_cfg(["placement=sca", "placement.buckets=0"]))
 
 
 # ---------------------------------------------------------------------------- real runs

@@ -3,6 +3,11 @@
 Why: Hydra composes YAML; this module turns the composed tree into typed dataclasses (OmegaConf
 rejects unknown keys and wrong types, naming the full key) and then checks ranges and cross-field
 rules, so a bad sweep value fails at start-up with `key=value: reason`, not deep inside a step.
+
+A leaf: it imports nothing else of trainer/ (the `kernels` package is outside it), so any module may
+use the schemas. What a file dataset says about itself (dense features, table rows, training rows)
+is read by trainer.data and applied by the entry point (trainer/configure.py: load_config) with the
+pure helpers here (check_data_source, apply_data_shape, epoch_steps).
 """
 from __future__ import annotations
 
@@ -107,7 +112,7 @@ class TableCacheConfig:
 
 @dataclass
 class CacheConfig:
-    """HET's per-worker cache of remote rows (DESIGN.md section 3)."""
+    """HET's per-worker cache of remote rows (docs/design.md, section 5)."""
 
     policy: str = "none"  # none | lru | lfu | lfu_pinned
     capacity_fraction: float = 0.1  # cached rows per table, as a fraction of the table's rows
@@ -210,51 +215,57 @@ CONF_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__
 
 
 def compose(overrides: list[str]) -> DictConfig:
-    """The composed Hydra config of `python -m trainer <overrides>` (same conf/ dir and defaults)."""
+    """The composed Hydra config of `python -m trainer <overrides>` (same conf/ dir and defaults),
+    not yet typed: trainer.configure.compose_config gives the validated Config."""
     from hydra import compose as hydra_compose, initialize_config_dir
     with initialize_config_dir(config_dir=CONF_DIR, version_base=None):
         return hydra_compose(config_name="config", overrides=list(overrides))
 
 
-def compose_config(overrides: list[str]) -> "Config":
-    """The validated Config of `python -m trainer <overrides>`."""
-    return to_config(compose(overrides))
-
-
-def to_config(cfg: Any) -> Config:
-    """Merge a Hydra/OmegaConf tree (or a Config) onto the schema and validate it."""
+def parse(cfg: Any) -> Config:
+    """A Hydra/OmegaConf tree (or a plain dict, or a Config) merged onto the schema; not yet
+    resolved against the data files nor validated (trainer.configure.load_config does both)."""
     if isinstance(cfg, Config):
-        conf = cfg
-    else:
-        base = OmegaConf.structured(Config)
-        plain = OmegaConf.to_container(cfg, resolve=True) if isinstance(cfg, DictConfig) else cfg
-        plain = {k: v for k, v in dict(plain).items() if k != "hydra"}
-        try:
-            merged = OmegaConf.merge(base, plain)
-            conf = OmegaConf.to_object(merged)
-        except Exception as exc:  # omegaconf errors already name full_key
-            raise ConfigError(f"invalid config: {exc}") from exc
-    resolve_dataset(conf)
-    validate(conf)
-    return conf
+        return cfg
+    base = OmegaConf.structured(Config)
+    plain = OmegaConf.to_container(cfg, resolve=True) if isinstance(cfg, DictConfig) else cfg
+    plain = {k: v for k, v in dict(plain).items() if k != "hydra"}
+    try:
+        merged = OmegaConf.merge(base, plain)
+        return OmegaConf.to_object(merged)
+    except Exception as exc:  # omegaconf errors already name full_key
+        raise ConfigError(f"invalid config: {exc}") from exc
 
 
-def resolve_dataset(c: Config) -> None:
-    """File datasets: fill data.num_dense / data.table_rows from the prepared metadata."""
+def check_data_source(c: Config) -> None:
+    """What a file dataset needs before its files can be read: data=criteo names its directory."""
     d = c.data
-    if d.name not in FILE_DATASETS:
-        return
     _check(d.name != "criteo" or bool(d.dir), "data.dir", d.dir,
            "data=criteo needs the directory written by scripts/prepare_criteo.py --out DIR")
-    from .data import dataset_shape
-    try:
-        num_dense, rows = dataset_shape(d)
-    except (OSError, ValueError) as exc:
-        raise ConfigError(f"data.dir={d.dir!r}: {exc}") from exc
+
+
+def data_source_error(c: Config, exc: Exception) -> ConfigError:
+    """A file dataset that cannot be read (missing or malformed files), as an error naming data.dir."""
+    return ConfigError(f"data.dir={c.data.dir!r}: {exc}")
+
+
+def apply_data_shape(c: Config, num_dense: int, rows: list[int]) -> None:
+    """Fill data.num_dense / data.table_rows from what a file dataset reports about itself.
+    A value the user set must agree with the data; data.table_rows may be left empty ([])."""
+    d = c.data
     _check(d.num_dense == num_dense, "data.num_dense", d.num_dense, f"the data has {num_dense} dense features")
     _check(not d.table_rows or list(d.table_rows) == rows, "data.table_rows", d.table_rows,
            f"the data has tables of {rows} rows; leave data.table_rows empty ([])")
-    d.table_rows = rows
+    d.table_rows = list(rows)
+
+
+def epoch_steps(c: Config, train_rows: int, world: int) -> Optional[int]:
+    """The train.steps that data.epochs asks for: ceil(epochs x training rows / global batch) at W =
+    world (at least 1); None when data.epochs is 0 or the data is a synthetic stream (train.steps
+    stands). Only a file dataset knows its training rows, and only a run knows W."""
+    if c.data.epochs <= 0 or c.data.name not in FILE_DATASETS:
+        return None
+    return max(1, math.ceil(c.data.epochs * train_rows / (local_batch_size(c, world) * world)))
 
 
 def _check(ok: bool, key: str, value: Any, reason: str) -> None:

@@ -5,7 +5,7 @@ allreduce + step), evaluation, and the checkpoint glue. What a rank holds is ass
 (dense model + optimizer, the sparse side); what the run reports is report.py.
 
 The local loss is sum(BCE over the local slice) / global batch, so gradients summed over ranks equal
-the gradient of the single-process reference's mean loss over the global batch (docs/design.md).
+the gradient of the single-process reference's mean loss over the global batch (docs/design.md, section 2).
 """
 from __future__ import annotations
 
@@ -27,7 +27,8 @@ from .checkpoint import latest as latest_checkpoint
 from .checkpoint import load as load_checkpoint
 from .checkpoint import resolve as resolve_checkpoint
 from .comm import CollectiveError, Collectives, make_collectives
-from .config import Config, auto_threads, local_batch_size, to_config, validate_world
+from .config import Config, auto_threads, local_batch_size, validate_world
+from .configure import apply_data_steps, load_config
 from .data import make_data
 from .metrics import auc_logloss
 from .report import Reporter
@@ -46,7 +47,7 @@ class RunResult:
 def run(cfg: Any, out_dir: str | None = None, return_state: bool = False,
         comm: Collectives | None = None) -> RunResult:
     """Train with `cfg` (Hydra DictConfig or Config); write metrics and summary.json to out_dir."""
-    config = to_config(cfg)
+    config = load_config(cfg)
     own = comm is None
     if comm is None:
         comm = make_collectives(config.comm.backend, config.comm.timeout_s, config.comm.dist_backend)
@@ -85,6 +86,7 @@ class Trainer:
         kernels.configure(c.kernels.backend, self.device)
         self.out_dir = self._agree_out_dir(out_dir)
         self.data = make_data(c, self.rank, self.world)
+        apply_data_steps(c, self.world)  # data.epochs -> train.steps, now that W is known
         self.global_batch = local_batch_size(c, self.world) * self.world
         self.sparse = build_sparse(c, comm, self.data, self.global_batch, self.device)
         self.emb, self.feed = self.sparse.emb, self.sparse.feed

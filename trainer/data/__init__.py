@@ -5,10 +5,10 @@ synthetic: generated Zipf data; criteo: blocks prepared by scripts/prepare_crite
 """
 from __future__ import annotations
 
-import math
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Optional, Union
 
-from ..config import Config, DataConfig, local_batch_size, table_rows
+from ..config import Config, DataConfig, epoch_steps, local_batch_size, table_rows
 from .batch import Batch
 from .ids import GuardedData, IdGuard, IdRangeError
 from .synthetic import SyntheticData
@@ -17,20 +17,51 @@ if TYPE_CHECKING:  # the real-data modules are imported only when selected (DALI
     from .blocks import CriteoData
     from .movielens import MovieLensData
 
-__all__ = ["Batch", "GuardedData", "IdGuard", "IdRangeError", "SyntheticData", "make_data", "dataset_shape"]
+__all__ = ["Batch", "DataShape", "GuardedData", "IdGuard", "IdRangeError", "SyntheticData", "make_data",
+           "resolve"]
 
 
-def dataset_shape(d: DataConfig) -> tuple[int, list[int]]:
-    """(num_dense, table_rows) of a file-backed dataset, read from its metadata/files.
-    Raises FileNotFoundError / ValueError with the path when the data is missing or malformed."""
+@dataclass(frozen=True)
+class DataShape:
+    """What a file dataset says about itself; the entry point copies it into the config
+    (trainer/configure.py), so the config never reads files and the data never writes the config."""
+
+    num_dense: int  # dense features per sample -> data.num_dense
+    table_rows: list[int]  # rows per table as stored, before data.max_table_rows -> data.table_rows
+    steps: Optional[int] = None  # train.steps that data.epochs asks for at the W given; None: keep train.steps
+
+
+def resolve(c: Config, world: Optional[int] = None) -> Optional[DataShape]:
+    """The shape of c's file dataset (criteo, movielens) read from its files; with `world`, also the
+    step count data.epochs asks for with that many workers (it needs the training rows under the
+    data.* split options, so call it with `world` only on a validated config). None for synthetic
+    data: the config itself describes it. Reads c, never writes it. Raises FileNotFoundError /
+    ValueError naming the path when the files are missing or malformed."""
+    d = c.data
     if d.name == "criteo":
         from .criteo import read_meta
         meta = read_meta(d.dir)
-        return int(meta["num_dense"]), [int(n) for n in meta["table_rows"]]
+        shape = DataShape(int(meta["num_dense"]), [int(n) for n in meta["table_rows"]])
+    elif d.name == "movielens":
+        from .movielens import shape as movielens_shape
+        shape = DataShape(*movielens_shape(d.dir))
+    else:
+        return None
+    if world is None or d.epochs <= 0:
+        return shape
+    return replace(shape, steps=epoch_steps(c, train_rows(d), world))
+
+
+def train_rows(d: DataConfig) -> int:
+    """Rows of a file dataset's training split under d: the rows make_data's source trains on."""
+    if d.name == "criteo":
+        from .blocks import split_segments
+        from .criteo import read_meta
+        return sum(s.rows for s in split_segments(read_meta(d.dir), d.dir, d)[0])
     if d.name == "movielens":
-        from .movielens import shape
-        return shape(d.dir)
-    raise ValueError(f"data.name={d.name!r} has no file-backed shape")
+        from .movielens import train_split_rows
+        return train_split_rows(d)
+    raise ValueError(f"data.name={d.name!r} has no training split of fixed size")
 
 
 def _local_gpu(cfg: Config) -> Optional[int]:
@@ -42,12 +73,9 @@ def _local_gpu(cfg: Config) -> Optional[int]:
 
 def make_data(cfg: Config, rank: int, world: int) -> GuardedData:
     """The data source named by cfg.data.name for this rank, behind the id-range guard
-    (data.out_of_range, ids.py). With data.epochs > 0 it also sets cfg.train.steps: this is the
-    first place where both the training rows and W are known."""
-    data = _make_data(cfg, rank, world)
-    if cfg.data.epochs > 0 and cfg.data.name in ("criteo", "movielens"):
-        cfg.train.steps = max(1, math.ceil(cfg.data.epochs * data.train_rows / (data.b * world)))
-    return GuardedData(data, IdGuard(table_rows(cfg), cfg.data.out_of_range))
+    (data.out_of_range, ids.py). It does not touch cfg: the step count data.epochs asks for comes
+    from resolve(cfg, world), applied by the caller (trainer.configure.apply_data_steps)."""
+    return GuardedData(_make_data(cfg, rank, world), IdGuard(table_rows(cfg), cfg.data.out_of_range))
 
 
 def _make_data(cfg: Config, rank: int, world: int) -> Union[SyntheticData, CriteoData, MovieLensData]:

@@ -103,8 +103,26 @@ def load(directory: str) -> Table:
 
 
 def shape(directory: Optional[str]) -> tuple[int, list[int]]:
-    """(num_dense, table_rows) of the dataset, for config resolution."""
+    """(num_dense, table_rows) of the dataset, for the config (trainer.data.resolve)."""
     return NUM_DENSE, list(load(locate(directory)).table_rows)
+
+
+def train_split_rows(cfg: DataConfig) -> int:
+    """Rows of the training split under cfg (the same split MovieLensData trains on)."""
+    return int(split(cfg, load(locate(cfg.dir)).labels.size)[1].size)
+
+
+def split(cfg: DataConfig, n: int) -> tuple[np.ndarray, np.ndarray]:
+    """(eval, train) rows of the n ratings: a seeded random data.eval_fraction is held out;
+    data.train_samples / data.eval_samples (> 0) keep only the first rows of each."""
+    perm = np.random.default_rng([cfg.seed, 11]).permutation(n)
+    n_eval = int(round(cfg.eval_fraction * n))
+    eval_idx, train_idx = perm[:n_eval], perm[n_eval:]
+    if cfg.train_samples > 0:
+        train_idx = train_idx[:cfg.train_samples]
+    if cfg.eval_samples > 0:
+        eval_idx = eval_idx[:cfg.eval_samples]
+    return eval_idx, train_idx
 
 
 class MovieLensData:
@@ -114,14 +132,7 @@ class MovieLensData:
         self.cfg, self.rank, self.world, self.b = cfg, rank, world, local_batch
         self.t = load(locate(cfg.dir))
         self.rows = np.asarray(rows, np.int64)
-        n = self.t.labels.size
-        perm = np.random.default_rng([cfg.seed, 11]).permutation(n)
-        n_eval = int(round(cfg.eval_fraction * n))
-        self.eval_idx, self.train_idx = perm[:n_eval], perm[n_eval:]
-        if cfg.train_samples > 0:
-            self.train_idx = self.train_idx[:cfg.train_samples]
-        if cfg.eval_samples > 0:
-            self.eval_idx = self.eval_idx[:cfg.eval_samples]
+        self.eval_idx, self.train_idx = split(cfg, self.t.labels.size)
         self._order: tuple[int, np.ndarray] = (-1, np.zeros(0, np.int64))
 
     @property

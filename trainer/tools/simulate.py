@@ -65,7 +65,8 @@ from typing import Any, Optional, TextIO
 import numpy as np
 import torch
 
-from ..config import Config, cache_capacities, compose_config, local_batch_size, needs_global_view, table_rows
+from ..config import Config, cache_capacities, local_batch_size, needs_global_view, table_rows
+from ..configure import compose_config
 from ..schedule.replay import FeedTrace, spec_from_config
 from ..sim import CacheSimulator, SimSpec, Trace, bound_value, opt_hits_by_table, run_simulation
 from ..embedding.consistency import HIST_BINS
@@ -95,7 +96,7 @@ class ConfigTrace:
             base = SyntheticData(cfg.data, self.table_rows, 0, self.workers, b)
             return [_with_rank(base, w) for w in range(self.workers)]
         cfg.data.loader = "memmap"  # the reference reader: same rows as DALI, no pipeline to start
-        return [make_data(cfg, w, self.workers) for w in range(self.workers)]  # criteo: sets steps
+        return [make_data(cfg, w, self.workers) for w in range(self.workers)]  # steps: compose_config(.., W)
 
     def batch(self, step: int, worker: int) -> tuple[torch.Tensor, torch.Tensor]:
         b = self._data[worker].train_batch(step)
@@ -330,7 +331,7 @@ def build(overrides: list[str], workers: int, owners: str = "auto", trace_file: 
         raise TraceError(f"--workers {workers}: must be > 0")
     owners = resolve_owners(owners, workers, log)
     if trace_file is None:
-        cfg = compose_config(overrides)
+        cfg = compose_config(overrides, workers)  # data.epochs -> train.steps for W workers
         if needs_global_view(cfg):  # placement / schedule: the trainer's global feed and its plan
             from ..data import make_data
             from ..placement import plan_run

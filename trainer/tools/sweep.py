@@ -18,7 +18,7 @@ import os
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from .comm import EMBEDDING_KINDS
+from ..comm import EMBEDDING_KINDS
 
 
 

@@ -27,8 +27,8 @@ from typing import Any, Optional, Sequence
 import numpy as np
 
 from ..config import Config, table_rows
-from .blocks import Segment, split_segments
-from .criteo import CriteoFormatError, from_block, read_meta
+from ..data.blocks import Segment, split_segments
+from ..data.criteo import CriteoFormatError, from_block, read_meta
 
 DEFAULT_CS = (0.01, 0.03, 0.1, 0.3, 1.0, 3.0)
 SOLVERS = ("liblinear", "saga")

@@ -1,0 +1,226 @@
+#!/usr/bin/env python
+"""Import cycles inside the trainer package, found statically (nothing is imported or run).
+
+    python scripts/check_imports.py              # the repository's trainer/ package
+    python scripts/check_imports.py path/to/pkg  # any package directory
+    python scripts/check_imports.py --edges      # also print every import edge (file:line)
+
+Every `import` and `from ... import` of the package's own modules counts, at module level and
+inside functions or methods (a deferred import still ties the two modules together); relative
+imports are resolved against the importing module's package. Imports under `if TYPE_CHECKING:`
+are left out (they never run); their `else:` branch counts. `from pkg import name` is an edge to
+the submodule pkg.name when that file exists, else to pkg itself. Importing a submodule does not
+add an edge to its parent package's __init__ (Python runs it first, but within one package that
+is the normal layout, not a cycle of ours).
+
+Prints every cycle (a strongly connected component of two or more modules, or a module importing
+itself) with one closed path through it and the import lines behind each step; exit status 1 if
+there is any, 0 if none, 2 on a bad argument.
+"""
+from __future__ import annotations
+
+import argparse
+import ast
+import os
+import sys
+from typing import Iterator, Optional
+
+Graph = dict[str, dict[str, list[int]]]  # module -> imported module -> line numbers
+
+
+def module_files(package_dir: str) -> dict[str, str]:
+    """Dotted module name -> file of every module under package_dir (a package named after the
+    directory; __init__.py files are their package's module)."""
+    root = os.path.abspath(package_dir)
+    base = os.path.basename(root)
+    out: dict[str, str] = {}
+    for folder, dirs, files in os.walk(root):
+        dirs[:] = sorted(d for d in dirs if d.isidentifier())
+        rel = os.path.relpath(folder, root)
+        parts = [base] + ([] if rel == "." else rel.split(os.sep))
+        for f in sorted(files):
+            if f.endswith(".py") and f[:-3].isidentifier():
+                name = parts if f == "__init__.py" else parts + [f[:-3]]
+                out[".".join(name)] = os.path.join(folder, f)
+    return out
+
+
+def _is_type_checking(test: ast.expr) -> bool:
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or \
+        (isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
+
+
+def _imports(tree: ast.AST) -> Iterator[ast.Import | ast.ImportFrom]:
+    """Every import statement that can run: anywhere in the tree except `if TYPE_CHECKING:` bodies."""
+    stack = [tree]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            yield node
+            continue
+        if isinstance(node, ast.If) and _is_type_checking(node.test):
+            stack.extend(node.orelse)
+            continue
+        stack.extend(ast.iter_child_nodes(node))
+
+
+def _targets(node: ast.Import | ast.ImportFrom, module: str, is_package: bool,
+             modules: dict[str, str]) -> Iterator[str]:
+    """The package's modules one import statement of `module` loads."""
+    if isinstance(node, ast.Import):
+        for alias in node.names:
+            name = alias.name
+            while name and name not in modules:  # `import pkg.mod.attr`-like forms: longest module
+                name = name.rpartition(".")[0]
+            if name:
+                yield name
+        return
+    if node.level:
+        parts = module.split(".") if is_package else module.split(".")[:-1]
+        if node.level - 1 > len(parts) - 1:
+            return  # beyond the top of the package: not ours
+        parts = parts[:len(parts) - (node.level - 1)]
+        base = ".".join(parts + ([node.module] if node.module else []))
+    else:
+        base = node.module or ""
+    for alias in node.names:
+        sub = f"{base}.{alias.name}"
+        if sub in modules:
+            yield sub
+        elif base in modules:
+            yield base
+
+
+def import_graph(package_dir: str) -> Graph:
+    """module -> {imported module of the same package -> [line, ...]} for every module."""
+    modules = module_files(package_dir)
+    graph: Graph = {m: {} for m in modules}
+    for module, path in modules.items():
+        with open(path, encoding="utf-8") as f:
+            tree = ast.parse(f.read(), filename=path)
+        is_package = os.path.basename(path) == "__init__.py"
+        for node in _imports(tree):
+            for target in _targets(node, module, is_package, modules):
+                graph[module].setdefault(target, []).append(node.lineno)
+    return {m: {t: sorted(set(at)) for t, at in edges.items()} for m, edges in graph.items()}
+
+
+def _components(graph: Graph) -> list[list[str]]:
+    """Strongly connected components (Tarjan's algorithm, iterative)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    on_stack: set[str] = set()
+    stack: list[str] = []
+    out: list[list[str]] = []
+    for start in sorted(graph):
+        if start in index:
+            continue
+        work = [(start, iter(sorted(graph[start])))]
+        index[start] = low[start] = len(index)
+        stack.append(start)
+        on_stack.add(start)
+        while work:
+            node, children = work[-1]
+            child = next(children, None)
+            if child is not None:
+                if child not in index:
+                    index[child] = low[child] = len(index)
+                    stack.append(child)
+                    on_stack.add(child)
+                    work.append((child, iter(sorted(graph.get(child, {})))))
+                elif child in on_stack:
+                    low[node] = min(low[node], index[child])
+                continue
+            work.pop()
+            if work:
+                parent = work[-1][0]
+                low[parent] = min(low[parent], low[node])
+            if low[node] == index[node]:
+                comp = []
+                while True:
+                    m = stack.pop()
+                    on_stack.discard(m)
+                    comp.append(m)
+                    if m == node:
+                        break
+                out.append(sorted(comp))
+    return out
+
+
+def cycles_of(graph: Graph) -> list[list[str]]:
+    """Every cycle of an import graph: components of two or more modules, and self-imports."""
+    found = [c for c in _components(graph) if len(c) > 1 or c[0] in graph.get(c[0], {})]
+    return sorted(found)
+
+
+def find_cycles(package_dir: str) -> list[list[str]]:
+    """The import cycles of the package in package_dir: one sorted list of module names per cycle
+    (strongly connected component of size > 1, or a module importing itself); [] when none."""
+    return cycles_of(import_graph(package_dir))
+
+
+def closed_path(graph: Graph, comp: list[str]) -> list[str]:
+    """One cycle through the component's first module, as [m0, m1, ..., m0] (breadth-first, so the
+    shortest one back to m0)."""
+    members, start = set(comp), comp[0]
+    if start in graph.get(start, {}):
+        return [start, start]
+    prev: dict[str, Optional[str]] = {start: None}
+    frontier = [start]
+    while frontier:
+        nxt = []
+        for m in frontier:
+            for t in sorted(graph[m]):
+                if t == start:
+                    path = [m]
+                    while prev[path[-1]] is not None:
+                        path.append(prev[path[-1]])  # type: ignore[arg-type]
+                    return list(reversed(path)) + [start]
+                if t in members and t not in prev:
+                    prev[t] = m
+                    nxt.append(t)
+        frontier = nxt
+    return comp + [start]  # unreachable for a real component
+
+
+def report(graph: Graph, cycles: list[list[str]], files: dict[str, str], root: str) -> str:
+    lines = []
+    for i, comp in enumerate(cycles, 1):
+        lines.append(f"cycle {i}: {len(comp)} module(s): {', '.join(comp)}")
+        path = closed_path(graph, comp)
+        for a, b in zip(path, path[1:]):
+            where = os.path.relpath(files[a], root)
+            at = ", ".join(str(n) for n in graph[a][b])
+            lines.append(f"    {a} -> {b}    ({where}:{at})")
+    return "\n".join(lines)
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("package_dir", nargs="?", default=os.path.join(here, "trainer"),
+                    help="package directory (default: this repository's trainer/)")
+    ap.add_argument("--edges", action="store_true", help="also print every import edge")
+    a = ap.parse_args(argv)
+    if not os.path.isdir(a.package_dir):
+        print(f"error: {a.package_dir}: not a directory", file=sys.stderr)
+        return 2
+    files = module_files(a.package_dir)
+    graph = import_graph(a.package_dir)
+    root = os.path.dirname(os.path.abspath(a.package_dir))
+    if a.edges:
+        for m in sorted(graph):
+            for t, at in sorted(graph[m].items()):
+                print(f"{m} -> {t}    ({os.path.relpath(files[m], root)}:{', '.join(map(str, at))})")
+    cycles = cycles_of(graph)
+    edges = sum(len(e) for e in graph.values())
+    if not cycles:
+        print(f"no import cycle among {len(graph)} modules ({edges} import edges)")
+        return 0
+    print(report(graph, cycles, files, root))
+    print(f"{len(cycles)} import cycle(s) among {len(graph)} modules ({edges} import edges)")
+    return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

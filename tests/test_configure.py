@@ -1,0 +1,78 @@
+"""trainer/configure.py: the config every entry point runs with. A file dataset reports its shape
+(trainer.data.resolve) and the entry point fills the config with it; data.epochs becomes
+train.steps only where the world size W is known (load_config(..., world=W), or the Trainer right
+after make_data); make_data itself never writes the config."""
+from __future__ import annotations
+
+import copy
+import math
+
+import pytest
+
+from data_helpers import N_TRAIN, prepare_sample
+from helpers import make_cfg
+from trainer.comm import LocalCollectives
+from trainer.config import ConfigError
+from trainer.configure import apply_data_steps, compose_config, load_config
+from trainer.data import DataShape, make_data, resolve
+from trainer.runner import Trainer
+
+
+@pytest.fixture(scope="module")
+def prepared(tmp_path_factory) -> str:
+    out = tmp_path_factory.mktemp("criteo_configure")
+    prepare_sample(str(out))
+    return str(out / "prepared")
+
+
+def _criteo(d: str, *extra: str) -> list[str]:
+    return ["data=criteo", f"data.dir={d}", "data.loader=memmap", "data.epochs=2.5", "train.steps=7",
+            "comm=local", "checkpoint.enabled=false", "train.progress=off", *extra]
+
+
+def test_shape_from_the_files_steps_only_with_world(prepared):
+    c = load_config(make_cfg(_criteo(prepared)))
+    assert c.data.table_rows == [1000] * 26 and c.data.num_dense == 13
+    assert c.train.steps == 7  # W unknown: train.steps stands
+    assert resolve(c) == DataShape(13, [1000] * 26, None)
+    for w in (1, 2):
+        expect = math.ceil(2.5 * N_TRAIN / (128 * w))
+        assert load_config(make_cfg(_criteo(prepared)), world=w).train.steps == expect
+        assert compose_config(_criteo(prepared), w).train.steps == expect
+        assert resolve(c, w).steps == expect
+    assert c.train.steps == 7  # resolve reads the config, never writes it
+
+
+def test_make_data_leaves_the_config_alone(prepared):
+    c = load_config(make_cfg(_criteo(prepared)))
+    before = copy.deepcopy(c)
+    data = make_data(c, 0, 2)
+    assert c == before
+    assert resolve(c, 2).steps == math.ceil(2.5 * data.train_rows / (data.b * 2))
+    apply_data_steps(c, 2)
+    assert c.train.steps == math.ceil(2.5 * N_TRAIN / 256) and c.data == before.data
+
+
+def test_trainer_applies_the_steps_for_its_world(prepared):
+    t = Trainer(load_config(make_cfg(_criteo(prepared))), LocalCollectives(), None)
+    assert t.c.train.steps == math.ceil(2.5 * N_TRAIN / 128) == 32
+    t = Trainer(load_config(make_cfg(_criteo(prepared, "data.epochs=0"))), LocalCollectives(), None)
+    assert t.c.train.steps == 7
+
+
+def test_movielens_epochs_follow_its_own_split():
+    over = ["data=movielens", "data.epochs=1", "data.train_samples=5000", "train.steps=3"]
+    c = load_config(make_cfg(over))
+    assert c.data.num_dense == 3 and len(c.data.table_rows) == 8 and c.train.steps == 3
+    assert load_config(make_cfg(over), world=2).train.steps == math.ceil(5000 / 512)
+    data = make_data(c, 0, 2)
+    assert data.train_rows == 5000 and c.train.steps == 3
+
+
+def test_synthetic_data_keeps_train_steps_and_errors_stay_config_errors(prepared):
+    c = load_config(make_cfg(["data=tiny", "+data.epochs=3", "train.steps=11"]), world=4)
+    assert c.train.steps == 11 and resolve(c, 4) is None
+    with pytest.raises(ConfigError, match=r"data\.global_batch_size=100: must be divisible by the world size 3"):
+        load_config(make_cfg(_criteo(prepared, "data.global_batch_size=100")), world=3)
+    with pytest.raises(ConfigError, match=r"data\.dir=None"):
+        load_config(make_cfg(["data=criteo"]), world=2)

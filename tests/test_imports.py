@@ -1,0 +1,120 @@
+"""scripts/check_imports.py: the static import graph of trainer/ and its cycles.
+
+What is asserted: the whole package has no import cycle; trainer/config.py imports nothing else of
+the package (a leaf); the simulator's engine (trainer/sim/) imports only trainer/embedding; training
+never imports trainer/tools. The checker itself is tested on a small package with known cycles
+(module level, inside a function, relative imports, TYPE_CHECKING left out).
+"""
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+import textwrap
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SCRIPT = os.path.join(ROOT, "scripts", "check_imports.py")
+TRAINER = os.path.join(ROOT, "trainer")
+
+
+def _checker():
+    spec = importlib.util.spec_from_file_location("check_imports", SCRIPT)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+check = _checker()
+
+
+def _package(root, files: dict[str, str]) -> str:
+    pkg = root / "pkg"
+    for rel, text in files.items():
+        path = pkg / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(textwrap.dedent(text))
+    return str(pkg)
+
+
+def test_config_is_a_leaf():
+    graph = check.import_graph(TRAINER)
+    assert "trainer.config" in graph and "trainer.configure" in graph
+    assert graph["trainer.config"] == {}, graph["trainer.config"]
+
+
+def test_data_and_config_share_no_cycle():
+    cycles = check.find_cycles(TRAINER)
+    for comp in cycles:
+        assert not {"trainer.config", "trainer.data"} & set(comp), comp
+    graph = check.import_graph(TRAINER)
+    assert "trainer.config" in graph["trainer.data"]  # data uses the schemas, never the reverse
+    assert "trainer.data" in graph["trainer.configure"] and "trainer.config" in graph["trainer.configure"]
+
+
+def test_no_import_cycle_anywhere():
+    assert check.find_cycles(TRAINER) == []
+
+
+def test_simulator_engine_imports_only_the_embedding():
+    graph = check.import_graph(TRAINER)
+    used = {t for m, edges in graph.items() if m.startswith("trainer.sim") for t in edges}
+    outside = {t for t in used if t.startswith("trainer.") and not t.startswith(("trainer.sim", "trainer.embedding"))}
+    assert outside == set(), outside
+    assert any(t.startswith("trainer.embedding.remote") for t in used)
+
+
+def test_training_never_imports_the_tools():
+    graph = check.import_graph(TRAINER)
+    users = {m for m, edges in graph.items() if any(t.startswith("trainer.tools") for t in edges)}
+    assert users <= {m for m in graph if m.startswith("trainer.tools")}, users
+
+
+def test_checker_finds_cycles_of_every_kind(tmp_path):
+    pkg = _package(tmp_path, {
+        "__init__.py": "",
+        "a.py": "from . import b\n",
+        "b.py": "def f():\n    from .sub.c import g\n    return g\n",  # inside a function
+        "sub/__init__.py": "",
+        "sub/c.py": "from ..a import x\nx = 1\n",  # relative, two levels up
+        "d.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from . import e\n"
+                "else:\n    import pkg.f\n",
+        "e.py": "from .d import y\n",  # d -> e only for type checkers: no cycle
+        "f.py": "import pkg.f\n",  # a module importing itself
+        "leaf.py": "import os\nimport json\n",
+    })
+    assert check.find_cycles(pkg) == [["pkg.a", "pkg.b", "pkg.sub.c"], ["pkg.f"]]
+    graph = check.import_graph(pkg)
+    assert graph["pkg.d"] == {"pkg.f": [5]} and graph["pkg.e"] == {"pkg.d": [1]}
+    assert graph["pkg.b"] == {"pkg.sub.c": [2]} and graph["pkg.leaf"] == {}
+    assert check.closed_path(graph, ["pkg.a", "pkg.b", "pkg.sub.c"]) == ["pkg.a", "pkg.b", "pkg.sub.c", "pkg.a"]
+
+
+def test_cli_reports_cycles_and_exit_status(tmp_path):
+    clean = _package(tmp_path / "clean", {"__init__.py": "", "a.py": "from . import b\n", "b.py": "x = 1\n"})
+    proc = subprocess.run([sys.executable, SCRIPT, clean], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0 and "no import cycle" in proc.stdout, proc.stdout + proc.stderr
+    loop = _package(tmp_path / "loop", {"__init__.py": "", "a.py": "from .b import y\nx = 1\n",
+                                        "b.py": "def f():\n    from .a import x\n"})
+    proc = subprocess.run([sys.executable, SCRIPT, loop], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "cycle 1: 2 module(s): pkg.a, pkg.b" in proc.stdout
+    assert "pkg.a -> pkg.b" in proc.stdout and "pkg.b -> pkg.a    (pkg/b.py:2)" in proc.stdout
+    proc = subprocess.run([sys.executable, SCRIPT, str(tmp_path / "nope")], capture_output=True, text=True)
+    assert proc.returncode == 2 and proc.stderr.startswith("error:")
+
+
+def test_cli_on_the_trainer_package_lists_what_find_cycles_finds():
+    proc = subprocess.run([sys.executable, SCRIPT], capture_output=True, text=True, timeout=60)
+    cycles = check.find_cycles(TRAINER)
+    assert proc.returncode == (1 if cycles else 0), proc.stdout + proc.stderr
+    for i, comp in enumerate(cycles, 1):
+        assert f"cycle {i}: {len(comp)} module(s): {', '.join(comp)}" in proc.stdout
+
+
+def test_importing_config_loads_nothing_else_of_the_package():
+    code = ("import sys, trainer.config; "
+            "print(sorted(m for m in sys.modules if m.startswith('trainer.')))")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "['trainer.config']"
