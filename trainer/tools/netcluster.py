@@ -354,6 +354,12 @@ def _bounded(jobs: list[tuple[int | None, list[str]]], timeout: float, env: dict
                     f.close()
 
 
+def run_local(argvs: list[Sequence[str]], timeout: float, env: dict | None = None, cwd: str | None = None,
+              capture: bool = True, grace_s: float = 20.0) -> list[Result]:
+    """The same bounded launch in the root namespace (e.g. the localhost baseline of a benchmark)."""
+    return _bounded([(None, list(a)) for a in argvs], timeout, env, cwd, capture, grace_s)
+
+
 def _stop(procs: list[subprocess.Popen]) -> None:
     running = [p for p in procs if p.poll() is None]
     for sig, wait in ((signal.SIGTERM, 5.0), (signal.SIGKILL, 5.0)):
@@ -417,6 +423,8 @@ class NetCluster:
         self._sshd: list[subprocess.Popen] = []
         self._sshd_pids: list[int] = []
         self._up = False
+        self._ready = False
+        self._owner = (os.getpid(), _proc_start(os.getpid()))
         self._old_handlers: dict[int, Any] = {}
 
     # ---- lifecycle
@@ -567,8 +575,8 @@ class NetCluster:
                 _run(["tc", "-n", ns, "qdisc", "add", "dev", dev, *parent, "tbf", "rate", f"{bits}bit",
                       "burst", str(burst), "latency", "50ms"])
         self.rate_bits, self.delay_ms, self.delay_applied = bits, float(delay_ms), bool(use_delay)
-        if self._up:
-            self._write_state(ready=True)
+        if self.tmpdir and os.path.isdir(self.tmpdir):
+            self._write_state()
 
     def link_stats(self) -> list[dict[str, int]]:
         """Bytes and packets each host's veth0 sent and received so far (kernel counters)."""
@@ -621,7 +629,8 @@ class NetCluster:
                                                start_new_session=True))
             log.close()
         self._sshd_pids = [p.pid for p in self._sshd]
-        deadline = time.monotonic() + 20.0
+        # (a remote command runs under the user's shell, which may read a slow ~/.bashrc)
+        deadline = time.monotonic() + 60.0
         for h in self.hosts:  # from host 0 (where horovodrun runs) to every host, the real path
             while True:
                 probe = _run(["ip", "netns", "exec", self.hosts[0].ns, wrapper, h.addr, "true"],
@@ -719,9 +728,11 @@ class NetCluster:
             raise NetClusterError("the cluster is not up")
 
     # ---- state (for the command line and cleanup_stale)
-    def _write_state(self, ready: bool) -> None:
-        state = {"tag": self.tag, "owner_pid": os.getpid(), "owner_start": _proc_start(os.getpid()),
-                 "ready": ready, "hosts": [h.__dict__ for h in self.hosts], "bridge_ns": self.bridge_ns,
+    def _write_state(self, ready: bool | None = None) -> None:
+        if ready is not None:
+            self._ready = ready
+        state = {"tag": self.tag, "owner_pid": self._owner[0], "owner_start": self._owner[1],
+                 "ready": self._ready, "hosts": [h.__dict__ for h in self.hosts], "bridge_ns": self.bridge_ns,
                  "iface": IFACE, "rate_bits": self.rate_bits, "delay_ms": self.delay_ms,
                  "delay_applied": self.delay_applied, "netem": self.netem, "ssh": self.ssh,
                  "tmpdir": self.tmpdir, "sshd_pids": self._sshd_pids}
@@ -741,6 +752,7 @@ class NetCluster:
         c.hosts = [Host(**h) for h in st["hosts"]]
         c.rate_bits, c.delay_ms, c.netem = st["rate_bits"], st["delay_ms"], st["netem"]
         c.delay_applied, c._sshd_pids, c.owner = st["delay_applied"], st["sshd_pids"], False
+        c._ready, c._owner = st["ready"], (st["owner_pid"], st["owner_start"])
         return c
 
 
