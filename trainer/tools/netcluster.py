@@ -5,22 +5,26 @@ pipelining, wire precision) never show up as time. Network namespaces give each 
 network stack, and `tc tbf` on both ends of each host's link caps what it can send and receive, so
 a W-worker run on one machine pays for its traffic like a small cluster does.
 
-Layout (everything lives in namespaces this module creates; the root namespace only gains and
-loses the namespace names):
+Layout (everything lives in namespaces this module creates; outside them it only adds, and
+removes again, the namespace names and their /etc/netns/<name>/ files):
 
     <tag>-br   the switch: bridge br0 with one port p<k> per host
     <tag>-h<k> host k: veth0 = 10.213.0.<k+1>/24 (its peer is p<k> on the bridge), lo up
 
-`<tag>` is `htnet<pid>-<seq>` (pid of the owning process), so `cleanup_stale()` can tell leftovers of
-dead runs from live clusters. Each host also gets /etc/netns/<tag>-h<k>/hosts, which `ip netns exec`
-mounts over /etc/hosts for everything started in that host: h0, h1, ... name the hosts, and the
-machine's hostname resolves to the host's own address. Gloo code that finds its address from the
-hostname (Horovod 0.28 builds its process-set contexts that way, ignoring HOROVOD_GLOO_IFACE) would
-otherwise get 127.0.0.1 and tell its peers to connect to their own loopback. Each host link is shaped to `rate` in both directions: tbf on the
-host's veth0 (host -> switch) and on its bridge port (switch -> host), like a switch port of that
-speed. Where the kernel has netem, `delay_ms` adds that delay on both ends too (a host-to-host
-packet crosses two shaped egresses, so its one-way delay is 2 x delay_ms); netem is detected, and
-a requested delay without it is reported and left out.
+`<tag>` is `htnet<pid>-<seq>` (pid of the owning process), so `cleanup_stale()` can tell leftovers
+of dead runs from live clusters.
+
+Each host link is shaped to `rate` in both directions: tbf on the host's veth0 (host -> switch) and
+on its bridge port (switch -> host), like a switch port of that speed. Where the kernel has netem,
+`delay_ms` adds that delay on both ends too (a host-to-host packet crosses two shaped egresses, so
+its one-way delay is 2 x delay_ms); netem is detected, and a requested delay without it is reported
+and left out.
+
+Names: each host gets /etc/netns/<tag>-h<k>/hosts, which `ip netns exec` mounts over /etc/hosts for
+everything started in that host: h0, h1, ... name the hosts, and the machine's hostname resolves to
+the host's own address. Gloo code that finds its address from the hostname (Horovod 0.28 builds its
+process-set contexts that way, ignoring HOROVOD_GLOO_IFACE) would otherwise get 127.0.0.1 and send
+its peers to their own loopback.
 
 Launchers across the hosts:
 - `exec(k, argv)`: any command inside host k (`ip netns exec`);
@@ -59,7 +63,7 @@ import sys
 import tempfile
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Iterable, Sequence
 
 PREFIX = "htnet"
@@ -360,13 +364,45 @@ def run_local(argvs: list[Sequence[str]], timeout: float, env: dict | None = Non
     return _bounded([(None, list(a)) for a in argvs], timeout, env, cwd, capture, grace_s)
 
 
+def _descendants(pid: int) -> set[int]:
+    """Every process below pid (by parent pid, read from /proc)."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(entry))
+    out, todo = set(), [pid]
+    while todo:
+        for c in children.get(todo.pop(), []):
+            if c not in out:
+                out.add(c)
+                todo.append(c)
+    return out
+
+
 def _stop(procs: list[subprocess.Popen]) -> None:
+    """Stop what is still running of procs, with everything below them (launchers such as torchrun
+    put their workers in sessions of their own, so the process group alone would miss them)."""
     running = [p for p in procs if p.poll() is None]
+    if not running:
+        return
+    tree: set[int] = set()
+    for p in running:
+        tree |= _descendants(p.pid)
     for sig, wait in ((signal.SIGTERM, 5.0), (signal.SIGKILL, 5.0)):
         for p in running:
             try:
                 os.killpg(p.pid, sig)
             except (ProcessLookupError, PermissionError):
+                pass
+        for pid in tree:
+            try:
+                os.kill(pid, sig)
+            except ProcessLookupError:
                 pass
         deadline = time.monotonic() + wait
         for p in running:
@@ -374,8 +410,11 @@ def _stop(procs: list[subprocess.Popen]) -> None:
                 p.wait(max(0.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
                 pass
+        while time.monotonic() < deadline and any(_alive(t) and not _zombie(t) for t in tree):
+            time.sleep(0.05)
         running = [p for p in running if p.poll() is None]
-        if not running:
+        tree = {t for t in tree if _alive(t) and not _zombie(t)}
+        if not running and not tree:
             return
 
 
