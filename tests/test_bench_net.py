@@ -1,0 +1,74 @@
+"""scripts/bench_net.py --quick on localhost and one emulated 200 Mbit/s link, two modes: one sane
+JSON line per (link, mode), baseline first, speedups computed within the link, the bytes the
+trainer counts independent of the link, and the emulated link's interfaces carrying at least them.
+Also: the config-key check that turns a mode the trainer cannot run yet into an error line."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from hvd_launch import ROOT, env
+from trainer.tools import netcluster
+
+sys.path.insert(0, os.path.join(ROOT, "scripts"))
+import bench_net  # noqa: E402
+
+KINDS = {"ids", "versions", "rows", "grads", "dense"}
+
+
+def test_missing_config_keys_are_detected():
+    assert bench_net.missing_keys(["cache=lfu", "train.no_such_key=1", "comm.no_such_either=fp16"]) == \
+        ["train.no_such_key", "comm.no_such_either"]
+    assert bench_net.missing_keys(bench_net.MODES["cache_ssp"]) == []
+    assert bench_net.missing_keys(["cache=none", "train.steps=3"]) == []
+
+
+def test_bad_link_is_refused():
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "bench_net.py"), "--links", "fast"],
+                          capture_output=True, text=True, env=env(), timeout=60)
+    assert proc.returncode == 2 and "error: link rate 'fast'" in proc.stderr and proc.stdout == ""
+
+
+@pytest.mark.dist
+@pytest.mark.netns
+def test_quick_bench_on_localhost_and_a_shaped_link():
+    ok, why = netcluster.availability()
+    if not ok:
+        pytest.skip(f"the emulated link needs root and `ip netns`: {why}")
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "bench_net.py"), "--quick",
+                           "--links", "localhost", "200mbit", "--modes", "cache_ssp", "exact_serial"],
+                          capture_output=True, text=True, env=env(), timeout=400)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = [json.loads(x) for x in proc.stdout.splitlines()]
+    assert [(x["link"], x["mode"]) for x in lines] == [
+        ("localhost", "exact_serial"), ("localhost", "cache_ssp"), ("200mbit", "exact_serial"), ("200mbit", "cache_ssp")]
+    assert "[bench_net] 200mbit cache_ssp: running" in proc.stderr  # progress on stderr
+    by = {(x["link"], x["mode"]): x for x in lines}
+    for x in lines:
+        assert "error" not in x, x
+        assert x["bench"] == "net" and x["world_size"] == 2 and x["steps"] == bench_net.QUICK["steps"]
+        assert x["global_batch_size"] == 2 * bench_net.QUICK["batch_size"]
+        assert x["samples_per_sec"] > 0 and 0.0 <= x["eval_auc"] <= 1.0 and x["final_loss"] > 0
+        assert KINDS <= set(x["bytes_per_sample_by_kind"])
+        assert x["bytes_per_sample"] == pytest.approx(sum(x["bytes_per_sample_by_kind"].values()), abs=0.1)
+        assert x["embedding_bytes_per_sample"] == pytest.approx(
+            sum(x["bytes_per_sample_by_kind"][k] for k in ("ids", "versions", "rows", "grads")), abs=0.1)
+        base = by[(x["link"], "exact_serial")]["samples_per_sec"]
+        assert x["speedup_vs_exact_serial"] == pytest.approx(x["samples_per_sec"] / base, abs=1e-3)
+    for link in ("localhost", "200mbit"):
+        exact, cache = by[(link, "exact_serial")], by[(link, "cache_ssp")]
+        assert exact["speedup_vs_exact_serial"] == 1.0
+        assert exact["bytes_per_sample_by_kind"]["versions"] == 0 < cache["bytes_per_sample_by_kind"]["versions"]
+        assert cache["overrides"] == bench_net.MODES["cache_ssp"] and 0 < cache["cache_hit_rate"] < 1
+    for mode in ("exact_serial", "cache_ssp"):  # the link changes the time, never what is sent
+        assert by[("localhost", mode)]["bytes_per_sample"] == by[("200mbit", mode)]["bytes_per_sample"]
+    local, shaped = by[("localhost", "exact_serial")], by[("200mbit", "exact_serial")]
+    assert local["link_bits_per_s"] is None and "link_tx_bytes_per_sample" not in local
+    assert shaped["link_bits_per_s"] == 200_000_000
+    for mode in ("exact_serial", "cache_ssp"):  # the shaped run's traffic went through the hosts' links
+        x = by[("200mbit", mode)]
+        assert x["link_tx_bytes_per_sample"] >= x["bytes_per_sample"]

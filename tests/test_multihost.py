@@ -1,0 +1,226 @@
+"""W = 2 across two emulated hosts (trainer/tools/netcluster.py): network namespaces on a bridge,
+each link shaped with tc tbf, with both real launchers.
+
+- torchrun multi-node (static rendezvous on host 0) and horovodrun -H h0:1,h1:1 --gloo over ssh
+  (sshd inside each namespace) train the same job as a localhost W = 2 launch of the same config
+  (torchrun --standalone / horovodrun -H localhost:2): every step's loss, every final parameter
+  (dense, every embedding row, versions and sparse optimizer state, from the final checkpoint),
+  the byte counters and the eval AUC are equal (BSP parity across the network);
+- the traffic really crossed the emulated links (the hosts' veth counters carry at least the bytes
+  the trainer counted);
+- the cluster is torn down on normal exit, on an exception and on SIGTERM; cleanup_stale() removes
+  what a SIGKILLed owner left behind.
+
+Needs root and `ip netns` (CI has both); skipped with the reason otherwise.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from hvd_launch import ROOT, horovodrun, require_horovod, tail, torchrun
+from trainer.tools import netcluster
+from trainer.tools.netcluster import NetCluster
+
+pytestmark = [pytest.mark.dist, pytest.mark.netns]
+CFG = ["data=tiny", "optim=adagrad", "train.steps=12", "train.log_every=1", "data.eval_samples=512",
+       "train.progress=off", "train.threads=1"]
+LAUNCH_TIMEOUT = 150
+
+
+def _require_netns() -> None:
+    ok, why = netcluster.availability()
+    if not ok:
+        pytest.skip(f"emulated hosts need root and `ip netns`: {why}")
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    _require_netns()
+    with NetCluster(hosts=2, rate="1gbit", ssh=True) as c:
+        yield c
+    assert not [ns for ns in netcluster._namespaces() if ns.startswith(c.tag + "-")]
+
+
+def _ns_of(tag: str) -> list[str]:
+    return [ns for ns in netcluster._namespaces() if ns.startswith(tag + "-")]
+
+
+# ------------------------------------------------------------------ comparing two runs
+def _flatten(obj, path=""):
+    """{path: leaf} of a checkpoint file's nested dicts / lists (strings left out: paths)."""
+    if isinstance(obj, dict):
+        out = {}
+        for k, v in obj.items():
+            out.update(_flatten(v, f"{path}/{k}"))
+        return out
+    if isinstance(obj, (list, tuple)) and not all(isinstance(x, (int, float)) for x in obj):
+        out = {}
+        for i, v in enumerate(obj):
+            out.update(_flatten(v, f"{path}/{i}"))
+        return out
+    return {} if isinstance(obj, str) else {path: obj}
+
+
+def _final_checkpoint(run_dir: str) -> str:
+    root = os.path.join(run_dir, "checkpoints")
+    steps = sorted(d for d in os.listdir(root) if d.startswith("step_") and ".tmp" not in d)
+    assert steps, f"no checkpoint in {root}"
+    return os.path.join(root, steps[-1])
+
+
+def _losses(run_dir: str) -> list[float]:
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        lines = [json.loads(x) for x in f if x.strip()]
+    steps = [x for x in lines if "loss" in x]
+    assert [x["step"] for x in steps] == list(range(1, 13)), "one metrics line per step expected"
+    return [x["loss"] for x in steps]
+
+
+def assert_same_training(local_dir: str, net_dir: str) -> dict:
+    """Per-step losses, final parameters and optimizer state, bytes and eval equal; returns the
+    emulated run's summary."""
+    with open(os.path.join(local_dir, "summary.json")) as f:
+        s_local = json.load(f)
+    with open(os.path.join(net_dir, "summary.json")) as f:
+        s_net = json.load(f)
+    assert s_net["world_size"] == s_local["world_size"] == 2 and s_net["steps"] == 12
+    assert s_net["backend"] == s_local["backend"]
+    torch.testing.assert_close(torch.tensor(_losses(net_dir), dtype=torch.float64),
+                               torch.tensor(_losses(local_dir), dtype=torch.float64), rtol=1e-6, atol=0)
+    a, b = _final_checkpoint(local_dir), _final_checkpoint(net_dir)
+    files = sorted(f for f in os.listdir(a) if f.endswith(".pt"))
+    assert files == sorted(f for f in os.listdir(b) if f.endswith(".pt"))
+    assert {"trainer.pt", "shard_00000-of-00002.pt", "shard_00001-of-00002.pt"} <= set(files)
+    compared = 0
+    for name in files:
+        fa = _flatten(torch.load(os.path.join(a, name), weights_only=False))
+        fb = _flatten(torch.load(os.path.join(b, name), weights_only=False))
+        assert fa.keys() == fb.keys(), name
+        for key, va in fa.items():
+            if key.startswith(("/rng/python", "/rng/numpy")):
+                continue  # global Python / NumPy RNGs: saved for resume, never drawn from in training
+            vb = fb[key]
+            if isinstance(va, torch.Tensor):
+                torch.testing.assert_close(vb, va, rtol=1e-6, atol=0, msg=lambda m: f"{name}{key}: {m}")
+                compared += va.numel()
+            else:
+                assert vb == pytest.approx(va, rel=1e-6) if isinstance(va, float) else vb == va, f"{name}{key}"
+    assert compared > 10_000  # every row, its version and accumulator, and the dense model
+    assert s_net["bytes"] == s_local["bytes"] and s_net["eval_bytes"] == s_local["eval_bytes"]
+    assert s_net["eval_auc"] == pytest.approx(s_local["eval_auc"], rel=1e-6)
+    assert s_net["bytes"]["rows"] > 0 and s_net["bytes"]["grads"] > 0  # rows moved between hosts
+    return s_net
+
+
+def _assert_crossed_links(before: list[dict], after: list[dict], summary: dict) -> None:
+    """The hosts' veth0 counters carry at least what the trainer counted (its training bytes plus
+    the eval's): the job talked across the emulated network, not over a loopback."""
+    counted = sum(summary["bytes"].values()) + sum(summary["eval_bytes"].values())
+    sent = [x["tx_bytes"] - y["tx_bytes"] for x, y in zip(after, before)]
+    assert sum(sent) >= counted, (sent, counted)
+    assert min(sent) >= 0.25 * counted, (sent, counted)  # both hosts sent their share
+
+
+# ------------------------------------------------------------------ the launchers
+def test_torchrun_across_two_hosts_equals_localhost(cluster, tmp_path):
+    local, net = str(tmp_path / "local"), str(tmp_path / "net")
+    ref = torchrun(["-m", "trainer", "comm=torch", f"hydra.run.dir={local}", *CFG], timeout=LAUNCH_TIMEOUT)
+    assert ref.returncode == 0, tail(ref)
+    before = cluster.link_stats()
+    res = cluster.torchrun(["-m", "trainer", "comm=torch", f"hydra.run.dir={net}", *CFG],
+                           timeout=LAUNCH_TIMEOUT, env=cluster.env({"PYTHONPATH": ROOT}), cwd=ROOT)
+    after = cluster.link_stats()
+    for r in res:
+        assert r.ok, r.tail()
+    summary = assert_same_training(local, net)
+    assert summary["backend"] == "TorchCollectives"
+    _assert_crossed_links(before, after, summary)
+
+
+def test_horovodrun_over_ssh_equals_localhost(cluster, tmp_path):
+    require_horovod()
+    local, net = str(tmp_path / "local"), str(tmp_path / "net")
+    ref = horovodrun(["-m", "trainer", "comm=horovod", f"hydra.run.dir={local}", *CFG], timeout=LAUNCH_TIMEOUT)
+    assert ref.returncode == 0, tail(ref)
+    before = cluster.link_stats()
+    res = cluster.horovodrun([sys.executable, "-m", "trainer", "comm=horovod", f"hydra.run.dir={net}", *CFG],
+                             timeout=LAUNCH_TIMEOUT, env=cluster.env({"PYTHONPATH": ROOT}), cwd=ROOT)
+    after = cluster.link_stats()
+    assert res.ok, res.tail()
+    assert "-H h0:1,h1:1" in " ".join(res.argv) and "--gloo" in res.argv
+    summary = assert_same_training(local, net)
+    assert summary["backend"] == "HorovodCollectives"
+    _assert_crossed_links(before, after, summary)
+
+
+def test_commands_run_inside_their_host_and_links_are_shaped(cluster):
+    for k in range(2):
+        r = cluster.exec(k, ["ip", "-4", "-o", "addr", "show", "dev", netcluster.IFACE], timeout=20)
+        assert r.ok and f"{netcluster.SUBNET}.{k + 1}/24" in r.stdout, r.tail()
+    # ssh from host 0 reaches host 1 by name, with the cluster's key and no prompt
+    r = cluster.exec(0, ["ssh", "h1", "cat /proc/net/dev"], timeout=30)
+    assert r.ok and netcluster.IFACE in r.stdout, r.tail()
+    q = cluster.exec(0, ["tc", "qdisc", "show", "dev", netcluster.IFACE], timeout=20)
+    assert "tbf" in q.stdout and "rate 1Gbit" in q.stdout, q.stdout
+    assert cluster.rate_bits == 10 ** 9
+
+
+def test_a_command_past_its_timeout_is_stopped(cluster):
+    t0 = time.monotonic()
+    r = cluster.exec(1, [sys.executable, "-c", "import time; time.sleep(60)"], timeout=1.5)
+    assert r.timed_out and not r.ok and time.monotonic() - t0 < 15
+    assert netcluster._ns_pids(cluster.hosts[1].ns) == cluster._sshd_pids[1:2]  # only host 1's sshd is left
+
+
+# ------------------------------------------------------------------ teardown
+HOLD = """
+import sys, time
+sys.path.insert(0, {root!r})
+from trainer.tools.netcluster import NetCluster
+with NetCluster(hosts=2, rate="200mbit") as c:
+    print(c.tag, flush=True)
+    {body}
+"""
+
+
+def _holder(body: str) -> tuple[subprocess.Popen, str]:
+    proc = subprocess.Popen([sys.executable, "-c", HOLD.format(root=ROOT, body=body)], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    tag = proc.stdout.readline().strip()
+    assert tag.startswith(netcluster.PREFIX), proc.stderr.read()
+    assert len(_ns_of(tag)) == 3  # two hosts and the bridge
+    return proc, tag
+
+
+def test_teardown_on_exception_and_on_sigterm():
+    _require_netns()
+    with pytest.raises(RuntimeError, match="boom"):
+        with NetCluster(hosts=2) as c:
+            assert len(_ns_of(c.tag)) == 3
+            raise RuntimeError("boom")
+    assert _ns_of(c.tag) == [] and not os.path.exists(c.tmpdir)
+    assert not os.path.exists(os.path.join(netcluster.NETNS_ETC, c.hosts[0].ns))
+    proc, tag = _holder("time.sleep(60)")
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(30) == 128 + signal.SIGTERM
+    assert _ns_of(tag) == []
+
+
+def test_cleanup_stale_removes_what_a_killed_owner_left():
+    _require_netns()
+    proc, tag = _holder("time.sleep(60)")
+    with NetCluster(hosts=1) as live:  # a live cluster is never touched by cleanup
+        proc.kill()  # SIGKILL: no teardown runs
+        proc.wait(30)
+        assert len(_ns_of(tag)) == 3
+        removed = netcluster.cleanup_stale()
+        assert sorted(removed) == sorted(f"{tag}-{n}" for n in ("h0", "h1", "br"))
+        assert _ns_of(tag) == [] and len(_ns_of(live.tag)) == 2
