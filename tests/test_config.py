@@ -28,6 +28,9 @@ BAD = [
     ("optim.sparse=adam", "optim.sparse"),
     ("comm.backend=mpi", "comm.backend"),
     ("comm.timeout_s=0", "comm.timeout_s"),
+    ("comm.wire_precision=fp8", "comm.wire_precision"),
+    ("train.pipeline=all", "train.pipeline"),
+    ("train.pipeline=rows", "train.pipeline"),  # rows needs a cache with pull_bound >= 1
     ("train.steps=0", "train.steps"),
     ("train.progress=maybe", "train.progress"),
     ("data.batch_size=abc", "data.batch_size"),  # type error from the schema

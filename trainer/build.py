@@ -111,7 +111,8 @@ def build_sparse(c: Config, comm: Collectives, data: Any, global_batch: int,
     audit = Audit(sharding.n_ids, store.dim) if c.embedding.audit else None
     remote = _make_remote(c, comm, store, plan, herald, bounds, audit)
     with phase(comm, "other"):  # the replica is loaded from the owners
-        emb = HybridEmbedding(comm, sharding, store, c.model.pooling, remote, replica, audit)
+        emb = HybridEmbedding(comm, sharding, store, c.model.pooling, remote, replica, audit,
+                              c.comm.wire_precision)
     if c.train.nonfinite == "skip":
         emb.enable_discard()
     feed = _make_feed(c, data, global_batch, rank, world, plan, space, herald) \
@@ -157,7 +158,7 @@ def _make_remote(c: Config, comm: Collectives, store: ShardStore, plan: Plan,
     cache = RowCache(_cache_rows(c, plan), c.model.embedding_dim,
                      make_policy(c.cache.policy, c.cache.pin_threshold), sh.n_ids, sparse_lr(c),
                      store.weight.device)
-    return HetRemote(HetWire(comm, store), sh, cache, bounds, CacheStats(sh.num_tables, store.weight.device),
+    return HetRemote(HetWire(comm, store, c.comm.wire_precision), sh, cache, bounds, CacheStats(sh.num_tables, store.weight.device),
                      audit)
 
 

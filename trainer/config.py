@@ -36,6 +36,10 @@ NONFINITE = ("stop", "skip")  # train.nonfinite
 CONSISTENCY_PRESETS = ("bsp", "ssp", "asp")  # consistency.name (conf/consistency/*.yaml)
 
 
+WIRE_PRECISIONS = ("fp32", "fp16", "bf16")
+PIPELINES = ("off", "ids", "rows")
+
+
 class ConfigError(ValueError):
     """A config value is out of range or inconsistent; the message names the key."""
 
@@ -94,6 +98,7 @@ class CommConfig:
     backend: str = "auto"  # auto | local | torch | horovod (auto follows the launcher)
     dist_backend: str = "auto"  # torch backend's transport: auto | gloo | nccl
     timeout_s: float = 60.0  # a collective waiting longer than this raises, naming the operation
+    wire_precision: str = "fp32"  # rows and row gradients on the wire: fp32 | fp16 | bf16 (owners keep fp32)
 
 
 @dataclass
@@ -181,6 +186,7 @@ class TrainConfig:
     device: str = "cpu"  # cpu | cuda | auto
     nonfinite: str = "stop"  # NaN/inf global loss: stop (error naming the step) | skip (drop the batch, no update anywhere)
     max_skips: int = 10  # nonfinite=skip: stop anyway after this many consecutive skipped steps
+    pipeline: str = "off"  # off (serial step) | ids (next step's input side + id exchange overlap this step: exact) | rows (also its rows: needs a cache and pull_bound >= 1)
     tensorboard: bool = True  # also write TensorBoard scalars to <output dir>/tensorboard (when there is an output dir)
 
 
@@ -331,6 +337,7 @@ def validate(c: Config) -> None:
     _finite("optim.initial_accumulator", o.initial_accumulator)
     _one_of("comm.backend", c.comm.backend, BACKENDS)
     _one_of("comm.dist_backend", c.comm.dist_backend, ("auto", "gloo", "nccl"))
+    _one_of("comm.wire_precision", c.comm.wire_precision, WIRE_PRECISIONS)
     _check(c.comm.timeout_s > 0, "comm.timeout_s", c.comm.timeout_s, "must be > 0")
     _finite("comm.timeout_s", c.comm.timeout_s)
     if c.embedding.init_scale is not None:
@@ -343,6 +350,13 @@ def validate(c: Config) -> None:
     _check(t.eval_every >= 0, "train.eval_every", t.eval_every, "must be >= 0")
     _check(t.threads >= 0, "train.threads", t.threads, "must be >= 0 (0 = auto)")
     _one_of("train.progress", t.progress, ("auto", "on", "off"))
+    _one_of("train.pipeline", t.pipeline, PIPELINES)
+    if t.pipeline == "rows":  # the rows of step i+1 are read before step i's updates reach their owners
+        _check(c.cache.policy != "none" and 0 not in staleness_bounds(c)[0], "train.pipeline", t.pipeline,
+               "rows reads the next step's rows one step early: it needs a cache (cache=lru|lfu|...) "
+               "and a pull_bound >= 1 (or -1) for every table; use train.pipeline=ids for exact training")
+        _check(t.nonfinite != "skip", "train.pipeline", t.pipeline,
+               "rows cannot undo a prefetched step: use train.nonfinite=stop or train.pipeline=ids")
     _one_of("train.device", t.device, ("cpu", "cuda", "auto"))
     _check(t.seed >= 0, "train.seed", t.seed, "must be >= 0")
     _one_of("train.nonfinite", t.nonfinite, NONFINITE)

@@ -157,7 +157,7 @@ class Reporter:
         c, tot, bounds = self.c, self._cache_totals(), self.sparse.bounds
         wire = self.emb.remote.wire.wire_dtype.itemsize
         nb = het_wire_bytes(tot["requested"], tot["pulled"], tot["pushed_rows"], self.emb.dim,
-                            self.emb.store.weight.element_size(), wire)
+                            self.emb.remote.wire.row_elem, wire)
         check = nb["version_check"]
         pull_b, push_b = bounds.pull.tolist(), bounds.push.tolist()
         caps = self.emb.cache.capacities

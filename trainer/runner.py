@@ -102,6 +102,8 @@ class Trainer:
         self.last_checkpoint: str | None = None
         self.current_step: int | None = None  # the step in progress (failure reports)
         self.resumed_from: str | None = None
+        self.pipeline = c.train.pipeline
+        self._next: tuple[int, tuple[Any, Any], Any] | None = None  # the step prepared ahead
         self.start_step = self._resume()
 
     def _agree_out_dir(self, out_dir: str | None) -> str | None:
@@ -115,23 +117,55 @@ class Trainer:
     # ---- one step --------------------------------------------------------------------------
     def train_step(self, step: int) -> float:
         """Forward, backward, embedding push + owner update, dense allreduce + step. Collective."""
-        batch, info = self.feed.step(step) if self.feed is not None else (self.data.train_batch(step), None)
+        prep = self._next if self._next is not None and self._next[0] == step else None
+        self._next = None
+        batch, info = prep[1] if prep is not None else self._batch(step)
         calls = self._alltoall_calls()
-        value = self._step(batch.to(self.device), info, step)
+        value = self._step(batch, info, step, prep[2] if prep is not None else None)
         self.alltoalls["hot" if info is not None and info.hot else "cold"] += self._alltoall_calls() - calls
         return value
+
+    def _batch(self, step: int) -> tuple[Any, Any]:
+        """(this rank's batch on the device, the GlobalStep or None) of `step`."""
+        batch, info = self.feed.step(step) if self.feed is not None else (self.data.train_batch(step), None)
+        return batch.to(self.device), info
+
+    def _prefetch(self, step: int) -> None:
+        """train.pipeline: build step+1's batch and plan and send its id requests now, so they
+        travel while this step computes (the requests depend on no update: exact)."""
+        nxt = step + 1
+        if self.pipeline == "off" or nxt >= self.c.train.steps or self.sparse.herald is not None:
+            return  # Herald plans its sync step by step against its flushes: no early planning
+        batch, info = self._batch(nxt)
+        self._next = (nxt, (batch, info), self.emb.prepare(batch, info))
+
+    def _serve_early(self, step: int) -> None:
+        """train.pipeline=rows: the owners answer step+1's reads now, before this step's updates
+        (one step staler, within the pull bound counting this in-flight step), so its rows travel
+        during backward. Not before a flush (eval, checkpoint): those reads are answered after it."""
+        done = step + 1
+        flush_next = (self._save_due(done) or done == self.c.train.steps
+                      or (self.c.train.eval_every and done % self.c.train.eval_every == 0))
+        if self.pipeline == "rows" and self._next is not None and not flush_next:
+            self.emb.serve(self._next[2])
 
     def _alltoall_calls(self) -> int:
         calls = self.comm.counter.calls
         return calls.get("alltoall", 0) + calls.get("alltoall_splits", 0)
 
-    def _step(self, batch: Any, info: Any, step: int) -> float:
+    def _step(self, batch: Any, info: Any, step: int, prep: Any = None) -> float:
         """One step; returns the global loss. train.nonfinite=stop: the loss travels with the dense
         gradients and a non-finite one raises (the run stops, no checkpoint is written after it).
         skip: the global loss is reduced first (one extra 4-byte allreduce) and, when it is not
-        finite, every rank drops the step before anything changed (embedding.discard)."""
+        finite, every rank drops the step before anything changed (embedding.discard).
+        train.pipeline != off: the next step is prepared during this one (_prefetch), and the dense
+        allreduce runs while the embedding gradients are pushed and applied."""
         self.model.train()
-        pooled = self.emb.lookup(batch, train=True, info=info)
+        if prep is not None:
+            pooled = self.emb.lookup(batch, train=True, prepared=prep)
+        else:
+            pooled = self.emb.lookup(batch, train=True, info=info)
+        self._prefetch(step)
         logits = self.model(batch.dense, pooled)
         loss = F.binary_cross_entropy_with_logits(logits, batch.labels, reduction="sum") / self.global_batch
         extra = [loss.detach().reshape(1)]
@@ -139,12 +173,21 @@ class Trainer:
             value = float(self.comm.allreduce(extra.pop(), op="sum", kind="dense").item())
             if not math.isfinite(value):
                 self.emb.discard()
+                if self._next is not None:  # its cache lookups predate the rollback: begin again
+                    self.emb.cancel(self._next[2])
+                    self._next = (self._next[0], self._next[1], self.emb.prepare(*self._next[1]))
                 return value
+        self._serve_early(step)
         self.opt.zero_grad(set_to_none=False)
         loss.backward()
-        self.emb.apply_gradients()
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
-        reduced = self.comm.grouped_allreduce(grads + extra, op="sum", kind="dense")
+        if self.pipeline == "off":
+            self.emb.apply_gradients()
+            reduced = self.comm.grouped_allreduce(grads + extra, op="sum", kind="dense")
+        else:  # the dense allreduce travels while the embedding gradients are pushed and applied
+            dense = self.comm.grouped_allreduce_async(grads + extra, op="sum", kind="dense")
+            self.emb.apply_gradients()
+            reduced = dense.wait()
         for p, g in zip(self.params, reduced):
             p.grad = g
         self.opt.step()

@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import os
 
-from .base import KINDS, EMBEDDING_KINDS, ByteCounter, CollectiveError, Collectives
+from .base import KINDS, EMBEDDING_KINDS, ByteCounter, CollectiveError, Collectives, Handle
 from .local import LocalCollectives
 
-__all__ = ["KINDS", "EMBEDDING_KINDS", "ByteCounter", "CollectiveError", "Collectives", "LocalCollectives",
+__all__ = ["KINDS", "EMBEDDING_KINDS", "ByteCounter", "CollectiveError", "Collectives", "Handle", "LocalCollectives",
            "make_collectives", "detect_backend"]
 
 

@@ -97,6 +97,31 @@ class Collectives(abc.ABC):
         out = self._guard("alltoall", lambda: self._alltoall(t.contiguous(), splits, recv_splits))
         return out, recv_splits
 
+    # ----- asynchronous forms (a Handle; its wait() gives what the blocking call returns) --------
+    def alltoall_async(self, t: torch.Tensor, splits: Sequence[int], kind: str | dict[str, int],
+                       recv_splits: Sequence[int] | None = None) -> "Handle":
+        """Start an alltoall; `wait()` on the handle returns (rows, recv_splits) like alltoall.
+
+        Collectives must be started in the same order on every rank (waits may come in any order).
+        Unknown recv_splits are exchanged first, blocking (a few bytes), then the rows travel
+        while the caller computes."""
+        splits = self._check_splits(t, splits)
+        if recv_splits is None:
+            recv_splits = self._exchange_splits(splits)
+        recv_splits = [int(s) for s in recv_splits]
+        self._count_alltoall(t, splits, kind)
+        finish = self._guard("alltoall", lambda: self._alltoall_start(t.contiguous(), splits, recv_splits))
+        return Handle(self, "alltoall", lambda: (finish(), recv_splits))
+
+    def grouped_allreduce_async(self, ts: Sequence[torch.Tensor], op: str = "sum",
+                                kind: str = "dense") -> "Handle":
+        """Start a fused allreduce; `wait()` returns the reduced tensors like grouped_allreduce."""
+        if not ts:
+            return Handle(self, "grouped_allreduce", lambda: [])
+        self._count_allreduce(ts, kind, "grouped_allreduce")
+        finish = self._guard("grouped_allreduce", lambda: self._allreduce_start(list(ts), op))
+        return Handle(self, "grouped_allreduce", finish)
+
     def allgather(self, t: torch.Tensor, kind: str = "meta") -> torch.Tensor:
         """Concatenate every rank's `t` along dim 0 (first dims may differ between ranks)."""
         self.counter.add(kind, (self.size - 1) * t.numel() * t.element_size(), "allgather")
@@ -168,6 +193,16 @@ class Collectives(abc.ABC):
             ) from exc
 
     # ----- backend hooks ----------------------------------------------------------------------
+    # Asynchronous hooks return a function that waits for completion and returns the result. The
+    # defaults run the blocking hook at once (the local backend: nothing to overlap).
+    def _alltoall_start(self, t: torch.Tensor, splits: list[int], recv_splits: list[int]):
+        out = self._alltoall(t, splits, recv_splits)
+        return lambda: out
+
+    def _allreduce_start(self, ts: list[torch.Tensor], op: str):
+        out = self._allreduce(ts, op)
+        return lambda: out
+
     @abc.abstractmethod
     def _allreduce(self, ts: list[torch.Tensor], op: str) -> list[torch.Tensor]: ...
 
@@ -182,6 +217,21 @@ class Collectives(abc.ABC):
 
     @abc.abstractmethod
     def _barrier(self) -> None: ...
+
+
+class Handle:
+    """A collective in flight. wait() returns its result (once; later calls return it again) and
+    turns a backend failure or timeout into a CollectiveError naming the operation."""
+
+    def __init__(self, comm: Collectives, op: str, finish) -> None:
+        self._comm, self._op, self._finish = comm, op, finish
+        self._done, self._value = False, None
+
+    def wait(self):
+        if not self._done:
+            self._value = self._comm._guard(self._op, self._finish)
+            self._done, self._finish = True, None
+        return self._value
 
 
 def flatten(ts: Sequence[torch.Tensor]) -> torch.Tensor:

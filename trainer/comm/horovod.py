@@ -109,19 +109,33 @@ class HorovodCollectives(Collectives):
 
     # ---- backend hooks -------------------------------------------------------------------------
     def _allreduce(self, ts, op):
+        return self._allreduce_start(ts, op)()
+
+    def _allreduce_start(self, ts, op):
         if op not in ("sum", "mean"):
             raise ValueError(f"unsupported allreduce op {op!r}")
-        ins = [self._dev(t) for t in ts]
-        outs = self._wait(hvd.grouped_allreduce_async(ins, op=hvd.Sum))
-        if op == "mean":  # divide after the sum, like the torch backend (bit-identical results)
-            outs = [o / self.size if o.is_floating_point() else o // self.size for o in outs]
-        return [o.to(t.device) for o, t in zip(outs, ts)]
+        handle = hvd.grouped_allreduce_async([self._dev(t) for t in ts], op=hvd.Sum)
+
+        def finish() -> list[torch.Tensor]:
+            outs = self._wait(handle)
+            if op == "mean":  # divide after the sum, like the torch backend (bit-identical results)
+                outs = [o / self.size if o.is_floating_point() else o // self.size for o in outs]
+            return [o.to(t.device) for o, t in zip(outs, ts)]
+        return finish
 
     def _alltoall(self, t, splits, recv_splits):
-        out, got = self._alltoall_any(t, splits)
-        if got != list(recv_splits):
-            raise RuntimeError(f"alltoall: received splits {got} but expected {list(recv_splits)}")
-        return out
+        return self._alltoall_start(t, splits, recv_splits)()
+
+    def _alltoall_start(self, t, splits, recv_splits):
+        handle = hvd.alltoall_async(self._dev(t), splits=torch.tensor(splits, dtype=torch.int32))
+
+        def finish() -> torch.Tensor:
+            out, got = self._wait(handle)
+            got = [int(x) for x in got.tolist()]
+            if got != list(recv_splits):
+                raise RuntimeError(f"alltoall: received splits {got} but expected {list(recv_splits)}")
+            return out.reshape((sum(got),) + tuple(t.shape[1:])).to(t.device)
+        return finish
 
     def _allgather(self, t):
         out = self._wait(hvd.allgather_async(self._dev(t)))

@@ -52,28 +52,43 @@ class TorchCollectives(Collectives):
         return t.to(self.device) if t.device != self.device else t
 
     def _allreduce(self, ts, op):
-        out: list[torch.Tensor] = [None] * len(ts)  # type: ignore[list-item]
+        return self._allreduce_start(ts, op)()
+
+    def _allreduce_start(self, ts, op):
+        if op not in ("sum", "mean"):
+            raise ValueError(f"unsupported allreduce op {op!r}")
         by_dtype: dict[torch.dtype, list[int]] = {}
         for i, t in enumerate(ts):
             by_dtype.setdefault(t.dtype, []).append(i)
+        started = []
         for idx in by_dtype.values():
-            group = [ts[i] for i in idx]
-            buf = self._to_dev(flatten(group))
-            self._wait(dist.all_reduce(buf, op=dist.ReduceOp.SUM, async_op=True))
-            if op == "mean":
-                buf /= self.size
-            elif op != "sum":
-                raise ValueError(f"unsupported allreduce op {op!r}")
-            for i, piece in zip(idx, unflatten(buf.to(group[0].device), group)):
-                out[i] = piece
-        return out
+            buf = self._to_dev(flatten([ts[i] for i in idx]))
+            started.append((idx, buf, dist.all_reduce(buf, op=dist.ReduceOp.SUM, async_op=True)))
+
+        def finish() -> list[torch.Tensor]:
+            out: list[torch.Tensor] = [None] * len(ts)  # type: ignore[list-item]
+            for idx, buf, work in started:
+                self._wait(work)
+                if op == "mean":
+                    buf /= self.size
+                group = [ts[i] for i in idx]
+                for i, piece in zip(idx, unflatten(buf.to(group[0].device), group)):
+                    out[i] = piece
+            return out
+        return finish
 
     def _alltoall(self, t, splits, recv_splits):
+        return self._alltoall_start(t, splits, recv_splits)()
+
+    def _alltoall_start(self, t, splits, recv_splits):
         out = torch.empty((sum(recv_splits),) + tuple(t.shape[1:]), dtype=t.dtype, device=self.device)
         work = dist.all_to_all_single(out, self._to_dev(t), output_split_sizes=list(recv_splits),
                                       input_split_sizes=list(splits), async_op=True)
-        self._wait(work)
-        return out.to(t.device)
+
+        def finish() -> torch.Tensor:
+            self._wait(work)
+            return out.to(t.device)
+        return finish
 
     def _allgather(self, t):
         n = torch.tensor([t.shape[0]], dtype=torch.int64, device=self.device)

@@ -37,43 +37,72 @@ def plan_lookup(sharding: Sharding, gids: torch.Tensor,
     return LookupPlan(uniq, inverse, owned_pos, remote_pos, splits, hot_pos, slot[hot_pos])
 
 
+class Pull:
+    """A pull in flight: the id request (an alltoall handle), then the owners' row reply."""
+
+    def __init__(self, ids, splits: list[int]) -> None:
+        self.ids, self.splits = ids, splits
+        self.rows = None  # the row reply's handle, once served
+        self.served: torch.Tensor | None = None  # ids peers asked this rank (as owner) for
+        self.served_splits: list[int] = []
+
+
 class RowExchange:
     """Pull remote rows from their owners and push row gradients back, over alltoall.
 
-    Every rank is both a requester and an owner in each call: the owner side serves the rows asked
-    for and, on push, returns the gradients it received together with their ids.
+    Every rank is both a requester and an owner in each call. A pull has three parts, so that a
+    pipelined step can start the first early: request (send the ids; independent of the model),
+    serve (the owner reads the rows NOW and sends them back), result (the rows arrive). pull() runs
+    the three back to back.
     """
 
-    def __init__(self, comm: Collectives, store: ShardStore) -> None:
+    def __init__(self, comm: Collectives, store: ShardStore, precision: str = "fp32") -> None:
         self.comm, self.store = comm, store
-        self._served: torch.Tensor | None = None  # ids peers pulled from us this step
-        self._served_splits: list[int] = []
-        self._pulled_splits: list[int] = []
+        self.row_dtype = wire_float(precision)  # rows and gradients travel as this; owners keep fp32
+
+    def request(self, remote_ids: torch.Tensor, splits: list[int]) -> Pull:
+        """Start sending remote_ids (grouped by owner as `splits` says) to their owners."""
+        return Pull(self.comm.alltoall_async(remote_ids, splits, kind="ids"), list(splits))
+
+    def serve(self, p: Pull) -> None:
+        """Owner side: read the requested rows as they are now and start sending them."""
+        if p.rows is None:
+            p.served, p.served_splits = p.ids.wait()
+            rows = self.store.rows(p.served).to(self.row_dtype)
+            p.rows = self.comm.alltoall_async(rows, p.served_splits, kind="rows", recv_splits=p.splits)
+
+    def result(self, p: Pull) -> torch.Tensor:
+        """[Ur, d] rows of the pull's ids (serving them first if that has not happened yet)."""
+        self.serve(p)
+        got, _ = p.rows.wait()
+        return got.to(self.store.weight.dtype)
 
     def pull(self, remote_ids: torch.Tensor, splits: list[int]) -> torch.Tensor:
-        """[Ur, d] rows of remote_ids (grouped by owner as `splits` says)."""
-        served, served_splits = self.comm.alltoall(remote_ids, splits, kind="ids")
-        rows = self.store.rows(served)
-        got, _ = self.comm.alltoall(rows, served_splits, kind="rows", recv_splits=splits)
-        self._served, self._served_splits, self._pulled_splits = served, served_splits, list(splits)
-        return got
+        """[Ur, d] rows of remote_ids (grouped by owner as `splits` says), now."""
+        return self.result(self.request(remote_ids, splits))
 
-    def push(self, grads: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Send grads [Ur, d] of the last pull's ids to their owners.
+    def push(self, p: Pull, grads: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Send grads [Ur, d] of pull p's ids to their owners.
 
         Returns (ids, grads) received as owner: the rows peers pulled from us and their gradients,
         in the order they were served, so no ids need to travel again.
         """
-        if self._served is None:
-            raise RuntimeError("push() without a preceding pull() in this step")
-        recv, _ = self.comm.alltoall(grads, self._pulled_splits, kind="grads",
-                                     recv_splits=self._served_splits)
-        served, self._served = self._served, None
-        return served, recv
+        if p.served is None:
+            raise RuntimeError("push() of a pull that was never served")
+        recv, _ = self.comm.alltoall(grads.to(self.row_dtype), p.splits, kind="grads",
+                                     recv_splits=p.served_splits)
+        return p.served, recv.to(grads.dtype)
 
-    def forget(self) -> None:
-        """Drop the last pull's bookkeeping: its gradients will not be pushed (a skipped step)."""
-        self._served = None
+
+WIRE_FLOATS = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+def wire_float(precision: str) -> torch.dtype:
+    """dtype of rows and row gradients on the wire (comm.wire_precision); bytes are counted as sent."""
+    try:
+        return WIRE_FLOATS[precision]
+    except KeyError:
+        raise ValueError(f"comm.wire_precision={precision!r} is not one of {sorted(WIRE_FLOATS)}") from None
 
 
 def wire_dtype(local_rows: int) -> torch.dtype:

@@ -20,6 +20,7 @@ Evaluation reads fresh rows from the owners after a flush, so it measures the mo
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -51,16 +52,27 @@ class LookupStats:
             self.totals[k] += v
 
 
+@dataclass
+class Prepared:
+    """A training step prepared ahead (HybridEmbedding.prepare): its batch, global step, lookup plan
+    and the remote protocol's begun read (None: nothing begun)."""
+
+    batch: Batch
+    info: GlobalStep
+    plan: LookupPlan
+    token: Any = None
+
+
 class HybridEmbedding:
     """Pooled lookups [B, T, d] over row-sharded tables, with owner-side sparse updates."""
 
     def __init__(self, comm: Collectives, sharding: Sharding, store: ShardStore, pooling: str,
                  remote: RemoteRows | None = None, replica: Replica | None = None,
-                 audit: Audit | None = None) -> None:
+                 audit: Audit | None = None, wire_precision: str = "fp32") -> None:
         """remote: the remote-row protocol (default: no cache, PlainRemote over this module's
         RowExchange); replica: the replicated rows (placement), loaded from their owners here."""
         self.comm, self.sharding, self.store, self.pooling = comm, sharding, store, pooling
-        self.exchange = RowExchange(comm, store)  # the no-cache wire; evaluation reads through it
+        self.exchange = RowExchange(comm, store, wire_precision)  # the no-cache wire; eval reads through it
         self.stats = LookupStats()
         self.remote: RemoteRows = remote if remote is not None else PlainRemote(self.exchange)
         self.audit = audit
@@ -87,11 +99,34 @@ class HybridEmbedding:
         gids = self.sharding.global_ids(batch.values, batch.table_index())
         return plan_lookup(self.sharding, gids, self.replica.find if self.replica is not None else None)
 
-    def lookup(self, batch: Batch, train: bool = True, info: GlobalStep | None = None) -> torch.Tensor:
-        """[B, T, d] pooled embeddings of the batch. Collective: every rank must call it (with
-        the same info.hot)."""
+    def prepare(self, batch: Batch, info: GlobalStep | None = None) -> "Prepared":
+        """A training step's input side, ahead of its lookup (train.pipeline): the plan and the
+        begun remote read (requests sent; nothing depends on any update yet). Collective."""
         info = info if info is not None else GlobalStep()
         plan = self.plan(batch)
+        return Prepared(batch, info, plan, None if info.hot else self.remote.begin(plan))
+
+    def serve(self, prep: "Prepared") -> None:
+        """Let the owners answer a prepared read now (before this rank's current step updates
+        anything: train.pipeline=rows). Collective."""
+        if prep.token is not None:
+            self.remote.serve(prep.token)
+
+    def cancel(self, prep: "Prepared") -> None:
+        """Drop a prepared read (the step before it was skipped). Collective."""
+        if prep.token is not None:
+            self.remote.cancel(prep.token)
+
+    def lookup(self, batch: Batch, train: bool = True, info: GlobalStep | None = None,
+               prepared: "Prepared | None" = None) -> torch.Tensor:
+        """[B, T, d] pooled embeddings of the batch (or of a prepared training step). Collective:
+        every rank must call it (with the same info.hot)."""
+        token = None
+        if prepared is not None:
+            batch, info, plan, token = prepared.batch, prepared.info, prepared.plan, prepared.token
+        else:
+            info = info if info is not None else GlobalStep()
+            plan = self.plan(batch)
         ws = torch.empty(plan.uniq.numel(), self.dim, dtype=self.store.weight.dtype,
                          device=self.store.weight.device)
         if train:
@@ -101,7 +136,7 @@ class HybridEmbedding:
                 raise RuntimeError(f"step {self.step}: a hot step holds {plan.remote_pos.numel()} "
                                    f"non-replicated ids on rank {self.sharding.rank}")
         elif train:
-            self.remote.read(plan, ws, self.step, info.sync)
+            self.remote.read(plan, ws, self.step, info.sync, token)
         else:
             ws.index_copy_(0, plan.remote_pos, self.exchange.pull(plan.remote_ids, plan.splits))
         # owned rows after the protocol: Herald's writebacks may have just returned some of them

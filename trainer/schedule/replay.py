@@ -20,8 +20,9 @@ def spec_from_config(c: Config, workers: int, owners: str = "sharded", plan: Any
     if plan is not None and plan.cache_rows is not None and c.cache.policy != "none":
         caps = list(plan.cache_rows)
     hot = plan.hot if plan is not None else np.zeros(0, np.int64)
+    row_elem = {"fp32": 4, "fp16": 2, "bf16": 2}[c.comm.wire_precision]
     return SimSpec(table_rows(c), workers, caps, pull, push, c.cache.policy, owners,
-                   c.cache.pin_threshold, c.model.embedding_dim, hot)
+                   c.cache.pin_threshold, c.model.embedding_dim, hot, row_elem)
 
 
 class FeedTrace:

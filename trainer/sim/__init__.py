@@ -1,8 +1,8 @@
 """The cache simulator's engine (imports only trainer/embedding): engine.py replays id traces through
 the trainer's own remote-row protocols for W simulated workers; opt.py is Belady's MIN."""
-from .engine import (OWNERS, ROW_ELEM, Audit, CacheSimulator, InProcessExchange, Owners, SimSpec, Trace,
-                     bound_value, run_simulation)
+from .engine import (OWNERS, ROW_ELEM, Audit, CacheSimulator, InProcessHetWire, InProcessRowWire, Owners,
+                     SimSpec, Trace, bound_value, run_simulation)
 from .opt import belady_hits, next_use, opt_hits_by_table
 
-__all__ = ["OWNERS", "ROW_ELEM", "Audit", "CacheSimulator", "InProcessExchange", "Owners", "SimSpec", "Trace",
-           "belady_hits", "bound_value", "next_use", "opt_hits_by_table", "run_simulation"]
+__all__ = ["OWNERS", "ROW_ELEM", "Audit", "CacheSimulator", "InProcessHetWire", "InProcessRowWire", "Owners",
+           "SimSpec", "Trace", "belady_hits", "bound_value", "next_use", "opt_hits_by_table", "run_simulation"]

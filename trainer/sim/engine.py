@@ -4,7 +4,7 @@ remote-row protocol objects, without training and without communication.
 Why the same objects: the HET cache's value (pulls and pushes saved, bytes, staleness) depends only
 on which ids each worker reads in which step, not on the model. Every simulated worker is the
 trainer's plan_lookup + PlainRemote / HetRemote (embedding/remote/), with its RowCache and the
-consistency rules, connected to the owners by an in-process exchange (InProcessExchange) instead of
+consistency rules, connected to the owners by an in-process wire (InProcessHetWire / InProcessRowWire) instead of
 alltoall: the owners are one shared version array. Rows are 1 wide and zero inside (only slots,
 versions and counts matter); bytes are counted at the configured embedding_dim with the trainer's
 formulas (het_wire_bytes / no_cache_wire_bytes). The trainer's cache counters for the same config and
@@ -75,6 +75,7 @@ class SimSpec:
     pin_threshold: int = 8
     dim: int = 16  # embedding_dim the bytes are counted at
     hot: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))  # replicated flat ids
+    row_elem: int = ROW_ELEM  # bytes of a row element on the wire (comm.wire_precision)
 
 
 class Owners:
@@ -142,19 +143,17 @@ class Audit:
         return {"reads": cat(self.reads, 5), "updates": cat(self.updates, 3)}
 
 
-class InProcessExchange:
-    """A simulated worker's wire: the calls of HetWire (check, push_updates) and of the no-cache
-    RowExchange (pull, push, forget), answered from the simulator's owner-version array. Pushes are
+class InProcessHetWire:
+    """A simulated worker's HET wire (HetWire's request / serve / result / push_updates), answered
+    at once from the simulator's owner-version array (the simulator never overlaps steps). Pushes are
     returned to the simulator, which applies them to the owners."""
 
     def __init__(self, sim: "CacheSimulator", rank: int) -> None:
         self.sim, self.rank = sim, rank
         self.staleness = sim.staleness  # owner side, shared: the trainer sums it over ranks
-        self._pulled: Optional[torch.Tensor] = None
 
-    # ---- HET ------------------------------------------------------------------------------
-    def check(self, remote_ids: torch.Tensor, cached_versions: torch.Tensor, splits: list[int],
-              pull_bound: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def request(self, remote_ids: torch.Tensor, cached_versions: torch.Tensor, splits: list[int],
+                pull_bound: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         sim = self.sim
         now = sim.versions.index_select(0, remote_ids)
         table = sim.owners.table(remote_ids)
@@ -165,11 +164,23 @@ class InProcessExchange:
         versions = torch.where(send, now, torch.full_like(now, -1))
         return send, versions, torch.zeros(int(send.sum()), 1)
 
+    def serve(self, answered: Any) -> None:
+        pass
+
+    def result(self, answered: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return answered
+
     def push_updates(self, pushes: Pushes) -> Pushes:
         return pushes
 
-    # ---- no cache --------------------------------------------------------------------------
-    def pull(self, remote_ids: torch.Tensor, splits: list[int]) -> torch.Tensor:
+
+class InProcessRowWire:
+    """A simulated worker's no-cache wire (RowExchange's request / serve / result / push)."""
+
+    def __init__(self, sim: "CacheSimulator", rank: int) -> None:
+        self.sim, self.rank = sim, rank
+
+    def request(self, remote_ids: torch.Tensor, splits: list[int]) -> torch.Tensor:
         sim = self.sim
         table = sim.owners.table(remote_ids)
         none = torch.zeros_like(table, dtype=torch.bool)
@@ -177,16 +188,17 @@ class InProcessExchange:
         if sim.audit is not None:
             now = sim.versions.index_select(0, remote_ids)
             sim.audit.read(sim.steps_run, self.rank, remote_ids, now, now)
-        self._pulled = remote_ids
-        return torch.zeros(remote_ids.numel(), 1)
+        return remote_ids
 
-    def push(self, grads: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        ids, self._pulled = self._pulled, None
-        self.sim.stats.pushes(self.sim.owners.table(ids), torch.ones_like(ids))
-        return ids, grads
+    def serve(self, pulled: torch.Tensor) -> None:
+        pass
 
-    def forget(self) -> None:
-        self._pulled = None
+    def result(self, pulled: torch.Tensor) -> torch.Tensor:
+        return torch.zeros(pulled.numel(), 1)
+
+    def push(self, pulled: torch.Tensor, grads: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        self.sim.stats.pushes(self.sim.owners.table(pulled), torch.ones_like(pulled))
+        return pulled, grads
 
 
 class CacheSimulator:
@@ -206,9 +218,9 @@ class CacheSimulator:
         self.workers = [self._protocol(r) for r in range(spec.workers)]
 
     def _protocol(self, rank: int) -> Any:
-        wire = InProcessExchange(self, rank)
         if self.spec.policy == "none":
-            return PlainRemote(wire)
+            return PlainRemote(InProcessRowWire(self, rank))
+        wire = InProcessHetWire(self, rank)
         cache = RowCache(self.spec.capacities, 1, make_policy(self.spec.policy, self.spec.pin_threshold),
                          self.owners.n_ids, local_lr=0.0)
         return HetRemote(wire, self.owners.layout, cache, self.bounds, self.stats)
@@ -256,16 +268,16 @@ class CacheSimulator:
         """(bytes by kind + total, no-cache baseline total) over all workers and steps so far."""
         t, spec = self.stats.t, self.spec
         req = int(t["requested"].sum())
-        base = sum(no_cache_wire_bytes(req, spec.dim, ROW_ELEM).values())
+        base = sum(no_cache_wire_bytes(req, spec.dim, spec.row_elem).values())
         if spec.policy == "none":  # the no-cache protocol: id requests, rows, row gradients
-            nb = no_cache_wire_bytes(req, spec.dim, ROW_ELEM)
+            nb = no_cache_wire_bytes(req, spec.dim, spec.row_elem)
             out = {"version_check": nb["ids"], "rows": nb["rows"], "pushes": nb["grads"]}
         else:
             out = het_wire_bytes(req, int(t["pulled"].sum()), int(t["pushed_rows"].sum()), spec.dim,
-                                 ROW_ELEM, self.owners.wire)
+                                 spec.row_elem, self.owners.wire)
         out = {k: int(v) for k, v in out.items()}
         if self.owners.any_hot:  # ring allreduce of [u, d] float32: 2 (W - 1) / W * bytes per worker
-            out["replica"] = int(2 * (spec.workers - 1) * self.replica_rows * spec.dim * ROW_ELEM)
+            out["replica"] = int(2 * (spec.workers - 1) * self.replica_rows * spec.dim * ROW_ELEM)  # fp32
         out["total"] = sum(out.values())
         return out, base
 

@@ -10,7 +10,8 @@ ones go through one `RemoteRows` object chosen by config:
 Every protocol answers the same calls; read/write/flush are collective (every rank calls them for
 the same step), discard communicates nothing:
 
-- read(plan, ws, step, sync): fill the workspace rows ws[plan.remote_pos];
+- read(plan, ws, step, sync, token): fill the workspace rows ws[plan.remote_pos]; a pipelined step
+  splits it: begin(plan) (the request, one step early), serve(token) (the owners answer), read;
 - write(plan, grad) -> Pushes: send this step's remote row gradients; return what this rank
   received as owner (applied by the caller once per row, together with its own rows);
 - flush() -> Pushes | None: push whatever is still pending (before eval, checkpoint, exit); None when
@@ -107,9 +108,24 @@ class RemoteRows(ABC):
     stats: Optional[CacheStats] = None
     staleness: Optional[StalenessStats] = None
 
+    def begin(self, plan: LookupPlan) -> Any:
+        """Start the part of the read of `plan` that does not depend on any update (a pipelined
+        step calls it one step early); returns a token for serve / read, or None when the protocol
+        has no such part. Collective."""
+        return None
+
+    def serve(self, token: Any) -> None:
+        """Answer a begun read from the owners' rows as they are NOW (a pipelined step with
+        train.pipeline=rows calls it before the current step's updates). Collective."""
+
+    def cancel(self, token: Any) -> None:
+        """Drop a begun read that will not be used (its step was skipped): wait for what is in
+        flight, answer nothing. Collective."""
+
     @abstractmethod
-    def read(self, plan: LookupPlan, ws: torch.Tensor, step: int, sync: Any = None) -> None:
-        """Fill ws[plan.remote_pos] with the remote rows of this training step. Collective."""
+    def read(self, plan: LookupPlan, ws: torch.Tensor, step: int, sync: Any = None, token: Any = None) -> None:
+        """Fill ws[plan.remote_pos] with the remote rows of this training step (token: from begin,
+        for this plan). Collective."""
 
     @abstractmethod
     def write(self, plan: LookupPlan, grad: torch.Tensor) -> Pushes:

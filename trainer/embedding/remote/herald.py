@@ -147,7 +147,7 @@ class HeraldRemote(RemoteRows):
                                           recv_splits=self._splits(mine[sync.lend[r]]))
         return rows, state
 
-    def read(self, plan: LookupPlan, ws: torch.Tensor, step: int, sync: Any = None) -> None:
+    def read(self, plan: LookupPlan, ws: torch.Tensor, step: int, sync: Any = None, token: Any = None) -> None:
         if sync is None:
             raise RuntimeError("schedule=herald: a training step needs the global SyncPlan")
         r = self.sh.rank

@@ -24,7 +24,7 @@ import torch
 from ...comm import Collectives
 from ..cache import RowCache
 from ..consistency import Bounds, needs_row
-from ..exchange import segment_counts, wire_dtype
+from ..exchange import segment_counts, wire_dtype, wire_float
 from ..sharding import Sharding
 from ..store import ShardStore
 from ..types import LookupPlan, Pushes
@@ -39,11 +39,29 @@ def serve_check(cached_version: torch.Tensor, owner_version: torch.Tensor,
     return send, torch.where(send, torch.zeros_like(owner_version), owner_version - cached_version)
 
 
+class Check:
+    """A version check in flight (see HetWire.request / serve / result)."""
+
+    def __init__(self, request: Any, splits: list[int], pull_bound: torch.Tensor) -> None:
+        self.request, self.splits, self.pull_bound = request, splits, pull_bound
+        self.rows: Any = None  # the row reply's handle, once served
+        self.need: Optional[torch.Tensor] = None
+        self.versions: Optional[torch.Tensor] = None
+
+
+class HetRead:
+    """A begun HET read: the slots and cached versions its request was sent with."""
+
+    def __init__(self, slots: torch.Tensor, cached: torch.Tensor, check: Any) -> None:
+        self.slots, self.cached, self.check = slots, cached, check
+
+
 class HetWire:
     """HET's two collective calls over alltoall; every rank is requester and owner in each call."""
 
-    def __init__(self, comm: Collectives, store: ShardStore) -> None:
+    def __init__(self, comm: Collectives, store: ShardStore, precision: str = "fp32") -> None:
         self.comm, self.store, self.sh = comm, store, store.sharding
+        self.row_dtype = wire_float(precision)  # rows and gradients on the wire; owners keep fp32
         self.staleness = StalenessStats(self.sh.num_tables, store.weight.device)
 
     @property
@@ -51,30 +69,53 @@ class HetWire:
         """Integer type of ids (owner storage rows), versions and counts on the wire."""
         return wire_dtype(self.sh.local_rows)
 
-    def check(self, remote_ids: torch.Tensor, cached_versions: torch.Tensor, splits: list[int],
-              pull_bound: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Version check + pull of the rows that must be re-read.
+    @property
+    def row_elem(self) -> int:
+        """Bytes of one row element on the wire."""
+        return torch.empty(0, dtype=self.row_dtype).element_size()
 
-        remote_ids [Ur] grouped by owner as `splits`; cached_versions [Ur] (-1 = no copy);
-        pull_bound [T] per table. Returns (need [Ur] bool, versions [Ur] owner version of each row
-        sent, -1 elsewhere; rows [need.sum(), d] in the order of `need`).
-        """
-        sh, wire = self.sh, self.wire_dtype
-        req = torch.stack([sh.local_index(remote_ids), cached_versions], 1).to(wire)
-        served, served_splits = self.comm.alltoall(req, splits, kind={"ids": 1, "versions": 1})
+    def request(self, remote_ids: torch.Tensor, cached_versions: torch.Tensor, splits: list[int],
+                pull_bound: torch.Tensor) -> "Check":
+        """Start sending (storage row, cached version) of remote_ids [Ur] (grouped by owner as
+        `splits`; cached_versions -1 = no copy) to their owners; pull_bound [T] per table."""
+        req = torch.stack([self.sh.local_index(remote_ids), cached_versions], 1).to(self.wire_dtype)
+        handle = self.comm.alltoall_async(req, splits, kind={"ids": 1, "versions": 1})
+        return Check(handle, list(splits), pull_bound)
+
+    def serve(self, chk: "Check") -> None:
+        """Owner side: answer a check from the versions and rows as they are NOW, and start
+        sending the rows that must be re-read (the version reply itself is waited for: the
+        requester needs it to know how many rows come)."""
+        if chk.rows is not None:
+            return
+        served, served_splits = chk.request.wait()
         idx, ver = served[:, 0].long(), served[:, 1].long()
         now = self.store.versions(idx)
-        table = sh.local_table_of(idx)
-        send, gap = serve_check(ver, now, pull_bound.to(now.device)[table])
+        table = self.sh.local_table_of(idx)
+        send, gap = serve_check(ver, now, chk.pull_bound.to(now.device)[table])
         self.staleness.record(gap, table)
-        reply = torch.where(send, now, torch.full_like(now, -1)).to(wire)
-        got, _ = self.comm.alltoall(reply, served_splits, kind="versions", recv_splits=splits)
-        versions = got.long()
-        need = versions >= 0
-        rows, _ = self.comm.alltoall(self.store.weight.index_select(0, idx[send]),
-                                     segment_counts(send, served_splits), kind="rows",
-                                     recv_splits=segment_counts(need, splits))
-        return need, versions, rows
+        reply = torch.where(send, now, torch.full_like(now, -1)).to(self.wire_dtype)
+        got, _ = self.comm.alltoall(reply, served_splits, kind="versions", recv_splits=chk.splits)
+        chk.versions = got.long()
+        chk.need = chk.versions >= 0
+        chk.rows = self.comm.alltoall_async(self.store.weight.index_select(0, idx[send]).to(self.row_dtype),
+                                            segment_counts(send, served_splits), kind="rows",
+                                            recv_splits=segment_counts(chk.need, chk.splits))
+
+    def result(self, chk: "Check") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(need [Ur] bool, versions [Ur]: the owner version of each row sent, -1 elsewhere,
+        rows [need.sum(), d] in the order of `need`), serving the check first if needed."""
+        self.serve(chk)
+        rows, _ = chk.rows.wait()
+        return chk.need, chk.versions, rows.to(self.store.weight.dtype)
+
+    def check(self, remote_ids: torch.Tensor, cached_versions: torch.Tensor, splits: list[int],
+              pull_bound: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Version check + pull of the rows that must be re-read, now (request, serve, result)."""
+        return self.result(self.request(remote_ids, cached_versions, splits, pull_bound))
+
+    def cancel(self, chk: "Check") -> None:
+        chk.request.wait()
 
     def push_updates(self, pushes: Pushes) -> Pushes:
         """Send (id, count, gradient) of pushed rows to their owners; return what this rank
@@ -84,8 +125,9 @@ class HetWire:
         gids, grads, counts = pushes.gids[order], pushes.grads[order], pushes.counts[order]
         head = torch.stack([sh.local_index(gids), counts], 1).to(self.wire_dtype)
         got, recv_splits = self.comm.alltoall(head, sh.per_owner(gids), kind={"ids": 1, "versions": 1})
-        recv, _ = self.comm.alltoall(grads, sh.per_owner(gids), kind="grads", recv_splits=recv_splits)
-        return Pushes(sh.global_of(got[:, 0].long(), sh.rank), recv, got[:, 1].long())
+        recv, _ = self.comm.alltoall(grads.to(self.row_dtype), sh.per_owner(gids), kind="grads",
+                                     recv_splits=recv_splits)
+        return Pushes(sh.global_of(got[:, 0].long(), sh.rank), recv.to(grads.dtype), got[:, 1].long())
 
 
 def het_wire_bytes(requested, pulled, pushed_rows, dim: int, row_elem: int, wire: int) -> dict:
@@ -120,17 +162,32 @@ class HetRemote(RemoteRows):
     def enable_undo(self) -> None:
         self.undoable = True
 
-    def read(self, plan: LookupPlan, ws: torch.Tensor, step: int, sync: Any = None) -> None:
+    def begin(self, plan: LookupPlan) -> HetRead:
+        """Look the remote ids up in the cache and start the version check. Valid until read: in
+        between, the cache's slots and versions change only through read (write records updates,
+        flush takes them) or a rollback (then cancel and begin again)."""
+        slots = self.cache.lookup(plan.remote_ids)
+        cached = self.cache.versions_of(slots)
+        return HetRead(slots, cached, self.wire.request(plan.remote_ids, cached, plan.splits, self.bounds.pull))
+
+    def serve(self, token: HetRead) -> None:
+        self.wire.serve(token.check)
+
+    def cancel(self, token: HetRead) -> None:
+        self.wire.cancel(token.check)
+
+    def read(self, plan: LookupPlan, ws: torch.Tensor, step: int, sync: Any = None,
+             token: Optional[HetRead] = None) -> None:
         """Fill ws's remote positions from the cache, checking versions with the owners."""
         cache, remote = self.cache, plan.remote_ids
         if self.undoable:
             cache.begin()
+        token = token if token is not None else self.begin(plan)
         table = self.sharding.table_of(remote)
-        slots = cache.lookup(remote)
+        slots, cached_ver = token.slots, token.cached
         hit = slots >= 0
         cache.touch(slots[hit], step)
-        cached_ver = cache.versions_of(slots)
-        need, versions, rows = self.wire.check(remote, cached_ver, plan.splits, self.bounds.pull)
+        need, versions, rows = self.wire.result(token.check)
         at = torch.cumsum(need.long(), 0) - 1  # row index of each needed id in `rows`
         stale = hit & need
         cache.refresh(slots[stale], rows[at[stale]], versions[stale])

@@ -13,22 +13,34 @@ class PlainRemote(RemoteRows):
     """Pull every remote row, push every row gradient, in the same step.
 
     exchange: the no-cache wire (exchange.RowExchange over alltoall, or the simulator's in-process
-    exchange): pull(remote_ids, splits) -> rows, push(grads) -> (ids, grads) received as owner.
+    exchange): request / serve / result of a pull, push(pull, grads) -> (ids, grads) received as owner.
     """
 
     def __init__(self, exchange: Any) -> None:
         self.exchange = exchange
+        self._pull: Any = None  # the pull of the step being trained (its gradients go back)
 
-    def read(self, plan: LookupPlan, ws: torch.Tensor, step: int, sync: Any = None) -> None:
-        ws.index_copy_(0, plan.remote_pos, self.exchange.pull(plan.remote_ids, plan.splits))
+    def begin(self, plan: LookupPlan) -> Any:
+        return self.exchange.request(plan.remote_ids, plan.splits)
+
+    def serve(self, token: Any) -> None:
+        self.exchange.serve(token)
+
+    def cancel(self, token: Any) -> None:
+        token.ids.wait()
+
+    def read(self, plan: LookupPlan, ws: torch.Tensor, step: int, sync: Any = None, token: Any = None) -> None:
+        self._pull = token if token is not None else self.begin(plan)
+        ws.index_copy_(0, plan.remote_pos, self.exchange.result(self._pull))
 
     def write(self, plan: LookupPlan, grad: torch.Tensor) -> Pushes:
-        ids, grads = self.exchange.push(grad[plan.remote_pos])
+        pull, self._pull = self._pull, None
+        ids, grads = self.exchange.push(pull, grad[plan.remote_pos])
         return Pushes.single(ids, grads)
 
     def discard(self) -> None:
         """Reads changed nothing; the pulled rows' gradients are simply not pushed."""
-        self.exchange.forget()
+        self._pull = None
 
     def flush(self) -> Optional[Pushes]:
         """Nothing is ever pending (and no collective runs)."""
