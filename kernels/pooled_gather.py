@@ -38,6 +38,7 @@ def pooled_gather_triton(
     """Triton pooled gather with autograd. storage [S, d] -> [B, T, d] float32 (float64 for float64)."""
     batch = ref.check_bags(slots, offsets, num_tables, mode)
     ref.check_weights(per_sample_weights, slots)
+    slots, offsets, per_sample_weights = dense_1d(slots, offsets, per_sample_weights)
     out = _PooledGather.apply(storage, slots, offsets, mode, per_sample_weights)
     return out.view(batch, num_tables, storage.shape[1])
 
@@ -103,6 +104,12 @@ def weight_grads(grad_out: Tensor, storage: Tensor, slots: Tensor, offsets: Tens
         storage, slots, offsets, grad_out, out, dim, storage.stride(0),
         MEAN=mode == "mean", BLOCK_N=block_n, BLOCK_D=block_d)
     return out
+
+
+def dense_1d(*tensors: Optional[Tensor]) -> Tuple[Optional[Tensor], ...]:
+    """The kernels address entry i of slots / offsets / weights at base + i: make strided views
+    (slots[::2]) dense. A no-op (no copy) for the contiguous tensors the trainer passes."""
+    return tuple(None if t is None else t.contiguous() for t in tensors)
 
 
 def _row_major(t: Tensor) -> Tensor:

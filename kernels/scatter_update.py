@@ -30,6 +30,7 @@ from torch import Tensor
 
 from kernels import reference as ref
 from kernels._triton import block_sizes, cdiv, jit
+from kernels.pooled_gather import dense_1d
 
 tl: Any = None  # bound to triton.language by kernels._triton.jit at first launch
 
@@ -79,6 +80,7 @@ def accumulate_row_grads_triton(
     """Per-slot sum of entry gradients. -> [num_slots, d] float32 (float64 for float64 grad)."""
     ref.check_bags(slots, offsets, num_tables, mode)
     ref.check_weights(per_sample_weights, slots)
+    slots, offsets, per_sample_weights = dense_1d(slots, offsets, per_sample_weights)
     bag_grad = _bag_grads(grad, offsets)
     if num_slots is None:
         num_slots = int(slots.max()) + 1 if slots.numel() else 0
@@ -118,7 +120,7 @@ def scatter_update_triton(
     ref.check_weights(per_sample_weights, slots)
     flagged = remote is not None or remote_start is not None
     ref.check_update_args(storage, state, optimizer, flagged, pending)
-    _check_in_place(storage, state)
+    _check_in_place(storage, state, pending)
     bag_grad = _bag_grads(grad, offsets)
     segs = sort_segments(slots, offsets, mode, per_sample_weights, bag_grad.dtype)
     if segs.uniq.numel() == 0 or storage.shape[1] == 0:
@@ -152,7 +154,7 @@ def row_update_triton(
     if rows.numel() == 0 or storage.shape[1] == 0:
         return
     grads = grads.to(ref.accumulation_dtype(grads.dtype)).contiguous()
-    segs = _row_segments(rows.long(), unique)
+    segs = _row_segments(rows.long().contiguous(), unique)
     _launch_segments(segs, grads, storage, optimizer, state=state, lr=lr, eps=eps)
 
 
@@ -168,9 +170,16 @@ def _row_segments(rows: Tensor, unique: bool) -> Segments:
     return Segments(uniq, starts, order, None)
 
 
-def _check_in_place(storage: Tensor, state: Optional[Tensor]) -> None:
-    if storage.stride(1) != 1 or (state is not None and state.dim() == 2 and state.stride(1) != 1):
-        raise ValueError("scatter_update updates in place: storage/state columns must be contiguous")
+def _check_in_place(storage: Tensor, state: Optional[Tensor],
+                    pending: Optional[Tensor] = None) -> None:
+    """Tensors updated in place cannot be copied to a dense layout: the kernels take a row stride
+    but address columns (and a row-wise state's rows) at stride 1, so refuse anything else."""
+    def dense_last(t: Optional[Tensor]) -> bool:  # a single column (d = 1) has any stride
+        return t is None or t.dim() == 0 or t.shape[-1] <= 1 or t.stride(-1) == 1
+
+    if not (dense_last(storage) and dense_last(state) and dense_last(pending)):
+        raise ValueError("scatter_update updates in place: storage/state/pending columns (and a "
+                         "row-wise state) must be contiguous")
 
 
 def _launch_segments(segs: Segments, bag_grad: Tensor, out: Tensor, op: str, *,
@@ -219,11 +228,16 @@ def _scatter_atomic_kernel(grad_ptr, slots_ptr, offsets_ptr, weights_ptr, out_pt
         ent = first + tl.arange(0, BLOCK_N)
         ent_ok = ent < end
         slot = tl.load(slots_ptr + ent, mask=ent_ok, other=0).to(tl.int64)
-        vals = tl.broadcast_to(g[None, :], [BLOCK_N, BLOCK_D])
+        ok = ent_ok[:, None] & col_ok[None, :]
+        # The value tile is built with a select, not tl.broadcast_to: Triton's interpreter hands a
+        # broadcast straight to its atomic as a view with zero strides, and when BLOCK_D == 1
+        # (d = 1) the whole [BLOCK_N, 1] view flattens to one element read BLOCK_N times as if
+        # it were contiguous, so entries past the first added whatever memory followed it.
+        # A select always yields a real tile (and zeroes masked lanes); compiled code is the same.
+        vals = tl.where(ok, g[None, :], 0.0)
         if HAS_WEIGHTS:
             vals = vals * tl.load(weights_ptr + ent, mask=ent_ok, other=0.0).to(g.dtype)[:, None]
-        tl.atomic_add(out_ptr + slot[:, None] * dim + cols[None, :], vals,
-                      mask=ent_ok[:, None] & col_ok[None, :], sem="relaxed")
+        tl.atomic_add(out_ptr + slot[:, None] * dim + cols[None, :], vals, mask=ok, sem="relaxed")
 
 
 @jit

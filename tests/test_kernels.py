@@ -1,9 +1,10 @@
 """Every Triton kernel against its pure-torch reference, and the reference against torch itself.
 
 Why this shape: CI has no GPU, so the Triton kernels run in Triton's interpreter (TRITON_INTERPRET=1)
-on tiny shapes that still hit the edge cases: odd d (1, 7, 33, 300 -> column-block tails), bags
-longer than a tile (entry-block tails), empty bags, duplicate ids within and across bags,
-int32/int64 indices, fp32/fp16/bf16 storage, per-sample weights, sum/mean. Tests marked ``gpu`` run
+on tiny shapes that still hit the edge cases: odd d (1, 3, 7, 33, 300 -> column-block tails; d = 1
+is one column block of width 1, the per-id scalars of WDL's wide part / FM's first-order term), bags
+longer than a tile (entry-block tails), empty bags, duplicate ids within and across bags, int32/int64
+indices, fp32/fp16/bf16 storage, per-sample weights, sum/mean. Tests marked ``gpu`` run
 the compiled kernels at realistic sizes and are skipped without CUDA.
 
 TRITON_INTERPRET is read by Triton when it is imported, so it is set here, at collection, before
@@ -280,31 +281,73 @@ def test_pooled_gather_all_empty_and_strided_storage():
 
 @needs_triton
 @pytest.mark.parametrize("mode", ["sum", "mean"])
-def test_pooled_gather_triton_gradcheck(mode):
-    storage = rand_storage(5, 3, torch.float64).requires_grad_()
+@pytest.mark.parametrize("dim", [1, 3])
+@pytest.mark.parametrize("weighted", [False, True])
+def test_pooled_gather_triton_gradcheck(mode, dim, weighted):
+    storage = rand_storage(5, dim, torch.float64).requires_grad_()
     slots, offsets = make_bags(2, 2, 3, 5, torch.int32, seed=4)
-    w = rand_weights(slots.numel()).double().requires_grad_()
-    fn = lambda s, ww: pooled_gather_triton(s, slots, offsets, 2, mode, ww)  # noqa: E731
-    assert torch.autograd.gradcheck(fn, (storage, w))
+    if weighted:
+        w = rand_weights(slots.numel()).double().requires_grad_()
+        fn = lambda s, ww: pooled_gather_triton(s, slots, offsets, 2, mode, ww)  # noqa: E731
+        assert torch.autograd.gradcheck(fn, (storage, w))
+    else:
+        fn = lambda s: pooled_gather_triton(s, slots, offsets, 2, mode)  # noqa: E731
+        assert torch.autograd.gradcheck(fn, (storage,))
 
 
 @needs_triton
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("mode", ["sum", "mean"])
 @pytest.mark.parametrize("deterministic", [False, True])
-def test_pooled_gather_backward(dtype, mode, deterministic):
+@pytest.mark.parametrize("dim", [1, 3, 7])
+@pytest.mark.parametrize("weighted", [False, True])
+def test_pooled_gather_backward(dtype, mode, deterministic, dim, weighted):
+    """Row (and weight) gradients of the Triton gather == the oracle's, at d = 1 (per-id scalars:
+    one column block of width 1), odd d and d = 7; unweighted too (no per-entry product)."""
     slots, offsets = make_bags(3, 2, 5, 12, torch.int32, seed=5)
+    scale = torch.arange(6.0 * dim, device=DEV).view(3, 2, dim)
     grads = []
     for fn in (pooled_gather_triton, ref.pooled_gather):
-        storage = rand_storage(12, 7, dtype).requires_grad_()
-        w = rand_weights(slots.numel()).requires_grad_()
+        storage = rand_storage(12, dim, dtype).requires_grad_()
+        w = rand_weights(slots.numel()).requires_grad_() if weighted else None
         with deterministic_algorithms(deterministic):
-            (fn(storage, slots, offsets, 2, mode, w) * torch.arange(42.0, device=DEV).view(3, 2, 7)).sum().backward()
+            (fn(storage, slots, offsets, 2, mode, w) * scale).sum().backward()
         assert storage.grad.dtype == dtype
-        grads.append((storage.grad.float(), w.grad))
+        grads.append((storage.grad.float(), None if w is None else w.grad))
     tol = {torch.float32: 1e-5, torch.float16: 1e-2, torch.bfloat16: 5e-2}[dtype]
     torch.testing.assert_close(grads[0][0], grads[1][0], rtol=tol, atol=tol)
-    torch.testing.assert_close(grads[0][1], grads[1][1], rtol=1e-4, atol=1e-4)
+    if weighted:
+        torch.testing.assert_close(grads[0][1], grads[1][1], rtol=1e-4, atol=1e-4)
+
+
+@needs_triton
+# F.embedding_bag takes per_sample_weights with mode="sum" only; weighted mean at d = 1 is checked
+# against the oracle in test_pooled_gather_backward.
+@pytest.mark.parametrize("mode,weighted", [("sum", False), ("sum", True), ("mean", False)])
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_pooled_gather_d1_matches_embedding_bag(mode, weighted, deterministic):
+    """Storage [7, 1] (the wide part of WDL / FM's first-order term: one scalar per id) against
+    F.embedding_bag, forward and backward, twice: a d = 1 backward once read past a one-element
+    value tile (garbage that changed from run to run), so both runs must also agree bit for bit."""
+    slots = torch.tensor([0, 3, 3, 6, 1, 2, 5, 4, 0, 0, 6], device=DEV)
+    offsets = torch.tensor([0, 2, 4, 4, 7, 11], device=DEV)  # an empty bag, a repeated id
+    base = rand_storage(7, 1, torch.float32)
+    w = rand_weights(slots.numel()) if weighted else None
+    upstream = randn(5, 1, 1, seed=13)
+    want_s = base.clone().requires_grad_()
+    want = F.embedding_bag(slots, want_s, offsets, mode=mode, include_last_offset=True,
+                           per_sample_weights=w)
+    want.backward(upstream.view(5, 1))
+    runs = []
+    for _ in range(2):
+        storage = base.clone().requires_grad_()
+        with deterministic_algorithms(deterministic):
+            got = pooled_gather_triton(storage, slots, offsets, 1, mode, w)
+            got.backward(upstream)
+        torch.testing.assert_close(got.view(5, 1), want, rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(storage.grad, want_s.grad, rtol=1e-6, atol=1e-6)
+        runs.append(storage.grad)
+    assert torch.equal(runs[0], runs[1])
 
 
 class deterministic_algorithms:
@@ -325,14 +368,15 @@ class deterministic_algorithms:
 
 
 @needs_triton
-@pytest.mark.parametrize("dim", [1, 33])
+@pytest.mark.parametrize("dim", [1, 3, 33])
 @pytest.mark.parametrize("index_dtype", INDEX_DTYPES)
 @pytest.mark.parametrize("mode", ["sum", "mean"])
 @pytest.mark.parametrize("deterministic", [False, True])
-def test_accumulate_row_grads(dim, index_dtype, mode, deterministic):
+@pytest.mark.parametrize("weighted", [False, True])
+def test_accumulate_row_grads(dim, index_dtype, mode, deterministic, weighted):
     slots, offsets = make_bags(3, 3, 6, 10, index_dtype, seed=dim)
     grad = randn(3, 3, dim, seed=6)
-    w = rand_weights(slots.numel())
+    w = rand_weights(slots.numel()) if weighted else None
     got = accumulate_row_grads_triton(grad, slots, offsets, 3, mode, w, 10, deterministic)
     want = ref.accumulate_row_grads(grad, slots, offsets, 3, mode, w, 10)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
@@ -380,7 +424,7 @@ def _run_update(fn, storage, state, remote_kind, dim, **kw):
 @pytest.mark.parametrize("optimizer", ["sgd", "adagrad", "rowwise_adagrad"])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("remote_kind", ["none", "mask", "boundary"])
-@pytest.mark.parametrize("dim", [7, 33])
+@pytest.mark.parametrize("dim", [1, 7, 33])
 def test_scatter_update(optimizer, dtype, remote_kind, dim):
     slots, offsets = make_bags(3, 2, 6, 32, torch.int32, seed=dim)
     grad = randn(3, 2, dim, seed=9)
@@ -417,6 +461,58 @@ def test_scatter_update_block_tails_and_sum(index_dtype):
 
 
 @needs_triton
+@pytest.mark.parametrize("optimizer", ["sgd", "adagrad", "rowwise_adagrad"])
+@pytest.mark.parametrize("remote_kind", ["none", "boundary"])
+@pytest.mark.parametrize("dim", [1, 3])
+def test_scatter_update_d1_unweighted_sum(optimizer, remote_kind, dim):
+    """d = 1 and 3 with plain sum pooling and no weights (no per-entry coefficient tensor)."""
+    slots, offsets = make_bags(3, 2, 6, 32, torch.int64, seed=14)
+    kw = dict(grad=randn(3, 2, dim, seed=15), slots=slots, offsets=offsets, num_tables=2,
+              optimizer=optimizer, lr=0.3, eps=1e-8, mode="sum")
+    storage, state = rand_storage(16, dim, torch.float32), _opt_state(optimizer, 16, dim)
+    got = _run_update(scatter_update_triton, storage, state, remote_kind, dim, **kw)
+    want = _run_update(ref.scatter_update, storage, state, remote_kind, dim, **kw)
+    for a, b in zip(got[:3], want[:3]):
+        if b is not None:
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    assert torch.equal(got[3], want[3])
+    assert not torch.equal(got[0], storage)
+
+
+@needs_triton
+def test_strided_index_views_are_read_as_their_elements():
+    """Views such as ids[::2] (stride 2) as slots, offsets, weights, owner rows and hash-map ids:
+    the kernels address entry i at base + i, so the launchers must make them dense first."""
+    def every_other(t: Tensor) -> Tensor:  # same values, stride 2
+        return torch.stack([t, torch.full_like(t, 10_000)], 1).reshape(-1)[::2]
+
+    slots, offsets = make_bags(3, 2, 5, 12, torch.int64, seed=16)
+    sv, ov = every_other(slots), every_other(offsets)
+    w = rand_weights(slots.numel())
+    wv = every_other(w)
+    assert sv.stride(0) == 2 and torch.equal(sv, slots)
+    storage = rand_storage(12, 3, torch.float32).requires_grad_()
+    got = pooled_gather_triton(storage, sv, ov, 2, "mean", wv)
+    torch.testing.assert_close(got, ref.pooled_gather(storage, slots, offsets, 2, "mean", w))
+    grad = randn(3, 2, 3, seed=17)
+    torch.testing.assert_close(
+        accumulate_row_grads_triton(grad, sv, ov, 2, "sum", wv, 12),
+        ref.accumulate_row_grads(grad, slots, offsets, 2, "sum", w, 12))
+    idx, grads = _row_grads(10, 40, 3, unique=True)
+    got_s, want_s = rand_storage(40, 3, torch.float32), rand_storage(40, 3, torch.float32)
+    row_update_triton(got_s, every_other(idx), grads, lr=0.5, unique=True)
+    ref.row_update(want_s, idx, grads, lr=0.5, unique=True)
+    torch.testing.assert_close(got_s, want_s)
+    table, ids = kernels.TritonIdSlotMap(8, DEV), torch.arange(100, 140, device=DEV)
+    table.insert(ids, ids * 7)
+    gone = ids[::2]
+    assert table.erase(gone).all()
+    slots_left, miss = table.lookup(ids)
+    assert torch.equal(miss.cpu(), torch.arange(40) % 2 == 0)
+    assert torch.equal(slots_left[1::2].cpu(), (ids[1::2] * 7).cpu())
+
+
+@needs_triton
 def test_scatter_update_validation():
     storage = torch.zeros(4, 3, device=DEV)
     slots, offsets = make_bags(1, 1, 3, 4)
@@ -450,7 +546,7 @@ def _run_row_update(fn: Callable[..., None], storage: Tensor, state: Optional[Te
 @needs_triton
 @pytest.mark.parametrize("optimizer", ["sgd", "adagrad", "rowwise_adagrad"])
 @pytest.mark.parametrize("unique", [False, True])
-@pytest.mark.parametrize("dim", [7, 33, 300])
+@pytest.mark.parametrize("dim", [1, 3, 7, 33, 300])
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_row_update(optimizer, unique, dim, dtype):
     """Triton == reference: pushes of several workers for one row (repeats) sum, then one step."""
@@ -580,6 +676,26 @@ def test_hashmap_duplicate_ids_in_one_insert(factory):
     assert int(slots[0]) in (1, 3, 4) and int(slots[1]) in (2, 6) and int(slots[2]) == 5
     assert table.erase(torch.tensor([5, 5])).tolist() == [True, True]
     assert table.lookup(torch.tensor([5]))[1].tolist() == [True]
+
+
+@needs_triton
+@pytest.mark.parametrize("n", [1, 127, 128, 129, 301])
+def test_triton_hashmap_odd_batch_sizes(n):
+    """Batches of one id, one short of a block, a block, a block and one, several blocks with a
+    tail: every lane of the last (partial) block is masked correctly in insert, lookup, erase."""
+    table, want = kernels.TritonIdSlotMap(8, DEV), kernels.ReferenceIdSlotMap(0, "cpu")
+    gen = torch.Generator().manual_seed(n)
+    ids = torch.randperm(10 * n + 7, generator=gen)[:n] * 3 + 1
+    vals = torch.randint(0, 1 << 30, (n,), generator=gen)
+    assert torch.equal(table.insert(ids, vals).cpu(), want.insert(ids, vals))
+    probe = torch.cat([ids, ids + 1])  # half present, half absent
+    for a, b in zip(table.lookup(probe), want.lookup(probe)):
+        assert torch.equal(a.cpu(), b)
+    gone = ids[::2].contiguous()
+    assert torch.equal(table.erase(gone).cpu(), want.erase(gone))
+    for a, b in zip(table.lookup(probe), want.lookup(probe)):
+        assert torch.equal(a.cpu(), b)
+    assert len(table) == len(want) == n - gone.numel()
 
 
 @needs_triton
