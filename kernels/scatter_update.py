@@ -11,7 +11,9 @@ Remote slots (cache rows owned by another worker) do not run the optimizer: thei
 added to ``pending[slot - pending_offset]`` for the cache to push later (HET).
 
 ``row_update_triton`` is the owner's update (ShardStore.apply): the same segment kernel over row
-gradients [n, d] received from every worker, one entry per gradient row, summed per storage row.
+gradients [n, d] received from every worker, one entry per gradient row, summed per storage row. It
+launches one program per received row (idle unless it is the first of its storage row in sorted
+order), so the host never waits for the number of distinct rows.
 
 ``accumulate_row_grads_triton`` (also pooled_gather's backward) returns the dense per-slot gradient:
 bag-parallel atomics by default, or the sorted-segment kernel when ``deterministic`` (default:
@@ -40,12 +42,18 @@ _OPT_CODE = {"write": 0, "sgd": 1, "adagrad": 2, "rowwise_adagrad": 3}
 
 @dataclass
 class Segments:
-    """Entries grouped by slot. uniq [U] int64 ascending; starts [U+1]; bags, coef [N] in slot order."""
+    """Entries grouped by slot, one kernel program per segment u: slot uniq[u], entries
+    starts[u]:ends[u] (ends=None: starts[u + 1], starts [U+1]) of bags / coef [N] in slot order.
+
+    An empty segment (ends[u] == starts[u]) is a program with nothing to do: row_update lays out
+    one segment per sorted entry, live only at the first entry of each row, so that the number of
+    programs is known on the host without reading the number of distinct rows back."""
 
     uniq: Tensor
     starts: Tensor
     bags: Tensor
     coef: Optional[Tensor]
+    ends: Optional[Tensor] = None
 
 
 def sort_segments(slots: Tensor, offsets: Tensor, mode: str, weights: Optional[Tensor],
@@ -159,15 +167,26 @@ def row_update_triton(
 
 
 def _row_segments(rows: Tensor, unique: bool) -> Segments:
-    """Segments over gradient rows: entry e is gradient row e (no bags, no coefficients)."""
+    """Segments over gradient rows: entry e is gradient row e (no bags, no coefficients).
+
+    Repeated rows: the entries are stable-sorted by row and every sorted position p gets a segment
+    (slot sorted[p]) that is live only where p is the first entry of its row, ending at the next
+    row's first entry. torch.unique_consecutive would give one segment per distinct row instead,
+    but its output size is the number of distinct rows, which the host would have to wait for on a
+    GPU (a device sync in every owner update); n programs, most of them idle, cost far less.
+    """
+    n, dev = rows.numel(), rows.device
+    pos = torch.arange(n, device=dev)
     if unique:
-        order = torch.arange(rows.numel(), device=rows.device)
-        return Segments(rows, torch.arange(rows.numel() + 1, device=rows.device), order, None)
+        return Segments(rows, torch.arange(n + 1, device=dev), pos, None)
     sorted_rows, order = torch.sort(rows, stable=True)
-    uniq, counts = torch.unique_consecutive(sorted_rows, return_counts=True)
-    starts = torch.zeros(uniq.numel() + 1, dtype=torch.int64, device=rows.device)
-    torch.cumsum(counts, 0, out=starts[1:])
-    return Segments(uniq, starts, order, None)
+    first = torch.ones(n, dtype=torch.bool, device=dev)
+    first[1:] = sorted_rows[1:] != sorted_rows[:-1]
+    # ends[p] = the next first entry after p (n after the last row): a reversed running minimum
+    heads_after = torch.full((n,), n, dtype=torch.int64, device=dev)
+    heads_after[:-1] = torch.where(first[1:], pos[1:], n)
+    ends = heads_after.flip(0).cummin(0).values.flip(0)
+    return Segments(sorted_rows, pos, order, None, torch.where(first, ends, pos))
 
 
 def _check_in_place(storage: Tensor, state: Optional[Tensor],
@@ -190,8 +209,9 @@ def _launch_segments(segs: Segments, bag_grad: Tensor, out: Tensor, op: str, *,
     dim = bag_grad.shape[1]
     block_n, block_d = block_sizes(dim, dim if op == "rowwise_adagrad" else 256)
     dummy = segs.starts
+    ends = segs.starts[1:] if segs.ends is None else segs.ends
     _segment_kernel[(segs.uniq.numel(), cdiv(dim, block_d))](
-        bag_grad, segs.uniq, segs.starts, segs.bags,
+        bag_grad, segs.uniq, segs.starts, ends, segs.bags,
         dummy if segs.coef is None else segs.coef,
         dummy if flags is None else flags.to(torch.int8),
         out, dummy if state is None else state, dummy if pending is None else pending,
@@ -241,16 +261,17 @@ def _scatter_atomic_kernel(grad_ptr, slots_ptr, offsets_ptr, weights_ptr, out_pt
 
 
 @jit
-def _segment_kernel(grad_ptr, uniq_ptr, starts_ptr, bags_ptr, coef_ptr, remote_ptr, out_ptr,
+def _segment_kernel(grad_ptr, uniq_ptr, starts_ptr, ends_ptr, bags_ptr, coef_ptr, remote_ptr, out_ptr,
                     state_ptr, pending_ptr, dim, stride_out, stride_state, stride_pending,
                     pending_offset, lr, eps, HAS_COEF: tl.constexpr, OP: tl.constexpr,
                     HAS_REMOTE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
-    """Sum one slot's entry gradients in entry order, then write (OP 0) or optimize (OP 1..3)."""
+    """Sum one slot's entry gradients in entry order, then write (OP 0) or optimize (OP 1..3).
+    An empty segment touches nothing (its slot belongs to another program's live segment)."""
     u = tl.program_id(0).to(tl.int64)
-    cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
-    col_ok = cols < dim
     start = tl.load(starts_ptr + u)
-    end = tl.load(starts_ptr + u + 1)
+    end = tl.load(ends_ptr + u)
+    cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    col_ok = (cols < dim) & (end > start)
     g = tl.zeros([BLOCK_D], dtype=grad_ptr.dtype.element_ty)
     for first in range(start, end, BLOCK_N):
         ent = first + tl.arange(0, BLOCK_N)

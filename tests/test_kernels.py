@@ -565,6 +565,32 @@ def test_row_update(optimizer, unique, dim, dtype):
 
 
 @needs_triton
+@pytest.mark.parametrize("rows", [[3], [5, 5, 5, 5], [9, 1, 4], [7, 2, 7, 0, 2, 7, 9, 0]])
+@pytest.mark.parametrize("optimizer", ["sgd", "rowwise_adagrad"])
+def test_row_update_needs_no_host_count(rows, optimizer):
+    """Repeated rows are summed without reading the number of distinct rows back (one program per
+    received row, idle unless first of its row): same result as the reference, and no host read or
+    data-dependent output size on the way (device_audit records them)."""
+    from device_audit import StepAudit
+
+    storage, state = rand_storage(10, 3, torch.float32), _opt_state(optimizer, 10, 3)
+    grads = randn(len(rows), 3, seed=18)
+    want = _run_row_update(ref.row_update, storage, state, rows=torch.tensor(rows, device=DEV),
+                           grads=grads, optimizer=optimizer, lr=0.4)
+    with StepAudit() as audit:
+        idx = torch.tensor(rows, device=DEV)  # made with a device: the audit follows it
+        g = grads.to(DEV)
+        s, st = storage.clone().to(DEV), None if state is None else state.clone().to(DEV)
+        audit.recording = True
+        row_update_triton(s, idx, g, optimizer=optimizer, lr=0.4, state=st)
+        audit.recording = False
+    torch.testing.assert_close(s, want[0])
+    if st is not None:
+        torch.testing.assert_close(st, want[1])
+    assert not [str(r) for r in audit.records if r.kind in ("host", "shape", "mix")]
+
+
+@needs_triton
 @pytest.mark.parametrize("fn", [ref.row_update, row_update_triton], ids=["reference", "triton"])
 def test_row_update_is_scatter_update_of_one_entry_bags(fn):
     """The owner's row update == the fused scatter + optimizer with every gradient row a bag of one."""
