@@ -6,9 +6,9 @@ it is bound by the row reads alone. One program per (bag, block of d) loops over
 tiles of BLOCK_N rows, accumulating in float32 (float64 for float64 storage).
 
 Backward (autograd): the storage gradient is a dense [S, d] tensor in storage's dtype (the trainer's
-storage is a small per-step workspace of unique rows), produced by ``scatter_update``'s row-gradient
-launcher (atomics, or sorted segments when torch's deterministic mode is on); the per-sample weight
-gradient is one dot product per entry, computed bag by bag.
+storage is a small per-step workspace of unique rows), produced by the row-gradient scatter of
+kernels/scatter_update.py (atomics, or sorted segments when torch's deterministic mode is on); the
+per-sample weight gradient is one dot product per entry, computed bag by bag.
 
 Layout (see kernels.reference): storage [S, d], slots [N], offsets [B*T+1] sample-major,
 per_sample_weights [N] -> [B, T, d].

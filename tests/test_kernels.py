@@ -41,8 +41,7 @@ import kernels
 from kernels import reference as ref
 from kernels._triton import has_triton, interpret_enabled, interpreter_ready
 from kernels.pooled_gather import pooled_gather_triton
-from kernels.scatter_update import (accumulate_row_grads_triton, row_update_triton,
-                                    scatter_update_triton)
+from kernels.scatter_update import accumulate_row_grads_triton, row_update_triton
 
 HAS_TRITON = has_triton()
 # pyproject.toml: "triton==3.7.1; platform_system == 'Linux' and platform_machine == 'x86_64'"
@@ -194,6 +193,17 @@ def test_reference_gradcheck(mode: str):
     assert torch.autograd.gradcheck(fn, (storage, w))
 
 
+def _sparse_step(accumulate: Callable[..., Tensor], update: Callable[..., None], storage: Tensor,
+                 grad: Tensor, slots: Tensor, offsets: Tensor, num_tables: int,
+                 state: Optional[Tensor] = None, **kw: Any) -> None:
+    """The trainer's sparse backward at W = 1 with these kernels: the gather's row-gradient
+    scatter into a [U, d] workspace gradient (slots = each entry's unique row), then the owner's
+    update of the U distinct storage rows (row_update, unique=True), in place."""
+    uniq, inverse = torch.unique(slots.long(), return_inverse=True)
+    ws_grad = accumulate(grad, inverse, offsets, num_tables, num_slots=uniq.numel())
+    update(storage, uniq, ws_grad, state=state, unique=True, **kw)
+
+
 def test_reference_adagrad_matches_torch_optim():
     storage = rand_storage(12, 4, torch.float32, device="cpu")
     dense = torch.nn.Parameter(storage.clone())
@@ -202,8 +212,8 @@ def test_reference_adagrad_matches_torch_optim():
     for step in range(3):
         slots, offsets = make_bags(3, 2, 5, 12, seed=step, device="cpu")
         grad = torch.randn(3, 2, 4, generator=torch.Generator().manual_seed(10 + step))
-        ref.scatter_update(storage, grad, slots, offsets, 2, optimizer="adagrad", lr=0.1,
-                           eps=1e-10, state=state)
+        _sparse_step(ref.accumulate_row_grads, ref.row_update, storage, grad, slots, offsets, 2,
+                     state, optimizer="adagrad", lr=0.1, eps=1e-10)
         dense.grad = ref.accumulate_row_grads(grad, slots, offsets, 2, num_slots=12)
         opt.step()
     torch.testing.assert_close(storage, dense.detach())
@@ -215,7 +225,8 @@ def test_reference_sgd_matches_torch_optim():
     dense = torch.nn.Parameter(storage.clone())
     slots, offsets = make_bags(3, 2, 5, 10, device="cpu")
     grad = torch.randn(3, 2, 3)
-    ref.scatter_update(storage, grad, slots, offsets, 2, optimizer="sgd", lr=0.5)
+    _sparse_step(ref.accumulate_row_grads, ref.row_update, storage, grad, slots, offsets, 2,
+                 optimizer="sgd", lr=0.5)
     dense.grad = ref.accumulate_row_grads(grad, slots, offsets, 2, num_slots=10)
     torch.optim.SGD([dense], lr=0.5).step()
     torch.testing.assert_close(storage, dense.detach())
@@ -394,7 +405,7 @@ def test_accumulate_row_grads_deterministic_is_bitwise_stable():
     assert torch.equal(runs[0], runs[1])
 
 
-# ----------------------------------------------------------------------------- scatter + optimizer
+# ----------------------------------------------------------------------------- sparse backward
 
 
 def _opt_state(optimizer: str, rows: int, dim: int) -> Optional[Tensor]:
@@ -406,77 +417,29 @@ def _opt_state(optimizer: str, rows: int, dim: int) -> Optional[Tensor]:
     return None
 
 
-def _run_update(fn, storage, state, remote_kind, dim, **kw):
-    """Run an update on copies; returns (storage, state, pending, unique slots)."""
-    storage, state = storage.clone(), None if state is None else state.clone()
-    pending = torch.full((6, dim), 0.25, device=DEV)
-    remote = dict(none={}, mask={"remote": torch.arange(16, device=DEV) % 3 == 0},
-                  boundary={"remote_start": 10, "pending_offset": 10})[remote_kind]
-    if remote_kind == "mask":
-        pending = torch.full((16, dim), 0.25, device=DEV)
-    if remote_kind == "none":
-        pending = None
-    uniq = fn(storage, state=state, pending=pending, **remote, **kw)
-    return storage, state, pending, uniq
-
-
 @needs_triton
 @pytest.mark.parametrize("optimizer", ["sgd", "adagrad", "rowwise_adagrad"])
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("remote_kind", ["none", "mask", "boundary"])
-@pytest.mark.parametrize("dim", [1, 7, 33])
-def test_scatter_update(optimizer, dtype, remote_kind, dim):
-    slots, offsets = make_bags(3, 2, 6, 32, torch.int32, seed=dim)
-    grad = randn(3, 2, dim, seed=9)
-    kw = dict(grad=grad, slots=slots, offsets=offsets, num_tables=2, optimizer=optimizer, lr=0.3,
-              eps=1e-8, mode="mean", per_sample_weights=rand_weights(slots.numel()))
-    storage, state = rand_storage(16, dim, dtype), _opt_state(optimizer, 16, dim)
-    got = _run_update(scatter_update_triton, storage, state, remote_kind, dim, **kw)
-    want = _run_update(ref.scatter_update, storage, state, remote_kind, dim, **kw)
-    tol = {torch.float32: 1e-5, torch.float16: 1e-3, torch.bfloat16: 1e-2}[dtype]
-    torch.testing.assert_close(got[0].float(), want[0].float(), rtol=tol, atol=tol)
-    for a, b in zip(got[1:3], want[1:3]):
-        if b is not None:
-            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
-    assert torch.equal(got[3], want[3])
-    if remote_kind != "none":  # remote rows untouched by the optimizer
-        rows = torch.arange(16, device=DEV)
-        far = rows % 3 == 0 if remote_kind == "mask" else rows >= 10
-        assert torch.equal(got[0][far], storage[far])
-
-
-@needs_triton
-@pytest.mark.parametrize("index_dtype", INDEX_DTYPES)
-def test_scatter_update_block_tails_and_sum(index_dtype):
-    """Row-wise Adagrad with d=300 keeps the whole row in one program; long bags hit tile tails."""
-    slots, offsets = make_bags(2, 2, 20, 16, index_dtype, seed=11)
-    grad = randn(4, 300)
-    storage, state = rand_storage(16, 300, torch.float32), torch.zeros(16, device=DEV)
-    kw = dict(grad=grad, slots=slots, offsets=offsets, num_tables=2, optimizer="rowwise_adagrad",
-              lr=0.1, mode="sum")
-    got = _run_update(scatter_update_triton, storage, state, "none", 300, **kw)
-    want = _run_update(ref.scatter_update, storage, state, "none", 300, **kw)
-    torch.testing.assert_close(got[0], want[0])
-    torch.testing.assert_close(got[1], want[1])
-
-
-@needs_triton
-@pytest.mark.parametrize("optimizer", ["sgd", "adagrad", "rowwise_adagrad"])
-@pytest.mark.parametrize("remote_kind", ["none", "boundary"])
-@pytest.mark.parametrize("dim", [1, 3])
-def test_scatter_update_d1_unweighted_sum(optimizer, remote_kind, dim):
-    """d = 1 and 3 with plain sum pooling and no weights (no per-entry coefficient tensor)."""
+@pytest.mark.parametrize("dim", [1, 3, 33])
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_sparse_backward_d1_and_odd_widths(optimizer, dim, deterministic):
+    """The trainer's scatter + update (row-gradient scatter into the workspace gradient, then the
+    owner's row_update) on Triton == on the reference, at d = 1 (per-id scalars), 3 and 33, with
+    plain sum pooling and no weights (the path the d = 1 bug was on)."""
     slots, offsets = make_bags(3, 2, 6, 32, torch.int64, seed=14)
-    kw = dict(grad=randn(3, 2, dim, seed=15), slots=slots, offsets=offsets, num_tables=2,
-              optimizer=optimizer, lr=0.3, eps=1e-8, mode="sum")
+    grad = randn(3, 2, dim, seed=15)
     storage, state = rand_storage(16, dim, torch.float32), _opt_state(optimizer, 16, dim)
-    got = _run_update(scatter_update_triton, storage, state, remote_kind, dim, **kw)
-    want = _run_update(ref.scatter_update, storage, state, remote_kind, dim, **kw)
-    for a, b in zip(got[:3], want[:3]):
-        if b is not None:
-            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
-    assert torch.equal(got[3], want[3])
-    assert not torch.equal(got[0], storage)
+    outs = []
+    for accumulate, update in ((accumulate_row_grads_triton, row_update_triton),
+                               (ref.accumulate_row_grads, ref.row_update)):
+        s, st = storage.clone(), None if state is None else state.clone()
+        with deterministic_algorithms(deterministic):
+            _sparse_step(accumulate, update, s, grad, slots, offsets, 2, st, optimizer=optimizer,
+                         lr=0.3, eps=1e-8)
+        outs.append((s, st))
+    torch.testing.assert_close(outs[0][0], outs[1][0], rtol=1e-5, atol=1e-5)
+    if state is not None:
+        torch.testing.assert_close(outs[0][1], outs[1][1], rtol=1e-5, atol=1e-5)
+    assert not torch.equal(outs[0][0], storage)
 
 
 @needs_triton
@@ -510,19 +473,6 @@ def test_strided_index_views_are_read_as_their_elements():
     slots_left, miss = table.lookup(ids)
     assert torch.equal(miss.cpu(), torch.arange(40) % 2 == 0)
     assert torch.equal(slots_left[1::2].cpu(), (ids[1::2] * 7).cpu())
-
-
-@needs_triton
-def test_scatter_update_validation():
-    storage = torch.zeros(4, 3, device=DEV)
-    slots, offsets = make_bags(1, 1, 3, 4)
-    grad = torch.zeros(1, 1, 3, device=DEV)
-    with pytest.raises(ValueError, match="state"):
-        scatter_update_triton(storage, grad, slots, offsets, 1, optimizer="adagrad")
-    with pytest.raises(ValueError, match="pending"):
-        scatter_update_triton(storage, grad, slots, offsets, 1, remote_start=2)
-    with pytest.raises(ValueError, match="optimizer"):
-        ref.scatter_update(storage, grad, slots, offsets, 1, optimizer="adam")
 
 
 # ----------------------------------------------------------------------------- owner row update
@@ -592,16 +542,17 @@ def test_row_update_needs_no_host_count(rows, optimizer):
 
 @needs_triton
 @pytest.mark.parametrize("fn", [ref.row_update, row_update_triton], ids=["reference", "triton"])
-def test_row_update_is_scatter_update_of_one_entry_bags(fn):
-    """The owner's row update == the fused scatter + optimizer with every gradient row a bag of one."""
+def test_row_update_is_a_scatter_of_one_entry_bags_then_a_unique_update(fn):
+    """The owner's update of repeated rows == summing them as bags of one entry (the gather's
+    row-gradient scatter), then one update per distinct row."""
     idx, grads = _row_grads(30, 20, 5, unique=False)
     storage, state = rand_storage(20, 5, torch.float32), _opt_state("adagrad", 20, 5)
     got = _run_row_update(fn, storage, state, rows=idx, grads=grads, optimizer="adagrad", lr=0.2)
-    offsets = torch.arange(idx.numel() + 1, device=DEV)
-    want = _run_row_update(ref.scatter_update, storage, state, grad=grads[:, None, :], slots=idx,
-                           offsets=offsets, num_tables=1, optimizer="adagrad", lr=0.2)
-    torch.testing.assert_close(got[0], want[0])
-    torch.testing.assert_close(got[1], want[1])
+    s, st = storage.clone(), state.clone()
+    _sparse_step(ref.accumulate_row_grads, ref.row_update, s, grads[:, None, :], idx,
+                 torch.arange(idx.numel() + 1, device=DEV), 1, st, optimizer="adagrad", lr=0.2)
+    torch.testing.assert_close(got[0], s)
+    torch.testing.assert_close(got[1], st)
 
 
 @pytest.mark.parametrize("optimizer", ["sgd", "adagrad"])
@@ -744,7 +695,7 @@ def test_triton_hashmap_grows_and_reuses_tombstones():
 
 def test_dispatch_defaults_to_reference_on_cpu():
     assert kernels.get_backend() == "auto" and not kernels.use_triton("cpu")
-    assert callable(kernels.pooled_gather) and callable(kernels.scatter_update)
+    assert callable(kernels.pooled_gather) and callable(kernels.row_update)
     importlib.import_module("kernels.pooled_gather")  # must not replace the public function
     assert callable(kernels.pooled_gather)
     assert isinstance(kernels.make_id_slot_map(8, "cpu"), kernels.ReferenceIdSlotMap)
@@ -781,7 +732,8 @@ def test_dispatch_routes_all_kernels(monkeypatch: pytest.MonkeyPatch):
     for backend in ("triton", "reference"):
         kernels.set_backend(backend)
         storage = rand_storage(6, 4, torch.float32)
-        kernels.scatter_update(storage, grad, slots, offsets, 2, optimizer="sgd", lr=1.0)
+        _sparse_step(kernels.accumulate_row_grads, kernels.row_update, storage, grad, slots,
+                     offsets, 2, optimizer="sgd", lr=1.0)
         outs.append((storage, kernels.accumulate_row_grads(grad, slots, offsets, 2, num_slots=6)))
     torch.testing.assert_close(outs[0][0], outs[1][0])
     torch.testing.assert_close(outs[0][1], outs[1][1])
@@ -997,20 +949,25 @@ def test_gpu_pooled_gather_and_backward(dtype, dim):
 @gpu
 @needs_cuda
 @pytest.mark.parametrize("optimizer", ["sgd", "adagrad", "rowwise_adagrad"])
-def test_gpu_scatter_update(optimizer):
+def test_gpu_sparse_backward(optimizer):
+    """The trainer's scatter + update at a realistic size (Zipf ids, repeats), compiled Triton vs
+    the reference, and the owner's update of repeated rows (several workers' pushes)."""
     rows, dim = 100_000, 128
     slots, offsets = _zipf_bags(2048, 8, 64, rows, "cuda")
     grad = torch.randn(2048, 8, dim, device="cuda")
     storage = torch.randn(rows, dim, device="cuda")
     state = {"sgd": None, "adagrad": torch.rand(rows, dim, device="cuda"),
              "rowwise_adagrad": torch.rand(rows, device="cuda")}[optimizer]
+    pushed = slots[: 50_000].clone()
+    pushed_grads = torch.randn(pushed.numel(), dim, device="cuda")
     outs = []
-    for fn in (scatter_update_triton, ref.scatter_update):
+    for accumulate, update in ((accumulate_row_grads_triton, row_update_triton),
+                               (ref.accumulate_row_grads, ref.row_update)):
         s, st = storage.clone(), None if state is None else state.clone()
-        pending = torch.zeros(rows - 90_000, dim, device="cuda")
-        fn(s, grad, slots, offsets, 8, optimizer=optimizer, lr=0.05, state=st,
-           remote_start=90_000, pending=pending, pending_offset=90_000)
-        outs.append((s, st, pending))
+        _sparse_step(accumulate, update, s, grad, slots, offsets, 8, st, optimizer=optimizer,
+                     lr=0.05)
+        update(s, pushed, pushed_grads, optimizer=optimizer, lr=0.05, state=st)
+        outs.append((s, st))
     for a, b in zip(outs[0], outs[1]):
         if b is not None:
             torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
