@@ -22,8 +22,9 @@ Run the trainer's construction and a few steps under it, and it reports, for the
   ``.numpy()``, ``.cpu()``, ``torch.equal`` of a ``dev`` tensor: a device -> host copy that waits
   for the device;
 - ``shape``: ops whose output size depends on the values of a ``dev`` tensor (nonzero, unique,
-  masked_select, boolean-mask indexing, repeat_interleave without output_size): they wait for the
-  device too on CUDA (torch.cuda.set_sync_debug_mode reports them, on a GPU).
+  masked_select, boolean-mask indexing, repeat_interleave without output_size, bincount: its length
+  is max(minlength, max + 1)): they wait for the device too on CUDA (torch.cuda.set_sync_debug_mode
+  reports them, on a GPU).
 
 Each record names the innermost frame of this repository (trainer/, kernels/) and whether torch's
 own code (an optimizer, autograd) made the call. The autograd engine runs backward functions without
@@ -75,7 +76,8 @@ SHAPE_OPS = {
     torch.nonzero: "nonzero", torch.Tensor.nonzero: "nonzero", torch.unique: "unique",
     torch.Tensor.unique: "unique", torch.unique_consecutive: "unique_consecutive",
     torch.Tensor.unique_consecutive: "unique_consecutive", torch.masked_select: "masked_select",
-    torch.Tensor.masked_select: "masked_select",
+    torch.Tensor.masked_select: "masked_select", torch.bincount: "bincount",
+    torch.Tensor.bincount: "bincount",
 }
 COPIES = {torch.Tensor.to, torch.Tensor.copy_, torch.Tensor.cpu, torch.Tensor.cuda}
 
