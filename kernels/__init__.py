@@ -2,8 +2,7 @@
 
 Why one dispatch: the trainer calls ``kernels.pooled_gather`` (forward over the step's workspace;
 its backward is ``accumulate_row_grads``), ``kernels.row_update`` (the owner's gradient sum +
-sparse optimizer in ShardStore.apply, the row-gradient entry point of the fused scatter + optimizer
-family next to ``kernels.scatter_update``) and ``kernels.make_id_slot_map`` (the cache), and never
+sparse optimizer in ShardStore.apply) and ``kernels.make_id_slot_map`` (the cache), and never
 chooses an implementation itself, so there is a single code path whose backend is picked here:
 
 - ``"auto"`` (default): Triton when the tensors are on CUDA and Triton is importable, else the
@@ -21,9 +20,9 @@ Where the backend comes from, strongest first:
    ``kernels.backend``; it also checks that the backend can run on the trainer's device.
 4. ``"auto"``.
 
-Note: the public functions ``pooled_gather`` and ``scatter_update`` share their names with the kernel
-files. The files are imported first and the functions bound afterwards, so the package attributes are
-the functions; import launchers with ``from kernels.pooled_gather import pooled_gather_triton``.
+Note: the public function ``pooled_gather`` shares its name with a kernel file. The files are
+imported first and the function bound afterwards, so the package attribute is the function; import
+launchers with ``from kernels.pooled_gather import pooled_gather_triton``.
 """
 
 from __future__ import annotations
@@ -47,7 +46,7 @@ from kernels.reference import ReferenceIdSlotMap
 __all__ = [
     "BACKENDS", "BackendError", "IdSlotMap", "ReferenceIdSlotMap", "TritonIdSlotMap",
     "accumulate_row_grads", "check_backend", "configure", "get_backend", "make_id_slot_map",
-    "pooled_gather", "reference", "row_update", "scatter_update", "set_backend",
+    "pooled_gather", "reference", "row_update", "set_backend",
     "triton_available", "use_backend", "use_triton",
 ]
 
@@ -198,37 +197,6 @@ def accumulate_row_grads(
     fn = (_scatter_update_module.accumulate_row_grads_triton if use_triton(grad.device)
           else reference.accumulate_row_grads)
     return fn(grad, slots, offsets, num_tables, mode, per_sample_weights, num_slots, deterministic)
-
-
-def scatter_update(
-    storage: Tensor,
-    grad: Tensor,
-    slots: Tensor,
-    offsets: Tensor,
-    num_tables: int,
-    *,
-    optimizer: str = "sgd",
-    lr: float = 0.01,
-    eps: float = 1e-10,
-    state: Optional[Tensor] = None,
-    mode: str = "sum",
-    per_sample_weights: Optional[Tensor] = None,
-    remote: Optional[Tensor] = None,
-    remote_start: Optional[int] = None,
-    pending: Optional[Tensor] = None,
-    pending_offset: int = 0,
-) -> Tensor:
-    """Fused gradient scatter + sparse optimizer, in place; returns the unique slots [U] int64.
-
-    storage [S, d]; grad [B, T, d] | [B*T, d]; optimizer "sgd" | "adagrad" (state [S, d]) |
-    "rowwise_adagrad" (state [S]). Slots flagged remote (remote bool [S], or slot >= remote_start)
-    skip the optimizer: pending[slot - pending_offset] += summed grad (pending [P, d]).
-    """
-    fn = (_scatter_update_module.scatter_update_triton if use_triton(storage.device)
-          else reference.scatter_update)
-    return fn(storage, grad, slots, offsets, num_tables, optimizer=optimizer, lr=lr, eps=eps,
-              state=state, mode=mode, per_sample_weights=per_sample_weights, remote=remote,
-              remote_start=remote_start, pending=pending, pending_offset=pending_offset)
 
 
 def row_update(

@@ -64,8 +64,9 @@ class IdSlotMap(abc.ABC):
         """All live (ids [m], slots [m]), in no particular order."""
 
     def _prepare(self, t: Tensor) -> Tensor:
-        """Flatten, cast to int64 and move to this map's device."""
-        return t.reshape(-1).to(device=self.device, dtype=torch.int64)
+        """Flatten, cast to int64, move to this map's device and make dense: the kernels address
+        element i at base + i, so a strided view (ids[::2]) would otherwise be read wrongly."""
+        return t.reshape(-1).to(device=self.device, dtype=torch.int64).contiguous()
 
 
 class TritonIdSlotMap(IdSlotMap):

@@ -6,9 +6,9 @@ it is bound by the row reads alone. One program per (bag, block of d) loops over
 tiles of BLOCK_N rows, accumulating in float32 (float64 for float64 storage).
 
 Backward (autograd): the storage gradient is a dense [S, d] tensor in storage's dtype (the trainer's
-storage is a small per-step workspace of unique rows), produced by ``scatter_update``'s row-gradient
-launcher (atomics, or sorted segments when torch's deterministic mode is on); the per-sample weight
-gradient is one dot product per entry, computed bag by bag.
+storage is a small per-step workspace of unique rows), produced by the row-gradient scatter of
+kernels/scatter_update.py (atomics, or sorted segments when torch's deterministic mode is on); the
+per-sample weight gradient is one dot product per entry, computed bag by bag.
 
 Layout (see kernels.reference): storage [S, d], slots [N], offsets [B*T+1] sample-major,
 per_sample_weights [N] -> [B, T, d].
@@ -38,6 +38,7 @@ def pooled_gather_triton(
     """Triton pooled gather with autograd. storage [S, d] -> [B, T, d] float32 (float64 for float64)."""
     batch = ref.check_bags(slots, offsets, num_tables, mode)
     ref.check_weights(per_sample_weights, slots)
+    slots, offsets, per_sample_weights = dense_1d(slots, offsets, per_sample_weights)
     out = _PooledGather.apply(storage, slots, offsets, mode, per_sample_weights)
     return out.view(batch, num_tables, storage.shape[1])
 
@@ -103,6 +104,12 @@ def weight_grads(grad_out: Tensor, storage: Tensor, slots: Tensor, offsets: Tens
         storage, slots, offsets, grad_out, out, dim, storage.stride(0),
         MEAN=mode == "mean", BLOCK_N=block_n, BLOCK_D=block_d)
     return out
+
+
+def dense_1d(*tensors: Optional[Tensor]) -> Tuple[Optional[Tensor], ...]:
+    """The kernels address entry i of slots / offsets / weights at base + i: make strided views
+    (slots[::2]) dense. A no-op (no copy) for the contiguous tensors the trainer passes."""
+    return tuple(None if t is None else t.contiguous() for t in tensors)
 
 
 def _row_major(t: Tensor) -> Tensor:

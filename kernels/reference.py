@@ -207,19 +207,6 @@ def accumulate_row_grads(
     return out.index_add_(0, slots.long(), rows)
 
 
-def unique_row_grads(
-    grad: Tensor,
-    slots: Tensor,
-    offsets: Tensor,
-    num_tables: int,
-    mode: str,
-    per_sample_weights: Optional[Tensor],
-) -> Tuple[Tensor, Tensor]:
-    """Compact per-slot gradient. -> (unique slots [U] int64 ascending, grads [U, d] float32)."""
-    rows = entry_grads(grad, slots, offsets, num_tables, mode, per_sample_weights)
-    return sum_by_slot(slots, rows)
-
-
 def sum_by_slot(slots: Tensor, rows: Tensor) -> Tuple[Tensor, Tensor]:
     """Sum rows that share a slot. slots [n], rows [n, d] -> (unique slots [U] ascending, [U, d]).
 
@@ -233,23 +220,8 @@ def sum_by_slot(slots: Tensor, rows: Tensor) -> Tuple[Tensor, Tensor]:
 # ----------------------------------------------------------------------------- sparse optimizer
 
 
-def remote_flags(
-    uniq: Tensor, remote: Optional[Tensor], remote_start: Optional[int]
-) -> Optional[Tensor]:
-    """Which unique slots are remote: remote[slot] (bool [S]) or slot >= remote_start. -> [U]|None."""
-    flags = None
-    if remote is not None:
-        flags = remote.to(device=uniq.device, dtype=torch.bool).index_select(0, uniq)
-    if remote_start is not None:
-        beyond = uniq >= remote_start
-        flags = beyond if flags is None else flags | beyond
-    return flags
-
-
-def check_update_args(
-    storage: Tensor, state: Optional[Tensor], optimizer: str, flagged: bool, pending: Optional[Tensor]
-) -> None:
-    """Shape/dtype contract of scatter_update (fails early with a clear message)."""
+def check_update_args(storage: Tensor, state: Optional[Tensor], optimizer: str) -> None:
+    """Shape contract of the sparse optimizer update (fails early with a clear message)."""
     if optimizer not in OPTIMIZERS:
         raise ValueError(f"optimizer must be one of {OPTIMIZERS}, got {optimizer!r}")
     if storage.dim() != 2:
@@ -258,8 +230,6 @@ def check_update_args(
     shape = want[optimizer]
     if shape is not None and (state is None or tuple(state.shape) != shape):
         raise ValueError(f"{optimizer} needs state of shape {shape}")
-    if flagged and (pending is None or pending.dim() != 2 or pending.shape[1] != storage.shape[1]):
-        raise ValueError("remote slots need a pending buffer [P, d]")
 
 
 def optimizer_step_(
@@ -290,43 +260,6 @@ def optimizer_step_(
     rows.addcdiv_(grads, state_rows.sqrt().add_(eps)[:, None], value=-lr)
 
 
-def scatter_update(
-    storage: Tensor,
-    grad: Tensor,
-    slots: Tensor,
-    offsets: Tensor,
-    num_tables: int,
-    *,
-    optimizer: str = "sgd",
-    lr: float = 0.01,
-    eps: float = 1e-10,
-    state: Optional[Tensor] = None,
-    mode: str = "sum",
-    per_sample_weights: Optional[Tensor] = None,
-    remote: Optional[Tensor] = None,
-    remote_start: Optional[int] = None,
-    pending: Optional[Tensor] = None,
-    pending_offset: int = 0,
-) -> Tensor:
-    """Fused backward scatter + sparse optimizer, in place on storage / state / pending.
-
-    storage [S, d]; grad [B, T, d] | [B*T, d]; state [S, d] (adagrad), [S] (rowwise_adagrad) or None;
-    remote bool [S] and/or remote_start: slots whose summed gradient goes to
-    pending[slot - pending_offset] += g (pending [P, d]) instead of the optimizer.
-    Returns the unique slots touched [U] int64 (ascending).
-    """
-    uniq, grads = unique_row_grads(grad, slots, offsets, num_tables, mode, per_sample_weights)
-    flags = remote_flags(uniq, remote, remote_start)
-    check_update_args(storage, state, optimizer, flags is not None, pending)
-    local = uniq if flags is None else uniq[~flags]
-    local_grads = grads if flags is None else grads[~flags]
-    _update_rows(storage, state, local, local_grads, optimizer, lr, eps)
-    if flags is not None:
-        rows = uniq[flags] - pending_offset
-        pending.index_add_(0, rows, grads[flags].to(pending.dtype))
-    return uniq
-
-
 def row_update(
     storage: Tensor,
     rows: Tensor,
@@ -341,10 +274,11 @@ def row_update(
     """Sparse optimizer on row gradients, in place: the owner's update (store.apply).
 
     storage [S, d]; rows [n] int32|int64 storage rows, repeated when several pushes hit one row;
-    grads [n, d]; state as in scatter_update. The gradients of a row are summed first, then the
-    optimizer runs once per distinct row. unique=True: rows are known distinct, skip the sum.
+    grads [n, d]; state [S, d] (adagrad), [S] (rowwise_adagrad) or None (sgd). The gradients of a
+    row are summed first, then the optimizer runs once per distinct row. unique=True: rows are
+    known distinct, skip the sum.
     """
-    check_update_args(storage, state, optimizer, False, None)
+    check_update_args(storage, state, optimizer)
     if grads.dim() != 2 or grads.shape[0] != rows.numel() or grads.shape[1] != storage.shape[1]:
         raise ValueError(f"grads must be [len(rows), d] = [{rows.numel()}, {storage.shape[1]}]")
     grads = grads.to(accumulation_dtype(grads.dtype))

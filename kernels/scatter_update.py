@@ -1,21 +1,27 @@
-"""Fused backward scatter + sparse optimizer (Triton), and the row-gradient launcher it builds on.
+"""Row-gradient scatter and the owner's sparse update (Triton): the sparse half of the backward.
 
-Why fused: the unfused path materialises a per-slot gradient (index_add_ into [U, d]), then reads it
-back with the weights and optimizer state. Here the entries are sorted by slot once (a stable sort
-of N int64s, small next to the N*d gradient reads), and one program per (unique slot, block of d)
-sums that slot's contributions in entry order and applies SGD / Adagrad / row-wise Adagrad in place
-right away. The sum order is fixed, so results are deterministic run to run, and no two programs
-touch the same row, so no atomics are needed.
+``accumulate_row_grads_triton`` is the pooled gather's backward: the gradient of every bag added to
+the row of each of its entries, giving the dense per-slot gradient of the step's [U, d] workspace.
+By default one program per (bag, block of d) adds with atomics (fast; the summation order varies
+between runs); with ``deterministic`` (default: torch.are_deterministic_algorithms_enabled()) the
+entries are stable-sorted by slot and one program per slot sums them in entry order (the same bits
+every run).
 
-Remote slots (cache rows owned by another worker) do not run the optimizer: their summed gradient is
-added to ``pending[slot - pending_offset]`` for the cache to push later (HET).
+``row_update_triton`` is the owner's update (ShardStore.apply): row gradients [n, d] received from
+every worker, stable-sorted by storage row, summed per row in a fixed order, then SGD / Adagrad /
+row-wise Adagrad applied in place, once per distinct row, in the same program (no intermediate, no
+atomics: no two live programs touch one row).
 
-``row_update_triton`` is the owner's update (ShardStore.apply): the same segment kernel over row
-gradients [n, d] received from every worker, one entry per gradient row, summed per storage row.
+Both sorted paths use one segment layout without a host read: every sorted position p gets a
+program whose segment is live only where p is the first entry of its slot, ending at the next
+slot's first entry. torch.unique_consecutive would give one program per distinct slot instead, but
+its output size is the number of distinct slots, which the host would have to wait for on a GPU
+(a device sync in every owner update); n programs, most of them idle, cost far less.
 
-``accumulate_row_grads_triton`` (also pooled_gather's backward) returns the dense per-slot gradient:
-bag-parallel atomics by default, or the sorted-segment kernel when ``deterministic`` (default:
-torch.are_deterministic_algorithms_enabled()).
+Why no fused "backward scatter + optimizer" over bags: in the trainer a row's optimizer step must
+see the gradient summed over every worker (its owner's own bags and every peer's pushes), so the
+local bags alone cannot be optimized in the scatter; the scatter writes the workspace gradient,
+the pushes leave from it, and the owner runs row_update on the sum of everything it received.
 
 Layout (see kernels.reference): grad [B, T, d] or [B*T, d], slots [N], offsets [B*T+1].
 """
@@ -30,6 +36,7 @@ from torch import Tensor
 
 from kernels import reference as ref
 from kernels._triton import block_sizes, cdiv, jit
+from kernels.pooled_gather import dense_1d
 
 tl: Any = None  # bound to triton.language by kernels._triton.jit at first launch
 
@@ -39,25 +46,41 @@ _OPT_CODE = {"write": 0, "sgd": 1, "adagrad": 2, "rowwise_adagrad": 3}
 
 @dataclass
 class Segments:
-    """Entries grouped by slot. uniq [U] int64 ascending; starts [U+1]; bags, coef [N] in slot order."""
+    """One kernel program per segment u: slot[u], entries starts[u]:ends[u] of bags / coef [N]
+    (in slot order). An empty segment (ends[u] == starts[u]) touches nothing."""
 
-    uniq: Tensor
+    slot: Tensor
     starts: Tensor
+    ends: Tensor
     bags: Tensor
-    coef: Optional[Tensor]
+    coef: Optional[Tensor] = None
+
+
+def sorted_segments(keys: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Stable-sort keys [n] (ties keep entry order, which fixes the summation order) and lay out
+    one segment per sorted position, live at the first entry of each key (see the module doc).
+    -> (sorted keys, order, starts, ends), all [n] on keys' device; no host read."""
+    n, dev = keys.numel(), keys.device
+    pos = torch.arange(n, device=dev)
+    sorted_keys, order = torch.sort(keys, stable=True)
+    first = torch.ones(n, dtype=torch.bool, device=dev)
+    first[1:] = sorted_keys[1:] != sorted_keys[:-1]
+    # ends[p] = the next first entry after p (n after the last key): a reversed running minimum
+    heads_after = torch.full((n,), n, dtype=torch.int64, device=dev)
+    heads_after[:-1] = torch.where(first[1:], pos[1:], n)
+    ends = heads_after.flip(0).cummin(0).values.flip(0)
+    return sorted_keys, order, pos, torch.where(first, ends, pos)
 
 
 def sort_segments(slots: Tensor, offsets: Tensor, mode: str, weights: Optional[Tensor],
                   dtype: torch.dtype) -> Segments:
-    """Stable-sort entries by slot (ties keep entry order, which fixes the summation order)."""
+    """Entries grouped by slot: segment bags (and coefficients) in slot order, entry order within."""
     num_entries = slots.numel()
-    sorted_slots, order = torch.sort(slots.long(), stable=True)
-    uniq, counts = torch.unique_consecutive(sorted_slots, return_counts=True)
-    starts = torch.zeros(uniq.numel() + 1, dtype=torch.int64, device=slots.device)
-    torch.cumsum(counts, 0, out=starts[1:])
+    sorted_slots, order, starts, ends = sorted_segments(slots.long())
     bags = ref.entry_bags(offsets, num_entries).index_select(0, order)
     coef = ref.entry_coefficients(offsets, num_entries, mode, weights, dtype)
-    return Segments(uniq, starts, bags, None if coef is None else coef.index_select(0, order))
+    return Segments(sorted_slots, starts, ends, bags,
+                    None if coef is None else coef.index_select(0, order))
 
 
 def _bag_grads(grad: Tensor, offsets: Tensor) -> Tensor:
@@ -79,6 +102,7 @@ def accumulate_row_grads_triton(
     """Per-slot sum of entry gradients. -> [num_slots, d] float32 (float64 for float64 grad)."""
     ref.check_bags(slots, offsets, num_tables, mode)
     ref.check_weights(per_sample_weights, slots)
+    slots, offsets, per_sample_weights = dense_1d(slots, offsets, per_sample_weights)
     bag_grad = _bag_grads(grad, offsets)
     if num_slots is None:
         num_slots = int(slots.max()) + 1 if slots.numel() else 0
@@ -93,40 +117,6 @@ def accumulate_row_grads_triton(
     else:
         _launch_atomic(bag_grad, slots, offsets, mode, per_sample_weights, out)
     return out
-
-
-def scatter_update_triton(
-    storage: Tensor,
-    grad: Tensor,
-    slots: Tensor,
-    offsets: Tensor,
-    num_tables: int,
-    *,
-    optimizer: str = "sgd",
-    lr: float = 0.01,
-    eps: float = 1e-10,
-    state: Optional[Tensor] = None,
-    mode: str = "sum",
-    per_sample_weights: Optional[Tensor] = None,
-    remote: Optional[Tensor] = None,
-    remote_start: Optional[int] = None,
-    pending: Optional[Tensor] = None,
-    pending_offset: int = 0,
-) -> Tensor:
-    """Same contract as kernels.reference.scatter_update. Returns unique slots [U] int64."""
-    ref.check_bags(slots, offsets, num_tables, mode)
-    ref.check_weights(per_sample_weights, slots)
-    flagged = remote is not None or remote_start is not None
-    ref.check_update_args(storage, state, optimizer, flagged, pending)
-    _check_in_place(storage, state)
-    bag_grad = _bag_grads(grad, offsets)
-    segs = sort_segments(slots, offsets, mode, per_sample_weights, bag_grad.dtype)
-    if segs.uniq.numel() == 0 or storage.shape[1] == 0:
-        return segs.uniq
-    flags = ref.remote_flags(segs.uniq, remote, remote_start)
-    _launch_segments(segs, bag_grad, storage, optimizer, state=state, flags=flags,
-                     pending=pending, pending_offset=pending_offset, lr=lr, eps=eps)
-    return segs.uniq
 
 
 def row_update_triton(
@@ -145,51 +135,50 @@ def row_update_triton(
     The received row gradients are the segment kernel's input with one entry per gradient row:
     entries are stable-sorted by storage row (unique=True: taken as they are, one per segment).
     """
-    ref.check_update_args(storage, state, optimizer, False, None)
+    ref.check_update_args(storage, state, optimizer)
     if grads.dim() != 2 or grads.shape[0] != rows.numel() or grads.shape[1] != storage.shape[1]:
         raise ValueError(f"grads must be [len(rows), d] = [{rows.numel()}, {storage.shape[1]}]")
     _check_in_place(storage, state)
     if rows.numel() == 0 or storage.shape[1] == 0:
         return
     grads = grads.to(ref.accumulation_dtype(grads.dtype)).contiguous()
-    segs = _row_segments(rows.long(), unique)
+    segs = _row_segments(rows.long().contiguous(), unique)
     _launch_segments(segs, grads, storage, optimizer, state=state, lr=lr, eps=eps)
 
 
 def _row_segments(rows: Tensor, unique: bool) -> Segments:
-    """Segments over gradient rows: entry e is gradient row e (no bags, no coefficients)."""
+    """Segments over gradient rows: entry e is gradient row e (no bags, no coefficients);
+    unique=True: one live segment per row as given (rows known distinct, no sort)."""
     if unique:
-        order = torch.arange(rows.numel(), device=rows.device)
-        return Segments(rows, torch.arange(rows.numel() + 1, device=rows.device), order, None)
-    sorted_rows, order = torch.sort(rows, stable=True)
-    uniq, counts = torch.unique_consecutive(sorted_rows, return_counts=True)
-    starts = torch.zeros(uniq.numel() + 1, dtype=torch.int64, device=rows.device)
-    torch.cumsum(counts, 0, out=starts[1:])
-    return Segments(uniq, starts, order, None)
+        pos = torch.arange(rows.numel(), device=rows.device)
+        return Segments(rows, pos, pos + 1, pos)
+    sorted_rows, order, starts, ends = sorted_segments(rows)
+    return Segments(sorted_rows, starts, ends, order)
 
 
 def _check_in_place(storage: Tensor, state: Optional[Tensor]) -> None:
-    if storage.stride(1) != 1 or (state is not None and state.dim() == 2 and state.stride(1) != 1):
-        raise ValueError("scatter_update updates in place: storage/state columns must be contiguous")
+    """Tensors updated in place cannot be copied to a dense layout: the kernels take a row stride
+    but address columns (and a row-wise state's rows) at stride 1, so refuse anything else."""
+    def dense_last(t: Optional[Tensor]) -> bool:  # a single column (d = 1) has any stride
+        return t is None or t.dim() == 0 or t.shape[-1] <= 1 or t.stride(-1) == 1
+
+    if not (dense_last(storage) and dense_last(state)):
+        raise ValueError("row_update updates in place: storage/state columns (and a row-wise "
+                         "state) must be contiguous")
 
 
 def _launch_segments(segs: Segments, bag_grad: Tensor, out: Tensor, op: str, *,
-                     state: Optional[Tensor] = None, flags: Optional[Tensor] = None,
-                     pending: Optional[Tensor] = None, pending_offset: int = 0,
-                     lr: float = 0.0, eps: float = 0.0) -> None:
-    """One program per (unique slot, block of d); row-wise Adagrad needs the whole row in one."""
+                     state: Optional[Tensor] = None, lr: float = 0.0, eps: float = 0.0) -> None:
+    """One program per (segment, block of d); row-wise Adagrad needs the whole row in one."""
     dim = bag_grad.shape[1]
     block_n, block_d = block_sizes(dim, dim if op == "rowwise_adagrad" else 256)
     dummy = segs.starts
-    _segment_kernel[(segs.uniq.numel(), cdiv(dim, block_d))](
-        bag_grad, segs.uniq, segs.starts, segs.bags,
+    _segment_kernel[(segs.slot.numel(), cdiv(dim, block_d))](
+        bag_grad, segs.slot, segs.starts, segs.ends, segs.bags,
         dummy if segs.coef is None else segs.coef,
-        dummy if flags is None else flags.to(torch.int8),
-        out, dummy if state is None else state, dummy if pending is None else pending,
-        dim, out.stride(0), 0 if state is None or state.dim() == 1 else state.stride(0),
-        0 if pending is None else pending.stride(0), pending_offset, lr, eps,
-        HAS_COEF=segs.coef is not None, OP=_OPT_CODE[op], HAS_REMOTE=flags is not None,
-        BLOCK_N=block_n, BLOCK_D=block_d)
+        out, dummy if state is None else state,
+        dim, out.stride(0), 0 if state is None or state.dim() == 1 else state.stride(0), lr, eps,
+        HAS_COEF=segs.coef is not None, OP=_OPT_CODE[op], BLOCK_N=block_n, BLOCK_D=block_d)
 
 
 def _launch_atomic(bag_grad: Tensor, slots: Tensor, offsets: Tensor, mode: str,
@@ -219,24 +208,29 @@ def _scatter_atomic_kernel(grad_ptr, slots_ptr, offsets_ptr, weights_ptr, out_pt
         ent = first + tl.arange(0, BLOCK_N)
         ent_ok = ent < end
         slot = tl.load(slots_ptr + ent, mask=ent_ok, other=0).to(tl.int64)
-        vals = tl.broadcast_to(g[None, :], [BLOCK_N, BLOCK_D])
+        ok = ent_ok[:, None] & col_ok[None, :]
+        # The value tile is built with a select, not tl.broadcast_to: Triton's interpreter hands a
+        # broadcast straight to its atomic as a view with zero strides, and when BLOCK_D == 1
+        # (d = 1) the whole [BLOCK_N, 1] view flattens to one element read BLOCK_N times as if
+        # it were contiguous, so entries past the first added whatever memory followed it.
+        # A select always yields a real tile (and zeroes masked lanes); compiled code is the same.
+        vals = tl.where(ok, g[None, :], 0.0)
         if HAS_WEIGHTS:
             vals = vals * tl.load(weights_ptr + ent, mask=ent_ok, other=0.0).to(g.dtype)[:, None]
-        tl.atomic_add(out_ptr + slot[:, None] * dim + cols[None, :], vals,
-                      mask=ent_ok[:, None] & col_ok[None, :], sem="relaxed")
+        tl.atomic_add(out_ptr + slot[:, None] * dim + cols[None, :], vals, mask=ok, sem="relaxed")
 
 
 @jit
-def _segment_kernel(grad_ptr, uniq_ptr, starts_ptr, bags_ptr, coef_ptr, remote_ptr, out_ptr,
-                    state_ptr, pending_ptr, dim, stride_out, stride_state, stride_pending,
-                    pending_offset, lr, eps, HAS_COEF: tl.constexpr, OP: tl.constexpr,
-                    HAS_REMOTE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
-    """Sum one slot's entry gradients in entry order, then write (OP 0) or optimize (OP 1..3)."""
+def _segment_kernel(grad_ptr, slot_ptr, starts_ptr, ends_ptr, bags_ptr, coef_ptr, out_ptr,
+                    state_ptr, dim, stride_out, stride_state, lr, eps, HAS_COEF: tl.constexpr,
+                    OP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Sum one slot's entry gradients in entry order, then write (OP 0) or optimize (OP 1..3).
+    An empty segment touches nothing (its slot belongs to another program's live segment)."""
     u = tl.program_id(0).to(tl.int64)
-    cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
-    col_ok = cols < dim
     start = tl.load(starts_ptr + u)
-    end = tl.load(starts_ptr + u + 1)
+    end = tl.load(ends_ptr + u)
+    cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    col_ok = (cols < dim) & (end > start)
     g = tl.zeros([BLOCK_D], dtype=grad_ptr.dtype.element_ty)
     for first in range(start, end, BLOCK_N):
         ent = first + tl.arange(0, BLOCK_N)
@@ -247,30 +241,22 @@ def _segment_kernel(grad_ptr, uniq_ptr, starts_ptr, bags_ptr, coef_ptr, remote_p
         if HAS_COEF:
             rows = rows * tl.load(coef_ptr + ent, mask=ent_ok, other=0.0)[:, None]
         g += tl.sum(rows, axis=0)
-    slot = tl.load(uniq_ptr + u)
-    local_ok = col_ok
-    if HAS_REMOTE:
-        flag = tl.load(remote_ptr + u)
-        local_ok = col_ok & (flag == 0)
-        far_ok = col_ok & (flag != 0)
-        p_ptrs = pending_ptr + (slot - pending_offset) * stride_pending + cols
-        p = tl.load(p_ptrs, mask=far_ok, other=0.0).to(g.dtype)
-        tl.store(p_ptrs, (p + g).to(pending_ptr.dtype.element_ty), mask=far_ok)
+    slot = tl.load(slot_ptr + u)
     w_ptrs = out_ptr + slot * stride_out + cols
     if OP == 0:
         tl.store(w_ptrs, g.to(out_ptr.dtype.element_ty), mask=col_ok)
     else:
-        w = tl.load(w_ptrs, mask=local_ok, other=0.0).to(g.dtype)
+        w = tl.load(w_ptrs, mask=col_ok, other=0.0).to(g.dtype)
         if OP == 1:
             w = w - lr * g
         elif OP == 2:
             s_ptrs = state_ptr + slot * stride_state + cols
-            s = tl.load(s_ptrs, mask=local_ok, other=0.0).to(g.dtype) + g * g
-            tl.store(s_ptrs, s.to(state_ptr.dtype.element_ty), mask=local_ok)
+            s = tl.load(s_ptrs, mask=col_ok, other=0.0).to(g.dtype) + g * g
+            tl.store(s_ptrs, s.to(state_ptr.dtype.element_ty), mask=col_ok)
             w = w - lr * g / (tl.sqrt(s) + eps)
         else:
-            row_ok = tl.sum(local_ok.to(tl.int32), axis=0) > 0
+            row_ok = tl.sum(col_ok.to(tl.int32), axis=0) > 0
             s = tl.load(state_ptr + slot).to(g.dtype) + tl.sum(g * g, axis=0) / dim
             tl.store(state_ptr + slot, s.to(state_ptr.dtype.element_ty), mask=row_ok)
             w = w - lr * g / (tl.sqrt(s) + eps)
-        tl.store(w_ptrs, w.to(out_ptr.dtype.element_ty), mask=local_ok)
+        tl.store(w_ptrs, w.to(out_ptr.dtype.element_ty), mask=col_ok)

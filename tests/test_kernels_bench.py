@@ -36,8 +36,8 @@ def test_bench_kernels_quick_cpu(tmp_path: Path):
     assert lines == [json.loads(line) for line in out_file.read_text().splitlines()]
     assert lines[0]["kernel"] == "copy" and lines[0]["gbps"] > 0
     kinds = {(r["kernel"], r["impl"]) for r in lines}
-    for kernel in ("pooled_gather", "row_grads", "scatter_update_sgd", "scatter_update_adagrad",
-                   "scatter_update_rowwise_adagrad", "row_update_sgd", "row_update_adagrad",
+    for kernel in ("pooled_gather", "row_grads", "sparse_backward_sgd", "sparse_backward_adagrad",
+                   "sparse_backward_rowwise_adagrad", "row_update_sgd", "row_update_adagrad",
                    "row_update_rowwise_adagrad", "hashmap_lookup"):
         assert (kernel, "reference") in kinds
     timed = [r for r in lines[1:] if "skipped" not in r]

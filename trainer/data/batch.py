@@ -26,17 +26,22 @@ class Batch:
     def num_tables(self) -> int:
         return int(self.lengths.shape[1])
 
+    # Both helpers run in every step's lookup: they make their tensors on the batch's own device
+    # (a host tensor here would move to the GPU, or fail against the device lengths, every step)
+    # and read nothing back from it (the output size of the repeat is values.numel(), known here).
+
     def offsets(self) -> torch.Tensor:
-        """[B*T + 1] int64 bag offsets into values."""
+        """[B*T + 1] int64 bag offsets into values, on the batch's device."""
         flat = self.lengths.reshape(-1)
-        out = torch.zeros(flat.numel() + 1, dtype=torch.int64)
+        out = torch.zeros(flat.numel() + 1, dtype=torch.int64, device=flat.device)
         torch.cumsum(flat, 0, out=out[1:])
         return out
 
     def table_index(self) -> torch.Tensor:
-        """[N] int64 table of every value."""
-        t = torch.arange(self.num_tables, dtype=torch.int64).repeat(self.batch_size)
-        return torch.repeat_interleave(t, self.lengths.reshape(-1))
+        """[N] int64 table of every value, on the batch's device."""
+        t = torch.arange(self.num_tables, dtype=torch.int64, device=self.lengths.device)
+        return torch.repeat_interleave(t.repeat(self.batch_size), self.lengths.reshape(-1),
+                                       output_size=self.values.numel())
 
     def to(self, device: torch.device) -> "Batch":
         return Batch(self.dense.to(device), self.values.to(device), self.lengths.to(device),
