@@ -105,7 +105,7 @@ def audit_worker(rank: int, world: int, overrides: list[str]) -> list[Record]:
     """Build the trainer and run WARMUP_STEPS + 1 steps under the audit; return the last step's
     records. Module level: the W > 1 runs call it in spawned ranks."""
     from trainer.comm import make_collectives
-    from trainer.config import to_config
+    from trainer.configure import load_config as to_config
     from trainer.runner import Trainer
 
     comm_key = ["comm=torch"] if world > 1 else ["comm=local"]
