@@ -70,6 +70,8 @@ def run(cfg: Any, out_dir: str | None = None, return_state: bool = False,
     except CollectiveError as exc:  # a peer died or stalled: say where we were and how to go on
         raise CollectiveError(f"{exc}\n{_failure_hint(config, comm, trainer)}") from exc
     finally:
+        if trainer is not None and trainer.checkpointer is not None:
+            trainer.checkpointer.close()  # release checkpoint.dir's lock
         if own:
             comm.close()
 
@@ -381,6 +383,7 @@ class Trainer:
             self.evals.append({"step": c.train.steps, **final_eval})
             metrics.write({"event": "eval", **self.evals[-1]})
             summary = self._summary(train_time, final_eval)
+            summary["metrics_log"] = metrics.report()  # records lost to a failing disk, if any
             if self.out_dir and self.rank == 0:
                 write_json_atomic(os.path.join(self.out_dir, "summary.json"), summary)
             state = self._gather_state() if return_state else None
