@@ -118,5 +118,17 @@ def write_json_atomic(path: str, obj: dict[str, Any]) -> None:
         raise
 
 
+def write_summary(path: str, summary: dict[str, Any]) -> None:
+    """write_json_atomic for summary.json; when the disk refuses it, the summary goes to stdout
+    (one JSON line, so the results of the run are not lost) before the error is raised."""
+    try:
+        write_json_atomic(path, summary)
+    except OSError as exc:
+        print(f"[trainer] warning: cannot write {path} ({exc}); the summary follows on stdout",
+              file=sys.stderr)
+        print(json.dumps(summary, default=_jsonable), flush=True)
+        raise
+
+
 def finite_or_none(x: float | None) -> float | None:
     return x if x is not None and math.isfinite(x) else None

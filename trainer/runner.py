@@ -40,7 +40,7 @@ from .embedding.herald import HeraldRemote
 from .schedule import Feed, HotColdOrder
 from .schedule.feed import make_order
 from .schedule.herald import HeraldPartition, HeraldPlanner, IdSpace
-from .metrics import JsonlWriter, auc_logloss, write_json_atomic
+from .metrics import JsonlWriter, auc_logloss, write_summary
 from .models import build_model
 
 
@@ -385,7 +385,7 @@ class Trainer:
             summary = self._summary(train_time, final_eval)
             summary["metrics_log"] = metrics.report()  # records lost to a failing disk, if any
             if self.out_dir and self.rank == 0:
-                write_json_atomic(os.path.join(self.out_dir, "summary.json"), summary)
+                write_summary(os.path.join(self.out_dir, "summary.json"), summary)
             state = self._gather_state() if return_state else None
         finally:
             metrics.close()

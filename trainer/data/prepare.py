@@ -78,7 +78,7 @@ def iter_chunks(path: str, chunk_bytes: int) -> Iterator[tuple[bytes, int]]:
 def _gzip_problem(path: str, exc: BaseException, at: int) -> str:
     if isinstance(exc, EOFError):
         what = "is truncated (the compressed stream ends early)"
-    elif isinstance(exc, gzip.BadGzipFile):
+    elif isinstance(exc, gzip.BadGzipFile) and str(exc).startswith("Not a gzipped file"):
         what = "is not gzip data (plain text named .gz? rename it without .gz)"
     else:
         what = "holds corrupt gzip data"
