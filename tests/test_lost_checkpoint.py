@@ -94,7 +94,7 @@ def test_second_run_fails_at_start_and_a_killed_runs_lock_is_taken_over(tmp_path
             time.sleep(0.05)
         holder = _lock(root)
         assert holder is not None and holder["pid"] == a.pid
-        b = _cli(tmp_path, "train.steps=100000", "data.seed=7", "optim.lr=0.5", "checkpoint.every=1",
+        b = _cli(tmp_path, "train.steps=200", "data.seed=7", "optim.lr=0.5", "checkpoint.every=1",
                  f"checkpoint.dir={root}", f"hydra.run.dir={tmp_path / 'b'}")
         assert b.returncode == 2, b.stderr[-3000:]
         msg = b.stderr
