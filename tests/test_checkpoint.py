@@ -133,7 +133,8 @@ def test_crash_during_save_leaves_previous_checkpoint_and_auto_resumes(tmp_path,
     dead = subprocess.Popen(["true"])  # a run killed mid-save: its lock and its unfinished save
     dead.wait()
     with open(os.path.join(root, ckpt.LOCK), "w") as f:
-        json.dump({"run_id": "0123456789ab", "pid": dead.pid, "host": socket.gethostname()}, f)
+        json.dump({"run_id": "0123456789ab", "pid": dead.pid, "host": socket.gethostname(),
+                   "pid_ns": ckpt._pid_namespace()}, f)
     os.makedirs(os.path.join(root, "step_00000099.tmp-0123456789ab-00000000"))
     assert ckpt.latest(root) == _step(root, 10)
 

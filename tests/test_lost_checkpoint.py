@@ -57,8 +57,8 @@ def _write_lock(root: str, **holder) -> str:
     os.makedirs(root, exist_ok=True)
     path = os.path.join(root, ckpt.LOCK)
     with open(path, "w") as f:
-        json.dump({"run_id": "0123456789ab", "host": socket.gethostname(), "started": "then",
-                   "command": "python -m trainer (test)", **holder}, f)
+        json.dump({"run_id": "0123456789ab", "host": socket.gethostname(), "pid_ns": ckpt._pid_namespace(),
+                   "started": "then", "command": "python -m trainer (test)", **holder}, f)
     return path
 
 
@@ -174,11 +174,14 @@ def test_lock_rules(tmp_path, sleeper):
     with pytest.raises(ckpt.CheckpointError, match=rf"checkpoint\.dir {root} is in use by run 0123456789ab "
                                                    rf"\(pid {sleeper.pid} on host "):
         ckpt.DirLock(root, "dddddddddddd").acquire()
-    _write_lock(root, pid=sleeper.pid, host="elsewhere.example")
+    _write_lock(root, pid=_dead_pid(), host="elsewhere.example")
     with pytest.raises(ckpt.CheckpointError, match=r"on host elsewhere\.example.*another host.*delete "
                                                    + os.path.join(root, ckpt.LOCK)):
         ckpt.DirLock(root, "eeeeeeeeeeee").acquire()
     assert _lock(root)["host"] == "elsewhere.example"  # refused: left as it was
+    _write_lock(root, pid=_dead_pid(), pid_ns="pid:[1]")  # same host name, another container
+    with pytest.raises(ckpt.CheckpointError, match=r"another container"):
+        ckpt.DirLock(root, "eeeeeeeeeeee").acquire()
 
     # a lock of this very process that no live run of it holds (its run ended without releasing
     # it) is reused silently

@@ -27,6 +27,7 @@ older checkpoint (a branch) saves lower steps than the abandoned branch; each ma
 """
 from __future__ import annotations
 
+import gc
 import hashlib
 import io
 import json
@@ -199,9 +200,18 @@ def _proc_start(pid: int) -> str | None:
     return None if fields[0] in ("Z", "X") else fields[19]
 
 
+def _pid_namespace() -> str | None:
+    """This process's pid namespace (containers on one host can share a host name, not pids)."""
+    try:
+        return os.readlink("/proc/self/ns/pid")
+    except OSError:
+        return None
+
+
 def _alive(holder: dict[str, Any]) -> bool | None:
-    """Is the lock holder's process running? None when it cannot be known (another host)."""
-    if holder.get("host") != socket.gethostname():
+    """Is the lock holder's process running? None when it cannot be known from here (another
+    host, or another pid namespace: a container)."""
+    if holder.get("host") != socket.gethostname() or holder.get("pid_ns") != _pid_namespace():
         return None
     pid = int(holder.get("pid", -1))
     if os.path.isdir("/proc/self"):
@@ -238,8 +248,8 @@ class DirLock:
         except OSError as exc:
             raise CheckpointError(f"checkpoint.dir {self.root} cannot be created: {exc}") from exc
         me = {"run_id": self.run_id, "pid": os.getpid(), "host": socket.gethostname(),
-              "proc_start": _proc_start(os.getpid()), "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-              "command": " ".join(sys.argv)[:300]}
+              "pid_ns": _pid_namespace(), "proc_start": _proc_start(os.getpid()),
+              "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "command": " ".join(sys.argv)[:300]}
         for _ in range(20):
             try:
                 fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
@@ -276,17 +286,17 @@ class DirLock:
                         f"checkpoint.dir {self.root} is locked by a run whose lock file {self.path} "
                         "cannot be read; if no run uses this directory, delete that file")
                 return
-        mine = holder.get("host") == socket.gethostname() and holder.get("pid") == os.getpid()
+        mine = (holder.get("host") == socket.gethostname() and holder.get("pid") == os.getpid()
+                and holder.get("pid_ns") == _pid_namespace())
         if mine and holder.get("run_id") in _HELD.values():
-            import gc
-            gc.collect()  # a finished run of this process not yet collected releases its lock
-        if mine and _HELD.get(self.path) == holder.get("run_id"):
-            raise CheckpointError(f"checkpoint.dir {self.root} is in use by another run in this "
-                                  f"process ({describe_holder(holder)})")
+            gc.collect()  # a run of this process that ended, not yet collected, releases its lock
+            if holder.get("run_id") in _HELD.values():
+                raise CheckpointError(f"checkpoint.dir {self.root} is in use by another run in this "
+                                      f"process ({describe_holder(holder)})")
         alive = False if mine else _alive(holder)
         if alive is not False:
-            hint = ("" if alive else f"; it runs on another host, so its state is unknown here: if "
-                    f"it is dead, delete {self.path}")
+            hint = ("" if alive else f"; it runs on another host (or in another container), so its "
+                    f"state is unknown here: if it is dead, delete {self.path}")
             raise CheckpointError(
                 f"checkpoint.dir {self.root} is in use by {describe_holder(holder)}{hint}. Two runs in "
                 "one checkpoint.dir would overwrite each other's checkpoints: give this run its own "
@@ -589,14 +599,14 @@ def load(comm: Collectives, ckpt: str, store: ShardStore, schema: dict[str, Any]
 def check_stream_world(ckpt: str, manifest: dict[str, Any], world: int) -> None:
     """Refuse to resume a W-dependent data stream (Criteo) at another W: its saved position (the
     step) names batches that exist only under the saved W's sharding of the blocks."""
+    data = (manifest.get("config") or {}).get("data") or {}
     saved = manifest.get("data_order_world")
     if "data_order_world" not in manifest:  # written before the key existed: ask its config
-        data = (manifest.get("config") or {}).get("data") or {}
         saved = manifest.get("world_size") if data.get("name") in WORLD_BOUND_DATA else None
     if saved is not None and int(saved) != world:
         raise CheckpointError(
-            f"checkpoint {ckpt} was written by a data=criteo run with {saved} workers and this run has "
-            f"{world}: Criteo's block stream is split among the workers, so the saved position (step "
+            f"checkpoint {ckpt} was written by a data={data.get('name', '?')} run with {saved} workers "
+            f"and this run has {world}: its block stream is split among the workers, so the saved position (step "
             f"{manifest.get('step')}) only exists with {saved} workers. Resume it with {saved} workers, "
             "or start a fresh run")
 
