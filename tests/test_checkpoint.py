@@ -10,6 +10,7 @@ import json
 import os
 import random
 import shutil
+import socket
 import subprocess
 import sys
 
@@ -111,9 +112,10 @@ def test_resume_on_2_3_and_1_workers_equals_uninterrupted(case, tmp_path):
 
 # ---------------------------------------------------------------------------- atomicity, auto, rotation
 def test_crash_during_save_leaves_previous_checkpoint_and_auto_resumes(tmp_path, monkeypatch, capsys):
-    """A save that dies after the shard is written (before the manifest) leaves only a .tmp dir;
-    auto skips it (and other incomplete dirs) and picks the newest complete checkpoint, from which
-    the run finishes equal to an uninterrupted one."""
+    """A save that fails after the shard is written (before the manifest) removes its .tmp dir and
+    leaves the earlier checkpoints; auto skips incomplete dirs (and the unfinished save of a run
+    killed mid-save, removed when its dead lock is taken over) and picks the newest complete
+    checkpoint, from which the run finishes equal to an uninterrupted one."""
     root = _dir(tmp_path, "ck")
     real = ckpt._write_manifest
 
@@ -127,9 +129,14 @@ def test_crash_during_save_leaves_previous_checkpoint_and_auto_resumes(tmp_path,
         run_single(BASE + [f"checkpoint.dir={root}", f"checkpoint.every={K}", "checkpoint.keep_last=0"])
     monkeypatch.setattr(ckpt, "_write_manifest", real)
     names = sorted(os.listdir(root))
-    assert names[:2] == ["step_00000005", "step_00000010"] and ".tmp-" in names[2], names
+    assert names == ["step_00000005", "step_00000010"], names  # no .tmp- dir, lock released
     os.makedirs(os.path.join(root, "step_00000011"))  # no manifest: incomplete, ignored
-    os.makedirs(os.path.join(root, "step_00000099.tmp-leftover"))
+    dead = subprocess.Popen(["true"])  # a run killed mid-save: its lock and its unfinished save
+    dead.wait()
+    with open(os.path.join(root, ckpt.LOCK), "w") as f:
+        json.dump({"run_id": "0123456789ab", "pid": dead.pid, "host": socket.gethostname(),
+                   "pid_ns": ckpt._pid_namespace()}, f)
+    os.makedirs(os.path.join(root, "step_00000099.tmp-0123456789ab-00000000"))
     assert ckpt.latest(root) == _step(root, 10)
 
     got = run_single(BASE + [f"checkpoint.dir={root}", "checkpoint.resume=auto"])
@@ -167,6 +174,7 @@ def test_one_rank_failing_mid_save_stops_every_rank_and_auto_resumes(tmp_path):
                                            r"on rank\(s\) \[1\]"):
         spawn(2, _rank1_fails_in_final_save, overrides)
     assert ckpt.latest(root) == _step(root, 10)
+    assert not [n for n in os.listdir(root) if ".tmp-" in n]  # the failed save removed its dir
     got = run_world(2, overrides + ["checkpoint.resume=auto"])[0]
     assert got.summary["resumed_from"] == _step(root, 10)
     assert_same_run(run_single(BASE + ["cache=lru"]), got)

@@ -20,6 +20,7 @@ from .checkpoint import CheckpointError
 from .comm import CollectiveError
 from .config import CONF_DIR, ConfigError
 from .data import IdRangeError
+from .data.criteo import CriteoFormatError
 from .runner import TrainingError, run
 
 
@@ -55,8 +56,13 @@ def main(cfg: DictConfig) -> None:
     out_dir = HydraConfig.get().runtime.output_dir
     try:
         result = run(cfg, out_dir=out_dir)
-    except (ConfigError, TrainingError, CheckpointError, IdRangeError) as exc:
+    except (ConfigError, TrainingError, CheckpointError, IdRangeError, CriteoFormatError) as exc:
         print(f"error: {exc}", file=sys.stderr)
+        sys.exit(2)
+    except OSError as exc:
+        if exc.filename is None:  # not a file the user can act on: a bug, keep the traceback
+            raise
+        print(f"error: {exc.filename}: {exc.strerror or exc}", file=sys.stderr)
         sys.exit(2)
     except CollectiveError as exc:
         _exit_after_failed_collective(exc)
@@ -70,5 +76,43 @@ def main(cfg: DictConfig) -> None:
         print(f"summary: {os.path.join(used or out_dir, 'summary.json')}")
 
 
-if __name__ == "__main__":
+def output_dir_problem(argv: list[str], cwd: str = ".") -> str | None:
+    """Why Hydra could not create its output dir (hydra.run.dir, or hydra.sweep.dir with -m),
+    checked before Hydra starts, which would fail with its own traceback: a path component that
+    is a file, or a directory that cannot be written. None when it looks usable. Only the part
+    before the first ${...} interpolation can be checked (the default: outputs/)."""
+    sweep = "-m" in argv or "--multirun" in argv
+    key = "hydra.sweep.dir=" if sweep else "hydra.run.dir="
+    given = [a[len(key):] for a in argv if a.startswith(key)]
+    value = given[-1] if given else ("multirun/${now:}" if sweep else "outputs/${now:}")
+    literal = value.split("${", 1)[0]
+    path = os.path.join(cwd, literal)
+    if "${" in value and not literal.endswith(os.sep):
+        path = os.path.dirname(path)
+    path = os.path.normpath(path) if path else cwd
+    probe = path
+    while not os.path.exists(probe):
+        parent = os.path.dirname(probe)
+        if parent == probe:
+            return None
+        probe = parent
+    name = f"{key[:-1]}={value}"
+    if not os.path.isdir(probe):
+        return f"{name}: {probe} is a file, not a directory; choose another output directory"
+    if not os.access(probe, os.W_OK | os.X_OK):
+        what = "is read-only" if probe == path else f"cannot be created ({probe} is read-only)"
+        return f"{name}: {path} {what}; choose a writable output directory"
+    return None
+
+
+def cli() -> None:
+    """The command: refuse an unusable output dir with a clear error (exit 2), then run Hydra."""
+    problem = output_dir_problem(sys.argv[1:])
+    if problem is not None:
+        print(f"error: {problem}", file=sys.stderr)
+        sys.exit(2)
     main()
+
+
+if __name__ == "__main__":
+    cli()

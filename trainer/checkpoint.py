@@ -10,10 +10,24 @@ Why it is atomic: everything is written into `step_K.tmp-<token>`; once every ra
 written (an allgather of their checksums), rank 0 writes the manifest (sha256 of every file) last
 and renames the directory to `step_K`. A directory named step_K is therefore complete, a crash
 mid-save leaves the earlier checkpoints untouched, and rotation deletes old ones only afterwards.
+A save that fails removes its own `.tmp-` directory, so a full disk does not fill up with them.
 checkpoint.dir must be one filesystem visible to every rank.
+
+Why a lock: two runs writing into one directory would replace each other's step_K and delete each
+other's saves in progress. The directory belongs to one run at a time: rank 0 creates `lock.json`
+(run id, pid, host, the process's start time) with O_EXCL at start-up, and every rank learns the
+outcome. A second run fails at once naming the holder; a lock whose process is gone (same host, pid
+not running or reused) is taken over with a warning, together with that dead run's unfinished saves,
+so a killed run never keeps the directory. Runs that follow one another in the directory continue
+one job: their saves are ordered together.
+
+Why a save sequence: "newest" means the last save, not the highest step. A run resumed from an
+older checkpoint (a branch) saves lower steps than the abandoned branch; each manifest carries
+`save_seq` (one more than any save in the directory), and rotation and resume=auto follow it.
 """
 from __future__ import annotations
 
+import gc
 import hashlib
 import io
 import json
@@ -21,8 +35,11 @@ import os
 import random
 import re
 import shutil
+import socket
 import sys
+import time
 import uuid
+import weakref
 from typing import Any, Callable, TypeVar
 
 import numpy as np
@@ -35,8 +52,12 @@ FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
 TRAINER_FILE = "trainer.pt"  # rank 0: dense model + optimizer, step, RNG, losses, evals
 SCHEMA_KEYS = ("table_rows", "dim", "model", "optim_sparse", "optim_dense")  # must match to resume
+LOCK = "lock.json"  # the run that owns a checkpoint dir (see DirLock)
+# data sources whose stream position depends on W: a step's batch is only defined at the saved W
+# (Criteo: DALI's reader splits the blocks into W contiguous shards, trainer/data/blocks.py)
+WORLD_BOUND_DATA = ("criteo",)
 _STEP_DIR = re.compile(r"^step_(\d+)$")
-_TMP_DIR = re.compile(r"^step_\d+\.(tmp|old)-")
+_WORK_DIR = re.compile(r"^step_\d+\.(tmp|old)-(?P<run>[0-9a-f]+)-[0-9a-f]+$")  # a save in progress
 T = TypeVar("T")
 
 
@@ -54,8 +75,9 @@ def step_dir(root: str, step: int) -> str:
 
 
 def complete_checkpoints(root: str | None) -> list[tuple[int, str]]:
-    """(step, path) of every complete checkpoint under root (named step_K, manifest present),
-    oldest first; `.tmp-` directories of unfinished saves are ignored."""
+    """(step, path) of every complete checkpoint under root (named step_K, manifest present), in
+    the order they were saved, oldest first (see save_order); `.tmp-` directories of unfinished
+    saves are ignored."""
     if not root or not os.path.isdir(root):
         return []
     found = []
@@ -63,14 +85,31 @@ def complete_checkpoints(root: str | None) -> list[tuple[int, str]]:
         m = _STEP_DIR.match(name)
         path = os.path.join(root, name)
         if m and os.path.isfile(os.path.join(path, MANIFEST)):
-            found.append((int(m.group(1)), path))
-    return sorted(found)
+            found.append((save_order(path, int(m.group(1))), int(m.group(1)), path))
+    return [(step, path) for _, step, path in sorted(found)]
+
+
+def save_order(path: str, step: int) -> tuple[int, int]:
+    """Sort key of a complete checkpoint by save time: its manifest's save_seq; checkpoints
+    written before save_seq existed (or with an unreadable manifest) come first, by step."""
+    try:
+        with open(os.path.join(path, MANIFEST)) as f:
+            seq = json.load(f).get("save_seq")
+    except (OSError, ValueError, AttributeError):
+        seq = None
+    return (1, int(seq)) if isinstance(seq, int) else (0, step)
 
 
 def latest(root: str | None) -> str | None:
-    """The newest complete checkpoint under root, or None."""
+    """The most recently saved complete checkpoint under root (not the highest step), or None."""
     found = complete_checkpoints(root)
     return found[-1][1] if found else None
+
+
+def last_save_seq(root: str | None) -> int:
+    """The highest save_seq of the complete checkpoints under root (0 when none has one)."""
+    seqs = [save_order(path, step) for step, path in complete_checkpoints(root)]
+    return max((seq for known, seq in seqs if known), default=0)
 
 
 # ---- files -----------------------------------------------------------------------------------
@@ -146,6 +185,177 @@ def _agree(comm: Collectives, what: str, fn: Callable[[], T]) -> T:
     return out  # type: ignore[return-value]
 
 
+# ---- the directory lock -----------------------------------------------------------------------
+_HELD: dict[str, str] = {}  # lock path -> run id of the locks this process holds now
+
+
+def _proc_start(pid: int) -> str | None:
+    """The start time of process pid (clock ticks since boot, /proc/PID/stat field 22), or None
+    when it is not running (or a zombie) or /proc cannot tell."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    return None if fields[0] in ("Z", "X") else fields[19]
+
+
+def _pid_namespace() -> str | None:
+    """This process's pid namespace (containers on one host can share a host name, not pids)."""
+    try:
+        return os.readlink("/proc/self/ns/pid")
+    except OSError:
+        return None
+
+
+def _alive(holder: dict[str, Any]) -> bool | None:
+    """Is the lock holder's process running? None when it cannot be known from here (another
+    host, or another pid namespace: a container)."""
+    if holder.get("host") != socket.gethostname() or holder.get("pid_ns") != _pid_namespace():
+        return None
+    pid = int(holder.get("pid", -1))
+    if os.path.isdir("/proc/self"):
+        start, want = _proc_start(pid), holder.get("proc_start")
+        return start is not None and (want is None or start == want)  # a reused pid: dead
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:
+        return True
+    return True
+
+
+def describe_holder(holder: dict[str, Any]) -> str:
+    return (f"run {holder.get('run_id')} (pid {holder.get('pid')} on host {holder.get('host')}, "
+            f"started {holder.get('started')}: {holder.get('command', '?')})")
+
+
+class DirLock:
+    """One run's ownership of a checkpoint directory: the file root/lock.json, created with O_EXCL.
+    Only rank 0 holds it (Checkpointer passes the outcome to every rank)."""
+
+    def __init__(self, root: str, run_id: str) -> None:
+        self.root, self.run_id = root, run_id
+        self.path = os.path.join(root, LOCK)
+        self.notes: list[str] = []  # warnings for the user (a dead run's lock taken over)
+        self._release = None
+
+    def acquire(self) -> None:
+        """Take the lock or raise CheckpointError naming the directory and the holder."""
+        try:
+            os.makedirs(self.root, exist_ok=True)
+        except OSError as exc:
+            raise CheckpointError(f"checkpoint.dir {self.root} cannot be created: {exc}") from exc
+        me = {"run_id": self.run_id, "pid": os.getpid(), "host": socket.gethostname(),
+              "pid_ns": _pid_namespace(), "proc_start": _proc_start(os.getpid()),
+              "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "command": " ".join(sys.argv)[:300]}
+        for _ in range(20):
+            try:
+                fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+            except FileExistsError:
+                self._resolve_existing()
+                continue
+            except OSError as exc:
+                raise CheckpointError(f"checkpoint.dir {self.root} is not writable (its lock file "
+                                      f"{self.path} cannot be created: {exc})") from exc
+            try:
+                with os.fdopen(fd, "w") as f:
+                    json.dump(me, f, indent=1)
+                    f.flush()
+                    os.fsync(f.fileno())
+            except OSError as exc:
+                _unlink(self.path)
+                raise CheckpointError(f"checkpoint.dir {self.root} is not writable (its lock file "
+                                      f"{self.path} cannot be written: {exc})") from exc
+            _HELD[self.path] = self.run_id
+            self._release = weakref.finalize(self, _release_lock, self.path, self.run_id)
+            return
+        raise CheckpointError(f"checkpoint.dir {self.root}: its lock file {self.path} keeps changing "
+                              "(other runs are starting in it); give this run its own checkpoint.dir")
+
+    def _resolve_existing(self) -> None:
+        """The lock file exists: raise if its holder may be running, else remove it (takeover)."""
+        holder = _read_lock(self.path)
+        if holder is None:  # being written right now by a starting run, or vanished: look again
+            time.sleep(0.05)
+            holder = _read_lock(self.path)
+            if holder is None:
+                if os.path.exists(self.path):
+                    raise CheckpointError(
+                        f"checkpoint.dir {self.root} is locked by a run whose lock file {self.path} "
+                        "cannot be read; if no run uses this directory, delete that file")
+                return
+        mine = (holder.get("host") == socket.gethostname() and holder.get("pid") == os.getpid()
+                and holder.get("pid_ns") == _pid_namespace())
+        if mine and holder.get("run_id") in _HELD.values():
+            gc.collect()  # a run of this process that ended, not yet collected, releases its lock
+            if holder.get("run_id") in _HELD.values():
+                raise CheckpointError(f"checkpoint.dir {self.root} is in use by another run in this "
+                                      f"process ({describe_holder(holder)})")
+        alive = False if mine else _alive(holder)
+        if alive is not False:
+            hint = ("" if alive else f"; it runs on another host (or in another container), so its "
+                    f"state is unknown here: if it is dead, delete {self.path}")
+            raise CheckpointError(
+                f"checkpoint.dir {self.root} is in use by {describe_holder(holder)}{hint}. Two runs in "
+                "one checkpoint.dir would overwrite each other's checkpoints: give this run its own "
+                "checkpoint.dir (or wait until that run ends)")
+        if self._take_over(holder) and not mine:
+            self.notes.append(f"checkpoint.dir {self.root}: took over the lock of {describe_holder(holder)}, "
+                              "whose process is no longer running")
+
+    def _take_over(self, holder: dict[str, Any]) -> bool:
+        """Remove the dead holder's lock (only if it is still that one) and its unfinished saves."""
+        stale = f"{self.path}.stale-{uuid.uuid4().hex[:12]}"
+        try:
+            os.rename(self.path, stale)  # atomic: of two runs taking over, one wins
+        except FileNotFoundError:
+            return False
+        if (_read_lock(stale) or {}).get("run_id") != holder.get("run_id"):  # a new holder came in
+            try:
+                os.link(stale, self.path)  # put it back unless yet another lock exists
+            except OSError:
+                pass
+            _unlink(stale)
+            return False
+        _unlink(stale)
+        dead = str(holder.get("run_id"))
+        for name in os.listdir(self.root):
+            m = _WORK_DIR.match(name)
+            if m and m.group("run") == dead:
+                shutil.rmtree(os.path.join(self.root, name), ignore_errors=True)
+        return True
+
+    def release(self) -> None:
+        if self._release is not None:
+            self._release()
+
+
+def _read_lock(path: str) -> dict[str, Any] | None:
+    try:
+        with open(path) as f:
+            data = json.load(f)
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def _unlink(path: str) -> None:
+    try:
+        os.unlink(path)
+    except OSError:
+        pass
+
+
+def _release_lock(path: str, run_id: str) -> None:
+    """Remove the lock file if it is still this run's (also at interpreter exit)."""
+    if _HELD.get(path) == run_id:
+        del _HELD[path]
+    if (_read_lock(path) or {}).get("run_id") == run_id:
+        _unlink(path)
+
+
 # ---- the sparse shard ------------------------------------------------------------------------
 def shard_state(store: ShardStore) -> dict[str, Any]:
     """This rank's real rows: table [n], id [n], weight [n, d], version [n], optim {name: [n, ...]}."""
@@ -181,17 +391,48 @@ def load_shard_rows(store: ShardStore, saved: dict[str, Any], name: str) -> int:
 
 # ---- save ------------------------------------------------------------------------------------
 class Checkpointer:
-    """Writes step_K checkpoints under root (collective) and rotates them (keep_last; 0 = all)."""
+    """Writes step_K checkpoints under root (collective) and rotates them (keep_last; 0 = all).
+
+    Created at start-up: rank 0 takes root's lock (DirLock) and every rank gets the outcome, so a
+    directory in use by another run stops every rank before any training. close() releases it."""
 
     def __init__(self, comm: Collectives, root: str, keep_last: int) -> None:
         self.comm, self.root, self.keep_last = comm, root, keep_last
+        self.lock: DirLock | None = None
+        self._seq = 0  # save_seq of this run's last save
+        status: tuple[str | None, str | None, list[str]] = (None, None, [])
+        if comm.rank == 0:
+            lock = DirLock(root, uuid.uuid4().hex[:12])
+            try:
+                lock.acquire()
+                self.lock = lock
+                status = (lock.run_id, None, lock.notes)
+            except CheckpointError as exc:
+                status = (None, str(exc), [])
+        run_id, err, notes = comm.broadcast_object(status)
+        if err is not None:
+            raise CheckpointError(err)
+        self.run_id: str = run_id  # type: ignore[assignment]
+        for note in notes if comm.rank == 0 else []:
+            print(f"[trainer] warning: {note}", file=sys.stderr)
+
+    def close(self) -> None:
+        """Release the directory (rank 0); the run's checkpoints stay."""
+        if self.lock is not None:
+            self.lock.release()
+            self.lock = None
 
     def save(self, step: int, store: ShardStore, trainer_state: dict[str, Any] | None,
              schema: dict[str, Any]) -> str:
         """Write checkpoint `step`: every rank its shard, rank 0 also trainer_state and, last, the
-        manifest (schema + checksums); then rename. The caller flushed the caches. Collective."""
+        manifest (schema + checksums); then rename. The caller flushed the caches. Collective.
+        On failure anywhere the partial `.tmp-` directory is removed before every rank raises."""
         tmp = self._tmp_dir(step)
-        digest = _agree(self.comm, "checkpoint save", lambda: self._write_shard(tmp, store))
+        try:
+            digest = _agree(self.comm, "checkpoint save", lambda: self._write_shard(tmp, store))
+        except CheckpointError:
+            self._discard(tmp)  # every rank has passed the allgather: nobody writes into tmp now
+            raise
         digests = self.comm.allgather(digest.reshape(1, -1), kind="meta")
         status = None
         if self.comm.rank == 0:
@@ -201,11 +442,16 @@ class Checkpointer:
             raise CheckpointError(status)
         return step_dir(self.root, step)
 
+    def _discard(self, tmp: str) -> None:
+        """Rank 0 removes this run's partial save."""
+        if self.comm.rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+
     def _tmp_dir(self, step: int) -> str:
-        """Rank 0 creates step_K.tmp-<token>; every rank gets its name (or rank 0's error)."""
+        """Rank 0 creates step_K.tmp-<run id>-<token>; every rank gets its name (or rank 0's error)."""
         made: tuple[str | None, str | None] = (None, None)
         if self.comm.rank == 0:
-            tmp = f"{step_dir(self.root, step)}.tmp-{uuid.uuid4().hex[:12]}"
+            tmp = f"{step_dir(self.root, step)}.tmp-{self.run_id}-{uuid.uuid4().hex[:8]}"
             try:
                 os.makedirs(tmp)
                 made = (tmp, None)
@@ -224,38 +470,57 @@ class Checkpointer:
 
     def _finish(self, tmp: str, step: int, trainer_state: dict[str, Any] | None,
                 schema: dict[str, Any], digests: torch.Tensor) -> str | None:
-        """Rank 0: trainer file, manifest last, rename, rotate. Returns an error message or None."""
+        """Rank 0: trainer file, manifest last, rename, rotate. Returns an error message or None
+        (after removing the partial save)."""
         try:
             files = {shard_file(r, self.comm.size): _file_info(d) for r, d in enumerate(digests)}
             files[TRAINER_FILE] = _write_file(os.path.join(tmp, TRAINER_FILE), trainer_state)
+            seq = max(self._seq, last_save_seq(self.root)) + 1
+            data = (schema.get("config") or {}).get("data") or {}
             _write_manifest(tmp, {"format_version": FORMAT_VERSION, "step": step,
-                                  "world_size": self.comm.size, **schema, "files": files})
+                                  "world_size": self.comm.size, "save_seq": seq, "run_id": self.run_id,
+                                  "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+                                  "data_order_world": (self.comm.size if data.get("name") in WORLD_BOUND_DATA
+                                                       else None),
+                                  **schema, "files": files})
             self._publish(tmp, step_dir(self.root, step))
-            self.rotate()
+            self._seq = seq
         except Exception as exc:  # noqa: BLE001 - reported to every rank, which all raise
+            shutil.rmtree(tmp, ignore_errors=True)
             return f"checkpoint save of step {step} into {tmp} failed: {type(exc).__name__}: {exc}"
+        try:
+            self.rotate()
+        except OSError as exc:  # the new checkpoint is complete; old ones stay for now
+            print(f"[trainer] warning: checkpoint rotation in {self.root} failed: {exc}", file=sys.stderr)
         return None
 
-    @staticmethod
-    def _publish(tmp: str, final: str) -> None:
-        """Rename tmp to final (an existing final, from an older branch of the run, is replaced)."""
+    def _publish(self, tmp: str, final: str) -> None:
+        """Rename tmp to final (an existing final, from an older branch of the job, is replaced)."""
         old = None
         if os.path.exists(final):
-            old = f"{final}.old-{uuid.uuid4().hex[:12]}"
+            old = f"{final}.old-{self.run_id}-{uuid.uuid4().hex[:8]}"
             os.replace(final, old)
-        os.replace(tmp, final)
+        try:
+            os.replace(tmp, final)
+        except OSError:
+            if old is not None:  # put the replaced checkpoint back
+                os.replace(old, final)
+            raise
         _fsync_dir(os.path.dirname(final))
         if old is not None:
             shutil.rmtree(old, ignore_errors=True)
 
     def rotate(self) -> None:
-        """Delete complete checkpoints beyond keep_last (oldest first) and leftovers of crashed saves."""
+        """Delete complete checkpoints beyond keep_last, the least recently saved first (save_seq,
+        not the step: a branch resumed from an older step keeps its own saves), and this run's
+        own leftovers; other runs' work directories are never touched."""
         found = complete_checkpoints(self.root)
         drop = found[:-self.keep_last] if self.keep_last > 0 else []
         for _, path in drop:
             shutil.rmtree(path, ignore_errors=True)
         for name in os.listdir(self.root):
-            if _TMP_DIR.match(name):
+            m = _WORK_DIR.match(name)
+            if m and m.group("run") == self.run_id:
                 shutil.rmtree(os.path.join(self.root, name), ignore_errors=True)
 
 
@@ -331,9 +596,25 @@ def load(comm: Collectives, ckpt: str, store: ShardStore, schema: dict[str, Any]
     return _agree(comm, f"loading checkpoint {ckpt}", lambda: _load_local(ckpt, store, schema))
 
 
+def check_stream_world(ckpt: str, manifest: dict[str, Any], world: int) -> None:
+    """Refuse to resume a W-dependent data stream (Criteo) at another W: its saved position (the
+    step) names batches that exist only under the saved W's sharding of the blocks."""
+    data = (manifest.get("config") or {}).get("data") or {}
+    saved = manifest.get("data_order_world")
+    if "data_order_world" not in manifest:  # written before the key existed: ask its config
+        saved = manifest.get("world_size") if data.get("name") in WORLD_BOUND_DATA else None
+    if saved is not None and int(saved) != world:
+        raise CheckpointError(
+            f"checkpoint {ckpt} was written by a data={data.get('name', '?')} run with {saved} workers "
+            f"and this run has {world}: its block stream is split among the workers, so the saved position (step "
+            f"{manifest.get('step')}) only exists with {saved} workers. Resume it with {saved} workers, "
+            "or start a fresh run")
+
+
 def _load_local(ckpt: str, store: ShardStore, schema: dict[str, Any]) -> dict[str, Any]:
     manifest = read_manifest(ckpt)
     check_schema(ckpt, manifest, schema)
+    check_stream_world(ckpt, manifest, store.sharding.world)
     state = _read_file(ckpt, TRAINER_FILE, manifest)
     loaded = 0
     for r in range(int(manifest["world_size"])):  # one saved shard in memory at a time

@@ -22,7 +22,7 @@ from .config import Config
 from .embedding.consistency import HIST_BINS, UNBOUNDED
 from .embedding.module import CACHE_COUNTERS
 from .embedding.remote import het_wire_bytes
-from .metrics import JsonlWriter, write_json_atomic
+from .metrics import JsonlWriter, write_summary
 from .schedule import HotColdOrder
 
 
@@ -227,8 +227,9 @@ class Reporter:
             "resumed_from": resumed_from,
             "checkpoint": checkpoint,
         }
+        out["metrics_log"] = self.metrics.report()  # records lost to a failing disk, if any
         if self.out_dir and self.comm.rank == 0:
-            write_json_atomic(os.path.join(self.out_dir, "summary.json"), out)
+            write_summary(os.path.join(self.out_dir, "summary.json"), out)
         return out
 
     def _placement_summary(self, bytes_: dict[str, int], run_samples: int, trained: int,

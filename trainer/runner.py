@@ -58,6 +58,8 @@ def run(cfg: Any, out_dir: str | None = None, return_state: bool = False,
     except CollectiveError as exc:  # a peer died or stalled: say where we were and how to go on
         raise CollectiveError(f"{exc}\n{_failure_hint(config, comm, trainer)}") from exc
     finally:
+        if trainer is not None and trainer.checkpointer is not None:
+            trainer.checkpointer.close()  # release checkpoint.dir's lock
         if own:
             comm.close()
 

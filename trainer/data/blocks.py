@@ -23,7 +23,7 @@ import torch
 
 from ..config import ConfigError, DataConfig
 from .batch import Batch
-from .criteo import CriteoFormatError, from_block, read_meta
+from .criteo import CriteoFormatError, check_block, from_block, read_meta
 from .ids import IdGuard
 
 Columns = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # labels [n] f32, dense [n, F] f32, ids [n, T] i64
@@ -84,8 +84,27 @@ def memmap_reader(num_dense: int) -> BlockReader:
         lo, hi = shard_range(len(files), shard_id, num_shards)
         while True:
             for f in files[lo:hi]:
-                yield tuple(torch.from_numpy(x) for x in from_block(np.load(f, mmap_mode="r"), num_dense))
+                try:
+                    block = np.load(f, mmap_mode="r")
+                except (OSError, ValueError) as exc:  # removed or cut short while training
+                    raise CriteoFormatError(f"block file {f} cannot be read: {exc}") from exc
+                yield tuple(torch.from_numpy(x) for x in from_block(block, num_dense))
     return read
+
+
+def check_blocks(segs: list[Segment], directory: str, width: int) -> None:
+    """Every block file a split names exists and holds the rows meta.json gives it, checked from
+    the .npy headers at start-up (by every rank, so all stop together), before any reader opens
+    one: a missing or truncated block is an error naming the file, not a reader's traceback."""
+    need: dict[str, int] = {}
+    for s in segs:
+        need[s.file] = max(need.get(s.file, 0), s.hi)
+    for path, rows in need.items():
+        why = check_block(path, rows, width)
+        if why is not None:
+            raise CriteoFormatError(
+                f"data.dir={directory!r}: block file {path} {why}. Re-run scripts/prepare_criteo.py "
+                "with the same inputs and --out: it redoes the input file whose blocks are damaged")
 
 
 class BlockStream:
@@ -156,6 +175,10 @@ class CriteoData:
         self.guard = IdGuard([int(n) for n in self.meta["table_rows"]], cfg.out_of_range,
                              f"data.dir={cfg.dir!r}")
         self.train_segs, self.eval_segs = split_segments(self.meta, cfg.dir, cfg)
+        check_blocks(self.train_segs + self.eval_segs, cfg.dir, 1 + self.F + len(self.meta["table_rows"]))
+        if not self.train_segs:
+            raise ConfigError(f"data.dir={cfg.dir!r}: the training split has no rows (did every row of "
+                              f"the input fail preparation? see {os.path.join(cfg.dir, 'meta.json')})")
         if len(self.train_segs) < world:
             raise ConfigError(f"data.dir={cfg.dir!r}: the training split has {len(self.train_segs)} blocks "
                               f"for {world} workers; every worker reads whole blocks, so prepare it "

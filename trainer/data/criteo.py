@@ -6,7 +6,8 @@ digit position at a time over all fields at once), which validates every field a
 
 Row format: label, 13 integer fields, 26 hex categorical fields, tab-separated; any of the 39
 features may be empty. A row is bad when it has the wrong field count, a label other than 0/1, a
-dense field that is not a (signed) integer or a categorical field that is not hex (<= 16 digits).
+dense field that is not a (signed) integer of at most 18 digits (longer ones are reported as out of
+range) or a categorical field that is not hex (<= 16 digits).
 
 Encoding (the rule is written into meta.json):
 - dense: log(1 + max(x, 0)) as float32, missing -> 0.
@@ -63,8 +64,11 @@ class Parsed:
 
 
 # ---- vectorised field parsers --------------------------------------------------------------
-def _parse_int(a: np.ndarray, start: np.ndarray, length: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Signed decimal integers at a[start : start + length] ([m] each) -> (int64 values, ok)."""
+def _parse_int(a: np.ndarray, start: np.ndarray, length: np.ndarray
+               ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Signed decimal integers at a[start : start + length] ([m] each) -> (int64 values, ok,
+    too_long): too_long marks integers of more than MAX_INT_DIGITS digits (not ok either: out of
+    int64's safe range), so they are reported as such rather than as non-integers."""
     neg = (length > 0) & (a[start] == ord("-"))
     s, n = start + neg, length - neg
     ok = (n > 0) & (n <= MAX_INT_DIGITS)
@@ -74,7 +78,11 @@ def _parse_int(a: np.ndarray, start: np.ndarray, length: np.ndarray) -> tuple[np
         d = a[np.minimum(s + p, a.size - 1)].astype(np.int64) - ord("0")
         ok &= ~act | ((d >= 0) & (d <= 9))
         val = np.where(act, val * 10 + d, val)
-    return np.where(neg, -val, val), ok
+    too_long = np.zeros(start.size, bool)
+    for i in np.flatnonzero(n > MAX_INT_DIGITS):  # rare: one field at a time
+        digits = a[s[i]:s[i] + n[i]]
+        too_long[i] = bool(((digits >= ord("0")) & (digits <= ord("9"))).all())
+    return np.where(neg, -val, val), ok, too_long
 
 
 def _parse_hex(a: np.ndarray, start: np.ndarray, length: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -114,6 +122,8 @@ def _reason(code: int, col: int, nfields: int) -> str:
         return f"{BAD_LABEL}: label must be 0 or 1"
     if code == 2:
         return f"{BAD_DENSE}: field I{col} is not an integer"
+    if code == 4:
+        return f"{BAD_DENSE}: field I{col} is an integer of more than {MAX_INT_DIGITS} digits (out of range)"
     return f"{BAD_CAT}: field C{col} is not hex"
 
 
@@ -135,14 +145,18 @@ def parse_chunk(buf: bytes) -> Parsed:
     rows = np.flatnonzero(code < 0)
     fstart, flen = _field_bounds(tabs, first_tab[rows], starts[rows], ends[rows])
     label_ok = (flen[:, 0] == 1) & ((a[fstart[:, 0]] == ord("0")) | (a[fstart[:, 0]] == ord("1")))
-    dense, dense_ok = _parse_int(a, fstart[:, 1:14].ravel(), flen[:, 1:14].ravel())
+    dense, dense_ok, too_long = _parse_int(a, fstart[:, 1:14].ravel(), flen[:, 1:14].ravel())
     dense_ok = (dense_ok | (flen[:, 1:14].ravel() == 0)).reshape(-1, NUM_DENSE)
+    too_long = too_long.reshape(-1, NUM_DENSE)
     cats, cat_ok = _parse_hex(a, fstart[:, 14:].ravel(), flen[:, 14:].ravel())
     empty = flen[:, 14:] == 0
     cat_ok = cat_ok.reshape(-1, NUM_CAT) | empty
     for c, ok in ((3, cat_ok), (2, dense_ok)):  # reverse order: the earliest check wins
         bad = ~ok.all(axis=1)
         code[rows[bad]], col[rows[bad]] = c, ok[bad].argmin(axis=1) + 1
+    long_ = np.flatnonzero(code[rows] == 2)  # the first bad dense field is a too-long integer
+    long_ = long_[too_long[long_, col[rows[long_]] - 1]]
+    code[rows[long_]] = 4
     code[rows[~label_ok]] = 1
     good = code[rows] < 0
     x = np.where(flen[:, 1:14] == 0, 0, dense.reshape(-1, NUM_DENSE))[good]
@@ -245,6 +259,29 @@ def from_block(block: np.ndarray, num_dense: int = NUM_DENSE) -> tuple[np.ndarra
     labels = block[:, 0].astype(np.float32)
     dense = np.ascontiguousarray(block[:, 1:1 + num_dense]).view(np.float32)
     return labels, dense, block[:, 1 + num_dense:].astype(np.int64)
+
+
+def check_block(path: str, rows: int, width: int = WIDTH) -> str | None:
+    """Why block file `path` cannot give `rows` rows of `width` int32 columns (missing, not an
+    .npy, another shape, or shorter than its header says: truncated), or None when it can. Reads
+    the .npy header only."""
+    try:
+        with open(path, "rb") as f:
+            version = np.lib.format.read_magic(f)
+            read = np.lib.format.read_array_header_1_0 if version == (1, 0) else \
+                np.lib.format.read_array_header_2_0
+            shape, fortran, dtype = read(f)
+            offset, size = f.tell(), os.fstat(f.fileno()).st_size
+    except FileNotFoundError:
+        return "is missing"
+    except (OSError, ValueError) as exc:
+        return f"is not a readable .npy block ({exc})"
+    if dtype != np.int32 or fortran or len(shape) != 2 or shape[1] != width or shape[0] < rows:
+        return f"holds {dtype} {list(shape)}, expected int32 [>= {rows}, {width}]"
+    want = offset + shape[0] * shape[1] * 4
+    if size < want:
+        return f"is truncated ({size} bytes, its header needs {want})"
+    return None
 
 
 # ---- metadata ---------------------------------------------------------------------------------

@@ -17,7 +17,8 @@ from typing import Iterator, Optional
 
 import torch
 
-from .blocks import BlockReader, Columns
+from .blocks import BlockReader, Columns, shard_range
+from .criteo import CriteoFormatError, check_block
 
 READER = "blocks"
 
@@ -62,8 +63,24 @@ def dali_reader(num_dense: int, threads: int = 1, device_id: Optional[int] = Non
     require_dali()
 
     def read(files: list[str], shard_id: int, num_shards: int) -> Iterator[Columns]:
-        pipe = _pipeline(files, shard_id, num_shards, num_dense, threads, device_id)
+        lo, hi = shard_range(len(files), shard_id, num_shards)
+        try:
+            pipe = _pipeline(files, shard_id, num_shards, num_dense, threads, device_id)
+        except RuntimeError as exc:
+            raise CriteoFormatError(_failed(files[lo:hi], exc)) from exc
         while True:
-            labels, dense, ids = pipe.run()
+            try:
+                labels, dense, ids = pipe.run()
+            except RuntimeError as exc:  # a block removed or cut short while training
+                raise CriteoFormatError(_failed(files[lo:hi], exc)) from exc
             yield _to_torch(labels), _to_torch(dense), _to_torch(ids)
     return read
+
+
+def _failed(files: list[str], exc: BaseException) -> str:
+    """DALI's error names the file somewhere in a long C++ trace: keep its first line, and the
+    shard's files that are now missing or damaged."""
+    bad = [f"{f} {why}" for f in files if (why := check_block(f, 0)) is not None]
+    first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    return (f"DALI cannot read this rank's block files ({'; '.join(bad) or ', '.join(files[:3])}): "
+            f"{first}")

@@ -16,7 +16,9 @@ import gzip
 import json
 import os
 import sys
+import tempfile
 import time
+import zlib
 from collections import deque
 from dataclasses import asdict, dataclass, field
 from multiprocessing import get_context
@@ -25,7 +27,7 @@ from typing import Any, Callable, Iterator, Optional
 import numpy as np
 
 from .criteo import (FORMAT, META, NUM_CAT, NUM_DENSE, REASONS, CriteoFormatError, Encoder,
-                     parse_chunk, to_block)
+                     check_block, parse_chunk, to_block)
 
 SPLITS = ("train", "test")
 KEEP_BAD = 20  # first bad rows kept (line numbers) per file and overall
@@ -57,16 +59,30 @@ class ChunkStat:
 
 # ---- reading ----------------------------------------------------------------------------------
 def iter_chunks(path: str, chunk_bytes: int) -> Iterator[tuple[bytes, int]]:
-    """(chunk of whole lines, compressed bytes read so far); .gz files are decompressed."""
+    """(chunk of whole lines, compressed bytes read so far); .gz files are decompressed. A .gz
+    file that is truncated, corrupt or not gzip at all raises CriteoFormatError naming it."""
     with open(path, "rb") as raw:
         src = gzip.GzipFile(fileobj=raw) if path.endswith(".gz") else raw
         while True:
-            buf = src.read(chunk_bytes)
+            try:
+                buf = src.read(chunk_bytes)
+                if buf and not buf.endswith(b"\n"):
+                    buf += src.readline()
+            except (EOFError, zlib.error, gzip.BadGzipFile) as exc:
+                raise CriteoFormatError(_gzip_problem(path, exc, raw.tell())) from exc
             if not buf:
                 return
-            if not buf.endswith(b"\n"):
-                buf += src.readline()
             yield buf, raw.tell()
+
+
+def _gzip_problem(path: str, exc: BaseException, at: int) -> str:
+    if isinstance(exc, EOFError):
+        what = "is truncated (the compressed stream ends early)"
+    elif isinstance(exc, gzip.BadGzipFile) and str(exc).startswith("Not a gzipped file"):
+        what = "is not gzip data (plain text named .gz? rename it without .gz)"
+    else:
+        what = "holds corrupt gzip data"
+    return f"{path} {what}, near compressed byte {at}: {exc}"
 
 
 # ---- worker side --------------------------------------------------------------------------------
@@ -91,8 +107,13 @@ def encode_task(args: tuple[bytes, str]) -> ChunkStat:
     if p.labels.size:
         block = to_block(p.labels, p.dense, _ENCODER.encode(p.cats, p.empty))
         tmp = path + ".tmp.npy"
-        np.save(tmp, block)
-        os.replace(tmp, path)
+        try:
+            np.save(tmp, block)
+            os.replace(tmp, path)
+        except OSError as exc:  # a full disk: leave no partial block behind
+            if os.path.exists(tmp):
+                os.remove(tmp)
+            raise OSError(exc.errno, exc.strerror, exc.filename or tmp) from exc
     bad, first = _bad_stats(p)
     return ChunkStat(p.num_lines, int(p.labels.size), int(p.labels.sum()), bad, first)
 
@@ -232,17 +253,26 @@ def build_vocab(opt: PrepOptions, progress: Progress) -> Encoder:
 
 # ---- encoding pass --------------------------------------------------------------------------------
 def _source(path: str) -> dict[str, Any]:
-    return {"path": os.path.abspath(path), "size": os.path.getsize(path)}
+    """What identifies an input's content: path, size and modification time (ns). Any write to
+    the file changes its mtime, even one that keeps the size (a label flipped in place)."""
+    st = os.stat(path)
+    return {"path": os.path.abspath(path), "size": st.st_size, "mtime_ns": st.st_mtime_ns}
 
 
 def _finished(opt: PrepOptions, marker: str, path: str) -> dict[str, Any] | None:
-    """The marker's record when this file was finished before from the same source."""
+    """The marker's record when this file was finished before from the same content (size and
+    mtime) and its blocks are all there and whole; None (redo it) otherwise."""
     if not os.path.exists(marker):
         return None
-    with open(marker) as f:
-        rec = json.load(f)
-    blocks_ok = all(os.path.exists(os.path.join(opt.out, b["file"])) for b in rec["blocks"])
-    return rec if rec["source"] == _source(path) and blocks_ok else None
+    try:
+        with open(marker) as f:
+            rec = json.load(f)
+        blocks_ok = all(check_block(os.path.join(opt.out, b["file"]), b["rows"]) is None
+                        for b in rec["blocks"])
+        same = rec["source"] == _source(path)
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return rec if same and blocks_ok else None
 
 
 def _remove_blocks(directory: str, prefix: str) -> None:
@@ -277,8 +307,10 @@ def _encode_file(opt: PrepOptions, workers: Workers, progress: Progress, split: 
     done = _finished(opt, marker, path)
     if done is not None:
         progress.advance(os.path.getsize(path), 0)
-        progress.note(f"{path}: finished in an earlier run, skipped")
+        progress.note(f"{path}: finished in an earlier run (same size and mtime), skipped")
         return done
+    if os.path.exists(marker):
+        progress.note(f"{path}: changed since an earlier run (or its blocks are missing or truncated), redone")
     _remove_blocks(os.path.join(opt.out, split), f"b{i:03d}-")
     rec: dict[str, Any] = {"source": _source(path), "path": path, "lines": 0, "rows": 0, "positives": 0,
                            "bad": {}, "first_bad": [], "blocks": []}
@@ -321,19 +353,72 @@ def check_options(opt: PrepOptions) -> None:
         raise CriteoFormatError("--workers must be >= 1 and --chunk-mb > 0")
 
 
-def _check_signature(opt: PrepOptions) -> None:
-    """A resumed run must use the same encoding, chunking and training files."""
-    sig = {"hash_rows": opt.hash_rows, "min_count": opt.min_count, "chunk_mb": opt.chunk_mb,
-           "train": [_source(p) for p in opt.train]}
-    path = os.path.join(opt.out, "progress", "options.json")
-    if os.path.exists(path):
-        with open(path) as f:
-            old = json.load(f)
-        if old != sig:
-            raise CriteoFormatError(f"{opt.out} was prepared with other options or training files "
+OPTIONS = os.path.join("progress", "options.json")  # the signature of a prepared directory
+_LAYOUT = ("progress", "train", "test")
+
+
+def _signature(opt: PrepOptions) -> dict[str, Any]:
+    """What a resumed run must share with the earlier one. Hashing encodes every file on its own,
+    so the training files are named by path (a file whose content changed is redone by its
+    marker); a vocabulary is counted over the training files' contents, so there they must be
+    unchanged (size and mtime)."""
+    train = [_source(p) for p in opt.train]
+    return {"hash_rows": opt.hash_rows, "min_count": opt.min_count, "chunk_mb": opt.chunk_mb,
+            "train": train if opt.min_count is not None else [t["path"] for t in train]}
+
+
+def _same_signature(old: dict[str, Any], sig: dict[str, Any]) -> bool:
+    if old.get("min_count") is None and isinstance(old.get("train"), list):  # hashing: paths only
+        old = {**old, "train": [t["path"] if isinstance(t, dict) else t for t in old["train"]]}
+    return old == sig
+
+
+def check_out(opt: PrepOptions) -> None:
+    """--out must be a new or empty directory, or one prepared before from the same inputs and
+    options (then the run resumes); never an unrelated directory whose files would be replaced."""
+    out = opt.out
+    if os.path.exists(out) and not os.path.isdir(out):
+        raise CriteoFormatError(f"--out {out} exists and is not a directory")
+    if not os.path.isdir(out):
+        return
+    options = os.path.join(out, OPTIONS)
+    if os.path.isfile(options):
+        try:
+            with open(options) as f:
+                old = json.load(f)
+        except (OSError, ValueError) as exc:
+            raise CriteoFormatError(f"--out {out}: {options} cannot be read ({exc}); use a fresh "
+                                    "--out directory") from exc
+        sig = _signature(opt)
+        if not _same_signature(old, sig):
+            raise CriteoFormatError(f"--out {out} was prepared with other options or training files "
                                     f"({old} != {sig}); use a fresh --out directory")
-    else:
-        write_json(path, sig)
+        return
+    names = os.listdir(out)
+    ours = all(n in _LAYOUT and os.path.isdir(os.path.join(out, n)) and not os.listdir(os.path.join(out, n))
+               for n in names)  # a run that stopped before writing its signature
+    if not ours:
+        shown = ", ".join(sorted(names)[:5]) + (", ..." if len(names) > 5 else "")
+        raise CriteoFormatError(f"--out {out} is not empty ({shown}) and is not a directory prepared by "
+                                "this script: its files could be replaced or deleted; give a new or "
+                                "empty directory")
+
+
+def _make_out(opt: PrepOptions) -> None:
+    """Create --out and its layout and make sure it takes files (before any input is read)."""
+    try:
+        for sub in _LAYOUT:
+            os.makedirs(os.path.join(opt.out, sub), exist_ok=True)
+        fd, probe = tempfile.mkstemp(dir=os.path.join(opt.out, "progress"), prefix=".probe-")
+        os.close(fd)
+        os.remove(probe)
+    except OSError as exc:
+        raise CriteoFormatError(f"--out {opt.out} is not writable: {exc}") from exc
+
+
+def _check_signature(opt: PrepOptions) -> None:
+    """Record this run's signature (check_out compared it with an earlier one)."""
+    write_json(os.path.join(opt.out, OPTIONS), _signature(opt))
 
 
 def _split_meta(recs: list[dict[str, Any]]) -> dict[str, Any]:
@@ -365,10 +450,19 @@ def make_meta(opt: PrepOptions, encoder: Encoder, recs: dict[str, list[dict[str,
 
 
 def prepare(opt: PrepOptions) -> dict[str, Any]:
-    """Prepare opt.out from the raw files; returns (and writes) meta.json."""
+    """Prepare opt.out from the raw files; returns (and writes) meta.json. Every failure that is
+    not a bug (bad input, --out unusable, a full disk) raises CriteoFormatError saying where."""
     check_options(opt)
-    for sub in ("progress", "train", "test"):
-        os.makedirs(os.path.join(opt.out, sub), exist_ok=True)
+    check_out(opt)
+    _make_out(opt)
+    try:
+        return _prepare(opt)
+    except OSError as exc:
+        where = exc.filename or opt.out
+        raise CriteoFormatError(f"preparing {opt.out} failed at {where}: {exc.strerror or exc}") from exc
+
+
+def _prepare(opt: PrepOptions) -> dict[str, Any]:
     _check_signature(opt)
     sizes = sum(os.path.getsize(p) for p in opt.train + opt.test)
     counting = sum(os.path.getsize(p) for p in opt.train) if opt.min_count is not None else 0
@@ -385,5 +479,13 @@ def prepare(opt: PrepOptions) -> dict[str, Any]:
     finally:
         progress.close()
     meta = make_meta(opt, encoder, recs)
+    for split, files in (("train", opt.train), ("test", opt.test)):
+        if files and meta["splits"][split]["rows"] == 0:  # meta.json is not written: not trainable
+            bad = meta["bad_rows"]
+            first = "; ".join(f"{b['file']}:{b['line']}: {b['reason']}" for b in bad["first"][:3])
+            raise CriteoFormatError(
+                f"no row of the {split} files ({', '.join(files)}) survived: {bad['total']} bad rows "
+                f"({', '.join(f'{k}: {v}' for k, v in bad['by_reason'].items()) or 'the files are empty'})"
+                + (f"; first: {first}" if first else "") + f". {META} was not written")
     write_json(os.path.join(opt.out, META), meta)
     return meta

@@ -1,0 +1,358 @@
+"""Nothing lost, ever (issue 18), data and output side: clear errors (exit 2, naming the file)
+instead of tracebacks for damaged gzip input, an unusable --out, a prepare run where no row
+survives, damaged block files (DALI and memmap readers) and an unusable hydra.run.dir; prepare
+judges "finished before" by content (size + mtime), not size; an unrelated --out is refused; long
+dense integers are reported as such; a full disk under the output dir does not stop training."""
+from __future__ import annotations
+
+import gzip
+import importlib.util
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from data_helpers import N_TRAIN, prepare_sample, sample_lines, write_lines
+from helpers import make_cfg
+import trainer.checkpoint as ckpt
+from trainer.config import to_config
+from trainer.data import make_data
+from trainer.data.blocks import memmap_reader
+from trainer.data.criteo import NUM_CAT, CriteoFormatError, parse_chunk
+from trainer.data.prepare import PrepOptions, prepare
+from trainer.runner import run
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SCRIPT = os.path.join(ROOT, "scripts", "prepare_criteo.py")
+TINY = ["data=tiny", "data.global_batch_size=48", "data.eval_samples=96", "data.eval_batch_size=48",
+        "train.threads=1", "train.progress=off", "comm=local"]
+
+
+def _env() -> dict[str, str]:
+    return dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+
+
+def _script():
+    spec = importlib.util.spec_from_file_location("prepare_criteo_script", SCRIPT)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _prep(capsys, *argv: str) -> tuple[int, str]:
+    """scripts/prepare_criteo.py's main(argv) in this process: (exit status, stderr)."""
+    capsys.readouterr()
+    code = _script().main(["--hash-rows", "100", "--chunk-mb", "0.05", "--workers", "1", "--no-progress", *argv])
+    return code, capsys.readouterr().err
+
+
+def _mount(path, size: str = "64k") -> None:
+    os.makedirs(path, exist_ok=True)
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)], capture_output=True)
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here (needs root): {done.stderr.decode().strip()}")
+
+
+def _umount(path) -> None:
+    subprocess.run(["umount", "-l", str(path)], check=True)
+
+
+@pytest.fixture
+def read_only(tmp_path):
+    """A read-only directory (a tmpfs remounted ro: root ignores permission bits)."""
+    mnt = tmp_path / "ro"
+    _mount(mnt)
+    (mnt / "inside").mkdir()
+    subprocess.run(["mount", "-o", "remount,ro", str(mnt)], check=True)
+    yield mnt
+    _umount(mnt)
+
+
+# ---------------------------------------------------------------------------- prepare: gzip input
+def _gz(path, lines: list[str]) -> str:
+    with gzip.open(path, "wt") as f:
+        f.writelines(lines)
+    return str(path)
+
+
+@pytest.mark.parametrize("damage,needle", [
+    ("truncated", "is truncated (the compressed stream ends early)"),
+    ("corrupt", "holds corrupt gzip data"),
+    ("plain", "is not gzip data (plain text named .gz?"),
+])
+def test_damaged_gzip_input_is_a_clear_error(tmp_path, capsys, damage, needle):
+    lines = sample_lines()
+    path = tmp_path / "day_0.gz"
+    if damage == "plain":
+        write_lines(str(path), lines)
+    else:
+        data = bytearray(open(_gz(path, lines * 3), "rb").read())
+        if damage == "truncated":
+            data = data[: len(data) // 2]
+        else:
+            for i in range(len(data) // 3, len(data) // 3 + 64):
+                data[i] ^= 0x5A
+        path.write_bytes(bytes(data))
+    code, err = _prep(capsys, "--train", str(path), "--out", str(tmp_path / "o"))
+    last = err.strip().splitlines()[-1]  # (garbage decoded before the damage shows as bad rows)
+    assert code == 2 and last.startswith(f"error: {path} {needle}"), err[-2000:]
+    assert not (tmp_path / "o" / "meta.json").exists()
+
+
+def test_script_exit_status_and_no_traceback(tmp_path):
+    """The real command line: a truncated .gz exits 2 with one error line."""
+    path = tmp_path / "t.gz"
+    path.write_bytes(open(_gz(tmp_path / "x.gz", sample_lines()), "rb").read()[:2000])
+    proc = subprocess.run([sys.executable, SCRIPT, "--train", str(path), "--out", str(tmp_path / "o"),
+                           "--no-progress"], capture_output=True, text=True, env=_env(), timeout=120)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    assert proc.stderr.startswith(f"error: {path} is truncated")
+
+
+# ---------------------------------------------------------------------------- prepare: --out
+def test_out_that_is_a_file_or_read_only_is_a_clear_error(tmp_path, capsys, read_only):
+    train = write_lines(str(tmp_path / "train.tsv"), sample_lines()[:100])
+    (tmp_path / "file").write_text("x")
+    code, err = _prep(capsys, "--train", train, "--out", str(tmp_path / "file"))
+    assert code == 2 and err == f"error: --out {tmp_path / 'file'} exists and is not a directory\n", err
+    for out in (read_only / "new", read_only / "inside"):
+        code, err = _prep(capsys, "--train", train, "--out", str(out))
+        assert code == 2 and err.startswith(f"error: --out {out} is not writable: ") \
+            and "Read-only file system" in err, err
+
+
+def test_out_into_an_unrelated_non_empty_dir_is_refused(tmp_path, capsys):
+    """A directory that is not a prepared dir keeps its files; a prepared dir of the same inputs
+    is reused (resume) and one of other options is refused."""
+    train = write_lines(str(tmp_path / "train.tsv"), sample_lines()[:300])
+    out = tmp_path / "mine"
+    (out / "train").mkdir(parents=True)
+    (out / "meta.json").write_text("precious")
+    (out / "train" / "b000-00000.npy").write_text("precious too")
+    code, err = _prep(capsys, "--train", train, "--out", str(out))
+    assert code == 2 and "is not empty (meta.json, train) and is not a directory prepared by this script" in err
+    assert (out / "meta.json").read_text() == "precious"
+    assert (out / "train" / "b000-00000.npy").read_text() == "precious too"
+    fresh = tmp_path / "fresh"
+    assert _prep(capsys, "--train", train, "--out", str(fresh))[0] == 0
+    code, err = _prep(capsys, "--train", train, "--out", str(fresh))
+    assert code == 0 and "finished in an earlier run" in err
+    code, err = _prep(capsys, "--train", train, "--out", str(fresh), "--chunk-mb", "0.1")
+    assert code == 2 and "was prepared with other options or training files" in err
+
+
+def test_no_surviving_row_is_an_error(tmp_path, capsys):
+    bad = ["1\t2\t3\n"] * 5 + ["x" + line for line in sample_lines()[:5]]
+    train = write_lines(str(tmp_path / "train.tsv"), bad)
+    code, err = _prep(capsys, "--train", train, "--out", str(tmp_path / "o"))
+    err = err.strip().splitlines()[-1]  # after the bad-row notes
+    assert code == 2, err
+    assert err.startswith("error: no row of the train files") and "10 bad rows (field_count: 5, label: 5)" in err
+    assert f"{train}:1: field_count" in err and "meta.json was not written" in err
+    assert not (tmp_path / "o" / "meta.json").exists()
+    empty = write_lines(str(tmp_path / "empty.tsv"), [])
+    code, err = _prep(capsys, "--train", empty, "--out", str(tmp_path / "o2"))
+    assert code == 2 and "the files are empty" in err
+
+
+# ---------------------------------------------------------------------------- prepare: content
+def _flip_labels(path: str) -> None:
+    """Flip every label in place: same size, other content."""
+    with open(path, "r+b") as f:
+        data = bytearray(f.read())
+        starts = [0] + [i + 1 for i, c in enumerate(data[:-1]) if c == 10]
+        for i in starts:
+            data[i] = ord("1") if data[i] == ord("0") else ord("0")
+        f.seek(0)
+        f.write(bytes(data))
+
+
+def test_input_edited_in_place_with_the_same_size_is_redone(tmp_path):
+    """Hashing: a training or test file whose labels were flipped in place (same size) is encoded
+    again, so meta.json counts the new positives; a vocabulary run refuses (its vocabulary was
+    counted on the old content)."""
+    lines = sample_lines()
+    train = write_lines(str(tmp_path / "train.tsv"), lines[:N_TRAIN])
+    test = write_lines(str(tmp_path / "test.tsv"), lines[N_TRAIN:])
+    opt = PrepOptions(out=str(tmp_path / "o"), train=[train], test=[test], hash_rows=[100] * NUM_CAT,
+                      chunk_mb=0.05, progress=False)
+    first = prepare(opt)
+    size = os.path.getsize(train)
+    _flip_labels(train)
+    _flip_labels(test)
+    assert os.path.getsize(train) == size
+    again = prepare(opt)
+    for split in ("train", "test"):
+        m1, m2 = first["splits"][split], again["splits"][split]
+        assert m2["rows"] == m1["rows"] and m2["positives"] == m1["rows"] - m1["positives"], split
+    blocks = np.concatenate([np.load(os.path.join(opt.out, b["file"])) for b in again["splits"]["train"]["blocks"]])
+    assert int(blocks[:, 0].sum()) == again["splits"]["train"]["positives"]
+
+    vocab = PrepOptions(out=str(tmp_path / "v"), train=[train], min_count=2, chunk_mb=0.05, progress=False)
+    prepare(vocab)
+    _flip_labels(train)
+    with pytest.raises(CriteoFormatError, match="other options or training files"):
+        prepare(vocab)
+
+
+def test_dense_integers_of_19_digits_are_reported_as_out_of_range():
+    f = sample_lines()[0].rstrip("\n").split("\t")
+    rows = []
+    for i, v in ((3, "1234567890123456789"), (5, "-99999999999999999999999"), (2, "12345678901234567x9")):
+        g = list(f)
+        g[i] = v
+        rows.append("\t".join(g) + "\n")
+    p = parse_chunk("".join(rows + [sample_lines()[0]]).encode())
+    assert p.bad_reasons == ["dense: field I3 is an integer of more than 18 digits (out of range)",
+                             "dense: field I5 is an integer of more than 18 digits (out of range)",
+                             "dense: field I2 is not an integer"]
+    assert p.labels.size == 1
+    g = list(f)
+    g[1] = "999999999999999999"  # 18 digits: still an integer
+    assert parse_chunk(("\t".join(g) + "\n").encode()).labels.size == 1
+
+
+# ---------------------------------------------------------------------------- damaged block files
+@pytest.fixture(scope="module")
+def prepared(tmp_path_factory) -> str:
+    out = tmp_path_factory.mktemp("criteo")
+    prepare_sample(str(out))
+    return str(out / "prepared")
+
+
+def _damaged(prepared: str, tmp_path, how: str) -> tuple[str, str]:
+    """A copy of the prepared dir with one training block removed or cut short: (dir, file)."""
+    d = str(tmp_path / "p")
+    shutil.copytree(prepared, d)
+    meta = json.load(open(os.path.join(d, "meta.json")))
+    block = os.path.join(d, meta["splits"]["train"]["blocks"][1]["file"])
+    if how == "missing":
+        os.remove(block)
+    else:
+        with open(block, "r+b") as f:
+            f.truncate(os.path.getsize(block) - 400)
+    return d, block
+
+
+@pytest.mark.parametrize("loader", ["dali", "memmap"])
+@pytest.mark.parametrize("how,needle", [("missing", "is missing"), ("truncated", "is truncated")])
+def test_damaged_block_file_is_named_at_start(prepared, tmp_path, loader, how, needle):
+    d, block = _damaged(prepared, tmp_path, how)
+    cfg = to_config(make_cfg(["data=criteo", f"data.dir={d}", f"data.loader={loader}", "data.batch_size=64"]))
+    with pytest.raises(CriteoFormatError, match=f"block file {block} {needle}"):
+        make_data(cfg, 0, 1)
+    if how == "truncated":  # re-running prepare repairs it, as the message says
+        meta = json.load(open(os.path.join(d, "meta.json")))
+        prepare(PrepOptions(**{**meta["options"], "out": d, "progress": False}))
+        make_data(cfg, 0, 1)
+
+
+@pytest.mark.parametrize("loader", ["dali", "memmap"])
+def test_block_damaged_while_training_names_the_file(prepared, tmp_path, loader):
+    """After start-up checks passed: the reader's own failure names the file."""
+    d, block = _damaged(prepared, tmp_path, "truncated")
+    meta = json.load(open(os.path.join(d, "meta.json")))
+    files = [os.path.join(d, b["file"]) for b in meta["splits"]["train"]["blocks"]]
+    if loader == "dali":
+        from trainer.data.dali import dali_reader
+        reader = dali_reader(13)
+    else:
+        reader = memmap_reader(13)
+    with pytest.raises(CriteoFormatError, match=f"{block}"):
+        for _ in zip(range(len(files)), reader(files, 0, 1)):
+            pass
+
+
+def test_cli_on_a_truncated_block_exits_2(prepared, tmp_path):
+    d, block = _damaged(prepared, tmp_path, "truncated")
+    proc = subprocess.run([sys.executable, "-m", "trainer", "data=criteo", f"data.dir={d}",
+                           f"hydra.run.dir={tmp_path / 'run'}"], cwd=tmp_path, env=_env(),
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert f"error: data.dir={d!r}: block file {block} is truncated" in proc.stderr
+
+
+# ---------------------------------------------------------------------------- output dir
+def test_hydra_run_dir_that_is_a_file_or_read_only(tmp_path, read_only):
+    (tmp_path / "afile").write_text("x")
+    for where, needle in ((tmp_path / "afile", "is a file, not a directory"),
+                          (tmp_path / "afile" / "sub", "is a file, not a directory"),
+                          (read_only / "inside", "is read-only"),
+                          (read_only / "new" / "run", "cannot be created")):
+        proc = subprocess.run([sys.executable, "-m", "trainer", f"hydra.run.dir={where}"], cwd=tmp_path,
+                              env=_env(), capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+        assert proc.stderr.startswith(f"error: hydra.run.dir={where}: ") and needle in proc.stderr, proc.stderr
+
+
+def test_full_disk_under_the_output_dir_does_not_stop_training(tmp_path, capfd):
+    """metrics.jsonl on a full tmpfs: one warning, training and the final checkpoint (elsewhere)
+    complete, metrics.jsonl holds whole lines only; summary.json cannot be written either, so
+    the run ends with that error, the summary (saying how many records were lost) on stdout."""
+    out = tmp_path / "out"
+    _mount(out, "64k")
+    try:
+        fd = os.open(out / "filler", os.O_WRONLY | os.O_CREAT)
+        try:  # fill the disk, then leave two pages
+            while True:
+                os.write(fd, b"\0" * 4096)
+        except OSError:
+            pass
+        os.ftruncate(fd, os.fstat(fd).st_size - 8192)
+        os.close(fd)
+        root = str(tmp_path / "ck")
+        with pytest.raises(OSError, match="No space left on device"):
+            run(make_cfg(TINY + ["train.steps=60", "train.log_every=1", f"checkpoint.dir={root}"]),
+                out_dir=str(out))
+        captured = capfd.readouterr()
+        assert captured.err.count("warning: cannot write") == 2  # metrics once, summary once
+        assert ckpt.latest(root) == ckpt.step_dir(root, 60)  # trained to the end and saved
+        lines = (out / "metrics.jsonl").read_text().splitlines()
+        assert 0 < len(lines) < 60 and all(json.loads(line)["step"] for line in lines)
+        summary = json.loads(captured.out.strip().splitlines()[-1])
+        assert summary["steps"] == 60 and summary["checkpoint"] == ckpt.step_dir(root, 60)
+        log = summary["metrics_log"]
+        assert "No space left on device" in log["error"] and log["records_written"] == len(lines)
+        assert log["records_lost"] == 60 + 1 - len(lines)  # 60 step records + the final eval
+        assert not [n for n in os.listdir(out) if n.startswith("summary.json")]
+    finally:
+        _umount(out)
+
+
+class _FailingFile:
+    """A file whose writes fail with ENOSPC after `ok` successful ones (first one half-written)."""
+
+    def __init__(self, f, ok: int) -> None:
+        self.f, self.ok = f, ok
+
+    def write(self, data) -> int:
+        if self.ok == 0:
+            self.f.write(bytes(data[: len(data) // 2]))
+            raise OSError(28, "No space left on device (injected)")
+        self.ok -= 1
+        return self.f.write(data)
+
+    def __getattr__(self, name):
+        return getattr(self.f, name)
+
+
+def test_metrics_failure_is_reported_in_the_summary(tmp_path, monkeypatch):
+    import trainer.metrics as metrics
+    real_open = open
+
+    def failing_open(path, mode="r", *a, **k):
+        f = real_open(path, mode, *a, **k)
+        return _FailingFile(f, 3) if str(path).endswith("metrics.jsonl") else f
+
+    monkeypatch.setattr(metrics, "open", failing_open, raising=False)
+    res = run(make_cfg(TINY + ["train.steps=10", "train.log_every=1"]), out_dir=str(tmp_path))
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["metrics_log"] == res.summary["metrics_log"]
+    assert summary["metrics_log"]["records_written"] == 3 and summary["metrics_log"]["records_lost"] == 8
+    assert "injected" in summary["metrics_log"]["error"]
+    lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(line)["step"] for line in lines] == [1, 2, 3]  # the half line was cut off
