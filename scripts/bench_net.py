@@ -38,12 +38,10 @@ import sys
 import tempfile
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if ROOT not in sys.path:
-    sys.path.insert(0, ROOT)
+from trainer.tools import netcluster
+from trainer.tools.netcluster import NetCluster, NetClusterError
 
-from trainer.tools import netcluster  # noqa: E402
-from trainer.tools.netcluster import NetCluster, NetClusterError  # noqa: E402
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the runs' working directory
 
 CACHE_SSP = ["cache=lfu", "consistency=ssp", "consistency.pull_bound=4", "consistency.push_bound=4"]
 MODES = {
@@ -116,8 +114,7 @@ def run_one(link: str, mode: str, steps: int, quick: bool, extra: list[str], tmp
             cluster: NetCluster | None, timeout: float) -> dict:
     run_dir = os.path.join(tmp, f"{link}-{mode}")
     args = ["-m", "trainer", *trainer_args(mode, steps, run_dir, quick, extra)]
-    env = {"PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), "PYTHONUNBUFFERED": "1",
-           "OMP_NUM_THREADS": "1"}
+    env = {"PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
     t0 = time.perf_counter()
     if cluster is None:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", *args]

@@ -16,15 +16,9 @@ environment plus Gloo pinned to the hosts' veth0; every command has a --timeout 
 """
 from __future__ import annotations
 
-import os
 import sys
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if ROOT not in sys.path:
-    sys.path.insert(0, ROOT)
-os.environ["PYTHONPATH"] = ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")
-
-from trainer.tools.netcluster import main  # noqa: E402
+from trainer.tools.netcluster import main
 
 if __name__ == "__main__":
     sys.exit(main())
