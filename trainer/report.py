@@ -31,14 +31,35 @@ class TensorBoardWriter:
     rate, staleness histogram, eval AUC / logloss), in OUT/tensorboard/."""
 
     def __init__(self, log_dir: Optional[str]) -> None:
-        self._w = None
+        self._w, self.log_dir, self.error = None, log_dir, None
         if log_dir is not None:
-            from torch.utils.tensorboard import SummaryWriter
-            self._w = SummaryWriter(log_dir=log_dir)
+            self._guard(self._open)
+
+    def _open(self) -> None:
+        from torch.utils.tensorboard import SummaryWriter
+        self._w = SummaryWriter(log_dir=self.log_dir)
+
+    def _guard(self, fn, *args: Any) -> None:
+        """Like metrics.jsonl, TensorBoard must never end a run: on a write error (a full disk, an
+        unwritable dir) warn once and stop writing events."""
+        try:
+            fn(*args)
+        except Exception as exc:  # noqa: BLE001 - OSError, or the writer thread's re-raised error
+            self.error = f"{type(exc).__name__}: {exc}"
+            print(f"[trainer] warning: TensorBoard events stop here: {self.log_dir} refused them "
+                  f"({self.error}); training goes on", file=sys.stderr)
+            w, self._w = self._w, None
+            if w is not None:
+                try:
+                    w.close()
+                except Exception:  # noqa: BLE001 - already failed once
+                    pass
 
     def step(self, rec: dict[str, Any]) -> None:
-        if self._w is None:
-            return
+        if self._w is not None:
+            self._guard(self._step, rec)
+
+    def _step(self, rec: dict[str, Any]) -> None:
         s = rec["step"]
         if rec.get("loss") is not None:
             self._w.add_scalar("train/loss", rec["loss"], s)
@@ -56,15 +77,18 @@ class TensorBoardWriter:
                 self._w.add_histogram("cache/staleness", values, s, bins=np.arange(HIST_BINS + 1) - 0.5)
 
     def eval(self, step: int, ev: dict[str, Any]) -> None:
-        if self._w is None:
-            return
+        if self._w is not None:
+            self._guard(self._eval, step, ev)
+
+    def _eval(self, step: int, ev: dict[str, Any]) -> None:
         for key in ("eval_auc", "eval_logloss"):
             if ev.get(key) is not None:
                 self._w.add_scalar(f"eval/{key[5:]}", ev[key], step)
 
     def close(self) -> None:
         if self._w is not None:
-            self._w.close()
+            self._guard(self._w.close)
+            self._w = None
 
 
 def _bin_value(key: str) -> int:
@@ -228,6 +252,8 @@ class Reporter:
             "checkpoint": checkpoint,
         }
         out["metrics_log"] = self.metrics.report()  # records lost to a failing disk, if any
+        if self.tb.error is not None:
+            out["tensorboard_error"] = self.tb.error
         if self.out_dir and self.comm.rank == 0:
             write_summary(os.path.join(self.out_dir, "summary.json"), out)
         return out
