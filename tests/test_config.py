@@ -111,7 +111,7 @@ BAD = [
 ]
 # keys with no range to check: free text (informational names, paths) and booleans
 NO_RANGE = {"data.preset", "data.dir", "data.shuffle", "optim.name", "embedding.audit", "checkpoint.enabled",
-            "placement.hot_batches", "schedule.on_demand_sync", "schedule.cache_aware"}
+            "placement.hot_batches", "schedule.on_demand_sync", "schedule.cache_aware", "train.tensorboard"}
 
 
 @pytest.mark.parametrize("override,key", BAD, ids=[b[0] for b in BAD])
