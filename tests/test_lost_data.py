@@ -19,7 +19,7 @@ import pytest
 from data_helpers import N_TRAIN, prepare_sample, sample_lines, write_lines
 from helpers import make_cfg
 import trainer.checkpoint as ckpt
-from trainer.config import to_config
+from trainer.configure import load_config as to_config
 from trainer.data import make_data
 from trainer.data.blocks import memmap_reader
 from trainer.data.criteo import NUM_CAT, CriteoFormatError, parse_chunk

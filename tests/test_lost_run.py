@@ -181,13 +181,15 @@ def _failed_save(rank: int, world: int, overrides: list[str], out_dir: str):
 
 @pytest.mark.dist
 def test_failed_save_without_another_place_still_writes_the_summary(tmp_path):
-    """W = 2, checkpoints in the output dir's default place (a full tmpfs mounted there): no
+    """W = 2, checkpoints in the output dir's default place (a small tmpfs mounted there): no
     fallback (it would be the same place); every rank stops with the error, summary.json says the
     model of step 8 was not saved anywhere and still carries its evaluation."""
     out = tmp_path / "out"
     mnt = _mount(out / "checkpoints")
     try:
-        results = spawn(2, _failed_save, BASE + ["train.steps=16", "checkpoint.every=8"], str(out), timeout=180)
+        # train.pipeline=ids: step 9 is prepared (its reads begun) when the save fails: dropped
+        results = spawn(2, _failed_save, BASE + ["train.steps=16", "checkpoint.every=8", "train.pipeline=ids"],
+                        str(out), timeout=180)
         for msg, _ in results:  # rank 0 names its own error; a rank whose shard was written names rank 0
             assert msg.startswith(f"checkpoint save of step 8 into {out / 'checkpoints'} failed on rank"), msg
             assert "was not saved anywhere" in msg and "no other place" in msg, msg
@@ -270,3 +272,51 @@ def test_metrics_rewrite_that_fails_keeps_the_log_and_marks_the_resume(tmp_path,
     assert recs[0] == {"event": "resume", "from": ckpt.step_dir(root, 3), "step": 3}
     assert [r["step"] for r in recs[1:] if "loss" in r] == [4, 5, 6]
     assert not [n for n in os.listdir(out) if n.startswith("metrics.jsonl.")]
+
+
+# ---------------------------------------------------------------------------- the relaunch command
+def _hydra_values(tokens: list[str]) -> dict[str, str]:
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    parsed = OverridesParser.create().parse_overrides(tokens)
+    return {o.key_or_group: o.value() for o in parsed}
+
+
+def test_relaunch_command_replaces_the_run_dirs_and_quotes_paths(monkeypatch, tmp_path):
+    """The command of a plain run (no launcher above it): this process's command line, any
+    checkpoint.resume / checkpoint.dir / hydra.run.dir (also with + or ++) replaced by the absolute
+    ones given; paths with spaces, commas and quotes survive the shell and Hydra's parser."""
+    args = ["data=tiny", "+checkpoint.resume=auto", "optim.lr=0.5", "++checkpoint.dir=old",
+            "hydra.run.dir=outputs/x"]
+    monkeypatch.setattr(sys, "argv", ["/somewhere/trainer/__main__.py", *args])
+    monkeypatch.setattr(sys, "orig_argv", ["/venv/bin/python", "-u", "-m", "trainer", *args])
+    cwd = tmp_path / "launch dir"
+    cwd.mkdir()
+    monkeypatch.chdir(cwd)
+    odd = str(tmp_path / "a b,c'd")
+    cmd = runner.relaunch_command(f"{odd}/ck/step_00000010", f"{odd}/ck", odd, size=2)
+    import shlex
+    tokens = shlex.split(cmd)
+    assert tokens[:4] == ["cd", str(cwd), "&&", "/venv/bin/python"]
+    assert tokens[4:11] == ["-u", "-m", "trainer", "data=tiny", "optim.lr=0.5", tokens[9], tokens[10]]
+    assert _hydra_values(tokens[9:]) == {"checkpoint.resume": f"{odd}/ck/step_00000010",
+                                         "checkpoint.dir": f"{odd}/ck", "hydra.run.dir": odd}
+    monkeypatch.chdir(tmp_path)
+    plain = runner.relaunch_command(None, "ck", "out", size=1)  # no checkpoint yet: no resume
+    assert plain == f"cd {tmp_path} && /venv/bin/python -u -m trainer data=tiny optim.lr=0.5 " \
+                    f"checkpoint.dir={tmp_path}/ck hydra.run.dir={tmp_path}/out"
+
+
+def test_relaunch_command_of_a_sweep_job_is_that_job_alone(monkeypatch, tmp_path):
+    """A job of a Hydra sweep (-m): -m and the sweep's values go, this job's values come in."""
+    from types import SimpleNamespace
+
+    from hydra.core.hydra_config import HydraConfig
+    args = ["-m", "data=tiny", "optim.lr=0.1,0.5", "hydra.sweep.dir=ms", "hydra/job_logging=stdout"]
+    monkeypatch.setattr(sys, "argv", ["/somewhere/trainer/__main__.py", *args])
+    monkeypatch.setattr(sys, "orig_argv", ["python", "-m", "trainer", *args])
+    monkeypatch.setattr(HydraConfig, "get", staticmethod(
+        lambda: SimpleNamespace(overrides=SimpleNamespace(task=["data=tiny", "optim.lr=0.5"]))))
+    monkeypatch.chdir(tmp_path)
+    cmd = runner.relaunch_command("/ck/step_00000004", "/ck", "/ms/1")
+    assert cmd == (f"cd {tmp_path} && python -m trainer hydra/job_logging=stdout data=tiny optim.lr=0.5 "
+                   "checkpoint.resume=/ck/step_00000004 checkpoint.dir=/ck hydra.run.dir=/ms/1")

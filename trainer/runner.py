@@ -465,6 +465,9 @@ class Trainer:
         that is another directory than checkpoint.dir, then the evaluation at `step` and
         summary.json with `checkpoint_error` (where the model could not go, where it went).
         Always raises CheckpointError (exit 2) saying both; it carries the summary. Collective."""
+        if self._next is not None:  # the step prepared ahead (train.pipeline) will not run
+            self.emb.cancel(self._next[2])
+            self._next = None
         failed = os.path.abspath(self.ckpt_dir)
         alt = os.path.abspath(os.path.join(self.out_dir, "checkpoints")) if self.out_dir else None
         fallback, fallback_error = None, None
