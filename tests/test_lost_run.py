@@ -119,6 +119,31 @@ def test_full_output_dir_is_refused_by_the_command(tmp_path, small_fs):
     assert sorted(os.listdir(out)) == [] and not (tmp_path / "ck").exists()
 
 
+def test_output_disk_full_mid_run_command_ends_with_one_error_line(tmp_path, small_fs):
+    """The command, with TensorBoard on (the default), on an output dir with a few pages left:
+    TensorBoard's writer, the metrics log and summary.json each fail in turn; training and the
+    final checkpoint (elsewhere) complete, each failure is one warning (no thread traceback), the
+    summary goes to stdout and the run exits 2 naming summary.json."""
+    fd = os.open(os.path.join(small_fs, "filler"), os.O_WRONLY | os.O_CREAT)
+    try:
+        while True:
+            os.write(fd, b"\0" * 4096)
+    except OSError:
+        pass
+    os.ftruncate(fd, os.fstat(fd).st_size - 16384)
+    os.close(fd)
+    out, root = os.path.join(small_fs, "run"), str(tmp_path / "ck")
+    proc = _cli(tmp_path, "train.steps=60", "train.log_every=1", f"hydra.run.dir={out}", "hydra.output_subdir=null",
+                f"checkpoint.dir={root}")
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    lines = proc.stderr.strip().splitlines()
+    assert lines[-1] == f"error: {out}/summary.json: No space left on device", proc.stderr
+    assert sum("TensorBoard events in" in line for line in lines) == 1, proc.stderr
+    assert len(lines) == 4, proc.stderr  # TensorBoard, metrics.jsonl, summary.json warnings + the error
+    summary = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert summary["end_step"] == 60 and summary["checkpoint"] == ckpt.step_dir(root, 60)
+
+
 def test_unwritable_checkpoint_dir_is_refused_before_the_sparse_side_is_built(tmp_path, read_only, monkeypatch):
     """checkpoint.dir read-only (or a file): the lock cannot be created; that is found before the
     data and the placement planning (build_sparse) run."""

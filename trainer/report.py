@@ -11,6 +11,7 @@ import json
 import math
 import os
 import sys
+import threading
 from dataclasses import asdict
 from typing import Any, Optional
 
@@ -29,21 +30,33 @@ from .schedule import HotColdOrder
 
 class TensorBoardWriter:
     """train.tensorboard: scalars beside metrics.jsonl (loss, samples/s, bytes per kind, cache hit
-    rate, staleness histogram, eval AUC / logloss), in OUT/tensorboard/."""
+    rate, staleness histogram, eval AUC / logloss), in OUT/tensorboard/.
+
+    Like the metrics log it never ends a run: TensorBoard's writer thread keeps a write error (a
+    full disk) and raises it at the next call; then one warning goes to stderr and the event file
+    is left as it is (later scalars are dropped)."""
 
     def __init__(self, log_dir: Optional[str]) -> None:
         self._w = None
+        self.log_dir = log_dir
         if log_dir is not None:
             from torch.utils.tensorboard import SummaryWriter
-            self._w = SummaryWriter(log_dir=log_dir)
+            _quiet_tensorboard_thread()
+            try:
+                self._w = SummaryWriter(log_dir=log_dir)
+            except OSError as exc:
+                self._fail(exc)
 
     def step(self, rec: dict[str, Any]) -> None:
-        if self._w is None:
-            return
+        if self._w is not None:
+            self._guard(self._step, rec)
+
+    def _step(self, rec: dict[str, Any]) -> None:
         s = rec["step"]
         if rec.get("loss") is not None:
             self._w.add_scalar("train/loss", rec["loss"], s)
-        self._w.add_scalar("train/samples_per_sec", rec["samples_per_sec"], s)
+        if rec.get("samples_per_sec") is not None:
+            self._w.add_scalar("train/samples_per_sec", rec["samples_per_sec"], s)
         for kind, n in rec["bytes"].items():
             self._w.add_scalar(f"bytes/{kind}", n, s)
         cache = rec.get("cache")
@@ -57,15 +70,53 @@ class TensorBoardWriter:
                 self._w.add_histogram("cache/staleness", values, s, bins=np.arange(HIST_BINS + 1) - 0.5)
 
     def eval(self, step: int, ev: dict[str, Any]) -> None:
-        if self._w is None:
-            return
+        if self._w is not None:
+            self._guard(self._eval, step, ev)
+
+    def _eval(self, step: int, ev: dict[str, Any]) -> None:
         for key in ("eval_auc", "eval_logloss"):
             if ev.get(key) is not None:
                 self._w.add_scalar(f"eval/{key[5:]}", ev[key], step)
 
     def close(self) -> None:
         if self._w is not None:
-            self._w.close()
+            self._guard(self._w.close)
+            self._w = None
+
+    def _guard(self, fn: Any, *args: Any) -> None:
+        try:
+            fn(*args)
+        except OSError as exc:
+            self._fail(exc)
+
+    def _fail(self, exc: OSError) -> None:
+        w, self._w = self._w, None
+        if w is not None:
+            try:
+                w.close()
+            except OSError:
+                pass
+        print(f"[trainer] warning: TensorBoard events in {self.log_dir} stop here ({exc}); training "
+              "goes on (metrics.jsonl has the same figures)", file=sys.stderr)
+
+
+def _quiet_tensorboard_thread() -> None:
+    """TensorBoard's writer thread stores a write error for the next call and then re-raises it,
+    so Python's thread hook would also print it as a traceback. TensorBoardWriter reports that
+    error itself (one warning), so an OSError ending that thread is not printed again; every
+    other thread error still goes to the previous hook."""
+    prev = threading.excepthook
+    if getattr(prev, "quiets_tensorboard", False):
+        return
+
+    def hook(args: Any) -> None:
+        if type(args.thread).__name__ == "_AsyncWriterThread" and args.exc_type is not None \
+                and issubclass(args.exc_type, OSError):
+            return
+        prev(args)
+
+    hook.quiets_tensorboard = True  # type: ignore[attr-defined]
+    threading.excepthook = hook
 
 
 def _bin_value(key: str) -> int:
@@ -246,7 +297,13 @@ class Reporter:
         }
         out["metrics_log"] = self.metrics.report()  # records lost to a failing disk, if any
         if self.out_dir and self.comm.rank == 0:
-            write_summary(os.path.join(self.out_dir, "summary.json"), out)
+            path = os.path.join(self.out_dir, "summary.json")
+            try:
+                write_summary(path, out)
+            except OSError as exc:  # a write that fails at close names no file: name it (exit 2)
+                if exc.filename is None:
+                    raise OSError(exc.errno, exc.strerror or str(exc), path) from exc
+                raise
         return out
 
     def _placement_summary(self, bytes_: dict[str, int], run_samples: int, trained: int,
