@@ -472,9 +472,9 @@ class Trainer:
         alt = os.path.abspath(os.path.join(self.out_dir, "checkpoints")) if self.out_dir else None
         fallback, fallback_error = None, None
         if alt is None:
-            fallback_error = "no output dir to save into instead"
+            fallback_error = "no other place to save it: the run has no output dir"
         elif os.path.realpath(alt) == os.path.realpath(failed):
-            fallback_error = f"the output dir's checkpoints/ is checkpoint.dir itself ({failed})"
+            fallback_error = "no other place to save it: the output dir's checkpoints/ is checkpoint.dir itself"
         else:
             backup = None
             try:
@@ -489,7 +489,7 @@ class Trainer:
             where = (f"the model trained so far (step {step}) was saved instead to {fallback} (continue "
                      f"with checkpoint.resume={fallback} and a checkpoint.dir with space)")
         else:
-            where = f"the model of step {step} was not saved anywhere ({fallback_error}; no other place to save it)"
+            where = f"the model of step {step} was not saved anywhere ({fallback_error})"
         error = {"step": step, "checkpoint_dir": failed, "error": str(exc), "fallback": fallback,
                  "fallback_error": fallback_error}
         done = [e for e in self.evals[-1:] if e["step"] == step]  # evaluated at this step already
