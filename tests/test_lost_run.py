@@ -302,15 +302,18 @@ def test_metrics_rewrite_that_fails_keeps_the_log_and_marks_the_resume(tmp_path,
 
 # ---------------------------------------------------------------------------- the relaunch command
 def _hydra_values(tokens: list[str]) -> dict[str, str]:
+    """Override tokens as Hydra parses them and OmegaConf then resolves the values."""
     from hydra.core.override_parser.overrides_parser import OverridesParser
+    from omegaconf import OmegaConf
     parsed = OverridesParser.create().parse_overrides(tokens)
-    return {o.key_or_group: o.value() for o in parsed}
+    return {o.key_or_group: OmegaConf.create({"v": o.value()}).v for o in parsed}
 
 
 def test_relaunch_command_replaces_the_run_dirs_and_quotes_paths(monkeypatch, tmp_path):
     """The command of a plain run (no launcher above it): this process's command line, any
     checkpoint.resume / checkpoint.dir / hydra.run.dir (also with + or ++) replaced by the absolute
-    ones given; paths with spaces, commas and quotes survive the shell and Hydra's parser."""
+    ones given; paths with spaces, commas, quotes, backslashes and ${ survive the shell, Hydra's
+    parser and OmegaConf."""
     args = ["data=tiny", "+checkpoint.resume=auto", "optim.lr=0.5", "++checkpoint.dir=old",
             "hydra.run.dir=outputs/x"]
     monkeypatch.setattr(sys, "argv", ["/somewhere/trainer/__main__.py", *args])
@@ -318,7 +321,7 @@ def test_relaunch_command_replaces_the_run_dirs_and_quotes_paths(monkeypatch, tm
     cwd = tmp_path / "launch dir"
     cwd.mkdir()
     monkeypatch.chdir(cwd)
-    odd = str(tmp_path / "a b,c'd")
+    odd = str(tmp_path / "a b,c'd\\e${f}")
     cmd = runner.relaunch_command(f"{odd}/ck/step_00000010", f"{odd}/ck", odd, size=2)
     import shlex
     tokens = shlex.split(cmd)
@@ -340,6 +343,7 @@ def test_relaunch_command_of_a_sweep_job_is_that_job_alone(monkeypatch, tmp_path
     args = ["-m", "data=tiny", "optim.lr=0.1,0.5", "hydra.sweep.dir=ms", "hydra/job_logging=stdout"]
     monkeypatch.setattr(sys, "argv", ["/somewhere/trainer/__main__.py", *args])
     monkeypatch.setattr(sys, "orig_argv", ["python", "-m", "trainer", *args])
+    monkeypatch.setattr(HydraConfig, "initialized", staticmethod(lambda: True))
     monkeypatch.setattr(HydraConfig, "get", staticmethod(
         lambda: SimpleNamespace(overrides=SimpleNamespace(task=["data=tiny", "optim.lr=0.5"]))))
     monkeypatch.chdir(tmp_path)

@@ -146,25 +146,34 @@ def _override_key(arg: str) -> str | None:
 def _job_args(args: list[str]) -> list[str]:
     """This job's trainer arguments; for a job of a Hydra sweep (-m), the sweep's overrides are
     replaced by this job's own values and -m is dropped."""
-    sweep = "-m" in args or "--multirun" in args
-    if not sweep:
+    if "-m" not in args and "--multirun" not in args:
         return list(args)
     from hydra.core.hydra_config import HydraConfig  # a sweep only exists under Hydra
+    if not HydraConfig.initialized():
+        return list(args)
     task = list(HydraConfig.get().overrides.task)
-    kept = [a for a in args if a not in ("-m", "--multirun") and (
-        _override_key(a) is None or (_override_key(a) or "").startswith("hydra")
-        and not (_override_key(a) or "").startswith(("hydra.sweep", "hydra.mode")))]
-    return kept + task
+
+    def kept(arg: str) -> bool:  # flags and Hydra's own keys stay; the sweep's go
+        key = _override_key(arg)
+        return arg not in ("-m", "--multirun") and (
+            key is None or key.startswith("hydra") and not key.startswith(("hydra.sweep", "hydra.mode")))
+
+    return [a for a in args if kept(a)] + task
 
 
-_PLAIN = re.compile(r"^[A-Za-z0-9_\-/.+@%~]+$")
+_PLAIN = re.compile(r"^[A-Za-z0-9_\-/.+@%]+$")
 
 
 def _hydra_value(value: str) -> str:
-    """value as a Hydra override value: plain paths as they are, others single-quoted."""
+    """value as a Hydra override value: plain paths as they are, others single-quoted (Hydra's
+    rules inside quotes: a quote is escaped, and so is each backslash just before a quote; ${ is
+    escaped so that it is not read as an interpolation)."""
     if _PLAIN.match(value):
         return value
-    return "'" + value.replace("\\", "\\\\").replace("'", "\\'") + "'"
+    quoted = re.sub(r"(\\*)'", lambda m: m.group(1) * 2 + "\\'", value)
+    quoted = re.sub(r"(\\+)$", lambda m: m.group(1) * 2, quoted)  # before the closing quote
+    quoted = quoted.replace("${", "\\${")  # a literal ${, not an interpolation
+    return f"'{quoted}'"
 
 
 def _launcher(tail: list[str]) -> tuple[list[str], str] | None:
