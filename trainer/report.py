@@ -55,8 +55,7 @@ class TensorBoardWriter:
         s = rec["step"]
         if rec.get("loss") is not None:
             self._w.add_scalar("train/loss", rec["loss"], s)
-        if rec.get("samples_per_sec") is not None:
-            self._w.add_scalar("train/samples_per_sec", rec["samples_per_sec"], s)
+        self._w.add_scalar("train/samples_per_sec", rec["samples_per_sec"], s)
         for kind, n in rec["bytes"].items():
             self._w.add_scalar(f"bytes/{kind}", n, s)
         cache = rec.get("cache")
