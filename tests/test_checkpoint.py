@@ -170,8 +170,8 @@ def test_one_rank_failing_mid_save_stops_every_rank_and_auto_resumes(tmp_path):
     checkpoints stay complete, and auto resumes from the newest to the reference result."""
     root = _dir(tmp_path, "ck")
     overrides = BASE + ["cache=lru", f"checkpoint.dir={root}", f"checkpoint.every={K}"]
-    with pytest.raises(RuntimeError, match=r"rank 0 failed:\nCheckpointError: checkpoint save failed "
-                                           r"on rank\(s\) \[1\]"):
+    with pytest.raises(RuntimeError, match=rf"rank 0 failed:\nCheckpointError: checkpoint save of step {STEPS} "
+                                           rf"into {root} failed on rank\(s\) \[1\]"):
         spawn(2, _rank1_fails_in_final_save, overrides)
     assert ckpt.latest(root) == _step(root, 10)
     assert not [n for n in os.listdir(root) if ".tmp-" in n]  # the failed save removed its dir

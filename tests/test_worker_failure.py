@@ -2,8 +2,10 @@
 
 - A worker killed (SIGKILL) after the run has written a checkpoint: the launcher and the surviving
   worker exit non-zero within comm.timeout_s + a margin, never hang, and the survivor's message
-  names the failed collective and the relaunch; the same command with checkpoint.resume=auto then
-  continues from the newest complete checkpoint and reaches the final step.
+  names the failed collective and prints a relaunch command; exactly that command (run from
+  another directory) continues from the checkpoint it names, in the same output dir, and reaches
+  the final step. torchrun runs with the default (timestamped) output dir, where "the same command
+  with resume=auto" would start over in a new dir; horovodrun with an explicit hydra.run.dir.
 - A worker that stalls (SIGSTOP) without dying: the survivor's collective times out after
   comm.timeout_s and the survivor process exits by itself right after (the launcher does not notice
   a stopped process, so this is our own exit path: status 3, no wait for Horovod's shutdown).
@@ -12,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -32,8 +35,8 @@ ARGS = ["-m", "trainer", "data=tiny", f"train.steps={STEPS}", f"comm.timeout_s={
 LAUNCHERS = ("torchrun", "horovodrun")
 
 
-def _command(launcher: str, out: str, extra: list[str]) -> list[str]:
-    args = ARGS + [f"hydra.run.dir={out}"] + extra
+def _command(launcher: str, out: str | None, extra: list[str]) -> list[str]:
+    args = ARGS + ([f"hydra.run.dir={out}"] if out is not None else []) + extra
     if launcher == "torchrun":
         return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"] + \
             args + ["comm=torch"]
@@ -42,9 +45,9 @@ def _command(launcher: str, out: str, extra: list[str]) -> list[str]:
         args + ["comm=horovod"]
 
 
-def _start(launcher: str, out: str, extra: list[str] = ()) -> tuple[subprocess.Popen, str]:
+def _start(launcher: str, out: str | None, extra: list[str] = (), cwd: str = ROOT) -> tuple[subprocess.Popen, str]:
     marker = uuid.uuid4().hex  # inherited by the workers: finds them among all processes
-    proc = subprocess.Popen(_command(launcher, out, list(extra)), cwd=ROOT, env={**env(), "TEST_RUN": marker},
+    proc = subprocess.Popen(_command(launcher, out, list(extra)), cwd=cwd, env={**env(), "TEST_RUN": marker},
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     return proc, marker
 
@@ -94,11 +97,36 @@ def _finish(proc: subprocess.Popen, timeout: float) -> str:
         raise AssertionError(f"the launcher hangs {timeout}s after the failure:\n{proc.communicate()[0][-3000:]}")
 
 
-@pytest.mark.parametrize("launcher", LAUNCHERS)
-def test_killed_worker_stops_the_others_then_resume_auto_finishes(launcher, tmp_path):
-    out = str(tmp_path / "run")
+def _printed_command(log: str) -> str:
+    """The relaunch command of the survivor's message: the line after '..., run:' (without
+    horovodrun's '[rank]<stderr>:' line prefix)."""
+    lines = [re.sub(r"^\[\d+\]<std(err|out)>:", "", line) for line in log.splitlines()]
+    at = [i for i, line in enumerate(lines) if line.endswith("to continue from it, run:")]
+    assert at and at[0] + 1 < len(lines), log[-3000:]
+    return lines[at[0] + 1].strip()
+
+
+def _run_dirs(cwd) -> set[str]:
+    """Every Hydra run dir (outputs/DATE/TIME) under cwd."""
+    base = os.path.join(cwd, "outputs")
+    return {os.path.join(base, d, t) for d in os.listdir(base) for t in os.listdir(os.path.join(base, d))} \
+        if os.path.isdir(base) else set()
+
+
+@pytest.mark.parametrize("launcher,default_dir", [("torchrun", True), ("horovodrun", False)])
+def test_killed_worker_stops_the_others_then_the_printed_command_finishes(launcher, default_dir, tmp_path):
+    work = tmp_path / "work"  # the launch dir: outputs/<date>/<time> goes here by default
+    work.mkdir()
+    out = None if default_dir else str(tmp_path / "run")
+    proc, marker = _start(launcher, out, cwd=str(work))
+    t0 = time.monotonic()
+    while out is None:  # rank 0's timestamped dir: the one that gets checkpoints/
+        out = next((d for d in _run_dirs(work) if os.path.isdir(os.path.join(d, "checkpoints"))), None)
+        if proc.poll() is not None or time.monotonic() - t0 > 90:
+            proc.kill()
+            raise AssertionError(f"no checkpoints/ in a run dir:\n{proc.communicate()[0][-3000:]}")
+        time.sleep(0.05)
     root = os.path.join(out, "checkpoints")
-    proc, marker = _start(launcher, out)
     _wait_for_checkpoint(proc, root)
     victim = _worker(marker, 1)
     t0 = time.monotonic()
@@ -108,18 +136,28 @@ def test_killed_worker_stops_the_others_then_resume_auto_finishes(launcher, tmp_
     assert proc.returncode != 0, log[-3000:]
     assert took < TIMEOUT_S + 10, (took, log[-3000:])
     assert "collective '" in log and "failed on rank 0/2" in log, log[-3000:]  # the survivor names it
-    assert "Relaunch the same command with checkpoint.resume=auto" in log, log[-3000:]
-    assert ckpt.complete_checkpoints(root)[-1][0] < STEPS  # it really stopped early
+    step, path = ckpt.complete_checkpoints(root)[-1]  # the newest save: what the command must name
+    assert step < STEPS  # it really stopped early
+    command = _printed_command(log)
+    assert f"The newest complete checkpoint of this run is {path};" in log, log[-3000:]
+    assert command.startswith(f"cd {work} && ") and command.endswith(
+        f" checkpoint.resume={path} checkpoint.dir={root} hydra.run.dir={out}"), command
+    assert command.count("hydra.run.dir=") == 1 and "comm.timeout_s=10" in command, command
+    dirs = _run_dirs(work)
 
-    step, path = ckpt.complete_checkpoints(root)[-1]  # what auto must pick
-    again = subprocess.run(_command(launcher, out, ["checkpoint.resume=auto"]), cwd=ROOT, env=env(),
-                           capture_output=True, text=True, timeout=120)
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    again = subprocess.run(["bash", "-c", command], cwd=elsewhere, env=env(), capture_output=True, text=True,
+                           timeout=180)
     assert again.returncode == 0, again.stdout[-2000:] + again.stderr[-3000:]
+    assert _run_dirs(work) == dirs and not os.listdir(elsewhere)  # no new output dir anywhere
     summary = json.loads(open(os.path.join(out, "summary.json")).read())
     assert summary["resumed_from"] == path and summary["start_step"] == step >= EVERY
-    assert summary["steps"] == STEPS and summary["world_size"] == 2
-    last = [json.loads(x) for x in open(os.path.join(out, "metrics.jsonl")) if '"loss"' in x][-1]
-    assert last["step"] == STEPS
+    assert summary["steps"] == summary["end_step"] == STEPS and summary["world_size"] == 2
+    recs = [json.loads(x) for x in open(os.path.join(out, "metrics.jsonl"))]
+    steps = [r["step"] for r in recs if "loss" in r]
+    assert steps == sorted(set(steps)) and steps[-1] == STEPS  # each step once, up to the end
+    assert [r for r in recs if r.get("event") == "resume"] == [{"event": "resume", "from": path, "step": step}]
     assert ckpt.complete_checkpoints(root)[-1][0] == STEPS
 
 

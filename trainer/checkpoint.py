@@ -429,7 +429,8 @@ class Checkpointer:
         On failure anywhere the partial `.tmp-` directory is removed before every rank raises."""
         tmp = self._tmp_dir(step)
         try:
-            digest = _agree(self.comm, "checkpoint save", lambda: self._write_shard(tmp, store))
+            digest = _agree(self.comm, f"checkpoint save of step {step} into {self.root}",
+                            lambda: self._write_shard(tmp, store))
         except CheckpointError:
             self._discard(tmp)  # every rank has passed the allgather: nobody writes into tmp now
             raise

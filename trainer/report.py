@@ -7,9 +7,11 @@ only rank 0 writes files.
 """
 from __future__ import annotations
 
+import json
 import math
 import os
 import sys
+import threading
 from dataclasses import asdict
 from typing import Any, Optional
 
@@ -28,32 +30,22 @@ from .schedule import HotColdOrder
 
 class TensorBoardWriter:
     """train.tensorboard: scalars beside metrics.jsonl (loss, samples/s, bytes per kind, cache hit
-    rate, staleness histogram, eval AUC / logloss), in OUT/tensorboard/."""
+    rate, staleness histogram, eval AUC / logloss), in OUT/tensorboard/.
+
+    Like the metrics log it never ends a run: TensorBoard's writer thread keeps a write error (a
+    full disk) and raises it at the next call; then one warning goes to stderr and the event file
+    is left as it is (later scalars are dropped)."""
 
     def __init__(self, log_dir: Optional[str]) -> None:
-        self._w, self.log_dir, self.error = None, log_dir, None
+        self._w, self.error = None, None
+        self.log_dir = log_dir
         if log_dir is not None:
-            self._guard(self._open)
-
-    def _open(self) -> None:
-        from torch.utils.tensorboard import SummaryWriter
-        self._w = SummaryWriter(log_dir=self.log_dir)
-
-    def _guard(self, fn, *args: Any) -> None:
-        """Like metrics.jsonl, TensorBoard must never end a run: on a write error (a full disk, an
-        unwritable dir) warn once and stop writing events."""
-        try:
-            fn(*args)
-        except Exception as exc:  # noqa: BLE001 - OSError, or the writer thread's re-raised error
-            self.error = f"{type(exc).__name__}: {exc}"
-            print(f"[trainer] warning: TensorBoard events stop here: {self.log_dir} refused them "
-                  f"({self.error}); training goes on", file=sys.stderr)
-            w, self._w = self._w, None
-            if w is not None:
-                try:
-                    w.close()
-                except Exception:  # noqa: BLE001 - already failed once
-                    pass
+            from torch.utils.tensorboard import SummaryWriter
+            _quiet_tensorboard_thread()
+            try:
+                self._w = SummaryWriter(log_dir=log_dir)
+            except OSError as exc:
+                self._fail(exc)
 
     def step(self, rec: dict[str, Any]) -> None:
         if self._w is not None:
@@ -90,6 +82,42 @@ class TensorBoardWriter:
             self._guard(self._w.close)
             self._w = None
 
+    def _guard(self, fn: Any, *args: Any) -> None:
+        try:
+            fn(*args)
+        except OSError as exc:
+            self._fail(exc)
+
+    def _fail(self, exc: OSError) -> None:
+        self.error = f"{type(exc).__name__}: {exc}"
+        w, self._w = self._w, None
+        if w is not None:
+            try:
+                w.close()
+            except OSError:
+                pass
+        print(f"[trainer] warning: TensorBoard events in {self.log_dir} stop here ({exc}); training "
+              "goes on (metrics.jsonl has the same figures)", file=sys.stderr)
+
+
+def _quiet_tensorboard_thread() -> None:
+    """TensorBoard's writer thread stores a write error for the next call and then re-raises it,
+    so Python's thread hook would also print it as a traceback. TensorBoardWriter reports that
+    error itself (one warning), so an OSError ending that thread is not printed again; every
+    other thread error still goes to the previous hook."""
+    prev = threading.excepthook
+    if getattr(prev, "quiets_tensorboard", False):
+        return
+
+    def hook(args: Any) -> None:
+        if type(args.thread).__name__ == "_AsyncWriterThread" and args.exc_type is not None \
+                and issubclass(args.exc_type, OSError):
+            return
+        prev(args)
+
+    hook.quiets_tensorboard = True  # type: ignore[attr-defined]
+    threading.excepthook = hook
+
 
 def _bin_value(key: str) -> int:
     return int(key[2:]) if key.startswith(">=") else int(key)
@@ -106,10 +134,17 @@ class Reporter:
         self.bar = None
 
     # ---- lines during the run -----------------------------------------------------------
-    def start(self, start_step: int) -> None:
-        """Open metrics.jsonl (appended to), TensorBoard and the progress bar (rank 0)."""
+    def start(self, start_step: int, resumed_from: Optional[str] = None) -> None:
+        """Open metrics.jsonl (appended to), TensorBoard and the progress bar (rank 0). After a
+        resume, metrics.jsonl first loses the records after the resumed step (the interrupted
+        run's steps that are trained again) and gains a resume line."""
         if self.out_dir is not None and self.comm.rank == 0:
-            self.metrics = JsonlWriter(os.path.join(self.out_dir, "metrics.jsonl"))
+            path = os.path.join(self.out_dir, "metrics.jsonl")
+            if resumed_from is not None:
+                keep_records_until(path, start_step)
+            self.metrics = JsonlWriter(path)
+            if resumed_from is not None:
+                self.metrics.write({"event": "resume", "from": resumed_from, "step": start_step})
             if self.c.train.tensorboard:
                 self.tb = TensorBoardWriter(os.path.join(self.out_dir, "tensorboard"))
         mode = self.c.train.progress
@@ -209,12 +244,18 @@ class Reporter:
     # ---- summary.json -------------------------------------------------------------------
     def summary(self, train_time: float, final_eval: dict[str, Any], losses: list[float],
                 evals: list[dict[str, Any]], start_step: int, resumed_from: Optional[str],
-                checkpoint: Optional[str], alltoalls: dict[str, int]) -> dict[str, Any]:
-        """The run's summary (collective); rank 0 also writes it to OUT/summary.json."""
+                checkpoint: Optional[str], alltoalls: dict[str, int], end_step: Optional[int] = None,
+                checkpoint_error: Optional[dict[str, Any]] = None) -> dict[str, Any]:
+        """The run's summary (collective); rank 0 also writes it to OUT/summary.json. end_step: the
+        step the run reached (train.steps unless a failed save stopped it, see checkpoint_error).
+        Rates and per-sample / per-step figures are None when this process trained no step (a
+        resume at the final step): there is nothing to divide."""
         c, steps, emb = self.c, self.c.train.steps, self.emb
-        samples = steps * self.global_batch
-        trained = max(steps - start_step, 1)  # steps run by this process (after a resume)
+        end = steps if end_step is None else end_step
+        samples = end * self.global_batch
+        trained = end - start_step  # steps run by this process (after a resume)
         run_samples = trained * self.global_batch  # what this process's byte counters cover
+        per = (lambda x, n: x / n) if trained > 0 else (lambda x, n: None)
         bytes_ = self.global_bytes("train")
         lookups = self._sum([float(v) for v in emb.stats.totals.values()])
         tail = [v for v in losses if math.isfinite(v)][-10:]  # skipped steps have no loss
@@ -224,10 +265,11 @@ class Reporter:
             "output_dir": self.out_dir,
             "backend": type(self.comm).__name__,
             "steps": steps,
+            "end_step": end,
             "global_batch_size": self.global_batch,
             "samples": samples,
             "train_time_s": train_time,
-            "samples_per_sec": run_samples / max(train_time, 1e-9),
+            "samples_per_sec": per(run_samples, max(train_time, 1e-9)),
             "final_loss": float(np.mean(tail)) if tail else None,
             "skipped_steps": len(skipped),  # train.nonfinite=skip: steps dropped for a non-finite loss
             "skipped_at": skipped[:100],
@@ -237,12 +279,12 @@ class Reporter:
             "eval_samples": final_eval["eval_samples"],
             "bytes": bytes_,
             "bytes_total": sum(bytes_.values()),
-            "bytes_per_sample": sum(bytes_.values()) / run_samples,
-            "bytes_per_sample_by_kind": {k: v / run_samples for k, v in bytes_.items()},
-            "embedding_bytes_per_sample": sum(bytes_[k] for k in EMBEDDING_KINDS) / run_samples,
+            "bytes_per_sample": per(sum(bytes_.values()), run_samples),
+            "bytes_per_sample_by_kind": {k: per(v, run_samples) for k, v in bytes_.items()},
+            "embedding_bytes_per_sample": per(sum(bytes_[k] for k in EMBEDDING_KINDS), run_samples),
             "eval_bytes": self.global_bytes("eval"),
             "embedding": {"table_rows": self.sparse.sharding.table_rows, "dim": emb.dim,
-                          **{f"{k}_per_step": v / trained for k, v in zip(emb.stats.totals.keys(), lookups)}},
+                          **{f"{k}_per_step": per(v, trained) for k, v in zip(emb.stats.totals.keys(), lookups)}},
             "evals": evals,
             "cache": _after_flush(self.cache_summary()),
             "placement": self._placement_summary(bytes_, run_samples, trained, alltoalls),
@@ -250,12 +292,20 @@ class Reporter:
             "start_step": start_step,
             "resumed_from": resumed_from,
             "checkpoint": checkpoint,
+            # a failed save that stopped the run: where the model could not go, the fallback
+            "checkpoint_error": checkpoint_error,
         }
         out["metrics_log"] = self.metrics.report()  # records lost to a failing disk, if any
         if self.tb.error is not None:
             out["tensorboard_error"] = self.tb.error
         if self.out_dir and self.comm.rank == 0:
-            write_summary(os.path.join(self.out_dir, "summary.json"), out)
+            path = os.path.join(self.out_dir, "summary.json")
+            try:
+                write_summary(path, out)
+            except OSError as exc:  # a write that fails at close names no file: name it (exit 2)
+                if exc.filename is None:
+                    raise OSError(exc.errno, exc.strerror or str(exc), path) from exc
+                raise
         return out
 
     def _placement_summary(self, bytes_: dict[str, int], run_samples: int, trained: int,
@@ -268,7 +318,7 @@ class Reporter:
             out["hot_steps"] = sp.feed.hot_steps
             out["alltoalls_in_hot_steps"] = alltoalls["hot"]
             out["alltoalls_in_cold_steps"] = alltoalls["cold"]
-            out["hot_step_fraction"] = sp.feed.hot_steps / trained
+            out["hot_step_fraction"] = sp.feed.hot_steps / trained if trained > 0 else None
             if isinstance(order, HotColdOrder):
                 out["hot_sample_fraction"] = order.hot_samples / max(order.samples, 1)
         if sp.feed is not None and sp.feed.partition is not None:
@@ -277,13 +327,63 @@ class Reporter:
                                "random_remote_reads": part.random_remote,
                                **(sp.herald.summary() if sp.herald is not None else {})}
         if sp.plan.predicted is not None:
-            measured = {k: bytes_[k] / run_samples for k in EMBEDDING_KINDS}
             pred = sum(sp.plan.predicted.values())
-            got = sum(measured.values())
+            if run_samples > 0:
+                measured = {k: bytes_[k] / run_samples for k in EMBEDDING_KINDS}
+                got = sum(measured.values())
+            else:  # nothing measured without a step
+                measured, got = {k: None for k in EMBEDDING_KINDS}, None
             out["measured_bytes_per_sample"] = measured
             out["predicted_vs_measured"] = {"predicted": pred, "measured": got,
                                             "error": (pred - got) / got if got else None}
         return out
+
+
+def keep_records_until(path: str, step: int) -> int:
+    """Rewrite the metrics log `path` keeping only the records of steps <= step (step lines, evals
+    and earlier resume lines; lines without a step too), atomically: a temporary file in the same
+    directory, fsynced, renamed over the log. Lines that are not whole JSON records (cut by a
+    kill) go too. Returns how many lines were dropped. A log that cannot be rewritten (a full disk)
+    stays as it is, with a warning; the resume line written next still marks where the resumed
+    run's records begin. Rank 0 only, before the log is opened for appending."""
+
+    def wanted(line: bytes) -> bool:
+        try:
+            rec = json.loads(line)
+        except ValueError:
+            return False
+        at = rec.get("step") if isinstance(rec, dict) else None
+        return not isinstance(at, (int, float)) or at <= step
+
+    try:
+        with open(path, "rb") as f:  # a first pass reads only: most resumes have nothing to drop
+            dropped = sum(1 for line in f if not (line.endswith(b"\n") and wanted(line)))
+    except FileNotFoundError:
+        return 0
+    except OSError as exc:
+        print(f"[trainer] warning: cannot read {path} ({exc}); records after step {step} from the "
+              "interrupted run may repeat", file=sys.stderr)
+        return 0
+    if dropped == 0:
+        return 0
+    tmp = f"{path}.rewrite-{os.getpid()}"
+    try:
+        with open(path, "rb") as src, open(tmp, "wb") as dst:
+            for line in src:
+                if line.endswith(b"\n") and wanted(line):
+                    dst.write(line)
+            dst.flush()
+            os.fsync(dst.fileno())
+        os.replace(tmp, path)
+    except OSError as exc:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        print(f"[trainer] warning: cannot rewrite {path} ({exc}); its {dropped} records after step "
+              f"{step} from the interrupted run stay, before the resume line", file=sys.stderr)
+        return 0
+    return dropped
 
 
 def _bound(b: int) -> int:

@@ -11,8 +11,11 @@ from __future__ import annotations
 
 import math
 import os
+import re
+import shlex
 import sys
 import time
+import uuid
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -56,7 +59,7 @@ def run(cfg: Any, out_dir: str | None = None, return_state: bool = False,
         trainer = Trainer(config, comm, out_dir)
         return trainer.fit(return_state)
     except CollectiveError as exc:  # a peer died or stalled: say where we were and how to go on
-        raise CollectiveError(f"{exc}\n{_failure_hint(config, comm, trainer)}") from exc
+        raise CollectiveError(f"{exc}\n{_failure_hint(config, comm, trainer, out_dir)}") from exc
     finally:
         if trainer is not None and trainer.checkpointer is not None:
             trainer.checkpointer.close()  # release checkpoint.dir's lock
@@ -64,16 +67,156 @@ def run(cfg: Any, out_dir: str | None = None, return_state: bool = False,
             comm.close()
 
 
-def _failure_hint(c: Config, comm: Collectives, trainer: "Trainer | None") -> str:
-    """Where this rank stopped and which checkpoint a relaunch with resume=auto continues from."""
+def _failure_hint(c: Config, comm: Collectives, trainer: "Trainer | None", out_dir: str | None) -> str:
+    """Where this rank stopped, the checkpoint to continue from, and the command that does it.
+
+    Not "the same command with resume=auto": with the default output dir that relaunch gets a new
+    timestamped dir (and a new checkpoint dir in it) and starts over. The printed command is this
+    job's own command line with checkpoint.resume, checkpoint.dir and hydra.run.dir set to the
+    absolute places of this run (see relaunch_command)."""
     where = f"at step {trainer.current_step} of {c.train.steps}" if trainer and trainer.current_step \
         is not None else "outside the training loop"
-    root = trainer.ckpt_dir if trainer is not None else c.checkpoint.dir
-    last = latest_checkpoint(root) if root else None
-    resume = (f"continues from the newest complete checkpoint ({last})" if last else
-              "finds no complete checkpoint yet and starts over (checkpoint.every=N saves every N steps)")
-    return (f"rank {comm.rank}/{comm.size} stopped {where}: a worker died or stalled (comm.timeout_s="
-            f"{c.comm.timeout_s:g}). Relaunch the same command with checkpoint.resume=auto: it {resume}.")
+    head = (f"rank {comm.rank}/{comm.size} stopped {where}: a worker died or stalled (comm.timeout_s="
+            f"{c.comm.timeout_s:g}).")
+    try:
+        out = trainer.out_dir if trainer is not None else out_dir  # this rank's, before agreeing
+        root = trainer.ckpt_dir if trainer is not None else (c.checkpoint.dir or (
+            os.path.join(out, "checkpoints") if out else None))
+        # this run's newest save, else the checkpoint it started from; never an older job's save
+        # that happens to lie in checkpoint.dir (a fresh run did not ask to continue that one)
+        last = (trainer.last_checkpoint or trainer.resumed_from) if trainer is not None else (
+            c.checkpoint.resume if c.checkpoint.resume not in (None, "auto") else None)
+        if last is None and trainer is None and c.checkpoint.resume == "auto":
+            last = latest_checkpoint(root)
+        command = relaunch_command(last, root, out, size=comm.size)
+    except Exception as exc:  # noqa: BLE001 - the hint must never hide the failure itself
+        return f"{head} (no relaunch command: {type(exc).__name__}: {exc})"
+    if last is not None:
+        what = f"The newest complete checkpoint of this run is {os.path.abspath(last)}; to continue from it, run:"
+    else:
+        what = ("No checkpoint of this run is complete yet (checkpoint.every=N saves every N steps); "
+                "to run it again from the start in the same directories, run:")
+    return f"{head} {what}\n    {command}"
+
+
+RELAUNCH_KEYS = ("checkpoint.resume", "checkpoint.dir", "hydra.run.dir")  # replaced in the command
+
+
+def relaunch_command(resume: str | None, ckpt_dir: str | None, out_dir: str | None, size: int = 1) -> str:
+    """A shell command that continues this job: `cd <launch dir> && <launcher and trainer command>`
+    with every checkpoint.resume / checkpoint.dir / hydra.run.dir argument replaced by the absolute
+    checkpoint to resume (none: start over), checkpoint dir and output dir of this run.
+
+    The launcher's command line is the nearest ancestor process whose arguments end with this
+    process's own (`-m trainer ARGS`): torchrun starts its workers as children, horovodrun through a
+    shell. Without one (W = 1, or workers started on another host) it is this process's command.
+    A job of a Hydra sweep (-m) is relaunched alone, with its own override values."""
+    own = list(getattr(sys, "orig_argv", None) or [sys.executable] + sys.argv)
+    args = sys.argv[1:]
+    n = len(own) - len(args)
+    if own[n:] != args:  # not a command line this function understands: python plus sys.argv
+        own, n = [sys.executable] + sys.argv, 1
+    entry = own[n - 2:n] if n >= 3 and own[n - 2] == "-m" else own[n - 1:n]
+    prefix, cwd = own[:n], os.getcwd()
+    if size > 1:
+        found = _launcher(entry + args)
+        if found is not None:
+            cmdline, cwd = found
+            prefix = cmdline[:len(cmdline) - len(args)]
+    job = _job_args(args)
+    job = [a for a in job if _override_key(a) not in RELAUNCH_KEYS]
+    if resume is not None:
+        job.append(f"checkpoint.resume={_hydra_value(os.path.abspath(resume))}")
+    if ckpt_dir is not None:
+        job.append(f"checkpoint.dir={_hydra_value(os.path.abspath(ckpt_dir))}")
+    if out_dir is not None:
+        job.append(f"hydra.run.dir={_hydra_value(os.path.abspath(out_dir))}")
+    return f"cd {shlex.quote(cwd)} && {shlex.join(prefix + job)}"
+
+
+def _override_key(arg: str) -> str | None:
+    """The key of a Hydra override argument (`+key=v`, `++key=v`, `~key`), None for a flag."""
+    if arg.startswith("-"):
+        return None
+    body = arg.lstrip("+~")
+    key = body.split("=", 1)[0] if "=" in body else (body if arg.startswith("~") else None)
+    return key.strip() if key else None
+
+
+def _job_args(args: list[str]) -> list[str]:
+    """This job's trainer arguments; for a job of a Hydra sweep (-m), the sweep's overrides are
+    replaced by this job's own values and -m is dropped."""
+    if "-m" not in args and "--multirun" not in args:
+        return list(args)
+    from hydra.core.hydra_config import HydraConfig  # a sweep only exists under Hydra
+    if not HydraConfig.initialized():
+        return list(args)
+    task = list(HydraConfig.get().overrides.task)
+
+    def kept(arg: str) -> bool:  # flags and Hydra's own keys stay; the sweep's go
+        key = _override_key(arg)
+        return arg not in ("-m", "--multirun") and (
+            key is None or key.startswith("hydra") and not key.startswith(("hydra.sweep", "hydra.mode")))
+
+    return [a for a in args if kept(a)] + task
+
+
+_PLAIN = re.compile(r"^[A-Za-z0-9_\-/.+@%]+$")
+
+
+def _hydra_value(value: str) -> str:
+    """value as a Hydra override value: plain paths as they are, others single-quoted (Hydra's
+    rules inside quotes: a quote is escaped, and so is each backslash just before a quote; ${ is
+    escaped so that it is not read as an interpolation)."""
+    if _PLAIN.match(value):
+        return value
+    quoted = re.sub(r"(\\*)'", lambda m: m.group(1) * 2 + "\\'", value)
+    quoted = re.sub(r"(\\+)$", lambda m: m.group(1) * 2, quoted)  # before the closing quote
+    quoted = quoted.replace("${", "\\${")  # a literal ${, not an interpolation
+    return f"'{quoted}'"
+
+
+def _launcher(tail: list[str]) -> tuple[list[str], str] | None:
+    """(command line, working dir) of the nearest ancestor whose command line ends with tail."""
+    pid = os.getppid()
+    for _ in range(8):
+        if pid <= 1:
+            return None
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                cmdline = [x.decode(errors="surrogateescape") for x in f.read().split(b"\0")[:-1]]
+            with open(f"/proc/{pid}/stat") as f:
+                parent = int(f.read().rsplit(")", 1)[1].split()[1])
+            cwd = os.readlink(f"/proc/{pid}/cwd")
+        except (OSError, ValueError, IndexError):
+            return None
+        if len(cmdline) > len(tail) and cmdline[len(cmdline) - len(tail):] == tail:
+            return cmdline, cwd
+        pid = parent
+    return None
+
+
+def _probe_dir(path: str) -> str | None:
+    """Why the output dir `path` cannot be used (created, written), or None."""
+    try:
+        os.makedirs(path, exist_ok=True)
+    except OSError as exc:
+        return f"output dir {path} cannot be created ({exc.strerror or exc}); choose another hydra.run.dir"
+    probe = os.path.join(path, f".write-probe-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+    try:
+        with open(probe, "wb") as f:
+            f.write(b"probe\n")
+            f.flush()
+            os.fsync(f.fileno())
+    except OSError as exc:
+        return (f"output dir {path} is not writable ({exc.strerror or exc}): metrics.jsonl and "
+                "summary.json could not be written there; choose another hydra.run.dir")
+    finally:
+        try:
+            os.unlink(probe)
+        except OSError:
+            pass
+    return None
 
 
 class Trainer:
@@ -86,7 +229,22 @@ class Trainer:
         torch.set_num_threads(auto_threads(c))
         self.device = device_of(c)
         kernels.configure(c.kernels.backend, self.device)
+        # the directories first (rank 0 checks, every rank learns the outcome), so an unwritable
+        # output dir or a checkpoint.dir in use stops the run before the data and the sparse side
+        # (placement planning) are built
         self.out_dir = self._agree_out_dir(out_dir)
+        self.ckpt_dir = c.checkpoint.dir or (os.path.join(self.out_dir, "checkpoints")
+                                             if self.out_dir else None)  # None: no checkpoints
+        self.checkpointer = (Checkpointer(comm, self.ckpt_dir, c.checkpoint.keep_last)
+                             if self.ckpt_dir and c.checkpoint.enabled else None)
+        try:
+            self._build(c, comm)
+        except BaseException:
+            if self.checkpointer is not None:  # run() never gets this Trainer to release it
+                self.checkpointer.close()
+            raise
+
+    def _build(self, c: Config, comm: Collectives) -> None:
         self.data = make_data(c, self.rank, self.world)
         apply_data_steps(c, self.world)  # data.epochs -> train.steps, now that W is known
         self.global_batch = local_batch_size(c, self.world) * self.world
@@ -97,10 +255,6 @@ class Trainer:
         self.losses: list[float] = []
         self.alltoalls = {"hot": 0, "cold": 0}  # alltoall calls of this rank in hot / other steps
         self.evals: list[dict[str, Any]] = []
-        self.ckpt_dir = c.checkpoint.dir or (os.path.join(self.out_dir, "checkpoints")
-                                             if self.out_dir else None)  # None: no checkpoints
-        self.checkpointer = (Checkpointer(comm, self.ckpt_dir, c.checkpoint.keep_last)
-                             if self.ckpt_dir and c.checkpoint.enabled else None)
         self.last_checkpoint: str | None = None
         self.current_step: int | None = None  # the step in progress (failure reports)
         self.resumed_from: str | None = None
@@ -109,11 +263,15 @@ class Trainer:
         self.start_step = self._resume()
 
     def _agree_out_dir(self, out_dir: str | None) -> str | None:
-        """Every rank writes into rank 0's output directory (Hydra dirs may differ by a second)."""
+        """Every rank writes into rank 0's output directory (Hydra dirs may differ by a second).
+        Rank 0 creates it and writes a probe file there first; every rank gets the verdict with
+        the directory, so an unwritable one stops every rank now, not at the first metrics line or
+        at summary.json after the whole training."""
+        problem = _probe_dir(out_dir) if out_dir is not None and self.rank == 0 else None
         with phase(self.comm, "other"):
-            agreed = self.comm.broadcast_object(out_dir)
-        if agreed is not None and self.rank == 0:
-            os.makedirs(agreed, exist_ok=True)
+            agreed, problem = self.comm.broadcast_object((out_dir, problem))
+        if problem is not None:
+            raise TrainingError(problem)
         return agreed
 
     # ---- one step --------------------------------------------------------------------------
@@ -239,7 +397,7 @@ class Trainer:
     # ---- the loop --------------------------------------------------------------------------
     def fit(self, return_state: bool = False) -> RunResult:
         c, report = self.c, self.report
-        report.start(self.start_step)
+        report.start(self.start_step, self.resumed_from)
         train_time, window_t, window_start = 0.0, time.perf_counter(), self.start_step
         try:
             for step in range(self.start_step, c.train.steps):
@@ -259,9 +417,9 @@ class Trainer:
                 if c.train.eval_every and done % c.train.eval_every == 0 and done < c.train.steps:
                     self._eval_now(done)
                 if self._save_due(done):
-                    self.save_checkpoint(done)
+                    self._save_or_stop(done, train_time)
             if self.checkpointer is not None and self.start_step < c.train.steps:
-                self.save_checkpoint(c.train.steps)
+                self._save_or_stop(c.train.steps, train_time)
             final_eval = self._eval_now(c.train.steps)
             summary = report.summary(train_time, final_eval, self.losses, self.evals, self.start_step,
                                      self.resumed_from, self.last_checkpoint, self.alltoalls)
@@ -284,10 +442,11 @@ class Trainer:
         return {"table_rows": list(self.sparse.sharding.table_rows), "dim": c.model.embedding_dim,
                 "model": c.model.name, "optim_sparse": c.optim.sparse, "optim_dense": c.optim.dense}
 
-    def save_checkpoint(self, step: int) -> str:
-        """Flush the caches, then write checkpoint `step` (after `step` steps). Collective.
-        Rank 0 adds the dense model + optimizer, the step (= data position: batches are a function
-        of the step), RNG states, the loss history and evals so far."""
+    def save_checkpoint(self, step: int, into: Checkpointer | None = None) -> str:
+        """Flush the caches, then write checkpoint `step` (after `step` steps) with `into` (default:
+        the run's checkpointer). Collective. Rank 0 adds the dense model + optimizer, the step
+        (= data position: batches are a function of the step), RNG states, the loss history and
+        evals so far."""
         with phase(self.comm, "train"):  # the flush's pushes are training traffic, saved or not
             self.emb.flush()
         with phase(self.comm, "other"):
@@ -297,9 +456,65 @@ class Trainer:
                          "model": {k: v.detach().cpu() for k, v in self.model.state_dict().items()},
                          "optimizer": self.opt.state_dict(), "rng": rng_state(self.device),
                          "losses": list(self.losses), "evals": list(self.evals)}
-            self.last_checkpoint = self.checkpointer.save(
+            self.last_checkpoint = (into or self.checkpointer).save(
                 step, self.emb.store, state, {**self._schema(), "config": asdict(self.c)})
         return self.last_checkpoint
+
+    def _save_or_stop(self, step: int, train_time: float) -> None:
+        """save_checkpoint(step); when the save fails (on any rank: every rank gets the
+        CheckpointError), the model trained so far is still in memory and is not thrown away:
+        _rescue saves it elsewhere if it can, evaluates it and writes the summary, then raises."""
+        try:
+            self.save_checkpoint(step)
+        except CheckpointError as exc:
+            self._rescue(step, exc, train_time)
+
+    def _rescue(self, step: int, exc: CheckpointError, train_time: float) -> None:
+        """After the failed save of `step`: a fallback save into the output dir's checkpoints/ when
+        that is another directory than checkpoint.dir, then the evaluation at `step` and
+        summary.json with `checkpoint_error` (where the model could not go, where it went).
+        Always raises CheckpointError (exit 2) saying both; it carries the summary. Collective."""
+        if self._next is not None:  # the step prepared ahead (train.pipeline) will not run
+            self.emb.cancel(self._next[2])
+            self._next = None
+        failed = os.path.abspath(self.ckpt_dir)
+        alt = os.path.abspath(os.path.join(self.out_dir, "checkpoints")) if self.out_dir else None
+        fallback, fallback_error = None, None
+        if alt is None:
+            fallback_error = "no other place to save it: the run has no output dir"
+        elif os.path.realpath(alt) == os.path.realpath(failed):
+            fallback_error = "no other place to save it: the output dir's checkpoints/ is checkpoint.dir itself"
+        else:
+            backup = None
+            try:
+                backup = Checkpointer(self.comm, alt, 0)  # its own lock; keeps what it has
+                fallback = self.save_checkpoint(step, into=backup)
+            except CheckpointError as again:
+                fallback_error = f"the fallback save into the output dir {alt} failed too: {again}"
+            finally:
+                if backup is not None:
+                    backup.close()
+        if fallback is not None:
+            where = (f"the model trained so far (step {step}) was saved instead to {fallback} (continue "
+                     f"with checkpoint.resume={fallback} and a checkpoint.dir with space)")
+        else:
+            where = f"the model of step {step} was not saved anywhere ({fallback_error})"
+        error = {"step": step, "checkpoint_dir": failed, "error": str(exc), "fallback": fallback,
+                 "fallback_error": fallback_error}
+        done = [e for e in self.evals[-1:] if e["step"] == step]  # evaluated at this step already
+        final_eval = done[0] if done else self._eval_now(step)
+        summary_path = os.path.join(self.out_dir, "summary.json") if self.out_dir else None
+        summary, written = None, summary_path
+        try:
+            summary = self.report.summary(train_time, final_eval, self.losses, self.evals, self.start_step,
+                                          self.resumed_from, self.last_checkpoint,
+                                          self.alltoalls, end_step=step, checkpoint_error=error)
+        except OSError as write_error:  # rank 0: summary.json too (it went to stdout)
+            written = f"stdout (summary.json cannot be written: {write_error})"
+        note = f"; evaluated, summary: {written} (checkpoint_error)" if written else "; evaluated"
+        raised = CheckpointError(f"{exc}; {where}{note}")
+        raised.summary = summary  # type: ignore[attr-defined]
+        raise raised from exc
 
     def _resume(self) -> int:
         """Load checkpoint.resume (if any) into this rank; returns the step to continue from."""
