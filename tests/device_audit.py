@@ -33,9 +33,9 @@ Run the trainer's construction and a few steps under it, and it reports, for the
 
 Each record names the innermost frame of this repository (trainer/, kernels/) and whether torch's
 own code (an optimizer, autograd) made the call. Frames of ``trainer/device.py`` (the host ->
-device helpers) are skipped: a copy made through ``to_device`` is recorded at its caller. The autograd engine runs backward functions without
-the caller's function mode, so our own autograd Functions' ``backward`` (the pooled gathers) are
-wrapped to re-enter it while the audit is active.
+device helpers) are skipped: a copy made through ``to_device`` is recorded at its caller. The
+autograd engine runs backward functions without the caller's function mode, so our own autograd
+Functions' ``backward`` (the pooled gathers) are wrapped to re-enter it while the audit is active.
 
 ``.to(device)`` of a ``host`` tensor, called by our code, returns a new tensor (as on CUDA; on the
 CPU torch would return the same object): the source stays ``host``, so a host tensor moved again in

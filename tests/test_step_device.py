@@ -207,18 +207,21 @@ def _check(result: tuple[list[Record], list[dict]], what: str, most_syncs: int |
     records, plans = result
     counts = {k: len([r for r in records if r.kind == k]) for k in ALLOWED}
     print(f"\n--- {what}: {counts}, host syncs {host_syncs(records)}\n{table(records)}")
-    bad = [r for kind, allowed in ALLOWED.items() for r in outside([r for r in records if r.kind == kind], allowed)]
+    bad = [r for kind, allowed in ALLOWED.items()
+           for r in outside([r for r in records if r.kind == kind], allowed)]
     bad += [r for r in records if r.kind == "copy" and "non_blocking" not in r.op]
     for site, most in READS_AT_MOST.items():
         reads = [r for r in records if r.kind == "host" and r.site == site]
         if len(reads) > most:
             bad += reads
     assert not bad, (f"{what}: device handling outside the allow-lists of {__file__} (copies must be "
-                     f"non_blocking; reads at most {READS_AT_MOST}):\n" + "\n".join(sorted({str(r) for r in bad})))
+                     f"non_blocking; reads at most {READS_AT_MOST}):\n"
+                     + "\n".join(sorted({str(r) for r in bad})))
     off = [(f, lab) for p in plans for f, lab in p.items() if lab != DEV]
     assert not off, f"{what}: lookup plan tensors not on the storage's device: {off}"
     if most_syncs is not None:
-        assert host_syncs(records) <= most_syncs, f"{what}: {host_syncs(records)} host syncs, at most {most_syncs}"
+        syncs = host_syncs(records)
+        assert syncs <= most_syncs, f"{what}: {syncs} host syncs, at most {most_syncs}"
 
 
 # ---------------------------------------------------------------------------------- tests

@@ -104,7 +104,8 @@ class Sharding(ABC):
         if cached is None:  # host arrays, once (the scheduler calls this every step)
             ends = np.cumsum(self.table_rows).astype(np.int64)
             offsets = np.asarray(self.table_offsets.tolist()[:-1], np.int64)
-            cached = self.__dict__["_flat_shift"] = (ends, offsets - (ends - np.asarray(self.table_rows, np.int64)))
+            shift = offsets - (ends - np.asarray(self.table_rows, np.int64))
+            cached = self.__dict__["_flat_shift"] = (ends, shift)
         ends, shift = cached
         if isinstance(flat, torch.Tensor):
             f = flat.cpu().numpy()

@@ -101,7 +101,8 @@ class HetWire:
         chk.need = chk.versions >= 0
         # one read-back: the rows this rank sends to each requester and receives from each owner
         w = len(served_splits)
-        counts = torch.cat([segment_counts(send, served_splits), segment_counts(chk.need, chk.splits)]).tolist()
+        counts = torch.cat([segment_counts(send, served_splits),
+                            segment_counts(chk.need, chk.splits)]).tolist()
         send_splits, recv_splits = counts[:w], counts[w:]
         rows = self.store.weight.index_select(0, select(idx, send, sum(send_splits)))
         chk.rows = self.comm.alltoall_async(rows.to(self.row_dtype), send_splits, kind="rows",
