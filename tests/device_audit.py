@@ -21,19 +21,31 @@ Run the trainer's construction and a few steps under it, and it reports, for the
 - ``host``: ``.tolist()``, ``.item()``, ``int(t)``, ``float(t)``, ``bool(t)``, ``t.__index__``,
   ``.numpy()``, ``.cpu()``, ``torch.equal`` of a ``dev`` tensor: a device -> host copy that waits
   for the device;
+- ``copy``: a ``host`` tensor moved to the device (``.to``, ``.cuda``, ``.copy_`` into a ``dev``
+  tensor) or Python data made into a tensor with ``device=`` (``torch.tensor(list, device=d)``):
+  a host -> device transfer made by the step. Op ``to`` / ``copy_`` / ``tensor(device=)`` is a
+  blocking copy (from pageable memory CUDA waits for the stream: a host sync); ``to(non_blocking)``
+  is the pinned, asynchronous copy of ``trainer/device.py``'s ``to_device``;
 - ``shape``: ops whose output size depends on the values of a ``dev`` tensor (nonzero, unique,
   masked_select, boolean-mask indexing, repeat_interleave without output_size, bincount: its length
   is max(minlength, max + 1)): they wait for the device too on CUDA (torch.cuda.set_sync_debug_mode
   reports them, on a GPU).
 
 Each record names the innermost frame of this repository (trainer/, kernels/) and whether torch's
-own code (an optimizer, autograd) made the call. The autograd engine runs backward functions without
-the caller's function mode, so our own autograd Functions' ``backward`` (the pooled gathers) are
-wrapped to re-enter it while the audit is active.
+own code (an optimizer, autograd) made the call. Frames of ``trainer/device.py`` (the host ->
+device helpers) are skipped: a copy made through ``to_device`` is recorded at its caller. The
+autograd engine runs backward functions without the caller's function mode, so our own autograd
+Functions' ``backward`` (the pooled gathers) are wrapped to re-enter it while the audit is active.
 
-Limits: ``.to(device)`` of a tensor already on that device returns the same object on CPU, which is
-then ``dev`` for every later use; tensors made by code the mode does not see (autograd's ``.grad``,
-a checkpoint load) have no virtual device and are ignored.
+``.to(device)`` of a ``host`` tensor, called by our code, returns a new tensor (as on CUDA; on the
+CPU torch would return the same object): the source stays ``host``, so a host tensor moved again in
+every step (instead of once, kept on the device) shows up as a ``copy`` each time.
+
+Limits: a ``.to`` inside torch's own code (``nn.Module.to``) still returns the same object, which is
+then ``dev`` for every later use; ``device=x.device`` is taken for the trainer's device even when
+``x`` is a host tensor (the data source's checks of a host batch); tensors made by code the mode
+does not see (autograd's ``.grad``, a checkpoint load) have no virtual device (reads of them are
+recorded, mixes with them are not).
 """
 from __future__ import annotations
 
@@ -49,6 +61,8 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _OURS = tuple(os.path.join(ROOT, d) + os.sep for d in ("trainer", "kernels"))
+# helpers whose caller is the site that matters (every host -> device copy goes through them)
+_PASS_THROUGH = (os.path.join(ROOT, "trainer", "device.py"),)
 _TORCH = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
 _HERE = os.path.abspath(__file__)
 # torch's public Python wrappers that hand a call to the mode (torch.unique, Tensor.unique, F.*):
@@ -80,11 +94,12 @@ SHAPE_OPS = {
     torch.Tensor.bincount: "bincount",
 }
 COPIES = {torch.Tensor.to, torch.Tensor.copy_, torch.Tensor.cpu, torch.Tensor.cuda}
+MOVES = {torch.Tensor.to: "to", torch.Tensor.cuda: "cuda"}  # may move a tensor to the device
 
 
 @dataclass(frozen=True)
 class Record:
-    """One audited call: kind ("factory" | "mix" | "host" | "shape"), op name, where (file:function
+    """One audited call: kind ("factory" | "mix" | "host" | "shape" | "copy"), op name, where (file:function
     :line of the innermost frame in trainer/ or kernels/), and whether torch's own code made it."""
 
     kind: str
@@ -111,7 +126,7 @@ def _where() -> tuple[str, str, int, bool]:
     by_torch = False
     while frame is not None:
         path = os.path.abspath(frame.f_code.co_filename)
-        if path.startswith(_OURS):
+        if path.startswith(_OURS) and path not in _PASS_THROUGH:
             return os.path.relpath(path, ROOT), frame.f_code.co_name, frame.f_lineno, by_torch
         if path != _HERE and path.startswith(_TORCH) and not path.startswith(_WRAPPERS):
             by_torch = True
@@ -137,6 +152,13 @@ def _bool_index(args: tuple) -> bool:
         return False
     idx = args[1] if isinstance(args[1], tuple) else (args[1],)
     return any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in idx)
+
+
+def _non_blocking(args: tuple, kwargs: dict) -> bool:
+    """Whether a Tensor.to / .cuda / .copy_ call asks for an asynchronous copy."""
+    if "non_blocking" in kwargs:
+        return bool(kwargs["non_blocking"])
+    return any(a is True for a in args[1:])  # positional: to(device, dtype, True), copy_(src, True)
 
 
 def _our_functions() -> list[type]:
@@ -211,6 +233,7 @@ class StepAudit(TorchFunctionMode):
         labels = [(t, self._of(t)) for t in inputs]
         has_dev = any(lab == DEV for _, lab in labels)
         big_host = any(lab == HOST and t.dim() > 0 for t, lab in labels)
+        source = self._of(args[0]) if args and isinstance(args[0], torch.Tensor) else None
         if func in FACTORIES and kwargs.get("device") is None:
             self._add("factory", FACTORIES[func])
         elif func in HOST_READS:
@@ -226,8 +249,20 @@ class StepAudit(TorchFunctionMode):
                 self._add("shape", op)
         if has_dev and big_host and func not in COPIES:
             self._add("mix", getattr(func, "__name__", str(func)))
+        if func in (torch.tensor, torch.as_tensor) and kwargs.get("device") is not None \
+                and args and not isinstance(args[0], torch.Tensor):
+            self._add("copy", "tensor(device=)")  # Python data: built on the host, then copied
+        elif func is torch.Tensor.copy_ and len(args) > 1 and source == DEV \
+                and isinstance(args[1], torch.Tensor) and self._of(args[1]) == HOST:
+            self._add("copy", "copy_(non_blocking)" if _non_blocking(args, kwargs) else "copy_")
         out = func(*args, **kwargs)
         label = self._result_label(func, args, kwargs, has_dev, labels)
+        if func in MOVES and label == DEV and source == HOST:
+            self._add("copy", MOVES[func] + ("(non_blocking)" if _non_blocking(args, kwargs) else ""))
+            if out is args[0] and not _where()[3]:
+                # on CUDA the move makes a new tensor and the host one stays on the host: do the
+                # same here, so a later `.to` of the host tensor is seen as the copy it is there
+                out = out.clone()
         if label is not None:
             for t in _tensors(out):
                 self.label[t] = label

@@ -16,7 +16,7 @@ import shlex
 import sys
 import time
 import uuid
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 import torch
@@ -33,6 +33,7 @@ from .comm import CollectiveError, Collectives, make_collectives
 from .config import Config, auto_threads, local_batch_size, validate_world
 from .configure import apply_data_steps, load_config
 from .data import make_data
+from .device import to_device
 from .metrics import auc_logloss
 from .report import Reporter
 
@@ -286,8 +287,12 @@ class Trainer:
         return value
 
     def _batch(self, step: int) -> tuple[Any, Any]:
-        """(this rank's batch on the device, the GlobalStep or None) of `step`."""
+        """(this rank's batch on the device, the GlobalStep or None) of `step`. Both copies are
+        asynchronous (pinned host memory, trainer/device.py); with train.pipeline the next step's
+        batch is made during this step, so its copy overlaps this step's work."""
         batch, info = self.feed.step(step) if self.feed is not None else (self.data.train_batch(step), None)
+        if info is not None and info.hot_slots is not None:
+            info = replace(info, hot_slots=to_device(info.hot_slots, self.device))
         return batch.to(self.device), info
 
     def _prefetch(self, step: int) -> None:

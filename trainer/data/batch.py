@@ -10,6 +10,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ..device import to_device
+
 
 @dataclass
 class Batch:
@@ -44,5 +46,7 @@ class Batch:
                                        output_size=self.values.numel())
 
     def to(self, device: torch.device) -> "Batch":
-        return Batch(self.dense.to(device), self.values.to(device), self.lengths.to(device),
-                     self.labels.to(device))
+        """The batch on `device`: from the host through pinned memory, asynchronously
+        (trainer/device.py), so the host does not wait for the device's queued work."""
+        return Batch(to_device(self.dense, device), to_device(self.values, device),
+                     to_device(self.lengths, device), to_device(self.labels, device))

@@ -36,6 +36,7 @@ class IdGuard:
         if policy not in ("error", "hash"):
             raise ValueError(f"data.out_of_range={policy!r} is not one of error, hash")
         self.rows = torch.tensor(list(table_rows), dtype=torch.int64)
+        self._rows_on: dict[torch.device, torch.Tensor] = {}  # copies on the batches' devices, made once
         self.policy, self.what = policy, what
         self.hashed = 0  # ids folded so far (policy hash)
 
@@ -43,7 +44,10 @@ class IdGuard:
         """values [N] of tables table [N] -> in-range values [N] (the same tensor when all are)."""
         if values.numel() == 0:
             return values
-        lim = self.rows.to(values.device)[table]
+        rows = self._rows_on.get(values.device)
+        if rows is None:
+            rows = self._rows_on[values.device] = self.rows.to(values.device)
+        lim = rows[table]
         bad = (values < 0) | (values >= lim)
         if not bool(bad.any()):
             return values

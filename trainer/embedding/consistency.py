@@ -38,6 +38,10 @@ class Bounds:
     def from_lists(cls, pull: list[int], push: list[int]) -> "Bounds":
         return cls(_effective(pull), _effective(push))
 
+    def to(self, device: torch.device | str) -> "Bounds":
+        """The same bounds on `device` (where the tables that index them live)."""
+        return Bounds(self.pull.to(device), self.push.to(device))
+
     @property
     def is_bsp(self) -> bool:
         return bool((self.pull == 0).all() and (self.push == 0).all())
@@ -66,7 +70,10 @@ def push_due(local_updates: torch.Tensor, push_bound: torch.Tensor) -> torch.Ten
 
 
 def staleness_histogram(staleness: torch.Tensor, table: torch.Tensor, num_tables: int) -> torch.Tensor:
-    """[T, HIST_BINS] counts of read staleness per table (last bin: HIST_BINS - 1 or more)."""
+    """[T, HIST_BINS] counts of read staleness per table (last bin: HIST_BINS - 1 or more), on the
+    staleness' device. Counted into a fixed-size vector: bincount's length depends on the values,
+    which costs a device sync per call."""
     b = staleness.clamp(0, HIST_BINS - 1)
-    flat = torch.bincount(table * HIST_BINS + b, minlength=num_tables * HIST_BINS)
+    flat = torch.zeros(num_tables * HIST_BINS, dtype=torch.int64, device=staleness.device)
+    flat.index_add_(0, table * HIST_BINS + b, torch.ones_like(b))
     return flat.view(num_tables, HIST_BINS)

@@ -13,6 +13,7 @@ from typing import Callable
 import torch
 
 from ..comm import Collectives
+from ..device import from_host
 from .sharding import Sharding
 from .store import ShardStore
 from .types import LookupPlan
@@ -21,20 +22,40 @@ from .types import LookupPlan
 def plan_lookup(sharding: Sharding, gids: torch.Tensor,
                 hot_slot_of: Callable[[torch.Tensor], torch.Tensor] | None = None) -> LookupPlan:
     """Dedup the batch's global ids and split them into replicated, owned and remote-by-owner.
-    hot_slot_of(uniq) -> [U] replica slot or -1 (None: nothing is replicated)."""
-    uniq, inverse = torch.unique(gids, sorted=True, return_inverse=True)
-    slot = hot_slot_of(uniq) if hot_slot_of is not None else torch.full_like(uniq, -1)
-    hot = slot >= 0
-    owner = sharding.owner(uniq)
-    mine = sharding.owned_by(uniq) & ~hot
-    owned_pos = torch.nonzero(mine).squeeze(1)
-    remote_pos = torch.nonzero(~mine & ~hot).squeeze(1)
-    remote_owner = owner[remote_pos]
-    order = torch.argsort(remote_owner, stable=True)
-    remote_pos = remote_pos[order]
-    splits = sharding.per_owner(uniq[remote_pos])
-    hot_pos = torch.nonzero(hot).squeeze(1)
-    return LookupPlan(uniq, inverse, owned_pos, remote_pos, splits, hot_pos, slot[hot_pos])
+    hot_slot_of(ids) -> [n] replica slot or -1, elementwise (None: nothing is replicated).
+
+    One read-back per step: the ids are sorted once and every id gets a key (its owner, or W when
+    it is replicated); the unique ids per key, a [W + 1] vector counted on the device, are the one
+    thing read to the host. They are the alltoall split sizes, and they fix every size after them
+    (U, owned, remote, hot), so the rest is fixed-size work: no op waits for the device, where
+    torch.unique, nonzero and bincount would each wait once."""
+    world, rank, dev = sharding.world, sharding.rank, gids.device
+    n = gids.numel()
+    ids, perm = torch.sort(gids)
+    first = torch.ones(n, dtype=torch.bool, device=dev)  # the first of each run of equal ids
+    if n > 1:
+        torch.ne(ids[1:], ids[:-1], out=first[1:])
+    seg = torch.cumsum(first, 0) - 1  # [N] position in uniq of each sorted id
+    slot = hot_slot_of(ids) if hot_slot_of is not None else None
+    key = sharding.owner(ids)
+    if slot is not None:
+        key = torch.where(slot >= 0, torch.full_like(key, world), key)
+    per_key = torch.zeros(world + 1, dtype=torch.int64, device=dev).index_add_(0, key, first.long()).tolist()
+    u = sum(per_key)
+    at = torch.nonzero_static(first, size=u).squeeze(1)  # [U] first occurrence of each unique id
+    uniq = ids.index_select(0, at)
+    inverse = torch.empty_like(seg).scatter_(0, perm, seg)
+    order = torch.argsort(key.index_select(0, at), stable=True)  # by key, then ascending id
+    start = [0]
+    for c in per_key:
+        start.append(start[-1] + c)
+    owned_pos = order[start[rank]:start[rank + 1]]
+    remote_pos = torch.cat([order[:start[rank]], order[start[rank + 1]:start[world]]])
+    hot_pos = order[start[world]:]
+    hot_slots = slot.index_select(0, at).index_select(0, hot_pos) if slot is not None else hot_pos.clone()
+    splits = per_key[:world]
+    splits[rank] = 0
+    return LookupPlan(uniq, inverse, owned_pos, remote_pos, splits, hot_pos, hot_slots)
 
 
 class Pull:
@@ -116,8 +137,12 @@ def no_cache_wire_bytes(remote, dim: int, row_elem: int, id_bytes: int = 8) -> d
     return {"ids": remote * id_bytes, "rows": remote * dim * row_elem, "grads": remote * dim * row_elem}
 
 
-def segment_counts(mask: torch.Tensor, splits: list[int]) -> list[int]:
-    """Number of True in each consecutive segment of `mask` of lengths `splits`."""
-    seg = torch.repeat_interleave(torch.arange(len(splits), device=mask.device),
-                                  torch.tensor(splits, dtype=torch.int64, device=mask.device))
-    return torch.bincount(seg[mask], minlength=len(splits)).tolist()
+def segment_counts(mask: torch.Tensor, splits: list[int]) -> torch.Tensor:
+    """[len(splits)] number of True in each consecutive segment of `mask` of lengths `splits`,
+    counted on mask's device (fixed size: nothing is read back; the caller reads the counts once,
+    together with any others it needs)."""
+    sizes = from_host(splits, mask.device)
+    seg = torch.repeat_interleave(torch.arange(len(splits), device=mask.device), sizes,
+                                  output_size=mask.numel())
+    counts = torch.zeros(len(splits), dtype=torch.int64, device=mask.device)
+    return counts.index_add_(0, seg, mask.long())

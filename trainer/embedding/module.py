@@ -188,12 +188,15 @@ class HybridEmbedding:
         union = info.hot_slots
         if union is None:
             raise RuntimeError("replicated rows need the global step's hot_slots (the scheduler's feed)")
-        union = union.to(grad.device)
+        union = union.to(grad.device)  # the runner moved it with the batch: no copy here
         buf = torch.zeros(union.numel(), self.dim, dtype=grad.dtype, device=grad.device)
         if plan.hot_slots.numel():
-            at = torch.searchsorted(union, plan.hot_slots)
-            if int(at.max()) >= union.numel() or not torch.equal(union[at], plan.hot_slots):
+            if union.numel() == 0:
                 raise RuntimeError("a local hot row is missing from the global step's hot_slots")
+            at = torch.searchsorted(union, plan.hot_slots)
+            # a consistency check that never reads the device: on CUDA it fails asynchronously
+            found = (at < union.numel()) & (union[at.clamp(max=union.numel() - 1)] == plan.hot_slots)
+            torch._assert_async(found.all(), "a local hot row is missing from the global step's hot_slots")
             buf.index_copy_(0, at, grad[plan.hot_pos])
         if union.numel():
             buf = self.comm.allreduce(buf, op="sum", kind="replica")

@@ -18,6 +18,9 @@ stores ceil(n_t / W) rows per table (at most one padding row per table that no i
 need not divide by W.
 
 The conversions accept torch tensors and, where the scheduler and planners need them, numpy arrays.
+The layout's own tensors (table offsets) are made once on the host; a conversion of device ids uses
+a copy of them on the ids' device, made at its first use there and kept (`on_device`), so a step
+never copies them again nor mixes host offsets with device ids.
 """
 from __future__ import annotations
 
@@ -65,14 +68,24 @@ class Sharding(ABC):
         """Size of the fused global id space (padding included)."""
         return int(self.table_offsets[-1])
 
+    def on_device(self, name: str, device: torch.device) -> torch.Tensor:
+        """The layout tensor attribute `name` (e.g. "table_offsets") on `device`: copied there at its
+        first use and kept, so the hot path never copies host offsets again."""
+        copies = self.__dict__.setdefault("_device_copies", {})
+        key = (name, torch.device(device))
+        t = copies.get(key)
+        if t is None:
+            t = copies[key] = getattr(self, name).to(device)
+        return t
+
     # ---- table-local <-> global ----------------------------------------------------------
     def global_ids(self, values: torch.Tensor, table_index: torch.Tensor) -> torch.Tensor:
         """[N] fused global ids of per-table ids `values` in tables `table_index`."""
-        return values + self.table_offsets.to(values.device)[table_index]
+        return values + self.on_device("table_offsets", values.device)[table_index]
 
     def decode(self, gids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(table, per-table id) of gids; padding ids give id >= table_rows[table]."""
-        offs = self.table_offsets.to(gids.device)
+        offs = self.on_device("table_offsets", gids.device)
         table = torch.searchsorted(offs[1:], gids, right=True)
         return table, gids - offs[table]
 
@@ -87,8 +100,13 @@ class Sharding(ABC):
     # ---- flat <-> global -----------------------------------------------------------------
     def from_flat(self, flat: Ids) -> Ids:
         """Fused global ids of flat ids (numpy or torch)."""
-        ends = np.cumsum(self.table_rows).astype(np.int64)
-        shift = self.table_offsets[:-1].numpy() - (ends - np.asarray(self.table_rows, np.int64))
+        cached = self.__dict__.get("_flat_shift")
+        if cached is None:  # host arrays, once (the scheduler calls this every step)
+            ends = np.cumsum(self.table_rows).astype(np.int64)
+            offsets = np.asarray(self.table_offsets.tolist()[:-1], np.int64)
+            shift = offsets - (ends - np.asarray(self.table_rows, np.int64))
+            cached = self.__dict__["_flat_shift"] = (ends, shift)
+        ends, shift = cached
         if isinstance(flat, torch.Tensor):
             f = flat.cpu().numpy()
             return torch.from_numpy(f + shift[np.searchsorted(ends, f, side="right")]).to(flat.device)
@@ -118,9 +136,12 @@ class Sharding(ABC):
         return mine, ~mine
 
     def per_owner(self, gids: Ids) -> list[int]:
-        """Number of gids per owner [W] (the splits of an alltoall grouped by owner)."""
+        """Number of gids per owner [W] (the splits of an alltoall grouped by owner). Device ids:
+        counted into a [W] vector (fixed size, unlike bincount, whose length depends on the
+        values), read back once."""
         if isinstance(gids, torch.Tensor):
-            return torch.bincount(self.owner(gids), minlength=self.world).tolist()
+            counts = torch.zeros(self.world, dtype=torch.int64, device=gids.device)
+            return counts.index_add_(0, self.owner(gids), torch.ones_like(gids)).tolist()
         return np.bincount(self.owner(np.asarray(gids, np.int64)), minlength=self.world).tolist()
 
     def owner_order(self, gids: np.ndarray) -> np.ndarray:
@@ -162,4 +183,5 @@ class RowSharding(Sharding):
 
     def local_table_of(self, local_idx: torch.Tensor) -> torch.Tensor:
         """Table of storage rows `local_idx` (on any worker)."""
-        return torch.searchsorted(self.local_table_offsets.to(local_idx.device)[1:], local_idx, right=True)
+        return torch.searchsorted(self.on_device("local_table_offsets", local_idx.device)[1:], local_idx,
+                                  right=True)

@@ -46,21 +46,25 @@ class CacheStats:
         self.num_tables = num_tables
 
     def add(self, key: str, tables: torch.Tensor, weights: torch.Tensor | None = None) -> None:
-        self.t[key] += torch.bincount(tables, weights=weights, minlength=self.num_tables).to(torch.int64)
+        """Count rows of `tables` [n] (each weighted by weights [n]: a 0/1 mask or a count) into
+        counter `key`. index_add_ into the fixed [T] counter: no masked selection, no bincount
+        (both would read a size back from the device)."""
+        w = torch.ones_like(tables) if weights is None else weights.to(torch.int64)
+        self.t[key].index_add_(0, tables, w)
 
     def reads(self, table: torch.Tensor, hit: torch.Tensor, need: torch.Tensor,
               transient: torch.Tensor) -> None:
         """One step's remote reads ([Ur] each): table, cache hit, row pulled, transient."""
         self.add("requested", table)
-        self.add("hits", table[hit])
-        self.add("fresh_hits", table[hit & ~need])
-        self.add("pulled", table[need])
-        self.add("transient", table[transient])
+        self.add("hits", table, hit)
+        self.add("fresh_hits", table, hit & ~need)
+        self.add("pulled", table, need)
+        self.add("transient", table, transient)
 
     def pushes(self, table: torch.Tensor, counts: torch.Tensor) -> None:
         """Rows pushed ([n] table of each) and the updates they carry ([n] counts)."""
         self.add("pushed_rows", table)
-        self.add("pushed_updates", table, counts.double())
+        self.add("pushed_updates", table, counts)
 
     def vector(self) -> torch.Tensor:
         """[len(CACHE_COUNTERS) * T] float64, for one allreduce over ranks."""

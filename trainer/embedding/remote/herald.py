@@ -20,6 +20,7 @@ import torch
 
 import kernels
 from ...comm import Collectives
+from ...device import from_host
 from ..cache import DIRECT_MAP_MAX_IDS, DirectSlotMap
 from ..optim import make_sparse_optimizer
 from ..store import ShardStore
@@ -44,11 +45,12 @@ class LentRows:
         return int(self.used.sum())
 
     def find(self, gids: torch.Tensor) -> torch.Tensor:
+        """[n] slots of lent rows gids (all lent here: the plan says so; checked without a read of
+        the device, so on CUDA a violation fails asynchronously)."""
         if gids.numel() == 0:
             return gids.clone()
         slots, missing = self.map.lookup(gids)
-        if bool(missing.any()):
-            raise RuntimeError(f"herald: rows {gids[missing][:5].tolist()} are not lent to this worker")
+        torch._assert_async(~missing.any(), "herald: rows the plan lends to this worker are not lent to it")
         return slots
 
     def state(self, slots: torch.Tensor) -> torch.Tensor:
@@ -59,9 +61,13 @@ class LentRows:
         return s.index_select(0, slots).reshape(slots.numel(), self.sw)
 
     def install(self, gids: torch.Tensor, rows: torch.Tensor, state: torch.Tensor) -> None:
-        free = torch.nonzero(~self.used).squeeze(1)[:gids.numel()]
-        if free.numel() < gids.numel():
-            raise RuntimeError(f"herald: {gids.numel()} rows lent but only {free.numel()} slots free")
+        """Lend rows gids [k] here (the planner keeps at most `capacity` lent per worker): the
+        first k free slots, found in a fixed-size pass (no count read back)."""
+        k = gids.numel()
+        if k > self.used.numel():
+            raise RuntimeError(f"herald: {k} rows lent but the worker holds only {self.used.numel()} slots")
+        free = torch.nonzero_static(~self.used, size=k, fill_value=-1).squeeze(1)
+        torch._assert_async((free >= 0).all(), "herald: more rows lent than slots free")
         self.weight.index_copy_(0, free, rows)
         if self.optimizer.state is not None:
             st = self.optimizer.state
@@ -93,7 +99,8 @@ class HeraldRemote(RemoteRows):
 
     # ---- helpers ---------------------------------------------------------------------------
     def _t(self, x: np.ndarray) -> torch.Tensor:
-        return torch.from_numpy(np.ascontiguousarray(x, dtype=np.int64)).to(self.dev)
+        """A host array of the plan on the device (pinned, asynchronous: the host does not wait)."""
+        return from_host(x, self.dev)
 
     def _to_me(self, per_worker: list[np.ndarray], mask: Optional[list[np.ndarray]] = None
                ) -> tuple[np.ndarray, list[int]]:
@@ -108,10 +115,14 @@ class HeraldRemote(RemoteRows):
     @staticmethod
     def _positions(ids: torch.Tensor, want: torch.Tensor) -> torch.Tensor:
         """[k] positions in ids [n] (distinct) of want [k] (all present)."""
-        order = torch.argsort(ids)
-        pos = order[torch.searchsorted(ids[order], want)] if want.numel() else want.clone()
-        if want.numel() and not torch.equal(ids[pos], want):
+        if want.numel() == 0:
+            return want.clone()
+        if ids.numel() == 0:
             raise RuntimeError("herald: the plan and this rank's batch disagree on its remote rows")
+        order = torch.argsort(ids)
+        pos = order[torch.searchsorted(ids[order], want).clamp(max=ids.numel() - 1)]
+        torch._assert_async((ids[pos] == want).all(),
+                            "herald: the plan and this rank's batch disagree on its remote rows")
         return pos
 
     # ---- the protocol ----------------------------------------------------------------------
@@ -156,8 +167,8 @@ class HeraldRemote(RemoteRows):
         self.writeback(sync.writeback)
         rows, state = self._pull(sync)
         pull = self._t(sync.pull[r])
-        lend = torch.from_numpy(sync.lend[r]).to(self.dev)
-        self.lent.install(pull[lend], rows[lend], state)
+        lend = self._t(np.flatnonzero(sync.lend[r]))  # positions from the host mask: no device read
+        self.lent.install(pull.index_select(0, lend), rows.index_select(0, lend), state)
         src = torch.cat([pull, local])
         at = self._positions(src, plan.remote_ids)
         if src.numel() != plan.remote_ids.numel():

@@ -22,6 +22,7 @@ from typing import Any, Optional
 import torch
 
 from ...comm import Collectives
+from ...device import select
 from ..cache import RowCache
 from ..consistency import Bounds, needs_row
 from ..exchange import segment_counts, wire_dtype, wire_float
@@ -92,15 +93,20 @@ class HetWire:
         idx, ver = served[:, 0].long(), served[:, 1].long()
         now = self.store.versions(idx)
         table = self.sh.local_table_of(idx)
-        send, gap = serve_check(ver, now, chk.pull_bound.to(now.device)[table])
+        send, gap = serve_check(ver, now, chk.pull_bound[table])  # bounds live on the store's device
         self.staleness.record(gap, table)
         reply = torch.where(send, now, torch.full_like(now, -1)).to(self.wire_dtype)
         got, _ = self.comm.alltoall(reply, served_splits, kind="versions", recv_splits=chk.splits)
         chk.versions = got.long()
         chk.need = chk.versions >= 0
-        chk.rows = self.comm.alltoall_async(self.store.weight.index_select(0, idx[send]).to(self.row_dtype),
-                                            segment_counts(send, served_splits), kind="rows",
-                                            recv_splits=segment_counts(chk.need, chk.splits))
+        # one read-back: the rows this rank sends to each requester and receives from each owner
+        w = len(served_splits)
+        counts = torch.cat([segment_counts(send, served_splits),
+                            segment_counts(chk.need, chk.splits)]).tolist()
+        send_splits, recv_splits = counts[:w], counts[w:]
+        rows = self.store.weight.index_select(0, select(idx, send, sum(send_splits)))
+        chk.rows = self.comm.alltoall_async(rows.to(self.row_dtype), send_splits, kind="rows",
+                                            recv_splits=recv_splits)
 
     def result(self, chk: "Check") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(need [Ur] bool, versions [Ur]: the owner version of each row sent, -1 elsewhere,
@@ -124,8 +130,9 @@ class HetWire:
         order = torch.argsort(sh.owner(pushes.gids), stable=True)
         gids, grads, counts = pushes.gids[order], pushes.grads[order], pushes.counts[order]
         head = torch.stack([sh.local_index(gids), counts], 1).to(self.wire_dtype)
-        got, recv_splits = self.comm.alltoall(head, sh.per_owner(gids), kind={"ids": 1, "versions": 1})
-        recv, _ = self.comm.alltoall(grads.to(self.row_dtype), sh.per_owner(gids), kind="grads",
+        splits = sh.per_owner(gids)  # read back once, for both alltoalls
+        got, recv_splits = self.comm.alltoall(head, splits, kind={"ids": 1, "versions": 1})
+        recv, _ = self.comm.alltoall(grads.to(self.row_dtype), splits, kind="grads",
                                      recv_splits=recv_splits)
         return Pushes(sh.global_of(got[:, 0].long(), sh.rank), recv.to(grads.dtype), got[:, 1].long())
 
@@ -152,7 +159,8 @@ class HetRemote(RemoteRows):
 
     def __init__(self, wire: Any, sharding: Sharding, cache: RowCache, bounds: Bounds,
                  stats: CacheStats, audit: Optional[Audit] = None) -> None:
-        self.wire, self.sharding, self.cache, self.bounds = wire, sharding, cache, bounds
+        self.wire, self.sharding, self.cache = wire, sharding, cache
+        self.bounds = bounds.to(cache.rows.device)  # indexed by device tables every step: moved once
         self.stats, self.audit = stats, audit
         self.staleness = getattr(wire, "staleness", None)
         self._slots: torch.Tensor | None = None

@@ -1,0 +1,51 @@
+"""Moving a step's host-born inputs to the device without making the host wait for the device.
+
+Why: on CUDA, ``t.to(device)`` of an ordinary (pageable) host tensor is a blocking copy: the host
+waits for the stream, so everything queued before it (the previous step's kernels) must finish
+first. A copy from page-locked ("pinned") memory with ``non_blocking=True`` is queued on the stream
+like a kernel and the host goes on. Every host -> device copy a training step makes goes through
+``to_device``: the batch (runner.py; the pipelined step prepares it one step early, so the copy
+overlaps the current step), Herald's per-step id lists, the scheduler's hot slots, the split sizes a
+device-side count needs. The pinned staging buffer comes from torch's caching host allocator, which
+keeps it until the copy has run (it records the copy on the buffer), so the caller may drop it.
+
+On the CPU there is nothing to copy: ``to_device`` returns the tensor itself.
+
+``select`` is the other half of keeping the host from waiting: ``x[mask]`` must read the number of
+True values back from the device before it can allocate its output; when the host knows that
+number already (a count read back together with the alltoall split sizes), a fixed-size selection
+needs no read at all.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import numpy as np
+import torch
+
+
+def to_device(t: torch.Tensor, device: torch.device | str) -> torch.Tensor:
+    """`t` on `device`; from the host to a CUDA device through pinned memory, asynchronously (the
+    returned tensor is ready for every later op on the current stream)."""
+    device = torch.device(device)
+    if t.device.type == "cpu" and device.type == "cuda" and not t.is_pinned():
+        t = t.pin_memory()
+    # non_blocking only from the host: a device -> host copy must stay blocking to be readable
+    return t.to(device, non_blocking=t.device.type == "cpu")
+
+
+_NUMPY = {torch.int64: np.int64, torch.int32: np.int32, torch.bool: np.bool_,
+          torch.float32: np.float32, torch.float64: np.float64}
+
+
+def from_host(values: Sequence[int] | np.ndarray, device: torch.device | str,
+              dtype: torch.dtype = torch.int64) -> torch.Tensor:
+    """A host list / array of numbers as a tensor on `device` (one pinned, asynchronous copy)."""
+    return to_device(torch.from_numpy(np.ascontiguousarray(values, dtype=_NUMPY[dtype])), device)
+
+
+def select(values: torch.Tensor, mask: torch.Tensor, count: int) -> torch.Tensor:
+    """values[mask] when the host already knows `count` = mask.sum(): a fixed-size selection
+    (nonzero_static), so nothing is read back from the device."""
+    at = torch.nonzero_static(mask, size=count).squeeze(1)
+    return values.index_select(0, at)
