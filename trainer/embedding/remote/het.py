@@ -113,7 +113,8 @@ class HetRemote(RemoteRows):
         self.wire, self.sharding, self.cache, self.bounds = wire, sharding, cache, bounds
         self.stats, self.audit = stats, audit
         self.staleness = getattr(wire, "staleness", None)
-        self._slots: torch.Tensor | None = None
+        self._slots: torch.Tensor | None = None  # the read's slot of each remote id (-1: transient)
+        self._transient: torch.Tensor | None = None  # positions of its transient ids (None: none)
         self._evicted: Pushes | None = None
         self.undoable = False  # train.nonfinite=skip: journal each read so discard() can undo it
 
@@ -131,18 +132,24 @@ class HetRemote(RemoteRows):
         cache.touch(slots[hit], step)
         cached_ver = cache.versions_of(slots)
         need, versions, rows = self.wire.check(remote, cached_ver, plan.splits, self.bounds.pull)
-        at = torch.cumsum(need.long(), 0) - 1  # row index of each needed id in `rows`
-        stale = hit & need
-        cache.refresh(slots[stale], rows[at[stale]], versions[stale])
-        miss = ~hit
-        new_slots, self._evicted = cache.install(remote[miss], table[miss], rows[at[miss]],
-                                                 versions[miss], step)
-        slots[miss] = new_slots
+        pulled = torch.nonzero(need).squeeze(1)  # position of each of `rows` among the remote ids
+        pulled_slot = slots.index_select(0, pulled)
+        was_cached = pulled_slot >= 0
+        stale = torch.nonzero(was_cached).squeeze(1)  # cached copies too far behind: re-read
+        cache.refresh(pulled_slot.index_select(0, stale), rows.index_select(0, stale),
+                      versions.index_select(0, pulled.index_select(0, stale)))
+        fetched = torch.nonzero(~was_cached).squeeze(1)  # misses (every miss is pulled)
+        miss = pulled.index_select(0, fetched)
+        new_slots, self._evicted = cache.install(remote.index_select(0, miss), table.index_select(0, miss),
+                                                 rows.index_select(0, fetched), versions.index_select(0, miss), step)
+        slots.index_copy_(0, miss, new_slots)
         transient = slots < 0
-        remote_rows = cache.rows.index_select(0, slots.clamp(min=0)) if cache.size else \
-            torch.empty(slots.numel(), ws.shape[1], dtype=ws.dtype, device=ws.device)
-        remote_rows[transient] = rows[at[transient]]
-        ws.index_copy_(0, plan.remote_pos, remote_rows)
+        if cache.size:
+            ws.index_copy_(0, plan.remote_pos, cache.rows.index_select(0, slots.clamp(min=0)))
+        gone = torch.nonzero(new_slots < 0).squeeze(1)  # transient: used from the pulled rows
+        self._transient = miss.index_select(0, gone) if gone.numel() else None
+        if self._transient is not None:
+            ws.index_copy_(0, plan.remote_pos.index_select(0, self._transient), rows.index_select(0, fetched[gone]))
         self.stats.reads(table, hit, need, transient)
         if self.audit is not None:
             self.audit.read(step, remote, torch.where(need, versions, cached_ver))
@@ -151,23 +158,28 @@ class HetRemote(RemoteRows):
     def write(self, plan: LookupPlan, grad: torch.Tensor) -> Pushes:
         """Local updates of this step: apply to cached copies, push the due, transient and
         evicted-dirty ones; returns what this rank received as owner."""
-        slots, self._slots = self._slots, None
+        slots, gone, self._slots, self._transient = self._slots, self._transient, None, None
         self.cache.commit()
-        remote, g = plan.remote_ids, grad[plan.remote_pos]
-        cached = slots >= 0
-        self.cache.record_updates(slots[cached], g[cached])
-        due = self.cache.take_due(slots[cached], self.bounds.push)
-        transient = Pushes.single(remote[~cached], g[~cached])
-        evicted = self._evicted if self._evicted is not None else Pushes.empty(g.shape[1], g.device)
-        self._evicted = None
-        self.stats.add("evicted_dirty", self.sharding.table_of(evicted.gids))
-        return self._send(Pushes.cat([due, transient, evicted]))
+        g = grad.index_select(0, plan.remote_pos)
+        parts = []
+        if gone is None:  # every remote row is cached (the usual case)
+            parts.append(self.cache.record_and_take_due(slots, g, self.bounds.push))
+        else:
+            cached = torch.nonzero(slots >= 0).squeeze(1)
+            parts.append(self.cache.record_and_take_due(slots.index_select(0, cached),
+                                                        g.index_select(0, cached), self.bounds.push))
+            parts.append(Pushes.single(plan.remote_ids.index_select(0, gone), g.index_select(0, gone)))
+        evicted, self._evicted = self._evicted, None
+        if evicted is not None and len(evicted):
+            self.stats.add("evicted_dirty", self.sharding.table_of(evicted.gids))
+            parts.append(evicted)
+        return self._send(Pushes.cat(parts) if len(parts) > 1 else parts[0])
 
     def discard(self) -> None:
         """Undo the read: installs, evictions (their dirty updates go back into the cache),
         refreshed copies and use counts; the owners changed nothing (version checks only read)."""
         self.cache.rollback()
-        self._slots, self._evicted = None, None
+        self._slots, self._transient, self._evicted = None, None, None
 
     def flush(self) -> Pushes:
         return self._send(self.cache.take_all())
