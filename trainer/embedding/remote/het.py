@@ -24,7 +24,7 @@ import torch
 from ...comm import Collectives
 from ..cache import RowCache
 from ..consistency import Bounds, needs_row
-from ..exchange import segment_counts, wire_dtype
+from ..exchange import wire_dtype
 from ..sharding import Sharding
 from ..store import ShardStore
 from ..types import LookupPlan, Pushes
@@ -65,27 +65,44 @@ class HetWire:
         idx, ver = served[:, 0].long(), served[:, 1].long()
         now = self.store.versions(idx)
         table = sh.local_table_of(idx)
-        send, gap = serve_check(ver, now, pull_bound.to(now.device)[table])
+        send, gap = serve_check(ver, now, pull_bound.to(now.device).index_select(0, table))
         self.staleness.record(gap, table)
-        reply = torch.where(send, now, torch.full_like(now, -1)).to(wire)
+        reply = torch.where(send, now, -1).to(wire)
         got, _ = self.comm.alltoall(reply, served_splits, kind="versions", recv_splits=splits)
         versions = got.long()
         need = versions >= 0
         rows, _ = self.comm.alltoall(self.store.weight.index_select(0, idx[send]),
-                                     segment_counts(send, served_splits), kind="rows",
-                                     recv_splits=segment_counts(need, splits))
+                                     _true_per_segment(send, served_splits), kind="rows",
+                                     recv_splits=_true_per_segment(need, splits))
         return need, versions, rows
 
     def push_updates(self, pushes: Pushes) -> Pushes:
         """Send (id, count, gradient) of pushed rows to their owners; return what this rank
-        received as owner (global ids, gradients, counts), not yet applied."""
+        received as owner (global ids, gradients, counts), not yet applied.
+
+        One alltoall: each row travels as the bytes of its (id, count) in the wire's integer type
+        followed by those of its gradient; the bytes are counted per column under their kinds
+        (ids, versions, grads), exactly as if they went in separate messages."""
         sh = self.sh
-        order = torch.argsort(sh.owner(pushes.gids), stable=True)
+        owner = sh.owner(pushes.gids)
+        order = torch.argsort(owner, stable=True)
         gids, grads, counts = pushes.gids[order], pushes.grads[order], pushes.counts[order]
         head = torch.stack([sh.local_index(gids), counts], 1).to(self.wire_dtype)
-        got, recv_splits = self.comm.alltoall(head, sh.per_owner(gids), kind={"ids": 1, "versions": 1})
-        recv, _ = self.comm.alltoall(grads, sh.per_owner(gids), kind="grads", recv_splits=recv_splits)
-        return Pushes(sh.global_of(got[:, 0].long(), sh.rank), recv, got[:, 1].long())
+        w = 2 * head.element_size()  # bytes of (id, count)
+        packed = torch.cat([head.view(torch.uint8), grads.contiguous().view(torch.uint8)], 1)
+        got, _ = self.comm.alltoall(packed, torch.bincount(owner, minlength=sh.world).tolist(),
+                                    kind={"ids": w // 2, "versions": w // 2, "grads": packed.shape[1] - w})
+        head = got[:, :w].contiguous().view(self.wire_dtype).long()
+        recv = got[:, w:].contiguous().view(grads.dtype)
+        return Pushes(sh.global_of(head[:, 0], sh.rank), recv, head[:, 1])
+
+
+def _true_per_segment(mask: torch.Tensor, splits: list[int]) -> list[int]:
+    """Number of True in each consecutive segment of `mask` of lengths `splits` (one cumsum)."""
+    edges = torch.tensor([0] + splits, device=mask.device).cumsum(0)
+    c = torch.cat([edges.new_zeros(1), torch.cumsum(mask, 0)])
+    c = c.index_select(0, edges)
+    return (c[1:] - c[:-1]).tolist()
 
 
 def het_wire_bytes(requested, pulled, pushed_rows, dim: int, row_elem: int, wire: int) -> dict:
