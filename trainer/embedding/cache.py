@@ -279,8 +279,8 @@ class RowCache:
         at = torch.nonzero(due).squeeze(1)
         out = Pushes(self.gid.index_select(0, slots.index_select(0, at)), pending.index_select(0, at),
                      count.index_select(0, at))
-        self.pending.index_copy_(0, slots, pending.masked_fill_(due.unsqueeze(1), 0.0))
-        self.count.index_copy_(0, slots, count.masked_fill_(due, 0))
+        self.pending.index_copy_(0, slots, pending.index_fill_(0, at, 0.0))
+        self.count.index_copy_(0, slots, count.index_fill_(0, at, 0))
         return out
 
     def take_all(self) -> Pushes:

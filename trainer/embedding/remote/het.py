@@ -88,13 +88,34 @@ class HetWire:
         order = torch.argsort(owner, stable=True)
         gids, grads, counts = pushes.gids[order], pushes.grads[order], pushes.counts[order]
         head = torch.stack([sh.local_index(gids), counts], 1).to(self.wire_dtype)
+        packed = _pack_rows([head, grads])
         w = 2 * head.element_size()  # bytes of (id, count)
-        packed = torch.cat([head.view(torch.uint8), grads.contiguous().view(torch.uint8)], 1)
         got, _ = self.comm.alltoall(packed, torch.bincount(owner, minlength=sh.world).tolist(),
                                     kind={"ids": w // 2, "versions": w // 2, "grads": packed.shape[1] - w})
-        head = got[:, :w].contiguous().view(self.wire_dtype).long()
-        recv = got[:, w:].contiguous().view(grads.dtype)
-        return Pushes(sh.global_of(head[:, 0], sh.rank), recv, head[:, 1])
+        head = _unpack_rows(got, 0, w, self.wire_dtype).long()
+        return Pushes(sh.global_of(head[:, 0], sh.rank), _unpack_rows(got, w, got.shape[1] - w, grads.dtype),
+                      head[:, 1])
+
+
+def _pack_rows(parts: list[torch.Tensor]) -> torch.Tensor:
+    """[n, bytes] uint8 whose row i holds the bytes of row i of each part ([n, k_j] each), in order."""
+    widths = [p.shape[1] * p.element_size() for p in parts]
+    buf = torch.empty(parts[0].shape[0], sum(widths), dtype=torch.uint8, device=parts[0].device)
+    at = 0
+    for p, w in zip(parts, widths):
+        buf[:, at:at + w].copy_(p.contiguous().view(torch.uint8))
+        at += w
+    return buf
+
+
+def _unpack_rows(buf: torch.Tensor, at: int, width: int, dtype: torch.dtype) -> torch.Tensor:
+    """Byte columns [at, at + width) of a packed [n, bytes] buffer as `dtype` values: a view when
+    they are aligned for it, else a copy."""
+    cols = buf[:, at:at + width]
+    size = torch.empty(0, dtype=dtype).element_size()
+    if (buf.storage_offset() + at) % size or buf.stride(0) % size:
+        cols = torch.empty(cols.shape, dtype=torch.uint8, device=buf.device).copy_(cols)
+    return cols.view(dtype)
 
 
 def _true_per_segment(mask: torch.Tensor, splits: list[int]) -> list[int]:
