@@ -343,7 +343,7 @@ class RowCache:
         if any(short):
             start = (first + took).tolist()
             pos, victims = [], []
-            for t, v in self._victims(short, step):
+            for t, v in self._victims(short, took.tolist(), step):
                 pos.append(order[start[t]:start[t] + v.numel()])
                 victims.append(v)
             if victims:
@@ -353,11 +353,12 @@ class RowCache:
         self._free -= took
         return out, placed + victims_n, victims_n
 
-    def _victims(self, short: list[int], step: int) -> list[tuple[int, torch.Tensor]]:
-        """(table, its victims) for every table t with short[t] > 0 misses left over once its free
-        slots are taken: up to short[t] slots of its region, best first, the evictable entries not
-        used this step with the smallest policy keys. A partial selection (topk) per region, never a
-        sort; the keys come from one pass over the whole cache when most regions need victims."""
+    def _victims(self, short: list[int], free: list[int], step: int) -> list[tuple[int, torch.Tensor]]:
+        """(table, its victims) for every table t with short[t] > 0 misses left over once its
+        free[t] free slots are taken: up to short[t] slots of its region, best first, the evictable
+        entries not used this step with the smallest policy keys. A partial selection (topk) per
+        region, never a sort; the keys come from one pass over the whole cache when most regions
+        need victims."""
         b = self.bounds
         tables = [t for t, k in enumerate(short) if k and b[t + 1] > b[t]]
         if not tables:
@@ -367,6 +368,9 @@ class RowCache:
             keys = [every[b[t]:b[t + 1]] for t in tables]
         else:
             keys = [self._eviction_keys(b[t], b[t + 1], step) for t in tables]
+        for t, key in zip(tables, keys):  # a region's free slots are its tail: never victims
+            if free[t]:
+                key[key.numel() - free[t]:] = _NEVER
         best = [torch.topk(key, min(short[t], key.numel()), largest=False, sorted=True)
                 for t, key in zip(tables, keys)]
         # a region with fewer evictable entries than that ends its selection with _NEVER: it gives
@@ -382,10 +386,11 @@ class RowCache:
         return out
 
     def _eviction_keys(self, lo: int, hi: int, step: int) -> torch.Tensor:
-        """Policy key of slots [lo, hi); _NEVER for free slots, entries used this step and pinned
-        ones (the policy may not evict them)."""
-        gid, freq, last = self.gid[lo:hi], self.freq[lo:hi], self.last_use[lo:hi]
-        ok = (gid >= 0) & (last != step)
+        """Policy key of the entries in slots [lo, hi); _NEVER for entries used this step and pinned
+        ones (the policy may not evict them). Free slots get theirs from the caller (the region's
+        tail)."""
+        freq, last = self.freq[lo:hi], self.last_use[lo:hi]
+        ok = last != step
         if self.policy.pins:
             ok &= self.policy.evictable(freq)
         return torch.where(ok, self.policy.keys(freq, last), _NEVER)
