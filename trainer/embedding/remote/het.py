@@ -84,9 +84,11 @@ class HetWire:
         followed by those of its gradient; the bytes are counted per column under their kinds
         (ids, versions, grads), exactly as if they went in separate messages."""
         sh = self.sh
-        owner = sh.owner(pushes.gids)
-        order = torch.argsort(owner, stable=True)
-        gids, grads, counts = pushes.gids[order], pushes.grads[order], pushes.counts[order]
+        gids, grads, counts = pushes.gids, pushes.grads, pushes.counts
+        owner = sh.owner(gids)
+        if gids.numel() > 1 and not bool((owner[1:] >= owner[:-1]).all()):  # group by owner, in order
+            order = torch.argsort(owner, stable=True)
+            gids, grads, counts = gids[order], grads[order], counts[order]
         head = torch.stack([sh.local_index(gids), counts], 1).to(self.wire_dtype)
         packed = _pack_rows([head, grads])
         w = 2 * head.element_size()  # bytes of (id, count)
