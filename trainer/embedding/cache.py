@@ -18,6 +18,12 @@ this local rule never reaches the model; with bounds > 0 it is the cached view a
 Rows needed by the current step are never evicted. When a table's region cannot hold all of a step's
 misses, the rest are "transient": used for this step only and their gradients pushed at once.
 
+Cost: every call is a handful of whole-batch tensor operations, never a Python loop per row. Slot
+choice is vectorised over tables: a region's free slots are always its last ones (slots are handed
+out lowest first and only come back by rollback, which restores the earlier state), so a per-table
+count of free slots places misses without scanning; only tables whose region is full run a partial
+selection (topk) over their region for victims.
+
 Undo (train.nonfinite=skip): between `begin()` and `commit()` every slot a read changes is saved
 first (touch, refresh, install + eviction), so `rollback()` returns the cache to exactly its state
 before the step (rows, versions, pending updates and counts, policy metadata, the id map).
@@ -42,6 +48,7 @@ class CachePolicy:
     """Eviction order: victims are the evictable slots with the smallest keys."""
 
     name = "base"
+    pins = False  # some entries are never evicted (evictable() is not all True)
 
     def __init__(self, pin_threshold: int = 0) -> None:
         self.pin_threshold = pin_threshold
@@ -66,13 +73,14 @@ class LFU(CachePolicy):
     name = "lfu"
 
     def keys(self, freq, last_use):
-        return freq * (1 << 32) + last_use
+        return torch.add(last_use, freq, alpha=1 << 32)  # freq * 2^32 + last_use
 
 
 class LFUPinned(LFU):
     """LFU where an entry used at least pin_threshold times is never evicted (HET's LFUOpt)."""
 
     name = "lfu_pinned"
+    pins = True
 
     def evictable(self, freq):
         return freq < self.pin_threshold
@@ -134,6 +142,9 @@ class RowCache:
         caps = torch.tensor(capacities, dtype=torch.int64)
         self.slot_table = torch.repeat_interleave(torch.arange(self.num_tables), caps).to(dev)  # [C]
         self.bounds = [0] + torch.cumsum(caps, 0).tolist()  # table t's slots: [bounds[t], bounds[t+1])
+        self._start = torch.tensor(self.bounds[:-1], dtype=torch.int64, device=dev)  # [T] regions
+        self._end = torch.tensor(self.bounds[1:], dtype=torch.int64, device=dev)
+        self._free = caps.clone().to(dev)  # [T] free slots per region: always its last ones, [end - free, end)
         c = int(caps.sum())
         self.rows = torch.zeros(c, dim, device=dev)
         self.pending = torch.zeros(c, dim, device=dev)
@@ -145,6 +156,7 @@ class RowCache:
         direct = dev.type == "cpu" and n_ids <= DIRECT_MAP_MAX_IDS
         self.map = DirectSlotMap(n_ids, dev) if direct else kernels.make_id_slot_map(max(c, 1), dev)
         self._journal: list[tuple[torch.Tensor, ...]] | None = None  # saved slots while undoable
+        self._journal_free: torch.Tensor | None = None  # the free counts at begin()
 
     _FIELDS = ("gid", "rows", "pending", "version", "count", "freq", "last_use")
 
@@ -166,10 +178,9 @@ class RowCache:
 
     def versions_of(self, slots: torch.Tensor) -> torch.Tensor:
         """[n] version each slot's copy was read at; -1 (no copy) where the slot is -1."""
-        out = torch.full_like(slots, -1)
-        hit = slots >= 0
-        out[hit] = self.version.index_select(0, slots[hit])
-        return out
+        if self.size == 0:
+            return torch.full_like(slots, -1)
+        return torch.where(slots >= 0, self.version.index_select(0, slots.clamp(min=0)), -1)
 
     def touch(self, slots: torch.Tensor, step: int) -> None:
         """Mark cached slots [k] (>= 0) as used at `step` (protects them from eviction this step)."""
@@ -190,28 +201,35 @@ class RowCache:
 
         Returns (slot of each, -1 = transient; dirty evicted entries whose updates must be pushed).
         """
-        slots = self._choose_slots(tables, step)
-        ok = slots >= 0
-        placed = slots[ok]
+        slots, placed_n, victims_n = self._choose_slots(tables, step)
+        if placed_n < slots.numel():  # some are transient: keep the placed ones
+            ok = torch.nonzero(slots >= 0).squeeze(1)
+            placed, gids, rows, versions = (slots.index_select(0, ok), gids.index_select(0, ok),
+                                            rows.index_select(0, ok), versions.index_select(0, ok))
+        else:
+            placed = slots
+        if placed_n == 0:
+            return slots, Pushes.empty(self.dim, self.rows.device)
         self._save(placed)
-        evicted = self._evict(placed)
-        self.gid.index_copy_(0, placed, gids[ok])
-        self.rows.index_copy_(0, placed, rows[ok])
-        self.version.index_copy_(0, placed, versions[ok])
+        # only victims held entries; free slots need no eviction pass
+        evicted = self._evict(placed) if victims_n else Pushes.empty(self.dim, self.rows.device)
+        self.gid.index_copy_(0, placed, gids)
+        self.rows.index_copy_(0, placed, rows)
+        self.version.index_copy_(0, placed, versions)
         self.freq.index_fill_(0, placed, 1)
         self.last_use.index_fill_(0, placed, step)
-        if placed.numel():
-            self.map.insert(gids[ok], placed)
+        self.map.insert(gids, placed)
         return slots, evicted
 
     # ---- undo ----------------------------------------------------------------------------
     def begin(self) -> None:
         """Start saving every slot the coming changes touch (until commit or rollback)."""
         self._journal = []
+        self._journal_free = self._free.clone()
 
     def commit(self) -> None:
         """Keep the changes made since begin() (drop what was saved)."""
-        self._journal = None
+        self._journal, self._journal_free = None, None
 
     def rollback(self) -> None:
         """Undo every change since begin(): saved slots get their old fields and map entries
@@ -229,7 +247,8 @@ class RowCache:
             back = moved & (old["gid"] >= 0)
             if bool(back.any()):
                 self.map.insert(old["gid"][back], slots[back])
-        self._journal = None
+        self._free.copy_(self._journal_free)
+        self._journal, self._journal_free = None, None
 
     def _save(self, slots: torch.Tensor) -> None:
         if self._journal is not None and slots.numel():
@@ -239,7 +258,7 @@ class RowCache:
     # ---- writes --------------------------------------------------------------------------
     def record_updates(self, slots: torch.Tensor, grads: torch.Tensor) -> None:
         """One local update per cached slot [k] (distinct): copy -= lr * g, pending += g."""
-        self.rows.index_add_(0, slots, grads, alpha=-self.local_lr)
+        self._update_copies(slots, grads)
         self.pending.index_add_(0, slots, grads)
         self.count.index_add_(0, slots, torch.ones_like(slots))
 
@@ -249,6 +268,21 @@ class RowCache:
                              push_bound.to(slots.device)[self.slot_table[slots]])]
         return self._take(due)
 
+    def record_and_take_due(self, slots: torch.Tensor, grads: torch.Tensor,
+                            push_bound: torch.Tensor) -> Pushes:
+        """record_updates(slots, grads) then take_due(slots, push_bound), same results, in one
+        gather and one scatter per field (a training step's write: slots [k] distinct)."""
+        self._update_copies(slots, grads)
+        pending = self.pending.index_select(0, slots).add_(grads)
+        count = self.count.index_select(0, slots).add_(1)
+        due = push_due(count, push_bound.to(slots.device).index_select(0, self.slot_table.index_select(0, slots)))
+        at = torch.nonzero(due).squeeze(1)
+        out = Pushes(self.gid.index_select(0, slots.index_select(0, at)), pending.index_select(0, at),
+                     count.index_select(0, at))
+        self.pending.index_copy_(0, slots, pending.index_fill_(0, at, 0.0))
+        self.count.index_copy_(0, slots, count.index_fill_(0, at, 0))
+        return out
+
     def take_all(self) -> Pushes:
         """Every pending update (flush before eval, checkpoint and exit)."""
         return self._take(torch.nonzero(self.count > 0).squeeze(1))
@@ -257,6 +291,15 @@ class RowCache:
         return int(self.count.sum())
 
     # ---- internals -----------------------------------------------------------------------
+    def _update_copies(self, slots: torch.Tensor, grads: torch.Tensor) -> None:
+        """copy -= lr * g on distinct slots [k]."""
+        if self.rows.device.type == "cpu":
+            # the CPU index_add_ with alpha != 1 adds row by row; on distinct slots gather, add,
+            # scatter computes the very same values (the same add kernel), vectorised
+            self.rows.index_copy_(0, slots, self.rows.index_select(0, slots).add_(grads, alpha=-self.local_lr))
+        else:
+            self.rows.index_add_(0, slots, grads, alpha=-self.local_lr)
+
     def _take(self, slots: torch.Tensor) -> Pushes:
         out = Pushes(self.gid.index_select(0, slots), self.pending.index_select(0, slots),
                      self.count.index_select(0, slots))
@@ -275,36 +318,79 @@ class RowCache:
         self.gid.index_fill_(0, live, -1)
         return out
 
-    def _choose_slots(self, tables: torch.Tensor, step: int) -> torch.Tensor:
+    def _choose_slots(self, tables: torch.Tensor, step: int) -> tuple[torch.Tensor, int, int]:
         """A slot for each miss [n] of `tables`: free slots first, then policy victims among
         entries not used this step; -1 where the table's region has nothing left. Misses of a table
-        take its victims best first, in the order they come."""
+        take its slots in the order they come: its free slots lowest first, then its victims best
+        first. Returns (slots [n], how many got a slot, how many of those are victims).
+
+        Vectorised over tables: a miss's rank among its table's misses and the region's free count
+        place it; only tables with more misses than free slots look for victims (_victims)."""
         n = tables.numel()
         out = torch.full((n,), -1, dtype=torch.int64, device=tables.device)
         if n == 0 or self.size == 0:
-            return out
+            return out, 0, 0
         need = torch.bincount(tables, minlength=self.num_tables)
-        order = torch.argsort(tables, stable=True)  # misses grouped by table
-        first = (torch.cumsum(need, 0) - need).tolist()
-        for t in torch.nonzero(need).squeeze(1).tolist():
-            victims = self._victims(t, int(need[t]), step)
-            out[order[first[t]:first[t] + victims.numel()]] = victims
+        order = torch.argsort(tables, stable=True)  # misses grouped by table, in order
+        first = torch.cumsum(need, 0) - need  # [T] where each table's misses start in `order`
+        rank = torch.empty_like(order)  # rank of each miss among its table's misses
+        rank[order] = torch.arange(n, device=tables.device) - first.index_select(0, tables.index_select(0, order))
+        free = self._free.index_select(0, tables)
+        out = torch.where(rank < free, self._end.index_select(0, tables) - free + rank, out)
+        took = torch.minimum(need, self._free)
+        short = (need - took).tolist()  # [T] misses left after the free slots (one host sync)
+        placed, victims_n = int(took.sum()), 0
+        if any(short):
+            start = (first + took).tolist()
+            pos, victims = [], []
+            for t, v in self._victims(short, took.tolist(), step):
+                pos.append(order[start[t]:start[t] + v.numel()])
+                victims.append(v)
+            if victims:
+                victims_t = torch.cat(victims)
+                out[torch.cat(pos)] = victims_t
+                victims_n = victims_t.numel()
+        self._free -= took
+        return out, placed + victims_n, victims_n
+
+    def _victims(self, short: list[int], free: list[int], step: int) -> list[tuple[int, torch.Tensor]]:
+        """(table, its victims) for every table t with short[t] > 0 misses left over once its
+        free[t] free slots are taken: up to short[t] slots of its region, best first, the evictable
+        entries not used this step with the smallest policy keys. A partial selection (topk) per
+        region, never a sort; the keys come from one pass over the whole cache when most regions
+        need victims."""
+        b = self.bounds
+        tables = [t for t, k in enumerate(short) if k and b[t + 1] > b[t]]
+        if not tables:
+            return []
+        if 2 * sum(b[t + 1] - b[t] for t in tables) >= self.size:
+            every = self._eviction_keys(0, self.size, step)
+            keys = [every[b[t]:b[t + 1]] for t in tables]
+        else:
+            keys = [self._eviction_keys(b[t], b[t + 1], step) for t in tables]
+        for t, key in zip(tables, keys):  # a region's free slots are its tail: never victims
+            if free[t]:
+                key[key.numel() - free[t]:] = _NEVER
+        best = [torch.topk(key, min(short[t], key.numel()), largest=False, sorted=True)
+                for t, key in zip(tables, keys)]
+        # a region with fewer evictable entries than that ends its selection with _NEVER: it gives
+        # all it has (a topk of exactly that many, so the same pick among equal keys)
+        last = torch.stack([v.values[-1] for v in best]).tolist()
+        out = []
+        for t, key, sel, worst in zip(tables, keys, best, last):
+            if worst == _NEVER:
+                r = int((sel.values != _NEVER).sum())
+                sel = torch.topk(key, r, largest=False, sorted=True) if r else None
+            if sel is not None:
+                out.append((t, sel.indices + b[t]))
         return out
 
-    def _victims(self, table: int, k: int, step: int) -> torch.Tensor:
-        """Up to k slots of `table`'s region to (re)use, best first: free ones (by slot), then the
-        evictable entries not used this step with the smallest policy keys. O(region) per call:
-        a partial selection (topk), never a sort of the whole cache."""
-        lo, hi = self.bounds[table], self.bounds[table + 1]
-        gid = self.gid[lo:hi]
-        free = torch.nonzero(gid < 0).squeeze(1)
-        if free.numel() >= k:
-            return free[:k] + lo
+    def _eviction_keys(self, lo: int, hi: int, step: int) -> torch.Tensor:
+        """Policy key of the entries in slots [lo, hi); _NEVER for entries used this step and pinned
+        ones (the policy may not evict them). Free slots get theirs from the caller (the region's
+        tail)."""
         freq, last = self.freq[lo:hi], self.last_use[lo:hi]
-        ok = (gid >= 0) & self.policy.evictable(freq) & (last != step)
-        key = torch.where(ok, self.policy.keys(freq, last), torch.full_like(last, _NEVER))
-        r = min(k - free.numel(), int(ok.sum()))
-        if r <= 0:
-            return free + lo
-        idx = torch.topk(key, r, largest=False, sorted=True).indices
-        return torch.cat([free, idx]) + lo
+        ok = last != step
+        if self.policy.pins:
+            ok &= self.policy.evictable(freq)
+        return torch.where(ok, self.policy.keys(freq, last), _NEVER)

@@ -38,12 +38,23 @@ CACHE_COUNTERS = ("requested", "hits", "fresh_hits", "pulled", "transient", "pus
                   "pushed_updates", "evicted_dirty")
 
 
+# A read's outcome as 3 bits (cache hit, row pulled, transient) -> the read counters it adds to.
+_READ_COUNTERS = CACHE_COUNTERS[:5]
+_READ_WEIGHTS = torch.tensor([[1, c & 1, (c & 1) and not c & 2, (c >> 1) & 1, (c >> 2) & 1] for c in range(8)],
+                             dtype=torch.int64)  # [8 outcomes, 5 read counters]
+
+
 class CacheStats:
-    """Per-table counters of a worker's cache traffic ([T] int64 each)."""
+    """Per-table counters of a worker's cache traffic ([T] int64 each).
+
+    The counters are rows of one [len(CACHE_COUNTERS), T] tensor (`t` maps names to them), so a
+    step's reads are counted with one bincount of (table, outcome) and one small product."""
 
     def __init__(self, num_tables: int, device: torch.device) -> None:
-        self.t = {k: torch.zeros(num_tables, dtype=torch.int64, device=device) for k in CACHE_COUNTERS}
+        self.all = torch.zeros(len(CACHE_COUNTERS), num_tables, dtype=torch.int64, device=device)
+        self.t = {k: self.all[i] for i, k in enumerate(CACHE_COUNTERS)}
         self.num_tables = num_tables
+        self._read_weights = _READ_WEIGHTS.to(device)
 
     def add(self, key: str, tables: torch.Tensor, weights: torch.Tensor | None = None) -> None:
         """Count rows of `tables` [n] (each weighted by weights [n]: a 0/1 mask or a count) into
@@ -55,20 +66,19 @@ class CacheStats:
     def reads(self, table: torch.Tensor, hit: torch.Tensor, need: torch.Tensor,
               transient: torch.Tensor) -> None:
         """One step's remote reads ([Ur] each): table, cache hit, row pulled, transient."""
-        self.add("requested", table)
-        self.add("hits", table, hit)
-        self.add("fresh_hits", table, hit & ~need)
-        self.add("pulled", table, need)
-        self.add("transient", table, transient)
+        outcome = hit.long() + 2 * need.long() + 4 * transient.long()
+        per = torch.zeros(self.num_tables * 8, dtype=torch.int64, device=table.device)
+        per.index_add_(0, table * 8 + outcome, torch.ones_like(table))  # no size read back
+        self.all[:len(_READ_COUNTERS)] += (per.view(self.num_tables, 8) @ self._read_weights).t()
 
     def pushes(self, table: torch.Tensor, counts: torch.Tensor) -> None:
         """Rows pushed ([n] table of each) and the updates they carry ([n] counts)."""
-        self.add("pushed_rows", table)
-        self.add("pushed_updates", table, counts)
+        self.t["pushed_rows"].index_add_(0, table, torch.ones_like(table))
+        self.t["pushed_updates"].index_add_(0, table, counts.to(torch.int64))
 
     def vector(self) -> torch.Tensor:
         """[len(CACHE_COUNTERS) * T] float64, for one allreduce over ranks."""
-        return torch.cat([self.t[k] for k in CACHE_COUNTERS]).double().cpu()
+        return self.all.flatten().double().cpu()
 
 
 class StalenessStats:

@@ -125,16 +125,44 @@ class HetWire:
 
     def push_updates(self, pushes: Pushes) -> Pushes:
         """Send (id, count, gradient) of pushed rows to their owners; return what this rank
-        received as owner (global ids, gradients, counts), not yet applied."""
+        received as owner (global ids, gradients, counts), not yet applied.
+
+        One alltoall: each row travels as the bytes of its (id, count) in the wire's integer type
+        followed by those of its gradient; the bytes are counted per column under their kinds
+        (ids, versions, grads), exactly as if they went in separate messages."""
         sh = self.sh
-        order = torch.argsort(sh.owner(pushes.gids), stable=True)
-        gids, grads, counts = pushes.gids[order], pushes.grads[order], pushes.counts[order]
+        gids, grads, counts = pushes.gids, pushes.grads, pushes.counts
+        order = torch.argsort(sh.owner(gids), stable=True)  # group by owner (no host read to test it)
+        gids, grads, counts = gids[order], grads[order], counts[order]
         head = torch.stack([sh.local_index(gids), counts], 1).to(self.wire_dtype)
-        splits = sh.per_owner(gids)  # read back once, for both alltoalls
-        got, recv_splits = self.comm.alltoall(head, splits, kind={"ids": 1, "versions": 1})
-        recv, _ = self.comm.alltoall(grads.to(self.row_dtype), splits, kind="grads",
-                                     recv_splits=recv_splits)
-        return Pushes(sh.global_of(got[:, 0].long(), sh.rank), recv.to(grads.dtype), got[:, 1].long())
+        packed = _pack_rows([head, grads.to(self.row_dtype)])
+        w = 2 * head.element_size()  # bytes of (id, count)
+        got, _ = self.comm.alltoall(packed, sh.per_owner(gids),
+                                    kind={"ids": w // 2, "versions": w // 2, "grads": packed.shape[1] - w})
+        head = _unpack_rows(got, 0, w, self.wire_dtype).long()
+        recv = _unpack_rows(got, w, got.shape[1] - w, self.row_dtype).to(grads.dtype)
+        return Pushes(sh.global_of(head[:, 0], sh.rank), recv, head[:, 1])
+
+
+def _pack_rows(parts: list[torch.Tensor]) -> torch.Tensor:
+    """[n, bytes] uint8 whose row i holds the bytes of row i of each part ([n, k_j] each), in order."""
+    widths = [p.shape[1] * p.element_size() for p in parts]
+    buf = torch.empty(parts[0].shape[0], sum(widths), dtype=torch.uint8, device=parts[0].device)
+    at = 0
+    for p, w in zip(parts, widths):
+        buf[:, at:at + w].copy_(p.contiguous().view(torch.uint8))
+        at += w
+    return buf
+
+
+def _unpack_rows(buf: torch.Tensor, at: int, width: int, dtype: torch.dtype) -> torch.Tensor:
+    """Byte columns [at, at + width) of a packed [n, bytes] buffer as `dtype` values: a view when
+    they are aligned for it, else a copy."""
+    cols = buf[:, at:at + width]
+    size = torch.empty(0, dtype=dtype).element_size()
+    if (buf.storage_offset() + at) % size or buf.stride(0) % size:
+        cols = torch.empty(cols.shape, dtype=torch.uint8, device=buf.device).copy_(cols)
+    return cols.view(dtype)
 
 
 def het_wire_bytes(requested, pulled, pushed_rows, dim: int, row_elem: int, wire: int) -> dict:
@@ -163,7 +191,8 @@ class HetRemote(RemoteRows):
         self.bounds = bounds.to(cache.rows.device)  # indexed by device tables every step: moved once
         self.stats, self.audit = stats, audit
         self.staleness = getattr(wire, "staleness", None)
-        self._slots: torch.Tensor | None = None
+        self._slots: torch.Tensor | None = None  # the read's slot of each remote id (-1: transient)
+        self._transient: torch.Tensor | None = None  # positions of its transient ids (None: none)
         self._evicted: Pushes | None = None
         self.undoable = False  # train.nonfinite=skip: journal each read so discard() can undo it
 
@@ -196,18 +225,24 @@ class HetRemote(RemoteRows):
         hit = slots >= 0
         cache.touch(slots[hit], step)
         need, versions, rows = self.wire.result(token.check)
-        at = torch.cumsum(need.long(), 0) - 1  # row index of each needed id in `rows`
-        stale = hit & need
-        cache.refresh(slots[stale], rows[at[stale]], versions[stale])
-        miss = ~hit
-        new_slots, self._evicted = cache.install(remote[miss], table[miss], rows[at[miss]],
-                                                 versions[miss], step)
-        slots[miss] = new_slots
+        pulled = torch.nonzero(need).squeeze(1)  # position of each of `rows` among the remote ids
+        pulled_slot = slots.index_select(0, pulled)
+        was_cached = pulled_slot >= 0
+        stale = torch.nonzero(was_cached).squeeze(1)  # cached copies too far behind: re-read
+        cache.refresh(pulled_slot.index_select(0, stale), rows.index_select(0, stale),
+                      versions.index_select(0, pulled.index_select(0, stale)))
+        fetched = torch.nonzero(~was_cached).squeeze(1)  # misses (every miss is pulled)
+        miss = pulled.index_select(0, fetched)
+        new_slots, self._evicted = cache.install(remote.index_select(0, miss), table.index_select(0, miss),
+                                                 rows.index_select(0, fetched), versions.index_select(0, miss), step)
+        slots.index_copy_(0, miss, new_slots)
         transient = slots < 0
-        remote_rows = cache.rows.index_select(0, slots.clamp(min=0)) if cache.size else \
-            torch.empty(slots.numel(), ws.shape[1], dtype=ws.dtype, device=ws.device)
-        remote_rows[transient] = rows[at[transient]]
-        ws.index_copy_(0, plan.remote_pos, remote_rows)
+        if cache.size:
+            ws.index_copy_(0, plan.remote_pos, cache.rows.index_select(0, slots.clamp(min=0)))
+        gone = torch.nonzero(new_slots < 0).squeeze(1)  # transient: used from the pulled rows
+        self._transient = miss.index_select(0, gone) if gone.numel() else None
+        if self._transient is not None:
+            ws.index_copy_(0, plan.remote_pos.index_select(0, self._transient), rows.index_select(0, fetched[gone]))
         self.stats.reads(table, hit, need, transient)
         if self.audit is not None:
             self.audit.read(step, remote, torch.where(need, versions, cached_ver))
@@ -216,23 +251,28 @@ class HetRemote(RemoteRows):
     def write(self, plan: LookupPlan, grad: torch.Tensor) -> Pushes:
         """Local updates of this step: apply to cached copies, push the due, transient and
         evicted-dirty ones; returns what this rank received as owner."""
-        slots, self._slots = self._slots, None
+        slots, gone, self._slots, self._transient = self._slots, self._transient, None, None
         self.cache.commit()
-        remote, g = plan.remote_ids, grad[plan.remote_pos]
-        cached = slots >= 0
-        self.cache.record_updates(slots[cached], g[cached])
-        due = self.cache.take_due(slots[cached], self.bounds.push)
-        transient = Pushes.single(remote[~cached], g[~cached])
-        evicted = self._evicted if self._evicted is not None else Pushes.empty(g.shape[1], g.device)
-        self._evicted = None
-        self.stats.add("evicted_dirty", self.sharding.table_of(evicted.gids))
-        return self._send(Pushes.cat([due, transient, evicted]))
+        g = grad.index_select(0, plan.remote_pos)
+        parts = []
+        if gone is None:  # every remote row is cached (the usual case)
+            parts.append(self.cache.record_and_take_due(slots, g, self.bounds.push))
+        else:
+            cached = torch.nonzero(slots >= 0).squeeze(1)
+            parts.append(self.cache.record_and_take_due(slots.index_select(0, cached),
+                                                        g.index_select(0, cached), self.bounds.push))
+            parts.append(Pushes.single(plan.remote_ids.index_select(0, gone), g.index_select(0, gone)))
+        evicted, self._evicted = self._evicted, None
+        if evicted is not None and len(evicted):
+            self.stats.add("evicted_dirty", self.sharding.table_of(evicted.gids))
+            parts.append(evicted)
+        return self._send(Pushes.cat(parts) if len(parts) > 1 else parts[0])
 
     def discard(self) -> None:
         """Undo the read: installs, evictions (their dirty updates go back into the cache),
         refreshed copies and use counts; the owners changed nothing (version checks only read)."""
         self.cache.rollback()
-        self._slots, self._evicted = None, None
+        self._slots, self._transient, self._evicted = None, None, None
 
     def flush(self) -> Pushes:
         return self._send(self.cache.take_all())
