@@ -105,6 +105,8 @@ SHAPE_OK: dict[tuple[str, str], str] = {
         "victims' and trainer/device.select for all",
     ("trainer/embedding/cache.py", "take_due"): CACHE_TODO + "slots[push_due(...)]: the due slots; "
         "their count can join the push's split-size read",
+    ("trainer/embedding/cache.py", "record_and_take_due"): CACHE_TODO + "nonzero(push_due(...)): the "
+        "due slots of the fused local update; their count can join the push's split-size read",
     ("trainer/embedding/cache.py", "versions_of"): CACHE_TODO + "out[hit] = version[slots[hit]]: "
         "torch.where over a clamped index_select needs no size",
     ("trainer/embedding/remote/het.py", "read"): HET_TODO + "slots[hit], slots[stale], "

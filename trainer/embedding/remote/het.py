@@ -159,7 +159,7 @@ def _unpack_rows(buf: torch.Tensor, at: int, width: int, dtype: torch.dtype) -> 
     """Byte columns [at, at + width) of a packed [n, bytes] buffer as `dtype` values: a view when
     they are aligned for it, else a copy."""
     cols = buf[:, at:at + width]
-    size = torch.empty(0, dtype=dtype).element_size()
+    size = dtype.itemsize
     if (buf.storage_offset() + at) % size or buf.stride(0) % size:
         cols = torch.empty(cols.shape, dtype=torch.uint8, device=buf.device).copy_(cols)
     return cols.view(dtype)
