@@ -59,10 +59,13 @@ class CacheStats:
         self.t[key] += torch.bincount(tables, weights=weights, minlength=self.num_tables).to(torch.int64)
 
     def reads(self, table: torch.Tensor, hit: torch.Tensor, need: torch.Tensor,
-              transient: torch.Tensor) -> None:
-        """One step's remote reads ([Ur] each): table, cache hit, row pulled, transient."""
-        outcome = hit.long() + 2 * need.long() + 4 * transient.long()
-        per = torch.bincount(table * 8 + outcome, minlength=8 * self.num_tables).view(self.num_tables, 8)
+              transient: torch.Tensor | None) -> None:
+        """One step's remote reads ([Ur] each): table, cache hit, row pulled, transient (None:
+        none was)."""
+        code = (table * 8).add_(hit).add_(need, alpha=2)  # (table, outcome)
+        if transient is not None:
+            code.add_(transient, alpha=4)
+        per = torch.bincount(code, minlength=8 * self.num_tables).view(self.num_tables, 8)
         self.all[:len(_READ_COUNTERS)] += (per @ self._read_weights).t()
 
     def pushes(self, table: torch.Tensor, counts: torch.Tensor) -> None:
