@@ -142,8 +142,7 @@ class RowCache:
         caps = torch.tensor(capacities, dtype=torch.int64)
         self.slot_table = torch.repeat_interleave(torch.arange(self.num_tables), caps).to(dev)  # [C]
         self.bounds = [0] + torch.cumsum(caps, 0).tolist()  # table t's slots: [bounds[t], bounds[t+1])
-        self._start = torch.tensor(self.bounds[:-1], dtype=torch.int64, device=dev)  # [T] regions
-        self._end = torch.tensor(self.bounds[1:], dtype=torch.int64, device=dev)
+        self._end = torch.tensor(self.bounds[1:], dtype=torch.int64, device=dev)  # [T] region ends
         self._free = caps.clone().to(dev)  # [T] free slots per region: always its last ones, [end - free, end)
         c = int(caps.sum())
         self.rows = torch.zeros(c, dim, device=dev)

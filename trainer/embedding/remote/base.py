@@ -37,10 +37,18 @@ CACHE_COUNTERS = ("requested", "hits", "fresh_hits", "pulled", "transient", "pus
                   "pushed_updates", "evicted_dirty")
 
 
-# A read's outcome as 3 bits (cache hit, row pulled, transient) -> the read counters it adds to.
+def _read_weights() -> torch.Tensor:
+    """[8, 5]: which of the read counters (requested, hits, fresh_hits, pulled, transient) a read
+    adds to, for each outcome code hit + 2 * pulled + 4 * transient."""
+    rows = []
+    for code in range(8):
+        hit, pulled, transient = code & 1, (code >> 1) & 1, (code >> 2) & 1
+        rows.append([1, hit, hit * (1 - pulled), pulled, transient])
+    return torch.tensor(rows, dtype=torch.int64)
+
+
 _READ_COUNTERS = CACHE_COUNTERS[:5]
-_READ_WEIGHTS = torch.tensor([[1, c & 1, (c & 1) and not c & 2, (c >> 1) & 1, (c >> 2) & 1] for c in range(8)],
-                             dtype=torch.int64)  # [8 outcomes, 5 read counters]
+_READ_WEIGHTS = _read_weights()
 
 
 class CacheStats:

@@ -11,7 +11,8 @@ The wire, per step:
   than the pull bound behind: consistency.needs_row) or -1 ("still fresh"); then only those rows
   travel. The owner records the staleness of the reads it let through.
 - push_updates: (id, update count, summed gradient) for whichever rows the cache decided to push
-  (consistency.push_due, evictions, transient rows, the flush).
+  (consistency.push_due, evictions, transient rows, the flush), all three in one message per owner
+  (one alltoall; each part's bytes are still counted under its own kind).
 On the wire an id is its owner's storage row (Sharding.local_index), as int32 whenever the shard
 allows (exchange.wire_dtype), like the versions and counts.
 """
