@@ -181,8 +181,9 @@ class HetRemote(RemoteRows):
                       versions.index_select(0, pulled.index_select(0, stale)))
         fetched = torch.nonzero(~was_cached).squeeze(1)  # misses (every miss is pulled)
         miss = pulled.index_select(0, fetched)
-        new_slots, self._evicted = cache.install(remote.index_select(0, miss), table.index_select(0, miss),
-                                                 rows.index_select(0, fetched), versions.index_select(0, miss), step)
+        new_slots, self._evicted = cache.install(
+            remote.index_select(0, miss), table.index_select(0, miss), rows.index_select(0, fetched),
+            versions.index_select(0, miss), step)
         slots.index_copy_(0, miss, new_slots)
         gone = torch.nonzero(new_slots < 0).squeeze(1)  # transient: used from the pulled rows
         self._transient = miss.index_select(0, gone) if gone.numel() else None
@@ -191,7 +192,8 @@ class HetRemote(RemoteRows):
         else:
             if cache.size:
                 ws.index_copy_(0, plan.remote_pos, cache.rows.index_select(0, slots.clamp(min=0)))
-            ws.index_copy_(0, plan.remote_pos.index_select(0, self._transient), rows.index_select(0, fetched[gone]))
+            ws.index_copy_(0, plan.remote_pos.index_select(0, self._transient),
+                           rows.index_select(0, fetched.index_select(0, gone)))
         self.stats.reads(table, hit, need, None if self._transient is None else slots < 0)
         if self.audit is not None:
             self.audit.read(step, remote, torch.where(need, versions, cached_ver))
