@@ -88,7 +88,8 @@ def test_slot_choice_equals_the_per_table_reference(policy):
 def test_fused_write_equals_record_then_take():
     torch.manual_seed(0)
     a = RowCache([5, 7], 3, make_policy("lfu"), 50, local_lr=0.3)
-    a.install(torch.arange(12), torch.tensor([0] * 5 + [1] * 7), torch.randn(12, 3), torch.zeros(12, dtype=torch.int64), 0)
+    a.install(torch.arange(12), torch.tensor([0] * 5 + [1] * 7), torch.randn(12, 3),
+              torch.zeros(12, dtype=torch.int64), 0)
     b = copy.deepcopy(a)
     bound = torch.tensor([1, 2])
     for _ in range(6):
@@ -112,7 +113,8 @@ def test_read_counters_equal_one_bincount_each():
     s = CacheStats(T, torch.device("cpu"))
     s.reads(table, hit, need, transient)
     s.reads(table, need, hit, transient)
-    want = {k: torch.zeros(T, dtype=torch.int64) for k in ("requested", "hits", "fresh_hits", "pulled", "transient")}
+    want = {k: torch.zeros(T, dtype=torch.int64)
+            for k in ("requested", "hits", "fresh_hits", "pulled", "transient")}
     for h, nd in ((hit, need), (need, hit)):
         for k, m in (("requested", torch.ones_like(h)), ("hits", h), ("fresh_hits", h & ~nd), ("pulled", nd),
                      ("transient", transient)):

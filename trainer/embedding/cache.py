@@ -142,9 +142,8 @@ class RowCache:
         caps = torch.tensor(capacities, dtype=torch.int64)
         self.slot_table = torch.repeat_interleave(torch.arange(self.num_tables), caps).to(dev)  # [C]
         self.bounds = [0] + torch.cumsum(caps, 0).tolist()  # table t's slots: [bounds[t], bounds[t+1])
-        self._start = torch.tensor(self.bounds[:-1], dtype=torch.int64, device=dev)  # [T] regions
-        self._end = torch.tensor(self.bounds[1:], dtype=torch.int64, device=dev)
-        self._free = caps.clone().to(dev)  # [T] free slots per region: always its last ones, [end - free, end)
+        self._end = torch.tensor(self.bounds[1:], dtype=torch.int64, device=dev)  # [T] region ends
+        self._free = caps.clone().to(dev)  # [T] free slots per region: its last ones, [end - free, end)
         c = int(caps.sum())
         self.rows = torch.zeros(c, dim, device=dev)
         self.pending = torch.zeros(c, dim, device=dev)
@@ -275,7 +274,8 @@ class RowCache:
         self._update_copies(slots, grads)
         pending = self.pending.index_select(0, slots).add_(grads)
         count = self.count.index_select(0, slots).add_(1)
-        due = push_due(count, push_bound.to(slots.device).index_select(0, self.slot_table.index_select(0, slots)))
+        bound = push_bound.to(slots.device).index_select(0, self.slot_table.index_select(0, slots))
+        due = push_due(count, bound)
         at = torch.nonzero(due).squeeze(1)
         out = Pushes(self.gid.index_select(0, slots.index_select(0, at)), pending.index_select(0, at),
                      count.index_select(0, at))
@@ -296,7 +296,8 @@ class RowCache:
         if self.rows.device.type == "cpu":
             # the CPU index_add_ with alpha != 1 adds row by row; on distinct slots gather, add,
             # scatter computes the very same values (the same add kernel), vectorised
-            self.rows.index_copy_(0, slots, self.rows.index_select(0, slots).add_(grads, alpha=-self.local_lr))
+            moved = self.rows.index_select(0, slots).add_(grads, alpha=-self.local_lr)
+            self.rows.index_copy_(0, slots, moved)
         else:
             self.rows.index_add_(0, slots, grads, alpha=-self.local_lr)
 
@@ -334,7 +335,7 @@ class RowCache:
         order = torch.argsort(tables, stable=True)  # misses grouped by table, in order
         first = torch.cumsum(need, 0) - need  # [T] where each table's misses start in `order`
         rank = torch.empty_like(order)  # rank of each miss among its table's misses
-        rank[order] = torch.arange(n, device=tables.device) - first.index_select(0, tables.index_select(0, order))
+        rank[order] = torch.arange(n, device=tables.device) - first.index_select(0, tables[order])
         free = self._free.index_select(0, tables)
         out = torch.where(rank < free, self._end.index_select(0, tables) - free + rank, out)
         took = torch.minimum(need, self._free)

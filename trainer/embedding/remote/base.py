@@ -38,10 +38,18 @@ CACHE_COUNTERS = ("requested", "hits", "fresh_hits", "pulled", "transient", "pus
                   "pushed_updates", "evicted_dirty")
 
 
-# A read's outcome as 3 bits (cache hit, row pulled, transient) -> the read counters it adds to.
+def _read_weights() -> torch.Tensor:
+    """[8, 5]: which of the read counters (requested, hits, fresh_hits, pulled, transient) a read
+    adds to, for each outcome code hit + 2 * pulled + 4 * transient."""
+    rows = []
+    for code in range(8):
+        hit, pulled, transient = code & 1, (code >> 1) & 1, (code >> 2) & 1
+        rows.append([1, hit, hit * (1 - pulled), pulled, transient])
+    return torch.tensor(rows, dtype=torch.int64)
+
+
 _READ_COUNTERS = CACHE_COUNTERS[:5]
-_READ_WEIGHTS = torch.tensor([[1, c & 1, (c & 1) and not c & 2, (c >> 1) & 1, (c >> 2) & 1] for c in range(8)],
-                             dtype=torch.int64)  # [8 outcomes, 5 read counters]
+_READ_WEIGHTS = _read_weights()
 
 
 class CacheStats:
@@ -64,11 +72,14 @@ class CacheStats:
         self.t[key].index_add_(0, tables, w)
 
     def reads(self, table: torch.Tensor, hit: torch.Tensor, need: torch.Tensor,
-              transient: torch.Tensor) -> None:
-        """One step's remote reads ([Ur] each): table, cache hit, row pulled, transient."""
-        outcome = hit.long() + 2 * need.long() + 4 * transient.long()
+              transient: torch.Tensor | None) -> None:
+        """One step's remote reads ([Ur] each): table, cache hit, row pulled, transient (None:
+        none was)."""
+        code = (table * 8).add_(hit).add_(need, alpha=2)  # (table, outcome)
+        if transient is not None:
+            code.add_(transient, alpha=4)
         per = torch.zeros(self.num_tables * 8, dtype=torch.int64, device=table.device)
-        per.index_add_(0, table * 8 + outcome, torch.ones_like(table))  # no size read back
+        per.index_add_(0, code, torch.ones_like(code))  # fixed size: no count read back
         self.all[:len(_READ_COUNTERS)] += (per.view(self.num_tables, 8) @ self._read_weights).t()
 
     def pushes(self, table: torch.Tensor, counts: torch.Tensor) -> None:

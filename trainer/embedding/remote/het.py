@@ -11,7 +11,8 @@ The wire, per step:
   than the pull bound behind: consistency.needs_row) or -1 ("still fresh"); then only those rows
   travel. The owner records the staleness of the reads it let through.
 - push_updates: (id, update count, summed gradient) for whichever rows the cache decided to push
-  (consistency.push_due, evictions, transient rows, the flush).
+  (consistency.push_due, evictions, transient rows, the flush), all three in one message per owner
+  (one alltoall; each part's bytes are still counted under its own kind).
 On the wire an id is its owner's storage row (Sharding.local_index), as int32 whenever the shard
 allows (exchange.wire_dtype), like the versions and counts.
 """
@@ -233,17 +234,20 @@ class HetRemote(RemoteRows):
                       versions.index_select(0, pulled.index_select(0, stale)))
         fetched = torch.nonzero(~was_cached).squeeze(1)  # misses (every miss is pulled)
         miss = pulled.index_select(0, fetched)
-        new_slots, self._evicted = cache.install(remote.index_select(0, miss), table.index_select(0, miss),
-                                                 rows.index_select(0, fetched), versions.index_select(0, miss), step)
+        new_slots, self._evicted = cache.install(
+            remote.index_select(0, miss), table.index_select(0, miss), rows.index_select(0, fetched),
+            versions.index_select(0, miss), step)
         slots.index_copy_(0, miss, new_slots)
-        transient = slots < 0
-        if cache.size:
-            ws.index_copy_(0, plan.remote_pos, cache.rows.index_select(0, slots.clamp(min=0)))
         gone = torch.nonzero(new_slots < 0).squeeze(1)  # transient: used from the pulled rows
         self._transient = miss.index_select(0, gone) if gone.numel() else None
-        if self._transient is not None:
-            ws.index_copy_(0, plan.remote_pos.index_select(0, self._transient), rows.index_select(0, fetched[gone]))
-        self.stats.reads(table, hit, need, transient)
+        if self._transient is None:
+            ws.index_copy_(0, plan.remote_pos, cache.rows.index_select(0, slots))
+        else:
+            if cache.size:
+                ws.index_copy_(0, plan.remote_pos, cache.rows.index_select(0, slots.clamp(min=0)))
+            ws.index_copy_(0, plan.remote_pos.index_select(0, self._transient),
+                           rows.index_select(0, fetched.index_select(0, gone)))
+        self.stats.reads(table, hit, need, None if self._transient is None else slots < 0)
         if self.audit is not None:
             self.audit.read(step, remote, torch.where(need, versions, cached_ver))
         self._slots = slots
