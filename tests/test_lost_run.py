@@ -21,18 +21,7 @@ from helpers import make_cfg, run_single, spawn
 from trainer.build import TrainingError
 from trainer.runner import run
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-BASE = ["data=tiny", "data.global_batch_size=48", "data.eval_samples=96", "data.eval_batch_size=48",
-        "train.threads=1", "train.progress=off"]
-
-
-def _env() -> dict[str, str]:
-    return dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-
-
-def _cli(cwd, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "trainer", *BASE, *args], cwd=cwd, env=_env(),
-                          capture_output=True, text=True, timeout=timeout)
+from test_lost_checkpoint import BASE, ROOT, _cli, _env  # noqa: F401 (the same command-line runs)
 
 
 def _mount(path, size: str = "64k") -> str:
