@@ -55,7 +55,7 @@ class CacheStats:
     """Per-table counters of a worker's cache traffic ([T] int64 each).
 
     The counters are rows of one [len(CACHE_COUNTERS), T] tensor (`t` maps names to them), so a
-    step's reads are counted with one bincount of (table, outcome) and one small product."""
+    step's reads are counted with one bincount of (table, outcome) and one small weighted sum."""
 
     def __init__(self, num_tables: int, device: torch.device) -> None:
         self.all = torch.zeros(len(CACHE_COUNTERS), num_tables, dtype=torch.int64, device=device)
@@ -74,7 +74,8 @@ class CacheStats:
         if transient is not None:
             code.add_(transient, alpha=4)
         per = torch.bincount(code, minlength=8 * self.num_tables).view(self.num_tables, 8)
-        self.all[:len(_READ_COUNTERS)] += (per @ self._read_weights).t()
+        # [T, 8] x [8, 5] as a broadcast sum (integer matmul has no CUDA kernel)
+        self.all[:len(_READ_COUNTERS)] += (per.unsqueeze(2) * self._read_weights).sum(1).t()
 
     def pushes(self, table: torch.Tensor, counts: torch.Tensor) -> None:
         """Rows pushed ([n] table of each) and the updates they carry ([n] counts)."""
