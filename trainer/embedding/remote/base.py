@@ -56,7 +56,7 @@ class CacheStats:
     """Per-table counters of a worker's cache traffic ([T] int64 each).
 
     The counters are rows of one [len(CACHE_COUNTERS), T] tensor (`t` maps names to them), so a
-    step's reads are counted with one bincount of (table, outcome) and one small product."""
+    step's reads are counted with one index_add_ of (table, outcome) and one small weighted sum."""
 
     def __init__(self, num_tables: int, device: torch.device) -> None:
         self.all = torch.zeros(len(CACHE_COUNTERS), num_tables, dtype=torch.int64, device=device)
@@ -80,7 +80,8 @@ class CacheStats:
             code.add_(transient, alpha=4)
         per = torch.zeros(self.num_tables * 8, dtype=torch.int64, device=table.device)
         per.index_add_(0, code, torch.ones_like(code))  # fixed size: no count read back
-        self.all[:len(_READ_COUNTERS)] += (per.view(self.num_tables, 8) @ self._read_weights).t()
+        # [T, 8] x [8, 5] as a broadcast sum (integer matmul has no CUDA kernel)
+        self.all[:len(_READ_COUNTERS)] += (per.view(self.num_tables, 8).unsqueeze(2) * self._read_weights).sum(1).t()
 
     def pushes(self, table: torch.Tensor, counts: torch.Tensor) -> None:
         """Rows pushed ([n] table of each) and the updates they carry ([n] counts)."""
