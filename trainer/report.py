@@ -58,9 +58,10 @@ class TensorBoardWriter:
     def eval(self, step: int, ev: dict[str, Any]) -> None:
         if self._w is None:
             return
+        group = "eval" if ev.get("split", "test") == "test" else ev["split"]  # val/auc: the validation split
         for key in ("eval_auc", "eval_logloss"):
             if ev.get(key) is not None:
-                self._w.add_scalar(f"eval/{key[5:]}", ev[key], step)
+                self._w.add_scalar(f"{group}/{key[5:]}", ev[key], step)
 
     def close(self) -> None:
         if self._w is not None:
@@ -185,9 +186,13 @@ class Reporter:
     # ---- summary.json -------------------------------------------------------------------
     def summary(self, train_time: float, final_eval: dict[str, Any], losses: list[float],
                 evals: list[dict[str, Any]], start_step: int, resumed_from: Optional[str],
-                checkpoint: Optional[str], alltoalls: dict[str, int]) -> dict[str, Any]:
-        """The run's summary (collective); rank 0 also writes it to OUT/summary.json."""
-        c, steps, emb = self.c, self.c.train.steps, self.emb
+                checkpoint: Optional[str], alltoalls: dict[str, int], steps: Optional[int] = None,
+                extra: Optional[dict[str, Any]] = None) -> dict[str, Any]:
+        """The run's summary (collective); rank 0 also writes it to OUT/summary.json. steps: the
+        steps trained (fewer than train.steps after an early stop); extra: the validation /
+        early-stopping fields and the recipe (runner.Trainer)."""
+        c, emb = self.c, self.emb
+        steps = c.train.steps if steps is None else steps
         samples = steps * self.global_batch
         trained = max(steps - start_step, 1)  # steps run by this process (after a resume)
         run_samples = trained * self.global_batch  # what this process's byte counters cover
@@ -211,6 +216,10 @@ class Reporter:
             "eval_auc": final_eval["eval_auc"],
             "eval_logloss": final_eval["eval_logloss"],
             "eval_samples": final_eval["eval_samples"],
+            "test_auc": final_eval["eval_auc"],  # = eval_auc: the test split, on the best model when restored
+            "test_logloss": final_eval["eval_logloss"],
+            "best_step": None, "val_auc": None, "val_logloss": None, "val_samples": 0,  # no validation split
+            **(extra or {}),
             "bytes": bytes_,
             "bytes_total": sum(bytes_.values()),
             "bytes_per_sample": sum(bytes_.values()) / run_samples,

@@ -21,7 +21,7 @@ from typing import Callable, Iterator, Optional
 import numpy as np
 import torch
 
-from ..config import ConfigError, DataConfig
+from ..config import ConfigError, DataConfig, val_rows
 from .batch import Batch
 from .criteo import CriteoFormatError, from_block, read_meta
 from .ids import IdGuard
@@ -71,6 +71,15 @@ def split_segments(meta: dict, directory: str, cfg: DataConfig) -> tuple[list[Se
     if cfg.eval_samples > 0:
         evals = _cut(evals, 0, cfg.eval_samples)
     return train, evals
+
+
+def split_validation(train: list[Segment], cfg: DataConfig) -> tuple[list[Segment], list[Segment]]:
+    """(train, validation) of the training segments split_segments returned: the validation split
+    is their last data.val_fraction of rows (file order, so it is the same rows at any W and any
+    data.seed); the test split is never touched. No validation split: (train, [])."""
+    n = sum(s.rows for s in train)
+    k = val_rows(n, cfg.val_fraction or 0.0)
+    return (_cut(train, 0, n - k), _cut(train, n - k, n)) if k else (train, [])
 
 
 def shard_range(n: int, rank: int, world: int) -> tuple[int, int]:
@@ -156,6 +165,7 @@ class CriteoData:
         self.guard = IdGuard([int(n) for n in self.meta["table_rows"]], cfg.out_of_range,
                              f"data.dir={cfg.dir!r}")
         self.train_segs, self.eval_segs = split_segments(self.meta, cfg.dir, cfg)
+        self.train_segs, self.val_segs = split_validation(self.train_segs, cfg)
         if len(self.train_segs) < world:
             raise ConfigError(f"data.dir={cfg.dir!r}: the training split has {len(self.train_segs)} blocks "
                               f"for {world} workers; every worker reads whole blocks, so prepare it "
@@ -163,7 +173,7 @@ class CriteoData:
         self.train_segs = self._block_order(self.train_segs)
         self._train: BlockStream | None = None
         self._step = 0
-        self._eval: BlockStream | None = None
+        self._eval: dict[str, BlockStream] = {}
 
     @property
     def train_rows(self) -> int:
@@ -191,21 +201,34 @@ class CriteoData:
         return to_batch(self._train.take(self.b), self.F, self.rows, self.guard,
                         f"training batch of step {step}")
 
-    def num_eval_steps(self) -> int:
-        per_rank = [sum(s.rows for s in self.eval_segs[slice(*shard_range(len(self.eval_segs), r, self.world))])
+    def _split_segs(self, split: str) -> list[Segment]:
+        if split not in ("test", "val"):
+            raise ValueError(f"split={split!r}: must be test or val")
+        return self.eval_segs if split == "test" else self.val_segs
+
+    @property
+    def val_rows(self) -> int:
+        """Rows of the validation split (all ranks; 0 without one)."""
+        return sum(s.rows for s in self.val_segs)
+
+    def num_eval_steps(self, split: str = "test") -> int:
+        segs = self._split_segs(split)
+        per_rank = [sum(s.rows for s in segs[slice(*shard_range(len(segs), r, self.world))])
                     for r in range(self.world)]
         return max(-(-n // self.cfg.eval_batch_size) for n in per_rank)
 
-    def eval_batches(self) -> Iterator[Batch]:
-        """One pass over this rank's eval shard; every rank yields num_eval_steps() batches."""
-        if self._eval is None:  # one reader for all evals: each pass reads exactly one epoch
-            self._eval = BlockStream(self.eval_segs, self.reader, self.rank, self.world, None)
-        left = self._eval.rows
-        for _ in range(self.num_eval_steps()):
+    def eval_batches(self, split: str = "test") -> Iterator[Batch]:
+        """One pass over this rank's shard of the test (or validation) split; every rank yields
+        num_eval_steps(split) batches."""
+        if split not in self._eval:  # one reader per split for all evals: each pass reads one epoch
+            self._eval[split] = BlockStream(self._split_segs(split), self.reader, self.rank, self.world, None)
+        stream = self._eval[split]
+        left = stream.rows
+        for _ in range(self.num_eval_steps(split)):
             n = min(left, self.cfg.eval_batch_size)
             left -= n
-            cols = self._eval.take(n) if n else self._empty()
-            yield to_batch(cols, self.F, self.rows, self.guard, "eval batch")
+            cols = stream.take(n) if n else self._empty()
+            yield to_batch(cols, self.F, self.rows, self.guard, f"{'eval' if split == 'test' else 'validation'} batch")
 
     def _empty(self) -> Columns:
         return (torch.zeros(0), torch.zeros((0, self.F)), torch.zeros((0, self.rows.numel()), dtype=torch.int64))
