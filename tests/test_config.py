@@ -126,6 +126,7 @@ BAD = [
     ("train.early_stop.patience=2", "train.early_stop.patience"),  # no validation split: never on the test split
     ("train.early_stop.min_delta=-0.01", "train.early_stop.min_delta"),
     ("train.early_stop.min_delta=nan", "train.early_stop.min_delta"),
+    ("+data.standardize=true", "data.standardize"),  # a data=criteo option
 ]
 # keys with no range to check: free text (informational names, paths) and booleans
 NO_RANGE = {"data.preset", "data.dir", "data.shuffle", "optim.name", "embedding.audit", "checkpoint.enabled",

@@ -108,3 +108,47 @@ def test_validation_split_is_carved_from_the_training_rows_of_every_source():
     sizes = [sum(b.batch_size for b in make_data(load_config(make_cfg(ml)), r, 2).eval_batches("val"))
              for r in range(2)]
     assert sum(sizes) == 500
+
+
+@pytest.fixture(scope="module")
+def prepared(tmp_path_factory) -> str:
+    from data_helpers import prepare_sample
+    out = tmp_path_factory.mktemp("criteo_val")
+    prepare_sample(str(out))
+    return str(out / "prepared")
+
+
+def test_criteo_standardize_uses_the_training_rows_only(prepared):
+    """data.standardize (the small recipe's): every split's dense features are (x - mean) / std with
+    the statistics of the training rows, the validation tail and the test split left out."""
+    from trainer.data.criteo import from_block
+    over = ["data=criteo", f"data.dir={prepared}", "data.loader=memmap", "data.shuffle=false", "data.batch_size=1440"]
+    on, off = (make_data(load_config(make_cfg(over + [f"data.standardize={v}"])), 0, 1) for v in ("true", "false"))
+    raw = np.concatenate([from_block(np.load(s.file)[s.lo:s.hi])[1] for s in on.source.train_segs])
+    assert raw.shape == (1440, 13)
+    mean, std = raw.astype(np.float64).mean(0), raw.astype(np.float64).std(0)
+    std = np.where(std > 1e-12, std, 1.0)
+    np.testing.assert_allclose(on.source.norm[0].numpy(), mean, rtol=1e-6, atol=1e-6)
+    got, plain = on.train_batch(0).dense.numpy(), off.train_batch(0).dense.numpy()
+    np.testing.assert_allclose(got, (plain - mean) / std, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(got.mean(0), 0, atol=1e-5)
+    test_on, test_off = next(on.eval_batches()).dense.numpy(), next(off.eval_batches()).dense.numpy()
+    np.testing.assert_allclose(test_on, (test_off - mean) / std, rtol=1e-5, atol=1e-5)
+    assert abs(test_on.mean()) > 1e-4  # the test split's own statistics were not used
+
+
+def test_resume_keeps_the_early_stopping_state(tmp_path, capsys):
+    """A checkpoint carries the early-stopping state: resuming from step 40 stops at the same step
+    as the uninterrupted run; the best model of before the resume is not in memory (a snapshot is
+    not part of a checkpoint), which the run says, testing the model it has."""
+    ck = str(tmp_path / "ck")
+    over = ES + [f"checkpoint.dir={ck}", "checkpoint.every=8", "checkpoint.keep_last=0"]
+    whole = run_single(over, return_state=False).summary
+    assert whole["steps"] == 44 and whole["best_step"] == 32
+    resumed = run_single(over + [f"checkpoint.resume={ck}/step_00000040"], return_state=False).summary
+    assert resumed["start_step"] == 40 and (resumed["steps"], resumed["best_step"]) == (44, 32)
+    assert resumed["early_stop"]["stopped_early"] and not resumed["early_stop"]["restored"]
+    assert resumed["early_stop"]["evaluated_model_step"] == 44
+    assert "not in memory" in capsys.readouterr().err
+    again = run_single(over + [f"checkpoint.resume={ck}/step_00000044"], return_state=False).summary
+    assert again["steps"] == 44 and again["start_step"] == 44  # a stopped run stays stopped

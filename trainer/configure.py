@@ -58,7 +58,8 @@ def apply_data_steps(c: Config, world: int) -> None:
     if shape is not None and shape.steps is not None:
         c.train.steps = shape.steps
     if c.train.eval_every is None:
-        per_epoch = RECIPE_VALUES[choose_recipe(c, shape).name]["train.eval_every"] == EVAL_PER_EPOCH
+        per_epoch = (RECIPE_VALUES[choose_recipe(c, shape).name]["train.eval_every"] == EVAL_PER_EPOCH
+                     and bool(c.data.val_fraction))  # the recipe's evaluations are validation ones
         rows = _epoch_rows(c, shape)
         c.train.eval_every = math.ceil(rows / (local_batch_size(c, world) * world)) if per_epoch and rows else 0
 
