@@ -64,18 +64,19 @@ def test_shards_cover_each_split_once(prepared):
     multiset). The validation split (the small-data recipe's data.val_fraction=0.1) is the tail of
     the training rows: training + validation rows = the whole training split, the eval tail apart."""
     world = 2
-    whole = _data(prepared, "memmap", 0, 1, "data.shuffle=false")
+    RAW = ("data.standardize=false",)  # row tuples compared with the block streams' raw columns
+    whole = _data(prepared, "memmap", 0, 1, "data.shuffle=false", *RAW)
     n_train = 1999 - int(np.ceil(0.15 * 1999))
     assert whole.val_rows == int(np.ceil(0.1 * n_train)) == 170
     assert whole._new_train().rows == n_train - 170
-    no_val = _data(prepared, "memmap", 0, 1, "data.shuffle=false", "data.val_fraction=0")
+    no_val = _data(prepared, "memmap", 0, 1, "data.shuffle=false", "data.val_fraction=0", *RAW)
     assert sorted(_stream_rows(whole._new_train()) + _rows(whole.eval_batches("val"))) == \
         sorted(_stream_rows(no_val._new_train()))
     want_eval = sorted(_rows(whole.eval_batches()))
     want_val = sorted(_rows(whole.eval_batches("val")))
     got_eval, got_val, got_train, counts = [], [], [], []
     for rank in range(world):
-        d = _data(prepared, "dali", rank, world)
+        d = _data(prepared, "dali", rank, world, *RAW)
         batches = list(d.eval_batches())
         val = list(d.eval_batches("val"))
         counts.append((len(batches), len(val)))

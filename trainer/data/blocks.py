@@ -128,7 +128,12 @@ class BlockStream:
         lo, hi = shard_range(len(segs), rank, world)
         self.mine = segs[lo:hi]
         self.seed = seed  # None = file order; else rows shuffled per (seed, epoch, block)
-        self._blocks = reader([s.file for s in segs], rank, world) if self.mine else iter(())
+        # DALI shards by block and needs at least one block per shard: a split with fewer blocks
+        # than ranks (a small validation or test split) is read as this rank's blocks, unsharded
+        # (the same blocks in the same order as shard `rank` would give)
+        files = [s.file for s in segs]
+        self._blocks = (iter(()) if not self.mine else reader(files, rank, world) if len(segs) >= world
+                        else reader([s.file for s in self.mine], 0, 1))
         self._buf: list[Columns] = []
         self._have = 0
         self._read = 0  # blocks read so far
