@@ -182,16 +182,36 @@ def test_schedule_sets_every_learning_rate():
     from trainer.comm import LocalCollectives
     from trainer.runner import Trainer
 
-    over = ["data=tiny", "train.steps=10", "optim=adam", "optim.warmup_steps=4", "optim.decay=poly",
-            "train.progress=off", "cache=lru", "placement=fae", "comm=local"]
-    t = Trainer(load_config(make_cfg(over)), LocalCollectives(), None)
-    for step, f in ((0, 0.2), (3, 0.8), (4, 1.0), (7, (1 - 3 / 6) ** 2)):
-        assert t.lr.apply(step) == pytest.approx(f)
-        assert t.opt.param_groups[0]["lr"] == pytest.approx(0.001 * f)
-        assert t.emb.store.optimizer.lr == pytest.approx(0.05 * f)
-        assert t.emb.replica is not None and t.emb.replica.optimizer.lr == pytest.approx(0.05 * f)
-        if t.emb.cache is not None:
-            assert t.emb.cache.local_lr == pytest.approx(0.05 * f)
+    from trainer.embedding.remote import HeraldRemote, HetRemote
+
+    base = ["data=tiny", "train.steps=10", "optim=adam", "optim.warmup_steps=4", "optim.decay=poly",
+            "train.progress=off", "comm=local", "optim.sparse_weight_decay=0.01"]
+    het = Trainer(load_config(make_cfg(base + ["cache=lru", "placement=fae"])), LocalCollectives(), None)
+    het.emb.remote = HetRemote(None, het.emb.sharding, _cache_like(het), None, None)  # W = 1 has no remote rows: a cache to schedule
+    herald = Trainer(load_config(make_cfg(base + ["cache=lru", "schedule=herald"])), LocalCollectives(), None)
+    assert isinstance(herald.emb.remote, HeraldRemote)
+    for t in (het, herald):
+        t.lr = type(t.lr)(t.c.optim, t.c.train.steps, t.opt, t.emb, 0.05)  # picks up the cache set above
+        sparse = t.lr.sparse + ([t.lr.cache] if t.lr.cache is not None else [])
+        assert len(sparse) == (3 if t is het else 2)  # owner + replica + HET cache / owner + lent rows
+        for step, f in ((0, 0.2), (3, 0.8), (4, 1.0), (7, (1 - 3 / 6) ** 2)):
+            assert t.lr.apply(step) == pytest.approx(f)
+            assert t.opt.param_groups[0]["lr"] == pytest.approx(0.001 * f)
+            assert t.emb.store.optimizer.lr == pytest.approx(0.05 * f)
+            assert t.emb.store.optimizer.weight_decay == 0.01  # every instance decays rows alike
+            if t is het:
+                assert t.emb.replica.optimizer.lr == pytest.approx(0.05 * f)
+                assert t.emb.replica.optimizer.weight_decay == 0.01
+                assert t.emb.cache.local_lr == pytest.approx(0.05 * f)
+            else:
+                assert t.emb.remote.lent.optimizer.lr == pytest.approx(0.05 * f)
+                assert t.emb.remote.lent.optimizer.weight_decay == 0.01
+
+
+def _cache_like(t):
+    from trainer.build import _cache_rows
+    from trainer.embedding.cache import RowCache, make_policy
+    return RowCache(_cache_rows(t.c, t.sparse.plan), t.emb.dim, make_policy("lru"), t.emb.sharding.n_ids, 0.05)
 
 
 # ---- dropout ----------------------------------------------------------------------------
