@@ -75,10 +75,7 @@ class Collectives(abc.ABC):
     def grouped_allreduce(self, ts: Sequence[torch.Tensor], op: str = "sum",
                           kind: str = "dense") -> list[torch.Tensor]:
         """Reduce several tensors in one collective (fused buffer). Returns new tensors."""
-        if not ts:
-            return []
-        self._count_allreduce(ts, kind, "grouped_allreduce")
-        return self._guard("grouped_allreduce", lambda: self._allreduce(list(ts), op))
+        return self.grouped_allreduce_async(ts, op, kind).wait()
 
     def alltoall(self, t: torch.Tensor, splits: Sequence[int], kind: str | dict[str, int],
                  recv_splits: Sequence[int] | None = None) -> tuple[torch.Tensor, list[int]]:
@@ -89,13 +86,7 @@ class Collectives(abc.ABC):
         `kind` may map kinds to column counts of a packed 2-D `t` (e.g. {"ids": 1, "versions": 1}
         for [n, 2] id/version pairs), so each column's bytes are counted under its own kind.
         """
-        splits = self._check_splits(t, splits)
-        if recv_splits is None:
-            recv_splits = self._exchange_splits(splits)
-        recv_splits = [int(s) for s in recv_splits]
-        self._count_alltoall(t, splits, kind)
-        out = self._guard("alltoall", lambda: self._alltoall(t.contiguous(), splits, recv_splits))
-        return out, recv_splits
+        return self.alltoall_async(t, splits, kind, recv_splits).wait()
 
     # ----- asynchronous forms (a Handle; its wait() gives what the blocking call returns) --------
     def alltoall_async(self, t: torch.Tensor, splits: Sequence[int], kind: str | dict[str, int],
