@@ -209,13 +209,16 @@ def row_update(
     eps: float = 1e-10,
     state: Optional[Tensor] = None,
     unique: bool = False,
+    weight_decay: float = 0.0,
 ) -> None:
     """The owner's sparse update, in place: sum grads [n, d] per storage row (rows [n], repeated
     when several workers pushed one row), then SGD / Adagrad (state [S, d]) / row-wise Adagrad
-    (state [S]) once per distinct row. unique=True: rows are known distinct (no sum)."""
+    (state [S]) once per distinct row. unique=True: rows are known distinct (no sum).
+    weight_decay: coupled L2 (g += wd * w, torch.optim's rule) once per distinct row."""
     fn = (_scatter_update_module.row_update_triton if use_triton(storage.device)
           else reference.row_update)
-    fn(storage, rows, grads, optimizer=optimizer, lr=lr, eps=eps, state=state, unique=unique)
+    fn(storage, rows, grads, optimizer=optimizer, lr=lr, eps=eps, state=state, unique=unique,
+       weight_decay=weight_decay)
 
 
 def make_id_slot_map(capacity: int, device: torch.device | str = "cpu") -> IdSlotMap:

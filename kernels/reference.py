@@ -239,6 +239,7 @@ def optimizer_step_(
     optimizer: str,
     lr: float,
     eps: float,
+    weight_decay: float = 0.0,
 ) -> None:
     """One sparse step, in place on gathered copies. rows, grads [U, d]; state_rows [U, d] | [U].
 
@@ -248,7 +249,11 @@ def optimizer_step_(
     w -= lr * g / (sqrt(state) + eps). Row-wise Adagrad keeps one accumulator per row and adds
     mean(g*g) over d (FBGEMM's EXACT_ROWWISE_ADAGRAD). In place because this is the CPU hot path:
     no temporaries beyond sqrt(state).
+    weight_decay > 0 is coupled L2, torch.optim's weight_decay: g <- g + wd * w (the row before the
+    step) for every optimizer, so it also enters Adagrad's accumulator; once per row per call.
     """
+    if weight_decay:
+        grads = grads.add(rows, alpha=weight_decay)
     if optimizer == "sgd":
         rows.add_(grads, alpha=-lr)
         return
@@ -270,6 +275,7 @@ def row_update(
     eps: float = 1e-10,
     state: Optional[Tensor] = None,
     unique: bool = False,
+    weight_decay: float = 0.0,
 ) -> None:
     """Sparse optimizer on row gradients, in place: the owner's update (store.apply).
 
@@ -277,16 +283,17 @@ def row_update(
     grads [n, d]; state [S, d] (adagrad), [S] (rowwise_adagrad) or None (sgd). The gradients of a
     row are summed first, then the optimizer runs once per distinct row. unique=True: rows are
     known distinct, skip the sum.
+    weight_decay: coupled L2 added to each distinct row's summed gradient (optimizer_step_).
     """
     check_update_args(storage, state, optimizer)
     if grads.dim() != 2 or grads.shape[0] != rows.numel() or grads.shape[1] != storage.shape[1]:
         raise ValueError(f"grads must be [len(rows), d] = [{rows.numel()}, {storage.shape[1]}]")
     grads = grads.to(accumulation_dtype(grads.dtype))
     if unique:
-        _update_rows(storage, state, rows.long(), grads, optimizer, lr, eps)
+        _update_rows(storage, state, rows.long(), grads, optimizer, lr, eps, weight_decay)
         return
     uniq, summed = sum_by_slot(rows, grads)
-    _update_rows(storage, state, uniq, summed, optimizer, lr, eps)
+    _update_rows(storage, state, uniq, summed, optimizer, lr, eps, weight_decay)
 
 
 def _update_rows(
@@ -297,6 +304,7 @@ def _update_rows(
     optimizer: str,
     lr: float,
     eps: float,
+    weight_decay: float = 0.0,
 ) -> None:
     """Apply the optimizer to distinct storage[rows_idx] (and state) in place.
 
@@ -307,7 +315,7 @@ def _update_rows(
     with torch.no_grad():
         rows = storage.index_select(0, rows_idx).to(acc)
         st = None if state is None else state.index_select(0, rows_idx).to(acc)
-        optimizer_step_(rows, st, grads, optimizer, lr, eps)
+        optimizer_step_(rows, st, grads, optimizer, lr, eps, weight_decay)
         storage.index_copy_(0, rows_idx, rows.to(storage.dtype))
         if st is not None:
             state.index_copy_(0, rows_idx, st.to(state.dtype))

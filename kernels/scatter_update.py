@@ -129,6 +129,7 @@ def row_update_triton(
     eps: float = 1e-10,
     state: Optional[Tensor] = None,
     unique: bool = False,
+    weight_decay: float = 0.0,
 ) -> None:
     """Same contract as kernels.reference.row_update: rows [n], grads [n, d] -> in place.
 
@@ -143,7 +144,7 @@ def row_update_triton(
         return
     grads = grads.to(ref.accumulation_dtype(grads.dtype)).contiguous()
     segs = _row_segments(rows.long().contiguous(), unique)
-    _launch_segments(segs, grads, storage, optimizer, state=state, lr=lr, eps=eps)
+    _launch_segments(segs, grads, storage, optimizer, state=state, lr=lr, eps=eps, wd=weight_decay)
 
 
 def _row_segments(rows: Tensor, unique: bool) -> Segments:
@@ -168,7 +169,8 @@ def _check_in_place(storage: Tensor, state: Optional[Tensor]) -> None:
 
 
 def _launch_segments(segs: Segments, bag_grad: Tensor, out: Tensor, op: str, *,
-                     state: Optional[Tensor] = None, lr: float = 0.0, eps: float = 0.0) -> None:
+                     state: Optional[Tensor] = None, lr: float = 0.0, eps: float = 0.0,
+                     wd: float = 0.0) -> None:
     """One program per (segment, block of d); row-wise Adagrad needs the whole row in one."""
     dim = bag_grad.shape[1]
     block_n, block_d = block_sizes(dim, dim if op == "rowwise_adagrad" else 256)
@@ -177,8 +179,9 @@ def _launch_segments(segs: Segments, bag_grad: Tensor, out: Tensor, op: str, *,
         bag_grad, segs.slot, segs.starts, segs.ends, segs.bags,
         dummy if segs.coef is None else segs.coef,
         out, dummy if state is None else state,
-        dim, out.stride(0), 0 if state is None or state.dim() == 1 else state.stride(0), lr, eps,
-        HAS_COEF=segs.coef is not None, OP=_OPT_CODE[op], BLOCK_N=block_n, BLOCK_D=block_d)
+        dim, out.stride(0), 0 if state is None or state.dim() == 1 else state.stride(0), lr, eps, wd,
+        HAS_COEF=segs.coef is not None, OP=_OPT_CODE[op], HAS_WD=wd != 0.0,
+        BLOCK_N=block_n, BLOCK_D=block_d)
 
 
 def _launch_atomic(bag_grad: Tensor, slots: Tensor, offsets: Tensor, mode: str,
@@ -222,9 +225,11 @@ def _scatter_atomic_kernel(grad_ptr, slots_ptr, offsets_ptr, weights_ptr, out_pt
 
 @jit
 def _segment_kernel(grad_ptr, slot_ptr, starts_ptr, ends_ptr, bags_ptr, coef_ptr, out_ptr,
-                    state_ptr, dim, stride_out, stride_state, lr, eps, HAS_COEF: tl.constexpr,
-                    OP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
-    """Sum one slot's entry gradients in entry order, then write (OP 0) or optimize (OP 1..3).
+                    state_ptr, dim, stride_out, stride_state, lr, eps, wd, HAS_COEF: tl.constexpr,
+                    OP: tl.constexpr, HAS_WD: tl.constexpr, BLOCK_N: tl.constexpr,
+                    BLOCK_D: tl.constexpr):
+    """Sum one slot's entry gradients in entry order, then write (OP 0) or optimize (OP 1..3);
+    HAS_WD adds coupled L2 (g += wd * w) before the optimizer.
     An empty segment touches nothing (its slot belongs to another program's live segment)."""
     u = tl.program_id(0).to(tl.int64)
     start = tl.load(starts_ptr + u)
@@ -247,6 +252,8 @@ def _segment_kernel(grad_ptr, slot_ptr, starts_ptr, ends_ptr, bags_ptr, coef_ptr
         tl.store(w_ptrs, g.to(out_ptr.dtype.element_ty), mask=col_ok)
     else:
         w = tl.load(w_ptrs, mask=col_ok, other=0.0).to(g.dtype)
+        if HAS_WD:
+            g = g + wd * w
         if OP == 1:
             w = w - lr * g
         elif OP == 2:

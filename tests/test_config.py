@@ -108,10 +108,33 @@ BAD = [
     ("checkpoint.keep_last=-1", "checkpoint.keep_last"),
     ("checkpoint.dir=' '", "checkpoint.dir"),
     ("checkpoint.resume=/no/such/step_00000005", "checkpoint.resume"),
+    # validation, early stopping, regularisation, schedules, recipes (issue 17)
+    ("model.dropout=1", "model.dropout"),
+    ("model.dropout=-0.1", "model.dropout"),
+    ("data.val_fraction=1", "data.val_fraction"),
+    ("data.val_fraction=-0.2", "data.val_fraction"),
+    ("data.val_fraction=0.2", "data.val_fraction"),  # synthetic stream (train_samples=0): nothing to carve
+    ("optim.weight_decay=-1", "optim.weight_decay"),
+    ("optim.weight_decay=inf", "optim.weight_decay"),
+    ("optim.sparse_weight_decay=-0.1", "optim.sparse_weight_decay"),
+    ("optim.sparse_weight_decay=nan", "optim.sparse_weight_decay"),
+    ("optim.warmup_steps=-1", "optim.warmup_steps"),
+    ("optim.decay=cosine", "optim.decay"),
+    ("optim.decay_start=-2", "optim.decay_start"),
+    ("optim.decay_steps=-1", "optim.decay_steps"),
+    ("optim.decay_power=0", "optim.decay_power"),
+    ("optim.decay_power=inf", "optim.decay_power"),
+    ("train.recipe=tiny", "train.recipe"),
+    ("train.early_stop.patience=-1", "train.early_stop.patience"),
+    ("train.early_stop.patience=2", "train.early_stop.patience"),  # no validation split: never on the test split
+    ("train.early_stop.min_delta=-0.01", "train.early_stop.min_delta"),
+    ("train.early_stop.min_delta=nan", "train.early_stop.min_delta"),
+    ("+data.standardize=true", "data.standardize"),  # a data=criteo option
 ]
 # keys with no range to check: free text (informational names, paths) and booleans
 NO_RANGE = {"data.preset", "data.dir", "data.shuffle", "optim.name", "embedding.audit", "checkpoint.enabled",
-            "placement.hot_batches", "schedule.on_demand_sync", "schedule.cache_aware", "train.tensorboard"}
+            "placement.hot_batches", "schedule.on_demand_sync", "schedule.cache_aware",
+            "train.early_stop.restore_best", "train.tensorboard"}
 
 
 @pytest.mark.parametrize("override,key", BAD, ids=[b[0] for b in BAD])
@@ -124,16 +147,44 @@ def test_bad_value_names_the_key(override, key):
 
 def test_every_key_of_the_schema_has_an_out_of_range_case():
     """The audit stays complete: a new numeric or enum knob needs a BAD case (or a NO_RANGE entry)."""
-    hints = typing.get_type_hints(Config)
-    keys = []
-    for group, cls in hints.items():
-        sub = typing.get_type_hints(cls)
-        keys += [f"{group}.{name}" for name, t in sub.items()
-                 if not (isinstance(t, type) and dataclasses.is_dataclass(t))]
+    def leaves(prefix: str, cls) -> list[str]:  # nested blocks (train.early_stop) are walked too
+        out = []
+        for name, t in typing.get_type_hints(cls).items():
+            is_block = isinstance(t, type) and dataclasses.is_dataclass(t)
+            out += leaves(f"{prefix}.{name}", t) if is_block else [f"{prefix}.{name}"]
+        return out
+
+    keys = [k for group, cls in typing.get_type_hints(Config).items() for k in leaves(group, cls)]
+    assert "train.early_stop.patience" in keys and "optim.sparse_weight_decay" in keys
     covered = {k for _, k in BAD}
     missing = [k for k in keys if k not in NO_RANGE and not any(c == k or c.startswith(k + ".") or
                                                                 c.startswith(k + "[") for c in covered)]
     assert not missing, f"config keys without an out-of-range test case: {missing}"
+
+
+@pytest.mark.parametrize("overrides,key,reason", [
+    (["data.train_samples=100", "data.val_fraction=0.999"], "data.val_fraction", "leaves no training rows"),
+    (["data.train_samples=100", "data.val_fraction=0.2", "train.early_stop.patience=2", "train.eval_every=0"],
+     "train.early_stop.patience", "train.eval_every > 0"),
+    (["train.early_stop.patience=1"], "train.early_stop.patience", "validation split"),
+])
+def test_cross_field_rules_of_validation(overrides, key, reason):
+    with pytest.raises(ConfigError, match=reason) as err:
+        c = load_config(make_cfg(overrides))
+        from trainer.data import make_data
+        make_data(c, 0, 1)  # the carve itself is checked where the rows are known
+    assert f"{key}=" in str(err.value)
+
+
+def test_recipe_keys_resolve_to_neutral_values_outside_criteo():
+    """data=tiny (recipe none): every key a recipe may set is at its neutral value, so a config
+    without these keys trains as before."""
+    c = load_config(make_cfg(["data=tiny"]))
+    assert (c.data.val_fraction, c.model.dropout, c.optim.weight_decay, c.optim.sparse_weight_decay,
+            c.optim.warmup_steps, c.optim.decay, c.train.early_stop.patience) == (0.0, 0.0, 0.0, 0.0, 0, "none", 0)
+    assert c.train.eval_every == 0 and (c.optim.name, c.optim.dense, c.optim.sparse, c.optim.lr) == \
+        ("sgd", "sgd", "sgd", 0.1)  # optim=auto (the default) is the sgd preset outside the small recipe
+    assert c.optim.sparse_lr is None and c.optim.eps == 1e-10
 
 
 def test_unknown_key_is_rejected_by_hydra():

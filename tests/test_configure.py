@@ -12,8 +12,8 @@ import pytest
 from data_helpers import N_TRAIN, prepare_sample
 from helpers import make_cfg
 from trainer.comm import LocalCollectives
-from trainer.config import ConfigError
-from trainer.configure import apply_data_steps, compose_config, load_config
+from trainer.config import SMALL_DATA_ROWS, ConfigError, parse
+from trainer.configure import apply_data_steps, choose_recipe, compose_config, load_config, recipe_of
 from trainer.data import DataShape, make_data, resolve
 from trainer.runner import Trainer
 
@@ -25,16 +25,16 @@ def prepared(tmp_path_factory) -> str:
     return str(out / "prepared")
 
 
-def _criteo(d: str, *extra: str) -> list[str]:
+def _criteo(d: str, *extra: str) -> list[str]:  # no validation split: every training row is trained on
     return ["data=criteo", f"data.dir={d}", "data.loader=memmap", "data.epochs=2.5", "train.steps=7",
-            "comm=local", "checkpoint.enabled=false", "train.progress=off", *extra]
+            "data.val_fraction=0", "comm=local", "checkpoint.enabled=false", "train.progress=off", *extra]
 
 
 def test_shape_from_the_files_steps_only_with_world(prepared):
     c = load_config(make_cfg(_criteo(prepared)))
     assert c.data.table_rows == [1000] * 26 and c.data.num_dense == 13
     assert c.train.steps == 7  # W unknown: train.steps stands
-    assert resolve(c) == DataShape(13, [1000] * 26, None)
+    assert resolve(c) == DataShape(13, [1000] * 26, None, N_TRAIN)
     for w in (1, 2):
         expect = math.ceil(2.5 * N_TRAIN / (128 * w))
         assert load_config(make_cfg(_criteo(prepared)), world=w).train.steps == expect
@@ -76,3 +76,41 @@ def test_synthetic_data_keeps_train_steps_and_errors_stay_config_errors(prepared
         load_config(make_cfg(_criteo(prepared, "data.global_batch_size=100")), world=3)
     with pytest.raises(ConfigError, match=r"data\.dir=None"):
         load_config(make_cfg(["data=criteo"]), world=2)
+
+
+def test_small_criteo_set_takes_the_small_recipe(prepared):
+    """1,600 training rows < SMALL_DATA_ROWS: several epochs, a validation split, evaluations once
+    per epoch (at the W of the run) and early stopping; what the user set is kept and reported."""
+    base = ["data=criteo", f"data.dir={prepared}", "data.loader=memmap"]
+    c = load_config(make_cfg(base))
+    r = recipe_of(c)
+    assert r.name == "small" and "1,600 training rows" in r.why
+    assert (c.data.epochs, c.data.val_fraction, c.train.early_stop.patience, c.data.standardize) == (30.0, 0.1, 3, True)
+    assert (c.optim.name, c.optim.dense, c.optim.sparse, c.optim.lr, c.optim.sparse_lr) == \
+        ("adam", "adam", "rowwise_adagrad", 0.001, 0.05)  # optim=auto (the default) under the small recipe
+    assert r.describe(c)["overridden"] == {} and "recipe small" in r.line(c)
+    for w in (1, 2):
+        cw = load_config(make_cfg(base), world=w)
+        assert cw.train.eval_every == math.ceil(1440 / (128 * w))  # one epoch of the 1,440 trained rows
+        assert cw.train.steps == math.ceil(30 * 1440 / (128 * w))
+    mine = load_config(make_cfg(base + ["data.epochs=2", "data.val_fraction=0.2", "train.eval_every=5"]), world=1)
+    d = recipe_of(mine).describe(mine)
+    assert d["name"] == "small" and d["overridden"] == {"data.epochs": 2.0, "data.val_fraction": 0.2}
+    assert mine.train.eval_every == 5 and mine.train.steps == math.ceil(2 * 1280 / 128)
+    large = load_config(make_cfg(base + ["train.recipe=large"]), world=1)
+    assert recipe_of(large).name == "large" and large.train.steps == math.ceil(N_TRAIN / 128)
+    assert (large.data.val_fraction, large.train.early_stop.patience, large.train.eval_every) == (0.0, 0, 0)
+    assert (large.optim.name, large.optim.lr, large.optim.sparse_lr, large.data.standardize) == ("sgd", 0.1, None, False)
+    no_val = load_config(make_cfg(base + ["data.val_fraction=0"]), world=1)  # no validation: no early stop
+    assert (no_val.train.early_stop.patience, no_val.train.eval_every, no_val.data.epochs) == (0, 0, 30.0)
+    sgd = load_config(make_cfg(base + ["optim=sgd"]))  # a chosen preset is kept whole: its null sparse_lr = lr
+    assert (sgd.optim.dense, sgd.optim.sparse_lr, sgd.data.val_fraction) == ("sgd", None, 0.1)
+
+
+def test_size_rule_large_data_keeps_one_epoch():
+    c = parse(make_cfg(["data=criteo"]))
+    at = lambda rows: choose_recipe(c, DataShape(13, [10] * 26, None, rows))  # noqa: E731
+    assert at(SMALL_DATA_ROWS - 1).name == "small" and at(SMALL_DATA_ROWS).name == "large"
+    assert "1,000,000 training rows" in at(SMALL_DATA_ROWS).why
+    assert choose_recipe(parse(make_cfg(["data=tiny"])), None).name == "none"
+    assert choose_recipe(parse(make_cfg(["data=tiny", "train.recipe=small"])), None).name == "small"

@@ -58,17 +58,24 @@ def test_criteo_sample_trains_every_model_on_two_workers(prepared):
 
 
 def test_python_m_trainer_data_criteo(prepared, tmp_path):
-    """The documented command line (one epoch by default) writes summary.json with the exact
-    eval metrics."""
+    """The documented command line (the small-data recipe on this sample: up to 30 epochs, a 10%
+    validation split evaluated once per epoch, early stopping, the best model tested) writes
+    summary.json with the exact eval metrics, the recipe and why, and says so on stderr."""
     out = tmp_path / "run"
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     proc = subprocess.run([sys.executable, "-m", "trainer", "data=criteo", f"data.dir={prepared}",
                            "data.batch_size=64", f"hydra.run.dir={out}"],
                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "recipe small (data=criteo with 1,600 training rows < 1,000,000)" in proc.stderr
     s = json.loads((out / "summary.json").read_text())
     assert s["eval_samples"] == N_TEST and s["eval_auc"] is not None and s["eval_logloss"] > 0
-    assert s["steps"] == -(-N_TRAIN // 64) and s["config"]["train"]["steps"] == s["steps"]
+    assert s["test_auc"] == s["eval_auc"] and s["val_samples"] == 160 and s["best_step"] <= s["steps"]
+    n_train = N_TRAIN - 160
+    assert s["config"]["train"]["steps"] == -(-30 * n_train // 64) >= s["steps"]
+    assert s["config"]["train"]["eval_every"] == -(-n_train // 64)
+    assert s["recipe"]["name"] == "small" and s["recipe"]["values"]["data.val_fraction"] == 0.1
+    assert s["early_stop"]["stopped_early"] == (s["steps"] < s["config"]["train"]["steps"])
     assert s["config"]["data"]["loader"] == "dali" and s["embedding"]["table_rows"] == [1000] * 26
     bad = subprocess.run([sys.executable, "-m", "trainer", "data=criteo", f"hydra.run.dir={out}"],
                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)

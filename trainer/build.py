@@ -70,12 +70,13 @@ def build_dense(c: Config, comm: Collectives, num_tables: int, device: torch.dev
 
 def dense_optimizer(c: Config, params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
     o = c.optim
+    wd = o.weight_decay or 0.0  # coupled L2 (torch.optim's weight_decay)
     if o.dense == "sgd":
-        return torch.optim.SGD(params, lr=o.lr, momentum=o.momentum)
+        return torch.optim.SGD(params, lr=o.lr, momentum=o.momentum, weight_decay=wd)
     if o.dense == "adagrad":
         return torch.optim.Adagrad(params, lr=o.lr, eps=o.eps,
-                                   initial_accumulator_value=o.initial_accumulator)
-    return torch.optim.Adam(params, lr=o.lr, eps=o.eps)
+                                   initial_accumulator_value=o.initial_accumulator, weight_decay=wd)
+    return torch.optim.Adam(params, lr=o.lr, eps=o.eps, weight_decay=wd)
 
 
 # ---- sparse side -----------------------------------------------------------------------------
@@ -102,7 +103,8 @@ def build_sparse(c: Config, comm: Collectives, data: Any, global_batch: int,
     rows = table_rows(c)
     sharding = RowSharding(rows, world, rank)
     store = ShardStore(sharding, c.model.embedding_dim, c.train.seed, c.embedding.init_scale,
-                       c.optim.sparse, sparse_lr(c), c.optim.eps, device, c.optim.initial_accumulator)
+                       c.optim.sparse, sparse_lr(c), c.optim.eps, device, c.optim.initial_accumulator,
+                       c.optim.sparse_weight_decay)
     plan = _make_plan(c, comm, data)
     replica = Replica(plan.hot_gids(sharding), store) if plan.hot.size else None
     space = IdSpace(sharding, plan.hot)

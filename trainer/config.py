@@ -34,6 +34,8 @@ GLOBAL_VIEW_DATASETS = ("synthetic", "movielens")  # random access to any sample
 OUT_OF_RANGE = ("error", "hash")  # data.out_of_range (trainer/data/ids.py)
 NONFINITE = ("stop", "skip")  # train.nonfinite
 CONSISTENCY_PRESETS = ("bsp", "ssp", "asp")  # consistency.name (conf/consistency/*.yaml)
+LR_DECAYS = ("none", "poly")  # optim.decay (trainer/lr.py)
+RECIPES = ("auto", "small", "large", "none")  # train.recipe (RECIPE_VALUES, trainer/configure.py)
 
 
 WIRE_PRECISIONS = ("fp32", "fp16", "bf16")
@@ -53,6 +55,7 @@ class ModelConfig:
     pooling: str = "sum"  # bag pooling of multi-hot features: sum | mean
     cross_layers: int = 3  # dcn: number of cross layers
     cross_rank: int = 0  # dcn: rank of each cross layer's weight (0 = full rank, DCN-v2's W)
+    dropout: Optional[float] = None  # dropout rate after every hidden layer of the MLPs (training only); null = the recipe's (0 unless it says otherwise)
 
 
 @dataclass
@@ -77,20 +80,29 @@ class DataConfig:
     loader_threads: int = 1  # criteo: DALI pipeline threads per rank
     eval_fraction: float = 0.1  # held-out share: criteo's tail (when no test split), movielens' random split
     shuffle: bool = True  # criteo/movielens: seeded shuffle of training rows (criteo: block order + rows in a block)
-    epochs: float = 0.0  # criteo/movielens: > 0 sets train.steps = ceil(epochs * training rows / global batch)
+    epochs: Optional[float] = 0.0  # criteo/movielens: > 0 sets train.steps = ceil(epochs * training rows / global batch); null = the recipe's
+    standardize: Optional[bool] = None  # criteo: dense features -> (x - mean) / std of the training rows (the first 1M); null = the recipe's (small: true, else false)
+    val_fraction: Optional[float] = None  # validation split: the last share of the training rows (never the test split), evaluated every train.eval_every steps; 0 = none; null = the recipe's
     out_of_range: str = "error"  # an id < 0 or >= its table's rows: error (stop, naming table, id, rows) | hash (id mod rows)
 
 
 @dataclass
 class OptimConfig:
-    name: str = "sgd"  # preset name (informational)
-    dense: str = "sgd"  # optimizer of dense parameters: sgd | adagrad | adam
-    sparse: str = "sgd"  # owner-side optimizer of embedding rows: sgd | adagrad | rowwise_adagrad
-    lr: float = 0.1  # learning rate of dense parameters (and of rows unless sparse_lr is set)
-    sparse_lr: Optional[float] = None  # learning rate of embedding rows; null = lr
-    eps: float = 1e-10  # Adagrad/Adam epsilon (torch's placement: lr * g / (sqrt(state) + eps))
+    name: Optional[str] = "sgd"  # preset name (informational); optim=auto (the default): the recipe's
+    dense: Optional[str] = "sgd"  # optimizer of dense parameters: sgd | adagrad | adam; null = the recipe's
+    sparse: Optional[str] = "sgd"  # owner-side optimizer of embedding rows: sgd | adagrad | rowwise_adagrad; null = the recipe's
+    lr: Optional[float] = 0.1  # learning rate of dense parameters (and of rows unless sparse_lr is set); null = the recipe's
+    sparse_lr: Optional[float] = None  # learning rate of embedding rows; null = lr (or the recipe's, under optim=auto)
+    eps: Optional[float] = 1e-10  # Adagrad/Adam epsilon (torch's placement: lr * g / (sqrt(state) + eps)); null = the recipe's
     momentum: float = 0.0  # SGD momentum of dense parameters
     initial_accumulator: float = 0.1  # Adagrad state start (TensorFlow's 0.1; 0 = torch's, ill-conditioned: see README)
+    weight_decay: Optional[float] = None  # L2 of dense parameters (torch.optim's weight_decay: g += wd * w); null = the recipe's (0 unless it says otherwise)
+    sparse_weight_decay: Optional[float] = None  # L2 of embedding rows, applied by the owner once per touched row per step (g += wd * w); null = the recipe's
+    warmup_steps: Optional[int] = None  # lr ramps linearly to its value over these steps (factor (k + 1) / (warmup + 1) at step k); null = the recipe's
+    decay: Optional[str] = None  # lr decay after warmup: none | poly (MLPerf DLRM: (1 - k / decay_steps) ** decay_power); null = the recipe's
+    decay_start: int = -1  # first step of the decay; -1 = right after the warmup
+    decay_steps: int = 0  # length of the decay in steps (lr reaches 0 at its end, then stays there); 0 = until train.steps
+    decay_power: float = 2.0  # exponent of the polynomial decay (2 = MLPerf DLRM's)
 
 
 @dataclass
@@ -176,11 +188,20 @@ class ScheduleConfig:
 
 
 @dataclass
+class EarlyStopConfig:
+    """Early stopping on validation AUC (needs data.val_fraction > 0 and train.eval_every > 0)."""
+
+    patience: Optional[int] = None  # stop after this many validation evaluations without a new best; 0 = never stop early; null = the recipe's
+    min_delta: float = 0.0  # a new best must beat the old one's validation AUC by more than this
+    restore_best: bool = True  # with a validation split: the model of the best validation AUC is restored for the final test evaluation
+
+
+@dataclass
 class TrainConfig:
     steps: int = 200  # training steps (each consumes one global batch)
     seed: int = 0  # seed of dense init and embedding init
     log_every: int = 10  # write a JSONL metrics line every N steps
-    eval_every: int = 0  # evaluate every N steps too (0 = only at the end)
+    eval_every: Optional[int] = 0  # evaluate every N steps too (0 = only at the end); on the validation split when there is one; null = the recipe's (resolved once W is known)
     threads: int = 0  # torch threads per rank; 0 = cores / local ranks
     progress: str = "auto"  # progress bar on rank 0: auto (when interactive) | on | off
     device: str = "cpu"  # cpu | cuda | auto
@@ -188,6 +209,8 @@ class TrainConfig:
     max_skips: int = 10  # nonfinite=skip: stop anyway after this many consecutive skipped steps
     pipeline: str = "off"  # off (serial step) | ids (next step's input side + id exchange overlap this step: exact) | rows (also its rows: needs a cache and pull_bound >= 1)
     tensorboard: bool = True  # also write TensorBoard scalars to <output dir>/tensorboard (when there is an output dir)
+    recipe: str = "auto"  # defaults for the null keys: auto (data=criteo: small below SMALL_DATA_ROWS training rows, else large; other data: none) | small | large | none
+    early_stop: EarlyStopConfig = field(default_factory=lambda: EarlyStopConfig())
 
 
 @dataclass
@@ -274,6 +297,66 @@ def epoch_steps(c: Config, train_rows: int, world: int) -> Optional[int]:
     return max(1, math.ceil(c.data.epochs * train_rows / (local_batch_size(c, world) * world)))
 
 
+# ---- recipes: defaults of the keys left null, by data size ------------------------------------
+SMALL_DATA_ROWS = 1_000_000  # train.recipe=auto: data=criteo with fewer training rows takes the small recipe
+EVAL_PER_EPOCH = "epoch"  # a recipe's train.eval_every: once per pass over the training rows (needs W)
+_SGD = {"optim.name": "sgd", "optim.dense": "sgd", "optim.sparse": "sgd", "optim.lr": 0.1, "optim.eps": 1e-10}
+_NEUTRAL = {"data.epochs": 0.0, "data.val_fraction": 0.0, "data.standardize": False, "train.eval_every": 0, "train.early_stop.patience": 0,
+            "model.dropout": 0.0, **_SGD, "optim.weight_decay": 0.0, "optim.sparse_weight_decay": 0.0,
+            "optim.warmup_steps": 0, "optim.decay": "none"}
+RECIPE_VALUES: dict[str, dict[str, Any]] = {
+    "none": dict(_NEUTRAL),  # every null key at its neutral value (train.steps, no validation, ...)
+    "large": {**_NEUTRAL, "data.epochs": 1.0},  # one epoch: the DLRM Kaggle recipe, right for 45M rows
+    # small data (README "Real data", measured there): dense Adam + row-wise Adagrad rows (the
+    # optim=adam preset), standardised dense features, up to 30 epochs, evaluated once per epoch on
+    # a 10% validation split, stopped after 3 evaluations without a new best, best model tested
+    "small": {**_NEUTRAL, "data.epochs": 30.0, "data.val_fraction": 0.1, "data.standardize": True,
+              "train.eval_every": EVAL_PER_EPOCH, "train.early_stop.patience": 3,
+              "optim.name": "adam", "optim.dense": "adam", "optim.sparse": "rowwise_adagrad", "optim.lr": 0.001,
+              "optim.sparse_lr": 0.05, "optim.eps": 1e-8},
+}
+
+
+def recipe_keys() -> list[str]:
+    """The keys a recipe may set (those a null leaves to it)."""
+    return list(dict.fromkeys(k for values in RECIPE_VALUES.values() for k in values))
+
+
+def get_key(c: Config, key: str) -> Any:
+    obj = c
+    for part in key.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def apply_recipe(c: Config, recipe: str) -> dict[str, Any]:
+    """Fill every recipe key that is null with `recipe`'s value (train.eval_every's once-per-epoch
+    stays null until W is known); keys the user set are kept. Returns {key: value} it set."""
+    done = {}
+    chosen_optimizer = c.optim.sparse is not None  # a preset's null sparse_lr means "= lr", not "the recipe's"
+    for key, value in RECIPE_VALUES[recipe].items():
+        *path, name = key.split(".")
+        obj = get_key(c, ".".join(path))
+        if key == "optim.sparse_lr" and chosen_optimizer:
+            continue
+        if getattr(obj, name) is None and value != EVAL_PER_EPOCH:
+            setattr(obj, name, value)
+            done[key] = value
+    if "train.early_stop.patience" in done and not c.data.val_fraction:
+        c.train.early_stop.patience = done["train.early_stop.patience"] = 0  # data.val_fraction=0: nothing to stop on
+    return done
+
+
+def val_rows(n: int, fraction: float) -> int:
+    """Rows of n training rows that data.val_fraction carves off as the validation split: ceil(f x n)
+    (at least 1 when f > 0); a ConfigError when nothing would be left to train on."""
+    if not fraction:
+        return 0
+    k = max(1, math.ceil(fraction * n - 1e-9))
+    _check(k < n, "data.val_fraction", fraction, f"leaves no training rows of the {n} there are")
+    return k
+
+
 def _check(ok: bool, key: str, value: Any, reason: str) -> None:
     if not ok:
         raise ConfigError(f"{key}={value!r}: {reason}")
@@ -318,11 +401,24 @@ def validate(c: Config) -> None:
     _one_of("data.loader", d.loader, LOADERS)
     _check(d.loader_threads > 0, "data.loader_threads", d.loader_threads, "must be > 0")
     _check(0 < d.eval_fraction < 1, "data.eval_fraction", d.eval_fraction, "must be in (0, 1)")
+    _check(d.epochs is not None, "data.epochs", d.epochs, _UNRESOLVED)
     _check(d.epochs >= 0, "data.epochs", d.epochs, "must be >= 0 (0 = use train.steps)")
     _finite("data.epochs", d.epochs)
+    _check(d.standardize is not None, "data.standardize", d.standardize, _UNRESOLVED)
+    _check(not d.standardize or d.name == "criteo", "data.standardize", d.standardize,
+           "standardising dense features is a data=criteo option (the other sources are already scaled)")
+    _check(d.val_fraction is not None, "data.val_fraction", d.val_fraction, _UNRESOLVED)
+    _check(0 <= d.val_fraction < 1, "data.val_fraction", d.val_fraction, "must be in [0, 1) (0 = no validation split)")
+    _check(d.val_fraction == 0 or d.name != "synthetic" or d.train_samples > 0, "data.val_fraction",
+           d.val_fraction, "synthetic data has a training set to carve a validation split from only "
+           "with data.train_samples > 0 (0 is an endless stream)")
     _check(c.model.cross_layers >= 0, "model.cross_layers", c.model.cross_layers, "must be >= 0")
     _check(c.model.cross_rank >= 0, "model.cross_rank", c.model.cross_rank, "must be >= 0 (0 = full rank)")
+    _check(c.model.dropout is not None, "model.dropout", c.model.dropout, _UNRESOLVED)
+    _check(0 <= c.model.dropout < 1, "model.dropout", c.model.dropout, "must be in [0, 1)")
     o = c.optim
+    for key in ("name", "dense", "sparse", "lr", "eps"):
+        _check(getattr(o, key) is not None, f"optim.{key}", None, _UNRESOLVED)
     _one_of("optim.dense", o.dense, DENSE_OPTIMS)
     _one_of("optim.sparse", o.sparse, SPARSE_OPTIMS)
     _check(o.lr > 0, "optim.lr", o.lr, "must be > 0")
@@ -335,6 +431,7 @@ def validate(c: Config) -> None:
     _check(0 <= o.momentum < 1, "optim.momentum", o.momentum, "must be in [0, 1)")
     _check(o.initial_accumulator >= 0, "optim.initial_accumulator", o.initial_accumulator, "must be >= 0")
     _finite("optim.initial_accumulator", o.initial_accumulator)
+    _validate_schedule(c)
     _one_of("comm.backend", c.comm.backend, BACKENDS)
     _one_of("comm.dist_backend", c.comm.dist_backend, ("auto", "gloo", "nccl"))
     _one_of("comm.wire_precision", c.comm.wire_precision, WIRE_PRECISIONS)
@@ -347,7 +444,8 @@ def validate(c: Config) -> None:
     t = c.train
     _check(t.steps > 0, "train.steps", t.steps, "must be > 0")
     _check(t.log_every > 0, "train.log_every", t.log_every, "must be > 0")
-    _check(t.eval_every >= 0, "train.eval_every", t.eval_every, "must be >= 0")
+    if t.eval_every is not None:  # null: the recipe's, resolved with W (configure.apply_data_steps)
+        _check(t.eval_every >= 0, "train.eval_every", t.eval_every, "must be >= 0")
     _check(t.threads >= 0, "train.threads", t.threads, "must be >= 0 (0 = auto)")
     _one_of("train.progress", t.progress, ("auto", "on", "off"))
     _one_of("train.pipeline", t.pipeline, PIPELINES)
@@ -361,9 +459,45 @@ def validate(c: Config) -> None:
     _check(t.seed >= 0, "train.seed", t.seed, "must be >= 0")
     _one_of("train.nonfinite", t.nonfinite, NONFINITE)
     _check(t.max_skips > 0, "train.max_skips", t.max_skips, "must be > 0")
+    _validate_early_stop(c)
     _validate_kernels(c)
     _validate_checkpoint(c)
     _validate_placement(c)
+
+
+_UNRESOLVED = "null (the recipe's) was not resolved: load the config with trainer.configure.load_config"
+
+
+def _validate_schedule(c: Config) -> None:
+    """Regularisation and the learning-rate schedule (trainer/lr.py)."""
+    o = c.optim
+    for key, v in (("optim.weight_decay", o.weight_decay), ("optim.sparse_weight_decay", o.sparse_weight_decay)):
+        _check(v is not None, key, v, _UNRESOLVED)
+        _check(v >= 0, key, v, "must be >= 0 (0 = none)")
+        _finite(key, v)
+    _check(o.warmup_steps is not None, "optim.warmup_steps", o.warmup_steps, _UNRESOLVED)
+    _check(o.warmup_steps >= 0, "optim.warmup_steps", o.warmup_steps, "must be >= 0 (0 = no warmup)")
+    _check(o.decay is not None, "optim.decay", o.decay, _UNRESOLVED)
+    _one_of("optim.decay", o.decay, LR_DECAYS)
+    _check(o.decay_start >= -1, "optim.decay_start", o.decay_start, "must be >= 0, or -1 (right after the warmup)")
+    _check(o.decay_steps >= 0, "optim.decay_steps", o.decay_steps, "must be >= 0 (0 = until train.steps)")
+    _check(o.decay_power > 0, "optim.decay_power", o.decay_power, "must be > 0")
+    _finite("optim.decay_power", o.decay_power)
+
+
+def _validate_early_stop(c: Config) -> None:
+    """Early stopping looks at the validation split only, never at the test split."""
+    t, e = c.train, c.train.early_stop
+    _one_of("train.recipe", t.recipe, RECIPES)
+    _check(e.patience is not None, "train.early_stop.patience", e.patience, _UNRESOLVED)
+    _check(e.patience >= 0, "train.early_stop.patience", e.patience, "must be >= 0 (0 = never stop early)")
+    _check(e.min_delta >= 0, "train.early_stop.min_delta", e.min_delta, "must be >= 0")
+    _finite("train.early_stop.min_delta", e.min_delta)
+    if e.patience > 0:
+        _check(bool(c.data.val_fraction), "train.early_stop.patience", e.patience,
+               "early stopping needs a validation split (data.val_fraction > 0); it never looks at the test split")
+        _check(t.eval_every != 0, "train.early_stop.patience", e.patience,
+               "early stopping needs validation evaluations: set train.eval_every > 0")
 
 
 def needs_global_view(c: Config) -> bool:

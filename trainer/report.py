@@ -73,9 +73,10 @@ class TensorBoardWriter:
             self._guard(self._eval, step, ev)
 
     def _eval(self, step: int, ev: dict[str, Any]) -> None:
+        group = "eval" if ev.get("split", "test") == "test" else ev["split"]  # val/auc: the validation split
         for key in ("eval_auc", "eval_logloss"):
             if ev.get(key) is not None:
-                self._w.add_scalar(f"eval/{key[5:]}", ev[key], step)
+                self._w.add_scalar(f"{group}/{key[5:]}", ev[key], step)
 
     def close(self) -> None:
         if self._w is not None:
@@ -245,13 +246,15 @@ class Reporter:
     def summary(self, train_time: float, final_eval: dict[str, Any], losses: list[float],
                 evals: list[dict[str, Any]], start_step: int, resumed_from: Optional[str],
                 checkpoint: Optional[str], alltoalls: dict[str, int], end_step: Optional[int] = None,
-                checkpoint_error: Optional[dict[str, Any]] = None) -> dict[str, Any]:
+                checkpoint_error: Optional[dict[str, Any]] = None,
+                extra: Optional[dict[str, Any]] = None) -> dict[str, Any]:
         """The run's summary (collective); rank 0 also writes it to OUT/summary.json. end_step: the
-        step the run reached (train.steps unless a failed save stopped it, see checkpoint_error).
-        Rates and per-sample / per-step figures are None when this process trained no step (a
-        resume at the final step): there is nothing to divide."""
-        c, steps, emb = self.c, self.c.train.steps, self.emb
-        end = steps if end_step is None else end_step
+        step the run reached (train.steps unless an early stop or a failed save stopped it, see
+        checkpoint_error); extra: the validation / early-stopping fields and the recipe
+        (runner.Trainer). Rates and per-sample / per-step figures are None when this process
+        trained no step (a resume at the final step): there is nothing to divide."""
+        c, emb = self.c, self.emb
+        end = c.train.steps if end_step is None else end_step
         samples = end * self.global_batch
         trained = end - start_step  # steps run by this process (after a resume)
         run_samples = trained * self.global_batch  # what this process's byte counters cover
@@ -264,7 +267,7 @@ class Reporter:
             "world_size": self.comm.size,
             "output_dir": self.out_dir,
             "backend": type(self.comm).__name__,
-            "steps": steps,
+            "steps": end,  # the steps trained (fewer than train.steps after an early stop or a failed save)
             "end_step": end,
             "global_batch_size": self.global_batch,
             "samples": samples,
@@ -277,6 +280,10 @@ class Reporter:
             "eval_auc": final_eval["eval_auc"],
             "eval_logloss": final_eval["eval_logloss"],
             "eval_samples": final_eval["eval_samples"],
+            "test_auc": final_eval["eval_auc"],  # = eval_auc: the test split, on the best model when restored
+            "test_logloss": final_eval["eval_logloss"],
+            "best_step": None, "val_auc": None, "val_logloss": None, "val_samples": 0,  # no validation split
+            **(extra or {}),
             "bytes": bytes_,
             "bytes_total": sum(bytes_.values()),
             "bytes_per_sample": per(sum(bytes_.values()), run_samples),

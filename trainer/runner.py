@@ -4,6 +4,11 @@ The loop lives here: one step (lookup, forward, backward, embedding push + owner
 allreduce + step), evaluation, and the checkpoint glue. What a rank holds is assembled by build.py
 (dense model + optimizer, the sparse side); what the run reports is report.py.
 
+With a validation split (data.val_fraction > 0) the evaluations every train.eval_every steps (and
+after the last step) run on it, feed early stopping (train.early_stop, best.py) and keep the best
+model in memory; the final evaluation on the test split runs on the restored best model.
+The learning rates follow lr.py's schedule, set before every step.
+
 The local loss is sum(BCE over the local slice) / global batch, so gradients summed over ranks equal
 the gradient of the single-process reference's mean loss over the global batch (docs/design.md, section 2).
 """
@@ -24,16 +29,18 @@ import torch.nn.functional as F
 
 import kernels
 
-from .build import TrainingError, build_dense, build_sparse, device_of, phase
+from .best import BestSnapshot, EarlyStopping
+from .build import TrainingError, build_dense, build_sparse, device_of, phase, sparse_lr
 from .checkpoint import CheckpointError, Checkpointer, rng_state, set_rng_state
 from .checkpoint import latest as latest_checkpoint
 from .checkpoint import load as load_checkpoint
 from .checkpoint import resolve as resolve_checkpoint
 from .comm import CollectiveError, Collectives, make_collectives
 from .config import Config, auto_threads, local_batch_size, validate_world
-from .configure import apply_data_steps, load_config
+from .configure import apply_data_steps, load_config, recipe_of
 from .data import make_data
 from .device import to_device
+from .lr import LrSchedule
 from .metrics import auc_logloss
 from .report import Reporter
 
@@ -261,7 +268,15 @@ class Trainer:
         self.resumed_from: str | None = None
         self.pipeline = c.train.pipeline
         self._next: tuple[int, tuple[Any, Any], Any] | None = None  # the step prepared ahead
+        self.lr = LrSchedule(c.optim, c.train.steps, self.opt, self.emb, sparse_lr(c))
+        self.val_rows = int(getattr(self.data, "val_rows", 0))  # validation split (0: none)
+        self.early = EarlyStopping(c.train.early_stop.patience, c.train.early_stop.min_delta)
         self.start_step = self._resume()
+        self.best = (BestSnapshot(self.model, self.emb, fresh=self.resumed_from is None)
+                     if self.val_rows and c.train.early_stop.restore_best else None)
+        self.recipe = recipe_of(c)
+        if self.rank == 0 and self.recipe.name != "none":
+            print(self.recipe.line(c), file=sys.stderr)
 
     def _agree_out_dir(self, out_dir: str | None) -> str | None:
         """Every rank writes into rank 0's output directory (Hydra dirs may differ by a second).
@@ -313,6 +328,12 @@ class Trainer:
                       or (self.c.train.eval_every and done % self.c.train.eval_every == 0))
         if self.pipeline == "rows" and self._next is not None and not flush_next:
             self.emb.serve(self._next[2])
+
+    def _drop_prepared(self) -> None:
+        """The step prepared ahead (train.pipeline) will not run (early stop, failed save)."""
+        if self._next is not None:
+            self.emb.cancel(self._next[2])
+            self._next = None
 
     def _alltoall_calls(self) -> int:
         calls = self.comm.counter.calls
@@ -375,14 +396,15 @@ class Trainer:
 
     # ---- evaluation ------------------------------------------------------------------------
     @torch.no_grad()
-    def evaluate(self) -> dict[str, Any]:
-        """Exact AUC / logloss over the whole eval split, gathered from every rank. Collective.
-        Cached updates are flushed first, so eval reads exactly what the owners hold."""
+    def evaluate(self, split: str = "test") -> dict[str, Any]:
+        """Exact AUC / logloss over the whole eval split ("test"; "val": the validation split),
+        gathered from every rank. Collective. Cached updates are flushed first, so eval reads
+        exactly what the owners hold."""
         self.emb.flush()
         self.model.eval()
         logits, labels = [], []
         with phase(self.comm, "eval"):
-            for batch in self.data.eval_batches():
+            for batch in self.data.eval_batches(split):
                 batch = batch.to(self.device)
                 pooled = self.emb.lookup(batch, train=False)
                 logits.append(self.model(batch.dense, pooled).float().cpu())
@@ -393,20 +415,55 @@ class Trainer:
         auc, ll = auc_logloss(both[:, 0], both[:, 1])
         return {"eval_auc": auc, "eval_logloss": ll, "eval_samples": int(both.shape[0])}
 
-    def _eval_now(self, step: int) -> dict[str, Any]:
-        ev = self.evaluate()
-        self.evals.append({"step": step, **ev})
-        self.report.eval(self.evals[-1])
+    def _eval_now(self, step: int, split: str = "test") -> dict[str, Any]:
+        ev = self.evaluate(split)
+        rec = {"step": step, **ev} if split == "test" else {"step": step, "split": split, **ev}
+        self.evals.append(rec)
+        self.report.eval(rec)
         return ev
+
+    def _validate(self, step: int) -> None:
+        """A validation evaluation after `step` steps: early stopping's bookkeeping, and a snapshot
+        of the model when it is a new best. Collective (every rank takes the same decision)."""
+        ev = self._eval_now(step, "val")
+        if self.early.update(step, ev) and self.best is not None:
+            self.best.take(step)
+        if self.early.stop and self.rank == 0:
+            print(f"[trainer] early stop after step {step}: validation AUC has not improved on "
+                  f"{self.early.best_auc:.4f} (step {self.early.best_step}) for {self.early.since} "
+                  f"evaluations (train.early_stop.patience={self.early.patience})", file=sys.stderr)
+
+    def _restore_best(self, end: int) -> dict[str, Any]:
+        """Put the best validation model back for the final test evaluation (if another model
+        was trained after it); returns summary.json's early-stopping fields."""
+        e = self.early
+        restored = False
+        if self.best is not None and self.best.step is not None and self.best.step != end:
+            with phase(self.comm, "other"):
+                self.best.restore(self.comm)
+            restored = True
+        elif self.best is not None and self.best.step is None and e.best_step is not None and e.best_step != end \
+                and self.rank == 0:
+            print(f"[trainer] warning: the best validation model (step {e.best_step}) was trained before "
+                  "the resume and is not in memory: the test evaluation uses the last model", file=sys.stderr)
+        best = e.best or {}
+        return {"best_step": e.best_step, "val_auc": best.get("eval_auc"), "val_logloss": best.get("eval_logloss"),
+                "val_samples": best.get("eval_samples", 0),
+                "early_stop": {"patience": e.patience, "min_delta": e.min_delta, "stopped_early": e.stop,
+                               "stopped_at": e.stopped_at, "evaluated_model_step": e.best_step if restored or (
+                                   e.best_step == end) else end, "restored": restored,
+                               "snapshot_rows": self.best.held_rows if self.best is not None else 0}}
 
     # ---- the loop --------------------------------------------------------------------------
     def fit(self, return_state: bool = False) -> RunResult:
         c, report = self.c, self.report
         report.start(self.start_step, self.resumed_from)
         train_time, window_t, window_start = 0.0, time.perf_counter(), self.start_step
+        end = self.early.stopped_at if self.early.stop else c.train.steps  # the step training stops at
         try:
-            for step in range(self.start_step, c.train.steps):
+            for step in range(self.start_step, end):
                 self.current_step = step
+                self.lr.apply(step)
                 t0 = time.perf_counter()
                 self.losses.append(self.train_step(step))
                 train_time += time.perf_counter() - t0
@@ -419,15 +476,25 @@ class Trainer:
                     report.step(step, self.losses[-1],
                                 (done - window_start) * self.global_batch / max(now - window_t, 1e-9))
                     window_t, window_start = now, done
-                if c.train.eval_every and done % c.train.eval_every == 0 and done < c.train.steps:
+                if self.val_rows and ((c.train.eval_every and done % c.train.eval_every == 0)
+                                      or done == c.train.steps):
+                    self._validate(done)  # the last step's model is a candidate too
+                    if self.early.stop:
+                        end = done
+                elif c.train.eval_every and done % c.train.eval_every == 0 and done < c.train.steps:
                     self._eval_now(done)
-                if self._save_due(done):
+                if self._save_due(done) and done < end:
                     self._save_or_stop(done, train_time)
-            if self.checkpointer is not None and self.start_step < c.train.steps:
-                self._save_or_stop(c.train.steps, train_time)
-            final_eval = self._eval_now(c.train.steps)
+                if done == end:
+                    break
+            self._drop_prepared()  # an early stop leaves the step prepared ahead unrun
+            if self.checkpointer is not None and self.start_step < end:
+                self._save_or_stop(end, train_time)
+            extra = self._restore_best(end) if self.val_rows else {}
+            final_eval = self._eval_now(end)
             summary = report.summary(train_time, final_eval, self.losses, self.evals, self.start_step,
-                                     self.resumed_from, self.last_checkpoint, self.alltoalls)
+                                     self.resumed_from, self.last_checkpoint, self.alltoalls,
+                                     end_step=end, extra={**extra, "recipe": self.recipe.describe(c)})
             state = self._gather_state() if return_state else None
         finally:
             report.close()
@@ -460,7 +527,8 @@ class Trainer:
                 state = {"step": step, "data_position": step,
                          "model": {k: v.detach().cpu() for k, v in self.model.state_dict().items()},
                          "optimizer": self.opt.state_dict(), "rng": rng_state(self.device),
-                         "losses": list(self.losses), "evals": list(self.evals)}
+                         "losses": list(self.losses), "evals": list(self.evals),
+                         "early_stop": self.early.state()}
             self.last_checkpoint = (into or self.checkpointer).save(
                 step, self.emb.store, state, {**self._schema(), "config": asdict(self.c)})
         return self.last_checkpoint
@@ -479,9 +547,7 @@ class Trainer:
         that is another directory than checkpoint.dir, then the evaluation at `step` and
         summary.json with `checkpoint_error` (where the model could not go, where it went).
         Always raises CheckpointError (exit 2) saying both; it carries the summary. Collective."""
-        if self._next is not None:  # the step prepared ahead (train.pipeline) will not run
-            self.emb.cancel(self._next[2])
-            self._next = None
+        self._drop_prepared()
         failed = os.path.abspath(self.ckpt_dir)
         alt = os.path.abspath(os.path.join(self.out_dir, "checkpoints")) if self.out_dir else None
         fallback, fallback_error = None, None
@@ -506,7 +572,7 @@ class Trainer:
             where = f"the model of step {step} was not saved anywhere ({fallback_error})"
         error = {"step": step, "checkpoint_dir": failed, "error": str(exc), "fallback": fallback,
                  "fallback_error": fallback_error}
-        done = [e for e in self.evals[-1:] if e["step"] == step]  # evaluated at this step already
+        done = [e for e in self.evals[-1:] if e["step"] == step and "split" not in e]  # tested at this step already
         final_eval = done[0] if done else self._eval_now(step)
         summary_path = os.path.join(self.out_dir, "summary.json") if self.out_dir else None
         summary, written = None, summary_path
@@ -541,6 +607,7 @@ class Trainer:
             raise CheckpointError(f"checkpoint {path}: dense state does not fit this model: {exc}") from exc
         set_rng_state(state["rng"], self.device)
         self.losses, self.evals = list(state["losses"]), list(state["evals"])
+        self.early.load(state.get("early_stop"))  # a stopped run stays stopped; patience goes on
         self.emb.step = step - 1  # the cache's clock (LRU ages, audit) continues too
         self.resumed_from = path
         return step

@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Optional, Union
 
-from ..config import Config, DataConfig, epoch_steps, local_batch_size, table_rows
+from ..config import Config, DataConfig, epoch_steps, local_batch_size, table_rows, val_rows
 from .batch import Batch
 from .ids import GuardedData, IdGuard, IdRangeError
 from .synthetic import SyntheticData
@@ -29,6 +29,7 @@ class DataShape:
     num_dense: int  # dense features per sample -> data.num_dense
     table_rows: list[int]  # rows per table as stored, before data.max_table_rows -> data.table_rows
     steps: Optional[int] = None  # train.steps that data.epochs asks for at the W given; None: keep train.steps
+    split_rows: Optional[int] = None  # rows of the training split (validation rows included): the recipe's rule
 
 
 def resolve(c: Config, world: Optional[int] = None) -> Optional[DataShape]:
@@ -47,13 +48,15 @@ def resolve(c: Config, world: Optional[int] = None) -> Optional[DataShape]:
         shape = DataShape(*movielens_shape(d.dir))
     else:
         return None
-    if world is None or d.epochs <= 0:
+    shape = replace(shape, split_rows=split_rows(d))
+    if world is None or not d.epochs or d.epochs <= 0:
         return shape
     return replace(shape, steps=epoch_steps(c, train_rows(d), world))
 
 
-def train_rows(d: DataConfig) -> int:
-    """Rows of a file dataset's training split under d: the rows make_data's source trains on."""
+def split_rows(d: DataConfig) -> int:
+    """Rows of a file dataset's training split under d (data.train_samples applied), before a
+    validation split is carved from it."""
     if d.name == "criteo":
         from .blocks import split_segments
         from .criteo import read_meta
@@ -62,6 +65,13 @@ def train_rows(d: DataConfig) -> int:
         from .movielens import train_split_rows
         return train_split_rows(d)
     raise ValueError(f"data.name={d.name!r} has no training split of fixed size")
+
+
+def train_rows(d: DataConfig) -> int:
+    """Rows of a file dataset's training split under d: the rows make_data's source trains on
+    (data.val_fraction's validation rows left out)."""
+    n = split_rows(d)
+    return n - val_rows(n, d.val_fraction or 0.0)
 
 
 def _local_gpu(cfg: Config) -> Optional[int]:

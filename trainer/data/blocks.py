@@ -21,7 +21,7 @@ from typing import Callable, Iterator, Optional
 import numpy as np
 import torch
 
-from ..config import ConfigError, DataConfig
+from ..config import ConfigError, DataConfig, val_rows
 from .batch import Batch
 from .criteo import CriteoFormatError, check_block, from_block, read_meta
 from .ids import IdGuard
@@ -73,6 +73,38 @@ def split_segments(meta: dict, directory: str, cfg: DataConfig) -> tuple[list[Se
     return train, evals
 
 
+def split_validation(train: list[Segment], cfg: DataConfig) -> tuple[list[Segment], list[Segment]]:
+    """(train, validation) of the training segments split_segments returned: the validation split
+    is their last data.val_fraction of rows (file order, so it is the same rows at any W and any
+    data.seed); the test split is never touched. No validation split: (train, [])."""
+    n = sum(s.rows for s in train)
+    k = val_rows(n, cfg.val_fraction or 0.0)
+    return (_cut(train, 0, n - k), _cut(train, n - k, n)) if k else (train, [])
+
+
+STATS_ROWS = 1_000_000  # data.standardize: mean and std from the first training rows (all of a small set)
+
+
+def dense_stats(segs: list[Segment], num_dense: int, max_rows: int = STATS_ROWS) -> tuple[torch.Tensor, torch.Tensor]:
+    """(mean [F], std [F]) float32 of the dense features of the first max_rows rows of segs (file
+    order), accumulated in float64: the same numbers on every rank and every W. std 0 -> 1."""
+    total = np.zeros(num_dense)
+    squares = np.zeros(num_dense)
+    n = 0
+    for s in segs:
+        take = min(s.rows, max_rows - n)
+        if take <= 0:
+            break
+        dense = from_block(np.load(s.file, mmap_mode="r")[s.lo:s.lo + take], num_dense)[1].astype(np.float64)
+        total += dense.sum(0)
+        squares += (dense * dense).sum(0)
+        n += take
+    mean = total / max(n, 1)
+    std = np.sqrt(np.maximum(squares / max(n, 1) - mean * mean, 0.0))
+    std = np.where(std > 1e-12, std, 1.0)
+    return torch.from_numpy(mean.astype(np.float32)), torch.from_numpy(std.astype(np.float32))
+
+
 def shard_range(n: int, rank: int, world: int) -> tuple[int, int]:
     """DALI's reader sharding: shard r of n samples is [n*r//W, n*(r+1)//W)."""
     return n * rank // world, n * (rank + 1) // world
@@ -115,7 +147,12 @@ class BlockStream:
         lo, hi = shard_range(len(segs), rank, world)
         self.mine = segs[lo:hi]
         self.seed = seed  # None = file order; else rows shuffled per (seed, epoch, block)
-        self._blocks = reader([s.file for s in segs], rank, world) if self.mine else iter(())
+        # DALI shards by block and needs at least one block per shard: a split with fewer blocks
+        # than ranks (a small validation or test split) is read as this rank's blocks, unsharded
+        # (the same blocks in the same order as shard `rank` would give)
+        files = [s.file for s in segs]
+        self._blocks = (iter(()) if not self.mine else reader(files, rank, world) if len(segs) >= world
+                        else reader([s.file for s in self.mine], 0, 1))
         self._buf: list[Columns] = []
         self._have = 0
         self._read = 0  # blocks read so far
@@ -151,11 +188,13 @@ class BlockStream:
 
 
 def to_batch(cols: Columns, num_dense: int, rows: torch.Tensor, guard: IdGuard | None = None,
-             where: str = "batch") -> Batch:
+             where: str = "batch", norm: tuple[torch.Tensor, torch.Tensor] | None = None) -> Batch:
     """Columns -> Batch (one id per bag). Ids are checked against the data's own table sizes by
     `guard` (data.out_of_range), then folded into the configured table sizes (id mod rows: the
-    data.max_table_rows cap)."""
+    data.max_table_rows cap). norm = (mean, std): dense -> (dense - mean) / std (data.standardize)."""
     labels, dense, ids = cols
+    if norm is not None:
+        dense = (dense - norm[0].to(dense.device)) / norm[1].to(dense.device)
     b, t = labels.shape[0], rows.numel()
     if guard is not None:
         ids = guard.values(ids.reshape(-1), torch.arange(t).repeat(b), where)
@@ -179,6 +218,9 @@ class CriteoData:
         if not self.train_segs:
             raise ConfigError(f"data.dir={cfg.dir!r}: the training split has no rows (did every row of "
                               f"the input fail preparation? see {os.path.join(cfg.dir, 'meta.json')})")
+        self.train_segs, self.val_segs = split_validation(self.train_segs, cfg)
+        # data.standardize: statistics of the training rows (validation and test rows left out)
+        self.norm = dense_stats(self.train_segs, self.F) if cfg.standardize else None
         if len(self.train_segs) < world:
             raise ConfigError(f"data.dir={cfg.dir!r}: the training split has {len(self.train_segs)} blocks "
                               f"for {world} workers; every worker reads whole blocks, so prepare it "
@@ -186,7 +228,7 @@ class CriteoData:
         self.train_segs = self._block_order(self.train_segs)
         self._train: BlockStream | None = None
         self._step = 0
-        self._eval: BlockStream | None = None
+        self._eval: dict[str, BlockStream] = {}
 
     @property
     def train_rows(self) -> int:
@@ -212,23 +254,37 @@ class CriteoData:
                 self._step += 1
         self._step += 1
         return to_batch(self._train.take(self.b), self.F, self.rows, self.guard,
-                        f"training batch of step {step}")
+                        f"training batch of step {step}", self.norm)
 
-    def num_eval_steps(self) -> int:
-        per_rank = [sum(s.rows for s in self.eval_segs[slice(*shard_range(len(self.eval_segs), r, self.world))])
+    def _split_segs(self, split: str) -> list[Segment]:
+        if split not in ("test", "val"):
+            raise ValueError(f"split={split!r}: must be test or val")
+        return self.eval_segs if split == "test" else self.val_segs
+
+    @property
+    def val_rows(self) -> int:
+        """Rows of the validation split (all ranks; 0 without one)."""
+        return sum(s.rows for s in self.val_segs)
+
+    def num_eval_steps(self, split: str = "test") -> int:
+        segs = self._split_segs(split)
+        per_rank = [sum(s.rows for s in segs[slice(*shard_range(len(segs), r, self.world))])
                     for r in range(self.world)]
         return max(-(-n // self.cfg.eval_batch_size) for n in per_rank)
 
-    def eval_batches(self) -> Iterator[Batch]:
-        """One pass over this rank's eval shard; every rank yields num_eval_steps() batches."""
-        if self._eval is None:  # one reader for all evals: each pass reads exactly one epoch
-            self._eval = BlockStream(self.eval_segs, self.reader, self.rank, self.world, None)
-        left = self._eval.rows
-        for _ in range(self.num_eval_steps()):
+    def eval_batches(self, split: str = "test") -> Iterator[Batch]:
+        """One pass over this rank's shard of the test (or validation) split; every rank yields
+        num_eval_steps(split) batches."""
+        if split not in self._eval:  # one reader per split for all evals: each pass reads one epoch
+            self._eval[split] = BlockStream(self._split_segs(split), self.reader, self.rank, self.world, None)
+        stream = self._eval[split]
+        left = stream.rows
+        for _ in range(self.num_eval_steps(split)):
             n = min(left, self.cfg.eval_batch_size)
             left -= n
-            cols = self._eval.take(n) if n else self._empty()
-            yield to_batch(cols, self.F, self.rows, self.guard, "eval batch")
+            cols = stream.take(n) if n else self._empty()
+            yield to_batch(cols, self.F, self.rows, self.guard,
+                           f"{'eval' if split == 'test' else 'validation'} batch", self.norm)
 
     def _empty(self) -> Columns:
         return (torch.zeros(0), torch.zeros((0, self.F)), torch.zeros((0, self.rows.numel()), dtype=torch.int64))

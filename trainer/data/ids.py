@@ -101,9 +101,9 @@ class GuardedData:
     def train_batch(self, step: int) -> Batch:
         return self.guard.batch(self._data.train_batch(step), f"training batch of step {step}")
 
-    def eval_batches(self) -> Iterator[Batch]:
-        for b in self._data.eval_batches():
-            yield self.guard.batch(b, "eval batch")
+    def eval_batches(self, split: str = "test") -> Iterator[Batch]:
+        for b in self._data.eval_batches(split):
+            yield self.guard.batch(b, "eval batch" if split == "test" else "validation batch")
 
     def sample_ids(self, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         values, lengths = self._data.sample_ids(keys)

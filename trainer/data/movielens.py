@@ -25,7 +25,7 @@ from typing import Iterator, Optional
 import numpy as np
 import torch
 
-from ..config import DataConfig
+from ..config import DataConfig, val_rows
 from .batch import Batch
 
 FIELDS = ("user_id", "item_id", "age", "gender", "occupation", "zip_code", "release_year", "genre")
@@ -108,8 +108,16 @@ def shape(directory: Optional[str]) -> tuple[int, list[int]]:
 
 
 def train_split_rows(cfg: DataConfig) -> int:
-    """Rows of the training split under cfg (the same split MovieLensData trains on)."""
+    """Rows of the training split under cfg (the same split MovieLensData trains on, before a
+    validation split is carved from it)."""
     return int(split(cfg, load(locate(cfg.dir)).labels.size)[1].size)
+
+
+def split_validation(cfg: DataConfig, train_idx: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(train, validation) rows: the validation split is the last data.val_fraction of the
+    training rows (already a seeded random order), never rows of the eval split."""
+    k = val_rows(train_idx.size, cfg.val_fraction or 0.0)
+    return train_idx[:train_idx.size - k], train_idx[train_idx.size - k:]
 
 
 def split(cfg: DataConfig, n: int) -> tuple[np.ndarray, np.ndarray]:
@@ -133,6 +141,7 @@ class MovieLensData:
         self.t = load(locate(cfg.dir))
         self.rows = np.asarray(rows, np.int64)
         self.eval_idx, self.train_idx = split(cfg, self.t.labels.size)
+        self.train_idx, self.val_idx = split_validation(cfg, self.train_idx)
         self._order: tuple[int, np.ndarray] = (-1, np.zeros(0, np.int64))
 
     @property
@@ -188,12 +197,22 @@ class MovieLensData:
         start = step * self.global_batch + self.rank * self.b
         return self.samples(self._train_rows(np.arange(start, start + self.b, dtype=np.int64)))
 
-    def num_eval_steps(self) -> int:
-        return -(-self.eval_idx.size // (self.cfg.eval_batch_size * self.world))
+    @property
+    def val_rows(self) -> int:
+        return int(self.val_idx.size)
 
-    def eval_batches(self) -> Iterator[Batch]:
-        """Every rank yields the same number of batches (some may be empty) covering the split."""
-        be = self.cfg.eval_batch_size
-        for k in range(self.num_eval_steps()):
+    def _split_idx(self, split: str) -> np.ndarray:
+        if split not in ("test", "val"):
+            raise ValueError(f"split={split!r}: must be test or val")
+        return self.eval_idx if split == "test" else self.val_idx
+
+    def num_eval_steps(self, split: str = "test") -> int:
+        return -(-self._split_idx(split).size // (self.cfg.eval_batch_size * self.world))
+
+    def eval_batches(self, split: str = "test") -> Iterator[Batch]:
+        """Every rank yields the same number of batches (some may be empty) covering the split
+        (test: the held-out eval split; val: the validation rows carved from the training rows)."""
+        be, idx = self.cfg.eval_batch_size, self._split_idx(split)
+        for k in range(self.num_eval_steps(split)):
             start = k * be * self.world + self.rank * be
-            yield self.samples(self.eval_idx[start:min(start + be, self.eval_idx.size)])
+            yield self.samples(idx[start:min(start + be, idx.size)])

@@ -16,7 +16,7 @@ from typing import Iterator
 import numpy as np
 import torch
 
-from ..config import DataConfig
+from ..config import DataConfig, val_rows
 from . import rng
 from .batch import Batch
 
@@ -64,6 +64,10 @@ class SyntheticData:
         self._mult = np.asarray([coprime_multiplier(n) for n in rows], dtype=np.int64)
         self._shift = np.asarray([(7919 * (t + 1)) % n for t, n in enumerate(rows)], dtype=np.int64)
         self._dense_w = rng.normal(cfg.seed, _S_DENSE_W, np.arange(self.F))
+        # a validation split (data.val_fraction) is the last training samples of the finite set
+        n_val = val_rows(cfg.train_samples, cfg.val_fraction or 0.0) if cfg.train_samples > 0 else 0
+        self.n_train = cfg.train_samples - n_val  # training samples the stream cycles over (0: endless)
+        self.val_idx = np.arange(self.n_train, cfg.train_samples, dtype=np.int64)
         # planted weights: a lookup table when small enough (saves two hashes per id per batch)
         self._w_start = np.cumsum([0] + list(rows[:-1])).astype(np.int64)
         self._w_table = None
@@ -127,7 +131,7 @@ class SyntheticData:
     def stream_keys(self, pos: np.ndarray) -> np.ndarray:
         """Sample keys (training sample indices) at positions `pos` of the training stream."""
         pos = np.asarray(pos, dtype=np.int64)
-        return pos % self.cfg.train_samples if self.cfg.train_samples > 0 else pos
+        return pos % self.n_train if self.n_train > 0 else pos
 
     def sample_ids(self, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(values [N], lengths [n, T]) of training samples `keys`: the ids only, no features."""
@@ -142,20 +146,30 @@ class SyntheticData:
     def train_indices(self, step: int) -> np.ndarray:
         start = step * self.global_batch + self.rank * self.b
         idx = np.arange(start, start + self.b, dtype=np.int64)
-        return idx % self.cfg.train_samples if self.cfg.train_samples > 0 else idx
+        return idx % self.n_train if self.n_train > 0 else idx
 
     def train_batch(self, step: int) -> Batch:
         """This rank's slice [rank*b, (rank+1)*b) of global batch `step`."""
         return self.samples(TRAIN, self.train_indices(step))
 
-    def num_eval_steps(self) -> int:
-        per_step = self.cfg.eval_batch_size * self.world
-        return -(-self.cfg.eval_samples // per_step)
+    @property
+    def val_rows(self) -> int:
+        return int(self.val_idx.size)
 
-    def eval_batches(self) -> Iterator[Batch]:
-        """Every rank yields the same number of batches (some may be empty) covering the split."""
-        be = self.cfg.eval_batch_size
-        for k in range(self.num_eval_steps()):
+    def _split_size(self, split: str) -> int:
+        if split not in ("test", "val"):
+            raise ValueError(f"split={split!r}: must be test or val")
+        return self.cfg.eval_samples if split == "test" else self.val_rows
+
+    def num_eval_steps(self, split: str = "test") -> int:
+        per_step = self.cfg.eval_batch_size * self.world
+        return -(-self._split_size(split) // per_step)
+
+    def eval_batches(self, split: str = "test") -> Iterator[Batch]:
+        """Every rank yields the same number of batches (some may be empty) covering the split
+        (test: the eval samples; val: the validation samples of the training set)."""
+        be, n = self.cfg.eval_batch_size, self._split_size(split)
+        for k in range(self.num_eval_steps(split)):
             start = k * be * self.world + self.rank * be
-            stop = min(start + be, self.cfg.eval_samples)
-            yield self.samples(EVAL, np.arange(start, max(start, stop), dtype=np.int64))
+            pos = np.arange(start, max(start, min(start + be, n)), dtype=np.int64)
+            yield self.samples(EVAL, pos) if split == "test" else self.samples(TRAIN, self.val_idx[pos])

@@ -20,7 +20,6 @@ from __future__ import annotations
 import torch
 
 from ..comm import Collectives
-from .optim import make_sparse_optimizer
 from .store import ShardStore
 
 
@@ -35,7 +34,7 @@ class Replica:
         self.sharding, self.dim = store.sharding, store.dim
         self.weight = torch.zeros(self.gids.numel(), store.dim, dtype=store.weight.dtype,
                                   device=store.weight.device)
-        self.optimizer = make_sparse_optimizer(opt.name, self.weight, opt.lr, opt.eps, opt.init)
+        self.optimizer = opt.like(self.weight)
 
     def __len__(self) -> int:
         return int(self.gids.numel())

@@ -3,6 +3,10 @@
 Why one tensor: the pooled-gather kernels read one storage with one slot space, and the fused
 global id space (sharding.py) makes a row's storage slot simply gid div W.
 Row init is a pure function of (seed, table, id), so any world size starts from the same tables.
+
+`touched` marks the rows written since it was last cleared (an owner update, a row put back by a
+replica or a holder): the in-memory best-model snapshot (trainer/best.py) copies only those rows,
+and puts a row it never saw back to its initial value, recomputed from (seed, table, id).
 """
 from __future__ import annotations
 
@@ -42,8 +46,9 @@ class ShardStore:
 
     def __init__(self, sharding: Sharding, dim: int, seed: int, init_scale: float | None,
                  optimizer: str, lr: float, eps: float, device: torch.device,
-                 accumulator_init: float = 0.0) -> None:
+                 accumulator_init: float = 0.0, weight_decay: float = 0.0) -> None:
         self.sharding, self.dim = sharding, dim
+        self.seed, self.init_scale = seed, init_scale
         gids = sharding.local_gids()
         table, ids = sharding.decode(gids)
         real = sharding.valid(gids)
@@ -52,8 +57,20 @@ class ShardStore:
         weight.index_copy_(0, at, init_rows(seed, sharding.table_rows, dim, table[at], ids[at], init_scale))
         self.weight = weight.to(device)
         self.version = torch.zeros(sharding.local_rows, dtype=torch.int64, device=device)  # updates applied
+        self.touched = torch.zeros(sharding.local_rows, dtype=torch.bool, device=device)  # written since cleared
         self.optimizer: SparseOptimizer = make_sparse_optimizer(optimizer, self.weight, lr, eps,
-                                                                 accumulator_init)
+                                                                 accumulator_init, weight_decay)
+
+    def initial_rows(self, local_idx: torch.Tensor) -> torch.Tensor:
+        """[n, d] initial values of storage rows local_idx (real rows; padding rows are zeros)."""
+        gids = self.sharding.local_gids()[local_idx.cpu()]
+        table, ids = self.sharding.decode(gids)
+        real = self.sharding.valid(gids)
+        out = torch.zeros(local_idx.numel(), self.dim)
+        at = torch.nonzero(real).squeeze(1)
+        if at.numel():
+            out[at] = init_rows(self.seed, self.sharding.table_rows, self.dim, table[at], ids[at], self.init_scale)
+        return out.to(self.weight.device, self.weight.dtype)
 
     def rows(self, gids: torch.Tensor) -> torch.Tensor:
         """[n, d] current rows of owned gids."""
@@ -73,6 +90,7 @@ class ShardStore:
         idx = self.sharding.local_index(gids)
         self.optimizer.step(idx, grads, unique=unique)
         self.version.index_add_(0, idx, torch.ones_like(idx) if counts is None else counts)
+        self.touched.index_fill_(0, idx, True)
 
     # ---- whole rows with their optimizer state (replicas and lent rows come and go) ---------
     @property
@@ -95,6 +113,7 @@ class ShardStore:
         (None: keep), and advance versions by the updates [n] the holder applied (None: 0)."""
         idx = self.sharding.local_index(gids)
         self.weight.index_copy_(0, idx, rows)
+        self.touched.index_fill_(0, idx, True)
         s = self.optimizer.state
         if state is not None and s is not None:
             s.index_copy_(0, idx, state.reshape((-1,) + tuple(s.shape[1:])))

@@ -14,14 +14,15 @@ __all__ = ["DCN", "DLRM", "DeepFM", "WDL", "build_model"]
 
 def build_model(cfg: ModelConfig, num_dense: int, num_tables: int) -> nn.Module:
     """The model named by cfg.name, taking [B, F] dense and [B, T, d] pooled inputs.
-    top_mlp is the deep tower of every model; bottom_mlp is used by DLRM and DeepFM."""
-    d, top = cfg.embedding_dim, list(cfg.top_mlp)
+    top_mlp is the deep tower of every model; bottom_mlp is used by DLRM and DeepFM; cfg.dropout
+    applies after every hidden layer of those MLPs (train mode only)."""
+    d, top, p = cfg.embedding_dim, list(cfg.top_mlp), cfg.dropout or 0.0
     if cfg.name == "dlrm":
-        return DLRM(num_dense, num_tables, d, list(cfg.bottom_mlp), top)
+        return DLRM(num_dense, num_tables, d, list(cfg.bottom_mlp), top, p)
     if cfg.name == "wdl":
-        return WDL(num_dense, num_tables, d, top)
+        return WDL(num_dense, num_tables, d, top, p)
     if cfg.name == "deepfm":
-        return DeepFM(num_dense, num_tables, d, list(cfg.bottom_mlp), top)
+        return DeepFM(num_dense, num_tables, d, list(cfg.bottom_mlp), top, p)
     if cfg.name == "dcn":
-        return DCN(num_dense, num_tables, d, cfg.cross_layers, cfg.cross_rank, top)
+        return DCN(num_dense, num_tables, d, cfg.cross_layers, cfg.cross_rank, top, p)
     raise ValueError(f"model.name={cfg.name!r} is not a known model")

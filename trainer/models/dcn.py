@@ -28,11 +28,11 @@ class CrossLayer(nn.Module):
 
 class DCN(nn.Module):
     def __init__(self, num_dense: int, num_tables: int, dim: int, layers: int, rank: int,
-                 deep: list[int]) -> None:
+                 deep: list[int], dropout: float = 0.0) -> None:
         super().__init__()
         width = num_dense + num_tables * dim
         self.cross = nn.ModuleList(CrossLayer(width, rank) for _ in range(layers))
-        self.deep = mlp([width, *deep, 1], final_relu=False)
+        self.deep = mlp([width, *deep, 1], final_relu=False, dropout=dropout)
 
     def forward(self, dense: torch.Tensor, sparse: torch.Tensor) -> torch.Tensor:
         """dense [B, F], sparse [B, T, d] -> logits [B]."""

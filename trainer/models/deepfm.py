@@ -22,11 +22,11 @@ def fm_pairwise(v: torch.Tensor) -> torch.Tensor:
 
 class DeepFM(nn.Module):
     def __init__(self, num_dense: int, num_tables: int, dim: int, bottom: list[int],
-                 deep: list[int]) -> None:
+                 deep: list[int], dropout: float = 0.0) -> None:
         super().__init__()
-        self.bottom = mlp([num_dense, *bottom, dim], final_relu=True)
+        self.bottom = mlp([num_dense, *bottom, dim], final_relu=True, dropout=dropout)
         self.linear = nn.Linear(num_dense + num_tables * dim, 1)
-        self.deep = mlp([(num_tables + 1) * dim, *deep, 1], final_relu=False)
+        self.deep = mlp([(num_tables + 1) * dim, *deep, 1], final_relu=False, dropout=dropout)
 
     def forward(self, dense: torch.Tensor, sparse: torch.Tensor) -> torch.Tensor:
         """dense [B, F], sparse [B, T, d] -> logits [B]."""

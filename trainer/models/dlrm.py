@@ -10,13 +10,17 @@ import torch
 from torch import nn
 
 
-def mlp(widths: list[int], final_relu: bool) -> nn.Sequential:
-    """Linear layers widths[0] -> ... -> widths[-1], ReLU between (and after the last if asked)."""
+def mlp(widths: list[int], final_relu: bool, dropout: float = 0.0) -> nn.Sequential:
+    """Linear layers widths[0] -> ... -> widths[-1], ReLU between (and after the last if asked);
+    dropout > 0: nn.Dropout after every hidden layer's ReLU (not after the output layer)."""
     layers: list[nn.Module] = []
     for i in range(len(widths) - 1):
         layers.append(nn.Linear(widths[i], widths[i + 1]))
-        if i < len(widths) - 2 or final_relu:
+        hidden = i < len(widths) - 2
+        if hidden or final_relu:
             layers.append(nn.ReLU())
+        if hidden and dropout > 0:
+            layers.append(nn.Dropout(dropout))
     return nn.Sequential(*layers)
 
 
@@ -37,15 +41,15 @@ class _Gram(torch.autograd.Function):
 
 class DLRM(nn.Module):
     def __init__(self, num_dense: int, num_tables: int, dim: int, bottom: list[int],
-                 top: list[int]) -> None:
+                 top: list[int], dropout: float = 0.0) -> None:
         super().__init__()
-        self.bottom = mlp([num_dense, *bottom, dim], final_relu=True)
+        self.bottom = mlp([num_dense, *bottom, dim], final_relu=True, dropout=dropout)
         n = num_tables + 1
         li, lj = torch.tril_indices(n, n, offset=-1)
         # flat positions of the strictly-lower triangle in [n*n]; index_select (not [:, li, lj])
         # keeps the backward an index_add instead of a slow accumulating index_put
         self.register_buffer("tril", li * n + lj, persistent=False)
-        self.top = mlp([dim + li.numel(), *top, 1], final_relu=False)
+        self.top = mlp([dim + li.numel(), *top, 1], final_relu=False, dropout=dropout)
 
     def forward(self, dense: torch.Tensor, sparse: torch.Tensor) -> torch.Tensor:
         """dense [B, F], sparse [B, T, d] -> logits [B]."""

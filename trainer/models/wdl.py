@@ -15,11 +15,12 @@ from .dlrm import mlp
 
 
 class WDL(nn.Module):
-    def __init__(self, num_dense: int, num_tables: int, dim: int, deep: list[int]) -> None:
+    def __init__(self, num_dense: int, num_tables: int, dim: int, deep: list[int],
+                 dropout: float = 0.0) -> None:
         super().__init__()
         width = num_dense + num_tables * dim
         self.wide = nn.Linear(width, 1)
-        self.deep = mlp([width, *deep, 1], final_relu=False)
+        self.deep = mlp([width, *deep, 1], final_relu=False, dropout=dropout)
 
     def forward(self, dense: torch.Tensor, sparse: torch.Tensor) -> torch.Tensor:
         """dense [B, F], sparse [B, T, d] -> logits [B]."""

@@ -12,7 +12,8 @@ training: a sparse matrix with 26 non-zeros per row; see Features). Model: sciki
 LogisticRegression (liblinear, or saga). C is chosen by mean validation AUC over contiguous folds of
 the TRAIN split (5 on small data: a single 10% slice of 1,600 rows is 160 rows, too noisy to choose
 by; on large data its last `val_fraction`, like the trainer's tail rule), then the model is refitted
-on the whole training split; the eval split is only scored.
+on the whole training split (the rows the trainer splits into training and validation rows with
+data.val_fraction: the baseline uses them all); the eval split is only scored.
 Metrics come from trainer.metrics.auc_logloss, the trainer's own AUC/logloss code.
 
 Memory: the splits are loaded whole (4 bytes x 40 per row, plus ~26 x 12 bytes per row for the

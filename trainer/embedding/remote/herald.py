@@ -22,7 +22,6 @@ import kernels
 from ...comm import Collectives
 from ...device import from_host
 from ..cache import DIRECT_MAP_MAX_IDS, DirectSlotMap
-from ..optim import make_sparse_optimizer
 from ..store import ShardStore
 from ..types import LookupPlan, Pushes
 from .base import RemoteRows
@@ -34,7 +33,7 @@ class LentRows:
     def __init__(self, capacity: int, store: ShardStore, n_ids: int) -> None:
         dev, opt = store.weight.device, store.optimizer
         self.weight = torch.zeros(capacity, store.dim, dtype=store.weight.dtype, device=dev)
-        self.optimizer = make_sparse_optimizer(opt.name, self.weight, opt.lr, opt.eps, opt.init)
+        self.optimizer = opt.like(self.weight)
         self.count = torch.zeros(capacity, dtype=torch.int64, device=dev)
         self.used = torch.zeros(capacity, dtype=torch.bool, device=dev)
         direct = dev.type == "cpu" and n_ids <= DIRECT_MAP_MAX_IDS

@@ -1,0 +1,154 @@
+"""Validation-driven training (issue 17): the validation split is carved from the training rows of
+every data source (never from the test split), early stopping on validation AUC stops W = 1 and
+W = 2 at the same step with the same model (BSP, real gloo processes), and the best model restored
+for the final test evaluation is exactly the model of the best step, flushed cache rows included.
+
+How "the restored model is the best step's" is checked: a second run with the same evaluations but
+no early stop and no restore, stopped at the best step, must end with the very same model (dense
+and every table row) and the same test metrics. Dropout is 0 in the parity runs (README: masks are
+drawn per rank, so W = 1 and W = 2 differ with dropout on).
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from helpers import make_cfg, run_single, run_world
+from test_parity import assert_same_run
+from trainer.configure import load_config
+from trainer.data import make_data
+
+# a small finite training set, overfitted quickly (Adagrad at lr 0.5): validation AUC peaks at
+# step 32 and early stopping (patience 3 evaluations of every 4 steps) ends the run at step 44
+ES = ["data=tiny", "data.train_samples=480", "data.val_fraction=0.25", "data.global_batch_size=48",
+      "data.eval_samples=480", "data.eval_batch_size=40", "train.threads=1", "train.progress=off",
+      "train.steps=80", "train.eval_every=4", "train.early_stop.patience=3", "optim=adagrad", "optim.lr=0.5"]
+
+
+def _same_model(a: dict, b: dict, rtol: float = 1e-5, atol: float = 1e-6) -> None:
+    for name, value in a["dense"].items():
+        torch.testing.assert_close(b["dense"][name], value, rtol=rtol, atol=atol, msg=lambda m: f"{name}: {m}")
+    for t, (x, y) in enumerate(zip(a["tables"], b["tables"])):
+        torch.testing.assert_close(y, x, rtol=rtol, atol=atol, msg=lambda m: f"table {t}: {m}")
+
+
+def _until_best(overrides: list[str], best: int) -> list[str]:
+    """The same run with the same evaluations, stopped at `best`, no early stop, no restore."""
+    return overrides + [f"train.steps={best}", "train.early_stop.patience=0",
+                        "train.early_stop.restore_best=false"]
+
+
+@pytest.mark.dist
+def test_early_stop_restores_the_best_step_and_w2_equals_w1():
+    ref = run_single(ES)
+    s = ref.summary
+    e = s["early_stop"]
+    assert e["stopped_early"] and e["restored"] and s["steps"] == e["stopped_at"] < 80
+    assert s["best_step"] % 4 == 0 and s["best_step"] < s["steps"]
+    assert len(ref.losses) == s["steps"] and s["config"]["train"]["steps"] == 80
+    vals = [ev for ev in s["evals"] if ev.get("split") == "val"]
+    assert [ev["step"] for ev in vals] == list(range(4, s["steps"] + 1, 4))
+    assert all(ev["eval_samples"] == 120 for ev in vals) and s["val_samples"] == 120
+    best = max(vals, key=lambda ev: ev["eval_auc"])
+    assert best["step"] == s["best_step"] and s["val_auc"] == best["eval_auc"]
+    assert s["test_auc"] == s["eval_auc"] and s["eval_samples"] == 480
+    # the restored model is the model of the best step
+    plain = run_single(_until_best(ES, s["best_step"]))
+    _same_model(plain.state, ref.state, rtol=0, atol=0)
+    assert plain.summary["test_auc"] == s["test_auc"] and plain.summary["test_logloss"] == s["test_logloss"]
+    assert not plain.summary["early_stop"]["restored"]
+    # W = 2 (here with the HET cache at BSP, exact too): same stop, same best step, same model
+    for r in run_world(2, ES + ["cache=lru"]):
+        assert (r.summary["steps"], r.summary["best_step"]) == (s["steps"], s["best_step"])
+        assert r.summary["early_stop"]["restored"]
+        assert_same_run(ref, r)
+        assert r.summary["test_auc"] == pytest.approx(s["test_auc"], rel=1e-6)
+        assert r.summary["val_auc"] == pytest.approx(s["val_auc"], rel=1e-6)
+
+
+@pytest.mark.dist
+def test_best_restore_includes_cached_rows():
+    """W = 2 with the HET cache at bounded staleness (pushes held back up to 4 updates): the best
+    model restored at the end holds every update made before the best step, the ones that were
+    still pending in a worker's cache at that evaluation included (the evaluation flushed them)."""
+    over = ES + ["cache=lru", "consistency=ssp", "cache.capacity_fraction=0.5"]
+    runs = run_world(2, over)
+    s = runs[0].summary
+    assert s["early_stop"]["restored"] and s["best_step"] < s["steps"]
+    assert s["cache"]["pushed_updates"] > s["cache"]["pushed_rows"] > 0  # updates really waited in caches
+    plain = run_world(2, _until_best(over, s["best_step"]))
+    for r, p in zip(runs, plain):
+        _same_model(p.state, r.state, rtol=0, atol=0)
+        assert r.summary["test_auc"] == p.summary["test_auc"]
+
+
+def test_validation_split_is_carved_from_the_training_rows_of_every_source():
+    """synthetic: the last training samples; movielens: the last training rows of its seeded order;
+    neither touches the eval split, and the training stream no longer visits the validation rows."""
+    c = load_config(make_cfg(["data=tiny", "data.train_samples=100", "data.val_fraction=0.2"]))
+    d = make_data(c, 0, 1)
+    assert d.val_rows == 20 and d.n_train == 80
+    assert set(np.concatenate([d.train_indices(s) for s in range(3)])) <= set(range(80))
+    val = list(d.eval_batches("val"))
+    assert sum(b.batch_size for b in val) == 20
+    want = d.samples(0, np.arange(80, 100))  # training samples 80..99
+    assert torch.equal(torch.cat([b.labels for b in val]), want.labels)
+    # W = 2: each rank yields the same number of batches, together the whole validation split
+    parts = [list(make_data(c, r, 2).eval_batches("val")) for r in range(2)]
+    assert len(parts[0]) == len(parts[1]) and sum(b.batch_size for p in parts for b in p) == 20
+
+    ml = ["data=movielens", "data.val_fraction=0.1", "data.train_samples=5000"]
+    m = make_data(load_config(make_cfg(ml)), 0, 1)
+    assert m.val_rows == 500 and m.train_rows == 4500
+    assert not set(m.val_idx) & set(m.train_idx) and not set(m.val_idx) & set(m.eval_idx)
+    whole = make_data(load_config(make_cfg(ml[:1] + ml[2:])), 0, 1)  # no validation split
+    assert list(whole.train_idx) == list(m.train_idx) + list(m.val_idx)
+    assert list(whole.eval_idx) == list(m.eval_idx)
+    sizes = [sum(b.batch_size for b in make_data(load_config(make_cfg(ml)), r, 2).eval_batches("val"))
+             for r in range(2)]
+    assert sum(sizes) == 500
+
+
+@pytest.fixture(scope="module")
+def prepared(tmp_path_factory) -> str:
+    from data_helpers import prepare_sample
+    out = tmp_path_factory.mktemp("criteo_val")
+    prepare_sample(str(out))
+    return str(out / "prepared")
+
+
+def test_criteo_standardize_uses_the_training_rows_only(prepared):
+    """data.standardize (the small recipe's): every split's dense features are (x - mean) / std with
+    the statistics of the training rows, the validation tail and the test split left out."""
+    from trainer.data.criteo import from_block
+    over = ["data=criteo", f"data.dir={prepared}", "data.loader=memmap", "data.shuffle=false", "data.batch_size=1440"]
+    on, off = (make_data(load_config(make_cfg(over + [f"data.standardize={v}"])), 0, 1) for v in ("true", "false"))
+    raw = np.concatenate([from_block(np.load(s.file)[s.lo:s.hi])[1] for s in on.source.train_segs])
+    assert raw.shape == (1440, 13)
+    mean, std = raw.astype(np.float64).mean(0), raw.astype(np.float64).std(0)
+    std = np.where(std > 1e-12, std, 1.0)
+    np.testing.assert_allclose(on.source.norm[0].numpy(), mean, rtol=1e-6, atol=1e-6)
+    got, plain = on.train_batch(0).dense.numpy(), off.train_batch(0).dense.numpy()
+    np.testing.assert_allclose(got, (plain - mean) / std, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(got.mean(0), 0, atol=1e-5)
+    test_on, test_off = next(on.eval_batches()).dense.numpy(), next(off.eval_batches()).dense.numpy()
+    np.testing.assert_allclose(test_on, (test_off - mean) / std, rtol=1e-5, atol=1e-5)
+    assert abs(test_on.mean()) > 1e-4  # the test split's own statistics were not used
+
+
+def test_resume_keeps_the_early_stopping_state(tmp_path, capsys):
+    """A checkpoint carries the early-stopping state: resuming from step 40 stops at the same step
+    as the uninterrupted run; the best model of before the resume is not in memory (a snapshot is
+    not part of a checkpoint), which the run says, testing the model it has."""
+    ck = str(tmp_path / "ck")
+    over = ES + [f"checkpoint.dir={ck}", "checkpoint.every=8", "checkpoint.keep_last=0"]
+    whole = run_single(over, return_state=False).summary
+    assert whole["steps"] == 44 and whole["best_step"] == 32
+    resumed = run_single(over + [f"checkpoint.resume={ck}/step_00000040"], return_state=False).summary
+    assert resumed["start_step"] == 40 and (resumed["steps"], resumed["best_step"]) == (44, 32)
+    assert resumed["early_stop"]["stopped_early"] and not resumed["early_stop"]["restored"]
+    assert resumed["early_stop"]["evaluated_model_step"] == 44
+    assert "not in memory" in capsys.readouterr().err
+    again = run_single(over + [f"checkpoint.resume={ck}/step_00000044"], return_state=False).summary
+    assert again["steps"] == 44 and again["start_step"] == 44  # a stopped run stays stopped
