@@ -65,6 +65,12 @@ def test_early_stop_restores_the_best_step_and_w2_equals_w1():
         assert_same_run(ref, r)
         assert r.summary["test_auc"] == pytest.approx(s["test_auc"], rel=1e-6)
         assert r.summary["val_auc"] == pytest.approx(s["val_auc"], rel=1e-6)
+    # pipelined (train.pipeline=ids, with the cache): the same stop and model; the step prepared
+    # ahead of the early stop is never run (its begun read is waited for and dropped)
+    for r in run_world(2, ES + ["train.pipeline=ids", "cache=lru"]):
+        assert (r.summary["steps"], r.summary["best_step"]) == (s["steps"], s["best_step"])
+        assert_same_run(ref, r)
+        assert r.summary["test_auc"] == pytest.approx(s["test_auc"], rel=1e-6)
 
 
 @pytest.mark.dist
