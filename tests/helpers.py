@@ -8,10 +8,13 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import socket
+import subprocess
 import tempfile
 import traceback
-from typing import Any, Callable
+from contextlib import contextmanager
+from typing import Any, Callable, Iterator
 
+import pytest
 import torch
 from trainer.config import compose
 from trainer.runner import RunResult, run
@@ -85,3 +88,24 @@ def run_world(world: int, overrides: list[str], return_state: bool = True) -> li
 def run_single(overrides: list[str], return_state: bool = True) -> RunResult:
     """The single-process reference, in this process (local backend)."""
     return run(make_cfg(list(overrides) + ["comm=local"]), return_state=return_state)
+
+
+@contextmanager
+def tmpfs(path: Any, size: str = "64k", dirs: tuple[str, ...] = (), read_only: bool = False) -> Iterator[str]:
+    """A small tmpfs mounted at `path` (made if missing) for the block, unmounted after (lazily).
+    `dirs` are made inside it first; read_only then remounts it ro (root ignores permission bits:
+    a ro mount is the only refusal root gets). 64 KiB is a real ENOSPC for a tiny checkpoint
+    (~180 KiB). Mounting needs root: without it the test is skipped, naming why."""
+    path = str(path)
+    os.makedirs(path, exist_ok=True)
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", path], capture_output=True)
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here (needs root): {done.stderr.decode().strip()}")
+    try:
+        for d in dirs:
+            os.makedirs(os.path.join(path, d))
+        if read_only:
+            subprocess.run(["mount", "-o", "remount,ro", path], check=True)
+        yield path
+    finally:
+        subprocess.run(["umount", "-l", path], check=True)

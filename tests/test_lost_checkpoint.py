@@ -18,7 +18,7 @@ import pytest
 
 import trainer.checkpoint as ckpt
 from data_helpers import prepare_sample, train_models
-from helpers import make_cfg, run_single, spawn
+from helpers import make_cfg, run_single, spawn, tmpfs
 from trainer.runner import run
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -258,13 +258,8 @@ def test_checkpoints_without_save_seq_come_first_by_step(tmp_path):
 @pytest.fixture
 def tiny_fs(tmp_path):
     """A 64 KiB tmpfs (a tiny checkpoint is ~180 KiB): real ENOSPC. Unmounted afterwards."""
-    mnt = tmp_path / "small"
-    mnt.mkdir()
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(mnt)], capture_output=True)
-    if done.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here (needs root): {done.stderr.decode().strip()}")
-    yield str(mnt)
-    subprocess.run(["umount", "-l", str(mnt)], check=True)
+    with tmpfs(tmp_path / "small") as mnt:
+        yield mnt
 
 
 def test_failed_save_on_a_full_disk_removes_its_partial_dir(tiny_fs):

@@ -12,12 +12,13 @@ import os
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
 
 from data_helpers import N_TRAIN, prepare_sample, sample_lines, write_lines
-from helpers import make_cfg
+from helpers import make_cfg, tmpfs
 import trainer.checkpoint as ckpt
 from trainer.configure import load_config as to_config
 from trainer.data import make_data
@@ -50,26 +51,11 @@ def _prep(capsys, *argv: str) -> tuple[int, str]:
     return code, capsys.readouterr().err
 
 
-def _mount(path, size: str = "64k") -> None:
-    os.makedirs(path, exist_ok=True)
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)], capture_output=True)
-    if done.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here (needs root): {done.stderr.decode().strip()}")
-
-
-def _umount(path) -> None:
-    subprocess.run(["umount", "-l", str(path)], check=True)
-
-
 @pytest.fixture
 def read_only(tmp_path):
     """A read-only directory (a tmpfs remounted ro: root ignores permission bits)."""
-    mnt = tmp_path / "ro"
-    _mount(mnt)
-    (mnt / "inside").mkdir()
-    subprocess.run(["mount", "-o", "remount,ro", str(mnt)], check=True)
-    yield mnt
-    _umount(mnt)
+    with tmpfs(tmp_path / "ro", dirs=("inside",), read_only=True) as mnt:
+        yield Path(mnt)
 
 
 # ---------------------------------------------------------------------------- prepare: gzip input
@@ -294,8 +280,7 @@ def test_full_disk_under_the_output_dir_does_not_stop_training(tmp_path, capfd):
     complete, metrics.jsonl holds whole lines only; summary.json cannot be written either, so
     the run ends with that error, the summary (saying how many records were lost) on stdout."""
     out = tmp_path / "out"
-    _mount(out, "64k")
-    try:
+    with tmpfs(out):
         fd = os.open(out / "filler", os.O_WRONLY | os.O_CREAT)
         try:  # fill the disk, then leave two pages
             while True:
@@ -320,8 +305,6 @@ def test_full_disk_under_the_output_dir_does_not_stop_training(tmp_path, capfd):
         assert "No space left on device" in log["error"] and log["records_written"] == len(lines)
         assert log["records_lost"] == 60 + 1 - len(lines)  # 60 step records + the final eval
         assert not [n for n in os.listdir(out) if n.startswith("summary.json")]
-    finally:
-        _umount(out)
 
 
 class _FailingFile:

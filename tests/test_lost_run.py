@@ -10,48 +10,30 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 
 import pytest
 
 import trainer.checkpoint as ckpt
 import trainer.runner as runner
-from helpers import make_cfg, run_single, spawn
+from helpers import make_cfg, run_single, spawn, tmpfs
 from trainer.build import TrainingError
 from trainer.runner import run
 
 from test_lost_checkpoint import BASE, ROOT, _cli, _env  # noqa: F401 (the same command-line runs)
 
 
-def _mount(path, size: str = "64k") -> str:
-    """A small tmpfs at path (a tiny checkpoint is ~180 KiB, so 64 KiB is a real ENOSPC)."""
-    os.makedirs(path, exist_ok=True)
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)], capture_output=True)
-    if done.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here (needs root): {done.stderr.decode().strip()}")
-    return str(path)
-
-
-def _umount(path) -> None:
-    subprocess.run(["umount", "-l", str(path)], check=True)
-
-
 @pytest.fixture
 def small_fs(tmp_path):
-    mnt = _mount(tmp_path / "small")
-    yield mnt
-    _umount(mnt)
+    with tmpfs(tmp_path / "small") as mnt:
+        yield mnt
 
 
 @pytest.fixture
 def read_only(tmp_path):
     """A read-only directory (a tmpfs remounted ro: root ignores permission bits)."""
-    mnt = _mount(tmp_path / "ro")
-    os.makedirs(os.path.join(mnt, "out"))
-    subprocess.run(["mount", "-o", "remount,ro", mnt], check=True)
-    yield mnt
-    _umount(mnt)
+    with tmpfs(tmp_path / "ro", dirs=("out",), read_only=True) as mnt:
+        yield mnt
 
 
 def _records(path) -> list[dict]:
@@ -170,7 +152,8 @@ def test_failed_save_mid_run_keeps_the_model(tmp_path, small_fs):
     assert failed["step"] == 10 and failed["checkpoint_dir"] == root
     assert "No space left on device" in failed["error"]
     assert failed["fallback"] == fallback and failed["fallback_error"] is None
-    assert summary["checkpoint"] == fallback and summary["end_step"] == 10 and summary["steps"] == 30
+    assert summary["checkpoint"] == fallback and summary["end_step"] == summary["steps"] == 10
+    assert summary["config"]["train"]["steps"] == 30
     assert summary["eval_auc"] is not None and summary["evals"][-1]["step"] == 10
     assert summary["samples_per_sec"] > 0 and summary["samples"] == 10 * 48
     assert [r["step"] for r in _records(out / "metrics.jsonl") if "loss" in r] == list(range(1, 11))
@@ -199,8 +182,7 @@ def test_failed_save_without_another_place_still_writes_the_summary(tmp_path):
     fallback (it would be the same place); every rank stops with the error, summary.json says the
     model of step 8 was not saved anywhere and still carries its evaluation."""
     out = tmp_path / "out"
-    mnt = _mount(out / "checkpoints")
-    try:
+    with tmpfs(out / "checkpoints") as mnt:
         # train.pipeline=ids: step 9 is prepared (its reads begun) when the save fails: dropped
         results = spawn(2, _failed_save, BASE + ["train.steps=16", "checkpoint.every=8", "train.pipeline=ids"],
                         str(out), timeout=180)
@@ -216,8 +198,6 @@ def test_failed_save_without_another_place_still_writes_the_summary(tmp_path):
         assert "output dir" in failed["fallback_error"]
         assert written["checkpoint"] is None and written["end_step"] == 8 and written["eval_auc"] is not None
         assert os.listdir(mnt) == []
-    finally:
-        _umount(mnt)
 
 
 # ---------------------------------------------------------------------------- summary figures
