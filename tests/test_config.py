@@ -129,6 +129,7 @@ BAD = [
     ("train.early_stop.patience=2", "train.early_stop.patience"),  # no validation split: never on the test split
     ("train.early_stop.min_delta=-0.01", "train.early_stop.min_delta"),
     ("train.early_stop.min_delta=nan", "train.early_stop.min_delta"),
+    ("train.calibrate=true", "train.calibrate"),  # no validation split: never fitted on the test split
     ("+data.standardize=true", "data.standardize"),  # a data=criteo option
 ]
 # keys with no range to check: free text (informational names, paths) and booleans
@@ -167,6 +168,7 @@ def test_every_key_of_the_schema_has_an_out_of_range_case():
     (["data.train_samples=100", "data.val_fraction=0.2", "train.early_stop.patience=2", "train.eval_every=0"],
      "train.early_stop.patience", "train.eval_every > 0"),
     (["train.early_stop.patience=1"], "train.early_stop.patience", "validation split"),
+    (["train.calibrate=true"], "train.calibrate", "validation split"),
 ])
 def test_cross_field_rules_of_validation(overrides, key, reason):
     with pytest.raises(ConfigError, match=reason) as err:

@@ -158,3 +158,47 @@ def test_resume_keeps_the_early_stopping_state(tmp_path, capsys):
     assert "not in memory" in capsys.readouterr().err
     again = run_single(over + [f"checkpoint.resume={ck}/step_00000044"], return_state=False).summary
     assert again["steps"] == 44 and again["start_step"] == 44  # a stopped run stays stopped
+
+
+# ---- calibration (train.calibrate) -------------------------------------------------------------
+def test_fit_temperature_recovers_a_known_scale_and_ignores_row_order():
+    from scipy.optimize import minimize_scalar
+
+    from trainer.metrics import TEMPERATURES, auc_logloss, fit_temperature
+
+    rng = np.random.default_rng(0)
+    z = rng.normal(0.0, 3.0, 20_000)
+    y = (rng.random(z.size) < 1.0 / (1.0 + np.exp(-0.4 * z))).astype(np.float32)  # true scale 0.4
+    t, before, after = fit_temperature(z, y)
+    assert abs(t - 0.4) < 0.03 and after < before
+    assert before == pytest.approx(auc_logloss(z, y)[1], rel=1e-9)  # T = 1 is the plain logloss
+    assert after == pytest.approx(auc_logloss(t * z, y)[1], rel=1e-9)
+
+    def loss(s):
+        return float(np.mean(np.logaddexp(0.0, s * z) - y * s * z))
+
+    best = minimize_scalar(loss, bounds=(0.02, 5.0), method="bounded", options={"xatol": 1e-6}).x
+    step = np.exp(np.diff(np.log(TEMPERATURES)).max())  # the grid's coarsest ratio
+    assert best / step <= t <= best * step
+    perm = rng.permutation(z.size)  # another W gathers the rows in another order: the same T
+    assert fit_temperature(z[perm], y[perm]) == (t, before, after)
+    assert auc_logloss(t * z, y)[0] == pytest.approx(auc_logloss(z, y)[0], abs=1e-12)  # AUC unchanged
+    assert fit_temperature(np.zeros(0), np.zeros(0))[0] == 1.0
+
+
+@pytest.mark.dist
+def test_calibration_is_fitted_on_validation_only_and_w2_equals_w1():
+    """The temperature comes from the restored best model's validation logits; the test AUC is
+    the uncalibrated run's, only the test logloss moves; W = 2 fits the same temperature."""
+    plain = run_single(ES, return_state=False).summary
+    cal = run_single(ES + ["train.calibrate=true"], return_state=False).summary
+    k = cal["calibration"]
+    assert plain["calibration"] is None and k["val_samples"] == cal["val_samples"] == 120
+    assert k["val_logloss_before"] == pytest.approx(cal["val_logloss"], rel=1e-6)  # the best model's
+    assert k["val_logloss_after"] < k["val_logloss_before"] and k["temperature"] != 1.0
+    assert cal["test_auc"] == pytest.approx(plain["test_auc"], abs=1e-12)
+    assert cal["test_logloss"] != plain["test_logloss"]
+    assert (cal["steps"], cal["best_step"]) == (plain["steps"], plain["best_step"])
+    for r in run_world(2, ES + ["train.calibrate=true"], return_state=False):
+        assert r.summary["calibration"]["temperature"] == k["temperature"]
+        assert r.summary["test_logloss"] == pytest.approx(cal["test_logloss"], rel=1e-6)

@@ -26,6 +26,27 @@ def auc_logloss(logits: np.ndarray, labels: np.ndarray) -> tuple[float | None, f
     return auc, ll
 
 
+TEMPERATURES = np.unique(np.append(np.exp(np.linspace(np.log(0.02), np.log(5.0), 401)), 1.0))
+
+
+def fit_temperature(logits: np.ndarray, labels: np.ndarray) -> tuple[float, float, float]:
+    """Temperature scaling (one parameter, Guo et al. 2017): the T > 0 in TEMPERATURES minimising
+    the mean log loss of sigmoid(T * logit) on these rows. Returns (T, logloss at T = 1, at T).
+
+    A scale by T > 0 keeps the order of the logits, so it changes no AUC; it only undoes over- (or
+    under-) confidence. The rows are sorted first, so the same set of rows gathered in another
+    order (another W) gives bit-identical sums and the same T. No rows: T = 1."""
+    if labels.size == 0:
+        return 1.0, float("nan"), float("nan")
+    order = np.lexsort((labels, logits))
+    z, y = logits.astype(np.float64)[order], labels.astype(np.float64)[order]
+    tz = TEMPERATURES[:, None] * z[None, :]  # [K, n]
+    losses = (np.logaddexp(0.0, tz) - y[None, :] * tz).mean(axis=1)  # softplus(Tz) - yTz, stable
+    k = int(np.argmin(losses))  # first of equal losses
+    one = int(np.flatnonzero(TEMPERATURES == 1.0)[0])
+    return float(TEMPERATURES[k]), float(losses[one]), float(losses[k])
+
+
 class JsonlWriter:
     """Appends one JSON object per line; a no-op when path is None (non-zero ranks, tests).
 

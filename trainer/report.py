@@ -283,6 +283,7 @@ class Reporter:
             "test_auc": final_eval["eval_auc"],  # = eval_auc: the test split, on the best model when restored
             "test_logloss": final_eval["eval_logloss"],
             "best_step": None, "val_auc": None, "val_logloss": None, "val_samples": 0,  # no validation split
+            "calibration": None,  # train.calibrate: the temperature fitted on the validation split
             **(extra or {}),
             "bytes": bytes_,
             "bytes_total": sum(bytes_.values()),

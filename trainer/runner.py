@@ -24,6 +24,7 @@ import uuid
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -41,7 +42,7 @@ from .configure import apply_data_steps, load_config, recipe_of
 from .data import make_data
 from .device import to_device
 from .lr import LrSchedule
-from .metrics import auc_logloss
+from .metrics import auc_logloss, fit_temperature
 from .report import Reporter
 
 __all__ = ["RunResult", "Trainer", "TrainingError", "run"]
@@ -270,6 +271,7 @@ class Trainer:
         self._next: tuple[int, tuple[Any, Any], Any] | None = None  # the step prepared ahead
         self.lr = LrSchedule(c.optim, c.train.steps, self.opt, self.emb, sparse_lr(c))
         self.val_rows = int(getattr(self.data, "val_rows", 0))  # validation split (0: none)
+        self.temperature = 1.0  # logit scale of evaluations (train.calibrate sets it before the final one)
         self.early = EarlyStopping(c.train.early_stop.patience, c.train.early_stop.min_delta)
         self.start_step = self._resume()
         self.best = (BestSnapshot(self.model, self.emb, fresh=self.resumed_from is None)
@@ -400,6 +402,13 @@ class Trainer:
         """Exact AUC / logloss over the whole eval split ("test"; "val": the validation split),
         gathered from every rank. Collective. Cached updates are flushed first, so eval reads
         exactly what the owners hold."""
+        both = self._predict(split)
+        auc, ll = auc_logloss(both[:, 0] * self.temperature, both[:, 1])
+        return {"eval_auc": auc, "eval_logloss": ll, "eval_samples": int(both.shape[0])}
+
+    @torch.no_grad()
+    def _predict(self, split: str) -> np.ndarray:
+        """[n, 2] (logit, label) of every row of the split, gathered from every rank. Collective."""
         self.emb.flush()
         self.model.eval()
         logits, labels = [], []
@@ -411,9 +420,20 @@ class Trainer:
                 labels.append(batch.labels.cpu())
             local = torch.stack([torch.cat(logits), torch.cat(labels)], dim=1) if logits \
                 else torch.zeros(0, 2)
-            both = self.comm.allgather(local, kind="meta").numpy()
-        auc, ll = auc_logloss(both[:, 0], both[:, 1])
-        return {"eval_auc": auc, "eval_logloss": ll, "eval_samples": int(both.shape[0])}
+            return self.comm.allgather(local, kind="meta").numpy()
+
+    def _calibrate(self) -> dict[str, Any]:
+        """train.calibrate: fit the temperature of the final model's logits on the validation split
+        (metrics.fit_temperature); the final test evaluation applies it. Collective: every rank
+        gathers the same rows and fits the same T. Returns summary.json's `calibration`."""
+        both = self._predict("val")
+        t, before, after = fit_temperature(both[:, 0], both[:, 1])
+        self.temperature = t
+        if self.rank == 0:
+            print(f"[trainer] calibration: logit temperature {t:.4g} fitted on {both.shape[0]} validation rows "
+                  f"(their logloss {before:.4f} -> {after:.4f}); train.calibrate=false turns it off", file=sys.stderr)
+        return {"temperature": t, "val_logloss_before": before, "val_logloss_after": after,
+                "val_samples": int(both.shape[0])}
 
     def _eval_now(self, step: int, split: str = "test") -> dict[str, Any]:
         ev = self.evaluate(split)
@@ -491,6 +511,7 @@ class Trainer:
             if self.checkpointer is not None and self.start_step < end:
                 self._save_or_stop(end, train_time)
             extra = self._restore_best(end) if self.val_rows else {}
+            extra["calibration"] = self._calibrate() if c.train.calibrate and self.val_rows else None
             final_eval = self._eval_now(end)
             summary = report.summary(train_time, final_eval, self.losses, self.evals, self.start_step,
                                      self.resumed_from, self.last_checkpoint, self.alltoalls,
