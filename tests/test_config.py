@@ -129,7 +129,8 @@ BAD = [
     ("train.early_stop.patience=2", "train.early_stop.patience"),  # no validation split: never on the test split
     ("train.early_stop.min_delta=-0.01", "train.early_stop.min_delta"),
     ("train.early_stop.min_delta=nan", "train.early_stop.min_delta"),
-    ("train.calibrate=true", "train.calibrate"),  # no validation split: never fitted on the test split
+    ("train.calibrate=true", "train.calibrate"),
+    ("data.val_slice=0", "data.val_slice"),  # no validation split: never fitted on the test split
     ("+data.standardize=true", "data.standardize"),  # a data=criteo option
 ]
 # keys with no range to check: free text (informational names, paths) and booleans

@@ -16,6 +16,7 @@ import torch
 
 from helpers import make_cfg, run_single, run_world
 from test_parity import assert_same_run
+from trainer.config import ConfigError
 from trainer.configure import load_config
 from trainer.data import make_data
 
@@ -141,6 +142,31 @@ def test_criteo_standardize_uses_the_training_rows_only(prepared):
     test_on, test_off = next(on.eval_batches()).dense.numpy(), next(off.eval_batches()).dense.numpy()
     np.testing.assert_allclose(test_on, (test_off - mean) / std, rtol=1e-5, atol=1e-5)
     assert abs(test_on.mean()) > 1e-4  # the test split's own statistics were not used
+
+
+def test_criteo_val_slice_holds_out_another_slice_of_the_training_rows(prepared):
+    """data.val_slice = j: the j-th slice of val_fraction from the end is the validation split, the
+    training rows are all the others in file order (scripts/val_rotations.py runs one per slice)."""
+    from trainer.data.criteo import from_block
+    over = ["data=criteo", f"data.dir={prepared}", "data.loader=memmap", "data.shuffle=false"]
+
+    def rows(segs):
+        return np.concatenate([np.load(s.file)[s.lo:s.hi] for s in segs])
+
+    whole = rows(make_data(load_config(make_cfg(over + ["data.val_fraction=0"])), 0, 1).source.train_segs)
+    assert len(whole) == 1600
+    for j in (1, 2, 10):
+        d = make_data(load_config(make_cfg(over + ["data.val_fraction=0.1", f"data.val_slice={j}"])), 0, 1)
+        lo, hi = 1600 - j * 160, 1600 - (j - 1) * 160
+        assert np.array_equal(rows(d.source.val_segs), whole[lo:hi])
+        assert np.array_equal(rows(d.source.train_segs), np.concatenate([whole[:lo], whole[hi:]]))
+        assert d.val_rows == 160
+        labels = torch.cat([b.labels for b in d.eval_batches("val")]).numpy()
+        assert np.array_equal(labels, from_block(whole[lo:hi])[0])
+    with pytest.raises(ConfigError, match="data.val_slice=11.*does not fit in 1600 training rows"):
+        make_data(load_config(make_cfg(over + ["data.val_fraction=0.1", "data.val_slice=11"])), 0, 1)
+    with pytest.raises(ConfigError, match="data.val_slice=2.*data=criteo option"):
+        load_config(make_cfg(["data=tiny", "data.train_samples=100", "data.val_fraction=0.2", "data.val_slice=2"]))
 
 
 def test_resume_keeps_the_early_stopping_state(tmp_path, capsys):

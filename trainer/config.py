@@ -83,6 +83,7 @@ class DataConfig:
     epochs: Optional[float] = 0.0  # criteo/movielens: > 0 sets train.steps = ceil(epochs * training rows / global batch); null = the recipe's
     standardize: Optional[bool] = None  # criteo: dense features -> (x - mean) / std of the training rows (the first 1M); null = the recipe's (small: true, else false)
     val_fraction: Optional[float] = None  # validation split: the last share of the training rows (never the test split), evaluated every train.eval_every steps; 0 = none; null = the recipe's
+    val_slice: int = 1  # criteo: which slice of val_fraction of the training rows is the validation split, counted from the end (1 = the last; scripts/val_rotations.py)
     out_of_range: str = "error"  # an id < 0 or >= its table's rows: error (stop, naming table, id, rows) | hash (id mod rows)
 
 
@@ -352,6 +353,16 @@ def apply_recipe(c: Config, recipe: str) -> dict[str, Any]:
     return done
 
 
+def val_range(n: int, fraction: float, slice_: int = 1) -> tuple[int, int]:
+    """[lo, hi) of the validation rows among n training rows: slice `slice_` (1 = the last) of
+    val_rows(n, fraction) rows, counted from the end; (n, n) without a validation split."""
+    k = val_rows(n, fraction)
+    _check(slice_ * k <= n or not k, "data.val_slice", slice_,
+           f"slice {slice_} of {k} validation rows counted from the end does not fit in {n} training rows "
+           f"(at most {n // k} slices)" if k else "")
+    return (n - slice_ * k, n - (slice_ - 1) * k) if k else (n, n)
+
+
 def val_rows(n: int, fraction: float) -> int:
     """Rows of n training rows that data.val_fraction carves off as the validation split: ceil(f x n)
     (at least 1 when f > 0); a ConfigError when nothing would be left to train on."""
@@ -417,6 +428,9 @@ def validate(c: Config) -> None:
     _check(d.val_fraction == 0 or d.name != "synthetic" or d.train_samples > 0, "data.val_fraction",
            d.val_fraction, "synthetic data has a training set to carve a validation split from only "
            "with data.train_samples > 0 (0 is an endless stream)")
+    _check(d.val_slice >= 1, "data.val_slice", d.val_slice, "must be >= 1 (1 = the last slice of the training rows)")
+    _check(d.val_slice == 1 or (d.name == "criteo" and d.val_fraction > 0), "data.val_slice", d.val_slice,
+           "another validation slice than the last is a data=criteo option and needs data.val_fraction > 0")
     _check(c.model.cross_layers >= 0, "model.cross_layers", c.model.cross_layers, "must be >= 0")
     _check(c.model.cross_rank >= 0, "model.cross_rank", c.model.cross_rank, "must be >= 0 (0 = full rank)")
     _check(c.model.dropout is not None, "model.dropout", c.model.dropout, _UNRESOLVED)

@@ -21,7 +21,7 @@ from typing import Callable, Iterator, Optional
 import numpy as np
 import torch
 
-from ..config import ConfigError, DataConfig, val_rows
+from ..config import ConfigError, DataConfig, val_range
 from .batch import Batch
 from .criteo import CriteoFormatError, check_block, from_block, read_meta
 from .ids import IdGuard
@@ -76,10 +76,11 @@ def split_segments(meta: dict, directory: str, cfg: DataConfig) -> tuple[list[Se
 def split_validation(train: list[Segment], cfg: DataConfig) -> tuple[list[Segment], list[Segment]]:
     """(train, validation) of the training segments split_segments returned: the validation split
     is their last data.val_fraction of rows (file order, so it is the same rows at any W and any
-    data.seed); the test split is never touched. No validation split: (train, [])."""
+    data.seed), or with data.val_slice = j the j-th such slice from the end (the training rows are
+    the rest, in file order); the test split is never touched. No validation split: (train, [])."""
     n = sum(s.rows for s in train)
-    k = val_rows(n, cfg.val_fraction or 0.0)
-    return (_cut(train, 0, n - k), _cut(train, n - k, n)) if k else (train, [])
+    lo, hi = val_range(n, cfg.val_fraction or 0.0, cfg.val_slice)
+    return (_cut(train, 0, lo) + _cut(train, hi, n), _cut(train, lo, hi)) if hi > lo else (train, [])
 
 
 STATS_ROWS = 1_000_000  # data.standardize: mean and std from the first training rows (all of a small set)

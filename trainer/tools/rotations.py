@@ -1,0 +1,103 @@
+"""How much one train / validation split says: the recipe over several validation slices, against LR.
+
+Why: on a few thousand rows the test AUC of one run moves by about 0.02 with the choice of the
+validation rows alone (which rows train, when early stopping fires), so one run per model can make a
+recipe look better or worse than it is. This runs the same command once per validation slice
+(data.val_slice = 1, 1 + S/K, ...: K of the S = 1 / data.val_fraction slices of the training rows,
+spread over them) and compares every run with the logistic-regression baseline on the same test
+split (trainer/tools/baseline.py, fitted once: it uses every training row).
+
+Each run is the trainer's own (`trainer.runner.run`, one process, no output directory, no
+checkpoint). One JSON line per run and one per model with the mean and spread of the differences.
+"""
+from __future__ import annotations
+
+import gc
+import json
+import sys
+import time
+from typing import Any, Callable, Optional, Sequence
+
+import numpy as np
+
+from ..config import Config, val_rows
+from ..configure import compose_config
+from .baseline import run_baseline
+
+QUIET = ["train.progress=off", "checkpoint.enabled=false", "train.tensorboard=false", "comm=local"]
+
+
+def compose(directory: str, overrides: Sequence[str]) -> Config:
+    """The trainer's validated config for `data=criteo data.dir=DIR <overrides>` (hydra.* ignored)."""
+    return compose_config(["data=criteo", f"data.dir={directory}"] +
+                          [o for o in overrides if not o.lstrip("+~").startswith("hydra.")])
+
+
+def slices(c: Config, count: int) -> list[int]:
+    """`count` data.val_slice values spread over the S = floor(training rows / validation rows)
+    slices there are: 1, 1 + S // count, ... (all S when count >= S)."""
+    from ..data.blocks import split_segments
+    from ..data.criteo import read_meta
+
+    if not c.data.val_fraction:
+        raise ValueError("the run has no validation split (data.val_fraction=0): nothing to rotate")
+    if count < 1:
+        raise ValueError(f"--slices {count}: must be >= 1")
+    train, _ = split_segments(read_meta(c.data.dir), c.data.dir, c.data)
+    n = sum(s.rows for s in train)
+    available = n // val_rows(n, c.data.val_fraction)
+    count = min(count, available)
+    return [1 + i * (available // count) for i in range(count)]
+
+
+def _one(directory: str, model: str, j: int, overrides: Sequence[str]) -> dict[str, Any]:
+    from ..runner import run
+
+    t0 = time.perf_counter()
+    s = run(compose(directory, [*overrides, f"model={model}", f"data.val_slice={j}", *QUIET])).summary
+    cal = s.get("calibration") or {}
+    return {"model": model, "val_slice": j, "test_auc": s["test_auc"], "test_logloss": s["test_logloss"],
+            "val_auc": s["val_auc"], "best_step": s["best_step"], "steps": s["steps"],
+            "temperature": cal.get("temperature"), "seconds": round(time.perf_counter() - t0, 1)}
+
+
+def _spread(values: list[float]) -> dict[str, float]:
+    a = np.asarray(values, dtype=np.float64)
+    return {"mean": float(a.mean()), "min": float(a.min()), "max": float(a.max())}
+
+
+def rotate(directory: str, models: Sequence[str], count: int, overrides: Sequence[str],
+           emit: Callable[[dict[str, Any]], None], log: Optional[Callable[[str], None]] = None) -> list[dict[str, Any]]:
+    """Run every model over `count` validation slices; emit() each JSON record (the baseline's,
+    one per run, one per model); returns them all."""
+    log = log or (lambda msg: None)
+    c = compose(directory, overrides)
+    js = slices(c, count)
+    lr = run_baseline(c)
+    out = [{"baseline": "lr", "test_auc": lr["eval_auc"], "test_logloss": lr["eval_logloss"], "C": lr["C"],
+            "train_rows": lr["train_rows"], "test_rows": lr["eval_rows"], "val_slices": js}]
+    emit(out[-1])
+    for model in models:
+        runs = []
+        for j in js:
+            log(f"{model}: validation slice {j} ({len(runs) + 1}/{len(js)})")
+            r = _one(directory, model, j, overrides)
+            r["auc_vs_lr"] = r["test_auc"] - lr["eval_auc"]
+            r["logloss_vs_lr"] = r["test_logloss"] - lr["eval_logloss"]
+            runs.append(r)
+            emit(r)
+            gc.collect()  # the previous run's tables go before the next one allocates its own
+        out += runs
+        out.append({"model": model, "runs": len(runs), "auc_vs_lr": _spread([r["auc_vs_lr"] for r in runs]),
+                    "logloss_vs_lr": _spread([r["logloss_vs_lr"] for r in runs]),
+                    "runs_at_or_above_lr_auc": sum(r["auc_vs_lr"] >= 0 for r in runs)})
+        emit(out[-1])
+    return out
+
+
+def print_json(record: dict[str, Any]) -> None:
+    print(json.dumps(record), flush=True)
+
+
+def stderr(msg: str) -> None:
+    print(f"[val_rotations] {msg}", file=sys.stderr, flush=True)
