@@ -85,18 +85,18 @@ def test_small_criteo_set_takes_the_small_recipe(prepared):
     c = load_config(make_cfg(base))
     r = recipe_of(c)
     assert r.name == "small" and "1,600 training rows" in r.why
-    assert (c.data.epochs, c.data.val_fraction, c.train.early_stop.patience, c.data.standardize) == (30.0, 0.1, 3, True)
+    assert (c.data.epochs, c.data.val_fraction, c.train.early_stop.patience, c.data.standardize) == (30.0, 0.2, 3, True)
     assert (c.optim.name, c.optim.dense, c.optim.sparse, c.optim.lr, c.optim.sparse_lr) == \
         ("adam", "adam", "rowwise_adagrad", 0.001, 0.05)  # optim=auto (the default) under the small recipe
     assert r.describe(c)["overridden"] == {} and "recipe small" in r.line(c)
     for w in (1, 2):
         cw = load_config(make_cfg(base), world=w)
-        assert cw.train.eval_every == math.ceil(1440 / (128 * w))  # one epoch of the 1,440 trained rows
-        assert cw.train.steps == math.ceil(30 * 1440 / (128 * w))
-    mine = load_config(make_cfg(base + ["data.epochs=2", "data.val_fraction=0.2", "train.eval_every=5"]), world=1)
+        assert cw.train.eval_every == math.ceil(1280 / (128 * w))  # one epoch of the 1,280 trained rows
+        assert cw.train.steps == math.ceil(30 * 1280 / (128 * w))
+    mine = load_config(make_cfg(base + ["data.epochs=2", "data.val_fraction=0.1", "train.eval_every=5"]), world=1)
     d = recipe_of(mine).describe(mine)
-    assert d["name"] == "small" and d["overridden"] == {"data.epochs": 2.0, "data.val_fraction": 0.2}
-    assert mine.train.eval_every == 5 and mine.train.steps == math.ceil(2 * 1280 / 128)
+    assert d["name"] == "small" and d["overridden"] == {"data.epochs": 2.0, "data.val_fraction": 0.1}
+    assert mine.train.eval_every == 5 and mine.train.steps == math.ceil(2 * 1440 / 128)
     large = load_config(make_cfg(base + ["train.recipe=large"]), world=1)
     assert recipe_of(large).name == "large" and large.train.steps == math.ceil(N_TRAIN / 128)
     assert (large.data.val_fraction, large.train.early_stop.patience, large.train.eval_every) == (0.0, 0, 0)
@@ -104,7 +104,7 @@ def test_small_criteo_set_takes_the_small_recipe(prepared):
     no_val = load_config(make_cfg(base + ["data.val_fraction=0"]), world=1)  # no validation: no early stop
     assert (no_val.train.early_stop.patience, no_val.train.eval_every, no_val.data.epochs) == (0, 0, 30.0)
     sgd = load_config(make_cfg(base + ["optim=sgd"]))  # a chosen preset is kept whole: its null sparse_lr = lr
-    assert (sgd.optim.dense, sgd.optim.sparse_lr, sgd.data.val_fraction) == ("sgd", None, 0.1)
+    assert (sgd.optim.dense, sgd.optim.sparse_lr, sgd.data.val_fraction) == ("sgd", None, 0.2)
 
 
 def test_size_rule_large_data_keeps_one_epoch():

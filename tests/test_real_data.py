@@ -58,7 +58,7 @@ def test_criteo_sample_trains_every_model_on_two_workers(prepared):
 
 
 def test_python_m_trainer_data_criteo(prepared, tmp_path):
-    """The documented command line (the small-data recipe on this sample: up to 30 epochs, a 10%
+    """The documented command line (the small-data recipe on this sample: up to 30 epochs, a 20%
     validation split evaluated once per epoch, early stopping, the best model tested) writes
     summary.json with the exact eval metrics, the recipe and why, and says so on stderr."""
     out = tmp_path / "run"
@@ -70,11 +70,11 @@ def test_python_m_trainer_data_criteo(prepared, tmp_path):
     assert "recipe small (data=criteo with 1,600 training rows < 1,000,000)" in proc.stderr
     s = json.loads((out / "summary.json").read_text())
     assert s["eval_samples"] == N_TEST and s["eval_auc"] is not None and s["eval_logloss"] > 0
-    assert s["test_auc"] == s["eval_auc"] and s["val_samples"] == 160 and s["best_step"] <= s["steps"]
-    n_train = N_TRAIN - 160
+    assert s["test_auc"] == s["eval_auc"] and s["val_samples"] == 320 and s["best_step"] <= s["steps"]
+    n_train = N_TRAIN - 320
     assert s["config"]["train"]["steps"] == -(-30 * n_train // 64) >= s["steps"]
     assert s["config"]["train"]["eval_every"] == -(-n_train // 64)
-    assert s["recipe"]["name"] == "small" and s["recipe"]["values"]["data.val_fraction"] == 0.1
+    assert s["recipe"]["name"] == "small" and s["recipe"]["values"]["data.val_fraction"] == 0.2
     assert s["early_stop"]["stopped_early"] == (s["steps"] < s["config"]["train"]["steps"])
     assert s["config"]["data"]["loader"] == "dali" and s["embedding"]["table_rows"] == [1000] * 26
     bad = subprocess.run([sys.executable, "-m", "trainer", "data=criteo", f"hydra.run.dir={out}"],

@@ -30,9 +30,9 @@ def test_one_run_per_slice_against_one_baseline(prepared, capsys):
     captured = capsys.readouterr()
     lines = [json.loads(x) for x in captured.out.splitlines()]
     lr, runs, total = lines[0], lines[1:3], lines[3]
-    assert len(lines) == 4 and lr["baseline"] == "lr" and lr["val_slices"] == [1, 6]  # 10 slices of 160 rows
+    assert len(lines) == 4 and lr["baseline"] == "lr" and lr["val_slices"] == [1, 3]  # 5 slices of 320 rows
     assert lr["train_rows"] == 1600 and lr["test_rows"] == 399
-    assert [r["val_slice"] for r in runs] == [1, 6] and all(r["model"] == "dlrm" for r in runs)
+    assert [r["val_slice"] for r in runs] == [1, 3] and all(r["model"] == "dlrm" for r in runs)
     for r in runs:
         assert r["auc_vs_lr"] == pytest.approx(r["test_auc"] - lr["test_auc"], abs=1e-12)
         assert r["logloss_vs_lr"] == pytest.approx(r["test_logloss"] - lr["test_logloss"], abs=1e-12)
@@ -42,7 +42,7 @@ def test_one_run_per_slice_against_one_baseline(prepared, capsys):
     assert total["auc_vs_lr"]["mean"] == pytest.approx(np.mean([r["auc_vs_lr"] for r in runs]))
     assert total["logloss_vs_lr"]["min"] == min(r["logloss_vs_lr"] for r in runs)
     assert total["runs_at_or_above_lr_auc"] == sum(r["auc_vs_lr"] >= 0 for r in runs)
-    assert "dlrm: validation slice 6 (2/2)" in captured.err
+    assert "dlrm: validation slice 3 (2/2)" in captured.err
 
 
 def test_no_validation_split_is_a_clear_error(prepared, capsys):

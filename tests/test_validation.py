@@ -129,7 +129,8 @@ def test_criteo_standardize_uses_the_training_rows_only(prepared):
     """data.standardize (the small recipe's): every split's dense features are (x - mean) / std with
     the statistics of the training rows, the validation tail and the test split left out."""
     from trainer.data.criteo import from_block
-    over = ["data=criteo", f"data.dir={prepared}", "data.loader=memmap", "data.shuffle=false", "data.batch_size=1440"]
+    over = ["data=criteo", f"data.dir={prepared}", "data.loader=memmap", "data.shuffle=false", "data.batch_size=1440",
+            "data.val_fraction=0.1"]
     on, off = (make_data(load_config(make_cfg(over + [f"data.standardize={v}"])), 0, 1) for v in ("true", "false"))
     raw = np.concatenate([from_block(np.load(s.file)[s.lo:s.hi])[1] for s in on.source.train_segs])
     assert raw.shape == (1440, 13)
