@@ -109,3 +109,17 @@ def tmpfs(path: Any, size: str = "64k", dirs: tuple[str, ...] = (), read_only: b
         yield path
     finally:
         subprocess.run(["umount", "-l", path], check=True)
+
+
+def fill(directory: Any, leave: int = 0) -> None:
+    """Fill the file system of `directory` with a file `filler` until a write fails (ENOSPC), then
+    give back the last `leave` bytes of it (whole 4 KiB pages: a few writes will succeed)."""
+    fd = os.open(os.path.join(str(directory), "filler"), os.O_WRONLY | os.O_CREAT)
+    try:
+        while True:
+            os.write(fd, b"\0" * 4096)
+    except OSError:
+        pass
+    if leave:
+        os.ftruncate(fd, os.fstat(fd).st_size - leave)
+    os.close(fd)

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 from data_helpers import N_TRAIN, prepare_sample, sample_lines, write_lines
-from helpers import make_cfg, tmpfs
+from helpers import fill, make_cfg, tmpfs
 import trainer.checkpoint as ckpt
 from trainer.configure import load_config as to_config
 from trainer.data import make_data
@@ -281,14 +281,7 @@ def test_full_disk_under_the_output_dir_does_not_stop_training(tmp_path, capfd):
     the run ends with that error, the summary (saying how many records were lost) on stdout."""
     out = tmp_path / "out"
     with tmpfs(out):
-        fd = os.open(out / "filler", os.O_WRONLY | os.O_CREAT)
-        try:  # fill the disk, then leave two pages
-            while True:
-                os.write(fd, b"\0" * 4096)
-        except OSError:
-            pass
-        os.ftruncate(fd, os.fstat(fd).st_size - 8192)
-        os.close(fd)
+        fill(out, leave=8192)  # two pages left
         root = str(tmp_path / "ck")
         with pytest.raises(OSError, match="No space left on device"):
             run(make_cfg(TINY + ["train.steps=60", "train.log_every=1", f"checkpoint.dir={root}"]),

@@ -16,7 +16,7 @@ import pytest
 
 import trainer.checkpoint as ckpt
 import trainer.runner as runner
-from helpers import make_cfg, run_single, spawn, tmpfs
+from helpers import fill, make_cfg, run_single, spawn, tmpfs
 from trainer.build import TrainingError
 from trainer.runner import run
 
@@ -73,13 +73,7 @@ def test_unwritable_output_dir_stops_every_rank_at_start(tmp_path, read_only, mo
 
 def test_full_output_dir_is_refused_by_the_command(tmp_path, small_fs):
     """The command on an output dir with no space left: exit 2 naming it, no traceback, no step."""
-    fd = os.open(os.path.join(small_fs, "filler"), os.O_WRONLY | os.O_CREAT)
-    try:
-        while True:
-            os.write(fd, b"\0" * 4096)
-    except OSError:
-        pass
-    os.close(fd)
+    fill(small_fs)
     out = os.path.join(small_fs, "run")
     os.makedirs(out)  # a directory costs no data page; any file written into it does
     proc = _cli(tmp_path, "train.steps=4", f"hydra.run.dir={out}", "hydra.output_subdir=null",
@@ -95,14 +89,7 @@ def test_output_disk_full_mid_run_command_ends_with_one_error_line(tmp_path, sma
     TensorBoard's writer, the metrics log and summary.json each fail in turn; training and the
     final checkpoint (elsewhere) complete, each failure is one warning (no thread traceback), the
     summary goes to stdout and the run exits 2 naming summary.json."""
-    fd = os.open(os.path.join(small_fs, "filler"), os.O_WRONLY | os.O_CREAT)
-    try:
-        while True:
-            os.write(fd, b"\0" * 4096)
-    except OSError:
-        pass
-    os.ftruncate(fd, os.fstat(fd).st_size - 16384)
-    os.close(fd)
+    fill(small_fs, leave=16384)
     out, root = os.path.join(small_fs, "run"), str(tmp_path / "ck")
     proc = _cli(tmp_path, "train.steps=60", "train.log_every=1", f"hydra.run.dir={out}", "hydra.output_subdir=null",
                 f"checkpoint.dir={root}")
