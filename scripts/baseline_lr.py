@@ -22,7 +22,7 @@ import sys
 import tempfile
 import time
 
-from trainer.tools.baseline import DEFAULT_CS, SOLVERS, run_baseline
+from trainer.tools.baseline import DEFAULT_CS, SOLVERS, compose, run_baseline
 
 
 def _floats(text: str) -> list[float]:
@@ -49,14 +49,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--run-dir", default=None,
                     help="--compare: the trainer's hydra.run.dir, kept (default: a temporary one)")
     return ap.parse_intermixed_args(argv)
-
-
-def compose(directory: str, overrides: list[str]):
-    """The trainer's validated config for `data=criteo data.dir=DIR <overrides>` (hydra.* ignored)."""
-    from trainer.configure import compose_config
-
-    return compose_config(["data=criteo", f"data.dir={directory}"] +
-                          [o for o in overrides if not o.lstrip("+~").startswith("hydra.")])
 
 
 def run_trainer(directory: str, overrides: list[str], run_dir: str) -> dict:

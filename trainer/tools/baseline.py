@@ -28,6 +28,7 @@ from typing import Any, Optional, Sequence
 import numpy as np
 
 from ..config import Config, table_rows
+from ..configure import compose_config
 from ..data.blocks import Segment, split_segments
 from ..data.criteo import CriteoFormatError, from_block, read_meta
 
@@ -35,6 +36,13 @@ DEFAULT_CS = (0.01, 0.03, 0.1, 0.3, 1.0, 3.0)
 SOLVERS = ("liblinear", "saga")
 AUTO_FOLDS_ROWS = 1_000_000  # folds=0: 5-fold choice of C below this many training rows, else the tail slice
 
+
+
+def compose(directory: str, overrides: Sequence[str]) -> Config:
+    """The trainer's validated config for `data=criteo data.dir=DIR <overrides>` (hydra.* ignored):
+    the baseline and the trainer runs of the tools read the same rows."""
+    return compose_config(["data=criteo", f"data.dir={directory}"] +
+                          [o for o in overrides if not o.lstrip("+~").startswith("hydra.")])
 
 @dataclass
 class Split:

@@ -21,16 +21,9 @@ from typing import Any, Callable, Optional, Sequence
 import numpy as np
 
 from ..config import Config, val_rows
-from ..configure import compose_config
-from .baseline import run_baseline
+from .baseline import compose, run_baseline
 
 QUIET = ["train.progress=off", "checkpoint.enabled=false", "train.tensorboard=false", "comm=local"]
-
-
-def compose(directory: str, overrides: Sequence[str]) -> Config:
-    """The trainer's validated config for `data=criteo data.dir=DIR <overrides>` (hydra.* ignored)."""
-    return compose_config(["data=criteo", f"data.dir={directory}"] +
-                          [o for o in overrides if not o.lstrip("+~").startswith("hydra.")])
 
 
 def slices(c: Config, count: int) -> list[int]:
