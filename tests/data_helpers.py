@@ -3,8 +3,12 @@ repo; derived files go to pytest's tmp_path) prepared by the real preprocessing 
 body that trains several models in one pair of gloo processes (saves process start-ups)."""
 from __future__ import annotations
 
+import collections
+import json
 import os
 from typing import Any
+
+import numpy as np
 
 from helpers import SHARED_DATA, make_cfg
 from trainer.data.prepare import PrepOptions, prepare
@@ -36,6 +40,19 @@ def prepare_sample(out: str, with_test: bool = True, **opts: Any) -> dict:
     kw = dict(hash_rows=[1000] * 26, workers=1, chunk_mb=0.05, progress=False)
     kw.update(opts)
     return prepare(PrepOptions(out=os.path.join(out, "prepared"), train=[train], test=test, **kw))
+
+
+def reference_vocab(prepared: str, n_rows: int, min_count: int) -> list[list[int]]:
+    """data.min_count's vocabulary the plain way: per table, the sorted non-empty ids seen at least
+    min_count times in the first n_rows training rows of a prepared directory (file order)."""
+    meta = json.load(open(os.path.join(prepared, "meta.json")))
+    ids = np.concatenate([np.load(os.path.join(prepared, b["file"]))[:, 14:]
+                          for b in meta["splits"]["train"]["blocks"]])[:n_rows]
+    out = []
+    for t in range(ids.shape[1]):
+        counts = collections.Counter(int(v) for v in ids[:, t])
+        out.append(sorted(v for v, n in counts.items() if v != 0 and n >= min_count))
+    return out
 
 
 def train_models(rank: int, world: int, runs: list[list[str]]) -> list[dict]:

@@ -69,7 +69,7 @@ BAD = [
     ("comm.dist_backend=mpi", "comm.dist_backend"),
     ("comm.timeout_s=-5", "comm.timeout_s"),
     ("comm.timeout_s=inf", "comm.timeout_s"),
-    ("embedding.init_scale=0", "embedding.init_scale"),
+    ("embedding.init_scale=-0.1", "embedding.init_scale"),
     ("embedding.init_scale=inf", "embedding.init_scale"),
     ("cache.policy=fifo", "cache.policy"),
     ("cache.capacity_fraction=1.5", "cache.capacity_fraction"),
@@ -130,7 +130,11 @@ BAD = [
     ("train.early_stop.min_delta=-0.01", "train.early_stop.min_delta"),
     ("train.early_stop.min_delta=nan", "train.early_stop.min_delta"),
     ("train.calibrate=true", "train.calibrate"),
-    ("data.val_slice=0", "data.val_slice"),  # no validation split: never fitted on the test split
+    ("data.val_slice=0", "data.val_slice"),
+    ("data.min_count=-1", "data.min_count"),
+    ("train.bag=0", "train.bag"),
+    ("train.bag=2", "train.bag"),  # the members' validation slices: a data=criteo option
+    ("data.min_count=2", "data.min_count"),  # a vocabulary of the training rows is a data=criteo option  # no validation split: never fitted on the test split
     ("+data.standardize=true", "data.standardize"),  # a data=criteo option
 ]
 # keys with no range to check: free text (informational names, paths) and booleans

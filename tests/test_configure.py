@@ -27,7 +27,7 @@ def prepared(tmp_path_factory) -> str:
 
 def _criteo(d: str, *extra: str) -> list[str]:  # no validation split: every training row is trained on
     return ["data=criteo", f"data.dir={d}", "data.loader=memmap", "data.epochs=2.5", "train.steps=7",
-            "data.val_fraction=0", "comm=local", "checkpoint.enabled=false", "train.progress=off", *extra]
+            "data.val_fraction=0", "data.min_count=0", "comm=local", "checkpoint.enabled=false", "train.progress=off", *extra]
 
 
 def test_shape_from_the_files_steps_only_with_world(prepared):

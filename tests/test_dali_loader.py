@@ -64,7 +64,7 @@ def test_shards_cover_each_split_once(prepared):
     multiset). The validation split (the small-data recipe's data.val_fraction=0.2) is the tail of
     the training rows: training + validation rows = the whole training split, the eval tail apart."""
     world = 2
-    RAW = ("data.standardize=false",)  # row tuples compared with the block streams' raw columns
+    RAW = ("data.standardize=false", "data.min_count=0")  # row tuples compared with the block streams' raw columns
     whole = _data(prepared, "memmap", 0, 1, "data.shuffle=false", *RAW)
     n_train = 1999 - int(np.ceil(0.15 * 1999))
     assert whole.val_rows == int(np.ceil(0.2 * n_train)) == 340

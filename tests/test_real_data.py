@@ -12,7 +12,7 @@ import sys
 import numpy as np
 import pytest
 
-from data_helpers import N_TRAIN, prepare_sample, train_models
+from data_helpers import N_TRAIN, prepare_sample, reference_vocab, train_models
 from helpers import run_single, run_world, spawn
 
 MODELS = ("dlrm", "wdl", "deepfm", "dcn")
@@ -29,7 +29,7 @@ def prepared(tmp_path_factory) -> str:
 
 def _criteo(d: str, model: str, *extra: str) -> list[str]:
     return [f"model={model}", "data=criteo", f"data.dir={d}", "data.batch_size=64", "optim=adam",
-            "data.epochs=0", "train.steps=50", "train.progress=off", *extra]
+            "data.epochs=0", "train.steps=50", "train.progress=off", "train.bag=1", *extra]
 
 
 @pytest.mark.parametrize("model", MODELS)
@@ -58,25 +58,36 @@ def test_criteo_sample_trains_every_model_on_two_workers(prepared):
 
 
 def test_python_m_trainer_data_criteo(prepared, tmp_path):
-    """The documented command line (the small-data recipe on this sample: up to 30 epochs, a 20%
-    validation split evaluated once per epoch, early stopping, the best model tested) writes
-    summary.json with the exact eval metrics, the recipe and why, and says so on stderr."""
+    """The documented command line (the small-data recipe on this sample: a bag of 5 models, each
+    trained up to 30 epochs on 80% of the training rows, validated once per epoch on its own 20%
+    slice, stopped early, its best model calibrated and tested; the test split scored with their
+    mean prediction) writes the bag's summary.json and one per member, and says so on stderr."""
     out = tmp_path / "run"
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     proc = subprocess.run([sys.executable, "-m", "trainer", "data=criteo", f"data.dir={prepared}",
                            "data.batch_size=64", f"hydra.run.dir={out}"],
-                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "recipe small (data=criteo with 1,600 training rows < 1,000,000)" in proc.stderr
+    assert "bag of 5 models, validation slices [1, 2, 3, 4, 5]" in proc.stderr
     s = json.loads((out / "summary.json").read_text())
     assert s["eval_samples"] == N_TEST and s["eval_auc"] is not None and s["eval_logloss"] > 0
-    assert s["test_auc"] == s["eval_auc"] and s["val_samples"] == 320 and s["best_step"] <= s["steps"]
+    assert s["test_auc"] == s["eval_auc"] and s["recipe"]["name"] == "small"
+    assert s["recipe"]["values"]["data.val_fraction"] == 0.2 and s["recipe"]["values"]["train.bag"] == 5
+    members = s["bag"]["members"]
+    assert [m["val_slice"] for m in members] == [1, 2, 3, 4, 5] and s["steps"] == sum(m["steps"] for m in members)
     n_train = N_TRAIN - 320
-    assert s["config"]["train"]["steps"] == -(-30 * n_train // 64) >= s["steps"]
-    assert s["config"]["train"]["eval_every"] == -(-n_train // 64)
-    assert s["recipe"]["name"] == "small" and s["recipe"]["values"]["data.val_fraction"] == 0.2
-    assert s["early_stop"]["stopped_early"] == (s["steps"] < s["config"]["train"]["steps"])
-    assert s["config"]["data"]["loader"] == "dali" and s["embedding"]["table_rows"] == [1000] * 26
+    for m in members:
+        ms = json.loads((out / f"member{m['member']}" / "summary.json").read_text())
+        assert (ms["test_auc"], ms["best_step"], ms["steps"]) == (m["test_auc"], m["best_step"], m["steps"])
+        assert ms["val_samples"] == 320 and ms["best_step"] <= ms["steps"] and ms["eval_samples"] == N_TEST
+        assert ms["config"]["train"]["steps"] == -(-30 * n_train // 64) >= ms["steps"]
+        assert ms["config"]["train"]["eval_every"] == -(-n_train // 64)
+        assert ms["early_stop"]["stopped_early"] == (ms["steps"] < ms["config"]["train"]["steps"])
+        assert ms["config"]["data"]["loader"] == "dali" and ms["config"]["data"]["min_count"] == 1
+        assert ms["config"]["data"]["val_slice"] == m["val_slice"]
+    # data.min_count=1: member 1's tables hold the ids of its 1,280 training rows (+ empty, OOV)
+    assert members[0]["table_rows"] == [2 + len(k) for k in reference_vocab(prepared, n_train, 1)]
     bad = subprocess.run([sys.executable, "-m", "trainer", "data=criteo", f"hydra.run.dir={out}"],
                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert bad.returncode == 2 and "data.dir=None" in bad.stderr

@@ -83,6 +83,7 @@ class DataConfig:
     epochs: Optional[float] = 0.0  # criteo/movielens: > 0 sets train.steps = ceil(epochs * training rows / global batch); null = the recipe's
     standardize: Optional[bool] = None  # criteo: dense features -> (x - mean) / std of the training rows (the first 1M); null = the recipe's (small: true, else false)
     val_fraction: Optional[float] = None  # validation split: the last share of the training rows (never the test split), evaluated every train.eval_every steps; 0 = none; null = the recipe's
+    min_count: Optional[int] = None  # criteo: ids seen fewer times in the training rows share one out-of-vocabulary row per table, and the tables shrink to the ids kept (trainer/data/vocab.py); 0 = off; null = the recipe's (small: 1, else 0)
     val_slice: int = 1  # criteo: which slice of val_fraction of the training rows is the validation split, counted from the end (1 = the last; scripts/val_rotations.py)
     out_of_range: str = "error"  # an id < 0 or >= its table's rows: error (stop, naming table, id, rows) | hash (id mod rows)
 
@@ -116,7 +117,7 @@ class CommConfig:
 
 @dataclass
 class EmbeddingConfig:
-    init_scale: Optional[float] = None  # rows ~ U(-s, s); null = sqrt(1 / rows) per table (DLRM)
+    init_scale: Optional[float] = None  # rows ~ U(-s, s); 0 = sqrt(1 / rows) per table (DLRM); null = the recipe's (small: 0.01, else 0)
     audit: bool = False  # record every read's version and every computed row gradient (tests; slow)
 
 
@@ -213,6 +214,7 @@ class TrainConfig:
     recipe: str = "auto"  # defaults for the null keys: auto (data=criteo: small below SMALL_DATA_ROWS training rows, else large; other data: none) | small | large | none
     early_stop: EarlyStopConfig = field(default_factory=lambda: EarlyStopConfig())
     calibrate: Optional[bool] = None  # fit a logit temperature on the validation split for the final test evaluation (README "Validation"); null = the recipe's
+    bag: Optional[int] = None  # train K models, model k validated (and early-stopped, calibrated) on its own validation slice, and test the mean of their predictions (trainer/bag.py); 1 = one model; null = the recipe's (small: 5, else 1)
 
 
 @dataclass
@@ -303,8 +305,9 @@ def epoch_steps(c: Config, train_rows: int, world: int) -> Optional[int]:
 SMALL_DATA_ROWS = 1_000_000  # train.recipe=auto: data=criteo with fewer training rows takes the small recipe
 EVAL_PER_EPOCH = "epoch"  # a recipe's train.eval_every: once per pass over the training rows (needs W)
 _SGD = {"optim.name": "sgd", "optim.dense": "sgd", "optim.sparse": "sgd", "optim.lr": 0.1, "optim.eps": 1e-10}
-_NEUTRAL = {"data.epochs": 0.0, "data.val_fraction": 0.0, "data.standardize": False, "train.eval_every": 0, "train.early_stop.patience": 0,
-            "train.calibrate": False,
+_NEUTRAL = {"data.epochs": 0.0, "data.val_fraction": 0.0, "data.standardize": False, "data.min_count": 0,
+            "embedding.init_scale": 0.0, "train.eval_every": 0, "train.early_stop.patience": 0,
+            "train.calibrate": False, "train.bag": 1,
             "model.dropout": 0.0, **_SGD, "optim.weight_decay": 0.0, "optim.sparse_weight_decay": 0.0,
             "optim.warmup_steps": 0, "optim.decay": "none"}
 RECIPE_VALUES: dict[str, dict[str, Any]] = {
@@ -314,8 +317,10 @@ RECIPE_VALUES: dict[str, dict[str, Any]] = {
     # optim=adam preset), standardised dense features, up to 30 epochs, evaluated once per epoch on
     # a 20% validation split, stopped after 3 evaluations without a new best, best model tested with
     # its logits scaled by a temperature fitted on the validation split (train.calibrate)
-    "small": {**_NEUTRAL, "data.epochs": 30.0, "data.val_fraction": 0.2, "data.standardize": True,
+    "small": {**_NEUTRAL, "data.epochs": 30.0, "data.val_fraction": 0.2, "data.standardize": True, "data.min_count": 1,
+              "embedding.init_scale": 0.01,
               "train.eval_every": EVAL_PER_EPOCH, "train.early_stop.patience": 3, "train.calibrate": True,
+              "train.bag": 5,
               "optim.name": "adam", "optim.dense": "adam", "optim.sparse": "rowwise_adagrad", "optim.lr": 0.001,
               "optim.sparse_lr": 0.05, "optim.eps": 1e-8},
 }
@@ -350,6 +355,8 @@ def apply_recipe(c: Config, recipe: str) -> dict[str, Any]:
         c.train.early_stop.patience = done["train.early_stop.patience"] = 0  # data.val_fraction=0: nothing to stop on
     if "train.calibrate" in done and not c.data.val_fraction:
         c.train.calibrate = done["train.calibrate"] = False  # nothing to calibrate on either
+    if "train.bag" in done and not c.data.val_fraction:
+        c.train.bag = done["train.bag"] = 1  # nor validation slices to give the members
     return done
 
 
@@ -361,6 +368,14 @@ def val_range(n: int, fraction: float, slice_: int = 1) -> tuple[int, int]:
            f"slice {slice_} of {k} validation rows counted from the end does not fit in {n} training rows "
            f"(at most {n // k} slices)" if k else "")
     return (n - slice_ * k, n - (slice_ - 1) * k) if k else (n, n)
+
+
+def check_min_count(d: DataConfig) -> None:
+    """data.min_count is resolved, >= 0, and a data=criteo option."""
+    _check(d.min_count is not None, "data.min_count", d.min_count, _UNRESOLVED)
+    _check(d.min_count >= 0, "data.min_count", d.min_count, "must be >= 0 (0 = every id keeps its own row)")
+    _check(d.min_count == 0 or d.name == "criteo", "data.min_count", d.min_count,
+           "a vocabulary of the training rows is a data=criteo option")
 
 
 def val_rows(n: int, fraction: float) -> int:
@@ -428,6 +443,7 @@ def validate(c: Config) -> None:
     _check(d.val_fraction == 0 or d.name != "synthetic" or d.train_samples > 0, "data.val_fraction",
            d.val_fraction, "synthetic data has a training set to carve a validation split from only "
            "with data.train_samples > 0 (0 is an endless stream)")
+    check_min_count(d)
     _check(d.val_slice >= 1, "data.val_slice", d.val_slice, "must be >= 1 (1 = the last slice of the training rows)")
     _check(d.val_slice == 1 or (d.name == "criteo" and d.val_fraction > 0), "data.val_slice", d.val_slice,
            "another validation slice than the last is a data=criteo option and needs data.val_fraction > 0")
@@ -456,9 +472,10 @@ def validate(c: Config) -> None:
     _one_of("comm.wire_precision", c.comm.wire_precision, WIRE_PRECISIONS)
     _check(c.comm.timeout_s > 0, "comm.timeout_s", c.comm.timeout_s, "must be > 0")
     _finite("comm.timeout_s", c.comm.timeout_s)
-    if c.embedding.init_scale is not None:
-        _check(c.embedding.init_scale > 0, "embedding.init_scale", c.embedding.init_scale, "must be > 0")
-        _finite("embedding.init_scale", c.embedding.init_scale)
+    _check(c.embedding.init_scale is not None, "embedding.init_scale", None, _UNRESOLVED)
+    _check(c.embedding.init_scale >= 0, "embedding.init_scale", c.embedding.init_scale,
+           "must be >= 0 (0 = sqrt(1 / rows) per table)")
+    _finite("embedding.init_scale", c.embedding.init_scale)
     _validate_cache(c)
     t = c.train
     _check(t.steps > 0, "train.steps", t.steps, "must be > 0")
@@ -521,6 +538,15 @@ def _validate_early_stop(c: Config) -> None:
     if t.calibrate:
         _check(bool(c.data.val_fraction), "train.calibrate", t.calibrate,
                "the temperature is fitted on the validation split (data.val_fraction > 0), never on the test split")
+    _check(t.bag is not None, "train.bag", t.bag, _UNRESOLVED)
+    _check(t.bag >= 1, "train.bag", t.bag, "must be >= 1 (1 = one model)")
+    if t.bag > 1:
+        _check(c.data.name == "criteo" and bool(c.data.val_fraction), "train.bag", t.bag,
+               "the members differ by their validation slice: a data=criteo option that needs data.val_fraction > 0")
+        _check(c.data.val_slice == 1, "data.val_slice", c.data.val_slice,
+               f"train.bag={t.bag} gives every member its own validation slice; leave data.val_slice at 1")
+        _check(c.checkpoint.resume in (None, "auto"), "checkpoint.resume", c.checkpoint.resume,
+               f"train.bag={t.bag} keeps a checkpoint directory per member: resume with checkpoint.resume=auto")
 
 
 def needs_global_view(c: Config) -> bool:

@@ -6,11 +6,13 @@ This is the one place that joins the two, in a fixed order:
 
 1. parse: the Hydra tree (or dict, or Config) is merged onto the typed schema;
 2. shape: a file dataset (criteo, movielens) reports its dense features and table rows
-   (trainer.data.resolve), which fill data.num_dense / data.table_rows, before validation;
-3. recipe: the keys left null (data.epochs, data.val_fraction, train.eval_every,
+   (trainer.data.resolve);
+3. recipe: the keys left null (data.epochs, data.val_fraction, data.min_count, train.eval_every,
    train.early_stop.patience, model.dropout, optim.weight_decay / sparse_weight_decay /
    warmup_steps / decay) take the values of the recipe in force (train.recipe; auto picks it from
-   the data: see choose_recipe); a value the user gave is kept;
+   the data: see choose_recipe); a value the user gave is kept; then the shape fills
+   data.num_dense / data.table_rows (with data.min_count > 0, the sizes of the training rows'
+   vocabulary, which depends on the recipe's validation split);
 4. validate: ranges and cross-field rules;
 5. steps (only where the world size W is known): data.epochs > 0 turns into train.steps, since the
    number of steps per epoch depends on W (and so does a recipe's once-per-epoch train.eval_every).
@@ -26,9 +28,10 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from .config import (EVAL_PER_EPOCH, RECIPE_VALUES, RECIPES, SMALL_DATA_ROWS, Config, ConfigError, apply_data_shape,
-                     apply_recipe, check_data_source, compose, data_source_error, get_key, local_batch_size,
+                     apply_recipe, check_data_source, check_min_count, compose, data_source_error, get_key, local_batch_size,
                      parse, recipe_keys, val_rows, validate)
-from .data import DataShape, resolve, train_rows
+from .data import DataShape, resolve, train_rows, vocab_rows
+from .data.criteo import CriteoFormatError
 
 
 def load_config(cfg: Any, world: Optional[int] = None) -> Config:
@@ -36,9 +39,9 @@ def load_config(cfg: Any, world: Optional[int] = None) -> Config:
     and returned). With `world`, train.steps also follows data.epochs for that many workers."""
     conf = parse(cfg)
     shape = _resolve(conf)
-    if shape is not None:
-        apply_data_shape(conf, shape.num_dense, shape.table_rows)
     apply_recipe(conf, choose_recipe(conf, shape).name)
+    if shape is not None:
+        apply_data_shape(conf, shape.num_dense, _model_rows(conf, shape))
     validate(conf)
     if world is not None:
         apply_data_steps(conf, world)
@@ -115,6 +118,20 @@ def choose_recipe(c: Config, shape: Optional[DataShape]) -> Recipe:
 def recipe_of(c: Config) -> Recipe:
     """The recipe of a loaded config (re-derived from the data: the rule reads only its size)."""
     return choose_recipe(c, _resolve(c))
+
+
+def _model_rows(c: Config, shape: DataShape) -> list[int]:
+    """The tables' rows the model is built with: as stored, or with data.min_count > 0 the sizes
+    of the training rows' vocabulary (trainer/data/vocab.py; it needs the recipe's split keys)."""
+    if not c.data.min_count:
+        return shape.table_rows
+    check_min_count(c.data)
+    try:
+        return vocab_rows(c.data)
+    except (ConfigError, CriteoFormatError):  # these already name data.dir (a damaged block: its file)
+        raise
+    except (OSError, ValueError) as exc:
+        raise data_source_error(c, exc) from exc
 
 
 def _resolve(c: Config, world: Optional[int] = None) -> Optional[DataShape]:

@@ -65,6 +65,9 @@ def run(cfg: Any, out_dir: str | None = None, return_state: bool = False,
         comm = make_collectives(config.comm.backend, config.comm.timeout_s, config.comm.dist_backend)
     trainer = None
     try:
+        if config.train.bag > 1:
+            from .bag import run_bag
+            return run_bag(config, comm, out_dir, return_state)
         trainer = Trainer(config, comm, out_dir)
         return trainer.fit(return_state)
     except CollectiveError as exc:  # a peer died or stalled: say where we were and how to go on
@@ -231,8 +234,9 @@ def _probe_dir(path: str) -> str | None:
 class Trainer:
     """One rank's training loop over the parts build.py assembles."""
 
-    def __init__(self, c: Config, comm: Collectives, out_dir: str | None) -> None:
+    def __init__(self, c: Config, comm: Collectives, out_dir: str | None, announce: bool = True) -> None:
         validate_world(c, comm.size)
+        self.announce = announce  # print the recipe line (a bag's later members do not)
         self.c, self.comm = c, comm
         self.rank, self.world = comm.rank, comm.size
         torch.set_num_threads(auto_threads(c))
@@ -272,12 +276,13 @@ class Trainer:
         self.lr = LrSchedule(c.optim, c.train.steps, self.opt, self.emb, sparse_lr(c))
         self.val_rows = int(getattr(self.data, "val_rows", 0))  # validation split (0: none)
         self.temperature = 1.0  # logit scale of evaluations (train.calibrate sets it before the final one)
+        self.test_rows: np.ndarray | None = None  # [n, 2] (logit x temperature, label) of the last test evaluation
         self.early = EarlyStopping(c.train.early_stop.patience, c.train.early_stop.min_delta)
         self.start_step = self._resume()
         self.best = (BestSnapshot(self.model, self.emb, fresh=self.resumed_from is None)
                      if self.val_rows and c.train.early_stop.restore_best else None)
         self.recipe = recipe_of(c)
-        if self.rank == 0 and self.recipe.name != "none":
+        if self.rank == 0 and self.recipe.name != "none" and self.announce:
             print(self.recipe.line(c), file=sys.stderr)
 
     def _agree_out_dir(self, out_dir: str | None) -> str | None:
@@ -403,7 +408,10 @@ class Trainer:
         gathered from every rank. Collective. Cached updates are flushed first, so eval reads
         exactly what the owners hold."""
         both = self._predict(split)
-        auc, ll = auc_logloss(both[:, 0] * self.temperature, both[:, 1])
+        scaled = np.stack([both[:, 0] * self.temperature, both[:, 1]], axis=1)
+        if split == "test":
+            self.test_rows = scaled  # the last test evaluation's (calibrated logit, label) rows: train.bag
+        auc, ll = auc_logloss(scaled[:, 0], scaled[:, 1])
         return {"eval_auc": auc, "eval_logloss": ll, "eval_samples": int(both.shape[0])}
 
     @torch.no_grad()

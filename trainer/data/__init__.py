@@ -18,7 +18,7 @@ if TYPE_CHECKING:  # the real-data modules are imported only when selected (DALI
     from .movielens import MovieLensData
 
 __all__ = ["Batch", "DataShape", "GuardedData", "IdGuard", "IdRangeError", "SyntheticData", "make_data",
-           "resolve"]
+           "resolve", "val_slices", "vocab_rows"]
 
 
 @dataclass(frozen=True)
@@ -65,6 +65,28 @@ def split_rows(d: DataConfig) -> int:
         from .movielens import train_split_rows
         return train_split_rows(d)
     raise ValueError(f"data.name={d.name!r} has no training split of fixed size")
+
+
+def val_slices(d: DataConfig, count: int) -> list[int]:
+    """`count` data.val_slice values spread over the S = floor(training rows / validation rows)
+    slices of a file dataset's training split: 1, 1 + S // count, ... (all S when count >= S)."""
+    if not d.val_fraction:
+        raise ValueError("the run has no validation split (data.val_fraction=0): no slices to spread")
+    if count < 1:
+        raise ValueError(f"{count} validation slices: must be >= 1")
+    n = split_rows(d)
+    available = n // val_rows(n, d.val_fraction)
+    count = min(count, available)
+    return [1 + i * (available // count) for i in range(count)]
+
+
+def vocab_rows(d: DataConfig) -> list[int]:
+    """data=criteo with data.min_count > 0: rows per table of the training rows' vocabulary
+    (trainer/data/vocab.py), before data.max_table_rows."""
+    if d.name != "criteo":
+        raise ValueError(f"data.min_count is a data=criteo option, not data={d.name}")
+    from .blocks import train_vocab
+    return train_vocab(d).table_rows
 
 
 def train_rows(d: DataConfig) -> int:

@@ -25,6 +25,7 @@ from ..config import ConfigError, DataConfig, val_range
 from .batch import Batch
 from .criteo import CriteoFormatError, check_block, from_block, read_meta
 from .ids import IdGuard
+from .vocab import Vocab, build_vocab
 
 Columns = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # labels [n] f32, dense [n, F] f32, ids [n, T] i64
 BlockReader = Callable[[list[str], int, int], Iterator[Columns]]  # (files, shard_id, num_shards)
@@ -81,6 +82,15 @@ def split_validation(train: list[Segment], cfg: DataConfig) -> tuple[list[Segmen
     n = sum(s.rows for s in train)
     lo, hi = val_range(n, cfg.val_fraction or 0.0, cfg.val_slice)
     return (_cut(train, 0, lo) + _cut(train, hi, n), _cut(train, lo, hi)) if hi > lo else (train, [])
+
+
+def train_vocab(cfg: DataConfig) -> Vocab:
+    """data.min_count's vocabulary of the prepared directory cfg.dir: counted on the training rows
+    CriteoData trains on (validation and test rows left out)."""
+    meta = read_meta(cfg.dir)
+    train = split_validation(split_segments(meta, cfg.dir, cfg)[0], cfg)[0]
+    check_blocks(train, cfg.dir, 1 + int(meta["num_dense"]) + len(meta["table_rows"]))
+    return build_vocab(train, int(meta["num_dense"]), [int(n) for n in meta["table_rows"]], cfg.min_count)
 
 
 STATS_ROWS = 1_000_000  # data.standardize: mean and std from the first training rows (all of a small set)
@@ -189,16 +199,20 @@ class BlockStream:
 
 
 def to_batch(cols: Columns, num_dense: int, rows: torch.Tensor, guard: IdGuard | None = None,
-             where: str = "batch", norm: tuple[torch.Tensor, torch.Tensor] | None = None) -> Batch:
+             where: str = "batch", norm: tuple[torch.Tensor, torch.Tensor] | None = None,
+             vocab: Vocab | None = None) -> Batch:
     """Columns -> Batch (one id per bag). Ids are checked against the data's own table sizes by
-    `guard` (data.out_of_range), then folded into the configured table sizes (id mod rows: the
-    data.max_table_rows cap). norm = (mean, std): dense -> (dense - mean) / std (data.standardize)."""
+    `guard` (data.out_of_range), mapped through the training rows' vocabulary (data.min_count,
+    vocab.py), then folded into the configured table sizes (id mod rows: the data.max_table_rows
+    cap). norm = (mean, std): dense -> (dense - mean) / std (data.standardize)."""
     labels, dense, ids = cols
     if norm is not None:
         dense = (dense - norm[0].to(dense.device)) / norm[1].to(dense.device)
     b, t = labels.shape[0], rows.numel()
     if guard is not None:
         ids = guard.values(ids.reshape(-1), torch.arange(t).repeat(b), where)
+    if vocab is not None:
+        ids = vocab.map(ids.reshape(b, t))
     ids = torch.remainder(ids.reshape(b, t), rows.to(ids.device))
     return Batch(dense.reshape(b, num_dense).contiguous(), ids.reshape(-1).contiguous(),
                  torch.ones((b, t), dtype=torch.int64, device=ids.device), labels.contiguous())
@@ -222,6 +236,8 @@ class CriteoData:
         self.train_segs, self.val_segs = split_validation(self.train_segs, cfg)
         # data.standardize: statistics of the training rows (validation and test rows left out)
         self.norm = dense_stats(self.train_segs, self.F) if cfg.standardize else None
+        self.vocab = (build_vocab(self.train_segs, self.F, [int(n) for n in self.meta["table_rows"]], cfg.min_count)
+                      if cfg.min_count else None)
         if len(self.train_segs) < world:
             raise ConfigError(f"data.dir={cfg.dir!r}: the training split has {len(self.train_segs)} blocks "
                               f"for {world} workers; every worker reads whole blocks, so prepare it "
@@ -255,7 +271,7 @@ class CriteoData:
                 self._step += 1
         self._step += 1
         return to_batch(self._train.take(self.b), self.F, self.rows, self.guard,
-                        f"training batch of step {step}", self.norm)
+                        f"training batch of step {step}", self.norm, self.vocab)
 
     def _split_segs(self, split: str) -> list[Segment]:
         if split not in ("test", "val"):
@@ -285,7 +301,7 @@ class CriteoData:
             left -= n
             cols = stream.take(n) if n else self._empty()
             yield to_batch(cols, self.F, self.rows, self.guard,
-                           f"{'eval' if split == 'test' else 'validation'} batch", self.norm)
+                           f"{'eval' if split == 'test' else 'validation'} batch", self.norm, self.vocab)
 
     def _empty(self) -> Columns:
         return (torch.zeros(0), torch.zeros((0, self.F)), torch.zeros((0, self.rows.numel()), dtype=torch.int64))

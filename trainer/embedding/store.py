@@ -25,7 +25,8 @@ _INIT_CHUNK_ROWS = 1 << 18  # rows hashed at once: bounds init's temporaries to 
 
 def init_rows(seed: int, table_rows: list[int], dim: int, table: torch.Tensor, ids: torch.Tensor,
               scale: float | None) -> torch.Tensor:
-    """[len(ids), dim] float32 initial rows: U(-s, s), s = scale or sqrt(1 / rows of the table).
+    """[len(ids), dim] float32 initial rows: U(-s, s), s = scale, or sqrt(1 / rows of the table) when
+    scale is 0 or None.
     Element (t, i, k) is a pure function of (seed, t, i, k); computed in chunks of rows, so the
     hashing's uint64/float64 temporaries never exceed a chunk (26 x 1M rows peaked at 15 GB whole)."""
     starts = np.cumsum([0] + list(table_rows[:-1])).astype(np.int64)
@@ -36,7 +37,7 @@ def init_rows(seed: int, table_rows: list[int], dim: int, table: torch.Tensor, i
         t, i = t_all[lo:lo + _INIT_CHUNK_ROWS], i_all[lo:lo + _INIT_CHUNK_ROWS]
         key = (starts[t] + i)[:, None] * dim + np.arange(dim)[None, :]
         u = rng.uniform(seed, _S_INIT, key)
-        s = np.full(t.size, scale, dtype=np.float64) if scale is not None else np.sqrt(1.0 / sizes[t])
+        s = np.full(t.size, scale, dtype=np.float64) if scale else np.sqrt(1.0 / sizes[t])
         out[lo:lo + t.size] = (2.0 * u - 1.0) * s[:, None]
     return torch.from_numpy(out)
 

@@ -27,7 +27,7 @@ from typing import Any, Optional, Sequence
 
 import numpy as np
 
-from ..config import Config, table_rows
+from ..config import Config
 from ..configure import compose_config
 from ..data.blocks import Segment, split_segments
 from ..data.criteo import CriteoFormatError, from_block, read_meta
@@ -68,13 +68,21 @@ def read_split(segs: Sequence[Segment], num_dense: int, rows: Sequence[int]) -> 
     return Split(labels, dense, np.remainder(ids, np.asarray(rows, np.int64)[None, :]))
 
 
+def stored_rows(c: Config) -> list[int]:
+    """The tables' rows as prepared (meta.json), under the data.max_table_rows cap: the baseline
+    one-hot encodes the ids as stored, without the trainer's data.min_count vocabulary (an L2
+    penalty already keeps a rarely seen column's weight near 0)."""
+    cap = c.data.max_table_rows
+    return [min(int(n), cap) if cap > 0 else int(n) for n in read_meta(c.data.dir)["table_rows"]]
+
+
 def load_splits(c: Config, max_train_rows: int = 0) -> tuple[Split, Split]:
     """(train, eval) of the composed trainer config c (data=criteo), the trainer's split rule."""
     if c.data.name != "criteo":
         raise CriteoFormatError(f"the baseline needs data=criteo, got data={c.data.name}")
     meta = read_meta(c.data.dir)
     train_segs, eval_segs = split_segments(meta, c.data.dir, c.data)
-    rows = table_rows(c)
+    rows = stored_rows(c)
     train = read_split(train_segs, c.data.num_dense, rows)
     if max_train_rows > 0:
         train = train.head(max_train_rows)
@@ -174,7 +182,7 @@ def run_baseline(c: Config, cs: Sequence[float] = DEFAULT_CS, folds: int = 0, va
                                 f"needs both labels")
     if evals.rows == 0:
         raise CriteoFormatError(f"data.dir={c.data.dir!r}: the eval split is empty")
-    rows = table_rows(c)
+    rows = stored_rows(c)
     folds = folds or (5 if train.rows < AUTO_FOLDS_ROWS else 1)
     val_auc: dict[str, float] = {}
     if len(cs) > 1:

@@ -20,34 +20,29 @@ from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
 
-from ..config import Config, val_rows
+from ..config import Config
 from .baseline import compose, run_baseline
 
 QUIET = ["train.progress=off", "checkpoint.enabled=false", "train.tensorboard=false", "comm=local"]
 
 
 def slices(c: Config, count: int) -> list[int]:
-    """`count` data.val_slice values spread over the S = floor(training rows / validation rows)
-    slices there are: 1, 1 + S // count, ... (all S when count >= S)."""
-    from ..data.blocks import split_segments
-    from ..data.criteo import read_meta
+    """`count` data.val_slice values spread over the slices there are (trainer.data.val_slices)."""
+    from ..data import val_slices
 
     if not c.data.val_fraction:
         raise ValueError("the run has no validation split (data.val_fraction=0): nothing to rotate")
     if count < 1:
         raise ValueError(f"--slices {count}: must be >= 1")
-    train, _ = split_segments(read_meta(c.data.dir), c.data.dir, c.data)
-    n = sum(s.rows for s in train)
-    available = n // val_rows(n, c.data.val_fraction)
-    count = min(count, available)
-    return [1 + i * (available // count) for i in range(count)]
+    return val_slices(c.data, count)
 
 
 def _one(directory: str, model: str, j: int, overrides: Sequence[str]) -> dict[str, Any]:
     from ..runner import run
 
     t0 = time.perf_counter()
-    s = run(compose(directory, [*overrides, f"model={model}", f"data.val_slice={j}", *QUIET])).summary
+    # one model per run (train.bag=1 unless overridden): the slice is what varies
+    s = run(compose(directory, ["train.bag=1", *overrides, f"model={model}", f"data.val_slice={j}", *QUIET])).summary
     cal = s.get("calibration") or {}
     return {"model": model, "val_slice": j, "test_auc": s["test_auc"], "test_logloss": s["test_logloss"],
             "val_auc": s["val_auc"], "best_step": s["best_step"], "steps": s["steps"],

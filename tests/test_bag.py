@@ -1,0 +1,107 @@
+"""train.bag (trainer/bag.py): K members, each a complete run with its own validation slice, and
+the test split scored with the mean of their calibrated probabilities.
+
+Checked: every member is exactly the run `train.bag=1 data.val_slice=j` (same test metrics, same
+temperature); the bag's metrics are those of the mean prediction of the members' saved test
+logits; W = 2 members equal W = 2 single runs and the ranks agree; checkpoint.resume=auto reuses
+finished members only when their config matches; the config rules."""
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+import pytest
+
+from data_helpers import prepare_sample
+from helpers import make_cfg, run_single, run_world
+from trainer.bag import LOGITS, mean_prediction
+from trainer.config import ConfigError
+from trainer.configure import load_config
+from trainer.metrics import auc_logloss
+from trainer.runner import run
+
+QUICK = ["data.epochs=4", "train.early_stop.patience=2", "train.progress=off", "train.tensorboard=false",
+         "data.loader=memmap", "train.threads=1"]
+
+
+@pytest.fixture(scope="module")
+def prepared(tmp_path_factory) -> str:
+    out = tmp_path_factory.mktemp("criteo_bag")
+    prepare_sample(str(out))
+    return str(out / "prepared")
+
+
+def _over(d: str, *extra: str) -> list[str]:
+    return ["data=criteo", f"data.dir={d}", "data.batch_size=64", *QUICK, *extra]
+
+
+def _check_bag(s: dict, out: str, slices: list[int]) -> None:
+    members = s["bag"]["members"]
+    assert [m["val_slice"] for m in members] == slices
+    rows = [np.load(os.path.join(out, f"member{k}", LOGITS)) for k in range(1, len(slices) + 1)]
+    for m, r in zip(members, rows):
+        assert auc_logloss(r[:, 0], r[:, 1]) == pytest.approx((m["test_auc"], m["test_logloss"]), rel=1e-9)
+    auc, ll = auc_logloss(mean_prediction([r[:, 0] for r in rows]), rows[0][:, 1])
+    assert (s["test_auc"], s["test_logloss"]) == (auc, ll) and s["eval_auc"] == auc
+    assert s["steps"] == sum(m["steps"] for m in members)
+    assert s["bag"]["member_test_auc_mean"] == pytest.approx(np.mean([m["test_auc"] for m in members]))
+
+
+def test_members_are_the_single_runs_and_the_bag_averages_them(prepared, tmp_path):
+    out = str(tmp_path / "bag")
+    s = run(make_cfg(_over(prepared, "train.bag=3")), out_dir=out).summary
+    assert s["config"]["train"]["bag"] == 3 and s["recipe"]["values"]["train.bag"] == 3
+    slices = [1, 2, 3]  # 3 of the 5 slices of a 20% split: 1 + i * (5 // 3)
+    _check_bag(s, out, slices)
+    for m in s["bag"]["members"]:
+        one = run_single(_over(prepared, "train.bag=1", f"data.val_slice={m['val_slice']}"), return_state=False).summary
+        assert (one["test_auc"], one["test_logloss"], one["best_step"]) == (m["test_auc"], m["test_logloss"], m["best_step"])
+        assert one["calibration"]["temperature"] == m["temperature"]
+        assert one["embedding"]["table_rows"] == m["table_rows"]  # data.min_count: each member's own vocabulary
+        assert json.load(open(os.path.join(m["output_dir"], "summary.json")))["test_auc"] == m["test_auc"]
+    assert len({tuple(m["table_rows"]) for m in s["bag"]["members"]}) == 3
+    assert s["test_auc"] != s["bag"]["member_test_auc_mean"]
+    assert json.load(open(os.path.join(out, "summary.json")))["test_auc"] == s["test_auc"]
+
+
+def test_resume_reuses_finished_members_with_the_same_config(prepared, tmp_path):
+    out = str(tmp_path / "bag")
+    first = run(make_cfg(_over(prepared, "train.bag=2")), out_dir=out).summary
+    again = run(make_cfg(_over(prepared, "train.bag=2", "checkpoint.resume=auto")), out_dir=out)
+    assert all(m["reused"] for m in again.summary["bag"]["members"]) and again.losses == []
+    assert again.summary["test_auc"] == first["test_auc"] and again.summary["samples_per_sec"] is None
+    # another config: nothing is reused (each member resumes from its own final checkpoint instead)
+    other = run(make_cfg(_over(prepared, "train.bag=2", "checkpoint.resume=auto", "optim.lr=0.002")),
+                out_dir=out).summary
+    assert not any(m["reused"] for m in other["bag"]["members"])
+
+
+@pytest.mark.dist
+def test_two_workers_members_equal_their_single_runs(prepared, tmp_path):
+    """W = 2: the ranks agree on the bag and on every loss; member k equals the W = 2 run with its
+    slice (criteo's data order depends on W, so the reference is a W = 2 run)."""
+    ranks = run_world(2, _over(prepared, "train.bag=2", "data.global_batch_size=64"),
+                      return_state=False)
+    a, b = ranks
+    assert a.losses == b.losses and a.summary["test_auc"] == b.summary["test_auc"]
+    assert a.summary["world_size"] == 2
+    for m in a.summary["bag"]["members"]:
+        one = run_world(2, _over(prepared, "train.bag=1", f"data.val_slice={m['val_slice']}",
+                                 "data.global_batch_size=64"), return_state=False)[0].summary
+        assert (one["test_auc"], one["test_logloss"]) == pytest.approx((m["test_auc"], m["test_logloss"]), rel=1e-9)
+
+
+def test_bag_config_rules(prepared):
+    base = ["data=criteo", f"data.dir={prepared}", "data.loader=memmap"]
+    assert load_config(make_cfg(base)).train.bag == 5  # the small recipe
+    assert load_config(make_cfg(base + ["data.val_fraction=0"])).train.bag == 1  # no slices to give
+    assert load_config(make_cfg(base + ["train.recipe=large"])).train.bag == 1
+    for extra, match in [(["train.bag=0"], r"train\.bag=0: must be >= 1"),
+                         (["train.bag=3", "data.val_fraction=0"], r"train\.bag=3: .*data\.val_fraction > 0"),
+                         (["train.bag=3", "data.val_slice=2"], r"data\.val_slice=2: train\.bag=3 gives"),
+                         (["train.bag=3", "checkpoint.resume=/x/step_1"], r"checkpoint\.resume='/x/step_1': .*auto")]:
+        with pytest.raises(ConfigError, match=match):
+            load_config(make_cfg(base + extra))
+    with pytest.raises(ConfigError, match=r"train\.bag=2: .*data=criteo option"):
+        load_config(make_cfg(["data=tiny", "data.train_samples=100", "data.val_fraction=0.2", "train.bag=2"]))
