@@ -1,5 +1,5 @@
 """train.bag (trainer/bag.py): K members, each a complete run with its own validation slice, and
-the test split scored with the mean of their calibrated probabilities.
+the test split scored with the mean of their calibrated logits.
 
 Checked: every member is exactly the run `train.bag=1 data.val_slice=j` (same test metrics, same
 temperature); the bag's metrics are those of the mean prediction of the members' saved test

@@ -87,6 +87,14 @@ def test_the_small_recipe_counts_and_other_data_refuse(prepared):
     c = load_config(make_cfg(["data=criteo", f"data.dir={prepared}", "data.loader=memmap"]))
     assert c.data.min_count == 1 and c.data.table_rows == [2 + len(k) for k in reference_vocab(prepared, N_FIT, 1)]
     assert c.embedding.init_scale == 0.01
+    dcn = load_config(make_cfg(["data=criteo", f"data.dir={prepared}", "model=dcn"]))  # its per-model values
+    assert (dcn.data.min_count, dcn.embedding.init_scale) == (2, 0.0)
+    assert dcn.data.table_rows == [2 + len(k) for k in reference_vocab(prepared, N_FIT, 2)]
+    mine = load_config(make_cfg(["data=criteo", f"data.dir={prepared}", "model=dcn", "data.min_count=1"]))
+    assert (mine.data.min_count, mine.embedding.init_scale) == (1, 0.0)  # a value given on the command line wins
+    from trainer.configure import recipe_of
+    assert recipe_of(dcn).describe(dcn)["overridden"] == {} and recipe_of(mine).describe(mine)["overridden"] == {
+        "data.min_count": 1}
     big = load_config(make_cfg(["data=criteo", f"data.dir={prepared}", "train.recipe=large"]))
     assert big.data.min_count == 0 and big.data.table_rows == [1000] * 26 and big.embedding.init_scale == 0
     with pytest.raises(ConfigError, match=r"data\.min_count=-1: must be >= 0"):

@@ -326,6 +326,19 @@ RECIPE_VALUES: dict[str, dict[str, Any]] = {
 }
 
 
+# per-model values on top of a recipe (README "The recipe per data size"): DCN's cross layers did
+# markedly better on small data with the rare ids folded into the OOV row and the per-table
+# sqrt(1 / rows) init (larger rows) than with the small recipe's values
+MODEL_RECIPE_VALUES: dict[str, dict[str, dict[str, Any]]] = {
+    "small": {"dcn": {"data.min_count": 2, "embedding.init_scale": 0.0}},
+}
+
+
+def recipe_values(recipe: str, model: str) -> dict[str, Any]:
+    """The values of `recipe` for model `model` (its per-model values win)."""
+    return {**RECIPE_VALUES[recipe], **MODEL_RECIPE_VALUES.get(recipe, {}).get(model, {})}
+
+
 def recipe_keys() -> list[str]:
     """The keys a recipe may set (those a null leaves to it)."""
     return list(dict.fromkeys(k for values in RECIPE_VALUES.values() for k in values))
@@ -343,7 +356,7 @@ def apply_recipe(c: Config, recipe: str) -> dict[str, Any]:
     stays null until W is known); keys the user set are kept. Returns {key: value} it set."""
     done = {}
     chosen_optimizer = c.optim.sparse is not None  # a preset's null sparse_lr means "= lr", not "the recipe's"
-    for key, value in RECIPE_VALUES[recipe].items():
+    for key, value in recipe_values(recipe, c.model.name).items():
         *path, name = key.split(".")
         obj = get_key(c, ".".join(path))
         if key == "optim.sparse_lr" and chosen_optimizer:

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from .config import (EVAL_PER_EPOCH, RECIPE_VALUES, RECIPES, SMALL_DATA_ROWS, Config, ConfigError, apply_data_shape,
-                     apply_recipe, check_data_source, check_min_count, compose, data_source_error, get_key, local_batch_size,
+                     apply_recipe, check_data_source, check_min_count, compose, recipe_values, data_source_error, get_key, local_batch_size,
                      parse, recipe_keys, val_rows, validate)
 from .data import DataShape, resolve, train_rows, vocab_rows
 from .data.criteo import CriteoFormatError
@@ -84,7 +84,7 @@ class Recipe:
 
     def describe(self, c: Config) -> dict[str, Any]:
         """{name, why, values: the recipe keys in force, overridden: those set apart from the recipe}."""
-        want = RECIPE_VALUES[self.name]
+        want = recipe_values(self.name, c.model.name)
         values = {k: get_key(c, k) for k in recipe_keys()}
         over = {k: v for k, v in values.items() if k in want and want[k] != EVAL_PER_EPOCH and v != want[k]}
         return {"name": self.name, "why": self.why, "values": values, "overridden": over}
