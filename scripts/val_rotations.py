@@ -1,7 +1,8 @@
 #!/usr/bin/env python
-"""The default recipe (or any overrides) over several validation slices of a prepared Criteo
-directory, each run against the logistic-regression baseline on the same test split
-(trainer/tools/rotations.py):
+"""One model of the default recipe (train.bag=1; or any overrides) over several validation slices of
+a prepared Criteo directory, each run against the logistic-regression baseline on the same test
+split (trainer/tools/rotations.py). The recipe's bag trains exactly these models (one per slice)
+and averages them; this shows how much one of them varies:
 
     scripts/val_rotations.py DIR [--slices 5] [--models dlrm,wdl,deepfm,dcn] [trainer overrides ...]
 

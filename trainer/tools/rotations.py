@@ -8,7 +8,8 @@ spread over them) and compares every run with the logistic-regression baseline o
 split (trainer/tools/baseline.py, fitted once: it uses every training row).
 
 Each run is the trainer's own (`trainer.runner.run`, one process, no output directory, no
-checkpoint). One JSON line per run and one per model with the mean and spread of the differences.
+checkpoint), one model (train.bag=1 unless the overrides say otherwise: the recipe's bag of 5 is
+these very runs, averaged). One JSON line per run and one per model with the mean and spread of the differences.
 """
 from __future__ import annotations
 
