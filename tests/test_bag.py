@@ -94,7 +94,8 @@ def test_two_workers_members_equal_their_single_runs(prepared, tmp_path):
 
 def test_bag_config_rules(prepared):
     base = ["data=criteo", f"data.dir={prepared}", "data.loader=memmap"]
-    assert load_config(make_cfg(base)).train.bag == 5  # the small recipe
+    assert load_config(make_cfg(base)).train.bag == 5  # the tiny recipe
+    assert load_config(make_cfg(base + ["train.recipe=small"])).train.bag == 1
     assert load_config(make_cfg(base + ["data.val_fraction=0"])).train.bag == 1  # no slices to give
     assert load_config(make_cfg(base + ["train.recipe=large"])).train.bag == 1
     for extra, match in [(["train.bag=0"], r"train\.bag=0: must be >= 1"),

@@ -12,7 +12,7 @@ import pytest
 from data_helpers import N_TRAIN, prepare_sample
 from helpers import make_cfg
 from trainer.comm import LocalCollectives
-from trainer.config import SMALL_DATA_ROWS, ConfigError, parse
+from trainer.config import SMALL_DATA_ROWS, TINY_DATA_ROWS, ConfigError, get_key as getattr_key, parse
 from trainer.configure import apply_data_steps, choose_recipe, compose_config, load_config, recipe_of
 from trainer.data import DataShape, make_data, resolve
 from trainer.runner import Trainer
@@ -78,24 +78,29 @@ def test_synthetic_data_keeps_train_steps_and_errors_stay_config_errors(prepared
         load_config(make_cfg(["data=criteo"]), world=2)
 
 
-def test_small_criteo_set_takes_the_small_recipe(prepared):
-    """1,600 training rows < SMALL_DATA_ROWS: several epochs, a validation split, evaluations once
-    per epoch (at the W of the run) and early stopping; what the user set is kept and reported."""
+def test_small_criteo_set_takes_the_tiny_recipe(prepared):
+    """1,600 training rows < TINY_DATA_ROWS: several epochs, a validation split, evaluations once
+    per epoch (at the W of the run) and early stopping, a bag of 5 (the small recipe's values and
+    the bag); what the user set is kept and reported."""
     base = ["data=criteo", f"data.dir={prepared}", "data.loader=memmap"]
     c = load_config(make_cfg(base))
     r = recipe_of(c)
-    assert r.name == "small" and "1,600 training rows" in r.why
+    assert r.name == "tiny" and "1,600 training rows" in r.why and c.train.bag == 5
     assert (c.data.epochs, c.data.val_fraction, c.train.early_stop.patience, c.data.standardize) == (30.0, 0.2, 3, True)
     assert (c.optim.name, c.optim.dense, c.optim.sparse, c.optim.lr, c.optim.sparse_lr) == \
         ("adam", "adam", "rowwise_adagrad", 0.001, 0.05)  # optim=auto (the default) under the small recipe
-    assert r.describe(c)["overridden"] == {} and "recipe small" in r.line(c)
+    assert r.describe(c)["overridden"] == {} and "recipe tiny" in r.line(c)
+    small = load_config(make_cfg(base + ["train.recipe=small"]))  # the same but one model
+    assert recipe_of(small).name == "small" and small.train.bag == 1
+    assert [(k, v) for k, v in recipe_of(small).describe(small)["values"].items() if getattr_key(c, k) != v] == [
+        ("train.bag", 1)]
     for w in (1, 2):
         cw = load_config(make_cfg(base), world=w)
         assert cw.train.eval_every == math.ceil(1280 / (128 * w))  # one epoch of the 1,280 trained rows
         assert cw.train.steps == math.ceil(30 * 1280 / (128 * w))
     mine = load_config(make_cfg(base + ["data.epochs=2", "data.val_fraction=0.1", "train.eval_every=5"]), world=1)
     d = recipe_of(mine).describe(mine)
-    assert d["name"] == "small" and d["overridden"] == {"data.epochs": 2.0, "data.val_fraction": 0.1}
+    assert d["name"] == "tiny" and d["overridden"] == {"data.epochs": 2.0, "data.val_fraction": 0.1}
     assert mine.train.eval_every == 5 and mine.train.steps == math.ceil(2 * 1440 / 128)
     large = load_config(make_cfg(base + ["train.recipe=large"]), world=1)
     assert recipe_of(large).name == "large" and large.train.steps == math.ceil(N_TRAIN / 128)
@@ -110,6 +115,8 @@ def test_small_criteo_set_takes_the_small_recipe(prepared):
 def test_size_rule_large_data_keeps_one_epoch():
     c = parse(make_cfg(["data=criteo"]))
     at = lambda rows: choose_recipe(c, DataShape(13, [10] * 26, None, rows))  # noqa: E731
+    assert at(TINY_DATA_ROWS - 1).name == "tiny" and at(TINY_DATA_ROWS).name == "small"
+    assert "99,999 training rows < 100,000" in at(TINY_DATA_ROWS - 1).why
     assert at(SMALL_DATA_ROWS - 1).name == "small" and at(SMALL_DATA_ROWS).name == "large"
     assert "1,000,000 training rows" in at(SMALL_DATA_ROWS).why
     assert choose_recipe(parse(make_cfg(["data=tiny"])), None).name == "none"

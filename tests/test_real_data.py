@@ -58,7 +58,7 @@ def test_criteo_sample_trains_every_model_on_two_workers(prepared):
 
 
 def test_python_m_trainer_data_criteo(prepared, tmp_path):
-    """The documented command line (the small-data recipe on this sample: a bag of 5 models, each
+    """The documented command line (the tiny-data recipe on this sample: a bag of 5 models, each
     trained up to 30 epochs on 80% of the training rows, validated once per epoch on its own 20%
     slice, stopped early, its best model calibrated and tested; the test split scored with their
     mean prediction) writes the bag's summary.json and one per member, and says so on stderr."""
@@ -68,11 +68,11 @@ def test_python_m_trainer_data_criteo(prepared, tmp_path):
                            "data.batch_size=64", f"hydra.run.dir={out}"],
                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "recipe small (data=criteo with 1,600 training rows < 1,000,000)" in proc.stderr
+    assert "recipe tiny (data=criteo with 1,600 training rows < 100,000)" in proc.stderr
     assert "bag of 5 models, validation slices [1, 2, 3, 4, 5]" in proc.stderr
     s = json.loads((out / "summary.json").read_text())
     assert s["eval_samples"] == N_TEST and s["eval_auc"] is not None and s["eval_logloss"] > 0
-    assert s["test_auc"] == s["eval_auc"] and s["recipe"]["name"] == "small"
+    assert s["test_auc"] == s["eval_auc"] and s["recipe"]["name"] == "tiny"
     assert s["recipe"]["values"]["data.val_fraction"] == 0.2 and s["recipe"]["values"]["train.bag"] == 5
     members = s["bag"]["members"]
     assert [m["val_slice"] for m in members] == [1, 2, 3, 4, 5] and s["steps"] == sum(m["steps"] for m in members)

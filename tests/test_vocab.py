@@ -83,7 +83,7 @@ def test_the_vocabulary_follows_the_validation_slice(prepared):
     assert all(x <= 2 + len(k) and y <= 2 + len(k) for x, y, k in zip(a.data.table_rows, b.data.table_rows, whole))
 
 
-def test_the_small_recipe_counts_and_other_data_refuse(prepared):
+def test_the_recipe_counts_and_other_data_refuse(prepared):
     c = load_config(make_cfg(["data=criteo", f"data.dir={prepared}", "data.loader=memmap"]))
     assert c.data.min_count == 1 and c.data.table_rows == [2 + len(k) for k in reference_vocab(prepared, N_FIT, 1)]
     assert c.embedding.init_scale == 0.01

@@ -27,7 +27,7 @@ import math
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from .config import (EVAL_PER_EPOCH, RECIPE_VALUES, RECIPES, SMALL_DATA_ROWS, Config, ConfigError, apply_data_shape,
+from .config import (EVAL_PER_EPOCH, RECIPE_VALUES, RECIPES, SMALL_DATA_ROWS, TINY_DATA_ROWS, Config, ConfigError, apply_data_shape,
                      apply_recipe, check_data_source, check_min_count, compose, recipe_values, data_source_error, get_key, local_batch_size,
                      parse, recipe_keys, val_rows, validate)
 from .data import DataShape, resolve, train_rows, vocab_rows
@@ -94,13 +94,14 @@ class Recipe:
         vals = ", ".join(f"{k}={v}" for k, v in d["values"].items())
         kept = f"; set by you: {', '.join(d['overridden'])}" if d["overridden"] else ""
         return (f"[trainer] recipe {self.name} ({self.why}): {vals}{kept}. Any of these can be set on the "
-                "command line; train.recipe=small|large|none picks another recipe")
+                "command line; train.recipe=tiny|small|large|none picks another recipe")
 
 
 def choose_recipe(c: Config, shape: Optional[DataShape]) -> Recipe:
     """The rule: train.recipe=auto takes `small` for data=criteo whose training split (validation
     rows included) has fewer than SMALL_DATA_ROWS rows: several epochs, evaluated once per epoch on
-    a validation split, early stopping; `large` for bigger criteo sets (one epoch, the DLRM Kaggle
+    a validation split, early stopping; `tiny` below TINY_DATA_ROWS rows (the same and a bag of 5
+    models); `large` for bigger criteo sets (one epoch, the DLRM Kaggle
     recipe); `none` for other data (every null key at its neutral value). Another train.recipe is
     taken as given."""
     if c.train.recipe not in RECIPES:
@@ -110,6 +111,8 @@ def choose_recipe(c: Config, shape: Optional[DataShape]) -> Recipe:
     if c.data.name != "criteo" or shape is None or shape.split_rows is None:
         return Recipe("none", f"data={c.data.name}: the size rule is for data=criteo")
     rows = shape.split_rows
+    if rows < TINY_DATA_ROWS:
+        return Recipe("tiny", f"data=criteo with {rows:,} training rows < {TINY_DATA_ROWS:,}")
     if rows < SMALL_DATA_ROWS:
         return Recipe("small", f"data=criteo with {rows:,} training rows < {SMALL_DATA_ROWS:,}")
     return Recipe("large", f"data=criteo with {rows:,} training rows >= {SMALL_DATA_ROWS:,}")

@@ -9,7 +9,7 @@ rows it never reads (the default command on the 2k sample went from ~42 s to ~6 
 min_count = K > 1 the ids seen fewer than K times also share that row, which is then trained on
 every rare value of the table (the `min_categr_count` of FuxiCTR/BARS, DLRM's frequency
 threshold). On the 2k sample that cost DLRM, DeepFM and WDL AUC (an id seen once in training often
-returns in the test rows) but helped DCN; the small recipe takes 1, and 2 for DCN (README).
+returns in the test rows) but helped DCN; the tiny and small recipes take 1, and 2 for DCN (README).
 
 The vocabulary is counted on the training rows only (the validation and test rows left out), over
 the whole training split, so it is the same on every rank and for any W. Table t's ids become:
