@@ -42,6 +42,13 @@ def prepare_sample(out: str, with_test: bool = True, **opts: Any) -> dict:
     return prepare(PrepOptions(out=os.path.join(out, "prepared"), train=[train], test=test, **kw))
 
 
+def prepared_dir(tmp_path_factory: Any, name: str) -> str:
+    """A module fixture's body: the sample prepared once into a fresh temp dir; its prepared path."""
+    out = tmp_path_factory.mktemp(name)
+    prepare_sample(str(out))
+    return str(out / "prepared")
+
+
 def reference_vocab(prepared: str, n_rows: int, min_count: int) -> list[list[int]]:
     """data.min_count's vocabulary the plain way: per table, the sorted non-empty ids seen at least
     min_count times in the first n_rows training rows of a prepared directory (file order)."""

@@ -13,7 +13,7 @@ import os
 import numpy as np
 import pytest
 
-from data_helpers import prepare_sample
+from data_helpers import prepared_dir
 from helpers import make_cfg, run_single, run_world
 from trainer.bag import LOGITS, mean_prediction
 from trainer.config import ConfigError
@@ -27,9 +27,7 @@ QUICK = ["data.epochs=4", "train.early_stop.patience=2", "train.progress=off", "
 
 @pytest.fixture(scope="module")
 def prepared(tmp_path_factory) -> str:
-    out = tmp_path_factory.mktemp("criteo_bag")
-    prepare_sample(str(out))
-    return str(out / "prepared")
+    return prepared_dir(tmp_path_factory, "criteo_bag")
 
 
 def _over(d: str, *extra: str) -> list[str]:

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from data_helpers import prepare_sample, reference_vocab
+from data_helpers import prepared_dir, reference_vocab
 from helpers import make_cfg, run_world
 from trainer.config import ConfigError
 from trainer.configure import load_config
@@ -20,9 +20,7 @@ N_FIT = 1280  # the sample's 1,600 training rows less the 20% validation split
 
 @pytest.fixture(scope="module")
 def prepared(tmp_path_factory) -> str:
-    out = tmp_path_factory.mktemp("criteo_vocab")
-    prepare_sample(str(out))
-    return str(out / "prepared")
+    return prepared_dir(tmp_path_factory, "criteo_vocab")
 
 
 def _over(d: str, *extra: str) -> list[str]:
