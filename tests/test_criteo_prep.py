@@ -159,7 +159,7 @@ def test_trainer_config_errors_name_the_key(tmp_path):
         load_config(make_cfg(["data=criteo", f"data.dir={tmp_path / 'nope'}"]))
     prepare_sample(str(tmp_path))
     d = tmp_path / "prepared"
-    c = load_config(make_cfg(["data=criteo", f"data.dir={d}"]))
+    c = load_config(make_cfg(["data=criteo", f"data.dir={d}", "data.min_count=0"]))  # the tables as stored
     assert c.data.table_rows == [1000] * NUM_CAT and c.data.num_dense == 13
     with pytest.raises(ConfigError, match=r"data\.table_rows=\[5, 5\]"):
         load_config(make_cfg(["data=criteo", f"data.dir={d}", "data.table_rows=[5,5]"]))

@@ -27,7 +27,7 @@ import json
 import os
 import sys
 from dataclasses import asdict
-from typing import TYPE_CHECKING, Any, Optional
+from typing import Any, Callable, Optional
 
 import numpy as np
 
@@ -36,9 +36,6 @@ from .comm import Collectives
 from .config import Config
 from .configure import apply_data_steps, load_config, recipe_of
 from .metrics import auc_logloss, write_summary
-
-if TYPE_CHECKING:
-    from .runner import RunResult
 
 LOGITS = "test_logits.npy"  # a member's [n, 2] float64 (calibrated logit, label) of the test split
 
@@ -96,12 +93,13 @@ def _member_record(k: int, j: int, s: dict[str, Any], reused: bool) -> dict[str,
             "trained_samples": 0 if reused else (s["steps"] - s.get("start_step", 0)) * s["global_batch_size"]}
 
 
-def run_bag(c: Config, comm: Collectives, out_dir: Optional[str], return_state: bool = False) -> "RunResult":
+def run_bag(c: Config, comm: Collectives, out_dir: Optional[str], make_trainer: Callable[..., Any],
+            return_state: bool = False) -> tuple[dict[str, Any], list[float], Optional[dict[str, Any]]]:
     """Train c.train.bag members (see the module doc) and score the test split with their mean
-    prediction. Collective: every rank runs every member. The RunResult's losses are the members'
-    losses one after the other; its state (return_state) is the last member's model."""
+    prediction. Collective: every rank runs every member. make_trainer(config, comm, out_dir,
+    announce=False) builds a member (runner.Trainer). Returns (the bag's summary, the members'
+    losses one after the other, the last member's model when return_state)."""
     from .data import val_slices
-    from .runner import RunResult, Trainer
 
     slices = val_slices(c.data, c.train.bag)
     rank = comm.rank
@@ -132,7 +130,7 @@ def run_bag(c: Config, comm: Collectives, out_dir: Optional[str], return_state: 
         if done is not None:
             summary, rows = done
         else:
-            trainer = Trainer(mc, comm, mdir, announce=False)
+            trainer = make_trainer(mc, comm, mdir, announce=False)
             try:
                 res = trainer.fit(return_state and k == len(slices))
             finally:
@@ -157,7 +155,7 @@ def run_bag(c: Config, comm: Collectives, out_dir: Optional[str], return_state: 
         write_summary(os.path.join(top, "summary.json"), summary)
         print(f"[trainer] bag of {len(members)}: test AUC {auc:.4f}, logloss {ll:.4f} (members' mean AUC "
               f"{summary['bag']['member_test_auc_mean']:.4f})", file=sys.stderr)
-    return RunResult(summary, rank, losses, state)
+    return summary, losses, state
 
 
 def _bag_summary(c: Config, last: dict[str, Any], members: list[dict[str, Any]], auc: Optional[float],

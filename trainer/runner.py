@@ -65,9 +65,10 @@ def run(cfg: Any, out_dir: str | None = None, return_state: bool = False,
         comm = make_collectives(config.comm.backend, config.comm.timeout_s, config.comm.dist_backend)
     trainer = None
     try:
-        if config.train.bag > 1:
+        if config.train.bag > 1:  # K members, each a Trainer (bag.py does not import this module)
             from .bag import run_bag
-            return run_bag(config, comm, out_dir, return_state)
+            summary, losses, state = run_bag(config, comm, out_dir, Trainer, return_state)
+            return RunResult(summary, comm.rank, losses, state)
         trainer = Trainer(config, comm, out_dir)
         return trainer.fit(return_state)
     except CollectiveError as exc:  # a peer died or stalled: say where we were and how to go on
