@@ -133,6 +133,7 @@ BAD = [
     ("data.val_slice=0", "data.val_slice"),
     ("data.min_count=-1", "data.min_count"),
     ("train.bag=0", "train.bag"),
+    ("train.early_stop.min_evals=-1", "train.early_stop.min_evals"),
     ("train.bag=2", "train.bag"),  # the members' validation slices: a data=criteo option
     ("data.min_count=2", "data.min_count"),  # a vocabulary of the training rows is a data=criteo option  # no validation split: never fitted on the test split
     ("+data.standardize=true", "data.standardize"),  # a data=criteo option

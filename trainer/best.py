@@ -32,10 +32,12 @@ import torch
 
 
 class EarlyStopping:
-    """Best validation AUC so far, its step, and evaluations since then (patience 0: never stop)."""
+    """Best validation AUC so far, its step, and evaluations since then (patience 0: never stop;
+    no stop before min_evals evaluations)."""
 
-    def __init__(self, patience: int, min_delta: float) -> None:
-        self.patience, self.min_delta = patience, min_delta
+    def __init__(self, patience: int, min_delta: float, min_evals: int = 0) -> None:
+        self.patience, self.min_delta, self.min_evals = patience, min_delta, min_evals
+        self.evals = 0  # validation evaluations so far
         self.best_auc: Optional[float] = None
         self.best_step: Optional[int] = None
         self.best: Optional[dict[str, Any]] = None  # the best evaluation record
@@ -45,13 +47,15 @@ class EarlyStopping:
     def update(self, step: int, ev: dict[str, Any]) -> bool:
         """Record validation evaluation `ev` after `step` steps; True when it is a new best."""
         auc = ev.get("eval_auc")
+        self.evals += 1
         better = auc is not None and math.isfinite(auc) and (
             self.best_auc is None or auc > self.best_auc + self.min_delta)
         if better:
             self.best_auc, self.best_step, self.best, self.since = auc, step, dict(ev), 0
         else:
             self.since += 1
-        if self.patience > 0 and self.since >= self.patience and self.stopped_at is None:
+        if self.patience > 0 and self.since >= self.patience and self.evals >= self.min_evals \
+                and self.stopped_at is None:
             self.stopped_at = step
         return better
 
@@ -61,12 +65,13 @@ class EarlyStopping:
 
     def state(self) -> dict[str, Any]:
         return {"best_auc": self.best_auc, "best_step": self.best_step, "best": self.best,
-                "since": self.since, "stopped_at": self.stopped_at}
+                "since": self.since, "stopped_at": self.stopped_at, "evals": self.evals}
 
     def load(self, state: Optional[dict[str, Any]]) -> None:
         if state:
             self.best_auc, self.best_step, self.best = state["best_auc"], state["best_step"], state["best"]
             self.since, self.stopped_at = state["since"], state["stopped_at"]
+            self.evals = state.get("evals", self.min_evals)  # a checkpoint from before the count: no minimum
 
 
 class BestSnapshot:

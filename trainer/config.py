@@ -195,6 +195,7 @@ class EarlyStopConfig:
 
     patience: Optional[int] = None  # stop after this many validation evaluations without a new best; 0 = never stop early; null = the recipe's
     min_delta: float = 0.0  # a new best must beat the old one's validation AUC by more than this
+    min_evals: Optional[int] = None  # never stop before this many validation evaluations (a model still at its start can score below its first evaluation for a few epochs); null = the recipe's (tiny and small: 10, else 0)
     restore_best: bool = True  # with a validation split: the model of the best validation AUC is restored for the final test evaluation
 
 
@@ -308,6 +309,7 @@ EVAL_PER_EPOCH = "epoch"  # a recipe's train.eval_every: once per pass over the 
 _SGD = {"optim.name": "sgd", "optim.dense": "sgd", "optim.sparse": "sgd", "optim.lr": 0.1, "optim.eps": 1e-10}
 _NEUTRAL = {"data.epochs": 0.0, "data.val_fraction": 0.0, "data.standardize": False, "data.min_count": 0,
             "embedding.init_scale": 0.0, "train.eval_every": 0, "train.early_stop.patience": 0,
+            "train.early_stop.min_evals": 0,
             "train.calibrate": False, "train.bag": 1,
             "model.dropout": 0.0, **_SGD, "optim.weight_decay": 0.0, "optim.sparse_weight_decay": 0.0,
             "optim.warmup_steps": 0, "optim.decay": "none"}
@@ -320,7 +322,8 @@ RECIPE_VALUES: dict[str, dict[str, Any]] = {
     # its logits scaled by a temperature fitted on the validation split (train.calibrate)
     "small": {**_NEUTRAL, "data.epochs": 30.0, "data.val_fraction": 0.2, "data.standardize": True, "data.min_count": 1,
               "embedding.init_scale": 0.01,
-              "train.eval_every": EVAL_PER_EPOCH, "train.early_stop.patience": 3, "train.calibrate": True,
+              "train.eval_every": EVAL_PER_EPOCH, "train.early_stop.patience": 3, "train.early_stop.min_evals": 10,
+              "train.calibrate": True,
               "train.bag": 1,
               "optim.name": "adam", "optim.dense": "adam", "optim.sparse": "rowwise_adagrad", "optim.lr": 0.001,
               "optim.sparse_lr": 0.05, "optim.eps": 1e-8},
@@ -546,6 +549,8 @@ def _validate_early_stop(c: Config) -> None:
     _one_of("train.recipe", t.recipe, RECIPES)
     _check(e.patience is not None, "train.early_stop.patience", e.patience, _UNRESOLVED)
     _check(e.patience >= 0, "train.early_stop.patience", e.patience, "must be >= 0 (0 = never stop early)")
+    _check(e.min_evals is not None, "train.early_stop.min_evals", e.min_evals, _UNRESOLVED)
+    _check(e.min_evals >= 0, "train.early_stop.min_evals", e.min_evals, "must be >= 0 (0 = may stop at any evaluation)")
     _check(e.min_delta >= 0, "train.early_stop.min_delta", e.min_delta, "must be >= 0")
     _finite("train.early_stop.min_delta", e.min_delta)
     if e.patience > 0:

@@ -278,7 +278,8 @@ class Trainer:
         self.val_rows = int(getattr(self.data, "val_rows", 0))  # validation split (0: none)
         self.temperature = 1.0  # logit scale of evaluations (train.calibrate sets it before the final one)
         self.test_rows: np.ndarray | None = None  # [n, 2] (logit x temperature, label) of the last test evaluation
-        self.early = EarlyStopping(c.train.early_stop.patience, c.train.early_stop.min_delta)
+        self.early = EarlyStopping(c.train.early_stop.patience, c.train.early_stop.min_delta,
+                                   c.train.early_stop.min_evals)
         self.start_step = self._resume()
         self.best = (BestSnapshot(self.model, self.emb, fresh=self.resumed_from is None)
                      if self.val_rows and c.train.early_stop.restore_best else None)
