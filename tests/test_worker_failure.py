@@ -98,12 +98,15 @@ def _finish(proc: subprocess.Popen, timeout: float) -> str:
 
 
 def _printed_command(log: str) -> str:
-    """The relaunch command of the survivor's message: the line after '..., run:' (without
-    horovodrun's '[rank]<stderr>:' line prefix)."""
-    lines = [re.sub(r"^\[\d+\]<std(err|out)>:", "", line) for line in log.splitlines()]
+    """The relaunch command of the survivor's message: the first line starting with 'cd ' after
+    '..., run:' (without horovodrun's '[rank]<stderr>:' line prefix). Not simply the next line:
+    the launcher's own report of the killed worker ("Killed") can land between the two."""
+    lines = [re.sub(r"^\[\d+\]<std(err|out)>:", "", line).strip() for line in log.splitlines()]
     at = [i for i, line in enumerate(lines) if line.endswith("to continue from it, run:")]
-    assert at and at[0] + 1 < len(lines), log[-3000:]
-    return lines[at[0] + 1].strip()
+    assert at, log[-3000:]
+    after = [line for line in lines[at[0] + 1:] if line.startswith("cd ")]
+    assert after, log[-3000:]
+    return after[0]
 
 
 def _run_dirs(cwd) -> set[str]:
