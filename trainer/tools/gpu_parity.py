@@ -1,0 +1,164 @@
+"""Every training path on a CUDA device against the CPU reference run (issue 16, item 1 and 2).
+
+Why: the kernels' own tests check each Triton kernel in isolation; a training run on a GPU also
+moves the batch, the plans, the caches, the replicas, Herald's lent rows, the pipelined step's
+prepared work and the checkpoints between host and device. Each path here is run twice from the
+command line, exactly as a user would: once with ``train.device=cuda`` (``kernels.backend=auto``:
+the compiled Triton kernels) and once with ``train.device=cpu kernels.backend=reference``, and the
+two ``summary.json`` files are compared.
+
+What "equal" means: the two runs sum in different orders (Triton's blocked sums, cuBLAS, atomics),
+so bit equality is impossible; at BSP the difference stays at float rounding, which over a few
+hundred steps grows to ~1e-6 relative in the loss. ``TOL`` is an order of magnitude above what the
+first GPU run measured. Byte counters and the cache's hit/miss counts are exact integers: a wrong
+plan on the device shows there first, so they must be equal.
+
+W = 2 on one GPU goes through gloo (``comm.dist_backend=gloo``): NCCL cannot put two ranks on one
+device, and gloo stages every collective through host memory, so this exercises the protocol's
+device path (not its speed).
+
+    python scripts/gpu_parity.py [--only NAME ...] [--jobs 6] [--steps 120]
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+BASE = ["train.progress=off", "train.threads=2", "train.tensorboard=false"]
+CUDA = ["train.device=cuda", "kernels.backend=auto"]
+CPU = ["train.device=cpu", "kernels.backend=reference"]
+W2 = ["comm=torch", "comm.dist_backend=gloo"]
+
+# name -> (world size, overrides). W = 1 covers the models, optimizers and single-process modes;
+# the remote rows (exchange, caches, replicas, Herald, pipelined steps) need W = 2.
+PATHS: dict[str, tuple[int, list[str]]] = {
+    "dlrm": (1, ["model=dlrm"]),
+    "wdl": (1, ["model=wdl"]),
+    "deepfm": (1, ["model=deepfm"]),
+    "dcn": (1, ["model=dcn"]),
+    "sgd": (1, ["optim=sgd"]),
+    "adam": (1, ["optim=adam"]),
+    "skip": (1, ["train.nonfinite=skip"]),
+    "resume": (1, []),  # checkpoint.every = steps / 2, + a cuda run resumed from that checkpoint
+    "w2-exact": (2, ["optim=adagrad"]),
+    "w2-lru-bsp": (2, ["cache=lru", "consistency=bsp"]),
+    "w2-lfu-ssp": (2, ["cache=lfu", "consistency=ssp"]),
+    "w2-pinned-asp": (2, ["cache=lfu_pinned", "consistency=asp"]),
+    "w2-fae": (2, ["placement=fae", "placement.hot_batches=true"]),
+    "w2-sca": (2, ["placement=sca"]),
+    "w2-herald": (2, ["schedule=herald", "cache=lru"]),
+    "w2-pipeline-ids": (2, ["train.pipeline=ids", "cache=lru"]),
+    "w2-pipeline-rows": (2, ["train.pipeline=rows", "cache=lfu", "consistency=ssp"]),
+    "w2-het-skip-adam": (2, ["cache=lru", "consistency=ssp", "placement=fae", "optim=adam",
+                             "train.nonfinite=skip"]),
+    "w2-fp16-wire": (2, ["comm.wire_precision=fp16", "cache=lfu", "consistency=ssp"]),
+}
+BOUNDED = ("ssp", "asp", "pipeline=rows")
+# relative final loss, absolute eval AUC (BSP | bounded staleness: the read order may differ)
+TOL = {"bsp": (1e-4, 1e-4), "bounded": (1e-3, 2e-3)}
+EXACT_KEYS = ("bytes_total", "steps", "skipped_steps", "eval_samples")
+
+
+def command(world: int, overrides: list[str], out: str) -> list[str]:
+    args = ["-m", "trainer", *BASE, *overrides, f"hydra.run.dir={out}"]
+    if world == 1:
+        return [sys.executable, *args]
+    torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
+    launcher = [torchrun] if os.path.exists(torchrun) else [sys.executable, "-m",
+                                                            "torch.distributed.run"]
+    return [*launcher, "--standalone", "--nproc_per_node", str(world), *args]
+
+
+def train(world: int, overrides: list[str], out: str) -> dict[str, Any]:
+    t0 = time.perf_counter()
+    proc = subprocess.run(command(world, overrides + (W2 if world > 1 else []), out), cwd=ROOT,
+                          capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise RuntimeError(f"exit {proc.returncode}: {' '.join(overrides)}\n{proc.stderr[-4000:]}")
+    with open(os.path.join(out, "summary.json")) as f:
+        s = json.load(f)
+    s["wall_s"] = time.perf_counter() - t0
+    return s
+
+
+def _cache_counts(s: dict[str, Any]) -> Any:
+    c = s.get("cache") or {}
+    return {k: v for k, v in c.items() if isinstance(v, int)} if isinstance(c, dict) else None
+
+
+def compare(name: str, steps: int, tmp: str, device: str = "cuda") -> dict[str, Any]:
+    """Train path `name` on `device` (the Triton kernels on CUDA) and on the CPU reference; the
+    JSON line of their differences. `device="cpu"` checks the harness itself on a CPU machine."""
+    world, overrides = PATHS[name]
+    ov = [f"train.steps={steps}", *overrides]
+    if name == "resume":
+        ov.append(f"checkpoint.every={steps // 2}")
+    dev = CUDA if device == "cuda" else [f"train.device={device}", "kernels.backend=auto"]
+    cpu = train(world, ov + CPU, os.path.join(tmp, name, "cpu"))
+    gpu = train(world, ov + dev, os.path.join(tmp, name, "cuda"))
+    runs = {"cuda": gpu}
+    if name == "resume":  # the cuda run resumed from its own half-way checkpoint
+        ck = os.path.join(tmp, name, "cuda", "checkpoints", f"step_{steps // 2:08d}")
+        runs["cuda_resumed"] = train(world, ov + dev + [f"checkpoint.resume={ck}"],
+                                     os.path.join(tmp, name, "cuda_resumed"))
+    kind = "bounded" if any(b in " ".join(overrides) for b in BOUNDED) else "bsp"
+    loss_tol, auc_tol = TOL[kind]
+    line: dict[str, Any] = {"path": name, "world": world, "overrides": overrides, "steps": steps,
+                            "consistency": kind, "cpu_final_loss": cpu["final_loss"],
+                            "cpu_eval_auc": cpu["eval_auc"], "cpu_wall_s": round(cpu["wall_s"], 1)}
+    ok = True
+    for label, s in runs.items():
+        rel = abs(s["final_loss"] - cpu["final_loss"]) / max(abs(cpu["final_loss"]), 1e-12)
+        dauc = abs(s["eval_auc"] - cpu["eval_auc"])
+        exact = all(s.get(k) == cpu.get(k) for k in EXACT_KEYS)
+        counts = _cache_counts(s) == _cache_counts(cpu) if kind == "bsp" else True
+        good = rel <= loss_tol and dauc <= auc_tol and exact and counts
+        ok = ok and good
+        line.update({f"{label}_final_loss": s["final_loss"], f"{label}_eval_auc": s["eval_auc"],
+                     f"{label}_loss_rel_diff": rel, f"{label}_auc_diff": dauc,
+                     f"{label}_counters_equal": exact and counts,
+                     f"{label}_wall_s": round(s["wall_s"], 1)})
+    line["ok"] = ok
+    return line
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--only", nargs="+", choices=sorted(PATHS), default=sorted(PATHS))
+    p.add_argument("--jobs", type=int, default=4, help="paths run at once")
+    p.add_argument("--steps", type=int, default=120)
+    p.add_argument("--out", default=None, help="also append the JSON lines to this file")
+    p.add_argument("--device", default="cuda", help="cpu: check the harness on a CPU machine")
+    a = p.parse_args(argv)
+    import torch
+    if a.device == "cuda" and not torch.cuda.is_available():
+        print("gpu_parity: no CUDA device here (torch.cuda.is_available() is False)", file=sys.stderr)
+        return 2
+    header = {"device": torch.cuda.get_device_name() if a.device == "cuda" else a.device,
+              "torch": torch.__version__,
+              "cuda": torch.version.cuda, "date": time.strftime("%Y-%m-%d")}
+    print(json.dumps(header), flush=True)
+    failed = 0
+    with tempfile.TemporaryDirectory() as tmp, ThreadPoolExecutor(a.jobs) as pool:
+        futures = {n: pool.submit(compare, n, a.steps, tmp, a.device) for n in a.only}
+        for n, fut in futures.items():
+            try:
+                line = fut.result()
+            except Exception as e:  # noqa: BLE001 - reported per path, the others go on
+                line = {"path": n, "ok": False, "error": str(e)[-3000:]}
+            failed += not line["ok"]
+            text = json.dumps(line)
+            print(text, flush=True)
+            if a.out:
+                with open(a.out, "a") as f:
+                    f.write(text + "\n")
+    print(f"gpu_parity: {len(a.only) - failed} of {len(a.only)} paths equal", flush=True)
+    return 1 if failed else 0
