@@ -352,3 +352,40 @@ def test_owners_auto_uses_a_server_at_one_worker(tmp_path):
     out = sim.simulate(trace, spec, 3)
     assert out["requested"] == 6 and out["hits"] == 2  # 1 and 2 re-read from the cache of 2 rows
     assert sim.build(["cache=lru"], 2, trace_file=path, log=None)[1].owners == "sharded"
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize("pull,push", [(2, 3), (0, 0), (-1, -1)])
+@pytest.mark.parametrize("fraction", [0.08, 0.01])  # 0.01: full regions, evictions and transient rows
+def test_announced_push_sizes_are_the_push(policy, pull, push, fraction, monkeypatch):
+    """HetRemote.read announces which rows the step's write will push (HetWire.announce: the push's
+    sizes travel during forward/backward); the write must push exactly those rows, whatever the
+    evictions, transient rows and due counts, and the simulation's result must not change."""
+    from trainer.embedding.remote.het import Announced
+    from trainer.sim.engine import InProcessHetWire
+
+    announced, checked = {}, []  # the simulator reads for every worker, then writes for every one
+
+    def announce(self, gids):
+        announced[self.rank] = gids.clone()
+        return Announced([int(gids.numel())], None)
+
+    def push_updates(self, pushes, ann=None):
+        if ann is None:  # the final flush (not a training step's write): nothing announced
+            assert self.rank not in announced
+            return pushes
+        assert torch.equal(torch.sort(announced.pop(self.rank)).values, torch.sort(pushes.gids).values)
+        checked.append(len(pushes))
+        return pushes
+
+    args = WIDE + [f"cache={policy}", f"cache.capacity_fraction={fraction}",
+                   f"consistency.pull_bound={pull}", f"consistency.push_bound={push}"]
+    trace, spec, _ = sim.build(args, 3, log=None)
+    want = sim.report(sim.run_simulation(trace, spec, 8), trace, 0.0)
+    monkeypatch.setattr(InProcessHetWire, "announce", announce, raising=False)
+    monkeypatch.setattr(InProcessHetWire, "push_updates", push_updates)
+    got = sim.report(sim.run_simulation(trace, spec, 8), trace, 0.0)
+    assert len(checked) == 8 * 3 and sum(checked) > 0
+    assert got == want
+    if fraction == 0.01:  # the case the announcement could get wrong: rows that leave the cache
+        assert want["transient"] > 0 and (push == 0 or want["evicted_dirty"] > 0)

@@ -52,12 +52,12 @@ GUARD = ("AUDIT: the data source's id guard (data/ids.py) checks the batch on th
          "tensors for device ones (a CPU .to returns the same tensor). With DALI on GPU the batch "
          "arrives on the device and this is one sync per batch: docs/gpu.md")
 FACTORY_OK: dict[tuple[str, str], str] = {
-    ("trainer/comm/base.py", "_exchange_splits"): SPLITS_TENSOR,
+    ("trainer/comm/base.py", "exchange_splits_async"): SPLITS_TENSOR,
 }
 MIX_OK: dict[tuple[str, str], str] = {
     ("trainer/comm/torch_dist.py", "_alltoall_start"):
         "gloo stages through host memory: the split-size tensor (host by nature, see "
-        "_exchange_splits) meets `out`, made on the process group's device; the audit cannot tell "
+        "exchange_splits_async) meets `out`, made on the process group's device; the audit cannot tell "
         "the group's device from the trainer's",
     ("trainer/data/ids.py", "values"): GUARD,
     ("trainer/data/batch.py", "table_index"): GUARD + " (the guard's table_index() of the host batch)",
@@ -74,9 +74,10 @@ HOST_OK: dict[tuple[str, str], str] = {
     ("trainer/embedding/exchange.py", "plan_lookup"):
         f"{INHERENT}: the step's one read-back of the plan: unique ids per owner and replicated "
         "([W + 1]), the alltoall split sizes, which also fix every size of the plan",
-    ("trainer/comm/base.py", "_exchange_splits"): f"{INHERENT}: received alltoall split sizes",
+    ("trainer/comm/base.py", "_received_splits"): f"{INHERENT}: received alltoall split sizes",
     ("trainer/embedding/sharding.py", "per_owner"):
-        f"{INHERENT}: the split sizes of HetWire.push_updates (read once for its two alltoalls)",
+        f"{INHERENT}: the split sizes of HetWire.push_updates (read once, when HetWire.announce "
+        "sends them ahead of the rows; or in push_updates when nothing was announced)",
     ("trainer/embedding/remote/het.py", "serve"):
         f"{INHERENT}: one read of the rows each peer gets from / sends to this rank after the "
         "version check (the row alltoall's split sizes, both directions in one [2W] vector)",
@@ -114,6 +115,9 @@ SHAPE_OK: dict[tuple[str, str], str] = {
         "remote_rows[transient] = rows[at[transient]]: masked selections of the cache's hit, "
         "stale, miss and transient rows; fixed-size with the counts read once (or mask-weighted "
         "writes: torch.where / index_copy_ of all positions)",
+    ("trainer/embedding/remote/het.py", "_announce"): HET_TODO + "slots[cached], "
+        "cached[due]: the rows the step's push will send (their owners' counts are read once, "
+        "by per_owner); fixed-size with the due count read together with the owners' counts",
     ("trainer/embedding/remote/het.py", "write"): HET_TODO + "slots[cached], g[cached], "
         "remote[~cached], g[~cached]: the cached / transient split of the step's gradients",
     ("kernels/reference.py", "sum_by_slot"):

@@ -60,6 +60,10 @@ class ByteCounter:
 class Collectives(abc.ABC):
     """rank/size + collectives; subclasses implement the `_op` methods, this class counts bytes."""
 
+    # True where the backend's alltoall learns the receive sizes itself (Horovod's negotiation):
+    # announcing them early (exchange_splits_async) would only add a collective there
+    learns_splits = False
+
     def __init__(self, rank: int, size: int, timeout_s: float) -> None:
         self.rank = rank
         self.size = size
@@ -104,6 +108,23 @@ class Collectives(abc.ABC):
         finish = self._guard("alltoall", lambda: self._alltoall_start(t.contiguous(), splits, recv_splits))
         return Handle(self, "alltoall", lambda: (finish(), recv_splits))
 
+    def exchange_splits_async(self, splits: Sequence[int]) -> "Handle":
+        """Start telling every rank how many rows this rank will send it in a later alltoall;
+        `wait()` returns the recv_splits to pass to that alltoall. The size exchange is a latency-
+        bound round trip: started early, it completes while the caller computes instead of in
+        front of the rows (HET's push: its sizes are known after the read, its rows after the
+        backward pass)."""
+        splits = [int(s) for s in splits]
+        if len(splits) != self.size:
+            raise ValueError(f"exchange_splits_async: {len(splits)} splits for world size {self.size}")
+        if self.size == 1:
+            return Handle(self, "alltoall(split sizes)", lambda: list(splits))
+        self.counter.add("meta", (self.size - 1) * 8, "alltoall_splits")
+        ones = [1] * self.size
+        send = torch.tensor(splits, dtype=torch.int64)
+        finish = self._guard("alltoall(split sizes)", lambda: self._alltoall_start(send, ones, ones))
+        return Handle(self, "alltoall(split sizes)", lambda: self._received_splits(finish()))
+
     def grouped_allreduce_async(self, ts: Sequence[torch.Tensor], op: str = "sum",
                                 kind: str = "dense") -> "Handle":
         """Start a fused allreduce; `wait()` returns the reduced tensors like grouped_allreduce."""
@@ -142,12 +163,10 @@ class Collectives(abc.ABC):
 
     # ----- helpers --------------------------------------------------------------------------
     def _exchange_splits(self, splits: list[int]) -> list[int]:
-        if self.size == 1:
-            return list(splits)
-        send = torch.tensor(splits, dtype=torch.int64)
-        self.counter.add("meta", (self.size - 1) * 8, "alltoall_splits")
-        ones = [1] * self.size
-        recv = self._guard("alltoall(split sizes)", lambda: self._alltoall(send, ones, ones))
+        return self.exchange_splits_async(splits).wait()
+
+    @staticmethod
+    def _received_splits(recv: torch.Tensor) -> list[int]:
         return [int(x) for x in recv.tolist()]
 
     def _check_splits(self, t: torch.Tensor, splits: Sequence[int]) -> list[int]:

@@ -60,6 +60,8 @@ def init_horovod(timeout_s: float) -> None:
 class HorovodCollectives(Collectives):
     """Collectives over the global Horovod process set (one process per GPU / CPU worker)."""
 
+    learns_splits = True  # hvd.alltoall negotiates the receive sizes itself (one collective)
+
     def __init__(self, timeout_s: float) -> None:
         init_horovod(timeout_s)
         super().__init__(hvd.rank(), hvd.size(), timeout_s)

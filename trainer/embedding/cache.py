@@ -267,6 +267,15 @@ class RowCache:
                              push_bound.to(slots.device)[self.slot_table[slots]])]
         return self._take(due)
 
+    def due_after_update(self, slots: torch.Tensor, push_bound: torch.Tensor) -> torch.Tensor:
+        """[k] bool: the distinct cached slots [k] whose updates record_and_take_due(slots, ...)
+        will push (known before the gradients are)."""
+        return self._due(self.count.index_select(0, slots).add_(1), slots, push_bound)
+
+    def _due(self, count: torch.Tensor, slots: torch.Tensor, push_bound: torch.Tensor) -> torch.Tensor:
+        bound = push_bound.to(slots.device).index_select(0, self.slot_table.index_select(0, slots))
+        return push_due(count, bound)
+
     def record_and_take_due(self, slots: torch.Tensor, grads: torch.Tensor,
                             push_bound: torch.Tensor) -> Pushes:
         """record_updates(slots, grads) then take_due(slots, push_bound), same results, in one
@@ -274,8 +283,7 @@ class RowCache:
         self._update_copies(slots, grads)
         pending = self.pending.index_select(0, slots).add_(grads)
         count = self.count.index_select(0, slots).add_(1)
-        bound = push_bound.to(slots.device).index_select(0, self.slot_table.index_select(0, slots))
-        due = push_due(count, bound)
+        due = self._due(count, slots, push_bound)
         at = torch.nonzero(due).squeeze(1)
         out = Pushes(self.gid.index_select(0, slots.index_select(0, at)), pending.index_select(0, at),
                      count.index_select(0, at))

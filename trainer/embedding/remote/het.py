@@ -51,6 +51,13 @@ class Check:
         self.versions: Optional[torch.Tensor] = None
 
 
+class Announced:
+    """Push sizes sent ahead (HetWire.announce): per owner, and the exchange's handle."""
+
+    def __init__(self, splits: list[int], handle: Any) -> None:
+        self.splits, self.handle = splits, handle
+
+
 class HetRead:
     """A begun HET read: the slots and cached versions its request was sent with."""
 
@@ -124,9 +131,20 @@ class HetWire:
     def cancel(self, chk: "Check") -> None:
         chk.request.wait()
 
-    def push_updates(self, pushes: Pushes) -> Pushes:
+    def announce(self, gids: torch.Tensor) -> Optional["Announced"]:
+        """Start telling the owners how many rows the coming push_updates sends each (`gids`: the
+        rows it will push, in any order), so that push needs no size exchange in front of its
+        rows: the exchange completes during the forward and backward passes. None where it would
+        not help (one rank; a backend whose alltoall negotiates sizes itself)."""
+        if self.comm.size == 1 or self.comm.learns_splits:
+            return None
+        splits = self.sh.per_owner(gids)
+        return Announced(splits, self.comm.exchange_splits_async(splits))
+
+    def push_updates(self, pushes: Pushes, announced: Optional["Announced"] = None) -> Pushes:
         """Send (id, count, gradient) of pushed rows to their owners; return what this rank
-        received as owner (global ids, gradients, counts), not yet applied.
+        received as owner (global ids, gradients, counts), not yet applied. `announced`: the
+        sizes sent ahead by announce() for exactly these rows.
 
         One alltoall: each row travels as the bytes of its (id, count) in the wire's integer type
         followed by those of its gradient; the bytes are counted per column under their kinds
@@ -138,8 +156,15 @@ class HetWire:
         head = torch.stack([sh.local_index(gids), counts], 1).to(self.wire_dtype)
         packed = _pack_rows([head, grads.to(self.row_dtype)])
         w = 2 * head.element_size()  # bytes of (id, count)
-        got, _ = self.comm.alltoall(packed, sh.per_owner(gids),
-                                    kind={"ids": w // 2, "versions": w // 2, "grads": packed.shape[1] - w})
+        kind = {"ids": w // 2, "versions": w // 2, "grads": packed.shape[1] - w}
+        if announced is None:
+            got, _ = self.comm.alltoall(packed, sh.per_owner(gids), kind=kind)
+        else:
+            recv = announced.handle.wait()
+            if sum(announced.splits) != gids.numel():
+                raise RuntimeError(f"HET push: {gids.numel()} rows, but {sum(announced.splits)} "
+                                   "were announced to the owners")
+            got, _ = self.comm.alltoall(packed, announced.splits, kind=kind, recv_splits=recv)
         head = _unpack_rows(got, 0, w, self.wire_dtype).long()
         recv = _unpack_rows(got, w, got.shape[1] - w, self.row_dtype).to(grads.dtype)
         return Pushes(sh.global_of(head[:, 0], sh.rank), recv, head[:, 1])
@@ -195,6 +220,7 @@ class HetRemote(RemoteRows):
         self._slots: torch.Tensor | None = None  # the read's slot of each remote id (-1: transient)
         self._transient: torch.Tensor | None = None  # positions of its transient ids (None: none)
         self._evicted: Pushes | None = None
+        self._announced: Any = None  # this step's push sizes, sent ahead (HetWire.announce)
         self.undoable = False  # train.nonfinite=skip: journal each read so discard() can undo it
 
     def enable_undo(self) -> None:
@@ -251,6 +277,24 @@ class HetRemote(RemoteRows):
         if self.audit is not None:
             self.audit.read(step, remote, torch.where(need, versions, cached_ver))
         self._slots = slots
+        self._announce(remote)
+
+    def _announce(self, remote: torch.Tensor) -> None:
+        """Which rows this step's write will push is known now (the counts of the cached rows,
+        the transient ones, the dirty evictions), only their gradients are not: send the sizes
+        ahead so the push does not wait for a size exchange (HetWire.announce)."""
+        announce = getattr(self.wire, "announce", None)
+        if announce is None:
+            return
+        slots, gone = self._slots, self._transient
+        cached = slots if gone is None else slots.index_select(0, torch.nonzero(slots >= 0).squeeze(1))
+        due = cached.index_select(0, torch.nonzero(self.cache.due_after_update(cached, self.bounds.push)).squeeze(1))
+        parts = [self.cache.gid.index_select(0, due)]
+        if gone is not None:
+            parts.append(remote.index_select(0, gone))
+        if self._evicted is not None and len(self._evicted):
+            parts.append(self._evicted.gids)
+        self._announced = announce(torch.cat(parts))
 
     def write(self, plan: LookupPlan, grad: torch.Tensor) -> Pushes:
         """Local updates of this step: apply to cached copies, push the due, transient and
@@ -270,17 +314,23 @@ class HetRemote(RemoteRows):
         if evicted is not None and len(evicted):
             self.stats.add("evicted_dirty", self.sharding.table_of(evicted.gids))
             parts.append(evicted)
-        return self._send(Pushes.cat(parts) if len(parts) > 1 else parts[0])
+        announced, self._announced = self._announced, None
+        return self._send(Pushes.cat(parts) if len(parts) > 1 else parts[0], announced)
 
     def discard(self) -> None:
         """Undo the read: installs, evictions (their dirty updates go back into the cache),
-        refreshed copies and use counts; the owners changed nothing (version checks only read)."""
+        refreshed copies and use counts; the owners changed nothing (version checks only read).
+        The push sizes sent ahead are received and dropped (every rank discards the same step)."""
         self.cache.rollback()
-        self._slots, self._transient, self._evicted = None, None, None
+        if self._announced is not None:
+            self._announced.handle.wait()
+        self._slots, self._transient, self._evicted, self._announced = None, None, None, None
 
     def flush(self) -> Pushes:
         return self._send(self.cache.take_all())
 
-    def _send(self, pushes: Pushes) -> Pushes:
+    def _send(self, pushes: Pushes, announced: Any = None) -> Pushes:
         self.stats.pushes(self.sharding.table_of(pushes.gids), pushes.counts)
-        return self.wire.push_updates(pushes)
+        if announced is None:
+            return self.wire.push_updates(pushes)
+        return self.wire.push_updates(pushes, announced)
