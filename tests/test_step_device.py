@@ -350,3 +350,47 @@ def test_cuda_step_syncs_w1(pipeline: str):
         comm.close()
     syncs = [str(w.message) for w in caught if "synchroniz" in str(w.message)]
     assert len(syncs) <= SYNCS_AT_MOST["w1"], syncs
+
+
+@pytest.mark.parametrize("policy", ["error", "hash"])
+def test_criteo_batch_on_the_device_is_made_there(policy: str):
+    """DALI's GPU pipeline hands `to_batch` its columns on the device (docs/gpu.md, item 4): the
+    id guard, the vocabulary, the folding into the configured tables and the standardisation must
+    then make nothing on the host, copy nothing per batch (their constants are copied once:
+    trainer/device.py resident) and read back nothing, except policy error's one flag per batch
+    (a bad batch is refused before anything uses it). Ids out of range under hash are folded."""
+    from trainer.data.blocks import to_batch
+    from trainer.data.ids import IdGuard
+    from trainer.data.vocab import Vocab
+
+    b, t, f = 8, 3, 2
+
+    def constants():  # made on the host, as the data source makes them
+        vocab = Vocab(keys=torch.tensor([1, 2, 12, 35]), offsets=torch.tensor([0, 10, 30]),
+                      starts=torch.tensor([0, 2, 3]), kept=[2, 1, 1], min_count=1)
+        # the configured (folded) table sizes, the id guard, the dense statistics
+        return torch.tensor([5, 7, 11]), IdGuard([10, 20, 30], policy), vocab, (torch.zeros(f), torch.ones(f))
+
+    gen = torch.Generator().manual_seed(0)
+    cols = (torch.randint(0, 2, (b,)).float(), torch.rand(b, f, generator=gen),
+            torch.randint(0, 10, (b, t), generator=gen))
+    if policy == "hash":
+        cols[2][0, 1] = 25  # table 1 has 20 rows: folded to 5
+    rows, guard, vocab, norm = constants()
+    want = to_batch(cols, f, rows, guard, "batch", norm, vocab)
+    with StepAudit() as audit:
+        rows, guard, vocab, norm = constants()
+        dev = tuple(c.to("cpu") for c in cols)  # "on the device"
+        for _ in range(2):  # the first batch copies the constants once
+            got = to_batch(dev, f, rows, guard, "batch", norm, vocab)
+        audit.recording = True
+        got = to_batch(dev, f, rows, guard, "batch", norm, vocab)
+        audit.recording = False
+    assert torch.equal(got.values, want.values) and torch.equal(got.dense, want.dense)
+    assert audit.label.get(got.values) == DEV and audit.label.get(got.dense) == DEV
+    records = [r for r in audit.records if r.kind != "host" or policy == "hash"]
+    assert not records, table(records)
+    reads = audit.of("host")
+    assert len(reads) == (1 if policy == "error" else 0), table(reads)
+    if policy == "hash":
+        assert guard.hashed == 3  # one id in each of the three batches

@@ -22,6 +22,7 @@ from typing import Sequence
 
 import numpy as np
 import torch
+from torch.utils.weak import WeakIdKeyDictionary
 
 
 def to_device(t: torch.Tensor, device: torch.device | str) -> torch.Tensor:
@@ -49,3 +50,22 @@ def select(values: torch.Tensor, mask: torch.Tensor, count: int) -> torch.Tensor
     (nonzero_static), so nothing is read back from the device."""
     at = torch.nonzero_static(mask, size=count).squeeze(1)
     return values.index_select(0, at)
+
+
+_RESIDENT: WeakIdKeyDictionary = WeakIdKeyDictionary()  # tensor -> {device: its copy there}
+
+
+def resident(t: torch.Tensor, device: torch.device | str) -> torch.Tensor:
+    """`t` on `device`, copied there once and kept for as long as `t` lives: for constants used
+    with every batch (table sizes, the vocabulary, the dense features' statistics), which a
+    plain `.to(device)` would copy again each time (a blocking copy from pageable memory). On
+    the tensor's own device the "copy" is the tensor itself (kept with it: these constants live
+    as long as their data source anyway)."""
+    device = torch.device(device)
+    copies = _RESIDENT.get(t)
+    if copies is None:
+        copies = _RESIDENT[t] = {}
+    key = str(device)
+    if key not in copies:
+        copies[key] = to_device(t, device)
+    return copies[key]

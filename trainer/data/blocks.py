@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from ..config import ConfigError, DataConfig, val_range
+from ..device import resident
 from .batch import Batch
 from .criteo import CriteoFormatError, check_block, from_block, read_meta
 from .ids import IdGuard
@@ -207,13 +208,14 @@ def to_batch(cols: Columns, num_dense: int, rows: torch.Tensor, guard: IdGuard |
     cap). norm = (mean, std): dense -> (dense - mean) / std (data.standardize)."""
     labels, dense, ids = cols
     if norm is not None:
-        dense = (dense - norm[0].to(dense.device)) / norm[1].to(dense.device)
+        dense = (dense - resident(norm[0], dense.device)) / resident(norm[1], dense.device)
     b, t = labels.shape[0], rows.numel()
+    ids = ids.reshape(b, t)
     if guard is not None:
-        ids = guard.values(ids.reshape(-1), torch.arange(t).repeat(b), where)
+        ids = guard.columns(ids, where)
     if vocab is not None:
-        ids = vocab.map(ids.reshape(b, t))
-    ids = torch.remainder(ids.reshape(b, t), rows.to(ids.device))
+        ids = vocab.map(ids)
+    ids = torch.remainder(ids, resident(rows, ids.device))
     return Batch(dense.reshape(b, num_dense).contiguous(), ids.reshape(-1).contiguous(),
                  torch.ones((b, t), dtype=torch.int64, device=ids.device), labels.contiguous())
 

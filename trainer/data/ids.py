@@ -22,6 +22,7 @@ from typing import Any, Iterator
 import numpy as np
 import torch
 
+from ..device import resident
 from .batch import Batch
 
 
@@ -38,7 +39,16 @@ class IdGuard:
         self.rows = torch.tensor(list(table_rows), dtype=torch.int64)
         self._rows_on: dict[torch.device, torch.Tensor] = {}  # copies on the batches' devices, made once
         self.policy, self.what = policy, what
-        self.hashed = 0  # ids folded so far (policy hash)
+        self._hashed = 0  # ids folded so far (policy hash), counted on the host
+        self._hashed_on: list[torch.Tensor] = []  # ... and on devices (read only when reported)
+
+    @property
+    def hashed(self) -> int:
+        """Ids folded so far (policy hash)."""
+        if self._hashed_on:
+            self._hashed += int(sum(int(c) for c in self._hashed_on))
+            self._hashed_on = []
+        return self._hashed
 
     def values(self, values: torch.Tensor, table: torch.Tensor, where: str) -> torch.Tensor:
         """values [N] of tables table [N] -> in-range values [N] (the same tensor when all are)."""
@@ -53,8 +63,27 @@ class IdGuard:
             return values
         if self.policy == "error":
             self._raise(values, table, bad, where)
-        self.hashed += int(bad.sum())
+        self._hashed += int(bad.sum())
         return torch.remainder(values, lim)
+
+    def columns(self, ids: torch.Tensor, where: str) -> torch.Tensor:
+        """ids [b, T] with table t in column t (one id per bag) -> in-range ids [b, T]. Nothing
+        is copied per batch, and policy hash reads nothing back (the folded ids are counted where
+        the batch is, read when reported: a DALI batch on the GPU goes on without waiting); policy
+        error reads one flag per batch: the batch must be refused before anything uses it."""
+        if ids.numel() == 0:
+            return ids
+        lim = resident(self.rows, ids.device).view(1, -1)
+        bad = (ids < 0) | (ids >= lim)
+        if self.policy == "hash":
+            self._hashed_on.append(bad.sum())
+            if len(self._hashed_on) >= 1024:  # keep the list short; one read per 1024 batches
+                self._hashed_on = [torch.stack(self._hashed_on).sum()]
+            return torch.where(bad, torch.remainder(ids, lim), ids)
+        if bool(bad.any()):
+            table = torch.arange(ids.shape[1], device=ids.device).repeat(ids.shape[0])
+            self._raise(ids.reshape(-1), table, bad.reshape(-1), where)
+        return ids
 
     def batch(self, b: Batch, where: str) -> Batch:
         v = self.values(b.values, b.table_index().to(b.values.device), where)

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from ..device import resident
 from .criteo import EMPTY_ID, from_block
 
 if TYPE_CHECKING:
@@ -53,7 +54,7 @@ class Vocab:
     def map(self, ids: torch.Tensor) -> torch.Tensor:
         """Stored ids [b, T] (int64, in range) -> vocabulary ids [b, T] on the same device."""
         dev = ids.device
-        keys, offsets, starts = (x.to(dev) for x in (self.keys, self.offsets, self.starts))
+        keys, offsets, starts = (resident(x, dev) for x in (self.keys, self.offsets, self.starts))
         q = ids + offsets
         pos = torch.searchsorted(keys, q.reshape(-1)).reshape(q.shape)
         found = keys[pos.clamp(max=max(keys.numel() - 1, 0))] == q if keys.numel() else torch.zeros_like(q, dtype=torch.bool)
