@@ -10,7 +10,14 @@ from __future__ import annotations
 import pytest
 import torch
 
+from data_helpers import prepared_dir
 from trainer.tools import gpu_parity
+
+
+@pytest.fixture(scope="module")
+def criteo(tmp_path_factory) -> str:
+    """The shared Criteo sample, prepared (1,600 training / 399 test rows)."""
+    return prepared_dir(tmp_path_factory, "gpu_paths")
 
 
 @pytest.mark.gpu
@@ -21,11 +28,20 @@ def test_path_on_cuda_equals_cpu_reference(name, tmp_path):
     assert line["ok"], line
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (docs/gpu.md, item 4)")
+def test_criteo_dali_on_cuda_equals_memmap_on_cpu(tmp_path, criteo):
+    line = gpu_parity.compare(gpu_parity.CRITEO, 0, str(tmp_path), criteo=criteo)
+    assert line["ok"], line
+
+
 @pytest.mark.dist
-@pytest.mark.parametrize("name", ["resume", "w2-lfu-ssp"])
-def test_harness_on_cpu(name, tmp_path):
-    """The harness's two runs are the same CPU run here: identical losses, counters equal."""
-    line = gpu_parity.compare(name, 20, str(tmp_path), device="cpu")
+@pytest.mark.parametrize("name", ["resume", "w2-lfu-ssp", gpu_parity.CRITEO])
+def test_harness_on_cpu(name, tmp_path, request):
+    """The harness's two runs are the same CPU run here (criteo: DALI's CPU pipeline against the
+    memmap reader): identical losses, counters equal."""
+    criteo = request.getfixturevalue("criteo") if name == gpu_parity.CRITEO else None
+    line = gpu_parity.compare(name, 20, str(tmp_path), device="cpu", criteo=criteo)
     assert line["ok"] and line["cuda_loss_rel_diff"] == 0.0, line
     if name == "resume":
         assert line["cuda_resumed_loss_rel_diff"] == 0.0, line

@@ -17,7 +17,10 @@ W = 2 on one GPU goes through gloo (``comm.dist_backend=gloo``): NCCL cannot put
 device, and gloo stages every collective through host memory, so this exercises the protocol's
 device path (not its speed).
 
-    python scripts/gpu_parity.py [--only NAME ...] [--jobs 6] [--steps 120]
+    python scripts/gpu_parity.py [--only NAME ...] [--jobs 6] [--steps 120] [--criteo DIR]
+
+With --criteo DIR (prepared by scripts/prepare_criteo.py) it also trains data=criteo with the DALI
+pipeline on the device against the memmap reader on the CPU (issue 16, item 3).
 """
 from __future__ import annotations
 
@@ -60,6 +63,9 @@ PATHS: dict[str, tuple[int, list[str]]] = {
                              "train.nonfinite=skip"]),
     "w2-fp16-wire": (2, ["comm.wire_precision=fp16", "cache=lfu", "consistency=ssp"]),
 }
+# with --criteo DIR (a prepared Criteo directory): the DALI pipeline on the device (the batches
+# made on the GPU) against the memmap reader on the CPU, the default recipe with one model
+CRITEO = "criteo-dali"
 BOUNDED = ("ssp", "asp", "pipeline=rows")
 # relative final loss, absolute eval AUC (BSP | bounded staleness: the read order may differ)
 TOL = {"bsp": (1e-4, 1e-4), "bounded": (1e-3, 2e-3)}
@@ -93,15 +99,25 @@ def _cache_counts(s: dict[str, Any]) -> Any:
     return {k: v for k, v in c.items() if isinstance(v, int)} if isinstance(c, dict) else None
 
 
-def compare(name: str, steps: int, tmp: str, device: str = "cuda") -> dict[str, Any]:
+def compare(name: str, steps: int, tmp: str, device: str = "cuda",
+            criteo: str | None = None) -> dict[str, Any]:
     """Train path `name` on `device` (the Triton kernels on CUDA) and on the CPU reference; the
-    JSON line of their differences. `device="cpu"` checks the harness itself on a CPU machine."""
-    world, overrides = PATHS[name]
-    ov = [f"train.steps={steps}", *overrides]
+    JSON line of their differences. `device="cpu"` checks the harness itself on a CPU machine.
+    Path CRITEO needs `criteo`, a prepared directory (scripts/prepare_criteo.py)."""
+    dev = CUDA if device == "cuda" else [f"train.device={device}", "kernels.backend=auto"]
+    cpu_side: list[str] = []
+    if name == CRITEO:
+        if criteo is None:
+            raise ValueError(f"path {CRITEO} needs a prepared Criteo directory (--criteo DIR)")
+        world, overrides = 1, ["data=criteo", f"data.dir={criteo}", "train.bag=1"]
+        ov = list(overrides)  # the recipe's epochs and early stop, not train.steps
+        dev, cpu_side = dev + ["data.loader=dali"], ["data.loader=memmap"]
+    else:
+        world, overrides = PATHS[name]
+        ov = [f"train.steps={steps}", *overrides]
     if name == "resume":
         ov.append(f"checkpoint.every={steps // 2}")
-    dev = CUDA if device == "cuda" else [f"train.device={device}", "kernels.backend=auto"]
-    cpu = train(world, ov + CPU, os.path.join(tmp, name, "cpu"))
+    cpu = train(world, ov + CPU + cpu_side, os.path.join(tmp, name, "cpu"))
     gpu = train(world, ov + dev, os.path.join(tmp, name, "cuda"))
     runs = {"cuda": gpu}
     if name == "resume":  # the cuda run resumed from its own half-way checkpoint
@@ -132,7 +148,10 @@ def compare(name: str, steps: int, tmp: str, device: str = "cuda") -> dict[str, 
 def main(argv: list[str] | None = None) -> int:
     import argparse
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--only", nargs="+", choices=sorted(PATHS), default=sorted(PATHS))
+    p.add_argument("--only", nargs="+", choices=sorted(PATHS) + [CRITEO], default=sorted(PATHS))
+    p.add_argument("--criteo", default=None, metavar="DIR",
+                   help=f"a prepared Criteo directory: adds path {CRITEO} (DALI on the device "
+                        "against the memmap reader on the CPU)")
     p.add_argument("--jobs", type=int, default=4, help="paths run at once")
     p.add_argument("--steps", type=int, default=120)
     p.add_argument("--out", default=None, help="also append the JSON lines to this file")
@@ -146,9 +165,12 @@ def main(argv: list[str] | None = None) -> int:
               "torch": torch.__version__,
               "cuda": torch.version.cuda, "date": time.strftime("%Y-%m-%d")}
     print(json.dumps(header), flush=True)
+    names = list(a.only) + ([CRITEO] if a.criteo and CRITEO not in a.only else [])
+    if CRITEO in names and not a.criteo:
+        p.error(f"path {CRITEO} needs --criteo DIR")
     failed = 0
     with tempfile.TemporaryDirectory() as tmp, ThreadPoolExecutor(a.jobs) as pool:
-        futures = {n: pool.submit(compare, n, a.steps, tmp, a.device) for n in a.only}
+        futures = {n: pool.submit(compare, n, a.steps, tmp, a.device, a.criteo) for n in names}
         for n, fut in futures.items():
             try:
                 line = fut.result()
@@ -160,5 +182,5 @@ def main(argv: list[str] | None = None) -> int:
             if a.out:
                 with open(a.out, "a") as f:
                     f.write(text + "\n")
-    print(f"gpu_parity: {len(a.only) - failed} of {len(a.only)} paths equal", flush=True)
+    print(f"gpu_parity: {len(names) - failed} of {len(names)} paths equal", flush=True)
     return 1 if failed else 0
