@@ -366,9 +366,10 @@ def test_announced_push_sizes_are_the_push(policy, pull, push, fraction, monkeyp
 
     announced, checked = {}, []  # the simulator reads for every worker, then writes for every one
 
-    def announce(self, gids):
-        announced[self.rank] = gids.clone()
-        return Announced([int(gids.numel())], None)
+    def announce(self, gids, weights=None):
+        pushed = gids if weights is None else gids[weights > 0]
+        announced[self.rank] = pushed.clone()
+        return Announced([int(pushed.numel())], None)
 
     def push_updates(self, pushes, ann=None):
         if ann is None:  # the final flush (not a training step's write): nothing announced

@@ -14,8 +14,8 @@ What can fail here without a GPU:
   lookup plan must follow the device.
 
 Entries marked TODO are host syncs the algorithm does not need, in code another change owns
-(RowCache in trainer/embedding/cache.py and HetRemote.read/write in remote/het.py, being
-vectorised); each names what remains there. Entries marked CPU-ONLY are paths a GPU run does not
+(RowCache in trainer/embedding/cache.py); each names what remains there. HetRemote's read, write
+and push announcement (remote/het.py) have none left: their selections take sizes the host knows. Entries marked CPU-ONLY are paths a GPU run does not
 take. Entries marked AUDIT are artefacts of auditing on a CPU (said why); the real GPU behaviour
 of those sites is on the checklist of docs/gpu.md.
 
@@ -64,7 +64,6 @@ MIX_OK: dict[tuple[str, str], str] = {
 }
 INHERENT = "needed by the algorithm"
 CACHE_TODO = ("TODO(cache.py, being vectorised in another change: do not edit here): ")
-HET_TODO = ("TODO(remote/het.py HetRemote.read/write bodies, changed together with cache.py): ")
 HOST_OK: dict[tuple[str, str], str] = {
     ("trainer/runner.py", "_step"):
         f"{INHERENT}: the step's global loss (recorded every step, checked for NaN/inf; with "
@@ -101,25 +100,16 @@ SHAPE_OK: dict[tuple[str, str], str] = {
         "slots of all tables in one fixed-size pass (topk / nonzero_static with the counts read once)",
     ("trainer/embedding/cache.py", "_evict"): CACHE_TODO + "slots[old >= 0] and live[count > 0]: "
         "masked selections; mask-weighted fixed-size ops (index_fill_ under a mask) need no size",
-    ("trainer/embedding/cache.py", "install"): CACHE_TODO + "slots[ok], gids[ok], rows[ok], "
+    ("trainer/embedding/cache.py", "install_counted"): CACHE_TODO + "slots[ok], gids[ok], rows[ok], "
         "versions[ok], gids[ok]: five selections of the placed misses; one count read with the "
         "victims' and trainer/device.select for all",
     ("trainer/embedding/cache.py", "take_due"): CACHE_TODO + "slots[push_due(...)]: the due slots; "
         "their count can join the push's split-size read",
-    ("trainer/embedding/cache.py", "record_and_take_due"): CACHE_TODO + "nonzero(push_due(...)): the "
-        "due slots of the fused local update; their count can join the push's split-size read",
+    ("trainer/embedding/cache.py", "record_and_take_due"): CACHE_TODO + "nonzero(push_due(...)) "
+        "where the caller does not know the due count (no push announcement: Horovod, one rank); "
+        "with one, HetRemote passes the count and the selection is fixed-size",
     ("trainer/embedding/cache.py", "versions_of"): CACHE_TODO + "out[hit] = version[slots[hit]]: "
         "torch.where over a clamped index_select needs no size",
-    ("trainer/embedding/remote/het.py", "read"): HET_TODO + "slots[hit], slots[stale], "
-        "rows[at[stale]], versions[stale], remote/table/rows/versions[miss], slots[miss] = ..., "
-        "remote_rows[transient] = rows[at[transient]]: masked selections of the cache's hit, "
-        "stale, miss and transient rows; fixed-size with the counts read once (or mask-weighted "
-        "writes: torch.where / index_copy_ of all positions)",
-    ("trainer/embedding/remote/het.py", "_announce"): HET_TODO + "slots[cached], "
-        "cached[due]: the rows the step's push will send (their owners' counts are read once, "
-        "by per_owner); fixed-size with the due count read together with the owners' counts",
-    ("trainer/embedding/remote/het.py", "write"): HET_TODO + "slots[cached], g[cached], "
-        "remote[~cached], g[~cached]: the cached / transient split of the step's gradients",
     ("kernels/reference.py", "sum_by_slot"):
         "CPU-ONLY: the owner update's torch reference sums repeated rows with torch.unique; on CUDA "
         "kernels.row_update is the Triton segment kernel, which reads nothing back (the "

@@ -200,6 +200,11 @@ class RowCache:
 
         Returns (slot of each, -1 = transient; dirty evicted entries whose updates must be pushed).
         """
+        return self.install_counted(gids, tables, rows, versions, step)[:2]
+
+    def install_counted(self, gids: torch.Tensor, tables: torch.Tensor, rows: torch.Tensor,
+                        versions: torch.Tensor, step: int) -> tuple[torch.Tensor, Pushes, int]:
+        """install(), and how many of the misses got a slot (the others are transient)."""
         slots, placed_n, victims_n = self._choose_slots(tables, step)
         if placed_n < slots.numel():  # some are transient: keep the placed ones
             ok = torch.nonzero(slots >= 0).squeeze(1)
@@ -208,7 +213,7 @@ class RowCache:
         else:
             placed = slots
         if placed_n == 0:
-            return slots, Pushes.empty(self.dim, self.rows.device)
+            return slots, Pushes.empty(self.dim, self.rows.device), 0
         self._save(placed)
         # only victims held entries; free slots need no eviction pass
         evicted = self._evict(placed) if victims_n else Pushes.empty(self.dim, self.rows.device)
@@ -218,7 +223,7 @@ class RowCache:
         self.freq.index_fill_(0, placed, 1)
         self.last_use.index_fill_(0, placed, step)
         self.map.insert(gids, placed)
-        return slots, evicted
+        return slots, evicted, placed_n
 
     # ---- undo ----------------------------------------------------------------------------
     def begin(self) -> None:
@@ -277,14 +282,15 @@ class RowCache:
         return push_due(count, bound)
 
     def record_and_take_due(self, slots: torch.Tensor, grads: torch.Tensor,
-                            push_bound: torch.Tensor) -> Pushes:
+                            push_bound: torch.Tensor, due_count: int | None = None) -> Pushes:
         """record_updates(slots, grads) then take_due(slots, push_bound), same results, in one
-        gather and one scatter per field (a training step's write: slots [k] distinct)."""
+        gather and one scatter per field (a training step's write: slots [k] distinct).
+        due_count: how many are due, when the caller knows (no read of the count)."""
         self._update_copies(slots, grads)
         pending = self.pending.index_select(0, slots).add_(grads)
         count = self.count.index_select(0, slots).add_(1)
         due = self._due(count, slots, push_bound)
-        at = torch.nonzero(due).squeeze(1)
+        at = (torch.nonzero(due) if due_count is None else torch.nonzero_static(due, size=due_count)).squeeze(1)
         out = Pushes(self.gid.index_select(0, slots.index_select(0, at)), pending.index_select(0, at),
                      count.index_select(0, at))
         self.pending.index_copy_(0, slots, pending.index_fill_(0, at, 0.0))

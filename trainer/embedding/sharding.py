@@ -135,13 +135,14 @@ class Sharding(ABC):
         mine = self.owned_by(gids)
         return mine, ~mine
 
-    def per_owner(self, gids: Ids) -> list[int]:
-        """Number of gids per owner [W] (the splits of an alltoall grouped by owner). Device ids:
-        counted into a [W] vector (fixed size, unlike bincount, whose length depends on the
-        values), read back once."""
+    def per_owner(self, gids: Ids, weights: torch.Tensor | None = None) -> list[int]:
+        """Number of gids per owner [W] (the splits of an alltoall grouped by owner; with int64
+        `weights`, their sum per owner). Device ids: counted into a [W] vector (fixed size, unlike
+        bincount, whose length depends on the values), read back once."""
         if isinstance(gids, torch.Tensor):
             counts = torch.zeros(self.world, dtype=torch.int64, device=gids.device)
-            return counts.index_add_(0, self.owner(gids), torch.ones_like(gids)).tolist()
+            w = torch.ones_like(gids) if weights is None else weights
+            return counts.index_add_(0, self.owner(gids), w).tolist()
         return np.bincount(self.owner(np.asarray(gids, np.int64)), minlength=self.world).tolist()
 
     def owner_order(self, gids: np.ndarray) -> np.ndarray:

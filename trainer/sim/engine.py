@@ -153,7 +153,7 @@ class InProcessHetWire:
         self.staleness = sim.staleness  # owner side, shared: the trainer sums it over ranks
 
     def request(self, remote_ids: torch.Tensor, cached_versions: torch.Tensor, splits: list[int],
-                pull_bound: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                pull_bound: torch.Tensor, counts: Any = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         sim = self.sim
         now = sim.versions.index_select(0, remote_ids)
         table = sim.owners.table(remote_ids)

@@ -44,11 +44,14 @@ def serve_check(cached_version: torch.Tensor, owner_version: torch.Tensor,
 class Check:
     """A version check in flight (see HetWire.request / serve / result)."""
 
-    def __init__(self, request: Any, splits: list[int], pull_bound: torch.Tensor) -> None:
+    def __init__(self, request: Any, splits: list[int], pull_bound: torch.Tensor,
+                 counts: Optional[torch.Tensor] = None) -> None:
         self.request, self.splits, self.pull_bound = request, splits, pull_bound
         self.rows: Any = None  # the row reply's handle, once served
         self.need: Optional[torch.Tensor] = None
         self.versions: Optional[torch.Tensor] = None
+        self.counts = counts  # the requester's own device counts, read back with the split sizes
+        self.counted: Optional[list[int]] = None  # ... their values, once served
 
 
 class Announced:
@@ -84,12 +87,14 @@ class HetWire:
         return torch.empty(0, dtype=self.row_dtype).element_size()
 
     def request(self, remote_ids: torch.Tensor, cached_versions: torch.Tensor, splits: list[int],
-                pull_bound: torch.Tensor) -> "Check":
+                pull_bound: torch.Tensor, counts: Optional[torch.Tensor] = None) -> "Check":
         """Start sending (storage row, cached version) of remote_ids [Ur] (grouped by owner as
-        `splits`; cached_versions -1 = no copy) to their owners; pull_bound [T] per table."""
+        `splits`; cached_versions -1 = no copy) to their owners; pull_bound [T] per table.
+        counts: an int64 vector of the requester's that serve() reads back together with the
+        row counts (Check.counted), so it costs no read of its own."""
         req = torch.stack([self.sh.local_index(remote_ids), cached_versions], 1).to(self.wire_dtype)
         handle = self.comm.alltoall_async(req, splits, kind={"ids": 1, "versions": 1})
-        return Check(handle, list(splits), pull_bound)
+        return Check(handle, list(splits), pull_bound, counts)
 
     def serve(self, chk: "Check") -> None:
         """Owner side: answer a check from the versions and rows as they are NOW, and start
@@ -109,9 +114,9 @@ class HetWire:
         chk.need = chk.versions >= 0
         # one read-back: the rows this rank sends to each requester and receives from each owner
         w = len(served_splits)
-        counts = torch.cat([segment_counts(send, served_splits),
-                            segment_counts(chk.need, chk.splits)]).tolist()
-        send_splits, recv_splits = counts[:w], counts[w:]
+        parts = [segment_counts(send, served_splits), segment_counts(chk.need, chk.splits)]
+        counts = torch.cat(parts + ([chk.counts] if chk.counts is not None else [])).tolist()
+        send_splits, recv_splits, chk.counted = counts[:w], counts[w:2 * w], counts[2 * w:]
         rows = self.store.weight.index_select(0, select(idx, send, sum(send_splits)))
         chk.rows = self.comm.alltoall_async(rows.to(self.row_dtype), send_splits, kind="rows",
                                             recv_splits=recv_splits)
@@ -131,14 +136,15 @@ class HetWire:
     def cancel(self, chk: "Check") -> None:
         chk.request.wait()
 
-    def announce(self, gids: torch.Tensor) -> Optional["Announced"]:
+    def announce(self, gids: torch.Tensor, weights: Optional[torch.Tensor] = None) -> Optional["Announced"]:
         """Start telling the owners how many rows the coming push_updates sends each (`gids`: the
-        rows it will push, in any order), so that push needs no size exchange in front of its
-        rows: the exchange completes during the forward and backward passes. None where it would
-        not help (one rank; a backend whose alltoall negotiates sizes itself)."""
+        rows it will push, in any order; weights: 1 for those it pushes, 0 for those it does
+        not), so that push needs no size exchange in front of its rows: the exchange completes
+        during the forward and backward passes. None where it would not help (one rank; a
+        backend whose alltoall negotiates sizes itself)."""
         if self.comm.size == 1 or self.comm.learns_splits:
             return None
-        splits = self.sh.per_owner(gids)
+        splits = self.sh.per_owner(gids, weights)
         return Announced(splits, self.comm.exchange_splits_async(splits))
 
     def push_updates(self, pushes: Pushes, announced: Optional["Announced"] = None) -> Pushes:
@@ -168,6 +174,11 @@ class HetWire:
         head = _unpack_rows(got, 0, w, self.wire_dtype).long()
         recv = _unpack_rows(got, w, got.shape[1] - w, self.row_dtype).to(grads.dtype)
         return Pushes(sh.global_of(head[:, 0], sh.rank), recv, head[:, 1])
+
+
+def _positions(mask: torch.Tensor, count: int) -> torch.Tensor:
+    """nonzero(mask) when the host knows its size `count`: a fixed-size selection, no read."""
+    return torch.nonzero_static(mask, size=count).squeeze(1)
 
 
 def _pack_rows(parts: list[torch.Tensor]) -> torch.Tensor:
@@ -221,6 +232,7 @@ class HetRemote(RemoteRows):
         self._transient: torch.Tensor | None = None  # positions of its transient ids (None: none)
         self._evicted: Pushes | None = None
         self._announced: Any = None  # this step's push sizes, sent ahead (HetWire.announce)
+        self._due: Optional[int] = None  # ... and how many of its cached rows are due
         self.undoable = False  # train.nonfinite=skip: journal each read so discard() can undo it
 
     def enable_undo(self) -> None:
@@ -232,7 +244,9 @@ class HetRemote(RemoteRows):
         flush takes them) or a rollback (then cancel and begin again)."""
         slots = self.cache.lookup(plan.remote_ids)
         cached = self.cache.versions_of(slots)
-        return HetRead(slots, cached, self.wire.request(plan.remote_ids, cached, plan.splits, self.bounds.pull))
+        misses = (slots < 0).sum().reshape(1)  # read back with the row counts (Check.counted)
+        return HetRead(slots, cached, self.wire.request(plan.remote_ids, cached, plan.splits,
+                                                        self.bounds.pull, misses))
 
     def serve(self, token: HetRead) -> None:
         self.wire.serve(token.check)
@@ -250,21 +264,27 @@ class HetRemote(RemoteRows):
         table = self.sharding.table_of(remote)
         slots, cached_ver = token.slots, token.cached
         hit = slots >= 0
-        cache.touch(slots[hit], step)
         need, versions, rows = self.wire.result(token.check)
-        pulled = torch.nonzero(need).squeeze(1)  # position of each of `rows` among the remote ids
+        # every selection below has a size the host knows: no read of its own (on a GPU each
+        # would wait for the device). Rows pulled: the row alltoall's size; misses: counted at
+        # begin() and read back with it (a wire without that read counts them here)
+        counted = getattr(token.check, "counted", None)
+        n_miss = counted[0] if counted else int((slots < 0).sum())
+        n_pulled = rows.shape[0]  # every miss is pulled, and the stale cached copies
+        cache.touch(select(slots, hit, slots.numel() - n_miss), step)
+        pulled = _positions(need, n_pulled)  # position of each of `rows` among the remote ids
         pulled_slot = slots.index_select(0, pulled)
         was_cached = pulled_slot >= 0
-        stale = torch.nonzero(was_cached).squeeze(1)  # cached copies too far behind: re-read
+        stale = _positions(was_cached, n_pulled - n_miss)  # cached copies too far behind: re-read
         cache.refresh(pulled_slot.index_select(0, stale), rows.index_select(0, stale),
                       versions.index_select(0, pulled.index_select(0, stale)))
-        fetched = torch.nonzero(~was_cached).squeeze(1)  # misses (every miss is pulled)
+        fetched = _positions(~was_cached, n_miss)  # misses
         miss = pulled.index_select(0, fetched)
-        new_slots, self._evicted = cache.install(
+        new_slots, self._evicted, placed = cache.install_counted(
             remote.index_select(0, miss), table.index_select(0, miss), rows.index_select(0, fetched),
             versions.index_select(0, miss), step)
         slots.index_copy_(0, miss, new_slots)
-        gone = torch.nonzero(new_slots < 0).squeeze(1)  # transient: used from the pulled rows
+        gone = _positions(new_slots < 0, n_miss - placed)  # transient: used from the pulled rows
         self._transient = miss.index_select(0, gone) if gone.numel() else None
         if self._transient is None:
             ws.index_copy_(0, plan.remote_pos, cache.rows.index_select(0, slots))
@@ -287,14 +307,18 @@ class HetRemote(RemoteRows):
         if announce is None:
             return
         slots, gone = self._slots, self._transient
-        cached = slots if gone is None else slots.index_select(0, torch.nonzero(slots >= 0).squeeze(1))
-        due = cached.index_select(0, torch.nonzero(self.cache.due_after_update(cached, self.bounds.push)).squeeze(1))
-        parts = [self.cache.gid.index_select(0, due)]
-        if gone is not None:
-            parts.append(remote.index_select(0, gone))
-        if self._evicted is not None and len(self._evicted):
-            parts.append(self._evicted.gids)
-        self._announced = announce(torch.cat(parts))
+        cached = slots if gone is None else select(slots, slots >= 0, slots.numel() - gone.numel())
+        due = self.cache.due_after_update(cached, self.bounds.push)
+        # every candidate row, weighted 1 where it is pushed: counted per owner in one read
+        parts, weights = [self.cache.gid.index_select(0, cached)], [due.long()]
+        extra = ([remote.index_select(0, gone)] if gone is not None else []) + \
+            ([self._evicted.gids] if self._evicted is not None and len(self._evicted) else [])
+        for g in extra:
+            parts.append(g)
+            weights.append(torch.ones_like(g))
+        self._announced = announce(torch.cat(parts), torch.cat(weights))
+        if self._announced is not None:  # the due rows among the cached: the write's selection size
+            self._due = sum(self._announced.splits) - sum(int(g.numel()) for g in extra)
 
     def write(self, plan: LookupPlan, grad: torch.Tensor) -> Pushes:
         """Local updates of this step: apply to cached copies, push the due, transient and
@@ -303,12 +327,13 @@ class HetRemote(RemoteRows):
         self.cache.commit()
         g = grad.index_select(0, plan.remote_pos)
         parts = []
+        due, self._due = self._due, None
         if gone is None:  # every remote row is cached (the usual case)
-            parts.append(self.cache.record_and_take_due(slots, g, self.bounds.push))
+            parts.append(self.cache.record_and_take_due(slots, g, self.bounds.push, due))
         else:
-            cached = torch.nonzero(slots >= 0).squeeze(1)
+            cached = _positions(slots >= 0, slots.numel() - gone.numel())
             parts.append(self.cache.record_and_take_due(slots.index_select(0, cached),
-                                                        g.index_select(0, cached), self.bounds.push))
+                                                        g.index_select(0, cached), self.bounds.push, due))
             parts.append(Pushes.single(plan.remote_ids.index_select(0, gone), g.index_select(0, gone)))
         evicted, self._evicted = self._evicted, None
         if evicted is not None and len(evicted):
@@ -325,6 +350,7 @@ class HetRemote(RemoteRows):
         if self._announced is not None:
             self._announced.handle.wait()
         self._slots, self._transient, self._evicted, self._announced = None, None, None, None
+        self._due = None
 
     def flush(self) -> Pushes:
         return self._send(self.cache.take_all())
