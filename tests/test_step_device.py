@@ -81,11 +81,12 @@ HOST_OK: dict[tuple[str, str], str] = {
         f"{INHERENT}: one read of the rows each peer gets from / sends to this rank after the "
         "version check (the row alltoall's split sizes, both directions in one [2W] vector)",
     ("trainer/embedding/cache.py", "_choose_slots"):
-        CACHE_TODO + "a Python loop over tables with two .tolist() and one int(need[t]) per table "
-        "with misses; choose every table's victims in one segmented pass (sort by (table, key)) "
-        "and read one count vector",
-    ("trainer/embedding/cache.py", "_victims"): CACHE_TODO + "int(ok.sum()) per table; goes with "
-        "_choose_slots",
+        CACHE_TODO + "one read of [3T] counts (misses left per table after its free slots, where "
+        "each table's victims start, the free slots taken) before a Python loop over the tables "
+        "that need victims; a segmented victim choice for all tables (sort by (table, key)) would "
+        "read them with the victims' counts",
+    ("trainer/embedding/cache.py", "_victims"): CACHE_TODO + "the last key of each table's "
+        "selection (one read), int(ok.sum()) for a region that runs out; goes with _choose_slots",
     ("trainer/embedding/cache.py", "insert"):
         "CPU-ONLY: DirectSlotMap's live counter (int(new.sum())): the direct map is the CPU path "
         "only; on a GPU the cache uses the Triton hash map",
@@ -93,16 +94,8 @@ HOST_OK: dict[tuple[str, str], str] = {
     ("trainer/data/ids.py", "values"): GUARD + " (bool(bad.any()))",
 }
 SHAPE_OK: dict[tuple[str, str], str] = {
-    ("trainer/embedding/cache.py", "_choose_slots"):
-        CACHE_TODO + "bincount of the misses per table and nonzero(need): fixed [T] counts "
-        "(index_add_) read together with the victims' counts",
-    ("trainer/embedding/cache.py", "_victims"): CACHE_TODO + "nonzero(gid < 0) per table: the free "
-        "slots of all tables in one fixed-size pass (topk / nonzero_static with the counts read once)",
     ("trainer/embedding/cache.py", "_evict"): CACHE_TODO + "slots[old >= 0] and live[count > 0]: "
         "masked selections; mask-weighted fixed-size ops (index_fill_ under a mask) need no size",
-    ("trainer/embedding/cache.py", "install_counted"): CACHE_TODO + "slots[ok], gids[ok], rows[ok], "
-        "versions[ok], gids[ok]: five selections of the placed misses; one count read with the "
-        "victims' and trainer/device.select for all",
     ("trainer/embedding/cache.py", "take_due"): CACHE_TODO + "slots[push_due(...)]: the due slots; "
         "their count can join the push's split-size read",
     ("trainer/embedding/cache.py", "record_and_take_due"): CACHE_TODO + "nonzero(push_due(...)) "

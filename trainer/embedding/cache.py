@@ -207,7 +207,7 @@ class RowCache:
         """install(), and how many of the misses got a slot (the others are transient)."""
         slots, placed_n, victims_n = self._choose_slots(tables, step)
         if placed_n < slots.numel():  # some are transient: keep the placed ones
-            ok = torch.nonzero(slots >= 0).squeeze(1)
+            ok = torch.nonzero_static(slots >= 0, size=placed_n).squeeze(1)
             placed, gids, rows, versions = (slots.index_select(0, ok), gids.index_select(0, ok),
                                             rows.index_select(0, ok), versions.index_select(0, ok))
         else:
@@ -345,7 +345,9 @@ class RowCache:
         out = torch.full((n,), -1, dtype=torch.int64, device=tables.device)
         if n == 0 or self.size == 0:
             return out, 0, 0
-        need = torch.bincount(tables, minlength=self.num_tables)
+        # misses per table, counted into a fixed [T] (bincount's length would depend on the values)
+        need = torch.zeros(self.num_tables, dtype=torch.int64, device=tables.device)
+        need.index_add_(0, tables, torch.ones_like(tables))
         order = torch.argsort(tables, stable=True)  # misses grouped by table, in order
         first = torch.cumsum(need, 0) - need  # [T] where each table's misses start in `order`
         rank = torch.empty_like(order)  # rank of each miss among its table's misses
@@ -353,12 +355,15 @@ class RowCache:
         free = self._free.index_select(0, tables)
         out = torch.where(rank < free, self._end.index_select(0, tables) - free + rank, out)
         took = torch.minimum(need, self._free)
-        short = (need - took).tolist()  # [T] misses left after the free slots (one host sync)
-        placed, victims_n = int(took.sum()), 0
+        # one host read: per table, the misses left after the free slots, where its victims'
+        # misses start in `order`, and the free slots taken
+        t_ = self.num_tables
+        both = torch.cat([need - took, first + took, took]).tolist()
+        short, start, took_n = both[:t_], both[t_:2 * t_], both[2 * t_:]
+        placed, victims_n = sum(took_n), 0
         if any(short):
-            start = (first + took).tolist()
             pos, victims = [], []
-            for t, v in self._victims(short, took.tolist(), step):
+            for t, v in self._victims(short, took_n, step):
                 pos.append(order[start[t]:start[t] + v.numel()])
                 victims.append(v)
             if victims:
