@@ -177,7 +177,10 @@ class HetWire:
 
 
 def _positions(mask: torch.Tensor, count: int) -> torch.Tensor:
-    """nonzero(mask) when the host knows its size `count`: a fixed-size selection, no read."""
+    """nonzero(mask) when the host knows its size `count`: a fixed-size selection, no read. A
+    wrong count would silently drop or pad positions, so it is checked where it costs no read
+    (raised at once on the CPU, asynchronously on a GPU)."""
+    torch._assert_async(mask.sum() == count, "HET read: a selection's size is not the host's count")
     return torch.nonzero_static(mask, size=count).squeeze(1)
 
 
@@ -271,7 +274,7 @@ class HetRemote(RemoteRows):
         counted = getattr(token.check, "counted", None)
         n_miss = counted[0] if counted else int((slots < 0).sum())
         n_pulled = rows.shape[0]  # every miss is pulled, and the stale cached copies
-        cache.touch(select(slots, hit, slots.numel() - n_miss), step)
+        cache.touch(slots.index_select(0, _positions(hit, slots.numel() - n_miss)), step)
         pulled = _positions(need, n_pulled)  # position of each of `rows` among the remote ids
         pulled_slot = slots.index_select(0, pulled)
         was_cached = pulled_slot >= 0
