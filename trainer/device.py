@@ -45,11 +45,18 @@ def from_host(values: Sequence[int] | np.ndarray, device: torch.device | str,
     return to_device(torch.from_numpy(np.ascontiguousarray(values, dtype=_NUMPY[dtype])), device)
 
 
+def positions(mask: torch.Tensor, count: int) -> torch.Tensor:
+    """nonzero(mask) [count] when the host already knows `count` = mask.sum(): a fixed-size
+    selection (nonzero_static), so nothing is read back from the device. A wrong count would
+    silently drop or pad positions, so it is checked where that costs no read (raised at once on
+    the CPU, asynchronously on a GPU)."""
+    torch._assert_async(mask.sum() == count, "a fixed-size selection's count is not the mask's")
+    return torch.nonzero_static(mask, size=count).squeeze(1)
+
+
 def select(values: torch.Tensor, mask: torch.Tensor, count: int) -> torch.Tensor:
-    """values[mask] when the host already knows `count` = mask.sum(): a fixed-size selection
-    (nonzero_static), so nothing is read back from the device."""
-    at = torch.nonzero_static(mask, size=count).squeeze(1)
-    return values.index_select(0, at)
+    """values[mask] when the host already knows `count` = mask.sum() (see positions)."""
+    return values.index_select(0, positions(mask, count))
 
 
 _RESIDENT: WeakIdKeyDictionary = WeakIdKeyDictionary()  # tensor -> {device: its copy there}

@@ -36,8 +36,7 @@ class IdGuard:
     def __init__(self, table_rows: list[int], policy: str, what: str = "data") -> None:
         if policy not in ("error", "hash"):
             raise ValueError(f"data.out_of_range={policy!r} is not one of error, hash")
-        self.rows = torch.tensor(list(table_rows), dtype=torch.int64)
-        self._rows_on: dict[torch.device, torch.Tensor] = {}  # copies on the batches' devices, made once
+        self.rows = torch.tensor(list(table_rows), dtype=torch.int64)  # copied to a device once (resident)
         self.policy, self.what = policy, what
         self._hashed = 0  # ids folded so far (policy hash), counted on the host
         self._hashed_on: list[torch.Tensor] = []  # ... and on devices (read only when reported)
@@ -54,10 +53,7 @@ class IdGuard:
         """values [N] of tables table [N] -> in-range values [N] (the same tensor when all are)."""
         if values.numel() == 0:
             return values
-        rows = self._rows_on.get(values.device)
-        if rows is None:
-            rows = self._rows_on[values.device] = self.rows.to(values.device)
-        lim = rows[table]
+        lim = resident(self.rows, values.device)[table]
         bad = (values < 0) | (values >= lim)
         if not bool(bad.any()):
             return values

@@ -37,6 +37,7 @@ import torch
 import kernels
 from kernels.hashmap import IdSlotMap
 
+from ..device import positions
 from .consistency import push_due
 from .types import Pushes
 
@@ -207,7 +208,7 @@ class RowCache:
         """install(), and how many of the misses got a slot (the others are transient)."""
         slots, placed_n, victims_n = self._choose_slots(tables, step)
         if placed_n < slots.numel():  # some are transient: keep the placed ones
-            ok = torch.nonzero_static(slots >= 0, size=placed_n).squeeze(1)
+            ok = positions(slots >= 0, placed_n)
             placed, gids, rows, versions = (slots.index_select(0, ok), gids.index_select(0, ok),
                                             rows.index_select(0, ok), versions.index_select(0, ok))
         else:
@@ -290,7 +291,7 @@ class RowCache:
         pending = self.pending.index_select(0, slots).add_(grads)
         count = self.count.index_select(0, slots).add_(1)
         due = self._due(count, slots, push_bound)
-        at = (torch.nonzero(due) if due_count is None else torch.nonzero_static(due, size=due_count)).squeeze(1)
+        at = torch.nonzero(due).squeeze(1) if due_count is None else positions(due, due_count)
         out = Pushes(self.gid.index_select(0, slots.index_select(0, at)), pending.index_select(0, at),
                      count.index_select(0, at))
         self.pending.index_copy_(0, slots, pending.index_fill_(0, at, 0.0))

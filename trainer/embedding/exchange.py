@@ -13,7 +13,7 @@ from typing import Callable
 import torch
 
 from ..comm import Collectives
-from ..device import from_host
+from ..device import from_host, positions
 from .sharding import Sharding
 from .store import ShardStore
 from .types import LookupPlan
@@ -42,7 +42,7 @@ def plan_lookup(sharding: Sharding, gids: torch.Tensor,
         key = torch.where(slot >= 0, torch.full_like(key, world), key)
     per_key = torch.zeros(world + 1, dtype=torch.int64, device=dev).index_add_(0, key, first.long()).tolist()
     u = sum(per_key)
-    at = torch.nonzero_static(first, size=u).squeeze(1)  # [U] first occurrence of each unique id
+    at = positions(first, u)  # [U] first occurrence of each unique id
     uniq = ids.index_select(0, at)
     inverse = torch.empty_like(seg).scatter_(0, perm, seg)
     order = torch.argsort(key.index_select(0, at), stable=True)  # by key, then ascending id

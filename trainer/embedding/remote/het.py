@@ -23,7 +23,7 @@ from typing import Any, Optional
 import torch
 
 from ...comm import Collectives
-from ...device import select
+from ...device import positions, select
 from ..cache import RowCache
 from ..consistency import Bounds, needs_row
 from ..exchange import segment_counts, wire_dtype, wire_float
@@ -176,14 +176,6 @@ class HetWire:
         return Pushes(sh.global_of(head[:, 0], sh.rank), recv, head[:, 1])
 
 
-def _positions(mask: torch.Tensor, count: int) -> torch.Tensor:
-    """nonzero(mask) when the host knows its size `count`: a fixed-size selection, no read. A
-    wrong count would silently drop or pad positions, so it is checked where it costs no read
-    (raised at once on the CPU, asynchronously on a GPU)."""
-    torch._assert_async(mask.sum() == count, "HET read: a selection's size is not the host's count")
-    return torch.nonzero_static(mask, size=count).squeeze(1)
-
-
 def _pack_rows(parts: list[torch.Tensor]) -> torch.Tensor:
     """[n, bytes] uint8 whose row i holds the bytes of row i of each part ([n, k_j] each), in order."""
     widths = [p.shape[1] * p.element_size() for p in parts]
@@ -274,20 +266,20 @@ class HetRemote(RemoteRows):
         counted = getattr(token.check, "counted", None)
         n_miss = counted[0] if counted else int((slots < 0).sum())
         n_pulled = rows.shape[0]  # every miss is pulled, and the stale cached copies
-        cache.touch(slots.index_select(0, _positions(hit, slots.numel() - n_miss)), step)
-        pulled = _positions(need, n_pulled)  # position of each of `rows` among the remote ids
+        cache.touch(slots.index_select(0, positions(hit, slots.numel() - n_miss)), step)
+        pulled = positions(need, n_pulled)  # position of each of `rows` among the remote ids
         pulled_slot = slots.index_select(0, pulled)
         was_cached = pulled_slot >= 0
-        stale = _positions(was_cached, n_pulled - n_miss)  # cached copies too far behind: re-read
+        stale = positions(was_cached, n_pulled - n_miss)  # cached copies too far behind: re-read
         cache.refresh(pulled_slot.index_select(0, stale), rows.index_select(0, stale),
                       versions.index_select(0, pulled.index_select(0, stale)))
-        fetched = _positions(~was_cached, n_miss)  # misses
+        fetched = positions(~was_cached, n_miss)  # misses
         miss = pulled.index_select(0, fetched)
         new_slots, self._evicted, placed = cache.install_counted(
             remote.index_select(0, miss), table.index_select(0, miss), rows.index_select(0, fetched),
             versions.index_select(0, miss), step)
         slots.index_copy_(0, miss, new_slots)
-        gone = _positions(new_slots < 0, n_miss - placed)  # transient: used from the pulled rows
+        gone = positions(new_slots < 0, n_miss - placed)  # transient: used from the pulled rows
         self._transient = miss.index_select(0, gone) if gone.numel() else None
         if self._transient is None:
             ws.index_copy_(0, plan.remote_pos, cache.rows.index_select(0, slots))
@@ -334,7 +326,7 @@ class HetRemote(RemoteRows):
         if gone is None:  # every remote row is cached (the usual case)
             parts.append(self.cache.record_and_take_due(slots, g, self.bounds.push, due))
         else:
-            cached = _positions(slots >= 0, slots.numel() - gone.numel())
+            cached = positions(slots >= 0, slots.numel() - gone.numel())
             parts.append(self.cache.record_and_take_due(slots.index_select(0, cached),
                                                         g.index_select(0, cached), self.bounds.push, due))
             parts.append(Pushes.single(plan.remote_ids.index_select(0, gone), g.index_select(0, gone)))
