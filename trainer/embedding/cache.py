@@ -269,9 +269,7 @@ class RowCache:
 
     def take_due(self, slots: torch.Tensor, push_bound: torch.Tensor) -> Pushes:
         """Pending updates of slots [k] whose count passed their table's push bound [T]."""
-        due = slots[push_due(self.count.index_select(0, slots),
-                             push_bound.to(slots.device)[self.slot_table[slots]])]
-        return self._take(due)
+        return self._take(slots[self._due(self.count.index_select(0, slots), slots, push_bound)])
 
     def due_after_update(self, slots: torch.Tensor, push_bound: torch.Tensor) -> torch.Tensor:
         """[k] bool: the distinct cached slots [k] whose updates record_and_take_due(slots, ...)

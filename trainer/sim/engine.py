@@ -170,7 +170,7 @@ class InProcessHetWire:
     def result(self, answered: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         return answered
 
-    def push_updates(self, pushes: Pushes) -> Pushes:
+    def push_updates(self, pushes: Pushes, announced: Any = None) -> Pushes:
         return pushes
 
 

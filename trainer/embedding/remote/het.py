@@ -352,6 +352,4 @@ class HetRemote(RemoteRows):
 
     def _send(self, pushes: Pushes, announced: Any = None) -> Pushes:
         self.stats.pushes(self.sharding.table_of(pushes.gids), pushes.counts)
-        if announced is None:
-            return self.wire.push_updates(pushes)
         return self.wire.push_updates(pushes, announced)
