@@ -1,8 +1,9 @@
 """The pipelined step (train.pipeline), the asynchronous collectives under it, and the wire precision.
 
 - pipeline=ids moves only work that depends on no update (the next batch, its plan, its id / version
-  requests) ahead, and runs the dense allreduce beside the embedding push: at BSP it still equals the
-  single-process reference (real gloo processes);
+  requests, and without a cache the rows the current step does not update) ahead, and runs the
+  dense allreduce beside the embedding push: at BSP it still equals the single-process reference
+  (real gloo processes);
 - pipeline=rows also lets the owners answer the next step's reads before this step's updates: every
   read is at most pull_bound updates behind the owner version at the start of the step BEFORE it
   (the in-flight step counted), and still no update is lost;
@@ -22,6 +23,10 @@ from trainer.comm import make_collectives
 
 PARITY = {
     "w2-plain-sgd": (2, ["optim=sgd"]),
+    # a row lr large enough that a row read one update early changes the run beyond the tolerance
+    # (with the default lr a one-step-stale row moves the losses by ~1e-7 only): the settled rows
+    # sent during the step before (RowExchange.serve_settled) must be exactly the untouched ones
+    "w2-plain-sgd-row-lr-5": (2, ["optim=sgd", "optim.sparse_lr=5.0"]),
     "w3-plain-adagrad-mean": (3, ["optim=adagrad", "model.pooling=mean"]),
     "w2-lru-bsp-adam": (2, ["optim=adam", "cache=lru", "cache.capacity_rows=30"]),
     "w2-fae-hot-batches": (2, ["optim=adagrad", "placement=fae", "placement.budget_bytes=16000"]),

@@ -321,12 +321,15 @@ class Trainer:
 
     def _prefetch(self, step: int) -> None:
         """train.pipeline: build step+1's batch and plan and send its id requests now, so they
-        travel while this step computes (the requests depend on no update: exact)."""
+        travel while this step computes (the requests depend on no update: exact); with ids, the
+        owners also send the rows of step+1 that this step does not update (exact too)."""
         nxt = step + 1
         if self.pipeline == "off" or nxt >= self.c.train.steps or self.sparse.herald is not None:
             return  # Herald plans its sync step by step against its flushes: no early planning
         batch, info = self._batch(nxt)
         self._next = (nxt, (batch, info), self.emb.prepare(batch, info))
+        if self.pipeline == "ids":  # the rows this step leaves alone travel during its compute
+            self.emb.serve_settled(self._next[2])
 
     def _serve_early(self, step: int) -> None:
         """train.pipeline=rows: the owners answer step+1's reads now, before this step's updates

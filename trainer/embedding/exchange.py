@@ -13,7 +13,7 @@ from typing import Callable
 import torch
 
 from ..comm import Collectives
-from ..device import from_host, positions
+from ..device import from_host, positions, select
 from .sharding import Sharding
 from .store import ShardStore
 from .types import LookupPlan
@@ -59,13 +59,36 @@ def plan_lookup(sharding: Sharding, gids: torch.Tensor,
 
 
 class Pull:
-    """A pull in flight: the id request (an alltoall handle), then the owners' row reply."""
+    """A pull in flight: the id request (an alltoall handle), then the owners' row reply (in one
+    part, or in two: the settled rows early, see RowExchange.serve_settled, then the rest)."""
 
     def __init__(self, ids, splits: list[int]) -> None:
         self.ids, self.splits = ids, splits
-        self.rows = None  # the row reply's handle, once served
+        self.rows = None  # the row reply's handle, once served (with an early part: the rest)
         self.served: torch.Tensor | None = None  # ids peers asked this rank (as owner) for
         self.served_splits: list[int] = []
+        self.early: Early | None = None  # the settled rows, sent ahead (serve_settled)
+
+    def requests(self) -> tuple[torch.Tensor, list[int]]:
+        """(ids peers asked this rank for, per-peer counts): waits for the request once."""
+        if self.served is None:
+            self.served, self.served_splits = self.ids.wait()
+        return self.served, self.served_splits
+
+    def wait(self) -> None:
+        """Wait for everything in flight (a pull that will not be used)."""
+        for h in (self.ids, self.early.handle if self.early is not None else None, self.rows):
+            if h is not None:
+                h.wait()
+
+
+class Early:
+    """The early part of a row reply: which served ids were settled (sent early) and which
+    requested ids come early, with the per-peer counts of both and the rows' handle."""
+
+    def __init__(self, sent: torch.Tensor, came: torch.Tensor, send: list[int], recv: list[int],
+                 handle) -> None:
+        self.sent, self.came, self.send, self.recv, self.handle = sent, came, send, recv, handle
 
 
 class RowExchange:
@@ -80,23 +103,68 @@ class RowExchange:
     def __init__(self, comm: Collectives, store: ShardStore, precision: str = "fp32") -> None:
         self.comm, self.store = comm, store
         self.row_dtype = wire_float(precision)  # rows and gradients travel as this; owners keep fp32
+        self._mark: torch.Tensor | None = None  # [local rows] scratch of serve_settled (all False)
 
     def request(self, remote_ids: torch.Tensor, splits: list[int]) -> Pull:
         """Start sending remote_ids (grouped by owner as `splits` says) to their owners."""
         return Pull(self.comm.alltoall_async(remote_ids, splits, kind="ids"), list(splits))
 
+    def serve_settled(self, p: Pull, touched: torch.Tensor) -> None:
+        """Owner side, one step early (train.pipeline=ids): send now the requested rows that the
+        current step's update leaves as they are, so they travel while the model computes.
+        `touched`: the global ids this rank updates at the current step (its own rows of the
+        step and the rows peers pulled from it: an owner updates exactly those). A row outside
+        them holds now the value it will hold after the update, so the reply stays exact; serve()
+        sends the rest after the update. The requester learns which of its ids come early from
+        a one-byte flag per id (counted as ids)."""
+        if p.rows is not None or p.early is not None:
+            return
+        served, served_splits = p.requests()
+        local = self.store.sharding.local_index
+        if self._mark is None:
+            self._mark = torch.zeros(self.store.weight.shape[0], dtype=torch.bool, device=served.device)
+        at = local(touched)
+        self._mark.index_fill_(0, at, True)
+        settled = ~self._mark.index_select(0, local(served))
+        self._mark.index_fill_(0, at, False)
+        flags, _ = self.comm.alltoall(settled.to(torch.uint8), served_splits, kind="ids",
+                                      recv_splits=p.splits)
+        came = flags.bool()
+        w = len(p.splits)  # one read-back: rows sent early to each peer, received from each
+        counts = torch.cat([segment_counts(settled, served_splits), segment_counts(came, p.splits)]).tolist()
+        send, recv = counts[:w], counts[w:]
+        rows = self.store.rows(select(served, settled, sum(send))).to(self.row_dtype)
+        p.early = Early(settled, came, send, recv,
+                        self.comm.alltoall_async(rows, send, kind="rows", recv_splits=recv))
+
     def serve(self, p: Pull) -> None:
-        """Owner side: read the requested rows as they are now and start sending them."""
-        if p.rows is None:
-            p.served, p.served_splits = p.ids.wait()
-            rows = self.store.rows(p.served).to(self.row_dtype)
-            p.rows = self.comm.alltoall_async(rows, p.served_splits, kind="rows", recv_splits=p.splits)
+        """Owner side: read the requested rows as they are now and start sending them (after
+        serve_settled: only those it did not send)."""
+        if p.rows is not None:
+            return
+        served, served_splits = p.requests()
+        e = p.early
+        if e is None:
+            rows = self.store.rows(served).to(self.row_dtype)
+            p.rows = self.comm.alltoall_async(rows, served_splits, kind="rows", recv_splits=p.splits)
+            return
+        send = [a - b for a, b in zip(served_splits, e.send)]
+        recv = [a - b for a, b in zip(p.splits, e.recv)]
+        rows = self.store.rows(select(served, ~e.sent, sum(send))).to(self.row_dtype)
+        p.rows = self.comm.alltoall_async(rows, send, kind="rows", recv_splits=recv)
 
     def result(self, p: Pull) -> torch.Tensor:
         """[Ur, d] rows of the pull's ids (serving them first if that has not happened yet)."""
         self.serve(p)
         got, _ = p.rows.wait()
-        return got.to(self.store.weight.dtype)
+        e = p.early
+        if e is None:
+            return got.to(self.store.weight.dtype)
+        early, _ = e.handle.wait()
+        out = torch.empty(e.came.numel(), self.store.dim, dtype=self.store.weight.dtype, device=got.device)
+        out.index_copy_(0, positions(e.came, sum(e.recv)), early.to(out.dtype))
+        out.index_copy_(0, positions(~e.came, got.shape[0]), got.to(out.dtype))
+        return out
 
     def pull(self, remote_ids: torch.Tensor, splits: list[int]) -> torch.Tensor:
         """[Ur, d] rows of remote_ids (grouped by owner as `splits` says), now."""

@@ -11,7 +11,8 @@ Every protocol answers the same calls; read/write/flush are collective (every ra
 the same step), discard communicates nothing:
 
 - read(plan, ws, step, sync, token): fill the workspace rows ws[plan.remote_pos]; a pipelined step
-  splits it: begin(plan) (the request, one step early), serve(token) (the owners answer), read;
+  splits it: begin(plan) (the request, one step early), serve(token) (the owners answer; or
+  serve_settled(token, owned) one step early for the rows the current step leaves alone), read;
 - write(plan, grad) -> Pushes: send this step's remote row gradients; return what this rank
   received as owner (applied by the caller once per row, together with its own rows);
 - flush() -> Pushes | None: push whatever is still pending (before eval, checkpoint, exit); None when
@@ -143,6 +144,11 @@ class RemoteRows(ABC):
     def serve(self, token: Any) -> None:
         """Answer a begun read from the owners' rows as they are NOW (a pipelined step with
         train.pipeline=rows calls it before the current step's updates). Collective."""
+
+    def serve_settled(self, token: Any, owned: torch.Tensor) -> None:
+        """Answer now the part of a begun read that the current step's update cannot change
+        (train.pipeline=ids: exact), the rest at its read; owned: the global ids of this rank's
+        own rows in the current step. Protocols without such a part do nothing. Collective."""
 
     def cancel(self, token: Any) -> None:
         """Drop a begun read that will not be used (its step was skipped): wait for what is in

@@ -26,8 +26,15 @@ class PlainRemote(RemoteRows):
     def serve(self, token: Any) -> None:
         self.exchange.serve(token)
 
+    def serve_settled(self, token: Any, owned: torch.Tensor) -> None:
+        """The rows of the next step's read that this step's update leaves alone travel now: this
+        rank updates its own rows of the step (`owned`) and the rows peers pulled from it."""
+        touched = owned if self._pull is None or self._pull.served is None \
+            else torch.cat([owned, self._pull.served])
+        self.exchange.serve_settled(token, touched)
+
     def cancel(self, token: Any) -> None:
-        token.ids.wait()
+        token.wait()
 
     def read(self, plan: LookupPlan, ws: torch.Tensor, step: int, sync: Any = None, token: Any = None) -> None:
         self._pull = token if token is not None else self.begin(plan)
