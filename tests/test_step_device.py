@@ -77,6 +77,10 @@ HOST_OK: dict[tuple[str, str], str] = {
     ("trainer/embedding/sharding.py", "per_owner"):
         f"{INHERENT}: the split sizes of HetWire.push_updates (read once, when HetWire.announce "
         "sends them ahead of the rows; or in push_updates when nothing was announced)",
+    ("trainer/embedding/exchange.py", "serve_settled"):
+        f"{INHERENT}: one read of the settled rows each peer gets from / sends to this rank early "
+        "(train.pipeline=ids without a cache: the early row alltoall's split sizes, both "
+        "directions in one [2W] vector)",
     ("trainer/embedding/remote/het.py", "serve"):
         f"{INHERENT}: one read of the rows each peer gets from / sends to this rank after the "
         "version check (the row alltoall's split sizes, both directions in one [2W] vector)",
@@ -128,12 +132,14 @@ ALLOWED = {"factory": FACTORY_OK, "mix": MIX_OK, "host": HOST_OK, "shape": SHAPE
 READS_AT_MOST: dict[tuple[str, str], int] = {
     ("trainer/embedding/exchange.py", "plan_lookup"): 1,
     ("trainer/embedding/remote/het.py", "serve"): 1,
+    ("trainer/embedding/exchange.py", "serve_settled"): 1,
     ("trainer/embedding/sharding.py", "per_owner"): 1,
 }
 # host syncs per step where no TODO site runs (the cache's do vary with its contents): W = 1 and
 # no cache: the loss and the plan's count read-back (+ the received split sizes at W = 2; + the CPU
-# reference's torch.unique in the owner update when it sums pushed rows)
-SYNCS_AT_MOST = {"w1": 2, "plain-triton": 3, "pipeline-ids": 4}
+# reference's torch.unique in the owner update when it sums pushed rows; + the settled rows' split
+# sizes with train.pipeline=ids)
+SYNCS_AT_MOST = {"w1": 2, "plain-triton": 3, "pipeline-ids": 5}
 PLAN_TENSORS = ("uniq", "inverse", "owned_pos", "remote_pos", "hot_pos", "hot_slots")
 
 

@@ -115,7 +115,7 @@ class HybridEmbedding:
     def serve_settled(self, prep: "Prepared") -> None:
         """train.pipeline=ids: the owners send now the rows of a prepared read that the current
         step's update leaves unchanged (exact; the rest after it). Collective."""
-        if prep.token is not None and self._pending is not None:
+        if prep.token is not None and self._pending is not None and self.comm.size > 1:
             self.remote.serve_settled(prep.token, self._pending[0].owned_ids)
 
     def cancel(self, prep: "Prepared") -> None:
