@@ -371,20 +371,20 @@ def test_announced_push_sizes_are_the_push(policy, pull, push, fraction, monkeyp
         announced[self.rank] = pushed.clone()
         return Announced([int(pushed.numel())], None)
 
-    def push_updates(self, pushes, ann=None):
+    def push_updates_start(self, pushes, ann=None):
         if ann is None:  # the final flush (not a training step's write): nothing announced
             assert self.rank not in announced
-            return pushes
+            return lambda: pushes
         assert torch.equal(torch.sort(announced.pop(self.rank)).values, torch.sort(pushes.gids).values)
         checked.append(len(pushes))
-        return pushes
+        return lambda: pushes
 
     args = WIDE + [f"cache={policy}", f"cache.capacity_fraction={fraction}",
                    f"consistency.pull_bound={pull}", f"consistency.push_bound={push}"]
     trace, spec, _ = sim.build(args, 3, log=None)
     want = sim.report(sim.run_simulation(trace, spec, 8), trace, 0.0)
     monkeypatch.setattr(InProcessHetWire, "announce", announce, raising=False)
-    monkeypatch.setattr(InProcessHetWire, "push_updates", push_updates)
+    monkeypatch.setattr(InProcessHetWire, "push_updates_start", push_updates_start)
     got = sim.report(sim.run_simulation(trace, spec, 8), trace, 0.0)
     assert len(checked) == 8 * 3 and sum(checked) > 0
     assert got == want

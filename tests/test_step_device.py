@@ -75,8 +75,8 @@ HOST_OK: dict[tuple[str, str], str] = {
         "([W + 1]), the alltoall split sizes, which also fix every size of the plan",
     ("trainer/comm/base.py", "_received_splits"): f"{INHERENT}: received alltoall split sizes",
     ("trainer/embedding/sharding.py", "per_owner"):
-        f"{INHERENT}: the split sizes of HetWire.push_updates (read once, when HetWire.announce "
-        "sends them ahead of the rows; or in push_updates when nothing was announced)",
+        f"{INHERENT}: the split sizes of HetWire.push_updates_start (read once, when HetWire.announce "
+        "sends them ahead of the rows; or in push_updates_start when nothing was announced)",
     ("trainer/embedding/exchange.py", "serve_settled"):
         f"{INHERENT}: one read of the settled rows each peer gets from / sends to this rank early "
         "(train.pipeline=ids without a cache: the early row alltoall's split sizes, both "

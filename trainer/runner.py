@@ -357,7 +357,7 @@ class Trainer:
         skip: the global loss is reduced first (one extra 4-byte allreduce) and, when it is not
         finite, every rank drops the step before anything changed (embedding.discard).
         train.pipeline != off: the next step is prepared during this one (_prefetch), and the dense
-        allreduce runs while the embedding gradients are pushed and applied."""
+        allreduce starts behind the embedding gradient push and travels while the owners update."""
         self.model.train()
         if prep is not None:
             pooled = self.emb.lookup(batch, train=True, prepared=prep)
@@ -382,10 +382,11 @@ class Trainer:
         if self.pipeline == "off":
             self.emb.apply_gradients()
             reduced = self.comm.grouped_allreduce(grads + extra, op="sum", kind="dense")
-        else:  # the dense allreduce travels while the embedding gradients are pushed and applied
-            dense = self.comm.grouped_allreduce_async(grads + extra, op="sum", kind="dense")
-            self.emb.apply_gradients()
-            reduced = dense.wait()
+        else:  # the row gradients leave first, the dense allreduce behind them while owners update
+            dense = []
+            self.emb.apply_gradients(between=lambda: dense.append(
+                self.comm.grouped_allreduce_async(grads + extra, op="sum", kind="dense")))
+            reduced = dense[0].wait()
         for p, g in zip(self.params, reduced):
             p.grad = g
         self.opt.step()

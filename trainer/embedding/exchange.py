@@ -170,17 +170,16 @@ class RowExchange:
         """[Ur, d] rows of remote_ids (grouped by owner as `splits` says), now."""
         return self.result(self.request(remote_ids, splits))
 
-    def push(self, p: Pull, grads: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Send grads [Ur, d] of pull p's ids to their owners.
-
-        Returns (ids, grads) received as owner: the rows peers pulled from us and their gradients,
-        in the order they were served, so no ids need to travel again.
-        """
+    def push_start(self, p: Pull, grads: torch.Tensor):
+        """Start sending grads [Ur, d] of pull p's ids to their owners; returns a function that
+        waits for them and returns (ids, grads) received as owner: the rows peers pulled from us
+        and their gradients, in the order they were served, so no ids need to travel again."""
         if p.served is None:
             raise RuntimeError("push() of a pull that was never served")
-        recv, _ = self.comm.alltoall(grads.to(self.row_dtype), p.splits, kind="grads",
-                                     recv_splits=p.served_splits)
-        return p.served, recv.to(grads.dtype)
+        handle = self.comm.alltoall_async(grads.to(self.row_dtype), p.splits, kind="grads",
+                                          recv_splits=p.served_splits)
+        dtype = grads.dtype
+        return lambda: (p.served, handle.wait()[0].to(dtype))
 
 
 WIRE_FLOATS = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}

@@ -20,7 +20,7 @@ Evaluation reads fresh rows from the owners after a flush, so it measures the mo
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -156,9 +156,11 @@ class HybridEmbedding:
         return kernels.pooled_gather(ws, plan.inverse, batch.offsets(), batch.num_tables,
                                      mode=self.pooling)
 
-    def apply_gradients(self) -> None:
+    def apply_gradients(self, between: Callable[[], None] | None = None) -> None:
         """Replicated rows: allreduce + local update; remote rows: the protocol's pushes; owners
-        update every touched row once. Collective."""
+        update every touched row once. Collective. between(): called once, after the pushes
+        have started and before this rank waits for what it receives (train.pipeline starts the
+        dense allreduce there, so it travels behind the row gradients while the owner updates)."""
         if self._pending is None:
             raise RuntimeError("apply_gradients() called without a training lookup")
         plan, ws, info = self._pending
@@ -170,9 +172,13 @@ class HybridEmbedding:
             self._reduce_hot(plan, grad, info)
         owned = Pushes.single(plan.owned_ids, grad[plan.owned_pos])
         if info.hot:
-            self._apply(owned, Pushes.empty(self.dim, grad.device))
-            return
-        self._apply(owned, self.remote.write(plan, grad))
+            received = Pushes.empty(self.dim, grad.device)
+            finish = lambda: received  # noqa: E731
+        else:
+            finish = self.remote.write_start(plan, grad)
+        if between is not None:
+            between()
+        self._apply(owned, finish())
 
     def enable_discard(self) -> None:
         """Make discard() possible: protocols with state (the HET cache) journal each read."""

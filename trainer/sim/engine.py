@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any, Optional, Protocol, TextIO
+from typing import Any, Callable, Optional, Protocol, TextIO
 
 import numpy as np
 import torch
@@ -144,7 +144,7 @@ class Audit:
 
 
 class InProcessHetWire:
-    """A simulated worker's HET wire (HetWire's request / serve / result / push_updates), answered
+    """A simulated worker's HET wire (HetWire's request / serve / result / push_updates_start), answered
     at once from the simulator's owner-version array (the simulator never overlaps steps). Pushes are
     returned to the simulator, which applies them to the owners."""
 
@@ -170,12 +170,12 @@ class InProcessHetWire:
     def result(self, answered: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         return answered
 
-    def push_updates(self, pushes: Pushes, announced: Any = None) -> Pushes:
-        return pushes
+    def push_updates_start(self, pushes: Pushes, announced: Any = None) -> Callable[[], Pushes]:
+        return lambda: pushes
 
 
 class InProcessRowWire:
-    """A simulated worker's no-cache wire (RowExchange's request / serve / result / push)."""
+    """A simulated worker's no-cache wire (RowExchange's request / serve / result / push_start)."""
 
     def __init__(self, sim: "CacheSimulator", rank: int) -> None:
         self.sim, self.rank = sim, rank
@@ -196,9 +196,9 @@ class InProcessRowWire:
     def result(self, pulled: torch.Tensor) -> torch.Tensor:
         return torch.zeros(pulled.numel(), 1)
 
-    def push(self, pulled: torch.Tensor, grads: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def push_start(self, pulled: torch.Tensor, grads: torch.Tensor) -> Callable[[], tuple[torch.Tensor, torch.Tensor]]:
         self.sim.stats.pushes(self.sim.owners.table(pulled), torch.ones_like(pulled))
-        return pulled, grads
+        return lambda: (pulled, grads)
 
 
 class CacheSimulator:

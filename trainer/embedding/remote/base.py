@@ -15,6 +15,8 @@ the same step), discard communicates nothing:
   serve_settled(token, owned) one step early for the rows the current step leaves alone), read;
 - write(plan, grad) -> Pushes: send this step's remote row gradients; return what this rank
   received as owner (applied by the caller once per row, together with its own rows);
+  write_start(plan, grad) is the same split in two: it starts the push and returns a function
+  that waits for what arrives, so the caller can start the dense allreduce behind the pushes;
 - flush() -> Pushes | None: push whatever is still pending (before eval, checkpoint, exit); None when
   the protocol never holds anything (no collective runs then);
 - discard(): drop the step instead of write (train.nonfinite=skip): nothing is written anywhere,
@@ -28,7 +30,7 @@ drives the very same protocol objects through an in-process exchange (trainer/si
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -159,9 +161,15 @@ class RemoteRows(ABC):
         """Fill ws[plan.remote_pos] with the remote rows of this training step (token: from begin,
         for this plan). Collective."""
 
-    @abstractmethod
     def write(self, plan: LookupPlan, grad: torch.Tensor) -> Pushes:
         """Send the step's remote row gradients; return the pushes this rank received as owner."""
+        return self.write_start(plan, grad)()
+
+    @abstractmethod
+    def write_start(self, plan: LookupPlan, grad: torch.Tensor) -> Callable[[], Pushes]:
+        """write(), split: start sending the row gradients; the returned function waits for the
+        pushes this rank receives as owner and returns them (the caller may start other
+        collectives in between, e.g. the dense allreduce)."""
 
     @abstractmethod
     def flush(self) -> Optional[Pushes]:

@@ -13,7 +13,7 @@ by the updates it carried.
 """
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import numpy as np
 import torch
@@ -175,7 +175,7 @@ class HeraldRemote(RemoteRows):
         ws.index_copy_(0, plan.remote_pos, torch.cat([rows, local_rows]).index_select(0, at))
         self._sync = sync
 
-    def write(self, plan: LookupPlan, grad: torch.Tensor) -> Pushes:
+    def write_start(self, plan: LookupPlan, grad: torch.Tensor) -> Callable[[], Pushes]:
         sync, self._sync = self._sync, None
         r, remote, g = self.sh.rank, plan.remote_ids, grad[plan.remote_pos]
         own = torch.cat([self._t(sync.local[r][sync.keep[r]]), self._t(sync.pull[r][sync.lend[r]])])
@@ -183,11 +183,12 @@ class HeraldRemote(RemoteRows):
         push = self._t(sync.push[r])
         got_ids, recv = self._to_me(sync.push)
         if sum(x.size for x in sync.push) == 0:
-            return Pushes.empty(self.store.dim, self.dev)
-        got, _ = self.comm.alltoall(g.index_select(0, self._positions(remote, push)), self._splits(sync.push[r]),
-                                    kind="grads", recv_splits=recv)
+            empty = Pushes.empty(self.store.dim, self.dev)
+            return lambda: empty
+        handle = self.comm.alltoall_async(g.index_select(0, self._positions(remote, push)),
+                                          self._splits(sync.push[r]), kind="grads", recv_splits=recv)
         ids = self._t(got_ids)
-        return Pushes.single(ids, got)
+        return lambda: Pushes.single(ids, handle.wait()[0])
 
     def discard(self) -> None:
         """A skipped step: no local update, no push. Exact without an undo: this step's

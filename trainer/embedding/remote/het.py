@@ -10,15 +10,15 @@ The wire, per step:
   answers every id with its current version when it sends the row (no copy, or the copy is more
   than the pull bound behind: consistency.needs_row) or -1 ("still fresh"); then only those rows
   travel. The owner records the staleness of the reads it let through.
-- push_updates: (id, update count, summed gradient) for whichever rows the cache decided to push
-  (consistency.push_due, evictions, transient rows, the flush), all three in one message per owner
-  (one alltoall; each part's bytes are still counted under its own kind).
+- push_updates_start: (id, update count, summed gradient) for whichever rows the cache decided to
+  push (consistency.push_due, evictions, transient rows, the flush), all three in one message per
+  owner (one alltoall; each part's bytes are still counted under its own kind).
 On the wire an id is its owner's storage row (Sharding.local_index), as int32 whenever the shard
 allows (exchange.wire_dtype), like the versions and counts.
 """
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -148,9 +148,15 @@ class HetWire:
         return Announced(splits, self.comm.exchange_splits_async(splits))
 
     def push_updates(self, pushes: Pushes, announced: Optional["Announced"] = None) -> Pushes:
-        """Send (id, count, gradient) of pushed rows to their owners; return what this rank
-        received as owner (global ids, gradients, counts), not yet applied. `announced`: the
-        sizes sent ahead by announce() for exactly these rows.
+        """push_updates_start, waited for at once."""
+        return self.push_updates_start(pushes, announced)()
+
+    def push_updates_start(self, pushes: Pushes,
+                           announced: Optional["Announced"] = None) -> Callable[[], Pushes]:
+        """Start sending (id, count, gradient) of pushed rows to their owners; the returned
+        function waits and returns what this rank received as owner (global ids, gradients,
+        counts), not yet applied. `announced`: the sizes sent ahead by announce() for exactly
+        these rows.
 
         One alltoall: each row travels as the bytes of its (id, count) in the wire's integer type
         followed by those of its gradient; the bytes are counted per column under their kinds
@@ -164,16 +170,20 @@ class HetWire:
         w = 2 * head.element_size()  # bytes of (id, count)
         kind = {"ids": w // 2, "versions": w // 2, "grads": packed.shape[1] - w}
         if announced is None:
-            got, _ = self.comm.alltoall(packed, sh.per_owner(gids), kind=kind)
+            handle = self.comm.alltoall_async(packed, sh.per_owner(gids), kind=kind)
         else:
             recv = announced.handle.wait()
             if sum(announced.splits) != gids.numel():
                 raise RuntimeError(f"HET push: {gids.numel()} rows, but {sum(announced.splits)} "
                                    "were announced to the owners")
-            got, _ = self.comm.alltoall(packed, announced.splits, kind=kind, recv_splits=recv)
-        head = _unpack_rows(got, 0, w, self.wire_dtype).long()
-        recv = _unpack_rows(got, w, got.shape[1] - w, self.row_dtype).to(grads.dtype)
-        return Pushes(sh.global_of(head[:, 0], sh.rank), recv, head[:, 1])
+            handle = self.comm.alltoall_async(packed, announced.splits, kind=kind, recv_splits=recv)
+
+        def finish() -> Pushes:
+            got, _ = handle.wait()
+            head = _unpack_rows(got, 0, w, self.wire_dtype).long()
+            recv = _unpack_rows(got, w, got.shape[1] - w, self.row_dtype).to(grads.dtype)
+            return Pushes(sh.global_of(head[:, 0], sh.rank), recv, head[:, 1])
+        return finish
 
 
 def _pack_rows(parts: list[torch.Tensor]) -> torch.Tensor:
@@ -315,9 +325,9 @@ class HetRemote(RemoteRows):
         if self._announced is not None:  # the due rows among the cached: the write's selection size
             self._due = sum(self._announced.splits) - sum(int(g.numel()) for g in extra)
 
-    def write(self, plan: LookupPlan, grad: torch.Tensor) -> Pushes:
+    def write_start(self, plan: LookupPlan, grad: torch.Tensor) -> Callable[[], Pushes]:
         """Local updates of this step: apply to cached copies, push the due, transient and
-        evicted-dirty ones; returns what this rank received as owner."""
+        evicted-dirty ones; the returned function gives what this rank received as owner."""
         slots, gone, self._slots, self._transient = self._slots, self._transient, None, None
         self.cache.commit()
         g = grad.index_select(0, plan.remote_pos)
@@ -348,8 +358,8 @@ class HetRemote(RemoteRows):
         self._due = None
 
     def flush(self) -> Pushes:
-        return self._send(self.cache.take_all())
+        return self._send(self.cache.take_all())()
 
-    def _send(self, pushes: Pushes, announced: Any = None) -> Pushes:
+    def _send(self, pushes: Pushes, announced: Any = None) -> Callable[[], Pushes]:
         self.stats.pushes(self.sharding.table_of(pushes.gids), pushes.counts)
-        return self.wire.push_updates(pushes, announced)
+        return self.wire.push_updates_start(pushes, announced)

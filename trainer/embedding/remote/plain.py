@@ -1,7 +1,7 @@
 """The no-cache protocol: every remote row is pulled and its gradient pushed in the same step (BSP)."""
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -40,10 +40,10 @@ class PlainRemote(RemoteRows):
         self._pull = token if token is not None else self.begin(plan)
         ws.index_copy_(0, plan.remote_pos, self.exchange.result(self._pull))
 
-    def write(self, plan: LookupPlan, grad: torch.Tensor) -> Pushes:
+    def write_start(self, plan: LookupPlan, grad: torch.Tensor) -> Callable[[], Pushes]:
         pull, self._pull = self._pull, None
-        ids, grads = self.exchange.push(pull, grad[plan.remote_pos])
-        return Pushes.single(ids, grads)
+        finish = self.exchange.push_start(pull, grad[plan.remote_pos])
+        return lambda: Pushes.single(*finish())
 
     def discard(self) -> None:
         """Reads changed nothing; the pulled rows' gradients are simply not pushed."""
