@@ -322,7 +322,8 @@ class Trainer:
     def _prefetch(self, step: int) -> None:
         """train.pipeline: build step+1's batch and plan and send its id requests now, so they
         travel while this step computes (the requests depend on no update: exact); with ids, the
-        owners also send the rows of step+1 that this step does not update (exact too)."""
+        owners also send the rows of step+1 that this step does not update (exact too); with
+        rows, they answer all of step+1's reads now (within the pull bound)."""
         nxt = step + 1
         if self.pipeline == "off" or nxt >= self.c.train.steps or self.sparse.herald is not None:
             return  # Herald plans its sync step by step against its flushes: no early planning
@@ -330,16 +331,18 @@ class Trainer:
         self._next = (nxt, (batch, info), self.emb.prepare(batch, info))
         if self.pipeline == "ids":  # the rows this step leaves alone travel during its compute
             self.emb.serve_settled(self._next[2])
-
-    def _serve_early(self, step: int) -> None:
-        """train.pipeline=rows: the owners answer step+1's reads now, before this step's updates
-        (one step staler, within the pull bound counting this in-flight step), so its rows travel
-        during backward. Not before a flush (eval, checkpoint): those reads are answered after it."""
-        done = step + 1
-        flush_next = (self._save_due(done) or done == self.c.train.steps
-                      or (self.c.train.eval_every and done % self.c.train.eval_every == 0))
-        if self.pipeline == "rows" and self._next is not None and not flush_next:
+        elif self.pipeline == "rows" and not self._flush_after(step):
+            # the owners answer step+1's reads now, before this step's updates (one step staler,
+            # within the pull bound counting this in-flight step), so the version replies and
+            # rows travel during forward and backward
             self.emb.serve(self._next[2])
+
+    def _flush_after(self, step: int) -> bool:
+        """Whether a flush (eval, checkpoint, the end) follows step `step`: train.pipeline=rows
+        answers the reads after it, not before."""
+        done = step + 1
+        return bool(self._save_due(done) or done == self.c.train.steps
+                    or (self.c.train.eval_every and done % self.c.train.eval_every == 0))
 
     def _drop_prepared(self) -> None:
         """The step prepared ahead (train.pipeline) will not run (early stop, failed save)."""
@@ -375,7 +378,6 @@ class Trainer:
                     self.emb.cancel(self._next[2])
                     self._next = (self._next[0], self._next[1], self.emb.prepare(*self._next[1]))
                 return value
-        self._serve_early(step)
         self.opt.zero_grad(set_to_none=False)
         loss.backward()
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
