@@ -1,0 +1,61 @@
+"""scripts/compare_splits.py on the shared Criteo sample: K train / test splits of the raw file, each
+prepared, the LR baseline and the default command per model on each, one JSON line per result."""
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import numpy as np
+import pytest
+
+from data_helpers import N_TRAIN, SAMPLE, sample_lines
+from trainer.tools.splits import split_lines
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "scripts"))
+import compare_splits  # noqa: E402
+
+FAST = ["data.max_table_rows=1000", "data.epochs=3", "data.loader=memmap", "train.threads=1", "train.bag=1"]
+
+
+def test_split_one_is_the_file_order_and_the_others_shuffle():
+    lines = sample_lines()
+    test_rows = len(lines) - N_TRAIN
+    train, test = split_lines(lines, 1, test_rows)
+    assert train == lines[:N_TRAIN] and test == lines[N_TRAIN:]
+    train2, test2 = split_lines(lines, 2, test_rows)
+    assert len(train2) == N_TRAIN and sorted(train2 + test2) == sorted(lines) and test2 != test
+    assert split_lines(lines, 2, test_rows) == (train2, test2)  # deterministic
+    for bad in (0, len(lines)):
+        with pytest.raises(ValueError, match="test-rows"):
+            split_lines(lines, 1, bad)
+
+
+def test_each_split_against_its_own_baseline(tmp_path, capsys):
+    work = tmp_path / "work"
+    assert compare_splits.main([SAMPLE, "--splits", "2", "--models", "dlrm", "--work", str(work), *FAST]) == 0
+    captured = capsys.readouterr()
+    lines = [json.loads(x) for x in captured.out.splitlines()]
+    assert len(lines) == 5
+    lr1, run1, lr2, run2, total = lines
+    for k, lr, r in ((1, lr1, run1), (2, lr2, run2)):
+        assert lr["split"] == k and lr["baseline"] == "lr" and lr["train_rows"] == N_TRAIN and lr["test_rows"] == 399
+        assert r["split"] == k and r["model"] == "dlrm" and r["recipe"] == "tiny"
+        assert r["auc_vs_lr"] == pytest.approx(r["test_auc"] - lr["test_auc"], abs=1e-12)
+        assert r["logloss_vs_lr"] == pytest.approx(r["test_logloss"] - lr["test_logloss"], abs=1e-12)
+        assert (work / f"split{k}" / "prepared" / "meta.json").exists()
+    assert lr1["test_auc"] != lr2["test_auc"]  # other test rows
+    assert total["model"] == "dlrm" and total["splits"] == 2
+    assert total["auc_vs_lr"]["mean"] == pytest.approx(np.mean([run1["auc_vs_lr"], run2["auc_vs_lr"]]))
+    assert total["logloss_vs_lr"]["max"] == max(run1["logloss_vs_lr"], run2["logloss_vs_lr"])
+    assert total["splits_at_or_above_lr_auc"] == sum(r["auc_vs_lr"] >= 0 for r in (run1, run2))
+    assert total["splits_at_or_below_lr_logloss"] == sum(r["logloss_vs_lr"] <= 0 for r in (run1, run2))
+    assert "split 2/2: dlrm" in captured.err
+
+
+def test_bad_input_is_a_clear_error(tmp_path, capsys):
+    assert compare_splits.main([str(tmp_path / "missing.tsv"), "--splits", "1"]) == 2
+    assert "missing.tsv" in capsys.readouterr().err
+    assert compare_splits.main([SAMPLE, "--test-rows", "0", "--models", "dlrm"]) == 2
+    assert "--test-rows 0" in capsys.readouterr().err
