@@ -101,8 +101,11 @@ def test_replicated_rows_are_exact_against_the_plain_reference():
 
 
 @pytest.mark.dist
-@pytest.mark.parametrize("world,extra", [(2, ["optim=sgd"]), (3, ["optim=adagrad", "cache=lru"])])
+@pytest.mark.parametrize("world,extra", [(2, ["optim=sgd"]), (3, ["optim=adagrad", "cache=lru"]),
+                                         (2, ["optim=sgd", "train.pipeline=ids"])])
 def test_fae_parity_and_hot_steps_run_no_alltoall(world, extra):
+    """Also pipelined: a hot step prepares the cold step after it (whose requests are sent during
+    the hot step); those alltoalls count for the cold step."""
     ref = run_single(FAE + extra)
     got = run_world(world, FAE + extra)
     for res in got:

@@ -274,6 +274,7 @@ class Trainer:
         self.resumed_from: str | None = None
         self.pipeline = c.train.pipeline
         self._next: tuple[int, tuple[Any, Any], Any] | None = None  # the step prepared ahead
+        self._prefetch_calls = 0  # alltoalls made for the step prepared ahead
         self.lr = LrSchedule(c.optim, c.train.steps, self.opt, self.emb, sparse_lr(c))
         self.val_rows = int(getattr(self.data, "val_rows", 0))  # validation split (0: none)
         self.temperature = 1.0  # logit scale of evaluations (train.calibrate sets it before the final one)
@@ -305,9 +306,13 @@ class Trainer:
         prep = self._next if self._next is not None and self._next[0] == step else None
         self._next = None
         batch, info = prep[1] if prep is not None else self._batch(step)
+        # alltoalls of this step: its own, with those its prefetch made during the step before,
+        # without those it makes for the next one (train.pipeline)
+        carried, self._prefetch_calls = (self._prefetch_calls if prep is not None else 0), 0
         calls = self._alltoall_calls()
         value = self._step(batch, info, step, prep[2] if prep is not None else None)
-        self.alltoalls["hot" if info is not None and info.hot else "cold"] += self._alltoall_calls() - calls
+        made = self._alltoall_calls() - calls - self._prefetch_calls + carried
+        self.alltoalls["hot" if info is not None and info.hot else "cold"] += made
         return value
 
     def _batch(self, step: int) -> tuple[Any, Any]:
@@ -327,6 +332,7 @@ class Trainer:
         nxt = step + 1
         if self.pipeline == "off" or nxt >= self.c.train.steps or self.sparse.herald is not None:
             return  # Herald plans its sync step by step against its flushes: no early planning
+        calls = self._alltoall_calls()
         batch, info = self._batch(nxt)
         self._next = (nxt, (batch, info), self.emb.prepare(batch, info))
         if self.pipeline == "ids":  # the rows this step leaves alone travel during its compute
@@ -336,6 +342,7 @@ class Trainer:
             # within the pull bound counting this in-flight step), so the version replies and
             # rows travel during forward and backward
             self.emb.serve(self._next[2])
+        self._prefetch_calls = self._alltoall_calls() - calls  # step+1's (train_step counts them there)
 
     def _flush_after(self, step: int) -> bool:
         """Whether a flush (eval, checkpoint, the end) follows step `step`: train.pipeline=rows
