@@ -10,9 +10,10 @@ the end on a small eval split (excluded from samples/s). Links:
   with one rank per host (static rendezvous on host 0). `--delay-ms` adds netem delay per link
   end where the kernel has netem.
 Modes (each adds to the one it builds on):
-- exact_serial: cache=none (the exact exchange, today's serial step; always run: the baseline)
+- exact_serial: cache=none train.pipeline=off (the exact exchange, the serial step; always run: the
+  baseline)
 - exact_pipelined: + train.pipeline=ids
-- cache_ssp: cache=lfu consistency=ssp (pull and push bound 4)
+- cache_ssp: cache=lfu consistency=ssp (pull and push bound 4), serial step
 - cache_ssp_pipelined: cache_ssp + train.pipeline=rows
 - wire_fp16: cache_ssp_pipelined + comm.wire_precision=fp16
 A mode whose config key the trainer does not have yet prints {"error": "config key missing"}
@@ -45,9 +46,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the runs' 
 
 CACHE_SSP = ["cache=lfu", "consistency=ssp", "consistency.pull_bound=4", "consistency.push_bound=4"]
 MODES = {
-    "exact_serial": ["cache=none"],
+    "exact_serial": ["cache=none", "train.pipeline=off"],
     "exact_pipelined": ["cache=none", "train.pipeline=ids"],
-    "cache_ssp": CACHE_SSP,
+    "cache_ssp": CACHE_SSP + ["train.pipeline=off"],
     "cache_ssp_pipelined": CACHE_SSP + ["train.pipeline=rows"],
     "wire_fp16": CACHE_SSP + ["train.pipeline=rows", "comm.wire_precision=fp16"],
 }

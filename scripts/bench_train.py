@@ -2,7 +2,8 @@
 """Training throughput benchmark: the `bench` workload at W = 1 and W = 2, one JSON line per run.
 
 Workload (data=bench): 26 tables x 100,000 rows, d = 16, 13 dense features, 2048 samples per rank,
-Zipf alpha 1.1, one torch thread per rank, exact (no cache) BSP mode. W = 1 runs
+Zipf alpha 1.1, one torch thread per rank, exact (no cache) BSP mode, the default step
+(train.pipeline=ids; `-- train.pipeline=off` for the serial one). W = 1 runs
 `python -m trainer`, W > 1 runs `torchrun --standalone --nproc_per_node W -m trainer comm=torch`,
 each writing summary.json; the line reports its samples_per_sec (global, all steps, eval excluded)
 and bytes_per_sample by kind. Extra trainer overrides can follow `--`.

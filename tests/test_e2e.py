@@ -65,15 +65,18 @@ def test_torchrun_two_workers_share_one_output_dir(tmp_path):
 
 
 @pytest.mark.dist
-def test_bytes_match_analytic_count_of_unique_remote_rows():
+@pytest.mark.parametrize("pipeline", ["off", "ids"])
+def test_bytes_match_analytic_count_of_unique_remote_rows(pipeline):
     """rows/ids/grads bytes == (unique remote rows per rank and step) x row/id size, counted here
-    independently of the sharding code: row id of table t lives on worker id mod W."""
+    independently of the sharding code: row id of table t lives on worker id mod W. Pipelined (the
+    default), every step prepared ahead (all but the first) also carries the one-byte flag per
+    requested id that says which rows were sent early (settled rows)."""
     world, steps, dim = 2, 6, 8
     overrides = ["data=tiny", f"train.steps={steps}", f"model.embedding_dim={dim}",
-                 "data.eval_samples=64", "train.progress=off"]
+                 "data.eval_samples=64", "train.progress=off", f"train.pipeline={pipeline}"]
     summary = run_world(world, overrides, return_state=False)[0].summary
     cfg = load_config(__import__("helpers").make_cfg(overrides))
-    remote = 0
+    remote, flagged = 0, 0
     for rank in range(world):
         data = make_data(cfg, rank, world)
         for step in range(steps):
@@ -82,10 +85,11 @@ def test_bytes_match_analytic_count_of_unique_remote_rows():
             ids = b.values.numpy()
             pairs = {(int(t), int(i)) for t, i in zip(table, ids) if i % world != rank}
             remote += len(pairs)
+            flagged += len(pairs) if step > 0 and pipeline == "ids" else 0
     assert remote > 0
     assert summary["bytes"]["rows"] == remote * dim * 4
     assert summary["bytes"]["grads"] == remote * dim * 4
-    assert summary["bytes"]["ids"] == remote * 8
+    assert summary["bytes"]["ids"] == remote * 8 + flagged
     samples = steps * summary["global_batch_size"]
     assert summary["bytes_per_sample_by_kind"]["rows"] == pytest.approx(remote * dim * 4 / samples)
     assert np.isclose(summary["bytes_per_sample"], summary["bytes_total"] / samples)

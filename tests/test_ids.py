@@ -109,18 +109,23 @@ def _state(t: Trainer) -> RunResult:
     return RunResult({}, 0, [], t._gather_state())
 
 
+@pytest.mark.parametrize("pipeline", ["off", "ids"])
 @pytest.mark.parametrize("extra", [[], ["cache=lru"]], ids=["plain", "cache"])
-def test_error_stops_before_any_state_change(monkeypatch, extra):
+def test_error_stops_before_any_state_change(monkeypatch, extra, pipeline):
+    """The bad batch of step 4 stops the run before anything changed: at the start of step 4, or
+    pipelined (the default) at the start of step 3, which makes step 4's batch before its own work."""
     _poison(monkeypatch, 4, 3, 250)
+    extra = extra + [f"train.pipeline={pipeline}"]
     t = Trainer(load_config(make_cfg(BASE + extra)), LocalCollectives(), None)
     ref = Trainer(load_config(make_cfg(BASE + extra)), LocalCollectives(), None)
-    for s in range(4):
+    stops = 4 if pipeline == "off" else 3
+    for s in range(stops):
         t.train_step(s)
         ref.train_step(s)
     calls = dict(t.comm.counter.calls)
     with pytest.raises(IdRangeError, match=r"id 250 of table 3 is outside the table's 250 rows.*"
                                            r"training batch of step 4"):
-        t.train_step(4)
+        t.train_step(stops)
     assert dict(t.comm.counter.calls) == calls and t.emb._pending is None  # nothing was even looked up
     assert_same_run(_state(ref), _state(t), rtol=0, atol=0)
     with pytest.raises(IdRangeError, match="table 3"):

@@ -274,14 +274,16 @@ def test_one_step_w1(model: str):
 
 
 W2_CONFIGS = {
-    # no cache: RowExchange.pull / push; the Triton kernels (interpreted) on the sparse side
-    "plain-triton": ["optim=adagrad"],
+    # no cache, the serial step: RowExchange.pull / push; the Triton kernels (interpreted) on the
+    # sparse side
+    "plain-triton": ["optim=adagrad", "train.pipeline=off"],
     # HET cache at bounded staleness, FAE replicated rows, skip mode's journal, row-wise Adagrad
     "het-fae": ["cache=lru", "consistency=ssp", "placement=fae", "placement.hot_batches=true",
                 "optim=adam", "train.nonfinite=skip"],
     # Herald's partition and on-demand sync (lent rows)
     "herald": ["schedule=herald", "cache=lru"],
-    # pipelined step: the audited step also makes step + 1's batch and plan and sends its requests
+    # pipelined step (the default): the audited step also makes step + 1's batch and plan, sends
+    # its requests and the rows this step does not update
     "pipeline-ids": ["train.pipeline=ids", "optim=adagrad"],
     # ... and the owners answer step + 1's version checks during this step (a cache is required)
     "pipeline-rows": ["train.pipeline=rows", "cache=lfu", "consistency=ssp", "optim=adagrad"],

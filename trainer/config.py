@@ -210,7 +210,7 @@ class TrainConfig:
     device: str = "cpu"  # cpu | cuda | auto
     nonfinite: str = "stop"  # NaN/inf global loss: stop (error naming the step) | skip (drop the batch, no update anywhere)
     max_skips: int = 10  # nonfinite=skip: stop anyway after this many consecutive skipped steps
-    pipeline: str = "off"  # off (serial step) | ids (next step's input side + id exchange overlap this step: exact) | rows (also its rows: needs a cache and pull_bound >= 1)
+    pipeline: str = "ids"  # off (serial step) | ids (next step's input side + id exchange overlap this step: exact) | rows (also its rows: needs a cache and pull_bound >= 1)
     tensorboard: bool = True  # also write TensorBoard scalars to <output dir>/tensorboard (when there is an output dir)
     recipe: str = "auto"  # defaults for the null keys: auto (data=criteo: tiny below TINY_DATA_ROWS training rows, small below SMALL_DATA_ROWS, else large; other data: none) | tiny | small | large | none
     early_stop: EarlyStopConfig = field(default_factory=lambda: EarlyStopConfig())
