@@ -306,14 +306,11 @@ class Trainer:
         prep = self._next if self._next is not None and self._next[0] == step else None
         self._next = None
         batch, info = prep[1] if prep is not None else self._batch(step)
-        # train.pipeline: the next step's batch is made first, so that a bad one (out-of-range ids,
-        # a data error) stops the run before this step has changed anything
-        ahead = self._batch(step + 1) if self._ahead(step) else None
         # alltoalls of this step: its own, with those its prefetch made during the step before,
         # without those it makes for the next one (train.pipeline)
         carried, self._prefetch_calls = (self._prefetch_calls if prep is not None else 0), 0
         calls = self._alltoall_calls()
-        value = self._step(batch, info, step, prep[2] if prep is not None else None, ahead)
+        value = self._step(batch, info, step, prep[2] if prep is not None else None)
         made = self._alltoall_calls() - calls - self._prefetch_calls + carried
         self.alltoalls["hot" if info is not None and info.hot else "cold"] += made
         return value
@@ -332,16 +329,19 @@ class Trainer:
         step by step against its flushes: no early planning)."""
         return self.pipeline != "off" and step + 1 < self.c.train.steps and self.sparse.herald is None
 
-    def _prefetch(self, step: int, ahead: Any) -> None:
-        """train.pipeline: plan step+1's batch (`ahead`, made at the start of this step) and send
-        its id requests now, so they travel while this step computes (the requests depend on no
-        update: exact); with ids, the owners also send the rows of step+1 that this step does not
-        update (exact too); with rows, they answer all of step+1's reads now (within the pull
-        bound)."""
-        if ahead is None:
+    def _prefetch(self, step: int) -> None:
+        """train.pipeline: build step+1's batch and plan and send its id requests now, so they
+        travel while this step computes (the requests depend on no update: exact); with ids, the
+        owners also send the rows of step+1 that this step does not update (exact too); with
+        rows, they answer all of step+1's reads now (within the pull bound). A bad batch (a data
+        error, out-of-range ids) stops the run here, after this step's lookup and before any of
+        its updates. (Made at the start of the step instead, the batch measured 6% slower on
+        localhost.)"""
+        if not self._ahead(step):
             return
         calls = self._alltoall_calls()
-        self._next = (step + 1, ahead, self.emb.prepare(*ahead))
+        batch, info = self._batch(step + 1)
+        self._next = (step + 1, (batch, info), self.emb.prepare(batch, info))
         if self.pipeline == "ids":  # the rows this step leaves alone travel during its compute
             self.emb.serve_settled(self._next[2])
         elif self.pipeline == "rows" and not self._flush_after(step):
@@ -368,7 +368,7 @@ class Trainer:
         calls = self.comm.counter.calls
         return calls.get("alltoall", 0) + calls.get("alltoall_splits", 0)
 
-    def _step(self, batch: Any, info: Any, step: int, prep: Any = None, ahead: Any = None) -> float:
+    def _step(self, batch: Any, info: Any, step: int, prep: Any = None) -> float:
         """One step; returns the global loss. train.nonfinite=stop: the loss travels with the dense
         gradients and a non-finite one raises (the run stops, no checkpoint is written after it).
         skip: the global loss is reduced first (one extra 4-byte allreduce) and, when it is not
@@ -380,7 +380,7 @@ class Trainer:
             pooled = self.emb.lookup(batch, train=True, prepared=prep)
         else:
             pooled = self.emb.lookup(batch, train=True, info=info)
-        self._prefetch(step, ahead)
+        self._prefetch(step)
         logits = self.model(batch.dense, pooled)
         loss = F.binary_cross_entropy_with_logits(logits, batch.labels, reduction="sum") / self.global_batch
         extra = [loss.detach().reshape(1)]
