@@ -33,7 +33,8 @@ STALL_S = 4.0  # how long the stalling rank stays away (> TIMEOUT_S, then it joi
 def torch_env() -> None:
     """Make this horovodrun rank a torchrun-like rank too (same rank / size)."""
     os.environ.update(RANK=os.environ["HOROVOD_RANK"], WORLD_SIZE=os.environ["HOROVOD_SIZE"],
-                      LOCAL_RANK=os.environ["HOROVOD_LOCAL_RANK"], MASTER_ADDR="127.0.0.1",
+                      LOCAL_RANK=os.environ["HOROVOD_LOCAL_RANK"],
+                      LOCAL_WORLD_SIZE=os.environ["HOROVOD_LOCAL_SIZE"], MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=os.environ["TC_MASTER_PORT"])
 
 

@@ -30,6 +30,7 @@ BAD = [
     ("comm.timeout_s=0", "comm.timeout_s"),
     ("comm.wire_precision=fp8", "comm.wire_precision"),
     ("train.pipeline=all", "train.pipeline"),
+    ("comm.settled_rows=sometimes", "comm.settled_rows"),
     ("train.pipeline=rows", "train.pipeline"),  # rows needs a cache with pull_bound >= 1
     ("train.steps=0", "train.steps"),
     ("train.progress=maybe", "train.progress"),

@@ -65,15 +65,16 @@ def test_torchrun_two_workers_share_one_output_dir(tmp_path):
 
 
 @pytest.mark.dist
-@pytest.mark.parametrize("pipeline", ["off", "ids"])
-def test_bytes_match_analytic_count_of_unique_remote_rows(pipeline):
+@pytest.mark.parametrize("pipeline,settled", [("off", "auto"), ("ids", "never"), ("ids", "always")])
+def test_bytes_match_analytic_count_of_unique_remote_rows(pipeline, settled):
     """rows/ids/grads bytes == (unique remote rows per rank and step) x row/id size, counted here
-    independently of the sharding code: row id of table t lives on worker id mod W. Pipelined (the
-    default), every step prepared ahead (all but the first) also carries the one-byte flag per
-    requested id that says which rows were sent early (settled rows)."""
+    independently of the sharding code: row id of table t lives on worker id mod W. Pipelined with
+    the settled rows, every step prepared ahead (all but the first) also carries the one-byte flag
+    per requested id that says which rows were sent early."""
     world, steps, dim = 2, 6, 8
     overrides = ["data=tiny", f"train.steps={steps}", f"model.embedding_dim={dim}",
-                 "data.eval_samples=64", "train.progress=off", f"train.pipeline={pipeline}"]
+                 "data.eval_samples=64", "train.progress=off", f"train.pipeline={pipeline}",
+                 f"comm.settled_rows={settled}"]
     summary = run_world(world, overrides, return_state=False)[0].summary
     cfg = load_config(__import__("helpers").make_cfg(overrides))
     remote, flagged = 0, 0
@@ -85,7 +86,7 @@ def test_bytes_match_analytic_count_of_unique_remote_rows(pipeline):
             ids = b.values.numpy()
             pairs = {(int(t), int(i)) for t, i in zip(table, ids) if i % world != rank}
             remote += len(pairs)
-            flagged += len(pairs) if step > 0 and pipeline == "ids" else 0
+            flagged += len(pairs) if step > 0 and settled == "always" else 0
     assert remote > 0
     assert summary["bytes"]["rows"] == remote * dim * 4
     assert summary["bytes"]["grads"] == remote * dim * 4

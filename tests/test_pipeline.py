@@ -12,11 +12,13 @@
 """
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 import torch
 
-from helpers import make_cfg, run_single, run_world, spawn
+from helpers import make_cfg, run_single, run_world, spawn, train_worker
 from test_cache import WIDE, _owner_version_at
 from test_parity import BASE, assert_same_run
 from trainer.comm import make_collectives
@@ -39,12 +41,35 @@ PARITY = {
 def test_pipeline_ids_equals_the_single_process_reference(case):
     world, extra = PARITY[case]
     ref = run_single(BASE + extra)
-    results = run_world(world, BASE + extra + ["train.pipeline=ids", "train.eval_every=10"])
+    # the settled rows too (auto sends them only between hosts; these ranks share one)
+    results = run_world(world, BASE + extra + ["train.pipeline=ids", "train.eval_every=10",
+                                               "comm.settled_rows=always"])
     for res in results:
         assert_same_run(ref, res)
     s = results[0].summary
-    assert s["config"]["train"]["pipeline"] == "ids"
+    assert s["config"]["train"]["pipeline"] == "ids" and s["settled_rows"]
     assert s["bytes"]["rows"] > 0 and s["bytes"]["grads"] > 0
+
+
+def _ranks_on_hosts_of_one(rank: int, world: int, overrides: list[str]):
+    """A rank whose launcher said it is alone on its host (torchrun's LOCAL_WORLD_SIZE)."""
+    os.environ["LOCAL_WORLD_SIZE"] = "1"
+    return train_worker(rank, world, overrides, False)
+
+
+@pytest.mark.dist
+def test_settled_rows_auto_follows_the_hosts():
+    """comm.settled_rows=auto sends the settled rows early only when the ranks span hosts (torchrun's
+    LOCAL_WORLD_SIZE below the world size), where bytes cost time; the flags (one byte per requested
+    id of every prepared step) are what the early rows add to the id bytes."""
+    overrides = BASE + ["optim=sgd", "train.pipeline=ids"]
+    one_host = run_world(2, overrides, return_state=False)[0].summary
+    hosts = spawn(2, _ranks_on_hosts_of_one, overrides + ["comm=torch"])[0].summary
+    serial = run_world(2, BASE + ["optim=sgd", "train.pipeline=off"], return_state=False)[0].summary
+    assert not one_host["settled_rows"] and hosts["settled_rows"]
+    assert one_host["bytes"]["ids"] == serial["bytes"]["ids"] < hosts["bytes"]["ids"]
+    assert one_host["bytes"]["rows"] == hosts["bytes"]["rows"] == serial["bytes"]["rows"]
+    assert one_host["final_loss"] == pytest.approx(hosts["final_loss"], rel=1e-6)
 
 
 def _reads_behind(results, shift: int) -> int:

@@ -284,7 +284,7 @@ W2_CONFIGS = {
     "herald": ["schedule=herald", "cache=lru"],
     # pipelined step (the default): the audited step also makes step + 1's batch and plan, sends
     # its requests and the rows this step does not update
-    "pipeline-ids": ["train.pipeline=ids", "optim=adagrad"],
+    "pipeline-ids": ["train.pipeline=ids", "comm.settled_rows=always", "optim=adagrad"],
     # ... and the owners answer step + 1's version checks during this step (a cache is required)
     "pipeline-rows": ["train.pipeline=rows", "cache=lfu", "consistency=ssp", "optim=adagrad"],
 }

@@ -39,6 +39,7 @@ RECIPES = ("auto", "tiny", "small", "large", "none")  # train.recipe (RECIPE_VAL
 
 
 WIRE_PRECISIONS = ("fp32", "fp16", "bf16")
+SETTLED_ROWS = ("auto", "always", "never")
 PIPELINES = ("off", "ids", "rows")
 
 
@@ -113,6 +114,7 @@ class CommConfig:
     dist_backend: str = "auto"  # torch backend's transport: auto | gloo | nccl
     timeout_s: float = 60.0  # a collective waiting longer than this raises, naming the operation
     wire_precision: str = "fp32"  # rows and row gradients on the wire: fp32 | fp16 | bf16 (owners keep fp32)
+    settled_rows: str = "auto"  # train.pipeline=ids, no cache: send the next step's rows this step does not update early: auto (when the ranks span hosts) | always | never
 
 
 @dataclass
@@ -492,6 +494,7 @@ def validate(c: Config) -> None:
     _one_of("comm.backend", c.comm.backend, BACKENDS)
     _one_of("comm.dist_backend", c.comm.dist_backend, ("auto", "gloo", "nccl"))
     _one_of("comm.wire_precision", c.comm.wire_precision, WIRE_PRECISIONS)
+    _one_of("comm.settled_rows", c.comm.settled_rows, SETTLED_ROWS)
     _check(c.comm.timeout_s > 0, "comm.timeout_s", c.comm.timeout_s, "must be > 0")
     _finite("comm.timeout_s", c.comm.timeout_s)
     _check(c.embedding.init_scale is not None, "embedding.init_scale", None, _UNRESOLVED)

@@ -273,6 +273,10 @@ class Trainer:
         self.current_step: int | None = None  # the step in progress (failure reports)
         self.resumed_from: str | None = None
         self.pipeline = c.train.pipeline
+        # train.pipeline=ids: the settled rows travel early where bytes cost time, between hosts
+        # (on one host the extra round trip measured more than the rows it moves ahead)
+        self.settled = self.pipeline == "ids" and (c.comm.settled_rows == "always" or (
+            c.comm.settled_rows == "auto" and comm.spans_hosts))
         self._next: tuple[int, tuple[Any, Any], Any] | None = None  # the step prepared ahead
         self._prefetch_calls = 0  # alltoalls made for the step prepared ahead
         self.lr = LrSchedule(c.optim, c.train.steps, self.opt, self.emb, sparse_lr(c))
@@ -342,7 +346,7 @@ class Trainer:
         calls = self._alltoall_calls()
         batch, info = self._batch(step + 1)
         self._next = (step + 1, (batch, info), self.emb.prepare(batch, info))
-        if self.pipeline == "ids":  # the rows this step leaves alone travel during its compute
+        if self.settled:  # the rows this step leaves alone travel during its compute
             self.emb.serve_settled(self._next[2])
         elif self.pipeline == "rows" and not self._flush_after(step):
             # the owners answer step+1's reads now, before this step's updates (one step staler,
@@ -545,7 +549,8 @@ class Trainer:
             final_eval = self._eval_now(end)
             summary = report.summary(train_time, final_eval, self.losses, self.evals, self.start_step,
                                      self.resumed_from, self.last_checkpoint, self.alltoalls,
-                                     end_step=end, extra={**extra, "recipe": self.recipe.describe(c)})
+                                     end_step=end, extra={**extra, "recipe": self.recipe.describe(c),
+                                                          "settled_rows": self.settled})
             state = self._gather_state() if return_state else None
         finally:
             report.close()

@@ -64,11 +64,17 @@ class Collectives(abc.ABC):
     # announcing them early (exchange_splits_async) would only add a collective there
     learns_splits = False
 
-    def __init__(self, rank: int, size: int, timeout_s: float) -> None:
+    def __init__(self, rank: int, size: int, timeout_s: float, local_size: int | None = None) -> None:
         self.rank = rank
         self.size = size
         self.timeout_s = timeout_s
+        self.local_size = local_size  # ranks on this rank's host (None: the launcher did not say)
         self.counter = ByteCounter()
+
+    @property
+    def spans_hosts(self) -> bool:
+        """Whether the ranks run on more than one host (unknown: assumed so)."""
+        return self.local_size is None or self.local_size < self.size
 
     # ----- public API (counts, then delegates) ---------------------------------------------
     def allreduce(self, t: torch.Tensor, op: str = "sum", kind: str = "dense") -> torch.Tensor:

@@ -64,7 +64,7 @@ class HorovodCollectives(Collectives):
 
     def __init__(self, timeout_s: float) -> None:
         init_horovod(timeout_s)
-        super().__init__(hvd.rank(), hvd.size(), timeout_s)
+        super().__init__(hvd.rank(), hvd.size(), timeout_s, local_size=hvd.local_size())
         self.local_rank = hvd.local_rank()
         self.on_gpu = bool(hvd.nccl_built()) and torch.cuda.is_available()
         if torch.cuda.is_available():  # one GPU per rank: device "cuda" means this rank's GPU

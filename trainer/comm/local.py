@@ -11,7 +11,7 @@ from .base import Collectives
 
 class LocalCollectives(Collectives):
     def __init__(self, timeout_s: float = 60.0) -> None:
-        super().__init__(rank=0, size=1, timeout_s=timeout_s)
+        super().__init__(rank=0, size=1, timeout_s=timeout_s, local_size=1)
 
     def _allreduce(self, ts, op):
         return [t.clone() for t in ts]

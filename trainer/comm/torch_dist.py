@@ -39,7 +39,9 @@ class TorchCollectives(Collectives):
                 raise RuntimeError("comm.backend=torch needs RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT "
                                    "in the environment (launch with torchrun)")
             dist.init_process_group(backend=backend, timeout=timeout)
-        super().__init__(dist.get_rank(), dist.get_world_size(), timeout_s)
+        local = os.environ.get("LOCAL_WORLD_SIZE")  # torchrun: the ranks it started on this host
+        super().__init__(dist.get_rank(), dist.get_world_size(), timeout_s,
+                         local_size=int(local) if local and local.isdigit() else None)
         self._timeout = timeout
         self.device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" \
             else torch.device("cpu")
