@@ -22,7 +22,7 @@ import sys
 import tempfile
 import time
 
-from trainer.tools.baseline import DEFAULT_CS, SOLVERS, compose, run_baseline
+from trainer.tools.baseline import DEFAULT_CS, SOLVERS, compose, input_errors, run_baseline
 
 
 def _floats(text: str) -> list[float]:
@@ -68,15 +68,10 @@ def run_trainer(directory: str, overrides: list[str], run_dir: str) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     a = parse_args(argv)
-    from hydra.errors import HydraException
-
-    from trainer.config import ConfigError
-    from trainer.data.criteo import CriteoFormatError
-
     try:
         c = compose(a.dir, a.overrides)
         base = run_baseline(c, a.cs, a.folds, a.val_fraction, a.solver, a.max_train_rows)
-    except (ConfigError, CriteoFormatError, HydraException, ValueError, OSError) as exc:
+    except input_errors() as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     if not a.compare:

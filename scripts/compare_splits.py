@@ -17,9 +17,11 @@ Progress on stderr. Exit status 2 on a bad file or config.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
 import tempfile
 
+from trainer.tools.baseline import exit_status
 from trainer.tools.rotations import print_json
 from trainer.tools.splits import compare
 
@@ -37,22 +39,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--models", default="dlrm,wdl,deepfm,dcn", help="comma-separated (default all four)")
     ap.add_argument("--work", default=None, help="keep the prepared splits here (default: a temporary dir)")
     a = ap.parse_intermixed_args(argv)
-    from hydra.errors import HydraException
-
-    from trainer.config import ConfigError
-    from trainer.data.criteo import CriteoFormatError
-
     models = [m for m in a.models.split(",") if m]
-    try:
-        if a.work is not None:
-            compare(a.file, a.splits, a.test_rows, models, a.overrides, a.work, print_json, log)
-        else:
-            with tempfile.TemporaryDirectory(prefix="compare_splits-") as work:
-                compare(a.file, a.splits, a.test_rows, models, a.overrides, work, print_json, log)
-    except (ConfigError, CriteoFormatError, HydraException, ValueError, OSError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    return 0
+
+    def run() -> None:
+        with contextlib.nullcontext(a.work) if a.work is not None else \
+                tempfile.TemporaryDirectory(prefix="compare_splits-") as work:
+            compare(a.file, a.splits, a.test_rows, models, a.overrides, work, print_json, log)
+    return exit_status(run)
 
 
 if __name__ == "__main__":

@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from trainer.tools.baseline import exit_status
 from trainer.tools.rotations import print_json, rotate, stderr
 
 
@@ -27,17 +28,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--slices", type=int, default=5, help="validation slices per model (default 5)")
     ap.add_argument("--models", default="dlrm,wdl,deepfm,dcn", help="comma-separated (default all four)")
     a = ap.parse_intermixed_args(argv)
-    from hydra.errors import HydraException
-
-    from trainer.config import ConfigError
-    from trainer.data.criteo import CriteoFormatError
-
-    try:
-        rotate(a.dir, [m for m in a.models.split(",") if m], a.slices, a.overrides, print_json, stderr)
-    except (ConfigError, CriteoFormatError, HydraException, ValueError, OSError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    return 0
+    models = [m for m in a.models.split(",") if m]
+    return exit_status(lambda: rotate(a.dir, models, a.slices, a.overrides, print_json, stderr))
 
 
 if __name__ == "__main__":

@@ -21,9 +21,10 @@ sparse matrix): fine up to a few million rows; for Criteo Kaggle use max_train_r
 """
 from __future__ import annotations
 
+import sys
 import time
 from dataclasses import dataclass
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
 
@@ -36,6 +37,27 @@ DEFAULT_CS = (0.01, 0.03, 0.1, 0.3, 1.0, 3.0)
 SOLVERS = ("liblinear", "saga")
 AUTO_FOLDS_ROWS = 1_000_000  # folds=0: 5-fold choice of C below this many training rows, else the tail slice
 
+
+
+def input_errors() -> tuple[type[BaseException], ...]:
+    """The errors that mean bad input to the data=criteo tools (a bad directory, file or config):
+    their scripts print them and exit with status 2."""
+    from hydra.errors import HydraException
+
+    from ..config import ConfigError
+
+    return (ConfigError, CriteoFormatError, HydraException, ValueError, OSError)
+
+
+def exit_status(fn: Callable[[], Any]) -> int:
+    """A tool script's exit status: 0 once fn() has run; 2, with `error: ...` on stderr, when it
+    stopped on bad input (input_errors)."""
+    try:
+        fn()
+    except input_errors() as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    return 0
 
 
 def compose(directory: str, overrides: Sequence[str]) -> Config:
