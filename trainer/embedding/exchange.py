@@ -175,7 +175,7 @@ class RowExchange:
         waits for them and returns (ids, grads) received as owner: the rows peers pulled from us
         and their gradients, in the order they were served, so no ids need to travel again."""
         if p.served is None:
-            raise RuntimeError("push() of a pull that was never served")
+            raise RuntimeError("push_start() of a pull that was never served")
         handle = self.comm.alltoall_async(grads.to(self.row_dtype), p.splits, kind="grads",
                                           recv_splits=p.served_splits)
         dtype = grads.dtype
