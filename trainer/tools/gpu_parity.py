@@ -50,7 +50,7 @@ PATHS: dict[str, tuple[int, list[str]]] = {
     "adam": (1, ["optim=adam"]),
     "skip": (1, ["train.nonfinite=skip"]),
     "resume": (1, []),  # checkpoint.every = steps / 2, + a cuda run resumed from that checkpoint
-    "w2-exact": (2, ["optim=adagrad"]),
+    "w2-exact": (2, ["optim=adagrad", "train.pipeline=off"]),  # the serial step
     "w2-lru-bsp": (2, ["cache=lru", "consistency=bsp"]),
     "w2-lfu-ssp": (2, ["cache=lfu", "consistency=ssp"]),
     "w2-pinned-asp": (2, ["cache=lfu_pinned", "consistency=asp"]),
@@ -58,6 +58,7 @@ PATHS: dict[str, tuple[int, list[str]]] = {
     "w2-sca": (2, ["placement=sca"]),
     "w2-herald": (2, ["schedule=herald", "cache=lru"]),
     "w2-pipeline-ids": (2, ["train.pipeline=ids", "cache=lru"]),
+    "w2-settled-rows": (2, ["train.pipeline=ids", "comm.settled_rows=always", "optim=adagrad"]),
     "w2-pipeline-rows": (2, ["train.pipeline=rows", "cache=lfu", "consistency=ssp"]),
     "w2-het-skip-adam": (2, ["cache=lru", "consistency=ssp", "placement=fae", "optim=adam",
                              "train.nonfinite=skip"]),
