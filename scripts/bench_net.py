@@ -24,9 +24,17 @@ kind (as the trainer counts them), eval AUC, and speedup_vs_exact_serial (sample
 exact_serial run of the same link in this invocation); on emulated links also the bytes the
 hosts' interfaces really sent per trained sample. Progress goes to stderr.
 
+`--repeat N` runs every mode of a link N times in N rounds, each round every mode once and its
+order rotated by one (so no mode always runs first or right after the same neighbour); a run's
+speedup is over the exact_serial run of its own round (`"round": r`). After a link's rounds, one
+line per mode with `"summary": true`: the median samples/s and the median, min and max of the
+per-round speedups. On a shared machine a single run's ratio moves by +-0.1; the median of
+interleaved rounds is the figure to report.
+
     python scripts/bench_net.py                                   # localhost, 1gbit, 200mbit; all modes
     python scripts/bench_net.py --links localhost 500mbit --modes exact_serial cache_ssp --steps 100
     python scripts/bench_net.py --quick --links localhost 200mbit --modes exact_serial cache_ssp
+    python scripts/bench_net.py --links localhost --repeat 5 --steps 120   # 5 interleaved rounds, medians
     python scripts/bench_net.py -- model.embedding_dim=32         # extra trainer overrides after --
 """
 from __future__ import annotations
@@ -35,6 +43,7 @@ import argparse
 import contextlib
 import json
 import os
+import statistics
 import sys
 import tempfile
 import time
@@ -111,6 +120,26 @@ def summarize(link: str, mode: str, run_dir: str, wall_s: float, tx_bytes: int |
     return out
 
 
+def round_order(modes: list[str], r: int) -> list[str]:
+    """Round r's (0-based) order of the modes: rotated left by r."""
+    k = r % len(modes) if modes else 0
+    return modes[k:] + modes[:k]
+
+
+def summary_line(link: str, mode: str, runs: list[dict]) -> dict:
+    """A link's mode over its rounds: medians of samples/s and of the per-round speedups."""
+    ok = [x for x in runs if "error" not in x]
+    out = {"bench": "net", "link": link, "mode": mode, "summary": True, "rounds": len(runs), "ok_rounds": len(ok)}
+    sps = [x["samples_per_sec"] for x in ok]
+    ups = [x["speedup_vs_exact_serial"] for x in ok if x.get("speedup_vs_exact_serial") is not None]
+    if sps:
+        out["samples_per_sec_median"] = round(statistics.median(sps), 1)
+    if ups:
+        out.update(speedup_median=round(statistics.median(ups), 3), speedup_min=min(ups), speedup_max=max(ups),
+                   speedups=ups)
+    return out
+
+
 def run_one(link: str, mode: str, steps: int, quick: bool, extra: list[str], tmp: str,
             cluster: NetCluster | None, timeout: float) -> dict:
     run_dir = os.path.join(tmp, f"{link}-{mode}")
@@ -150,10 +179,12 @@ def main() -> int:
                     help=f"tiny version: {QUICK['steps']} steps of {QUICK['batch_size']} samples per rank, "
                          f"tables capped at {QUICK['max_table_rows']:,} rows, small eval")
     ap.add_argument("--timeout", type=float, default=600.0, help="seconds per run (default %(default)s)")
+    ap.add_argument("--repeat", type=int, default=1,
+                    help="rounds per link, modes interleaved, + one median line per mode (default 1)")
     a = ap.parse_args(argv)
     steps = a.steps or (QUICK if a.quick else FULL)["steps"]
-    if steps < 1 or a.timeout <= 0 or a.delay_ms < 0:
-        print("error: --steps and --timeout must be > 0, --delay-ms >= 0", file=sys.stderr)
+    if steps < 1 or a.timeout <= 0 or a.delay_ms < 0 or a.repeat < 1:
+        print("error: --steps, --timeout and --repeat must be > 0, --delay-ms >= 0", file=sys.stderr)
         return 2
     try:
         rates = {link: netcluster.parse_rate(link) for link in a.links}
@@ -173,7 +204,7 @@ def main() -> int:
             print(f"error: emulated links ({', '.join(shaped)}) need root and `ip netns`: {why}", file=sys.stderr)
             return 2
     missing = {m: missing_keys(MODES[m] + extra) for m in modes}
-    total = len(a.links) * sum(1 for m in modes if not missing[m])
+    total = len(a.links) * sum(1 for m in modes if not missing[m]) * a.repeat
     done, failures = 0, 0
     t_start = time.perf_counter()
     # one emulated cluster for every shaped link (re-shaped per link), torn down on any exit
@@ -184,29 +215,44 @@ def main() -> int:
             if rates[link] is not None:
                 cluster.shape(rates[link], a.delay_ms)
                 on = cluster
-            base_sps = None
             for mode in modes:
                 if missing[mode]:
-                    line = {"bench": "net", "link": link, "mode": mode, "error": "config key missing",
-                            "missing": missing[mode]}
                     log(f"{link} {mode}: skipped, config key missing: {', '.join(missing[mode])}")
-                else:
+                    print(json.dumps({"bench": "net", "link": link, "mode": mode, "error": "config key missing",
+                                      "missing": missing[mode]}), flush=True)
+            runnable = [m for m in modes if not missing[m]]
+            runs: dict[str, list[dict]] = {m: [] for m in runnable}
+            for r in range(a.repeat):
+                lines = {}
+                for mode in round_order(runnable, r):
                     done += 1
                     log(f"{link} {mode}: running ({done}/{total}, {steps} steps, "
                         f"{time.perf_counter() - t_start:.0f}s so far)")
                     line = run_one(link, mode, steps, a.quick, extra, tmp, on, a.timeout)
+                    if a.repeat > 1:
+                        line["round"] = r + 1
                     if "error" in line:
                         failures += 1
                         log(f"{link} {mode}: FAILED (rc {line['returncode']}): {line['stderr_tail'][-300:]}")
-                    else:
-                        if mode == BASELINE:
-                            base_sps = line["samples_per_sec"]
-                        if base_sps:
-                            line["speedup_vs_exact_serial"] = round(line["samples_per_sec"] / base_sps, 3)
+                    lines[mode] = line
+                base = lines.get(BASELINE, {}).get("samples_per_sec")
+                for mode in runnable:  # the speedups of this round, over this round's baseline
+                    line = lines[mode]
+                    if "error" not in line:
+                        if base:
+                            line["speedup_vs_exact_serial"] = round(line["samples_per_sec"] / base, 3)
                         log(f"{link} {mode}: {line['samples_per_sec']:,.0f} samples/s, "
                             f"{line['bytes_per_sample']} B/sample, x{line['speedup_vs_exact_serial']} "
                             f"vs exact serial ({line['wall_s']}s)")
-                print(json.dumps(line), flush=True)
+                    runs[mode].append(line)
+                    print(json.dumps(line), flush=True)
+            if a.repeat > 1:
+                for mode in runnable:
+                    line = summary_line(link, mode, runs[mode])
+                    log(f"{link} {mode}: median {line.get('samples_per_sec_median', 0):,.0f} samples/s, "
+                        f"x{line.get('speedup_median')} ({line.get('speedup_min')}-{line.get('speedup_max')}) "
+                        f"over {line['ok_rounds']} rounds")
+                    print(json.dumps(line), flush=True)
     log(f"done in {time.perf_counter() - t_start:.0f}s")
     return 1 if failures else 0
 

@@ -27,6 +27,44 @@ def test_missing_config_keys_are_detected():
     assert bench_net.missing_keys(["cache=none", "train.steps=3"]) == []
 
 
+def test_rounds_rotate_the_modes_and_summarise_medians():
+    modes = ["exact_serial", "cache_ssp", "wire_fp16"]
+    assert [bench_net.round_order(modes, r) for r in range(4)] == [
+        modes, ["cache_ssp", "wire_fp16", "exact_serial"], ["wire_fp16", "exact_serial", "cache_ssp"], modes]
+    runs = [{"samples_per_sec": 100.0, "speedup_vs_exact_serial": 1.2},
+            {"bench": "net", "error": "run failed"},
+            {"samples_per_sec": 90.0, "speedup_vs_exact_serial": 0.9},
+            {"samples_per_sec": 120.0, "speedup_vs_exact_serial": 1.0}]
+    s = bench_net.summary_line("1gbit", "cache_ssp", runs)
+    assert s["summary"] is True and (s["rounds"], s["ok_rounds"]) == (4, 3)
+    assert s["samples_per_sec_median"] == 100.0 and s["speedup_median"] == 1.0
+    assert (s["speedup_min"], s["speedup_max"], s["speedups"]) == (0.9, 1.2, [1.2, 0.9, 1.0])
+    assert "speedup_median" not in bench_net.summary_line("1gbit", "x", [runs[1]])
+
+
+@pytest.mark.dist
+def test_repeat_interleaves_rounds_on_localhost():
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "bench_net.py"), "--quick", "--repeat", "2",
+                           "--links", "localhost", "--modes", "exact_serial", "exact_pipelined"],
+                          capture_output=True, text=True, env=env(), timeout=400)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = [json.loads(x) for x in proc.stdout.splitlines()]
+    runs, sums = [x for x in lines if not x.get("summary")], [x for x in lines if x.get("summary")]
+    assert [(x["round"], x["mode"]) for x in runs] == [
+        (1, "exact_serial"), (1, "exact_pipelined"), (2, "exact_serial"), (2, "exact_pipelined")]
+    # round 2 ran the pipelined mode first (rotated order), its progress says so
+    log = [l for l in proc.stderr.splitlines() if ": running (" in l]
+    assert [l.split()[2].rstrip(":") for l in log] == ["exact_serial", "exact_pipelined", "exact_pipelined", "exact_serial"]
+    for r in (1, 2):
+        base = next(x for x in runs if x["round"] == r and x["mode"] == "exact_serial")["samples_per_sec"]
+        for x in (x for x in runs if x["round"] == r):
+            assert x["speedup_vs_exact_serial"] == pytest.approx(x["samples_per_sec"] / base, abs=1e-3)
+    assert [x["mode"] for x in sums] == ["exact_serial", "exact_pipelined"]
+    piped = [x["speedup_vs_exact_serial"] for x in runs if x["mode"] == "exact_pipelined"]
+    assert sums[1]["speedups"] == piped and sums[1]["speedup_median"] == pytest.approx(sum(piped) / 2, abs=1e-3)
+    assert sums[0]["speedup_median"] == 1.0 and sums[0]["ok_rounds"] == 2
+
+
 def test_bad_link_is_refused():
     proc = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "bench_net.py"), "--links", "fast"],
                           capture_output=True, text=True, env=env(), timeout=60)
