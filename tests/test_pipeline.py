@@ -31,6 +31,11 @@ PARITY = {
     "w2-plain-sgd-row-lr-5": (2, ["optim=sgd", "optim.sparse_lr=5.0"]),
     "w3-plain-adagrad-mean": (3, ["optim=adagrad", "model.pooling=mean"]),
     "w2-lru-bsp-adam": (2, ["optim=adam", "cache=lru", "cache.capacity_rows=30"]),
+    # the same large row lr with a BSP cache (its version requests go ahead, the answers may not)
+    # and with FAE's hot batches (hot rows replicated, cold steps in between)
+    "w2-lru-bsp-sgd-row-lr-5": (2, ["optim=sgd", "optim.sparse_lr=5.0", "cache=lru", "cache.capacity_rows=30"]),
+    "w2-fae-sgd-row-lr-5": (2, ["optim=sgd", "optim.sparse_lr=5.0", "placement=fae",
+                                "placement.budget_bytes=16000"]),
     "w2-fae-hot-batches": (2, ["optim=adagrad", "placement=fae", "placement.budget_bytes=16000"]),
     "w2-skip-with-lru": (2, ["optim=sgd", "cache=lru", "train.nonfinite=skip"]),
 }
