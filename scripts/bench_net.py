@@ -234,18 +234,19 @@ def main() -> int:
                     if "error" in line:
                         failures += 1
                         log(f"{link} {mode}: FAILED (rc {line['returncode']}): {line['stderr_tail'][-300:]}")
+                    else:
+                        log(f"{link} {mode}: {line['samples_per_sec']:,.0f} samples/s, "
+                            f"{line['bytes_per_sample']} B/sample ({line['wall_s']}s)")
                     lines[mode] = line
                 base = lines.get(BASELINE, {}).get("samples_per_sec")
                 for mode in runnable:  # the speedups of this round, over this round's baseline
                     line = lines[mode]
-                    if "error" not in line:
-                        if base:
-                            line["speedup_vs_exact_serial"] = round(line["samples_per_sec"] / base, 3)
-                        log(f"{link} {mode}: {line['samples_per_sec']:,.0f} samples/s, "
-                            f"{line['bytes_per_sample']} B/sample, x{line['speedup_vs_exact_serial']} "
-                            f"vs exact serial ({line['wall_s']}s)")
+                    if "error" not in line and base:
+                        line["speedup_vs_exact_serial"] = round(line["samples_per_sec"] / base, 3)
                     runs[mode].append(line)
                     print(json.dumps(line), flush=True)
+                log(f"{link}{f' round {r + 1}/{a.repeat}' if a.repeat > 1 else ''}: x" + ", x".join(
+                    f"{lines[m].get('speedup_vs_exact_serial')} {m}" for m in runnable) + " vs exact serial")
             if a.repeat > 1:
                 for mode in runnable:
                     line = summary_line(link, mode, runs[mode])
