@@ -183,4 +183,7 @@ def test_stalled_worker_times_out_and_the_survivor_exits_by_itself(launcher, tmp
     assert TIMEOUT_S - 1 < took < TIMEOUT_S + 6, (took, log[-3000:])
     assert proc.returncode != 0
     assert "failed on rank 0/2 (timeout 10s" in log, log[-3000:]
-    assert "timed out" in log or "no completion within 10s" in log, log[-3000:]  # gloo's words, or ours
+    # the backend's reason: gloo's words (a wait that expired, or a connection it closed on its
+    # timeout: which one depends on the collective the survivor was in), or ours
+    assert any(w in log for w in ("timed out", "Application timeout caused pair closure",
+                                  "no completion within 10s")), log[-3000:]
