@@ -31,10 +31,16 @@ line per mode with `"summary": true`: the median samples/s and the median, min a
 per-round speedups. On a shared machine a single run's ratio moves by +-0.1; the median of
 interleaved rounds is the figure to report.
 
+`--phases` runs the workers under trainer/tools/phases.py and adds `phases` to each line: per rank,
+the milliseconds per training step spent in the step, making batches, preparing the next step,
+the lookup, backward, the pushes and update, and waiting on collectives (the phases nest; see
+that module).
+
     python scripts/bench_net.py                                   # localhost, 1gbit, 200mbit; all modes
     python scripts/bench_net.py --links localhost 500mbit --modes exact_serial cache_ssp --steps 100
     python scripts/bench_net.py --quick --links localhost 200mbit --modes exact_serial cache_ssp
     python scripts/bench_net.py --links localhost --repeat 5 --steps 120   # 5 interleaved rounds, medians
+    python scripts/bench_net.py --links 1gbit --modes cache_ssp --steps 200 --phases   # where a step goes
     python scripts/bench_net.py -- model.embedding_dim=32         # extra trainer overrides after --
 """
 from __future__ import annotations
@@ -43,6 +49,7 @@ import argparse
 import contextlib
 import json
 import os
+import shutil
 import statistics
 import sys
 import tempfile
@@ -50,6 +57,7 @@ import time
 
 from trainer.tools import netcluster
 from trainer.tools.netcluster import NetCluster, NetClusterError
+from trainer.tools.phases import ENV as PHASES_ENV
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the runs' working directory
 
@@ -140,11 +148,25 @@ def summary_line(link: str, mode: str, runs: list[dict]) -> dict:
     return out
 
 
+def read_phases(run_dir: str) -> list[dict]:
+    """The ranks' phase timers of a --phases run (trainer/tools/phases.py), rank order."""
+    out = []
+    for name in sorted(os.listdir(run_dir)):
+        if name.startswith("phases_rank") and name.endswith(".json"):
+            with open(os.path.join(run_dir, name)) as f:
+                out.append(json.load(f))
+    return sorted(out, key=lambda r: r["rank"])
+
+
 def run_one(link: str, mode: str, steps: int, quick: bool, extra: list[str], tmp: str,
-            cluster: NetCluster | None, timeout: float) -> dict:
+            cluster: NetCluster | None, timeout: float, phases: bool = False) -> dict:
     run_dir = os.path.join(tmp, f"{link}-{mode}")
-    args = ["-m", "trainer", *trainer_args(mode, steps, run_dir, quick, extra)]
+    if os.path.isdir(run_dir):  # an earlier round's run: start empty
+        shutil.rmtree(run_dir)
+    args = ["-m", "trainer.tools.phases" if phases else "trainer", *trainer_args(mode, steps, run_dir, quick, extra)]
     env = {"PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+    if phases:
+        env[PHASES_ENV] = run_dir
     t0 = time.perf_counter()
     if cluster is None:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", *args]
@@ -161,7 +183,10 @@ def run_one(link: str, mode: str, steps: int, quick: bool, extra: list[str], tmp
         r = failed[0] if failed else results[0]
         return {"bench": "net", "link": link, "mode": mode, "error": "run failed",
                 "returncode": r.returncode, "timed_out": r.timed_out, "stderr_tail": r.stderr[-1500:]}
-    return summarize(link, mode, run_dir, wall, tx, cluster)
+    out = summarize(link, mode, run_dir, wall, tx, cluster)
+    if phases:
+        out["phases"] = read_phases(run_dir)
+    return out
 
 
 def main() -> int:
@@ -179,6 +204,8 @@ def main() -> int:
                     help=f"tiny version: {QUICK['steps']} steps of {QUICK['batch_size']} samples per rank, "
                          f"tables capped at {QUICK['max_table_rows']:,} rows, small eval")
     ap.add_argument("--timeout", type=float, default=600.0, help="seconds per run (default %(default)s)")
+    ap.add_argument("--phases", action="store_true",
+                    help="time the step's phases in every rank (trainer/tools/phases.py): `phases` in each line")
     ap.add_argument("--repeat", type=int, default=1,
                     help="rounds per link, modes interleaved, + one median line per mode (default 1)")
     a = ap.parse_args(argv)
@@ -228,7 +255,7 @@ def main() -> int:
                     done += 1
                     log(f"{link} {mode}: running ({done}/{total}, {steps} steps, "
                         f"{time.perf_counter() - t_start:.0f}s so far)")
-                    line = run_one(link, mode, steps, a.quick, extra, tmp, on, a.timeout)
+                    line = run_one(link, mode, steps, a.quick, extra, tmp, on, a.timeout, a.phases)
                     if a.repeat > 1:
                         line["round"] = r + 1
                     if "error" in line:

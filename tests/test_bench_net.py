@@ -65,6 +65,28 @@ def test_repeat_interleaves_rounds_on_localhost():
     assert sums[0]["speedup_median"] == 1.0 and sums[0]["ok_rounds"] == 2
 
 
+@pytest.mark.dist
+def test_phases_time_every_rank_step_by_step():
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "bench_net.py"), "--quick", "--phases",
+                           "--links", "localhost", "--modes", "exact_serial", "exact_pipelined"],
+                          capture_output=True, text=True, env=env(), timeout=400)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = [json.loads(x) for x in proc.stdout.splitlines()]
+    steps = bench_net.QUICK["steps"]
+    for x in lines:
+        assert [p["rank"] for p in x["phases"]] == [0, 1]
+        for p in x["phases"]:
+            ms, calls = p["ms_per_step"], p["calls"]
+            assert p["steps"] == steps and calls["step"] == calls["backward"] == calls["apply"] == steps
+            assert set(ms) == {"step", "batch", "prefetch", "lookup", "backward", "apply", "wait"}
+            for inner in ("batch", "lookup", "backward", "apply"):  # inside the step
+                assert 0 < ms[inner] < ms["step"], (inner, ms)
+    serial, piped = lines
+    # the serial step prepares nothing ahead; the pipelined one every step but the last
+    assert all(p["calls"]["batch"] == steps and p["ms_per_step"]["prefetch"] < 0.1 for p in serial["phases"])
+    assert all(p["calls"]["prefetch"] == steps and p["calls"]["batch"] == steps for p in piped["phases"])
+
+
 def test_bad_link_is_refused():
     proc = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "bench_net.py"), "--links", "fast"],
                           capture_output=True, text=True, env=env(), timeout=60)
