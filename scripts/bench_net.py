@@ -151,11 +151,11 @@ def summary_line(link: str, mode: str, runs: list[dict]) -> dict:
 def read_phases(run_dir: str) -> list[dict]:
     """The ranks' phase timers of a --phases run (trainer/tools/phases.py), rank order."""
     out = []
-    for name in sorted(os.listdir(run_dir)):
+    for name in os.listdir(run_dir):
         if name.startswith("phases_rank") and name.endswith(".json"):
             with open(os.path.join(run_dir, name)) as f:
                 out.append(json.load(f))
-    return sorted(out, key=lambda r: r["rank"])
+    return sorted(out, key=lambda r: r["rank"])  # by rank (a name sort puts rank10 before rank2)
 
 
 def run_one(link: str, mode: str, steps: int, quick: bool, extra: list[str], tmp: str,
