@@ -1,4 +1,4 @@
-"""WDL, DeepFM and DCN-v2 against their defining formulas, written out explicitly here."""
+"""DLRM, WDL, DeepFM and DCN-v2 against their defining formulas, written out explicitly here."""
 from __future__ import annotations
 
 import itertools
@@ -10,6 +10,7 @@ from trainer.config import ModelConfig
 from trainer.models import build_model
 from trainer.models.dcn import DCN
 from trainer.models.deepfm import DeepFM, fm_pairwise
+from trainer.models.dlrm import DLRM
 from trainer.models.wdl import WDL
 
 B, F, T, D = 5, 4, 3, 8
@@ -52,6 +53,41 @@ def test_dcn_cross_layers_follow_dcn_v2(rank):
             xw = (x @ u.T) @ v.weight.T + v.bias
         x = x0 * xw + x
     torch.testing.assert_close(m(dense, sparse), m.deep(x).squeeze(1))
+
+
+def _dlrm_by_formula(m: DLRM, dense: torch.Tensor, sparse: torch.Tensor) -> torch.Tensor:
+    """top([x, <z_i, z_j> for every pair i > j]), z = [bottom(dense), the T pooled rows]."""
+    x = m.bottom(dense)
+    z = torch.cat([x.unsqueeze(1), sparse], 1)
+    pairs = [(z[:, i] * z[:, j]).sum(1) for i in range(T + 1) for j in range(i)]
+    return m.top(torch.cat([x, torch.stack(pairs, 1)], 1)).squeeze(1)
+
+
+def test_dlrm_is_top_over_bottom_and_pair_dots():
+    torch.manual_seed(4)
+    m = DLRM(F, T, D, [6], [7]).double()
+    dense, sparse = (t.double() for t in _inputs())
+    torch.testing.assert_close(m(dense, sparse), _dlrm_by_formula(m, dense, sparse))
+
+
+def test_dlrm_gram_backward_equals_autograd_of_the_formula():
+    """The hand-written backward of the Gram matrix (one bmm: dz = (G + G^T) z) against autograd
+    through the explicit per-pair sums: the gradients of the pooled rows and of every parameter,
+    in float64, and gradcheck of the Gram matrix alone."""
+    torch.manual_seed(5)
+    m = DLRM(F, T, D, [6], [7]).double()
+    dense, sparse = (t.double() for t in _inputs())
+    grads = []
+    for fn in (m, lambda a, b: _dlrm_by_formula(m, a, b)):
+        m.zero_grad()
+        s = sparse.clone().requires_grad_(True)
+        (fn(dense, s) * torch.arange(1.0, B + 1, dtype=torch.float64)).sum().backward()
+        grads.append([s.grad] + [p.grad.clone() for p in m.parameters()])
+    for got, want in zip(*grads):
+        torch.testing.assert_close(got, want)
+    from trainer.models.dlrm import _Gram
+    z = torch.randn(B, T + 1, D, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(_Gram.apply, (z,))
 
 
 def test_wdl_is_wide_plus_deep():
