@@ -34,7 +34,8 @@ interleaved rounds is the figure to report.
 `--phases` runs the workers under trainer/tools/phases.py and adds `phases` to each line: per rank,
 the milliseconds per training step spent in the step, making batches, preparing the next step,
 the lookup, backward, the pushes and update, and waiting on collectives (the phases nest; see
-that module).
+that module), and the process CPU time per step with the share of one core it kept busy
+(`cpu_ms_per_step`, `cpu_busy`: whether a rank's waits left its core idle).
 
     python scripts/bench_net.py                                   # localhost, 1gbit, 200mbit; all modes
     python scripts/bench_net.py --links localhost 500mbit --modes exact_serial cache_ssp --steps 100

@@ -81,6 +81,10 @@ def test_phases_time_every_rank_step_by_step():
             assert set(ms) == {"step", "batch", "prefetch", "lookup", "backward", "apply", "wait"}
             for inner in ("batch", "lookup", "backward", "apply"):  # inside the step
                 assert 0 < ms[inner] < ms["step"], (inner, ms)
+            # process CPU per step: some, and at most what the process's threads could use in the
+            # step's wall-clock time (gloo's and the main thread: a few cores at the very most)
+            assert 0 < p["cpu_ms_per_step"] <= 4 * ms["step"], p
+            assert p["cpu_busy"] == pytest.approx(p["cpu_ms_per_step"] / ms["step"], rel=0.01, abs=1e-3), p
     serial, piped = lines
     # the serial step prepares nothing ahead; the pipelined one every step but the last
     assert all(p["calls"]["batch"] == steps and p["ms_per_step"]["prefetch"] < 0.1 for p in serial["phases"])

@@ -4,7 +4,8 @@
 
 runs `python -m trainer OVERRIDES...` with timers around the phases of a training step and, when
 the process exits, writes this rank's milliseconds per training step to DIR/phases_rank<r>.json:
-{"rank", "steps", "ms_per_step": {phase: ms}, "calls": {phase: n}}. The phases (methods timed):
+{"rank", "steps", "ms_per_step": {phase: ms}, "calls": {phase: n}, "cpu_ms_per_step", "cpu_busy"}.
+The phases (methods timed):
 
 - step: a whole training step (Trainer.train_step);
 - batch: making a batch (Trainer._batch; with train.pipeline the next step's, inside prefetch);
@@ -17,7 +18,11 @@ the process exits, writes this rank's milliseconds per training step to DIR/phas
   allreduce.
 
 The phases nest (wait inside lookup, prefetch and apply; batch inside prefetch), so they do not
-add up to the step. Evaluations and start-up are outside every phase except wait. Wrapping the
+add up to the step. Beside the wall-clock phases, `cpu_ms_per_step` is the CPU time the whole
+process (its main thread, gloo's threads, the kernel work they cause) used per training step, and
+`cpu_busy` that over the step's wall-clock time: 1.0 is one core busy the whole step. A rank whose
+waits are for its peer shows a low `cpu_busy`; ranks that share too few cores show waits with a
+high one (the time went to the other rank's threads). Evaluations and start-up are outside every phase except wait. Wrapping the
 methods costs about a microsecond per call: nothing next to a step.
 """
 from __future__ import annotations
@@ -48,19 +53,26 @@ ENV = "STEP_PHASES_DIR"
 class Timers:
     """Seconds and calls per phase, accumulated by wrapped methods."""
 
+    CPU_PHASE = "step"  # the phase whose process CPU time is counted too
+
     def __init__(self) -> None:
         self.seconds: dict[str, float] = collections.defaultdict(float)
         self.calls: dict[str, int] = collections.defaultdict(int)
+        self.cpu_seconds = 0.0  # process CPU time (every thread) inside CPU_PHASE
 
     def wrap(self, phase: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+        cpu = phase == self.CPU_PHASE
+
         @functools.wraps(fn)
         def timed(*args: Any, **kwargs: Any) -> Any:
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time() if cpu else 0.0
             try:
                 return fn(*args, **kwargs)
             finally:
                 self.seconds[phase] += time.perf_counter() - t0
                 self.calls[phase] += 1
+                if cpu:
+                    self.cpu_seconds += time.process_time() - c0
         return timed
 
     def install(self) -> None:
@@ -72,9 +84,12 @@ class Timers:
     def report(self, rank: int) -> dict[str, Any]:
         steps = self.calls.get("step", 0)
         per = max(steps, 1)
+        wall = self.seconds.get(self.CPU_PHASE, 0.0)
         return {"rank": rank, "steps": steps,
                 "ms_per_step": {p: round(1e3 * self.seconds.get(p, 0.0) / per, 3) for p, *_ in PHASES},
-                "calls": {p: self.calls.get(p, 0) for p, *_ in PHASES}}
+                "calls": {p: self.calls.get(p, 0) for p, *_ in PHASES},
+                "cpu_ms_per_step": round(1e3 * self.cpu_seconds / per, 3),
+                "cpu_busy": round(self.cpu_seconds / wall, 3) if wall > 0 else 0.0}
 
 
 def main() -> None:
