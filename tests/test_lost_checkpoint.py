@@ -290,6 +290,39 @@ def test_failed_trainer_file_write_removes_the_partial_dir(tmp_path, monkeypatch
     assert os.listdir(root) == []
 
 
+def test_peer_lost_after_the_rename_still_names_that_checkpoint(tmp_path, monkeypatch):
+    """A peer dies in a save's closing broadcast, after rank 0 renamed the checkpoint into place
+    (seen in CI: the test of a killed worker killed it right when the checkpoint appeared). The
+    checkpoint is complete on disk, so the failure message must offer to continue from it, not
+    to start over."""
+    from trainer.comm import CollectiveError
+    from trainer.comm.local import LocalCollectives
+    root = str(tmp_path / "ck")
+    real_finish, real_bcast = ckpt.Checkpointer._finish, LocalCollectives.broadcast_object
+    lost = {"armed": False}
+
+    def finish(self, tmp, step, *args):
+        out = real_finish(self, tmp, step, *args)
+        lost["armed"] = step == 4  # the second save: the first one completes normally
+        return out
+
+    def bcast(self, obj, root=0):
+        if lost["armed"]:
+            raise CollectiveError("collective 'broadcast' failed on rank 0/2 (injected: the peer died)")
+        return real_bcast(self, obj, root)
+
+    monkeypatch.setattr(ckpt.Checkpointer, "_finish", finish)
+    monkeypatch.setattr(LocalCollectives, "broadcast_object", bcast)
+    with pytest.raises(CollectiveError) as err:
+        run_single(BASE + ["train.steps=8", "checkpoint.every=2", "checkpoint.keep_last=0",
+                           f"checkpoint.dir={root}"])
+    msg = str(err.value)
+    step, path = ckpt.complete_checkpoints(root)[-1]
+    assert step == 4, ckpt.complete_checkpoints(root)
+    assert f"The newest complete checkpoint of this run is {os.path.abspath(path)}; to continue from it" in msg, msg
+    assert f"checkpoint.resume={os.path.abspath(path)}" in msg, msg
+
+
 # ---------------------------------------------------------------------------- 7. Criteo at another W
 @pytest.fixture(scope="module")
 def prepared(tmp_path_factory) -> str:

@@ -400,6 +400,10 @@ class Checkpointer:
         self.comm, self.root, self.keep_last = comm, root, keep_last
         self.lock: DirLock | None = None
         self._seq = 0  # save_seq of this run's last save
+        # rank 0: the newest save of this object that is complete on disk, known as soon as it is
+        # renamed into place: a peer lost in the save's closing broadcast leaves it resumable, and
+        # the failure message must name it (runner._failure_hint)
+        self.completed: str | None = None
         status: tuple[str | None, str | None, list[str]] = (None, None, [])
         if comm.rank == 0:
             lock = DirLock(root, uuid.uuid4().hex[:12])
@@ -438,6 +442,8 @@ class Checkpointer:
         status = None
         if self.comm.rank == 0:
             status = self._finish(tmp, step, trainer_state, schema, digests)
+            if status is None:
+                self.completed = step_dir(self.root, step)
         status = self.comm.broadcast_object(status)
         if status is not None:
             raise CheckpointError(status)

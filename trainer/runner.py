@@ -96,8 +96,10 @@ def _failure_hint(c: Config, comm: Collectives, trainer: "Trainer | None", out_d
         root = trainer.ckpt_dir if trainer is not None else (c.checkpoint.dir or (
             os.path.join(out, "checkpoints") if out else None))
         # this run's newest save, else the checkpoint it started from; never an older job's save
-        # that happens to lie in checkpoint.dir (a fresh run did not ask to continue that one)
-        last = (trainer.last_checkpoint or trainer.resumed_from) if trainer is not None else (
+        # that happens to lie in checkpoint.dir (a fresh run did not ask to continue that one).
+        # Rank 0 also knows a save it completed on disk whose closing broadcast the peer missed
+        on_disk = trainer.checkpointer.completed if trainer is not None and trainer.checkpointer else None
+        last = (on_disk or trainer.last_checkpoint or trainer.resumed_from) if trainer is not None else (
             c.checkpoint.resume if c.checkpoint.resume not in (None, "auto") else None)
         if last is None and trainer is None and c.checkpoint.resume == "auto":
             last = latest_checkpoint(root)
