@@ -162,7 +162,7 @@ class InProcessHetWire:
         if sim.audit is not None:
             sim.audit.read(sim.steps_run, self.rank, remote_ids, torch.where(send, now, cached_versions), now)
         versions = torch.where(send, now, torch.full_like(now, -1))
-        return send, versions, torch.zeros(int(send.sum()), 1)
+        return send, versions, torch.zeros(int(send.sum()), self.sim.row_width)
 
     def serve(self, answered: Any) -> None:
         pass
@@ -194,7 +194,7 @@ class InProcessRowWire:
         pass
 
     def result(self, pulled: torch.Tensor) -> torch.Tensor:
-        return torch.zeros(pulled.numel(), 1)
+        return torch.zeros(pulled.numel(), self.sim.row_width)
 
     def push_start(self, pulled: torch.Tensor, grads: torch.Tensor) -> Callable[[], tuple[torch.Tensor, torch.Tensor]]:
         self.sim.stats.pushes(self.sim.owners.table(pulled), torch.ones_like(pulled))
@@ -204,8 +204,11 @@ class InProcessRowWire:
 class CacheSimulator:
     """W workers over one owner-version array; step() = reads for all, then writes for all."""
 
-    def __init__(self, spec: SimSpec, audit: bool = False) -> None:
+    def __init__(self, spec: SimSpec, audit: bool = False, row_width: int = 1) -> None:
         self.spec = spec
+        # values per cached row: 1 is all the counts need; the run's d times the bookkeeping at the
+        # real row width (scripts/bench_cache.py)
+        self.row_width = row_width
         self.owners = Owners(spec.table_rows, spec.workers, spec.owners, spec.hot)
         self.replica_rows = 0  # sum over steps of the replicated rows the step's batches touched
         self.bounds = Bounds.from_lists(spec.pull, spec.push)
@@ -221,7 +224,7 @@ class CacheSimulator:
         if self.spec.policy == "none":
             return PlainRemote(InProcessRowWire(self, rank))
         wire = InProcessHetWire(self, rank)
-        cache = RowCache(self.spec.capacities, 1, make_policy(self.spec.policy, self.spec.pin_threshold),
+        cache = RowCache(self.spec.capacities, self.row_width, make_policy(self.spec.policy, self.spec.pin_threshold),
                          self.owners.n_ids, local_lr=0.0)
         return HetRemote(wire, self.owners.layout, cache, self.bounds, self.stats)
 
@@ -235,11 +238,11 @@ class CacheSimulator:
         plans = []
         for rank, (protocol, gids) in enumerate(zip(self.workers, all_gids)):
             plan = self.owners.plan(rank, gids)
-            protocol.read(plan, torch.zeros(plan.uniq.numel(), 1), s)
+            protocol.read(plan, torch.zeros(plan.uniq.numel(), self.row_width), s)
             self.streams[rank].append(plan.uniq[torch.sort(plan.remote_pos).values].numpy())
             plans.append(plan)
         for protocol, plan in zip(self.workers, plans):
-            got = protocol.write(plan, torch.zeros(plan.uniq.numel(), 1))
+            got = protocol.write(plan, torch.zeros(plan.uniq.numel(), self.row_width))
             owned = plan.owned_ids
             self._apply(s, torch.cat([got.gids, owned]), torch.cat([got.counts, torch.ones_like(owned)]))
         self.steps_run += 1
