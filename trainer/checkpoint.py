@@ -402,7 +402,7 @@ class Checkpointer:
         self._seq = 0  # save_seq of this run's last save
         # rank 0: the newest save of this object that is complete on disk, known as soon as it is
         # renamed into place: a peer lost in the save's closing broadcast leaves it resumable, and
-        # the failure message must name it (runner._failure_hint)
+        # the failure message must name it (Trainer.save_checkpoint)
         self.completed: str | None = None
         status: tuple[str | None, str | None, list[str]] = (None, None, [])
         if comm.rank == 0:

@@ -36,6 +36,7 @@ from .checkpoint import CheckpointError, Checkpointer, rng_state, set_rng_state
 from .checkpoint import latest as latest_checkpoint
 from .checkpoint import load as load_checkpoint
 from .checkpoint import resolve as resolve_checkpoint
+from .checkpoint import step_dir
 from .comm import CollectiveError, Collectives, make_collectives
 from .config import Config, auto_threads, local_batch_size, validate_world
 from .configure import apply_data_steps, load_config, recipe_of
@@ -96,10 +97,8 @@ def _failure_hint(c: Config, comm: Collectives, trainer: "Trainer | None", out_d
         root = trainer.ckpt_dir if trainer is not None else (c.checkpoint.dir or (
             os.path.join(out, "checkpoints") if out else None))
         # this run's newest save, else the checkpoint it started from; never an older job's save
-        # that happens to lie in checkpoint.dir (a fresh run did not ask to continue that one).
-        # Rank 0 also knows a save it completed on disk whose closing broadcast the peer missed
-        on_disk = trainer.checkpointer.completed if trainer is not None and trainer.checkpointer else None
-        last = (on_disk or trainer.last_checkpoint or trainer.resumed_from) if trainer is not None else (
+        # that happens to lie in checkpoint.dir (a fresh run did not ask to continue that one)
+        last = (trainer.last_checkpoint or trainer.resumed_from) if trainer is not None else (
             c.checkpoint.resume if c.checkpoint.resume not in (None, "auto") else None)
         if last is None and trainer is None and c.checkpoint.resume == "auto":
             last = latest_checkpoint(root)
@@ -587,8 +586,16 @@ class Trainer:
                          "optimizer": self.opt.state_dict(), "rng": rng_state(self.device),
                          "losses": list(self.losses), "evals": list(self.evals),
                          "early_stop": self.early.state()}
-            self.last_checkpoint = (into or self.checkpointer).save(
-                step, self.emb.store, state, {**self._schema(), "config": asdict(self.c)})
+            saver = into or self.checkpointer
+            try:
+                self.last_checkpoint = saver.save(step, self.emb.store, state,
+                                                  {**self._schema(), "config": asdict(self.c)})
+            except CollectiveError:
+                # rank 0 may have put this save in place before a peer was lost in its closing
+                # broadcast: it is complete on disk, so the failure message names it
+                if saver.completed == step_dir(saver.root, step):
+                    self.last_checkpoint = saver.completed
+                raise
         return self.last_checkpoint
 
     def _save_or_stop(self, step: int, train_time: float) -> None:
