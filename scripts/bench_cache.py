@@ -26,7 +26,6 @@ import argparse
 import json
 import os
 import sys
-import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
@@ -38,6 +37,7 @@ from hydra.errors import HydraException  # noqa: E402
 from trainer.config import ConfigError  # noqa: E402
 from trainer.sim import CacheSimulator  # noqa: E402
 from trainer.tools import simulate as sim_tools  # noqa: E402
+from trainer.tools.phases import Timers  # noqa: E402
 
 DEFAULTS = ["data=bench", "model.embedding_dim=16", "cache=lfu", "consistency=ssp",
             "consistency.pull_bound=4", "consistency.push_bound=4"]  # bench_net.py's cache ssp
@@ -80,32 +80,20 @@ def main(argv: list[str] | None = None) -> int:
     sim = CacheSimulator(spec, row_width=dim)
     print(f"[bench_cache] making {a.steps} steps of batches for {a.workers} workers", file=sys.stderr, flush=True)
     batches = [[trace.batch(s, w) for w in range(a.workers)] for s in range(a.steps)]
-    spent = {"read": 0.0, "write": 0.0}
-    timing = [False]
-
-    def timed(name, fn):
-        def call(*args, **kwargs):
-            t0 = time.perf_counter()
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                if timing[0]:
-                    spent[name] += time.perf_counter() - t0
-        return call
-
+    timers = Timers()  # the phase timers of bench_net --phases, around each worker's read and write
     for p in sim.workers:
-        p.read, p.write = timed("read", p.read), timed("write", p.write)
+        p.read, p.write = timers.wrap("read", p.read), timers.wrap("write", p.write)
     stats = sim.stats.t
     for s in range(a.steps):
-        if s == a.warmup:
-            timing[0] = True
+        if s == a.warmup:  # the warm-up's time and counts are left out
+            timers.seconds.clear()
             hits0, req0, pushed0 = (int(stats[k].sum()) for k in ("hits", "requested", "pushed_rows"))
         sim.step(batches[s])
         if (s + 1) % max(1, a.steps // 4) == 0:
             print(f"[bench_cache] step {s + 1}/{a.steps}", file=sys.stderr, flush=True)
     n = a.workers * (a.steps - a.warmup)
     hits, req, pushed = (int(stats[k].sum()) for k in ("hits", "requested", "pushed_rows"))
-    read, write = 1e3 * spent["read"] / n, 1e3 * spent["write"] / n
+    read, write = 1e3 * timers.seconds["read"] / n, 1e3 * timers.seconds["write"] / n
     print(json.dumps({"bench": "cache", "overrides": overrides, "workers": a.workers, "dim": dim,
                       "steps": a.steps, "warmup": a.warmup, "read_ms": round(read, 3),
                       "write_ms": round(write, 3), "total_ms": round(read + write, 3),

@@ -22,8 +22,8 @@ add up to the step. Beside the wall-clock phases, `cpu_ms_per_step` is the CPU t
 process (its main thread, gloo's threads, the kernel work they cause) used per training step, and
 `cpu_busy` that over the step's wall-clock time: 1.0 is one core busy the whole step. A rank whose
 waits are for its peer shows a low `cpu_busy`; ranks that share too few cores show waits with a
-high one (the time went to the other rank's threads). Evaluations and start-up are outside every phase except wait. Wrapping the
-methods costs about a microsecond per call: nothing next to a step.
+high one (the time went to the other rank's threads). Evaluations and start-up are outside every
+phase except wait. Wrapping the methods costs about a microsecond per call: nothing next to a step.
 """
 from __future__ import annotations
 
