@@ -3,11 +3,12 @@
 raw Criteo TSV (trainer/tools/splits.py): how the recipe compares with LR, as a mean over splits
 rather than on one noisy test split.
 
-    scripts/compare_splits.py FILE.tsv [--splits 8] [--test-rows 399] [--models dlrm,wdl,deepfm,dcn]
+    scripts/compare_splits.py FILE.tsv [--splits 8] [--first 1] [--test-rows 399] [--models dlrm,wdl,deepfm,dcn]
                               [--work DIR] [trainer overrides ...]
 
 Split 1 keeps the file's order (the last --test-rows lines test), split k > 1 shuffles the lines
-with random.Random(k - 1) first. Each split is prepared into --work (default: a temporary directory,
+with random.Random(k - 1) first; --first N runs splits N .. N + K - 1 (fresh splits to confirm a
+choice made on others). Each split is prepared into --work (default: a temporary directory,
 removed at the end) as scripts/prepare_criteo.py does by default, the baseline is
 scripts/baseline_lr.py's and every model runs `python -m trainer data=criteo data.dir=DIR model=M`
 with the overrides. One JSON line per baseline, per run and per model (mean / min / max of the
@@ -35,6 +36,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("file", help="raw Criteo TSV (label, 13 integer and 26 categorical columns)")
     ap.add_argument("overrides", nargs="*", help="trainer overrides (key=value) for every run")
     ap.add_argument("--splits", type=int, default=8, help="train / test splits (default 8)")
+    ap.add_argument("--first", type=int, default=1,
+                    help="number of the first split (default 1): --first 17 --splits 16 runs splits 17-32")
     ap.add_argument("--test-rows", type=int, default=399, help="test rows per split (default 399)")
     ap.add_argument("--models", default="dlrm,wdl,deepfm,dcn", help="comma-separated (default all four)")
     ap.add_argument("--work", default=None, help="keep the prepared splits here (default: a temporary dir)")
@@ -44,7 +47,7 @@ def main(argv: list[str] | None = None) -> int:
     def run() -> None:
         with contextlib.nullcontext(a.work) if a.work is not None else \
                 tempfile.TemporaryDirectory(prefix="compare_splits-") as work:
-            compare(a.file, a.splits, a.test_rows, models, a.overrides, work, print_json, log)
+            compare(a.file, a.splits, a.test_rows, models, a.overrides, work, print_json, log, a.first)
     return exit_status(run)
 
 

@@ -54,8 +54,24 @@ def test_each_split_against_its_own_baseline(tmp_path, capsys):
     assert "split 2/2: dlrm" in captured.err
 
 
+def test_first_starts_at_a_later_split(tmp_path, capsys):
+    work = tmp_path / "work"
+    assert compare_splits.main([SAMPLE, "--first", "3", "--splits", "1", "--models", "dlrm", "--work", str(work),
+                                *FAST]) == 0
+    captured = capsys.readouterr()
+    lr, run, total = [json.loads(x) for x in captured.out.splitlines()]
+    assert lr["split"] == 3 and run["split"] == 3 and total["splits"] == 1
+    assert sorted(os.listdir(work)) == ["split3"]
+    train, test = split_lines(sample_lines(), 3, 399)
+    with open(work / "split3" / "test.tsv", encoding="utf-8") as f:
+        assert f.readlines() == test
+    assert "split 3/3: dlrm" in captured.err
+
+
 def test_bad_input_is_a_clear_error(tmp_path, capsys):
     assert compare_splits.main([str(tmp_path / "missing.tsv"), "--splits", "1"]) == 2
     assert "missing.tsv" in capsys.readouterr().err
     assert compare_splits.main([SAMPLE, "--test-rows", "0", "--models", "dlrm"]) == 2
     assert "--test-rows 0" in capsys.readouterr().err
+    assert compare_splits.main([SAMPLE, "--first", "0", "--models", "dlrm"]) == 2
+    assert "--first 0" in capsys.readouterr().err

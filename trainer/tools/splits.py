@@ -79,29 +79,33 @@ def _summary(model: str, runs: list[dict[str, Any]]) -> dict[str, Any]:
 
 def compare(path: str, splits: int, test_rows: int, models: Sequence[str], overrides: Sequence[str],
             work: str, emit: Callable[[dict[str, Any]], None],
-            log: Optional[Callable[[str], None]] = None) -> list[dict[str, Any]]:
-    """Every model's default command against LR on `splits` splits of the raw file `path` (split
-    directories under `work`); emit() each JSON record; returns them all."""
+            log: Optional[Callable[[str], None]] = None, first: int = 1) -> list[dict[str, Any]]:
+    """Every model's default command against LR on `splits` splits of the raw file `path`, splits
+    first .. first + splits - 1 (split directories under `work`); emit() each JSON record; returns
+    them all."""
     from ..runner import run
 
     log = log or (lambda msg: None)
     if splits < 1:
         raise ValueError(f"--splits {splits}: must be >= 1")
+    if first < 1:
+        raise ValueError(f"--first {first}: splits are numbered from 1")
     if not models:
         raise ValueError("no model to run (--models)")
     lines = read_lines(path)
     out: list[dict[str, Any]] = []
     runs: dict[str, list[dict[str, Any]]] = {m: [] for m in models}
-    for k in range(1, splits + 1):
+    last = first + splits - 1
+    for k in range(first, last + 1):
         train, test = split_lines(lines, k, test_rows)
-        log(f"split {k}/{splits}: preparing {len(train)} training and {len(test)} test rows")
+        log(f"split {k}/{last}: preparing {len(train)} training and {len(test)} test rows")
         directory = prepare_split(train, test, os.path.join(work, f"split{k}"))
         lr = run_baseline(compose(directory, overrides))
         out.append({"split": k, "baseline": "lr", "test_auc": lr["eval_auc"], "test_logloss": lr["eval_logloss"],
                     "C": lr["C"], "train_rows": lr["train_rows"], "test_rows": lr["eval_rows"]})
         emit(out[-1])
         for m in models:
-            log(f"split {k}/{splits}: {m}")
+            log(f"split {k}/{last}: {m}")
             t0 = time.perf_counter()
             s = run(compose(directory, [*overrides, f"model={m}", *QUIET])).summary
             r = {"split": k, "model": m, "test_auc": s["test_auc"], "test_logloss": s["test_logloss"],
