@@ -16,6 +16,8 @@ Modes (each adds to the one it builds on):
 - cache_ssp: cache=lfu consistency=ssp (pull and push bound 4), serial step
 - cache_ssp_pipelined: cache_ssp + train.pipeline=rows
 - wire_fp16: cache_ssp_pipelined + comm.wire_precision=fp16
+- exact_wire_fp16: exact_pipelined + comm.wire_precision=fp16 (no cache: every row read fresh, the
+  rows and row gradients as fp16 on the wire)
 A mode whose config key the trainer does not have yet prints {"error": "config key missing"}
 and is not run.
 
@@ -69,6 +71,7 @@ MODES = {
     "cache_ssp": CACHE_SSP + ["train.pipeline=off"],
     "cache_ssp_pipelined": CACHE_SSP + ["train.pipeline=rows"],
     "wire_fp16": CACHE_SSP + ["train.pipeline=rows", "comm.wire_precision=fp16"],
+    "exact_wire_fp16": ["cache=none", "train.pipeline=ids", "comm.wire_precision=fp16"],
 }
 BASELINE = "exact_serial"
 DEFAULT_LINKS = ["localhost", "1gbit", "200mbit"]
