@@ -194,6 +194,7 @@ def test_recipe_keys_resolve_to_neutral_values_outside_criteo():
     assert c.train.eval_every == 0 and (c.optim.name, c.optim.dense, c.optim.sparse, c.optim.lr) == \
         ("sgd", "sgd", "sgd", 0.1)  # optim=auto (the default) is the sgd preset outside the small recipe
     assert c.optim.sparse_lr is None and c.optim.eps == 1e-10
+    assert c.model.name == "dlrm" and c.model.top_mlp == [64, 32]  # DLRM's null top MLP: the bench width
 
 
 def test_unknown_key_is_rejected_by_hydra():

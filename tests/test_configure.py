@@ -90,6 +90,16 @@ def test_small_criteo_set_takes_the_tiny_recipe(prepared):
     assert (c.optim.name, c.optim.dense, c.optim.sparse, c.optim.lr, c.optim.sparse_lr) == \
         ("adam", "adam", "rowwise_adagrad", 0.001, 0.05)  # optim=auto (the default) under the small recipe
     assert r.describe(c)["overridden"] == {} and "recipe tiny" in r.line(c)
+    # DLRM's top MLP (its preset leaves it null) is the wider one on small data, the preset's
+    # [64, 32] elsewhere; a width on the command line wins and is reported as set by you
+    assert c.model.top_mlp == [256, 128] and r.describe(c)["values"]["model.top_mlp"] == [256, 128]
+    load_config(make_cfg(base)).model.top_mlp.append(1)  # each config's own list: the recipe's is untouched
+    assert load_config(make_cfg(base)).model.top_mlp == [256, 128]
+    narrow = load_config(make_cfg(base + ["model.top_mlp=[64,32]"]))
+    assert narrow.model.top_mlp == [64, 32] and recipe_of(narrow).describe(narrow)["overridden"] == {
+        "model.top_mlp": [64, 32]}
+    wdl = load_config(make_cfg(base + ["model=wdl"]))  # the other models' presets set theirs
+    assert wdl.model.top_mlp == [256, 128] and "model.top_mlp" not in recipe_of(wdl).describe(wdl)["values"]
     small = load_config(make_cfg(base + ["train.recipe=small"]))  # the same but one model
     assert recipe_of(small).name == "small" and small.train.bag == 1
     assert [(k, v) for k, v in recipe_of(small).describe(small)["values"].items() if getattr_key(c, k) != v] == [
@@ -106,6 +116,7 @@ def test_small_criteo_set_takes_the_tiny_recipe(prepared):
     assert recipe_of(large).name == "large" and large.train.steps == math.ceil(N_TRAIN / 128)
     assert (large.data.val_fraction, large.train.early_stop.patience, large.train.eval_every) == (0.0, 0, 0)
     assert (large.optim.name, large.optim.lr, large.optim.sparse_lr, large.data.standardize) == ("sgd", 0.1, None, False)
+    assert large.model.top_mlp == [64, 32]
     no_val = load_config(make_cfg(base + ["data.val_fraction=0"]), world=1)  # no validation: no early stop
     assert (no_val.train.early_stop.patience, no_val.train.eval_every, no_val.data.epochs) == (0, 0, 30.0)
     sgd = load_config(make_cfg(base + ["optim=sgd"]))  # a chosen preset is kept whole: its null sparse_lr = lr

@@ -52,7 +52,7 @@ class ModelConfig:
     name: str = MISSING  # model architecture: dlrm
     embedding_dim: int = 16  # d, the width of every embedding row
     bottom_mlp: list[int] = field(default_factory=lambda: [64, 32])  # hidden widths of the dense MLP (a d-wide layer is appended)
-    top_mlp: list[int] = field(default_factory=lambda: [64, 32])  # hidden widths of the top MLP (a 1-wide logit layer is appended)
+    top_mlp: Optional[list[int]] = field(default_factory=lambda: [64, 32])  # hidden widths of the top MLP (a 1-wide logit layer is appended); null = the recipe's (DLRM's preset)
     pooling: str = "sum"  # bag pooling of multi-hot features: sum | mean
     cross_layers: int = 3  # dcn: number of cross layers
     cross_rank: int = 0  # dcn: rank of each cross layer's weight (0 = full rank, DCN-v2's W)
@@ -338,10 +338,17 @@ RECIPE_VALUES["tiny"] = {**RECIPE_VALUES["small"], "train.bag": 5}
 
 # per-model values on top of a recipe (README "The recipe per data size"): DCN's cross layers did
 # markedly better on tiny data with the rare ids folded into the OOV row and the per-table
-# sqrt(1 / rows) init (larger rows) than with the small recipe's values
+# sqrt(1 / rows) init (larger rows) than with the small recipe's values; DLRM's top MLP (its preset
+# leaves it null) is [64, 32] as in the bench workload, and [256, 128] (the other models' deep
+# tower) on tiny and small data, where that width did better
+_DLRM_TOP = {"model.top_mlp": [64, 32]}
+_SMALL_DATA_MODELS = {"dcn": {"data.min_count": 2, "embedding.init_scale": 0.0},
+                      "dlrm": {"model.top_mlp": [256, 128]}}
 MODEL_RECIPE_VALUES: dict[str, dict[str, dict[str, Any]]] = {
-    "tiny": {"dcn": {"data.min_count": 2, "embedding.init_scale": 0.0}},
-    "small": {"dcn": {"data.min_count": 2, "embedding.init_scale": 0.0}},
+    "none": {"dlrm": _DLRM_TOP},
+    "large": {"dlrm": _DLRM_TOP},
+    "tiny": _SMALL_DATA_MODELS,
+    "small": _SMALL_DATA_MODELS,
 }
 
 
@@ -350,9 +357,10 @@ def recipe_values(recipe: str, model: str) -> dict[str, Any]:
     return {**RECIPE_VALUES[recipe], **MODEL_RECIPE_VALUES.get(recipe, {}).get(model, {})}
 
 
-def recipe_keys() -> list[str]:
-    """The keys a recipe may set (those a null leaves to it)."""
-    return list(dict.fromkeys(k for values in RECIPE_VALUES.values() for k in values))
+def recipe_keys(model: Optional[str] = None) -> list[str]:
+    """The keys a recipe may set (those a null leaves to it), with those of `model`'s own values."""
+    own = (k for per_model in MODEL_RECIPE_VALUES.values() for k in per_model.get(model, {}))
+    return list(dict.fromkeys([*(k for values in RECIPE_VALUES.values() for k in values), *own]))
 
 
 def get_key(c: Config, key: str) -> Any:
@@ -373,7 +381,7 @@ def apply_recipe(c: Config, recipe: str) -> dict[str, Any]:
         if key == "optim.sparse_lr" and chosen_optimizer:
             continue
         if getattr(obj, name) is None and value != EVAL_PER_EPOCH:
-            setattr(obj, name, value)
+            setattr(obj, name, list(value) if isinstance(value, list) else value)  # never the table's own list
             done[key] = value
     if "train.early_stop.patience" in done and not c.data.val_fraction:
         c.train.early_stop.patience = done["train.early_stop.patience"] = 0  # data.val_fraction=0: nothing to stop on
@@ -430,6 +438,7 @@ def validate(c: Config) -> None:
     _one_of("model.name", c.model.name, MODELS)
     _check(c.model.embedding_dim > 0, "model.embedding_dim", c.model.embedding_dim, "must be > 0")
     _one_of("model.pooling", c.model.pooling, POOLINGS)
+    _check(c.model.top_mlp is not None, "model.top_mlp", c.model.top_mlp, _UNRESOLVED)
     for key, widths in (("model.bottom_mlp", c.model.bottom_mlp), ("model.top_mlp", c.model.top_mlp)):
         _check(all(w > 0 for w in widths), key, widths, "every layer width must be > 0")
     d = c.data

@@ -85,7 +85,7 @@ class Recipe:
     def describe(self, c: Config) -> dict[str, Any]:
         """{name, why, values: the recipe keys in force, overridden: those set apart from the recipe}."""
         want = recipe_values(self.name, c.model.name)
-        values = {k: get_key(c, k) for k in recipe_keys()}
+        values = {k: get_key(c, k) for k in recipe_keys(c.model.name)}
         over = {k: v for k, v in values.items() if k in want and want[k] != EVAL_PER_EPOCH and v != want[k]}
         return {"name": self.name, "why": self.why, "values": values, "overridden": over}
 
