@@ -381,7 +381,8 @@ def apply_recipe(c: Config, recipe: str) -> dict[str, Any]:
         if key == "optim.sparse_lr" and chosen_optimizer:
             continue
         if getattr(obj, name) is None and value != EVAL_PER_EPOCH:
-            setattr(obj, name, list(value) if isinstance(value, list) else value)  # never the table's own list
+            value = list(value) if isinstance(value, list) else value  # never the table's own list
+            setattr(obj, name, value)
             done[key] = value
     if "train.early_stop.patience" in done and not c.data.val_fraction:
         c.train.early_stop.patience = done["train.early_stop.patience"] = 0  # data.val_fraction=0: nothing to stop on
