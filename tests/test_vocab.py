@@ -87,6 +87,10 @@ def test_the_recipe_counts_and_other_data_refuse(prepared):
     assert c.embedding.init_scale == 0.01
     dcn = load_config(make_cfg(["data=criteo", f"data.dir={prepared}", "model=dcn"]))  # its per-model values
     assert (dcn.data.min_count, dcn.embedding.init_scale) == (2, 0.0)
+    wdl = load_config(make_cfg(["data=criteo", f"data.dir={prepared}", "model=wdl"]))  # WDL takes DCN's values
+    assert (wdl.data.min_count, wdl.embedding.init_scale, wdl.data.table_rows) == (2, 0.0, dcn.data.table_rows)
+    deepfm = load_config(make_cfg(["data=criteo", f"data.dir={prepared}", "model=deepfm"]))  # the recipe's own
+    assert (deepfm.data.min_count, deepfm.embedding.init_scale) == (1, 0.01)
     assert dcn.data.table_rows == [2 + len(k) for k in reference_vocab(prepared, N_FIT, 2)]
     mine = load_config(make_cfg(["data=criteo", f"data.dir={prepared}", "model=dcn", "data.min_count=1"]))
     assert (mine.data.min_count, mine.embedding.init_scale) == (1, 0.0)  # a value given on the command line wins
