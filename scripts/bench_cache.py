@@ -32,11 +32,10 @@ if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
 import torch  # noqa: E402
-from hydra.errors import HydraException  # noqa: E402
 
-from trainer.config import ConfigError  # noqa: E402
 from trainer.sim import CacheSimulator  # noqa: E402
 from trainer.tools import simulate as sim_tools  # noqa: E402
+from trainer.tools.baseline import input_errors  # noqa: E402
 from trainer.tools.phases import Timers  # noqa: E402
 
 DEFAULTS = ["data=bench", "model.embedding_dim=16", "cache=lfu", "consistency=ssp",
@@ -69,7 +68,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         overrides = merged(a.overrides)
         trace, spec, cfg = sim_tools.build(overrides, a.workers, log=None)
-    except (ValueError, ConfigError, sim_tools.TraceError, HydraException) as exc:
+    except input_errors() as exc:  # the tool scripts' bad input (TraceError is a ValueError)
         print(f"error: {str(exc).splitlines()[0]}", file=sys.stderr)
         return 2
     if spec.policy == "none":
