@@ -245,6 +245,40 @@ def test_reference_accumulate_matches_python_loop():
     torch.testing.assert_close(got, want)
 
 
+@pytest.mark.parametrize("mode", ["sum", "mean"])
+def test_reference_accumulate_one_entry_bags_fast_path(mode):
+    """Bags of exactly one entry skip the entry gather (one_per_bag): the same sums, bit for bit,
+    as the general path (a layout with an empty and a two-entry bag is not taken for one)."""
+    slots = torch.tensor([4, 1, 4, 0, 1, 4])
+    offsets = torch.arange(7)
+    grad = torch.randn(3, 2, 5)
+    assert ref.one_per_bag(offsets, 6)
+    got = ref.accumulate_row_grads(grad, slots, offsets, 2, mode, None, 6)
+    want = torch.zeros(6, 5).index_add_(0, slots, grad.reshape(6, 5))
+    assert torch.equal(got, want)
+    assert not ref.one_per_bag(torch.tensor([0, 0, 2, 3, 4, 5, 6]), 6)
+    uneven = ref.accumulate_row_grads(grad, slots, torch.tensor([0, 0, 2, 3, 4, 5, 6]), 2, "sum", None, 6)
+    assert not torch.equal(uneven, want)
+
+
+@pytest.mark.parametrize("index_dtype", [torch.int32, torch.int64])
+def test_sum_repeats_equals_the_sorted_sum_bit_for_bit(index_dtype):
+    """The owner update's sort-free sum of repeated rows: the rows of sum_by_slot (torch.unique),
+    in first-occurrence order, each sum bit-equal (first row, then repeats in entry order), and the
+    scratch left unset for the next call."""
+    gen = torch.Generator().manual_seed(3)
+    for n, space in ((0, 10), (1, 10), (50, 1000), (400, 37)):  # none, one, few repeats, many
+        slots = torch.randint(0, space, (n,), generator=gen).to(index_dtype)
+        rows = torch.randn(n, 3, generator=gen)
+        got_slots, got = ref.sum_repeats(slots, rows, space)
+        want_slots, want = ref.sum_by_slot(slots, rows)
+        order = torch.argsort(got_slots)
+        assert torch.equal(got_slots[order], want_slots) and torch.equal(got[order], want)
+        firsts = [int(s) for k, s in enumerate(slots.tolist()) if s not in slots.tolist()[:k]]
+        assert got_slots.tolist() == firsts
+        assert bool((ref._scratch(space, torch.device("cpu")) == ref._UNSET).all())
+
+
 # ----------------------------------------------------------------------------- pooled gather
 
 

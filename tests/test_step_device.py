@@ -107,10 +107,10 @@ SHAPE_OK: dict[tuple[str, str], str] = {
         "with one, HetRemote passes the count and the selection is fixed-size",
     ("trainer/embedding/cache.py", "versions_of"): CACHE_TODO + "out[hit] = version[slots[hit]]: "
         "torch.where over a clamped index_select needs no size",
-    ("kernels/reference.py", "sum_by_slot"):
-        "CPU-ONLY: the owner update's torch reference sums repeated rows with torch.unique; on CUDA "
-        "kernels.row_update is the Triton segment kernel, which reads nothing back (the "
-        "plain-triton configuration audits it)",
+    ("kernels/reference.py", "sum_repeats"):
+        "CPU-ONLY: the owner update's torch reference selects the first occurrence of each row "
+        "(nonzero); on CUDA kernels.row_update is the Triton segment kernel, which reads nothing "
+        "back (the plain-triton configuration audits it)",
 }
 ASYNC_COPY = "pinned host memory, non_blocking (trainer/device.py)"
 COPY_OK: dict[tuple[str, str], str] = {

@@ -6,7 +6,7 @@ the pooled output [B, T, d] a plain reshape.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -19,6 +19,8 @@ class Batch:
     values: torch.Tensor  # [N] int64 per-table row ids, bags in sample-major order
     lengths: torch.Tensor  # [B, T] int64 ids per bag
     labels: torch.Tensor  # [B] float32 click labels in {0, 1}
+    # table_index(), made once per batch (the id guard and the lookup plan both need it)
+    _tables: torch.Tensor | None = field(default=None, repr=False, compare=False)
 
     @property
     def batch_size(self) -> int:
@@ -41,12 +43,15 @@ class Batch:
 
     def table_index(self) -> torch.Tensor:
         """[N] int64 table of every value, on the batch's device."""
-        t = torch.arange(self.num_tables, dtype=torch.int64, device=self.lengths.device)
-        return torch.repeat_interleave(t.repeat(self.batch_size), self.lengths.reshape(-1),
-                                       output_size=self.values.numel())
+        if self._tables is None:
+            t = torch.arange(self.num_tables, dtype=torch.int64, device=self.lengths.device)
+            self._tables = torch.repeat_interleave(t.repeat(self.batch_size), self.lengths.reshape(-1),
+                                                   output_size=self.values.numel())
+        return self._tables
 
     def to(self, device: torch.device) -> "Batch":
         """The batch on `device`: from the host through pinned memory, asynchronously
         (trainer/device.py), so the host does not wait for the device's queued work."""
         return Batch(to_device(self.dense, device), to_device(self.values, device),
-                     to_device(self.lengths, device), to_device(self.labels, device))
+                     to_device(self.lengths, device), to_device(self.labels, device),
+                     None if self._tables is None else to_device(self._tables, device))

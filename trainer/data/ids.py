@@ -82,8 +82,9 @@ class IdGuard:
         return ids
 
     def batch(self, b: Batch, where: str) -> Batch:
-        v = self.values(b.values, b.table_index().to(b.values.device), where)
-        return b if v is b.values else Batch(b.dense, v, b.lengths, b.labels)
+        tables = b.table_index().to(b.values.device)
+        v = self.values(b.values, tables, where)
+        return b if v is b.values else Batch(b.dense, v, b.lengths, b.labels, tables)
 
     def sample_ids(self, values: np.ndarray, lengths: np.ndarray, where: str) -> np.ndarray:
         """The numpy form (global views): values [N] with lengths [G, T] (sample-major bags)."""

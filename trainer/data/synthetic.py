@@ -90,6 +90,12 @@ class SyntheticData:
         return lo + np.floor(u * (hi - lo + 1)).astype(np.int64)
 
     def _ids(self, split: int, idx: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+        if self.cfg.min_bag == self.cfg.max_bag:
+            return self._fixed_ids(split, idx, self.cfg.min_bag)
+        return self._bag_ids(split, idx, lengths)
+
+    def _bag_ids(self, split: int, idx: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+        """The ids of bags of any lengths [n, T], entry by entry."""
         flat = lengths.reshape(-1)
         bag = np.repeat(np.arange(flat.size), flat)
         starts = np.concatenate([[0], np.cumsum(flat)[:-1]]) if flat.size else flat
@@ -99,6 +105,19 @@ class SyntheticData:
         u = rng.uniform(self.cfg.seed, _stream(split, _S_ID), key)
         rank = zipf_rank(u, self._n[table], self.cfg.zipf_alpha)
         return (rank * self._mult[table] + self._shift[table]) % self._n[table]
+
+    def _fixed_ids(self, split: int, idx: np.ndarray, length: int) -> np.ndarray:
+        """_ids when every bag holds `length` ids: the same keys and the same elementwise
+        arithmetic, laid out as [samples, T, length] by broadcasting instead of built per entry
+        (no repeat / cumsum, and the per-table constants, Zipf's top ** e included, once per table
+        instead of once per id), so the values are bit-identical to the general path."""
+        t = np.arange(self.T, dtype=np.int64)[None, :, None]
+        pos = np.arange(length, dtype=np.int64)[None, None, :]
+        key = (idx[:, None, None] * self.cfg.max_bag + pos) * self.T + t
+        u = rng.uniform(self.cfg.seed, _stream(split, _S_ID), key)
+        n = self._n[None, :, None]
+        rank = zipf_rank(u, n, self.cfg.zipf_alpha)
+        return ((rank * self._mult[None, :, None] + self._shift[None, :, None]) % n).reshape(-1)
 
     def _planted(self, table: np.ndarray, ids: np.ndarray) -> np.ndarray:
         return rng.normal(self.cfg.seed, _S_WEIGHT, ids * self.T + table)
@@ -116,16 +135,25 @@ class SyntheticData:
         values = self._ids(split, idx, lengths)
         dense = rng.normal(self.cfg.seed, _stream(split, _S_DENSE),
                            idx[:, None] * self.F + np.arange(self.F)[None, :])
-        bag = np.repeat(np.arange(lengths.size), lengths.reshape(-1))
-        w = self.planted_weight(bag % self.T, values)
-        bag_sum = np.bincount(bag, weights=w, minlength=lengths.size).reshape(lengths.shape)
-        bag_mean = bag_sum / np.maximum(lengths, 1)
+        bag_mean = self._bag_means(values, lengths)
         logit = self.cfg.signal * (bag_mean.sum(1) / math.sqrt(self.T)
                                    + dense @ self._dense_w / math.sqrt(self.F))
         u = rng.uniform(self.cfg.seed, _stream(split, _S_LABEL), idx)
         labels = (u < 1.0 / (1.0 + np.exp(-logit))).astype(np.float32)
         return Batch(torch.from_numpy(dense.astype(np.float32)), torch.from_numpy(values),
                      torch.from_numpy(lengths), torch.from_numpy(labels))
+
+    def _bag_means(self, values: np.ndarray, lengths: np.ndarray, one_hot: bool | None = None) -> np.ndarray:
+        """[n, T] mean planted weight of each bag (0 for an empty one). one_hot (default: the
+        config's one id per bag): each bag's mean is its one row's weight, with no per-entry bag
+        index (the same values as the general sum / length)."""
+        if one_hot if one_hot is not None else self.cfg.min_bag == self.cfg.max_bag == 1:
+            table = np.broadcast_to(np.arange(self.T, dtype=np.int64), lengths.shape).reshape(-1)
+            return self.planted_weight(table, values).reshape(lengths.shape)
+        bag = np.repeat(np.arange(lengths.size), lengths.reshape(-1))
+        w = self.planted_weight(bag % self.T, values)
+        bag_sum = np.bincount(bag, weights=w, minlength=lengths.size).reshape(lengths.shape)
+        return bag_sum / np.maximum(lengths, 1)
 
     # ---- the global view (schedulers, placement profiles) ------------------------------------
     def stream_keys(self, pos: np.ndarray) -> np.ndarray:
