@@ -71,11 +71,16 @@ def entry_bags(offsets: Tensor, num_entries: int) -> Tensor:
     return torch.repeat_interleave(bags, bag_lengths(offsets), output_size=num_entries)
 
 
+# CPU-only shortcuts that read values on the host (free there, a sync on a GPU); the step audit
+# (tests/device_audit.py) turns them off to audit on the CPU the path a GPU takes
+CPU_SHORTCUTS = True
+
+
 def one_per_bag(offsets: Tensor, num_entries: int) -> bool:
     """Whether every bag holds exactly one entry (one-hot features: Criteo, the bench workload).
     Read on the CPU only, where it costs one compare over the offsets; elsewhere False (the
     general path reads nothing back)."""
-    return (offsets.device.type == "cpu" and num_entries == offsets.numel() - 1
+    return (CPU_SHORTCUTS and offsets.device.type == "cpu" and num_entries == offsets.numel() - 1
             and bool(torch.equal(offsets, torch.arange(num_entries + 1, dtype=offsets.dtype))))
 
 

@@ -291,6 +291,20 @@ W2_CONFIGS = {
 
 
 @pytest.mark.dist
+
+@pytest.mark.parametrize("shortcut", [True, False])
+def test_positions_checks_its_count_on_both_paths(shortcut: bool, monkeypatch: pytest.MonkeyPatch):
+    """trainer.device.positions: the CPU shortcut (torch.nonzero) and the device path
+    (nonzero_static, the one the audit sees) give the same positions and both refuse a wrong count."""
+    import trainer.device as device
+    monkeypatch.setattr(device, "CPU_SHORTCUTS", shortcut)
+    mask = torch.tensor([False, True, True, False, True])
+    assert device.positions(mask, 3).tolist() == [1, 2, 4]
+    assert device.select(torch.arange(10, 15), mask, 3).tolist() == [11, 12, 14]
+    for wrong in (2, 4):
+        with pytest.raises(RuntimeError, match="count is not the mask's"):
+            device.positions(mask, wrong)
+
 @pytest.mark.parametrize("name", list(W2_CONFIGS))
 def test_one_step_w2(name: str, monkeypatch: pytest.MonkeyPatch):
     """W = 2 gloo ranks (remote rows: the exchange, the cache, replicas, Herald)."""
