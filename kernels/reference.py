@@ -244,9 +244,13 @@ def sum_repeats(slots: Tensor, rows: Tensor, num_slots: int) -> Tuple[Tensor, Te
     slots = slots.long()
     scratch = _scratch(num_slots, slots.device)
     at = torch.arange(n, dtype=torch.int32, device=slots.device)
-    scratch.scatter_reduce_(0, slots, at, reduce="amin")  # deterministic, unlike index_copy_ of repeats
-    first_of = scratch.index_select(0, slots)  # [n] position of each entry's first occurrence
-    scratch.index_fill_(0, slots, _UNSET)
+    try:
+        scratch.scatter_reduce_(0, slots, at, reduce="amin")  # deterministic, unlike index_copy_ of repeats
+        first_of = scratch.index_select(0, slots)  # [n] position of each entry's first occurrence
+        scratch.index_fill_(0, slots, _UNSET)
+    except BaseException:  # a slot out of range: the scratch may hold some positions, so drop it
+        _SCRATCH.pop((str(slots.device), num_slots), None)
+        raise
     first = first_of == at
     keep = torch.nonzero(first).squeeze(1)
     if keep.numel() == n:
