@@ -71,8 +71,9 @@ def entry_bags(offsets: Tensor, num_entries: int) -> Tensor:
     return torch.repeat_interleave(bags, bag_lengths(offsets), output_size=num_entries)
 
 
-# CPU-only shortcuts that read values on the host (free there, a sync on a GPU); the step audit
-# (tests/device_audit.py) turns them off to audit on the CPU the path a GPU takes
+# CPU-only shortcuts that read values on the host (free there, a sync on a GPU): one_per_bag here,
+# trainer/device.positions' torch.nonzero. The step audit (tests/device_audit.py) turns this off to
+# audit on the CPU the path a GPU takes.
 CPU_SHORTCUTS = True
 
 
@@ -242,14 +243,17 @@ def sum_repeats(slots: Tensor, rows: Tensor, num_slots: int) -> Tuple[Tensor, Te
     finds each entry's first occurrence in a few linear passes."""
     n = slots.numel()
     slots = slots.long()
-    scratch = _scratch(num_slots, slots.device)
+    key = (str(slots.device), num_slots)
+    scratch = _SCRATCH.get(key)
+    if scratch is None:  # [num_slots] int32 (4 bytes per storage row), every entry _UNSET
+        scratch = _SCRATCH[key] = torch.full((num_slots,), _UNSET, dtype=torch.int32, device=slots.device)
     at = torch.arange(n, dtype=torch.int32, device=slots.device)
     try:
         scratch.scatter_reduce_(0, slots, at, reduce="amin")  # deterministic, unlike index_copy_ of repeats
         first_of = scratch.index_select(0, slots)  # [n] position of each entry's first occurrence
         scratch.index_fill_(0, slots, _UNSET)
     except BaseException:  # a slot out of range: the scratch may hold some positions, so drop it
-        _SCRATCH.pop((str(slots.device), num_slots), None)
+        del _SCRATCH[key]
         raise
     first = first_of == at
     keep = torch.nonzero(first).squeeze(1)
@@ -263,16 +267,7 @@ def sum_repeats(slots: Tensor, rows: Tensor, num_slots: int) -> Tuple[Tensor, Te
 
 
 _UNSET = torch.iinfo(torch.int32).max
-_SCRATCH: dict[tuple[str, int], Tensor] = {}
-
-
-def _scratch(size: int, device: torch.device) -> Tensor:
-    """[size] int32 (4 bytes per storage row), every entry _UNSET, reused across calls (callers
-    unset what they write)."""
-    key = (str(device), size)
-    if key not in _SCRATCH:
-        _SCRATCH[key] = torch.full((size,), _UNSET, dtype=torch.int32, device=device)
-    return _SCRATCH[key]
+_SCRATCH: dict[tuple[str, int], Tensor] = {}  # (device, slots) -> sum_repeats' scratch, unset between calls
 
 
 # ----------------------------------------------------------------------------- sparse optimizer

@@ -197,11 +197,9 @@ class StepAudit(TorchFunctionMode):
 
         self._patched.append((torch, "from_numpy", from_numpy))
         torch.from_numpy = labelled_from_numpy
-        import kernels.reference
-        import trainer.device
-        for module in (trainer.device, kernels.reference):  # audit the path a GPU takes
-            self._patched.append((module, "CPU_SHORTCUTS", module.CPU_SHORTCUTS))
-            module.CPU_SHORTCUTS = False
+        import kernels.reference  # audit the path a GPU takes: no CPU-only shortcuts
+        self._patched.append((kernels.reference, "CPU_SHORTCUTS", kernels.reference.CPU_SHORTCUTS))
+        kernels.reference.CPU_SHORTCUTS = False
         return super().__enter__()
 
     def __exit__(self, *exc: Any) -> None:

@@ -276,10 +276,10 @@ def test_sum_repeats_equals_the_sorted_sum_bit_for_bit(index_dtype):
         assert torch.equal(got_slots[order], want_slots) and torch.equal(got[order], want)
         firsts = [int(s) for k, s in enumerate(slots.tolist()) if s not in slots.tolist()[:k]]
         assert got_slots.tolist() == firsts
-        assert bool((ref._scratch(space, torch.device("cpu")) == ref._UNSET).all())
+        assert bool((ref._SCRATCH[("cpu", space)] == ref._UNSET).all())
     with pytest.raises((IndexError, RuntimeError)):  # a slot outside the space: refused, scratch dropped
         ref.sum_repeats(torch.tensor([1, 5, 40]), torch.zeros(3, 2), 37)
-    assert bool((ref._scratch(37, torch.device("cpu")) == ref._UNSET).all())
+    assert ("cpu", 37) not in ref._SCRATCH
     assert ref.sum_repeats(torch.tensor([2, 2]), torch.ones(2, 1), 37)[1].tolist() == [[2.0]]
 
 

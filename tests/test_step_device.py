@@ -296,8 +296,9 @@ W2_CONFIGS = {
 def test_positions_checks_its_count_on_both_paths(shortcut: bool, monkeypatch: pytest.MonkeyPatch):
     """trainer.device.positions: the CPU shortcut (torch.nonzero) and the device path
     (nonzero_static, the one the audit sees) give the same positions and both refuse a wrong count."""
+    import kernels.reference
     import trainer.device as device
-    monkeypatch.setattr(device, "CPU_SHORTCUTS", shortcut)
+    monkeypatch.setattr(kernels.reference, "CPU_SHORTCUTS", shortcut)
     mask = torch.tensor([False, True, True, False, True])
     assert device.positions(mask, 3).tolist() == [1, 2, 4]
     assert device.select(torch.arange(10, 15), mask, 3).tolist() == [11, 12, 14]

@@ -24,6 +24,8 @@ import numpy as np
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
+from kernels import reference as _kernels
+
 
 def to_device(t: torch.Tensor, device: torch.device | str) -> torch.Tensor:
     """`t` on `device`; from the host to a CUDA device through pinned memory, asynchronously (the
@@ -45,18 +47,12 @@ def from_host(values: Sequence[int] | np.ndarray, device: torch.device | str,
     return to_device(torch.from_numpy(np.ascontiguousarray(values, dtype=_NUMPY[dtype])), device)
 
 
-# On the CPU nothing waits for a device, so a few helpers take the faster host route there
-# (positions: torch.nonzero is ~1.7x faster than nonzero_static on the CPU). tests/device_audit.py
-# turns this off, so that its CPU run of a step audits the path a GPU takes.
-CPU_SHORTCUTS = True
-
-
 def positions(mask: torch.Tensor, count: int) -> torch.Tensor:
     """nonzero(mask) [count] when the host already knows `count` = mask.sum(): a fixed-size
     selection (nonzero_static), so nothing is read back from the device. A wrong count would
     silently drop or pad positions, so it is checked where that costs no read (raised at once on
     the CPU, asynchronously on a GPU)."""
-    if CPU_SHORTCUTS and mask.device.type == "cpu":
+    if _kernels.CPU_SHORTCUTS and mask.device.type == "cpu":  # torch.nonzero: ~1.7x faster there
         out = torch.nonzero(mask).squeeze(1)
         if out.numel() != count:
             raise RuntimeError(f"a fixed-size selection's count is not the mask's ({count} != {out.numel()})")

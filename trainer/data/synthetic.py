@@ -147,7 +147,9 @@ class SyntheticData:
         """[n, T] mean planted weight of each bag (0 for an empty one). one_hot (default: the
         config's one id per bag): each bag's mean is its one row's weight, with no per-entry bag
         index (the same values as the general sum / length)."""
-        if one_hot if one_hot is not None else self.cfg.min_bag == self.cfg.max_bag == 1:
+        if one_hot is None:
+            one_hot = self.cfg.min_bag == self.cfg.max_bag == 1
+        if one_hot:
             table = np.broadcast_to(np.arange(self.T, dtype=np.int64), lengths.shape).reshape(-1)
             return self.planted_weight(table, values).reshape(lengths.shape)
         bag = np.repeat(np.arange(lengths.size), lengths.reshape(-1))
