@@ -74,3 +74,20 @@ def test_cache_hit_rate_and_staleness_histogram(tmp_path):
     assert hist[-1].histogram_value.num == want > 0
     assert hist[-1].histogram_value.max == last["cache"]["staleness"]["max"]
     assert summary["cache"]["staleness"]["max"] >= 1  # ssp: some reads were stale
+
+
+@pytest.mark.parametrize("hist", [{"0": 5}, {"3": 1}, {">=64": 2}, {"0": 100, "1": 7, "5": 3, ">=64": 1},
+                                  {"2": 4, "63": 9}])
+def test_staleness_histogram_from_counts_equals_one_value_per_read(hist):
+    """The histogram built from the bin counts (O(bins)) is the proto add_histogram builds from one
+    value per read (O(reads so far): it grew with every step of a long run)."""
+    import numpy as np
+    from torch.utils.tensorboard.summary import make_histogram
+    from trainer.embedding.consistency import HIST_BINS
+    from trainer.report import _bin_value, staleness_histogram
+    values = np.repeat([_bin_value(k) for k in hist], [hist[k] for k in hist])
+    want = make_histogram(values, bins=np.arange(HIST_BINS + 1) - 0.5)
+    got = staleness_histogram(hist)
+    assert (got["min"], got["max"], got["num"], got["sum"], got["sum_squares"]) == (
+        want.min, want.max, want.num, want.sum, want.sum_squares)
+    assert got["bucket_limits"] == list(want.bucket_limit) and got["bucket_counts"] == list(want.bucket)
