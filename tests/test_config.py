@@ -195,6 +195,8 @@ def test_recipe_keys_resolve_to_neutral_values_outside_criteo():
         ("sgd", "sgd", "sgd", 0.1)  # optim=auto (the default) is the sgd preset outside the small recipe
     assert c.optim.sparse_lr is None and c.optim.eps == 1e-10
     assert c.model.name == "dlrm" and c.model.top_mlp == [64, 32]  # DLRM's null top MLP: the bench width
+    for m in ("wdl", "dcn"):  # their null row width: 16 outside the small-data recipes
+        assert load_config(make_cfg(["data=tiny", f"model={m}"])).model.embedding_dim == 16
 
 
 def test_unknown_key_is_rejected_by_hydra():

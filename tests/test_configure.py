@@ -100,6 +100,15 @@ def test_small_criteo_set_takes_the_tiny_recipe(prepared):
         "model.top_mlp": [64, 32]}
     wdl = load_config(make_cfg(base + ["model=wdl"]))  # the other models' presets set theirs
     assert wdl.model.top_mlp == [256, 128] and "model.top_mlp" not in recipe_of(wdl).describe(wdl)["values"]
+    # WDL's and DCN's row width (their presets leave it null): 32 on small data, 16 elsewhere;
+    # DLRM's and DeepFM's presets set 16 themselves
+    for m in ("wdl", "dcn"):
+        mc = load_config(make_cfg(base + [f"model={m}"]))
+        assert mc.model.embedding_dim == 32 and recipe_of(mc).describe(mc)["values"]["model.embedding_dim"] == 32
+        assert load_config(make_cfg(base + [f"model={m}", "train.recipe=large"])).model.embedding_dim == 16
+        own = load_config(make_cfg(base + [f"model={m}", "model.embedding_dim=8"]))
+        assert own.model.embedding_dim == 8 and recipe_of(own).describe(own)["overridden"] == {"model.embedding_dim": 8}
+    assert c.model.embedding_dim == 16 and "model.embedding_dim" not in r.describe(c)["values"]
     small = load_config(make_cfg(base + ["train.recipe=small"]))  # the same but one model
     assert recipe_of(small).name == "small" and small.train.bag == 1
     assert [(k, v) for k, v in recipe_of(small).describe(small)["values"].items() if getattr_key(c, k) != v] == [

@@ -50,7 +50,7 @@ class ConfigError(ValueError):
 @dataclass
 class ModelConfig:
     name: str = MISSING  # model architecture: dlrm
-    embedding_dim: int = 16  # d, the width of every embedding row
+    embedding_dim: Optional[int] = 16  # d, the width of every embedding row; null = the recipe's (WDL's and DCN's presets: 32 on tiny and small data, else 16)
     bottom_mlp: list[int] = field(default_factory=lambda: [64, 32])  # hidden widths of the dense MLP (a d-wide layer is appended)
     top_mlp: Optional[list[int]] = field(default_factory=lambda: [64, 32])  # hidden widths of the top MLP (a 1-wide logit layer is appended); null = the recipe's (DLRM's preset)
     pooling: str = "sum"  # bag pooling of multi-hot features: sum | mean
@@ -338,16 +338,18 @@ RECIPE_VALUES["tiny"] = {**RECIPE_VALUES["small"], "train.bag": 5}
 
 # per-model values on top of a recipe (README "The recipe per data size"): DCN's cross layers, and
 # WDL too (measured later, over 32 splits), did better on tiny data with the rare ids folded into
-# the OOV row and the per-table sqrt(1 / rows) init (larger rows) than with the small recipe's
-# values; DLRM's top MLP (its preset leaves it null) is [64, 32] as in the bench workload, and
-# [256, 128] (the other models' deep tower) on tiny and small data, where that width did better
+# the OOV row, the per-table sqrt(1 / rows) init (larger rows) and rows of 32 (their presets leave
+# model.embedding_dim null; 16 elsewhere) than with the small recipe's values; DLRM's top MLP (its
+# preset leaves it null) is [64, 32] as in the bench workload, and [256, 128] (the other models'
+# deep tower) on tiny and small data, where that width did better
 _DLRM_TOP = {"model.top_mlp": [64, 32]}
-_RARE_IDS_FOLDED = {"data.min_count": 2, "embedding.init_scale": 0.0}
-_SMALL_DATA_MODELS = {"dcn": _RARE_IDS_FOLDED, "wdl": _RARE_IDS_FOLDED,
+_WIDE_ROWS_RARE_FOLDED = {"data.min_count": 2, "embedding.init_scale": 0.0, "model.embedding_dim": 32}
+_SMALL_DATA_MODELS = {"dcn": _WIDE_ROWS_RARE_FOLDED, "wdl": _WIDE_ROWS_RARE_FOLDED,
                       "dlrm": {"model.top_mlp": [256, 128]}}
+_OTHER_DATA_MODELS = {"dlrm": _DLRM_TOP, "dcn": {"model.embedding_dim": 16}, "wdl": {"model.embedding_dim": 16}}
 MODEL_RECIPE_VALUES: dict[str, dict[str, dict[str, Any]]] = {
-    "none": {"dlrm": _DLRM_TOP},
-    "large": {"dlrm": _DLRM_TOP},
+    "none": _OTHER_DATA_MODELS,
+    "large": _OTHER_DATA_MODELS,
     "tiny": _SMALL_DATA_MODELS,
     "small": _SMALL_DATA_MODELS,
 }
@@ -438,6 +440,7 @@ def _finite(key: str, value: float) -> None:
 def validate(c: Config) -> None:
     """Range and consistency checks that do not depend on the world size."""
     _one_of("model.name", c.model.name, MODELS)
+    _check(c.model.embedding_dim is not None, "model.embedding_dim", c.model.embedding_dim, _UNRESOLVED)
     _check(c.model.embedding_dim > 0, "model.embedding_dim", c.model.embedding_dim, "must be > 0")
     _one_of("model.pooling", c.model.pooling, POOLINGS)
     _check(c.model.top_mlp is not None, "model.top_mlp", c.model.top_mlp, _UNRESOLVED)
