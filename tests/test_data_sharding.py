@@ -110,6 +110,19 @@ def test_sharding_owner_and_local_rows(world):
     assert len(seen) == sum(rows)  # every row owned exactly once
 
 
+@pytest.mark.parametrize("world", [1, 2, 3, 4, 6, 8])
+def test_owner_and_local_index_are_mod_and_floor_div(world):
+    """A power-of-two W takes a mask and a shift: the very values of % and // (floor), for torch
+    and numpy ids, negatives included."""
+    s = RowSharding([1000, 37], world, 0)
+    g = torch.cat([torch.arange(-20, 20), torch.randint(0, 1 << 40, (500,))])
+    assert torch.equal(s.owner(g), g % world) and torch.equal(s.local_index(g), g // world)
+    n = g.numpy()
+    assert np.array_equal(s.owner(n), n % world) and np.array_equal(s.local_index(n), n // world)
+    assert torch.equal(s.global_of(s.local_index(g), 0) + s.owner(g), g)
+    assert (s._shift is not None) == (world & (world - 1) == 0)
+
+
 def test_plan_lookup_dedups_and_groups_remote_by_owner():
     s = RowSharding([10, 10], 3, 1)
     values = torch.tensor([4, 4, 7, 1, 0, 9, 9, 2])
@@ -122,3 +135,20 @@ def test_plan_lookup_dedups_and_groups_remote_by_owner():
     owners = s.owner(plan.remote_ids).tolist()
     assert owners == sorted(owners) and 1 not in owners
     assert set(s.owner(plan.owned_ids).tolist()) <= {1}
+
+
+def test_plan_lookup_sorts_narrow_ids_as_int32_with_the_same_plan(monkeypatch):
+    """Ids that fit in int32 are sorted as int32 (faster); the plan is the int64 sort's, field by
+    field (the sort is unstable, but equal ids share their place in uniq, so inverse is the same)."""
+    import trainer.embedding.exchange as ex
+    s = RowSharding([5000, 300, 70000], 2, 1)
+    g = torch.randint(0, 50, (4000,)) * 7 % 5000  # many repeats
+    gids = torch.cat([s.global_ids(g, torch.zeros_like(g)),
+                      s.global_ids(torch.randint(0, 70000, (3000,)), torch.full((3000,), 2))])
+    narrow = plan_lookup(s, gids)
+    monkeypatch.setattr(ex, "_INT32_MAX", -1)  # every sharding is "too large": the int64 sort
+    wide = plan_lookup(s, gids)
+    for f in ("uniq", "inverse", "owned_pos", "remote_pos", "hot_pos", "hot_slots"):
+        assert torch.equal(getattr(narrow, f), getattr(wide, f)), f
+    assert narrow.splits == wide.splits and narrow.uniq.dtype == torch.int64
+    assert torch.equal(narrow.uniq[narrow.inverse], gids)

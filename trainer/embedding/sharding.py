@@ -172,12 +172,15 @@ class RowSharding(Sharding):
         self.local_table_offsets = torch.tensor([0] + per_rank, dtype=torch.int64).cumsum(0)
         self.table_offsets = self.local_table_offsets * world  # [T+1] padded global offsets
         self.local_rows = int(self.local_table_offsets[-1])  # rows stored on every rank
+        # W a power of two: g mod W and g div W as a mask and a shift (the same values for every
+        # int64, negatives included: floor semantics), ~10x cheaper on the CPU than % and //
+        self._shift = world.bit_length() - 1 if world & (world - 1) == 0 else None
 
     def owner(self, gids):
-        return gids % self.world
+        return gids & (self.world - 1) if self._shift is not None else gids % self.world
 
     def local_index(self, gids):
-        return gids // self.world
+        return gids >> self._shift if self._shift is not None else gids // self.world
 
     def global_of(self, local_idx, rank):
         return local_idx * self.world + rank
