@@ -18,6 +18,8 @@ from helpers import make_cfg, run_single, run_world
 from trainer.bag import LOGITS, mean_prediction
 from trainer.config import ConfigError
 from trainer.configure import load_config
+from trainer.config import val_range, val_rows
+from trainer.data import val_slices
 from trainer.metrics import auc_logloss
 from trainer.runner import run
 
@@ -104,3 +106,19 @@ def test_bag_config_rules(prepared):
             load_config(make_cfg(base + extra))
     with pytest.raises(ConfigError, match=r"train\.bag=2: .*data=criteo option"):
         load_config(make_cfg(["data=tiny", "data.train_samples=100", "data.val_fraction=0.2", "train.bag=2"]))
+
+
+def test_every_slice_fits_whatever_the_row_count(prepared):
+    """The validation split is floor(f x n) rows, so 1 / f slices of it always fit: 5,001 training
+    rows (the size of a held-out set we were asked about) give the bag five members, not four
+    (ceil gave slices of 1,001 rows and room for four)."""
+    assert val_rows(5001, 0.2) == 1000 and val_range(5001, 0.2, 5) == (1, 1001)
+    for n in list(range(2, 400)) + [1599, 5001, 5004, 99_999]:
+        for k in (2, 3, 4, 5, 10):
+            if n > k:
+                assert n // val_rows(n, 1 / k) >= k, (n, k)
+                assert val_range(n, 1 / k, k)[0] >= 0
+    base = ["data=criteo", f"data.dir={prepared}", "data.loader=memmap"]
+    for n in (1596, 1597, 1599, 1600):  # the prepared sample has 1,600 training rows
+        c = load_config(make_cfg(base + [f"data.train_samples={n}"]))
+        assert c.train.bag == 5 and val_slices(c.data, 5) == [1, 2, 3, 4, 5], n

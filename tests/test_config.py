@@ -171,7 +171,7 @@ def test_every_key_of_the_schema_has_an_out_of_range_case():
 
 
 @pytest.mark.parametrize("overrides,key,reason", [
-    (["data.train_samples=100", "data.val_fraction=0.999"], "data.val_fraction", "leaves no training rows"),
+    (["data.train_samples=1", "data.val_fraction=0.5"], "data.val_fraction", "leaves no training rows"),
     (["data.train_samples=100", "data.val_fraction=0.2", "train.early_stop.patience=2", "train.eval_every=0"],
      "train.early_stop.patience", "train.eval_every > 0"),
     (["train.early_stop.patience=1"], "train.early_stop.patience", "validation split"),

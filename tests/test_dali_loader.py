@@ -67,8 +67,8 @@ def test_shards_cover_each_split_once(prepared):
     RAW = ("data.standardize=false", "data.min_count=0")  # row tuples compared with the block streams' raw columns
     whole = _data(prepared, "memmap", 0, 1, "data.shuffle=false", *RAW)
     n_train = 1999 - int(np.ceil(0.15 * 1999))
-    assert whole.val_rows == int(np.ceil(0.2 * n_train)) == 340
-    assert whole._new_train().rows == n_train - 340
+    assert whole.val_rows == int(np.floor(0.2 * n_train)) == 339
+    assert whole._new_train().rows == n_train - 339
     no_val = _data(prepared, "memmap", 0, 1, "data.shuffle=false", "data.val_fraction=0", *RAW)
     assert sorted(_stream_rows(whole._new_train()) + _rows(whole.eval_batches("val"))) == \
         sorted(_stream_rows(no_val._new_train()))
@@ -85,7 +85,7 @@ def test_shards_cover_each_split_once(prepared):
         stream = d._new_train()
         got_train += _stream_rows(stream)
     assert counts[0] == counts[1] and sorted(got_eval) == want_eval and len(want_eval) == 300
-    assert sorted(got_val) == want_val and len(want_val) == 340 and not set(want_val) & set(want_eval)
+    assert sorted(got_val) == want_val and len(want_val) == 339 and not set(want_val) & set(want_eval)
     assert sorted(got_train) == sorted(_stream_rows(whole._new_train()))
 
 
