@@ -16,9 +16,8 @@ import pytest
 from data_helpers import prepared_dir
 from helpers import make_cfg, run_single, run_world
 from trainer.bag import LOGITS, mean_prediction
-from trainer.config import ConfigError
+from trainer.config import ConfigError, val_range, val_rows
 from trainer.configure import load_config
-from trainer.config import val_range, val_rows
 from trainer.data import val_slices
 from trainer.metrics import auc_logloss
 from trainer.runner import run
