@@ -146,7 +146,7 @@ def test_plan_lookup_sorts_narrow_ids_as_int32_with_the_same_plan(monkeypatch):
     gids = torch.cat([s.global_ids(g, torch.zeros_like(g)),
                       s.global_ids(torch.randint(0, 70000, (3000,)), torch.full((3000,), 2))])
     narrow = plan_lookup(s, gids)
-    monkeypatch.setattr(ex, "_INT32_MAX", -1)  # every sharding is "too large": the int64 sort
+    monkeypatch.setattr(ex, "wire_dtype", lambda n: torch.int64)  # every sharding "too large": the int64 sort
     wide = plan_lookup(s, gids)
     for f in ("uniq", "inverse", "owned_pos", "remote_pos", "hot_pos", "hot_slots"):
         assert torch.equal(getattr(narrow, f), getattr(wide, f)), f
