@@ -24,6 +24,8 @@ from typing import Any, Callable, Iterable, Optional
 
 import numpy as np
 
+from .rotations import _spread
+
 BASELINE_TOL = 1e-9  # LR's test AUC / logloss on a split: equal up to float printing, else other rows
 
 
@@ -64,8 +66,9 @@ def _runs(records: Iterable[dict[str, Any]], name: str) -> tuple[dict[tuple[str,
 
 
 def _stats(d: np.ndarray) -> dict[str, float]:
+    """compare_splits' mean / min / max, and the standard error of the mean."""
     se = float(d.std(ddof=1) / math.sqrt(d.size)) if d.size > 1 else float("nan")
-    return {"mean": float(d.mean()), "se": se, "min": float(d.min()), "max": float(d.max())}
+    return {**_spread(d), "se": se}
 
 
 def _same(a: Optional[dict], b: Optional[dict]) -> bool:
@@ -82,7 +85,7 @@ def paired(base: list[dict[str, Any]], new: list[dict[str, Any]], base_name: str
     warn = warn or (lambda msg: None)
     a, lr_a = _runs(base, base_name)
     b, lr_b = _runs(new, new_name)
-    common = sorted(set(a) & set(b), key=lambda k: (k[0], k[1]))
+    common = sorted(set(a) & set(b))
     if not common:
         raise PairedInputError(f"{base_name} and {new_name} have no (model, split) run in common")
     only = sorted(set(a) ^ set(b))

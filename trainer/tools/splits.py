@@ -20,10 +20,8 @@ import random
 import time
 from typing import Any, Callable, Optional, Sequence
 
-import numpy as np
-
 from .baseline import compose, run_baseline
-from .rotations import QUIET
+from .rotations import QUIET, _spread
 
 HASH_ROWS = 1_000_000  # scripts/prepare_criteo.py's default
 
@@ -68,8 +66,7 @@ def prepare_split(train: Sequence[str], test: Sequence[str], directory: str) -> 
 
 def _summary(model: str, runs: list[dict[str, Any]]) -> dict[str, Any]:
     def spread(key: str) -> dict[str, float]:
-        a = np.asarray([r[key] for r in runs], dtype=np.float64)
-        return {"mean": float(a.mean()), "min": float(a.min()), "max": float(a.max())}
+        return _spread([r[key] for r in runs])
 
     return {"model": model, "splits": len(runs), "auc_vs_lr": spread("auc_vs_lr"),
             "logloss_vs_lr": spread("logloss_vs_lr"),
