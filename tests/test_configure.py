@@ -12,7 +12,7 @@ import pytest
 from data_helpers import N_TRAIN, prepare_sample
 from helpers import make_cfg
 from trainer.comm import LocalCollectives
-from trainer.config import SMALL_DATA_ROWS, TINY_DATA_ROWS, ConfigError, get_key as getattr_key, parse
+from trainer.config import SMALL_DATA_ROWS, TINY_DATA_ROWS, ConfigError, evals_per_epoch, get_key as getattr_key, parse
 from trainer.configure import apply_data_steps, choose_recipe, compose_config, load_config, recipe_of
 from trainer.data import DataShape, make_data, resolve
 from trainer.runner import Trainer
@@ -130,6 +130,30 @@ def test_small_criteo_set_takes_the_tiny_recipe(prepared):
     assert (no_val.train.early_stop.patience, no_val.train.eval_every, no_val.data.epochs) == (0, 0, 30.0)
     sgd = load_config(make_cfg(base + ["optim=sgd"]))  # a chosen preset is kept whole: its null sparse_lr = lr
     assert (sgd.optim.dense, sgd.optim.sparse_lr, sgd.data.val_fraction) == ("sgd", None, 0.2)
+
+
+def test_recipe_evaluates_up_to_four_times_per_epoch_on_longer_epochs(prepared):
+    """The recipe's cadence: k = ceil(epoch rows / 1,280) evaluations per epoch (1 to 4), and its
+    patience and min_evals (3 and 10 epochs) k times as many evaluations; a cadence or a count the
+    user gives is kept as given. 1,440 training rows (a 10% validation split): k = 2."""
+    assert [evals_per_epoch(n) for n in (0, 1, 1280, 1281, 2560, 2561, 4001, 10 ** 6)] == [1, 1, 1, 2, 2, 3, 4, 4]
+    base = ["data=criteo", f"data.dir={prepared}", "data.loader=memmap", "data.val_fraction=0.1"]
+    for w in (1, 2):
+        c = load_config(make_cfg(base), world=w)
+        assert c.train.eval_every == math.ceil(math.ceil(1440 / (128 * w)) / 2)  # 6 and 3 steps
+        assert (c.train.early_stop.patience, c.train.early_stop.min_evals) == (6, 20)
+        assert recipe_of(c).describe(c)["overridden"] == {"data.val_fraction": 0.1}  # 6 and 20 are the recipe's
+        assert "train.early_stop.patience=6, train.early_stop.min_evals=20" in recipe_of(c).line(c)
+    own = load_config(make_cfg(base + ["train.eval_every=4"]), world=1)  # the user's cadence: counts as given
+    assert (own.train.eval_every, own.train.early_stop.patience, own.train.early_stop.min_evals) == (4, 3, 10)
+    assert recipe_of(own).describe(own)["overridden"] == {"data.val_fraction": 0.1}
+    mine = load_config(make_cfg(base + ["train.early_stop.patience=4"]), world=1)  # the user's count: as given
+    assert (mine.train.eval_every, mine.train.early_stop.patience, mine.train.early_stop.min_evals) == (6, 4, 20)
+    assert recipe_of(mine).describe(mine)["overridden"] == {"data.val_fraction": 0.1, "train.early_stop.patience": 4}
+    one = load_config(make_cfg(base[:-1]), world=1)  # 1,280 rows (20%): once per epoch, as before
+    assert (one.train.eval_every, one.train.early_stop.patience, one.train.early_stop.min_evals) == (10, 3, 10)
+    member = load_config(copy.deepcopy(load_config(make_cfg(base))), world=1)  # a resolved config (a bag member's)
+    assert (member.train.early_stop.patience, member.train.early_stop.min_evals) == (6, 20)  # not scaled twice
 
 
 def test_size_rule_large_data_keeps_one_epoch():

@@ -103,7 +103,7 @@ def run_bag(c: Config, comm: Collectives, out_dir: Optional[str], make_trainer: 
 
     slices = val_slices(c.data, c.train.bag)
     rank = comm.rank
-    view = copy.deepcopy(c)  # the bag's config as a member sees it (once-per-epoch evaluations resolved)
+    view = copy.deepcopy(c)  # the bag's config as a member sees it (the recipe's evaluation cadence resolved)
     apply_data_steps(view, comm.size)
     recipe = recipe_of(view)
     if rank == 0:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 import os
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from omegaconf import MISSING, DictConfig, OmegaConf
 
@@ -195,9 +195,9 @@ class ScheduleConfig:
 class EarlyStopConfig:
     """Early stopping on validation AUC (needs data.val_fraction > 0 and train.eval_every > 0)."""
 
-    patience: Optional[int] = None  # stop after this many validation evaluations without a new best; 0 = never stop early; null = the recipe's
+    patience: Optional[int] = None  # stop after this many validation evaluations without a new best; 0 = never stop early; null = the recipe's (tiny and small: 3 epochs, i.e. 3 x the evaluations per epoch when train.eval_every is the recipe's too, else 3)
     min_delta: float = 0.0  # a new best must beat the old one's validation AUC by more than this
-    min_evals: Optional[int] = None  # never stop before this many validation evaluations (a model still at its start can score below its first evaluation for a few epochs); null = the recipe's (tiny and small: 10, else 0)
+    min_evals: Optional[int] = None  # never stop before this many validation evaluations (a model still at its start can score below its first evaluation for a few epochs); null = the recipe's (tiny and small: 10 epochs, counted as patience is, else 0)
     restore_best: bool = True  # with a validation split: the model of the best validation AUC is restored for the final test evaluation
 
 
@@ -206,7 +206,7 @@ class TrainConfig:
     steps: int = 200  # training steps (each consumes one global batch)
     seed: int = 0  # seed of dense init and embedding init
     log_every: int = 10  # write a JSONL metrics line every N steps
-    eval_every: Optional[int] = 0  # evaluate every N steps too (0 = only at the end); on the validation split when there is one; null = the recipe's (resolved once W is known)
+    eval_every: Optional[int] = 0  # evaluate every N steps too (0 = only at the end); on the validation split when there is one; null = the recipe's (tiny and small: k times per epoch, k = ceil(epoch rows / 1,280) up to 4; resolved once W is known)
     threads: int = 0  # torch threads per rank; 0 = cores / local ranks
     progress: str = "auto"  # progress bar on rank 0: auto (when interactive) | on | off
     device: str = "cpu"  # cpu | cuda | auto
@@ -307,7 +307,10 @@ def epoch_steps(c: Config, train_rows: int, world: int) -> Optional[int]:
 # ---- recipes: defaults of the keys left null, by data size ------------------------------------
 SMALL_DATA_ROWS = 1_000_000  # train.recipe=auto: data=criteo with fewer training rows takes the small recipe
 TINY_DATA_ROWS = 100_000  # ... and with fewer than these, the tiny one (small + a bag of 5 models)
-EVAL_PER_EPOCH = "epoch"  # a recipe's train.eval_every: once per pass over the training rows (needs W)
+EVAL_PER_EPOCH = "epoch"  # a recipe's train.eval_every: once per pass over the training rows (needs W) ...
+RECIPE_EVAL_ROWS = 1_280  # ... or more often: no more than this many training rows between evaluations ...
+RECIPE_EVALS_PER_EPOCH = 4  # ... up to this many evaluations per epoch (see evals_per_epoch)
+EPOCH_COUNTS = ("train.early_stop.patience", "train.early_stop.min_evals")  # the recipe's count epochs
 _SGD = {"optim.name": "sgd", "optim.dense": "sgd", "optim.sparse": "sgd", "optim.lr": 0.1, "optim.eps": 1e-10}
 _NEUTRAL = {"data.epochs": 0.0, "data.val_fraction": 0.0, "data.standardize": False, "data.min_count": 0,
             "embedding.init_scale": 0.0, "train.eval_every": 0, "train.early_stop.patience": 0,
@@ -319,8 +322,9 @@ RECIPE_VALUES: dict[str, dict[str, Any]] = {
     "none": dict(_NEUTRAL),  # every null key at its neutral value (train.steps, no validation, ...)
     "large": {**_NEUTRAL, "data.epochs": 1.0},  # one epoch: the DLRM Kaggle recipe, right for 45M rows
     # small data (README "Real data", measured there): dense Adam + row-wise Adagrad rows (the
-    # optim=adam preset), standardised dense features, up to 30 epochs, evaluated once per epoch on
-    # a 20% validation split, stopped after 3 evaluations without a new best, best model tested with
+    # optim=adam preset), standardised dense features, up to 30 epochs, evaluated once per epoch (up
+    # to 4 times on longer epochs: evals_per_epoch) on a 20% validation split, stopped after 3 epochs
+    # without a new best (never before 10: the two counts are epochs, see apply_recipe), best model tested with
     # its logits scaled by a temperature fitted on the validation split (train.calibrate)
     "small": {**_NEUTRAL, "data.epochs": 30.0, "data.val_fraction": 0.2, "data.standardize": True, "data.min_count": 1,
               "embedding.init_scale": 0.01,
@@ -355,6 +359,18 @@ MODEL_RECIPE_VALUES: dict[str, dict[str, dict[str, Any]]] = {
 }
 
 
+def evals_per_epoch(epoch_rows: int) -> int:
+    """k: how many times per epoch a recipe's train.eval_every (EVAL_PER_EPOCH) evaluates, for an
+    epoch of epoch_rows training rows: k = ceil(epoch_rows / RECIPE_EVAL_ROWS), at least 1 and at
+    most RECIPE_EVALS_PER_EPOCH. The models' best validation step grows much more slowly than the
+    data (+15-40% steps from 800 to 1,600 rows), so once per epoch gets coarse on larger sets: on
+    1,280-row epochs (10 steps of 128) evaluating every 32 steps instead cost WDL and DLRM 0.0017
+    and 0.0007 AUC, every 5 steps gained nothing (README "Real data"). The cap keeps the
+    evaluations' forward passes at most one epoch's rows with a 20% validation split. The recipe's
+    patience and min_evals count epochs: they are multiplied by k with it (apply_recipe)."""
+    return min(RECIPE_EVALS_PER_EPOCH, max(1, math.ceil(epoch_rows / RECIPE_EVAL_ROWS)))
+
+
 def recipe_values(recipe: str, model: str) -> dict[str, Any]:
     """The values of `recipe` for model `model` (its per-model values win)."""
     return {**RECIPE_VALUES[recipe], **MODEL_RECIPE_VALUES.get(recipe, {}).get(model, {})}
@@ -373,9 +389,12 @@ def get_key(c: Config, key: str) -> Any:
     return obj
 
 
-def apply_recipe(c: Config, recipe: str) -> dict[str, Any]:
+def apply_recipe(c: Config, recipe: str, epoch_rows: Callable[[], int] = lambda: 0) -> dict[str, Any]:
     """Fill every recipe key that is null with `recipe`'s value (train.eval_every's once-per-epoch
-    stays null until W is known); keys the user set are kept. Returns {key: value} it set."""
+    stays null until W is known); keys the user set are kept. Returns {key: value} it set.
+    epoch_rows() (asked once the recipe's validation split is set): the training rows of an epoch;
+    when the recipe also sets the cadence (train.eval_every left null), its patience and min_evals,
+    counted in epochs, become evals_per_epoch(epoch_rows()) times as many evaluations."""
     done = {}
     chosen_optimizer = c.optim.sparse is not None  # a preset's null sparse_lr means "= lr", not "the recipe's"
     for key, value in recipe_values(recipe, c.model.name).items():
@@ -387,6 +406,13 @@ def apply_recipe(c: Config, recipe: str) -> dict[str, Any]:
             value = list(value) if isinstance(value, list) else value  # never the table's own list
             setattr(obj, name, value)
             done[key] = value
+    counts = [k for k in EPOCH_COUNTS if k in done]
+    if counts and c.train.eval_every is None and RECIPE_VALUES[recipe]["train.eval_every"] == EVAL_PER_EPOCH \
+            and c.data.val_fraction:
+        k = evals_per_epoch(epoch_rows())
+        for key in counts:
+            done[key] *= k
+            setattr(c.train.early_stop, key.rsplit(".", 1)[1], done[key])
     if "train.early_stop.patience" in done and not c.data.val_fraction:
         c.train.early_stop.patience = done["train.early_stop.patience"] = 0  # data.val_fraction=0: nothing to stop on
     if "train.calibrate" in done and not c.data.val_fraction:

@@ -8,14 +8,14 @@ This is the one place that joins the two, in a fixed order:
 2. shape: a file dataset (criteo, movielens) reports its dense features and table rows
    (trainer.data.resolve);
 3. recipe: the keys left null (data.epochs, data.val_fraction, data.min_count, train.eval_every,
-   train.early_stop.patience, model.dropout, optim.weight_decay / sparse_weight_decay /
+   train.early_stop.patience / min_evals (epochs, turned into evaluations), model.dropout, optim.weight_decay / sparse_weight_decay /
    warmup_steps / decay) take the values of the recipe in force (train.recipe; auto picks it from
    the data: see choose_recipe); a value the user gave is kept; then the shape fills
    data.num_dense / data.table_rows (with data.min_count > 0, the sizes of the training rows'
    vocabulary, which depends on the recipe's validation split);
 4. validate: ranges and cross-field rules;
 5. steps (only where the world size W is known): data.epochs > 0 turns into train.steps, since the
-   number of steps per epoch depends on W (and so does a recipe's once-per-epoch train.eval_every).
+   number of steps per epoch depends on W (and so does a recipe's per-epoch train.eval_every).
    The Trainer does this once its collectives are up (apply_data_steps); tools that simulate W
    workers pass `world` to load_config.
 
@@ -27,7 +27,7 @@ import math
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from .config import (EVAL_PER_EPOCH, RECIPE_VALUES, RECIPES, SMALL_DATA_ROWS, TINY_DATA_ROWS, Config, ConfigError, apply_data_shape,
+from .config import (EPOCH_COUNTS, EVAL_PER_EPOCH, RECIPE_VALUES, evals_per_epoch, RECIPES, SMALL_DATA_ROWS, TINY_DATA_ROWS, Config, ConfigError, apply_data_shape,
                      apply_recipe, check_data_source, check_min_count, compose, recipe_values, data_source_error, get_key, local_batch_size,
                      parse, recipe_keys, val_rows, validate)
 from .data import DataShape, resolve, train_rows, vocab_rows
@@ -39,7 +39,7 @@ def load_config(cfg: Any, world: Optional[int] = None) -> Config:
     and returned). With `world`, train.steps also follows data.epochs for that many workers."""
     conf = parse(cfg)
     shape = _resolve(conf)
-    apply_recipe(conf, choose_recipe(conf, shape).name)
+    apply_recipe(conf, choose_recipe(conf, shape).name, lambda: _epoch_rows(conf, shape))
     if shape is not None:
         apply_data_shape(conf, shape.num_dense, _model_rows(conf, shape))
     validate(conf)
@@ -56,7 +56,8 @@ def compose_config(overrides: list[str], world: Optional[int] = None) -> Config:
 def apply_data_steps(c: Config, world: int) -> None:
     """train.steps = the steps data.epochs asks for with `world` workers (file datasets with
     data.epochs > 0); otherwise train.steps stands. A null train.eval_every becomes the recipe's
-    (once per epoch: ceil(training rows / global batch)), else 0. c must be validated."""
+    (k times per epoch: ceil(ceil(training rows / global batch) / k), k = evals_per_epoch of the
+    training rows), else 0. c must be validated."""
     shape = _resolve(c, world)
     if shape is not None and shape.steps is not None:
         c.train.steps = shape.steps
@@ -64,7 +65,8 @@ def apply_data_steps(c: Config, world: int) -> None:
         per_epoch = (RECIPE_VALUES[choose_recipe(c, shape).name]["train.eval_every"] == EVAL_PER_EPOCH
                      and bool(c.data.val_fraction))  # the recipe's evaluations are validation ones
         rows = _epoch_rows(c, shape)
-        c.train.eval_every = math.ceil(rows / (local_batch_size(c, world) * world)) if per_epoch and rows else 0
+        steps = math.ceil(rows / (local_batch_size(c, world) * world))
+        c.train.eval_every = math.ceil(steps / evals_per_epoch(rows)) if per_epoch and rows else 0
 
 
 def _epoch_rows(c: Config, shape: Optional[DataShape]) -> int:
@@ -86,7 +88,9 @@ class Recipe:
         """{name, why, values: the recipe keys in force, overridden: those set apart from the recipe}."""
         want = recipe_values(self.name, c.model.name)
         values = {k: get_key(c, k) for k in recipe_keys(c.model.name)}
-        over = {k: v for k, v in values.items() if k in want and want[k] != EVAL_PER_EPOCH and v != want[k]}
+        k_evals = evals_per_epoch(_epoch_rows(c, _resolve(c))) if self.name in ("tiny", "small") else 1
+        ours = lambda k, v: v == want[k] or (k in EPOCH_COUNTS and v == want[k] * k_evals)  # noqa: E731
+        over = {k: v for k, v in values.items() if k in want and want[k] != EVAL_PER_EPOCH and not ours(k, v)}
         return {"name": self.name, "why": self.why, "values": values, "overridden": over}
 
     def line(self, c: Config) -> str:
@@ -99,8 +103,8 @@ class Recipe:
 
 def choose_recipe(c: Config, shape: Optional[DataShape]) -> Recipe:
     """The rule: train.recipe=auto takes `small` for data=criteo whose training split (validation
-    rows included) has fewer than SMALL_DATA_ROWS rows: several epochs, evaluated once per epoch on
-    a validation split, early stopping; `tiny` below TINY_DATA_ROWS rows (the same and a bag of 5
+    rows included) has fewer than SMALL_DATA_ROWS rows: several epochs, evaluated once per epoch
+    (up to 4 times on longer epochs) on a validation split, early stopping; `tiny` below TINY_DATA_ROWS rows (the same and a bag of 5
     models); `large` for bigger criteo sets (one epoch, the DLRM Kaggle
     recipe); `none` for other data (every null key at its neutral value). Another train.recipe is
     taken as given."""
