@@ -371,6 +371,12 @@ def evals_per_epoch(epoch_rows: int) -> int:
     return min(RECIPE_EVALS_PER_EPOCH, max(1, math.ceil(epoch_rows / RECIPE_EVAL_ROWS)))
 
 
+def per_epoch_cadence(recipe: str) -> bool:
+    """Whether `recipe` evaluates per epoch (train.eval_every = EVAL_PER_EPOCH: evals_per_epoch
+    times, its patience and min_evals counted in epochs)."""
+    return RECIPE_VALUES[recipe]["train.eval_every"] == EVAL_PER_EPOCH
+
+
 def recipe_values(recipe: str, model: str) -> dict[str, Any]:
     """The values of `recipe` for model `model` (its per-model values win)."""
     return {**RECIPE_VALUES[recipe], **MODEL_RECIPE_VALUES.get(recipe, {}).get(model, {})}
@@ -407,8 +413,7 @@ def apply_recipe(c: Config, recipe: str, epoch_rows: Callable[[], int] = lambda:
             setattr(obj, name, value)
             done[key] = value
     counts = [k for k in EPOCH_COUNTS if k in done]
-    if counts and c.train.eval_every is None and RECIPE_VALUES[recipe]["train.eval_every"] == EVAL_PER_EPOCH \
-            and c.data.val_fraction:
+    if counts and c.train.eval_every is None and per_epoch_cadence(recipe) and c.data.val_fraction:
         k = evals_per_epoch(epoch_rows())
         for key in counts:
             done[key] *= k

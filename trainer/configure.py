@@ -27,9 +27,9 @@ import math
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from .config import (EPOCH_COUNTS, EVAL_PER_EPOCH, RECIPE_VALUES, evals_per_epoch, RECIPES, SMALL_DATA_ROWS, TINY_DATA_ROWS, Config, ConfigError, apply_data_shape,
-                     apply_recipe, check_data_source, check_min_count, compose, recipe_values, data_source_error, get_key, local_batch_size,
-                     parse, recipe_keys, val_rows, validate)
+from .config import (EPOCH_COUNTS, EVAL_PER_EPOCH, RECIPES, SMALL_DATA_ROWS, TINY_DATA_ROWS, Config, ConfigError, apply_data_shape,
+                     apply_recipe, check_data_source, check_min_count, compose, recipe_values, data_source_error, evals_per_epoch,
+                     get_key, local_batch_size, parse, per_epoch_cadence, recipe_keys, val_rows, validate)
 from .data import DataShape, resolve, train_rows, vocab_rows
 from .data.criteo import CriteoFormatError
 
@@ -62,7 +62,7 @@ def apply_data_steps(c: Config, world: int) -> None:
     if shape is not None and shape.steps is not None:
         c.train.steps = shape.steps
     if c.train.eval_every is None:
-        per_epoch = (RECIPE_VALUES[choose_recipe(c, shape).name]["train.eval_every"] == EVAL_PER_EPOCH
+        per_epoch = (per_epoch_cadence(choose_recipe(c, shape).name)
                      and bool(c.data.val_fraction))  # the recipe's evaluations are validation ones
         rows = _epoch_rows(c, shape)
         steps = math.ceil(rows / (local_batch_size(c, world) * world))
@@ -88,7 +88,7 @@ class Recipe:
         """{name, why, values: the recipe keys in force, overridden: those set apart from the recipe}."""
         want = recipe_values(self.name, c.model.name)
         values = {k: get_key(c, k) for k in recipe_keys(c.model.name)}
-        k_evals = evals_per_epoch(_epoch_rows(c, _resolve(c))) if self.name in ("tiny", "small") else 1
+        k_evals = evals_per_epoch(_epoch_rows(c, _resolve(c))) if per_epoch_cadence(self.name) else 1
         ours = lambda k, v: v == want[k] or (k in EPOCH_COUNTS and v == want[k] * k_evals)  # noqa: E731
         over = {k: v for k, v in values.items() if k in want and want[k] != EVAL_PER_EPOCH and not ours(k, v)}
         return {"name": self.name, "why": self.why, "values": values, "overridden": over}
