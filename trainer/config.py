@@ -417,7 +417,8 @@ def apply_recipe(c: Config, recipe: str, epoch_rows: Callable[[], int] = lambda:
         k = evals_per_epoch(epoch_rows())
         for key in counts:
             done[key] *= k
-            setattr(c.train.early_stop, key.rsplit(".", 1)[1], done[key])
+            parent, name = key.rsplit(".", 1)
+            setattr(get_key(c, parent), name, done[key])
     if "train.early_stop.patience" in done and not c.data.val_fraction:
         c.train.early_stop.patience = done["train.early_stop.patience"] = 0  # data.val_fraction=0: nothing to stop on
     if "train.calibrate" in done and not c.data.val_fraction:
