@@ -51,7 +51,7 @@ def bench(world: int, steps: int, extra: list[str], backend: str) -> dict:
         s = json.load(open(os.path.join(out, "summary.json")))
         lines = [json.loads(x) for x in open(os.path.join(out, "metrics.jsonl")) if '"loss"' in x]
     steady = [x["samples_per_sec"] for x in lines[1:]] or [s["samples_per_sec"]]
-    return {"bench": "train", "world_size": world, "backend": backend if world > 1 else "local",
+    return {"bench": "train", "overrides": extra, "world_size": world, "backend": backend if world > 1 else "local",
             "steps": steps, "global_batch_size": s["global_batch_size"],
             "samples_per_sec": round(s["samples_per_sec"], 1),
             "samples_per_sec_after_first_10_steps": round(

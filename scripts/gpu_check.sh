@@ -1,0 +1,116 @@
+#!/usr/bin/env bash
+# The GPU checklist of docs/gpu.md in one bounded run, for a machine with a CUDA device.
+#
+#   bash scripts/gpu_check.sh [OUTDIR]          (default OUTDIR: gpu_check/)
+#
+# Stages, each under its own time limit (a stage that fails or overruns is reported and the next
+# one runs), logs and JSON lines in OUTDIR:
+#   env            GPU, driver, torch / CUDA / Triton versions           -> check.log
+#   pytest         the gpu-marked kernel and host-sync tests (compiled Triton kernels,
+#                  torch.cuda.set_sync_debug_mode), beside the parity run -> pytest_gpu.log
+#   parity         scripts/gpu_parity.py: every training path on cuda against the CPU reference
+#                                                                         -> gpu_parity.jsonl
+#   bench_kernels  scripts/bench_kernels.py: gather / scatter+update against the copy bandwidth
+#                                                                         -> bench_kernels.jsonl
+#   bench_train    scripts/bench_train.py at W = 1, train.device=cuda and cpu in one run (and at
+#                  each data.batch_size in BATCHES="B1 B2 ...")           -> bench_train.jsonl
+#   bench_before   both benchmarks at another checkout (BEFORE=DIR, e.g. a `git archive` of an
+#                  older commit), only when BEFORE is set                 -> bench_before.jsonl
+# CRITEO=DIR (a prepared Criteo directory) adds the parity path criteo-dali: the default recipe on
+# data=criteo, DALI's GPU pipeline on the device (the memmap reader where DALI is not installed).
+# PART=checks runs env, pytest and parity only; PART=bench env and the benchmarks only (default:
+# all), so a short device lease can take them in two calls.
+# DEVICE=cpu QUICK=1 runs the same plumbing on a CPU machine (small sizes, no gpu tests), to check
+# the script itself before spending GPU time. PYTHON picks the interpreter (default python3).
+set -u
+OUT=${1:-gpu_check}
+PY=${PYTHON:-python3}
+DEVICE=${DEVICE:-cuda}
+QUICK=${QUICK:-0}
+JOBS=${JOBS:-8}
+PART=${PART:-all}
+mkdir -p "$OUT"
+OUT=$(cd "$OUT" && pwd)
+ROOT=$(cd "$(dirname "$0")/.." && pwd)
+cd "$ROOT"
+export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+LOG="$OUT/check.log"
+
+say() { echo "[gpu_check $(date +%T)] $*" | tee -a "$LOG"; }
+
+# stage NAME LIMIT_S LOGFILE CMD...: run CMD under a time limit, its output into LOGFILE
+stage() {
+  local name=$1 limit=$2 log=$3 t0 rc
+  shift 3
+  say "$name: start (limit ${limit}s): $*"
+  t0=$(date +%s)
+  timeout -k 10 "$limit" "$@" >> "$log" 2>&1
+  rc=$?
+  say "$name: rc=$rc after $(( $(date +%s) - t0 ))s$([ $rc = 124 ] && echo ' (time limit)')"
+  return $rc
+}
+
+if [ "$QUICK" = 1 ]; then
+  PARITY=(--only dlrm w2-lfu-ssp --steps 20)
+  KBENCH=(--quick)
+  TSTEPS=20
+else
+  PARITY=(--steps 120)
+  KBENCH=(--dims 16 64 128 --bags 8 32 --reps 20)
+  TSTEPS=60
+fi
+
+stage env 60 "$LOG" "$PY" - "$DEVICE" <<'EOF'
+import subprocess, sys, torch
+print("torch", torch.__version__, "cuda", torch.version.cuda, "available", torch.cuda.is_available())
+try:
+    import triton
+    print("triton", triton.__version__)
+except ImportError as e:
+    print("triton: not importable:", e)
+if sys.argv[1] == "cuda":
+    p = torch.cuda.get_device_properties(0)
+    print("device", p.name, "SMs", p.multi_processor_count, "memory GiB", round(p.total_memory / 2**30, 1))
+    print(subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version,memory.total",
+                          "--format=csv,noheader"], capture_output=True, text=True).stdout.strip())
+import trainer, kernels  # noqa: F401  (the package imports with this interpreter's packages)
+print("trainer imports")
+EOF
+[ $? = 0 ] || { say "env failed: see $LOG"; exit 1; }
+
+PYTEST_PID=
+if [ "$PART" != bench ] && [ "$DEVICE" = cuda ]; then
+  stage pytest 200 "$OUT/pytest_gpu.log" "$PY" -m pytest -q -s -m gpu -p no:cacheprovider \
+    tests/test_kernels.py tests/test_step_device.py &
+  PYTEST_PID=$!
+fi
+
+[ "$PART" != bench ] && stage parity 240 "$LOG" "$PY" scripts/gpu_parity.py --device "$DEVICE" --jobs "$JOBS" \
+  "${PARITY[@]}" ${CRITEO:+--criteo "$CRITEO"} --out "$OUT/gpu_parity.jsonl"
+
+[ -n "$PYTEST_PID" ] && wait "$PYTEST_PID"
+[ -f "$OUT/pytest_gpu.log" ] && tail -n 15 "$OUT/pytest_gpu.log" >> "$LOG"
+
+if [ "$PART" = checks ]; then say "done: $OUT"; exit 0; fi
+# the benchmarks run alone on the device
+stage bench_kernels 100 "$LOG" "$PY" scripts/bench_kernels.py --device "$DEVICE" "${KBENCH[@]}" \
+  --out "$OUT/bench_kernels.jsonl"
+
+for batch in default ${BATCHES:-}; do
+  size=()
+  [ "$batch" = default ] || size=("data.batch_size=$batch")
+  for dev in "$DEVICE" cpu; do
+    stage "bench_train_${dev}_$batch" 90 "$OUT/bench_train.jsonl" "$PY" scripts/bench_train.py \
+      --worlds 1 --steps "$TSTEPS" -- "train.device=$dev" "${size[@]}"
+    [ "$DEVICE" = cpu ] && break
+  done
+done
+
+if [ -n "${BEFORE:-}" ]; then  # the same benchmarks at another checkout, side by side
+  old=(env PYTHONPATH="$BEFORE${PYTHONPATH#$ROOT}")
+  stage bench_kernels_before 100 "$OUT/bench_before.jsonl" "${old[@]}" "$PY" \
+    "$BEFORE/scripts/bench_kernels.py" --device "$DEVICE" "${KBENCH[@]}"
+  stage bench_train_before 90 "$OUT/bench_before.jsonl" "${old[@]}" "$PY" \
+    "$BEFORE/scripts/bench_train.py" --worlds 1 --steps "$TSTEPS" -- "train.device=$DEVICE"
+fi
+say "done: $OUT"
