@@ -1,8 +1,9 @@
 """The cache's vectorised bookkeeping decides exactly what the plain per-table rules decide.
 
 - slot choice: free slots of a region lowest first, then the victims a partial selection (topk) of
-  the region's policy keys picks, for every table at once; checked against a per-table reference
-  written the straightforward way (scan the region for free slots, topk of its keys), on random
+  the region's policy keys picks, ties by slot, for every table at once; checked against a
+  per-table reference written the straightforward way (scan the region for free slots, a stable
+  sort of its keys), on random
   sequences of reads with many equal keys, pinned entries, full, tiny and empty regions, rollbacks;
 - a region's free slots are always its tail (the count the vectorised choice relies on);
 - the fused write (record_and_take_due) equals record_updates then take_due;
@@ -18,7 +19,7 @@ import pytest
 import torch
 
 from trainer.comm.base import Collectives
-from trainer.embedding.cache import _NEVER, RowCache, make_policy
+from trainer.embedding.cache import _NEVER, RowCache, make_policy, smallest
 from trainer.embedding.remote import CacheStats, HetWire
 from trainer.embedding.sharding import RowSharding
 from trainer.embedding.store import ShardStore
@@ -26,8 +27,9 @@ from trainer.embedding.types import Pushes
 
 
 def reference_slots(cache: RowCache, tables: torch.Tensor, step: int) -> torch.Tensor:
-    """Per table: the region's free slots (by slot), then topk of its keys over the entries that
-    are live, evictable and not used this step; misses of the table take them in order."""
+    """Per table: the region's free slots (by slot), then the smallest keys (ties by slot: a stable
+    sort) over the entries that are live, evictable and not used this step; misses of the table
+    take them in order."""
     out = torch.full_like(tables, -1)
     for t in torch.unique(tables).tolist():
         lo, hi = cache.bounds[t], cache.bounds[t + 1]
@@ -37,10 +39,36 @@ def reference_slots(cache: RowCache, tables: torch.Tensor, step: int) -> torch.T
         ok = (gid >= 0) & cache.policy.evictable(freq) & (last != step)
         key = torch.where(ok, cache.policy.keys(freq, last), torch.full_like(last, _NEVER))
         r = min(at.numel() - free.numel(), int(ok.sum()))
-        pick = torch.cat([free, torch.topk(key, r, largest=False, sorted=True).indices]) if r > 0 else free
+        pick = torch.cat([free, torch.sort(key, stable=True).indices[:r]]) if r > 0 else free
         pick = pick[:at.numel()] + lo
         out[at[:pick.numel()]] = pick
     return out
+
+
+def test_smallest_breaks_ties_by_index_whatever_topk_returns(monkeypatch: pytest.MonkeyPatch):
+    """The victims' pick among equal keys is the lowest slots, in (key, slot) order: a stable sort's
+    first k. It must not depend on which equal keys torch.topk returns (CPU and CUDA differ): the
+    same pick when topk is made to prefer the highest index among equal keys."""
+    gen = torch.Generator().manual_seed(0)
+    cases = [torch.randint(0, 4, (n,), generator=gen) for n in (1, 7, 50, 300)]
+    cases.append(torch.where(torch.rand(40, generator=gen) < 0.3, _NEVER, 2))  # pinned / in use
+    real = torch.topk
+
+    def reversed_ties(key, k, largest=True, sorted=True):  # topk over the flipped key
+        v, i = real(key.flip(0), k, largest=largest, sorted=sorted)
+        return torch.return_types.topk((v, key.numel() - 1 - i))
+
+    topk_differs = 0  # cases where the patched topk itself picks other slots than the rule
+    for key in cases:
+        for k in sorted({1, key.numel() // 2 or 1, key.numel()}):
+            want = torch.sort(key, stable=True).indices[:k]
+            got = smallest(key, k)
+            assert torch.equal(got[0], want) and torch.equal(got[1], key[want]), (key, k)
+            with monkeypatch.context() as m:
+                m.setattr(torch, "topk", reversed_ties)
+                topk_differs += not torch.equal(torch.topk(key, k, largest=False).indices, want)
+                assert torch.equal(smallest(key, k)[0], want), (key, k)
+    assert topk_differs >= 5
 
 
 def assert_free_tail(cache: RowCache) -> None:

@@ -22,7 +22,7 @@ Cost: every call is a handful of whole-batch tensor operations, never a Python l
 choice is vectorised over tables: a region's free slots are always its last ones (slots are handed
 out lowest first and only come back by rollback, which restores the earlier state), so a per-table
 count of free slots places misses without scanning; only tables whose region is full run a partial
-selection (topk) over their region for victims.
+selection (topk, ties broken by slot: `smallest`) over their region for victims.
 
 Undo (train.nonfinite=skip): between `begin()` and `commit()` every slot a read changes is saved
 first (touch, refresh, install + eviction), so `rollback()` returns the cache to exactly its state
@@ -43,6 +43,24 @@ from .types import Pushes
 
 DIRECT_MAP_MAX_IDS = 1 << 27  # CPU: a direct id -> slot array up to this many ids (512 MiB int32)
 _NEVER = torch.iinfo(torch.int64).max  # eviction key of entries that must stay
+
+
+def smallest(key: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The k smallest keys of [n] `key` (0 < k <= n), ties broken by the lower index, in (key,
+    index) order: (indices [k], keys [k]). The same pick on every device: torch.topk alone leaves
+    the choice among equal keys to its kernel, and the CPU and CUDA kernels choose differently
+    (LRU keys are step numbers, so a region holds many equal ones), which made a GPU run's cache
+    hits and bytes differ from the CPU's. topk gives the k smallest values (the same on every
+    device); entries below the k-th are all taken, entries equal to it by index."""
+    kth = torch.topk(key, k, largest=False, sorted=True).values[-1]
+    below = key < kth
+    equal = key == kth
+    room = k - below.sum()  # how many of the entries equal to the k-th are taken
+    chosen = below | (equal & (torch.cumsum(equal, 0) <= room))
+    idx = torch.nonzero_static(chosen, size=k).squeeze(1)  # ascending index
+    vals = key.index_select(0, idx)
+    order = torch.sort(vals, stable=True).indices  # by key, ties keep the index order
+    return idx.index_select(0, order), vals.index_select(0, order)
 
 
 class CachePolicy:
@@ -375,9 +393,9 @@ class RowCache:
     def _victims(self, short: list[int], free: list[int], step: int) -> list[tuple[int, torch.Tensor]]:
         """(table, its victims) for every table t with short[t] > 0 misses left over once its
         free[t] free slots are taken: up to short[t] slots of its region, best first, the evictable
-        entries not used this step with the smallest policy keys. A partial selection (topk) per
-        region, never a sort; the keys come from one pass over the whole cache when most regions
-        need victims."""
+        entries not used this step with the smallest policy keys, ties by slot. A partial selection
+        (topk) per region, never a sort of the region; the keys come from one pass over the whole
+        cache when most regions need victims."""
         b = self.bounds
         tables = [t for t, k in enumerate(short) if k and b[t + 1] > b[t]]
         if not tables:
@@ -390,18 +408,16 @@ class RowCache:
         for t, key in zip(tables, keys):  # a region's free slots are its tail: never victims
             if free[t]:
                 key[key.numel() - free[t]:] = _NEVER
-        best = [torch.topk(key, min(short[t], key.numel()), largest=False, sorted=True)
-                for t, key in zip(tables, keys)]
-        # a region with fewer evictable entries than that ends its selection with _NEVER: it gives
-        # all it has (a topk of exactly that many, so the same pick among equal keys)
-        last = torch.stack([v.values[-1] for v in best]).tolist()
+        best = [smallest(key, min(short[t], key.numel())) for t, key in zip(tables, keys)]
+        # a region with fewer evictable entries than that ends its selection with _NEVER (last in
+        # key order): it gives all it has
+        last = torch.stack([vals[-1] for _, vals in best]).tolist()
         out = []
-        for t, key, sel, worst in zip(tables, keys, best, last):
+        for t, (idx, vals), worst in zip(tables, best, last):
             if worst == _NEVER:
-                r = int((sel.values != _NEVER).sum())
-                sel = torch.topk(key, r, largest=False, sorted=True) if r else None
-            if sel is not None:
-                out.append((t, sel.indices + b[t]))
+                idx = idx[: int((vals != _NEVER).sum())]
+            if idx.numel():
+                out.append((t, idx + b[t]))
         return out
 
     def _eviction_keys(self, lo: int, hi: int, step: int) -> torch.Tensor:
