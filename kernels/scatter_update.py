@@ -8,10 +8,9 @@ entries are stable-sorted by slot and one program per slot sums them in entry or
 every run).
 
 ``row_update_triton`` is the owner's update (ShardStore.apply): row gradients [n, d] received from
-every worker, stable-sorted by storage row, summed per row in a fixed order (in two passes: pieces
-of at most ROW_PIECE entries, then each row's pieces), then SGD / Adagrad / row-wise Adagrad
-applied in place, once per distinct row, in the program that sums its pieces (no atomics: no two
-live programs touch one row).
+every worker, stable-sorted by storage row, summed per row in a fixed order, then SGD / Adagrad /
+row-wise Adagrad applied in place, once per distinct row, in the same program (no intermediate, no
+atomics: no two live programs touch one row).
 
 Both sorted paths use one segment layout without a host read: every sorted position p gets a
 program whose segment is live only where p is the first entry of its slot, ending at the next
@@ -144,49 +143,30 @@ def row_update_triton(
     if rows.numel() == 0 or storage.shape[1] == 0:
         return
     grads = grads.to(ref.accumulation_dtype(grads.dtype)).contiguous()
-    rows = rows.long().contiguous()
-    if unique:  # one live segment of one entry per row as given (rows known distinct, no sort)
+    segs = _row_segments(rows.long().contiguous(), unique)
+    _launch_segments(segs, grads, storage, optimizer, state=state, lr=lr, eps=eps, wd=weight_decay,
+                     block_n=UNIQUE_BLOCK_N if unique else None)
+
+
+# unique=True: every segment is one entry, so a tile of one row; block_sizes' tiles (32 rows at
+# d = 64, 16 at d = 128) were mostly masked lanes. Update of 650k distinct rows on an H200
+# (2026-11-26), tile of 1 / 2 / 8 rows: 0.65 / 0.67 / 1.13 ms at d = 64, 0.68 / 0.74 / 1.86 at
+# d = 128; the torch reference 0.67 / 0.92; the trainer's scatter + update (bench_kernels'
+# sparse_backward) 1.4 -> 0.8 ms at d = 64, bags of 32 (tile of 2). The repeated-rows path keeps block_sizes.
+# tiles: smaller ones made a row pushed 70k times (a Zipf bench; the trainer pushes a row at most
+# once per worker) 3x slower, and neither a tile size nor splitting long runs brought 10^6 rows
+# under the reference's 1.7-2.2 ms (4.0-8.3 ms; docs/gpu.md).
+UNIQUE_BLOCK_N = 1
+
+
+def _row_segments(rows: Tensor, unique: bool) -> Segments:
+    """Segments over gradient rows: entry e is gradient row e (no bags, no coefficients);
+    unique=True: one live segment per row as given (rows known distinct, no sort)."""
+    if unique:
         pos = torch.arange(rows.numel(), device=rows.device)
-        _launch_segments(Segments(rows, pos, pos + 1, pos), grads, storage, optimizer, state=state,
-                         lr=lr, eps=eps, wd=weight_decay, block_n=UNIQUE_BLOCK_N)
-        return
-    partial, segs = _piece_sums(rows, grads)
-    _launch_segments(segs, partial, storage, optimizer, state=state, lr=lr, eps=eps,
-                     wd=weight_decay, block_n=PIECE_BLOCK_N)
-
-
-# The owner's update sums each row's gradients in two passes over the stable-sorted entries, so no
-# program walks a hot row's whole run alone: runs are cut into pieces of at most ROW_PIECE entries
-# (a new piece at every row change and every ROW_PIECE-th sorted position), pass 1 sums each piece
-# in entry order, pass 2 sums each row's pieces in order and applies the optimizer. A row pushed
-# 70k times was one program looping over 70k entries (8 ms of a 1M-entry update on an H200, 4x the
-# torch reference); now at most ROW_PIECE entries, then ~70 piece sums. The order stays fixed, so
-# the result is the same every run. Tiles of a few rows: most pieces (and most rows' piece
-# lists) have one or two entries, and a 32-row tile was mostly masked lanes.
-ROW_PIECE = 1024
-PIECE_BLOCK_N = 8
-UNIQUE_BLOCK_N = 2
-
-
-def _piece_sums(rows: Tensor, grads: Tensor) -> tuple[Tensor, Segments]:
-    """Pass 1 of the owner's update: rows [n] (repeated), grads [n, d] -> (partial [n, d], of
-    which rows 0..P-1 hold the P piece sums in sorted order; pass 2's segments over them: one per
-    sorted position, live at each row's first entry, slot = the storage row). No host read."""
-    n, dev = rows.numel(), rows.device
-    sorted_rows, order, pos, ends = sorted_segments(rows)
-    row_head = ends > pos  # a row's first sorted entry (its segment is live, ending at the next row)
-    piece_head = row_head | (pos % ROW_PIECE == 0)
-    nxt = torch.full((n,), n, dtype=torch.int64, device=dev)
-    nxt[:-1] = torch.where(piece_head[1:], pos[1:], n)
-    piece_end = nxt.flip(0).cummin(0).values.flip(0)  # the next piece head after each position
-    piece_id = torch.cumsum(piece_head, 0) - 1  # [n] the piece of each sorted entry
-    partial = torch.empty_like(grads)
-    _launch_segments(Segments(piece_id, pos, torch.where(piece_head, piece_end, pos), order),
-                     grads, partial, "write", block_n=PIECE_BLOCK_N)
-    # a row's pieces are piece_id[head] .. the piece of the next row's head (P after the last)
-    piece_after = torch.cat([piece_id, piece_id[-1:] + 1])
-    first, last = piece_id, piece_after.index_select(0, ends)
-    return partial, Segments(sorted_rows, first, torch.where(row_head, last, first), pos)
+        return Segments(rows, pos, pos + 1, pos)
+    sorted_rows, order, starts, ends = sorted_segments(rows)
+    return Segments(sorted_rows, starts, ends, order)
 
 
 def _check_in_place(storage: Tensor, state: Optional[Tensor]) -> None:
@@ -204,7 +184,7 @@ def _launch_segments(segs: Segments, bag_grad: Tensor, out: Tensor, op: str, *,
                      state: Optional[Tensor] = None, lr: float = 0.0, eps: float = 0.0,
                      wd: float = 0.0, block_n: Optional[int] = None) -> None:
     """One program per (segment, block of d); row-wise Adagrad needs the whole row in one.
-    block_n: entries per tile (default: block_sizes'; short segments want few)."""
+    block_n: entries per tile (default: block_sizes'; one-entry segments want 1)."""
     dim = bag_grad.shape[1]
     tile_n, block_d = block_sizes(dim, dim if op == "rowwise_adagrad" else 256)
     block_n = tile_n if block_n is None else block_n
