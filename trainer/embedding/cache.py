@@ -22,7 +22,7 @@ Cost: every call is a handful of whole-batch tensor operations, never a Python l
 choice is vectorised over tables: a region's free slots are always its last ones (slots are handed
 out lowest first and only come back by rollback, which restores the earlier state), so a per-table
 count of free slots places misses without scanning; only tables whose region is full run a partial
-selection (topk, ties broken by slot: `smallest`) over their region for victims.
+selection (topk) over their region for victims.
 
 Undo (train.nonfinite=skip): between `begin()` and `commit()` every slot a read changes is saved
 first (touch, refresh, install + eviction), so `rollback()` returns the cache to exactly its state
@@ -43,24 +43,15 @@ from .types import Pushes
 
 DIRECT_MAP_MAX_IDS = 1 << 27  # CPU: a direct id -> slot array up to this many ids (512 MiB int32)
 _NEVER = torch.iinfo(torch.int64).max  # eviction key of entries that must stay
-
-
-def smallest(key: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The k smallest keys of [n] `key` (0 < k <= n), ties broken by the lower index, in (key,
-    index) order: (indices [k], keys [k]). The same pick on every device: torch.topk alone leaves
-    the choice among equal keys to its kernel, and the CPU and CUDA kernels choose differently
-    (LRU keys are step numbers, so a region holds many equal ones), which made a GPU run's cache
-    hits and bytes differ from the CPU's. topk gives the k smallest values (the same on every
-    device); entries below the k-th are all taken, entries equal to it by index."""
-    kth = torch.topk(key, k, largest=False, sorted=True).values[-1]
-    below = key < kth
-    equal = key == kth
-    room = k - below.sum()  # how many of the entries equal to the k-th are taken
-    chosen = below | (equal & (torch.cumsum(equal, 0) <= room))
-    idx = torch.nonzero_static(chosen, size=k).squeeze(1)  # ascending index
-    vals = key.index_select(0, idx)
-    order = torch.sort(vals, stable=True).indices  # by key, ties keep the index order
-    return idx.index_select(0, order), vals.index_select(0, order)
+# last_use is a use's tick: step << TICK_BITS | its rank among the cache's uses of that step (touch
+# and install, in the order of their slots), so no two live entries share a policy key. Why:
+# LRU keys were step numbers, so a region held many equal keys, and torch.topk's pick among equal
+# keys is its kernel's: the CPU and CUDA kernels pick differently (seen on an H200, 2026-11-26:
+# another run's hits and bytes). With distinct keys every device picks the same victims, at the
+# cost of a shift; ties used to go to an arbitrary one of the step's entries, now to the one used
+# first. Up to 2^21 uses per step and 2^32 steps (the LFU key below has 53 bits for the tick).
+TICK_BITS = 21
+LFU_FREQ_CAP = (1 << 10) - 2  # LFU orders by min(freq, cap): 10 bits beside the 53-bit tick
 
 
 class CachePolicy:
@@ -83,16 +74,17 @@ class LRU(CachePolicy):
     name = "lru"
 
     def keys(self, freq, last_use):
-        return last_use
+        return last_use  # the last use's tick
 
 
 class LFU(CachePolicy):
-    """Least frequently used (uses while cached), ties broken by least recent."""
+    """Least frequently used (uses while cached, counted up to LFU_FREQ_CAP for the order), ties
+    broken by least recent."""
 
     name = "lfu"
 
-    def keys(self, freq, last_use):
-        return torch.add(last_use, freq, alpha=1 << 32)  # freq * 2^32 + last_use
+    def keys(self, freq, last_use):  # min(freq, cap) * 2^53 + the last use's tick
+        return torch.add(last_use, freq.clamp(max=LFU_FREQ_CAP), alpha=1 << (32 + TICK_BITS))
 
 
 class LFUPinned(LFU):
@@ -173,6 +165,7 @@ class RowCache:
         self.last_use = torch.full((c,), -1, dtype=torch.int64, device=dev)
         direct = dev.type == "cpu" and n_ids <= DIRECT_MAP_MAX_IDS
         self.map = DirectSlotMap(n_ids, dev) if direct else kernels.make_id_slot_map(max(c, 1), dev)
+        self._uses = (-1, 0)  # (step, uses stamped in it so far): the next tick of that step
         self._journal: list[tuple[torch.Tensor, ...]] | None = None  # saved slots while undoable
         self._journal_free: torch.Tensor | None = None  # the free counts at begin()
 
@@ -204,7 +197,18 @@ class RowCache:
         """Mark cached slots [k] (>= 0) as used at `step` (protects them from eviction this step)."""
         self._save(slots)
         self.freq.index_add_(0, slots, torch.ones_like(slots))
-        self.last_use.index_fill_(0, slots, step)
+        self._stamp(slots, step)
+
+    def _stamp(self, slots: torch.Tensor, step: int) -> None:
+        """last_use of distinct slots [k] := this step's next k ticks, in slot-list order."""
+        done = self._uses[1] if self._uses[0] == step else 0
+        k = slots.numel()
+        if done + k > 1 << TICK_BITS or not 0 <= step < 1 << 32:
+            raise RuntimeError(f"cache: {done + k} uses in step {step}: the eviction keys hold up "
+                               f"to {1 << TICK_BITS} uses per step and steps below 2^32")
+        self._uses = (step, done + k)
+        ticks = torch.arange(k, device=slots.device) + ((step << TICK_BITS) + done)
+        self.last_use.index_copy_(0, slots, ticks)
 
     def refresh(self, slots: torch.Tensor, rows: torch.Tensor, versions: torch.Tensor) -> None:
         """Re-read copies: owner rows [k, d] at `versions`, own pending updates re-applied."""
@@ -240,7 +244,7 @@ class RowCache:
         self.rows.index_copy_(0, placed, rows)
         self.version.index_copy_(0, placed, versions)
         self.freq.index_fill_(0, placed, 1)
-        self.last_use.index_fill_(0, placed, step)
+        self._stamp(placed, step)
         self.map.insert(gids, placed)
         return slots, evicted, placed_n
 
@@ -393,9 +397,9 @@ class RowCache:
     def _victims(self, short: list[int], free: list[int], step: int) -> list[tuple[int, torch.Tensor]]:
         """(table, its victims) for every table t with short[t] > 0 misses left over once its
         free[t] free slots are taken: up to short[t] slots of its region, best first, the evictable
-        entries not used this step with the smallest policy keys, ties by slot. A partial selection
-        (topk) per region, never a sort of the region; the keys come from one pass over the whole
-        cache when most regions need victims."""
+        entries not used this step with the smallest policy keys. A partial selection (topk) per
+        region, never a sort; the keys come from one pass over the whole cache when most regions
+        need victims."""
         b = self.bounds
         tables = [t for t, k in enumerate(short) if k and b[t + 1] > b[t]]
         if not tables:
@@ -408,16 +412,19 @@ class RowCache:
         for t, key in zip(tables, keys):  # a region's free slots are its tail: never victims
             if free[t]:
                 key[key.numel() - free[t]:] = _NEVER
-        best = [smallest(key, min(short[t], key.numel())) for t, key in zip(tables, keys)]
-        # a region with fewer evictable entries than that ends its selection with _NEVER (last in
-        # key order): it gives all it has
-        last = torch.stack([vals[-1] for _, vals in best]).tolist()
+        # live entries' keys are distinct (TICK_BITS), so the pick is the same on every device
+        best = [torch.topk(key, min(short[t], key.numel()), largest=False, sorted=True)
+                for t, key in zip(tables, keys)]
+        # a region with fewer evictable entries than that ends its selection with _NEVER: it gives
+        # all it has (a topk of exactly that many, so the same pick among equal keys)
+        last = torch.stack([v.values[-1] for v in best]).tolist()
         out = []
-        for t, (idx, vals), worst in zip(tables, best, last):
+        for t, key, sel, worst in zip(tables, keys, best, last):
             if worst == _NEVER:
-                idx = idx[: int((vals != _NEVER).sum())]
-            if idx.numel():
-                out.append((t, idx + b[t]))
+                r = int((sel.values != _NEVER).sum())
+                sel = torch.topk(key, r, largest=False, sorted=True) if r else None
+            if sel is not None:
+                out.append((t, sel.indices + b[t]))
         return out
 
     def _eviction_keys(self, lo: int, hi: int, step: int) -> torch.Tensor:
@@ -425,7 +432,7 @@ class RowCache:
         ones (the policy may not evict them). Free slots get theirs from the caller (the region's
         tail)."""
         freq, last = self.freq[lo:hi], self.last_use[lo:hi]
-        ok = last != step
+        ok = (last >> TICK_BITS) != step  # not used this step (an empty slot's -1 stays -1)
         if self.policy.pins:
             ok &= self.policy.evictable(freq)
         return torch.where(ok, self.policy.keys(freq, last), _NEVER)
