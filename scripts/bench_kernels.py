@@ -19,6 +19,8 @@ Bytes counted (the minimum a kernel must move; repeated lookups of a hot row cou
                         pct_copy_bw is the "scatter + update" figure of the issue's targets
     row_update/opt      N*d*4 (row grads) + N*idx + U*d*elem*2 (rows rw) + state rw (the owner's
                         update of ShardStore.apply: one gradient row per entry, repeats summed)
+    owner_update/opt    the same bytes for what an owner receives in training: each of --pushers
+                        workers pushes every distinct row of its share of the batch once
     hashmap_lookup      n*8 (ids) + n*8 (slots) + n*16 (one probed cell)
 
 Usage: python scripts/bench_kernels.py [--device cuda|cpu] [--quick] [--out FILE]
@@ -57,6 +59,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--dtype", default="fp32", choices=sorted(DTYPES))
     p.add_argument("--zipf-alpha", type=float, default=1.05)
     p.add_argument("--reps", type=int, default=20)
+    p.add_argument("--pushers", type=int, default=4,
+                   help="owner_update points: workers pushing each distinct row of their share once")
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: leave as is)")
     p.add_argument("--quick", action="store_true", help="tiny sizes (CPU smoke test, CI)")
     p.add_argument("--out", type=Path, default=None, help="also append the JSON lines here")
@@ -229,7 +233,13 @@ def bench_point(args: argparse.Namespace, dim: int, bag: int, dist: str,
     grad = torch.randn(args.batch, args.tables, dim, device=args.device)
     yield from bench_row_grads(args, base, grad, slots, offsets, copy_gbps)
     yield from bench_sparse_backward(args, base, storage, grad, slots, offsets, copy_gbps)
-    yield from bench_row_updates(args, base, storage, slots, copy_gbps)
+    yield from bench_row_updates(args, base, storage, slots.long(), copy_gbps, "row_update")
+    # what an owner receives in the trainer: every worker pushes each distinct row of its share of
+    # the batch once, so a row comes at most --pushers times (the Zipf entries above repeat a hot
+    # row tens of thousands of times, which no training step sends)
+    pushes = torch.cat([torch.unique(share) for share in slots.long().chunk(args.pushers)])
+    yield from bench_row_updates(args, {**base, "pushers": args.pushers}, storage, pushes,
+                                 copy_gbps, "owner_update")
 
 
 def bench_row_grads(args, base, grad, slots, offsets, copy_gbps) -> Iterator[Dict[str, Any]]:
@@ -260,9 +270,9 @@ def bench_sparse_backward(args, base, storage, grad, slots, offsets,
                         nbytes, time_ms(run, args.device, args.reps), copy_gbps)
 
 
-def bench_row_updates(args, base, storage, slots, copy_gbps) -> Iterator[Dict[str, Any]]:
-    """The owner's update: N row gradients (one per looked-up entry, hot rows repeated)."""
-    rows = slots.long()
+def bench_row_updates(args, base, storage, rows, copy_gbps, kernel) -> Iterator[Dict[str, Any]]:
+    """The owner's update of N row gradients [N] `rows` (repeated rows summed first), as
+    `{kernel}_{optimizer}` points."""
     grads = torch.randn(rows.numel(), storage.shape[1], device=args.device)
     uniq = int(torch.unique(rows).numel())
     states = {"sgd": None, "adagrad": torch.zeros(storage.shape, device=args.device),
@@ -272,11 +282,11 @@ def bench_row_updates(args, base, storage, slots, copy_gbps) -> Iterator[Dict[st
         for impl, fn in row_update_impls(args):
             run = lambda: fn(storage, rows, grads, optimizer=optimizer, lr=1e-6,  # noqa: E731
                              state=state)
-            yield point({**base, "kernel": f"row_update_{optimizer}", "unique": uniq}, impl,
+            yield point({**base, "kernel": f"{kernel}_{optimizer}", "unique": uniq}, impl,
                         nbytes, time_ms(run, args.device, args.reps), copy_gbps)
         if optimizer == "sgd":  # the unfused torch baseline: one index_add_ per entry
             run = lambda: storage.index_add_(0, rows, grads, alpha=-1e-6)  # noqa: E731
-            yield point({**base, "kernel": "row_update_sgd", "unique": uniq}, "torch", nbytes,
+            yield point({**base, "kernel": f"{kernel}_sgd", "unique": uniq}, "torch", nbytes,
                         time_ms(run, args.device, args.reps), copy_gbps)
 
 

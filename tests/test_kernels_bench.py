@@ -38,8 +38,10 @@ def test_bench_kernels_quick_cpu(tmp_path: Path):
     kinds = {(r["kernel"], r["impl"]) for r in lines}
     for kernel in ("pooled_gather", "row_grads", "sparse_backward_sgd", "sparse_backward_adagrad",
                    "sparse_backward_rowwise_adagrad", "row_update_sgd", "row_update_adagrad",
-                   "row_update_rowwise_adagrad", "hashmap_lookup"):
+                   "row_update_rowwise_adagrad", "owner_update_sgd", "owner_update_adagrad",
+                   "owner_update_rowwise_adagrad", "hashmap_lookup"):
         assert (kernel, "reference") in kinds
+    assert all(r["pushers"] == 4 for r in lines if r["kernel"].startswith("owner_update"))
     timed = [r for r in lines[1:] if "skipped" not in r]
     assert all(r["ms"] > 0 and r["gbps"] >= 0 and "pct_copy_bw" in r for r in timed)
     assert {r["d"] for r in timed if "d" in r} == {16, 33}
