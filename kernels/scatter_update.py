@@ -152,10 +152,10 @@ def row_update_triton(
 # d = 64, 16 at d = 128) were mostly masked lanes. Update of 650k distinct rows on an H200
 # (2026-11-26), tile of 1 / 2 / 8 rows: 0.65 / 0.67 / 1.13 ms at d = 64, 0.68 / 0.74 / 1.86 at
 # d = 128; the torch reference 0.67 / 0.92; the trainer's scatter + update (bench_kernels'
-# sparse_backward) 1.4 -> 0.8 ms at d = 64, bags of 32 (tile of 2). The repeated-rows path keeps block_sizes'
-# tiles: smaller ones made a row pushed 70k times (a Zipf bench; the trainer pushes a row at most
-# once per worker) 3x slower, and neither a tile size nor splitting long runs brought 10^6 rows
-# under the reference's 1.7-2.2 ms (4.0-8.3 ms; docs/gpu.md).
+# sparse_backward) 1.4 -> 0.8 ms at d = 64, bags of 32 (tile of 2). The repeated-rows path keeps
+# block_sizes' tiles: smaller ones made a row pushed 70k times (a Zipf bench; the trainer pushes a
+# row at most once per worker) 3x slower, and neither a tile size nor splitting long runs brought
+# 10^6 rows under the reference's 1.7-2.2 ms (4.0-8.3 ms; docs/gpu.md).
 UNIQUE_BLOCK_N = 1
 
 
