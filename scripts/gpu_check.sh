@@ -13,7 +13,8 @@
 #   bench_kernels  scripts/bench_kernels.py: gather / scatter+update against the copy bandwidth
 #                                                                         -> bench_kernels.jsonl
 #   bench_train    scripts/bench_train.py at W = 1, train.device=cuda and cpu in one run (and at
-#                  each data.batch_size in BATCHES="B1 B2 ...")           -> bench_train.jsonl
+#                  each data.batch_size in BATCHES="B1 B2 ..."); at W = 2 with train.pipeline=off
+#                  and ids                                                -> bench_train.jsonl
 #   bench_before   both benchmarks at another checkout (BEFORE=DIR, e.g. a `git archive` of an
 #                  older commit), only when BEFORE is set                 -> bench_before.jsonl
 # CRITEO=DIR (a prepared Criteo directory) adds the parity path criteo-dali: the default recipe on
@@ -104,6 +105,13 @@ for batch in default ${BATCHES:-}; do
       --worlds 1 --steps "$TSTEPS" -- "train.device=$dev" "${size[@]}"
     [ "$DEVICE" = cpu ] && break
   done
+done
+
+# issue 15 item 6: the pipelined step against the serial one at W = 2 (on one GPU both ranks share
+# it through gloo, which stages every collective through host memory)
+for pipe in off ids; do
+  stage "bench_train_w2_pipeline_$pipe" 120 "$OUT/bench_train.jsonl" "$PY" scripts/bench_train.py \
+    --worlds 2 --steps "$TSTEPS" -- "train.device=$DEVICE" comm.dist_backend=gloo "train.pipeline=$pipe"
 done
 
 if [ -n "${BEFORE:-}" ]; then  # the same benchmarks at another checkout, side by side
