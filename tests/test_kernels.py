@@ -1056,12 +1056,10 @@ def test_gpu_sparse_backward(optimizer):
     ones = torch.ones(slots.numel(), device="cuda")
     truth, scale = _row_grad_truth((uniq.numel(), dim), inverse, offsets, 8, "sum", ones, grad)
     _assert_accumulated(ws, truth, scale, torch.float32)
-    updated = []
-    for update in (row_update_triton, ref.row_update):
-        s = storage.float()
-        st = None if state is None else state.float()
-        update(s, uniq, ws, optimizer=optimizer, lr=0.05, state=st, unique=True)
-        updated.append((s, st))
+    kw = dict(rows=uniq, grads=ws, optimizer=optimizer, lr=0.05, unique=True)
+    state32 = None if state is None else state.float()
+    updated = [_run_row_update(update, storage.float(), state32, **kw)
+               for update in (row_update_triton, ref.row_update)]
     for a, b in zip(updated[0], updated[1]):
         if b is not None:
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)

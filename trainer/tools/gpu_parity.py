@@ -99,8 +99,12 @@ def train(world: int, overrides: list[str], out: str) -> dict[str, Any]:
 def device_loader() -> str:
     """The criteo path's loader on the device: DALI where it is installed; else the memmap reader
     (said in the path's JSON line), so the recipe still runs on the device without DALI."""
-    import importlib.util
-    return "dali" if importlib.util.find_spec("nvidia.dali") is not None else "memmap"
+    from trainer.data.dali import require_dali
+    try:
+        require_dali()
+    except ImportError:
+        return "memmap"
+    return "dali"
 
 
 def _cache_counts(s: dict[str, Any]) -> dict[str, Any]:
@@ -169,8 +173,9 @@ def compare(name: str, steps: int, tmp: str, device: str = "cuda",
                      f"{label}_wall_s": round(s["wall_s"], 1)})
         if diffs:  # which counters, CPU value first
             line[f"{label}_counter_diffs"] = diffs
-        if _best_steps(cpu) or _best_steps(s):  # early stopping: where each run stopped
-            line[f"{label}_best_steps"] = [_best_steps(cpu), _best_steps(s)]
+        best = [_best_steps(cpu), _best_steps(s)]
+        if any(best):  # early stopping: where each run stopped
+            line[f"{label}_best_steps"] = best
     line["ok"] = ok
     return line
 
