@@ -22,7 +22,7 @@ import contextlib
 import sys
 import tempfile
 
-from trainer.tools.baseline import exit_status
+from trainer.tools.baseline import exit_status, model_names
 from trainer.tools.rotations import print_json
 from trainer.tools.splits import compare
 
@@ -42,9 +42,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--models", default="dlrm,wdl,deepfm,dcn", help="comma-separated (default all four)")
     ap.add_argument("--work", default=None, help="keep the prepared splits here (default: a temporary dir)")
     a = ap.parse_intermixed_args(argv)
-    models = [m for m in a.models.split(",") if m]
 
     def run() -> None:
+        models = model_names(a.models, a.overrides)
         with contextlib.nullcontext(a.work) if a.work is not None else \
                 tempfile.TemporaryDirectory(prefix="compare_splits-") as work:
             compare(a.file, a.splits, a.test_rows, models, a.overrides, work, print_json, log, a.first)

@@ -17,7 +17,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from trainer.tools.baseline import exit_status
+from trainer.tools.baseline import exit_status, model_names
 from trainer.tools.rotations import print_json, rotate, stderr
 
 
@@ -28,8 +28,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--slices", type=int, default=5, help="validation slices per model (default 5)")
     ap.add_argument("--models", default="dlrm,wdl,deepfm,dcn", help="comma-separated (default all four)")
     a = ap.parse_intermixed_args(argv)
-    models = [m for m in a.models.split(",") if m]
-    return exit_status(lambda: rotate(a.dir, models, a.slices, a.overrides, print_json, stderr))
+    return exit_status(lambda: rotate(a.dir, model_names(a.models, a.overrides), a.slices, a.overrides, print_json, stderr))
 
 
 if __name__ == "__main__":

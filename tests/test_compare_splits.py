@@ -75,3 +75,21 @@ def test_bad_input_is_a_clear_error(tmp_path, capsys):
     assert "--test-rows 0" in capsys.readouterr().err
     assert compare_splits.main([SAMPLE, "--first", "0", "--models", "dlrm"]) == 2
     assert "--first 0" in capsys.readouterr().err
+
+
+def test_models_and_overrides_are_checked_before_any_work(tmp_path, capsys):
+    # `--models wdl deepfm` takes one name; "deepfm" lands among the overrides. Refused before a
+    # split is prepared (--work stays empty), with the comma-separated form to use instead.
+    work = tmp_path / "work"
+    assert compare_splits.main([SAMPLE, "--models", "wdl", "deepfm", "--work", str(work)]) == 2
+    err = capsys.readouterr().err
+    assert "override 'deepfm' is not key=value" in err and "--models wdl,deepfm" in err
+    assert not work.exists()
+    assert compare_splits.main([SAMPLE, "--models", "dlrm,xdeepfm", "--work", str(work)]) == 2
+    assert "'xdeepfm' is not a model" in capsys.readouterr().err
+    assert compare_splits.main([SAMPLE, "--models", ",", "--work", str(work)]) == 2
+    assert "no model named" in capsys.readouterr().err
+    assert compare_splits.main([SAMPLE, "--models", "dlrm", "train.bag", "--work", str(work)]) == 2
+    err = capsys.readouterr().err
+    assert "override 'train.bag' is not key=value" in err and "--models" not in err
+    assert not work.exists()

@@ -48,3 +48,8 @@ def test_one_run_per_slice_against_one_baseline(prepared, capsys):
 def test_no_validation_split_is_a_clear_error(prepared, capsys):
     assert val_rotations.main([prepared, "--models", "dlrm", "data.val_fraction=0", *FAST]) == 2
     assert "nothing to rotate" in capsys.readouterr().err
+
+
+def test_models_given_apart_are_a_clear_error(prepared, capsys):
+    assert val_rotations.main([prepared, "--models", "dlrm", "dcn", *FAST]) == 2
+    assert "--models dlrm,dcn" in capsys.readouterr().err

@@ -49,6 +49,27 @@ def input_errors() -> tuple[type[BaseException], ...]:
     return (ConfigError, CriteoFormatError, HydraException, ValueError, OSError)
 
 
+def model_names(models: str, overrides: Sequence[str]) -> list[str]:
+    """The tools' `--models a,b` as a list, checked with their overrides before any work starts:
+    every name a model (config.MODELS) and every override key=value (Hydra's +key=, ++key= and
+    ~key forms too). `--models wdl deepfm` leaves "deepfm" among the overrides, which Hydra would
+    only reject when the first run composes its config; the error names the fix."""
+    from ..config import MODELS
+
+    names = [m for m in models.split(",") if m]
+    if not names:
+        raise ValueError("--models: no model named (comma-separated, e.g. --models dlrm,dcn)")
+    for m in names:
+        if m not in MODELS:
+            raise ValueError(f"--models: {m!r} is not a model (one of {', '.join(MODELS)})")
+    loose = [o for o in overrides if "=" not in o and not o.startswith("~")]
+    if loose:
+        fix = ",".join([*names, *(o for o in loose if o in MODELS)])
+        hint = f"; several models go in one comma-separated --models {fix}" if any(o in MODELS for o in loose) else ""
+        raise ValueError(f"override {loose[0]!r} is not key=value{hint}")
+    return names
+
+
 def exit_status(fn: Callable[[], Any]) -> int:
     """A tool script's exit status: 0 once fn() has run; 2, with `error: ...` on stderr, when it
     stopped on bad input (input_errors)."""
