@@ -68,6 +68,29 @@ def test_first_starts_at_a_later_split(tmp_path, capsys):
     assert "split 3/3: dlrm" in captured.err
 
 
+def test_a_given_test_file_is_split_one_as_given(tmp_path, capsys):
+    # TRAIN.tsv --test TEST.tsv: the pair as it is, one split. The sample's first 1,600 lines and the
+    # rest are split 1 of the whole file (file order), so both ways give the same rows and results.
+    lines = sample_lines()
+    train, test = tmp_path / "train.tsv", tmp_path / "test.tsv"
+    train.write_text("".join(lines[:N_TRAIN]))
+    test.write_text("".join(lines[N_TRAIN:]))
+    work = tmp_path / "work"
+    assert compare_splits.main([str(train), "--test", str(test), "--models", "dlrm", "--work", str(work), *FAST]) == 0
+    given = [json.loads(x) for x in capsys.readouterr().out.splitlines()]
+    assert compare_splits.main([SAMPLE, "--splits", "1", "--models", "dlrm", "--work", str(tmp_path / "w1"), *FAST]) == 0
+    whole = [json.loads(x) for x in capsys.readouterr().out.splitlines()]
+    for r in given + whole:
+        r.pop("seconds", None)  # wall time, the one field that differs
+    assert given == whole and given[0]["train_rows"] == N_TRAIN and given[0]["test_rows"] == len(lines) - N_TRAIN
+    assert (work / "split1" / "test.tsv").read_text() == "".join(lines[N_TRAIN:])
+    for extra in (["--splits", "2"], ["--first", "3"], ["--test-rows", "100"]):
+        assert compare_splits.main([str(train), "--test", str(test), *extra, "--models", "dlrm"]) == 2
+        assert f"{extra[0]}: with --test" in capsys.readouterr().err
+    assert compare_splits.main([str(train), "--test", str(tmp_path / "none.tsv"), "--models", "dlrm"]) == 2
+    assert "none.tsv" in capsys.readouterr().err
+
+
 def test_bad_input_is_a_clear_error(tmp_path, capsys):
     assert compare_splits.main([str(tmp_path / "missing.tsv"), "--splits", "1"]) == 2
     assert "missing.tsv" in capsys.readouterr().err

@@ -18,7 +18,7 @@ import gc
 import os
 import random
 import time
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Iterator, Optional, Sequence
 
 from .baseline import compose, run_baseline
 from .rotations import QUIET, _spread
@@ -45,6 +45,19 @@ def split_lines(lines: Sequence[str], k: int, test_rows: int) -> tuple[list[str]
         random.Random(k - 1).shuffle(order)
     cut = len(order) - test_rows
     return order[:cut], order[cut:]
+
+
+def split_pairs(path: str, splits: int, test_rows: int, first: int = 1,
+                test_path: Optional[str] = None) -> Iterator[tuple[int, list[str], list[str]]]:
+    """(k, train lines, test lines) of splits first .. first + splits - 1 of the file `path`; with
+    `test_path`, the one split "1" the two files make as they are (`path` trains, `test_path` tests:
+    a held-out pair compared exactly as given)."""
+    if test_path is not None:
+        yield 1, read_lines(path), read_lines(test_path)
+        return
+    lines = read_lines(path)
+    for k in range(first, first + splits):
+        yield (k, *split_lines(lines, k, test_rows))
 
 
 def prepare_split(train: Sequence[str], test: Sequence[str], directory: str) -> str:
@@ -76,10 +89,11 @@ def _summary(model: str, runs: list[dict[str, Any]]) -> dict[str, Any]:
 
 def compare(path: str, splits: int, test_rows: int, models: Sequence[str], overrides: Sequence[str],
             work: str, emit: Callable[[dict[str, Any]], None],
-            log: Optional[Callable[[str], None]] = None, first: int = 1) -> list[dict[str, Any]]:
+            log: Optional[Callable[[str], None]] = None, first: int = 1,
+            test_path: Optional[str] = None) -> list[dict[str, Any]]:
     """Every model's default command against LR on `splits` splits of the raw file `path`, splits
-    first .. first + splits - 1 (split directories under `work`); emit() each JSON record; returns
-    them all."""
+    first .. first + splits - 1 (split directories under `work`), or on the one split `path` /
+    `test_path` (split_pairs); emit() each JSON record; returns them all."""
     from ..runner import run
 
     log = log or (lambda msg: None)
@@ -89,12 +103,10 @@ def compare(path: str, splits: int, test_rows: int, models: Sequence[str], overr
         raise ValueError(f"--first {first}: splits are numbered from 1")
     if not models:
         raise ValueError("no model to run (--models)")
-    lines = read_lines(path)
     out: list[dict[str, Any]] = []
     runs: dict[str, list[dict[str, Any]]] = {m: [] for m in models}
-    last = first + splits - 1
-    for k in range(first, last + 1):
-        train, test = split_lines(lines, k, test_rows)
+    last = 1 if test_path is not None else first + splits - 1
+    for k, train, test in split_pairs(path, splits, test_rows, first, test_path):
         log(f"split {k}/{last}: preparing {len(train)} training and {len(test)} test rows")
         directory = prepare_split(train, test, os.path.join(work, f"split{k}"))
         lr = run_baseline(compose(directory, overrides))
