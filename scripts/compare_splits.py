@@ -13,9 +13,10 @@ choice made on others). Each split is prepared into --work (default: a temporary
 removed at the end) as scripts/prepare_criteo.py does by default, the baseline is
 scripts/baseline_lr.py's and every model runs `python -m trainer data=criteo data.dir=DIR model=M`
 with the overrides. With --test, TRAIN.tsv trains and TEST.tsv tests as they are: one split,
-numbered 1, not shuffled (a held-out pair, every model against LR in one command). One JSON line per baseline, per run and per model (mean / min / max of the
-differences to LR over the splits, and on how many the model reaches LR's AUC and logloss).
-Progress on stderr. Exit status 2 on a bad file or config.
+numbered 1, not shuffled (a held-out pair, every model against LR in one command). One JSON line
+per baseline, per run and per model (mean / min / max of the differences to LR over the splits,
+and on how many the model reaches LR's AUC and logloss). Progress on stderr. Exit status 2 on a
+bad file or config (--models and the overrides are checked before anything is prepared).
 """
 from __future__ import annotations
 
