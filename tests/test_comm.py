@@ -125,3 +125,24 @@ def test_close_stops_gloo_threads():
     that trained successfully (SIGABRT, 'terminate called without an active exception')."""
     for names in spawn(2, _close_worker):
         assert not [n for n in names if "gloo" in n], names
+
+
+def _next_group_worker(rank: int, world: int) -> list[float]:
+    sums = []
+    for group in range(3):
+        comm = make_collectives("torch", 20.0)
+        sums.append(float(comm.allreduce(torch.full((2,), float(rank + 1 + group)))[0]))
+        if rank == 0:
+            time.sleep(1.0)  # rank 0 (the rendezvous server's host) finishes its run last
+        comm.close()
+    return sums
+
+
+@pytest.mark.dist
+def test_a_rank_that_opens_the_next_group_early_waits_for_it():
+    """Workers that close a group and open another (run() after run(), as the tests' workers do):
+    rank 1 reaches the next rendezvous while rank 0 is still in the previous group. With a new
+    store server per group, rank 1 met rank 0's old server and rank 0 then timed out waiting for
+    it ("1/2 clients joined"); with one server per process rank 1 waits for the new group."""
+    for sums in spawn(2, _next_group_worker, timeout=120.0):
+        assert sums == [3.0, 5.0, 7.0]

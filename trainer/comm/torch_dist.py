@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import datetime as _dt
 import os
+from typing import Any
 
 import torch
 import torch._dynamo  # noqa: F401  (must precede init_process_group: see below)
@@ -23,8 +24,33 @@ import torch.distributed as dist
 from .base import Collectives, flatten, unflatten
 
 
+_STORE: dict[str, Any] = {}  # this process's rendezvous store: {"key": ..., "store": TCPStore, "groups": n}
+
+
+def _rendezvous(timeout: _dt.timedelta) -> dict[str, Any]:
+    """init_process_group's store, rank and world size: ONE TCPStore per process (rank 0 serves it
+    on MASTER_ADDR:MASTER_PORT), each process group under its own key prefix. env:// would start a
+    new store server for every group, so a process that closes its group and opens another (a
+    second run() in the same workers) could reach rank 0's previous server while rank 0 was still
+    finishing its run, and then wait for a rendezvous that never comes: rank 0 timed out with
+    "1/2 clients joined". With the one server a rank that comes early waits under the new prefix.
+    Under torchrun's agent store (persistent already) env:// is kept as it is ({})."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        return {}
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    addr, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    key = f"{addr}:{port}/{rank}/{world}"
+    if _STORE.get("key") != key:
+        _STORE.update(key=key, groups=0, store=dist.TCPStore(addr, port, world, is_master=rank == 0,
+                                                             timeout=timeout))
+    _STORE["groups"] += 1
+    return {"store": dist.PrefixStore(f"trainer_group{_STORE['groups']}/", _STORE["store"]),
+            "rank": rank, "world_size": world}
+
+
 class TorchCollectives(Collectives):
-    """Collectives over a torch.distributed process group initialised from env:// (torchrun)."""
+    """Collectives over a torch.distributed process group, from the torchrun environment (RANK,
+    WORLD_SIZE, MASTER_ADDR, MASTER_PORT; the rendezvous of _rendezvous)."""
 
     def __init__(self, timeout_s: float, backend: str = "auto") -> None:
         if torch.cuda.is_available() and "LOCAL_RANK" in os.environ:
@@ -35,10 +61,10 @@ class TorchCollectives(Collectives):
         self._owns_group = not dist.is_initialized()
         timeout = _dt.timedelta(seconds=timeout_s)
         if self._owns_group:
-            if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
+            if any(v not in os.environ for v in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")):
                 raise RuntimeError("comm.backend=torch needs RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT "
                                    "in the environment (launch with torchrun)")
-            dist.init_process_group(backend=backend, timeout=timeout)
+            dist.init_process_group(backend=backend, timeout=timeout, **_rendezvous(timeout))
         local = os.environ.get("LOCAL_WORLD_SIZE")  # torchrun: the ranks it started on this host
         super().__init__(dist.get_rank(), dist.get_world_size(), timeout_s,
                          local_size=int(local) if local and local.isdigit() else None)
