@@ -64,8 +64,8 @@ def model_names(models: str, overrides: Sequence[str]) -> list[str]:
             raise ValueError(f"--models: {m!r} is not a model (one of {', '.join(MODELS)})")
     loose = [o for o in overrides if "=" not in o and not o.startswith("~")]
     if loose:
-        fix = ",".join([*names, *(o for o in loose if o in MODELS)])
-        hint = f"; several models go in one comma-separated --models {fix}" if any(o in MODELS for o in loose) else ""
+        stray = [o for o in loose if o in MODELS]  # model names given apart: `--models wdl deepfm`
+        hint = f"; several models go in one comma-separated --models {','.join([*names, *stray])}" if stray else ""
         raise ValueError(f"override {loose[0]!r} is not key=value{hint}")
     return names
 
