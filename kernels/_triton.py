@@ -116,3 +116,9 @@ def block_sizes(dim: int, max_block_d: int = 256) -> tuple[int, int]:
 def cdiv(a: int, b: int) -> int:
     """Ceil division for grid sizes."""
     return (a + b - 1) // b
+
+
+def dense_1d(*tensors: Any) -> Tuple[Any, ...]:
+    """The kernels address entry i of slots / offsets / weights at base + i: make strided views
+    (slots[::2]) dense. A no-op (no copy) for the contiguous tensors the trainer passes."""
+    return tuple(None if t is None else t.contiguous() for t in tensors)

@@ -22,7 +22,8 @@ import torch
 from torch import Tensor
 
 from kernels import reference as ref
-from kernels._triton import block_sizes, cdiv, jit
+from kernels._triton import block_sizes, cdiv, dense_1d, jit
+from kernels.scatter_update import accumulate_row_grads_triton
 
 tl: Any = None  # bound to triton.language by kernels._triton.jit at first launch
 
@@ -56,8 +57,6 @@ class _PooledGather(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad_out: Tensor) -> Tuple[Optional[Tensor], ...]:
-        from kernels.scatter_update import accumulate_row_grads_triton
-
         storage, slots, offsets, weights = ctx.saved_tensors
         num_slots, dtype = ctx.storage_meta
         grad_storage = grad_weights = None
@@ -104,12 +103,6 @@ def weight_grads(grad_out: Tensor, storage: Tensor, slots: Tensor, offsets: Tens
         storage, slots, offsets, grad_out, out, dim, storage.stride(0),
         MEAN=mode == "mean", BLOCK_N=block_n, BLOCK_D=block_d)
     return out
-
-
-def dense_1d(*tensors: Optional[Tensor]) -> Tuple[Optional[Tensor], ...]:
-    """The kernels address entry i of slots / offsets / weights at base + i: make strided views
-    (slots[::2]) dense. A no-op (no copy) for the contiguous tensors the trainer passes."""
-    return tuple(None if t is None else t.contiguous() for t in tensors)
 
 
 def _row_major(t: Tensor) -> Tensor:

@@ -35,8 +35,7 @@ import torch
 from torch import Tensor
 
 from kernels import reference as ref
-from kernels._triton import block_sizes, cdiv, jit
-from kernels.pooled_gather import dense_1d
+from kernels._triton import block_sizes, cdiv, dense_1d, jit
 
 tl: Any = None  # bound to triton.language by kernels._triton.jit at first launch
 

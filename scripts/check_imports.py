@@ -1,14 +1,16 @@
 #!/usr/bin/env python
-"""Import cycles inside the trainer package, found statically (nothing is imported or run).
+"""Import cycles inside the project's packages, found statically (nothing is imported or run).
 
-    python scripts/check_imports.py              # the repository's trainer/ package
-    python scripts/check_imports.py path/to/pkg  # any package directory
+    python scripts/check_imports.py              # the repository's trainer/ and kernels/ packages
+    python scripts/check_imports.py path/to/pkg  # any package directories
     python scripts/check_imports.py --edges      # also print every import edge (file:line)
+    python scripts/check_imports.py --types      # also count imports under `if TYPE_CHECKING:`
 
 Every `import` and `from ... import` of the package's own modules counts, at module level and
 inside functions or methods (a deferred import still ties the two modules together); relative
 imports are resolved against the importing module's package. Imports under `if TYPE_CHECKING:`
-are left out (they never run); their `else:` branch counts. `from pkg import name` is an edge to
+are left out (they never run; --types counts them too: a type-only import is still a dependency
+of the design); their `else:` branch counts. `from pkg import name` is an edge to
 the submodule pkg.name when that file exists, else to pkg itself. Importing a submodule does not
 add an edge to its parent package's __init__ (Python runs it first, but within one package that
 is the normal layout, not a cycle of ours).
@@ -26,6 +28,7 @@ import sys
 from typing import Iterator, Optional
 
 Graph = dict[str, dict[str, list[int]]]  # module -> imported module -> line numbers
+PACKAGES = ("trainer", "kernels")  # the repository's packages, checked by default
 
 
 def module_files(package_dir: str) -> dict[str, str]:
@@ -50,15 +53,16 @@ def _is_type_checking(test: ast.expr) -> bool:
         (isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
 
 
-def _imports(tree: ast.AST) -> Iterator[ast.Import | ast.ImportFrom]:
-    """Every import statement that can run: anywhere in the tree except `if TYPE_CHECKING:` bodies."""
+def _imports(tree: ast.AST, types: bool = False) -> Iterator[ast.Import | ast.ImportFrom]:
+    """Every import statement that can run: anywhere in the tree except `if TYPE_CHECKING:` bodies
+    (those too with `types`)."""
     stack = [tree]
     while stack:
         node = stack.pop()
         if isinstance(node, (ast.Import, ast.ImportFrom)):
             yield node
             continue
-        if isinstance(node, ast.If) and _is_type_checking(node.test):
+        if isinstance(node, ast.If) and _is_type_checking(node.test) and not types:
             stack.extend(node.orelse)
             continue
         stack.extend(ast.iter_child_nodes(node))
@@ -91,15 +95,16 @@ def _targets(node: ast.Import | ast.ImportFrom, module: str, is_package: bool,
             yield base
 
 
-def import_graph(package_dir: str) -> Graph:
-    """module -> {imported module of the same package -> [line, ...]} for every module."""
+def import_graph(package_dir: str, types: bool = False) -> Graph:
+    """module -> {imported module of the same package -> [line, ...]} for every module (`types`:
+    imports under `if TYPE_CHECKING:` count too)."""
     modules = module_files(package_dir)
     graph: Graph = {m: {} for m in modules}
     for module, path in modules.items():
         with open(path, encoding="utf-8") as f:
             tree = ast.parse(f.read(), filename=path)
         is_package = os.path.basename(path) == "__init__.py"
-        for node in _imports(tree):
+        for node in _imports(tree, types):
             for target in _targets(node, module, is_package, modules):
                 graph[module].setdefault(target, []).append(node.lineno)
     return {m: {t: sorted(set(at)) for t, at in edges.items()} for m, edges in graph.items()}
@@ -153,10 +158,10 @@ def cycles_of(graph: Graph) -> list[list[str]]:
     return sorted(found)
 
 
-def find_cycles(package_dir: str) -> list[list[str]]:
+def find_cycles(package_dir: str, types: bool = False) -> list[list[str]]:
     """The import cycles of the package in package_dir: one sorted list of module names per cycle
     (strongly connected component of size > 1, or a module importing itself); [] when none."""
-    return cycles_of(import_graph(package_dir))
+    return cycles_of(import_graph(package_dir, types))
 
 
 def closed_path(graph: Graph, comp: list[str]) -> list[str]:
@@ -198,28 +203,34 @@ def report(graph: Graph, cycles: list[list[str]], files: dict[str, str], root: s
 def main(argv: Optional[list[str]] = None) -> int:
     here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("package_dir", nargs="?", default=os.path.join(here, "trainer"),
-                    help="package directory (default: this repository's trainer/)")
+    ap.add_argument("package_dirs", nargs="*", default=[os.path.join(here, p) for p in PACKAGES],
+                    help="package directories (default: this repository's " + " and ".join(PACKAGES) + ")")
     ap.add_argument("--edges", action="store_true", help="also print every import edge")
+    ap.add_argument("--types", action="store_true", help="also count imports under `if TYPE_CHECKING:`")
     a = ap.parse_args(argv)
-    if not os.path.isdir(a.package_dir):
-        print(f"error: {a.package_dir}: not a directory", file=sys.stderr)
-        return 2
-    files = module_files(a.package_dir)
-    graph = import_graph(a.package_dir)
-    root = os.path.dirname(os.path.abspath(a.package_dir))
-    if a.edges:
-        for m in sorted(graph):
-            for t, at in sorted(graph[m].items()):
-                print(f"{m} -> {t}    ({os.path.relpath(files[m], root)}:{', '.join(map(str, at))})")
-    cycles = cycles_of(graph)
-    edges = sum(len(e) for e in graph.values())
-    if not cycles:
-        print(f"no import cycle among {len(graph)} modules ({edges} import edges)")
-        return 0
-    print(report(graph, cycles, files, root))
-    print(f"{len(cycles)} import cycle(s) among {len(graph)} modules ({edges} import edges)")
-    return 1
+    for d in a.package_dirs:
+        if not os.path.isdir(d):
+            print(f"error: {d}: not a directory", file=sys.stderr)
+            return 2
+    found = 0
+    for d in a.package_dirs:
+        files = module_files(d)
+        graph = import_graph(d, a.types)
+        root = os.path.dirname(os.path.abspath(d))
+        if a.edges:
+            for m in sorted(graph):
+                for t, at in sorted(graph[m].items()):
+                    print(f"{m} -> {t}    ({os.path.relpath(files[m], root)}:{', '.join(map(str, at))})")
+        cycles = cycles_of(graph)
+        edges = sum(len(e) for e in graph.values())
+        name = os.path.basename(os.path.abspath(d))
+        if not cycles:
+            print(f"{name}: no import cycle among {len(graph)} modules ({edges} import edges)")
+            continue
+        found += len(cycles)
+        print(report(graph, cycles, files, root))
+        print(f"{name}: {len(cycles)} import cycle(s) among {len(graph)} modules ({edges} import edges)")
+    return 1 if found else 0
 
 
 if __name__ == "__main__":

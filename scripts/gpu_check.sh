@@ -8,11 +8,11 @@
 #   env            GPU, driver, torch / CUDA / Triton versions           -> check.log
 #   pytest         the gpu-marked kernel and host-sync tests (compiled Triton kernels,
 #                  torch.cuda.set_sync_debug_mode), beside the parity run -> pytest_gpu.log
-#   parity         scripts/gpu_parity.py: every training path on cuda against the CPU reference
+#   parity         dev/gpu_parity.py: every training path on cuda against the CPU reference
 #                                                                         -> gpu_parity.jsonl
-#   bench_kernels  scripts/bench_kernels.py: gather / scatter+update against the copy bandwidth
+#   bench_kernels  benchmarks/bench_kernels.py: gather / scatter+update against the copy bandwidth
 #                                                                         -> bench_kernels.jsonl
-#   bench_train    scripts/bench_train.py at W = 1, train.device=cuda and cpu in one run (and at
+#   bench_train    benchmarks/bench_train.py at W = 1, train.device=cuda and cpu in one run (and at
 #                  each data.batch_size in BATCHES="B1 B2 ..."); at W = 2 with train.pipeline=off
 #                  and ids                                                -> bench_train.jsonl
 #   bench_before   both benchmarks at another checkout (BEFORE=DIR, e.g. a `git archive` of an
@@ -86,7 +86,7 @@ if [ "$PART" != bench ] && [ "$DEVICE" = cuda ]; then
   PYTEST_PID=$!
 fi
 
-[ "$PART" != bench ] && stage parity 240 "$LOG" "$PY" scripts/gpu_parity.py --device "$DEVICE" --jobs "$JOBS" \
+[ "$PART" != bench ] && stage parity 240 "$LOG" "$PY" dev/gpu_parity.py --device "$DEVICE" --jobs "$JOBS" \
   "${PARITY[@]}" ${CRITEO:+--criteo "$CRITEO"} --out "$OUT/gpu_parity.jsonl"
 
 [ -n "$PYTEST_PID" ] && wait "$PYTEST_PID"
@@ -94,14 +94,14 @@ fi
 
 if [ "$PART" = checks ]; then say "done: $OUT"; exit 0; fi
 # the benchmarks run alone on the device
-stage bench_kernels 100 "$LOG" "$PY" scripts/bench_kernels.py --device "$DEVICE" "${KBENCH[@]}" \
+stage bench_kernels 100 "$LOG" "$PY" benchmarks/bench_kernels.py --device "$DEVICE" "${KBENCH[@]}" \
   --out "$OUT/bench_kernels.jsonl"
 
 for batch in default ${BATCHES:-}; do
   size=()
   [ "$batch" = default ] || size=("data.batch_size=$batch")
   for dev in "$DEVICE" cpu; do
-    stage "bench_train_${dev}_$batch" 90 "$OUT/bench_train.jsonl" "$PY" scripts/bench_train.py \
+    stage "bench_train_${dev}_$batch" 90 "$OUT/bench_train.jsonl" "$PY" benchmarks/bench_train.py \
       --worlds 1 --steps "$TSTEPS" -- "train.device=$dev" "${size[@]}"
     [ "$DEVICE" = cpu ] && break
   done
@@ -110,15 +110,15 @@ done
 # issue 15 item 6: the pipelined step against the serial one at W = 2 (on one GPU both ranks share
 # it through gloo, which stages every collective through host memory)
 for pipe in off ids; do
-  stage "bench_train_w2_pipeline_$pipe" 120 "$OUT/bench_train.jsonl" "$PY" scripts/bench_train.py \
+  stage "bench_train_w2_pipeline_$pipe" 120 "$OUT/bench_train.jsonl" "$PY" benchmarks/bench_train.py \
     --worlds 2 --steps "$TSTEPS" -- "train.device=$DEVICE" comm.dist_backend=gloo "train.pipeline=$pipe"
 done
 
 if [ -n "${BEFORE:-}" ]; then  # the same benchmarks at another checkout, side by side
   old=(env PYTHONPATH="$BEFORE${PYTHONPATH#$ROOT}")
   stage bench_kernels_before 100 "$OUT/bench_before.jsonl" "${old[@]}" "$PY" \
-    "$BEFORE/scripts/bench_kernels.py" --device "$DEVICE" "${KBENCH[@]}"
+    "$BEFORE/benchmarks/bench_kernels.py" --device "$DEVICE" "${KBENCH[@]}"
   stage bench_train_before 90 "$OUT/bench_before.jsonl" "${old[@]}" "$PY" \
-    "$BEFORE/scripts/bench_train.py" --worlds 1 --steps "$TSTEPS" -- "train.device=$DEVICE"
+    "$BEFORE/benchmarks/bench_train.py" --worlds 1 --steps "$TSTEPS" -- "train.device=$DEVICE"
 fi
 say "done: $OUT"

@@ -1,4 +1,4 @@
-"""scripts/bench_cache.py: the cache bookkeeping's CPU time per step, through the simulator at the
+"""benchmarks/bench_cache.py: the cache bookkeeping's CPU time per step, through the simulator at the
 run's row width. The width must not change what the simulator counts (so the benchmark times the
 work the simulator reports), and the script must give its line and refuse bad input."""
 from __future__ import annotations
@@ -14,7 +14,7 @@ from trainer.sim import CacheSimulator
 from trainer.tools import simulate as sim_tools
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SCRIPT = os.path.join(ROOT, "scripts", "bench_cache.py")
+SCRIPT = os.path.join(ROOT, "benchmarks", "bench_cache.py")
 SMALL = ["data=bench", "data.max_table_rows=3000", "data.batch_size=256", "cache=lfu", "consistency=ssp",
          "consistency.pull_bound=2", "consistency.push_bound=2", "cache.capacity_fraction=0.05"]
 

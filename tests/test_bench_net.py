@@ -1,4 +1,4 @@
-"""scripts/bench_net.py --quick on localhost and one emulated 200 Mbit/s link, two modes: one sane
+"""benchmarks/bench_net.py --quick on localhost and one emulated 200 Mbit/s link, two modes: one sane
 JSON line per (link, mode), baseline first, speedups computed within the link, the bytes the
 trainer counts independent of the link, and the emulated link's interfaces carrying at least them.
 Also: the config-key check that turns a mode the trainer cannot run yet into an error line."""
@@ -12,10 +12,9 @@ import sys
 import pytest
 
 from hvd_launch import ROOT, env
-from trainer.tools import netcluster
+from dev import netcluster
 
-sys.path.insert(0, os.path.join(ROOT, "scripts"))
-import bench_net  # noqa: E402
+from benchmarks import bench_net  # noqa: E402
 
 KINDS = {"ids", "versions", "rows", "grads", "dense"}
 
@@ -44,7 +43,7 @@ def test_rounds_rotate_the_modes_and_summarise_medians():
 
 @pytest.mark.dist
 def test_repeat_interleaves_rounds_on_localhost():
-    proc = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "bench_net.py"), "--quick", "--repeat", "2",
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "bench_net.py"), "--quick", "--repeat", "2",
                            "--links", "localhost", "--modes", "exact_serial", "exact_pipelined"],
                           capture_output=True, text=True, env=env(), timeout=400)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -67,7 +66,7 @@ def test_repeat_interleaves_rounds_on_localhost():
 
 @pytest.mark.dist
 def test_phases_time_every_rank_step_by_step():
-    proc = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "bench_net.py"), "--quick", "--phases",
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "bench_net.py"), "--quick", "--phases",
                            "--links", "localhost", "--modes", "exact_serial", "exact_pipelined"],
                           capture_output=True, text=True, env=env(), timeout=400)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -92,7 +91,7 @@ def test_phases_time_every_rank_step_by_step():
 
 
 def test_bad_link_is_refused():
-    proc = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "bench_net.py"), "--links", "fast"],
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "bench_net.py"), "--links", "fast"],
                           capture_output=True, text=True, env=env(), timeout=60)
     assert proc.returncode == 2 and "error: link rate 'fast'" in proc.stderr and proc.stdout == ""
 
@@ -103,7 +102,7 @@ def test_quick_bench_on_localhost_and_a_shaped_link():
     ok, why = netcluster.availability()
     if not ok:
         pytest.skip(f"the emulated link needs root and `ip netns`: {why}")
-    proc = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "bench_net.py"), "--quick",
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "bench_net.py"), "--quick",
                            "--links", "localhost", "200mbit", "--modes", "cache_ssp", "exact_serial"],
                           capture_output=True, text=True, env=env(), timeout=400)
     assert proc.returncode == 0, proc.stderr[-3000:]

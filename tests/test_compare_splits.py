@@ -1,4 +1,4 @@
-"""scripts/compare_splits.py on the shared Criteo sample: K train / test splits of the raw file, each
+"""dev/recipe_study/compare_splits.py on the shared Criteo sample: K train / test splits of the raw file, each
 prepared, the LR baseline and the default command per model on each, one JSON line per result."""
 from __future__ import annotations
 
@@ -10,11 +10,10 @@ import numpy as np
 import pytest
 
 from data_helpers import N_TRAIN, SAMPLE, sample_lines
-from trainer.tools.splits import split_lines
+from dev.recipe_study.splits import split_lines
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(ROOT, "scripts"))
-import compare_splits  # noqa: E402
+from dev.recipe_study import compare_splits  # noqa: E402
 
 FAST = ["data.max_table_rows=1000", "data.epochs=3", "data.loader=memmap", "train.threads=1", "train.bag=1"]
 

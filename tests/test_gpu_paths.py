@@ -1,5 +1,5 @@
 """Issue 16, item 1: each training path on a CUDA device equals its CPU reference run
-(trainer/tools/gpu_parity.py: the same command with train.device=cuda and the compiled Triton
+(dev/gpu_parity.py: the same command with train.device=cuda and the compiled Triton
 kernels, and with train.device=cpu kernels.backend=reference; loss, AUC, byte and cache counters).
 
 The ``gpu`` tests need a CUDA device (CI has none; `pytest -m gpu` on a GPU machine runs them).
@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from data_helpers import prepared_dir
-from trainer.tools import gpu_parity
+from dev import gpu_parity
 
 
 @pytest.fixture(scope="module")

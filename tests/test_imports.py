@@ -1,9 +1,12 @@
-"""scripts/check_imports.py: the static import graph of trainer/ and its cycles.
+"""scripts/check_imports.py: the static import graph of trainer/ and kernels/ and their cycles; what
+the installed package holds.
 
-What is asserted: the whole package has no import cycle; trainer/config.py imports nothing else of
-the package (a leaf); the simulator's engine (trainer/sim/) imports only trainer/embedding; training
-never imports trainer/tools. The checker itself is tested on a small package with known cycles
-(module level, inside a function, relative imports, TYPE_CHECKING left out).
+What is asserted: neither package has an import cycle, even counting imports made for type checkers
+only; trainer/config.py imports nothing else of the package (a leaf); the simulator's engine
+(trainer/sim/) imports only trainer/embedding; training never imports trainer/tools; every module of
+the two packages imports on its own and none of them loads the repository's benchmarks/ or dev/
+(the lab lives beside the package, not in it). The checker itself is tested on a small package with
+known cycles (module level, inside a function, relative imports, TYPE_CHECKING left out by default).
 """
 from __future__ import annotations
 
@@ -16,6 +19,7 @@ import textwrap
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "scripts", "check_imports.py")
 TRAINER = os.path.join(ROOT, "trainer")
+KERNELS = os.path.join(ROOT, "kernels")
 
 
 def _checker():
@@ -53,7 +57,25 @@ def test_data_and_config_share_no_cycle():
 
 
 def test_no_import_cycle_anywhere():
-    assert check.find_cycles(TRAINER) == []
+    for package in (TRAINER, KERNELS):
+        assert check.find_cycles(package) == [], package
+        assert check.find_cycles(package, types=True) == [], package  # type-only imports too
+
+
+def test_every_module_of_the_package_imports_and_none_is_the_lab():
+    """Each module of trainer/ and kernels/ imported alone (a fresh interpreter for all, in order);
+    none of them pulls in benchmarks/ or dev/, and neither package holds a benchmark, a study or
+    the cluster emulation by name."""
+    names = sorted(m for d in (TRAINER, KERNELS) for m in check.module_files(d))
+    lab = ("bench", "soak", "netcluster", "gpu_parity", "phases", "splits", "rotations", "paired")
+    assert not [m for m in names if any(w in m.rsplit(".", 1)[-1] for w in lab)], names
+    code = ("import importlib, sys\n"
+            f"for name in {names!r}:\n"
+            "    importlib.import_module(name)\n"
+            "print(sorted({m.split('.')[0] for m in sys.modules} & {'benchmarks', 'dev'}))\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.strip() == "[]", proc.stdout
 
 
 def test_simulator_engine_imports_only_the_embedding():
@@ -84,6 +106,7 @@ def test_checker_finds_cycles_of_every_kind(tmp_path):
         "leaf.py": "import os\nimport json\n",
     })
     assert check.find_cycles(pkg) == [["pkg.a", "pkg.b", "pkg.sub.c"], ["pkg.f"]]
+    assert check.find_cycles(pkg, types=True) == [["pkg.a", "pkg.b", "pkg.sub.c"], ["pkg.d", "pkg.e"], ["pkg.f"]]
     graph = check.import_graph(pkg)
     assert graph["pkg.d"] == {"pkg.f": [5]} and graph["pkg.e"] == {"pkg.d": [1]}
     assert graph["pkg.b"] == {"pkg.sub.c": [2]} and graph["pkg.leaf"] == {}
@@ -104,12 +127,10 @@ def test_cli_reports_cycles_and_exit_status(tmp_path):
     assert proc.returncode == 2 and proc.stderr.startswith("error:")
 
 
-def test_cli_on_the_trainer_package_lists_what_find_cycles_finds():
-    proc = subprocess.run([sys.executable, SCRIPT], capture_output=True, text=True, timeout=60)
-    cycles = check.find_cycles(TRAINER)
-    assert proc.returncode == (1 if cycles else 0), proc.stdout + proc.stderr
-    for i, comp in enumerate(cycles, 1):
-        assert f"cycle {i}: {len(comp)} module(s): {', '.join(comp)}" in proc.stdout
+def test_cli_on_the_repository_checks_both_packages():
+    proc = subprocess.run([sys.executable, SCRIPT, "--types"], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "trainer: no import cycle" in proc.stdout and "kernels: no import cycle" in proc.stdout, proc.stdout
 
 
 def test_importing_config_loads_nothing_else_of_the_package():

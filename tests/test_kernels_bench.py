@@ -1,4 +1,4 @@
-"""scripts/bench_kernels.py runs on CPU (reference implementations only) and prints valid JSON lines.
+"""benchmarks/bench_kernels.py runs on CPU (reference implementations only) and prints valid JSON lines.
 
 Why: the benchmark only gets real numbers on a GPU, but it must not rot where CI runs.
 """
@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "bench_kernels.py"
+SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_kernels.py"
 
 
 def _load_bench():

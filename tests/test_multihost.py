@@ -1,4 +1,4 @@
-"""W = 2 across two emulated hosts (trainer/tools/netcluster.py): network namespaces on a bridge,
+"""W = 2 across two emulated hosts (dev/netcluster.py): network namespaces on a bridge,
 each link shaped with tc tbf, with both real launchers.
 
 - torchrun multi-node (static rendezvous on host 0) and horovodrun -H h0:1,h1:1 --gloo over ssh
@@ -26,8 +26,8 @@ import pytest
 import torch
 
 from hvd_launch import ROOT, horovodrun, require_horovod, tail, torchrun
-from trainer.tools import netcluster
-from trainer.tools.netcluster import NetCluster
+from dev import netcluster
+from dev.netcluster import NetCluster
 
 pytestmark = [pytest.mark.dist, pytest.mark.netns]
 # comm.settled_rows=always: the same protocol on one host and across hosts (auto would send the
@@ -186,7 +186,7 @@ def test_a_command_past_its_timeout_is_stopped(cluster):
 HOLD = """
 import sys, time
 sys.path.insert(0, {root!r})
-from trainer.tools.netcluster import NetCluster
+from dev.netcluster import NetCluster
 with NetCluster(hosts=2, rate="200mbit") as c:
     print(c.tag, flush=True)
     {body}

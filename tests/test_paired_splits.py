@@ -1,4 +1,4 @@
-"""scripts/paired_splits.py (trainer/tools/paired.py): two compare_splits outputs compared split by
+"""dev/recipe_study/paired_splits.py (dev/recipe_study/paired.py): two compare_splits outputs compared split by
 split. Checked against a plain-Python computation on records written as compare_splits writes them."""
 from __future__ import annotations
 
@@ -10,8 +10,7 @@ import sys
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(ROOT, "scripts"))
-import paired_splits  # noqa: E402
+from dev.recipe_study import paired_splits  # noqa: E402
 
 
 def _records(aucs: dict[str, list[float]], lls: dict[str, list[float]], lr: list[tuple[float, float]]) -> list[dict]:

@@ -1,4 +1,4 @@
-"""scripts/soak.py: a short soak prints one JSON line with the RSS slope and throughput drift."""
+"""benchmarks/soak.py: a short soak prints one JSON line with the RSS slope and throughput drift."""
 from __future__ import annotations
 
 import json
@@ -10,9 +10,8 @@ import numpy as np
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SOAK = os.path.join(ROOT, "scripts", "soak.py")
-sys.path.insert(0, os.path.join(ROOT, "scripts"))
-import soak  # noqa: E402
+SOAK = os.path.join(ROOT, "benchmarks", "soak.py")
+from benchmarks import soak  # noqa: E402
 
 
 def test_soak_prints_one_json_line_with_sane_figures():

@@ -1,4 +1,4 @@
-"""scripts/val_rotations.py on the shared Criteo sample: one run per validation slice (different
+"""dev/recipe_study/val_rotations.py on the shared Criteo sample: one run per validation slice (different
 validation rows each time, the same test split), each compared with the LR baseline fitted once."""
 from __future__ import annotations
 
@@ -12,8 +12,7 @@ import pytest
 from data_helpers import prepare_sample
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(ROOT, "scripts"))
-import val_rotations  # noqa: E402
+from dev.recipe_study import val_rotations  # noqa: E402
 
 FAST = ["data.max_table_rows=1000", "data.epochs=3", "data.loader=memmap", "train.threads=1"]
 

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import math
 import os
-from dataclasses import dataclass
 from typing import Callable, Iterator, Optional
 
 import numpy as np
@@ -26,23 +25,11 @@ from ..device import resident
 from .batch import Batch
 from .criteo import CriteoFormatError, check_block, from_block, read_meta
 from .ids import IdGuard
+from .segment import Segment
 from .vocab import Vocab, build_vocab
 
 Columns = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # labels [n] f32, dense [n, F] f32, ids [n, T] i64
 BlockReader = Callable[[list[str], int, int], Iterator[Columns]]  # (files, shard_id, num_shards)
-
-
-@dataclass(frozen=True)
-class Segment:
-    """Rows [lo, hi) of one block file."""
-
-    file: str
-    lo: int
-    hi: int
-
-    @property
-    def rows(self) -> int:
-        return self.hi - self.lo
 
 
 def _cut(segs: list[Segment], start: int, stop: int) -> list[Segment]:

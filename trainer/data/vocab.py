@@ -21,16 +21,13 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from ..device import resident
 from .criteo import EMPTY_ID, from_block
-
-if TYPE_CHECKING:
-    from .blocks import Segment
+from .segment import Segment
 
 OOV_ROW = 1  # the shared row of every id seen fewer than min_count times (or never)
 FIRST_KEPT = 2
@@ -70,7 +67,7 @@ def _stamp(path: str) -> tuple[str, int, int]:
     return path, st.st_size, st.st_mtime_ns
 
 
-def build_vocab(segs: list["Segment"], num_dense: int, stored_rows: list[int], min_count: int) -> Vocab:
+def build_vocab(segs: list[Segment], num_dense: int, stored_rows: list[int], min_count: int) -> Vocab:
     """The vocabulary of ids seen >= min_count times in the rows of segs (ids folded into their
     table mod its stored rows, as data.out_of_range=hash would; an out-of-range id under the
     default policy is refused when its batch is read). Memory: one count per stored row. The

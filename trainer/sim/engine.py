@@ -207,7 +207,7 @@ class CacheSimulator:
     def __init__(self, spec: SimSpec, audit: bool = False, row_width: int = 1) -> None:
         self.spec = spec
         # values per cached row: 1 is all the counts need; the run's d times the bookkeeping at the
-        # real row width (scripts/bench_cache.py)
+        # real row width (benchmarks/bench_cache.py)
         self.row_width = row_width
         self.owners = Owners(spec.table_rows, spec.workers, spec.owners, spec.hot)
         self.replica_rows = 0  # sum over steps of the replicated rows the step's batches touched

@@ -1,1 +1,4 @@
-"""Tools around the trainer (sweeps, baselines, simulation driver, cluster emulation): not imported by training."""
+"""The package's own command-line tools: the cache simulator's driver (simulate.py), the staleness
+sweep report (sweep.py), the logistic-regression baseline (baseline.py) and what their scripts share
+(cli.py). Training never imports them. Benchmarks, studies and the cluster emulation live beside the
+package, in benchmarks/ and dev/."""

@@ -21,64 +21,22 @@ sparse matrix): fine up to a few million rows; for Criteo Kaggle use max_train_r
 """
 from __future__ import annotations
 
-import sys
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Optional, Sequence
 
 import numpy as np
 
 from ..config import Config
 from ..configure import compose_config
-from ..data.blocks import Segment, split_segments
+from ..data.blocks import split_segments
+from ..data.segment import Segment
 from ..data.criteo import CriteoFormatError, from_block, read_meta
 
 DEFAULT_CS = (0.01, 0.03, 0.1, 0.3, 1.0, 3.0)
 SOLVERS = ("liblinear", "saga")
 AUTO_FOLDS_ROWS = 1_000_000  # folds=0: 5-fold choice of C below this many training rows, else the tail slice
 
-
-
-def input_errors() -> tuple[type[BaseException], ...]:
-    """The errors that mean bad input to the data=criteo tools (a bad directory, file or config):
-    their scripts print them and exit with status 2."""
-    from hydra.errors import HydraException
-
-    from ..config import ConfigError
-
-    return (ConfigError, CriteoFormatError, HydraException, ValueError, OSError)
-
-
-def model_names(models: str, overrides: Sequence[str]) -> list[str]:
-    """The tools' `--models a,b` as a list, checked with their overrides before any work starts:
-    every name a model (config.MODELS) and every override key=value (Hydra's +key=, ++key= and
-    ~key forms too). `--models wdl deepfm` leaves "deepfm" among the overrides, which Hydra would
-    only reject when the first run composes its config; the error names the fix."""
-    from ..config import MODELS
-
-    names = [m for m in models.split(",") if m]
-    if not names:
-        raise ValueError("--models: no model named (comma-separated, e.g. --models dlrm,dcn)")
-    for m in names:
-        if m not in MODELS:
-            raise ValueError(f"--models: {m!r} is not a model (one of {', '.join(MODELS)})")
-    loose = [o for o in overrides if "=" not in o and not o.startswith("~")]
-    if loose:
-        stray = [o for o in loose if o in MODELS]  # model names given apart: `--models wdl deepfm`
-        hint = f"; several models go in one comma-separated --models {','.join([*names, *stray])}" if stray else ""
-        raise ValueError(f"override {loose[0]!r} is not key=value{hint}")
-    return names
-
-
-def exit_status(fn: Callable[[], Any]) -> int:
-    """A tool script's exit status: 0 once fn() has run; 2, with `error: ...` on stderr, when it
-    stopped on bad input (input_errors)."""
-    try:
-        fn()
-    except input_errors() as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    return 0
 
 
 def compose(directory: str, overrides: Sequence[str]) -> Config:

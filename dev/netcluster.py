@@ -43,7 +43,7 @@ Everything is bounded: every command has a timeout; a launch that overruns, or w
 is stopped (process group, then whatever is left inside the host namespaces); the context manager
 tears everything down on exit, on exceptions and on SIGTERM / SIGINT / SIGHUP.
 
-Command line (also `scripts/netcluster.py`): up / run / torchrun / horovodrun / shape / status /
+Command line (also `dev/netcluster.py`): up / run / torchrun / horovodrun / shape / status /
 down / cleanup-stale; `up` starts a holder process that keeps the cluster until `down` or --ttl.
 """
 from __future__ import annotations
@@ -838,10 +838,10 @@ def _cmd_up(a: argparse.Namespace) -> int:
         raise NetClusterError(why)
     before = {c["tag"] for c in _clusters()}
     log = tempfile.NamedTemporaryFile("w+", prefix=f"{PREFIX}-up-", suffix=".log", delete=False)
-    argv = [sys.executable, "-m", "trainer.tools.netcluster", "_hold", "--hosts", str(a.hosts),
+    argv = [sys.executable, "-m", "dev.netcluster", "_hold", "--hosts", str(a.hosts),
             "--rate", str(a.rate or "none"), "--delay-ms", str(a.delay_ms), "--ttl", str(a.ttl)]
     argv += ["--ssh"] if a.ssh else []
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
     holder = subprocess.Popen(argv, stdout=log, stderr=log, stdin=subprocess.DEVNULL,
                               start_new_session=True, env=env)

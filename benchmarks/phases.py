@@ -1,6 +1,6 @@
-"""Wall-clock time per step phase, for benchmarks (`scripts/bench_net.py --phases`).
+"""Wall-clock time per step phase, for benchmarks (`benchmarks/bench_net.py --phases`).
 
-    STEP_PHASES_DIR=DIR python -m trainer.tools.phases OVERRIDES...    # under a launcher, per rank
+    STEP_PHASES_DIR=DIR python -m benchmarks.phases OVERRIDES...    # under a launcher, per rank
 
 runs `python -m trainer OVERRIDES...` with timers around the phases of a training step and, when
 the process exits, writes this rank's milliseconds per training step to DIR/phases_rank<r>.json:

@@ -20,8 +20,8 @@ import random
 import time
 from typing import Any, Callable, Iterator, Optional, Sequence
 
-from .baseline import compose, run_baseline
-from .rotations import QUIET, _spread
+from trainer.tools.baseline import compose, run_baseline
+from dev.recipe_study.rotations import QUIET, _spread
 
 HASH_ROWS = 1_000_000  # scripts/prepare_criteo.py's default
 
@@ -63,7 +63,7 @@ def split_pairs(path: str, splits: int, test_rows: int, first: int = 1,
 def prepare_split(train: Sequence[str], test: Sequence[str], directory: str) -> str:
     """Write the split's two TSVs under `directory` and prepare them (1M hashed rows per table);
     returns the prepared directory."""
-    from ..data.prepare import PrepOptions, prepare
+    from trainer.data.prepare import PrepOptions, prepare
 
     os.makedirs(directory, exist_ok=True)
     files = []
@@ -94,7 +94,7 @@ def compare(path: str, splits: int, test_rows: int, models: Sequence[str], overr
     """Every model's default command against LR on `splits` splits of the raw file `path`, splits
     first .. first + splits - 1 (split directories under `work`), or on the one split `path` /
     `test_path` (split_pairs); emit() each JSON record; returns them all."""
-    from ..runner import run
+    from trainer.runner import run
 
     log = log or (lambda msg: None)
     if splits < 1:

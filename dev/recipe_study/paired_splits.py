@@ -1,10 +1,10 @@
 #!/usr/bin/env python
-"""Two settings compared split by split (trainer/tools/paired.py): the paired difference of two
-scripts/compare_splits.py outputs, run on the same splits.
+"""Two settings compared split by split (dev/recipe_study/paired.py): the paired difference of two
+dev/recipe_study/compare_splits.py outputs, run on the same splits.
 
-    scripts/compare_splits.py FILE.tsv --splits 16 > base.jsonl
-    scripts/compare_splits.py FILE.tsv --splits 16 model.dropout=0.2 > new.jsonl
-    scripts/paired_splits.py base.jsonl new.jsonl
+    dev/recipe_study/compare_splits.py FILE.tsv --splits 16 > base.jsonl
+    dev/recipe_study/compare_splits.py FILE.tsv --splits 16 model.dropout=0.2 > new.jsonl
+    dev/recipe_study/paired_splits.py base.jsonl new.jsonl
 
 One JSON line per model: new - base test AUC and logloss (mean, standard error, min, max), on how
 many splits the new setting was higher / lower, the mean over each half of the splits, and both
@@ -14,10 +14,14 @@ which). Exit status 2 on a missing or malformed file, or two files with no run i
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
-from trainer.tools.paired import PairedInputError, paired, read_records
-from trainer.tools.rotations import print_json
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+if ROOT not in sys.path:  # the repository root: dev/ and benchmarks/ are importable from it
+    sys.path.insert(0, ROOT)
+from dev.recipe_study.paired import PairedInputError, paired, read_records  # noqa: E402
+from dev.recipe_study.rotations import print_json  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -21,15 +21,36 @@ from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
 
-from ..config import Config
-from .baseline import compose, run_baseline
+from trainer.config import Config
+from trainer.tools.baseline import compose, run_baseline
 
 QUIET = ["train.progress=off", "checkpoint.enabled=false", "train.tensorboard=false", "comm=local"]
 
 
+def model_names(models: str, overrides: Sequence[str]) -> list[str]:
+    """The tools' `--models a,b` as a list, checked with their overrides before any work starts:
+    every name a model (config.MODELS) and every override key=value (Hydra's +key=, ++key= and
+    ~key forms too). `--models wdl deepfm` leaves "deepfm" among the overrides, which Hydra would
+    only reject when the first run composes its config; the error names the fix."""
+    from trainer.config import MODELS
+
+    names = [m for m in models.split(",") if m]
+    if not names:
+        raise ValueError("--models: no model named (comma-separated, e.g. --models dlrm,dcn)")
+    for m in names:
+        if m not in MODELS:
+            raise ValueError(f"--models: {m!r} is not a model (one of {', '.join(MODELS)})")
+    loose = [o for o in overrides if "=" not in o and not o.startswith("~")]
+    if loose:
+        stray = [o for o in loose if o in MODELS]  # model names given apart: `--models wdl deepfm`
+        hint = f"; several models go in one comma-separated --models {','.join([*names, *stray])}" if stray else ""
+        raise ValueError(f"override {loose[0]!r} is not key=value{hint}")
+    return names
+
+
 def slices(c: Config, count: int) -> list[int]:
     """`count` data.val_slice values spread over the slices there are (trainer.data.val_slices)."""
-    from ..data import val_slices
+    from trainer.data import val_slices
 
     if not c.data.val_fraction:
         raise ValueError("the run has no validation split (data.val_fraction=0): nothing to rotate")
@@ -39,7 +60,7 @@ def slices(c: Config, count: int) -> list[int]:
 
 
 def _one(directory: str, model: str, j: int, overrides: Sequence[str]) -> dict[str, Any]:
-    from ..runner import run
+    from trainer.runner import run
 
     t0 = time.perf_counter()
     # one model per run (train.bag=1 unless overridden): the slice is what varies

@@ -6,7 +6,7 @@ The input is a real Criteo file (--input), or the shared 2k-row sample repeated 
 a temporary directory (never inside the repo). Everything derived is written under a temporary
 directory and removed at the end.
 
-    .venv/bin/python scripts/bench_data.py [--input day_0] [--repeat 100] [--workers 1 2] [--batch 4096]
+    .venv/bin/python benchmarks/bench_data.py [--input day_0] [--repeat 100] [--workers 1 2] [--batch 4096]
 """
 from __future__ import annotations
 

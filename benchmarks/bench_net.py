@@ -6,7 +6,7 @@ Zipf 1.1, DLRM, one torch thread per rank, a fixed number of steps (default 60),
 the end on a small eval split (excluded from samples/s). Links:
 - `localhost`: no emulation, `torchrun --standalone --nproc_per_node 2` over 127.0.0.1;
 - a rate (`1gbit`, `200mbit`, any tc rate): two network namespaces on a bridge, each host link
-  shaped to that rate in both directions (trainer/tools/netcluster.py), `torchrun --nnodes 2`
+  shaped to that rate in both directions (dev/netcluster.py), `torchrun --nnodes 2`
   with one rank per host (static rendezvous on host 0). `--delay-ms` adds netem delay per link
   end where the kernel has netem.
 Modes (each adds to the one it builds on):
@@ -33,18 +33,18 @@ line per mode with `"summary": true`: the median samples/s and the median, min a
 per-round speedups. On a shared machine a single run's ratio moves by +-0.1; the median of
 interleaved rounds is the figure to report.
 
-`--phases` runs the workers under trainer/tools/phases.py and adds `phases` to each line: per rank,
+`--phases` runs the workers under benchmarks/phases.py and adds `phases` to each line: per rank,
 the milliseconds per training step spent in the step, making batches, preparing the next step,
 the lookup, backward, the pushes and update, and waiting on collectives (the phases nest; see
 that module), and the process CPU time per step with the share of one core it kept busy
 (`cpu_ms_per_step`, `cpu_busy`: whether a rank's waits left its core idle).
 
-    python scripts/bench_net.py                                   # localhost, 1gbit, 200mbit; all modes
-    python scripts/bench_net.py --links localhost 500mbit --modes exact_serial cache_ssp --steps 100
-    python scripts/bench_net.py --quick --links localhost 200mbit --modes exact_serial cache_ssp
-    python scripts/bench_net.py --links localhost --repeat 5 --steps 120   # 5 interleaved rounds, medians
-    python scripts/bench_net.py --links 1gbit --modes cache_ssp --steps 200 --phases   # where a step goes
-    python scripts/bench_net.py -- model.embedding_dim=32         # extra trainer overrides after --
+    python benchmarks/bench_net.py                                   # localhost, 1gbit, 200mbit; all modes
+    python benchmarks/bench_net.py --links localhost 500mbit --modes exact_serial cache_ssp --steps 100
+    python benchmarks/bench_net.py --quick --links localhost 200mbit --modes exact_serial cache_ssp
+    python benchmarks/bench_net.py --links localhost --repeat 5 --steps 120   # 5 interleaved rounds, medians
+    python benchmarks/bench_net.py --links 1gbit --modes cache_ssp --steps 200 --phases   # where a step goes
+    python benchmarks/bench_net.py -- model.embedding_dim=32         # extra trainer overrides after --
 """
 from __future__ import annotations
 
@@ -58,11 +58,13 @@ import sys
 import tempfile
 import time
 
-from trainer.tools import netcluster
-from trainer.tools.netcluster import NetCluster, NetClusterError
-from trainer.tools.phases import ENV as PHASES_ENV
-
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the runs' working directory
+if ROOT not in sys.path:  # the repository root: dev/ and benchmarks/ are importable from it
+    sys.path.insert(0, ROOT)
+
+from benchmarks.phases import ENV as PHASES_ENV  # noqa: E402
+from dev import netcluster  # noqa: E402
+from dev.netcluster import NetCluster, NetClusterError  # noqa: E402
 
 CACHE_SSP = ["cache=lfu", "consistency=ssp", "consistency.pull_bound=4", "consistency.push_bound=4"]
 MODES = {
@@ -153,7 +155,7 @@ def summary_line(link: str, mode: str, runs: list[dict]) -> dict:
 
 
 def read_phases(run_dir: str) -> list[dict]:
-    """The ranks' phase timers of a --phases run (trainer/tools/phases.py), rank order."""
+    """The ranks' phase timers of a --phases run (benchmarks/phases.py), rank order."""
     out = []
     for name in os.listdir(run_dir):
         if name.startswith("phases_rank") and name.endswith(".json"):
@@ -167,7 +169,7 @@ def run_one(link: str, mode: str, steps: int, quick: bool, extra: list[str], tmp
     run_dir = os.path.join(tmp, f"{link}-{mode}")
     if os.path.isdir(run_dir):  # an earlier round's run: start empty
         shutil.rmtree(run_dir)
-    args = ["-m", "trainer.tools.phases" if phases else "trainer", *trainer_args(mode, steps, run_dir, quick, extra)]
+    args = ["-m", "benchmarks.phases" if phases else "trainer", *trainer_args(mode, steps, run_dir, quick, extra)]
     env = {"PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
     if phases:
         env[PHASES_ENV] = run_dir
@@ -209,7 +211,7 @@ def main() -> int:
                          f"tables capped at {QUICK['max_table_rows']:,} rows, small eval")
     ap.add_argument("--timeout", type=float, default=600.0, help="seconds per run (default %(default)s)")
     ap.add_argument("--phases", action="store_true",
-                    help="time the step's phases in every rank (trainer/tools/phases.py): `phases` in each line")
+                    help="time the step's phases in every rank (benchmarks/phases.py): `phases` in each line")
     ap.add_argument("--repeat", type=int, default=1,
                     help="rounds per link, modes interleaved, + one median line per mode (default 1)")
     a = ap.parse_args(argv)

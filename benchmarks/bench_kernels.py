@@ -23,7 +23,7 @@ Bytes counted (the minimum a kernel must move; repeated lookups of a hot row cou
                         workers pushes every distinct row of its share of the batch once
     hashmap_lookup      n*8 (ids) + n*8 (slots) + n*16 (one probed cell)
 
-Usage: python scripts/bench_kernels.py [--device cuda|cpu] [--quick] [--out FILE]
+Usage: python benchmarks/bench_kernels.py [--device cuda|cpu] [--quick] [--out FILE]
 """
 
 from __future__ import annotations

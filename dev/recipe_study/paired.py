@@ -1,4 +1,4 @@
-"""Two settings compared split by split: the paired difference of two scripts/compare_splits.py runs.
+"""Two settings compared split by split: the paired difference of two dev/recipe_study/compare_splits.py runs.
 
 Why: on a few thousand Criteo rows a model's difference to logistic regression moves by ~0.02 AUC
 from one 399-row test split to the next, so two settings compared through their means against LR
@@ -24,7 +24,7 @@ from typing import Any, Callable, Iterable, Optional
 
 import numpy as np
 
-from .rotations import _spread
+from dev.recipe_study.rotations import _spread
 
 BASELINE_TOL = 1e-9  # LR's test AUC / logloss on a split: equal up to float printing, else other rows
 
@@ -61,7 +61,7 @@ def _runs(records: Iterable[dict[str, Any]], name: str) -> tuple[dict[tuple[str,
                 raise PairedInputError(f"{name}: model {key[0]} has two runs on split {key[1]}")
             runs[key] = r
     if not runs:
-        raise PairedInputError(f"{name}: no run records (one JSON line per run, as scripts/compare_splits.py prints)")
+        raise PairedInputError(f"{name}: no run records (one JSON line per run, as dev/recipe_study/compare_splits.py prints)")
     return runs, lr
 
 

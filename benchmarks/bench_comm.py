@@ -5,9 +5,9 @@ size sweep, through `trainer.comm.make_collectives`, so the timeout polling and 
 each backend are included. Bandwidth uses the bytes the comm layer counts as sent by this rank
 (alltoall: the (W-1)/W off-rank share; allreduce: 2(W-1)/W of the payload, the ring traffic).
 
-    torchrun --nproc_per_node 2 scripts/bench_comm.py --backend torch
-    horovodrun -np 2 -H localhost:2 --gloo python scripts/bench_comm.py --backend horovod
-    python scripts/bench_comm.py --all          # launches both of the above, prints every line
+    torchrun --nproc_per_node 2 benchmarks/bench_comm.py --backend torch
+    horovodrun -np 2 -H localhost:2 --gloo python benchmarks/bench_comm.py --backend horovod
+    python benchmarks/bench_comm.py --all          # launches both of the above, prints every line
 
 Line: {"backend", "op", "world_size", "bytes" (payload per rank), "iters", "lat_us_p50",
 "lat_us_mean", "lat_us_min", "wire_bytes" (per rank per call), "bw_MBps" (wire_bytes / p50)}.

@@ -15,8 +15,8 @@ Reported (one JSON line on stdout):
 - rss_mib_{start,end,max}, samples_per_sec_{first,last}_quarter, wall_s, final_loss, and `series`:
   [step, rss MiB, samples/s] of every sample.
 
-    python scripts/soak.py [--steps 3000] [--sample-every 50] [--warmup 500] [overrides ...]
-    python scripts/soak.py --steps 5000 data=criteo_like cache=lru consistency=ssp
+    python benchmarks/soak.py [--steps 3000] [--sample-every 50] [--warmup 500] [overrides ...]
+    python benchmarks/soak.py --steps 5000 data=criteo_like cache=lru consistency=ssp
 """
 from __future__ import annotations
 

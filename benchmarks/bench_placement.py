@@ -1,7 +1,7 @@
 """Issue 7's targets, simulated (no training): one JSON line of figures.
 
-    python scripts/bench_placement.py                      # W=8, criteo_like, 40 steps, LRU caches
-    python scripts/bench_placement.py --workers 16 --steps 20 --fae-budget 262144
+    python benchmarks/bench_placement.py                      # W=8, criteo_like, 40 steps, LRU caches
+    python benchmarks/bench_placement.py --workers 16 --steps 20 --fae-budget 262144
 
 For BSP and SSP (consistency=ssp) it replays the same steps for: the cache alone (cache=lru,
 placement=none), FAE + cache (placement=fae, budget --fae-budget), and the planner (placement=sca,

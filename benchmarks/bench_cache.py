@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """CPU cost of the HET cache's bookkeeping per step, without communication: one JSON line.
 
-The end-to-end benchmark (scripts/bench_net.py) moves by +-5% (+-2 ms of a ~40 ms step) from run
+The end-to-end benchmark (benchmarks/bench_net.py) moves by +-5% (+-2 ms of a ~40 ms step) from run
 to run on a shared machine, more than most changes to the cache's own work are worth; this one
 moves by a few tenths of a millisecond. It runs W simulated workers in one
 process through the simulator's in-process wire (trainer/sim/: the very HetRemote and RowCache of a
@@ -10,9 +10,9 @@ times each worker's read (cache lookup, version check, install with evictions, t
 fill, the push announcement) and write (local updates, due pushes). Batches are made before the
 clock starts; the first --warmup steps (the cache filling up) are not timed.
 
-    python scripts/bench_cache.py                                   # the bench workload, cache ssp
-    python scripts/bench_cache.py --steps 300 cache=lru consistency=bsp
-    python scripts/bench_cache.py cache.capacity_fraction=0.05 model.embedding_dim=64
+    python benchmarks/bench_cache.py                                   # the bench workload, cache ssp
+    python benchmarks/bench_cache.py --steps 300 cache=lru consistency=bsp
+    python benchmarks/bench_cache.py cache.capacity_fraction=0.05 model.embedding_dim=64
 
 Positional arguments are trainer overrides on top of the defaults below (the same key replaces the
 default's). The line: read_ms and write_ms per worker and step, their sum, the cache hit rate and
@@ -35,8 +35,9 @@ import torch  # noqa: E402
 
 from trainer.sim import CacheSimulator  # noqa: E402
 from trainer.tools import simulate as sim_tools  # noqa: E402
-from trainer.tools.baseline import input_errors  # noqa: E402
-from trainer.tools.phases import Timers  # noqa: E402
+from trainer.tools.cli import input_errors  # noqa: E402
+
+from benchmarks.phases import Timers  # noqa: E402
 
 DEFAULTS = ["data=bench", "model.embedding_dim=16", "cache=lfu", "consistency=ssp",
             "consistency.pull_bound=4", "consistency.push_bound=4"]  # bench_net.py's cache ssp

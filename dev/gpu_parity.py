@@ -1,3 +1,4 @@
+#!/usr/bin/env python
 """Every training path on a CUDA device against the CPU reference run (issue 16, item 1 and 2).
 
 Why: the kernels' own tests check each Triton kernel in isolation; a training run on a GPU also
@@ -17,7 +18,7 @@ W = 2 on one GPU goes through gloo (``comm.dist_backend=gloo``): NCCL cannot put
 device, and gloo stages every collective through host memory, so this exercises the protocol's
 device path (not its speed).
 
-    python scripts/gpu_parity.py [--only NAME ...] [--jobs 6] [--steps 120] [--criteo DIR]
+    python dev/gpu_parity.py [--only NAME ...] [--jobs 6] [--steps 120] [--criteo DIR]
 
 With --criteo DIR (prepared by scripts/prepare_criteo.py) it also trains data=criteo with the DALI
 pipeline on the device against the memmap reader on the CPU (issue 16, item 3); where DALI is not
@@ -34,7 +35,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BASE = ["train.progress=off", "train.threads=2", "train.tensorboard=false"]
 CUDA = ["train.device=cuda", "kernels.backend=auto"]
 CPU = ["train.device=cpu", "kernels.backend=reference"]
@@ -219,3 +220,7 @@ def main(argv: list[str] | None = None) -> int:
                     f.write(text + "\n")
     print(f"gpu_parity: {len(names) - failed} of {len(names)} paths equal", flush=True)
     return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -8,7 +8,7 @@ Zipf alpha 1.1, one torch thread per rank, exact (no cache) BSP mode, the defaul
 each writing summary.json; the line reports its samples_per_sec (global, all steps, eval excluded)
 and bytes_per_sample by kind. Extra trainer overrides can follow `--`.
 
-    python scripts/bench_train.py [--worlds 1 2] [--steps 60] [-- model.embedding_dim=32 ...]
+    python benchmarks/bench_train.py [--worlds 1 2] [--steps 60] [-- model.embedding_dim=32 ...]
 """
 from __future__ import annotations
 

@@ -1,11 +1,11 @@
 #!/usr/bin/env python
 """The default command of every model against logistic regression on K train / test splits of one
-raw Criteo TSV (trainer/tools/splits.py): how the recipe compares with LR, as a mean over splits
+raw Criteo TSV (dev/recipe_study/splits.py): how the recipe compares with LR, as a mean over splits
 rather than on one noisy test split.
 
-    scripts/compare_splits.py FILE.tsv [--splits 8] [--first 1] [--test-rows 399] [--models dlrm,wdl,deepfm,dcn]
+    dev/recipe_study/compare_splits.py FILE.tsv [--splits 8] [--first 1] [--test-rows 399] [--models dlrm,wdl,deepfm,dcn]
                               [--work DIR] [trainer overrides ...]
-    scripts/compare_splits.py TRAIN.tsv --test TEST.tsv [--models ...] [--work DIR] [trainer overrides ...]
+    dev/recipe_study/compare_splits.py TRAIN.tsv --test TEST.tsv [--models ...] [--work DIR] [trainer overrides ...]
 
 Split 1 keeps the file's order (the last --test-rows lines test), split k > 1 shuffles the lines
 with random.Random(k - 1) first; --first N runs splits N .. N + K - 1 (fresh splits to confirm a
@@ -22,12 +22,17 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import os
 import sys
 import tempfile
 
-from trainer.tools.baseline import exit_status, model_names
-from trainer.tools.rotations import print_json
-from trainer.tools.splits import compare
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+if ROOT not in sys.path:  # the repository root: dev/ and benchmarks/ are importable from it
+    sys.path.insert(0, ROOT)
+from trainer.tools.cli import exit_status  # noqa: E402
+
+from dev.recipe_study.rotations import model_names, print_json  # noqa: E402
+from dev.recipe_study.splits import compare  # noqa: E402
 
 
 DEFAULTS = {"splits": 8, "first": 1, "test_rows": 399}  # None on the command line: these (one file only)

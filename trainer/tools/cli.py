@@ -1,0 +1,28 @@
+"""What every command-line tool of the package shares: bad input is one `error: ...` line on stderr
+and exit status 2, never a traceback."""
+from __future__ import annotations
+
+import sys
+from typing import Any, Callable
+
+
+def input_errors() -> tuple[type[BaseException], ...]:
+    """The errors that mean bad input to the data=criteo tools (a bad directory, file or config):
+    their scripts print them and exit with status 2."""
+    from hydra.errors import HydraException
+
+    from ..config import ConfigError
+    from ..data.criteo import CriteoFormatError
+
+    return (ConfigError, CriteoFormatError, HydraException, ValueError, OSError)
+
+
+def exit_status(fn: Callable[[], Any]) -> int:
+    """A tool script's exit status: 0 once fn() has run; 2, with `error: ...` on stderr, when it
+    stopped on bad input (input_errors)."""
+    try:
+        fn()
+    except input_errors() as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    return 0
