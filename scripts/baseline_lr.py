@@ -22,7 +22,8 @@ import sys
 import tempfile
 import time
 
-from trainer.tools.baseline import DEFAULT_CS, SOLVERS, compose, input_errors, run_baseline
+from trainer.tools.baseline import DEFAULT_CS, SOLVERS, compose, run_baseline
+from trainer.tools.cli import input_errors
 
 
 def _floats(text: str) -> list[float]:
