@@ -4,9 +4,12 @@
     python -m trainer -m cache=lru consistency.pull_bound=0,1,4,16,64 hydra.sweep.dir=multirun/s
     python scripts/plot_sweep.py multirun/s --baseline runs/nocache/summary.json --out sweep.png
 
-Reads every summary.json under the given directories, writes the PNG and prints one JSON line: the
+Reads the summary.json of every job of the given sweeps, writes the PNG and prints one JSON line: the
 points, the cheapest bound (fewest embedding bytes) whose eval AUC is within --auc-tol of the
 bound-0 (BSP) run, and its byte saving against --baseline (a cache=none run) when given.
+A sweep with jobs that have no summary.json (failed, or never run) is refused, naming them,
+unless --allow-missing: then the plot and the choice use the jobs there are, and the JSON line
+lists the missing ones (`missing`).
 """
 from __future__ import annotations
 
@@ -14,7 +17,7 @@ import argparse
 import json
 import sys
 
-from trainer.tools.sweep import find_summaries, load_points, plot, report
+from trainer.tools.sweep import find_jobs, load_points, plot, report
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -27,15 +30,27 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--baseline", default=None, help="summary.json of a cache=none run")
     ap.add_argument("--auc-tol", type=float, default=0.002, help="AUC tolerance against bound 0")
     ap.add_argument("--title", default="")
+    ap.add_argument("--allow-missing", action="store_true",
+                    help="plot and choose from the jobs that have a summary when others have none")
     a = ap.parse_args(argv)
     try:
-        points = load_points(find_summaries(a.sweep), a.x, a.series)
+        found, missing = find_jobs(a.sweep)
+        points = load_points(found, a.x, a.series)
         baseline = json.load(open(a.baseline)) if a.baseline else None
-    except (FileNotFoundError, KeyError) as e:
+    except (OSError, KeyError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    for job in missing:
+        print(f"[plot_sweep] no summary.json: {job.describe()}", file=sys.stderr)
+    if missing and not a.allow_missing:
+        print(f"error: the sweep is incomplete: {len(missing)} of {len(missing) + len(found)} jobs have no "
+              f"summary.json ({'; '.join(j.describe() for j in missing)}); rerun them, or pass "
+              f"--allow-missing to plot the {len(found)} there are", file=sys.stderr)
+        return 2
     plot(points, baseline, a.x, a.out, a.title, a.auc_tol)
-    print(json.dumps({"png": a.out, **report(points, baseline, a.auc_tol)}))
+    extra = {"missing": [{"sweep": j.sweep, "num": j.num, "overrides": j.overrides, "error": j.error}
+                         for j in missing]} if missing else {}
+    print(json.dumps({"png": a.out, **report(points, baseline, a.auc_tol), **extra}))
     return 0
 
 

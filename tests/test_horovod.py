@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from helpers import run_single
-from hvd_launch import ROOT, WORKER, horovodrun, tail, worker_results
+from hvd_launch import ROOT, WORKER, env, horovodrun, tail, worker_results
 from test_parity import BASE, assert_same_run
 from trainer.runner import RunResult
 
@@ -196,7 +196,7 @@ def test_staleness_sweep_under_horovodrun_and_plot(tmp_path):
     png = tmp_path / "sweep.png"
     plot = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "plot_sweep.py"), str(sweep),
                            "--out", str(png), "--auc-tol", "1.0"], capture_output=True, text=True,
-                          timeout=120)
+                          timeout=120, env=env())
     assert plot.returncode == 0, plot.stderr
     rep = json.loads(plot.stdout.strip().splitlines()[-1])
     assert [p["x"] for p in rep["points"]] == [0, 8]

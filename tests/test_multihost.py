@@ -8,6 +8,7 @@ each link shaped with tc tbf, with both real launchers.
   the byte counters and the eval AUC are equal (BSP parity across the network);
 - the traffic really crossed the emulated links (the hosts' veth counters carry at least the bytes
   the trainer counted);
+- a Hydra sweep of two jobs runs under multi-node torchrun (each job its own process group);
 - the cluster is torn down on normal exit, on an exception and on SIGTERM; cleanup_stale() removes
   what a SIGKILLed owner left behind.
 
@@ -145,6 +146,24 @@ def test_torchrun_across_two_hosts_equals_localhost(cluster, tmp_path):
     summary = assert_same_training(local, net)
     assert summary["backend"] == "TorchCollectives"
     _assert_crossed_links(before, after, summary)
+
+
+def test_torchrun_sweep_across_two_hosts(cluster, tmp_path):
+    """A Hydra sweep of two jobs under multi-node torchrun: each job opens its own process group
+    (the second one used to meet the first one's rendezvous keys in torchrun's store)."""
+    sweep = tmp_path / "sweep"
+    res = cluster.torchrun(["-m", "trainer", "-m", "comm=torch", *CFG[:2], "train.steps=4", "data.eval_samples=256",
+                            "train.progress=off", "checkpoint.enabled=false", "train.seed=0,1",
+                            f"hydra.sweep.dir={sweep}"], timeout=LAUNCH_TIMEOUT, env=cluster.env({"PYTHONPATH": ROOT}),
+                           cwd=ROOT)
+    for r in res:
+        assert r.ok, r.tail()
+    with open(sweep / "summary.json") as f:
+        index = json.load(f)
+    assert (index["ok"], index["failed"]) == (2, 0), index
+    summaries = [json.load(open(j["summary"])) for j in index["jobs"]]
+    assert [s["world_size"] for s in summaries] == [2, 2] and [s["steps"] for s in summaries] == [4, 4]
+    assert summaries[0]["final_loss"] != summaries[1]["final_loss"]  # two seeds, two models
 
 
 def test_horovodrun_over_ssh_equals_localhost(cluster, tmp_path):

@@ -2,7 +2,8 @@
 
 Under a launcher every rank runs this same Hydra job; Hydra's timestamped directory may differ by a
 second between ranks, so rank 0's directory is broadcast and used by all (runner.Trainer), and a
-non-zero rank removes the directory Hydra made for it if nobody uses it.
+non-zero rank removes the directory Hydra made for it if nobody uses it. In a sweep (-m) a job that
+fails is reported in one line and the sweep goes on; the command exits 2 at the end (multirun.py).
 """
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ from .comm import CollectiveError
 from .config import CONF_DIR, ConfigError
 from .data import IdRangeError
 from .data.criteo import CriteoFormatError
+from .multirun import SWEEP, describe, launcher_rank
 from .runner import TrainingError, run
 
 
@@ -51,25 +53,42 @@ def _exit_after_failed_collective(exc: CollectiveError) -> None:
     os._exit(3)
 
 
+def _job_failed(message: str) -> None:
+    """A job stopped on bad input or a training error: one `error:` line; in a sweep the job is
+    recorded and the sweep goes on with the next one (cli exits 2 at the end), alone exit 2 now."""
+    hc = HydraConfig.get()
+    if hc.mode != RunMode.MULTIRUN:
+        print(f"error: {message}", file=sys.stderr)
+        sys.exit(2)
+    overrides = list(hc.overrides.task)
+    print(f"error: sweep job {hc.job.num} ({describe(overrides, hc.sweep.dir)}) failed: {message}", file=sys.stderr,
+          flush=True)
+    SWEEP.record(hc.sweep.dir, hc.job.num, overrides, launcher_rank(), error=message)
+
+
 @hydra.main(version_base=None, config_path=CONF_DIR, config_name="config")
 def main(cfg: DictConfig) -> None:
-    out_dir = HydraConfig.get().runtime.output_dir
+    hc = HydraConfig.get()
+    out_dir = hc.runtime.output_dir
     try:
         result = run(cfg, out_dir=out_dir)
     except (ConfigError, TrainingError, CheckpointError, IdRangeError, CriteoFormatError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        sys.exit(2)
+        return _job_failed(str(exc))
     except OSError as exc:
         if exc.filename is None:  # not a file the user can act on: a bug, keep the traceback
             raise
-        print(f"error: {exc.filename}: {exc.strerror or exc}", file=sys.stderr)
-        sys.exit(2)
+        return _job_failed(f"{exc.filename}: {exc.strerror or exc}")
     except CollectiveError as exc:
+        if hc.mode == RunMode.MULTIRUN:  # the sweep ends here: say which job
+            SWEEP.record(hc.sweep.dir, hc.job.num, list(hc.overrides.task), launcher_rank(),
+                         error=f"a worker died or stalled: {str(exc).splitlines()[0]}")
         _exit_after_failed_collective(exc)
     used = result.summary.get("output_dir")
     _remove_stray_dir(out_dir, used)
-    if HydraConfig.get().mode == RunMode.MULTIRUN:
-        _remove_stray_sweep_dir(HydraConfig.get().sweep.dir, used)
+    if hc.mode == RunMode.MULTIRUN:
+        _remove_stray_sweep_dir(hc.sweep.dir, used)
+        SWEEP.record(hc.sweep.dir, hc.job.num, list(hc.overrides.task), result.rank,
+                     summary=os.path.join(used or out_dir, "summary.json"))
     if result.rank == 0:
         keys = ("world_size", "steps", "samples_per_sec", "final_loss", "eval_auc", "bytes_per_sample")
         print(json.dumps({k: result.summary[k] for k in keys}))
@@ -112,6 +131,10 @@ def cli() -> None:
         print(f"error: {problem}", file=sys.stderr)
         sys.exit(2)
     main()
+    failed = SWEEP.closing_line()  # a sweep whose jobs did not all run (each said why already)
+    if failed is not None:
+        print(f"error: {failed}", file=sys.stderr)
+        sys.exit(2)
 
 
 if __name__ == "__main__":

@@ -28,24 +28,32 @@ _STORE: dict[str, Any] = {}  # this process's rendezvous store: {"key": ..., "st
 
 
 def _rendezvous(timeout: _dt.timedelta) -> dict[str, Any]:
-    """init_process_group's store, rank and world size: ONE TCPStore per process (rank 0 serves it
-    on MASTER_ADDR:MASTER_PORT), each process group under its own key prefix. env:// would start a
-    new store server for every group, so a process that closes its group and opens another (a
-    second run() in the same workers) could reach rank 0's previous server while rank 0 was still
-    finishing its run, and then wait for a rendezvous that never comes: rank 0 timed out with
-    "1/2 clients joined". With the one server a rank that comes early waits under the new prefix.
-    Under torchrun's agent store (persistent already) env:// is kept as it is ({})."""
-    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
-        return {}
+    """init_process_group's store, rank and world size: ONE TCPStore per process, each process group
+    under its own key prefix. Without a launcher's store, rank 0 serves it on MASTER_ADDR:MASTER_PORT
+    for the life of the process; under torchrun (TORCHELASTIC_USE_AGENT_STORE) every rank is a
+    client of the agent's store, which outlives the workers.
+
+    Why a prefix per group: a process that closes its group and opens another (the next job of a
+    Hydra sweep, a second run() in the same workers) must not meet the previous group's keys.
+    env:// under torchrun puts every group of a process under the same keys of the agent's store,
+    so the second group's gloo read the first group's per-rank addresses and connected to closed
+    ports ("Gloo connectFullMesh failed ... Connection refused": every sweep job after the first
+    failed). Outside torchrun env:// starts a new store server per group, and a rank that came
+    early could reach rank 0's previous server and wait for a rendezvous that never came ("1/2
+    clients joined"). With one store and a fresh prefix a rank that comes early waits under the new
+    prefix. Every rank opens its groups in the same order, so the n-th group has the same prefix on
+    every rank; torchrun's restart count is part of it (a restarted worker counts from 1 again)."""
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     addr, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
-    key = f"{addr}:{port}/{rank}/{world}"
+    agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    key = f"{addr}:{port}/{rank}/{world}/{restart}"
     if _STORE.get("key") != key:
-        _STORE.update(key=key, groups=0, store=dist.TCPStore(addr, port, world, is_master=rank == 0,
-                                                             timeout=timeout))
+        store = dist.TCPStore(addr, port, world, is_master=rank == 0 and not agent, timeout=timeout)
+        _STORE.update(key=key, groups=0, store=store)
     _STORE["groups"] += 1
-    return {"store": dist.PrefixStore(f"trainer_group{_STORE['groups']}/", _STORE["store"]),
-            "rank": rank, "world_size": world}
+    prefix = f"trainer/restart{restart}/group{_STORE['groups']}/"
+    return {"store": dist.PrefixStore(prefix, _STORE["store"]), "rank": rank, "world_size": world}
 
 
 class TorchCollectives(Collectives):

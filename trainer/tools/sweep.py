@@ -8,6 +8,12 @@ A point's x is a config value read from summary["config"] by a dotted path (defa
 consistency.pull_bound; -1, unbounded, is placed after the largest finite bound). Embedding bytes
 are the sparse side's wire traffic per training sample (ids + versions + rows + grads), i.e.
 summary["embedding_bytes_per_sample"].
+
+Which jobs a sweep has comes from the sweep itself, not from the summaries found: Hydra's
+multirun.yaml holds the sweep's overrides, expanded into jobs here by Hydra's own sweeper, and each
+job's directory holds its overrides in .hydra/overrides.yaml. A job without a summary.json (it
+failed, or the sweep was stopped) is therefore named, with its error from the sweep's summary.json
+(trainer/multirun.py) when it has one, and the report says which jobs it used.
 """
 from __future__ import annotations
 
@@ -50,19 +56,85 @@ def config_value(summary: dict[str, Any], dotted: str) -> Any:
     return node
 
 
-def find_summaries(roots: list[str]) -> list[str]:
-    """Every summary.json under the given sweep directories (or the files themselves), sorted."""
+@dataclass
+class Job:
+    """One job of a Hydra sweep."""
+
+    sweep: str  # the sweep directory
+    num: int
+    overrides: list[str]
+    summary: Optional[str]  # its summary.json, None when there is none
+    error: Optional[str] = None  # why it failed (the sweep's summary.json), when known
+
+    def describe(self) -> str:
+        why = f": {self.error}" if self.error else ""
+        return f"job {self.num} of {self.sweep} ({' '.join(self.overrides)}){why}"
+
+
+def sweep_jobs(sweep_dir: str) -> Optional[list[Job]]:
+    """Every job of the Hydra sweep in sweep_dir, found or not; None when sweep_dir has no
+    multirun.yaml (not a sweep directory)."""
+    from omegaconf import OmegaConf
+
+    path = os.path.join(sweep_dir, "multirun.yaml")
+    if not os.path.isfile(path):
+        return None
+    task = list(OmegaConf.load(path).hydra.overrides.task)
+    from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    parsed = OverridesParser.create().parse_overrides(task)
+    expanded = [job for batch in BasicSweeper.split_arguments(parsed, None) for job in batch]
+    dirs: dict[tuple[str, ...], str] = {}  # a job's overrides -> its directory (rank 0's)
+    for found in glob.glob(os.path.join(sweep_dir, "**", ".hydra", "overrides.yaml"), recursive=True):
+        job_dir = os.path.dirname(os.path.dirname(found))
+        dirs.setdefault(tuple(str(o) for o in OmegaConf.load(found)), job_dir)
+    errors = {}
+    try:
+        with open(os.path.join(sweep_dir, "summary.json")) as f:
+            errors = {j["num"]: j.get("error") for j in json.load(f).get("jobs", [])}
+    except (OSError, ValueError, AttributeError):
+        pass
+    jobs = []
+    for num, overrides in enumerate(expanded):
+        job_dir = dirs.get(tuple(overrides))
+        summary = os.path.join(job_dir, "summary.json") if job_dir else None
+        summary = summary if summary and os.path.isfile(summary) else None
+        jobs.append(Job(sweep_dir, num, list(overrides), summary, None if summary else errors.get(num)))
+    return jobs
+
+
+def find_jobs(roots: list[str]) -> tuple[list[str], list[Job]]:
+    """(the job summaries to plot, the jobs that have none) of the given sweep directories (or
+    summary.json files). A directory that is not a Hydra sweep gives every run summary.json under
+    it (not a sweep's own summary.json)."""
     found: list[str] = []
+    missing: list[Job] = []
     for root in roots:
         if os.path.isfile(root):
             found.append(root)
             continue
         if not os.path.isdir(root):
             raise FileNotFoundError(f"{root}: no such sweep directory")
-        found += glob.glob(os.path.join(root, "**", "summary.json"), recursive=True)
+        jobs = sweep_jobs(root)
+        if jobs is None:
+            found += [p for p in glob.glob(os.path.join(root, "**", "summary.json"), recursive=True)
+                      if _is_run_summary(p)]
+            continue
+        found += [j.summary for j in jobs if j.summary]
+        missing += [j for j in jobs if not j.summary]
     if not found:
-        raise FileNotFoundError(f"no summary.json under {roots}: did the sweep finish?")
-    return sorted(set(found))
+        raise FileNotFoundError(f"no job summary.json under {roots}: did the sweep run?")
+    return sorted(set(found)), missing
+
+
+def _is_run_summary(path: str) -> bool:
+    try:
+        with open(path) as f:
+            s = json.load(f)
+    except (OSError, ValueError):
+        return False
+    return isinstance(s, dict) and "config" in s and "eval_auc" in s
 
 
 def load_points(paths: list[str], x_key: str, series_key: Optional[str] = None) -> list[Point]:

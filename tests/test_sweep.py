@@ -1,0 +1,105 @@
+"""Hydra sweeps (`python -m trainer -m ...`): every job of a sweep under torchrun runs in its own
+process group (a 3-job staleness sweep at W = 2, each job equal to the same job run alone); a job
+that fails is named in one line, the sweep goes on and exits 2, and the sweep's summary.json says
+which jobs ran; scripts/plot_sweep.py names the jobs without a summary and refuses to choose a bound
+from an incomplete sweep unless --allow-missing.
+
+(Under torchrun the second job of a sweep used to fail to connect: env:// put every process group
+of a worker under the same keys of torchrun's store, so the second group's gloo read the first
+group's addresses. The horovodrun sweep is in test_horovod.py.)
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from helpers import run_world
+from hvd_launch import ROOT, tail, torchrun
+
+pytestmark = pytest.mark.dist
+
+SWEEP_ARGS = ["data=tiny", "train.steps=12", "data.eval_samples=512", "train.progress=off",
+              "checkpoint.enabled=false", "cache=lru", "comm.timeout_s=30"]
+BOUNDS = [0, 1, 4]
+
+
+def _read(path) -> dict:
+    with open(path) as f:
+        return json.load(f)
+
+
+def test_torchrun_staleness_sweep_runs_every_job_as_if_alone(tmp_path):
+    sweep = tmp_path / "stale"
+    proc = torchrun(["-m", "trainer", "-m", "comm=torch", *SWEEP_ARGS,
+                     f"consistency.pull_bound={','.join(map(str, BOUNDS))}",
+                     "consistency.push_bound=${consistency.pull_bound}", f"hydra.sweep.dir={sweep}"])
+    assert proc.returncode == 0, tail(proc)
+    index = _read(sweep / "summary.json")
+    assert (index["ok"], index["failed"]) == (3, 0), index
+    assert [j["num"] for j in index["jobs"]] == [0, 1, 2]
+    for job, bound in zip(index["jobs"], BOUNDS):
+        assert job["status"] == "ok" and f"consistency.pull_bound={bound}" in job["overrides"], job
+        summary = _read(job["summary"])
+        assert summary["world_size"] == 2 and summary["cache"]["pull_bound"] == bound
+        alone = run_world(2, SWEEP_ARGS + [f"consistency.pull_bound={bound}",
+                                           f"consistency.push_bound={bound}"], return_state=False)[0].summary
+        for key in ("final_loss", "eval_auc", "eval_logloss", "bytes", "steps"):
+            assert summary[key] == alone[key], (bound, key, summary[key], alone[key])
+        assert summary["cache"]["hits"] == alone["cache"]["hits"]
+
+
+def _trainer(args: list[str], cwd) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "trainer", *args], cwd=ROOT, capture_output=True, text=True,
+                          timeout=300, env={**os.environ, "PYTHONPATH": ROOT})
+
+
+def _plot(args: list[str]) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "plot_sweep.py"), *args],
+                          capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONPATH": ROOT})
+
+
+def test_a_failed_job_is_named_the_sweep_goes_on_and_plot_refuses_to_choose(tmp_path):
+    sweep = tmp_path / "sw"
+    proc = _trainer(["-m", "data=tiny", "train.steps=3", "data.eval_samples=256", "train.progress=off",
+                     "checkpoint.enabled=false", "consistency.pull_bound=0,-7,4", f"hydra.sweep.dir={sweep}"], tmp_path)
+    assert proc.returncode == 2, tail(proc)
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 2, proc.stderr[-3000:]
+    assert errors[0].startswith("error: sweep job 1 (consistency.pull_bound=-7) failed: ") and "failed: consistency" in errors[0]
+    assert errors[1].startswith("error: 1 of 3 sweep jobs failed: job 1 (consistency.pull_bound=-7); see ")
+    assert "Traceback" not in proc.stderr
+    index = _read(sweep / "summary.json")
+    assert [j["status"] for j in index["jobs"]] == ["ok", "failed", "ok"] and index["failed"] == 1
+    assert index["jobs"][1]["error"].startswith("consistency") and "summary" not in index["jobs"][1]
+    assert (sweep / "0" / "summary.json").exists() and (sweep / "2" / "summary.json").exists()
+
+    png = tmp_path / "s.png"
+    refused = _plot([str(sweep), "--out", str(png)])
+    assert refused.returncode == 2 and not png.exists(), refused.stderr
+    assert "1 of 3 jobs have no summary.json" in refused.stderr and "consistency.pull_bound=-7" in refused.stderr
+    assert "--allow-missing" in refused.stderr
+    used = _plot([str(sweep), "--out", str(png), "--allow-missing", "--auc-tol", "1"])
+    assert used.returncode == 0, used.stderr
+    rep = json.loads(used.stdout.strip().splitlines()[-1])
+    assert [p["x"] for p in rep["points"]] == [0, 4] and rep["chosen"] is not None
+    assert [(m["num"], m["error"][:11]) for m in rep["missing"]] == [(1, "consistency")]
+    assert "no summary.json: job 1" in used.stderr and png.exists()
+
+
+def test_plot_names_jobs_of_a_sweep_that_was_stopped(tmp_path):
+    """A sweep stopped after its first job (no sweep summary for the rest): the jobs never run are
+    named from Hydra's multirun.yaml."""
+    sweep = tmp_path / "sw"
+    proc = _trainer(["-m", "data=tiny", "train.steps=2", "data.eval_samples=256", "train.progress=off",
+                     "checkpoint.enabled=false", "consistency.pull_bound=0,2", f"hydra.sweep.dir={sweep}"], tmp_path)
+    assert proc.returncode == 0, tail(proc)
+    for leftover in (sweep / "1").iterdir():  # as if the sweep had been killed before job 1 wrote anything
+        if leftover.is_file():
+            leftover.unlink()
+    (sweep / "summary.json").unlink()
+    refused = _plot([str(sweep), "--out", str(tmp_path / "p.png")])
+    assert refused.returncode == 2 and "job 1 of" in refused.stderr and "consistency.pull_bound=2" in refused.stderr
