@@ -82,7 +82,7 @@ EOF
 PYTEST_PID=
 if [ "$PART" != bench ] && [ "$DEVICE" = cuda ]; then
   stage pytest 200 "$OUT/pytest_gpu.log" "$PY" -m pytest -q -s -m gpu -p no:cacheprovider \
-    tests/test_kernels.py tests/test_step_device.py &
+    tests/test_kernel_*.py tests/test_step_device.py &
   PYTEST_PID=$!
 fi
 

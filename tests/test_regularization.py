@@ -13,7 +13,7 @@ import os
 
 import torch
 
-if not torch.cuda.is_available():  # before anything imports triton (see tests/test_kernels.py)
+if not torch.cuda.is_available():  # before anything imports triton (see tests/kernel_helpers.py)
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import math  # noqa: E402

@@ -1,0 +1,124 @@
+"""The id -> slot hash map (kernels/hashmap.py): the Triton map and its reference against a Python
+dict under random inserts, lookups and deletes, duplicate ids, odd batch sizes, growth and
+tombstone reuse; compiled on a GPU.
+
+Shared set-up (Triton's interpreter on CPU machines, the autouse fixtures, bag and storage
+factories) is in kernel_helpers.py."""
+from __future__ import annotations
+
+from typing import Any, Iterator
+
+import pytest
+import torch
+from kernel_helpers import (  # noqa: F401 (autouse fixtures; sets TRITON_INTERPRET before triton loads)
+    DEV,
+    RUN_TRITON,
+    _default_backend,
+    _one_thread,
+    gpu,
+    needs_cuda,
+    needs_triton,
+)
+
+import kernels
+
+
+def _map_factories() -> Iterator[Any]:
+    yield pytest.param(lambda: kernels.ReferenceIdSlotMap(4, "cpu"), id="reference")
+    if RUN_TRITON:
+        yield pytest.param(lambda: kernels.TritonIdSlotMap(4, DEV), id="triton")
+
+
+MAP_FACTORIES = list(_map_factories())
+
+
+@pytest.mark.parametrize("factory", MAP_FACTORIES)
+@pytest.mark.parametrize("seed", [0, 1])
+def test_hashmap_random_ops_match_dict(factory, seed):
+    gen = torch.Generator().manual_seed(seed)
+    table, model = factory(), {}
+    for step in range(40):
+        ids = torch.randint(0, 300, (int(torch.randint(1, 40, (1,), generator=gen)),), generator=gen)
+        op = step % 3 if step > 5 else 0
+        if op == 0:
+            ids = ids.unique()[torch.randperm(ids.unique().numel(), generator=gen)]
+            vals = torch.randint(0, 10_000, ids.shape, generator=gen)
+            new = table.insert(ids, vals)
+            assert new.tolist() == [i not in model for i in ids.tolist()]
+            model.update(zip(ids.tolist(), vals.tolist()))
+        elif op == 1:
+            found = table.erase(ids)
+            assert found.tolist() == [i in model for i in ids.tolist()]
+            for i in ids.tolist():
+                model.pop(i, None)
+        slots, miss = table.lookup(ids)
+        assert miss.tolist() == [i not in model for i in ids.tolist()]
+        assert slots.tolist() == [model.get(i, -1) for i in ids.tolist()]
+        assert len(table) == len(model)
+    keys, vals = table.items()
+    assert dict(zip(keys.tolist(), vals.tolist())) == model
+
+
+@pytest.mark.parametrize("factory", MAP_FACTORIES)
+def test_hashmap_duplicate_ids_in_one_insert(factory):
+    table = factory()
+    ids = torch.tensor([5, 9, 5, 5, 1 << 40, 9])
+    vals = torch.tensor([1, 2, 3, 4, 5, 6])
+    new = table.insert(ids, vals)
+    assert int(new.sum()) == 3 and len(table) == 3
+    slots, miss = table.lookup(torch.tensor([5, 9, 1 << 40, 7]))
+    assert miss.tolist() == [False, False, False, True]
+    assert int(slots[0]) in (1, 3, 4) and int(slots[1]) in (2, 6) and int(slots[2]) == 5
+    assert table.erase(torch.tensor([5, 5])).tolist() == [True, True]
+    assert table.lookup(torch.tensor([5]))[1].tolist() == [True]
+
+
+@needs_triton
+@pytest.mark.parametrize("n", [1, 127, 128, 129, 301])
+def test_triton_hashmap_odd_batch_sizes(n):
+    """Batches of one id, one short of a block, a block, a block and one, several blocks with a
+    tail: every lane of the last (partial) block is masked correctly in insert, lookup, erase."""
+    table, want = kernels.TritonIdSlotMap(8, DEV), kernels.ReferenceIdSlotMap(0, "cpu")
+    gen = torch.Generator().manual_seed(n)
+    ids = torch.randperm(10 * n + 7, generator=gen)[:n] * 3 + 1
+    vals = torch.randint(0, 1 << 30, (n,), generator=gen)
+    assert torch.equal(table.insert(ids, vals).cpu(), want.insert(ids, vals))
+    probe = torch.cat([ids, ids + 1])  # half present, half absent
+    for a, b in zip(table.lookup(probe), want.lookup(probe)):
+        assert torch.equal(a.cpu(), b)
+    gone = ids[::2].contiguous()
+    assert torch.equal(table.erase(gone).cpu(), want.erase(gone))
+    for a, b in zip(table.lookup(probe), want.lookup(probe)):
+        assert torch.equal(a.cpu(), b)
+    assert len(table) == len(want) == n - gone.numel()
+
+
+@needs_triton
+def test_triton_hashmap_grows_and_reuses_tombstones():
+    table = kernels.TritonIdSlotMap(4, DEV)
+    start = table.capacity
+    for rnd in range(6):  # churn: tombstones accumulate, rebuilds must clear them
+        ids = torch.arange(rnd * 50, rnd * 50 + 50)
+        table.insert(ids, ids * 2)
+        assert table.erase(ids[:40]).all()
+    assert len(table) == 60
+    slots, miss = (t.cpu() for t in table.lookup(torch.arange(0, 300)))
+    keep = (torch.arange(300) % 50) >= 40
+    assert torch.equal(miss, ~keep) and torch.equal(slots[keep], torch.arange(300)[keep] * 2)
+    assert table.capacity >= start
+
+
+@gpu
+@needs_cuda
+def test_gpu_hashmap_vs_reference():
+    gpu_map, ref_map = kernels.TritonIdSlotMap(1 << 16, "cuda"), kernels.ReferenceIdSlotMap(0, "cuda")
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    for step in range(20):
+        ids = torch.randint(0, 1 << 40, (200_000,), device="cuda", generator=gen).unique()
+        vals = torch.arange(ids.numel(), device="cuda")
+        assert torch.equal(gpu_map.insert(ids, vals), ref_map.insert(ids, vals))
+        probe = torch.cat([ids[: ids.numel() // 2], ids[:1000] + 1])
+        assert torch.equal(gpu_map.erase(probe[::3]), ref_map.erase(probe[::3]))
+        for a, b in zip(gpu_map.lookup(probe), ref_map.lookup(probe)):
+            assert torch.equal(a, b)
+    assert len(gpu_map) == len(ref_map)
