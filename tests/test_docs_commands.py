@@ -40,6 +40,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any, Callable, Optional
 
@@ -58,7 +59,7 @@ SHRINK_KEYS = {
     "train.steps", "data.eval_samples", "data.train_samples", "data.epochs", "data.max_table_rows",
     "data.batch_size", "checkpoint.every", "--steps", "--repeat", "--warmup", "--sample-every",
     "--splits", "--measure-steps", "--herald-steps", "--plan-steps", "--sizes", "--budget",
-    "--jobs", "--slices",
+    "--jobs", "--slices", "placement.plan_steps",
 }
 # Switches an entry may add where the text beside the command does not need what they turn off.
 OFF_SWITCHES = {"checkpoint.enabled=false", "train.tensorboard=false", "--quick"}
@@ -170,9 +171,9 @@ REGISTRY: dict[str, Entry] = {
               json_keys=("hit_rate", "bytes_per_sample")),
     # docs/placement.md
     ".venv/bin/torchrun --nproc_per_node 2 -m trainer comm=torch data=criteo_like cache=lru placement=sca":
-        Entry(add=W2 + ("data.max_table_rows=10000",), **TRAINER),
+        Entry(add=W2 + ("data.max_table_rows=10000", "placement.plan_steps=2"), **TRAINER),
     ".venv/bin/python scripts/plan.py --workers 8 data=criteo_like cache=lru placement=sca":
-        Entry(add=("data.max_table_rows=10000",), json_keys=("name", "hot_rows")),
+        Entry(add=("data.max_table_rows=10000", "placement.plan_steps=2"), json_keys=("name", "hot_rows")),
     # docs/cluster.md (root networking)
     ".venv/bin/python dev/netcluster.py up --hosts 2 --rate 200mbit --ssh --ttl 600": Entry(marks=("netns",)),
     ".venv/bin/python dev/netcluster.py torchrun -- -m trainer comm=torch data=bench train.steps=50":
@@ -432,6 +433,8 @@ def _scratch(tmp_path: Path) -> Path:
     for name in LINKS:
         os.symlink(ROOT / name, cwd / name)
     os.symlink(sys.prefix, cwd / ".venv")
+    if (ROOT.parent / "shared").is_dir():  # ../shared beside the checkout, as tools expect it
+        os.symlink(ROOT.parent / "shared", tmp_path / "shared")
     return cwd
 
 
@@ -490,7 +493,8 @@ def _last_json(stdout: str) -> Optional[dict[str, Any]]:
     return None
 
 
-def _run_one(c: Command, e: Entry, cwd: Path, sample: Callable[[], Path]) -> None:
+def _run_one(c: Command, e: Entry, cwd: Path, sample: Callable[[], Path]) -> Optional[str]:
+    """Run one command; None when it did what its text says, else what went wrong."""
     line = _command_line(c, e)
     rows = {w: (a, b) for w, a, b in e.rows}
     for word in FILE_ROWS:
@@ -507,13 +511,13 @@ def _run_one(c: Command, e: Entry, cwd: Path, sample: Callable[[], Path]) -> Non
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)  # the launcher's workers too
         out, err = proc.communicate()
-        pytest.fail(f"{c.where}: `{c.text}` did not finish within {e.timeout} s (ran: {line})\n"
-                    f"--- stderr (end) ---\n{err[-3000:]}")
+        return (f"{c.where}: `{c.text}` did not finish within {e.timeout} s (ran: {line})\n"
+                f"--- stderr (end) ---\n{err[-3000:]}")
     out = re.sub(r"(?m)^\[\d+\]<stdout>:", "", out)  # horovodrun prefixes each rank's lines
     p = subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
     tail = f"\n--- stdout (end) ---\n{p.stdout[-2000:]}\n--- stderr (end) ---\n{p.stderr[-4000:]}"
     if p.returncode != 0:
-        pytest.fail(f"{c.where}: `{c.text}` exited {p.returncode} (ran: {line}){tail}")
+        return f"{c.where}: `{c.text}` exited {p.returncode} (ran: {line}){tail}"
     problems = []
     for f in e.files:
         if not (cwd / f).exists():
@@ -539,8 +543,9 @@ def _run_one(c: Command, e: Entry, cwd: Path, sample: Callable[[], Path]) -> Non
         except AssertionError as exc:
             problems.append(str(exc))
     if problems:
-        pytest.fail(f"{c.where}: `{c.text}` does not do what the text says: {'; '.join(problems)} "
-                    f"(ran: {line}){tail}")
+        return (f"{c.where}: `{c.text}` does not do what the text says: {'; '.join(problems)} "
+                f"(ran: {line}){tail}")
+    return None
 
 
 def _block_params() -> list[Any]:
@@ -569,11 +574,17 @@ def test_documented_commands_run(block: list[Command], tmp_path: Path, request) 
     cwd = _scratch(tmp_path)
     sample = lambda: request.getfixturevalue("prepared_sample")  # noqa: E731 - only when DIR is used
     cleanups = [e.cleanup for _, e in runnable if e.cleanup]
+    failures = []
     try:
-        for c, e in runnable:
-            _run_one(c, e, cwd, sample)
+        for c, e in runnable:  # all of them: a later command may fail for its own reason too
+            t0 = time.perf_counter()
+            failures.append(_run_one(c, e, cwd, sample))
+            print(f"{c.where}: {time.perf_counter() - t0:.1f} s{' (failed)' if failures[-1] else ''}")
     finally:
         for cmd in cleanups:
             subprocess.run(["bash", "-c", cmd], cwd=cwd, env=_env(), capture_output=True, timeout=300)
+    failures = [f for f in failures if f]
+    if failures:
+        pytest.fail(f"{len(failures)} of {len(runnable)} commands failed:\n\n" + "\n\n".join(failures))
     if reasons:
         pytest.skip("ran the others; not run here: " + "; ".join(reasons))
