@@ -208,9 +208,6 @@ REGISTRY: dict[str, Entry] = {
         Entry(add=("--steps", "40", "--sample-every", "10", "--warmup", "10"),
               json_keys=("rss_slope_mib_per_1k_steps", "throughput_drift")),
     ".venv/bin/python benchmarks/bench_kernels.py --quick": Entry(json_keys=("kernel", "impl", "gbps")),
-    ".venv/bin/python benchmarks/bench_net.py --links 1gbit --repeat 5 --steps 120":
-        Entry(marks=("netns",), shrink=(("--repeat 5", "--repeat 1"), ("--steps 120", "--steps 4")),
-              add=("--quick",), json_keys=("mode", "speedup_vs_exact_serial"), timeout=900),
     ".venv/bin/python benchmarks/bench_net.py --links 200mbit --repeat 3 --steps 120":
         Entry(marks=("netns",), shrink=(("--repeat 3", "--repeat 1"), ("--steps 120", "--steps 4")),
               add=("--quick",), json_keys=("mode", "speedup_vs_exact_serial"), timeout=900),
