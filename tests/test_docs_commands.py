@@ -207,7 +207,10 @@ REGISTRY: dict[str, Entry] = {
     ".venv/bin/python benchmarks/soak.py":
         Entry(add=("--steps", "40", "--sample-every", "10", "--warmup", "10"),
               json_keys=("rss_slope_mib_per_1k_steps", "throughput_drift")),
-    ".venv/bin/python benchmarks/bench_kernels.py --quick": Entry(json_keys=("kernel", "impl", "gbps")),
+    ".venv/bin/python benchmarks/bench_kernels.py --dims 16 64 128 --bags 8 32":
+        Entry(marks=("gpu",), json_keys=("kernel", "impl", "gbps"), timeout=900),
+    ".venv/bin/python benchmarks/bench_train.py --worlds 1 --steps 60 -- train.device=cuda":
+        Entry(marks=("gpu",), shrink=(("--steps 60", "--steps 4"),), json_keys=("samples_per_sec",), timeout=900),
     ".venv/bin/python benchmarks/bench_net.py --links 200mbit --repeat 3 --steps 120":
         Entry(marks=("netns",), shrink=(("--repeat 3", "--repeat 1"), ("--steps 120", "--steps 4")),
               add=("--quick",), json_keys=("mode", "speedup_vs_exact_serial"), timeout=900),
