@@ -1,0 +1,70 @@
+"""Every relative link of the docs leads somewhere: the file exists, and its #anchor is a heading there.
+
+Why: the README is a guide that sends the reader to docs/ pages and dated reports by link ("how do
+I resume", "what does summary.json hold", "how fast is it"); a page renamed or a heading reworded
+must not leave the link dead. Anchors follow GitHub's rule: the heading in lower case, characters
+other than letters, digits, `_`, `-` and spaces dropped, spaces turned into `-`.
+"""
+from __future__ import annotations
+
+import glob
+import os
+import re
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PAGES = ["README.md", *glob.glob(str(ROOT / "docs" / "*.md")), "benchmarks/README.md",
+         *glob.glob(str(ROOT / "benchmarks" / "reports" / "*.md"))]
+LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
+
+
+def slug(heading: str) -> str:
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def anchors(path: Path) -> set[str]:
+    out, fenced = set(), False
+    for line in path.read_text().splitlines():
+        if line.lstrip().startswith("```"):
+            fenced = not fenced
+        elif not fenced and line.startswith("#"):
+            out.add(slug(line.lstrip("#")))
+    return out
+
+
+def test_relative_links_and_anchors_resolve():
+    dead = []
+    for page in PAGES:
+        path = ROOT / page
+        fenced = False
+        for n, line in enumerate(path.read_text().splitlines(), 1):
+            if line.lstrip().startswith("```"):
+                fenced = not fenced
+                continue
+            if fenced:
+                continue
+            for target in LINK.findall(line):
+                if re.match(r"^[a-z]+://|^mailto:", target):
+                    continue
+                file, _, anchor = target.partition("#")
+                dest = (path.parent / file).resolve() if file else path
+                where = f"{os.path.relpath(path, ROOT)}:{n}: {target}"
+                if not dest.exists():
+                    dead.append(f"{where}: no such file")
+                elif anchor and dest.suffix == ".md" and anchor not in anchors(dest):
+                    dead.append(f"{where}: no heading #{anchor} in {os.path.relpath(dest, ROOT)}")
+    assert not dead, "dead links in the docs:\n" + "\n".join(dead)
+
+
+def test_every_doc_page_is_linked_from_the_readme():
+    readme = (ROOT / "README.md").read_text()
+    pages = [os.path.relpath(p, ROOT) for p in glob.glob(str(ROOT / "docs" / "*.md"))] + ["benchmarks/README.md"]
+    unlinked = [p for p in pages if f"]({p}" not in readme]
+    assert not unlinked, f"docs pages the README does not link: {unlinked}"
+
+
+def test_every_report_is_linked_from_the_benchmarks_readme():
+    index = (ROOT / "benchmarks" / "README.md").read_text()
+    reports = [os.path.basename(p) for p in glob.glob(str(ROOT / "benchmarks" / "reports" / "*.md"))]
+    unlinked = [r for r in reports if f"](reports/{r})" not in index]
+    assert not unlinked, f"reports benchmarks/README.md does not link: {unlinked}"
