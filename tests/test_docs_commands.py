@@ -189,7 +189,7 @@ REGISTRY: dict[str, Entry] = {
         Entry(marks=("gpu",), files=("OUT/check.log",), timeout=1800),
     ".venv/bin/python dev/gpu_parity.py --jobs 8 --out gpu_parity.jsonl":
         Entry(marks=("gpu",), files=("gpu_parity.jsonl",), timeout=1800),
-    ".venv/bin/python -m pytest -q -m gpu tests/test_step_device.py tests/test_kernels.py":
+    ".venv/bin/python -m pytest -q -m gpu tests/test_step_device.py tests/test_kernel_*.py":
         Entry(marks=("gpu",), timeout=900),
     # docs/development.md
     ".venv/bin/python scripts/check_imports.py": Entry(stdout=r"no import cycle"),
