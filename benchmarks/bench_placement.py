@@ -7,12 +7,14 @@ For BSP and SSP (consistency=ssp) it replays the same steps for: the cache alone
 placement=none), FAE + cache (placement=fae, budget --fae-budget), and the planner (placement=sca,
 budget = FAE's + the configured cache's bytes, so FAE's exact configuration is one of its
 candidates); then Herald (schedule=herald) against the naive baseline (random partition, sync every
-update). Embedding bytes per global sample by the trainer's own byte formulas (trainer/simulate.py).
+update). Embedding bytes per global sample by the trainer's own byte formulas (trainer/tools/simulate.py).
 Progress on stderr.
 
 --measure instead trains (W = 2 gloo processes under torchrun, `--measure-steps` steps, global
 batch 4,096) cache alone, FAE + cache and SCA at BSP and SSP and reports the measured embedding
-bytes per sample and SCA's predicted_vs_measured from each run's summary.json.
+bytes per sample and SCA's predicted_vs_measured from each run's summary.json. --consistency bsp
+(or ssp) compares at that mode alone. Bad input (a data preset that does not exist, a count <= 0) is
+one `error: ...` line, exit status 2.
 """
 from __future__ import annotations
 
@@ -22,15 +24,15 @@ import os
 import sys
 import time
 
-from trainer import simulate as sim
-from trainer.config import cache_capacities
-from trainer.placement.sca import slot_bytes
-
-from trainer.config import cache_capacities
-from trainer.placement.sca import slot_bytes
-from trainer.tools import simulate as sim
-
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:  # the repository root, for the package when run from a checkout
+    sys.path.insert(0, ROOT)
+
+from trainer.config import cache_capacities  # noqa: E402
+from trainer.placement.sca import slot_bytes  # noqa: E402
+from trainer.tools import simulate as sim  # noqa: E402
+from trainer.tools.cli import exit_status  # noqa: E402
+from trainer.tools.launch import check_trainer, trainer_command  # noqa: E402
 
 
 def _bytes_per_sample(overrides: list[str], workers: int, steps: int) -> dict:
@@ -44,8 +46,7 @@ def _bytes_per_sample(overrides: list[str], workers: int, steps: int) -> dict:
 def _train(overrides: list[str], out: str, world: int) -> dict:
     """One torchrun training run; its summary.json."""
     import subprocess
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world}",
-           "-m", "trainer", "comm=torch", "train.progress=off", f"hydra.run.dir={out}"] + overrides
+    cmd = trainer_command(world, ["train.progress=off", f"hydra.run.dir={out}", *overrides], "torchrun")
     subprocess.run(cmd, check=True, cwd=ROOT, stdout=subprocess.DEVNULL)
     with open(os.path.join(out, "summary.json")) as f:
         return json.load(f)
@@ -59,11 +60,16 @@ def measure(a: argparse.Namespace) -> dict:
     cache_bytes = sum(cache_capacities(cfg)) * slot_bytes(cfg.model.embedding_dim)
     out: dict = {"workers": 2, "steps": a.measure_steps, "data": a.data, "plan_steps": a.plan_steps}
     kinds = ("ids", "versions", "rows", "grads", "replica")
+    runs = {cons: {"cache": [], "fae+cache": ["placement=fae", f"placement.budget_bytes={a.fae_budget}"],
+                   "sca": ["placement=sca", f"placement.budget_bytes={a.fae_budget + cache_bytes}"]}
+            for cons in a.consistency}
+    for cons, named in runs.items():  # every run's config before the first starts
+        for extra in named.values():
+            check_trainer(2, base + [f"consistency={cons}"] + extra, "torchrun")
     with tempfile.TemporaryDirectory() as tmp:
-        for cons in ("bsp", "ssp"):
+        for cons, named in runs.items():
             row = {}
-            for name, extra in (("cache", []), ("fae+cache", ["placement=fae", f"placement.budget_bytes={a.fae_budget}"]),
-                                ("sca", ["placement=sca", f"placement.budget_bytes={a.fae_budget + cache_bytes}"])):
+            for name, extra in named.items():
                 print(f"bench_placement: measure {cons} {name} ...", file=sys.stderr, flush=True)
                 s = _train(base + [f"consistency={cons}"] + extra, os.path.join(tmp, f"{cons}-{name}"), 2)
                 samples = a.measure_steps * 4096
@@ -74,29 +80,13 @@ def measure(a: argparse.Namespace) -> dict:
     return out
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--workers", "-W", type=int, default=8)
-    p.add_argument("--steps", type=int, default=40)
-    p.add_argument("--data", default="criteo_like")
-    p.add_argument("--fae-budget", type=int, default=65536, help="FAE's replicated bytes per worker")
-    p.add_argument("--plan-steps", type=int, default=8, help="sca: steps each candidate is replayed on")
-    p.add_argument("--herald-steps", type=int, default=20)
-    p.add_argument("--measure", action="store_true", help="train W = 2 runs and report measured bytes")
-    p.add_argument("--measure-steps", type=int, default=40)
-    a = p.parse_args(argv)
-    t0 = time.perf_counter()
-    if a.measure:
-        out = measure(a)
-        out["seconds"] = round(time.perf_counter() - t0, 1)
-        print(json.dumps(out))
-        return 0
+def simulated(a: argparse.Namespace) -> dict:
     base = [f"data={a.data}", "cache=lru", f"train.steps={a.steps}"]
-    cache_bytes = sum(cache_capacities(sim.compose_config(base))) * slot_bytes(
-        sim.compose_config(base).model.embedding_dim)
+    cfg = sim.compose_config(base)
+    cache_bytes = sum(cache_capacities(cfg)) * slot_bytes(cfg.model.embedding_dim)
     out: dict = {"workers": a.workers, "steps": a.steps, "data": a.data, "fae_budget_bytes": a.fae_budget,
                  "cache_bytes_per_worker": cache_bytes}
-    for cons in ("bsp", "ssp"):
+    for cons in a.consistency:
         runs = {"cache": [], "fae+cache": ["placement=fae", f"placement.budget_bytes={a.fae_budget}"],
                 "sca": ["placement=sca", f"placement.budget_bytes={a.fae_budget + cache_bytes}",
                         f"placement.plan_steps={a.plan_steps}"]}
@@ -112,11 +102,37 @@ def main(argv: list[str] | None = None) -> int:
     out["herald"] = {k: h[k] for k in ("steps", "pulls", "pushes", "naive_remote_reads", "pulls_vs_naive",
                                        "pushes_vs_naive", "remote_reads", "random_remote_reads", "seconds")}
     out["targets"] = {"herald_pulls_le_0.52": h["pulls_vs_naive"] <= 0.52,
-                      "herald_pushes_le_0.42": h["pushes_vs_naive"] <= 0.42,
-                      "fae+cache_below_cache_bsp": out["bsp"]["fae+cache_vs_cache"] < 1,
-                      "fae+cache_below_cache_ssp": out["ssp"]["fae+cache_vs_cache"] < 1,
-                      "sca_no_worse_than_fae_bsp": out["bsp"]["sca_vs_fae"] <= 1,
-                      "sca_no_worse_than_fae_ssp": out["ssp"]["sca_vs_fae"] <= 1}
+                      "herald_pushes_le_0.42": h["pushes_vs_naive"] <= 0.42}
+    for cons in a.consistency:
+        out["targets"].update({f"fae+cache_below_cache_{cons}": out[cons]["fae+cache_vs_cache"] < 1,
+                               f"sca_no_worse_than_fae_{cons}": out[cons]["sca_vs_fae"] <= 1})
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--workers", "-W", type=int, default=8)
+    p.add_argument("--steps", type=int, default=40)
+    p.add_argument("--data", default="criteo_like")
+    p.add_argument("--consistency", nargs="+", choices=("bsp", "ssp"), default=["bsp", "ssp"],
+                   help="the consistency modes compared (default: both)")
+    p.add_argument("--fae-budget", type=int, default=65536, help="FAE's replicated bytes per worker")
+    p.add_argument("--plan-steps", type=int, default=8, help="sca: steps each candidate is replayed on")
+    p.add_argument("--herald-steps", type=int, default=20)
+    p.add_argument("--measure", action="store_true", help="train W = 2 runs and report measured bytes")
+    p.add_argument("--measure-steps", type=int, default=40)
+    a = p.parse_args(argv)
+    t0 = time.perf_counter()
+    out: dict = {}
+
+    def run() -> None:
+        for name in ("workers", "steps", "herald_steps", "measure_steps", "plan_steps"):
+            if getattr(a, name) <= 0:
+                raise ValueError(f"--{name.replace('_', '-')} {getattr(a, name)}: must be > 0")
+        out.update(measure(a) if a.measure else simulated(a))
+    status = exit_status(run)
+    if status:
+        return status
     out["seconds"] = round(time.perf_counter() - t0, 1)
     print(json.dumps(out))
     return 0

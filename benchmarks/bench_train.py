@@ -21,22 +21,33 @@ import tempfile
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:  # the repository root, for the package when run from a checkout
+    sys.path.insert(0, ROOT)
+
+from trainer.tools.cli import exit_status  # noqa: E402
+from trainer.tools.launch import check_trainer, trainer_command  # noqa: E402
+
+BASE = ["data=bench", "model.embedding_dim=16", "train.threads=1", "train.log_every=10",
+        "data.eval_samples=8192", "train.progress=off", "checkpoint.enabled=false"]
+
+
+def overrides(steps: int, extra: list[str]) -> list[str]:
+    """The trainer overrides of a run (the output directory aside)."""
+    return [*BASE, f"train.steps={steps}", *extra]
+
+
+def launcher(world: int, backend: str) -> str:
+    return "local" if world == 1 else ("horovodrun" if backend == "horovod" else "torchrun")
 
 
 def command(world: int, steps: int, out: str, extra: list[str], backend: str) -> list[str]:
-    args = ["data=bench", "model.embedding_dim=16", "train.threads=1", f"train.steps={steps}",
-            "train.log_every=10", "data.eval_samples=8192", "train.progress=off",
-            "checkpoint.enabled=false",
-            f"hydra.run.dir={out}", *extra]
-    if world == 1:
-        return [sys.executable, "-m", "trainer", *args]
-    if backend == "horovod":
-        hvd = os.path.join(os.path.dirname(sys.executable), "horovodrun")
-        return [hvd, "-np", str(world), "-H", f"localhost:{world}", "--gloo", sys.executable,
-                "-m", "trainer", "comm=horovod", *args]
-    torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
-    return [torchrun, "--standalone", "--nproc_per_node", str(world), "-m", "trainer",
-            "comm=torch", *args]
+    return trainer_command(world, [*overrides(steps, extra), f"hydra.run.dir={out}"], launcher(world, backend))
+
+
+def check(worlds: list[int], steps: int, extra: list[str], backend: str) -> None:
+    """Every run's config before any starts: a bad override is one error line, not a failed run."""
+    for w in worlds:
+        check_trainer(w, overrides(steps, extra), launcher(w, backend))
 
 
 def bench(world: int, steps: int, extra: list[str], backend: str) -> dict:
@@ -62,8 +73,8 @@ def bench(world: int, steps: int, extra: list[str], backend: str) -> dict:
             "final_loss": s["final_loss"], "eval_auc": s["eval_auc"], "wall_s": round(wall, 1)}
 
 
-def main() -> None:
-    argv = sys.argv[1:]
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
     extra = argv[argv.index("--") + 1:] if "--" in argv else []
     argv = argv[: argv.index("--")] if "--" in argv else argv
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -71,9 +82,13 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=60)
     ap.add_argument("--backend", choices=["torch", "horovod"], default="torch")
     a = ap.parse_args(argv)
+    status = exit_status(lambda: check(a.worlds, a.steps, extra, a.backend))
+    if status:
+        return status
     for w in a.worlds:
         print(json.dumps(bench(w, a.steps, extra, a.backend)), flush=True)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

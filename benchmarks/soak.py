@@ -22,11 +22,16 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 
 import numpy as np
 
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:  # the repository root, for the package when run from a checkout
+    sys.path.insert(0, ROOT)
+from trainer.tools.cli import exit_status  # noqa: E402
 
 
 def rss_mib() -> float:
@@ -45,7 +50,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=None,
                    help="steps left out of the fits (default: min(500, steps // 5))")
     p.add_argument("overrides", nargs="*", help="trainer config overrides (default preset: data=tiny)")
-    a = p.parse_args(argv)
+    a = p.parse_intermixed_args(argv)
     if a.steps <= 0 or a.sample_every <= 0:
         p.error("--steps and --sample-every must be > 0")
     a.warmup = min(500, a.steps // 5) if a.warmup is None else a.warmup
@@ -97,16 +102,20 @@ def report(series: list[tuple[int, float, float]], warmup: int, wall: float, los
             "series": [[s[0], round(s[1], 2), None if np.isnan(s[2]) else round(s[2], 1)] for s in series]}
 
 
-def main(argv: list[str] | None = None) -> dict:
+def main(argv: list[str] | None = None) -> int:
     a = parse(sys.argv[1:] if argv is None else argv)
-    series, wall, losses = soak(a.steps, a.sample_every, a.overrides)
+    got: list = []
+    status = exit_status(lambda: got.extend(soak(a.steps, a.sample_every, a.overrides)))
+    if status:
+        return status
+    series, wall, losses = got
     if sum(1 for s in series[1:] if s[0] > a.warmup) < 2:
-        raise SystemExit(f"too few samples after the warm-up: --steps {a.steps}, --sample-every "
-                         f"{a.sample_every}, --warmup {a.warmup}")
-    out = report(series, a.warmup, wall, losses, a.overrides)
-    print(json.dumps(out))
-    return out
+        print(f"error: too few samples after the warm-up: --steps {a.steps}, --sample-every "
+              f"{a.sample_every}, --warmup {a.warmup}", file=sys.stderr)
+        return 2
+    print(json.dumps(report(series, a.warmup, wall, losses, a.overrides)))
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

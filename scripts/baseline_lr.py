@@ -22,7 +22,9 @@ import sys
 import tempfile
 import time
 
-from trainer.tools.baseline import DEFAULT_CS, SOLVERS, compose, input_errors, run_baseline
+from trainer.tools.baseline import DEFAULT_CS, SOLVERS, compose, run_baseline
+from trainer.tools.cli import exit_status
+from trainer.tools.launch import trainer_command
 
 
 def _floats(text: str) -> list[float]:
@@ -53,8 +55,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def run_trainer(directory: str, overrides: list[str], run_dir: str) -> dict:
     """`python -m trainer data=criteo data.dir=DIR <overrides>`; its summary.json."""
-    cmd = [sys.executable, "-m", "trainer", "data=criteo", f"data.dir={directory}", "train.progress=off",
-           f"hydra.run.dir={run_dir}", *overrides]
+    cmd = trainer_command(1, ["data=criteo", f"data.dir={directory}", "train.progress=off",
+                              f"hydra.run.dir={run_dir}", *overrides])
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0:
@@ -68,12 +70,11 @@ def run_trainer(directory: str, overrides: list[str], run_dir: str) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     a = parse_args(argv)
-    try:
-        c = compose(a.dir, a.overrides)
-        base = run_baseline(c, a.cs, a.folds, a.val_fraction, a.solver, a.max_train_rows)
-    except input_errors() as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+    base: dict = {}
+    status = exit_status(lambda: base.update(run_baseline(compose(a.dir, a.overrides), a.cs, a.folds,
+                                                          a.val_fraction, a.solver, a.max_train_rows)))
+    if status:
+        return status
     if not a.compare:
         print(json.dumps(base))
         return 0

@@ -31,7 +31,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         points = load_points(find_summaries(a.sweep), a.x, a.series)
         baseline = json.load(open(a.baseline)) if a.baseline else None
-    except (FileNotFoundError, KeyError) as e:
+    except (OSError, KeyError, ValueError) as e:  # a missing or malformed summary, a key it lacks
         print(f"error: {e}", file=sys.stderr)
         return 2
     plot(points, baseline, a.x, a.out, a.title, a.auc_tol)

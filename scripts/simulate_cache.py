@@ -17,7 +17,7 @@ and prints pulls / pushes against the naive baseline (random partition, sync eve
 
 Positional arguments are Hydra overrides of `python -m trainer` (cache=..., consistency=...,
 cache.capacity_fraction=..., data=...). Semantics, trace formats and the exact OPT definition
-follow (trainer/simulate.py's docstring).
+follow trainer/tools/simulate.py's docstring.
 """
 from __future__ import annotations
 
@@ -25,8 +25,8 @@ import argparse
 import json
 import sys
 
-from trainer.config import ConfigError
 from trainer.tools import simulate as sim
+from trainer.tools.cli import exit_status
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -49,30 +49,32 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--quiet", action="store_true", help="no progress on stderr")
     p.add_argument("--schedule-baseline", action="store_true",
                    help="with schedule=random: count the naive pulls/pushes of the sync planner")
-    return p.parse_args(argv)
+    return p.parse_intermixed_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
     a = parse_args(argv)
     log = None if a.quiet else sys.stderr
-    try:
+    out: dict = {}
+
+    def run() -> None:
         if a.schedule_baseline or any(o.replace(" ", "") == "schedule=herald" for o in a.overrides):
             cfg = sim.compose_config(a.overrides)
             steps = a.steps if a.steps is not None else cfg.train.steps
             if steps <= 0 or a.workers <= 0:
                 raise sim.TraceError(f"--steps {steps} / --workers {a.workers}: must be > 0")
-            print(json.dumps(sim.simulate_schedule(cfg, a.workers, steps, log)))
-            return 0
+            out.update(sim.simulate_schedule(cfg, a.workers, steps, log))
+            return
         trace, spec, cfg = sim.build(a.overrides, a.workers, a.owners, a.trace, a.batch, sys.stderr)
         steps = sim.resolve_steps(trace, cfg, a.steps, sys.stderr)
         if log is not None:
             print(f"simulate: W={spec.workers} owners={spec.owners} policy={spec.policy} "
                   f"capacity={sum(spec.capacities)} rows/worker, {steps} steps of "
                   f"{trace.global_batch} samples ({trace.description})", file=log, flush=True)
-        out = sim.simulate(trace, spec, steps, a.per_table, a.opt_bypass, log)
-    except (ConfigError, sim.TraceError, OSError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+        out.update(sim.simulate(trace, spec, steps, a.per_table, a.opt_bypass, log))
+    status = exit_status(run)
+    if status:
+        return status
     print(json.dumps(out))
     return 0
 
