@@ -1,6 +1,6 @@
 """Run many Python command lines as the interpreter would run each, paying for the heavy imports once.
 
-    python tests/script_runner.py < cases.json > results.json
+    python tests/script_runner.py [--jobs N] < cases.json > results.json
 
 Why: `python scripts/plan.py --help` costs a second or more, almost all of it importing torch,
 Hydra and numpy; a table of twenty scripts' --help and bad-input runs would spend most of a minute
@@ -16,7 +16,8 @@ code (a message is printed to stderr with status 1), 0 when the code returns, 1 
 on stderr when an exception escapes. Its stdout and stderr go to files the parent reads back.
 
 The results (stdout, a JSON list in case order): {"rc", "stdout", "stderr", "timed_out", "seconds"}.
-A child past its timeout is killed with its process group (rc -9, timed_out true).
+A child past its timeout is killed with its process group (rc -9, timed_out true). Up to --jobs
+children run at once (default: the cores), so cases must not share files.
 """
 from __future__ import annotations
 
@@ -84,47 +85,58 @@ def _child(case: dict, out: str, err: str) -> None:
         os._exit(code)
 
 
-def run_case(case: dict, tmp: str) -> dict:
-    out, err = os.path.join(tmp, "out"), os.path.join(tmp, "err")
+def _start(case: dict, out: str, err: str) -> int:
+    """Fork the child of `case` writing to out / err; its pid."""
     for path in (out, err):
         open(path, "w").close()
-    t0 = time.monotonic()
     sys.stdout.flush()
     sys.stderr.flush()
     pid = os.fork()
     if pid == 0:
         _child(case, out, err)
-    deadline = t0 + float(case.get("timeout", 120))
-    timed_out = False
-    while True:
-        done, status = os.waitpid(pid, os.WNOHANG)
-        if done:
-            break
-        if time.monotonic() > deadline:
-            timed_out = True
-            try:
-                os.killpg(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            _, status = os.waitpid(pid, 0)
-            break
-        time.sleep(0.01)
-    rc = os.waitstatus_to_exitcode(status)
+    return pid
 
-    def read(path: str) -> str:
-        with open(path, errors="replace") as f:
-            return f.read()
-    return {"rc": rc, "stdout": read(out), "stderr": read(err), "timed_out": timed_out,
-            "seconds": round(time.monotonic() - t0, 3)}
+
+def _read(path: str) -> str:
+    with open(path, errors="replace") as f:
+        return f.read()
+
+
+def run_cases(cases: list[dict], tmp: str, jobs: int) -> list[dict]:
+    """Every case, up to `jobs` children at once; the results in case order."""
+    results: list[dict] = [{} for _ in cases]
+    running: dict[int, tuple[int, float, str, str]] = {}  # pid -> (case index, start, out, err)
+    todo = list(range(len(cases)))
+    while todo or running:
+        while todo and len(running) < jobs:
+            i = todo.pop(0)
+            out, err = os.path.join(tmp, f"{i}.out"), os.path.join(tmp, f"{i}.err")
+            running[_start(cases[i], out, err)] = (i, time.monotonic(), out, err)
+        for pid, (i, t0, out, err) in list(running.items()):
+            done, status = os.waitpid(pid, os.WNOHANG)
+            timed_out = not done and time.monotonic() - t0 > float(cases[i].get("timeout", 120))
+            if timed_out:
+                try:
+                    os.killpg(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+                _, status = os.waitpid(pid, 0)
+            if done or timed_out:
+                del running[pid]
+                results[i] = {"rc": os.waitstatus_to_exitcode(status), "stdout": _read(out), "stderr": _read(err),
+                              "timed_out": timed_out, "seconds": round(time.monotonic() - t0, 3)}
+        time.sleep(0.01)
+    return results
 
 
 def main() -> int:
     cases = json.load(sys.stdin)
     for name in PRELOAD:
         __import__(name)
+    jobs = int(sys.argv[sys.argv.index("--jobs") + 1]) if "--jobs" in sys.argv else (os.cpu_count() or 1)
     tmp = tempfile.mkdtemp(prefix="script_runner-")  # no finalizer: a child's atexit must not remove it
     try:
-        results = [run_case(c, tmp) for c in cases]
+        results = run_cases(cases, tmp, max(1, jobs))
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     json.dump(results, sys.stdout)

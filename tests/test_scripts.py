@@ -306,7 +306,8 @@ def test_netcluster_command_line_up_run_down():
     st = json.loads(up.stdout)
     tag = st["tag"]
     try:
-        assert st["hosts"] == 2 and st["rate_bits"] == 100_000_000
+        assert [h["addr"] for h in st["hosts"]] == [f"{netcluster.SUBNET}.1", f"{netcluster.SUBNET}.2"]
+        assert st["rate_bits"] == 100_000_000
         status = subprocess.run([*nc, "status"], capture_output=True, text=True, env=env(), timeout=60)
         assert tag in [json.loads(x)["tag"] for x in status.stdout.splitlines()]
         for host in (0, 1):
