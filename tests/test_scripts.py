@@ -16,7 +16,7 @@ import sys
 import pytest
 
 from data_helpers import SAMPLE, prepare_sample
-from hvd_launch import ROOT, env, require_horovod
+from hvd_launch import ROOT, env, require_horovod, require_netns
 from trainer.tools import launch
 
 PY = sys.executable
@@ -295,10 +295,8 @@ def test_bench_comm_all_launches_torchrun_and_horovodrun():
 @pytest.mark.dist
 @pytest.mark.netns
 def test_netcluster_command_line_up_run_down():
+    require_netns()
     from dev import netcluster
-    ok, why = netcluster.availability()
-    if not ok:
-        pytest.skip(f"the emulated cluster needs root and `ip netns`: {why}")
     nc = [PY, os.path.join(ROOT, "dev", "netcluster.py")]
     up = subprocess.run([*nc, "up", "--rate", "100mbit", "--ttl", "300"], capture_output=True, text=True,
                         env=env(), timeout=300)
