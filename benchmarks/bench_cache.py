@@ -35,7 +35,7 @@ import torch  # noqa: E402
 
 from trainer.sim import CacheSimulator  # noqa: E402
 from trainer.tools import simulate as sim_tools  # noqa: E402
-from trainer.tools.cli import error_line, input_errors  # noqa: E402
+from trainer.tools.cli import bad_input, input_errors  # noqa: E402
 
 from benchmarks.phases import Timers  # noqa: E402
 
@@ -70,8 +70,7 @@ def main(argv: list[str] | None = None) -> int:
         overrides = merged(a.overrides)
         trace, spec, cfg = sim_tools.build(overrides, a.workers, log=None)
     except input_errors() as exc:  # the tool scripts' bad input (TraceError is a ValueError)
-        print(f"error: {error_line(exc)}", file=sys.stderr)
-        return 2
+        return bad_input(exc)
     if spec.policy == "none":
         print("error: cache=none has no cache bookkeeping to time", file=sys.stderr)
         return 2

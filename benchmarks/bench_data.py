@@ -7,6 +7,8 @@ a temporary directory (never inside the repo). Everything derived is written und
 directory and removed at the end.
 
     .venv/bin/python benchmarks/bench_data.py [--input day_0] [--repeat 100] [--workers 1 2] [--batch 4096]
+
+Bad input (a missing --input file, a count <= 0) is one `error: ...` line, exit status 2.
 """
 from __future__ import annotations
 
@@ -21,7 +23,8 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:  # the repository root, for the package when run from a checkout
     sys.path.insert(0, ROOT)
-from trainer.tools.cli import exit_status  # noqa: E402
+from trainer.data.criteo import CriteoFormatError  # noqa: E402
+from trainer.tools.cli import bad_input  # noqa: E402
 
 SAMPLE = os.path.join(ROOT, "..", "shared", "data", "criteo_sample_2k.tsv")
 
@@ -71,6 +74,17 @@ def bench_loader(directory: str, loader: str, batch: int, steps: int) -> dict:
             "samples_per_s": round(steps * batch / dt, 1)}
 
 
+def check(a: argparse.Namespace) -> None:
+    """The options, before anything is written (ValueError naming the bad one)."""
+    for name in ("repeat", "batch", "steps", "chunk_mb"):
+        if getattr(a, name) <= 0:
+            raise ValueError(f"--{name.replace('_', '-')} {getattr(a, name)}: must be > 0")
+    if min(a.workers) <= 0:
+        raise ValueError(f"--workers {min(a.workers)}: must be > 0")
+    if a.input is not None and not os.path.isfile(a.input):
+        raise ValueError(f"--input {a.input}: no such file")
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--input", help="a raw Criteo TSV file (default: the shared sample, repeated)")
@@ -80,25 +94,25 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batch", type=int, default=4096)
     ap.add_argument("--steps", type=int, default=100)
     a = ap.parse_args(argv)
-
-    def run() -> None:
-        for name in ("repeat", "batch", "steps", "chunk_mb"):
-            if getattr(a, name) <= 0:
-                raise ValueError(f"--{name.replace('_', '-')} {getattr(a, name)}: must be > 0")
-        if min(a.workers) <= 0:
-            raise ValueError(f"--workers {min(a.workers)}: must be > 0")
-        tmp = tempfile.mkdtemp(prefix="bench_data_")
-        try:
-            src = a.input or make_input(tmp, a.repeat)
-            prepared = None
-            for w in a.workers:
+    try:
+        check(a)
+    except ValueError as exc:
+        return bad_input(exc)
+    tmp = tempfile.mkdtemp(prefix="bench_data_")
+    try:
+        src = a.input or make_input(tmp, a.repeat)
+        prepared = None
+        for w in a.workers:
+            try:
                 rec, prepared = bench_prepare(src, tmp, w, a.chunk_mb)
-                print(json.dumps(rec), flush=True)
-            for loader in ("memmap", "dali"):
-                print(json.dumps(bench_loader(prepared, loader, a.batch, a.steps)), flush=True)
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
-    return exit_status(run)
+            except CriteoFormatError as exc:  # --input is not a Criteo file
+                return bad_input(exc)
+            print(json.dumps(rec), flush=True)
+        for loader in ("memmap", "dali"):
+            print(json.dumps(bench_loader(prepared, loader, a.batch, a.steps)), flush=True)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return 0
 
 
 if __name__ == "__main__":

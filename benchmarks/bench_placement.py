@@ -31,7 +31,7 @@ if ROOT not in sys.path:  # the repository root, for the package when run from a
 from trainer.config import cache_capacities  # noqa: E402
 from trainer.placement.sca import slot_bytes  # noqa: E402
 from trainer.tools import simulate as sim  # noqa: E402
-from trainer.tools.cli import exit_status  # noqa: E402
+from trainer.tools.cli import bad_input, input_errors  # noqa: E402
 from trainer.tools.launch import check_trainer, trainer_command  # noqa: E402
 
 
@@ -52,48 +52,60 @@ def _train(overrides: list[str], out: str, world: int) -> dict:
         return json.load(f)
 
 
-def measure(a: argparse.Namespace) -> dict:
-    import tempfile
-    base = [f"data={a.data}", "cache=lru", f"train.steps={a.measure_steps}", "data.global_batch_size=4096",
-            "data.eval_samples=4096", f"placement.plan_steps={a.plan_steps}"]
+KINDS = ("ids", "versions", "rows", "grads", "replica")  # the embedding bytes of a run's summary
+
+
+def plan_runs(a: argparse.Namespace) -> tuple[list[str], int, dict[str, dict[str, list[str]]]]:
+    """(the overrides every run shares, the configured cache's bytes per worker, {consistency:
+    {run name: its overrides}}), each run's config composed and checked here, before any runs:
+    bad input (a data preset that does not exist, a count <= 0) raises (trainer.tools.cli.input_errors)."""
+    for name in ("workers", "steps", "herald_steps", "measure_steps", "plan_steps"):
+        if getattr(a, name) <= 0:
+            raise ValueError(f"--{name.replace('_', '-')} {getattr(a, name)}: must be > 0")
+    base = [f"data={a.data}", "cache=lru", f"placement.plan_steps={a.plan_steps}"]
+    base += (["data.global_batch_size=4096", "data.eval_samples=4096", f"train.steps={a.measure_steps}"]
+             if a.measure else [f"train.steps={a.steps}"])
     cfg = sim.compose_config(base)
     cache_bytes = sum(cache_capacities(cfg)) * slot_bytes(cfg.model.embedding_dim)
-    out: dict = {"workers": 2, "steps": a.measure_steps, "data": a.data, "plan_steps": a.plan_steps}
-    kinds = ("ids", "versions", "rows", "grads", "replica")
-    runs = {cons: {"cache": [], "fae+cache": ["placement=fae", f"placement.budget_bytes={a.fae_budget}"],
-                   "sca": ["placement=sca", f"placement.budget_bytes={a.fae_budget + cache_bytes}"]}
+    runs = {cons: {"cache": [f"consistency={cons}"],
+                   "fae+cache": [f"consistency={cons}", "placement=fae", f"placement.budget_bytes={a.fae_budget}"],
+                   # FAE's budget and the cache's bytes: FAE's exact configuration is one of SCA's candidates
+                   "sca": [f"consistency={cons}", "placement=sca", f"placement.budget_bytes={a.fae_budget + cache_bytes}"]}
             for cons in a.consistency}
-    for cons, named in runs.items():  # every run's config before the first starts
+    for named in runs.values():
         for extra in named.values():
-            check_trainer(2, base + [f"consistency={cons}"] + extra, "torchrun")
+            if a.measure:
+                check_trainer(2, base + extra, "torchrun")
+            else:
+                sim.compose_config(base + extra)
+    return base, cache_bytes, runs
+
+
+def measure(a: argparse.Namespace, base: list[str], runs: dict[str, dict[str, list[str]]]) -> dict:
+    import tempfile
+    out: dict = {"workers": 2, "steps": a.measure_steps, "data": a.data, "plan_steps": a.plan_steps}
     with tempfile.TemporaryDirectory() as tmp:
         for cons, named in runs.items():
             row = {}
             for name, extra in named.items():
                 print(f"bench_placement: measure {cons} {name} ...", file=sys.stderr, flush=True)
-                s = _train(base + [f"consistency={cons}"] + extra, os.path.join(tmp, f"{cons}-{name}"), 2)
+                s = _train(base + extra, os.path.join(tmp, f"{cons}-{name}"), 2)
                 samples = a.measure_steps * 4096
-                row[name] = {"bytes_per_sample": sum(s["bytes"].get(k, 0) for k in kinds) / samples,
+                row[name] = {"bytes_per_sample": sum(s["bytes"].get(k, 0) for k in KINDS) / samples,
                              "predicted_vs_measured": s.get("placement", {}).get("predicted_vs_measured")}
             row["sca_vs_fae"] = row["sca"]["bytes_per_sample"] / row["fae+cache"]["bytes_per_sample"]
             out[cons] = row
     return out
 
 
-def simulated(a: argparse.Namespace) -> dict:
-    base = [f"data={a.data}", "cache=lru", f"train.steps={a.steps}"]
-    cfg = sim.compose_config(base)
-    cache_bytes = sum(cache_capacities(cfg)) * slot_bytes(cfg.model.embedding_dim)
+def simulated(a: argparse.Namespace, base: list[str], cache_bytes: int, runs: dict[str, dict[str, list[str]]]) -> dict:
     out: dict = {"workers": a.workers, "steps": a.steps, "data": a.data, "fae_budget_bytes": a.fae_budget,
                  "cache_bytes_per_worker": cache_bytes}
-    for cons in a.consistency:
-        runs = {"cache": [], "fae+cache": ["placement=fae", f"placement.budget_bytes={a.fae_budget}"],
-                "sca": ["placement=sca", f"placement.budget_bytes={a.fae_budget + cache_bytes}",
-                        f"placement.plan_steps={a.plan_steps}"]}
+    for cons, named in runs.items():
         got = {}
-        for name, extra in runs.items():
+        for name, extra in named.items():
             print(f"bench_placement: {cons} {name} ...", file=sys.stderr, flush=True)
-            got[name] = _bytes_per_sample(base + [f"consistency={cons}"] + extra, a.workers, a.steps)
+            got[name] = _bytes_per_sample(base + extra, a.workers, a.steps)
         c, f, s = (got[k]["bytes_per_sample"] for k in ("cache", "fae+cache", "sca"))
         out[cons] = {**got, "fae+cache_vs_cache": f / c, "sca_vs_fae": s / f, "sca_vs_cache": s / c}
     print("bench_placement: herald ...", file=sys.stderr, flush=True)
@@ -103,7 +115,7 @@ def simulated(a: argparse.Namespace) -> dict:
                                        "pushes_vs_naive", "remote_reads", "random_remote_reads", "seconds")}
     out["targets"] = {"herald_pulls_le_0.52": h["pulls_vs_naive"] <= 0.52,
                       "herald_pushes_le_0.42": h["pushes_vs_naive"] <= 0.42}
-    for cons in a.consistency:
+    for cons in runs:
         out["targets"].update({f"fae+cache_below_cache_{cons}": out[cons]["fae+cache_vs_cache"] < 1,
                                f"sca_no_worse_than_fae_{cons}": out[cons]["sca_vs_fae"] <= 1})
     return out
@@ -123,16 +135,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--measure-steps", type=int, default=40)
     a = p.parse_args(argv)
     t0 = time.perf_counter()
-    out: dict = {}
-
-    def run() -> None:
-        for name in ("workers", "steps", "herald_steps", "measure_steps", "plan_steps"):
-            if getattr(a, name) <= 0:
-                raise ValueError(f"--{name.replace('_', '-')} {getattr(a, name)}: must be > 0")
-        out.update(measure(a) if a.measure else simulated(a))
-    status = exit_status(run)
-    if status:
-        return status
+    try:
+        base, cache_bytes, runs = plan_runs(a)
+    except input_errors() as exc:
+        return bad_input(exc)
+    out = measure(a, base, runs) if a.measure else simulated(a, base, cache_bytes, runs)
     out["seconds"] = round(time.perf_counter() - t0, 1)
     print(json.dumps(out))
     return 0

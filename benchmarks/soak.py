@@ -31,7 +31,7 @@ import numpy as np
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:  # the repository root, for the package when run from a checkout
     sys.path.insert(0, ROOT)
-from trainer.tools.cli import exit_status  # noqa: E402
+from trainer.tools.cli import bad_input, input_errors  # noqa: E402
 
 
 def rss_mib() -> float:
@@ -59,14 +59,20 @@ def parse(argv: list[str]) -> argparse.Namespace:
     return a
 
 
-def soak(steps: int, sample_every: int, overrides: list[str]) -> tuple[list[tuple[int, float, float]], float, list]:
-    """Train; return ([(steps done, rss MiB, samples/s of the window)], wall seconds, losses)."""
-    from trainer.comm import LocalCollectives
+def config(steps: int, overrides: list[str]):
+    """The validated Config of the soak's run (bad overrides raise: trainer.tools.cli.input_errors)."""
     from trainer.configure import compose_config
+
+    return compose_config(["comm=local", "train.progress=off", "checkpoint.enabled=false", *overrides,
+                           f"train.steps={steps}"])
+
+
+def soak(cfg, steps: int, sample_every: int) -> tuple[list[tuple[int, float, float]], float, list]:
+    """Train `steps` steps of cfg; return ([(steps done, rss MiB, samples/s of the window)], wall
+    seconds, losses)."""
+    from trainer.comm import LocalCollectives
     from trainer.runner import Trainer
 
-    cfg = compose_config(["comm=local", "train.progress=off", "checkpoint.enabled=false", *overrides,
-                          f"train.steps={steps}"])
     trainer = Trainer(cfg, LocalCollectives(cfg.comm.timeout_s), None)
     series = [(0, rss_mib(), float("nan"))]
     t0 = window = time.perf_counter()
@@ -104,15 +110,16 @@ def report(series: list[tuple[int, float, float]], warmup: int, wall: float, los
 
 def main(argv: list[str] | None = None) -> int:
     a = parse(sys.argv[1:] if argv is None else argv)
-    got: list = []
-    status = exit_status(lambda: got.extend(soak(a.steps, a.sample_every, a.overrides)))
-    if status:
-        return status
-    series, wall, losses = got
-    if sum(1 for s in series[1:] if s[0] > a.warmup) < 2:
+    samples = [min(s, a.steps) for s in range(a.sample_every, a.steps + a.sample_every, a.sample_every)]
+    if len([s for s in samples if s > a.warmup]) < 2:  # the steps soak() samples at, after the warm-up
         print(f"error: too few samples after the warm-up: --steps {a.steps}, --sample-every "
               f"{a.sample_every}, --warmup {a.warmup}", file=sys.stderr)
         return 2
+    try:
+        cfg = config(a.steps, a.overrides)
+    except input_errors() as exc:
+        return bad_input(exc)
+    series, wall, losses = soak(cfg, a.steps, a.sample_every)
     print(json.dumps(report(series, a.warmup, wall, losses, a.overrides)))
     return 0
 

@@ -22,9 +22,12 @@ import sys
 import tempfile
 import time
 
-from trainer.tools.baseline import DEFAULT_CS, SOLVERS, compose, run_baseline
-from trainer.tools.cli import exit_status
-from trainer.tools.launch import trainer_command
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:  # the repository root: this checkout's package, not another one installed
+    sys.path.insert(0, ROOT)
+from trainer.tools.baseline import DEFAULT_CS, SOLVERS, compose, run_baseline  # noqa: E402
+from trainer.tools.cli import bad_input, input_errors  # noqa: E402
+from trainer.tools.launch import trainer_command  # noqa: E402
 
 
 def _floats(text: str) -> list[float]:
@@ -70,11 +73,11 @@ def run_trainer(directory: str, overrides: list[str], run_dir: str) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     a = parse_args(argv)
-    base: dict = {}
-    status = exit_status(lambda: base.update(run_baseline(compose(a.dir, a.overrides), a.cs, a.folds,
-                                                          a.val_fraction, a.solver, a.max_train_rows)))
-    if status:
-        return status
+    try:
+        c = compose(a.dir, a.overrides)
+        base = run_baseline(c, a.cs, a.folds, a.val_fraction, a.solver, a.max_train_rows)
+    except input_errors() as exc:
+        return bad_input(exc)
     if not a.compare:
         print(json.dumps(base))
         return 0

@@ -14,10 +14,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
-from trainer.config import ConfigError, needs_global_view
-from trainer.tools.cli import exit_status
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:  # the repository root: this checkout's package, not another one installed
+    sys.path.insert(0, ROOT)
+from trainer.config import ConfigError, needs_global_view  # noqa: E402
+from trainer.tools.cli import exit_status  # noqa: E402
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -31,7 +35,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     a = parse_args(argv)
-    out: dict = {}
 
     def run() -> None:
         if a.workers <= 0:
@@ -48,15 +51,12 @@ def main(argv: list[str] | None = None) -> int:
         if plan.predicted is None and a.predict:
             pred = predict_bytes(cfg, a.workers, plan, data)
             plan.predicted = {k: v for k, v in pred.items() if k != "total"}
-        out.update(workers=a.workers, **plan.summary())
+        out = {"workers": a.workers, **plan.summary()}
         if plan.predicted is not None:
             out["predicted_total_bytes_per_sample"] = sum(plan.predicted.values())
-    status = exit_status(run)
-    if status:
-        return status
-    _table(out, sys.stderr)
-    print(json.dumps(out))
-    return 0
+        _table(out, sys.stderr)
+        print(json.dumps(out))
+    return exit_status(run)
 
 
 def _table(out: dict, f) -> None:

@@ -12,9 +12,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
-from trainer.tools.sweep import find_summaries, load_points, plot, report
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:  # the repository root: this checkout's package, not another one installed
+    sys.path.insert(0, ROOT)
+from trainer.tools.sweep import find_summaries, load_points, plot, report  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:

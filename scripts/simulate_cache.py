@@ -23,10 +23,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
-from trainer.tools import simulate as sim
-from trainer.tools.cli import exit_status
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:  # the repository root: this checkout's package, not another one installed
+    sys.path.insert(0, ROOT)
+from trainer.tools import simulate as sim  # noqa: E402
+from trainer.tools.cli import exit_status  # noqa: E402
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -55,7 +59,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     a = parse_args(argv)
     log = None if a.quiet else sys.stderr
-    out: dict = {}
 
     def run() -> None:
         if a.schedule_baseline or any(o.replace(" ", "") == "schedule=herald" for o in a.overrides):
@@ -63,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
             steps = a.steps if a.steps is not None else cfg.train.steps
             if steps <= 0 or a.workers <= 0:
                 raise sim.TraceError(f"--steps {steps} / --workers {a.workers}: must be > 0")
-            out.update(sim.simulate_schedule(cfg, a.workers, steps, log))
+            print(json.dumps(sim.simulate_schedule(cfg, a.workers, steps, log)))
             return
         trace, spec, cfg = sim.build(a.overrides, a.workers, a.owners, a.trace, a.batch, sys.stderr)
         steps = sim.resolve_steps(trace, cfg, a.steps, sys.stderr)
@@ -71,12 +74,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"simulate: W={spec.workers} owners={spec.owners} policy={spec.policy} "
                   f"capacity={sum(spec.capacities)} rows/worker, {steps} steps of "
                   f"{trace.global_batch} samples ({trace.description})", file=log, flush=True)
-        out.update(sim.simulate(trace, spec, steps, a.per_table, a.opt_bypass, log))
-    status = exit_status(run)
-    if status:
-        return status
-    print(json.dumps(out))
-    return 0
+        print(json.dumps(sim.simulate(trace, spec, steps, a.per_table, a.opt_bypass, log)))
+    return exit_status(run)
 
 
 if __name__ == "__main__":

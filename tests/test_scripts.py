@@ -164,7 +164,7 @@ BAD_INPUT = [
     (["scripts/baseline_lr.py", MISSING], f"data.dir='{MISSING}'"),
     (["scripts/check_imports.py", MISSING], f"{MISSING}: not a directory"),
     (["scripts/plan.py", "-W", "0", "data=tiny", "placement=fae"], "--workers 0: must be > 0"),
-    (["benchmarks/bench_data.py", "--input", MISSING, "--workers", "1"], f"input file '{MISSING}' does not exist"),
+    (["benchmarks/bench_data.py", "--input", MISSING, "--workers", "1"], f"--input {MISSING}: no such file"),
     (["benchmarks/bench_data.py", "--repeat", "0"], "--repeat 0: must be > 0"),
     (["benchmarks/bench_placement.py", "--data", "nosuch"], "Could not find 'data/nosuch'; Available options in 'data': bench,"),
     (["benchmarks/bench_placement.py", "--steps", "0"], "--steps 0: must be > 0"),

@@ -41,12 +41,17 @@ def error_line(exc: BaseException) -> str:
     return out or type(exc).__name__
 
 
+def bad_input(exc: BaseException) -> int:
+    """Report exc, an input error, as the one line `error: ...` on stderr; the exit status 2."""
+    print(f"error: {error_line(exc)}", file=sys.stderr)
+    return 2
+
+
 def exit_status(fn: Callable[[], Any]) -> int:
     """A tool script's exit status: 0 once fn() has run (or fn()'s own status when it returns an
     int); 2, with one `error: ...` line on stderr, when it stopped on bad input (input_errors)."""
     try:
         status = fn()
     except input_errors() as exc:
-        print(f"error: {error_line(exc)}", file=sys.stderr)
-        return 2
+        return bad_input(exc)
     return status if isinstance(status, int) else 0
