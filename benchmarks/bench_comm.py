@@ -25,7 +25,7 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:  # the repository root, for the package when run from a checkout
     sys.path.insert(0, ROOT)
-from trainer.tools.cli import exit_status  # noqa: E402
+from trainer.tools.cli import bad_input  # noqa: E402
 from trainer.tools.launch import launch_command  # noqa: E402
 
 OPS = ("alltoall", "allreduce")
@@ -159,7 +159,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--timeout", type=float, default=60.0, help="collective timeout, seconds")
     ap.add_argument("--launch-timeout", type=float, default=300.0)
     args = ap.parse_args(argv)
-    return exit_status(lambda: check(args)) or (driver(args) if args.all else worker(args))
+    try:
+        check(args)
+    except ValueError as exc:
+        return bad_input(exc)
+    return driver(args) if args.all else worker(args)
 
 
 if __name__ == "__main__":

@@ -66,7 +66,7 @@ if ROOT not in sys.path:  # the repository root: dev/ and benchmarks/ are import
 from benchmarks.phases import ENV as PHASES_ENV  # noqa: E402
 from dev import netcluster  # noqa: E402
 from dev.netcluster import NetCluster, NetClusterError  # noqa: E402
-from trainer.tools.cli import exit_status  # noqa: E402
+from trainer.tools.cli import bad_input, input_errors  # noqa: E402
 from trainer.tools.launch import check_trainer, trainer_command  # noqa: E402
 
 CACHE_SSP = ["cache=lfu", "consistency=ssp", "consistency.pull_bound=4", "consistency.push_bound=4"]
@@ -241,16 +241,13 @@ def main(argv: list[str] | None = None) -> int:
         if not ok:
             print(f"error: emulated links ({', '.join(shaped)}) need root and `ip netns`: {why}", file=sys.stderr)
             return 2
-    missing: dict[str, list[str]] = {}
-
-    def check() -> None:  # the modes this tree has keys for; every run's config, before any starts
-        missing.update({m: missing_keys(MODES[m]) for m in modes})
+    try:  # the modes this tree has keys for; every run's config, before any starts
+        missing = {m: missing_keys(MODES[m]) for m in modes}
         for m in modes:
             if not missing[m]:
                 check_trainer(2, trainer_args(m, steps, None, a.quick, extra), "torchrun")
-    status = exit_status(check)
-    if status:
-        return status
+    except input_errors() as exc:
+        return bad_input(exc)
     total = len(a.links) * sum(1 for m in modes if not missing[m]) * a.repeat
     done, failures = 0, 0
     t_start = time.perf_counter()

@@ -24,7 +24,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:  # the repository root, for the package when run from a checkout
     sys.path.insert(0, ROOT)
 
-from trainer.tools.cli import exit_status  # noqa: E402
+from trainer.tools.cli import bad_input, input_errors  # noqa: E402
 from trainer.tools.launch import check_trainer, trainer_command  # noqa: E402
 
 BASE = ["data=bench", "model.embedding_dim=16", "train.threads=1", "train.log_every=10",
@@ -82,9 +82,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=60)
     ap.add_argument("--backend", choices=["torch", "horovod"], default="torch")
     a = ap.parse_args(argv)
-    status = exit_status(lambda: check(a.worlds, a.steps, extra, a.backend))
-    if status:
-        return status
+    try:
+        check(a.worlds, a.steps, extra, a.backend)
+    except input_errors() as exc:
+        return bad_input(exc)
     for w in a.worlds:
         print(json.dumps(bench(w, a.steps, extra, a.backend)), flush=True)
     return 0

@@ -191,10 +191,9 @@ def main(argv: list[str] | None = None) -> int:
     if CRITEO in names and not a.criteo:
         p.error(f"path {CRITEO} needs --criteo DIR")
     import torch
-    from trainer.tools.cli import exit_status
+    from trainer.tools.cli import bad_input, input_errors
     from trainer.tools.launch import check_trainer
-
-    def check() -> None:
+    try:
         try:
             kind = torch.device(a.device).type
         except RuntimeError as exc:
@@ -203,9 +202,8 @@ def main(argv: list[str] | None = None) -> int:
             raise ValueError(f"--device {a.device}: no CUDA device here (torch.cuda.is_available() is False)")
         if a.criteo:  # the directory must be one prepare_criteo.py wrote (its meta.json is read here)
             check_trainer(1, ["data=criteo", f"data.dir={a.criteo}", "data.loader=memmap"])
-    status = exit_status(check)
-    if status:
-        return status
+    except input_errors() as exc:
+        return bad_input(exc)
     header = {"device": torch.cuda.get_device_name() if a.device == "cuda" else a.device,
               "torch": torch.__version__,
               "cuda": torch.version.cuda, "date": time.strftime("%Y-%m-%d")}
