@@ -32,7 +32,7 @@ from trainer.config import cache_capacities  # noqa: E402
 from trainer.placement.sca import slot_bytes  # noqa: E402
 from trainer.tools import simulate as sim  # noqa: E402
 from trainer.tools.cli import bad_input, input_errors  # noqa: E402
-from trainer.tools.launch import check_trainer, trainer_command  # noqa: E402
+from trainer.tools.launch import check_trainer, run_trainer, trainer_command  # noqa: E402
 
 
 def _bytes_per_sample(overrides: list[str], workers: int, steps: int) -> dict:
@@ -45,11 +45,8 @@ def _bytes_per_sample(overrides: list[str], workers: int, steps: int) -> dict:
 
 def _train(overrides: list[str], out: str, world: int) -> dict:
     """One torchrun training run; its summary.json."""
-    import subprocess
-    cmd = trainer_command(world, ["train.progress=off", f"hydra.run.dir={out}", *overrides], "torchrun")
-    subprocess.run(cmd, check=True, cwd=ROOT, stdout=subprocess.DEVNULL)
-    with open(os.path.join(out, "summary.json")) as f:
-        return json.load(f)
+    return run_trainer(trainer_command(world, ["train.progress=off", f"hydra.run.dir={out}", *overrides],
+                                       "torchrun"), out, cwd=ROOT)
 
 
 KINDS = ("ids", "versions", "rows", "grads", "replica")  # the embedding bytes of a run's summary

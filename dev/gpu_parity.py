@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -38,7 +37,7 @@ from typing import Any
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:  # the repository root: dev/ and benchmarks/ are importable from it
     sys.path.insert(0, ROOT)
-from trainer.tools.launch import trainer_command  # noqa: E402
+from trainer.tools.launch import run_trainer, trainer_command  # noqa: E402
 
 BASE = ["train.progress=off", "train.threads=2", "train.tensorboard=false"]
 CUDA = ["train.device=cuda", "kernels.backend=auto"]
@@ -80,15 +79,8 @@ EXACT_KEYS = ("bytes_total", "steps", "skipped_steps", "eval_samples")
 
 
 def train(world: int, overrides: list[str], out: str) -> dict[str, Any]:
-    t0 = time.perf_counter()
-    argv = trainer_command(world, [*BASE, *overrides, *(W2 if world > 1 else []), f"hydra.run.dir={out}"])
-    proc = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True)
-    if proc.returncode != 0:
-        raise RuntimeError(f"exit {proc.returncode}: {' '.join(overrides)}\n{proc.stderr[-4000:]}")
-    with open(os.path.join(out, "summary.json")) as f:
-        s = json.load(f)
-    s["wall_s"] = time.perf_counter() - t0
-    return s
+    return run_trainer(trainer_command(world, [*BASE, *overrides, *(W2 if world > 1 else []),
+                                               f"hydra.run.dir={out}"]), out, cwd=ROOT)
 
 
 def device_loader() -> str:

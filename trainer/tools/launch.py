@@ -12,9 +12,12 @@ directory of that interpreter (a virtual environment's bin/), so a relocated ven
 """
 from __future__ import annotations
 
+import json
 import os
+import subprocess
 import sys
-from typing import Optional, Sequence
+import time
+from typing import Any, Optional, Sequence
 
 LAUNCHERS = ("local", "torchrun", "horovodrun")
 BACKEND = {"local": None, "torchrun": "torch", "horovodrun": "horovod"}  # the comm= each launcher needs
@@ -91,3 +94,18 @@ def check_trainer(world: int, overrides: Sequence[str], launcher: str = "auto") 
         raise ValueError(f"{world} workers: must be >= 1")
     launcher = resolve_launcher(world, launcher)
     validate_world(compose_config(worker_overrides(launcher, overrides), world), world)
+
+
+def run_trainer(argv: Sequence[str], out_dir: str, cwd: Optional[str] = None) -> dict[str, Any]:
+    """Run a trainer command line (trainer_command) whose hydra.run.dir is out_dir and return its
+    summary.json, with "wall_s": the seconds the whole command took. A failed run raises
+    RuntimeError with its exit status, the command and the end of its stderr."""
+    t0 = time.perf_counter()
+    proc = subprocess.run(list(argv), cwd=cwd, capture_output=True, text=True)
+    wall = time.perf_counter() - t0
+    if proc.returncode != 0:
+        raise RuntimeError(f"the trainer failed (exit {proc.returncode}): {' '.join(argv)}\n{proc.stderr[-4000:]}")
+    with open(os.path.join(out_dir, "summary.json")) as f:
+        summary = json.load(f)
+    summary["wall_s"] = wall
+    return summary

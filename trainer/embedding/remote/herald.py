@@ -18,7 +18,6 @@ from typing import Any, Callable, Optional
 import numpy as np
 import torch
 
-import kernels
 from ...comm import Collectives
 from ...device import from_host
 from ..slotmap import id_slot_map
