@@ -70,7 +70,9 @@ def worker_overrides(launcher: str, overrides: Sequence[str]) -> list[str]:
     """The overrides every worker gets under `launcher`: the matching backend (comm=torch under
     torchrun, comm=horovod under horovodrun) first, unless an override chooses comm itself."""
     backend = BACKEND.get(launcher)
-    return [f"comm={backend}"] * bool(backend and not names_group(overrides, "comm")) + list(overrides)
+    if backend is None or names_group(overrides, "comm"):
+        return list(overrides)
+    return [f"comm={backend}", *overrides]
 
 
 def trainer_command(world: int, overrides: Sequence[str], launcher: str = "auto", python: str = sys.executable,
