@@ -35,7 +35,7 @@ import torch  # noqa: E402
 
 from trainer.sim import CacheSimulator  # noqa: E402
 from trainer.tools import simulate as sim_tools  # noqa: E402
-from trainer.tools.cli import input_errors  # noqa: E402
+from trainer.tools.cli import bad_input, input_errors  # noqa: E402
 
 from benchmarks.phases import Timers  # noqa: E402
 
@@ -61,7 +61,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--warmup", type=int, default=40, help="first steps not timed (default 40)")
     ap.add_argument("--workers", type=int, default=2, help="simulated workers W (default 2)")
     ap.add_argument("overrides", nargs="*", help="trainer overrides (key=value)")
-    a = ap.parse_args(argv)
+    a = ap.parse_intermixed_args(argv)
     if a.workers < 2:
         ap.error(f"--workers {a.workers}: needs 2 or more (with one worker no row is remote)")
     if not 0 <= a.warmup < a.steps:
@@ -70,8 +70,7 @@ def main(argv: list[str] | None = None) -> int:
         overrides = merged(a.overrides)
         trace, spec, cfg = sim_tools.build(overrides, a.workers, log=None)
     except input_errors() as exc:  # the tool scripts' bad input (TraceError is a ValueError)
-        print(f"error: {str(exc).splitlines()[0]}", file=sys.stderr)
-        return 2
+        return bad_input(exc)
     if spec.policy == "none":
         print("error: cache=none has no cache bookkeeping to time", file=sys.stderr)
         return 2

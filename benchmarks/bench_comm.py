@@ -23,16 +23,43 @@ import sys
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:  # the repository root, for the package when run from a checkout
+    sys.path.insert(0, ROOT)
+from trainer.tools.cli import bad_input  # noqa: E402
+from trainer.tools.launch import launch_command  # noqa: E402
+
+OPS = ("alltoall", "allreduce")
+BACKENDS = ("auto", "local", "torch", "horovod")  # trainer.comm.make_collectives
 
 DEFAULT_SIZES = "1KiB,16KiB,256KiB,1MiB,4MiB"
 UNITS = {"KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30, "B": 1}
 
 
 def parse_size(s: str) -> int:
-    for unit in ("KiB", "MiB", "GiB", "B"):
-        if s.endswith(unit):
-            return int(float(s[: -len(unit)]) * UNITS[unit])
-    return int(s)
+    """Bytes of "4MiB", "16KiB", "512B" or "1024"; ValueError naming the text otherwise."""
+    try:
+        for unit in ("KiB", "MiB", "GiB", "B"):
+            if s.endswith(unit):
+                n = int(float(s[: -len(unit)]) * UNITS[unit])
+                break
+        else:
+            n = int(s)
+    except ValueError:
+        raise ValueError(f"size {s!r}: a number of bytes, with KiB, MiB, GiB or B if you like") from None
+    if n <= 0:
+        raise ValueError(f"size {s!r}: must be > 0")
+    return n
+
+
+def check(args: argparse.Namespace) -> None:
+    """The options, before any worker starts (bad ones raise ValueError)."""
+    for size in [*args.sizes.split(","), args.budget]:
+        parse_size(size)
+    bad = [op for op in args.ops.split(",") if op not in OPS]
+    if bad:
+        raise ValueError(f"--ops {args.ops}: {', '.join(bad)} is not one of {', '.join(OPS)}")
+    if args.np < 1 or args.timeout <= 0 or args.launch_timeout <= 0:
+        raise ValueError("--np, --timeout and --launch-timeout must be > 0")
 
 
 def iters_for(nbytes: int, budget_bytes: int) -> int:
@@ -110,17 +137,11 @@ def _launch(cmd: list[str], timeout: float) -> list[dict]:
 
 
 def driver(args: argparse.Namespace) -> int:
-    bindir = os.path.dirname(sys.executable)
     me = os.path.abspath(__file__)
     common = ["--sizes", args.sizes, "--ops", args.ops, "--budget", args.budget,
               "--timeout", str(args.timeout)]
-    n = str(args.np)
-    torchrun = os.path.join(bindir, "torchrun")
-    horovodrun = os.path.join(bindir, "horovodrun")
-    runs = [[sys.executable, torchrun, "--standalone", "--nproc_per_node", n, me,
-             "--backend", "torch"] + common,
-            [sys.executable, horovodrun, "-np", n, "-H", f"localhost:{n}", "--gloo",
-             sys.executable, me, "--backend", "horovod"] + common]
+    runs = [launch_command(launcher, args.np, [sys.executable, me, "--backend", backend, *common])
+            for launcher, backend in (("torchrun", "torch"), ("horovodrun", "horovod"))]
     for cmd in runs:
         for line in _launch(cmd, args.launch_timeout):
             print(json.dumps(line), flush=True)
@@ -129,7 +150,7 @@ def driver(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--backend", default="auto", help="auto | torch | horovod (worker mode)")
+    ap.add_argument("--backend", default="auto", choices=BACKENDS, help="worker mode: the collectives' backend")
     ap.add_argument("--all", action="store_true", help="driver: launch torchrun and horovodrun workers")
     ap.add_argument("--np", type=int, default=2, help="workers per launch in --all mode")
     ap.add_argument("--sizes", default=DEFAULT_SIZES, help="payload bytes per rank, comma-separated")
@@ -138,6 +159,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--timeout", type=float, default=60.0, help="collective timeout, seconds")
     ap.add_argument("--launch-timeout", type=float, default=300.0)
     args = ap.parse_args(argv)
+    try:
+        check(args)
+    except ValueError as exc:
+        return bad_input(exc)
     return driver(args) if args.all else worker(args)
 
 

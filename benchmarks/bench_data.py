@@ -7,6 +7,8 @@ a temporary directory (never inside the repo). Everything derived is written und
 directory and removed at the end.
 
     .venv/bin/python benchmarks/bench_data.py [--input day_0] [--repeat 100] [--workers 1 2] [--batch 4096]
+
+Bad input (a missing --input file, a count <= 0) is one `error: ...` line, exit status 2.
 """
 from __future__ import annotations
 
@@ -14,15 +16,16 @@ import argparse
 import json
 import os
 import shutil
+import sys
 import tempfile
 import time
 
-from trainer.configure import load_config
-from trainer.data import make_data
-from trainer.data.criteo import NUM_CAT
-from trainer.data.prepare import PrepOptions, prepare
-
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:  # the repository root, for the package when run from a checkout
+    sys.path.insert(0, ROOT)
+from trainer.data.criteo import CriteoFormatError  # noqa: E402
+from trainer.tools.cli import bad_input  # noqa: E402
+
 SAMPLE = os.path.join(ROOT, "..", "shared", "data", "criteo_sample_2k.tsv")
 
 
@@ -38,6 +41,9 @@ def make_input(tmp: str, repeat: int) -> str:
 
 
 def bench_prepare(src: str, tmp: str, workers: int, chunk_mb: float) -> tuple[dict, str]:
+    from trainer.data.criteo import NUM_CAT
+    from trainer.data.prepare import PrepOptions, prepare
+
     out = os.path.join(tmp, f"prepared-{workers}")
     t0 = time.perf_counter()
     meta = prepare(PrepOptions(out=out, train=[src], hash_rows=[1_000_000] * NUM_CAT, workers=workers,
@@ -50,7 +56,12 @@ def bench_prepare(src: str, tmp: str, workers: int, chunk_mb: float) -> tuple[di
 
 
 def bench_loader(directory: str, loader: str, batch: int, steps: int) -> dict:
-    cfg = load_config({"model": {"name": "dlrm"}, "data": {
+    from trainer.configure import load_config
+    from trainer.data import make_data
+
+    # train.recipe=none: the loader reads every training row as prepared (the data=criteo recipe
+    # would carve a validation split out of them, drop rare ids and standardize the dense features)
+    cfg = load_config({"model": {"name": "dlrm"}, "train": {"recipe": "none"}, "data": {
         "name": "criteo", "dir": directory, "loader": loader, "num_dense": 13, "table_rows": [],
         "batch_size": batch, "shuffle": True}})
     data = make_data(cfg, 0, 1)
@@ -63,7 +74,18 @@ def bench_loader(directory: str, loader: str, batch: int, steps: int) -> dict:
             "samples_per_s": round(steps * batch / dt, 1)}
 
 
-def main() -> None:
+def check(a: argparse.Namespace) -> None:
+    """The options, before anything is written (ValueError naming the bad one)."""
+    for name in ("repeat", "batch", "steps", "chunk_mb"):
+        if getattr(a, name) <= 0:
+            raise ValueError(f"--{name.replace('_', '-')} {getattr(a, name)}: must be > 0")
+    if min(a.workers) <= 0:
+        raise ValueError(f"--workers {min(a.workers)}: must be > 0")
+    if a.input is not None and not os.path.isfile(a.input):
+        raise ValueError(f"--input {a.input}: no such file")
+
+
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--input", help="a raw Criteo TSV file (default: the shared sample, repeated)")
     ap.add_argument("--repeat", type=int, default=100, help="repetitions of the sample (default 100, ~46 MB)")
@@ -71,19 +93,27 @@ def main() -> None:
     ap.add_argument("--chunk-mb", type=float, default=8.0)
     ap.add_argument("--batch", type=int, default=4096)
     ap.add_argument("--steps", type=int, default=100)
-    a = ap.parse_args()
+    a = ap.parse_args(argv)
+    try:
+        check(a)
+    except ValueError as exc:
+        return bad_input(exc)
     tmp = tempfile.mkdtemp(prefix="bench_data_")
     try:
         src = a.input or make_input(tmp, a.repeat)
         prepared = None
         for w in a.workers:
-            rec, prepared = bench_prepare(src, tmp, w, a.chunk_mb)
+            try:
+                rec, prepared = bench_prepare(src, tmp, w, a.chunk_mb)
+            except CriteoFormatError as exc:  # --input is not a Criteo file
+                return bad_input(exc)
             print(json.dumps(rec), flush=True)
         for loader in ("memmap", "dali"):
             print(json.dumps(bench_loader(prepared, loader, a.batch, a.steps)), flush=True)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

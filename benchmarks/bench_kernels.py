@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import statistics
 import sys
 import time
@@ -41,8 +42,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-import kernels
-from kernels import reference as ref
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:  # the repository root, for the package when run from a checkout
+    sys.path.insert(0, ROOT)
+import kernels  # noqa: E402
+from kernels import reference as ref  # noqa: E402
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
@@ -334,8 +338,28 @@ def run(args: argparse.Namespace, out: TextIO) -> List[Dict[str, Any]]:
     return records
 
 
+def check(args: argparse.Namespace) -> None:
+    """The options, before anything runs: ValueError naming the bad one."""
+    try:
+        device = torch.device(args.device)
+    except RuntimeError:
+        raise ValueError(f"--device {args.device}: not a torch device (cpu, cuda, cuda:1, ...)") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"--device {args.device}: no CUDA device here (torch.cuda.is_available() is False)")
+    sizes = {"--dims": min(args.dims), "--bags": min(args.bags), "--batch": args.batch,
+             "--tables": args.tables, "--rows": args.rows, "--reps": args.reps, "--pushers": args.pushers}
+    for name, value in sizes.items():
+        if value <= 0:
+            raise ValueError(f"{name} {value}: must be > 0")
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = parse_args(argv)
+    try:
+        check(args)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     run(args, sys.stdout)
     return 0
 

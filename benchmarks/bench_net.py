@@ -19,7 +19,8 @@ Modes (each adds to the one it builds on):
 - exact_wire_fp16: exact_pipelined + comm.wire_precision=fp16 (no cache: every row read fresh, the
   rows and row gradients as fp16 on the wire)
 A mode whose config key the trainer does not have yet prints {"error": "config key missing"}
-and is not run.
+and is not run. Every other run's config (with the overrides after `--`) is composed and checked
+before the first run starts: a bad override or value is one `error: ...` line, exit status 2.
 
 One JSON line per (link, mode) on stdout: samples/s (global, from summary.json), bytes/sample by
 kind (as the trainer counts them), eval AUC, and speedup_vs_exact_serial (samples/s over the
@@ -65,6 +66,8 @@ if ROOT not in sys.path:  # the repository root: dev/ and benchmarks/ are import
 from benchmarks.phases import ENV as PHASES_ENV  # noqa: E402
 from dev import netcluster  # noqa: E402
 from dev.netcluster import NetCluster, NetClusterError  # noqa: E402
+from trainer.tools.cli import bad_input, input_errors  # noqa: E402
+from trainer.tools.launch import check_trainer, trainer_command  # noqa: E402
 
 CACHE_SSP = ["cache=lfu", "consistency=ssp", "consistency.pull_bound=4", "consistency.push_bound=4"]
 MODES = {
@@ -87,13 +90,14 @@ def log(msg: str) -> None:
     print(f"[bench_net] {msg}", file=sys.stderr, flush=True)
 
 
-def trainer_args(mode: str, steps: int, out_dir: str, quick: bool, extra: list[str]) -> list[str]:
+def trainer_args(mode: str, steps: int, out_dir: str | None, quick: bool, extra: list[str]) -> list[str]:
+    """The trainer overrides of a run of `mode` (with no out_dir: without hydra.run.dir)."""
     size = QUICK if quick else FULL
     args = ["comm=torch", *WORKLOAD, f"train.steps={steps}", f"train.log_every={steps}",
             f"data.eval_samples={size['eval_samples']}", f"data.eval_batch_size={min(4096, size['eval_samples'])}"]
     if quick:  # smaller batches and tables (start-up dominates a 4-step run)
         args += [f"data.batch_size={QUICK['batch_size']}", f"data.max_table_rows={QUICK['max_table_rows']}"]
-    return args + MODES[mode] + list(extra) + [f"hydra.run.dir={out_dir}"]
+    return args + MODES[mode] + list(extra) + ([f"hydra.run.dir={out_dir}"] if out_dir else [])
 
 
 _ABSENT = object()
@@ -169,18 +173,19 @@ def run_one(link: str, mode: str, steps: int, quick: bool, extra: list[str], tmp
     run_dir = os.path.join(tmp, f"{link}-{mode}")
     if os.path.isdir(run_dir):  # an earlier round's run: start empty
         shutil.rmtree(run_dir)
-    args = ["-m", "benchmarks.phases" if phases else "trainer", *trainer_args(mode, steps, run_dir, quick, extra)]
+    module = "benchmarks.phases" if phases else "trainer"
+    args = trainer_args(mode, steps, run_dir, quick, extra)
     env = {"PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
     if phases:
         env[PHASES_ENV] = run_dir
     t0 = time.perf_counter()
     if cluster is None:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", *args]
+        cmd = trainer_command(2, args, "torchrun", module=module)
         results = netcluster.run_local([cmd], timeout, env=netcluster.launcher_env() | env, cwd=ROOT)
         tx = None
     else:
         before = cluster.link_stats()
-        results = cluster.torchrun(args, timeout=timeout, env=cluster.env(env), cwd=ROOT)
+        results = cluster.torchrun(["-m", module, *args], timeout=timeout, env=cluster.env(env), cwd=ROOT)
         after = cluster.link_stats()
         tx = sum(a["tx_bytes"] - b["tx_bytes"] for a, b in zip(after, before))
     wall = time.perf_counter() - t0
@@ -195,8 +200,8 @@ def run_one(link: str, mode: str, steps: int, quick: bool, extra: list[str], tmp
     return out
 
 
-def main() -> int:
-    argv = sys.argv[1:]
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
     extra = argv[argv.index("--") + 1:] if "--" in argv else []
     argv = argv[: argv.index("--")] if "--" in argv else argv
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -236,7 +241,13 @@ def main() -> int:
         if not ok:
             print(f"error: emulated links ({', '.join(shaped)}) need root and `ip netns`: {why}", file=sys.stderr)
             return 2
-    missing = {m: missing_keys(MODES[m] + extra) for m in modes}
+    try:  # the modes this tree has keys for; every run's config, before any starts
+        missing = {m: missing_keys(MODES[m]) for m in modes}
+        for m in modes:
+            if not missing[m]:
+                check_trainer(2, trainer_args(m, steps, None, a.quick, extra), "torchrun")
+    except input_errors() as exc:
+        return bad_input(exc)
     total = len(a.links) * sum(1 for m in modes if not missing[m]) * a.repeat
     done, failures = 0, 0
     t_start = time.perf_counter()

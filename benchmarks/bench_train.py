@@ -15,40 +15,46 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import tempfile
-import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:  # the repository root, for the package when run from a checkout
+    sys.path.insert(0, ROOT)
+
+from trainer.tools.cli import bad_input, input_errors  # noqa: E402
+from trainer.tools.launch import check_trainer, run_trainer, trainer_command  # noqa: E402
+
+BASE = ["data=bench", "model.embedding_dim=16", "train.threads=1", "train.log_every=10",
+        "data.eval_samples=8192", "train.progress=off", "checkpoint.enabled=false"]
+
+
+def overrides(steps: int, extra: list[str]) -> list[str]:
+    """The trainer overrides of a run (the output directory aside)."""
+    return [*BASE, f"train.steps={steps}", *extra]
+
+
+def launcher(world: int, backend: str) -> str:
+    return "local" if world == 1 else ("horovodrun" if backend == "horovod" else "torchrun")
 
 
 def command(world: int, steps: int, out: str, extra: list[str], backend: str) -> list[str]:
-    args = ["data=bench", "model.embedding_dim=16", "train.threads=1", f"train.steps={steps}",
-            "train.log_every=10", "data.eval_samples=8192", "train.progress=off",
-            "checkpoint.enabled=false",
-            f"hydra.run.dir={out}", *extra]
-    if world == 1:
-        return [sys.executable, "-m", "trainer", *args]
-    if backend == "horovod":
-        hvd = os.path.join(os.path.dirname(sys.executable), "horovodrun")
-        return [hvd, "-np", str(world), "-H", f"localhost:{world}", "--gloo", sys.executable,
-                "-m", "trainer", "comm=horovod", *args]
-    torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
-    return [torchrun, "--standalone", "--nproc_per_node", str(world), "-m", "trainer",
-            "comm=torch", *args]
+    return trainer_command(world, [*overrides(steps, extra), f"hydra.run.dir={out}"], launcher(world, backend))
+
+
+def check(worlds: list[int], steps: int, extra: list[str], backend: str) -> None:
+    """Every run's config before any starts: a bad override is one error line, not a failed run."""
+    for w in worlds:
+        check_trainer(w, overrides(steps, extra), launcher(w, backend))
 
 
 def bench(world: int, steps: int, extra: list[str], backend: str) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "run")
-        t0 = time.perf_counter()
-        proc = subprocess.run(command(world, steps, out, extra, backend), cwd=ROOT,
-                              capture_output=True, text=True)
-        wall = time.perf_counter() - t0
-        if proc.returncode != 0:
-            raise SystemExit(f"W={world} failed:\n{proc.stderr[-3000:]}")
-        s = json.load(open(os.path.join(out, "summary.json")))
+        try:
+            s = run_trainer(command(world, steps, out, extra, backend), out, cwd=ROOT)
+        except RuntimeError as exc:
+            raise SystemExit(f"W={world}: {exc}") from None
         lines = [json.loads(x) for x in open(os.path.join(out, "metrics.jsonl")) if '"loss"' in x]
     steady = [x["samples_per_sec"] for x in lines[1:]] or [s["samples_per_sec"]]
     return {"bench": "train", "overrides": extra, "world_size": world, "backend": backend if world > 1 else "local",
@@ -59,11 +65,11 @@ def bench(world: int, steps: int, extra: list[str], backend: str) -> dict:
             "bytes_per_sample": round(s["bytes_per_sample"], 2),
             "bytes_per_sample_by_kind": {k: round(v, 2) for k, v in s["bytes_per_sample_by_kind"].items()},
             "remote_rows_per_step": s["embedding"]["remote_per_step"],
-            "final_loss": s["final_loss"], "eval_auc": s["eval_auc"], "wall_s": round(wall, 1)}
+            "final_loss": s["final_loss"], "eval_auc": s["eval_auc"], "wall_s": round(s["wall_s"], 1)}
 
 
-def main() -> None:
-    argv = sys.argv[1:]
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
     extra = argv[argv.index("--") + 1:] if "--" in argv else []
     argv = argv[: argv.index("--")] if "--" in argv else argv
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -71,9 +77,14 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=60)
     ap.add_argument("--backend", choices=["torch", "horovod"], default="torch")
     a = ap.parse_args(argv)
+    try:
+        check(a.worlds, a.steps, extra, a.backend)
+    except input_errors() as exc:
+        return bad_input(exc)
     for w in a.worlds:
         print(json.dumps(bench(w, a.steps, extra, a.backend)), flush=True)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

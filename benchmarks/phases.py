@@ -93,9 +93,13 @@ class Timers:
 
 
 def main() -> None:
+    if sys.argv[1:2] in (["-h"], ["--help"]):  # this wrapper's usage (the trainer's own: python -m trainer --help)
+        print(__doc__)
+        return
     out = os.environ.get(ENV)
     if not out:
-        sys.exit(f"error: set {ENV} to the directory for phases_rank<r>.json")
+        print(f"error: set {ENV} to the directory for phases_rank<r>.json", file=sys.stderr)
+        sys.exit(2)
     timers = Timers()
     timers.install()
     rank = int(os.environ.get("RANK", os.environ.get("HOROVOD_RANK", "0")))

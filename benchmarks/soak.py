@@ -22,11 +22,16 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 
 import numpy as np
 
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:  # the repository root, for the package when run from a checkout
+    sys.path.insert(0, ROOT)
+from trainer.tools.cli import bad_input, input_errors  # noqa: E402
 
 
 def rss_mib() -> float:
@@ -45,7 +50,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=None,
                    help="steps left out of the fits (default: min(500, steps // 5))")
     p.add_argument("overrides", nargs="*", help="trainer config overrides (default preset: data=tiny)")
-    a = p.parse_args(argv)
+    a = p.parse_intermixed_args(argv)
     if a.steps <= 0 or a.sample_every <= 0:
         p.error("--steps and --sample-every must be > 0")
     a.warmup = min(500, a.steps // 5) if a.warmup is None else a.warmup
@@ -54,14 +59,20 @@ def parse(argv: list[str]) -> argparse.Namespace:
     return a
 
 
-def soak(steps: int, sample_every: int, overrides: list[str]) -> tuple[list[tuple[int, float, float]], float, list]:
-    """Train; return ([(steps done, rss MiB, samples/s of the window)], wall seconds, losses)."""
-    from trainer.comm import LocalCollectives
+def config(steps: int, overrides: list[str]):
+    """The validated Config of the soak's run (bad overrides raise: trainer.tools.cli.input_errors)."""
     from trainer.configure import compose_config
+
+    return compose_config(["comm=local", "train.progress=off", "checkpoint.enabled=false", *overrides,
+                           f"train.steps={steps}"])
+
+
+def soak(cfg, steps: int, sample_every: int) -> tuple[list[tuple[int, float, float]], float, list]:
+    """Train `steps` steps of cfg; return ([(steps done, rss MiB, samples/s of the window)], wall
+    seconds, losses)."""
+    from trainer.comm import LocalCollectives
     from trainer.runner import Trainer
 
-    cfg = compose_config(["comm=local", "train.progress=off", "checkpoint.enabled=false", *overrides,
-                          f"train.steps={steps}"])
     trainer = Trainer(cfg, LocalCollectives(cfg.comm.timeout_s), None)
     series = [(0, rss_mib(), float("nan"))]
     t0 = window = time.perf_counter()
@@ -97,16 +108,21 @@ def report(series: list[tuple[int, float, float]], warmup: int, wall: float, los
             "series": [[s[0], round(s[1], 2), None if np.isnan(s[2]) else round(s[2], 1)] for s in series]}
 
 
-def main(argv: list[str] | None = None) -> dict:
+def main(argv: list[str] | None = None) -> int:
     a = parse(sys.argv[1:] if argv is None else argv)
-    series, wall, losses = soak(a.steps, a.sample_every, a.overrides)
-    if sum(1 for s in series[1:] if s[0] > a.warmup) < 2:
-        raise SystemExit(f"too few samples after the warm-up: --steps {a.steps}, --sample-every "
-                         f"{a.sample_every}, --warmup {a.warmup}")
-    out = report(series, a.warmup, wall, losses, a.overrides)
-    print(json.dumps(out))
-    return out
+    samples = [min(s, a.steps) for s in range(a.sample_every, a.steps + a.sample_every, a.sample_every)]
+    if len([s for s in samples if s > a.warmup]) < 2:  # the steps soak() samples at, after the warm-up
+        print(f"error: too few samples after the warm-up: --steps {a.steps}, --sample-every "
+              f"{a.sample_every}, --warmup {a.warmup}", file=sys.stderr)
+        return 2
+    try:
+        cfg = config(a.steps, a.overrides)
+    except input_errors() as exc:
+        return bad_input(exc)
+    series, wall, losses = soak(cfg, a.steps, a.sample_every)
+    print(json.dumps(report(series, a.warmup, wall, losses, a.overrides)))
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -36,10 +35,14 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:  # the repository root: dev/ and benchmarks/ are importable from it
+    sys.path.insert(0, ROOT)
+from trainer.tools.launch import run_trainer, trainer_command  # noqa: E402
+
 BASE = ["train.progress=off", "train.threads=2", "train.tensorboard=false"]
 CUDA = ["train.device=cuda", "kernels.backend=auto"]
 CPU = ["train.device=cpu", "kernels.backend=reference"]
-W2 = ["comm=torch", "comm.dist_backend=gloo"]
+W2 = ["comm.dist_backend=gloo"]  # W = 2 runs under torchrun: comm=torch
 
 # name -> (world size, overrides). W = 1 covers the models, optimizers and single-process modes;
 # the remote rows (exchange, caches, replicas, Herald, pipelined steps) need W = 2.
@@ -75,26 +78,9 @@ TOL = {"bsp": (1e-4, 1e-4), "bounded": (1e-3, 2e-3)}
 EXACT_KEYS = ("bytes_total", "steps", "skipped_steps", "eval_samples")
 
 
-def command(world: int, overrides: list[str], out: str) -> list[str]:
-    args = ["-m", "trainer", *BASE, *overrides, f"hydra.run.dir={out}"]
-    if world == 1:
-        return [sys.executable, *args]
-    torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
-    launcher = [torchrun] if os.path.exists(torchrun) else [sys.executable, "-m",
-                                                            "torch.distributed.run"]
-    return [*launcher, "--standalone", "--nproc_per_node", str(world), *args]
-
-
 def train(world: int, overrides: list[str], out: str) -> dict[str, Any]:
-    t0 = time.perf_counter()
-    proc = subprocess.run(command(world, overrides + (W2 if world > 1 else []), out), cwd=ROOT,
-                          capture_output=True, text=True)
-    if proc.returncode != 0:
-        raise RuntimeError(f"exit {proc.returncode}: {' '.join(overrides)}\n{proc.stderr[-4000:]}")
-    with open(os.path.join(out, "summary.json")) as f:
-        s = json.load(f)
-    s["wall_s"] = time.perf_counter() - t0
-    return s
+    return run_trainer(trainer_command(world, [*BASE, *overrides, *(W2 if world > 1 else []),
+                                               f"hydra.run.dir={out}"]), out, cwd=ROOT)
 
 
 def device_loader() -> str:
@@ -193,17 +179,27 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default=None, help="also append the JSON lines to this file")
     p.add_argument("--device", default="cuda", help="cpu: check the harness on a CPU machine")
     a = p.parse_args(argv)
+    names = list(a.only) + ([CRITEO] if a.criteo and CRITEO not in a.only else [])
+    if CRITEO in names and not a.criteo:
+        p.error(f"path {CRITEO} needs --criteo DIR")
     import torch
-    if a.device == "cuda" and not torch.cuda.is_available():
-        print("gpu_parity: no CUDA device here (torch.cuda.is_available() is False)", file=sys.stderr)
-        return 2
+    from trainer.tools.cli import bad_input, input_errors
+    from trainer.tools.launch import check_trainer
+    try:
+        try:
+            kind = torch.device(a.device).type
+        except RuntimeError as exc:
+            raise ValueError(f"--device {a.device}: {exc}") from None
+        if kind == "cuda" and not torch.cuda.is_available():
+            raise ValueError(f"--device {a.device}: no CUDA device here (torch.cuda.is_available() is False)")
+        if a.criteo:  # the directory must be one prepare_criteo.py wrote (its meta.json is read here)
+            check_trainer(1, ["data=criteo", f"data.dir={a.criteo}", "data.loader=memmap"])
+    except input_errors() as exc:
+        return bad_input(exc)
     header = {"device": torch.cuda.get_device_name() if a.device == "cuda" else a.device,
               "torch": torch.__version__,
               "cuda": torch.version.cuda, "date": time.strftime("%Y-%m-%d")}
     print(json.dumps(header), flush=True)
-    names = list(a.only) + ([CRITEO] if a.criteo and CRITEO not in a.only else [])
-    if CRITEO in names and not a.criteo:
-        p.error(f"path {CRITEO} needs --criteo DIR")
     failed = 0
     with tempfile.TemporaryDirectory() as tmp, ThreadPoolExecutor(a.jobs) as pool:
         futures = {n: pool.submit(compare, n, a.steps, tmp, a.device, a.criteo) for n in names}

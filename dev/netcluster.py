@@ -66,6 +66,11 @@ import time
 from dataclasses import dataclass
 from typing import Any, Iterable, Sequence
 
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:  # the repository root, for the package when run as dev/netcluster.py
+    sys.path.insert(0, ROOT)
+from trainer.tools.launch import horovodrun_path, launch_command  # noqa: E402
+
 PREFIX = "htnet"
 SUBNET = "10.213.0"  # host k is SUBNET.<k+1>/24; the subnet exists only inside our namespaces
 IFACE = "veth0"  # every host's interface has this name, so one GLOO_SOCKET_IFNAME fits all hosts
@@ -732,9 +737,9 @@ class NetCluster:
                           port: int | None = None) -> list[list[str]]:
         """One `torchrun --nnodes N --node_rank k` per host, static rendezvous on host 0."""
         port = port or random.randint(20000, 39999)  # the namespaces are ours: any port is free
-        return [[sys.executable, "-m", "torch.distributed.run", "--nnodes", str(self.n), "--node_rank",
-                 str(h.index), "--nproc_per_node", str(nproc_per_node), "--master_addr", self.hosts[0].addr,
-                 "--master_port", str(port), "--max_restarts", "0", *args] for h in self.hosts]
+        return [launch_command("torchrun", nproc_per_node, [sys.executable, *args], [
+            "--nnodes", str(self.n), "--node_rank", str(h.index), "--master_addr", self.hosts[0].addr,
+            "--master_port", str(port), "--max_restarts", "0"]) for h in self.hosts]
 
     def torchrun(self, args: Sequence[str], nproc_per_node: int = 1, timeout: float = 300.0,
                  env: dict | None = None, cwd: str | None = None, capture: bool = True) -> list[Result]:
@@ -746,13 +751,12 @@ class NetCluster:
                            start_timeout: int = 60) -> list[str]:
         if not self.ssh:
             raise NetClusterError("horovodrun reaches the hosts over ssh: build the cluster with ssh=True")
-        hvd = os.path.join(os.path.dirname(sys.executable), "horovodrun")
-        if not os.path.exists(hvd):
+        if not os.path.exists(horovodrun_path(sys.executable)):
             raise NetClusterError(f"horovodrun is not installed next to {sys.executable}")
         hosts = ",".join(f"h{h.index}:{slots}" for h in self.hosts)  # names from the hosts' /etc/hosts
-        return [sys.executable, hvd, "-np", str(self.n * slots), "-H", hosts, "--gloo",
-                "--network-interfaces", IFACE, "-p", str(SSH_PORT), "--ssh-identity-file", self.ssh_key,
-                "--start-timeout", str(int(start_timeout)), *command]
+        return launch_command("horovodrun", self.n * slots, command, [
+            "-H", hosts, "--network-interfaces", IFACE, "-p", str(SSH_PORT), "--ssh-identity-file", self.ssh_key,
+            "--start-timeout", str(int(start_timeout))], python=sys.executable)
 
     def horovodrun(self, command: Sequence[str], slots: int = 1, timeout: float = 300.0,
                    env: dict | None = None, cwd: str | None = None, capture: bool = True) -> Result:
@@ -841,8 +845,7 @@ def _cmd_up(a: argparse.Namespace) -> int:
     argv = [sys.executable, "-m", "dev.netcluster", "_hold", "--hosts", str(a.hosts),
             "--rate", str(a.rate or "none"), "--delay-ms", str(a.delay_ms), "--ttl", str(a.ttl)]
     argv += ["--ssh"] if a.ssh else []
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     holder = subprocess.Popen(argv, stdout=log, stderr=log, stdin=subprocess.DEVNULL,
                               start_new_session=True, env=env)
     deadline = time.monotonic() + a.timeout

@@ -24,6 +24,10 @@
 # DEVICE=cpu QUICK=1 runs the same plumbing on a CPU machine (small sizes, no gpu tests), to check
 # the script itself before spending GPU time. PYTHON picks the interpreter (default python3).
 set -u
+case "${1:-}" in
+  -h|--help) sed -n '2,/^set /{/^#/s/^# \{0,1\}//p}' "$0"; exit 0 ;;
+  -*) echo "error: $1: unknown option (gpu_check.sh [OUTDIR]: see --help)" >&2; exit 2 ;;
+esac
 OUT=${1:-gpu_check}
 PY=${PYTHON:-python3}
 DEVICE=${DEVICE:-cuda}

@@ -14,10 +14,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
-from trainer.config import ConfigError, needs_global_view
-from trainer.configure import compose_config
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:  # the repository root: this checkout's package, not another one installed
+    sys.path.insert(0, ROOT)
+from trainer.config import ConfigError, needs_global_view  # noqa: E402
+from trainer.tools.cli import exit_status  # noqa: E402
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -26,14 +30,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--workers", "-W", type=int, default=2, help="workers W the plan is for (default 2)")
     p.add_argument("--predict", action="store_true",
                    help="also predict bytes for a plan whose planner does not (fae, none)")
-    return p.parse_args(argv)
+    return p.parse_intermixed_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
     a = parse_args(argv)
-    try:
+
+    def run() -> None:
         if a.workers <= 0:
             raise ConfigError(f"--workers {a.workers}: must be > 0")
+        from trainer.configure import compose_config
         cfg = compose_config(a.overrides, a.workers)  # data.epochs -> train.steps for W workers
         if not needs_global_view(cfg):
             raise ConfigError("placement=none: nothing to plan (use placement=fae or placement=sca)")
@@ -45,15 +51,12 @@ def main(argv: list[str] | None = None) -> int:
         if plan.predicted is None and a.predict:
             pred = predict_bytes(cfg, a.workers, plan, data)
             plan.predicted = {k: v for k, v in pred.items() if k != "total"}
-    except ConfigError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    out = {"workers": a.workers, **plan.summary()}
-    if plan.predicted is not None:
-        out["predicted_total_bytes_per_sample"] = sum(plan.predicted.values())
-    _table(out, sys.stderr)
-    print(json.dumps(out))
-    return 0
+        out = {"workers": a.workers, **plan.summary()}
+        if plan.predicted is not None:
+            out["predicted_total_bytes_per_sample"] = sum(plan.predicted.values())
+        _table(out, sys.stderr)
+        print(json.dumps(out))
+    return exit_status(run)
 
 
 def _table(out: dict, f) -> None:

@@ -15,9 +15,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
-from trainer.tools.sweep import find_jobs, load_points, plot, report
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:  # the repository root: this checkout's package, not another one installed
+    sys.path.insert(0, ROOT)
+from trainer.tools.sweep import find_jobs, load_points, plot, report  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -37,7 +41,7 @@ def main(argv: list[str] | None = None) -> int:
         found, missing = find_jobs(a.sweep)
         points = load_points(found, a.x, a.series)
         baseline = json.load(open(a.baseline)) if a.baseline else None
-    except (OSError, KeyError, ValueError) as e:
+    except (OSError, KeyError, ValueError) as e:  # a missing or malformed summary, a key it lacks
         print(f"error: {e}", file=sys.stderr)
         return 2
     for job in missing:

@@ -15,8 +15,11 @@ import argparse
 import os
 import sys
 
-from trainer.data.criteo import NUM_CAT, CriteoFormatError
-from trainer.data.prepare import PrepOptions, prepare
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:  # the repository root: this checkout's package, not another one installed
+    sys.path.insert(0, ROOT)
+from trainer.data.criteo import NUM_CAT, CriteoFormatError  # noqa: E402
+from trainer.data.prepare import PrepOptions, prepare  # noqa: E402
 
 DEFAULT_HASH_ROWS = 1_000_000
 

@@ -17,16 +17,20 @@ and prints pulls / pushes against the naive baseline (random partition, sync eve
 
 Positional arguments are Hydra overrides of `python -m trainer` (cache=..., consistency=...,
 cache.capacity_fraction=..., data=...). Semantics, trace formats and the exact OPT definition
-follow (trainer/simulate.py's docstring).
+follow trainer/tools/simulate.py's docstring.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
-from trainer.config import ConfigError
-from trainer.tools import simulate as sim
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:  # the repository root: this checkout's package, not another one installed
+    sys.path.insert(0, ROOT)
+from trainer.tools import simulate as sim  # noqa: E402
+from trainer.tools.cli import exit_status  # noqa: E402
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -49,32 +53,29 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--quiet", action="store_true", help="no progress on stderr")
     p.add_argument("--schedule-baseline", action="store_true",
                    help="with schedule=random: count the naive pulls/pushes of the sync planner")
-    return p.parse_args(argv)
+    return p.parse_intermixed_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
     a = parse_args(argv)
     log = None if a.quiet else sys.stderr
-    try:
+
+    def run() -> None:
         if a.schedule_baseline or any(o.replace(" ", "") == "schedule=herald" for o in a.overrides):
             cfg = sim.compose_config(a.overrides)
             steps = a.steps if a.steps is not None else cfg.train.steps
             if steps <= 0 or a.workers <= 0:
                 raise sim.TraceError(f"--steps {steps} / --workers {a.workers}: must be > 0")
             print(json.dumps(sim.simulate_schedule(cfg, a.workers, steps, log)))
-            return 0
+            return
         trace, spec, cfg = sim.build(a.overrides, a.workers, a.owners, a.trace, a.batch, sys.stderr)
         steps = sim.resolve_steps(trace, cfg, a.steps, sys.stderr)
         if log is not None:
             print(f"simulate: W={spec.workers} owners={spec.owners} policy={spec.policy} "
                   f"capacity={sum(spec.capacities)} rows/worker, {steps} steps of "
                   f"{trace.global_batch} samples ({trace.description})", file=log, flush=True)
-        out = sim.simulate(trace, spec, steps, a.per_table, a.opt_bypass, log)
-    except (ConfigError, sim.TraceError, OSError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    print(json.dumps(out))
-    return 0
+        print(json.dumps(sim.simulate(trace, spec, steps, a.per_table, a.opt_bypass, log)))
+    return exit_status(run)
 
 
 if __name__ == "__main__":

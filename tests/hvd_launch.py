@@ -25,6 +25,15 @@ def require_horovod() -> None:
                     "(builds Horovod 0.28.1, cached wheel after the first time)")
 
 
+def require_netns() -> None:
+    """The emulated hosts (dev/netcluster.py) need root and `ip netns`; the netns-marked tests are
+    skipped, saying why, where they are not."""
+    from dev import netcluster
+    ok, why = netcluster.availability()
+    if not ok:
+        pytest.skip(f"emulated hosts need root and `ip netns`: {why}")
+
+
 def env() -> dict:
     e = {k: v for k, v in os.environ.items()
          if not k.startswith(("HOROVOD_", "OMPI_", "PMI_")) and k not in ("RANK", "WORLD_SIZE")}

@@ -11,8 +11,7 @@ import sys
 
 import pytest
 
-from hvd_launch import ROOT, env
-from dev import netcluster
+from hvd_launch import ROOT, env, require_netns
 
 from benchmarks import bench_net  # noqa: E402
 
@@ -99,9 +98,7 @@ def test_bad_link_is_refused():
 @pytest.mark.dist
 @pytest.mark.netns
 def test_quick_bench_on_localhost_and_a_shaped_link():
-    ok, why = netcluster.availability()
-    if not ok:
-        pytest.skip(f"the emulated link needs root and `ip netns`: {why}")
+    require_netns()
     proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "bench_net.py"), "--quick",
                            "--links", "localhost", "200mbit", "--modes", "cache_ssp", "exact_serial"],
                           capture_output=True, text=True, env=env(), timeout=400)

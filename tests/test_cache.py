@@ -136,10 +136,10 @@ def test_take_due_and_take_all():
 
 def test_cache_works_with_the_kernels_hash_map(monkeypatch):
     """Same behaviour with the id -> slot hash map used when the id space is too big for an array."""
-    import trainer.embedding.cache as cache_mod
-    monkeypatch.setattr(cache_mod, "DIRECT_MAP_MAX_IDS", 0)
+    import trainer.embedding.slotmap as slotmap
+    monkeypatch.setattr(slotmap, "DIRECT_MAP_MAX_IDS", 0)
     a, b = _cache(LFU(), caps=(3,)), None
-    monkeypatch.setattr(cache_mod, "DIRECT_MAP_MAX_IDS", 1 << 27)
+    monkeypatch.setattr(slotmap, "DIRECT_MAP_MAX_IDS", 1 << 27)
     b = _cache(LFU(), caps=(3,))
     assert type(a.map) is not type(b.map)
     rng = np.random.default_rng(0)

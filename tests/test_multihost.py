@@ -26,7 +26,7 @@ import time
 import pytest
 import torch
 
-from hvd_launch import ROOT, horovodrun, require_horovod, tail, torchrun
+from hvd_launch import ROOT, horovodrun, require_horovod, require_netns, tail, torchrun
 from dev import netcluster
 from dev.netcluster import NetCluster
 
@@ -38,15 +38,9 @@ CFG = ["data=tiny", "optim=adagrad", "train.steps=12", "train.log_every=1", "dat
 LAUNCH_TIMEOUT = 150
 
 
-def _require_netns() -> None:
-    ok, why = netcluster.availability()
-    if not ok:
-        pytest.skip(f"emulated hosts need root and `ip netns`: {why}")
-
-
 @pytest.fixture(scope="module")
 def cluster():
-    _require_netns()
+    require_netns()
     with NetCluster(hosts=2, rate="1gbit", ssh=True) as c:
         yield c
     assert not [ns for ns in netcluster._namespaces() if ns.startswith(c.tag + "-")]
@@ -222,7 +216,7 @@ def _holder(body: str) -> tuple[subprocess.Popen, str]:
 
 
 def test_teardown_on_exception_and_on_sigterm():
-    _require_netns()
+    require_netns()
     with pytest.raises(RuntimeError, match="boom"):
         with NetCluster(hosts=2) as c:
             assert len(_ns_of(c.tag)) == 3
@@ -236,7 +230,7 @@ def test_teardown_on_exception_and_on_sigterm():
 
 
 def test_cleanup_stale_removes_what_a_killed_owner_left():
-    _require_netns()
+    require_netns()
     proc, tag = _holder("time.sleep(60)")
     with NetCluster(hosts=1) as live:  # a live cluster is never touched by cleanup
         proc.kill()  # SIGKILL: no teardown runs

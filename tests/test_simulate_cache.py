@@ -1,4 +1,4 @@
-"""scripts/simulate_cache.py and trainer/simulate.py: the cache simulator.
+"""scripts/simulate_cache.py and trainer/tools/simulate.py: the cache simulator.
 
 - OPT (Belady's MIN) against a brute-force version written here and hand-checked traces.
 - Invariants checked from the simulator's audit log, independently of the code enforcing them:

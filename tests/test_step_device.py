@@ -91,10 +91,10 @@ HOST_OK: dict[tuple[str, str], str] = {
         "read them with the victims' counts",
     ("trainer/embedding/cache.py", "_victims"): CACHE_TODO + "the last key of each table's "
         "selection (one read), int(ok.sum()) for a region that runs out; goes with _choose_slots",
-    ("trainer/embedding/cache.py", "insert"):
+    ("trainer/embedding/slotmap.py", "insert"):
         "CPU-ONLY: DirectSlotMap's live counter (int(new.sum())): the direct map is the CPU path "
-        "only; on a GPU the cache uses the Triton hash map",
-    ("trainer/embedding/cache.py", "erase"): "CPU-ONLY: DirectSlotMap, as insert",
+        "only; on a GPU the cache and Herald's lent rows use the Triton hash map",
+    ("trainer/embedding/slotmap.py", "erase"): "CPU-ONLY: DirectSlotMap, as insert",
     ("trainer/data/ids.py", "values"): GUARD + " (bool(bad.any()))",
 }
 SHAPE_OK: dict[tuple[str, str], str] = {

@@ -7,8 +7,8 @@ batch its own updates to a row before pushing them (consistency.py holds the two
 Layout: one slot space [C, d] split into per-table regions (capacity per table). Each slot holds the
 row, the owner version it was read at, the accumulated local gradient not yet pushed (`pending`), the
 number of local updates in it (`count`), and policy metadata (use frequency, last step used). An
-id -> slot map finds slots (a direct array on CPU when the id space is small enough, the Triton
-hash table on GPU through kernels.make_id_slot_map).
+id -> slot map finds slots (slotmap.py: a direct array on CPU when the id space is small enough,
+the Triton hash table on GPU).
 
 Local updates are applied to the cached copy at once with plain SGD at the sparse learning rate
 (copy -= lr * g): the owner keeps the only optimizer state (Adagrad accumulators) and applies the
@@ -34,14 +34,11 @@ from __future__ import annotations
 
 import torch
 
-import kernels
-from kernels.hashmap import IdSlotMap
-
 from ..device import positions
 from .consistency import push_due
+from .slotmap import id_slot_map
 from .types import Pushes
 
-DIRECT_MAP_MAX_IDS = 1 << 27  # CPU: a direct id -> slot array up to this many ids (512 MiB int32)
 _NEVER = torch.iinfo(torch.int64).max  # eviction key of entries that must stay
 # last_use is a use's tick: step << TICK_BITS | its rank among the cache's uses of that step (touch
 # and install, in the order of their slots), so no two live entries share a policy key. Why:
@@ -107,41 +104,6 @@ def make_policy(name: str, pin_threshold: int = 8) -> CachePolicy:
         raise ValueError(f"cache.policy={name!r} is not one of {sorted(POLICIES)}") from None
 
 
-class DirectSlotMap(IdSlotMap):
-    """id -> slot as a dense int32 array over the whole id space [0, n_ids) (CPU fast path)."""
-
-    def __init__(self, n_ids: int, device: torch.device | str = "cpu") -> None:
-        self._slot = torch.full((n_ids,), -1, dtype=torch.int32, device=device)
-        self._live = 0
-
-    @property
-    def device(self) -> torch.device:
-        return self._slot.device
-
-    def __len__(self) -> int:
-        return self._live
-
-    def lookup(self, ids):
-        slots = self._slot.index_select(0, ids).long()
-        return slots, slots < 0
-
-    def insert(self, ids, slots):
-        new = self._slot.index_select(0, ids) < 0
-        self._slot.index_copy_(0, ids, slots.to(torch.int32))
-        self._live += int(new.sum())
-        return new
-
-    def items(self):
-        ids = torch.nonzero(self._slot >= 0).squeeze(1)
-        return ids, self._slot.index_select(0, ids).long()
-
-    def erase(self, ids):
-        found = self._slot.index_select(0, ids) >= 0
-        self._slot.index_fill_(0, ids, -1)
-        self._live -= int(found.sum())
-        return found
-
-
 class RowCache:
     """Cached remote rows of one worker, per-table capacities, one policy."""
 
@@ -163,8 +125,7 @@ class RowCache:
         self.gid = torch.full((c,), -1, dtype=torch.int64, device=dev)
         self.freq = torch.zeros(c, dtype=torch.int64, device=dev)
         self.last_use = torch.full((c,), -1, dtype=torch.int64, device=dev)
-        direct = dev.type == "cpu" and n_ids <= DIRECT_MAP_MAX_IDS
-        self.map = DirectSlotMap(n_ids, dev) if direct else kernels.make_id_slot_map(max(c, 1), dev)
+        self.map = id_slot_map(n_ids, c, dev)
         self._uses = (-1, 0)  # (step, uses stamped in it so far): the next tick of that step
         self._journal: list[tuple[torch.Tensor, ...]] | None = None  # saved slots while undoable
         self._journal_free: torch.Tensor | None = None  # the free counts at begin()

@@ -18,10 +18,9 @@ from typing import Any, Callable, Optional
 import numpy as np
 import torch
 
-import kernels
 from ...comm import Collectives
 from ...device import from_host
-from ..cache import DIRECT_MAP_MAX_IDS, DirectSlotMap
+from ..slotmap import id_slot_map
 from ..store import ShardStore
 from ..types import LookupPlan, Pushes
 from .base import RemoteRows
@@ -36,8 +35,7 @@ class LentRows:
         self.optimizer = opt.like(self.weight)
         self.count = torch.zeros(capacity, dtype=torch.int64, device=dev)
         self.used = torch.zeros(capacity, dtype=torch.bool, device=dev)
-        direct = dev.type == "cpu" and n_ids <= DIRECT_MAP_MAX_IDS
-        self.map = DirectSlotMap(n_ids, dev) if direct else kernels.make_id_slot_map(max(capacity, 1), dev)
+        self.map = id_slot_map(n_ids, capacity, dev)
         self.sw = store.state_width
 
     def __len__(self) -> int:
