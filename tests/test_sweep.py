@@ -65,7 +65,8 @@ def _plot(args: list[str]) -> subprocess.CompletedProcess:
 def test_a_failed_job_is_named_the_sweep_goes_on_and_plot_refuses_to_choose(tmp_path):
     sweep = tmp_path / "sw"
     proc = _trainer(["-m", "data=tiny", "train.steps=3", "data.eval_samples=256", "train.progress=off",
-                     "checkpoint.enabled=false", "consistency.pull_bound=0,-7,4", f"hydra.sweep.dir={sweep}"], tmp_path)
+                     "checkpoint.enabled=false", "cache=lru", "consistency.pull_bound=0,-7,4",
+                     "consistency.push_bound=${consistency.pull_bound}", f"hydra.sweep.dir={sweep}"], tmp_path)
     assert proc.returncode == 2, tail(proc)
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 2, proc.stderr[-3000:]
@@ -75,6 +76,7 @@ def test_a_failed_job_is_named_the_sweep_goes_on_and_plot_refuses_to_choose(tmp_
     index = _read(sweep / "summary.json")
     assert [j["status"] for j in index["jobs"]] == ["ok", "failed", "ok"] and index["failed"] == 1
     assert index["jobs"][1]["error"].startswith("consistency") and "summary" not in index["jobs"][1]
+    assert "consistency.push_bound=${consistency.pull_bound}" in index["jobs"][0]["overrides"]
     assert (sweep / "0" / "summary.json").exists() and (sweep / "2" / "summary.json").exists()
 
     png = tmp_path / "s.png"
@@ -85,7 +87,7 @@ def test_a_failed_job_is_named_the_sweep_goes_on_and_plot_refuses_to_choose(tmp_
     used = _plot([str(sweep), "--out", str(png), "--allow-missing", "--auc-tol", "1"])
     assert used.returncode == 0, used.stderr
     rep = json.loads(used.stdout.strip().splitlines()[-1])
-    assert [p["x"] for p in rep["points"]] == [0, 4] and rep["chosen"] is not None
+    assert [p["x"] for p in rep["points"]] == [0, 4] and rep["chosen"] is not None  # the interpolated bound too
     assert [(m["num"], m["error"][:11]) for m in rep["missing"]] == [(1, "consistency")]
     assert "no summary.json: job 1" in used.stderr and png.exists()
 

@@ -36,7 +36,7 @@ class SweepLog:
         the sweep's summary.json (job 0 starts a new one: a sweep dir reused by a new sweep)."""
         if num == 0 or self.sweep_dir != sweep_dir:
             self.jobs, self.sweep_dir = [], sweep_dir
-        job: dict[str, Any] = {"num": num, "overrides": list(overrides),
+        job: dict[str, Any] = {"num": num, "overrides": as_typed(overrides),
                                "status": "failed" if error is not None else "ok"}
         if error is not None:
             job["error"] = error
@@ -75,9 +75,16 @@ class SweepLog:
         return f"{len(bad)} of {len(self.jobs)} sweep jobs failed: {names}; see {where}"
 
 
+def as_typed(overrides: list[str]) -> list[str]:
+    """A job's overrides as the user typed them: Hydra keeps an interpolation of the command line
+    escaped in the job's overrides ($\\{key\\}); give it back as ${key}."""
+    return [str(o).replace("\\{", "{").replace("\\}", "}") for o in overrides]
+
+
 def describe(overrides: list[str], sweep_dir: str | None = None) -> str:
     """A job by the values it sweeps (all its overrides when the sweep's keys cannot be read)."""
     keys = swept_keys(sweep_dir) if sweep_dir else set()
+    overrides = as_typed(overrides)
     mine = [o for o in overrides if o.split("=", 1)[0].lstrip("+~") in keys] or overrides
     return " ".join(mine) if mine else "no overrides"
 
@@ -88,8 +95,10 @@ def swept_keys(sweep_dir: str) -> set[str]:
         from hydra.core.override_parser.overrides_parser import OverridesParser
         from omegaconf import OmegaConf
 
-        task = list(OmegaConf.load(os.path.join(sweep_dir, "multirun.yaml")).hydra.overrides.task)
-        return {o.key_or_group for o in OverridesParser.create().parse_overrides(task) if o.is_sweep_override()}
+        task = OmegaConf.to_container(OmegaConf.load(os.path.join(sweep_dir, "multirun.yaml")).hydra.overrides.task,
+                                      resolve=False)  # as typed: an interpolation stays one
+        parsed = OverridesParser.create().parse_overrides([str(o) for o in task])
+        return {o.key_or_group for o in parsed if o.is_sweep_override()}
     except Exception:  # noqa: BLE001 - only a nicer name for the job; never fail over it
         return set()
 

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from ..comm import EMBEDDING_KINDS
+from ..multirun import as_typed
 
 
 
@@ -73,34 +74,38 @@ class Job:
 
 def sweep_jobs(sweep_dir: str) -> Optional[list[Job]]:
     """Every job of the Hydra sweep in sweep_dir, found or not; None when sweep_dir has no
-    multirun.yaml (not a sweep directory)."""
+    multirun.yaml (not a sweep directory). A job's directory is the one whose .hydra/hydra.yaml
+    has its number (rank 0's: every rank writes there)."""
     from omegaconf import OmegaConf
 
     path = os.path.join(sweep_dir, "multirun.yaml")
     if not os.path.isfile(path):
         return None
-    task = list(OmegaConf.load(path).hydra.overrides.task)
+    task = OmegaConf.to_container(OmegaConf.load(path).hydra.overrides.task, resolve=False)
     from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
-    parsed = OverridesParser.create().parse_overrides(task)
+    parsed = OverridesParser.create().parse_overrides([str(o) for o in task])
     expanded = [job for batch in BasicSweeper.split_arguments(parsed, None) for job in batch]
-    dirs: dict[tuple[str, ...], str] = {}  # a job's overrides -> its directory (rank 0's)
-    for found in glob.glob(os.path.join(sweep_dir, "**", ".hydra", "overrides.yaml"), recursive=True):
-        job_dir = os.path.dirname(os.path.dirname(found))
-        dirs.setdefault(tuple(str(o) for o in OmegaConf.load(found)), job_dir)
+    dirs: dict[int, str] = {}  # job number -> its directory
+    for found in glob.glob(os.path.join(sweep_dir, "**", ".hydra", "hydra.yaml"), recursive=True):
+        try:
+            num = OmegaConf.select(OmegaConf.load(found), "hydra.job.num")
+        except Exception:  # noqa: BLE001 - an unreadable job record is a job not found
+            continue
+        if isinstance(num, int):
+            dirs.setdefault(num, os.path.dirname(os.path.dirname(found)))
     errors = {}
     try:
         with open(os.path.join(sweep_dir, "summary.json")) as f:
             errors = {j["num"]: j.get("error") for j in json.load(f).get("jobs", [])}
-    except (OSError, ValueError, AttributeError):
+    except (OSError, ValueError, AttributeError, KeyError, TypeError):
         pass
     jobs = []
     for num, overrides in enumerate(expanded):
-        job_dir = dirs.get(tuple(overrides))
-        summary = os.path.join(job_dir, "summary.json") if job_dir else None
+        summary = os.path.join(dirs[num], "summary.json") if num in dirs else None
         summary = summary if summary and os.path.isfile(summary) else None
-        jobs.append(Job(sweep_dir, num, list(overrides), summary, None if summary else errors.get(num)))
+        jobs.append(Job(sweep_dir, num, as_typed(overrides), summary, None if summary else errors.get(num)))
     return jobs
 
 
