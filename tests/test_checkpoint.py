@@ -19,6 +19,7 @@ import pytest
 import torch
 
 import trainer.checkpoint as ckpt
+import trainer.procs as procs
 from helpers import make_cfg, run_single, run_world, spawn, train_worker
 from test_parity import assert_same_run
 from trainer.config import ConfigError
@@ -135,7 +136,7 @@ def test_crash_during_save_leaves_previous_checkpoint_and_auto_resumes(tmp_path,
     dead.wait()
     with open(os.path.join(root, ckpt.LOCK), "w") as f:
         json.dump({"run_id": "0123456789ab", "pid": dead.pid, "host": socket.gethostname(),
-                   "pid_ns": ckpt._pid_namespace()}, f)
+                   "pid_ns": procs.pid_namespace()}, f)
     os.makedirs(os.path.join(root, "step_00000099.tmp-0123456789ab-00000000"))
     assert ckpt.latest(root) == _step(root, 10)
 

@@ -17,6 +17,7 @@ import time
 import pytest
 
 import trainer.checkpoint as ckpt
+import trainer.procs as procs
 from data_helpers import prepare_sample, train_models
 from helpers import make_cfg, run_single, spawn, tmpfs
 from trainer.runner import run
@@ -57,7 +58,7 @@ def _write_lock(root: str, **holder) -> str:
     os.makedirs(root, exist_ok=True)
     path = os.path.join(root, ckpt.LOCK)
     with open(path, "w") as f:
-        json.dump({"run_id": "0123456789ab", "host": socket.gethostname(), "pid_ns": ckpt._pid_namespace(),
+        json.dump({"run_id": "0123456789ab", "host": socket.gethostname(), "pid_ns": procs.pid_namespace(),
                    "started": "then", "command": "python -m trainer (test)", **holder}, f)
     return path
 
@@ -142,7 +143,7 @@ def test_lock_held_elsewhere_stops_every_rank_at_start(tmp_path, sleeper):
     """W = 2: only rank 0 takes the lock; its refusal reaches rank 1 too (nobody waits in a
     collective), and the holder's lock and checkpoints are untouched."""
     root = str(tmp_path / "S")
-    lock = _write_lock(root, pid=sleeper.pid, proc_start=ckpt._proc_start(sleeper.pid))
+    lock = _write_lock(root, pid=sleeper.pid, proc_start=procs.proc_start(sleeper.pid))
     os.makedirs(os.path.join(root, "step_00000005.tmp-0123456789ab-00000000"))  # its save in progress
     before = open(lock).read()
     errors = spawn(2, _try_run, BASE + ["train.steps=4", f"checkpoint.dir={root}"], timeout=120)
@@ -173,7 +174,7 @@ def test_lock_rules(tmp_path, sleeper):
         ckpt.DirLock(root, "cccccccccccc").acquire()
     lock.release()
 
-    _write_lock(root, pid=sleeper.pid, proc_start=ckpt._proc_start(sleeper.pid))
+    _write_lock(root, pid=sleeper.pid, proc_start=procs.proc_start(sleeper.pid))
     with pytest.raises(ckpt.CheckpointError, match=rf"checkpoint\.dir {root} is in use by run 0123456789ab "
                                                    rf"\(pid {sleeper.pid} on host "):
         ckpt.DirLock(root, "dddddddddddd").acquire()
@@ -188,7 +189,7 @@ def test_lock_rules(tmp_path, sleeper):
 
     # a lock of this very process that no live run of it holds (its run ended without releasing
     # it) is reused silently
-    _write_lock(root, pid=os.getpid(), proc_start=ckpt._proc_start(os.getpid()))
+    _write_lock(root, pid=os.getpid(), proc_start=procs.proc_start(os.getpid()))
     again = ckpt.DirLock(root, "ffffffffffff")
     again.acquire()
     assert _lock(root)["run_id"] == "ffffffffffff" and not again.notes

@@ -47,6 +47,7 @@ import torch
 
 from .comm import Collectives
 from .embedding.store import ShardStore
+from .procs import pid_namespace, proc_start
 
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
@@ -189,33 +190,14 @@ def _agree(comm: Collectives, what: str, fn: Callable[[], T]) -> T:
 _HELD: dict[str, str] = {}  # lock path -> run id of the locks this process holds now
 
 
-def _proc_start(pid: int) -> str | None:
-    """The start time of process pid (clock ticks since boot, /proc/PID/stat field 22), or None
-    when it is not running (or a zombie) or /proc cannot tell."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-    except (OSError, IndexError):
-        return None
-    return None if fields[0] in ("Z", "X") else fields[19]
-
-
-def _pid_namespace() -> str | None:
-    """This process's pid namespace (containers on one host can share a host name, not pids)."""
-    try:
-        return os.readlink("/proc/self/ns/pid")
-    except OSError:
-        return None
-
-
 def _alive(holder: dict[str, Any]) -> bool | None:
     """Is the lock holder's process running? None when it cannot be known from here (another
     host, or another pid namespace: a container)."""
-    if holder.get("host") != socket.gethostname() or holder.get("pid_ns") != _pid_namespace():
+    if holder.get("host") != socket.gethostname() or holder.get("pid_ns") != pid_namespace():
         return None
     pid = int(holder.get("pid", -1))
     if os.path.isdir("/proc/self"):
-        start, want = _proc_start(pid), holder.get("proc_start")
+        start, want = proc_start(pid), holder.get("proc_start")
         return start is not None and (want is None or start == want)  # a reused pid: dead
     try:
         os.kill(pid, 0)
@@ -248,7 +230,7 @@ class DirLock:
         except OSError as exc:
             raise CheckpointError(f"checkpoint.dir {self.root} cannot be created: {exc}") from exc
         me = {"run_id": self.run_id, "pid": os.getpid(), "host": socket.gethostname(),
-              "pid_ns": _pid_namespace(), "proc_start": _proc_start(os.getpid()),
+              "pid_ns": pid_namespace(), "proc_start": proc_start(os.getpid()),
               "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "command": " ".join(sys.argv)[:300]}
         for _ in range(20):
             try:
@@ -287,7 +269,7 @@ class DirLock:
                         "cannot be read; if no run uses this directory, delete that file")
                 return
         mine = (holder.get("host") == socket.gethostname() and holder.get("pid") == os.getpid()
-                and holder.get("pid_ns") == _pid_namespace())
+                and holder.get("pid_ns") == pid_namespace())
         if mine and holder.get("run_id") in _HELD.values():
             gc.collect()  # a run of this process that ended, not yet collected, releases its lock
             if holder.get("run_id") in _HELD.values():

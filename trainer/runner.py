@@ -32,6 +32,7 @@ import kernels
 
 from .best import BestSnapshot, EarlyStopping
 from .build import TrainingError, build_dense, build_sparse, device_of, phase, sparse_lr
+from . import procs
 from .checkpoint import CheckpointError, Checkpointer, rng_state, set_rng_state
 from .checkpoint import latest as latest_checkpoint
 from .checkpoint import load as load_checkpoint
@@ -196,17 +197,12 @@ def _launcher(tail: list[str]) -> tuple[list[str], str] | None:
     for _ in range(8):
         if pid <= 1:
             return None
-        try:
-            with open(f"/proc/{pid}/cmdline", "rb") as f:
-                cmdline = [x.decode(errors="surrogateescape") for x in f.read().split(b"\0")[:-1]]
-            with open(f"/proc/{pid}/stat") as f:
-                parent = int(f.read().rsplit(")", 1)[1].split()[1])
-            cwd = os.readlink(f"/proc/{pid}/cwd")
-        except (OSError, ValueError, IndexError):
+        cmdline, st, where = procs.cmdline(pid), procs.stat(pid), procs.cwd(pid)
+        if cmdline is None or st is None or where is None:
             return None
         if len(cmdline) > len(tail) and cmdline[len(cmdline) - len(tail):] == tail:
-            return cmdline, cwd
-        pid = parent
+            return cmdline, where
+        pid = st.ppid
     return None
 
 
