@@ -18,6 +18,7 @@ import pytest
 
 import trainer.checkpoint as ckpt
 import trainer.procs as procs
+from trainer.checkpoint import saver  # where Checkpointer writes its files
 from data_helpers import prepare_sample, train_models
 from helpers import make_cfg, run_single, spawn, tmpfs
 from trainer.runner import run
@@ -276,7 +277,7 @@ def test_failed_save_on_a_full_disk_removes_its_partial_dir(tiny_fs):
 def test_failed_trainer_file_write_removes_the_partial_dir(tmp_path, monkeypatch):
     """An injected failure half-way through rank 0's trainer file (after the shards): same."""
     root = str(tmp_path / "ck")
-    real = ckpt._write_file
+    real = saver.write_file
 
     def half_then_fail(path: str, obj):
         if os.path.basename(path) == ckpt.TRAINER_FILE:
@@ -285,7 +286,7 @@ def test_failed_trainer_file_write_removes_the_partial_dir(tmp_path, monkeypatch
             raise OSError(28, "No space left on device (injected)", path)
         return real(path, obj)
 
-    monkeypatch.setattr(ckpt, "_write_file", half_then_fail)
+    monkeypatch.setattr(saver, "write_file", half_then_fail)
     with pytest.raises(ckpt.CheckpointError, match=r"injected"):
         run_single(BASE + ["train.steps=4", "checkpoint.every=2", f"checkpoint.dir={root}"])
     assert os.listdir(root) == []
