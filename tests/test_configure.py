@@ -12,9 +12,11 @@ import pytest
 from data_helpers import N_TRAIN, prepare_sample
 from helpers import make_cfg
 from trainer.comm import LocalCollectives
-from trainer.config import SMALL_DATA_ROWS, TINY_DATA_ROWS, ConfigError, evals_per_epoch, get_key as getattr_key, parse
-from trainer.configure import apply_data_steps, choose_recipe, compose_config, load_config, recipe_of
+from trainer.config import ConfigError, get_key as getattr_key, parse
+from trainer.configure import compose_config, load_config
 from trainer.data import DataShape, make_data, resolve
+from trainer.recipes import (SMALL_DATA_ROWS, TINY_DATA_ROWS, apply_data_steps, choose_recipe, evals_per_epoch,
+                             recipe_of)
 from trainer.runner import Trainer
 
 

@@ -34,8 +34,9 @@ import numpy as np
 from .build import phase
 from .comm import Collectives
 from .config import Config
-from .configure import apply_data_steps, load_config, recipe_of
+from .configure import load_config
 from .metrics import auc_logloss, write_summary
+from .recipes import apply_data_steps, recipe_of
 
 LOGITS = "test_logits.npy"  # a member's [n, 2] float64 (calibrated logit, label) of the test split
 

@@ -7,14 +7,16 @@ rules, so a bad sweep value fails at start-up with `key=value: reason`, not deep
 A leaf: it imports nothing else of trainer/ (the `kernels` package is outside it), so any module may
 use the schemas. What a file dataset says about itself (dense features, table rows, training rows)
 is read by trainer.data and applied by the entry point (trainer/configure.py: load_config) with the
-pure helpers here (check_data_source, apply_data_shape, epoch_steps).
+pure helpers here (check_data_source, apply_data_shape, epoch_steps). The values a null key takes
+(the recipes: tuning policy, measured on data) are not here but in trainer/recipes.py; this module
+only names the recipes (RECIPES) and refuses a key left unresolved.
 """
 from __future__ import annotations
 
 import math
 import os
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 from omegaconf import MISSING, DictConfig, OmegaConf
 
@@ -35,7 +37,7 @@ OUT_OF_RANGE = ("error", "hash")  # data.out_of_range (trainer/data/ids.py)
 NONFINITE = ("stop", "skip")  # train.nonfinite
 CONSISTENCY_PRESETS = ("bsp", "ssp", "asp")  # consistency.name (conf/consistency/*.yaml)
 LR_DECAYS = ("none", "poly")  # optim.decay (trainer/lr.py)
-RECIPES = ("auto", "tiny", "small", "large", "none")  # train.recipe (RECIPE_VALUES, trainer/configure.py)
+RECIPES = ("auto", "tiny", "small", "large", "none")  # train.recipe (trainer/recipes.py)
 
 
 WIRE_PRECISIONS = ("fp32", "fp16", "bf16")
@@ -304,128 +306,11 @@ def epoch_steps(c: Config, train_rows: int, world: int) -> Optional[int]:
     return max(1, math.ceil(c.data.epochs * train_rows / (local_batch_size(c, world) * world)))
 
 
-# ---- recipes: defaults of the keys left null, by data size ------------------------------------
-SMALL_DATA_ROWS = 1_000_000  # train.recipe=auto: data=criteo with fewer training rows takes the small recipe
-TINY_DATA_ROWS = 100_000  # ... and with fewer than these, the tiny one (small + a bag of 5 models)
-EVAL_PER_EPOCH = "epoch"  # a recipe's train.eval_every: once per pass over the training rows (needs W) ...
-RECIPE_EVAL_ROWS = 1_280  # ... or more often: no more than this many training rows between evaluations ...
-RECIPE_EVALS_PER_EPOCH = 4  # ... up to this many evaluations per epoch (see evals_per_epoch)
-EPOCH_COUNTS = ("train.early_stop.patience", "train.early_stop.min_evals")  # the recipe's count epochs
-_SGD = {"optim.name": "sgd", "optim.dense": "sgd", "optim.sparse": "sgd", "optim.lr": 0.1, "optim.eps": 1e-10}
-_NEUTRAL = {"data.epochs": 0.0, "data.val_fraction": 0.0, "data.standardize": False, "data.min_count": 0,
-            "embedding.init_scale": 0.0, "train.eval_every": 0, "train.early_stop.patience": 0,
-            "train.early_stop.min_evals": 0,
-            "train.calibrate": False, "train.bag": 1,
-            "model.dropout": 0.0, **_SGD, "optim.weight_decay": 0.0, "optim.sparse_weight_decay": 0.0,
-            "optim.warmup_steps": 0, "optim.decay": "none"}
-RECIPE_VALUES: dict[str, dict[str, Any]] = {
-    "none": dict(_NEUTRAL),  # every null key at its neutral value (train.steps, no validation, ...)
-    "large": {**_NEUTRAL, "data.epochs": 1.0},  # one epoch: the DLRM Kaggle recipe, right for 45M rows
-    # small data (README "Real data", measured there): dense Adam + row-wise Adagrad rows (the
-    # optim=adam preset), standardised dense features, up to 30 epochs, evaluated once per epoch (up
-    # to 4 times on longer epochs: evals_per_epoch) on a 20% validation split, stopped after 3 epochs
-    # without a new best (never before 10: the two counts are epochs, see apply_recipe), best model tested with
-    # its logits scaled by a temperature fitted on the validation split (train.calibrate)
-    "small": {**_NEUTRAL, "data.epochs": 30.0, "data.val_fraction": 0.2, "data.standardize": True, "data.min_count": 1,
-              "embedding.init_scale": 0.01,
-              "train.eval_every": EVAL_PER_EPOCH, "train.early_stop.patience": 3, "train.early_stop.min_evals": 10,
-              "train.calibrate": True,
-              "train.bag": 1,
-              "optim.name": "adam", "optim.dense": "adam", "optim.sparse": "rowwise_adagrad", "optim.lr": 0.001,
-              "optim.sparse_lr": 0.05, "optim.eps": 1e-8},
-    # tiny data (README): the small recipe, and a bag of 5 models, one per 20% validation slice
-    # (train.bag, trainer/bag.py): on a few thousand rows one model's test AUC moves by ~0.02 with
-    # its validation rows; five cost five trainings, which only tiny data makes cheap
-}
-RECIPE_VALUES["tiny"] = {**RECIPE_VALUES["small"], "train.bag": 5}
-
-
-# per-model values on top of a recipe (README "The recipe per data size"): DCN's cross layers, and
-# WDL too (measured later, over 32 splits), did better on tiny data with the rare ids folded into
-# the OOV row, the per-table sqrt(1 / rows) init (larger rows) and rows of 32 (their presets leave
-# model.embedding_dim null; 16 elsewhere) than with the small recipe's values; DLRM's top MLP (its
-# preset leaves it null) is [64, 32] as in the bench workload, and [256, 128] (the other models'
-# deep tower) on tiny and small data, where that width did better
-_DLRM_TOP = {"model.top_mlp": [64, 32]}
-_WIDE_ROWS_RARE_FOLDED = {"data.min_count": 2, "embedding.init_scale": 0.0, "model.embedding_dim": 32}
-_SMALL_DATA_MODELS = {"dcn": _WIDE_ROWS_RARE_FOLDED, "wdl": _WIDE_ROWS_RARE_FOLDED,
-                      "dlrm": {"model.top_mlp": [256, 128]}}
-_OTHER_DATA_MODELS = {"dlrm": _DLRM_TOP, "dcn": {"model.embedding_dim": 16}, "wdl": {"model.embedding_dim": 16}}
-MODEL_RECIPE_VALUES: dict[str, dict[str, dict[str, Any]]] = {
-    "none": _OTHER_DATA_MODELS,
-    "large": _OTHER_DATA_MODELS,
-    "tiny": _SMALL_DATA_MODELS,
-    "small": _SMALL_DATA_MODELS,
-}
-
-
-def evals_per_epoch(epoch_rows: int) -> int:
-    """k: how many times per epoch a recipe's train.eval_every (EVAL_PER_EPOCH) evaluates, for an
-    epoch of epoch_rows training rows: k = ceil(epoch_rows / RECIPE_EVAL_ROWS), at least 1 and at
-    most RECIPE_EVALS_PER_EPOCH. The models' best validation step grows much more slowly than the
-    data (+15-40% steps from 800 to 1,600 rows), so once per epoch gets coarse on larger sets: on
-    1,280-row epochs (10 steps of 128) evaluating every 32 steps instead cost WDL and DLRM 0.0017
-    and 0.0007 AUC, every 5 steps gained nothing (README "Real data"). The cap keeps the
-    evaluations' forward passes at most one epoch's rows with a 20% validation split. The recipe's
-    patience and min_evals count epochs: they are multiplied by k with it (apply_recipe)."""
-    return min(RECIPE_EVALS_PER_EPOCH, max(1, math.ceil(epoch_rows / RECIPE_EVAL_ROWS)))
-
-
-def per_epoch_cadence(recipe: str) -> bool:
-    """Whether `recipe` evaluates per epoch (train.eval_every = EVAL_PER_EPOCH: evals_per_epoch
-    times, its patience and min_evals counted in epochs)."""
-    return RECIPE_VALUES[recipe]["train.eval_every"] == EVAL_PER_EPOCH
-
-
-def recipe_values(recipe: str, model: str) -> dict[str, Any]:
-    """The values of `recipe` for model `model` (its per-model values win)."""
-    return {**RECIPE_VALUES[recipe], **MODEL_RECIPE_VALUES.get(recipe, {}).get(model, {})}
-
-
-def recipe_keys(model: Optional[str] = None) -> list[str]:
-    """The keys a recipe may set (those a null leaves to it), with those of `model`'s own values."""
-    own = (k for per_model in MODEL_RECIPE_VALUES.values() for k in per_model.get(model, {}))
-    return list(dict.fromkeys([*(k for values in RECIPE_VALUES.values() for k in values), *own]))
-
-
 def get_key(c: Config, key: str) -> Any:
     obj = c
     for part in key.split("."):
         obj = getattr(obj, part)
     return obj
-
-
-def apply_recipe(c: Config, recipe: str, epoch_rows: Callable[[], int] = lambda: 0) -> dict[str, Any]:
-    """Fill every recipe key that is null with `recipe`'s value (train.eval_every's once-per-epoch
-    stays null until W is known); keys the user set are kept. Returns {key: value} it set.
-    epoch_rows() (asked once the recipe's validation split is set): the training rows of an epoch;
-    when the recipe also sets the cadence (train.eval_every left null), its patience and min_evals,
-    counted in epochs, become evals_per_epoch(epoch_rows()) times as many evaluations."""
-    done = {}
-    chosen_optimizer = c.optim.sparse is not None  # a preset's null sparse_lr means "= lr", not "the recipe's"
-    for key, value in recipe_values(recipe, c.model.name).items():
-        *path, name = key.split(".")
-        obj = get_key(c, ".".join(path))
-        if key == "optim.sparse_lr" and chosen_optimizer:
-            continue
-        if getattr(obj, name) is None and value != EVAL_PER_EPOCH:
-            value = list(value) if isinstance(value, list) else value  # never the table's own list
-            setattr(obj, name, value)
-            done[key] = value
-    counts = [k for k in EPOCH_COUNTS if k in done]
-    if counts and c.train.eval_every is None and per_epoch_cadence(recipe) and c.data.val_fraction:
-        k = evals_per_epoch(epoch_rows())
-        for key in counts:
-            done[key] *= k
-            parent, name = key.rsplit(".", 1)
-            setattr(get_key(c, parent), name, done[key])
-    if "train.early_stop.patience" in done and not c.data.val_fraction:
-        c.train.early_stop.patience = done["train.early_stop.patience"] = 0  # data.val_fraction=0: nothing to stop on
-    if "train.calibrate" in done and not c.data.val_fraction:
-        c.train.calibrate = done["train.calibrate"] = False  # nothing to calibrate on either
-    if "train.bag" in done and not c.data.val_fraction:
-        c.train.bag = done["train.bag"] = 1  # nor validation slices to give the members
-    return done
 
 
 def val_range(n: int, fraction: float, slice_: int = 1) -> tuple[int, int]:

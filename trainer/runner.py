@@ -40,11 +40,12 @@ from .checkpoint import resolve as resolve_checkpoint
 from .checkpoint import step_dir
 from .comm import CollectiveError, Collectives, make_collectives
 from .config import Config, auto_threads, local_batch_size, validate_world
-from .configure import apply_data_steps, load_config, recipe_of
+from .configure import load_config
 from .data import make_data
 from .device import to_device
 from .lr import LrSchedule
 from .metrics import auc_logloss, fit_temperature
+from .recipes import apply_data_steps, recipe_of
 from .report import Reporter
 
 __all__ = ["RunResult", "Trainer", "TrainingError", "run"]
