@@ -35,8 +35,8 @@ from .build import phase
 from .comm import Collectives
 from .config import Config
 from .configure import load_config
+from .recipes import apply_data_steps
 from .metrics import auc_logloss, write_summary
-from .recipes import apply_data_steps, recipe_of
 
 LOGITS = "test_logits.npy"  # a member's [n, 2] float64 (calibrated logit, label) of the test split
 
@@ -95,21 +95,18 @@ def _member_record(k: int, j: int, s: dict[str, Any], reused: bool) -> dict[str,
 
 
 def run_bag(c: Config, comm: Collectives, out_dir: Optional[str], make_trainer: Callable[..., Any],
-            return_state: bool = False) -> tuple[dict[str, Any], list[float], Optional[dict[str, Any]]]:
+            recipe: dict[str, Any], return_state: bool = False
+            ) -> tuple[dict[str, Any], list[float], Optional[dict[str, Any]]]:
     """Train c.train.bag members (see the module doc) and score the test split with their mean
-    prediction. Collective: every rank runs every member. make_trainer(config, comm, out_dir,
-    announce=False) builds a member (runner.Trainer). Returns (the bag's summary, the members'
+    prediction. Collective: every rank runs every member. make_trainer(config, comm, out_dir)
+    builds a member (runner.Trainer, a context manager). recipe: summary.json's `recipe` (the
+    caller announced it, configure.announce_recipe). Returns (the bag's summary, the members'
     losses one after the other, the last member's model when return_state)."""
     from .data import val_slices
 
     slices = val_slices(c.data, c.train.bag)
     rank = comm.rank
-    view = copy.deepcopy(c)  # the bag's config as a member sees it (the recipe's evaluation cadence resolved)
-    apply_data_steps(view, comm.size)
-    recipe = recipe_of(view)
     if rank == 0:
-        if recipe.name != "none":
-            print(recipe.line(view), file=sys.stderr)
         few = f" (only {len(slices)} validation slices fit in the training rows)" if len(slices) < c.train.bag else ""
         print(f"[trainer] bag of {len(slices)} models{few}, validation slices {slices}; "
               "train.bag=1 trains one model", file=sys.stderr)
@@ -124,20 +121,16 @@ def run_bag(c: Config, comm: Collectives, out_dir: Optional[str], make_trainer: 
             want = copy.deepcopy(mc)
             apply_data_steps(want, comm.size)
             with phase(comm, "other"):  # rank 0's files decide, every rank gets them
-                done = comm.broadcast_object(_finished(mdir, asdict(want)) if rank == 0 else None)
+                done = comm.root_decides(lambda: _finished(mdir, asdict(want)), RuntimeError)
         if rank == 0:
             print(f"[trainer] bag member {k}/{len(slices)}: validation slice {j}"
                   + (f", done before: reusing {mdir}" if done else ""), file=sys.stderr)
         if done is not None:
             summary, rows = done
         else:
-            trainer = make_trainer(mc, comm, mdir, announce=False)
-            try:
+            with make_trainer(mc, comm, mdir) as trainer:
                 res = trainer.fit(return_state and k == len(slices))
-            finally:
-                if trainer.checkpointer is not None:
-                    trainer.checkpointer.close()
-            summary, rows, state = res.summary, trainer.test_rows, res.state
+            summary, rows, state = res.summary, trainer.evaluator.test_rows, res.state
             losses += res.losses
             if rank == 0 and summary.get("output_dir"):
                 np.save(os.path.join(summary["output_dir"], LOGITS), rows)
@@ -151,7 +144,7 @@ def run_bag(c: Config, comm: Collectives, out_dir: Optional[str], make_trainer: 
     assert labels is not None
     auc, ll = auc_logloss(mean_prediction(logits), labels)
     summary = _bag_summary(c, summary, members, auc, ll, top, comm.size)
-    summary["recipe"] = recipe.describe(view)
+    summary["recipe"] = recipe
     if rank == 0 and top is not None:
         write_summary(os.path.join(top, "summary.json"), summary)
         print(f"[trainer] bag of {len(members)}: test AUC {auc:.4f}, logloss {ll:.4f} (members' mean AUC "

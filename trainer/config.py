@@ -224,7 +224,7 @@ class TrainConfig:
 
 @dataclass
 class CheckpointConfig:
-    """Periodic + final checkpoints (trainer/checkpoint.py) and resume, also on another W."""
+    """Periodic + final checkpoints (trainer/checkpoint/) and resume, also on another W."""
 
     enabled: bool = True  # false: write no checkpoint at all (benchmarks, throwaway runs); resume still works
     dir: Optional[str] = None  # where step_K directories go (shared by all ranks); null = <run output dir>/checkpoints

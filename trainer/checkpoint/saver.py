@@ -41,7 +41,7 @@ class Checkpointer:
         self._seq = 0  # save_seq of this run's last save
         # rank 0: the newest save of this object that is complete on disk, known as soon as it is
         # renamed into place: a peer lost in the save's closing broadcast leaves it resumable, and
-        # the failure message must name it (Trainer.save_checkpoint)
+        # the failure message must name it (CheckpointManager.save)
         self.completed: str | None = None
         self.lock: DirLock | None = None
         self.run_id, notes = comm.root_decides(self._lock, CheckpointError)
