@@ -174,7 +174,7 @@ def _shrunk(prepared: str, dest: str, rows: dict[int, int]) -> str:
 def _criteo(d: str, *extra: str) -> list[str]:
     return ["data=criteo", f"data.dir={d}", "data.batch_size=64", "data.epochs=0", "train.steps=12",
             "data.loader=memmap", "train.progress=off", "train.threads=1",
-            "data.min_count=0", "train.bag=1", *extra]  # ids as stored: the guard and the cap see them directly
+            "data.min_count=0", "train.ensemble=1", *extra]  # ids as stored: the guard and the cap see them directly
 
 
 def test_criteo_blocks_are_checked_against_meta_rows(prepared, tmp_path):

@@ -339,7 +339,7 @@ def test_criteo_checkpoint_is_refused_at_another_world_size(prepared, tmp_path):
     uninterrupted run) and is refused at W = 1 with a message naming both world sizes."""
     root = str(tmp_path / "ck")
     crit = ["data=criteo", f"data.dir={prepared}", "data.loader=memmap", "data.batch_size=32", "data.epochs=0",
-            "train.steps=6", "train.progress=off", "train.threads=1", "train.bag=1"]
+            "train.steps=6", "train.progress=off", "train.threads=1", "train.ensemble=1"]
     full, again = spawn(2, train_models, [crit + ["checkpoint.every=3", f"checkpoint.dir={root}"],
                                           crit + [f"checkpoint.resume={ckpt.step_dir(root, 3)}"]])[0]
     assert _manifest(ckpt.step_dir(root, 3))["data_order_world"] == 2

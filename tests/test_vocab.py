@@ -25,7 +25,7 @@ def prepared(tmp_path_factory) -> str:
 
 def _over(d: str, *extra: str) -> list[str]:
     return ["data=criteo", f"data.dir={d}", "data.loader=memmap", "data.shuffle=false", "data.val_fraction=0.2",
-            "data.batch_size=64", "train.progress=off", "train.bag=1", *extra]
+            "data.batch_size=64", "train.progress=off", "train.ensemble=1", *extra]
 
 
 def _expect(raw: torch.Tensor, vocab: list[list[int]]) -> torch.Tensor:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 import os
+import sys
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -219,7 +220,8 @@ class TrainConfig:
     recipe: str = "auto"  # defaults for the null keys: auto (data=criteo: tiny below TINY_DATA_ROWS training rows, small below SMALL_DATA_ROWS, else large; other data: none) | tiny | small | large | none
     early_stop: EarlyStopConfig = field(default_factory=lambda: EarlyStopConfig())
     calibrate: Optional[bool] = None  # fit a logit temperature on the validation split for the final test evaluation (README "Validation"); null = the recipe's
-    bag: Optional[int] = None  # train K models, model k validated (and early-stopped, calibrated) on its own validation slice, and test the mean of their predictions (trainer/bag.py); 1 = one model; null = the recipe's (tiny: 5, else 1)
+    ensemble: Optional[int] = None  # train K models, model k validated (and early-stopped, calibrated) on its own validation slice, and test the mean of their predictions (trainer/ensemble.py); 1 = one model; null = the recipe's (tiny: 5, else 1)
+    bag: Optional[int] = None  # deprecated: the old name of train.ensemble, read into it with a warning (RENAMED); removed in the next release
 
 
 @dataclass
@@ -261,18 +263,54 @@ def compose(overrides: list[str]) -> DictConfig:
 
 
 def parse(cfg: Any) -> Config:
-    """A Hydra/OmegaConf tree (or a plain dict, or a Config) merged onto the schema; not yet
-    resolved against the data files nor validated (trainer.configure.load_config does both)."""
+    """A Hydra/OmegaConf tree (or a plain dict, or a Config) merged onto the schema, renamed keys
+    moved to their new names (RENAMED); not yet resolved against the data files nor validated
+    (trainer.configure.load_config does both)."""
     if isinstance(cfg, Config):
-        return cfg
+        return _renamed(cfg)
     base = OmegaConf.structured(Config)
     plain = OmegaConf.to_container(cfg, resolve=True) if isinstance(cfg, DictConfig) else cfg
     plain = {k: v for k, v in dict(plain).items() if k != "hydra"}
     try:
         merged = OmegaConf.merge(base, plain)
-        return OmegaConf.to_object(merged)
+        return _renamed(OmegaConf.to_object(merged))
+    except ConfigError:
+        raise
     except Exception as exc:  # omegaconf errors already name full_key
         raise ConfigError(f"invalid config: {exc}") from exc
+
+
+# keys renamed in this release: old name -> new name. The old name still works for one release (its
+# value moves to the new key, with one warning line); giving both with different values is an error
+RENAMED = {"train.bag": "train.ensemble"}
+
+
+def _renamed(c: Config) -> Config:
+    """Move the value of every old key name the config sets (RENAMED) to its new name and clear the
+    old one, saying so on stderr once (by the launcher's rank 0 only: this runs before the
+    collectives are up)."""
+    for old, new in RENAMED.items():
+        (old_parent, old_name), (new_parent, new_name) = old.rsplit(".", 1), new.rsplit(".", 1)
+        value, now = get_key(c, old), get_key(c, new)
+        if value is None:
+            continue
+        _check(now is None or now == value, f"{old}={value!r} and {new}", now,
+               f"{old} is the old name of {new}: give only {new}")
+        setattr(get_key(c, new_parent), new_name, value)
+        setattr(get_key(c, old_parent), old_name, None)
+        if _launcher_rank() == 0:
+            print(f"[trainer] warning: {old} is deprecated, use {new} ({old}={value} -> {new}={value}); "
+                  f"{old} will be removed in the next release", file=sys.stderr)
+    return c
+
+
+def _launcher_rank() -> int:
+    """This process's rank as its launcher set it (torchrun: RANK, horovodrun: HOROVOD_RANK, mpirun:
+    OMPI_COMM_WORLD_RANK / PMI_RANK); 0 when started alone."""
+    for key in ("RANK", "HOROVOD_RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK"):
+        if os.environ.get(key, "").strip().isdigit():
+            return int(os.environ[key])
+    return 0
 
 
 def check_data_source(c: Config) -> None:
@@ -334,7 +372,7 @@ def check_min_count(d: DataConfig) -> None:
 def val_rows(n: int, fraction: float) -> int:
     """Rows of n training rows that data.val_fraction carves off as the validation split: floor(f x n)
     (at least 1 when f > 0); a ConfigError when nothing would be left to train on. Rounded down so
-    that 1 / f slices of it always fit in the n rows (train.bag's members validate on slices 1..5 of
+    that 1 / f slices of it always fit in the n rows (train.ensemble's members validate on slices 1..5 of
     20%): rounded up, 5,001 rows would give slices of 1,001 rows and room for only four."""
     if not fraction:
         return 0
@@ -498,15 +536,15 @@ def _validate_early_stop(c: Config) -> None:
     if t.calibrate:
         _check(bool(c.data.val_fraction), "train.calibrate", t.calibrate,
                "the temperature is fitted on the validation split (data.val_fraction > 0), never on the test split")
-    _check(t.bag is not None, "train.bag", t.bag, _UNRESOLVED)
-    _check(t.bag >= 1, "train.bag", t.bag, "must be >= 1 (1 = one model)")
-    if t.bag > 1:
-        _check(c.data.name == "criteo" and bool(c.data.val_fraction), "train.bag", t.bag,
+    _check(t.ensemble is not None, "train.ensemble", t.ensemble, _UNRESOLVED)
+    _check(t.ensemble >= 1, "train.ensemble", t.ensemble, "must be >= 1 (1 = one model)")
+    if t.ensemble > 1:
+        _check(c.data.name == "criteo" and bool(c.data.val_fraction), "train.ensemble", t.ensemble,
                "the members differ by their validation slice: a data=criteo option that needs data.val_fraction > 0")
         _check(c.data.val_slice == 1, "data.val_slice", c.data.val_slice,
-               f"train.bag={t.bag} gives every member its own validation slice; leave data.val_slice at 1")
+               f"train.ensemble={t.ensemble} gives every member its own validation slice; leave data.val_slice at 1")
         _check(c.checkpoint.resume in (None, "auto"), "checkpoint.resume", c.checkpoint.resume,
-               f"train.bag={t.bag} keeps a checkpoint directory per member: resume with checkpoint.resume=auto")
+               f"train.ensemble={t.ensemble} keeps a checkpoint directory per member: resume with checkpoint.resume=auto")
 
 
 def needs_global_view(c: Config) -> bool:

@@ -39,7 +39,7 @@ class Evaluator:
         both = self.predict(split)
         scaled = np.stack([both[:, 0] * self.temperature, both[:, 1]], axis=1)
         if split == "test":
-            self.test_rows = scaled  # the last test evaluation's (calibrated logit, label) rows: train.bag
+            self.test_rows = scaled  # the last test evaluation's (calibrated logit, label) rows: train.ensemble
         auc, ll = auc_logloss(scaled[:, 0], scaled[:, 1])
         return {"eval_auc": auc, "eval_logloss": ll, "eval_samples": int(both.shape[0])}
 

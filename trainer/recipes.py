@@ -31,7 +31,7 @@ from .data import DataShape, shape_of
 from .data import epoch_rows as rows_per_epoch
 
 SMALL_DATA_ROWS = 1_000_000  # train.recipe=auto: data=criteo with fewer training rows takes the small recipe
-TINY_DATA_ROWS = 100_000  # ... and with fewer than these, the tiny one (small + a bag of 5 models)
+TINY_DATA_ROWS = 100_000  # ... and with fewer than these, the tiny one (small + an ensemble of 5 models)
 EVAL_PER_EPOCH = "epoch"  # a recipe's train.eval_every: once per pass over the training rows (needs W) ...
 RECIPE_EVAL_ROWS = 1_280  # ... or more often: no more than this many training rows between evaluations ...
 RECIPE_EVALS_PER_EPOCH = 4  # ... up to this many evaluations per epoch (see evals_per_epoch)
@@ -40,7 +40,7 @@ _SGD = {"optim.name": "sgd", "optim.dense": "sgd", "optim.sparse": "sgd", "optim
 _NEUTRAL = {"data.epochs": 0.0, "data.val_fraction": 0.0, "data.standardize": False, "data.min_count": 0,
             "embedding.init_scale": 0.0, "train.eval_every": 0, "train.early_stop.patience": 0,
             "train.early_stop.min_evals": 0,
-            "train.calibrate": False, "train.bag": 1,
+            "train.calibrate": False, "train.ensemble": 1,
             "model.dropout": 0.0, **_SGD, "optim.weight_decay": 0.0, "optim.sparse_weight_decay": 0.0,
             "optim.warmup_steps": 0, "optim.decay": "none"}
 RECIPE_VALUES: dict[str, dict[str, Any]] = {
@@ -55,14 +55,14 @@ RECIPE_VALUES: dict[str, dict[str, Any]] = {
               "embedding.init_scale": 0.01,
               "train.eval_every": EVAL_PER_EPOCH, "train.early_stop.patience": 3, "train.early_stop.min_evals": 10,
               "train.calibrate": True,
-              "train.bag": 1,
+              "train.ensemble": 1,
               "optim.name": "adam", "optim.dense": "adam", "optim.sparse": "rowwise_adagrad", "optim.lr": 0.001,
               "optim.sparse_lr": 0.05, "optim.eps": 1e-8},
-    # tiny data (README): the small recipe, and a bag of 5 models, one per 20% validation slice
-    # (train.bag, trainer/bag.py): on a few thousand rows one model's test AUC moves by ~0.02 with
+    # tiny data (README): the small recipe, and an ensemble of 5 models, one per 20% validation slice
+    # (train.ensemble, trainer/ensemble.py): on a few thousand rows one model's test AUC moves by ~0.02 with
     # its validation rows; five cost five trainings, which only tiny data makes cheap
 }
-RECIPE_VALUES["tiny"] = {**RECIPE_VALUES["small"], "train.bag": 5}
+RECIPE_VALUES["tiny"] = {**RECIPE_VALUES["small"], "train.ensemble": 5}
 
 
 # per-model values on top of a recipe (README "The recipe per data size"): DCN's cross layers, and
@@ -141,8 +141,8 @@ def apply_recipe(c: Config, recipe: str, epoch_rows: Callable[[], int] = lambda:
         c.train.early_stop.patience = done["train.early_stop.patience"] = 0  # data.val_fraction=0: nothing to stop on
     if "train.calibrate" in done and not c.data.val_fraction:
         c.train.calibrate = done["train.calibrate"] = False  # nothing to calibrate on either
-    if "train.bag" in done and not c.data.val_fraction:
-        c.train.bag = done["train.bag"] = 1  # nor validation slices to give the members
+    if "train.ensemble" in done and not c.data.val_fraction:
+        c.train.ensemble = done["train.ensemble"] = 1  # nor validation slices to give the members
     return done
 
 
@@ -189,8 +189,8 @@ class Recipe:
 def choose_recipe(c: Config, shape: Optional[DataShape]) -> Recipe:
     """The rule: train.recipe=auto takes `small` for data=criteo whose training split (validation
     rows included) has fewer than SMALL_DATA_ROWS rows: several epochs, evaluated once per epoch
-    (up to 4 times on longer epochs) on a validation split, early stopping; `tiny` below TINY_DATA_ROWS rows (the same and a bag of 5
-    models); `large` for bigger criteo sets (one epoch, the DLRM Kaggle
+    (up to 4 times on longer epochs) on a validation split, early stopping; `tiny` below TINY_DATA_ROWS rows (the same and an
+    ensemble of 5 models); `large` for bigger criteo sets (one epoch, the DLRM Kaggle
     recipe); `none` for other data (every null key at its neutral value). Another train.recipe is
     taken as given."""
     if c.train.recipe not in RECIPES:

@@ -68,9 +68,9 @@ def run(cfg: Any, out_dir: str | None = None, return_state: bool = False,
     trainer = None
     try:
         recipe = announce_recipe(config, comm)  # once, for one model or an ensemble
-        if config.train.bag > 1:  # K members, each a Trainer (bag.py does not import this module)
-            from .bag import run_bag
-            summary, losses, state = run_bag(config, comm, out_dir, Trainer, recipe, return_state)
+        if config.train.ensemble > 1:  # K members, each a Trainer (ensemble.py does not import this module)
+            from .ensemble import run_ensemble
+            summary, losses, state = run_ensemble(config, comm, out_dir, Trainer, recipe, return_state)
             return RunResult(summary, comm.rank, losses, state)
         with Trainer(config, comm, out_dir) as trainer:
             return trainer.fit(return_state)
