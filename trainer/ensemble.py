@@ -12,13 +12,13 @@ Each member is a complete run of the trainer (trainer.runner.Trainer) with data.
 slice and its own output directory OUT/member<k>/ (metrics, summary.json, checkpoints, and its
 calibrated test logits in test_logits.npy). With data.min_count > 0 each member counts its own
 vocabulary (its training rows differ), so the members' tables differ in size. Members run one after
-the other on the same workers. checkpoint.resume=auto continues an ensemble: a member whose summary and
-test logits are there with the same config is taken as it is, an unfinished one resumes from its
-own checkpoints, the rest run fresh.
+the other on the same workers. checkpoint.resume=auto continues an ensemble: a member whose summary
+and test logits are there with the same config is taken as it is, an unfinished one resumes from
+its own checkpoints, the rest run fresh.
 
-OUT/summary.json is the ensemble's: test AUC / logloss of the mean prediction, the members (slice, best
-step, validation and test figures, temperature, directory), and the sums of their steps, samples
-and training time; the per-member detail stays in the members' own summaries.
+OUT/summary.json is the ensemble's: test AUC / logloss of the mean prediction, the members (slice,
+best step, validation and test figures, temperature, directory), and the sums of their steps,
+samples and training time; the per-member detail stays in the members' own summaries.
 """
 from __future__ import annotations
 
@@ -35,8 +35,8 @@ from .build import phase
 from .comm import Collectives
 from .config import Config
 from .configure import load_config
-from .recipes import apply_data_steps
 from .metrics import auc_logloss, write_summary
+from .recipes import apply_data_steps
 
 LOGITS = "test_logits.npy"  # a member's [n, 2] float64 (calibrated logit, label) of the test split
 
@@ -95,12 +95,12 @@ def _member_record(k: int, j: int, s: dict[str, Any], reused: bool) -> dict[str,
 
 
 def run_ensemble(c: Config, comm: Collectives, out_dir: Optional[str], make_trainer: Callable[..., Any],
-            recipe: dict[str, Any], return_state: bool = False
-            ) -> tuple[dict[str, Any], list[float], Optional[dict[str, Any]]]:
+                 recipe: dict[str, Any], return_state: bool = False
+                 ) -> tuple[dict[str, Any], list[float], Optional[dict[str, Any]]]:
     """Train c.train.ensemble members (see the module doc) and score the test split with their mean
     prediction. Collective: every rank runs every member. make_trainer(config, comm, out_dir)
     builds a member (runner.Trainer, a context manager). recipe: summary.json's `recipe` (the
-    caller announced it, configure.announce_recipe). Returns (the ensemble's summary, the members'
+    caller announced it, recipes.announce_recipe). Returns (the ensemble's summary, the members'
     losses one after the other, the last member's model when return_state)."""
     from .data import val_slices
 
