@@ -8,9 +8,11 @@ the process exits, writes this rank's milliseconds per training step to DIR/phas
 The phases (methods timed):
 
 - step: a whole training step (Trainer.train_step);
-- batch: making a batch (Trainer._batch; with train.pipeline the next step's, inside prefetch);
-- prefetch: preparing the next step during this one (Trainer._prefetch: its batch, plan, requests);
-- lookup: the embedding lookup (HybridEmbedding.lookup: requests, replies, cache);
+- batch: making a batch (StepPipeline.batch; with train.pipeline the next step's, inside prefetch);
+- prefetch: preparing the next step during this one (StepPipeline.prefetch: its batch, plan,
+  requests);
+- lookup: the training step's embedding lookup (HybridEmbedding.lookup: replies, cache; the serial
+  step's plan and requests are made just before it, in StepPipeline.start);
 - backward: loss.backward();
 - apply: the row pushes, the owners' update and (pipelined) the dense allreduce's start
   (HybridEmbedding.apply_gradients);
@@ -40,8 +42,8 @@ from typing import Any, Callable
 
 PHASES = (  # (phase, module, class, method)
     ("step", "trainer.runner", "Trainer", "train_step"),
-    ("batch", "trainer.runner", "Trainer", "_batch"),
-    ("prefetch", "trainer.runner", "Trainer", "_prefetch"),
+    ("batch", "trainer.pipeline", "StepPipeline", "batch"),
+    ("prefetch", "trainer.pipeline", "StepPipeline", "prefetch"),
     ("lookup", "trainer.embedding.module", "HybridEmbedding", "lookup"),
     ("apply", "trainer.embedding.module", "HybridEmbedding", "apply_gradients"),
     ("wait", "trainer.comm.base", "Handle", "wait"),

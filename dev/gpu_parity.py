@@ -100,8 +100,9 @@ def _cache_counts(s: dict[str, Any]) -> dict[str, Any]:
 
 
 def _best_steps(s: dict[str, Any]) -> list:
-    """The restored best step of each bag member (or of the one run); [] without validation."""
-    members = (s.get("bag") or {}).get("members") or [s]
+    """The restored best step of each ensemble member (or of the one run); [] without validation.
+    Summaries written before the rename hold the members under "bag"."""
+    members = (s.get("ensemble") or s.get("bag") or {}).get("members") or [s]
     return [m.get("best_step") for m in members if m.get("best_step") is not None]
 
 
@@ -125,7 +126,7 @@ def compare(name: str, steps: int, tmp: str, device: str = "cuda",
     if name == CRITEO:
         if criteo is None:
             raise ValueError(f"path {CRITEO} needs a prepared Criteo directory (--criteo DIR)")
-        world, overrides = 1, ["data=criteo", f"data.dir={criteo}", "train.bag=1"]
+        world, overrides = 1, ["data=criteo", f"data.dir={criteo}", "train.ensemble=1"]
         ov = list(overrides)  # the recipe's epochs and early stop, not train.steps
         dev, cpu_side = dev + [f"data.loader={device_loader()}"], ["data.loader=memmap"]
     else:

@@ -67,8 +67,9 @@ from dataclasses import dataclass
 from typing import Any, Iterable, Sequence
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if ROOT not in sys.path:  # the repository root, for the package when run as dev/netcluster.py
+if ROOT not in sys.path:  # the repository root: run as a script, trainer/ comes from this checkout
     sys.path.insert(0, ROOT)
+from trainer import procs  # noqa: E402  /proc/PID/stat, parsed once (a leaf: the standard library only)
 from trainer.tools.launch import horovodrun_path, launch_command  # noqa: E402
 
 PREFIX = "htnet"
@@ -135,11 +136,8 @@ def parse_rate(rate: Any) -> int | None:
 
 def _proc_start(pid: int) -> str | None:
     """The process's start time (clock ticks since boot): with the pid, it names one process."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[19]
-    except (OSError, IndexError):
-        return None
+    st = procs.stat(pid)
+    return None if st is None else st.start
 
 
 def _alive(pid: int, start: str | None = None) -> bool:
@@ -177,11 +175,8 @@ def _kill_pids(pids: Iterable[int], grace_s: float = 3.0) -> None:
 
 
 def _zombie(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
-    except (OSError, IndexError):
-        return True
+    st = procs.stat(pid)
+    return st is None or st.state == "Z"
 
 
 def _remove_namespace(ns: str, keep: Iterable[int] = ()) -> None:
@@ -374,12 +369,9 @@ def _descendants(pid: int) -> set[int]:
     children: dict[int, list[int]] = {}
     for entry in os.listdir("/proc"):
         if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-            children.setdefault(ppid, []).append(int(entry))
+            st = procs.stat(int(entry))
+            if st is not None:
+                children.setdefault(st.ppid, []).append(int(entry))
     out, todo = set(), [pid]
     while todo:
         for c in children.get(todo.pop(), []):

@@ -80,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"error: {exc}", file=sys.stderr)
             return 1
     trainer = {"model": s["config"]["model"]["name"], "optim": s["config"]["optim"]["name"],
-               "steps": s["steps"], "bag": len(s["bag"]["members"]) if s.get("bag") else 1,
+               "steps": s["steps"], "ensemble": len(s["ensemble"]["members"]) if s.get("ensemble") else 1,
                "eval_samples": s["eval_samples"], "eval_auc": s["eval_auc"],
                "eval_logloss": s["eval_logloss"], "seconds": s["_seconds"], "command": s["_command"]}
     if s["eval_samples"] != base["eval_rows"]:

@@ -109,7 +109,7 @@ def test_compare_runs_the_trainer_on_the_same_rows(prepared, capsys):
                    "train.steps=3", "model=wdl")
     t = r["trainer"]
     # the default command: the tiny recipe's bag of 5 models, 3 steps each
-    assert t["model"] == "wdl" and t["bag"] == 5 and t["steps"] == 5 * 3 and t["eval_samples"] == r["baseline"]["eval_rows"]
+    assert t["model"] == "wdl" and t["ensemble"] == 5 and t["steps"] == 5 * 3 and t["eval_samples"] == r["baseline"]["eval_rows"]
     assert r["lr_eval_auc"] == r["baseline"]["eval_auc"] and r["baseline"]["C"] == 0.03
     assert r["trainer_minus_lr_auc"] == pytest.approx(r["trainer_eval_auc"] - r["lr_eval_auc"])
 

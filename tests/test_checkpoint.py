@@ -19,6 +19,8 @@ import pytest
 import torch
 
 import trainer.checkpoint as ckpt
+import trainer.procs as procs
+from trainer.checkpoint import saver  # where Checkpointer writes its files
 from helpers import make_cfg, run_single, run_world, spawn, train_worker
 from test_parity import assert_same_run
 from trainer.config import ConfigError
@@ -117,17 +119,17 @@ def test_crash_during_save_leaves_previous_checkpoint_and_auto_resumes(tmp_path,
     killed mid-save, removed when its dead lock is taken over) and picks the newest complete
     checkpoint, from which the run finishes equal to an uninterrupted one."""
     root = _dir(tmp_path, "ck")
-    real = ckpt._write_manifest
+    real = saver.write_manifest
 
     def crash_at_final(tmp: str, manifest: dict) -> None:
         if manifest["step"] == STEPS:
             raise OSError("simulated crash while saving")
         real(tmp, manifest)
 
-    monkeypatch.setattr(ckpt, "_write_manifest", crash_at_final)
+    monkeypatch.setattr(saver, "write_manifest", crash_at_final)
     with pytest.raises(ckpt.CheckpointError, match="simulated crash"):
         run_single(BASE + [f"checkpoint.dir={root}", f"checkpoint.every={K}", "checkpoint.keep_last=0"])
-    monkeypatch.setattr(ckpt, "_write_manifest", real)
+    monkeypatch.setattr(saver, "write_manifest", real)
     names = sorted(os.listdir(root))
     assert names == ["step_00000005", "step_00000010"], names  # no .tmp- dir, lock released
     os.makedirs(os.path.join(root, "step_00000011"))  # no manifest: incomplete, ignored
@@ -135,7 +137,7 @@ def test_crash_during_save_leaves_previous_checkpoint_and_auto_resumes(tmp_path,
     dead.wait()
     with open(os.path.join(root, ckpt.LOCK), "w") as f:
         json.dump({"run_id": "0123456789ab", "pid": dead.pid, "host": socket.gethostname(),
-                   "pid_ns": ckpt._pid_namespace()}, f)
+                   "pid_ns": procs.pid_namespace()}, f)
     os.makedirs(os.path.join(root, "step_00000099.tmp-0123456789ab-00000000"))
     assert ckpt.latest(root) == _step(root, 10)
 

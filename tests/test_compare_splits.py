@@ -15,7 +15,7 @@ from dev.recipe_study.splits import split_lines
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 from dev.recipe_study import compare_splits  # noqa: E402
 
-FAST = ["data.max_table_rows=1000", "data.epochs=3", "data.loader=memmap", "train.threads=1", "train.bag=1"]
+FAST = ["data.max_table_rows=1000", "data.epochs=3", "data.loader=memmap", "train.threads=1", "train.ensemble=1"]
 
 
 def test_split_one_is_the_file_order_and_the_others_shuffle():
@@ -111,7 +111,7 @@ def test_models_and_overrides_are_checked_before_any_work(tmp_path, capsys):
     assert "'xdeepfm' is not a model" in capsys.readouterr().err
     assert compare_splits.main([SAMPLE, "--models", ",", "--work", str(work)]) == 2
     assert "no model named" in capsys.readouterr().err
-    assert compare_splits.main([SAMPLE, "--models", "dlrm", "train.bag", "--work", str(work)]) == 2
+    assert compare_splits.main([SAMPLE, "--models", "dlrm", "train.ensemble", "--work", str(work)]) == 2
     err = capsys.readouterr().err
-    assert "override 'train.bag' is not key=value" in err and "--models" not in err
+    assert "override 'train.ensemble' is not key=value" in err and "--models" not in err
     assert not work.exists()

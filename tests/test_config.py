@@ -133,16 +133,18 @@ BAD = [
     ("train.calibrate=true", "train.calibrate"),
     ("data.val_slice=0", "data.val_slice"),
     ("data.min_count=-1", "data.min_count"),
-    ("train.bag=0", "train.bag"),
+    ("train.ensemble=0", "train.ensemble"),
+    ("train.bag=0", "train.ensemble"),  # the deprecated name: its value is checked as train.ensemble's
     ("train.early_stop.min_evals=-1", "train.early_stop.min_evals"),
-    ("train.bag=2", "train.bag"),  # the members' validation slices: a data=criteo option
+    ("train.ensemble=2", "train.ensemble"),  # the members' validation slices: a data=criteo option
     ("data.min_count=2", "data.min_count"),  # a vocabulary of the training rows is a data=criteo option  # no validation split: never fitted on the test split
     ("+data.standardize=true", "data.standardize"),  # a data=criteo option
 ]
 # keys with no range to check: free text (informational names, paths) and booleans
 NO_RANGE = {"data.preset", "data.dir", "data.shuffle", "optim.name", "embedding.audit", "checkpoint.enabled",
             "placement.hot_batches", "schedule.on_demand_sync", "schedule.cache_aware",
-            "train.early_stop.restore_best", "train.tensorboard"}
+            "train.early_stop.restore_best", "train.tensorboard",
+            "train.bag"}  # the deprecated name of train.ensemble (RENAMED): checked as train.ensemble, see test_ensemble.py
 
 
 @pytest.mark.parametrize("override,key", BAD, ids=[b[0] for b in BAD])

@@ -12,9 +12,11 @@ import pytest
 from data_helpers import N_TRAIN, prepare_sample
 from helpers import make_cfg
 from trainer.comm import LocalCollectives
-from trainer.config import SMALL_DATA_ROWS, TINY_DATA_ROWS, ConfigError, evals_per_epoch, get_key as getattr_key, parse
-from trainer.configure import apply_data_steps, choose_recipe, compose_config, load_config, recipe_of
+from trainer.config import ConfigError, get_key as getattr_key, parse
+from trainer.configure import compose_config, load_config
 from trainer.data import DataShape, make_data, resolve
+from trainer.recipes import (SMALL_DATA_ROWS, TINY_DATA_ROWS, apply_data_steps, choose_recipe, evals_per_epoch,
+                             recipe_of)
 from trainer.runner import Trainer
 
 
@@ -80,12 +82,12 @@ def test_synthetic_data_keeps_train_steps_and_errors_stay_config_errors(prepared
 
 def test_small_criteo_set_takes_the_tiny_recipe(prepared):
     """1,600 training rows < TINY_DATA_ROWS: several epochs, a validation split, evaluations once
-    per epoch (at the W of the run) and early stopping, a bag of 5 (the small recipe's values and
-    the bag); what the user set is kept and reported."""
+    per epoch (at the W of the run) and early stopping, an ensemble of 5 (the small recipe's values and
+    the ensemble); what the user set is kept and reported."""
     base = ["data=criteo", f"data.dir={prepared}", "data.loader=memmap"]
     c = load_config(make_cfg(base))
     r = recipe_of(c)
-    assert r.name == "tiny" and "1,600 training rows" in r.why and c.train.bag == 5
+    assert r.name == "tiny" and "1,600 training rows" in r.why and c.train.ensemble == 5
     assert (c.data.epochs, c.data.val_fraction, c.train.early_stop.patience, c.data.standardize) == (30.0, 0.2, 3, True)
     assert (c.optim.name, c.optim.dense, c.optim.sparse, c.optim.lr, c.optim.sparse_lr) == \
         ("adam", "adam", "rowwise_adagrad", 0.001, 0.05)  # optim=auto (the default) under the small recipe
@@ -110,9 +112,9 @@ def test_small_criteo_set_takes_the_tiny_recipe(prepared):
         assert own.model.embedding_dim == 8 and recipe_of(own).describe(own)["overridden"] == {"model.embedding_dim": 8}
     assert c.model.embedding_dim == 16 and "model.embedding_dim" not in r.describe(c)["values"]
     small = load_config(make_cfg(base + ["train.recipe=small"]))  # the same but one model
-    assert recipe_of(small).name == "small" and small.train.bag == 1
+    assert recipe_of(small).name == "small" and small.train.ensemble == 1
     assert [(k, v) for k, v in recipe_of(small).describe(small)["values"].items() if getattr_key(c, k) != v] == [
-        ("train.bag", 1)]
+        ("train.ensemble", 1)]
     for w in (1, 2):
         cw = load_config(make_cfg(base), world=w)
         assert cw.train.eval_every == math.ceil(1280 / (128 * w))  # one epoch of the 1,280 trained rows
@@ -152,7 +154,7 @@ def test_recipe_evaluates_up_to_four_times_per_epoch_on_longer_epochs(prepared):
     assert recipe_of(mine).describe(mine)["overridden"] == {"data.val_fraction": 0.1, "train.early_stop.patience": 4}
     one = load_config(make_cfg(base[:-1]), world=1)  # 1,280 rows (20%): once per epoch, as before
     assert (one.train.eval_every, one.train.early_stop.patience, one.train.early_stop.min_evals) == (10, 3, 10)
-    member = load_config(copy.deepcopy(load_config(make_cfg(base))), world=1)  # a resolved config (a bag member's)
+    member = load_config(copy.deepcopy(load_config(make_cfg(base))), world=1)  # a resolved config (an ensemble member's)
     assert (member.train.early_stop.patience, member.train.early_stop.min_evals) == (6, 20)  # not scaled twice
 
 

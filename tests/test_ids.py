@@ -127,7 +127,7 @@ def test_error_stops_before_any_state_change(monkeypatch, extra, pipeline):
                                            r"training batch of step 4"):
         t.train_step(stops)
     if pipeline == "off":
-        assert dict(t.comm.counter.calls) == calls and t.emb._pending is None  # nothing was even looked up
+        assert dict(t.comm.counter.calls) == calls and t.steps.current is None  # nothing was even looked up
     assert_same_run(_state(ref), _state(t), rtol=0, atol=0)  # no row, no dense parameter changed
     with pytest.raises(IdRangeError, match="table 3"):
         run_single(BASE + extra)
@@ -174,7 +174,7 @@ def _shrunk(prepared: str, dest: str, rows: dict[int, int]) -> str:
 def _criteo(d: str, *extra: str) -> list[str]:
     return ["data=criteo", f"data.dir={d}", "data.batch_size=64", "data.epochs=0", "train.steps=12",
             "data.loader=memmap", "train.progress=off", "train.threads=1",
-            "data.min_count=0", "train.bag=1", *extra]  # ids as stored: the guard and the cap see them directly
+            "data.min_count=0", "train.ensemble=1", *extra]  # ids as stored: the guard and the cap see them directly
 
 
 def test_criteo_blocks_are_checked_against_meta_rows(prepared, tmp_path):

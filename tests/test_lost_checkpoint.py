@@ -17,6 +17,8 @@ import time
 import pytest
 
 import trainer.checkpoint as ckpt
+import trainer.procs as procs
+from trainer.checkpoint import saver  # where Checkpointer writes its files
 from data_helpers import prepare_sample, train_models
 from helpers import make_cfg, run_single, spawn, tmpfs
 from trainer.runner import run
@@ -57,7 +59,7 @@ def _write_lock(root: str, **holder) -> str:
     os.makedirs(root, exist_ok=True)
     path = os.path.join(root, ckpt.LOCK)
     with open(path, "w") as f:
-        json.dump({"run_id": "0123456789ab", "host": socket.gethostname(), "pid_ns": ckpt._pid_namespace(),
+        json.dump({"run_id": "0123456789ab", "host": socket.gethostname(), "pid_ns": procs.pid_namespace(),
                    "started": "then", "command": "python -m trainer (test)", **holder}, f)
     return path
 
@@ -142,7 +144,7 @@ def test_lock_held_elsewhere_stops_every_rank_at_start(tmp_path, sleeper):
     """W = 2: only rank 0 takes the lock; its refusal reaches rank 1 too (nobody waits in a
     collective), and the holder's lock and checkpoints are untouched."""
     root = str(tmp_path / "S")
-    lock = _write_lock(root, pid=sleeper.pid, proc_start=ckpt._proc_start(sleeper.pid))
+    lock = _write_lock(root, pid=sleeper.pid, proc_start=procs.proc_start(sleeper.pid))
     os.makedirs(os.path.join(root, "step_00000005.tmp-0123456789ab-00000000"))  # its save in progress
     before = open(lock).read()
     errors = spawn(2, _try_run, BASE + ["train.steps=4", f"checkpoint.dir={root}"], timeout=120)
@@ -173,7 +175,7 @@ def test_lock_rules(tmp_path, sleeper):
         ckpt.DirLock(root, "cccccccccccc").acquire()
     lock.release()
 
-    _write_lock(root, pid=sleeper.pid, proc_start=ckpt._proc_start(sleeper.pid))
+    _write_lock(root, pid=sleeper.pid, proc_start=procs.proc_start(sleeper.pid))
     with pytest.raises(ckpt.CheckpointError, match=rf"checkpoint\.dir {root} is in use by run 0123456789ab "
                                                    rf"\(pid {sleeper.pid} on host "):
         ckpt.DirLock(root, "dddddddddddd").acquire()
@@ -188,7 +190,7 @@ def test_lock_rules(tmp_path, sleeper):
 
     # a lock of this very process that no live run of it holds (its run ended without releasing
     # it) is reused silently
-    _write_lock(root, pid=os.getpid(), proc_start=ckpt._proc_start(os.getpid()))
+    _write_lock(root, pid=os.getpid(), proc_start=procs.proc_start(os.getpid()))
     again = ckpt.DirLock(root, "ffffffffffff")
     again.acquire()
     assert _lock(root)["run_id"] == "ffffffffffff" and not again.notes
@@ -275,7 +277,7 @@ def test_failed_save_on_a_full_disk_removes_its_partial_dir(tiny_fs):
 def test_failed_trainer_file_write_removes_the_partial_dir(tmp_path, monkeypatch):
     """An injected failure half-way through rank 0's trainer file (after the shards): same."""
     root = str(tmp_path / "ck")
-    real = ckpt._write_file
+    real = saver.write_file
 
     def half_then_fail(path: str, obj):
         if os.path.basename(path) == ckpt.TRAINER_FILE:
@@ -284,7 +286,7 @@ def test_failed_trainer_file_write_removes_the_partial_dir(tmp_path, monkeypatch
             raise OSError(28, "No space left on device (injected)", path)
         return real(path, obj)
 
-    monkeypatch.setattr(ckpt, "_write_file", half_then_fail)
+    monkeypatch.setattr(saver, "write_file", half_then_fail)
     with pytest.raises(ckpt.CheckpointError, match=r"injected"):
         run_single(BASE + ["train.steps=4", "checkpoint.every=2", f"checkpoint.dir={root}"])
     assert os.listdir(root) == []
@@ -337,7 +339,7 @@ def test_criteo_checkpoint_is_refused_at_another_world_size(prepared, tmp_path):
     uninterrupted run) and is refused at W = 1 with a message naming both world sizes."""
     root = str(tmp_path / "ck")
     crit = ["data=criteo", f"data.dir={prepared}", "data.loader=memmap", "data.batch_size=32", "data.epochs=0",
-            "train.steps=6", "train.progress=off", "train.threads=1", "train.bag=1"]
+            "train.steps=6", "train.progress=off", "train.threads=1", "train.ensemble=1"]
     full, again = spawn(2, train_models, [crit + ["checkpoint.every=3", f"checkpoint.dir={root}"],
                                           crit + [f"checkpoint.resume={ckpt.step_dir(root, 3)}"]])[0]
     assert _manifest(ckpt.step_dir(root, 3))["data_order_world"] == 2

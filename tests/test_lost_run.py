@@ -15,6 +15,7 @@ import sys
 import pytest
 
 import trainer.checkpoint as ckpt
+import trainer.relaunch as relaunch
 import trainer.runner as runner
 from helpers import fill, make_cfg, run_single, spawn, tmpfs
 from trainer.build import TrainingError
@@ -278,7 +279,7 @@ def test_relaunch_command_replaces_the_run_dirs_and_quotes_paths(monkeypatch, tm
     cwd.mkdir()
     monkeypatch.chdir(cwd)
     odd = str(tmp_path / "a b,c'd\\e${f}")
-    cmd = runner.relaunch_command(f"{odd}/ck/step_00000010", f"{odd}/ck", odd, size=2)
+    cmd = relaunch.relaunch_command(f"{odd}/ck/step_00000010", f"{odd}/ck", odd, size=2)
     import shlex
     tokens = shlex.split(cmd)
     assert tokens[:4] == ["cd", str(cwd), "&&", "/venv/bin/python"]
@@ -286,7 +287,7 @@ def test_relaunch_command_replaces_the_run_dirs_and_quotes_paths(monkeypatch, tm
     assert _hydra_values(tokens[9:]) == {"checkpoint.resume": f"{odd}/ck/step_00000010",
                                          "checkpoint.dir": f"{odd}/ck", "hydra.run.dir": odd}
     monkeypatch.chdir(tmp_path)
-    plain = runner.relaunch_command(None, "ck", "out", size=1)  # no checkpoint yet: no resume
+    plain = relaunch.relaunch_command(None, "ck", "out", size=1)  # no checkpoint yet: no resume
     assert plain == f"cd {tmp_path} && /venv/bin/python -u -m trainer data=tiny optim.lr=0.5 " \
                     f"checkpoint.dir={tmp_path}/ck hydra.run.dir={tmp_path}/out"
 
@@ -303,6 +304,6 @@ def test_relaunch_command_of_a_sweep_job_is_that_job_alone(monkeypatch, tmp_path
     monkeypatch.setattr(HydraConfig, "get", staticmethod(
         lambda: SimpleNamespace(overrides=SimpleNamespace(task=["data=tiny", "optim.lr=0.5"]))))
     monkeypatch.chdir(tmp_path)
-    cmd = runner.relaunch_command("/ck/step_00000004", "/ck", "/ms/1")
+    cmd = relaunch.relaunch_command("/ck/step_00000004", "/ck", "/ms/1")
     assert cmd == (f"cd {tmp_path} && python -m trainer hydra/job_logging=stdout data=tiny optim.lr=0.5 "
                    "checkpoint.resume=/ck/step_00000004 checkpoint.dir=/ck hydra.run.dir=/ms/1")

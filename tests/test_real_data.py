@@ -29,7 +29,7 @@ def prepared(tmp_path_factory) -> str:
 
 def _criteo(d: str, model: str, *extra: str) -> list[str]:
     return [f"model={model}", "data=criteo", f"data.dir={d}", "data.batch_size=64", "optim=adam",
-            "data.epochs=0", "train.steps=50", "train.progress=off", "train.bag=1", *extra]
+            "data.epochs=0", "train.steps=50", "train.progress=off", "train.ensemble=1", *extra]
 
 
 @pytest.mark.parametrize("model", MODELS)
@@ -58,10 +58,10 @@ def test_criteo_sample_trains_every_model_on_two_workers(prepared):
 
 
 def test_python_m_trainer_data_criteo(prepared, tmp_path):
-    """The documented command line (the tiny-data recipe on this sample: a bag of 5 models, each
+    """The documented command line (the tiny-data recipe on this sample: an ensemble of 5 models, each
     trained up to 30 epochs on 80% of the training rows, validated once per epoch on its own 20%
     slice, stopped early, its best model calibrated and tested; the test split scored with their
-    mean prediction) writes the bag's summary.json and one per member, and says so on stderr."""
+    mean prediction) writes the ensemble's summary.json and one per member, and says so on stderr."""
     out = tmp_path / "run"
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     proc = subprocess.run([sys.executable, "-m", "trainer", "data=criteo", f"data.dir={prepared}",
@@ -69,12 +69,12 @@ def test_python_m_trainer_data_criteo(prepared, tmp_path):
                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "recipe tiny (data=criteo with 1,600 training rows < 100,000)" in proc.stderr
-    assert "bag of 5 models, validation slices [1, 2, 3, 4, 5]" in proc.stderr
+    assert "ensemble of 5 models, validation slices [1, 2, 3, 4, 5]" in proc.stderr
     s = json.loads((out / "summary.json").read_text())
     assert s["eval_samples"] == N_TEST and s["eval_auc"] is not None and s["eval_logloss"] > 0
     assert s["test_auc"] == s["eval_auc"] and s["recipe"]["name"] == "tiny"
-    assert s["recipe"]["values"]["data.val_fraction"] == 0.2 and s["recipe"]["values"]["train.bag"] == 5
-    members = s["bag"]["members"]
+    assert s["recipe"]["values"]["data.val_fraction"] == 0.2 and s["recipe"]["values"]["train.ensemble"] == 5
+    members = s["ensemble"]["members"]
     assert [m["val_slice"] for m in members] == [1, 2, 3, 4, 5] and s["steps"] == sum(m["steps"] for m in members)
     n_train = N_TRAIN - 320
     for m in members:

@@ -48,7 +48,7 @@ WARMUP_STEPS = 2  # optimizer state, cache fills and the first lent rows happen 
 SPLITS_TENSOR = ("alltoall split sizes are host integers by nature (the backends take them as a "
                  "Python list); the torch backend moves the tensor to the process group's device")
 GUARD = ("AUDIT: the data source's id guard (data/ids.py) checks the batch on the host, before "
-         "runner._batch moves it; the audit takes its device=lengths.device / .to(values.device) "
+         "StepPipeline.batch moves it; the audit takes its device=lengths.device / .to(values.device) "
          "tensors for device ones (a CPU .to returns the same tensor). With DALI on GPU the batch "
          "arrives on the device and this is one sync per batch: docs/gpu.md")
 FACTORY_OK: dict[tuple[str, str], str] = {
@@ -117,7 +117,7 @@ COPY_OK: dict[tuple[str, str], str] = {
     ("trainer/data/batch.py", "to"):
         f"the step's batch, made on the host by the data source: {ASYNC_COPY}; with "
         "train.pipeline the next batch is made and copied during this step",
-    ("trainer/runner.py", "_batch"):
+    ("trainer/pipeline.py", "batch"):
         f"the scheduler's hot slots of the global batch (host: every rank computes them from the "
         f"global view), moved with the batch: {ASYNC_COPY}",
     ("trainer/embedding/exchange.py", "segment_counts"):

@@ -149,7 +149,7 @@ def test_criteo_val_slice_holds_out_another_slice_of_the_training_rows(prepared)
     """data.val_slice = j: the j-th slice of val_fraction from the end is the validation split, the
     training rows are all the others in file order (dev/recipe_study/val_rotations.py runs one per slice)."""
     from trainer.data.criteo import from_block
-    over = ["data=criteo", f"data.dir={prepared}", "data.loader=memmap", "data.shuffle=false", "train.bag=1"]
+    over = ["data=criteo", f"data.dir={prepared}", "data.loader=memmap", "data.shuffle=false", "train.ensemble=1"]
 
     def rows(segs):
         return np.concatenate([np.load(s.file)[s.lo:s.hi] for s in segs])

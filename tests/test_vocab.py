@@ -25,7 +25,7 @@ def prepared(tmp_path_factory) -> str:
 
 def _over(d: str, *extra: str) -> list[str]:
     return ["data=criteo", f"data.dir={d}", "data.loader=memmap", "data.shuffle=false", "data.val_fraction=0.2",
-            "data.batch_size=64", "train.progress=off", "train.bag=1", *extra]
+            "data.batch_size=64", "train.progress=off", "train.ensemble=1", *extra]
 
 
 def _expect(raw: torch.Tensor, vocab: list[list[int]]) -> torch.Tensor:
@@ -94,7 +94,7 @@ def test_the_recipe_counts_and_other_data_refuse(prepared):
     assert dcn.data.table_rows == [2 + len(k) for k in reference_vocab(prepared, N_FIT, 2)]
     mine = load_config(make_cfg(["data=criteo", f"data.dir={prepared}", "model=dcn", "data.min_count=1"]))
     assert (mine.data.min_count, mine.embedding.init_scale) == (1, 0.0)  # a value given on the command line wins
-    from trainer.configure import recipe_of
+    from trainer.recipes import recipe_of
     assert recipe_of(dcn).describe(dcn)["overridden"] == {} and recipe_of(mine).describe(mine)["overridden"] == {
         "data.min_count": 1}
     big = load_config(make_cfg(["data=criteo", f"data.dir={prepared}", "train.recipe=large"]))

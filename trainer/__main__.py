@@ -1,7 +1,7 @@
 """`python -m trainer`: the Hydra entry point. All logic lives in runner.run(), callable from tests.
 
 Under a launcher every rank runs this same Hydra job; Hydra's timestamped directory may differ by a
-second between ranks, so rank 0's directory is broadcast and used by all (runner.Trainer), and a
+second between ranks, so rank 0's directory is broadcast and used by all (runner.agree_out_dir), and a
 non-zero rank removes the directory Hydra made for it if nobody uses it. In a sweep (-m) a job that
 fails is reported in one line and the sweep goes on; the command exits 2 at the end (multirun.py).
 """

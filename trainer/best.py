@@ -26,9 +26,12 @@ written before it, at the step training stopped, and holds the live model.
 from __future__ import annotations
 
 import math
+import sys
 from typing import Any, Optional
 
 import torch
+
+from .build import phase
 
 
 class EarlyStopping:
@@ -122,3 +125,26 @@ class BestSnapshot:
         if self.emb.replica is not None:  # the replica follows its owners again
             self.emb.replica.load_from_owners(comm, self.store)
         return int(changed.numel())
+
+
+def restore_best(best: Optional[BestSnapshot], early: EarlyStopping, comm: Any, end: int) -> dict[str, Any]:
+    """Put the best validation model back for the final test evaluation (if another model was
+    trained after it; collective then); returns summary.json's early-stopping fields. `end`: the
+    step training stopped at."""
+    e = early
+    restored = False
+    if best is not None and best.step is not None and best.step != end:
+        with phase(comm, "other"):
+            best.restore(comm)
+        restored = True
+    elif best is not None and best.step is None and e.best_step is not None and e.best_step != end \
+            and comm.rank == 0:
+        print(f"[trainer] warning: the best validation model (step {e.best_step}) was trained before "
+              "the resume and is not in memory: the test evaluation uses the last model", file=sys.stderr)
+    record = e.best or {}
+    return {"best_step": e.best_step, "val_auc": record.get("eval_auc"), "val_logloss": record.get("eval_logloss"),
+            "val_samples": record.get("eval_samples", 0),
+            "early_stop": {"patience": e.patience, "min_delta": e.min_delta, "stopped_early": e.stop,
+                           "stopped_at": e.stopped_at, "evaluated_model_step": e.best_step if restored or (
+                               e.best_step == end) else end, "restored": restored,
+                           "snapshot_rows": best.held_rows if best is not None else 0}}

@@ -19,7 +19,7 @@ from typing import Any, Iterator, Optional
 import torch
 
 from .comm import Collectives
-from .config import Config, cache_capacities, needs_global_view, staleness_bounds, table_rows
+from .config import Config, ConfigError, cache_capacities, needs_global_view, staleness_bounds, table_rows
 from .embedding import HybridEmbedding, RowSharding, ShardStore
 from .embedding.cache import RowCache, make_policy
 from .embedding.consistency import Bounds
@@ -126,9 +126,8 @@ def _make_plan(c: Config, comm: Collectives, data: Any) -> Plan:
     """Rank 0 profiles the run's training stream and plans; every rank gets rank 0's plan."""
     if c.placement.name == "none":
         return Plan("none")
-    plan = plan_run(c, data, comm.size) if comm.rank == 0 else None
     with phase(comm, "other"):
-        return comm.broadcast_object(plan)
+        return comm.root_decides(lambda: plan_run(c, data, comm.size), ConfigError)
 
 
 def _cache_rows(c: Config, plan: Plan) -> list[int]:

@@ -7,14 +7,17 @@ rules, so a bad sweep value fails at start-up with `key=value: reason`, not deep
 A leaf: it imports nothing else of trainer/ (the `kernels` package is outside it), so any module may
 use the schemas. What a file dataset says about itself (dense features, table rows, training rows)
 is read by trainer.data and applied by the entry point (trainer/configure.py: load_config) with the
-pure helpers here (check_data_source, apply_data_shape, epoch_steps).
+pure helpers here (check_data_source, apply_data_shape, epoch_steps). The values a null key takes
+(the recipes: tuning policy, measured on data) are not here but in trainer/recipes.py; this module
+only names the recipes (RECIPES) and refuses a key left unresolved.
 """
 from __future__ import annotations
 
 import math
 import os
+import sys
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 from omegaconf import MISSING, DictConfig, OmegaConf
 
@@ -35,7 +38,7 @@ OUT_OF_RANGE = ("error", "hash")  # data.out_of_range (trainer/data/ids.py)
 NONFINITE = ("stop", "skip")  # train.nonfinite
 CONSISTENCY_PRESETS = ("bsp", "ssp", "asp")  # consistency.name (conf/consistency/*.yaml)
 LR_DECAYS = ("none", "poly")  # optim.decay (trainer/lr.py)
-RECIPES = ("auto", "tiny", "small", "large", "none")  # train.recipe (RECIPE_VALUES, trainer/configure.py)
+RECIPES = ("auto", "tiny", "small", "large", "none")  # train.recipe (trainer/recipes.py)
 
 
 WIRE_PRECISIONS = ("fp32", "fp16", "bf16")
@@ -217,12 +220,13 @@ class TrainConfig:
     recipe: str = "auto"  # defaults for the null keys: auto (data=criteo: tiny below TINY_DATA_ROWS training rows, small below SMALL_DATA_ROWS, else large; other data: none) | tiny | small | large | none
     early_stop: EarlyStopConfig = field(default_factory=lambda: EarlyStopConfig())
     calibrate: Optional[bool] = None  # fit a logit temperature on the validation split for the final test evaluation (README "Validation"); null = the recipe's
-    bag: Optional[int] = None  # train K models, model k validated (and early-stopped, calibrated) on its own validation slice, and test the mean of their predictions (trainer/bag.py); 1 = one model; null = the recipe's (tiny: 5, else 1)
+    ensemble: Optional[int] = None  # train K models, model k validated (and early-stopped, calibrated) on its own validation slice, and test the mean of their predictions (trainer/ensemble.py); 1 = one model; null = the recipe's (tiny: 5, else 1)
+    bag: Optional[int] = None  # deprecated: the old name of train.ensemble, read into it with a warning (RENAMED); removed in the next release
 
 
 @dataclass
 class CheckpointConfig:
-    """Periodic + final checkpoints (trainer/checkpoint.py) and resume, also on another W."""
+    """Periodic + final checkpoints (trainer/checkpoint/) and resume, also on another W."""
 
     enabled: bool = True  # false: write no checkpoint at all (benchmarks, throwaway runs); resume still works
     dir: Optional[str] = None  # where step_K directories go (shared by all ranks); null = <run output dir>/checkpoints
@@ -259,18 +263,54 @@ def compose(overrides: list[str]) -> DictConfig:
 
 
 def parse(cfg: Any) -> Config:
-    """A Hydra/OmegaConf tree (or a plain dict, or a Config) merged onto the schema; not yet
-    resolved against the data files nor validated (trainer.configure.load_config does both)."""
+    """A Hydra/OmegaConf tree (or a plain dict, or a Config) merged onto the schema, renamed keys
+    moved to their new names (RENAMED); not yet resolved against the data files nor validated
+    (trainer.configure.load_config does both)."""
     if isinstance(cfg, Config):
-        return cfg
+        return _renamed(cfg)
     base = OmegaConf.structured(Config)
     plain = OmegaConf.to_container(cfg, resolve=True) if isinstance(cfg, DictConfig) else cfg
     plain = {k: v for k, v in dict(plain).items() if k != "hydra"}
     try:
         merged = OmegaConf.merge(base, plain)
-        return OmegaConf.to_object(merged)
+        return _renamed(OmegaConf.to_object(merged))
+    except ConfigError:
+        raise
     except Exception as exc:  # omegaconf errors already name full_key
         raise ConfigError(f"invalid config: {exc}") from exc
+
+
+# keys renamed in this release: old name -> new name. The old name still works for one release (its
+# value moves to the new key, with one warning line); giving both with different values is an error
+RENAMED = {"train.bag": "train.ensemble"}
+
+
+def _renamed(c: Config) -> Config:
+    """Move the value of every old key name the config sets (RENAMED) to its new name and clear the
+    old one, saying so on stderr once (by the launcher's rank 0 only: this runs before the
+    collectives are up)."""
+    for old, new in RENAMED.items():
+        (old_parent, old_name), (new_parent, new_name) = old.rsplit(".", 1), new.rsplit(".", 1)
+        value, now = get_key(c, old), get_key(c, new)
+        if value is None:
+            continue
+        _check(now is None or now == value, f"{old}={value!r} and {new}", now,
+               f"{old} is the old name of {new}: give only {new}")
+        setattr(get_key(c, new_parent), new_name, value)
+        setattr(get_key(c, old_parent), old_name, None)
+        if _launcher_rank() == 0:
+            print(f"[trainer] warning: {old} is deprecated, use {new} ({old}={value} -> {new}={value}); "
+                  f"{old} will be removed in the next release", file=sys.stderr)
+    return c
+
+
+def _launcher_rank() -> int:
+    """This process's rank as its launcher set it (torchrun: RANK, horovodrun: HOROVOD_RANK, mpirun:
+    OMPI_COMM_WORLD_RANK / PMI_RANK); 0 when started alone."""
+    for key in ("RANK", "HOROVOD_RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK"):
+        if os.environ.get(key, "").strip().isdigit():
+            return int(os.environ[key])
+    return 0
 
 
 def check_data_source(c: Config) -> None:
@@ -304,128 +344,11 @@ def epoch_steps(c: Config, train_rows: int, world: int) -> Optional[int]:
     return max(1, math.ceil(c.data.epochs * train_rows / (local_batch_size(c, world) * world)))
 
 
-# ---- recipes: defaults of the keys left null, by data size ------------------------------------
-SMALL_DATA_ROWS = 1_000_000  # train.recipe=auto: data=criteo with fewer training rows takes the small recipe
-TINY_DATA_ROWS = 100_000  # ... and with fewer than these, the tiny one (small + a bag of 5 models)
-EVAL_PER_EPOCH = "epoch"  # a recipe's train.eval_every: once per pass over the training rows (needs W) ...
-RECIPE_EVAL_ROWS = 1_280  # ... or more often: no more than this many training rows between evaluations ...
-RECIPE_EVALS_PER_EPOCH = 4  # ... up to this many evaluations per epoch (see evals_per_epoch)
-EPOCH_COUNTS = ("train.early_stop.patience", "train.early_stop.min_evals")  # the recipe's count epochs
-_SGD = {"optim.name": "sgd", "optim.dense": "sgd", "optim.sparse": "sgd", "optim.lr": 0.1, "optim.eps": 1e-10}
-_NEUTRAL = {"data.epochs": 0.0, "data.val_fraction": 0.0, "data.standardize": False, "data.min_count": 0,
-            "embedding.init_scale": 0.0, "train.eval_every": 0, "train.early_stop.patience": 0,
-            "train.early_stop.min_evals": 0,
-            "train.calibrate": False, "train.bag": 1,
-            "model.dropout": 0.0, **_SGD, "optim.weight_decay": 0.0, "optim.sparse_weight_decay": 0.0,
-            "optim.warmup_steps": 0, "optim.decay": "none"}
-RECIPE_VALUES: dict[str, dict[str, Any]] = {
-    "none": dict(_NEUTRAL),  # every null key at its neutral value (train.steps, no validation, ...)
-    "large": {**_NEUTRAL, "data.epochs": 1.0},  # one epoch: the DLRM Kaggle recipe, right for 45M rows
-    # small data (README "Real data", measured there): dense Adam + row-wise Adagrad rows (the
-    # optim=adam preset), standardised dense features, up to 30 epochs, evaluated once per epoch (up
-    # to 4 times on longer epochs: evals_per_epoch) on a 20% validation split, stopped after 3 epochs
-    # without a new best (never before 10: the two counts are epochs, see apply_recipe), best model tested with
-    # its logits scaled by a temperature fitted on the validation split (train.calibrate)
-    "small": {**_NEUTRAL, "data.epochs": 30.0, "data.val_fraction": 0.2, "data.standardize": True, "data.min_count": 1,
-              "embedding.init_scale": 0.01,
-              "train.eval_every": EVAL_PER_EPOCH, "train.early_stop.patience": 3, "train.early_stop.min_evals": 10,
-              "train.calibrate": True,
-              "train.bag": 1,
-              "optim.name": "adam", "optim.dense": "adam", "optim.sparse": "rowwise_adagrad", "optim.lr": 0.001,
-              "optim.sparse_lr": 0.05, "optim.eps": 1e-8},
-    # tiny data (README): the small recipe, and a bag of 5 models, one per 20% validation slice
-    # (train.bag, trainer/bag.py): on a few thousand rows one model's test AUC moves by ~0.02 with
-    # its validation rows; five cost five trainings, which only tiny data makes cheap
-}
-RECIPE_VALUES["tiny"] = {**RECIPE_VALUES["small"], "train.bag": 5}
-
-
-# per-model values on top of a recipe (README "The recipe per data size"): DCN's cross layers, and
-# WDL too (measured later, over 32 splits), did better on tiny data with the rare ids folded into
-# the OOV row, the per-table sqrt(1 / rows) init (larger rows) and rows of 32 (their presets leave
-# model.embedding_dim null; 16 elsewhere) than with the small recipe's values; DLRM's top MLP (its
-# preset leaves it null) is [64, 32] as in the bench workload, and [256, 128] (the other models'
-# deep tower) on tiny and small data, where that width did better
-_DLRM_TOP = {"model.top_mlp": [64, 32]}
-_WIDE_ROWS_RARE_FOLDED = {"data.min_count": 2, "embedding.init_scale": 0.0, "model.embedding_dim": 32}
-_SMALL_DATA_MODELS = {"dcn": _WIDE_ROWS_RARE_FOLDED, "wdl": _WIDE_ROWS_RARE_FOLDED,
-                      "dlrm": {"model.top_mlp": [256, 128]}}
-_OTHER_DATA_MODELS = {"dlrm": _DLRM_TOP, "dcn": {"model.embedding_dim": 16}, "wdl": {"model.embedding_dim": 16}}
-MODEL_RECIPE_VALUES: dict[str, dict[str, dict[str, Any]]] = {
-    "none": _OTHER_DATA_MODELS,
-    "large": _OTHER_DATA_MODELS,
-    "tiny": _SMALL_DATA_MODELS,
-    "small": _SMALL_DATA_MODELS,
-}
-
-
-def evals_per_epoch(epoch_rows: int) -> int:
-    """k: how many times per epoch a recipe's train.eval_every (EVAL_PER_EPOCH) evaluates, for an
-    epoch of epoch_rows training rows: k = ceil(epoch_rows / RECIPE_EVAL_ROWS), at least 1 and at
-    most RECIPE_EVALS_PER_EPOCH. The models' best validation step grows much more slowly than the
-    data (+15-40% steps from 800 to 1,600 rows), so once per epoch gets coarse on larger sets: on
-    1,280-row epochs (10 steps of 128) evaluating every 32 steps instead cost WDL and DLRM 0.0017
-    and 0.0007 AUC, every 5 steps gained nothing (README "Real data"). The cap keeps the
-    evaluations' forward passes at most one epoch's rows with a 20% validation split. The recipe's
-    patience and min_evals count epochs: they are multiplied by k with it (apply_recipe)."""
-    return min(RECIPE_EVALS_PER_EPOCH, max(1, math.ceil(epoch_rows / RECIPE_EVAL_ROWS)))
-
-
-def per_epoch_cadence(recipe: str) -> bool:
-    """Whether `recipe` evaluates per epoch (train.eval_every = EVAL_PER_EPOCH: evals_per_epoch
-    times, its patience and min_evals counted in epochs)."""
-    return RECIPE_VALUES[recipe]["train.eval_every"] == EVAL_PER_EPOCH
-
-
-def recipe_values(recipe: str, model: str) -> dict[str, Any]:
-    """The values of `recipe` for model `model` (its per-model values win)."""
-    return {**RECIPE_VALUES[recipe], **MODEL_RECIPE_VALUES.get(recipe, {}).get(model, {})}
-
-
-def recipe_keys(model: Optional[str] = None) -> list[str]:
-    """The keys a recipe may set (those a null leaves to it), with those of `model`'s own values."""
-    own = (k for per_model in MODEL_RECIPE_VALUES.values() for k in per_model.get(model, {}))
-    return list(dict.fromkeys([*(k for values in RECIPE_VALUES.values() for k in values), *own]))
-
-
 def get_key(c: Config, key: str) -> Any:
     obj = c
     for part in key.split("."):
         obj = getattr(obj, part)
     return obj
-
-
-def apply_recipe(c: Config, recipe: str, epoch_rows: Callable[[], int] = lambda: 0) -> dict[str, Any]:
-    """Fill every recipe key that is null with `recipe`'s value (train.eval_every's once-per-epoch
-    stays null until W is known); keys the user set are kept. Returns {key: value} it set.
-    epoch_rows() (asked once the recipe's validation split is set): the training rows of an epoch;
-    when the recipe also sets the cadence (train.eval_every left null), its patience and min_evals,
-    counted in epochs, become evals_per_epoch(epoch_rows()) times as many evaluations."""
-    done = {}
-    chosen_optimizer = c.optim.sparse is not None  # a preset's null sparse_lr means "= lr", not "the recipe's"
-    for key, value in recipe_values(recipe, c.model.name).items():
-        *path, name = key.split(".")
-        obj = get_key(c, ".".join(path))
-        if key == "optim.sparse_lr" and chosen_optimizer:
-            continue
-        if getattr(obj, name) is None and value != EVAL_PER_EPOCH:
-            value = list(value) if isinstance(value, list) else value  # never the table's own list
-            setattr(obj, name, value)
-            done[key] = value
-    counts = [k for k in EPOCH_COUNTS if k in done]
-    if counts and c.train.eval_every is None and per_epoch_cadence(recipe) and c.data.val_fraction:
-        k = evals_per_epoch(epoch_rows())
-        for key in counts:
-            done[key] *= k
-            parent, name = key.rsplit(".", 1)
-            setattr(get_key(c, parent), name, done[key])
-    if "train.early_stop.patience" in done and not c.data.val_fraction:
-        c.train.early_stop.patience = done["train.early_stop.patience"] = 0  # data.val_fraction=0: nothing to stop on
-    if "train.calibrate" in done and not c.data.val_fraction:
-        c.train.calibrate = done["train.calibrate"] = False  # nothing to calibrate on either
-    if "train.bag" in done and not c.data.val_fraction:
-        c.train.bag = done["train.bag"] = 1  # nor validation slices to give the members
-    return done
 
 
 def val_range(n: int, fraction: float, slice_: int = 1) -> tuple[int, int]:
@@ -449,7 +372,7 @@ def check_min_count(d: DataConfig) -> None:
 def val_rows(n: int, fraction: float) -> int:
     """Rows of n training rows that data.val_fraction carves off as the validation split: floor(f x n)
     (at least 1 when f > 0); a ConfigError when nothing would be left to train on. Rounded down so
-    that 1 / f slices of it always fit in the n rows (train.bag's members validate on slices 1..5 of
+    that 1 / f slices of it always fit in the n rows (train.ensemble's members validate on slices 1..5 of
     20%): rounded up, 5,001 rows would give slices of 1,001 rows and room for only four."""
     if not fraction:
         return 0
@@ -613,15 +536,15 @@ def _validate_early_stop(c: Config) -> None:
     if t.calibrate:
         _check(bool(c.data.val_fraction), "train.calibrate", t.calibrate,
                "the temperature is fitted on the validation split (data.val_fraction > 0), never on the test split")
-    _check(t.bag is not None, "train.bag", t.bag, _UNRESOLVED)
-    _check(t.bag >= 1, "train.bag", t.bag, "must be >= 1 (1 = one model)")
-    if t.bag > 1:
-        _check(c.data.name == "criteo" and bool(c.data.val_fraction), "train.bag", t.bag,
+    _check(t.ensemble is not None, "train.ensemble", t.ensemble, _UNRESOLVED)
+    _check(t.ensemble >= 1, "train.ensemble", t.ensemble, "must be >= 1 (1 = one model)")
+    if t.ensemble > 1:
+        _check(c.data.name == "criteo" and bool(c.data.val_fraction), "train.ensemble", t.ensemble,
                "the members differ by their validation slice: a data=criteo option that needs data.val_fraction > 0")
         _check(c.data.val_slice == 1, "data.val_slice", c.data.val_slice,
-               f"train.bag={t.bag} gives every member its own validation slice; leave data.val_slice at 1")
+               f"train.ensemble={t.ensemble} gives every member its own validation slice; leave data.val_slice at 1")
         _check(c.checkpoint.resume in (None, "auto"), "checkpoint.resume", c.checkpoint.resume,
-               f"train.bag={t.bag} keeps a checkpoint directory per member: resume with checkpoint.resume=auto")
+               f"train.ensemble={t.ensemble} keeps a checkpoint directory per member: resume with checkpoint.resume=auto")
 
 
 def needs_global_view(c: Config) -> bool:

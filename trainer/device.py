@@ -4,7 +4,7 @@ Why: on CUDA, ``t.to(device)`` of an ordinary (pageable) host tensor is a blocki
 waits for the stream, so everything queued before it (the previous step's kernels) must finish
 first. A copy from page-locked ("pinned") memory with ``non_blocking=True`` is queued on the stream
 like a kernel and the host goes on. Every host -> device copy a training step makes goes through
-``to_device``: the batch (runner.py; the pipelined step prepares it one step early, so the copy
+``to_device``: the batch (pipeline.py; the pipelined step prepares it one step early, so the copy
 overlaps the current step), Herald's per-step id lists, the scheduler's hot slots, the split sizes a
 device-side count needs. The pinned staging buffer comes from torch's caching host allocator, which
 keeps it until the copy has run (it records the copy on the buffer), so the caller may drop it.

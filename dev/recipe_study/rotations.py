@@ -8,7 +8,7 @@ spread over them) and compares every run with the logistic-regression baseline o
 split (trainer/tools/baseline.py, fitted once: it uses every training row).
 
 Each run is the trainer's own (`trainer.runner.run`, one process, no output directory, no
-checkpoint), one model (train.bag=1 unless the overrides say otherwise: the recipe's bag of 5 is
+checkpoint), one model (train.ensemble=1 unless the overrides say otherwise: the recipe's ensemble of 5 is
 these very runs, averaged). One JSON line per run and one per model with the mean and spread of the differences.
 """
 from __future__ import annotations
@@ -63,8 +63,8 @@ def _one(directory: str, model: str, j: int, overrides: Sequence[str]) -> dict[s
     from trainer.runner import run
 
     t0 = time.perf_counter()
-    # one model per run (train.bag=1 unless overridden): the slice is what varies
-    s = run(compose(directory, ["train.bag=1", *overrides, f"model={model}", f"data.val_slice={j}", *QUIET])).summary
+    # one model per run (train.ensemble=1 unless overridden): the slice is what varies
+    s = run(compose(directory, ["train.ensemble=1", *overrides, f"model={model}", f"data.val_slice={j}", *QUIET])).summary
     cal = s.get("calibration") or {}
     return {"model": model, "val_slice": j, "test_auc": s["test_auc"], "test_logloss": s["test_logloss"],
             "val_auc": s["val_auc"], "best_step": s["best_step"], "steps": s["steps"],

@@ -1,7 +1,7 @@
 #!/usr/bin/env python
-"""One model of the default recipe (train.bag=1; or any overrides) over several validation slices of
+"""One model of the default recipe (train.ensemble=1; or any overrides) over several validation slices of
 a prepared Criteo directory, each run against the logistic-regression baseline on the same test
-split (dev/recipe_study/rotations.py). The recipe's bag trains exactly these models (one per slice)
+split (dev/recipe_study/rotations.py). The recipe's ensemble trains exactly these models (one per slice)
 and averages them; this shows how much one of them varies:
 
     dev/recipe_study/val_rotations.py DIR [--slices 5] [--models dlrm,wdl,deepfm,dcn] [trainer overrides ...]

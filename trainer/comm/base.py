@@ -19,13 +19,14 @@ import math
 import pickle
 from collections import defaultdict
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence, TypeVar
 
 import torch
 
 KINDS = ("ids", "versions", "rows", "grads", "replica", "dense", "meta")
 EMBEDDING_KINDS = ("ids", "versions", "rows", "grads", "replica")  # the sparse side's traffic
 # replica: the allreduce of replicated (hot) rows' gradients
+T = TypeVar("T")
 
 
 class CollectiveError(RuntimeError):
@@ -160,6 +161,52 @@ class Collectives(abc.ABC):
             buf = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
         buf = self.broadcast(buf, root, kind="meta")
         return pickle.loads(buf.numpy().tobytes())
+
+    # ----- one outcome on every rank ----------------------------------------------------------
+    def root_decides(self, decide: Callable[[], T], error: type[Exception], root: int = 0) -> T:
+        """Rank `root` runs decide(); every rank returns its value, or raises when it failed.
+
+        For what only one rank may do or know (create the output directory, take a lock, read a
+        file all ranks share): the others get the verdict in the same broadcast, so none of them
+        goes on alone or waits for a collective timeout. An `error` raised by decide reaches the
+        other ranks as `error` with the same message (root raises its own); any other exception
+        too, as `error` naming it (root raises the original). Collective."""
+        outcome: tuple[bool, Any] = (True, None)
+        failure: BaseException | None = None
+        if self.rank == root:
+            try:
+                outcome = (True, decide())
+            except Exception as exc:  # noqa: BLE001 - every rank must learn that root failed
+                failure = exc
+                outcome = (False, str(exc) if isinstance(exc, error)
+                           else f"rank {root} failed: {type(exc).__name__}: {exc}")
+        ok, value = self.broadcast_object(outcome, root)
+        if failure is not None:
+            raise failure
+        if not ok:
+            raise error(value)
+        return value
+
+    def all_succeed(self, what: str, run: Callable[[], T], error: type[Exception]) -> T:
+        """Every rank runs run(); if it fails on any rank, every rank raises `error` (no rank is
+        left waiting in the next collective). A rank whose own run failed raises that error (an
+        `error` as it is, another one as `error`: "<what> failed on rank r: ..."); the others
+        name the ranks that failed. Collective (one allgather of a flag)."""
+        err: Exception | None = None
+        out = None
+        try:
+            out = run()
+        except Exception as exc:  # noqa: BLE001 - any local failure must reach every rank
+            err = exc
+        flags = self.allgather(torch.tensor([0 if err is None else 1]), kind="meta")
+        if isinstance(err, error):
+            raise err
+        if err is not None:
+            raise error(f"{what} failed on rank {self.rank}: {err}") from err
+        bad = torch.nonzero(flags).flatten().tolist()
+        if bad:
+            raise error(f"{what} failed on rank(s) {bad}; see their error")
+        return out  # type: ignore[return-value]
 
     def barrier(self) -> None:
         self._guard("barrier", self._barrier)

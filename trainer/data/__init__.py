@@ -8,7 +8,8 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Optional, Union
 
-from ..config import Config, DataConfig, epoch_steps, local_batch_size, table_rows, val_rows
+from ..config import (Config, ConfigError, DataConfig, check_data_source, data_source_error, epoch_steps,
+                      local_batch_size, table_rows, val_rows)
 from .batch import Batch
 from .ids import GuardedData, IdGuard, IdRangeError
 from .synthetic import SyntheticData
@@ -17,8 +18,8 @@ if TYPE_CHECKING:  # the real-data modules are imported only when selected (DALI
     from .blocks import CriteoData
     from .movielens import MovieLensData
 
-__all__ = ["Batch", "DataShape", "GuardedData", "IdGuard", "IdRangeError", "SyntheticData", "make_data",
-           "resolve", "val_slices", "vocab_rows"]
+__all__ = ["Batch", "DataShape", "GuardedData", "IdGuard", "IdRangeError", "SyntheticData", "epoch_rows",
+           "make_data", "resolve", "shape_of", "val_slices", "vocab_rows"]
 
 
 @dataclass(frozen=True)
@@ -52,6 +53,27 @@ def resolve(c: Config, world: Optional[int] = None) -> Optional[DataShape]:
     if world is None or not d.epochs or d.epochs <= 0:
         return shape
     return replace(shape, steps=epoch_steps(c, train_rows(d), world))
+
+
+def shape_of(c: Config, world: Optional[int] = None) -> Optional[DataShape]:
+    """resolve(c, world), with a dataset that cannot be read (data=criteo without data.dir, missing
+    or malformed files) as a ConfigError naming data.dir."""
+    check_data_source(c)
+    try:
+        return resolve(c, world)
+    except ConfigError:
+        raise
+    except (OSError, ValueError) as exc:
+        raise data_source_error(c, exc) from exc
+
+
+def epoch_rows(c: Config, shape: Optional[DataShape]) -> int:
+    """Training rows of one epoch (validation rows left out); 0 for an endless synthetic stream.
+    shape: shape_of(c) (None: synthetic data, described by the config)."""
+    if shape is not None:
+        return train_rows(c.data)
+    n = c.data.train_samples
+    return n - val_rows(n, c.data.val_fraction or 0.0) if n > 0 else 0
 
 
 def split_rows(d: DataConfig) -> int:
@@ -106,7 +128,7 @@ def _local_gpu(cfg: Config) -> Optional[int]:
 def make_data(cfg: Config, rank: int, world: int) -> GuardedData:
     """The data source named by cfg.data.name for this rank, behind the id-range guard
     (data.out_of_range, ids.py). It does not touch cfg: the step count data.epochs asks for comes
-    from resolve(cfg, world), applied by the caller (trainer.configure.apply_data_steps)."""
+    from resolve(cfg, world), applied by the caller (trainer.recipes.apply_data_steps)."""
     return GuardedData(_make_data(cfg, rank, world), IdGuard(table_rows(cfg), cfg.data.out_of_range))
 
 

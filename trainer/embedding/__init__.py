@@ -5,7 +5,7 @@ from .module import HybridEmbedding
 from .optim import make_sparse_optimizer
 from .sharding import RowSharding, Sharding, flat_ids
 from .store import ShardStore, init_rows
-from .types import GlobalStep, LookupPlan, Pushes
+from .types import GlobalStep, InFlightStep, LookupPlan, Pushes
 
-__all__ = ["GlobalStep", "HybridEmbedding", "LookupPlan", "Pushes", "RowExchange", "RowSharding",
+__all__ = ["GlobalStep", "HybridEmbedding", "InFlightStep", "LookupPlan", "Pushes", "RowExchange", "RowSharding",
            "ShardStore", "Sharding", "flat_ids", "init_rows", "make_sparse_optimizer", "plan_lookup"]

@@ -13,9 +13,14 @@ Each row of a batch is one of three kinds (exchange.plan_lookup):
 - remote: read and written through the remote-row protocol chosen by config (remote/: no cache,
   HET cache with bounded staleness, Herald's on-demand sync; all behind remote/base.RemoteRows).
 A hot step (the scheduler says every id of the global batch is replicated) runs no alltoall at all.
-A training lookup ends either with apply_gradients() or, when every rank decided to skip the step
-(train.nonfinite=skip), with discard(): no row, replica, cache entry or version changes.
-Evaluation reads fresh rows from the owners after a flush, so it measures the model they hold.
+A training step goes prepare() -> lookup() -> apply_gradients(), or discard() instead of the
+last when every rank decided to skip the step (train.nonfinite=skip): no row, replica, cache entry
+or version changes. What a step holds between those calls (its batch, plan, the remote protocol's
+begun read and read, the workspace) lives in its InFlightStep (types.py), which every call takes:
+this module keeps no step of its own, so the step prepared ahead (train.pipeline) and the step
+being trained are two objects the trainer holds side by side (trainer/pipeline.py).
+Evaluation (eval_lookup) reads fresh rows from the owners after a flush, so it measures the model
+they hold.
 """
 from __future__ import annotations
 
@@ -32,9 +37,9 @@ from .remote import CACHE_COUNTERS, Audit, CacheStats, PlainRemote, RemoteRows
 from .replica import Replica
 from .sharding import Sharding
 from .store import ShardStore
-from .types import GlobalStep, LookupPlan, Pushes
+from .types import GlobalStep, InFlightStep, LookupPlan, Pushes
 
-__all__ = ["CACHE_COUNTERS", "HybridEmbedding", "LookupStats"]
+__all__ = ["CACHE_COUNTERS", "HybridEmbedding", "InFlightStep", "LookupStats"]
 
 
 @dataclass
@@ -50,17 +55,6 @@ class LookupStats:
         self.ids, self.unique, self.remote = ids, unique, remote
         for k, v in (("ids", ids), ("unique", unique), ("remote", remote)):
             self.totals[k] += v
-
-
-@dataclass
-class Prepared:
-    """A training step prepared ahead (HybridEmbedding.prepare): its batch, global step, lookup plan
-    and the remote protocol's begun read (None: nothing begun)."""
-
-    batch: Batch
-    info: GlobalStep
-    plan: LookupPlan
-    token: Any = None
 
 
 class HybridEmbedding:
@@ -79,8 +73,7 @@ class HybridEmbedding:
         self.replica = replica
         if replica is not None:
             replica.load_from_owners(comm, store)
-        self.step = -1  # index of the current training step
-        self._pending: tuple[LookupPlan, torch.Tensor, GlobalStep] | None = None
+        self.step = -1  # the clock of training lookups (the cache's LRU ages, the audit)
 
     @property
     def cache(self):
@@ -99,72 +92,80 @@ class HybridEmbedding:
         gids = self.sharding.global_ids(batch.values, batch.table_index())
         return plan_lookup(self.sharding, gids, self.replica.find if self.replica is not None else None)
 
-    def prepare(self, batch: Batch, info: GlobalStep | None = None) -> "Prepared":
-        """A training step's input side, ahead of its lookup (train.pipeline): the plan and the
-        begun remote read (requests sent; nothing depends on any update yet). Collective."""
-        info = info if info is not None else GlobalStep()
-        plan = self.plan(batch)
-        return Prepared(batch, info, plan, None if info.hot else self.remote.begin(plan))
+    def prepare(self, flight: InFlightStep) -> InFlightStep:
+        """A training step's input side: its plan and the begun remote read (requests sent;
+        nothing depends on any update yet), made a step early (train.pipeline) or by its
+        lookup. Collective."""
+        flight.plan = self.plan(flight.batch)
+        flight.token = None if flight.info.hot else self.remote.begin(flight.plan)
+        return flight
 
-    def serve(self, prep: "Prepared") -> None:
+    def serve(self, flight: InFlightStep) -> None:
         """Let the owners answer a prepared read now (before this rank's current step updates
         anything: train.pipeline=rows). Collective."""
-        if prep.token is not None:
-            self.remote.serve(prep.token)
+        if flight.token is not None:
+            self.remote.serve(flight.token)
 
-    def serve_settled(self, prep: "Prepared") -> None:
+    def serve_settled(self, flight: InFlightStep, current: InFlightStep) -> None:
         """train.pipeline=ids: the owners send now the rows of a prepared read that the current
-        step's update leaves unchanged (exact; the rest after it). Collective."""
-        if prep.token is not None and self._pending is not None and self.comm.size > 1:
-            self.remote.serve_settled(prep.token, self._pending[0].owned_ids)
+        step's update (`current`, looked up) leaves unchanged (exact; the rest after it). Collective."""
+        if flight.token is not None and self.comm.size > 1:
+            self.remote.serve_settled(flight.token, current.plan.owned_ids, current.read)
 
-    def cancel(self, prep: "Prepared") -> None:
-        """Drop a prepared read (the step before it was skipped). Collective."""
-        if prep.token is not None:
-            self.remote.cancel(prep.token)
+    def cancel(self, flight: InFlightStep) -> None:
+        """Drop a prepared read (its step will not run, or must begin again). Collective."""
+        if flight.token is not None:
+            self.remote.cancel(flight.token)
+            flight.token = None
 
-    def lookup(self, batch: Batch, train: bool = True, info: GlobalStep | None = None,
-               prepared: "Prepared | None" = None) -> torch.Tensor:
-        """[B, T, d] pooled embeddings of the batch (or of a prepared training step). Collective:
-        every rank must call it (with the same info.hot)."""
-        token = None
-        if prepared is not None:
-            batch, info, plan, token = prepared.batch, prepared.info, prepared.plan, prepared.token
-        else:
-            info = info if info is not None else GlobalStep()
-            plan = self.plan(batch)
-        ws = torch.empty(plan.uniq.numel(), self.dim, dtype=self.store.weight.dtype,
-                         device=self.store.weight.device)
-        if train:
-            self.step += 1
+    def lookup(self, flight: InFlightStep) -> torch.Tensor:
+        """[B, T, d] pooled embeddings of a training step (prepared first if it was not); fills
+        its workspace (flight.ws) and keeps the protocol's read in it for apply_gradients /
+        discard. Collective: every rank must call it (with the same info.hot)."""
+        if flight.plan is None:
+            self.prepare(flight)
+        batch, info, plan = flight.batch, flight.info, flight.plan
+        ws = self._workspace(plan)
+        self.step += 1
         if info.hot:
             if plan.remote_pos.numel():
                 raise RuntimeError(f"step {self.step}: a hot step holds {plan.remote_pos.numel()} "
                                    f"non-replicated ids on rank {self.sharding.rank}")
-        elif train:
-            self.remote.read(plan, ws, self.step, info.sync, token)
         else:
-            ws.index_copy_(0, plan.remote_pos, self.exchange.pull(plan.remote_ids, plan.splits))
-        # owned rows after the protocol: Herald's writebacks may have just returned some of them
+            flight.read = self.remote.read(plan, ws, self.step, info.sync, flight.token)
+        self._local_rows(plan, ws)
+        ws.requires_grad_(True)
+        flight.ws = ws
+        self.stats.record(int(batch.values.numel()), plan.uniq.numel(), plan.remote_pos.numel())
+        return kernels.pooled_gather(ws, plan.inverse, batch.offsets(), batch.num_tables, mode=self.pooling)
+
+    def eval_lookup(self, batch: Batch) -> torch.Tensor:
+        """[B, T, d] pooled embeddings of an evaluation batch: remote rows fresh from their owners,
+        nothing recorded for an update. Collective."""
+        plan = self.plan(batch)
+        ws = self._workspace(plan)
+        ws.index_copy_(0, plan.remote_pos, self.exchange.pull(plan.remote_ids, plan.splits))
+        self._local_rows(plan, ws)
+        return kernels.pooled_gather(ws, plan.inverse, batch.offsets(), batch.num_tables, mode=self.pooling)
+
+    def _workspace(self, plan: LookupPlan) -> torch.Tensor:
+        return torch.empty(plan.uniq.numel(), self.dim, dtype=self.store.weight.dtype,
+                           device=self.store.weight.device)
+
+    def _local_rows(self, plan: LookupPlan, ws: torch.Tensor) -> None:
+        """The owned and replicated rows into the workspace (owned rows after the protocol's read:
+        Herald's writebacks may have just returned some of them)."""
         ws.index_copy_(0, plan.owned_pos, self.store.rows(plan.owned_ids))
         if plan.hot_pos.numel():
             ws.index_copy_(0, plan.hot_pos, self.replica.rows(plan.hot_slots))
-        if train:
-            ws.requires_grad_(True)
-            self._pending = (plan, ws, info)
-            self.stats.record(int(batch.values.numel()), plan.uniq.numel(), plan.remote_pos.numel())
-        return kernels.pooled_gather(ws, plan.inverse, batch.offsets(), batch.num_tables,
-                                     mode=self.pooling)
 
-    def apply_gradients(self, between: Callable[[], None] | None = None) -> None:
+    def apply_gradients(self, flight: InFlightStep, between: Callable[[], None] | None = None) -> None:
         """Replicated rows: allreduce + local update; remote rows: the protocol's pushes; owners
         update every touched row once. Collective. between(): called once, after the pushes
         have started and before this rank waits for what it receives (train.pipeline starts the
         dense allreduce there, so it travels behind the row gradients while the owner updates)."""
-        if self._pending is None:
-            raise RuntimeError("apply_gradients() called without a training lookup")
-        plan, ws, info = self._pending
-        self._pending = None
+        ws, read = self._finish(flight, "apply_gradients")
+        plan, info = flight.plan, flight.info
         grad = ws.grad if ws.grad is not None else torch.zeros_like(ws)
         if self.audit is not None:
             self.audit.grads.index_add_(0, plan.uniq.cpu(), grad.detach().double().cpu())
@@ -175,7 +176,7 @@ class HybridEmbedding:
             received = Pushes.empty(self.dim, grad.device)
             finish = lambda: received  # noqa: E731
         else:
-            finish = self.remote.write_start(plan, grad)
+            finish = self.remote.write_start(plan, grad, read)
         if between is not None:
             between()
         self._apply(owned, finish())
@@ -184,15 +185,22 @@ class HybridEmbedding:
         """Make discard() possible: protocols with state (the HET cache) journal each read."""
         self.remote.enable_undo()
 
-    def discard(self) -> None:
-        """Drop the pending training lookup instead of applying its gradients. Every rank must call
+    def discard(self, flight: InFlightStep) -> None:
+        """Drop a looked-up training step instead of applying its gradients. Every rank must call
         it for the same step (the decision is collective); it communicates nothing."""
-        if self._pending is None:
-            raise RuntimeError("discard() called without a training lookup")
-        _, _, info = self._pending
-        self._pending = None
-        if not info.hot:
-            self.remote.discard()
+        _, read = self._finish(flight, "discard")
+        if not flight.info.hot:
+            self.remote.discard(read)
+
+    @staticmethod
+    def _finish(flight: InFlightStep, what: str) -> tuple[torch.Tensor, Any]:
+        """(workspace, read) of a looked-up step, which is finished from now on (applied or
+        discarded once)."""
+        if flight.ws is None:
+            raise RuntimeError(f"{what}() called without a training lookup")
+        ws, read = flight.ws, flight.read
+        flight.ws, flight.read = None, None
+        return ws, read
 
     def _reduce_hot(self, plan: LookupPlan, grad: torch.Tensor, info: GlobalStep) -> None:
         """Sum the gradients of the hot rows the global batch touched over all ranks (one

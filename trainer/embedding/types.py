@@ -3,7 +3,9 @@
 - LookupPlan: which rows a batch needs and where each comes from (made by plan_lookup);
 - Pushes: row updates leaving a worker (the wire type of every remote-row protocol and the cache);
 - GlobalStep: what every rank knows about the current step's global batch (made by the scheduler's
-  feed, read by HybridEmbedding and the remote-row protocols).
+  feed, read by HybridEmbedding and the remote-row protocols);
+- InFlightStep: one training step of this rank while it is in flight, from its prepared input side
+  to its update: the one object that holds a step's state between calls.
 
 They live here, not next to one producer, so that the no-cache path does not import the cache and
 the scheduler does not import the embedding module.
@@ -85,3 +87,38 @@ class GlobalStep:
     hot: bool = False
     hot_slots: Optional[torch.Tensor] = None
     sync: Any = None
+
+
+@dataclass
+class InFlightStep:
+    """One training step of this rank from its input side to its update (or its discard).
+
+    Why one object: a step is begun in one call and finished in others, with train.pipeline even
+    across two steps (step i+1's batch, plan and id requests are made during step i). Everything a
+    later call needs travels in this object, handed from call to call (trainer/pipeline.py holds the
+    current one and the one prepared ahead); neither the embedding module nor a remote-row protocol
+    keeps a hidden copy of a step.
+
+    step:   the training step index
+    batch:  this rank's batch, on the device
+    info:   the step's GlobalStep (None given: an ordinary step, GlobalStep())
+    plan:   its lookup plan (HybridEmbedding.prepare; None: not prepared yet, lookup prepares it)
+    token:  the remote protocol's begun read (RemoteRows.begin; None: a hot step, or nothing begun)
+    read:   what the protocol's read left for its write or discard (RemoteRows.read), once looked up
+    ws:     the workspace leaf [U, d] of the training lookup; its .grad holds the row gradients
+    alltoalls_ahead: alltoall calls made for this step while the step before it ran (the trainer
+            counts every step's own calls, trainer/pipeline.py)
+    """
+
+    step: int
+    batch: Any
+    info: Optional[GlobalStep] = None
+    plan: Optional[LookupPlan] = None
+    token: Any = None
+    read: Any = None
+    ws: Optional[torch.Tensor] = None
+    alltoalls_ahead: int = 0
+
+    def __post_init__(self) -> None:
+        if self.info is None:
+            self.info = GlobalStep()

@@ -235,14 +235,14 @@ class CacheSimulator:
         if self.owners.any_hot:  # one allreduce of the union of touched replicated rows
             g = torch.cat(all_gids)
             self.replica_rows += int(torch.unique(g[self.owners.hot[g]]).numel())
-        plans = []
+        plans, reads = [], []
         for rank, (protocol, gids) in enumerate(zip(self.workers, all_gids)):
             plan = self.owners.plan(rank, gids)
-            protocol.read(plan, torch.zeros(plan.uniq.numel(), self.row_width), s)
+            reads.append(protocol.read(plan, torch.zeros(plan.uniq.numel(), self.row_width), s))
             self.streams[rank].append(plan.uniq[torch.sort(plan.remote_pos).values].numpy())
             plans.append(plan)
-        for protocol, plan in zip(self.workers, plans):
-            got = protocol.write(plan, torch.zeros(plan.uniq.numel(), self.row_width))
+        for protocol, plan, read in zip(self.workers, plans, reads):
+            got = protocol.write(plan, torch.zeros(plan.uniq.numel(), self.row_width), read)
             owned = plan.owned_ids
             self._apply(s, torch.cat([got.gids, owned]), torch.cat([got.counts, torch.ones_like(owned)]))
         self.steps_run += 1

@@ -8,18 +8,22 @@ ones go through one `RemoteRows` object chosen by config:
 - herald.HeraldRemote: Herald's on-demand synchronisation, driven by the scheduler's global plan.
 
 Every protocol answers the same calls; read/write/flush are collective (every rank calls them for
-the same step), discard communicates nothing:
+the same step), discard communicates nothing. A protocol keeps no state of a step in flight: read
+returns it (`read`: what the write or the discard of that step needs) and the caller hands it back
+(HybridEmbedding keeps it in the step's InFlightStep, embedding/types.py), so two steps in flight
+at once (train.pipeline) can never be confused:
 
-- read(plan, ws, step, sync, token): fill the workspace rows ws[plan.remote_pos]; a pipelined step
-  splits it: begin(plan) (the request, one step early), serve(token) (the owners answer; or
-  serve_settled(token, owned) one step early for the rows the current step leaves alone), read;
-- write(plan, grad) -> Pushes: send this step's remote row gradients; return what this rank
+- read(plan, ws, step, sync, token) -> read: fill the workspace rows ws[plan.remote_pos]; a
+  pipelined step splits it: begin(plan) -> token (the request, one step early), serve(token) (the
+  owners answer; or serve_settled(token, owned, read) one step early for the rows the current step,
+  whose read that is, leaves alone), read;
+- write(plan, grad, read) -> Pushes: send this step's remote row gradients; return what this rank
   received as owner (applied by the caller once per row, together with its own rows);
-  write_start(plan, grad) is the same split in two: it starts the push and returns a function
+  write_start(plan, grad, read) is the same split in two: it starts the push and returns a function
   that waits for what arrives, so the caller can start the dense allreduce behind the pushes;
 - flush() -> Pushes | None: push whatever is still pending (before eval, checkpoint, exit); None when
   the protocol never holds anything (no collective runs then);
-- discard(): drop the step instead of write (train.nonfinite=skip): nothing is written anywhere,
+- discard(read): drop the step instead of write (train.nonfinite=skip): nothing is written anywhere,
   and a protocol with state leaves it exactly as it was before read (its undo journal, switched on
   by enable_undo(), makes that possible);
 - stats / staleness: its per-table counters (None when it keeps none).
@@ -147,26 +151,27 @@ class RemoteRows(ABC):
         """Answer a begun read from the owners' rows as they are NOW (a pipelined step with
         train.pipeline=rows calls it before the current step's updates). Collective."""
 
-    def serve_settled(self, token: Any, owned: torch.Tensor) -> None:
+    def serve_settled(self, token: Any, owned: torch.Tensor, read: Any) -> None:
         """Answer now the part of a begun read that the current step's update cannot change
         (train.pipeline=ids: exact), the rest at its read; owned: the global ids of this rank's
-        own rows in the current step. Protocols without such a part do nothing. Collective."""
+        own rows in the current step, read: the current step's read. Protocols without such a
+        part do nothing. Collective."""
 
     def cancel(self, token: Any) -> None:
         """Drop a begun read that will not be used (its step was skipped): wait for what is in
         flight, answer nothing. Collective."""
 
     @abstractmethod
-    def read(self, plan: LookupPlan, ws: torch.Tensor, step: int, sync: Any = None, token: Any = None) -> None:
+    def read(self, plan: LookupPlan, ws: torch.Tensor, step: int, sync: Any = None, token: Any = None) -> Any:
         """Fill ws[plan.remote_pos] with the remote rows of this training step (token: from begin,
-        for this plan). Collective."""
+        for this plan); returns what write or discard of the step need. Collective."""
 
-    def write(self, plan: LookupPlan, grad: torch.Tensor) -> Pushes:
+    def write(self, plan: LookupPlan, grad: torch.Tensor, read: Any) -> Pushes:
         """Send the step's remote row gradients; return the pushes this rank received as owner."""
-        return self.write_start(plan, grad)()
+        return self.write_start(plan, grad, read)()
 
     @abstractmethod
-    def write_start(self, plan: LookupPlan, grad: torch.Tensor) -> Callable[[], Pushes]:
+    def write_start(self, plan: LookupPlan, grad: torch.Tensor, read: Any) -> Callable[[], Pushes]:
         """write(), split: start sending the row gradients; the returned function waits for the
         pushes this rank receives as owner and returns them (the caller may start other
         collectives in between, e.g. the dense allreduce)."""
@@ -176,8 +181,8 @@ class RemoteRows(ABC):
         """Push everything pending; None when nothing can ever be pending (no collective)."""
 
     @abstractmethod
-    def discard(self) -> None:
-        """Drop the step read last instead of writing it; leave no trace (no communication)."""
+    def discard(self, read: Any) -> None:
+        """Drop the step whose read this is instead of writing it; leave no trace (no communication)."""
 
     def enable_undo(self) -> None:
         """Journal each read so that discard() can restore the state before it (protocols whose

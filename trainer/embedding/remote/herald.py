@@ -92,7 +92,6 @@ class HeraldRemote(RemoteRows):
         self.comm, self.store, self.sh, self.planner = comm, store, store.sharding, planner
         self.lent = LentRows(planner.capacity, store, int(self.sh.table_offsets[-1]))
         self.dev = store.weight.device
-        self._sync: Any = None
 
     # ---- helpers ---------------------------------------------------------------------------
     def _t(self, x: np.ndarray) -> torch.Tensor:
@@ -155,7 +154,8 @@ class HeraldRemote(RemoteRows):
                                           recv_splits=self._splits(mine[sync.lend[r]]))
         return rows, state
 
-    def read(self, plan: LookupPlan, ws: torch.Tensor, step: int, sync: Any = None, token: Any = None) -> None:
+    def read(self, plan: LookupPlan, ws: torch.Tensor, step: int, sync: Any = None, token: Any = None) -> Any:
+        """Returns the step's SyncPlan: its write pushes and updates what the plan says."""
         if sync is None:
             raise RuntimeError("schedule=herald: a training step needs the global SyncPlan")
         r = self.sh.rank
@@ -171,10 +171,10 @@ class HeraldRemote(RemoteRows):
         if src.numel() != plan.remote_ids.numel():
             raise RuntimeError("herald: the plan and this rank's batch disagree on its remote rows")
         ws.index_copy_(0, plan.remote_pos, torch.cat([rows, local_rows]).index_select(0, at))
-        self._sync = sync
+        return sync
 
-    def write_start(self, plan: LookupPlan, grad: torch.Tensor) -> Callable[[], Pushes]:
-        sync, self._sync = self._sync, None
+    def write_start(self, plan: LookupPlan, grad: torch.Tensor, read: Any) -> Callable[[], Pushes]:
+        sync = read
         r, remote, g = self.sh.rank, plan.remote_ids, grad[plan.remote_pos]
         own = torch.cat([self._t(sync.local[r][sync.keep[r]]), self._t(sync.pull[r][sync.lend[r]])])
         self.lent.update(self.lent.find(own), g.index_select(0, self._positions(remote, own)))
@@ -188,11 +188,10 @@ class HeraldRemote(RemoteRows):
         ids = self._t(got_ids)
         return lambda: Pushes.single(ids, handle.wait()[0])
 
-    def discard(self) -> None:
+    def discard(self, read: Any) -> None:
         """A skipped step: no local update, no push. Exact without an undo: this step's
         writebacks and pulls only moved values (and optimizer state) between owners and holders,
         where the plan expects them; a lent row keeps its value and an update count of 0."""
-        self._sync = None
 
     def flush(self) -> Pushes:
         """Every lent row goes back to its owner (collective; the plan is the same everywhere)."""

@@ -68,6 +68,17 @@ class HetRead:
         self.slots, self.cached, self.check = slots, cached, check
 
 
+class HetStep:
+    """What a HET read leaves for the step's write (or discard): the cache slot of each remote id
+    (-1: transient), the positions of the transient ids (None: none), the dirty rows evicted to make
+    room, and the push sizes sent ahead with how many of the cached rows are due."""
+
+    def __init__(self, slots: torch.Tensor, transient: Optional[torch.Tensor], evicted: Optional[Pushes]) -> None:
+        self.slots, self.transient, self.evicted = slots, transient, evicted
+        self.announced: Any = None  # this step's push sizes, sent ahead (HetWire.announce)
+        self.due: Optional[int] = None  # ... and how many of its cached rows are due
+
+
 class HetWire:
     """HET's two collective calls over alltoall; every rank is requester and owner in each call."""
 
@@ -233,11 +244,6 @@ class HetRemote(RemoteRows):
         self.bounds = bounds.to(cache.rows.device)  # indexed by device tables every step: moved once
         self.stats, self.audit = stats, audit
         self.staleness = getattr(wire, "staleness", None)
-        self._slots: torch.Tensor | None = None  # the read's slot of each remote id (-1: transient)
-        self._transient: torch.Tensor | None = None  # positions of its transient ids (None: none)
-        self._evicted: Pushes | None = None
-        self._announced: Any = None  # this step's push sizes, sent ahead (HetWire.announce)
-        self._due: Optional[int] = None  # ... and how many of its cached rows are due
         self.undoable = False  # train.nonfinite=skip: journal each read so discard() can undo it
 
     def enable_undo(self) -> None:
@@ -260,7 +266,7 @@ class HetRemote(RemoteRows):
         self.wire.cancel(token.check)
 
     def read(self, plan: LookupPlan, ws: torch.Tensor, step: int, sync: Any = None,
-             token: Optional[HetRead] = None) -> None:
+             token: Optional[HetRead] = None) -> HetStep:
         """Fill ws's remote positions from the cache, checking versions with the owners."""
         cache, remote = self.cache, plan.remote_ids
         if self.undoable:
@@ -285,54 +291,54 @@ class HetRemote(RemoteRows):
                       versions.index_select(0, pulled.index_select(0, stale)))
         fetched = positions(~was_cached, n_miss)  # misses
         miss = pulled.index_select(0, fetched)
-        new_slots, self._evicted, placed = cache.install_counted(
+        new_slots, evicted, placed = cache.install_counted(
             remote.index_select(0, miss), table.index_select(0, miss), rows.index_select(0, fetched),
             versions.index_select(0, miss), step)
         slots.index_copy_(0, miss, new_slots)
         gone = positions(new_slots < 0, n_miss - placed)  # transient: used from the pulled rows
-        self._transient = miss.index_select(0, gone) if gone.numel() else None
-        if self._transient is None:
+        transient = miss.index_select(0, gone) if gone.numel() else None
+        if transient is None:
             ws.index_copy_(0, plan.remote_pos, cache.rows.index_select(0, slots))
         else:
             if cache.size:
                 ws.index_copy_(0, plan.remote_pos, cache.rows.index_select(0, slots.clamp(min=0)))
-            ws.index_copy_(0, plan.remote_pos.index_select(0, self._transient),
+            ws.index_copy_(0, plan.remote_pos.index_select(0, transient),
                            rows.index_select(0, fetched.index_select(0, gone)))
-        self.stats.reads(table, hit, need, None if self._transient is None else slots < 0)
+        self.stats.reads(table, hit, need, None if transient is None else slots < 0)
         if self.audit is not None:
             self.audit.read(step, remote, torch.where(need, versions, cached_ver))
-        self._slots = slots
-        self._announce(remote)
+        out = HetStep(slots, transient, evicted)
+        self._announce(remote, out)
+        return out
 
-    def _announce(self, remote: torch.Tensor) -> None:
+    def _announce(self, remote: torch.Tensor, st: HetStep) -> None:
         """Which rows this step's write will push is known now (the counts of the cached rows,
         the transient ones, the dirty evictions), only their gradients are not: send the sizes
         ahead so the push does not wait for a size exchange (HetWire.announce)."""
         announce = getattr(self.wire, "announce", None)
         if announce is None:
             return
-        slots, gone = self._slots, self._transient
+        slots, gone = st.slots, st.transient
         cached = slots if gone is None else select(slots, slots >= 0, slots.numel() - gone.numel())
         due = self.cache.due_after_update(cached, self.bounds.push)
         # every candidate row, weighted 1 where it is pushed: counted per owner in one read
         parts, weights = [self.cache.gid.index_select(0, cached)], [due.long()]
         extra = ([remote.index_select(0, gone)] if gone is not None else []) + \
-            ([self._evicted.gids] if self._evicted is not None and len(self._evicted) else [])
+            ([st.evicted.gids] if st.evicted is not None and len(st.evicted) else [])
         for g in extra:
             parts.append(g)
             weights.append(torch.ones_like(g))
-        self._announced = announce(torch.cat(parts), torch.cat(weights))
-        if self._announced is not None:  # the due rows among the cached: the write's selection size
-            self._due = sum(self._announced.splits) - sum(int(g.numel()) for g in extra)
+        st.announced = announce(torch.cat(parts), torch.cat(weights))
+        if st.announced is not None:  # the due rows among the cached: the write's selection size
+            st.due = sum(st.announced.splits) - sum(int(g.numel()) for g in extra)
 
-    def write_start(self, plan: LookupPlan, grad: torch.Tensor) -> Callable[[], Pushes]:
+    def write_start(self, plan: LookupPlan, grad: torch.Tensor, read: HetStep) -> Callable[[], Pushes]:
         """Local updates of this step: apply to cached copies, push the due, transient and
         evicted-dirty ones; the returned function gives what this rank received as owner."""
-        slots, gone, self._slots, self._transient = self._slots, self._transient, None, None
+        slots, gone, due = read.slots, read.transient, read.due
         self.cache.commit()
         g = grad.index_select(0, plan.remote_pos)
         parts = []
-        due, self._due = self._due, None
         if gone is None:  # every remote row is cached (the usual case)
             parts.append(self.cache.record_and_take_due(slots, g, self.bounds.push, due))
         else:
@@ -340,22 +346,19 @@ class HetRemote(RemoteRows):
             parts.append(self.cache.record_and_take_due(slots.index_select(0, cached),
                                                         g.index_select(0, cached), self.bounds.push, due))
             parts.append(Pushes.single(plan.remote_ids.index_select(0, gone), g.index_select(0, gone)))
-        evicted, self._evicted = self._evicted, None
+        evicted = read.evicted
         if evicted is not None and len(evicted):
             self.stats.add("evicted_dirty", self.sharding.table_of(evicted.gids))
             parts.append(evicted)
-        announced, self._announced = self._announced, None
-        return self._send(Pushes.cat(parts) if len(parts) > 1 else parts[0], announced)
+        return self._send(Pushes.cat(parts) if len(parts) > 1 else parts[0], read.announced)
 
-    def discard(self) -> None:
+    def discard(self, read: HetStep) -> None:
         """Undo the read: installs, evictions (their dirty updates go back into the cache),
         refreshed copies and use counts; the owners changed nothing (version checks only read).
         The push sizes sent ahead are received and dropped (every rank discards the same step)."""
         self.cache.rollback()
-        if self._announced is not None:
-            self._announced.handle.wait()
-        self._slots, self._transient, self._evicted, self._announced = None, None, None, None
-        self._due = None
+        if read.announced is not None:
+            read.announced.handle.wait()
 
     def flush(self) -> Pushes:
         return self._send(self.cache.take_all())()

@@ -18,7 +18,6 @@ class PlainRemote(RemoteRows):
 
     def __init__(self, exchange: Any) -> None:
         self.exchange = exchange
-        self._pull: Any = None  # the pull of the step being trained (its gradients go back)
 
     def begin(self, plan: LookupPlan) -> Any:
         return self.exchange.request(plan.remote_ids, plan.splits)
@@ -26,28 +25,28 @@ class PlainRemote(RemoteRows):
     def serve(self, token: Any) -> None:
         self.exchange.serve(token)
 
-    def serve_settled(self, token: Any, owned: torch.Tensor) -> None:
+    def serve_settled(self, token: Any, owned: torch.Tensor, read: Any) -> None:
         """The rows of the next step's read that this step's update leaves alone travel now: this
-        rank updates its own rows of the step (`owned`) and the rows peers pulled from it."""
-        touched = owned if self._pull is None or self._pull.served is None \
-            else torch.cat([owned, self._pull.served])
+        rank updates its own rows of the step (`owned`) and the rows peers pulled from it (`read`:
+        this step's pull)."""
+        touched = owned if read is None or read.served is None else torch.cat([owned, read.served])
         self.exchange.serve_settled(token, touched)
 
     def cancel(self, token: Any) -> None:
         token.wait()
 
-    def read(self, plan: LookupPlan, ws: torch.Tensor, step: int, sync: Any = None, token: Any = None) -> None:
-        self._pull = token if token is not None else self.begin(plan)
-        ws.index_copy_(0, plan.remote_pos, self.exchange.result(self._pull))
+    def read(self, plan: LookupPlan, ws: torch.Tensor, step: int, sync: Any = None, token: Any = None) -> Any:
+        """Returns the pull: its gradients go back the way its rows came."""
+        pull = token if token is not None else self.begin(plan)
+        ws.index_copy_(0, plan.remote_pos, self.exchange.result(pull))
+        return pull
 
-    def write_start(self, plan: LookupPlan, grad: torch.Tensor) -> Callable[[], Pushes]:
-        pull, self._pull = self._pull, None
-        finish = self.exchange.push_start(pull, grad[plan.remote_pos])
+    def write_start(self, plan: LookupPlan, grad: torch.Tensor, read: Any) -> Callable[[], Pushes]:
+        finish = self.exchange.push_start(read, grad[plan.remote_pos])
         return lambda: Pushes.single(*finish())
 
-    def discard(self) -> None:
+    def discard(self, read: Any) -> None:
         """Reads changed nothing; the pulled rows' gradients are simply not pushed."""
-        self._pull = None
 
     def flush(self) -> Optional[Pushes]:
         """Nothing is ever pending (and no collective runs)."""

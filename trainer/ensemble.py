@@ -1,5 +1,5 @@
-"""train.bag = K: K models of the same recipe, each validated on its own slice of the training rows,
-and the test split scored with their mean prediction (bagging over validation folds).
+"""train.ensemble = K: K models of the same recipe, each validated on its own slice of the training
+rows, and the test split scored with their mean prediction (an ensemble over validation folds).
 
 Why: on a few thousand rows one model's test AUC moves by about 0.02 with the choice of its
 validation rows alone (which rows train, when early stopping fires). With a 20% validation split
@@ -12,13 +12,13 @@ Each member is a complete run of the trainer (trainer.runner.Trainer) with data.
 slice and its own output directory OUT/member<k>/ (metrics, summary.json, checkpoints, and its
 calibrated test logits in test_logits.npy). With data.min_count > 0 each member counts its own
 vocabulary (its training rows differ), so the members' tables differ in size. Members run one after
-the other on the same workers. checkpoint.resume=auto continues a bag: a member whose summary and
-test logits are there with the same config is taken as it is, an unfinished one resumes from its
-own checkpoints, the rest run fresh.
+the other on the same workers. checkpoint.resume=auto continues an ensemble: a member whose summary
+and test logits are there with the same config is taken as it is, an unfinished one resumes from
+its own checkpoints, the rest run fresh.
 
-OUT/summary.json is the bag's: test AUC / logloss of the mean prediction, the members (slice, best
-step, validation and test figures, temperature, directory), and the sums of their steps, samples
-and training time; the per-member detail stays in the members' own summaries.
+OUT/summary.json is the ensemble's: test AUC / logloss of the mean prediction, the members (slice,
+best step, validation and test figures, temperature, directory), and the sums of their steps,
+samples and training time; the per-member detail stays in the members' own summaries.
 """
 from __future__ import annotations
 
@@ -34,18 +34,19 @@ import numpy as np
 from .build import phase
 from .comm import Collectives
 from .config import Config
-from .configure import apply_data_steps, load_config, recipe_of
+from .configure import load_config
 from .metrics import auc_logloss, write_summary
+from .recipes import apply_data_steps
 
 LOGITS = "test_logits.npy"  # a member's [n, 2] float64 (calibrated logit, label) of the test split
 
 
 def member_config(c: Config, k: int, val_slice: int) -> Config:
-    """Member k's config: c with data.val_slice = its slice, train.bag = 1, its own checkpoint
+    """Member k's config: c with data.val_slice = its slice, train.ensemble = 1, its own checkpoint
     directory under checkpoint.dir (when one is set), and its tables re-resolved (data.min_count
     counts the vocabulary of the member's own training rows)."""
     m = copy.deepcopy(c)
-    m.data.val_slice, m.train.bag = val_slice, 1
+    m.data.val_slice, m.train.ensemble = val_slice, 1
     m.data.table_rows = []
     if m.checkpoint.dir:
         m.checkpoint.dir = os.path.join(m.checkpoint.dir, f"member{k}")
@@ -93,25 +94,22 @@ def _member_record(k: int, j: int, s: dict[str, Any], reused: bool) -> dict[str,
             "trained_samples": 0 if reused else (s["steps"] - s.get("start_step", 0)) * s["global_batch_size"]}
 
 
-def run_bag(c: Config, comm: Collectives, out_dir: Optional[str], make_trainer: Callable[..., Any],
-            return_state: bool = False) -> tuple[dict[str, Any], list[float], Optional[dict[str, Any]]]:
-    """Train c.train.bag members (see the module doc) and score the test split with their mean
-    prediction. Collective: every rank runs every member. make_trainer(config, comm, out_dir,
-    announce=False) builds a member (runner.Trainer). Returns (the bag's summary, the members'
+def run_ensemble(c: Config, comm: Collectives, out_dir: Optional[str], make_trainer: Callable[..., Any],
+                 recipe: dict[str, Any], return_state: bool = False
+                 ) -> tuple[dict[str, Any], list[float], Optional[dict[str, Any]]]:
+    """Train c.train.ensemble members (see the module doc) and score the test split with their mean
+    prediction. Collective: every rank runs every member. make_trainer(config, comm, out_dir)
+    builds a member (runner.Trainer, a context manager). recipe: summary.json's `recipe` (the
+    caller announced it, recipes.announce_recipe). Returns (the ensemble's summary, the members'
     losses one after the other, the last member's model when return_state)."""
     from .data import val_slices
 
-    slices = val_slices(c.data, c.train.bag)
+    slices = val_slices(c.data, c.train.ensemble)
     rank = comm.rank
-    view = copy.deepcopy(c)  # the bag's config as a member sees it (the recipe's evaluation cadence resolved)
-    apply_data_steps(view, comm.size)
-    recipe = recipe_of(view)
     if rank == 0:
-        if recipe.name != "none":
-            print(recipe.line(view), file=sys.stderr)
-        few = f" (only {len(slices)} validation slices fit in the training rows)" if len(slices) < c.train.bag else ""
-        print(f"[trainer] bag of {len(slices)} models{few}, validation slices {slices}; "
-              "train.bag=1 trains one model", file=sys.stderr)
+        few = f" (only {len(slices)} validation slices fit in the training rows)" if len(slices) < c.train.ensemble else ""
+        print(f"[trainer] ensemble of {len(slices)} models{few}, validation slices {slices}; "
+              "train.ensemble=1 trains one model", file=sys.stderr)
     members, logits, losses = [], [], []
     labels: Optional[np.ndarray] = None
     state, top = None, out_dir
@@ -123,25 +121,21 @@ def run_bag(c: Config, comm: Collectives, out_dir: Optional[str], make_trainer: 
             want = copy.deepcopy(mc)
             apply_data_steps(want, comm.size)
             with phase(comm, "other"):  # rank 0's files decide, every rank gets them
-                done = comm.broadcast_object(_finished(mdir, asdict(want)) if rank == 0 else None)
+                done = comm.root_decides(lambda: _finished(mdir, asdict(want)), RuntimeError)
         if rank == 0:
-            print(f"[trainer] bag member {k}/{len(slices)}: validation slice {j}"
+            print(f"[trainer] ensemble member {k}/{len(slices)}: validation slice {j}"
                   + (f", done before: reusing {mdir}" if done else ""), file=sys.stderr)
         if done is not None:
             summary, rows = done
         else:
-            trainer = make_trainer(mc, comm, mdir, announce=False)
-            try:
+            with make_trainer(mc, comm, mdir) as trainer:
                 res = trainer.fit(return_state and k == len(slices))
-            finally:
-                if trainer.checkpointer is not None:
-                    trainer.checkpointer.close()
-            summary, rows, state = res.summary, trainer.test_rows, res.state
+            summary, rows, state = res.summary, trainer.evaluator.test_rows, res.state
             losses += res.losses
             if rank == 0 and summary.get("output_dir"):
                 np.save(os.path.join(summary["output_dir"], LOGITS), rows)
         if labels is not None and not np.array_equal(labels, rows[:, 1]):
-            raise RuntimeError(f"bag member {k}: its test rows differ from member 1's (another test split?)")
+            raise RuntimeError(f"ensemble member {k}: its test rows differ from member 1's (another test split?)")
         labels = rows[:, 1]
         logits.append(rows[:, 0])
         members.append(_member_record(k, j, summary, done is not None))
@@ -149,16 +143,16 @@ def run_bag(c: Config, comm: Collectives, out_dir: Optional[str], make_trainer: 
             top = os.path.dirname(summary["output_dir"])
     assert labels is not None
     auc, ll = auc_logloss(mean_prediction(logits), labels)
-    summary = _bag_summary(c, summary, members, auc, ll, top, comm.size)
-    summary["recipe"] = recipe.describe(view)
+    summary = _ensemble_summary(c, summary, members, auc, ll, top, comm.size)
+    summary["recipe"] = recipe
     if rank == 0 and top is not None:
         write_summary(os.path.join(top, "summary.json"), summary)
-        print(f"[trainer] bag of {len(members)}: test AUC {auc:.4f}, logloss {ll:.4f} (members' mean AUC "
-              f"{summary['bag']['member_test_auc_mean']:.4f})", file=sys.stderr)
+        print(f"[trainer] ensemble of {len(members)}: test AUC {auc:.4f}, logloss {ll:.4f} (members' mean AUC "
+              f"{summary['ensemble']['member_test_auc_mean']:.4f})", file=sys.stderr)
     return summary, losses, state
 
 
-def _bag_summary(c: Config, last: dict[str, Any], members: list[dict[str, Any]], auc: Optional[float],
+def _ensemble_summary(c: Config, last: dict[str, Any], members: list[dict[str, Any]], auc: Optional[float],
                  ll: Optional[float], top: Optional[str], world: int) -> dict[str, Any]:
     steps = sum(m["steps"] for m in members)
     time_s = sum(m["train_time_s"] for m in members)
@@ -176,7 +170,7 @@ def _bag_summary(c: Config, last: dict[str, Any], members: list[dict[str, Any]],
         "bytes": {k: sum(m["bytes"].get(k, 0) for m in members) for k in last.get("bytes", {})},
         "bytes_total": sum(sum(m["bytes"].values()) for m in members),
         "bytes_per_sample": last.get("bytes_per_sample"),  # the last member's (every member moves the same per sample)
-        "bag": {"members": members, "combine": "mean of the members' calibrated test logits",
+        "ensemble": {"members": members, "combine": "mean of the members' calibrated test logits",
                 "member_test_auc_mean": float(np.mean([m["test_auc"] for m in members])),
                 "member_test_logloss_mean": float(np.mean([m["test_logloss"] for m in members]))},
         "config": asdict(c),

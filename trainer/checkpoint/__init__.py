@@ -1,0 +1,31 @@
+"""Consistent checkpoints of a hybrid-parallel run, and resume on any number of workers.
+
+The package, by concern (docs/design.md, section 8):
+
+- manifest.py: what a checkpoint is on disk: `step_K` directories, the files, their checksums and
+  the manifest written last; which checkpoints are complete and which was saved last;
+- state.py: what it holds of a rank: its shard of the sparse state keyed by (table, id), and its
+  RNG states;
+- lock.py: one run at a time in a checkpoint.dir (DirLock, taken over from a dead run);
+- saver.py: writing one atomically (Checkpointer: every rank its shard, rank 0 the manifest and the
+  rename, then rotation by save order);
+- loader.py: choosing the checkpoint to resume and loading its rows under this run's W;
+- manager.py: CheckpointManager, the run's one seam to all of the above (save, resume, the rescue
+  of a failed save, the lock's lifetime). The Trainer talks to it and to nothing else here.
+
+Names used across the project (and by the tests) are re-exported here.
+"""
+from .loader import load, resolve
+from .lock import LOCK, DirLock, describe_holder
+from .manager import Checkpointed, CheckpointManager, Rescue
+from .manifest import (FORMAT_VERSION, MANIFEST, SCHEMA_KEYS, TRAINER_FILE, WORLD_BOUND_DATA, CheckpointError,
+                       check_schema, check_stream_world, complete_checkpoints, last_save_seq, latest,
+                       read_manifest, save_order, shard_file, step_dir)
+from .saver import Checkpointer
+from .state import load_shard_rows, rng_state, set_rng_state, shard_state
+
+__all__ = ["FORMAT_VERSION", "LOCK", "MANIFEST", "SCHEMA_KEYS", "TRAINER_FILE", "WORLD_BOUND_DATA",
+           "CheckpointError", "CheckpointManager", "Checkpointed", "Checkpointer", "DirLock", "Rescue",
+           "check_schema", "check_stream_world", "complete_checkpoints", "describe_holder", "last_save_seq",
+           "latest", "load", "load_shard_rows", "read_manifest", "resolve", "rng_state", "save_order",
+           "set_rng_state", "shard_file", "shard_state", "step_dir"]

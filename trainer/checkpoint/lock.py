@@ -1,0 +1,177 @@
+"""The checkpoint directory's lock: one run at a time writes into a checkpoint.dir.
+
+Why a lock: two runs writing into one directory would replace each other's step_K and delete each
+other's saves in progress. The directory belongs to one run at a time: rank 0 creates `lock.json`
+(run id, pid, host, the process's start time) with O_EXCL at start-up, and every rank learns the
+outcome (saver.Checkpointer). A second run fails at once naming the holder; a lock whose process is
+gone (same host, pid not running or reused: trainer/procs.py reads its start time) is taken over
+with a warning, together with that dead run's unfinished saves, so a killed run never keeps the
+directory. Runs that follow one another in the directory continue one job: their saves are ordered
+together (manifest.py's save sequence).
+"""
+from __future__ import annotations
+
+import gc
+import json
+import os
+import shutil
+import socket
+import sys
+import time
+import uuid
+import weakref
+from typing import Any
+
+from ..procs import pid_namespace, proc_start
+from .manifest import WORK_DIR, CheckpointError
+
+LOCK = "lock.json"  # the run that owns a checkpoint dir (see DirLock)
+_HELD: dict[str, str] = {}  # lock path -> run id of the locks this process holds now
+
+
+def _alive(holder: dict[str, Any]) -> bool | None:
+    """Is the lock holder's process running? None when it cannot be known from here (another
+    host, or another pid namespace: a container)."""
+    if holder.get("host") != socket.gethostname() or holder.get("pid_ns") != pid_namespace():
+        return None
+    pid = int(holder.get("pid", -1))
+    if os.path.isdir("/proc/self"):
+        start, want = proc_start(pid), holder.get("proc_start")
+        return start is not None and (want is None or start == want)  # a reused pid: dead
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:
+        return True
+    return True
+
+
+def describe_holder(holder: dict[str, Any]) -> str:
+    return (f"run {holder.get('run_id')} (pid {holder.get('pid')} on host {holder.get('host')}, "
+            f"started {holder.get('started')}: {holder.get('command', '?')})")
+
+
+class DirLock:
+    """One run's ownership of a checkpoint directory: the file root/lock.json, created with O_EXCL.
+    Only rank 0 holds it (Checkpointer passes the outcome to every rank)."""
+
+    def __init__(self, root: str, run_id: str) -> None:
+        self.root, self.run_id = root, run_id
+        self.path = os.path.join(root, LOCK)
+        self.notes: list[str] = []  # warnings for the user (a dead run's lock taken over)
+        self._release = None
+
+    def acquire(self) -> None:
+        """Take the lock or raise CheckpointError naming the directory and the holder."""
+        try:
+            os.makedirs(self.root, exist_ok=True)
+        except OSError as exc:
+            raise CheckpointError(f"checkpoint.dir {self.root} cannot be created: {exc}") from exc
+        me = {"run_id": self.run_id, "pid": os.getpid(), "host": socket.gethostname(),
+              "pid_ns": pid_namespace(), "proc_start": proc_start(os.getpid()),
+              "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "command": " ".join(sys.argv)[:300]}
+        for _ in range(20):
+            try:
+                fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+            except FileExistsError:
+                self._resolve_existing()
+                continue
+            except OSError as exc:
+                raise CheckpointError(f"checkpoint.dir {self.root} is not writable (its lock file "
+                                      f"{self.path} cannot be created: {exc})") from exc
+            try:
+                with os.fdopen(fd, "w") as f:
+                    json.dump(me, f, indent=1)
+                    f.flush()
+                    os.fsync(f.fileno())
+            except OSError as exc:
+                _unlink(self.path)
+                raise CheckpointError(f"checkpoint.dir {self.root} is not writable (its lock file "
+                                      f"{self.path} cannot be written: {exc})") from exc
+            _HELD[self.path] = self.run_id
+            self._release = weakref.finalize(self, _release_lock, self.path, self.run_id)
+            return
+        raise CheckpointError(f"checkpoint.dir {self.root}: its lock file {self.path} keeps changing "
+                              "(other runs are starting in it); give this run its own checkpoint.dir")
+
+    def _resolve_existing(self) -> None:
+        """The lock file exists: raise if its holder may be running, else remove it (takeover)."""
+        holder = _read_lock(self.path)
+        if holder is None:  # being written right now by a starting run, or vanished: look again
+            time.sleep(0.05)
+            holder = _read_lock(self.path)
+            if holder is None:
+                if os.path.exists(self.path):
+                    raise CheckpointError(
+                        f"checkpoint.dir {self.root} is locked by a run whose lock file {self.path} "
+                        "cannot be read; if no run uses this directory, delete that file")
+                return
+        mine = (holder.get("host") == socket.gethostname() and holder.get("pid") == os.getpid()
+                and holder.get("pid_ns") == pid_namespace())
+        if mine and holder.get("run_id") in _HELD.values():
+            gc.collect()  # a run of this process that ended, not yet collected, releases its lock
+            if holder.get("run_id") in _HELD.values():
+                raise CheckpointError(f"checkpoint.dir {self.root} is in use by another run in this "
+                                      f"process ({describe_holder(holder)})")
+        alive = False if mine else _alive(holder)
+        if alive is not False:
+            hint = ("" if alive else f"; it runs on another host (or in another container), so its "
+                    f"state is unknown here: if it is dead, delete {self.path}")
+            raise CheckpointError(
+                f"checkpoint.dir {self.root} is in use by {describe_holder(holder)}{hint}. Two runs in "
+                "one checkpoint.dir would overwrite each other's checkpoints: give this run its own "
+                "checkpoint.dir (or wait until that run ends)")
+        if self._take_over(holder) and not mine:
+            self.notes.append(f"checkpoint.dir {self.root}: took over the lock of {describe_holder(holder)}, "
+                              "whose process is no longer running")
+
+    def _take_over(self, holder: dict[str, Any]) -> bool:
+        """Remove the dead holder's lock (only if it is still that one) and its unfinished saves."""
+        stale = f"{self.path}.stale-{uuid.uuid4().hex[:12]}"
+        try:
+            os.rename(self.path, stale)  # atomic: of two runs taking over, one wins
+        except FileNotFoundError:
+            return False
+        if (_read_lock(stale) or {}).get("run_id") != holder.get("run_id"):  # a new holder came in
+            try:
+                os.link(stale, self.path)  # put it back unless yet another lock exists
+            except OSError:
+                pass
+            _unlink(stale)
+            return False
+        _unlink(stale)
+        dead = str(holder.get("run_id"))
+        for name in os.listdir(self.root):
+            m = WORK_DIR.match(name)
+            if m and m.group("run") == dead:
+                shutil.rmtree(os.path.join(self.root, name), ignore_errors=True)
+        return True
+
+    def release(self) -> None:
+        if self._release is not None:
+            self._release()
+
+
+def _read_lock(path: str) -> dict[str, Any] | None:
+    try:
+        with open(path) as f:
+            data = json.load(f)
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def _unlink(path: str) -> None:
+    try:
+        os.unlink(path)
+    except OSError:
+        pass
+
+
+def _release_lock(path: str, run_id: str) -> None:
+    """Remove the lock file if it is still this run's (also at interpreter exit)."""
+    if _HELD.get(path) == run_id:
+        del _HELD[path]
+    if (_read_lock(path) or {}).get("run_id") == run_id:
+        _unlink(path)

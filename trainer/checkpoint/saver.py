@@ -1,0 +1,159 @@
+"""Writing a checkpoint: every rank its shard, rank 0 the rest, atomically, then rotation.
+
+Why it is atomic: everything is written into `step_K.tmp-<run id>-<token>`; once every rank's file
+is written (an allgather of their checksums), rank 0 writes the manifest (sha256 of every file)
+last and renames the directory to `step_K`. A directory named step_K is therefore complete, a crash
+mid-save leaves the earlier checkpoints untouched, and rotation deletes old ones only afterwards.
+A save that fails removes its own `.tmp-` directory, so a full disk does not fill up with them.
+checkpoint.dir must be one filesystem visible to every rank.
+
+What only rank 0 can do (take the directory's lock, create the work directory, write the manifest
+and rename) it does inside Collectives.root_decides, so every rank returns or raises together.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+import time
+import uuid
+from typing import Any
+
+import torch
+
+from ..comm import Collectives
+from ..embedding.store import ShardStore
+from .lock import DirLock
+from .manifest import (FORMAT_VERSION, TRAINER_FILE, WORK_DIR, WORLD_BOUND_DATA, CheckpointError,
+                       complete_checkpoints, file_info, fsync_dir, last_save_seq, shard_file, step_dir,
+                       write_file, write_manifest)
+from .state import shard_state
+
+
+class Checkpointer:
+    """Writes step_K checkpoints under root (collective) and rotates them (keep_last; 0 = all).
+
+    Created at start-up: rank 0 takes root's lock (DirLock) and every rank gets the outcome, so a
+    directory in use by another run stops every rank before any training. close() releases it."""
+
+    def __init__(self, comm: Collectives, root: str, keep_last: int) -> None:
+        self.comm, self.root, self.keep_last = comm, root, keep_last
+        self._seq = 0  # save_seq of this run's last save
+        # rank 0: the newest save of this object that is complete on disk, known as soon as it is
+        # renamed into place: a peer lost in the save's closing broadcast leaves it resumable, and
+        # the failure message must name it (CheckpointManager.save)
+        self.completed: str | None = None
+        self.lock: DirLock | None = None
+        self.run_id, notes = comm.root_decides(self._lock, CheckpointError)
+        for note in notes if comm.rank == 0 else []:
+            print(f"[trainer] warning: {note}", file=sys.stderr)
+
+    def _lock(self) -> tuple[str, list[str]]:
+        """Rank 0: take root's lock; (run id, warnings for the user)."""
+        lock = DirLock(self.root, uuid.uuid4().hex[:12])
+        lock.acquire()
+        self.lock = lock
+        return lock.run_id, lock.notes
+
+    def close(self) -> None:
+        """Release the directory (rank 0); the run's checkpoints stay."""
+        if self.lock is not None:
+            self.lock.release()
+            self.lock = None
+
+    def save(self, step: int, store: ShardStore, trainer_state: dict[str, Any] | None,
+             schema: dict[str, Any]) -> str:
+        """Write checkpoint `step`: every rank its shard, rank 0 also trainer_state and, last, the
+        manifest (schema + checksums); then rename. The caller flushed the caches. Collective.
+        On failure anywhere the partial `.tmp-` directory is removed before every rank raises."""
+        tmp = self._tmp_dir(step)
+        try:
+            digest = self.comm.all_succeed(f"checkpoint save of step {step} into {self.root}",
+                                           lambda: self._write_shard(tmp, store), CheckpointError)
+        except CheckpointError:
+            self._discard(tmp)  # every rank has passed the allgather: nobody writes into tmp now
+            raise
+        digests = self.comm.allgather(digest.reshape(1, -1), kind="meta")
+
+        def finish() -> None:  # rank 0
+            self._finish(tmp, step, trainer_state, schema, digests)
+            self.completed = step_dir(self.root, step)
+        self.comm.root_decides(finish, CheckpointError)
+        return step_dir(self.root, step)
+
+    def _discard(self, tmp: str) -> None:
+        """Rank 0 removes this run's partial save."""
+        if self.comm.rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+
+    def _tmp_dir(self, step: int) -> str:
+        """Rank 0 creates step_K.tmp-<run id>-<token>; every rank gets its name (or rank 0's error)."""
+        def make() -> str:  # rank 0
+            tmp = f"{step_dir(self.root, step)}.tmp-{self.run_id}-{uuid.uuid4().hex[:8]}"
+            try:
+                os.makedirs(tmp)
+            except OSError as exc:
+                raise CheckpointError(f"checkpoint save of step {step}: cannot create {tmp}: {exc}") from exc
+            return tmp
+        return self.comm.root_decides(make, CheckpointError)
+
+    def _write_shard(self, tmp: str, store: ShardStore) -> torch.Tensor:
+        """Write this rank's shard; returns [1 + 32] int64: bytes written, then the sha256 bytes."""
+        path = os.path.join(tmp, shard_file(self.comm.rank, self.comm.size))
+        info = write_file(path, shard_state(store))
+        return torch.tensor([info["bytes"]] + list(bytes.fromhex(info["sha256"])), dtype=torch.int64)
+
+    def _finish(self, tmp: str, step: int, trainer_state: dict[str, Any] | None,
+                schema: dict[str, Any], digests: torch.Tensor) -> None:
+        """Rank 0: trainer file, manifest last, rename, rotate. Raises CheckpointError (after
+        removing the partial save)."""
+        try:
+            files = {shard_file(r, self.comm.size): file_info(d) for r, d in enumerate(digests)}
+            files[TRAINER_FILE] = write_file(os.path.join(tmp, TRAINER_FILE), trainer_state)
+            seq = max(self._seq, last_save_seq(self.root)) + 1
+            data = (schema.get("config") or {}).get("data") or {}
+            write_manifest(tmp, {"format_version": FORMAT_VERSION, "step": step,
+                                  "world_size": self.comm.size, "save_seq": seq, "run_id": self.run_id,
+                                  "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+                                  "data_order_world": (self.comm.size if data.get("name") in WORLD_BOUND_DATA
+                                                       else None),
+                                  **schema, "files": files})
+            self._publish(tmp, step_dir(self.root, step))
+            self._seq = seq
+        except Exception as exc:  # noqa: BLE001 - reported to every rank, which all raise
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise CheckpointError(f"checkpoint save of step {step} into {tmp} failed: "
+                                  f"{type(exc).__name__}: {exc}") from exc
+        try:
+            self.rotate()
+        except OSError as exc:  # the new checkpoint is complete; old ones stay for now
+            print(f"[trainer] warning: checkpoint rotation in {self.root} failed: {exc}", file=sys.stderr)
+
+    def _publish(self, tmp: str, final: str) -> None:
+        """Rename tmp to final (an existing final, from an older branch of the job, is replaced)."""
+        old = None
+        if os.path.exists(final):
+            old = f"{final}.old-{self.run_id}-{uuid.uuid4().hex[:8]}"
+            os.replace(final, old)
+        try:
+            os.replace(tmp, final)
+        except OSError:
+            if old is not None:  # put the replaced checkpoint back
+                os.replace(old, final)
+            raise
+        fsync_dir(os.path.dirname(final))
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+
+    def rotate(self) -> None:
+        """Delete complete checkpoints beyond keep_last, the least recently saved first (save_seq,
+        not the step: a branch resumed from an older step keeps its own saves), and this run's
+        own leftovers; other runs' work directories are never touched."""
+        found = complete_checkpoints(self.root)
+        drop = found[:-self.keep_last] if self.keep_last > 0 else []
+        for _, path in drop:
+            shutil.rmtree(path, ignore_errors=True)
+        for name in os.listdir(self.root):
+            m = WORK_DIR.match(name)
+            if m and m.group("run") == self.run_id:
+                shutil.rmtree(os.path.join(self.root, name), ignore_errors=True)

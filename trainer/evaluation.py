@@ -1,0 +1,71 @@
+"""Evaluator: exact AUC / logloss of the model the owners hold, on the whole test or validation split.
+
+Why exact and collective: every rank evaluates its shard of the split and the (logit, label) rows
+are gathered, so every rank computes the same AUC over every row (no averaging of per-rank AUCs)
+and takes the same early-stopping decision without a message (docs/design.md, section 7). Pending
+cache updates are flushed first (section 6), so an evaluation reads exactly what the owners hold.
+
+With train.calibrate the final model's validation logits choose one temperature T by their
+logloss (metrics.fit_temperature); later evaluations score sigmoid(T x logit). A positive scale
+keeps the order of the logits, so no AUC changes; the test split still decides nothing.
+"""
+from __future__ import annotations
+
+import sys
+from typing import Any, Optional
+
+import numpy as np
+import torch
+
+from .build import phase
+from .comm import Collectives
+from .embedding import HybridEmbedding
+from .metrics import auc_logloss, fit_temperature
+
+
+class Evaluator:
+    """Evaluations of one rank's model (see the module docstring). Every call is collective."""
+
+    def __init__(self, comm: Collectives, model: torch.nn.Module, emb: HybridEmbedding, data: Any,
+                 device: torch.device) -> None:
+        self.comm, self.model, self.emb, self.data, self.device = comm, model, emb, data, device
+        self.temperature = 1.0  # logit scale of evaluations (calibrate() sets it before the final one)
+        self.test_rows: Optional[np.ndarray] = None  # [n, 2] (logit x temperature, label) of the last test evaluation
+
+    @torch.no_grad()
+    def evaluate(self, split: str = "test") -> dict[str, Any]:
+        """Exact AUC / logloss over the whole eval split ("test"; "val": the validation split),
+        gathered from every rank."""
+        both = self.predict(split)
+        scaled = np.stack([both[:, 0] * self.temperature, both[:, 1]], axis=1)
+        if split == "test":
+            self.test_rows = scaled  # the last test evaluation's (calibrated logit, label) rows: train.ensemble
+        auc, ll = auc_logloss(scaled[:, 0], scaled[:, 1])
+        return {"eval_auc": auc, "eval_logloss": ll, "eval_samples": int(both.shape[0])}
+
+    @torch.no_grad()
+    def predict(self, split: str) -> np.ndarray:
+        """[n, 2] (logit, label) of every row of the split, gathered from every rank."""
+        self.emb.flush()
+        self.model.eval()
+        logits, labels = [], []
+        with phase(self.comm, "eval"):
+            for batch in self.data.eval_batches(split):
+                batch = batch.to(self.device)
+                logits.append(self.model(batch.dense, self.emb.eval_lookup(batch)).float().cpu())
+                labels.append(batch.labels.cpu())
+            local = torch.stack([torch.cat(logits), torch.cat(labels)], dim=1) if logits \
+                else torch.zeros(0, 2)
+            return self.comm.allgather(local, kind="meta").numpy()
+
+    def calibrate(self) -> dict[str, Any]:
+        """train.calibrate: fit the temperature of the model's logits on the validation split; the
+        evaluations after it apply it. Returns summary.json's `calibration`."""
+        both = self.predict("val")
+        t, before, after = fit_temperature(both[:, 0], both[:, 1])
+        self.temperature = t
+        if self.comm.rank == 0:
+            print(f"[trainer] calibration: logit temperature {t:.4g} fitted on {both.shape[0]} validation rows "
+                  f"(their logloss {before:.4f} -> {after:.4f}); train.calibrate=false turns it off", file=sys.stderr)
+        return {"temperature": t, "val_logloss_before": before, "val_logloss_after": after,
+                "val_samples": int(both.shape[0])}

@@ -1,0 +1,135 @@
+"""StepPipeline: the training steps in flight, and the next step's input side made ahead.
+
+Why an object of its own (like TorchRec's TrainPipelineSparseDist, which owns the next batch's
+input distribution): with train.pipeline (default `ids`) two steps are in flight at once. During
+step i's forward and backward, step i+1's batch is made and copied to the device, its lookup plan
+made and its id requests sent; with `ids` and the ranks on several hosts the owners also send the
+rows of step i+1 that step i's update leaves unchanged (comm.settled_rows), with `rows` all of
+them (one step staler, within the pull bound). Only work that depends on no update of step i moves
+into step i, so the run stays exact (docs/design.md, section 4).
+
+This object holds both steps as InFlightStep objects (trainer/embedding/types.py): `current`, the
+step being trained, and `next`, the step prepared ahead. They carry everything a step holds between
+calls (batch, plan, the remote protocol's begun read and read, the workspace); HybridEmbedding and
+the remote-row protocols take them as arguments and keep no step of their own. The Trainer asks
+for a step (start), trains it (HybridEmbedding.lookup, prefetch, apply_gradients or discard) and
+hands it back (finish).
+
+It also keeps the alltoall count per step (summary.json's alltoall calls per hot / cold step): a
+step's calls are the collectives counter's difference over the step, minus those made for the
+next step during it, plus those made for it during the step before.
+"""
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any, Callable, Optional
+
+import torch
+
+from .build import Sparse
+from .comm import Collectives
+from .config import Config
+from .device import to_device
+from .embedding import InFlightStep
+
+__all__ = ["StepPipeline"]
+
+
+class StepPipeline:
+    """This rank's steps in flight (see the module docstring). `saves_after(done)`: whether a
+    checkpoint follows `done` steps (a flush: train.pipeline=rows answers no read across it)."""
+
+    def __init__(self, c: Config, comm: Collectives, sparse: Sparse, data: Any, device: torch.device,
+                 saves_after: Callable[[int], bool]) -> None:
+        self.c, self.comm, self.data, self.device = c, comm, data, device
+        self.emb, self.feed = sparse.emb, sparse.feed
+        self.saves_after = saves_after
+        self.mode = c.train.pipeline  # off | ids | rows
+        # Herald plans its sync step by step against its flushes: nothing is planned early
+        self.overlaps = self.mode != "off" and sparse.herald is None
+        # train.pipeline=ids: the settled rows travel early where bytes cost time, between hosts
+        # (on one host the extra round trip measured more than the rows it moves ahead)
+        self.settled = self.mode == "ids" and (c.comm.settled_rows == "always" or (
+            c.comm.settled_rows == "auto" and comm.spans_hosts))
+        self.current: Optional[InFlightStep] = None  # the step being trained
+        self.next: Optional[InFlightStep] = None  # the step prepared ahead
+        self.alltoalls = {"hot": 0, "cold": 0}  # alltoall calls of this rank in hot / other steps
+        self._calls_at_start = 0
+
+    def batch(self, step: int) -> tuple[Any, Any]:
+        """(this rank's batch on the device, the GlobalStep or None) of `step`. Both copies are
+        asynchronous (pinned host memory, trainer/device.py); with train.pipeline the next step's
+        batch is made during this step, so its copy overlaps this step's work."""
+        batch, info = self.feed.step(step) if self.feed is not None else (self.data.train_batch(step), None)
+        if info is not None and info.hot_slots is not None:
+            info = replace(info, hot_slots=to_device(info.hot_slots, self.device))
+        return batch.to(self.device), info
+
+    def start(self, step: int) -> InFlightStep:
+        """Step `step`, to be trained now: the one prepared during the step before, else a new
+        one with its batch (HybridEmbedding.lookup makes its plan and requests). Collective."""
+        ahead, self.next = self.next, None
+        if ahead is not None and ahead.step != step:  # the caller skipped a step: its read goes
+            self.emb.cancel(ahead)
+            ahead = None
+        flight = ahead if ahead is not None else InFlightStep(step, *self.batch(step))  # its lookup prepares it
+        self._calls_at_start = self._alltoall_calls()
+        self.current = flight
+        return flight
+
+    def finish(self, flight: InFlightStep) -> None:
+        """The step trained (or discarded) in full: count its alltoalls."""
+        made = self._alltoall_calls() - self._calls_at_start + flight.alltoalls_ahead
+        if self.next is not None:  # the next step's, made during this one: counted there
+            made -= self.next.alltoalls_ahead
+        self.alltoalls["hot" if flight.info.hot else "cold"] += made
+        self.current = None
+
+    def prefetch(self, step: int) -> None:
+        """During step `step`, after its lookup: build step+1's batch and plan and send its id
+        requests now, so they travel while this step computes (the requests depend on no update:
+        exact); with ids, the owners also send the rows of step+1 that this step does not update
+        (exact too); with rows, they answer all of step+1's reads now (within the pull bound). A
+        bad batch (a data error, out-of-range ids) stops the run here, after this step's lookup
+        and before any of its updates. (Made at the start of the step instead, the batch measured
+        6% slower on localhost.) Collective."""
+        if not (self.overlaps and step + 1 < self.c.train.steps):
+            return
+        calls = self._alltoall_calls()
+        batch, info = self.batch(step + 1)
+        self.next = self.emb.prepare(InFlightStep(step + 1, batch, info))
+        if self.settled:  # the rows this step leaves alone travel during its compute
+            self.emb.serve_settled(self.next, self.current)
+        elif self.mode == "rows" and not self._flush_after(step):
+            # the owners answer step+1's reads now, before this step's updates (one step staler,
+            # within the pull bound counting this in-flight step), so the version replies and
+            # rows travel during forward and backward
+            self.emb.serve(self.next)
+        self.next.alltoalls_ahead = self._alltoall_calls() - calls
+
+    def restart_next(self) -> None:
+        """The current step was discarded (train.nonfinite=skip): the step prepared ahead looked
+        the cache up before the rollback, so its read begins again. Collective."""
+        ahead = self.next
+        if ahead is not None:
+            self.emb.cancel(ahead)
+            self.next = self.emb.prepare(InFlightStep(ahead.step, ahead.batch, ahead.info))
+            self.next.alltoalls_ahead = ahead.alltoalls_ahead
+
+    def drop_prepared(self) -> None:
+        """The step prepared ahead will not run (early stop, failed save): its begun read is waited
+        for and dropped. Collective."""
+        if self.next is not None:
+            self.emb.cancel(self.next)
+            self.next = None
+
+    def _flush_after(self, step: int) -> bool:
+        """Whether a flush (eval, checkpoint, the end) follows step `step`: train.pipeline=rows
+        answers the reads after it, not before."""
+        done = step + 1
+        return bool(self.saves_after(done) or done == self.c.train.steps
+                    or (self.c.train.eval_every and done % self.c.train.eval_every == 0))
+
+    def _alltoall_calls(self) -> int:
+        calls = self.comm.counter.calls
+        return calls.get("alltoall", 0) + calls.get("alltoall_splits", 0)

@@ -1,0 +1,76 @@
+"""What /proc says about a process: its state, parent, start time, command line and directory.
+
+Why one module: three places ask these questions, and each used to parse /proc/PID/stat itself:
+the checkpoint directory lock (is the run holding the lock still alive, or was its pid reused?),
+the relaunch advice after a lost worker (which ancestor process is the launcher, and where was it
+started?) and the cluster emulation in dev/netcluster.py (which processes are still running below
+a launch, which cluster owners are gone). /proc/PID/stat is `pid (comm) state ppid ...`, and comm
+may itself hold spaces and parentheses, so the fields are counted after the *last* `)`; getting
+that right once is the point of this file.
+
+A leaf on purpose: it imports only the standard library, so a standalone script (dev/netcluster.py)
+can use it without loading torch or the rest of the package. Every function answers None when
+/proc cannot tell (no such process, another OS, no permission) rather than raising.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Optional
+
+__all__ = ["ProcStat", "cmdline", "cwd", "pid_namespace", "proc_start", "stat"]
+
+
+@dataclass(frozen=True)
+class ProcStat:
+    """The fields of /proc/PID/stat this project reads."""
+
+    state: str  # R running, S sleeping, D disk wait, Z zombie (exited, not reaped), X dead, ...
+    ppid: int  # the parent's pid
+    start: str  # start time in clock ticks since boot (field 22): with the pid, names one process
+
+    @property
+    def exited(self) -> bool:
+        """The process has ended (a zombie waiting for its parent, or dead)."""
+        return self.state in ("Z", "X")
+
+
+def stat(pid: int) -> Optional[ProcStat]:
+    """/proc/PID/stat of pid, or None when there is no such process (or no /proc)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()  # after comm: state is field 3
+        return ProcStat(fields[0], int(fields[1]), fields[19])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def proc_start(pid: int) -> Optional[str]:
+    """The start time of pid while it is running (not a zombie), or None."""
+    st = stat(pid)
+    return None if st is None or st.exited else st.start
+
+
+def cmdline(pid: int) -> Optional[list[str]]:
+    """pid's command line (its argv), or None."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return [x.decode(errors="surrogateescape") for x in f.read().split(b"\0")[:-1]]
+    except OSError:
+        return None
+
+
+def cwd(pid: int) -> Optional[str]:
+    """pid's working directory, or None."""
+    try:
+        return os.readlink(f"/proc/{pid}/cwd")
+    except OSError:
+        return None
+
+
+def pid_namespace() -> Optional[str]:
+    """This process's pid namespace (containers on one host can share a host name, not pids)."""
+    try:
+        return os.readlink("/proc/self/ns/pid")
+    except OSError:
+        return None
