@@ -109,7 +109,7 @@ BAD = [
     ("checkpoint.keep_last=-1", "checkpoint.keep_last"),
     ("checkpoint.dir=' '", "checkpoint.dir"),
     ("checkpoint.resume=/no/such/step_00000005", "checkpoint.resume"),
-    # validation, early stopping, regularisation, schedules, recipes (issue 17)
+    # validation, early stopping, regularisation, schedules, recipes
     ("model.dropout=1", "model.dropout"),
     ("model.dropout=-0.1", "model.dropout"),
     ("data.val_fraction=1", "data.val_fraction"),

@@ -68,3 +68,48 @@ def test_every_report_is_linked_from_the_benchmarks_readme():
     reports = [os.path.basename(p) for p in glob.glob(str(ROOT / "benchmarks" / "reports" / "*.md"))]
     unlinked = [r for r in reports if f"](reports/{r})" not in index]
     assert not unlinked, f"reports benchmarks/README.md does not link: {unlinked}"
+
+
+TEST_FILE = re.compile(r"\b(test_[a-z0-9_]+\.py)\b")
+
+
+def _tests_by_file() -> dict[str, set[str]]:
+    out = {}
+    for path in glob.glob(str(ROOT / "tests" / "test_*.py")):
+        text = Path(path).read_text()
+        out[os.path.basename(path)] = set(re.findall(r"^\s*def (test_\w+)", text, flags=re.M))
+    return out
+
+
+def test_every_test_the_docs_name_exists():
+    """The guides name tests as `FILE::test_name`, `FILE`, or a name prefix ending in `...`
+    (docs/operations.md's guarantee table): each file exists and each name or prefix matches a
+    test there (in any test file when no file is named in the same cell). The dated reports record
+    what was run at the time and are not checked."""
+    tests = _tests_by_file()
+    every = set().union(*tests.values())
+    missing = []
+    pages = ["README.md", *glob.glob(str(ROOT / "docs" / "*.md")), "benchmarks/README.md"]
+    for page in pages:
+        path = ROOT / page
+        for n, line in enumerate(path.read_text().splitlines(), 1):
+            where = f"{os.path.relpath(path, ROOT)}:{n}"
+            for cell in line.split("|") if line.startswith("|") else [line]:
+                files = TEST_FILE.findall(cell)
+                for f in files:
+                    if f not in tests:
+                        missing.append(f"{where}: no file tests/{f}")
+                for ref in re.findall(r"`([^`]*\btest_[a-z0-9_]+(?:\.\.\.)?)`", cell):
+                    file, sep, name = ref.rpartition("::")
+                    if not name.startswith("test_") or name.endswith(".py") or (file and not file.endswith(".py")):
+                        continue
+                    prefix = name.endswith("...")
+                    if not (sep or prefix or files):  # a bare `test_auc` is a summary key, not a test
+                        continue
+                    name = name.rstrip(".")
+                    file = os.path.basename(file) if file else (files[0] if len(files) == 1 else None)
+                    pool = tests.get(file, set()) if file else every
+                    if not any(t == name or (prefix and t.startswith(name)) for t in pool):
+                        missing.append(f"{where}: no test {name}{'...' if prefix else ''} in "
+                                       f"{'tests/' + file if file else 'tests/'}")
+    assert not missing, "tests the docs name but the suite does not have:\n" + "\n".join(missing)

@@ -1,4 +1,4 @@
-"""Issue 16, item 1: each training path on a CUDA device equals its CPU reference run
+"""Each training path on a CUDA device equals its CPU reference run
 (dev/gpu_parity.py: the same command with train.device=cuda and the compiled Triton
 kernels, and with train.device=cpu kernels.backend=reference; loss, AUC, byte and cache counters).
 

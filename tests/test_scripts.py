@@ -36,7 +36,7 @@ REAL_RUNS = {
     "benchmarks/bench_cache.py": "test_bench_cache.py::test_prints_one_line_with_its_timings",
     "benchmarks/bench_comm.py": "",
     "benchmarks/bench_data.py": "",
-    "benchmarks/bench_kernels.py": "test_kernels_bench.py::test_bench_kernels_quick_cpu",
+    "benchmarks/bench_kernels.py": "test_bench_kernels.py::test_bench_kernels_quick_cpu",
     "benchmarks/bench_net.py": "test_bench_net.py::test_repeat_interleaves_rounds_on_localhost",
     "benchmarks/bench_placement.py": "",
     "benchmarks/bench_train.py": "test_gpu_check.py::test_gpu_check_runs_every_stage_in_cpu_mode",

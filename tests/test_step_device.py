@@ -1,4 +1,4 @@
-"""Device handling of a training step, checked on CPU (no GPU in CI; issue 16).
+"""Device handling of a training step, checked on CPU (no GPU in CI).
 
 What can fail here without a GPU:
 - ``Batch.offsets()`` / ``table_index()`` run on a ``meta`` batch: a tensor they made on the CPU

@@ -1,4 +1,4 @@
-"""Validation-driven training (issue 17): the validation split is carved from the training rows of
+"""Validation-driven training: the validation split is carved from the training rows of
 every data source (never from the test split), early stopping on validation AUC stops W = 1 and
 W = 2 at the same step with the same model (BSP, real gloo processes), and the best model restored
 for the final test evaluation is exactly the model of the best step, flushed cache rows included.

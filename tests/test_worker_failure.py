@@ -22,8 +22,8 @@ import time
 import uuid
 
 import pytest
-
 from hvd_launch import HOROVODRUN, ROOT, env, require_horovod
+
 from trainer import checkpoint as ckpt
 
 pytestmark = pytest.mark.dist
@@ -187,3 +187,58 @@ def test_stalled_worker_times_out_and_the_survivor_exits_by_itself(launcher, tmp
     # timeout: which one depends on the collective the survivor was in), or ours
     assert any(w in log for w in ("timed out", "Application timeout caused pair closure",
                                   "no completion within 10s")), log[-3000:]
+
+
+# ---------------------------------------------------------------------------- the relaunch command
+import trainer.relaunch as relaunch
+
+
+def _hydra_values(tokens: list[str]) -> dict[str, str]:
+    """Override tokens as Hydra parses them and OmegaConf then resolves the values."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from omegaconf import OmegaConf
+    parsed = OverridesParser.create().parse_overrides(tokens)
+    return {o.key_or_group: OmegaConf.create({"v": o.value()}).v for o in parsed}
+
+
+def test_relaunch_command_replaces_the_run_dirs_and_quotes_paths(monkeypatch, tmp_path):
+    """The command of a plain run (no launcher above it): this process's command line, any
+    checkpoint.resume / checkpoint.dir / hydra.run.dir (also with + or ++) replaced by the absolute
+    ones given; paths with spaces, commas, quotes, backslashes and ${ survive the shell, Hydra's
+    parser and OmegaConf."""
+    args = ["data=tiny", "+checkpoint.resume=auto", "optim.lr=0.5", "++checkpoint.dir=old",
+            "hydra.run.dir=outputs/x"]
+    monkeypatch.setattr(sys, "argv", ["/somewhere/trainer/__main__.py", *args])
+    monkeypatch.setattr(sys, "orig_argv", ["/venv/bin/python", "-u", "-m", "trainer", *args])
+    cwd = tmp_path / "launch dir"
+    cwd.mkdir()
+    monkeypatch.chdir(cwd)
+    odd = str(tmp_path / "a b,c'd\\e${f}")
+    cmd = relaunch.relaunch_command(f"{odd}/ck/step_00000010", f"{odd}/ck", odd, size=2)
+    import shlex
+    tokens = shlex.split(cmd)
+    assert tokens[:4] == ["cd", str(cwd), "&&", "/venv/bin/python"]
+    assert tokens[4:11] == ["-u", "-m", "trainer", "data=tiny", "optim.lr=0.5", tokens[9], tokens[10]]
+    assert _hydra_values(tokens[9:]) == {"checkpoint.resume": f"{odd}/ck/step_00000010",
+                                         "checkpoint.dir": f"{odd}/ck", "hydra.run.dir": odd}
+    monkeypatch.chdir(tmp_path)
+    plain = relaunch.relaunch_command(None, "ck", "out", size=1)  # no checkpoint yet: no resume
+    assert plain == f"cd {tmp_path} && /venv/bin/python -u -m trainer data=tiny optim.lr=0.5 " \
+                    f"checkpoint.dir={tmp_path}/ck hydra.run.dir={tmp_path}/out"
+
+
+def test_relaunch_command_of_a_sweep_job_is_that_job_alone(monkeypatch, tmp_path):
+    """A job of a Hydra sweep (-m): -m and the sweep's values go, this job's values come in."""
+    from types import SimpleNamespace
+
+    from hydra.core.hydra_config import HydraConfig
+    args = ["-m", "data=tiny", "optim.lr=0.1,0.5", "hydra.sweep.dir=ms", "hydra/job_logging=stdout"]
+    monkeypatch.setattr(sys, "argv", ["/somewhere/trainer/__main__.py", *args])
+    monkeypatch.setattr(sys, "orig_argv", ["python", "-m", "trainer", *args])
+    monkeypatch.setattr(HydraConfig, "initialized", staticmethod(lambda: True))
+    monkeypatch.setattr(HydraConfig, "get", staticmethod(
+        lambda: SimpleNamespace(overrides=SimpleNamespace(task=["data=tiny", "optim.lr=0.5"]))))
+    monkeypatch.chdir(tmp_path)
+    cmd = relaunch.relaunch_command("/ck/step_00000004", "/ck", "/ms/1")
+    assert cmd == (f"cd {tmp_path} && python -m trainer hydra/job_logging=stdout data=tiny optim.lr=0.5 "
+                   "checkpoint.resume=/ck/step_00000004 checkpoint.dir=/ck hydra.run.dir=/ms/1")

@@ -1,8 +1,8 @@
-"""Nothing lost, ever (issue 18), data and output side: clear errors (exit 2, naming the file)
-instead of tracebacks for damaged gzip input, an unusable --out, a prepare run where no row
-survives, damaged block files (DALI and memmap readers) and an unusable hydra.run.dir; prepare
-judges "finished before" by content (size + mtime), not size; an unrelated --out is refused; long
-dense integers are reported as such; a full disk under the output dir does not stop training."""
+"""Bad data is one clear error (exit 2, naming the file), never a traceback: damaged gzip input, an
+unusable or unrelated --out, a preparation where no row survives, dense integers too long to be
+one, prepared block files missing or cut short (found at start-up, or by the reader while
+training, DALI and memmap). A re-run of the preparation judges "finished before" by size and
+modification time, so an input edited in place is encoded again."""
 from __future__ import annotations
 
 import gzip
@@ -12,29 +12,20 @@ import os
 import shutil
 import subprocess
 import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
+from data_helpers import N_TRAIN, sample_lines, write_lines
+from failure_helpers import ROOT, _env, prepared, read_only_path  # noqa: F401 (fixtures)
+from helpers import make_cfg
 
-from data_helpers import N_TRAIN, prepare_sample, sample_lines, write_lines
-from helpers import fill, make_cfg, tmpfs
-import trainer.checkpoint as ckpt
 from trainer.configure import load_config as to_config
 from trainer.data import make_data
 from trainer.data.blocks import memmap_reader
 from trainer.data.criteo import NUM_CAT, CriteoFormatError, parse_chunk
 from trainer.data.prepare import PrepOptions, prepare
-from trainer.runner import run
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "scripts", "prepare_criteo.py")
-TINY = ["data=tiny", "data.global_batch_size=48", "data.eval_samples=96", "data.eval_batch_size=48",
-        "train.threads=1", "train.progress=off", "comm=local"]
-
-
-def _env() -> dict[str, str]:
-    return dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
 
 
 def _script():
@@ -51,18 +42,35 @@ def _prep(capsys, *argv: str) -> tuple[int, str]:
     return code, capsys.readouterr().err
 
 
-@pytest.fixture
-def read_only(tmp_path):
-    """A read-only directory (a tmpfs remounted ro: root ignores permission bits)."""
-    with tmpfs(tmp_path / "ro", dirs=("inside",), read_only=True) as mnt:
-        yield Path(mnt)
-
-
-# ---------------------------------------------------------------------------- prepare: gzip input
 def _gz(path, lines: list[str]) -> str:
     with gzip.open(path, "wt") as f:
         f.writelines(lines)
     return str(path)
+
+
+def _flip_labels(path: str) -> None:
+    """Flip every label in place: same size, other content."""
+    with open(path, "r+b") as f:
+        data = bytearray(f.read())
+        starts = [0] + [i + 1 for i, c in enumerate(data[:-1]) if c == 10]
+        for i in starts:
+            data[i] = ord("1") if data[i] == ord("0") else ord("0")
+        f.seek(0)
+        f.write(bytes(data))
+
+
+def _damaged(prepared: str, tmp_path, how: str) -> tuple[str, str]:
+    """A copy of the prepared dir with one training block removed or cut short: (dir, file)."""
+    d = str(tmp_path / "p")
+    shutil.copytree(prepared, d)
+    meta = json.load(open(os.path.join(d, "meta.json")))
+    block = os.path.join(d, meta["splits"]["train"]["blocks"][1]["file"])
+    if how == "missing":
+        os.remove(block)
+    else:
+        with open(block, "r+b") as f:
+            f.truncate(os.path.getsize(block) - 400)
+    return d, block
 
 
 @pytest.mark.parametrize("damage,needle", [
@@ -99,13 +107,12 @@ def test_script_exit_status_and_no_traceback(tmp_path):
     assert proc.stderr.startswith(f"error: {path} is truncated")
 
 
-# ---------------------------------------------------------------------------- prepare: --out
-def test_out_that_is_a_file_or_read_only_is_a_clear_error(tmp_path, capsys, read_only):
+def test_out_that_is_a_file_or_read_only_is_a_clear_error(tmp_path, capsys, read_only_path):
     train = write_lines(str(tmp_path / "train.tsv"), sample_lines()[:100])
     (tmp_path / "file").write_text("x")
     code, err = _prep(capsys, "--train", train, "--out", str(tmp_path / "file"))
     assert code == 2 and err == f"error: --out {tmp_path / 'file'} exists and is not a directory\n", err
-    for out in (read_only / "new", read_only / "inside"):
+    for out in (read_only_path / "new", read_only_path / "inside"):
         code, err = _prep(capsys, "--train", train, "--out", str(out))
         assert code == 2 and err.startswith(f"error: --out {out} is not writable: ") \
             and "Read-only file system" in err, err
@@ -143,18 +150,6 @@ def test_no_surviving_row_is_an_error(tmp_path, capsys):
     empty = write_lines(str(tmp_path / "empty.tsv"), [])
     code, err = _prep(capsys, "--train", empty, "--out", str(tmp_path / "o2"))
     assert code == 2 and "the files are empty" in err
-
-
-# ---------------------------------------------------------------------------- prepare: content
-def _flip_labels(path: str) -> None:
-    """Flip every label in place: same size, other content."""
-    with open(path, "r+b") as f:
-        data = bytearray(f.read())
-        starts = [0] + [i + 1 for i, c in enumerate(data[:-1]) if c == 10]
-        for i in starts:
-            data[i] = ord("1") if data[i] == ord("0") else ord("0")
-        f.seek(0)
-        f.write(bytes(data))
 
 
 def test_input_edited_in_place_with_the_same_size_is_redone(tmp_path):
@@ -202,28 +197,6 @@ def test_dense_integers_of_19_digits_are_reported_as_out_of_range():
     assert parse_chunk(("\t".join(g) + "\n").encode()).labels.size == 1
 
 
-# ---------------------------------------------------------------------------- damaged block files
-@pytest.fixture(scope="module")
-def prepared(tmp_path_factory) -> str:
-    out = tmp_path_factory.mktemp("criteo")
-    prepare_sample(str(out))
-    return str(out / "prepared")
-
-
-def _damaged(prepared: str, tmp_path, how: str) -> tuple[str, str]:
-    """A copy of the prepared dir with one training block removed or cut short: (dir, file)."""
-    d = str(tmp_path / "p")
-    shutil.copytree(prepared, d)
-    meta = json.load(open(os.path.join(d, "meta.json")))
-    block = os.path.join(d, meta["splits"]["train"]["blocks"][1]["file"])
-    if how == "missing":
-        os.remove(block)
-    else:
-        with open(block, "r+b") as f:
-            f.truncate(os.path.getsize(block) - 400)
-    return d, block
-
-
 @pytest.mark.parametrize("loader", ["dali", "memmap"])
 @pytest.mark.parametrize("how,needle", [("missing", "is missing"), ("truncated", "is truncated")])
 def test_damaged_block_file_is_named_at_start(prepared, tmp_path, loader, how, needle):
@@ -263,76 +236,3 @@ def test_cli_on_a_truncated_block_exits_2(prepared, tmp_path):
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
     assert f"error: data.dir={d!r}: block file {block} is truncated" in proc.stderr
-
-
-# ---------------------------------------------------------------------------- output dir
-def test_hydra_run_dir_that_is_a_file_or_read_only(tmp_path, read_only):
-    (tmp_path / "afile").write_text("x")
-    for where, needle in ((tmp_path / "afile", "is a file, not a directory"),
-                          (tmp_path / "afile" / "sub", "is a file, not a directory"),
-                          (read_only / "inside", "is read-only"),
-                          (read_only / "new" / "run", "cannot be created")):
-        proc = subprocess.run([sys.executable, "-m", "trainer", f"hydra.run.dir={where}"], cwd=tmp_path,
-                              env=_env(), capture_output=True, text=True, timeout=120)
-        assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
-        assert proc.stderr.startswith(f"error: hydra.run.dir={where}: ") and needle in proc.stderr, proc.stderr
-
-
-def test_full_disk_under_the_output_dir_does_not_stop_training(tmp_path, capfd):
-    """metrics.jsonl on a full tmpfs: one warning, training and the final checkpoint (elsewhere)
-    complete, metrics.jsonl holds whole lines only; summary.json cannot be written either, so
-    the run ends with that error, the summary (saying how many records were lost) on stdout."""
-    out = tmp_path / "out"
-    with tmpfs(out):
-        fill(out, leave=8192)  # two pages left
-        root = str(tmp_path / "ck")
-        with pytest.raises(OSError, match="No space left on device"):
-            run(make_cfg(TINY + ["train.steps=60", "train.log_every=1", f"checkpoint.dir={root}"]),
-                out_dir=str(out))
-        captured = capfd.readouterr()
-        assert captured.err.count("warning: cannot write") == 2  # metrics once, summary once
-        assert captured.err.count("warning: TensorBoard events in") == 1  # and TensorBoard once
-        assert ckpt.latest(root) == ckpt.step_dir(root, 60)  # trained to the end and saved
-        lines = (out / "metrics.jsonl").read_text().splitlines()
-        assert 0 < len(lines) < 60 and all(json.loads(line)["step"] for line in lines)
-        summary = json.loads(captured.out.strip().splitlines()[-1])
-        assert summary["steps"] == 60 and summary["checkpoint"] == ckpt.step_dir(root, 60)
-        log = summary["metrics_log"]
-        assert "No space left on device" in log["error"] and log["records_written"] == len(lines)
-        assert log["records_lost"] == 60 + 1 - len(lines)  # 60 step records + the final eval
-        assert not [n for n in os.listdir(out) if n.startswith("summary.json")]
-
-
-class _FailingFile:
-    """A file whose writes fail with ENOSPC after `ok` successful ones (first one half-written)."""
-
-    def __init__(self, f, ok: int) -> None:
-        self.f, self.ok = f, ok
-
-    def write(self, data) -> int:
-        if self.ok == 0:
-            self.f.write(bytes(data[: len(data) // 2]))
-            raise OSError(28, "No space left on device (injected)")
-        self.ok -= 1
-        return self.f.write(data)
-
-    def __getattr__(self, name):
-        return getattr(self.f, name)
-
-
-def test_metrics_failure_is_reported_in_the_summary(tmp_path, monkeypatch):
-    import trainer.metrics as metrics
-    real_open = open
-
-    def failing_open(path, mode="r", *a, **k):
-        f = real_open(path, mode, *a, **k)
-        return _FailingFile(f, 3) if str(path).endswith("metrics.jsonl") else f
-
-    monkeypatch.setattr(metrics, "open", failing_open, raising=False)
-    res = run(make_cfg(TINY + ["train.steps=10", "train.log_every=1"]), out_dir=str(tmp_path))
-    summary = json.loads((tmp_path / "summary.json").read_text())
-    assert summary["metrics_log"] == res.summary["metrics_log"]
-    assert summary["metrics_log"]["records_written"] == 3 and summary["metrics_log"]["records_lost"] == 8
-    assert "injected" in summary["metrics_log"]["error"]
-    lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
-    assert [json.loads(line)["step"] for line in lines] == [1, 2, 3]  # the half line was cut off
