@@ -4,8 +4,9 @@ Which commands (the rule, also in docs/development.md, "The commands in the docs
 README.md, docs/*.md and benchmarks/README.md (not the dated reports under benchmarks/reports/,
 which record what was run at the time). A command is a line of a fenced block whose info string is
 `bash`; a line ending in a backslash continues on the next one; `#` outside quotes (at the start
-or after a blank) begins a comment; blank and comment-only lines are skipped. Inline code, indented
-blocks and fences of another kind (```text) are never run.
+or after a blank) begins a comment; blank and comment-only lines are skipped. Indented blocks and
+fences of another kind (```text) are never run; inline code that reads as a command must be a block
+command (or its start), an abbreviation, or listed in INLINE_NOT_RUN with why.
 
 How: REGISTRY maps each command (its exact text, joined, comment stripped) to an Entry: the
 overrides that only shrink it (`shrink`: old -> new text, each a key whose value goes down; `add`:
@@ -153,6 +154,8 @@ REGISTRY: dict[str, Entry] = {
         # "eval AUC about 0.77" needs the 600 steps (~30 s alone, minutes on a busy machine): not
         # checked here; tests/test_real_data.py trains MovieLens.
         Entry(shrink=(("train.steps=600", "train.steps=20"),), **TRAINER),
+    ".venv/bin/torchrun --nproc_per_node 2 -m trainer comm=torch data=criteo data.dir=DIR model=dcn":
+        Entry(add=("data.epochs=1", "data.eval_samples=256"), **TRAINER),
     ".venv/bin/python scripts/baseline_lr.py DIR --compare model=dcn":
         Entry(add=("data.epochs=1",), json_keys=("lr_eval_auc", "trainer_eval_auc", "trainer_minus_lr_auc")),
     # docs/recipe.md
@@ -288,6 +291,65 @@ def all_blocks() -> list[list[Command]]:
 
 def all_commands() -> list[Command]:
     return [c for b in all_blocks() for c in b]
+
+
+# Inline code that reads as a command (it starts with a program a user would type) must be one of
+# the block commands above, or a part of one (a user finds it run as written there), or an
+# abbreviation (`...`, a <placeholder>, [optional] parts), or one of these, each with why it is not
+# run: nothing a user copies from a sentence goes untested.
+INLINE_PROGRAM = re.compile(r"^(?:\.venv/bin/)?(?:python3?|torchrun|horovodrun|bash|docker|pytest)(?:\s|$)")
+INLINE_NOT_RUN = {
+    "docker info": "the check that a container engine is there (the docker marker's own test)",
+    "bash": "the info string of a fenced block",
+    'python -c "import torch; print(torch.cuda.get_device_name(), torch.version.cuda)"':
+        "prints the GPU's name: gpu.md's first step on a lent machine",
+    "pytest -m gpu -n 8 tests/test_gpu_paths.py": "a GPU machine's parallel form of tests/test_gpu_paths.py",
+    "pytest -m gpu tests/test_gpu_paths.py -k criteo": "runs only with a GPU (the gpu marker)",
+    "pytest -m gpu tests/test_dali_loader.py": "runs only with a GPU (the gpu marker)",
+    "pytest -q -m gpu tests/test_step_device.py": "runs only with a GPU (the gpu marker)",
+    "pytest -q -s tests/test_step_device.py": "the CPU audit: part of the suite CI runs",
+    "pytest -q -s tests/test_step_device.py -k het": "the CPU audit of the cache's step: part of the suite CI runs",
+    "torchrun --standalone": "the launcher's option, named in a sentence",
+    "torchrun --nnodes N --node_rank k": "the form of what dev/netcluster.py runs on each emulated host",
+    "torchrun --nproc_per_node 2": "the launcher's option, named in a sentence",
+    "horovodrun --gloo": "the launcher's option, named in a sentence",
+    ".venv/bin/python -m pytest -q": "the suite itself (what .ci/run runs)",
+    ".venv/bin/python -m pytest -q tests/test_docs_commands.py": "this test",
+    'bash scripts/setup.sh && .venv/bin/python -m pytest -q -m "not gpu" -p no:cacheprovider': "what .ci/run runs",
+}
+
+
+def _normal(text: str) -> str:
+    """A command as a user would type it anywhere: no leading VAR=value settings, no .venv/bin/
+    prefix, one space between words."""
+    text = re.sub(r"^(?:[A-Z_]+=\S+\s+)+", "", text.strip())
+    return re.sub(r"\s+", " ", re.sub(r"(^|\s)\.venv/bin/", r"\1", text)).strip()
+
+
+def inline_commands(rel: str) -> list[tuple[int, str]]:
+    """(line, text) of the inline code spans of a file, outside fenced blocks, that read as commands."""
+    out, fenced = [], False
+    for n, line in enumerate((ROOT / rel).read_text().splitlines(), 1):
+        if line.strip().startswith("```"):
+            fenced = not fenced
+            continue
+        if not fenced:
+            out += [(n, span) for span in re.findall(r"`([^`]+)`", line) if INLINE_PROGRAM.match(span.strip())]
+    return out
+
+
+def test_every_inline_command_is_run_as_a_block_command():
+    blocks = [_normal(c.text) for c in all_commands()]
+    loose = []
+    for rel in DOCS:
+        for n, span in inline_commands(rel):
+            text = span.strip()
+            if text in INLINE_NOT_RUN or "..." in text or re.search(r"<\w+>|\[\w+\]", text):
+                continue
+            if not any(b == _normal(text) or b.startswith(_normal(text) + " ") for b in blocks):
+                loose.append(f"{rel}:{n}: `{text}`")
+    assert not loose, ("commands shown inline that no bash block runs (put them in a block, with a "
+                       "REGISTRY entry; or abbreviate them with `...`):\n" + "\n".join(loose))
 
 
 # ---------------------------------------------------------------------------------------------
