@@ -27,6 +27,8 @@ launchers with ``from kernels.pooled_gather import pooled_gather_triton``.
 
 from __future__ import annotations
 
+__distribution__ = "hybrid-trainer"  # this package is hybrid-trainer's (trainer/install.py checks it)
+
 import contextlib
 import os
 import warnings

@@ -12,7 +12,15 @@ import os
 import shutil
 import sys
 
-import hydra
+from .install import InstallError, check_install
+
+try:  # before the rest of the package is imported: another distribution's `kernels` would fail there
+    check_install()
+except InstallError as _exc:
+    print(f"error: {_exc}", file=sys.stderr)
+    sys.exit(2)
+
+import hydra  # noqa: E402
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig

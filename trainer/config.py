@@ -251,7 +251,17 @@ class Config:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
 
 
-CONF_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "conf")
+def _conf_dir() -> str:
+    """The Hydra configs: trainer/conf/ in an installed package (the wheel ships the repository's
+    conf/ there: pyproject.toml's package-dir), else conf/ beside the package (a source checkout
+    and an editable install)."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    installed = os.path.join(here, "conf")
+    return installed if os.path.isfile(os.path.join(installed, "config.yaml")) else \
+        os.path.join(os.path.dirname(here), "conf")
+
+
+CONF_DIR = _conf_dir()
 
 
 def compose(overrides: list[str]) -> DictConfig:
