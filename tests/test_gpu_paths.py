@@ -36,10 +36,11 @@ def test_criteo_dali_on_cuda_equals_memmap_on_cpu(tmp_path, criteo):
 
 
 @pytest.mark.dist
-@pytest.mark.parametrize("name", ["resume", "w2-lfu-ssp", gpu_parity.CRITEO])
+@pytest.mark.parametrize("name", ["resume", gpu_parity.CRITEO])
 def test_harness_on_cpu(name, tmp_path, request):
     """The harness's two runs are the same CPU run here (criteo: DALI's CPU pipeline against the
-    memmap reader): identical losses, counters equal."""
+    memmap reader): identical losses, counters equal. (A W = 2 path, w2-lfu-ssp, runs in
+    test_gpu_check.py: scripts/gpu_check.sh's CPU mode.)"""
     criteo = request.getfixturevalue("criteo") if name == gpu_parity.CRITEO else None
     line = gpu_parity.compare(name, 20, str(tmp_path), device="cpu", criteo=criteo)
     assert line["ok"] and line["cuda_loss_rel_diff"] == 0.0, line
