@@ -297,10 +297,9 @@ def all_commands() -> list[Command]:
 # the block commands above, or a part of one (a user finds it run as written there), or an
 # abbreviation (`...`, a <placeholder>, [optional] parts), or one of these, each with why it is not
 # run: nothing a user copies from a sentence goes untested.
-INLINE_PROGRAM = re.compile(r"^(?:\.venv/bin/)?(?:python3?|torchrun|horovodrun|bash|docker|pytest)(?:\s|$)")
+INLINE_PROGRAM = re.compile(r"^(?:\.venv/bin/)?(?:python3?|torchrun|horovodrun|bash|docker|pytest)\s+\S")  # with arguments
 INLINE_NOT_RUN = {
     "docker info": "the check that a container engine is there (the docker marker's own test)",
-    "bash": "the info string of a fenced block",
     'python -c "import torch; print(torch.cuda.get_device_name(), torch.version.cuda)"':
         "prints the GPU's name: gpu.md's first step on a lent machine",
     "pytest -m gpu -n 8 tests/test_gpu_paths.py": "a GPU machine's parallel form of tests/test_gpu_paths.py",
