@@ -31,7 +31,8 @@ def _copy(saved: str, tmp_path) -> str:
 
 
 @pytest.mark.parametrize("damage", ["flip", "truncate"])
-@pytest.mark.parametrize("name", [ckpt.shard_file(0, 1), ckpt.TRAINER_FILE])
+@pytest.mark.parametrize("name", [f"{ckpt.shard_dir(0, 1)}/weight.bin", f"{ckpt.shard_dir(0, 1)}/state_sum.bin",
+                                  f"{ckpt.shard_dir(0, 1)}/version.bin", ckpt.TRAINER_FILE])
 def test_corrupt_or_truncated_file_fails_its_checksum(saved, tmp_path, damage, name):
     path = _copy(saved, tmp_path)
     f = os.path.join(path, name)
@@ -78,7 +79,7 @@ def test_checkpoint_beyond_train_steps_is_rejected(saved):
 @pytest.mark.dist
 def test_bad_checkpoint_fails_on_every_rank_without_hanging(saved, tmp_path):
     path = _copy(saved, tmp_path)
-    with open(os.path.join(path, ckpt.shard_file(0, 1)), "r+b") as f:
+    with open(os.path.join(path, ckpt.shard_dir(0, 1), "weight.bin"), "r+b") as f:
         f.truncate(1000)
     with pytest.raises(RuntimeError, match=r"(?s)rank 0 failed:.*fails its checksum"):
         run_world(2, BASE + ["optim=adagrad", f"checkpoint.resume={path}"])

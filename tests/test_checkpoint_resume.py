@@ -1,6 +1,6 @@
 """Checkpoints and resume: a BSP run saved at step k and resumed, on the same or another number of
-workers, equals the uninterrupted run (every loss, dense parameter and embedding row; rows,
-versions and optimizer state move to their new owners); rotation keeps exactly keep_last and
+workers, equals the uninterrupted run (every loss, dense parameter and embedding row; how rows,
+versions and optimizer state reach their new owners is tests/test_checkpoint_format.py's); rotation keeps exactly keep_last and
 follows the save order (a branch from an older step keeps its newest save, and resume=auto follows
 it); a Criteo checkpoint is refused at another W; a resume at the final step reports null rates.
 Runs are tiny (12 steps of the tiny preset)."""
@@ -31,7 +31,6 @@ from helpers import make_cfg, run_single, run_world, spawn
 from test_parity import assert_same_run
 
 import trainer.checkpoint as ckpt
-from trainer.embedding import RowSharding, ShardStore
 from trainer.runner import run
 
 RESUME_CASES = {
@@ -44,47 +43,6 @@ RESUME_CASES = {
 def _resume_run(world: int, overrides: list[str], path: str, out: str):
     extra = overrides + [f"checkpoint.resume={path}", f"checkpoint.dir={out}"]
     return run_single(extra) if world == 1 else run_world(world, extra)[0]
-
-
-ROWS = [97, 1001, 13, 250]
-
-
-def _stores(world: int, optimizer: str) -> list[ShardStore]:
-    return [ShardStore(RowSharding(ROWS, world, r), 4, 0, None, optimizer, 0.1, 1e-10,
-                       torch.device("cpu"), 0.1) for r in range(world)]
-
-
-def _by_row(store: ShardStore) -> dict[str, torch.Tensor]:
-    """Every real row of a store keyed by its position in the unpadded concatenation of tables."""
-    st = ckpt.shard_state(store)
-    key = torch.tensor([0] + ROWS).cumsum(0)[st["table"]] + st["id"]
-    out = {"weight": st["weight"], "version": st["version"], **st["optim"]}
-    return {k: v[torch.argsort(key)] for k, v in out.items()} | {"key": key.sort().values}
-
-
-@pytest.mark.parametrize("optimizer", ["adagrad", "rowwise_adagrad"])
-@pytest.mark.parametrize("old,new", [(2, 3), (3, 2), (2, 1), (1, 3)])
-def test_reshard_moves_rows_versions_and_optimizer_state_to_their_new_owners(old, new, optimizer):
-    torch.manual_seed(old * 10 + new)
-    before = _stores(old, optimizer)
-    for s in before:  # give every row its own weight, version and state
-        s.weight.uniform_()
-        s.version.random_(0, 1000)
-        for v in s.optimizer.state_tensors().values():
-            v.uniform_()
-    saved = [ckpt.shard_state(s) for s in before]
-    after = _stores(new, optimizer)
-    for s in after:
-        loaded = sum(ckpt.load_shard_rows(s, sv, f"shard{i}") for i, sv in enumerate(saved))
-        assert loaded == int(s.sharding.valid(s.sharding.local_gids()).sum())
-    want = [_by_row(s) for s in before]
-    got = [_by_row(s) for s in after]
-    for k in want[0]:
-        a, b = torch.cat([w[k] for w in want]), torch.cat([g[k] for g in got])
-        order_a, order_b = torch.argsort(torch.cat([w["key"] for w in want])), \
-            torch.argsort(torch.cat([g["key"] for g in got]))
-        assert torch.equal(a[order_a], b[order_b]), k
-    assert sum(len(w["key"]) for w in want) == sum(ROWS)
 
 
 @pytest.mark.dist

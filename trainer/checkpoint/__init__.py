@@ -4,8 +4,9 @@ The package, by concern (docs/design.md, section 8):
 
 - manifest.py: what a checkpoint is on disk: `step_K` directories, the files, their checksums and
   the manifest written last; which checkpoints are complete and which was saved last;
-- state.py: what it holds of a rank: its shard of the sparse state keyed by (table, id), and its
-  RNG states;
+- shard_io.py: a rank's shard (rows, versions, optimizer state) as raw arrays written and read in
+  bounded pieces, checksummed per block, laid out so that a reader at another W reads only its rows;
+- state.py: the rank's RNG states, and the reader of format 1's pickled shards;
 - lock.py: one run at a time in a checkpoint.dir (DirLock, taken over from a dead run);
 - saver.py: writing one atomically (Checkpointer: every rank its shard, rank 0 the manifest and the
   rename, then rotation by save order);
@@ -22,10 +23,11 @@ from .manifest import (FORMAT_VERSION, MANIFEST, SCHEMA_KEYS, TRAINER_FILE, WORL
                        check_schema, check_stream_world, complete_checkpoints, last_save_seq, latest,
                        read_manifest, save_order, shard_file, step_dir)
 from .saver import Checkpointer
-from .state import load_shard_rows, rng_state, set_rng_state, shard_state
+from .shard_io import read_shards, shard_dir, write_shard
+from .state import load_shard_rows, rng_state, set_rng_state
 
 __all__ = ["FORMAT_VERSION", "LOCK", "MANIFEST", "SCHEMA_KEYS", "TRAINER_FILE", "WORLD_BOUND_DATA",
            "CheckpointError", "CheckpointManager", "Checkpointed", "Checkpointer", "DirLock", "Rescue",
            "check_schema", "check_stream_world", "complete_checkpoints", "describe_holder", "last_save_seq",
            "latest", "load", "load_shard_rows", "read_manifest", "resolve", "rng_state", "save_order",
-           "set_rng_state", "shard_file", "shard_state", "step_dir"]
+           "read_shards", "set_rng_state", "shard_dir", "shard_file", "step_dir", "write_shard"]

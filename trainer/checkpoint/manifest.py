@@ -25,7 +25,8 @@ from typing import Any
 
 import torch
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: shards as directories of raw arrays (shard_io.py); 1: one pickled file per shard
+READABLE_VERSIONS = (1, 2)
 MANIFEST = "manifest.json"
 TRAINER_FILE = "trainer.pt"  # rank 0: dense model + optimizer, step, RNG, losses, evals
 SCHEMA_KEYS = ("table_rows", "dim", "model", "optim_sparse", "optim_dense")  # must match to resume
@@ -124,9 +125,9 @@ def read_manifest(ckpt: str) -> dict[str, Any]:
             manifest = json.load(f)
     except (OSError, ValueError) as exc:
         raise CheckpointError(f"checkpoint manifest {path} cannot be read: {exc}") from exc
-    if manifest.get("format_version") != FORMAT_VERSION:
+    if manifest.get("format_version") not in READABLE_VERSIONS:
         raise CheckpointError(f"checkpoint {ckpt}: format_version {manifest.get('format_version')} "
-                              f"is not the supported {FORMAT_VERSION}")
+                              f"is not one this trainer reads ({', '.join(map(str, READABLE_VERSIONS))})")
     return manifest
 
 

@@ -1,5 +1,8 @@
 """Writing a checkpoint: every rank its shard, rank 0 the rest, atomically, then rotation.
 
+A shard is written in bounded pieces, hashed as it is written (shard_io.py): a save needs one piece
+of memory beyond the model, whatever its size.
+
 Why it is atomic: everything is written into `step_K.tmp-<run id>-<token>`; once every rank's file
 is written (an allgather of their checksums), rank 0 writes the manifest (sha256 of every file)
 last and renames the directory to `step_K`. A directory named step_K is therefore complete, a crash
@@ -19,15 +22,13 @@ import time
 import uuid
 from typing import Any
 
-import torch
 
 from ..comm import Collectives
 from ..embedding.store import ShardStore
 from .lock import DirLock
 from .manifest import (FORMAT_VERSION, TRAINER_FILE, WORK_DIR, WORLD_BOUND_DATA, CheckpointError,
-                       complete_checkpoints, file_info, fsync_dir, last_save_seq, shard_file, step_dir,
-                       write_file, write_manifest)
-from .state import shard_state
+                       complete_checkpoints, fsync_dir, last_save_seq, step_dir, write_file, write_manifest)
+from .shard_io import shard_dir, write_shard
 
 
 class Checkpointer:
@@ -68,15 +69,15 @@ class Checkpointer:
         On failure anywhere the partial `.tmp-` directory is removed before every rank raises."""
         tmp = self._tmp_dir(step)
         try:
-            digest = self.comm.all_succeed(f"checkpoint save of step {step} into {self.root}",
-                                           lambda: self._write_shard(tmp, store), CheckpointError)
+            mine = self.comm.all_succeed(f"checkpoint save of step {step} into {self.root}",
+                                         lambda: self._write_shard(tmp, store), CheckpointError)
         except CheckpointError:
             self._discard(tmp)  # every rank has passed the allgather: nobody writes into tmp now
             raise
-        digests = self.comm.allgather(digest.reshape(1, -1), kind="meta")
+        shards = self.comm.allgather_object(mine)
 
         def finish() -> None:  # rank 0
-            self._finish(tmp, step, trainer_state, schema, digests)
+            self._finish(tmp, step, trainer_state, schema, shards)
             self.completed = step_dir(self.root, step)
         self.comm.root_decides(finish, CheckpointError)
         return step_dir(self.root, step)
@@ -97,19 +98,16 @@ class Checkpointer:
             return tmp
         return self.comm.root_decides(make, CheckpointError)
 
-    def _write_shard(self, tmp: str, store: ShardStore) -> torch.Tensor:
-        """Write this rank's shard; returns [1 + 32] int64: bytes written, then the sha256 bytes."""
-        path = os.path.join(tmp, shard_file(self.comm.rank, self.comm.size))
-        info = write_file(path, shard_state(store))
-        return torch.tensor([info["bytes"]] + list(bytes.fromhex(info["sha256"])), dtype=torch.int64)
+    def _write_shard(self, tmp: str, store: ShardStore) -> dict[str, Any]:
+        """Write this rank's shard into tmp (shard_io.write_shard); its manifest entry."""
+        return write_shard(os.path.join(tmp, shard_dir(self.comm.rank, self.comm.size)), store)
 
     def _finish(self, tmp: str, step: int, trainer_state: dict[str, Any] | None,
-                schema: dict[str, Any], digests: torch.Tensor) -> None:
+                schema: dict[str, Any], shards: list[dict[str, Any]]) -> None:
         """Rank 0: trainer file, manifest last, rename, rotate. Raises CheckpointError (after
         removing the partial save)."""
         try:
-            files = {shard_file(r, self.comm.size): file_info(d) for r, d in enumerate(digests)}
-            files[TRAINER_FILE] = write_file(os.path.join(tmp, TRAINER_FILE), trainer_state)
+            files = {TRAINER_FILE: write_file(os.path.join(tmp, TRAINER_FILE), trainer_state)}
             seq = max(self._seq, last_save_seq(self.root)) + 1
             data = (schema.get("config") or {}).get("data") or {}
             write_manifest(tmp, {"format_version": FORMAT_VERSION, "step": step,
@@ -117,7 +115,8 @@ class Checkpointer:
                                   "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
                                   "data_order_world": (self.comm.size if data.get("name") in WORLD_BOUND_DATA
                                                        else None),
-                                  **schema, "files": files})
+                                  **schema, "files": files,
+                                  "shards": {shard_dir(r, self.comm.size): s for r, s in enumerate(shards)}})
             self._publish(tmp, step_dir(self.root, step))
             self._seq = seq
         except Exception as exc:  # noqa: BLE001 - reported to every rank, which all raise

@@ -1,8 +1,7 @@
-"""What a checkpoint holds of a rank, as tensors: its shard of the sparse state and its RNG states.
-
-A shard is the rank's real rows keyed by (table, id) with their versions and sparse optimizer
-state, so a reader under another W can keep the rows it owns (load_shard_rows). The RNG states are
-plain values and tensors, so torch.load(weights_only=True) reads them back.
+"""What a checkpoint holds of a rank besides its shard (shard_io.py): its RNG states; and the reader
+of format 1's shards (a pickled dict per rank: its real rows keyed by (table, id) with their
+versions and sparse optimizer state), so checkpoints written before format 2 still resume. The RNG
+states are plain values and tensors, so torch.load(weights_only=True) reads them back.
 """
 from __future__ import annotations
 
@@ -14,19 +13,6 @@ import torch
 
 from ..embedding.store import ShardStore
 from .manifest import CheckpointError
-
-
-def shard_state(store: ShardStore) -> dict[str, Any]:
-    """This rank's real rows: table [n], id [n], weight [n, d], version [n], optim {name: [n, ...]}."""
-    s = store.sharding
-    at = torch.nonzero(s.valid(s.local_gids())).flatten()
-    table, ids = s.decode(s.local_gids()[at])
-    dev_at = at.to(store.weight.device)
-    return {"table": table, "id": ids,
-            "weight": store.weight.index_select(0, dev_at).cpu(),
-            "version": store.version.index_select(0, dev_at).cpu(),
-            "optim": {k: v.index_select(0, dev_at).cpu()
-                      for k, v in store.optimizer.state_tensors().items()}}
 
 
 def load_shard_rows(store: ShardStore, saved: dict[str, Any], name: str) -> int:

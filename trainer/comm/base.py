@@ -162,6 +162,17 @@ class Collectives(abc.ABC):
         buf = self.broadcast(buf, root, kind="meta")
         return pickle.loads(buf.numpy().tobytes())
 
+    def allgather_object(self, obj: Any) -> list[Any]:
+        """Every rank's picklable `obj`, in rank order, on every rank (counted as meta)."""
+        payload = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
+        sizes = self.allgather(torch.tensor([payload.numel()], dtype=torch.int64), kind="meta").tolist()
+        data = self.allgather(payload, kind="meta").numpy().tobytes()
+        out, pos = [], 0
+        for n in sizes:
+            out.append(pickle.loads(data[pos:pos + n]))
+            pos += n
+        return out
+
     # ----- one outcome on every rank ----------------------------------------------------------
     def root_decides(self, decide: Callable[[], T], error: type[Exception], root: int = 0) -> T:
         """Rank `root` runs decide(); every rank returns its value, or raises when it failed.

@@ -1,0 +1,349 @@
+"""A rank's shard on disk (checkpoint format 2): raw row arrays written and read in bounded pieces,
+checksummed per block, laid out so that a reader at another world size reads only its rows.
+
+Why: a shard is most of a rank's memory (rows, their versions, the sparse optimizer's state). The
+first format pickled a copy of the whole shard into a buffer and wrote it (three times the shard in
+memory), and every rank read and checksummed every saved shard on resume (W times the model read
+by the cluster). Here a shard is a directory `shard_RRRRR-of-WWWWW/` of flat little-endian arrays,
+one per field (`weight.bin` [n, d], `version.bin` [n] int64, one `state_<name>.bin` per optimizer
+state tensor), each with `<file>.sha256`: the sha256 of every BLOCK bytes of it, in order. A save
+gathers PIECE_BYTES of rows at a time, writes and hashes them; a load reads the byte ranges it
+needs in pieces, verifies the blocks they cover, and copies the rows it owns into its store. Memory
+beyond the store: one piece (plus one block at each end of a range).
+
+Row order. Rank r of W owns the ids id = r + q W of every table (trainer/embedding/sharding.py), q
+in [0, n_t). Its file holds the tables one after the other, and within table t the rows in the
+order of the bit-reversed q (B bits, B = bit_length(n_t - 1)): j = 0, 1, ... 2^B - 1 gives
+q = rev_B(j), skipping q >= n_t. Then the rows with q = c (mod 2^m) are one contiguous range for
+every m (the m low bits of q are the m high bits of j). A reader at W' = 2^m W needs, from the one
+shard r = r' mod W, exactly the rows with q = (r' - r) / W (mod 2^m): 1 / 2^m of that shard, in one
+read per table, whose position is known in closed form (_rows_before). At W' dividing W a reader
+needs W / W' whole shards; at any other W' it reads the shards that share ids with it and keeps its
+rows piece by piece (at most all of them).
+"""
+from __future__ import annotations
+
+import hashlib
+import math
+import os
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator
+
+import numpy as np
+import torch
+
+from ..embedding.store import ShardStore
+from .manifest import CheckpointError
+
+BLOCK = 1 << 20  # bytes per checksummed block
+PIECE_BYTES = 64 << 20  # bytes of one field gathered, written or read at a time
+VERSION_DTYPE = np.dtype("<i8")
+
+
+def shard_dir(rank: int, world: int) -> str:
+    return f"shard_{rank:05d}-of-{world:05d}"
+
+
+# ---------------------------------------------------------------------------------------------
+# The row order
+
+
+def bit_reverse(j: np.ndarray, bits: int) -> np.ndarray:
+    """The `bits` low bits of each j (int64), reversed."""
+    out = np.zeros_like(j)
+    for b in range(bits):
+        out |= ((j >> b) & 1) << (bits - 1 - b)
+    return out
+
+
+def order_bits(n: int) -> int:
+    return max(int(n - 1).bit_length(), 0) if n > 1 else 0
+
+
+def q_range(n: int, m: int, c: int) -> tuple[int, int]:
+    """[lo, hi) of the rows of a table segment of n rows whose q = c (mod 2^m), in file order: the
+    positions j whose m high bits are rev_m(c mod 2^m) (when 2^m exceeds the segment's positions,
+    the one candidate q = c at j = rev(c))."""
+    bits = order_bits(n)
+    if m <= bits:
+        a = int(bit_reverse(np.array([c % (1 << m)], dtype=np.int64), m)[0])
+        span = 1 << (bits - m)
+        return _count_before(n, bits, a * span), _count_before(n, bits, (a + 1) * span)
+    if c >= n:
+        return 0, 0
+    lo = _count_before(n, bits, int(bit_reverse(np.array([c], dtype=np.int64), bits)[0]))
+    return lo, lo + 1
+
+
+def q_in_order(n: int, start: int, count: int) -> np.ndarray:
+    """The q of rows [start, start + count) of a table segment of n rows, in file order."""
+    bits = order_bits(n)
+    if bits == 0:
+        return np.arange(n, dtype=np.int64)[start:start + count]
+    out, pos = [], 0
+    # walk j in windows; each window of 2^k positions yields at most 2^k rows
+    window = max(1 << 16, count)
+    j = _first_j(n, bits, start)
+    pos = start
+    while pos < start + count:
+        js = np.arange(j, min(j + window, 1 << bits), dtype=np.int64)
+        q = bit_reverse(js, bits)
+        q = q[q < n]
+        take = q[: start + count - pos]
+        out.append(take)
+        pos += take.size
+        j += js.size
+        if js.size == 0:
+            break
+    return np.concatenate(out) if out else np.zeros(0, np.int64)
+
+
+def _first_j(n: int, bits: int, start: int) -> int:
+    """The smallest j whose rows before it number `start` (the j of file row `start`)."""
+    lo, hi = 0, 1 << bits
+    while lo < hi:  # rows_before(j) is non-decreasing in j
+        mid = (lo + hi) // 2
+        if _count_before(n, bits, mid) < start:
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo
+
+
+def _count_before(n: int, bits: int, j: int) -> int:
+    """#{j' < j : rev_bits(j') < n}: split j into its top bits one level at a time."""
+    count, base = 0, 0
+    for m in range(1, bits + 1):
+        step = 1 << (bits - m)
+        if j >= base + step:  # the whole half [base, base + step) comes before j
+            a = base >> (bits - m)  # prefix of the half, m bits
+            low = int(bit_reverse(np.array([a], np.int64), m)[0])
+            count += int(np.clip(-(-(n - low) // (1 << m)), 0, step))
+            base += step
+    if base < j:  # j - base == 1 at the last level: position `base` itself
+        count += int(bit_reverse(np.array([base], np.int64), bits)[0] < n)
+    return count
+
+
+# ---------------------------------------------------------------------------------------------
+# Writing
+
+
+@dataclass
+class Field:
+    """One array of the shard: its file, dtype and values per row."""
+
+    name: str
+    dtype: np.dtype
+    width: int  # values per row (1: a vector)
+
+    @property
+    def row_bytes(self) -> int:
+        return self.dtype.itemsize * self.width
+
+
+def fields(store: ShardStore) -> list[tuple[Field, torch.Tensor]]:
+    """(field, the store's tensor) of everything a shard holds, in file order."""
+    w = store.weight
+    out = [(Field("weight", _DTYPES[w.dtype], w.shape[1]), w), (Field("version", VERSION_DTYPE, 1), store.version)]
+    for k, v in sorted(store.optimizer.state_tensors().items()):
+        out.append((Field(f"state_{k}", _DTYPES[v.dtype], int(v.numel() // max(v.shape[0], 1))), v))
+    return out
+
+
+# file dtype of each tensor dtype (bf16 as its raw 2 bytes: numpy has no bfloat16)
+_DTYPES = {torch.float32: np.dtype("<f4"), torch.float16: np.dtype("<f2"), torch.bfloat16: np.dtype("<u2"),
+           torch.int64: np.dtype("<i8")}
+
+
+def _segments(store: ShardStore) -> Iterator[tuple[int, int, int]]:
+    """(table, first storage slot, real rows n_t) of this rank's segment of every table."""
+    s = store.sharding
+    offs = s.local_table_offsets.tolist()
+    for t, rows in enumerate(s.table_rows):
+        yield t, offs[t], max(-(-(rows - s.rank) // s.world), 0)
+
+
+class _HashedWriter:
+    """A file written sequentially, hashed per BLOCK bytes."""
+
+    def __init__(self, path: str) -> None:
+        self.path, self.f = path, open(path, "wb")
+        self.digests: list[bytes] = []
+        self.block = hashlib.sha256()
+        self.in_block = 0
+        self.bytes = 0
+
+    def write(self, data: memoryview) -> None:
+        self.f.write(data)
+        self.bytes += len(data)
+        pos = 0
+        while pos < len(data):
+            take = min(BLOCK - self.in_block, len(data) - pos)
+            self.block.update(data[pos:pos + take])
+            self.in_block += take
+            pos += take
+            if self.in_block == BLOCK:
+                self.digests.append(self.block.digest())
+                self.block, self.in_block = hashlib.sha256(), 0
+
+    def close(self) -> dict[str, Any]:
+        if self.in_block:
+            self.digests.append(self.block.digest())
+        self.f.flush()
+        os.fsync(self.f.fileno())
+        self.f.close()
+        index = b"".join(self.digests)
+        with open(self.path + ".sha256", "wb") as f:
+            f.write(index)
+            f.flush()
+            os.fsync(f.fileno())
+        return {"bytes": self.bytes, "blocks_sha256": hashlib.sha256(index).hexdigest()}
+
+
+def write_shard(directory: str, store: ShardStore,
+                on_piece: Callable[[str, int], None] | None = None) -> dict[str, Any]:
+    """Write the rank's shard into `directory` (created), field by field, PIECE_BYTES of rows at a
+    time; returns {"fields": {name: {dtype, width, bytes, blocks_sha256}}, "rows": n}. on_piece(field,
+    bytes) is called before each piece is written (tests: the largest piece a save holds)."""
+    os.makedirs(directory, exist_ok=True)
+    segments = list(_segments(store))
+    total = sum(n for _, _, n in segments)
+    out: dict[str, Any] = {"rows": total, "fields": {}}
+    for field, tensor in fields(store):
+        writer = _HashedWriter(os.path.join(directory, f"{field.name}.bin"))
+        rows_per_piece = max(PIECE_BYTES // max(field.row_bytes, 1), 1)
+        flat = tensor.reshape(tensor.shape[0], -1) if tensor.dim() > 1 else tensor.reshape(-1, 1)
+        try:
+            for _, first, n in segments:
+                for start in range(0, n, rows_per_piece):
+                    q = q_in_order(n, start, min(rows_per_piece, n - start))
+                    idx = torch.from_numpy(q + first).to(flat.device)
+                    piece = flat.index_select(0, idx).cpu().contiguous()
+                    if on_piece is not None:
+                        on_piece(field.name, piece.numel() * piece.element_size())
+                    raw = piece.view(torch.int16) if piece.dtype == torch.bfloat16 else piece
+                    writer.write(memoryview(raw.numpy()).cast("B"))
+        finally:
+            info = writer.close()
+        out["fields"][field.name] = {"dtype": field.dtype.str, "width": field.width, **info}
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Reading
+
+
+class _VerifiedFile:
+    """A field file of a saved shard, read by byte ranges whose blocks are checked against its
+    block index (itself checked against the manifest) the first time they are read."""
+
+    def __init__(self, path: str, info: dict[str, Any], counter: dict[str, int]) -> None:
+        self.path, self.info, self.counter = path, info, counter
+        try:
+            with open(path + ".sha256", "rb") as f:
+                index = f.read()
+            self.size = os.path.getsize(path)
+        except OSError as exc:
+            raise CheckpointError(f"checkpoint file {path} cannot be read: {exc}") from exc
+        if hashlib.sha256(index).hexdigest() != info["blocks_sha256"] or self.size != info["bytes"]:
+            raise CheckpointError(f"checkpoint file {path} fails its checksum (corrupt or truncated): "
+                                  f"{self.size} bytes, the manifest says {info['bytes']}; or its block index differs")
+        self.digests = [index[i:i + 32] for i in range(0, len(index), 32)]
+        self.f = open(path, "rb", buffering=0)
+
+    def read(self, lo: int, hi: int) -> bytes:
+        """Bytes [lo, hi) of the file, every block they touch verified."""
+        b0, b1 = lo // BLOCK, -(-hi // BLOCK)
+        start = b0 * BLOCK
+        self.f.seek(start)
+        data = self.f.read(min(b1 * BLOCK, self.size) - start)
+        self.counter["bytes_read"] += len(data)
+        for b in range(b0, b1):
+            chunk = data[(b - b0) * BLOCK:(b - b0 + 1) * BLOCK]
+            if b >= len(self.digests) or hashlib.sha256(chunk).digest() != self.digests[b]:
+                raise CheckpointError(f"checkpoint file {self.path} fails its checksum (corrupt or truncated) "
+                                      f"in bytes {b * BLOCK}..{b * BLOCK + len(chunk)}")
+        return data[lo - start:hi - start]
+
+    def close(self) -> None:
+        self.f.close()
+
+
+def _plan(saved_world: int, rank: int, world: int) -> list[tuple[int, int, int]]:
+    """What rank `rank` of `world` reads of a checkpoint saved at `saved_world`: (saved rank r, m,
+    c): from shard r, the rows with q = c (mod 2^m) of every table (m = -1: every row, kept by
+    ownership piece by piece)."""
+    if world % saved_world == 0 and (world // saved_world) & (world // saved_world - 1) == 0:
+        k = world // saved_world  # W' = 2^m W: one shard, a contiguous part of each table
+        r = rank % saved_world
+        return [(r, k.bit_length() - 1, (rank - r) // saved_world)]
+    if saved_world % world == 0:  # W' divides W: whole shards
+        return [(r, 0, 0) for r in range(rank, saved_world, world)]
+    g = math.gcd(saved_world, world)
+    return [(r, -1, 0) for r in range(saved_world) if (r - rank) % g == 0]
+
+
+def read_shards(ckpt: str, manifest: dict[str, Any], store: ShardStore, counter: dict[str, int]) -> int:
+    """Copy the rows this rank owns from the saved shards into store; returns how many."""
+    saved_world = int(manifest["world_size"])
+    table_rows = list(manifest["table_rows"])
+    s = store.sharding
+    loaded = 0
+    want = {f.name: t for f, t in fields(store)}
+    for r, m, c in _plan(saved_world, s.rank, s.world):
+        name = shard_dir(r, saved_world)
+        info = manifest["shards"].get(name)
+        if info is None:
+            raise CheckpointError(f"checkpoint {ckpt}: manifest lists no shard {name}")
+        if set(info["fields"]) != set(want):
+            raise CheckpointError(f"{os.path.join(ckpt, name)}: saved fields {sorted(info['fields'])} do not "
+                                  f"match this run's {sorted(want)} (another sparse optimizer?)")
+        files = {k: _VerifiedFile(os.path.join(ckpt, name, f"{k}.bin"), v, counter) for k, v in info["fields"].items()}
+        try:
+            loaded += _read_one(files, info, table_rows, saved_world, r, m, c, store, want)
+        finally:
+            for f in files.values():
+                f.close()
+    return loaded
+
+
+def _read_one(files: dict[str, _VerifiedFile], info: dict[str, Any], table_rows: list[int], saved_world: int,
+              r: int, m: int, c: int, store: ShardStore, want: dict[str, torch.Tensor]) -> int:
+    s = store.sharding
+    loaded, seg_start = 0, 0
+    for t, rows in enumerate(table_rows):
+        n = max(-(-(rows - r) // saved_world), 0)
+        lo, hi = (0, n) if m <= 0 else q_range(n, m, c)
+        widest = max(np.dtype(v["dtype"]).itemsize * v["width"] for v in info["fields"].values())
+        step = max(PIECE_BYTES // widest, 1)
+        for start in range(lo, hi, step):
+            count = min(step, hi - start)
+            q = q_in_order(n, start, count)
+            ids = torch.from_numpy(r + q * saved_world)
+            gids = s.global_ids(ids, torch.full_like(ids, t))
+            keep = s.owner(gids) == s.rank if m < 0 else None
+            idx = s.local_index(gids if keep is None else gids[keep])
+            for name, f in files.items():
+                meta = info["fields"][name]
+                dtype, width = np.dtype(meta["dtype"]), meta["width"]
+                rb = dtype.itemsize * width
+                raw = f.read((seg_start + start) * rb, (seg_start + start + count) * rb)
+                arr = np.frombuffer(raw, dtype=dtype).reshape(count, width) if width > 1 else np.frombuffer(raw, dtype)
+                values = _to_tensor(arr, want[name])
+                if keep is not None:
+                    values = values[keep]
+                dest = want[name]
+                with torch.no_grad():
+                    flat = dest.reshape(dest.shape[0], -1) if dest.dim() > 1 else dest
+                    flat.index_copy_(0, idx.to(dest.device), values.reshape((-1,) + tuple(flat.shape[1:])).to(dest))
+            loaded += int(idx.numel())
+        seg_start += n
+    return loaded
+
+
+def _to_tensor(arr: np.ndarray, like: torch.Tensor) -> torch.Tensor:
+    """The saved values as a tensor of like's dtype family (bf16 from its raw 2 bytes)."""
+    if like.dtype == torch.bfloat16:
+        return torch.from_numpy(arr.view(np.int16).copy()).view(torch.bfloat16)
+    return torch.from_numpy(arr.copy())
