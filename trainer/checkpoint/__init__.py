@@ -26,8 +26,7 @@ from .saver import Checkpointer
 from .state import load_shard_rows, rng_state, set_rng_state, shard_state
 
 __all__ = ["FORMAT_VERSION", "LOCK", "MANIFEST", "SCHEMA_KEYS", "TRAINER_FILE", "WORLD_BOUND_DATA",
-           "CheckpointDamaged", "CheckpointError", "CheckpointManager", "Checkpointed", "Checkpointer", "DirLock", "Rescue",
-           "check_schema", "check_stream_world", "complete_checkpoints", "damaged_checkpoints", "describe_holder",
-           "last_save_seq",
-           "latest", "load", "load_shard_rows", "read_manifest", "resolve", "rng_state", "save_order",
-           "set_rng_state", "shard_file", "shard_state", "step_dir"]
+           "CheckpointDamaged", "CheckpointError", "CheckpointManager", "Checkpointed", "Checkpointer", "DirLock",
+           "Rescue", "check_schema", "check_stream_world", "complete_checkpoints", "damaged_checkpoints",
+           "describe_holder", "last_save_seq", "latest", "load", "load_shard_rows", "read_manifest", "resolve",
+           "rng_state", "save_order", "set_rng_state", "shard_file", "shard_state", "step_dir"]

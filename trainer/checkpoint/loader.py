@@ -1,12 +1,14 @@
 """Reading a checkpoint back: which one to resume, and its rows under this run's W.
 
 resolve() is rank 0's choice (checkpoint.resume: a path, or auto = the newest complete save in
-checkpoint.dir), made once for every rank. auto never continues from an older state without a
-word: a damaged checkpoint that may be the newest save stops it, naming the newest complete one and
-the override that continues from it; so does a damaged file of the checkpoint it chose (load()). load() checks the manifest, the schema and every file's
+checkpoint.dir), made once for every rank. load() checks the manifest, the schema and every file's
 checksum, then each rank reads every saved shard in turn and keeps only the rows it owns under the
 current W: a run may resume on a different number of workers. Every rank runs it; a failure on any
 rank stops them all (Collectives.all_succeed).
+
+auto never continues from an older state without a word: a damaged checkpoint that may be the
+newest save stops it (resolve), naming the newest complete one and the override that continues
+from it; a damaged file of the checkpoint it chose names the one saved before it (load).
 """
 from __future__ import annotations
 

@@ -37,7 +37,7 @@ MANIFEST = "manifest.json"
 TRAINER_FILE = "trainer.pt"  # rank 0: dense model + optimizer, step, RNG, losses, evals
 SCHEMA_KEYS = ("table_rows", "dim", "model", "optim_sparse", "optim_dense")  # must match to resume
 # data sources whose stream position depends on W: a step's batch is only defined at the saved W
-# (Criteo: DALI's reader splits the blocks into W contiguous shards, trainer/data/blocks.py)
+# (Criteo: the blocks, or a small split's rows, are split into W contiguous shards, trainer/data/blocks.py)
 WORLD_BOUND_DATA = ("criteo",)
 STEP_DIR = re.compile(r"^step_(\d+)$")
 WORK_DIR = re.compile(r"^step_\d+\.(tmp|old)-(?P<run>[0-9a-f]+)-[0-9a-f]+$")  # a save in progress
@@ -115,6 +115,19 @@ def damage_record(path: str) -> dict[str, Any]:
     damage to this one) is not taken for the one seen."""
     st = os.stat(path)
     return {"name": os.path.basename(path), "inode": st.st_ino, "mtime_ns": st.st_mtime_ns}
+
+
+def damage_seen(root: str, final: str) -> list[dict[str, Any]]:
+    """What a save into `final` lists as `damaged_seen`: the damaged checkpoints under root (not
+    `final`, which the save replaces), each as damage_record says; one gone meanwhile is left out."""
+    seen = []
+    for path, _ in damaged_checkpoints(root):
+        if path != final:
+            try:
+                seen.append(damage_record(path))
+            except OSError:
+                pass
+    return seen
 
 
 def unseen_damage(root: str | None, newest: str | None) -> tuple[list[tuple[str, str]], list[tuple[str, str]]]:

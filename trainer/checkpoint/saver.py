@@ -25,7 +25,7 @@ from ..comm import Collectives
 from ..embedding.store import ShardStore
 from .lock import DirLock
 from .manifest import (FORMAT_VERSION, TRAINER_FILE, WORK_DIR, WORLD_BOUND_DATA, CheckpointError,
-                       complete_checkpoints, damage_record, damaged_checkpoints, file_info, fsync_dir,
+                       complete_checkpoints, damage_seen, damaged_checkpoints, file_info, fsync_dir,
                        last_save_seq, shard_file, step_dir, write_file, write_manifest)
 from .state import shard_state
 
@@ -113,14 +113,13 @@ class Checkpointer:
             files[TRAINER_FILE] = write_file(os.path.join(tmp, TRAINER_FILE), trainer_state)
             seq = max(self._seq, last_save_seq(self.root)) + 1
             final = step_dir(self.root, step)
-            seen = [damage_record(path) for path, _ in damaged_checkpoints(self.root) if path != final]
             data = (schema.get("config") or {}).get("data") or {}
             write_manifest(tmp, {"format_version": FORMAT_VERSION, "step": step,
                                   "world_size": self.comm.size, "save_seq": seq, "run_id": self.run_id,
                                   "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
                                   "data_order_world": (self.comm.size if data.get("name") in WORLD_BOUND_DATA
                                                        else None),
-                                  "damaged_seen": seen, **schema, "files": files})
+                                  "damaged_seen": damage_seen(self.root, final), **schema, "files": files})
             self._publish(tmp, final)
             self._seq = seq
         except Exception as exc:  # noqa: BLE001 - reported to every rank, which all raise

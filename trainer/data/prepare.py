@@ -460,7 +460,10 @@ def _undo_out(out: str, created: str | None) -> None:
         if os.path.isdir(path) and not os.path.islink(path):
             shutil.rmtree(path, ignore_errors=True)
         else:
-            os.remove(path)
+            try:
+                os.remove(path)
+            except OSError:  # the failure being reported matters more
+                pass
 
 
 def _make_out(opt: PrepOptions) -> None:
