@@ -18,14 +18,15 @@ Names used across the project (and by the tests) are re-exported here.
 from .loader import load, resolve
 from .lock import LOCK, DirLock, describe_holder
 from .manager import Checkpointed, CheckpointManager, Rescue
-from .manifest import (FORMAT_VERSION, MANIFEST, SCHEMA_KEYS, TRAINER_FILE, WORLD_BOUND_DATA, CheckpointError,
-                       check_schema, check_stream_world, complete_checkpoints, last_save_seq, latest,
-                       read_manifest, save_order, shard_file, step_dir)
+from .manifest import (FORMAT_VERSION, MANIFEST, SCHEMA_KEYS, TRAINER_FILE, WORLD_BOUND_DATA, CheckpointDamaged,
+                       CheckpointError, check_schema, check_stream_world, complete_checkpoints,
+                       damaged_checkpoints, last_save_seq, latest, read_manifest, save_order, shard_file,
+                       step_dir)
 from .saver import Checkpointer
 from .state import load_shard_rows, rng_state, set_rng_state, shard_state
 
 __all__ = ["FORMAT_VERSION", "LOCK", "MANIFEST", "SCHEMA_KEYS", "TRAINER_FILE", "WORLD_BOUND_DATA",
-           "CheckpointError", "CheckpointManager", "Checkpointed", "Checkpointer", "DirLock", "Rescue",
-           "check_schema", "check_stream_world", "complete_checkpoints", "describe_holder", "last_save_seq",
-           "latest", "load", "load_shard_rows", "read_manifest", "resolve", "rng_state", "save_order",
-           "set_rng_state", "shard_file", "shard_state", "step_dir"]
+           "CheckpointDamaged", "CheckpointError", "CheckpointManager", "Checkpointed", "Checkpointer", "DirLock",
+           "Rescue", "check_schema", "check_stream_world", "complete_checkpoints", "damaged_checkpoints",
+           "describe_holder", "last_save_seq", "latest", "load", "load_shard_rows", "read_manifest", "resolve",
+           "rng_state", "save_order", "set_rng_state", "shard_file", "shard_state", "step_dir"]

@@ -25,8 +25,8 @@ from ..comm import Collectives
 from ..embedding.store import ShardStore
 from .lock import DirLock
 from .manifest import (FORMAT_VERSION, TRAINER_FILE, WORK_DIR, WORLD_BOUND_DATA, CheckpointError,
-                       complete_checkpoints, file_info, fsync_dir, last_save_seq, shard_file, step_dir,
-                       write_file, write_manifest)
+                       complete_checkpoints, damage_seen, damaged_checkpoints, file_info, fsync_dir,
+                       last_save_seq, shard_file, step_dir, write_file, write_manifest)
 from .state import shard_state
 
 
@@ -39,6 +39,7 @@ class Checkpointer:
     def __init__(self, comm: Collectives, root: str, keep_last: int) -> None:
         self.comm, self.root, self.keep_last = comm, root, keep_last
         self._seq = 0  # save_seq of this run's last save
+        self._warned: set[str] = set()  # damaged checkpoints rotation has warned about
         # rank 0: the newest save of this object that is complete on disk, known as soon as it is
         # renamed into place: a peer lost in the save's closing broadcast leaves it resumable, and
         # the failure message must name it (CheckpointManager.save)
@@ -111,14 +112,15 @@ class Checkpointer:
             files = {shard_file(r, self.comm.size): file_info(d) for r, d in enumerate(digests)}
             files[TRAINER_FILE] = write_file(os.path.join(tmp, TRAINER_FILE), trainer_state)
             seq = max(self._seq, last_save_seq(self.root)) + 1
+            final = step_dir(self.root, step)
             data = (schema.get("config") or {}).get("data") or {}
             write_manifest(tmp, {"format_version": FORMAT_VERSION, "step": step,
                                   "world_size": self.comm.size, "save_seq": seq, "run_id": self.run_id,
                                   "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
                                   "data_order_world": (self.comm.size if data.get("name") in WORLD_BOUND_DATA
                                                        else None),
-                                  **schema, "files": files})
-            self._publish(tmp, step_dir(self.root, step))
+                                  "damaged_seen": damage_seen(self.root, final), **schema, "files": files})
+            self._publish(tmp, final)
             self._seq = seq
         except Exception as exc:  # noqa: BLE001 - reported to every rank, which all raise
             shutil.rmtree(tmp, ignore_errors=True)
@@ -148,7 +150,13 @@ class Checkpointer:
     def rotate(self) -> None:
         """Delete complete checkpoints beyond keep_last, the least recently saved first (save_seq,
         not the step: a branch resumed from an older step keeps its own saves), and this run's
-        own leftovers; other runs' work directories are never touched."""
+        own leftovers; other runs' work directories are never touched. A damaged checkpoint (no
+        readable manifest, so no known save order) is never deleted: one warning names it."""
+        for path, why in damaged_checkpoints(self.root):
+            if path not in self._warned:
+                self._warned.add(path)
+                print(f"[trainer] warning: checkpoint rotation leaves {path} alone: {why}, so its place in "
+                      "the save order is unknown (inspect or delete it)", file=sys.stderr)
         found = complete_checkpoints(self.root)
         drop = found[:-self.keep_last] if self.keep_last > 0 else []
         for _, path in drop:
