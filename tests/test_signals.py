@@ -19,6 +19,7 @@ import uuid
 
 import pytest
 from failure_helpers import CLI_BASE, ROOT, _env
+from data_helpers import prepare_sample
 from helpers import make_cfg, run_single
 from test_parity import assert_same_run
 from test_worker_failure import _finish, _worker
@@ -166,23 +167,65 @@ def test_signal_during_start_up_or_an_evaluation_acts_at_the_next_step_boundary(
     assert got.summary["stopped"]["checkpoint"] == ckpt.step_dir(str(tmp_path / "b" / "checkpoints"), 4)
 
 
+def test_a_stop_in_an_ensemble_member_continues_with_resume_auto(tmp_path, monkeypatch, capsys):
+    """train.ensemble=2: SIGTERM in member 2 stops the ensemble there; the line names the member and
+    a command with checkpoint.resume=auto, which reuses member 1, resumes member 2 from its
+    checkpoint and ends with the uninterrupted ensemble's test figures."""
+    prepare_sample(str(tmp_path / "criteo"))
+    over = ["data=criteo", f"data.dir={tmp_path / 'criteo' / 'prepared'}",
+            "data.batch_size=64", "data.epochs=1", "train.progress=off", "train.tensorboard=false",
+            "data.loader=memmap", "train.threads=1", "train.ensemble=2", "comm=local"]
+    real, calls = LrSchedule.apply, []
+
+    def apply(self, s):
+        calls.append(s)
+        if s == 3 and calls.count(3) == 2:  # member 2's step 3
+            os.kill(os.getpid(), signal.SIGTERM)
+        return real(self, s)
+
+    monkeypatch.setattr(LrSchedule, "apply", apply)
+    out = str(tmp_path / "ens")
+    stopped = run(make_cfg(over), out_dir=out).summary["stopped"]
+    path = ckpt.step_dir(os.path.join(out, "member2", "checkpoints"), 4)
+    assert stopped["member"] == 2 and stopped["step"] == 4 and stopped["checkpoint"] == path
+    assert not os.path.exists(os.path.join(out, "summary.json"))  # the ensemble's own: not reached
+    (line,) = _stop_lines(capsys.readouterr().err)
+    assert f"saved checkpoint {path} (ensemble member 2); summary: {out}/member2/summary.json" in line, line
+    assert line.endswith(f" checkpoint.resume=auto hydra.run.dir={out}"), line
+    monkeypatch.undo()
+    again = run(make_cfg(over + ["checkpoint.resume=auto"]), out_dir=out).summary
+    assert [m["reused"] for m in again["ensemble"]["members"]] == [True, False]
+    ref = run(make_cfg(over), out_dir=str(tmp_path / "ref")).summary
+    assert (again["test_auc"], again["test_logloss"]) == pytest.approx((ref["test_auc"], ref["test_logloss"]), rel=1e-6)
+
+
 # ------------------------------------------------------------------------------ the command, W = 1
-def test_sigterm_to_the_command_exits_143_with_a_checkpoint_and_resumes_to_the_same_run(tmp_path):
-    out = str(tmp_path / "out")
-    proc = subprocess.Popen([sys.executable, "-m", "trainer", *LONG, f"hydra.run.dir={out}"], cwd=tmp_path,
-                            env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+def test_sigterm_to_the_command_exits_143_with_a_checkpoint_ends_the_sweep_and_resumes_to_the_same_run(tmp_path):
+    """`python -m trainer -m ... train.seed=0,1`: SIGTERM during job 0 stops it after some step k
+    with a checkpoint of k, summary.json saying why, no lock, exit 143 and one line whose command
+    continues job 0 alone; the sweep's summary.json records job 0 as failed with the reason and
+    job 1 never starts. resume=auto in job 0's dir equals the uninterrupted run."""
+    sweep = str(tmp_path / "sw")
+    out, root = os.path.join(sweep, "0"), os.path.join(sweep, "0", "checkpoints")
+    proc = subprocess.Popen([sys.executable, "-m", "trainer", "-m", *LONG, "train.seed=0,1", f"hydra.sweep.dir={sweep}"],
+                            cwd=tmp_path, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     _wait_for_steps(proc, out, 3)
     proc.send_signal(signal.SIGTERM)
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == 143 and "Traceback" not in err, err[-3000:]
     stopped = _summary(out)["stopped"]
-    k, root = stopped["step"], os.path.join(out, "checkpoints")
+    k = stopped["step"]
     assert 3 <= k < 200 and _summary(out)["end_step"] == k and stopped["signal"] == "SIGTERM"
     assert ckpt.complete_checkpoints(root) == [(k, ckpt.step_dir(root, k))] == [(k, stopped["checkpoint"])]
     assert os.listdir(root) == [f"step_{k:08d}"]  # no lock, no partial save
     (line,) = _stop_lines(err)
-    assert err.strip().splitlines()[-1] == line and line.startswith("stopped: SIGTERM received: ")
-    assert f"-m trainer {' '.join(LONG)} checkpoint.resume={stopped['checkpoint']} " in line, line
+    assert err.strip().splitlines()[-1] == line and line.startswith("stopped: SIGTERM received: "), err[-3000:]
+    assert line.endswith(f"-m trainer {' '.join(LONG)} train.seed=0 checkpoint.resume={stopped['checkpoint']} "
+                         f"checkpoint.dir={root} hydra.run.dir={out}"), line
+    (job,) = _summary(sweep)["jobs"]
+    assert job["num"] == 0 and job["status"] == "failed" and job["error"] == (
+        f"stopped by SIGTERM after step {k} (checkpoint: {stopped['checkpoint']}); the sweep ends here")
+    assert not os.path.exists(os.path.join(sweep, "1"))
     _resume_equals_the_uninterrupted_run(out, LONG, k)
 
 

@@ -78,14 +78,14 @@ def _run(cfg: Any, out_dir: str | None, return_state: bool, comm: Collectives | 
             from .ensemble import run_ensemble
             summary, losses, state = run_ensemble(config, comm, out_dir, Trainer, recipe, return_state)
             if summary.get("stopped"):  # a member stopped on a signal: resume=auto continues the ensemble
-                announce(summary, comm, config.train.steps, "auto", config.checkpoint.dir, out_dir,
+                announce(summary, comm, "auto", config.checkpoint.dir, out_dir,
                          f" (ensemble member {summary['stopped']['member']})")
             return RunResult(summary, comm.rank, losses, state)
         with Trainer(config, comm, out_dir) as trainer:
             result = trainer.fit(return_state)
         if result.summary.get("stopped"):  # a stop signal: rank 0 says where and how to go on
             at = trainer.position()
-            announce(result.summary, comm, config.train.steps, at.last, at.ckpt_dir, at.out_dir)
+            announce(result.summary, comm, at.last, at.ckpt_dir, at.out_dir)
         return result
     except CollectiveError as exc:  # a peer died or stalled: say where we were and how to go on
         at = trainer.position() if trainer is not None else None

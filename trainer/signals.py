@@ -153,7 +153,7 @@ def agree(comm: Collectives, watch: SignalWatch, step: int) -> Stop:
     return Stop(signal.Signals(got[first] or signal.SIGTERM).name, first, ranks, step)
 
 
-def announce(summary: dict[str, Any], comm: Collectives, steps: int, resume: Optional[str],
+def announce(summary: dict[str, Any], comm: Collectives, resume: Optional[str],
              ckpt_dir: Optional[str], out_dir: Optional[str], note: str = "") -> None:
     """Rank 0 prints the one line of a stop (summary["stopped"]: the signal, the step, the
     checkpoint; the summary's place; the command that continues in out_dir, `resume` a checkpoint
@@ -178,8 +178,9 @@ def announce(summary: dict[str, Any], comm: Collectives, steps: int, resume: Opt
             go = f"the newest complete checkpoint of this run is {os.path.abspath(resume)}; to continue from it, run:"
         else:
             go = "no checkpoint of this run is complete; to run it again from the start in the same directories, run:"
-        print(f"stopped: {stopped['signal']} received{who}: training stopped after step {stopped['step']} of "
-              f"{steps}, {saved}{note}{written} (exit status {stopped['exit_status']}); {go} {command}",
+        steps = summary["config"]["train"]["steps"]
+        print(f"stopped: {stopped['signal']} received{who}: training stopped after step {stopped['step']} of {steps}, "
+              f"{saved}{note}{written} (exit status {stopped['exit_status']}); {go} {command}",
               file=sys.stderr, flush=True)
     if comm.size > 1:
         comm.barrier()
