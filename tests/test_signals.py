@@ -27,7 +27,7 @@ from test_worker_failure import _finish, _worker
 import trainer.checkpoint as ckpt
 from trainer.evaluation import Evaluator
 from trainer.lr import LrSchedule
-from trainer.report import Reporter
+import trainer.runner as runner
 from trainer.runner import run
 from trainer.signals import REPEAT_S, STOP_SIGNALS
 
@@ -143,19 +143,19 @@ def test_a_stop_without_a_checkpoint_says_why(case, tmp_path, monkeypatch, capsy
 
 
 def test_signal_during_start_up_or_an_evaluation_acts_at_the_next_step_boundary(tmp_path, monkeypatch):
-    """A signal before the first step stops the run after step 1; one during the evaluation after
-    step 3 (train.eval_every=3) stops it after step 4: both saved there."""
-    real_start, real_eval = Reporter.start, Evaluator.evaluate
+    """A signal while the sparse side is built (start-up) stops the run after step 1; one during
+    the evaluation after step 3 (train.eval_every=3) stops it after step 4: both saved there."""
+    real_build, real_eval = runner.build_sparse, Evaluator.evaluate
 
-    def start(self, *args):
+    def build(*args):
         os.kill(os.getpid(), signal.SIGTERM)
-        return real_start(self, *args)
+        return real_build(*args)
 
-    monkeypatch.setattr(Reporter, "start", start)
+    monkeypatch.setattr(runner, "build_sparse", build)
     got = run(make_cfg(BASE + ["comm=local"]), out_dir=str(tmp_path / "a"))
     assert got.summary["stopped"]["step"] == 1 and got.summary["end_step"] == 1
     assert ckpt.latest(str(tmp_path / "a" / "checkpoints")) == ckpt.step_dir(str(tmp_path / "a" / "checkpoints"), 1)
-    monkeypatch.setattr(Reporter, "start", real_start)
+    monkeypatch.setattr(runner, "build_sparse", real_build)
 
     def evaluate(self, *args):
         os.kill(os.getpid(), signal.SIGTERM)
@@ -350,6 +350,6 @@ def test_survivor_of_a_worker_lost_in_the_final_save_speaks_despite_torchruns_si
     path = ckpt.step_dir(root, 10)
     assert proc.returncode != 0
     said = log.find(f"The newest complete checkpoint of this run is {path}; to continue from it, run:")
-    assert log.find("closing signal SIGTERM") < said and said > 0, log[-3000:]
+    assert 0 <= log.find("closing signal SIGTERM") < said, log[-3000:]  # the SIGTERM came first
     assert f"checkpoint.resume={path} checkpoint.dir={root} hydra.run.dir={out}" in log[said:], log[-3000:]
     assert os.listdir(root) == ["step_00000010"]  # the final save's .tmp- directory and lock.json are gone
