@@ -25,6 +25,7 @@ from test_parity import assert_same_run
 from test_worker_failure import _finish, _worker
 
 import trainer.checkpoint as ckpt
+from trainer.checkpoint import saver
 from trainer.evaluation import Evaluator
 from trainer.lr import LrSchedule
 import trainer.runner as runner
@@ -140,6 +141,31 @@ def test_a_stop_without_a_checkpoint_says_why(case, tmp_path, monkeypatch, capsy
     else:
         assert stopped["continue_from"] is None and "checkpoint.resume=" not in line
         assert "; no checkpoint of this run is complete; to run it again from the start" in line, line
+
+
+def test_a_failed_save_at_the_stop_is_rescued_and_not_evaluated(tmp_path, monkeypatch):
+    """The save at the stop fails in checkpoint.dir: as any failed save, the model goes to the output
+    dir's checkpoints/ instead and the run ends with exit 2's error, but without an evaluation;
+    summary.json has both `checkpoint_error` and `stopped` (naming the fallback)."""
+    root, out = str(tmp_path / "ck"), str(tmp_path / "out")
+    real = saver.write_file
+
+    def write_file(path, obj):
+        if path.startswith(root + os.sep):
+            raise OSError(28, "No space left on device (injected)", path)
+        return real(path, obj)
+
+    monkeypatch.setattr(saver, "write_file", write_file)
+    _signal_at(monkeypatch, 4)
+    with pytest.raises(ckpt.CheckpointError) as err:
+        run(make_cfg(BASE + ["comm=local", f"checkpoint.dir={root}"]), out_dir=out)
+    fallback = ckpt.step_dir(os.path.join(out, "checkpoints"), 5)
+    assert f"saved instead to {fallback}" in str(err.value), err.value
+    assert str(err.value).endswith(f"; stopped on SIGTERM, not evaluated, summary: {out}/summary.json (checkpoint_error)")
+    summary = _summary(out)
+    assert summary["stopped"]["checkpoint"] == summary["stopped"]["continue_from"] == fallback
+    assert summary["checkpoint_error"]["fallback"] == fallback and summary["eval_auc"] is None
+    assert summary["end_step"] == 5 and os.listdir(root) == []  # no partial save, no lock
 
 
 def test_signal_during_start_up_or_an_evaluation_acts_at_the_next_step_boundary(tmp_path, monkeypatch):
