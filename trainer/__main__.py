@@ -74,6 +74,16 @@ def _job_failed(message: str) -> None:
     SWEEP.record(hc.sweep.dir, hc.job.num, overrides, launcher_rank(), error=message)
 
 
+def _stopped(stopped: dict, hc, rank: int) -> None:
+    """A stop signal ended the run (trainer/signals.py): in a sweep the job is recorded as failed
+    and the sweep ends; the process exits with 128 + the signal's number (143 for SIGTERM)."""
+    if hc.mode == RunMode.MULTIRUN:
+        SWEEP.record(hc.sweep.dir, hc.job.num, list(hc.overrides.task), rank,
+                     error=f"stopped by {stopped['signal']} after step {stopped['step']} (checkpoint: "
+                           f"{stopped['checkpoint']}); the sweep ends here")
+    sys.exit(stopped["exit_status"])
+
+
 @hydra.main(version_base=None, config_path=CONF_DIR, config_name="config")
 def main(cfg: DictConfig) -> None:
     hc = HydraConfig.get()
@@ -95,6 +105,10 @@ def main(cfg: DictConfig) -> None:
     _remove_stray_dir(out_dir, used)
     if hc.mode == RunMode.MULTIRUN:
         _remove_stray_sweep_dir(hc.sweep.dir, used)
+    stopped = result.summary.get("stopped")
+    if stopped is not None:  # a stop signal (runner printed where and how to go on): a sweep ends too
+        _stopped(stopped, hc, result.rank)
+    if hc.mode == RunMode.MULTIRUN:
         SWEEP.record(hc.sweep.dir, hc.job.num, list(hc.overrides.task), result.rank,
                      summary=os.path.join(used or out_dir, "summary.json"))
     if result.rank == 0:

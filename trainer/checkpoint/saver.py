@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from ..comm import Collectives
+from ..comm import CollectiveError, Collectives
 from ..embedding.store import ShardStore
 from .lock import DirLock
 from .manifest import (FORMAT_VERSION, TRAINER_FILE, WORK_DIR, WORLD_BOUND_DATA, CheckpointError,
@@ -66,7 +66,16 @@ class Checkpointer:
              schema: dict[str, Any]) -> str:
         """Write checkpoint `step`: every rank its shard, rank 0 also trainer_state and, last, the
         manifest (schema + checksums); then rename. The caller flushed the caches. Collective.
-        On failure anywhere the partial `.tmp-` directory is removed before every rank raises."""
+        On failure anywhere the partial `.tmp-` directory is removed before every rank raises; a
+        peer lost mid-save (CollectiveError) leaves rank 0 removing it too, before it reports."""
+        try:
+            return self._save(step, store, trainer_state, schema)
+        except CollectiveError:
+            self._discard_own()  # a lost peer never finishes this save: its directory goes
+            raise
+
+    def _save(self, step: int, store: ShardStore, trainer_state: dict[str, Any] | None,
+              schema: dict[str, Any]) -> str:
         tmp = self._tmp_dir(step)
         try:
             digest = self.comm.all_succeed(f"checkpoint save of step {step} into {self.root}",
@@ -161,7 +170,17 @@ class Checkpointer:
         drop = found[:-self.keep_last] if self.keep_last > 0 else []
         for _, path in drop:
             shutil.rmtree(path, ignore_errors=True)
-        for name in os.listdir(self.root):
+        self._discard_own()
+
+    def _discard_own(self) -> None:
+        """Rank 0 removes this run's unfinished saves (its `.tmp-` / `.old-` directories)."""
+        if self.comm.rank != 0:
+            return
+        try:
+            names = os.listdir(self.root)
+        except OSError:
+            return
+        for name in names:
             m = WORK_DIR.match(name)
             if m and m.group("run") == self.run_id:
                 shutil.rmtree(os.path.join(self.root, name), ignore_errors=True)
