@@ -127,7 +127,7 @@ def test_full_disk_under_the_output_dir_does_not_stop_training(tmp_path, capfd):
     the run ends with that error, the summary (saying how many records were lost) on stdout."""
     out = tmp_path / "out"
     with tmpfs(out):
-        fill(out, leave=8192)  # two pages left
+        fill(out, leave=12288)  # three pages left: the output dir's lock.json takes one
         root = str(tmp_path / "ck")
         with pytest.raises(OSError, match="No space left on device"):
             run(make_cfg(TINY + ["train.steps=60", "train.log_every=1", f"checkpoint.dir={root}"]),
