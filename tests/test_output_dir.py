@@ -12,14 +12,15 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 
 import pytest
 from failure_helpers import (  # noqa: F401 (fixtures)
     CLI_BASE,
     _cli,
     _env,
+    _popen,
     _records,
+    _wait_for,
     read_only,
     read_only_path,
     small_fs,
@@ -237,15 +238,10 @@ def test_second_run_in_an_output_dir_is_refused_and_a_killed_runs_dir_is_taken_o
     with checkpoint.resume=auto in the same out takes the dead run's lock over (a warning), resumes
     from A's checkpoint and ends with each step once in metrics.jsonl and its own .hydra record."""
     out, ck_a, ck_b = tmp_path / "out", str(tmp_path / "ckA"), tmp_path / "ckB"
-    a = subprocess.Popen([sys.executable, "-m", "trainer", *CLI_BASE, "train.steps=100000", "train.log_every=1",
-                          "checkpoint.every=10", f"checkpoint.dir={ck_a}", f"hydra.run.dir={out}"],
-                         cwd=tmp_path, env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    a = _popen(tmp_path, "train.steps=100000", "train.log_every=1", "checkpoint.every=10", f"checkpoint.dir={ck_a}",
+               f"hydra.run.dir={out}")
     try:
-        t0 = time.monotonic()
-        while not ckpt.complete_checkpoints(ck_a):
-            assert a.poll() is None, a.communicate()[1][-3000:]
-            assert time.monotonic() - t0 < 120, "run A wrote no checkpoint"
-            time.sleep(0.05)
+        _wait_for(a, lambda: ckpt.complete_checkpoints(ck_a), "run A wrote no checkpoint")
         a.send_signal(signal.SIGSTOP)  # A holds out and stands still: its files must not change
         holder = json.loads((out / ckpt.LOCK).read_text())
         before = _tree(out)
@@ -291,22 +287,31 @@ def test_output_dir_in_use_stops_every_rank_at_start(tmp_path, monkeypatch):
     assert not os.listdir(out)
 
 
-def test_hydra_config_errors_are_one_line_with_exit_2(tmp_path):
-    """An unknown option of a config group, an unknown key, a malformed override (also in a sweep):
-    one `error:` line naming it, exit 2, nothing written; HYDRA_FULL_ERROR=1 keeps Hydra's report."""
-    cases = [(["model=nosuch"], "Could not find 'model/nosuch'; Available options in 'model': dcn, deepfm, dlrm, wdl"),
-             (["nosuch.key=1"], "Could not override 'nosuch.key'. To append to your config use +nosuch.key=1"),
-             (["train.steps=[1"], "train.steps=[1: no viable alternative at input '[1'"),
-             (["-m", "model=dlrm,nosuch", f"hydra.sweep.dir={tmp_path / 'sw'}"], "Could not find 'model/nosuch'")]
-    runs = [subprocess.Popen([sys.executable, "-m", "trainer", *args, f"hydra.run.dir={tmp_path / 'out'}"],
-                             cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-            for args, env in [(args, _env()) for args, _ in cases] + [(["model=nosuch"],
-                                                                       {**_env(), "HYDRA_FULL_ERROR": "1"})]]
-    results = [(p.wait(timeout=120), *p.communicate()) for p in runs]
-    for (args, says), (rc, stdout, stderr) in zip(cases, results):
-        lines = stderr.strip().splitlines()
-        assert rc == 2 and len(lines) == 1 and lines[0].startswith("error: "), (args, stderr)
-        assert says in lines[0] and not stdout, (args, stderr)
-    rc, _, stderr = results[-1]
-    assert rc == 1 and "Traceback" in stderr and "hydra.errors.MissingConfigException" in stderr, stderr
-    assert not (tmp_path / "out").exists()
+def test_hydra_config_errors_are_one_line_with_exit_2(tmp_path, monkeypatch, capsys):
+    """The command (cli, in this process) on an unknown option of a config group, an unknown key, a
+    malformed override: one `error:` line naming it and exit 2, nothing written, sys.argv and the
+    environment as they were; with HYDRA_FULL_ERROR=1, Hydra's own exception as before."""
+    from hydra.errors import MissingConfigException
+
+    from trainer.__main__ import cli
+
+    out = tmp_path / "out"
+    cases = [("model=nosuch", "Could not find 'model/nosuch'; Available options in 'model': dcn, deepfm, dlrm, wdl"),
+             ("nosuch.key=1", "Could not override 'nosuch.key'. To append to your config use +nosuch.key=1"),
+             ("train.steps=[1", "train.steps=[1: no viable alternative at input '[1'")]
+    monkeypatch.delenv("HYDRA_FULL_ERROR", raising=False)
+    for bad, says in cases:
+        argv = ["trainer", bad, f"hydra.run.dir={out}"]
+        monkeypatch.setattr(sys, "argv", list(argv))
+        with pytest.raises(SystemExit) as exit_:
+            cli()
+        captured = capsys.readouterr()
+        lines = captured.err.strip().splitlines()
+        assert exit_.value.code == 2 and len(lines) == 1 and lines[0].startswith("error: "), (bad, captured.err)
+        assert says in lines[0] and not captured.out, (bad, captured.err)
+        assert sys.argv == argv and "HYDRA_FULL_ERROR" not in os.environ
+    monkeypatch.setenv("HYDRA_FULL_ERROR", "1")
+    monkeypatch.setattr(sys, "argv", ["trainer", "model=nosuch", f"hydra.run.dir={out}"])
+    with pytest.raises(MissingConfigException, match="Could not find 'model/nosuch'"):
+        cli()
+    assert not out.exists()

@@ -17,9 +17,9 @@ import os
 import signal
 import subprocess
 import sys
-import time
 
 import pytest
+from failure_helpers import _popen, _wait_for
 
 from helpers import run_world
 from hvd_launch import ROOT, TORCHRUN, env, tail, torchrun
@@ -118,15 +118,9 @@ def test_a_second_sweep_on_a_sweep_dir_in_use_is_refused(tmp_path):
     Hydra wrote into a private sweep dir. Once A is killed, sweep C takes the dir over (a warning)."""
     sweep = tmp_path / "sw"
     base = ["data=tiny", "train.progress=off", "checkpoint.enabled=false", f"hydra.sweep.dir={sweep}"]
-    a = subprocess.Popen([sys.executable, "-m", "trainer", "-m", *base, "train.steps=100000", "optim.lr=0.01,0.1"],
-                         cwd=tmp_path, env={**os.environ, "PYTHONPATH": ROOT}, stdout=subprocess.DEVNULL,
-                         stderr=subprocess.PIPE, text=True)
+    a = _popen(tmp_path, "-m", *base, "train.steps=100000", "optim.lr=0.01,0.1")
     try:
-        t0 = time.monotonic()
-        while not (sweep / "0" / "metrics.jsonl").exists():
-            assert a.poll() is None, a.communicate()[1][-3000:]
-            assert time.monotonic() - t0 < 120, "sweep A did not start its job 0"
-            time.sleep(0.05)
+        _wait_for(a, (sweep / "0" / "metrics.jsonl").exists, "sweep A did not start its job 0")
         a.send_signal(signal.SIGSTOP)  # A holds sw and stands still
         holder = _read(sweep / "lock.json")
         before = {p: p.read_bytes() for p in sweep.rglob("*") if p.is_file()}

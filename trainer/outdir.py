@@ -36,7 +36,7 @@ __all__ = ["OUTPUT_DIR", "RECORD_DIR", "SWEEP_DIR", "HeldDir", "claim_out_dir", 
            "literal_sweep_dir", "probe_dir"]
 
 OUTPUT_DIR = Guarded("output dir", "would mix their metrics.jsonl, summary.json and .hydra records",
-                     "give this run its own hydra.run.dir", TrainingError)
+                     "give this run its own hydra.run.dir (in a sweep: hydra.sweep.dir)", TrainingError)
 SWEEP_DIR = Guarded("hydra.sweep.dir", "would rewrite each other's multirun.yaml and jobs",
                     "give this sweep its own hydra.sweep.dir", TrainingError)
 RECORD_DIR = ".hydra"  # the run's config as Hydra composed it (hydra_record), written once the dir is held
@@ -131,14 +131,24 @@ def hydra_record(task_cfg: Any) -> dict[str, str]:
 
 
 def literal_sweep_dir(argv: list[str]) -> Optional[str]:
-    """The sweep dir a `-m` command line gives literally (hydra.sweep.dir=PATH without ${...}),
-    absolute; None when it is not a sweep, or its dir is the timestamped default or interpolated."""
+    """The sweep dir a `-m` command line gives literally (hydra.sweep.dir=PATH without ${...}, read
+    as Hydra reads it: quotes removed), absolute; None when it is not a sweep, or its dir is the
+    timestamped default, interpolated, or not a plain value (Hydra reports a bad one)."""
     if "-m" not in argv and "--multirun" not in argv:
         return None
-    given = [a.split("=", 1)[1] for a in argv if a.startswith("hydra.sweep.dir=")]
-    if not given or "${" in given[-1] or not given[-1]:
+    given = [a for a in argv if a.startswith("hydra.sweep.dir=")]
+    if not given:
         return None
-    return os.path.abspath(given[-1])
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import HydraException
+
+    try:
+        value = OverridesParser.create().parse_overrides(given[-1:])[0].value()
+    except HydraException:
+        return None
+    if not isinstance(value, str) or not value or "${" in value:
+        return None
+    return os.path.abspath(value)
 
 
 def hold_sweep_dir(path: str) -> DirLock:
