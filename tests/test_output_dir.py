@@ -289,8 +289,9 @@ def test_output_dir_in_use_stops_every_rank_at_start(tmp_path, monkeypatch):
 
 def test_hydra_config_errors_are_one_line_with_exit_2(tmp_path, monkeypatch, capsys):
     """The command (cli, in this process) on an unknown option of a config group, an unknown key, a
-    malformed override: one `error:` line naming it and exit 2, nothing written, sys.argv and the
-    environment as they were; with HYDRA_FULL_ERROR=1, Hydra's own exception as before."""
+    malformed override (or a hydra.output_subdir that would make Hydra write before the run holds
+    its dir): one `error:` line naming it and exit 2, nothing written, sys.argv and the environment
+    as they were; with HYDRA_FULL_ERROR=1, Hydra's own exception as before."""
     from hydra.errors import MissingConfigException
 
     from trainer.__main__ import cli
@@ -298,7 +299,8 @@ def test_hydra_config_errors_are_one_line_with_exit_2(tmp_path, monkeypatch, cap
     out = tmp_path / "out"
     cases = [("model=nosuch", "Could not find 'model/nosuch'; Available options in 'model': dcn, deepfm, dlrm, wdl"),
              ("nosuch.key=1", "Could not override 'nosuch.key'. To append to your config use +nosuch.key=1"),
-             ("train.steps=[1", "train.steps=[1: no viable alternative at input '[1'")]
+             ("train.steps=[1", "train.steps=[1: no viable alternative at input '[1'"),
+             ("hydra.output_subdir=.h", "hydra.output_subdir=.h: the trainer writes the run's record into .hydra/")]
     monkeypatch.delenv("HYDRA_FULL_ERROR", raising=False)
     for bad, says in cases:
         argv = ["trainer", bad, f"hydra.run.dir={out}"]

@@ -143,7 +143,7 @@ def record_problem(argv: list[str]) -> str | None:
     """hydra.output_subdir other than null: Hydra would write its .hydra record into the output dir
     at the job's start, before the run holds the directory; the trainer writes it (.hydra) itself."""
     given = [a for a in argv if _key(a) == "hydra.output_subdir"]
-    if given and given[-1].split("=", 1)[1].strip().lower() != "null":
+    if given and given[-1].partition("=")[2].strip().lower() != "null":
         return (f"{given[-1]}: the trainer writes the run's record into {RECORD_DIR}/ itself, once the run "
                 "holds its output dir; hydra.output_subdir=null writes none")
     return None
@@ -203,7 +203,7 @@ def _run_hydra(argv: list[str]) -> None:
         print(f"error: {error_line(exc)}", file=sys.stderr)
         sys.exit(2)
     finally:
-        sys.argv = _USER_ARGV
+        sys.argv, _USER_ARGV = _USER_ARGV, None
         if full is None:
             os.environ.pop("HYDRA_FULL_ERROR", None)
         else:
