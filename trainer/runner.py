@@ -23,7 +23,6 @@ import math
 import os
 import sys
 import time
-import uuid
 from dataclasses import dataclass
 from typing import Any
 
@@ -42,6 +41,7 @@ from .data import make_data
 from .embedding import InFlightStep
 from .evaluation import Evaluator
 from .lr import LrSchedule
+from .outdir import HeldDir, claim_out_dir, probe_dir
 from .pipeline import StepPipeline
 from .recipes import announce_recipe, apply_data_steps, recipe_of
 from .relaunch import Position, failure_hint
@@ -60,19 +60,25 @@ class RunResult:
 
 
 def run(cfg: Any, out_dir: str | None = None, return_state: bool = False,
-        comm: Collectives | None = None) -> RunResult:
-    """Train with `cfg` (Hydra DictConfig or Config); write metrics and summary.json to out_dir."""
+        comm: Collectives | None = None, record: dict[str, str] | None = None) -> RunResult:
+    """Train with `cfg` (Hydra DictConfig or Config); write metrics and summary.json to out_dir.
+    The run holds out_dir from start to end (outdir.claim_out_dir: another run there is refused
+    before anything is written or built) and first writes `record` there (path -> text: Hydra's
+    .hydra files, outdir.hydra_record)."""
     with SIGNALS.watching():  # SIGTERM / SIGINT / SIGUSR1: every rank stops at the next step boundary
-        return _run(cfg, out_dir, return_state, comm)
+        return _run(cfg, out_dir, return_state, comm, record)
 
 
-def _run(cfg: Any, out_dir: str | None, return_state: bool, comm: Collectives | None) -> RunResult:
+def _run(cfg: Any, out_dir: str | None, return_state: bool, comm: Collectives | None,
+         record: dict[str, str] | None) -> RunResult:
     config = load_config(cfg)
     own = comm is None
     if comm is None:
         comm = make_collectives(config.comm.backend, config.comm.timeout_s, config.comm.dist_backend)
-    trainer = None
+    trainer, held = None, HeldDir(None)
     try:
+        held = claim_out_dir(comm, out_dir, record)
+        out_dir = held.path  # rank 0's, on every rank
         recipe = announce_recipe(config, comm)  # once, for one model or an ensemble
         if config.train.ensemble > 1:  # K members, each a Trainer (ensemble.py does not import this module)
             from .ensemble import run_ensemble
@@ -91,6 +97,7 @@ def _run(cfg: Any, out_dir: str | None, return_state: bool, comm: Collectives | 
         at = trainer.position() if trainer is not None else None
         raise CollectiveError(f"{exc}\n{failure_hint(config, comm, at, out_dir)}") from exc
     finally:
+        held.release()
         if own:
             comm.close()
 
@@ -101,34 +108,7 @@ def agree_out_dir(comm: Collectives, out_dir: str | None) -> str | None:
     so an unwritable one stops every rank now, not at the first metrics line or at summary.json
     after the whole training. Collective."""
     with phase(comm, "other"):
-        return comm.root_decides(lambda: _probe_dir(out_dir), TrainingError)
-
-
-def _probe_dir(path: str | None) -> str | None:
-    """path, once it is created and a probe file written there; TrainingError saying why it
-    cannot be used. None: no output dir."""
-    if path is None:
-        return None
-    try:
-        os.makedirs(path, exist_ok=True)
-    except OSError as exc:
-        raise TrainingError(f"output dir {path} cannot be created ({exc.strerror or exc}); "
-                            "choose another hydra.run.dir") from exc
-    probe = os.path.join(path, f".write-probe-{os.getpid()}-{uuid.uuid4().hex[:8]}")
-    try:
-        with open(probe, "wb") as f:
-            f.write(b"probe\n")
-            f.flush()
-            os.fsync(f.fileno())
-    except OSError as exc:
-        raise TrainingError(f"output dir {path} is not writable ({exc.strerror or exc}): metrics.jsonl and "
-                            "summary.json could not be written there; choose another hydra.run.dir") from exc
-    finally:
-        try:
-            os.unlink(probe)
-        except OSError:
-            pass
-    return path
+        return comm.root_decides(lambda: probe_dir(out_dir), TrainingError)
 
 
 class Trainer:

@@ -6,7 +6,8 @@ The package, by concern (docs/design.md, section 8):
   the manifest written last; which checkpoints are complete and which was saved last;
 - state.py: what it holds of a rank: its shard of the sparse state keyed by (table, id), and its
   RNG states;
-- lock.py: one run at a time in a checkpoint.dir (DirLock, taken over from a dead run);
+- lock.py: one run at a time in a checkpoint.dir (DirLock, taken over from a dead run; the same lock
+  guards output and sweep dirs, trainer/outdir.py);
 - saver.py: writing one atomically (Checkpointer: every rank its shard, rank 0 the manifest and the
   rename, then rotation by save order);
 - loader.py: choosing the checkpoint to resume and loading its rows under this run's W;
@@ -16,7 +17,7 @@ The package, by concern (docs/design.md, section 8):
 Names used across the project (and by the tests) are re-exported here.
 """
 from .loader import load, resolve
-from .lock import LOCK, DirLock, describe_holder
+from .lock import CHECKPOINT_DIR, LOCK, DirLock, Guarded, describe_holder
 from .manager import Checkpointed, CheckpointManager, Rescue
 from .manifest import (FORMAT_VERSION, MANIFEST, SCHEMA_KEYS, TRAINER_FILE, WORLD_BOUND_DATA, CheckpointDamaged,
                        CheckpointError, check_schema, check_stream_world, complete_checkpoints,
@@ -25,8 +26,9 @@ from .manifest import (FORMAT_VERSION, MANIFEST, SCHEMA_KEYS, TRAINER_FILE, WORL
 from .saver import Checkpointer
 from .state import load_shard_rows, rng_state, set_rng_state, shard_state
 
-__all__ = ["FORMAT_VERSION", "LOCK", "MANIFEST", "SCHEMA_KEYS", "TRAINER_FILE", "WORLD_BOUND_DATA",
+__all__ = ["CHECKPOINT_DIR", "FORMAT_VERSION", "LOCK", "MANIFEST", "SCHEMA_KEYS", "TRAINER_FILE", "WORLD_BOUND_DATA",
            "CheckpointDamaged", "CheckpointError", "CheckpointManager", "Checkpointed", "Checkpointer", "DirLock",
-           "Rescue", "check_schema", "check_stream_world", "complete_checkpoints", "damaged_checkpoints",
-           "describe_holder", "last_save_seq", "latest", "load", "load_shard_rows", "read_manifest", "resolve",
-           "rng_state", "save_order", "set_rng_state", "shard_file", "shard_state", "step_dir"]
+           "Guarded", "Rescue", "check_schema", "check_stream_world", "complete_checkpoints",
+           "damaged_checkpoints", "describe_holder", "last_save_seq", "latest", "load", "load_shard_rows",
+           "read_manifest", "resolve", "rng_state", "save_order", "set_rng_state", "shard_file", "shard_state",
+           "step_dir"]
