@@ -9,7 +9,9 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
+from typing import Callable
 
 import pytest
 from data_helpers import prepare_sample
@@ -54,9 +56,29 @@ def _env() -> dict[str, str]:
     return dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
 
 
+def _command(args: tuple[str, ...]) -> list[str]:
+    """`python -m trainer [-m] CLI_BASE ARGS` (Hydra's -m must come before the overrides)."""
+    sweep = [a for a in args if a in ("-m", "--multirun")]
+    return [sys.executable, "-m", "trainer", *sweep, *CLI_BASE, *(a for a in args if a not in sweep)]
+
+
 def _cli(cwd, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "trainer", *CLI_BASE, *args], cwd=cwd, env=_env(),
-                          capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(_command(args), cwd=cwd, env=_env(), capture_output=True, text=True, timeout=timeout)
+
+
+def _popen(cwd, *args: str) -> subprocess.Popen:
+    """`python -m trainer` started in the background (a run that holds its directories meanwhile)."""
+    return subprocess.Popen(_command(args), cwd=cwd, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+
+
+def _wait_for(proc: subprocess.Popen, ready: Callable[[], bool], what: str, timeout: float = 120) -> None:
+    """Poll until ready() while proc runs; fail with its stderr if it ends first, or after timeout."""
+    t0 = time.monotonic()
+    while not ready():
+        assert proc.poll() is None, proc.communicate()[1][-3000:]
+        assert time.monotonic() - t0 < timeout, what
+        time.sleep(0.05)
 
 
 def _manifest(path: str) -> dict:

@@ -76,6 +76,74 @@ def test_checkpoint_beyond_train_steps_is_rejected(saved):
         run_single(BASE + ["optim=adagrad", "train.steps=2", f"checkpoint.resume={saved}"])
 
 
+def _damage_manifest(path: str, damage: str) -> None:
+    f = os.path.join(path, ckpt.MANIFEST)
+    if damage == "missing":
+        os.remove(f)
+    else:
+        with open(f, "r+b") as fh:
+            fh.truncate(100)
+
+
+@pytest.mark.parametrize("damage,why", [("truncated", "its manifest.json cannot be read"),
+                                        ("missing", "it has no manifest.json")])
+def test_damaged_manifest_stops_auto_and_rotation_keeps_it(tmp_path, capsys, damage, why):
+    """The issue's reproduction: saves of steps 2, 4, 6, then step 6's manifest truncated (or
+    gone). resume=auto stops, naming step 6 (what is wrong) and the override that continues from
+    step 4, instead of resuming step 4 without a word. That override's run saves 5 and 9 with
+    keep_last=2: rotation deletes steps 2 and 4, never the damaged step 6 (it warns once), and its
+    saves record step 6 as seen, so auto then continues step 9, saying it passes over step 6;
+    more damage to step 6 afterwards stops auto again."""
+    root = str(tmp_path / "ck")
+    common = BASE + ["optim=adagrad", f"checkpoint.dir={root}"]
+    run_single(common + ["train.steps=6", "checkpoint.every=2"], return_state=False)
+    bad = _step(root, 6)
+    _damage_manifest(bad, damage)
+    with pytest.raises(ckpt.CheckpointDamaged) as err:
+        run_single(common + ["train.steps=8", "checkpoint.resume=auto"], return_state=False)
+    msg = str(err.value)
+    assert msg.startswith(f"checkpoint.resume=auto: a checkpoint in {root} cannot be read: {bad} ({why}")
+    assert f"continue from it, run with checkpoint.resume={_step(root, 4)} " in msg, msg
+
+    capsys.readouterr()
+    res = run_single(common + ["train.steps=9", "checkpoint.every=5", "checkpoint.keep_last=2",
+                               f"checkpoint.resume={_step(root, 4)}"], return_state=False)
+    assert res.summary["start_step"] == 4
+    assert [s for s, _ in ckpt.complete_checkpoints(root)] == [5, 9]
+    assert ckpt.damaged_checkpoints(root) == [(bad, ckpt.damaged_checkpoints(root)[0][1])] and os.path.isdir(bad)
+    assert capsys.readouterr().err.count(f"checkpoint rotation leaves {bad} alone") == 1
+    assert [d["name"] for d in json.load(open(os.path.join(_step(root, 9), ckpt.MANIFEST)))["damaged_seen"]] \
+        == ["step_00000006"]
+
+    res = run_single(common + ["train.steps=10", "checkpoint.resume=auto"], return_state=False)
+    assert res.summary["resumed_from"] == _step(root, 9) and res.summary["start_step"] == 9
+    assert f"passes over the damaged checkpoint {bad}" in capsys.readouterr().err
+    st = os.stat(bad)
+    os.utime(bad, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))  # touched again since that save saw it
+    with pytest.raises(ckpt.CheckpointDamaged, match=f"run with checkpoint.resume={_step(root, 10)} "):
+        run_single(common + ["train.steps=11", "checkpoint.resume=auto"], return_state=False)
+
+
+def test_damaged_shard_under_auto_names_the_checkpoint_before_it(tmp_path):
+    """resume=auto picks the newest save; a shard of it failing its checksum stops the run naming
+    the newest checkpoint saved before it and the override; an explicit path gets the plain error."""
+    root = str(tmp_path / "ck")
+    common = BASE + ["optim=adagrad", f"checkpoint.dir={root}"]
+    run_single(common + ["train.steps=4", "checkpoint.every=2"], return_state=False)
+    shard = os.path.join(_step(root, 4), ckpt.shard_dir(0, 1), "weight.bin")
+    data = bytearray(open(shard, "rb").read())
+    data[len(data) // 2] ^= 0x01
+    open(shard, "wb").write(bytes(data))
+    with pytest.raises(ckpt.CheckpointDamaged) as err:
+        run_single(common + ["checkpoint.resume=auto"], return_state=False)
+    assert f"{shard} fails its checksum" in str(err.value)
+    assert str(err.value).endswith(f"the newest checkpoint saved before it is {_step(root, 2)}: to continue "
+                                   f"from it, run with checkpoint.resume={_step(root, 2)}")
+    with pytest.raises(ckpt.CheckpointDamaged) as err:
+        run_single(common + [f"checkpoint.resume={_step(root, 4)}"], return_state=False)
+    assert "fails its checksum" in str(err.value) and "checkpoint.resume=auto" not in str(err.value)
+
+
 @pytest.mark.dist
 def test_bad_checkpoint_fails_on_every_rank_without_hanging(saved, tmp_path):
     path = _copy(saved, tmp_path)
@@ -105,6 +173,7 @@ def test_cli_resume_auto_and_bad_checkpoint_exit_code(tmp_path):
     bad = cli("checkpoint.resume=auto", f"hydra.run.dir={tmp_path / 'c'}")
     assert bad.returncode == 2
     assert "trainer.pt fails its checksum" in bad.stderr, bad.stderr[-3000:]
+    assert f"run with checkpoint.resume={_step(root, 4)}\n" in bad.stderr, bad.stderr[-3000:]
 
 
 @pytest.mark.parametrize("override,key", [

@@ -10,15 +10,14 @@ import os
 import signal
 import socket
 import subprocess
-import sys
-import time
 
 import pytest
 from failure_helpers import (
     CLI_BASE,
     _cli,
-    _env,
     _manifest,
+    _popen,
+    _wait_for,
     read_only,  # noqa: F401 (fixtures)
 )
 from helpers import make_cfg, spawn
@@ -27,11 +26,6 @@ import trainer.checkpoint as ckpt
 import trainer.procs as procs
 import trainer.runner as runner
 from trainer.runner import run
-
-
-def _popen(cwd, *args: str) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "trainer", *CLI_BASE, *args], cwd=cwd, env=_env(),
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
 def _lock(root: str) -> dict | None:
@@ -84,11 +78,7 @@ def test_second_run_fails_at_start_and_a_killed_runs_lock_is_taken_over(tmp_path
     a = _popen(tmp_path, "train.steps=100000", "checkpoint.every=10", "checkpoint.keep_last=2",
                f"checkpoint.dir={root}", f"hydra.run.dir={tmp_path / 'a'}")
     try:
-        t0 = time.monotonic()
-        while not ckpt.complete_checkpoints(root):
-            assert a.poll() is None, a.communicate()[1][-3000:]
-            assert time.monotonic() - t0 < 120, "run A wrote no checkpoint"
-            time.sleep(0.05)
+        _wait_for(a, lambda: ckpt.complete_checkpoints(root), "run A wrote no checkpoint")
         holder = _lock(root)
         assert holder is not None and holder["pid"] == a.pid
         b = _cli(tmp_path, "train.steps=200", "data.seed=7", "optim.lr=0.5", "checkpoint.every=1",

@@ -63,9 +63,10 @@ def _rank1_fails_in_final_save(rank: int, world: int, overrides: list[str]):
 
 def test_crash_during_save_leaves_previous_checkpoint_and_auto_resumes(tmp_path, monkeypatch, capsys):
     """A save that fails after the shard is written (before the manifest) removes its .tmp dir and
-    leaves the earlier checkpoints; auto skips incomplete dirs (and the unfinished save of a run
-    killed mid-save, removed when its dead lock is taken over) and picks the newest complete
-    checkpoint, from which the run finishes equal to an uninterrupted one."""
+    leaves the earlier checkpoints; auto skips the unfinished save of a run killed mid-save
+    (removed when its dead lock is taken over) and picks the newest complete checkpoint, from which
+    the run finishes equal to an uninterrupted one. (A step_K without a manifest is damaged, not
+    unfinished: test_checkpoint_integrity.py.)"""
     root = _dir(tmp_path, "ck")
     real = saver.write_manifest
 
@@ -80,7 +81,6 @@ def test_crash_during_save_leaves_previous_checkpoint_and_auto_resumes(tmp_path,
     monkeypatch.setattr(saver, "write_manifest", real)
     names = sorted(os.listdir(root))
     assert names == ["step_00000005", "step_00000010"], names  # no .tmp- dir, lock released
-    os.makedirs(os.path.join(root, "step_00000011"))  # no manifest: incomplete, ignored
     dead = subprocess.Popen(["true"])  # a run killed mid-save: its lock and its unfinished save
     dead.wait()
     with open(os.path.join(root, ckpt.LOCK), "w") as f:

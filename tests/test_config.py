@@ -104,6 +104,7 @@ BAD = [
     ("train.threads=-1", "train.threads"),
     ("train.device=tpu", "train.device"),
     ("train.nonfinite=retry", "train.nonfinite"),
+    ("train.on_signal=pause", "train.on_signal"),
     ("train.max_skips=0", "train.max_skips"),
     ("checkpoint.every=-1", "checkpoint.every"),
     ("checkpoint.keep_last=-1", "checkpoint.keep_last"),

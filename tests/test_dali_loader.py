@@ -3,15 +3,19 @@ batches for the same shard, rank and seed, over epoch boundaries and repeated ev
 shards together cover each split exactly once."""
 from __future__ import annotations
 
+import json
+import os
+
 import numpy as np
 import pytest
 import torch
 
 from data_helpers import N_TRAIN, prepare_sample
-from helpers import make_cfg
+from helpers import make_cfg, spawn
 from trainer.configure import load_config
 from trainer.data import make_data
 from trainer.data.blocks import CriteoData
+from trainer.data.criteo import from_block
 
 
 @pytest.fixture(scope="module")
@@ -110,7 +114,98 @@ def test_dali_gpu_pipeline_matches_memmap(prepared):
             _same(a.to(torch.device("cpu")), b)
 
 
-def test_more_workers_than_blocks_is_a_config_error(prepared):
+def test_fewer_training_rows_than_workers_is_a_config_error(prepared):
+    """64 workers on a split of fewer blocks read rows; fewer rows than workers cannot be split."""
     from trainer.config import ConfigError
-    with pytest.raises(ConfigError, match=r"data\.dir=.*blocks for 64 workers.*--chunk-mb"):
-        _data(prepared, "memmap", 0, 64)
+    from trainer.data.blocks import by_rows, rank_segments
+    train = _data(prepared, "memmap", 0, 1).train_segs
+    shards = [rank_segments(train, r, 64) for r in range(64)]
+    assert by_rows(train, 64) and [sum(s.rows for s in m) for m in shards] == [1360 * (r + 1) // 64 - 1360 * r // 64
+                                                                               for r in range(64)]
+    with pytest.raises(ConfigError, match=r"data\.dir=.*the training split has 3 rows for 4 workers"):
+        _data(prepared, "memmap", 0, 4, "data.train_samples=3", "data.val_fraction=0")
+
+
+@pytest.fixture(scope="module")
+def one_block(tmp_path_factory) -> str:
+    """The sample prepared with the default --chunk-mb (16): each split is one block."""
+    out = tmp_path_factory.mktemp("one_block")
+    meta = prepare_sample(str(out), chunk_mb=16.0)
+    assert [len(m["blocks"]) for m in meta["splits"].values()] == [1, 1]
+    return str(out / "prepared")
+
+
+def _file_rows(d: str, split: str) -> list[tuple]:
+    """The rows of a split's blocks in file order, as _rows tuples."""
+    meta = json.load(open(os.path.join(d, "meta.json")))
+    out = []
+    for b in meta["splits"][split]["blocks"]:
+        labels, dense, ids = from_block(np.load(os.path.join(d, b["file"])))
+        out += [tuple(dense[i].tolist() + ids[i].tolist() + [float(labels[i])]) for i in range(labels.shape[0])]
+    return out
+
+
+def _read_rows(rank: int, world: int, runs: list[list[str]]) -> list[dict]:
+    """Child body: runs of `python -m trainer comm=torch`, recording the rows of every training
+    batch the trainer takes, by step."""
+    from trainer.runner import run
+    seen: dict[int, list[tuple]] = {}
+    take = CriteoData.train_batch
+
+    def record(self, step):
+        batch = take(self, step)
+        seen[step] = _rows([batch])
+        return batch
+    CriteoData.train_batch = record
+    out = []
+    for overrides in runs:
+        seen.clear()
+        res = run(make_cfg(overrides + ["comm=torch"]))
+        out.append({"summary": res.summary, "losses": res.losses, "rows": dict(seen)})
+    return out
+
+
+@pytest.mark.dist
+def test_one_block_trains_at_two_workers_by_row_ranges(one_block, tmp_path):
+    """A file prepared as one block trains at W = 2 (real gloo processes, the default DALI loader):
+    rank r reads rows [R*r//2, R*(r+1)//2) of the R training rows, so in each of the two epochs
+    (data.epochs=2: 16 steps of 2 x 100) every training row is read by exactly one rank, reshuffled
+    per epoch; the test split is evaluated once in full; a resume at step 5 reads what the
+    uninterrupted run read."""
+    root = str(tmp_path / "ck")
+    base = ["data=criteo", f"data.dir={one_block}", "data.batch_size=100", "data.epochs=2", "data.val_fraction=0",
+            "data.standardize=false", "data.min_count=0", "train.ensemble=1", "train.progress=off",
+            "train.threads=1"]
+    ranks = spawn(2, _read_rows, [base + ["checkpoint.every=5", "checkpoint.keep_last=0", f"checkpoint.dir={root}"],
+                                  base + [f"checkpoint.resume={root}/step_00000005"]])
+    want = _file_rows(one_block, "train")
+    assert len(want) == N_TRAIN
+    for r, (full, resumed) in enumerate(ranks):
+        s = full["summary"]
+        assert s["steps"] == 16 and s["world_size"] == 2 and s["eval_samples"] == 1999 - N_TRAIN
+        assert full["losses"] == ranks[0][0]["losses"]  # the ranks agree on every global loss
+        epochs = [sum((full["rows"][k] for k in range(e * 8, e * 8 + 8)), []) for e in range(2)]
+        mine = want[N_TRAIN * r // 2: N_TRAIN * (r + 1) // 2]
+        assert sorted(epochs[0]) == sorted(epochs[1]) == sorted(mine) and epochs[0] != epochs[1]
+        assert resumed["summary"]["start_step"] == 5
+        assert {k: v for k, v in resumed["rows"].items() if k < 16} == {k: full["rows"][k] for k in range(5, 16)}
+        assert resumed["losses"] == full["losses"]
+
+
+def test_small_splits_are_sharded_by_rows_at_any_w(one_block):
+    """In-process, W = 3, one block: the training rows of the validation slice's two sides (data.
+    val_slice=3 cuts the block in the middle), data.train_samples, the validation and the test split
+    are each split among the ranks by rows, every row once; every rank yields the same number of
+    evaluation batches."""
+    RAW = ("data.standardize=false", "data.min_count=0", "data.shuffle=false", "data.eval_batch_size=50")
+    train, test = _file_rows(one_block, "train"), _file_rows(one_block, "test")
+    for extra, n_val in ((["data.val_slice=3", "train.ensemble=1"], 320), (["data.train_samples=1000", "data.val_fraction=0"], 0)):
+        ranks = [_data(one_block, "dali", r, 3, *RAW, *extra) for r in range(3)]
+        got_train = [row for d in ranks for row in _stream_rows(d._new_train())]
+        got_val = [row for d in ranks for row in _rows(d.eval_batches("val"))]
+        if n_val:
+            assert got_val == train[640:960] and got_train == train[:640] + train[960:]
+        else:
+            assert got_val == [] and got_train == train[:1000]
+        evals = [list(d.eval_batches()) for d in ranks]
+        assert len({len(e) for e in evals}) == 1 and [row for e in evals for row in _rows(e)] == test

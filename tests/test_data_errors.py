@@ -95,6 +95,8 @@ def test_damaged_gzip_input_is_a_clear_error(tmp_path, capsys, damage, needle):
     last = err.strip().splitlines()[-1]  # (garbage decoded before the damage shows as bad rows)
     assert code == 2 and last.startswith(f"error: {path} {needle}"), err[-2000:]
     assert not (tmp_path / "o" / "meta.json").exists()
+    if damage == "truncated":  # the blocks before the damage stay for the re-run
+        assert os.listdir(tmp_path / "o" / "train")
 
 
 def test_script_exit_status_and_no_traceback(tmp_path):
@@ -150,6 +152,57 @@ def test_no_surviving_row_is_an_error(tmp_path, capsys):
     empty = write_lines(str(tmp_path / "empty.tsv"), [])
     code, err = _prep(capsys, "--train", empty, "--out", str(tmp_path / "o2"))
     assert code == 2 and "the files are empty" in err
+
+
+def test_failed_preparation_leaves_the_out_dir_as_it_was(tmp_path, capsys):
+    """An empty input or one where every row is bad leaves no layout behind: a new --out (and the
+    parents it needed) is removed, an empty one stays empty, so the same --out takes other inputs
+    afterwards; a failure after blocks were written keeps them for the re-run (resume)."""
+    empty = write_lines(str(tmp_path / "empty.tsv"), [])
+    bad = write_lines(str(tmp_path / "bad.tsv"), ["1\t2\t3\n"] * 5)
+    good = write_lines(str(tmp_path / "good.tsv"), sample_lines()[:200])
+    (tmp_path / "made").mkdir()
+    for out in (tmp_path / "new" / "deeper", tmp_path / "made"):
+        for train in (empty, bad):
+            code, err = _prep(capsys, "--train", train, "--out", str(out))
+            assert code == 2 and err.strip().splitlines()[-1].startswith("error: no row of the train files"), err
+            assert not (tmp_path / "new").exists() if out.name == "deeper" else os.listdir(out) == []
+        assert _prep(capsys, "--train", good, "--out", str(out))[0] == 0
+    with pytest.raises(CriteoFormatError, match="no row of the train files"):  # vocabulary: counted first
+        prepare(PrepOptions(out=str(tmp_path / "vocab"), train=[bad], min_count=1, progress=False))
+    assert not (tmp_path / "vocab").exists()
+    code, err = _prep(capsys, "--train", good, "--test", bad, "--out", str(tmp_path / "half"))
+    assert code == 2 and "no row of the test files" in err and os.listdir(tmp_path / "half" / "train")
+    code, err = _prep(capsys, "--train", good, "--test", good, "--out", str(tmp_path / "half"))
+    assert code == 0 and "finished in an earlier run" in err
+
+
+@pytest.mark.parametrize("suffix", [".tsv", ".gz"])
+def test_utf8_byte_order_mark_is_skipped(tmp_path, suffix):
+    """A file that starts with a UTF-8 BOM (plain or inside the .gz) keeps its first row: the same
+    blocks as the file without it."""
+    lines = sample_lines()[:50]
+    plain = write_lines(str(tmp_path / "plain.tsv"), lines)
+    path = tmp_path / f"bom{suffix}"
+    data = b"\xef\xbb\xbf" + "".join(lines).encode()
+    path.write_bytes(gzip.compress(data) if suffix == ".gz" else data)
+    metas = [prepare(PrepOptions(out=str(tmp_path / name), train=[f], hash_rows=[100] * NUM_CAT, progress=False))
+             for name, f in (("a", plain), ("b", str(path)))]
+    assert metas[1]["splits"]["train"]["rows"] == 50 and metas[1]["bad_rows"]["total"] == 0
+    blocks = [np.load(str(tmp_path / name / m["splits"]["train"]["blocks"][0]["file"]))
+              for name, m in zip("ab", metas)]
+    assert np.array_equal(blocks[0], blocks[1])
+
+
+def test_directory_given_as_an_input_is_named_as_one(tmp_path, capsys):
+    train = write_lines(str(tmp_path / "train.tsv"), sample_lines()[:100])
+    for args, option in ((["--train", str(tmp_path)], "--train"), (["--train", train, "--test", str(tmp_path)], "--test")):
+        code, err = _prep(capsys, *args, "--out", str(tmp_path / "o"))
+        assert code == 2 and err == f"error: {option} {str(tmp_path)!r} is a directory, not a file: name the files " \
+            f"in it (e.g. {option} {tmp_path / 'day_0.gz'} ...)\n", err
+    code, err = _prep(capsys, "--train", str(tmp_path / "nope.tsv"), "--out", str(tmp_path / "o"))
+    assert code == 2 and err == f"error: --train input file {str(tmp_path / 'nope.tsv')!r} does not exist\n"
+    assert not (tmp_path / "o").exists()
 
 
 def test_input_edited_in_place_with_the_same_size_is_redone(tmp_path):

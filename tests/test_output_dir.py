@@ -1,12 +1,15 @@
 """The output directory: an unusable one (read-only, full, a file as hydra.run.dir) stops every rank at
-start-up with exit 2 naming it, before the data and the sparse side are built; a disk that fills
+start-up with exit 2 naming it, before the data and the sparse side are built; one in use by another
+run too (one run per output dir: its lock.json, taken over from a killed run); a disk that fills
 during the run costs the metrics (one warning, counted in summary.json), never the training or the
 final checkpoint; after a resume metrics.jsonl holds each step once and a resume line, also when
-its rewrite fails."""
+its rewrite fails. Hydra's own config errors are one error line with exit 2."""
 from __future__ import annotations
 
 import json
 import os
+import signal
+import socket
 import subprocess
 import sys
 
@@ -15,7 +18,9 @@ from failure_helpers import (  # noqa: F401 (fixtures)
     CLI_BASE,
     _cli,
     _env,
+    _popen,
     _records,
+    _wait_for,
     read_only,
     read_only_path,
     small_fs,
@@ -25,6 +30,7 @@ from helpers import fill, make_cfg, spawn, tmpfs
 import trainer.checkpoint as ckpt
 import trainer.runner as runner
 from trainer.build import TrainingError
+from trainer.outdir import OUTPUT_DIR
 from trainer.runner import run
 
 
@@ -127,7 +133,7 @@ def test_full_disk_under_the_output_dir_does_not_stop_training(tmp_path, capfd):
     the run ends with that error, the summary (saying how many records were lost) on stdout."""
     out = tmp_path / "out"
     with tmpfs(out):
-        fill(out, leave=8192)  # two pages left
+        fill(out, leave=12288)  # three pages left: the output dir's lock.json takes one
         root = str(tmp_path / "ck")
         with pytest.raises(OSError, match="No space left on device"):
             run(make_cfg(TINY + ["train.steps=60", "train.log_every=1", f"checkpoint.dir={root}"]),
@@ -212,3 +218,102 @@ def test_metrics_rewrite_that_fails_keeps_the_log_and_marks_the_resume(tmp_path,
     assert recs[0] == {"event": "resume", "from": ckpt.step_dir(root, 3), "step": 3}
     assert [r["step"] for r in recs[1:] if "loss" in r] == [4, 5, 6]
     assert not [n for n in os.listdir(out) if n.startswith("metrics.jsonl.")]
+
+
+def _tree(path) -> dict[str, bytes]:
+    """Every file under path (relative name -> bytes)."""
+    out = {}
+    for d, _, files in os.walk(path):
+        for f in files:
+            with open(os.path.join(d, f), "rb") as fh:
+                out[os.path.relpath(os.path.join(d, f), path)] = fh.read()
+    return out
+
+
+def test_second_run_in_an_output_dir_is_refused_and_a_killed_runs_dir_is_taken_over(tmp_path):
+    """The issue's reproduction: run A trains in hydra.run.dir=out; run B, given the same
+    hydra.run.dir and its own checkpoint.dir, exits 2 naming the directory and A, before it writes
+    anything: every byte under out (A's metrics.jsonl, its .hydra record, lock.json; no
+    summary.json) is as it was, and B never reached its checkpoint dir. A is then killed; run C
+    with checkpoint.resume=auto in the same out takes the dead run's lock over (a warning), resumes
+    from A's checkpoint and ends with each step once in metrics.jsonl and its own .hydra record."""
+    out, ck_a, ck_b = tmp_path / "out", str(tmp_path / "ckA"), tmp_path / "ckB"
+    a = _popen(tmp_path, "train.steps=100000", "train.log_every=1", "checkpoint.every=10", f"checkpoint.dir={ck_a}",
+               f"hydra.run.dir={out}")
+    try:
+        _wait_for(a, lambda: ckpt.complete_checkpoints(ck_a), "run A wrote no checkpoint")
+        a.send_signal(signal.SIGSTOP)  # A holds out and stands still: its files must not change
+        holder = json.loads((out / ckpt.LOCK).read_text())
+        before = _tree(out)
+        assert holder["pid"] == a.pid and ".hydra/overrides.yaml" in before and "metrics.jsonl" in before
+        b = _cli(tmp_path, "train.steps=20", f"checkpoint.dir={ck_b}", f"hydra.run.dir={out}")
+        assert b.returncode == 2 and "Traceback" not in b.stderr, b.stderr[-3000:]
+        lines = b.stderr.strip().splitlines()
+        assert lines[-1].startswith(f"error: output dir {out} is in use by run {holder['run_id']} (pid {a.pid} on "
+                                    f"host {socket.gethostname()}") and "hydra.run.dir" in lines[-1], b.stderr
+        assert sum(line.startswith("error:") for line in lines) == 1, b.stderr
+        assert _tree(out) == before and not ck_b.exists()
+    finally:
+        a.send_signal(signal.SIGKILL)  # a killed run: no clean-up, its locks stay
+        a.communicate()
+    step = ckpt.read_manifest(ckpt.latest(ck_a))["step"]
+    c = _cli(tmp_path, f"train.steps={step + 5}", "train.log_every=1", "checkpoint.every=10",
+             f"checkpoint.dir={ck_a}", "checkpoint.resume=auto", f"hydra.run.dir={out}")
+    assert c.returncode == 0, c.stderr[-3000:]
+    assert f"output dir {out}: took over the lock of run {holder['run_id']} (pid {a.pid}" in c.stderr, c.stderr
+    steps = [r["step"] for r in _records(out / "metrics.jsonl") if "loss" in r]
+    assert steps == list(range(1, step + 6))
+    assert "checkpoint.resume=auto" in (out / ".hydra" / "overrides.yaml").read_text()
+    assert json.loads((out / "summary.json").read_text())["start_step"] == step
+    assert not (out / ckpt.LOCK).exists()  # released at the end of C
+
+
+@pytest.mark.dist
+def test_output_dir_in_use_stops_every_rank_at_start(tmp_path, monkeypatch):
+    """W = 2: only rank 0 takes the output dir's lock; its refusal reaches rank 1 too, before the
+    checkpoint dir is locked (the data and the sparse side come later still), and the holder's
+    directory keeps only its lock."""
+    out, root = str(tmp_path / "out"), str(tmp_path / "ck")
+    held = ckpt.DirLock(out, "0123456789ab", OUTPUT_DIR)  # held by this test process, which lives on
+    held.acquire()
+    try:
+        errors = spawn(2, _start_error, CLI_BASE + ["train.steps=4", f"checkpoint.dir={root}"], out, timeout=120)
+        for err in errors:
+            assert err.startswith(f"TrainingError: output dir {out} is in use by run 0123456789ab "
+                                  f"(pid {os.getpid()} on host"), err
+        assert os.listdir(out) == [ckpt.LOCK] and not os.path.exists(root)
+    finally:
+        held.release()
+    assert not os.listdir(out)
+
+
+def test_hydra_config_errors_are_one_line_with_exit_2(tmp_path, monkeypatch, capsys):
+    """The command (cli, in this process) on an unknown option of a config group, an unknown key, a
+    malformed override (or a hydra.output_subdir that would make Hydra write before the run holds
+    its dir): one `error:` line naming it and exit 2, nothing written, sys.argv and the environment
+    as they were; with HYDRA_FULL_ERROR=1, Hydra's own exception as before."""
+    from hydra.errors import MissingConfigException
+
+    from trainer.__main__ import cli
+
+    out = tmp_path / "out"
+    cases = [("model=nosuch", "Could not find 'model/nosuch'; Available options in 'model': dcn, deepfm, dlrm, wdl"),
+             ("nosuch.key=1", "Could not override 'nosuch.key'. To append to your config use +nosuch.key=1"),
+             ("train.steps=[1", "train.steps=[1: no viable alternative at input '[1'"),
+             ("hydra.output_subdir=.h", "hydra.output_subdir=.h: the trainer writes the run's record into .hydra/")]
+    monkeypatch.delenv("HYDRA_FULL_ERROR", raising=False)
+    for bad, says in cases:
+        argv = ["trainer", bad, f"hydra.run.dir={out}"]
+        monkeypatch.setattr(sys, "argv", list(argv))
+        with pytest.raises(SystemExit) as exit_:
+            cli()
+        captured = capsys.readouterr()
+        lines = captured.err.strip().splitlines()
+        assert exit_.value.code == 2 and len(lines) == 1 and lines[0].startswith("error: "), (bad, captured.err)
+        assert says in lines[0] and not captured.out, (bad, captured.err)
+        assert sys.argv == argv and "HYDRA_FULL_ERROR" not in os.environ
+    monkeypatch.setenv("HYDRA_FULL_ERROR", "1")
+    monkeypatch.setattr(sys, "argv", ["trainer", "model=nosuch", f"hydra.run.dir={out}"])
+    with pytest.raises(MissingConfigException, match="Could not find 'model/nosuch'"):
+        cli()
+    assert not out.exists()

@@ -2,7 +2,9 @@
 process group (a 3-job staleness sweep at W = 2, each job equal to the same job run alone); a job
 that fails is named in one line, the sweep goes on and exits 2, and the sweep's summary.json says
 which jobs ran; scripts/plot_sweep.py names the jobs without a summary and refuses to choose a bound
-from an incomplete sweep unless --allow-missing.
+from an incomplete sweep unless --allow-missing; a second sweep on a sweep dir in use is refused
+before Hydra rewrites its multirun.yaml (alone and under torchrun), and a killed sweep's dir is
+taken over.
 
 (Under torchrun the second job of a sweep used to fail to connect: env:// put every process group
 of a worker under the same keys of torchrun's store, so the second group's gloo read the first
@@ -12,13 +14,15 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 
 import pytest
+from failure_helpers import _popen, _wait_for
 
 from helpers import run_world
-from hvd_launch import ROOT, tail, torchrun
+from hvd_launch import ROOT, TORCHRUN, env, tail, torchrun
 
 pytestmark = pytest.mark.dist
 
@@ -105,3 +109,39 @@ def test_plot_names_jobs_of_a_sweep_that_was_stopped(tmp_path):
     (sweep / "summary.json").unlink()
     refused = _plot([str(sweep), "--out", str(tmp_path / "p.png")])
     assert refused.returncode == 2 and "job 1 of" in refused.stderr and "consistency.pull_bound=2" in refused.stderr
+
+
+def test_a_second_sweep_on_a_sweep_dir_in_use_is_refused(tmp_path):
+    """Sweep A trains its job 0 in hydra.sweep.dir=sw; sweep B on the same dir, alone and under
+    torchrun (W = 2), stops with one error naming the dir and A before Hydra writes anything: every
+    byte under sw (multirun.yaml, job 0's record and metrics, lock.json) is as it was; rank 1's
+    Hydra wrote into a private sweep dir. Once A is killed, sweep C takes the dir over (a warning)."""
+    sweep = tmp_path / "sw"
+    base = ["data=tiny", "train.progress=off", "checkpoint.enabled=false", f"hydra.sweep.dir={sweep}"]
+    a = _popen(tmp_path, "-m", *base, "train.steps=100000", "optim.lr=0.01,0.1")
+    try:
+        _wait_for(a, (sweep / "0" / "metrics.jsonl").exists, "sweep A did not start its job 0")
+        a.send_signal(signal.SIGSTOP)  # A holds sw and stands still
+        holder = _read(sweep / "lock.json")
+        before = {p: p.read_bytes() for p in sweep.rglob("*") if p.is_file()}
+        assert holder["pid"] == a.pid and sweep / "multirun.yaml" in before
+        said = f"error: hydra.sweep.dir {sweep} is in use by run {holder['run_id']} (pid {a.pid} on host "
+        alone = _trainer(["-m", *base, "train.steps=2", "optim.lr=0.5,1"], tmp_path)
+        assert alone.returncode == 2 and alone.stderr.strip().splitlines()[-1].startswith(said), tail(alone)
+        assert [line for line in alone.stderr.splitlines() if line.startswith("error:")] == \
+            alone.stderr.strip().splitlines()[-1:] and "Traceback" not in alone.stderr
+        private = tmp_path / "tmp"
+        private.mkdir()
+        both = subprocess.run([sys.executable, TORCHRUN, "--standalone", "--nproc_per_node", "2", "-m", "trainer",
+                               "-m", "comm=torch", *base, "train.steps=2", "optim.lr=0.5,1"], cwd=ROOT,
+                              env={**env(), "TMPDIR": str(private)}, capture_output=True, text=True, timeout=300)
+        assert both.returncode != 0 and said in both.stderr, tail(both)
+        assert {p: p.read_bytes() for p in sweep.rglob("*") if p.is_file()} == before
+    finally:
+        a.send_signal(signal.SIGKILL)  # a killed sweep: its lock stays
+        a.communicate()
+    c = _trainer(["-m", *base, "train.steps=2", "optim.lr=0.5"], tmp_path)
+    assert c.returncode == 0, tail(c)
+    assert f"hydra.sweep.dir {sweep}: took over the lock of run {holder['run_id']} (pid {a.pid}" in c.stderr
+    assert "optim.lr=0.5" in (sweep / "multirun.yaml").read_text() and not (sweep / "lock.json").exists()
+    assert [j["status"] for j in _read(sweep / "summary.json")["jobs"]] == ["ok"]

@@ -36,6 +36,7 @@ SCHEDULES = ("random", "herald")
 GLOBAL_VIEW_DATASETS = ("synthetic", "movielens")  # random access to any sample: schedulers, profiles
 OUT_OF_RANGE = ("error", "hash")  # data.out_of_range (trainer/data/ids.py)
 NONFINITE = ("stop", "skip")  # train.nonfinite
+ON_SIGNAL = ("save", "stop")  # train.on_signal (trainer/signals.py)
 CONSISTENCY_PRESETS = ("bsp", "ssp", "asp")  # consistency.name (conf/consistency/*.yaml)
 LR_DECAYS = ("none", "poly")  # optim.decay (trainer/lr.py)
 RECIPES = ("auto", "tiny", "small", "large", "none")  # train.recipe (trainer/recipes.py)
@@ -215,6 +216,7 @@ class TrainConfig:
     device: str = "cpu"  # cpu | cuda | auto
     nonfinite: str = "stop"  # NaN/inf global loss: stop (error naming the step) | skip (drop the batch, no update anywhere)
     max_skips: int = 10  # nonfinite=skip: stop anyway after this many consecutive skipped steps
+    on_signal: str = "save"  # SIGTERM / SIGINT / SIGUSR1: stop every rank at the next step boundary and save a checkpoint there (save) or not (stop); exit 128 + signal
     pipeline: str = "ids"  # off (serial step) | ids (next step's input side + id exchange overlap this step: exact) | rows (also its rows: needs a cache and pull_bound >= 1)
     tensorboard: bool = True  # also write TensorBoard scalars to <output dir>/tensorboard (when there is an output dir)
     recipe: str = "auto"  # defaults for the null keys: auto (data=criteo: tiny below TINY_DATA_ROWS training rows, small below SMALL_DATA_ROWS, else large; other data: none) | tiny | small | large | none
@@ -501,6 +503,7 @@ def validate(c: Config) -> None:
     _check(t.seed >= 0, "train.seed", t.seed, "must be >= 0")
     _one_of("train.nonfinite", t.nonfinite, NONFINITE)
     _check(t.max_skips > 0, "train.max_skips", t.max_skips, "must be > 0")
+    _one_of("train.on_signal", t.on_signal, ON_SIGNAL)
     _validate_early_stop(c)
     _validate_kernels(c)
     _validate_checkpoint(c)

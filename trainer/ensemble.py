@@ -132,6 +132,8 @@ def run_ensemble(c: Config, comm: Collectives, out_dir: Optional[str], make_trai
                 res = trainer.fit(return_state and k == len(slices))
             summary, rows, state = res.summary, trainer.evaluator.test_rows, res.state
             losses += res.losses
+            if summary.get("stopped"):  # a stop signal: the ensemble ends with this member (resume=auto goes on)
+                return {**summary, "stopped": {**summary["stopped"], "member": k}}, losses, state
             if rank == 0 and summary.get("output_dir"):
                 np.save(os.path.join(summary["output_dir"], LOGITS), rows)
         if labels is not None and not np.array_equal(labels, rows[:, 1]):

@@ -74,7 +74,7 @@ RELAUNCH_KEYS = ("checkpoint.resume", "checkpoint.dir", "hydra.run.dir")  # repl
 def relaunch_command(resume: str | None, ckpt_dir: str | None, out_dir: str | None, size: int = 1) -> str:
     """A shell command that continues this job: `cd <launch dir> && <launcher and trainer command>`
     with every checkpoint.resume / checkpoint.dir / hydra.run.dir argument replaced by the absolute
-    checkpoint to resume (none: start over), checkpoint dir and output dir of this run.
+    checkpoint to resume (none: start over; "auto": the newest one), checkpoint dir and output dir.
 
     The launcher's command line is the nearest ancestor process whose arguments end with this
     process's own (`-m trainer ARGS`): torchrun starts its workers as children, horovodrun through a
@@ -94,8 +94,8 @@ def relaunch_command(resume: str | None, ckpt_dir: str | None, out_dir: str | No
             prefix = cmdline[:len(cmdline) - len(args)]
     job = _job_args(args)
     job = [a for a in job if _override_key(a) not in RELAUNCH_KEYS]
-    if resume is not None:
-        job.append(f"checkpoint.resume={_hydra_value(os.path.abspath(resume))}")
+    if resume is not None:  # "auto": the newest save in checkpoint.dir (an ensemble's members)
+        job.append(f"checkpoint.resume={'auto' if resume == 'auto' else _hydra_value(os.path.abspath(resume))}")
     if ckpt_dir is not None:
         job.append(f"checkpoint.dir={_hydra_value(os.path.abspath(ckpt_dir))}")
     if out_dir is not None:

@@ -267,8 +267,8 @@ class Reporter:
                 checkpoint_error: Optional[dict[str, Any]] = None,
                 extra: Optional[dict[str, Any]] = None) -> dict[str, Any]:
         """The run's summary (collective); rank 0 also writes it to OUT/summary.json. end_step: the
-        step the run reached (train.steps unless an early stop or a failed save stopped it, see
-        checkpoint_error); extra: the validation / early-stopping fields and the recipe
+        step the run reached (train.steps unless an early stop, a stop signal or a failed save stopped
+        it, see checkpoint_error); extra: the validation / early-stopping fields and the recipe
         (runner.Trainer). Rates and per-sample / per-step figures are None when this process
         trained no step (a resume at the final step): there is nothing to divide."""
         c, emb = self.c, self.emb
@@ -302,6 +302,7 @@ class Reporter:
             "test_logloss": final_eval["eval_logloss"],
             "best_step": None, "val_auc": None, "val_logloss": None, "val_samples": 0,  # no validation split
             "calibration": None,  # train.calibrate: the temperature fitted on the validation split
+            "stopped": None,  # a stop signal that ended the run (trainer/signals.py)
             **(extra or {}),
             "bytes": bytes_,
             "bytes_total": sum(bytes_.values()),

@@ -23,7 +23,6 @@ import math
 import os
 import sys
 import time
-import uuid
 from dataclasses import dataclass
 from typing import Any
 
@@ -42,10 +41,12 @@ from .data import make_data
 from .embedding import InFlightStep
 from .evaluation import Evaluator
 from .lr import LrSchedule
+from .outdir import HeldDir, claim_out_dir, probe_dir
 from .pipeline import StepPipeline
 from .recipes import announce_recipe, apply_data_steps, recipe_of
 from .relaunch import Position, failure_hint
 from .report import Reporter
+from .signals import NOT_EVALUATED, SIGNALS, Stop, agree, announce, why_not_saved
 
 __all__ = ["RunResult", "Trainer", "TrainingError", "run"]
 
@@ -59,25 +60,44 @@ class RunResult:
 
 
 def run(cfg: Any, out_dir: str | None = None, return_state: bool = False,
-        comm: Collectives | None = None) -> RunResult:
-    """Train with `cfg` (Hydra DictConfig or Config); write metrics and summary.json to out_dir."""
+        comm: Collectives | None = None, record: dict[str, str] | None = None) -> RunResult:
+    """Train with `cfg` (Hydra DictConfig or Config); write metrics and summary.json to out_dir.
+    The run holds out_dir from start to end (outdir.claim_out_dir: another run there is refused
+    before anything is written or built) and first writes `record` there (path -> text: Hydra's
+    .hydra files, outdir.hydra_record)."""
+    with SIGNALS.watching():  # SIGTERM / SIGINT / SIGUSR1: every rank stops at the next step boundary
+        return _run(cfg, out_dir, return_state, comm, record)
+
+
+def _run(cfg: Any, out_dir: str | None, return_state: bool, comm: Collectives | None,
+         record: dict[str, str] | None) -> RunResult:
     config = load_config(cfg)
     own = comm is None
     if comm is None:
         comm = make_collectives(config.comm.backend, config.comm.timeout_s, config.comm.dist_backend)
-    trainer = None
+    trainer, held = None, HeldDir(None)
     try:
+        held = claim_out_dir(comm, out_dir, record)
+        out_dir = held.path  # rank 0's, on every rank
         recipe = announce_recipe(config, comm)  # once, for one model or an ensemble
         if config.train.ensemble > 1:  # K members, each a Trainer (ensemble.py does not import this module)
             from .ensemble import run_ensemble
             summary, losses, state = run_ensemble(config, comm, out_dir, Trainer, recipe, return_state)
+            if summary.get("stopped"):  # a member stopped on a signal: resume=auto continues the ensemble
+                announce(summary, comm, "auto", config.checkpoint.dir, out_dir,
+                         f" (ensemble member {summary['stopped']['member']})")
             return RunResult(summary, comm.rank, losses, state)
         with Trainer(config, comm, out_dir) as trainer:
-            return trainer.fit(return_state)
+            result = trainer.fit(return_state)
+        if result.summary.get("stopped"):  # a stop signal: rank 0 says where and how to go on
+            at = trainer.position()
+            announce(result.summary, comm, at.last, at.ckpt_dir, at.out_dir)
+        return result
     except CollectiveError as exc:  # a peer died or stalled: say where we were and how to go on
         at = trainer.position() if trainer is not None else None
         raise CollectiveError(f"{exc}\n{failure_hint(config, comm, at, out_dir)}") from exc
     finally:
+        held.release()
         if own:
             comm.close()
 
@@ -88,34 +108,7 @@ def agree_out_dir(comm: Collectives, out_dir: str | None) -> str | None:
     so an unwritable one stops every rank now, not at the first metrics line or at summary.json
     after the whole training. Collective."""
     with phase(comm, "other"):
-        return comm.root_decides(lambda: _probe_dir(out_dir), TrainingError)
-
-
-def _probe_dir(path: str | None) -> str | None:
-    """path, once it is created and a probe file written there; TrainingError saying why it
-    cannot be used. None: no output dir."""
-    if path is None:
-        return None
-    try:
-        os.makedirs(path, exist_ok=True)
-    except OSError as exc:
-        raise TrainingError(f"output dir {path} cannot be created ({exc.strerror or exc}); "
-                            "choose another hydra.run.dir") from exc
-    probe = os.path.join(path, f".write-probe-{os.getpid()}-{uuid.uuid4().hex[:8]}")
-    try:
-        with open(probe, "wb") as f:
-            f.write(b"probe\n")
-            f.flush()
-            os.fsync(f.fileno())
-    except OSError as exc:
-        raise TrainingError(f"output dir {path} is not writable ({exc.strerror or exc}): metrics.jsonl and "
-                            "summary.json could not be written there; choose another hydra.run.dir") from exc
-    finally:
-        try:
-            os.unlink(probe)
-        except OSError:
-            pass
-    return path
+        return comm.root_decides(lambda: probe_dir(out_dir), TrainingError)
 
 
 class Trainer:
@@ -188,8 +181,9 @@ class Trainer:
     def _step(self, flight: InFlightStep) -> float:
         """One step; returns the global loss. train.nonfinite=stop: the loss travels with the dense
         gradients and a non-finite one raises (the run stops, no checkpoint is written after it).
-        skip: the global loss is reduced first (one extra 4-byte allreduce) and, when it is not
-        finite, every rank drops the step before anything changed (embedding.discard).
+        skip: the global loss is reduced first (one extra allreduce of 4 bytes, 8 with W > 1) and,
+        when it is not finite, every rank drops the step before anything changed (embedding.discard).
+        Either reduction also carries the stop signals' flag (trainer/signals.py).
         train.pipeline != off: the next step is prepared during this one (StepPipeline.prefetch),
         and the dense allreduce starts behind the embedding gradient push and travels while the
         owners update."""
@@ -199,9 +193,9 @@ class Trainer:
         self.steps.prefetch(flight.step)
         logits = self.model(batch.dense, pooled)
         loss = F.binary_cross_entropy_with_logits(logits, batch.labels, reduction="sum") / self.global_batch
-        extra = [loss.detach().reshape(1)]
+        extra = [SIGNALS.carry(loss, self.world)]  # with a stop signal's flag (trainer/signals.py)
         if self.c.train.nonfinite == "skip":
-            value = float(self.comm.allreduce(extra.pop(), op="sum", kind="dense").item())
+            value = SIGNALS.take(self.comm.allreduce(extra.pop(), op="sum", kind="dense"), self.world)
             if not math.isfinite(value):
                 self.emb.discard(flight)
                 self.steps.restart_next()  # its cache lookups predate the rollback
@@ -221,7 +215,7 @@ class Trainer:
             p.grad = g
         self.opt.step()
         if extra:
-            value = float(reduced[-1].item())
+            value = SIGNALS.take(reduced[-1], self.world)
             if not math.isfinite(value):
                 raise TrainingError(f"loss is {value} at step {flight.step}; stopping (lower optim.lr? "
                                     "train.nonfinite=skip drops such batches)")
@@ -274,11 +268,13 @@ class Trainer:
                     self._after_skip(step)
                 report.progress(self.losses[-1])
                 done = step + 1
-                if done % c.train.log_every == 0 or done == c.train.steps:
+                if done % c.train.log_every == 0 or done == c.train.steps or SIGNALS.agreed:
                     now = time.perf_counter()
                     report.step(step, self.losses[-1],
                                 (done - window_start) * self.global_batch / max(now - window_t, 1e-9))
                     window_t, window_start = now, done
+                if SIGNALS.agreed:  # a rank received SIGTERM / SIGINT / SIGUSR1: every rank stops here
+                    return self._stop(done, train_time, return_state)
                 if self.val_rows and ((c.train.eval_every and done % c.train.eval_every == 0)
                                       or done == c.train.steps):
                     self._validate(done)  # the last step's model is a candidate too
@@ -298,11 +294,32 @@ class Trainer:
             final_eval = self._eval_now(end)
             summary = report.summary(train_time, final_eval, self.losses, self.evals, self.start_step,
                                      k.resumed_from, k.last, self.steps.alltoalls, end_step=end,
-                                     extra={**extra, "recipe": self.recipe.describe(c),
-                                            "settled_rows": self.steps.settled})
+                                     extra={**extra, **self._described()})
             state = self._gather_state() if return_state else None
         finally:
             report.close()
+        return RunResult(summary, self.rank, list(self.losses), state)
+
+    def _described(self) -> dict[str, Any]:
+        return {"recipe": self.recipe.describe(self.c), "settled_rows": self.steps.settled}
+
+    def _stop(self, done: int, train_time: float, return_state: bool) -> RunResult:
+        """A rank received a stop signal and every rank learnt it in step `done` (trainer/signals.py):
+        the step prepared ahead is dropped, `done` saved (train.on_signal=save; a failed save ends
+        as in _save), summary.json written with `stopped` and without an evaluation (a huge model's
+        can outlast a scheduler's grace time), checkpoint.dir released; run() then says so. Collective."""
+        k, stop = self.checkpoints, agree(self.comm, SIGNALS, done)
+        self.steps.drop_prepared()
+        stop.continue_from, stop.why_none = k.last or k.resumed_from, why_not_saved(self.c, k.enabled)
+        if stop.why_none is None:
+            self._save(done, train_time, stop)
+            stop.saved(k.last)
+        summary = self.report.summary(train_time, NOT_EVALUATED, self.losses, self.evals, self.start_step,
+                                      k.resumed_from, k.last, self.steps.alltoalls, end_step=done,
+                                      extra={"stopped": stop.record(), **self._described()})
+        state = self._gather_state() if return_state else None
+        self.report.close()
+        self.close()
         return RunResult(summary, self.rank, list(self.losses), state)
 
     def _gather_state(self) -> dict[str, Any]:
@@ -312,26 +329,30 @@ class Trainer:
         audit = self.emb.audit.result() if self.emb.audit is not None else None
         return {"dense": dense, "tables": tables, "audit": audit}
 
-    def _save(self, step: int, train_time: float) -> None:
+    def _save(self, step: int, train_time: float, stop: Stop | None = None) -> None:
         """Checkpoint `step` (CheckpointManager.save). When the save fails (on any rank: every
         rank gets the CheckpointError), the model trained so far is still in memory and is not
         thrown away: the manager saves it elsewhere if it can (rescue), then it is evaluated at
-        `step` and summary.json written with `checkpoint_error`; the run ends with the rescue's
-        CheckpointError (exit 2), which carries the summary. Collective."""
+        `step` (not after a stop signal: `stop`) and summary.json written with `checkpoint_error`;
+        the run ends with the rescue's CheckpointError (exit 2), which carries the summary. Collective."""
         try:
             self.checkpoints.save(step, self)
             return
         except CheckpointError as exc:
             self.steps.drop_prepared()
             rescue = self.checkpoints.rescue(step, exc, self)
+            if stop is not None:
+                stop.saved(rescue.fallback)
         done = [e for e in self.evals[-1:] if e["step"] == step and "split" not in e]  # tested at this step already
-        final_eval = done[0] if done else self._eval_now(step)
+        final_eval = NOT_EVALUATED if stop is not None else done[0] if done else self._eval_now(step)
         summary, written = None, os.path.join(self.out_dir, "summary.json") if self.out_dir else None
         try:
             summary = self.report.summary(train_time, final_eval, self.losses, self.evals, self.start_step,
                                           self.checkpoints.resumed_from, self.checkpoints.last,
-                                          self.steps.alltoalls, end_step=step, checkpoint_error=rescue.record())
+                                          self.steps.alltoalls, end_step=step, checkpoint_error=rescue.record(),
+                                          extra={"stopped": stop.record()} if stop is not None else None)
         except OSError as write_error:  # rank 0: summary.json too (it went to stdout)
             written = f"stdout (summary.json cannot be written: {write_error})"
-        note = f"; evaluated, summary: {written} (checkpoint_error)" if written else "; evaluated"
+        how = "evaluated" if stop is None else f"stopped on {stop.signal}, not evaluated"
+        note = f"; {how}, summary: {written} (checkpoint_error)" if written else f"; {how}"
         raise rescue.error(note, summary) from rescue.cause

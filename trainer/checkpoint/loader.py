@@ -7,6 +7,10 @@ saved W its own shard, at 2^m W a 1 / 2^m part of one shard, at a divisor of W t
 over (shard_io.py), every block it reads checked against its checksum. Checkpoints of format 1
 (one pickled file per shard) are still read: every rank reads every shard and keeps its rows.
 Every rank runs it; a failure on any rank stops them all (Collectives.all_succeed).
+
+auto never continues from an older state without a word: a damaged checkpoint that may be the
+newest save stops it (resolve), naming the newest complete one and the override that continues
+from it; a damaged file of the checkpoint it chose names the one saved before it (load).
 """
 from __future__ import annotations
 
@@ -16,8 +20,8 @@ from typing import Any
 
 from ..comm import Collectives
 from ..embedding.store import ShardStore
-from .manifest import (TRAINER_FILE, CheckpointError, check_schema, check_stream_world, latest, read_file,
-                       read_manifest, shard_file)
+from .manifest import (TRAINER_FILE, CheckpointDamaged, CheckpointError, check_schema, check_stream_world,
+                       complete_checkpoints, latest, read_file, read_manifest, shard_file, unseen_damage)
 from .shard_io import read_shards
 from .state import load_shard_rows
 
@@ -25,11 +29,20 @@ from .state import load_shard_rows
 def resolve(comm: Collectives, resume: str | None, root: str | None) -> str | None:
     """The checkpoint to resume from (rank 0 decides, every rank gets the same answer):
     None -> None; "auto" -> newest complete under root, None (said on stderr) if there is none;
-    else the path itself."""
+    else the path itself. auto raises CheckpointDamaged when root holds a damaged checkpoint (its
+    manifest missing or unreadable) that the newest complete save has not seen: that one may be
+    the newest save, and only the user can say to continue from an older one."""
     def decide() -> str | None:  # rank 0
         if resume is None:
             return None
         path = latest(root) if resume == "auto" else resume
+        if resume == "auto":
+            unseen, seen = unseen_damage(root, path)
+            if unseen:
+                raise CheckpointDamaged(_auto_stops(root, unseen, path))
+            for bad, why in seen:
+                print(f"[trainer] warning: checkpoint.resume=auto passes over the damaged checkpoint {bad} "
+                      f"({why}): {path} was saved after it", file=sys.stderr)
         if path is None:
             print(f"[trainer] checkpoint.resume=auto: no complete checkpoint in "
                   f"{root or '(no checkpoint.dir and no output dir)'}; starting fresh",
@@ -40,14 +53,49 @@ def resolve(comm: Collectives, resume: str | None, root: str | None) -> str | No
     return comm.root_decides(decide, CheckpointError)
 
 
+def _auto_stops(root: str | None, unseen: list[tuple[str, str]], newest: str | None) -> str:
+    """Why resume=auto stops at damaged checkpoints, and the ways on."""
+    bad = "; ".join(f"{path} ({why})" for path, why in unseen)
+    head = (f"checkpoint.resume=auto: {'a checkpoint' if len(unseen) == 1 else 'checkpoints'} in {root} "
+            f"cannot be read: {bad}. Its place in the save order is unknown, so it may be the newest save "
+            "and continuing from an older one would silently drop its steps. ")
+    names = " and ".join(path for path, _ in unseen)
+    if newest is None:
+        return head + (f"There is no complete checkpoint to continue from: run without checkpoint.resume to "
+                       f"start fresh, or delete {names}")
+    return head + (f"The newest complete checkpoint is {newest}: to continue from it, run with "
+                   f"checkpoint.resume={newest} (its saves then pass over {names}, which stays for you to "
+                   f"inspect or delete); or delete {names} and run again")
+
+
 def load(comm: Collectives, ckpt: str, store: ShardStore, schema: dict[str, Any],
-         counter: dict[str, int] | None = None) -> dict[str, Any]:
+         auto_root: str | None = None, counter: dict[str, int] | None = None) -> dict[str, Any]:
     """Verify ckpt (schema, the checksums of what is read), load this rank's rows under the current
     W into store, and return rank 0's trainer state (dense model/optimizer, step, RNG, losses).
-    counter["bytes_read"] adds the shard bytes this rank read. Collective."""
+    counter["bytes_read"] adds the shard bytes this rank read. Collective.
+    auto_root: the checkpoint.dir that resume=auto chose ckpt from; a damaged file then also names
+    the newest checkpoint saved before ckpt and the override that continues from it."""
     counter = {"bytes_read": 0} if counter is None else counter
-    return comm.all_succeed(f"loading checkpoint {ckpt}", lambda: _load_local(ckpt, store, schema, counter),
-                            CheckpointError)
+
+    def local() -> dict[str, Any]:
+        try:
+            return _load_local(ckpt, store, schema, counter)
+        except CheckpointDamaged as exc:
+            if auto_root is None:
+                raise
+            raise CheckpointDamaged(f"{exc}. {_older(auto_root, ckpt)}") from exc
+    return comm.all_succeed(f"loading checkpoint {ckpt}", local, CheckpointError)
+
+
+def _older(root: str, ckpt: str) -> str:
+    """resume=auto chose the damaged ckpt: the way on from the newest checkpoint saved before it."""
+    found = [path for _, path in complete_checkpoints(root)]
+    before = found[:found.index(ckpt)] if ckpt in found else []
+    head = f"checkpoint.resume=auto chose it as the newest save in {root}"
+    if not before:
+        return f"{head}; no complete checkpoint was saved before it: run without checkpoint.resume to start fresh"
+    return (f"{head}; the newest checkpoint saved before it is {before[-1]}: to continue from it, run with "
+            f"checkpoint.resume={before[-1]}")
 
 
 def _load_local(ckpt: str, store: ShardStore, schema: dict[str, Any], counter: dict[str, int]) -> dict[str, Any]:
@@ -65,5 +113,5 @@ def _load_local(ckpt: str, store: ShardStore, schema: dict[str, Any], counter: d
     s = store.sharding
     owned = int(s.valid(s.local_gids()).sum())
     if loaded != owned:
-        raise CheckpointError(f"checkpoint {ckpt} holds {loaded} of the {owned} rows rank {s.rank} owns")
+        raise CheckpointDamaged(f"checkpoint {ckpt} holds {loaded} of the {owned} rows rank {s.rank} owns")
     return state

@@ -168,7 +168,8 @@ class CheckpointManager:
             path = resolve(self.comm, self.c.checkpoint.resume, self.root)
             if path is None:
                 return 0
-            state = load(self.comm, path, run.emb.store, self.schema(run))
+            state = load(self.comm, path, run.emb.store, self.schema(run),
+                         auto_root=self.root if self.c.checkpoint.resume == "auto" else None)
             if run.emb.replica is not None:
                 run.emb.replica.load_from_owners(self.comm, run.emb.store)
         step = int(state["step"])

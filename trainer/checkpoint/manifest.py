@@ -11,6 +11,13 @@ Why a save sequence: "newest" means the last save, not the highest step. A run r
 older checkpoint (a branch) saves lower steps than the abandoned branch; each manifest carries
 `save_seq` (one more than any save in the directory), and rotation and resume=auto follow it.
 
+Why damaged checkpoints stay: a step_K directory whose manifest is missing or unreadable has no
+known place in that order. It is never taken for the oldest (rotation leaves it alone) nor silently
+passed over by resume=auto, which stops at it (loader.resolve) until a later save has seen it:
+every manifest lists the damaged directories present when it was saved (`damaged_seen`: name,
+inode and modification time), so after the user continues explicitly from an older checkpoint,
+auto follows that run's saves again.
+
 Everything here is plain file I/O without collectives: the save (saver.py) and the load
 (loader.py) decide who calls it.
 """
@@ -31,7 +38,7 @@ MANIFEST = "manifest.json"
 TRAINER_FILE = "trainer.pt"  # rank 0: dense model + optimizer, step, RNG, losses, evals
 SCHEMA_KEYS = ("table_rows", "dim", "model", "optim_sparse", "optim_dense")  # must match to resume
 # data sources whose stream position depends on W: a step's batch is only defined at the saved W
-# (Criteo: DALI's reader splits the blocks into W contiguous shards, trainer/data/blocks.py)
+# (Criteo: the blocks, or a small split's rows, are split into W contiguous shards, trainer/data/blocks.py)
 WORLD_BOUND_DATA = ("criteo",)
 STEP_DIR = re.compile(r"^step_(\d+)$")
 WORK_DIR = re.compile(r"^step_\d+\.(tmp|old)-(?P<run>[0-9a-f]+)-[0-9a-f]+$")  # a save in progress
@@ -39,6 +46,10 @@ WORK_DIR = re.compile(r"^step_\d+\.(tmp|old)-(?P<run>[0-9a-f]+)-[0-9a-f]+$")  # 
 
 class CheckpointError(RuntimeError):
     """A checkpoint cannot be written or read (corrupt, truncated, incompatible); names the file."""
+
+
+class CheckpointDamaged(CheckpointError):
+    """A checkpoint's manifest or one of its files is missing, unreadable or fails its checksum."""
 
 
 def shard_file(rank: int, world: int) -> str:
@@ -49,29 +60,106 @@ def step_dir(root: str, step: int) -> str:
     return os.path.join(root, f"step_{step:08d}")
 
 
-def complete_checkpoints(root: str | None) -> list[tuple[int, str]]:
-    """(step, path) of every complete checkpoint under root (named step_K, manifest present), in
-    the order they were saved, oldest first (see save_order); `.tmp-` directories of unfinished
-    saves are ignored."""
+def _step_dirs(root: str | None) -> list[tuple[int, str]]:
+    """(step, path) of every directory named step_K under root, by step."""
     if not root or not os.path.isdir(root):
         return []
     found = []
     for name in os.listdir(root):
         m = STEP_DIR.match(name)
         path = os.path.join(root, name)
-        if m and os.path.isfile(os.path.join(path, MANIFEST)):
-            found.append((save_order(path, int(m.group(1))), int(m.group(1)), path))
+        if m and os.path.isdir(path):
+            found.append((int(m.group(1)), path))
+    return sorted(found)
+
+
+def _manifest_or_problem(ckpt: str) -> dict[str, Any] | str:
+    """ckpt's manifest as a dict, or what is wrong with it (missing, unreadable, not an object)."""
+    path = os.path.join(ckpt, MANIFEST)
+    if not os.path.lexists(path):
+        return f"it has no {MANIFEST}"
+    try:
+        with open(path) as f:
+            manifest = json.load(f)
+    except (OSError, ValueError) as exc:
+        return f"its {MANIFEST} cannot be read: {exc}"
+    return manifest if isinstance(manifest, dict) else f"its {MANIFEST} is not a JSON object"
+
+
+def complete_checkpoints(root: str | None) -> list[tuple[int, str]]:
+    """(step, path) of every complete checkpoint under root (named step_K, manifest readable), in
+    the order they were saved, oldest first (see save_order); `.tmp-` directories of unfinished
+    saves and damaged checkpoints (damaged_checkpoints) are left out."""
+    found = []
+    for step, path in _step_dirs(root):
+        manifest = _manifest_or_problem(path)
+        if isinstance(manifest, dict):
+            found.append((_order(manifest, step), step, path))
     return [(step, path) for _, step, path in sorted(found)]
+
+
+def damaged_checkpoints(root: str | None) -> list[tuple[str, str]]:
+    """(path, what is wrong) of every step_K directory under root whose manifest is missing or
+    unreadable, by step. Its save order is unknown: rotation never deletes it, resume=auto stops
+    at it until a later save has seen it (unseen_damage)."""
+    out = []
+    for _, path in _step_dirs(root):
+        manifest = _manifest_or_problem(path)
+        if not isinstance(manifest, dict):
+            out.append((path, manifest))
+    return out
+
+
+def damage_record(path: str) -> dict[str, Any]:
+    """How a save lists a damaged checkpoint it saw (manifest `damaged_seen`): its name and the
+    directory's inode and modification time, so that a later step_K of the same name (or more
+    damage to this one) is not taken for the one seen."""
+    st = os.stat(path)
+    return {"name": os.path.basename(path), "inode": st.st_ino, "mtime_ns": st.st_mtime_ns}
+
+
+def damage_seen(root: str, final: str) -> list[dict[str, Any]]:
+    """What a save into `final` lists as `damaged_seen`: the damaged checkpoints under root (not
+    `final`, which the save replaces), each as damage_record says; one gone meanwhile is left out."""
+    seen = []
+    for path, _ in damaged_checkpoints(root):
+        if path != final:
+            try:
+                seen.append(damage_record(path))
+            except OSError:
+                pass
+    return seen
+
+
+def unseen_damage(root: str | None, newest: str | None) -> tuple[list[tuple[str, str]], list[tuple[str, str]]]:
+    """The damaged checkpoints under root split in two: (unseen, seen), where seen are those that
+    the newest complete save `newest` listed as it found them (so it was saved after them), and
+    unseen any other: one of those may be the newest save of the job."""
+    seen_by_newest: list[Any] = []
+    if newest is not None:
+        manifest = _manifest_or_problem(newest)
+        if isinstance(manifest, dict):
+            seen_by_newest = manifest.get("damaged_seen") or []
+    unseen, seen = [], []
+    for path, why in damaged_checkpoints(root):
+        try:
+            record = damage_record(path)
+        except OSError:
+            continue  # gone since the scan
+        (seen if record in seen_by_newest else unseen).append((path, why))
+    return unseen, seen
 
 
 def save_order(path: str, step: int) -> tuple[int, int]:
     """Sort key of a complete checkpoint by save time: its manifest's save_seq; checkpoints
-    written before save_seq existed (or with an unreadable manifest) come first, by step."""
-    try:
-        with open(os.path.join(path, MANIFEST)) as f:
-            seq = json.load(f).get("save_seq")
-    except (OSError, ValueError, AttributeError):
-        seq = None
+    written before save_seq existed come first, by step. (A damaged one has no place: see
+    damaged_checkpoints; here it sorts like one without save_seq.)"""
+    manifest = _manifest_or_problem(path)
+    return _order(manifest if isinstance(manifest, dict) else {}, step)
+
+
+def _order(manifest: dict[str, Any], step: int) -> tuple[int, int]:
+    seq = manifest.get("save_seq")
     return (1, int(seq)) if isinstance(seq, int) else (0, step)
 
 
@@ -104,15 +192,15 @@ def read_file(ckpt: str, name: str, manifest: dict[str, Any]) -> Any:
     path = os.path.join(ckpt, name)
     want = manifest["files"].get(name)
     if want is None:
-        raise CheckpointError(f"checkpoint {ckpt}: manifest lists no file {name}")
+        raise CheckpointDamaged(f"checkpoint {ckpt}: manifest lists no file {name}")
     try:
         with open(path, "rb") as f:
             data = f.read()
     except OSError as exc:
-        raise CheckpointError(f"checkpoint file {path} cannot be read: {exc}") from exc
+        raise CheckpointDamaged(f"checkpoint file {path} cannot be read: {exc}") from exc
     got = hashlib.sha256(data).hexdigest()
     if len(data) != want["bytes"] or got != want["sha256"]:
-        raise CheckpointError(
+        raise CheckpointDamaged(
             f"checkpoint file {path} fails its checksum (corrupt or truncated): {len(data)} bytes, "
             f"sha256 {got[:16]}..; the manifest says {want['bytes']} bytes, sha256 {want['sha256'][:16]}..")
     return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
@@ -124,7 +212,9 @@ def read_manifest(ckpt: str) -> dict[str, Any]:
         with open(path) as f:
             manifest = json.load(f)
     except (OSError, ValueError) as exc:
-        raise CheckpointError(f"checkpoint manifest {path} cannot be read: {exc}") from exc
+        raise CheckpointDamaged(f"checkpoint manifest {path} cannot be read: {exc}") from exc
+    if not isinstance(manifest, dict):
+        raise CheckpointDamaged(f"checkpoint manifest {path} cannot be read: not a JSON object")
     if manifest.get("format_version") not in READABLE_VERSIONS:
         raise CheckpointError(f"checkpoint {ckpt}: format_version {manifest.get('format_version')} "
                               f"is not one this trainer reads ({', '.join(map(str, READABLE_VERSIONS))})")

@@ -23,11 +23,12 @@ import uuid
 from typing import Any
 
 
-from ..comm import Collectives
+from ..comm import CollectiveError, Collectives
 from ..embedding.store import ShardStore
 from .lock import DirLock
 from .manifest import (FORMAT_VERSION, TRAINER_FILE, WORK_DIR, WORLD_BOUND_DATA, CheckpointError,
-                       complete_checkpoints, fsync_dir, last_save_seq, step_dir, write_file, write_manifest)
+                       complete_checkpoints, damage_seen, damaged_checkpoints, fsync_dir, last_save_seq,
+                       step_dir, write_file, write_manifest)
 from .shard_io import shard_dir, write_shard
 
 
@@ -40,6 +41,7 @@ class Checkpointer:
     def __init__(self, comm: Collectives, root: str, keep_last: int) -> None:
         self.comm, self.root, self.keep_last = comm, root, keep_last
         self._seq = 0  # save_seq of this run's last save
+        self._warned: set[str] = set()  # damaged checkpoints rotation has warned about
         # rank 0: the newest save of this object that is complete on disk, known as soon as it is
         # renamed into place: a peer lost in the save's closing broadcast leaves it resumable, and
         # the failure message must name it (CheckpointManager.save)
@@ -66,7 +68,16 @@ class Checkpointer:
              schema: dict[str, Any]) -> str:
         """Write checkpoint `step`: every rank its shard, rank 0 also trainer_state and, last, the
         manifest (schema + checksums); then rename. The caller flushed the caches. Collective.
-        On failure anywhere the partial `.tmp-` directory is removed before every rank raises."""
+        On failure anywhere the partial `.tmp-` directory is removed before every rank raises; a
+        peer lost mid-save (CollectiveError) leaves rank 0 removing it too, before it reports."""
+        try:
+            return self._save(step, store, trainer_state, schema)
+        except CollectiveError:
+            self._discard_own()  # a lost peer never finishes this save: its directory goes
+            raise
+
+    def _save(self, step: int, store: ShardStore, trainer_state: dict[str, Any] | None,
+              schema: dict[str, Any]) -> str:
         tmp = self._tmp_dir(step)
         try:
             mine = self.comm.all_succeed(f"checkpoint save of step {step} into {self.root}",
@@ -109,15 +120,16 @@ class Checkpointer:
         try:
             files = {TRAINER_FILE: write_file(os.path.join(tmp, TRAINER_FILE), trainer_state)}
             seq = max(self._seq, last_save_seq(self.root)) + 1
+            final = step_dir(self.root, step)
             data = (schema.get("config") or {}).get("data") or {}
             write_manifest(tmp, {"format_version": FORMAT_VERSION, "step": step,
                                   "world_size": self.comm.size, "save_seq": seq, "run_id": self.run_id,
                                   "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
                                   "data_order_world": (self.comm.size if data.get("name") in WORLD_BOUND_DATA
                                                        else None),
-                                  **schema, "files": files,
+                                  "damaged_seen": damage_seen(self.root, final), **schema, "files": files,
                                   "shards": {shard_dir(r, self.comm.size): s for r, s in enumerate(shards)}})
-            self._publish(tmp, step_dir(self.root, step))
+            self._publish(tmp, final)
             self._seq = seq
         except Exception as exc:  # noqa: BLE001 - reported to every rank, which all raise
             shutil.rmtree(tmp, ignore_errors=True)
@@ -147,12 +159,28 @@ class Checkpointer:
     def rotate(self) -> None:
         """Delete complete checkpoints beyond keep_last, the least recently saved first (save_seq,
         not the step: a branch resumed from an older step keeps its own saves), and this run's
-        own leftovers; other runs' work directories are never touched."""
+        own leftovers; other runs' work directories are never touched. A damaged checkpoint (no
+        readable manifest, so no known save order) is never deleted: one warning names it."""
+        for path, why in damaged_checkpoints(self.root):
+            if path not in self._warned:
+                self._warned.add(path)
+                print(f"[trainer] warning: checkpoint rotation leaves {path} alone: {why}, so its place in "
+                      "the save order is unknown (inspect or delete it)", file=sys.stderr)
         found = complete_checkpoints(self.root)
         drop = found[:-self.keep_last] if self.keep_last > 0 else []
         for _, path in drop:
             shutil.rmtree(path, ignore_errors=True)
-        for name in os.listdir(self.root):
+        self._discard_own()
+
+    def _discard_own(self) -> None:
+        """Rank 0 removes this run's unfinished saves (its `.tmp-` / `.old-` directories)."""
+        if self.comm.rank != 0:
+            return
+        try:
+            names = os.listdir(self.root)
+        except OSError:
+            return
+        for name in names:
             m = WORK_DIR.match(name)
             if m and m.group("run") == self.run_id:
                 shutil.rmtree(os.path.join(self.root, name), ignore_errors=True)

@@ -33,7 +33,7 @@ import numpy as np
 import torch
 
 from ..embedding.store import ShardStore
-from .manifest import CheckpointError
+from .manifest import CheckpointDamaged, CheckpointError
 
 BLOCK = 1 << 20  # bytes per checksummed block
 PIECE_BYTES = 64 << 20  # bytes of one field gathered, written or read at a time
@@ -245,9 +245,9 @@ class _VerifiedFile:
                 index = f.read()
             self.size = os.path.getsize(path)
         except OSError as exc:
-            raise CheckpointError(f"checkpoint file {path} cannot be read: {exc}") from exc
+            raise CheckpointDamaged(f"checkpoint file {path} cannot be read: {exc}") from exc
         if hashlib.sha256(index).hexdigest() != info["blocks_sha256"] or self.size != info["bytes"]:
-            raise CheckpointError(f"checkpoint file {path} fails its checksum (corrupt or truncated): "
+            raise CheckpointDamaged(f"checkpoint file {path} fails its checksum (corrupt or truncated): "
                                   f"{self.size} bytes, the manifest says {info['bytes']}; or its block index differs")
         self.digests = [index[i:i + 32] for i in range(0, len(index), 32)]
         self.f = open(path, "rb", buffering=0)
@@ -262,7 +262,7 @@ class _VerifiedFile:
         for b in range(b0, b1):
             chunk = data[(b - b0) * BLOCK:(b - b0 + 1) * BLOCK]
             if b >= len(self.digests) or hashlib.sha256(chunk).digest() != self.digests[b]:
-                raise CheckpointError(f"checkpoint file {self.path} fails its checksum (corrupt or truncated) "
+                raise CheckpointDamaged(f"checkpoint file {self.path} fails its checksum (corrupt or truncated) "
                                       f"in bytes {b * BLOCK}..{b * BLOCK + len(chunk)}")
         return data[lo - start:hi - start]
 
@@ -295,7 +295,7 @@ def read_shards(ckpt: str, manifest: dict[str, Any], store: ShardStore, counter:
         name = shard_dir(r, saved_world)
         info = manifest["shards"].get(name)
         if info is None:
-            raise CheckpointError(f"checkpoint {ckpt}: manifest lists no shard {name}")
+            raise CheckpointDamaged(f"checkpoint {ckpt}: manifest lists no shard {name}")
         if set(info["fields"]) != set(want):
             raise CheckpointError(f"{os.path.join(ckpt, name)}: saved fields {sorted(info['fields'])} do not "
                                   f"match this run's {sorted(want)} (another sparse optimizer?)")

@@ -24,6 +24,7 @@ import torch.distributed as dist
 from .base import Collectives, flatten, unflatten
 
 
+RENDEZVOUS_MIN_S = 60.0
 _STORE: dict[str, Any] = {}  # this process's rendezvous store: {"key": ..., "store": TCPStore, "groups": n}
 
 
@@ -49,7 +50,10 @@ def _rendezvous(timeout: _dt.timedelta) -> dict[str, Any]:
     restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     key = f"{addr}:{port}/{rank}/{world}/{restart}"
     if _STORE.get("key") != key:
-        store = dist.TCPStore(addr, port, world, is_master=rank == 0 and not agent, timeout=timeout)
+        # joining waits for the slowest rank to start (imports, a loaded host): at least
+        # RENDEZVOUS_MIN_S, whatever the collectives' timeout (a 2 s comm.timeout_s is for steps)
+        wait = max(timeout, _dt.timedelta(seconds=RENDEZVOUS_MIN_S))
+        store = dist.TCPStore(addr, port, world, is_master=rank == 0 and not agent, timeout=wait)
         _STORE.update(key=key, groups=0, store=store)
     _STORE["groups"] += 1
     prefix = f"trainer/restart{restart}/group{_STORE['groups']}/"

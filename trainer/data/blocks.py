@@ -10,6 +10,10 @@ who reads the file: that is what the loader-equivalence test pins down.
 Sharding follows DALI's reader rule: of N blocks, rank r of W reads blocks [N*r//W, N*(r+1)//W) and
 loops over them (stick_to_shard). So the data order depends on W (as with any sharded reader); the
 eval split is still covered exactly once, and every rank yields the same number of eval batches.
+A split with fewer blocks than workers (a small file prepared as one block, a small validation or
+test split) is sharded by rows instead: of its R rows in file order, rank r reads rows
+[R*r//W, R*(r+1)//W), through numpy memmaps (DALI's numpy reader reads whole files), so any
+prepared directory trains at any W (rank_segments).
 """
 from __future__ import annotations
 
@@ -109,18 +113,61 @@ def shard_range(n: int, rank: int, world: int) -> tuple[int, int]:
     return n * rank // world, n * (rank + 1) // world
 
 
+def by_rows(segs: list[Segment], world: int) -> bool:
+    """Whether a split is sharded by rows: its segments come from fewer block files than workers
+    (DALI's reader needs a block per shard; two pieces of one block would be read twice)."""
+    return len({s.file for s in segs}) < world
+
+
+def rank_segments(segs: list[Segment], rank: int, world: int) -> list[Segment]:
+    """Rank `rank`'s part of a split: with a block file per worker DALI's block shard (shard_range
+    over the segments, each read whole); with fewer, rows [R*r//W, R*(r+1)//W) of the split's R
+    rows in the order given (the same rows at any run)."""
+    if not by_rows(segs, world):
+        return segs[slice(*shard_range(len(segs), rank, world))]
+    return _cut(segs, *shard_range(sum(s.rows for s in segs), rank, world))
+
+
+def _memmap_rows(segs: list[Segment], num_dense: int) -> Iterator[Columns]:
+    """The rows of each segment in turn, looping forever, read from numpy memmaps (only the pages
+    of those rows): a row-sharded split's reader."""
+    while True:
+        for s in segs:
+            block = _open_block(s.file)
+            if block.shape[0] < s.hi:
+                raise CriteoFormatError(f"{s.file}: the reader gave {block.shape[0]} rows, expected >= {s.hi}")
+            yield tuple(torch.from_numpy(x) for x in from_block(block[s.lo:s.hi], num_dense))
+
+
+def _block_rows(segs: list[Segment], blocks: Iterator[Columns]) -> Iterator[Columns]:
+    """The rows of each segment in turn, cut from the whole blocks a BlockReader yields for them."""
+    k = 0
+    while True:
+        seg = segs[k % len(segs)]
+        labels, dense, ids = next(blocks)
+        if labels.shape[0] < seg.hi:
+            raise CriteoFormatError(f"{seg.file}: the reader gave {labels.shape[0]} rows, expected >= {seg.hi}")
+        k += 1
+        yield labels[seg.lo:seg.hi], dense[seg.lo:seg.hi], ids[seg.lo:seg.hi]
+
+
 def memmap_reader(num_dense: int) -> BlockReader:
     """The reference reader: np.load(mmap_mode='r') of this shard's blocks, looping forever."""
     def read(files: list[str], shard_id: int, num_shards: int) -> Iterator[Columns]:
         lo, hi = shard_range(len(files), shard_id, num_shards)
         while True:
             for f in files[lo:hi]:
-                try:
-                    block = np.load(f, mmap_mode="r")
-                except (OSError, ValueError) as exc:  # removed or cut short while training
-                    raise CriteoFormatError(f"block file {f} cannot be read: {exc}") from exc
-                yield tuple(torch.from_numpy(x) for x in from_block(block, num_dense))
+                yield tuple(torch.from_numpy(x) for x in from_block(_open_block(f), num_dense))
     return read
+
+
+def _open_block(path: str) -> np.ndarray:
+    """A block file as a read-only memmap; one removed or cut short while training is an error
+    naming it."""
+    try:
+        return np.load(path, mmap_mode="r")
+    except (OSError, ValueError) as exc:
+        raise CriteoFormatError(f"block file {path} cannot be read: {exc}") from exc
 
 
 def check_blocks(segs: list[Segment], directory: str, width: int) -> None:
@@ -139,37 +186,32 @@ def check_blocks(segs: list[Segment], directory: str, width: int) -> None:
 
 
 class BlockStream:
-    """This rank's rows of a split, in order, as an endless (or one-pass) stream of batches."""
+    """This rank's rows of a split (rank_segments), in order, as an endless (or one-pass) stream of
+    batches: whole blocks from `reader` when the split has a block per worker, else this rank's row
+    range through memmaps."""
 
     def __init__(self, segs: list[Segment], reader: BlockReader, rank: int, world: int,
-                 seed: Optional[int]) -> None:
-        lo, hi = shard_range(len(segs), rank, world)
-        self.mine = segs[lo:hi]
-        self.seed = seed  # None = file order; else rows shuffled per (seed, epoch, block)
-        # DALI shards by block and needs at least one block per shard: a split with fewer blocks
-        # than ranks (a small validation or test split) is read as this rank's blocks, unsharded
-        # (the same blocks in the same order as shard `rank` would give)
-        files = [s.file for s in segs]
-        self._blocks = (iter(()) if not self.mine else reader(files, rank, world) if len(segs) >= world
-                        else reader([s.file for s in self.mine], 0, 1))
+                 seed: Optional[int], num_dense: int) -> None:
+        self.mine = rank_segments(segs, rank, world)
+        self.seed = seed  # None = file order; else rows shuffled per (seed, epoch, segment)
+        self._rows: Iterator[Columns] = (iter(()) if not self.mine
+                                         else _block_rows(self.mine, reader([s.file for s in segs], rank, world))
+                                         if not by_rows(segs, world) else _memmap_rows(self.mine, num_dense))
         self._buf: list[Columns] = []
         self._have = 0
-        self._read = 0  # blocks read so far
+        self._read = 0  # segments read so far
 
     @property
     def rows(self) -> int:
         return sum(s.rows for s in self.mine)
 
     def _next_block(self) -> Columns:
-        seg = self.mine[self._read % len(self.mine)]
-        labels, dense, ids = next(self._blocks)
-        if labels.shape[0] < seg.hi:
-            raise CriteoFormatError(f"{seg.file}: the reader gave {labels.shape[0]} rows, expected >= {seg.hi}")
+        labels, dense, ids = next(self._rows)
         if self.seed is None:
             self._read += 1
-            return labels[seg.lo:seg.hi], dense[seg.lo:seg.hi], ids[seg.lo:seg.hi]
+            return labels, dense, ids
         epoch, k = divmod(self._read, len(self.mine))
-        perm = seg.lo + np.random.default_rng([self.seed, epoch, k]).permutation(seg.rows)
+        perm = np.random.default_rng([self.seed, epoch, k]).permutation(labels.shape[0])
         idx = torch.from_numpy(perm).to(labels.device)
         self._read += 1
         return labels[idx], dense[idx], ids[idx]
@@ -227,11 +269,13 @@ class CriteoData:
         self.norm = dense_stats(self.train_segs, self.F) if cfg.standardize else None
         self.vocab = (build_vocab(self.train_segs, self.F, [int(n) for n in self.meta["table_rows"]], cfg.min_count)
                       if cfg.min_count else None)
-        if len(self.train_segs) < world:
-            raise ConfigError(f"data.dir={cfg.dir!r}: the training split has {len(self.train_segs)} blocks "
-                              f"for {world} workers; every worker reads whole blocks, so prepare it "
-                              f"with a smaller --chunk-mb")
-        self.train_segs = self._block_order(self.train_segs)
+        rows = sum(s.rows for s in self.train_segs)
+        if rows < world:
+            raise ConfigError(f"data.dir={cfg.dir!r}: the training split has {rows} rows for {world} workers; "
+                              "every worker needs at least one (see data.train_samples, data.val_fraction)")
+        # block order shuffled once by data.seed; a split sharded by rows keeps file order
+        if not by_rows(self.train_segs, world):
+            self.train_segs = self._block_order(self.train_segs)
         self._train: BlockStream | None = None
         self._step = 0
         self._eval: dict[str, BlockStream] = {}
@@ -249,7 +293,7 @@ class CriteoData:
 
     def _new_train(self) -> BlockStream:
         return BlockStream(self.train_segs, self.reader, self.rank, self.world,
-                           self.cfg.seed if self.cfg.shuffle else None)
+                           self.cfg.seed if self.cfg.shuffle else None, self.F)
 
     def train_batch(self, step: int) -> Batch:
         """This rank's batch `step` (sequential; another step restarts the stream and skips)."""
@@ -274,15 +318,15 @@ class CriteoData:
 
     def num_eval_steps(self, split: str = "test") -> int:
         segs = self._split_segs(split)
-        per_rank = [sum(s.rows for s in segs[slice(*shard_range(len(segs), r, self.world))])
-                    for r in range(self.world)]
+        per_rank = [sum(s.rows for s in rank_segments(segs, r, self.world)) for r in range(self.world)]
         return max(-(-n // self.cfg.eval_batch_size) for n in per_rank)
 
     def eval_batches(self, split: str = "test") -> Iterator[Batch]:
         """One pass over this rank's shard of the test (or validation) split; every rank yields
         num_eval_steps(split) batches."""
         if split not in self._eval:  # one reader per split for all evals: each pass reads one epoch
-            self._eval[split] = BlockStream(self._split_segs(split), self.reader, self.rank, self.world, None)
+            self._eval[split] = BlockStream(self._split_segs(split), self.reader, self.rank, self.world, None,
+                                            self.F)
         stream = self._eval[split]
         left = stream.rows
         for _ in range(self.num_eval_steps(split)):

@@ -15,6 +15,8 @@ from __future__ import annotations
 import gzip
 import json
 import os
+import re
+import shutil
 import sys
 import tempfile
 import time
@@ -58,11 +60,16 @@ class ChunkStat:
 
 
 # ---- reading ----------------------------------------------------------------------------------
+BOM = b"\xef\xbb\xbf"  # a UTF-8 byte order mark, written by some editors and exporters
+
+
 def iter_chunks(path: str, chunk_bytes: int) -> Iterator[tuple[bytes, int]]:
-    """(chunk of whole lines, compressed bytes read so far); .gz files are decompressed. A .gz
-    file that is truncated, corrupt or not gzip at all raises CriteoFormatError naming it."""
+    """(chunk of whole lines, compressed bytes read so far); .gz files are decompressed, and a
+    UTF-8 byte order mark at the start of the text is dropped (row 1 is a row). A .gz file that is
+    truncated, corrupt or not gzip at all raises CriteoFormatError naming it."""
     with open(path, "rb") as raw:
         src = gzip.GzipFile(fileobj=raw) if path.endswith(".gz") else raw
+        first = True
         while True:
             try:
                 buf = src.read(chunk_bytes)
@@ -70,6 +77,9 @@ def iter_chunks(path: str, chunk_bytes: int) -> Iterator[tuple[bytes, int]]:
                     buf += src.readline()
             except (EOFError, zlib.error, gzip.BadGzipFile) as exc:
                 raise CriteoFormatError(_gzip_problem(path, exc, raw.tell())) from exc
+            if first and buf.startswith(BOM):
+                buf = buf[len(BOM):]
+            first = False
             if not buf:
                 return
             yield buf, raw.tell()
@@ -225,8 +235,9 @@ def _count_file(opt: PrepOptions, workers: Workers, progress: Progress, i: int,
         progress.advance(pos - last, 0)
         last = pos
     merged = [_merge(a) if a else (np.zeros(0, np.uint64), np.zeros(0, np.int64)) for a in acc]
-    _save_npz(marker, {**{f"k{t}": m[0] for t, m in enumerate(merged)},
-                       **{f"c{t}": m[1] for t, m in enumerate(merged)}})
+    if any(m[0].size for m in merged):  # a file without one good value leaves nothing to resume
+        _save_npz(marker, {**{f"k{t}": m[0] for t, m in enumerate(merged)},
+                           **{f"c{t}": m[1] for t, m in enumerate(merged)}})
     return merged
 
 
@@ -339,9 +350,14 @@ def check_options(opt: PrepOptions) -> None:
     """Fail early, naming the option, before any file is touched."""
     if not opt.train:
         raise CriteoFormatError("--train: at least one training file is needed")
-    for p in opt.train + opt.test:
-        if not os.path.isfile(p):
-            raise CriteoFormatError(f"input file {p!r} does not exist")
+    for option, files in (("--train", opt.train), ("--test", opt.test)):
+        for p in files:
+            if os.path.isdir(p):
+                raise CriteoFormatError(f"{option} {p!r} is a directory, not a file: name the files in it "
+                                        f"(e.g. {option} {os.path.join(p, 'day_0.gz')} ...)")
+            if not os.path.isfile(p):
+                raise CriteoFormatError(f"{option} input file {p!r} does not exist" if not os.path.exists(p)
+                                        else f"{option} {p!r} is not a regular file")
     if (opt.hash_rows is None) == (opt.min_count is None):
         raise CriteoFormatError("give exactly one of --hash-rows (hashing) or --min-count (vocabulary)")
     if opt.hash_rows is not None and (len(opt.hash_rows) != NUM_CAT or min(opt.hash_rows) < 2
@@ -373,14 +389,15 @@ def _same_signature(old: dict[str, Any], sig: dict[str, Any]) -> bool:
     return old == sig
 
 
-def check_out(opt: PrepOptions) -> None:
+def check_out(opt: PrepOptions) -> bool:
     """--out must be a new or empty directory, or one prepared before from the same inputs and
-    options (then the run resumes); never an unrelated directory whose files would be replaced."""
+    options (then the run resumes); never an unrelated directory whose files would be replaced.
+    True when it holds nothing of an earlier run (new, empty, or only the empty layout)."""
     out = opt.out
     if os.path.exists(out) and not os.path.isdir(out):
         raise CriteoFormatError(f"--out {out} exists and is not a directory")
     if not os.path.isdir(out):
-        return
+        return True
     options = os.path.join(out, OPTIONS)
     if os.path.isfile(options):
         try:
@@ -393,7 +410,7 @@ def check_out(opt: PrepOptions) -> None:
         if not _same_signature(old, sig):
             raise CriteoFormatError(f"--out {out} was prepared with other options or training files "
                                     f"({old} != {sig}); use a fresh --out directory")
-        return
+        return False
     names = os.listdir(out)
     ours = all(n in _LAYOUT and os.path.isdir(os.path.join(out, n)) and not os.listdir(os.path.join(out, n))
                for n in names)  # a run that stopped before writing its signature
@@ -402,6 +419,51 @@ def check_out(opt: PrepOptions) -> None:
         raise CriteoFormatError(f"--out {out} is not empty ({shown}) and is not a directory prepared by "
                                 "this script: its files could be replaced or deleted; give a new or "
                                 "empty directory")
+    return True
+
+
+def _first_missing(path: str) -> str | None:
+    """The outermost directory of `path` (itself included) that does not exist yet: what creating
+    it makes; None when it exists."""
+    path = os.path.abspath(path)
+    missing = None
+    while not os.path.exists(path):
+        missing, parent = path, os.path.dirname(path)
+        if parent == path:
+            break
+        path = parent
+    return missing
+
+
+BLOCK_NAME = re.compile(r"^b\d{3}-\d{5}\.npy$")
+
+
+def _resumable(out: str) -> bool:
+    """Whether a failed run left work a re-run with the same inputs skips: a block, or the
+    vocabulary counts of a training file."""
+    def names(sub: str) -> list[str]:
+        d = os.path.join(out, sub)
+        return os.listdir(d) if os.path.isdir(d) else []
+    return (any(BLOCK_NAME.match(n) for split in SPLITS for n in names(split))
+            or any(n.startswith("count-") and n.endswith(".npz") for n in names("progress")))
+
+
+def _undo_out(out: str, created: str | None) -> None:
+    """After a failed run that found --out new or empty and left nothing to resume: remove what it
+    made (--out itself and the parents it created, else everything inside --out), so that --out
+    takes other inputs afterwards."""
+    if created is not None:
+        shutil.rmtree(created, ignore_errors=True)
+        return
+    for name in os.listdir(out) if os.path.isdir(out) else []:
+        path = os.path.join(out, name)
+        if os.path.isdir(path) and not os.path.islink(path):
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            try:
+                os.remove(path)
+            except OSError:  # the failure being reported matters more
+                pass
 
 
 def _make_out(opt: PrepOptions) -> None:
@@ -453,13 +515,25 @@ def prepare(opt: PrepOptions) -> dict[str, Any]:
     """Prepare opt.out from the raw files; returns (and writes) meta.json. Every failure that is
     not a bug (bad input, --out unusable, a full disk) raises CriteoFormatError saying where."""
     check_options(opt)
-    check_out(opt)
-    _make_out(opt)
+    fresh = check_out(opt)
+    created = _first_missing(opt.out)
     try:
+        _make_out(opt)
         return _prepare(opt)
     except OSError as exc:
         where = exc.filename or opt.out
+        _failed(opt, fresh, created)
         raise CriteoFormatError(f"preparing {opt.out} failed at {where}: {exc.strerror or exc}") from exc
+    except BaseException:
+        _failed(opt, fresh, created)
+        raise
+
+
+def _failed(opt: PrepOptions, fresh: bool, created: str | None) -> None:
+    """A run that found --out new or empty leaves it so when it fails with nothing to resume (an
+    empty input, no row surviving, a bad first file); otherwise its work stays for the re-run."""
+    if fresh and not _resumable(opt.out):
+        _undo_out(opt.out, created)
 
 
 def _prepare(opt: PrepOptions) -> dict[str, Any]:

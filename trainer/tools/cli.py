@@ -22,7 +22,8 @@ def error_line(exc: BaseException) -> str:
     span lines: "Could not override 'x'.\\nTo append to your config use +x=1", a list of the
     available options one per indented line, then the config search path (dropped: it names
     Hydra's own directories). Lines are joined with "; " (" " after a line ending in "." or ":"),
-    the items of an indented list with ", "."""
+    the items of an indented list with ", ". An override Hydra could not parse comes first
+    (`train.steps=[1: no viable alternative at input '[1'; ...`)."""
     out, indented_before = "", False
     for raw in str(exc).splitlines():
         line = raw.strip()
@@ -38,7 +39,9 @@ def error_line(exc: BaseException) -> str:
         else:
             out += (" " if out.endswith((".", ":")) else "; ") + line
         indented_before = indented
-    return out or type(exc).__name__
+    out = out or type(exc).__name__
+    override = getattr(exc, "override", None)  # hydra.errors.OverrideParseException
+    return f"{override}: {out}" if isinstance(override, str) and override not in out else out
 
 
 def bad_input(exc: BaseException) -> int:

@@ -1,0 +1,186 @@
+"""Preemption: SIGTERM, SIGINT (Ctrl-C) and SIGUSR1 stop a run at the next step boundary, saved.
+
+Why a flag and not an exception: a scheduler or a user may signal one rank or all of them, at any
+point of a step. Raising there would leave the other ranks waiting in the step's collectives and
+lose everything since the last checkpoint. The handler only records the signal; the step's loss
+reduction carries one element more, 1 on a rank that has received one (with the dense gradients,
+or in train.nonfinite=skip's loss allreduce), so every rank learns it in the same step and all stop
+after it; W = 1 reads its own flag. Then (runner.Trainer._stop) the run saves that step
+(train.on_signal=save), writes summary.json with `stopped`, releases its checkpoint dir; run()
+prints one line with the relaunch command (announce) and the process exits with 128 + the signal's
+number (143 SIGTERM, 130 SIGINT, 138 SIGUSR1), the status a scheduler reads as "ended by it".
+
+A second signal exits at once (os._exit, 128 + its number): the save in progress is abandoned
+(its .tmp- directory goes when the next run takes the dead run's lock over), the earlier
+checkpoints stay. The same signal again within REPEAT_S of the first counts once: a scheduler that
+signals every process of a job and torchrun forwarding it to its workers deliver it twice.
+
+The handlers are in force while runner.run() runs (the main thread only: Python runs handlers
+there) and the previous ones are put back after it.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import threading
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any, Iterator, Optional
+
+import torch
+
+from .build import phase
+from .comm import Collectives
+from .config import Config
+from .relaunch import relaunch_command
+
+__all__ = ["NOT_EVALUATED", "REPEAT_S", "SIGNALS", "STOP_SIGNALS", "SignalWatch", "Stop", "agree", "announce",
+           "why_not_saved"]
+
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
+REPEAT_S = 1.0  # the same signal again within this many seconds is the same request
+NOT_EVALUATED = {"eval_auc": None, "eval_logloss": None, "eval_samples": 0}  # summary.json after a stop
+
+
+class SignalWatch:
+    """This process's stop signals: the first one received, and whether a rank had one at the last
+    step boundary (`agreed`, the same on every rank)."""
+
+    def __init__(self) -> None:
+        self.received: Optional[int] = None  # the first signal's number
+        self.agreed = False
+        self._at = 0.0
+        self._depth = 0
+        self._previous: dict[int, Any] = {}
+
+    @contextmanager
+    def watching(self) -> Iterator["SignalWatch"]:
+        """Handle the stop signals in this block (runner.run), then put the previous handlers back."""
+        outer = self._depth == 0
+        if outer:
+            self.received, self.agreed = None, False
+            if threading.current_thread() is threading.main_thread():
+                self._previous = {s: signal.getsignal(s) for s in STOP_SIGNALS}
+                for s in STOP_SIGNALS:
+                    signal.signal(s, self._handle)
+        self._depth += 1
+        try:
+            yield self
+        finally:
+            self._depth -= 1
+            if outer:
+                for s, handler in self._previous.items():
+                    signal.signal(s, handler if handler is not None else signal.SIG_DFL)
+                self._previous = {}
+                self.received, self.agreed = None, False
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        now = time.monotonic()
+        if self.received is None:
+            self.received, self._at = signum, now
+            return
+        if signum == self.received and now - self._at < REPEAT_S:
+            return
+        name = signal.Signals(signum).name
+        os.write(2, f"[trainer] second signal ({name}): exiting now (status {128 + signum}); the "
+                    "checkpoint being written, if any, is abandoned, the earlier ones are intact\n".encode())
+        os._exit(128 + signum)
+
+    def carry(self, loss: torch.Tensor, world: int) -> torch.Tensor:
+        """What the step's loss reduction sums: the local loss [1], with W > 1 followed by this
+        rank's flag (1: it has received a stop signal)."""
+        loss = loss.detach().reshape(1)
+        return loss if world == 1 else torch.cat([loss, loss.new_tensor([float(self.received is not None)])])
+
+    def take(self, reduced: torch.Tensor, world: int) -> float:
+        """The global loss from the reduced carry(); notes whether a rank had a signal (agreed)."""
+        values = reduced.tolist()
+        self.agreed = values[1] > 0 if world > 1 else self.received is not None
+        return float(values[0])
+
+
+SIGNALS = SignalWatch()  # this process's (runner.run installs it)
+
+
+@dataclass
+class Stop:
+    """A run stopped by a signal after `step` steps: summary.json's `stopped`."""
+
+    signal: str  # its name, e.g. SIGTERM: the signal of the lowest rank that received one
+    rank: int  # that rank
+    ranks: list[int]  # every rank that had received one
+    step: int
+    checkpoint: Optional[str] = None  # saved at the stop (none: train.on_signal=stop, no checkpoints)
+    continue_from: Optional[str] = None  # the newest complete checkpoint of the run
+    why_none: Optional[str] = None  # why no checkpoint was saved at the stop
+
+    def saved(self, path: Optional[str]) -> None:
+        """The checkpoint saved at the stop: `path` (None: the save failed, with no fallback)."""
+        self.checkpoint, self.continue_from = path, path or self.continue_from
+        self.why_none = None if path else "its save failed: see checkpoint_error"
+
+    @property
+    def exit_status(self) -> int:
+        return 128 + int(signal.Signals[self.signal])
+
+    def record(self) -> dict[str, Any]:
+        return {"reason": "signal", "signal": self.signal, "rank": self.rank, "ranks": self.ranks,
+                "step": self.step, "checkpoint": self.checkpoint, "continue_from": self.continue_from,
+                "no_checkpoint": self.why_none, "exit_status": self.exit_status}
+
+
+def why_not_saved(c: Config, enabled: bool) -> Optional[str]:
+    """Why a stop saves no checkpoint (None: it saves one). enabled: the run has a checkpointer."""
+    if c.train.on_signal == "stop":
+        return "train.on_signal=stop"
+    if not c.checkpoint.enabled:
+        return "checkpoint.enabled=false"
+    return None if enabled else "the run has no output dir, so no checkpoint dir"
+
+
+def agree(comm: Collectives, watch: SignalWatch, step: int) -> Stop:
+    """Which ranks received which signal (W > 1: one allgather, once per run). Collective."""
+    mine = watch.received or 0
+    if comm.size > 1:
+        with phase(comm, "other"):
+            got = [int(x) for x in comm.allgather(torch.tensor([mine], dtype=torch.int64), kind="meta").tolist()]
+    else:
+        got = [mine]
+    ranks = [r for r, s in enumerate(got) if s]
+    first = ranks[0] if ranks else comm.rank
+    return Stop(signal.Signals(got[first] or signal.SIGTERM).name, first, ranks, step)
+
+
+def announce(summary: dict[str, Any], comm: Collectives, resume: Optional[str],
+             ckpt_dir: Optional[str], out_dir: Optional[str], note: str = "") -> None:
+    """Rank 0 prints the one line of a stop (summary["stopped"]: the signal, the step, the
+    checkpoint; the summary's place; the command that continues in out_dir, `resume` a checkpoint
+    or "auto"); then every rank waits for the others, so that no rank exits (and torchrun stops
+    the rest) before rank 0 has said it. Collective."""
+    stopped = summary["stopped"]
+    if comm.rank == 0:
+        try:
+            command = relaunch_command(resume, ckpt_dir, out_dir, size=comm.size)
+        except Exception as exc:  # noqa: BLE001 - the line must never hide the stop itself
+            command = f"(no relaunch command: {type(exc).__name__}: {exc})"
+        ranks = stopped["ranks"]
+        who = ("" if comm.size == 1 else " by every rank" if len(ranks) == comm.size
+               else f" by rank {ranks[0]}" if len(ranks) == 1 else f" by ranks {', '.join(map(str, ranks))}")
+        saved = (f"saved checkpoint {os.path.abspath(stopped['checkpoint'])}" if stopped["checkpoint"]
+                 else f"no checkpoint saved ({stopped['no_checkpoint']})")
+        where = summary.get("output_dir")
+        written = f"; summary: {os.path.join(where, 'summary.json')}" if where else ""
+        if resume == "auto" or (resume is not None and resume == stopped["checkpoint"]):
+            go = "to continue, run:" if resume == "auto" else "to continue from it, run:"
+        elif resume is not None:
+            go = f"the newest complete checkpoint of this run is {os.path.abspath(resume)}; to continue from it, run:"
+        else:
+            go = "no checkpoint of this run is complete; to run it again from the start in the same directories, run:"
+        steps = summary["config"]["train"]["steps"]
+        print(f"stopped: {stopped['signal']} received{who}: training stopped after step {stopped['step']} of {steps}, "
+              f"{saved}{note}{written} (exit status {stopped['exit_status']}); {go} {command}",
+              file=sys.stderr, flush=True)
+    if comm.size > 1:
+        comm.barrier()
