@@ -50,13 +50,11 @@ class ShardStore:
                  accumulator_init: float = 0.0, weight_decay: float = 0.0) -> None:
         self.sharding, self.dim = sharding, dim
         self.seed, self.init_scale = seed, init_scale
-        gids = sharding.local_gids()
-        table, ids = sharding.decode(gids)
-        real = sharding.valid(gids)
-        weight = torch.zeros(sharding.local_rows, dim)
-        at = torch.nonzero(real).squeeze(1)
-        weight.index_copy_(0, at, init_rows(seed, sharding.table_rows, dim, table[at], ids[at], init_scale))
-        self.weight = weight.to(device)
+        weight = torch.empty(sharding.local_rows, dim, device=device)
+        for lo in range(0, sharding.local_rows, _INIT_CHUNK_ROWS):  # temporaries: one chunk of rows
+            idx = torch.arange(lo, min(lo + _INIT_CHUNK_ROWS, sharding.local_rows), dtype=torch.int64)
+            weight[lo:lo + idx.numel()] = self._initial(idx).to(device)
+        self.weight = weight
         self.version = torch.zeros(sharding.local_rows, dtype=torch.int64, device=device)  # updates applied
         self.touched = torch.zeros(sharding.local_rows, dtype=torch.bool, device=device)  # written since cleared
         self.optimizer: SparseOptimizer = make_sparse_optimizer(optimizer, self.weight, lr, eps,
@@ -64,14 +62,18 @@ class ShardStore:
 
     def initial_rows(self, local_idx: torch.Tensor) -> torch.Tensor:
         """[n, d] initial values of storage rows local_idx (real rows; padding rows are zeros)."""
-        gids = self.sharding.local_gids()[local_idx.cpu()]
+        return self._initial(local_idx.cpu()).to(self.weight.device, self.weight.dtype)
+
+    def _initial(self, local_idx: torch.Tensor) -> torch.Tensor:
+        """[n, d] float32 on the CPU: initial rows of storage rows local_idx (CPU int64), zeros for
+        padding rows. Needs O(n) memory, never O(local rows)."""
+        gids = self.sharding.global_of(local_idx, self.sharding.rank)
         table, ids = self.sharding.decode(gids)
-        real = self.sharding.valid(gids)
         out = torch.zeros(local_idx.numel(), self.dim)
-        at = torch.nonzero(real).squeeze(1)
+        at = torch.nonzero(self.sharding.valid(gids)).squeeze(1)
         if at.numel():
             out[at] = init_rows(self.seed, self.sharding.table_rows, self.dim, table[at], ids[at], self.init_scale)
-        return out.to(self.weight.device, self.weight.dtype)
+        return out
 
     def rows(self, gids: torch.Tensor) -> torch.Tensor:
         """[n, d] current rows of owned gids."""
