@@ -216,6 +216,7 @@ class TrainConfig:
     device: str = "cpu"  # cpu | cuda | auto
     nonfinite: str = "stop"  # NaN/inf global loss: stop (error naming the step) | skip (drop the batch, no update anywhere)
     max_skips: int = 10  # nonfinite=skip: stop anyway after this many consecutive skipped steps
+    memory_check: bool = True  # stop at start-up (exit 2) when a rank's memory plan (trainer/memplan.py) exceeds the memory it can have; false: warn and start
     on_signal: str = "save"  # SIGTERM / SIGINT / SIGUSR1: stop every rank at the next step boundary and save a checkpoint there (save) or not (stop); exit 128 + signal
     pipeline: str = "ids"  # off (serial step) | ids (next step's input side + id exchange overlap this step: exact) | rows (also its rows: needs a cache and pull_bound >= 1)
     tensorboard: bool = True  # also write TensorBoard scalars to <output dir>/tensorboard (when there is an output dir)

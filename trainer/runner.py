@@ -41,6 +41,7 @@ from .data import make_data
 from .embedding import InFlightStep
 from .evaluation import Evaluator
 from .lr import LrSchedule
+from .memplan import check_memory
 from .outdir import HeldDir, claim_out_dir, probe_dir
 from .pipeline import StepPipeline
 from .recipes import announce_recipe, apply_data_steps, recipe_of
@@ -137,6 +138,7 @@ class Trainer:
         self.data = make_data(c, self.rank, self.world)
         apply_data_steps(c, self.world)  # data.epochs -> train.steps, now that W is known
         self.global_batch = local_batch_size(c, self.world) * self.world
+        self.memory = check_memory(c, comm, self.device)  # before the sparse side allocates
         self.sparse = build_sparse(c, comm, self.data, self.global_batch, self.device)
         self.emb, self.feed = self.sparse.emb, self.sparse.feed
         self.model, self.params, self.opt = build_dense(c, comm, self.sparse.sharding.num_tables, self.device)

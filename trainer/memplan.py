@@ -1,0 +1,178 @@
+"""The memory plan: what a rank will hold, known before it allocates, and a refusal when it cannot fit.
+
+Why: the sparse side is most of a rank's memory and its size is known from the config alone (rows
+per rank x bytes per row). A config that cannot fit used to fail in the allocator with a raw
+traceback minutes into start-up (or take the host into swap); now every rank computes its plan,
+rank 0 prints one line with it, and a rank whose plan exceeds the memory it can have stops every
+rank with one error line (exit 2) naming the figures.
+
+What is counted, per rank (docs/design.md, "bytes per row"):
+- rows: local rows x (d x weight bytes + the sparse optimizer's state + 8 (version) + 1 (touched));
+- the worker cache: its slots x (row + pending update + 5 int64) and its id -> slot map (a direct
+  int32 array over the whole id space on the CPU up to DIRECT_MAP_MAX_IDS ids: 4 B per id of the
+  model, the one structure sized by the model; else a hash map sized by the slots);
+- the replica of hot rows (placement fae / sca): at most its budget_bytes;
+- the best-model snapshot (validation with restore_best): at most one copy of the rows' weights;
+- the batch and the dense model's activations: an estimate (local batch x the widths of the MLPs).
+Available: MemAvailable (and the cgroup's limit, when lower) shared by the ranks on this host; on
+a GPU, the device's free memory.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from .config import Config, ConfigError, cache_capacities, local_batch_size, table_rows
+from .embedding.sharding import RowSharding
+from .embedding.slotmap import DIRECT_MAP_MAX_IDS
+from .placement.sca import slot_bytes
+
+STATE_PER_ROW = {"sgd": 0, "adagrad": None, "rowwise_adagrad": 4}  # None: d x 4 bytes (element-wise)
+ADVICE = {"rows": "more workers, embedding.dtype=fp16 or bf16 (half the weight bytes), smaller data.table_rows",
+          "cache": "a smaller cache.capacity_fraction or cache.capacity_rows", "cache map": "cache=none",
+          "replica": "a smaller placement.budget_bytes", "best snapshot": "train.early_stop.restore_best=false",
+          "batch": "a smaller data.batch_size or more workers"}
+HASH_SLOT_BYTES = 16  # the hash map's key + slot per entry, at its load factor of about one half
+
+
+def state_bytes(dim: int, optimizer: str) -> int:
+    per = STATE_PER_ROW[optimizer]
+    return dim * 4 if per is None else per
+
+
+def weight_elem(c: Config) -> int:
+    return torch.empty(0, dtype=_dtype(c)).element_size()
+
+
+def _dtype(c: Config) -> torch.dtype:
+    name = getattr(c.embedding, "dtype", "fp32")
+    return {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[name]
+
+
+@dataclass
+class MemoryPlan:
+    """One rank's bytes by part; available memory and where that figure comes from."""
+    rank: int
+    world: int
+    local_rows: int
+    row_parts: dict[str, int]  # bytes per local row, by part
+    parts: dict[str, int] = field(default_factory=dict)  # bytes, by part (rows first)
+    available: int | None = None
+    source: str = ""
+
+    @property
+    def bytes_per_row(self) -> int:
+        return sum(self.row_parts.values())
+
+    @property
+    def total(self) -> int:
+        return sum(self.parts.values())
+
+    def line(self) -> str:
+        per = ", ".join(f"{k} {v} B" for k, v in self.row_parts.items() if v)
+        rest = ", ".join(f"{k} {fmt_bytes(v)}" for k, v in self.parts.items() if k != "rows" and v)
+        avail = (f" of {fmt_bytes(self.available)} available ({self.source})" if self.available is not None
+                 else f" ({self.source})")
+        return (f"memory plan, rank {self.rank}/{self.world}: rows {self.local_rows:,} x {self.bytes_per_row} B "
+                f"({per}) = {fmt_bytes(self.parts['rows'])}" + (f", {rest}" if rest else "")
+                + f"; total {fmt_bytes(self.total)}{avail}")
+
+    def record(self) -> dict[str, Any]:
+        return {"local_rows": self.local_rows, "bytes_per_row": self.bytes_per_row, "row_parts": self.row_parts,
+                "parts": self.parts, "total": self.total, "available": self.available, "source": self.source}
+
+
+def fmt_bytes(n: float) -> str:
+    for unit, size in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if abs(n) >= size:
+            return f"{n / size:.1f} {unit}"
+    return f"{int(n)} B"
+
+
+def plan_memory(c: Config, world: int, rank: int, device: torch.device = torch.device("cpu")) -> MemoryPlan:
+    """The plan of rank `rank` of `world` on `device` (no allocation: the sharding's offsets only)."""
+    rows = table_rows(c)
+    d = c.model.embedding_dim
+    local = RowSharding(rows, world, rank).local_rows
+    row_parts = {"weight": d * weight_elem(c), c.optim.sparse: state_bytes(d, c.optim.sparse),
+                 "version": 8, "touched": 1}
+    plan = MemoryPlan(rank, world, local, row_parts)
+    plan.parts["rows"] = local * plan.bytes_per_row
+    slots = sum(cache_capacities(c))
+    if slots:
+        plan.parts["cache"] = slots * slot_bytes(d)
+        n_ids = sum(-(-n // world) * world for n in rows)
+        direct = device.type == "cpu" and n_ids <= DIRECT_MAP_MAX_IDS  # slotmap.id_slot_map's choice
+        plan.parts["cache map"] = 4 * n_ids if direct else slots * HASH_SLOT_BYTES
+    if c.placement.name in ("fae", "sca"):
+        plan.parts["replica"] = int(c.placement.budget_bytes)
+    if c.train.early_stop.restore_best and (c.data.val_fraction or 0) > 0:
+        plan.parts["best snapshot"] = local * d * weight_elem(c)
+    widths = [c.data.num_dense] + list(c.model.bottom_mlp) + list(c.model.top_mlp or []) + [d * len(rows)]
+    ids_per_sample = len(rows) * max(c.data.max_bag, 1)
+    plan.parts["batch"] = local_batch_size(c, world) * (sum(widths) * 4 * 4 + ids_per_sample * 8 * 4)
+    return plan
+
+
+def available_memory(device: torch.device, local_ranks: int | None) -> tuple[int | None, str]:
+    """(bytes this rank may use, where the figure comes from)."""
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return int(free), f"free on {device}"
+    avail, source = _meminfo("MemAvailable"), "MemAvailable"
+    limit = _cgroup_room()
+    if limit is not None and (avail is None or limit < avail):
+        avail, source = limit, "the cgroup's memory.max less its use"
+    if avail is None:
+        return None, "available memory unknown"
+    n = max(local_ranks or 1, 1)
+    return avail // n, (f"{source} / {n} ranks on this host" if n > 1 else source)
+
+
+def _meminfo(key: str) -> int | None:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith(key + ":"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def _cgroup_room() -> int | None:
+    try:
+        with open("/sys/fs/cgroup/memory.max") as f:
+            limit = f.read().strip()
+        if limit == "max":
+            return None
+        with open("/sys/fs/cgroup/memory.current") as f:
+            return int(limit) - int(f.read().strip())
+    except (OSError, ValueError):
+        return None
+
+
+def check_memory(c: Config, comm: Any, device: torch.device) -> MemoryPlan:
+    """Every rank's plan against its memory; rank 0 prints its line. A rank that cannot fit stops
+    every rank with a ConfigError naming the figures (train.memory_check=false: a warning only).
+    Collective."""
+    plan = plan_memory(c, comm.size, comm.rank, device)
+    plan.available, plan.source = available_memory(device, comm.local_size)
+
+    def fits() -> MemoryPlan:
+        if plan.available is not None and plan.total > plan.available:
+            big = max(plan.parts, key=plan.parts.get)
+            msg = (f"{plan.line()}: the plan needs {fmt_bytes(plan.total - plan.available)} more than this "
+                   f"rank can have; the largest part is {big} ({ADVICE[big]}); "
+                   f"train.memory_check=false starts anyway")
+            if c.train.memory_check:  # every rank raises: exit 2, one line
+                raise ConfigError(msg)
+            print(f"[trainer] warning: {msg}", flush=True)
+        return plan
+    comm.all_succeed("memory plan", fits, ConfigError)
+    if comm.rank == 0:
+        print(f"[trainer] {plan.line()}", flush=True)
+    return plan
