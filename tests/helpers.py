@@ -34,7 +34,24 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _child(rank: int, world: int, port: int, fn: Callable[..., Any], args: tuple, path: str) -> None:
+# Workers are forked from a server that has imported torch and the trainer once (the
+# "forkserver" start method with a preload): a spawned worker would import them again, ~3 s of
+# CPU each, a large share of the suite's time (the dist tests take ~45% less). A worker gets the
+# test's environment and working directory as they are at spawn() (a forked worker would otherwise
+# keep the server's). TEST_START_METHOD=spawn goes back to fresh interpreters.
+PRELOAD = ["torch", "trainer.runner", "trainer.config", "trainer.comm"]
+_CTX = mp.get_context(os.environ.get("TEST_START_METHOD", "forkserver"))
+if _CTX.get_start_method() == "forkserver":
+    _CTX.set_forkserver_preload(PRELOAD)
+
+
+def _child(rank: int, world: int, port: int, fn: Callable[..., Any], args: tuple, path: str,
+           env: dict[str, str] | None = None, cwd: str | None = None) -> None:
+    if env is not None:
+        os.environ.clear()
+        os.environ.update(env)
+    if cwd is not None:
+        os.chdir(cwd)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
     try:
@@ -49,11 +66,10 @@ def spawn(world: int, fn: Callable[..., Any], *args: Any, timeout: float = 240.0
 
     fn must be importable (module level). Raises if any rank fails, dies or exceeds timeout.
     """
-    ctx = mp.get_context("spawn")
     port = free_port()
     with tempfile.TemporaryDirectory() as tmp:
         paths = [os.path.join(tmp, f"rank{r}.pt") for r in range(world)]
-        procs = [ctx.Process(target=_child, args=(r, world, port, fn, args, paths[r]))
+        procs = [_CTX.Process(target=_child, args=(r, world, port, fn, args, paths[r], dict(os.environ), os.getcwd()))
                  for r in range(world)]
         for p in procs:
             p.start()

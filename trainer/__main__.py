@@ -111,8 +111,6 @@ def main(cfg: DictConfig) -> None:
         _exit_after_failed_collective(exc)
     used = result.summary.get("output_dir")
     _remove_stray_dir(out_dir, used)
-    if hc.mode == RunMode.MULTIRUN:
-        _remove_stray_sweep_dir(hc.sweep.dir, used)
     stopped = result.summary.get("stopped")
     if stopped is not None:  # a stop signal (runner printed where and how to go on): a sweep ends too
         _stopped(stopped, hc, result.rank)
