@@ -127,6 +127,9 @@ class Probe:
 
 
 def main() -> None:
+    if sys.argv[1:2] in (["-h"], ["--help"]):  # this wrapper's usage (the trainer's own: python -m trainer --help)
+        print(__doc__)
+        return
     out = os.environ.get(ENV)
     if not out:
         print(f"error: set {ENV} to the directory for scale_rank<r>.json", file=sys.stderr)

@@ -56,9 +56,9 @@ stage() {
 }
 
 if [ "$QUICK" = 1 ]; then
-  PARITY=(--only dlrm w2-lfu-ssp --steps 20)
+  PARITY=(--only dlrm w2-lfu-ssp --steps 6)
   KBENCH=(--quick)
-  TSTEPS=20
+  TSTEPS=6
 else
   PARITY=(--steps 120)
   KBENCH=(--dims 16 64 128 --bags 8 32 --reps 20)

@@ -37,10 +37,12 @@ REAL_RUNS = {
     "benchmarks/bench_comm.py": "",
     "benchmarks/bench_data.py": "",
     "benchmarks/bench_kernels.py": "test_bench_kernels.py::test_bench_kernels_quick_cpu",
-    "benchmarks/bench_net.py": "test_bench_net.py::test_repeat_interleaves_rounds_on_localhost",
+    "benchmarks/bench_net.py": "test_bench_net.py::test_repeat_interleaves_rounds_and_phases_time_every_rank_step_by_step",
     "benchmarks/bench_placement.py": "",
+    "benchmarks/bench_scale.py": "test_bench_scale.py::test_every_phase_of_a_train_and_a_resume_at_2w",
     "benchmarks/bench_train.py": "test_gpu_check.py::test_gpu_check_runs_every_stage_in_cpu_mode",
-    "benchmarks/phases.py": "test_bench_net.py::test_phases_time_every_rank_step_by_step",
+    "benchmarks/scale_probe.py": "test_bench_scale.py::test_every_phase_of_a_train_and_a_resume_at_2w",
+    "benchmarks/phases.py": "test_bench_net.py::test_repeat_interleaves_rounds_and_phases_time_every_rank_step_by_step",
     "benchmarks/soak.py": "test_soak.py::test_soak_prints_one_json_line_with_sane_figures",
     "dev/gpu_parity.py": "test_gpu_paths.py::test_harness_on_cpu",
     "dev/netcluster.py": "",
@@ -50,6 +52,7 @@ REAL_RUNS = {
 }
 SHELL = [s for s in REAL_RUNS if s.endswith(".sh")]
 PYTHON_SCRIPTS = [s for s in REAL_RUNS if s.endswith(".py")]
+MODULES = ["-m benchmarks.phases", "-m benchmarks.scale_probe"]  # wrappers of the trainer, run under a launcher
 
 
 def run_many(cases: list[dict]) -> list[dict]:
@@ -107,6 +110,8 @@ HELP_SAYS = {  # a phrase of each script's own help text (not argparse's), so th
     "benchmarks/bench_kernels.py": "sparse kernels",
     "benchmarks/bench_net.py": "Network benchmark",
     "benchmarks/bench_placement.py": "--consistency",
+    "benchmarks/bench_scale.py": "every phase of a run",
+    "benchmarks/scale_probe.py": "SCALE_PROBE_DIR",
     "benchmarks/bench_train.py": "Training throughput",
     "benchmarks/phases.py": "STEP_PHASES_DIR",
     "benchmarks/soak.py": "Soak test",
@@ -123,7 +128,7 @@ HELP_SAYS = {  # a phrase of each script's own help text (not argparse's), so th
 
 @pytest.fixture(scope="module")
 def helps() -> dict[str, dict]:
-    scripts = PYTHON_SCRIPTS + ["-m benchmarks.phases"]
+    scripts = PYTHON_SCRIPTS + MODULES
     res = run_many([{"argv": s.split() + ["--help"], "timeout": 60} for s in scripts])
     out = dict(zip(scripts, res))
     for s in SHELL:
@@ -132,11 +137,12 @@ def helps() -> dict[str, dict]:
     return out
 
 
-@pytest.mark.parametrize("script", sorted(REAL_RUNS) + ["-m benchmarks.phases"])
+@pytest.mark.parametrize("script", sorted(REAL_RUNS) + MODULES)
 def test_help(script, helps):
     r = helps[script]
     assert r["rc"] == 0 and r["stderr"] == "", r
-    assert HELP_SAYS[script.replace("-m benchmarks.phases", "benchmarks/phases.py")] in r["stdout"], r["stdout"]
+    assert HELP_SAYS[script.replace("-m ", "").replace(".", "/", 1) + ".py" if script.startswith("-m ")
+                     else script] in r["stdout"], r["stdout"]
 
 
 # ------------------------------------------------------------------------------------ bad input
@@ -174,6 +180,9 @@ BAD_INPUT = [
     (["benchmarks/bench_train.py", "--worlds", "3", "--steps", "2", "--", "data=tiny", "data.global_batch_size=64"],
      "data.global_batch_size=64: must be divisible by the world size 3"),
     (["benchmarks/bench_net.py", "--links", "fast"], "link rate 'fast'"),
+    (["benchmarks/bench_scale.py", "--worlds", "3", "--", "data.global_batch_size=64"],
+     "data.global_batch_size=64: must be divisible by the world size 3"),
+    (["-m", "benchmarks.scale_probe", "data=tiny"], "set SCALE_PROBE_DIR"),
     (["-m", "benchmarks.phases", "data=tiny"], "set STEP_PHASES_DIR"),
     (["dev/gpu_parity.py", "--device", "cpu", "--criteo", MISSING], f"data.dir='{MISSING}'"),
     (["dev/gpu_parity.py", "--device", "nosuch"], "--device nosuch"),
