@@ -94,26 +94,33 @@ class Timers:
                 "cpu_busy": round(self.cpu_seconds / wall, 3) if wall > 0 else 0.0}
 
 
-def main() -> None:
-    if sys.argv[1:2] in (["-h"], ["--help"]):  # this wrapper's usage (the trainer's own: python -m trainer --help)
-        print(__doc__)
+def run_trainer_probed(doc: str, env: str, name: str, make: Callable[[], Any]) -> None:
+    """`python -m trainer ARGS` in this process with a probe (make(): an object with install()
+    and report(rank)) whose report is written to $env/<name>_rank<r>.json when the process exits.
+    The wrapper main of this module and of benchmarks/scale_probe.py."""
+    if sys.argv[1:2] in (["-h"], ["--help"]):  # the wrapper's usage (the trainer's own: python -m trainer --help)
+        print(doc)
         return
-    out = os.environ.get(ENV)
+    out = os.environ.get(env)
     if not out:
-        print(f"error: set {ENV} to the directory for phases_rank<r>.json", file=sys.stderr)
+        print(f"error: set {env} to the directory for {name}_rank<r>.json", file=sys.stderr)
         sys.exit(2)
-    timers = Timers()
-    timers.install()
+    probe = make()
+    probe.install()
     rank = int(os.environ.get("RANK", os.environ.get("HOROVOD_RANK", "0")))
 
     def write() -> None:
         os.makedirs(out, exist_ok=True)
-        with open(os.path.join(out, f"phases_rank{rank}.json"), "w") as f:
-            json.dump(timers.report(rank), f)
+        with open(os.path.join(out, f"{name}_rank{rank}.json"), "w") as f:
+            json.dump(probe.report(rank), f)
 
     atexit.register(write)
     sys.argv = ["trainer", *sys.argv[1:]]
     runpy.run_module("trainer", run_name="__main__", alter_sys=True)
+
+
+def main() -> None:
+    run_trainer_probed(__doc__, ENV, "phases", Timers)
 
 
 if __name__ == "__main__":

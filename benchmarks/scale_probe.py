@@ -21,15 +21,12 @@ system calls per call of a phase.
 """
 from __future__ import annotations
 
-import atexit
 import importlib
-import json
-import os
 import re
-import runpy
-import sys
 import time
 from typing import Any, Callable
+
+from benchmarks.phases import run_trainer_probed
 
 PHASES = (  # (phase, module, class, method)
     ("init", "trainer.runner", "Trainer", "__init__"),
@@ -127,25 +124,7 @@ class Probe:
 
 
 def main() -> None:
-    if sys.argv[1:2] in (["-h"], ["--help"]):  # this wrapper's usage (the trainer's own: python -m trainer --help)
-        print(__doc__)
-        return
-    out = os.environ.get(ENV)
-    if not out:
-        print(f"error: set {ENV} to the directory for scale_rank<r>.json", file=sys.stderr)
-        sys.exit(2)
-    probe = Probe()
-    probe.install()
-    rank = int(os.environ.get("RANK", os.environ.get("HOROVOD_RANK", "0")))
-
-    def write() -> None:
-        os.makedirs(out, exist_ok=True)
-        with open(os.path.join(out, f"scale_rank{rank}.json"), "w") as f:
-            json.dump(probe.report(rank), f)
-
-    atexit.register(write)
-    sys.argv = ["trainer", *sys.argv[1:]]
-    runpy.run_module("trainer", run_name="__main__", alter_sys=True)
+    run_trainer_probed(__doc__, ENV, "scale", Probe)
 
 
 if __name__ == "__main__":
