@@ -26,6 +26,7 @@ from __future__ import annotations
 import hashlib
 import math
 import os
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
@@ -48,12 +49,16 @@ def shard_dir(rank: int, world: int) -> str:
 # The row order
 
 
+_REV16 = np.zeros(1 << 16, dtype=np.int64)  # the 16 bits of each value, reversed
+for _b in range(16):
+    _REV16 |= ((np.arange(1 << 16, dtype=np.int64) >> _b) & 1) << (15 - _b)
+
+
 def bit_reverse(j: np.ndarray, bits: int) -> np.ndarray:
-    """The `bits` low bits of each j (int64), reversed."""
-    out = np.zeros_like(j)
-    for b in range(bits):
-        out |= ((j >> b) & 1) << (bits - 1 - b)
-    return out
+    """The `bits` low bits of each j (int64, bits <= 48), reversed: three 16-bit table lookups."""
+    j = np.asarray(j, dtype=np.int64)
+    full = (_REV16[j & 0xFFFF] << 32) | (_REV16[(j >> 16) & 0xFFFF] << 16) | _REV16[(j >> 32) & 0xFFFF]
+    return full >> (48 - bits) if bits else np.zeros_like(j)
 
 
 def order_bits(n: int) -> int:
@@ -165,7 +170,12 @@ def _segments(store: ShardStore) -> Iterator[tuple[int, int, int]]:
 
 
 class _HashedWriter:
-    """A file written sequentially, hashed per BLOCK bytes."""
+    """A file written sequentially, hashed per BLOCK bytes. The hashing of one piece runs in a
+    thread (hashlib and file writes release the GIL) while the caller gathers the next piece: at
+    most one piece waits to be hashed, so memory stays bounded and sha256 does not add its time
+    to the gather's and the write's."""
+
+    _pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shard-hash")
 
     def __init__(self, path: str) -> None:
         self.path, self.f = path, open(path, "wb")
@@ -173,10 +183,16 @@ class _HashedWriter:
         self.block = hashlib.sha256()
         self.in_block = 0
         self.bytes = 0
+        self.pending: Future | None = None
 
-    def write(self, data: memoryview) -> None:
+    def write(self, array: np.ndarray) -> None:
+        data = memoryview(array).cast("B")
         self.f.write(data)
         self.bytes += len(data)
+        self._wait()
+        self.pending = self._pool.submit(self._hash, data, array)
+
+    def _hash(self, data: memoryview, keep: np.ndarray) -> None:  # keep: data's owner, alive till hashed
         pos = 0
         while pos < len(data):
             take = min(BLOCK - self.in_block, len(data) - pos)
@@ -187,12 +203,20 @@ class _HashedWriter:
                 self.digests.append(self.block.digest())
                 self.block, self.in_block = hashlib.sha256(), 0
 
+    def _wait(self) -> None:
+        if self.pending is not None:
+            self.pending.result()
+            self.pending = None
+
     def close(self) -> dict[str, Any]:
+        try:
+            self._wait()
+        finally:
+            self.f.flush()
+            os.fsync(self.f.fileno())
+            self.f.close()
         if self.in_block:
             self.digests.append(self.block.digest())
-        self.f.flush()
-        os.fsync(self.f.fileno())
-        self.f.close()
         index = b"".join(self.digests)
         with open(self.path + ".sha256", "wb") as f:
             f.write(index)
@@ -203,29 +227,32 @@ class _HashedWriter:
 
 def write_shard(directory: str, store: ShardStore,
                 on_piece: Callable[[str, int], None] | None = None) -> dict[str, Any]:
-    """Write the rank's shard into `directory` (created), field by field, PIECE_BYTES of rows at a
-    time; returns {"fields": {name: {dtype, width, bytes, blocks_sha256}}, "rows": n}. on_piece(field,
-    bytes) is called before each piece is written (tests: the largest piece a save holds)."""
+    """Write the rank's shard into `directory` (created): PIECE_BYTES of rows at a time (every
+    field's values of the same rows, gathered in file order once per piece), each field appended
+    to its file; returns {"fields": {name: {dtype, width, bytes, blocks_sha256}}, "rows": n}.
+    on_piece(field, bytes) is called before each field's piece is written (tests: the largest piece
+    a save holds)."""
     os.makedirs(directory, exist_ok=True)
     segments = list(_segments(store))
     total = sum(n for _, _, n in segments)
     out: dict[str, Any] = {"rows": total, "fields": {}}
-    for field, tensor in fields(store):
-        writer = _HashedWriter(os.path.join(directory, f"{field.name}.bin"))
-        rows_per_piece = max(PIECE_BYTES // max(field.row_bytes, 1), 1)
-        flat = tensor.reshape(tensor.shape[0], -1) if tensor.dim() > 1 else tensor.reshape(-1, 1)
-        try:
-            for _, first, n in segments:
-                for start in range(0, n, rows_per_piece):
-                    q = q_in_order(n, start, min(rows_per_piece, n - start))
-                    idx = torch.from_numpy(q + first).to(flat.device)
-                    piece = flat.index_select(0, idx).cpu().contiguous()
+    parts = [(field, tensor.reshape(tensor.shape[0], -1) if tensor.dim() > 1 else tensor.reshape(-1, 1),
+              _HashedWriter(os.path.join(directory, f"{field.name}.bin"))) for field, tensor in fields(store)]
+    rows_per_piece = max(PIECE_BYTES // max(sum(f.row_bytes for f, _, _ in parts), 1), 1)
+    try:
+        for _, first, n in segments:
+            for start in range(0, n, rows_per_piece):
+                q = q_in_order(n, start, min(rows_per_piece, n - start))
+                idx = torch.from_numpy(q + first)
+                for field, flat, writer in parts:
+                    piece = flat.index_select(0, idx.to(flat.device)).cpu().contiguous()
                     if on_piece is not None:
                         on_piece(field.name, piece.numel() * piece.element_size())
                     raw = piece.view(torch.int16) if piece.dtype == torch.bfloat16 else piece
-                    writer.write(memoryview(raw.numpy()).cast("B"))
-        finally:
-            info = writer.close()
+                    writer.write(raw.numpy())
+    finally:
+        infos = [writer.close() for _, _, writer in parts]
+    for (field, _, _), info in zip(parts, infos):
         out["fields"][field.name] = {"dtype": field.dtype.str, "width": field.width, **info}
     return out
 
