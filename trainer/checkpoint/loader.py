@@ -111,7 +111,7 @@ def _load_local(ckpt: str, store: ShardStore, schema: dict[str, Any], counter: d
             name = shard_file(r, int(manifest["world_size"]))
             loaded += load_shard_rows(store, read_file(ckpt, name, manifest), os.path.join(ckpt, name))
     s = store.sharding
-    owned = int(s.valid(s.local_gids()).sum())
+    owned = s.real_rows()  # closed form: a per-row array here was 1.9 GB at 26 x 2M rows
     if loaded != owned:
         raise CheckpointDamaged(f"checkpoint {ckpt} holds {loaded} of the {owned} rows rank {s.rank} owns")
     return state

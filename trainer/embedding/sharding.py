@@ -155,6 +155,12 @@ class Sharding(ABC):
         r = self.rank if rank is None else rank
         return self.global_of(torch.arange(self.local_rows, dtype=torch.int64), r)
 
+    def real_rows(self, rank: int | None = None) -> int:
+        """How many real (not padding) rows `rank` stores: ids t_start + rank + qW of each table,
+        counted in closed form (no per-row array)."""
+        r = self.rank if rank is None else rank
+        return sum(max(-(-(n - r) // self.world), 0) for n in self.table_rows)
+
     def for_rank(self, rank: int) -> "Sharding":
         """The same layout seen from worker `rank`."""
         return type(self)(self.table_rows, self.world, rank)
