@@ -144,7 +144,7 @@ BAD = [
 # keys with no range to check: free text (informational names, paths) and booleans
 NO_RANGE = {"data.preset", "data.dir", "data.shuffle", "optim.name", "embedding.audit", "checkpoint.enabled",
             "placement.hot_batches", "schedule.on_demand_sync", "schedule.cache_aware",
-            "train.early_stop.restore_best", "train.tensorboard",
+            "train.early_stop.restore_best", "train.tensorboard", "train.memory_check",
             "train.bag"}  # the deprecated name of train.ensemble (RENAMED): checked as train.ensemble, see test_ensemble.py
 
 

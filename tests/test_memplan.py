@@ -88,14 +88,14 @@ def test_the_plan_line_and_memory_check_false(tmp_path, monkeypatch, capsys):
     """A run prints rank 0's plan; with too little memory and train.memory_check=false it warns
     and trains."""
     run_single(TINY, return_state=False)
-    line = [ln for ln in capsys.readouterr().out.splitlines() if "memory plan" in ln]
+    line = [ln for ln in capsys.readouterr().err.splitlines() if "memory plan" in ln]
     assert len(line) == 1 and line[0].startswith("[trainer] memory plan, rank 0/1: rows "), line
     monkeypatch.setattr(memplan, "available_memory", lambda device, local: (1000, "a test's 1000 B"))
     with pytest.raises(ConfigError, match="of 1.0 kB available \\(a test's 1000 B\\)"):
         run_single(TINY, return_state=False)
     result = run_single(TINY + ["train.memory_check=false"], return_state=False)
     assert result.summary["steps"] == 2
-    assert "warning: memory plan" in capsys.readouterr().out
+    assert "warning: memory plan" in capsys.readouterr().err
 
 
 def test_available_memory_is_shared_by_the_ranks_of_a_host():

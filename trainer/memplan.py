@@ -20,6 +20,7 @@ a GPU, the device's free memory.
 from __future__ import annotations
 
 import os
+import sys
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -170,9 +171,9 @@ def check_memory(c: Config, comm: Any, device: torch.device) -> MemoryPlan:
                    f"train.memory_check=false starts anyway")
             if c.train.memory_check:  # every rank raises: exit 2, one line
                 raise ConfigError(msg)
-            print(f"[trainer] warning: {msg}", flush=True)
+            print(f"[trainer] warning: {msg}", file=sys.stderr, flush=True)
         return plan
     comm.all_succeed("memory plan", fits, ConfigError)
     if comm.rank == 0:
-        print(f"[trainer] {plan.line()}", flush=True)
+        print(f"[trainer] {plan.line()}", file=sys.stderr, flush=True)  # stdout: the JSON lines
     return plan
