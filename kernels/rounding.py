@@ -98,10 +98,10 @@ def round_stochastic(x: Tensor, dtype: torch.dtype, bits: Tensor) -> Tensor:
     """x [n, d] float32 -> dtype (float16 | bfloat16) by the rule of the module doc, with the
     random bits [n, d] of random_bits."""
     if dtype == torch.bfloat16:
-        xb = x.view(torch.int32).long() & MASK32
-        kept = ((xb + (bits >> 16)) >> 16) & 0xFFFF
-        kept = torch.where(torch.isnan(x), 0x7FC0, kept)
-        return (kept - ((kept >> 15) << 16)).to(torch.int16).view(torch.bfloat16)  # as signed 16 bits
+        # on x's bits as int32: the add never overflows but for NaNs (replaced below), and the
+        # arithmetic shift of a negative x leaves the same low 16 bits as a logical one would
+        kept = ((x.view(torch.int32) + (bits >> 16).to(torch.int32)) >> 16).to(torch.int16)
+        return torch.where(torch.isnan(x), 0x7FC0, kept).view(torch.bfloat16)
     u = (bits >> 8).to(torch.float32) * (2.0 ** -24)
     y = x.to(dtype)
     yf = y.float()
