@@ -44,11 +44,12 @@ from kernels import scatter_update as _scatter_update_module
 from kernels._triton import has_triton, interpret_enabled, require_triton
 from kernels.hashmap import IdSlotMap, TritonIdSlotMap
 from kernels.reference import ReferenceIdSlotMap
+from kernels.rounding import StochasticRounding, salt_of
 
 __all__ = [
-    "BACKENDS", "BackendError", "IdSlotMap", "ReferenceIdSlotMap", "TritonIdSlotMap",
-    "accumulate_row_grads", "check_backend", "configure", "get_backend", "make_id_slot_map",
-    "pooled_gather", "reference", "row_update", "set_backend",
+    "BACKENDS", "BackendError", "IdSlotMap", "ReferenceIdSlotMap", "StochasticRounding",
+    "TritonIdSlotMap", "accumulate_row_grads", "check_backend", "configure", "get_backend",
+    "make_id_slot_map", "pooled_gather", "reference", "row_update", "salt_of", "set_backend",
     "triton_available", "use_backend", "use_triton",
 ]
 
@@ -212,15 +213,18 @@ def row_update(
     state: Optional[Tensor] = None,
     unique: bool = False,
     weight_decay: float = 0.0,
+    rounding: Optional[StochasticRounding] = None,
 ) -> None:
     """The owner's sparse update, in place: sum grads [n, d] per storage row (rows [n], repeated
     when several workers pushed one row), then SGD / Adagrad (state [S, d]) / row-wise Adagrad
     (state [S]) once per distinct row. unique=True: rows are known distinct (no sum).
-    weight_decay: coupled L2 (g += wd * w, torch.optim's rule) once per distinct row."""
+    weight_decay: coupled L2 (g += wd * w, torch.optim's rule) once per distinct row.
+    fp16 / bf16 storage: each row is updated in fp32 and written back by `rounding` (stochastic,
+    kernels/rounding.py: keys [n], one per entry of rows) or, when None, rounded to nearest."""
     fn = (_scatter_update_module.row_update_triton if use_triton(storage.device)
           else reference.row_update)
     fn(storage, rows, grads, optimizer=optimizer, lr=lr, eps=eps, state=state, unique=unique,
-       weight_decay=weight_decay)
+       weight_decay=weight_decay, rounding=rounding)
 
 
 def make_id_slot_map(capacity: int, device: torch.device | str = "cpu") -> IdSlotMap:

@@ -23,6 +23,7 @@ import torch
 from torch import Tensor
 
 from kernels.hashmap import IdSlotMap
+from kernels.rounding import StochasticRounding, round_rows
 
 MODES = ("sum", "mean")
 OPTIMIZERS = ("sgd", "adagrad", "rowwise_adagrad")
@@ -241,6 +242,14 @@ def sum_repeats(slots: Tensor, rows: Tensor, num_slots: int) -> Tuple[Tensor, Te
     Why: torch.unique sorts (the owner update's largest cost on the CPU, ~1.3 ms for 26k rows);
     here one scratch array over the slot space (kept per size and device, unset between calls)
     finds each entry's first occurrence in a few linear passes."""
+    _, uniq, out = first_and_sums(slots, rows, num_slots)
+    return uniq, out
+
+
+def first_and_sums(slots: Tensor, rows: Tensor, num_slots: int) -> Tuple[Optional[Tensor], Tensor, Tensor]:
+    """sum_repeats, also giving the entry position of each distinct slot's first occurrence (None
+    when every entry is distinct: the positions are then 0..n-1), so that values aligned with the
+    entries (a stochastic rounding's row keys) can follow the sums."""
     n = slots.numel()
     slots = slots.long()
     key = (str(slots.device), num_slots)
@@ -258,12 +267,12 @@ def sum_repeats(slots: Tensor, rows: Tensor, num_slots: int) -> Tuple[Tensor, Te
     first = first_of == at
     keep = torch.nonzero(first).squeeze(1)
     if keep.numel() == n:
-        return slots, rows
+        return None, slots, rows
     out = rows.index_select(0, keep)
     rep = torch.nonzero_static(~first, size=n - keep.numel()).squeeze(1)  # the repeats (count known)
     compact = torch.cumsum(first, 0) - 1  # [n] rank among the first occurrences
     out.index_add_(0, compact.index_select(0, first_of.index_select(0, rep).long()), rows.index_select(0, rep))
-    return slots.index_select(0, keep), out
+    return keep, slots.index_select(0, keep), out
 
 
 _UNSET = torch.iinfo(torch.int32).max
@@ -329,6 +338,7 @@ def row_update(
     state: Optional[Tensor] = None,
     unique: bool = False,
     weight_decay: float = 0.0,
+    rounding: Optional[StochasticRounding] = None,
 ) -> None:
     """Sparse optimizer on row gradients, in place: the owner's update (store.apply).
 
@@ -337,16 +347,28 @@ def row_update(
     row are summed first, then the optimizer runs once per distinct row. unique=True: rows are
     known distinct, skip the sum.
     weight_decay: coupled L2 added to each distinct row's summed gradient (optimizer_step_).
+    Half-precision storage: the rows are updated in fp32 and written back by `rounding`'s
+    stochastic rule (kernels/rounding.py; its keys [n] align with `rows`), or rounded to nearest
+    when it is None. The state is whatever dtype it is (the trainer keeps it fp32).
     """
     check_update_args(storage, state, optimizer)
     if grads.dim() != 2 or grads.shape[0] != rows.numel() or grads.shape[1] != storage.shape[1]:
         raise ValueError(f"grads must be [len(rows), d] = [{rows.numel()}, {storage.shape[1]}]")
+    check_rounding(rounding, rows)
     grads = grads.to(accumulation_dtype(grads.dtype))
     if unique:
-        _update_rows(storage, state, rows.long(), grads, optimizer, lr, eps, weight_decay)
+        _update_rows(storage, state, rows.long(), grads, optimizer, lr, eps, weight_decay, rounding)
         return
-    uniq, summed = sum_repeats(rows, grads, storage.shape[0])
-    _update_rows(storage, state, uniq, summed, optimizer, lr, eps, weight_decay)
+    keep, uniq, summed = first_and_sums(rows, grads, storage.shape[0])
+    if rounding is not None and keep is not None:
+        rounding = StochasticRounding(rounding.salt, rounding.keys.index_select(0, keep))
+    _update_rows(storage, state, uniq, summed, optimizer, lr, eps, weight_decay, rounding)
+
+
+def check_rounding(rounding: Optional[StochasticRounding], rows: Tensor) -> None:
+    """A stochastic rounding carries one key per entry of rows."""
+    if rounding is not None and tuple(rounding.keys.shape) != (rows.numel(),):
+        raise ValueError(f"rounding.keys must be [len(rows)] = [{rows.numel()}], got {tuple(rounding.keys.shape)}")
 
 
 def _update_rows(
@@ -358,8 +380,10 @@ def _update_rows(
     lr: float,
     eps: float,
     weight_decay: float = 0.0,
+    rounding: Optional[StochasticRounding] = None,
 ) -> None:
-    """Apply the optimizer to distinct storage[rows_idx] (and state) in place.
+    """Apply the optimizer to distinct storage[rows_idx] (and state) in place; half storage is
+    written back by `rounding` (keys aligned with rows_idx) or to nearest.
 
     Gather, update, copy back: index_add_ of the step would be ~4x slower on CPU for rows scattered
     over a large table.
@@ -369,7 +393,7 @@ def _update_rows(
         rows = storage.index_select(0, rows_idx).to(acc)
         st = None if state is None else state.index_select(0, rows_idx).to(acc)
         optimizer_step_(rows, st, grads, optimizer, lr, eps, weight_decay)
-        storage.index_copy_(0, rows_idx, rows.to(storage.dtype))
+        storage.index_copy_(0, rows_idx, round_rows(rows, storage.dtype, rounding))
         if st is not None:
             state.index_copy_(0, rows_idx, st.to(state.dtype))
 

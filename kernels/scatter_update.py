@@ -36,6 +36,7 @@ from torch import Tensor
 
 from kernels import reference as ref
 from kernels._triton import block_sizes, cdiv, dense_1d, jit
+from kernels.rounding import HALF_DTYPES, StochasticRounding
 
 tl: Any = None  # bound to triton.language by kernels._triton.jit at first launch
 
@@ -129,22 +130,28 @@ def row_update_triton(
     state: Optional[Tensor] = None,
     unique: bool = False,
     weight_decay: float = 0.0,
+    rounding: Optional[StochasticRounding] = None,
 ) -> None:
     """Same contract as kernels.reference.row_update: rows [n], grads [n, d] -> in place.
 
     The received row gradients are the segment kernel's input with one entry per gradient row:
     entries are stable-sorted by storage row (unique=True: taken as they are, one per segment).
+    Half storage with `rounding`: the kernel repeats kernels/rounding.py's rule and hash, with the
+    key of the segment's first entry (every entry of a segment is the same storage row).
     """
     ref.check_update_args(storage, state, optimizer)
     if grads.dim() != 2 or grads.shape[0] != rows.numel() or grads.shape[1] != storage.shape[1]:
         raise ValueError(f"grads must be [len(rows), d] = [{rows.numel()}, {storage.shape[1]}]")
+    ref.check_rounding(rounding, rows)
     _check_in_place(storage, state)
     if rows.numel() == 0 or storage.shape[1] == 0:
         return
     grads = grads.to(ref.accumulation_dtype(grads.dtype)).contiguous()
     segs = _row_segments(rows.long().contiguous(), unique)
+    if rounding is None or storage.dtype not in HALF_DTYPES:
+        rounding = None
     _launch_segments(segs, grads, storage, optimizer, state=state, lr=lr, eps=eps, wd=weight_decay,
-                     block_n=UNIQUE_BLOCK_N if unique else None)
+                     block_n=UNIQUE_BLOCK_N if unique else None, rounding=rounding)
 
 
 # unique=True: every segment is one entry, so a tile of one row; block_sizes' tiles (32 rows at
@@ -181,20 +188,25 @@ def _check_in_place(storage: Tensor, state: Optional[Tensor]) -> None:
 
 def _launch_segments(segs: Segments, bag_grad: Tensor, out: Tensor, op: str, *,
                      state: Optional[Tensor] = None, lr: float = 0.0, eps: float = 0.0,
-                     wd: float = 0.0, block_n: Optional[int] = None) -> None:
+                     wd: float = 0.0, block_n: Optional[int] = None,
+                     rounding: Optional[StochasticRounding] = None) -> None:
     """One program per (segment, block of d); row-wise Adagrad needs the whole row in one.
-    block_n: entries per tile (default: block_sizes'; one-entry segments want 1)."""
+    block_n: entries per tile (default: block_sizes'; one-entry segments want 1).
+    rounding: stochastic rounding of the written rows (half `out`; keys aligned with the entries)."""
     dim = bag_grad.shape[1]
     tile_n, block_d = block_sizes(dim, dim if op == "rowwise_adagrad" else 256)
     block_n = tile_n if block_n is None else block_n
     dummy = segs.starts
+    keys = dummy if rounding is None else rounding.keys.long().contiguous()
     _segment_kernel[(segs.slot.numel(), cdiv(dim, block_d))](
         bag_grad, segs.slot, segs.starts, segs.ends, segs.bags,
         dummy if segs.coef is None else segs.coef,
-        out, dummy if state is None else state,
+        out, dummy if state is None else state, keys,
         dim, out.stride(0), 0 if state is None or state.dim() == 1 else state.stride(0), lr, eps, wd,
-        HAS_COEF=segs.coef is not None, OP=_OPT_CODE[op], HAS_WD=wd != 0.0,
-        BLOCK_N=block_n, BLOCK_D=block_d)
+        # bit 32 set: never an int argument Triton specialises (0, 1); the kernel keeps 32 bits
+        (1 << 32) | (0 if rounding is None else rounding.salt),
+        HAS_COEF=segs.coef is not None, OP=_OPT_CODE[op], HAS_WD=wd != 0.0, SR=rounding is not None,
+        BF16=out.dtype == torch.bfloat16, BLOCK_N=block_n, BLOCK_D=block_d)
 
 
 def _launch_atomic(bag_grad: Tensor, slots: Tensor, offsets: Tensor, mode: str,
@@ -238,11 +250,14 @@ def _scatter_atomic_kernel(grad_ptr, slots_ptr, offsets_ptr, weights_ptr, out_pt
 
 @jit
 def _segment_kernel(grad_ptr, slot_ptr, starts_ptr, ends_ptr, bags_ptr, coef_ptr, out_ptr,
-                    state_ptr, dim, stride_out, stride_state, lr, eps, wd, HAS_COEF: tl.constexpr,
-                    OP: tl.constexpr, HAS_WD: tl.constexpr, BLOCK_N: tl.constexpr,
+                    state_ptr, keys_ptr, dim, stride_out, stride_state, lr, eps, wd, salt,
+                    HAS_COEF: tl.constexpr, OP: tl.constexpr, HAS_WD: tl.constexpr,
+                    SR: tl.constexpr, BF16: tl.constexpr, BLOCK_N: tl.constexpr,
                     BLOCK_D: tl.constexpr):
     """Sum one slot's entry gradients in entry order, then write (OP 0) or optimize (OP 1..3);
-    HAS_WD adds coupled L2 (g += wd * w) before the optimizer.
+    HAS_WD adds coupled L2 (g += wd * w) before the optimizer; SR writes the updated row to the
+    half-precision storage by stochastic rounding (kernels/rounding.py, repeated here inline: a
+    jitted kernel cannot call another), keyed by keys[first entry of the segment].
     An empty segment touches nothing (its slot belongs to another program's live segment)."""
     u = tl.program_id(0).to(tl.int64)
     start = tl.load(starts_ptr + u)
@@ -279,4 +294,39 @@ def _segment_kernel(grad_ptr, slot_ptr, starts_ptr, ends_ptr, bags_ptr, coef_ptr
             s = tl.load(state_ptr + slot).to(g.dtype) + tl.sum(g * g, axis=0) / dim
             tl.store(state_ptr + slot, s.to(state_ptr.dtype.element_ty), mask=row_ok)
             w = w - lr * g / (tl.sqrt(s) + eps)
-        tl.store(w_ptrs, w.to(out_ptr.dtype.element_ty), mask=col_ok)
+        if SR:
+            # e: lowbias32 of (salt, key lo, key hi, column), as kernels/rounding.random_bits
+            key = tl.load(keys_ptr + tl.load(bags_ptr + start))
+            h = key.to(tl.uint32) ^ salt.to(tl.uint32)
+            h = h ^ (h >> 16)
+            h = h * 0x7FEB352D
+            h = h ^ (h >> 15)
+            h = h * 0x846CA68B
+            h = h ^ (h >> 16)
+            h = h ^ (key >> 32).to(tl.uint32) ^ 0x9E3779B9
+            h = h ^ (h >> 16)
+            h = h * 0x7FEB352D
+            h = h ^ (h >> 15)
+            h = h * 0x846CA68B
+            h = h ^ (h >> 16)
+            e = h + cols.to(tl.uint32) * 0x9E3779B9
+            e = e ^ (e >> 16)
+            e = e * 0x7FEB352D
+            e = e ^ (e >> 15)
+            e = e * 0x846CA68B
+            e = e ^ (e >> 16)
+            if BF16:  # add 16 random bits below the kept half of x's bits, truncate
+                xb = w.to(tl.uint32, bitcast=True)
+                kept = ((xb + (e >> 16)) >> 16).to(tl.uint16)
+                kept = tl.where(w == w, kept, 0x7FC0).to(tl.uint16)  # a NaN stays a NaN
+                tl.store(w_ptrs, kept.to(tl.bfloat16, bitcast=True), mask=col_ok)
+            else:  # y: round to nearest; z: its neighbour on x's side, taken w.p. |x-y| / |z-y|
+                u = (e >> 8).to(tl.float32) * 5.9604644775390625e-08  # 2^-24
+                y = w.to(out_ptr.dtype.element_ty)
+                yf = y.to(tl.float32)
+                toward = tl.where(tl.abs(w) > tl.abs(yf), 1, -1).to(tl.int16)
+                z = (y.to(tl.int16, bitcast=True) + toward).to(out_ptr.dtype.element_ty, bitcast=True)
+                take_z = u * tl.abs(z.to(tl.float32) - yf) < tl.abs(w - yf)
+                tl.store(w_ptrs, tl.where(take_z, z, y), mask=col_ok)
+        else:
+            tl.store(w_ptrs, w.to(out_ptr.dtype.element_ty), mask=col_ok)

@@ -145,6 +145,41 @@ def test_row_update(optimizer, unique, dim, dtype):
 
 
 @needs_triton
+@pytest.mark.parametrize("optimizer", ["sgd", "adagrad", "rowwise_adagrad"])
+@pytest.mark.parametrize("unique", [False, True])
+@pytest.mark.parametrize("dim", [3, 33])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+def test_row_update_stochastic_rounding_is_the_reference_bit_for_bit(optimizer, unique, dim, dtype):
+    """Half storage written back by stochastic rounding (kernels/rounding.py): the kernel's inline
+    hash and rule choose the same neighbour as the reference for every element (keys with high
+    bits, rows repeated: a segment takes its first entry's key); the fp32 state is the reference's.
+    Where the kernel's fp32 update differs from the reference's (a GPU's sqrt or FMA), one element
+    may round to the other neighbour: one ulp there, bit-equal in the interpreter."""
+    from kernels.rounding import StochasticRounding, salt_of
+
+    idx, grads = _row_grads(24, 40, dim, unique)
+    storage = (rand_storage(40, dim, torch.float32) * 0.1).to(dtype)
+    state = _opt_state(optimizer, 40, dim)
+    if state is not None:
+        state = state + 0.1
+    keys = idx.long() * 1_000_003 + (1 << 33)  # one key per storage row
+    kw = dict(rows=idx, grads=grads * 1e-2, optimizer=optimizer, lr=0.5, eps=1e-8, unique=unique,
+              rounding=StochasticRounding(salt_of(7, 123), keys))
+    got = _run_row_update(row_update_triton, storage, state, **kw)
+    want = _run_row_update(ref.row_update, storage, state, **kw)
+    nearest = _run_row_update(ref.row_update, storage, state, **{**kw, "rounding": None})
+    assert not torch.equal(want[0], nearest[0])  # the rule is in force: not the plain cast
+    if DEV == "cpu":
+        assert torch.equal(got[0].view(torch.int16), want[0].view(torch.int16))
+    else:
+        fi = torch.finfo(dtype)
+        ulp = want[0].float().abs().clamp_min(fi.tiny) * fi.eps
+        assert bool(((got[0].float() - want[0].float()).abs() <= ulp).all())
+    if state is not None:
+        torch.testing.assert_close(got[1], want[1], rtol=1e-5, atol=1e-6)
+
+
+@needs_triton
 @pytest.mark.parametrize("rows", [[3], [5, 5, 5, 5], [9, 1, 4], [7, 2, 7, 0, 2, 7, 9, 0]])
 @pytest.mark.parametrize("optimizer", ["sgd", "rowwise_adagrad"])
 def test_row_update_needs_no_host_count(rows, optimizer):

@@ -23,9 +23,11 @@ from .config import Config, ConfigError, cache_capacities, needs_global_view, st
 from .embedding import HybridEmbedding, RowSharding, ShardStore
 from .embedding.cache import RowCache, make_policy
 from .embedding.consistency import Bounds
+from .embedding.optim import Rounding
 from .embedding.remote import Audit, CacheStats, HeraldRemote, HetRemote, HetWire, RemoteRows
 from .embedding.replica import Replica
 from .embedding.sharding import Sharding
+from .embedding.store import row_dtype
 from .models import build_model
 from .placement import Plan, plan_run
 from .schedule import Feed
@@ -104,7 +106,8 @@ def build_sparse(c: Config, comm: Collectives, data: Any, global_batch: int,
     sharding = RowSharding(rows, world, rank)
     store = ShardStore(sharding, c.model.embedding_dim, c.train.seed, c.embedding.init_scale,
                        c.optim.sparse, sparse_lr(c), c.optim.eps, device, c.optim.initial_accumulator,
-                       c.optim.sparse_weight_decay)
+                       c.optim.sparse_weight_decay, row_dtype(c.embedding.dtype),
+                       Rounding(c.embedding.rounding, c.train.seed))
     plan = _make_plan(c, comm, data)
     replica = Replica(plan.hot_gids(sharding), store) if plan.hot.size else None
     space = IdSpace(sharding, plan.hot)

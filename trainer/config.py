@@ -43,6 +43,8 @@ RECIPES = ("auto", "tiny", "small", "large", "none")  # train.recipe (trainer/re
 
 
 WIRE_PRECISIONS = ("fp32", "fp16", "bf16")
+EMBEDDING_DTYPES = ("fp32", "fp16", "bf16")  # embedding.dtype (= embedding/store.ROW_DTYPES)
+ROUNDINGS = ("stochastic", "nearest")  # embedding.rounding (= embedding/optim.ROUNDINGS)
 SETTLED_ROWS = ("auto", "always", "never")
 PIPELINES = ("off", "ids", "rows")
 
@@ -117,7 +119,7 @@ class CommConfig:
     backend: str = "auto"  # auto | local | torch | horovod (auto follows the launcher)
     dist_backend: str = "auto"  # torch backend's transport: auto | gloo | nccl
     timeout_s: float = 60.0  # a collective waiting longer than this raises, naming the operation
-    wire_precision: str = "fp32"  # rows and row gradients on the wire: fp32 | fp16 | bf16 (owners keep fp32)
+    wire_precision: str = "fp32"  # rows and row gradients on the wire: fp32 | fp16 | bf16 (owners keep their embedding.dtype)
     settled_rows: str = "auto"  # train.pipeline=ids, no cache: send the next step's rows this step does not update early: auto (when the ranks span hosts) | always | never
 
 
@@ -125,6 +127,8 @@ class CommConfig:
 class EmbeddingConfig:
     init_scale: Optional[float] = None  # rows ~ U(-s, s); 0 = sqrt(1 / rows) per table (DLRM); null = the recipe's (tiny and small: 0.01, else 0)
     audit: bool = False  # record every read's version and every computed row gradient (tests; slow)
+    dtype: str = "fp32"  # how owners store rows: fp32 | fp16 | bf16 (optimizer state stays fp32; updates computed in fp32)
+    rounding: str = "stochastic"  # how an updated fp16 / bf16 row is written back: stochastic (unbiased, seeded by train.seed, step, row) | nearest
 
 
 @dataclass
@@ -485,6 +489,8 @@ def validate(c: Config) -> None:
     _check(c.embedding.init_scale >= 0, "embedding.init_scale", c.embedding.init_scale,
            "must be >= 0 (0 = sqrt(1 / rows) per table)")
     _finite("embedding.init_scale", c.embedding.init_scale)
+    _one_of("embedding.dtype", c.embedding.dtype, EMBEDDING_DTYPES)
+    _one_of("embedding.rounding", c.embedding.rounding, ROUNDINGS)
     _validate_cache(c)
     t = c.train
     _check(t.steps > 0, "train.steps", t.steps, "must be > 0")

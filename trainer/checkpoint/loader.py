@@ -22,7 +22,7 @@ from ..comm import Collectives
 from ..embedding.store import ShardStore
 from .manifest import (TRAINER_FILE, CheckpointDamaged, CheckpointError, check_schema, check_stream_world,
                        complete_checkpoints, latest, read_file, read_manifest, shard_file, unseen_damage)
-from .shard_io import read_shards
+from .shard_io import read_shards, saved_dtype, torch_name
 from .state import load_shard_rows
 
 
@@ -98,12 +98,27 @@ def _older(root: str, ckpt: str) -> str:
             f"checkpoint.resume={before[-1]}")
 
 
+def _say_conversion(ckpt: str, manifest: dict[str, Any], store: ShardStore) -> None:
+    """Rank 0 says so when the saved rows have another type than this run's embedding.dtype (they
+    are converted as they are read, shard_io.py)."""
+    shards = manifest.get("shards") or {}
+    first = next(iter(shards.values()), None)
+    if store.sharding.rank != 0 or not first or "weight" not in first.get("fields", {}):
+        return
+    saved = saved_dtype(first["fields"]["weight"])
+    if saved != store.weight.dtype:
+        how = "exactly" if saved.itemsize < store.weight.element_size() else "rounded to nearest"
+        print(f"[trainer] {ckpt}: rows saved as {torch_name(saved)} are read as {torch_name(store.weight.dtype)} "
+              f"(embedding.dtype), {how}", file=sys.stderr)
+
+
 def _load_local(ckpt: str, store: ShardStore, schema: dict[str, Any], counter: dict[str, int]) -> dict[str, Any]:
     manifest = read_manifest(ckpt)
     check_schema(ckpt, manifest, schema)
     check_stream_world(ckpt, manifest, store.sharding.world)
     state = read_file(ckpt, TRAINER_FILE, manifest)
     if int(manifest.get("format_version", 1)) >= 2:
+        _say_conversion(ckpt, manifest, store)
         loaded = read_shards(ckpt, manifest, store, counter)
     else:
         loaded = 0

@@ -11,6 +11,14 @@ gathers PIECE_BYTES of rows at a time, writes and hashes them; a load reads the 
 needs in pieces, verifies the blocks they cover, and copies the rows it owns into its store. Memory
 beyond the store: one piece (plus one block at each end of a range).
 
+Row types. Each field's entry in the manifest records its file dtype (numpy's notation) and its
+tensor dtype (`torch_dtype`: float32, float16, bfloat16, int64; bfloat16 is written as its raw 2
+bytes, numpy having no bfloat16), so the file is the tensor's bytes exactly and reads back bit for
+bit. A checkpoint resumed under another embedding.dtype is converted as it is read: to a wider type
+exactly, to a narrower one by round to nearest (as the initial rows are), and a row that float16
+cannot hold (|value| > 65504) stops the load with a CheckpointError naming the field. The optimizer
+state and the versions never change type.
+
 Row order. Rank r of W owns the ids id = r + q W of every table (trainer/embedding/sharding.py), q
 in [0, n_t). Its file holds the tables one after the other, and within table t the rows in the
 order of the bit-reversed q (B bits, B = bit_length(n_t - 1)): j = 0, 1, ... 2^B - 1 gives
@@ -159,6 +167,24 @@ def fields(store: ShardStore) -> list[tuple[Field, torch.Tensor]]:
 # file dtype of each tensor dtype (bf16 as its raw 2 bytes: numpy has no bfloat16)
 _DTYPES = {torch.float32: np.dtype("<f4"), torch.float16: np.dtype("<f2"), torch.bfloat16: np.dtype("<u2"),
            torch.int64: np.dtype("<i8")}
+_TORCH = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "int64": torch.int64}
+_FROM_FILE = {"<f4": torch.float32, "<f2": torch.float16, "<i8": torch.int64}  # entries without torch_dtype
+
+
+def torch_name(dtype: torch.dtype) -> str:
+    """The manifest's name of a tensor dtype ("float32", "bfloat16", ...)."""
+    return str(dtype).removeprefix("torch.")
+
+
+def saved_dtype(meta: dict[str, Any]) -> torch.dtype:
+    """The tensor dtype a field was saved from: its `torch_dtype`, or, in checkpoints written before
+    that key (float32 rows only), the one its file dtype implies."""
+    name = meta.get("torch_dtype")
+    if name is not None:
+        if name not in _TORCH:
+            raise CheckpointError(f"a shard field has the unknown torch_dtype {name!r}")
+        return _TORCH[name]
+    return _FROM_FILE.get(meta["dtype"], torch.bfloat16 if meta["dtype"] == "<u2" else torch.float32)
 
 
 def _segments(store: ShardStore) -> Iterator[tuple[int, int, int]]:
@@ -252,8 +278,9 @@ def write_shard(directory: str, store: ShardStore,
                     writer.write(raw.numpy())
     finally:
         infos = [writer.close() for _, _, writer in parts]
-    for (field, _, _), info in zip(parts, infos):
-        out["fields"][field.name] = {"dtype": field.dtype.str, "width": field.width, **info}
+    for (field, flat, _), info in zip(parts, infos):
+        out["fields"][field.name] = {"dtype": field.dtype.str, "torch_dtype": torch_name(flat.dtype),
+                                     "width": field.width, **info}
     return out
 
 
@@ -357,20 +384,35 @@ def _read_one(files: dict[str, _VerifiedFile], info: dict[str, Any], table_rows:
                 rb = dtype.itemsize * width
                 raw = f.read((seg_start + start) * rb, (seg_start + start + count) * rb)
                 arr = np.frombuffer(raw, dtype=dtype).reshape(count, width) if width > 1 else np.frombuffer(raw, dtype)
-                values = _to_tensor(arr, want[name])
+                values = _to_tensor(arr, saved_dtype(meta))
                 if keep is not None:
                     values = values[keep]
                 dest = want[name]
+                values = _converted(values, dest.dtype, f.path)
                 with torch.no_grad():
                     flat = dest.reshape(dest.shape[0], -1) if dest.dim() > 1 else dest
-                    flat.index_copy_(0, idx.to(dest.device), values.reshape((-1,) + tuple(flat.shape[1:])).to(dest))
+                    flat.index_copy_(0, idx.to(dest.device), values.reshape((-1,) + tuple(flat.shape[1:])).to(dest.device))
             loaded += int(idx.numel())
         seg_start += n
     return loaded
 
 
-def _to_tensor(arr: np.ndarray, like: torch.Tensor) -> torch.Tensor:
-    """The saved values as a tensor of like's dtype family (bf16 from its raw 2 bytes)."""
-    if like.dtype == torch.bfloat16:
+def _to_tensor(arr: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
+    """The saved values as a tensor of the dtype they were saved from (bf16 from its raw 2 bytes)."""
+    if dtype == torch.bfloat16:
         return torch.from_numpy(arr.view(np.int16).copy()).view(torch.bfloat16)
     return torch.from_numpy(arr.copy())
+
+
+def _converted(values: torch.Tensor, dtype: torch.dtype, path: str) -> torch.Tensor:
+    """Saved values as this run's dtype (see the module doc: exact when wider, to nearest when
+    narrower; a value float16 cannot hold is refused). The same dtype: the values themselves."""
+    if values.dtype == dtype:
+        return values
+    out = values.to(dtype)
+    if dtype.is_floating_point and not bool(torch.isfinite(out).eq(torch.isfinite(values)).all()):
+        worst = float(values.float().abs().max())
+        raise CheckpointError(f"{path}: saved {torch_name(values.dtype)} values (|value| up to {worst:.6g}) "
+                              f"do not fit in {torch_name(dtype)}: resume with the embedding.dtype they were "
+                              "saved with")
+    return out

@@ -15,6 +15,12 @@ Local updates are applied to the cached copy at once with plain SGD at the spars
 real optimizer to the pushed sums. Under BSP every updated copy is re-read before its next use, so
 this local rule never reaches the model; with bounds > 0 it is the cached view a worker trains on.
 
+Cached rows are float32 whatever the owners' row type (embedding.dtype). Why: a copy is small (a
+fraction of the remote rows, per worker), it takes the owner's half row exactly (float32 holds it),
+and with bounds > 0 its local SGD updates and pending gradients accumulate in float32 instead of
+being rounded away at every step; the owner alone rounds, once per update it applies. Under BSP a
+copy is re-read before its next use, so it always equals the owner's row.
+
 Rows needed by the current step are never evicted. When a table's region cannot hold all of a step's
 misses, the rest are "transient": used for this step only and their gradients pushed at once.
 

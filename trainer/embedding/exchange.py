@@ -105,7 +105,10 @@ class RowExchange:
 
     def __init__(self, comm: Collectives, store: ShardStore, precision: str = "fp32") -> None:
         self.comm, self.store = comm, store
-        self.row_dtype = wire_float(precision)  # rows and gradients travel as this; owners keep fp32
+        # rows and gradients travel as this (comm.wire_precision) whatever the rows' own type
+        # (embedding.dtype): half rows sent as fp32 arrive exact, as their own half type exact and
+        # at half the bytes, as the other half type rounded to nearest; readers get fp32 rows
+        self.row_dtype = wire_float(precision)
         self._mark: torch.Tensor | None = None  # [local rows] scratch of serve_settled (all False)
 
     def request(self, remote_ids: torch.Tensor, splits: list[int]) -> Pull:
@@ -157,14 +160,15 @@ class RowExchange:
         p.rows = self.comm.alltoall_async(rows, send, kind="rows", recv_splits=recv)
 
     def result(self, p: Pull) -> torch.Tensor:
-        """[Ur, d] rows of the pull's ids (serving them first if that has not happened yet)."""
+        """[Ur, d] rows of the pull's ids, in the store's compute dtype (serving them first if that
+        has not happened yet)."""
         self.serve(p)
         got, _ = p.rows.wait()
         e = p.early
         if e is None:
-            return got.to(self.store.weight.dtype)
+            return got.to(self.store.compute_dtype)
         early, _ = e.handle.wait()
-        out = torch.empty(e.came.numel(), self.store.dim, dtype=self.store.weight.dtype, device=got.device)
+        out = torch.empty(e.came.numel(), self.store.dim, dtype=self.store.compute_dtype, device=got.device)
         out.index_copy_(0, positions(e.came, sum(e.recv)), early.to(out.dtype))
         out.index_copy_(0, positions(~e.came, got.shape[0]), got.to(out.dtype))
         return out

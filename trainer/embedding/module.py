@@ -21,6 +21,12 @@ this module keeps no step of its own, so the step prepared ahead (train.pipeline
 being trained are two objects the trainer holds side by side (trainer/pipeline.py).
 Evaluation (eval_lookup) reads fresh rows from the owners after a flush, so it measures the model
 they hold.
+Half-precision rows (embedding.dtype): the workspace is float32 whatever the rows' type (the
+store's compute_dtype). Rows are upcast as they are copied into it, which is exact, so the model
+reads the stored values; the workspace's gradient, the pushes and the owner's update stay float32
+(the owner rounds only when it writes the updated row back). Before an update this module sets the
+run's rounding clock to the step being applied, so a row's stochastic rounding is keyed by that
+step wherever the row is updated (owner, replica, lent rows).
 """
 from __future__ import annotations
 
@@ -149,15 +155,15 @@ class HybridEmbedding:
         return kernels.pooled_gather(ws, plan.inverse, batch.offsets(), batch.num_tables, mode=self.pooling)
 
     def _workspace(self, plan: LookupPlan) -> torch.Tensor:
-        return torch.empty(plan.uniq.numel(), self.dim, dtype=self.store.weight.dtype,
+        return torch.empty(plan.uniq.numel(), self.dim, dtype=self.store.compute_dtype,
                            device=self.store.weight.device)
 
     def _local_rows(self, plan: LookupPlan, ws: torch.Tensor) -> None:
         """The owned and replicated rows into the workspace (owned rows after the protocol's read:
-        Herald's writebacks may have just returned some of them)."""
-        ws.index_copy_(0, plan.owned_pos, self.store.rows(plan.owned_ids))
+        Herald's writebacks may have just returned some of them), upcast (a no-op for fp32 rows)."""
+        ws.index_copy_(0, plan.owned_pos, self.store.rows(plan.owned_ids).to(ws.dtype))
         if plan.hot_pos.numel():
-            ws.index_copy_(0, plan.hot_pos, self.replica.rows(plan.hot_slots))
+            ws.index_copy_(0, plan.hot_pos, self.replica.rows(plan.hot_slots).to(ws.dtype))
 
     def apply_gradients(self, flight: InFlightStep, between: Callable[[], None] | None = None) -> None:
         """Replicated rows: allreduce + local update; remote rows: the protocol's pushes; owners
@@ -166,6 +172,7 @@ class HybridEmbedding:
         dense allreduce there, so it travels behind the row gradients while the owner updates)."""
         ws, read = self._finish(flight, "apply_gradients")
         plan, info = flight.plan, flight.info
+        self.store.rounding.step = flight.step  # half rows: this step's updates round by its key
         grad = ws.grad if ws.grad is not None else torch.zeros_like(ws)
         if self.audit is not None:
             self.audit.grads.index_add_(0, plan.uniq.cpu(), grad.detach().double().cpu())
@@ -243,7 +250,7 @@ class HybridEmbedding:
         return len(received)
 
     def full_tables(self) -> list[torch.Tensor]:
-        """Every table, whole ([rows_t, d] each), assembled from all shards. Collective."""
+        """Every table, whole ([rows_t, d] each, as stored), assembled from all shards. Collective."""
         if self.replica is not None:
             self.replica.write_to_owner(self.store)
         shards = self.comm.allgather(self.store.weight.detach().cpu(), kind="meta")

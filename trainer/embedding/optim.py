@@ -8,46 +8,93 @@ pure-torch reference on CPU, chosen by the kernels dispatch) hold the one implem
 optimizer (torch.optim's formulas, lr_decay = 0); this class only owns the state tensors and the
 hyper-parameters: `lr` (the learning-rate schedule, trainer/lr.py, sets it before every step) and
 `weight_decay` (coupled L2, applied by the kernel once per updated row).
+
+Half-precision rows (embedding.dtype=fp16|bf16): the state stays float32 whatever the rows' type
+(an accumulator of squared gradients in fp16 would lose every small term), and the kernel updates
+each row in fp32 and writes it back by the run's `Rounding` (embedding.rounding): stochastic,
+keyed by (seed, the training step, the row's flat id), or to nearest. Every copy of a row that
+runs the real optimizer (its owner, a replica of a hot row, a worker it is lent to) shares the
+run's Rounding and keys the row by the same flat id, so all of them round it alike, at any W.
 """
 from __future__ import annotations
+
+from typing import Callable, Optional
 
 import torch
 
 import kernels
 from kernels.reference import OPTIMIZERS
+from kernels.rounding import HALF_DTYPES
+
+ROUNDINGS = ("stochastic", "nearest")  # embedding.rounding
+
+RowKeys = Callable[[torch.Tensor], torch.Tensor]  # storage rows [n] -> their flat ids [n]
+
+
+class Rounding:
+    """How updated half-precision rows are written back, shared by every optimizer of a run.
+
+    rule: "stochastic" (kernels/rounding.py) or "nearest"; seed: the run's (train.seed); step: the
+    training step whose updates are being applied, set by HybridEmbedding before each update
+    (a flush's updates take the last step's), so a row's random bits are a function of (seed,
+    step, row) only: reproducible, and the same at any W and on a resume."""
+
+    def __init__(self, rule: str = "stochastic", seed: int = 0) -> None:
+        if rule not in ROUNDINGS:
+            raise ValueError(f"embedding.rounding={rule!r} is not one of {', '.join(ROUNDINGS)}")
+        self.rule, self.seed, self.step = rule, seed, 0
+
+    def at(self, keys: torch.Tensor) -> Optional[kernels.StochasticRounding]:
+        """The kernel's rounding of rows with flat ids `keys` at the current step (None: nearest)."""
+        if self.rule != "stochastic":
+            return None
+        return kernels.StochasticRounding(kernels.salt_of(self.seed, self.step), keys)
 
 
 class SparseOptimizer:
     """Optimizer of `weight` [R, d]: state "sum" [R, d] (adagrad), [R] (rowwise_adagrad) or none
-    (sgd), starting at `init` (initial_accumulator_value)."""
+    (sgd), float32, starting at `init` (initial_accumulator_value). With half-precision weight,
+    `row_keys` (storage rows -> flat ids) and `rounding` say how updated rows are written back
+    (neither given: to nearest)."""
 
     def __init__(self, name: str, weight: torch.Tensor, lr: float, eps: float,
-                 init: float = 0.0, weight_decay: float = 0.0) -> None:
+                 init: float = 0.0, weight_decay: float = 0.0, row_keys: Optional[RowKeys] = None,
+                 rounding: Optional[Rounding] = None) -> None:
         if name not in OPTIMIZERS:
             raise ValueError(f"optim.sparse={name!r} is not one of {sorted(OPTIMIZERS)}")
         self.name, self.weight, self.lr, self.eps, self.init = name, weight, lr, eps, init
         self.weight_decay = weight_decay
+        self.row_keys, self.rounding = row_keys, rounding
+        state_dtype = kernels.reference.accumulation_dtype(weight.dtype)  # fp32 (fp64 stays fp64)
         self.state: torch.Tensor | None = None
         if name == "adagrad":
-            self.state = torch.full_like(weight, init)
+            self.state = torch.full(tuple(weight.shape), init, dtype=state_dtype, device=weight.device)
         elif name == "rowwise_adagrad":
-            self.state = torch.full((weight.shape[0],), init, dtype=weight.dtype,
-                                    device=weight.device)
+            self.state = torch.full((weight.shape[0],), init, dtype=state_dtype, device=weight.device)
 
     def step(self, idx: torch.Tensor, grad: torch.Tensor, unique: bool = False) -> None:
         """Rows idx [n] of weight (repeats allowed unless unique) take grad [n, d], summed per row."""
         kernels.row_update(self.weight, idx, grad, optimizer=self.name, lr=self.lr, eps=self.eps,
-                           state=self.state, unique=unique, weight_decay=self.weight_decay)
+                           state=self.state, unique=unique, weight_decay=self.weight_decay,
+                           rounding=self._rounding(idx))
+
+    def _rounding(self, idx: torch.Tensor) -> Optional[kernels.StochasticRounding]:
+        if self.weight.dtype not in HALF_DTYPES or self.rounding is None or self.row_keys is None:
+            return None
+        return self.rounding.at(self.row_keys(idx))
 
     def state_tensors(self) -> dict[str, torch.Tensor]:
         return {} if self.state is None else {"sum": self.state}
 
-    def like(self, weight: torch.Tensor) -> "SparseOptimizer":
-        """The same optimizer (name, hyper-parameters, fresh state) over another row set: a replica
-        of hot rows, a holder's lent rows."""
-        return SparseOptimizer(self.name, weight, self.lr, self.eps, self.init, self.weight_decay)
+    def like(self, weight: torch.Tensor, row_keys: Optional[RowKeys] = None) -> "SparseOptimizer":
+        """The same optimizer (name, hyper-parameters, the run's rounding; fresh state) over another
+        row set: a replica of hot rows, a holder's lent rows (row_keys: their slots -> flat ids)."""
+        return SparseOptimizer(self.name, weight, self.lr, self.eps, self.init, self.weight_decay,
+                               row_keys, self.rounding)
 
 
 def make_sparse_optimizer(name: str, weight: torch.Tensor, lr: float, eps: float,
-                          init: float = 0.0, weight_decay: float = 0.0) -> SparseOptimizer:
-    return SparseOptimizer(name, weight, lr, eps, init, weight_decay)
+                          init: float = 0.0, weight_decay: float = 0.0,
+                          row_keys: Optional[RowKeys] = None,
+                          rounding: Optional[Rounding] = None) -> SparseOptimizer:
+    return SparseOptimizer(name, weight, lr, eps, init, weight_decay, row_keys, rounding)

@@ -14,6 +14,10 @@ The owners keep their (stale) copies of hot rows; `write_to_owner` copies the re
 optimizer state back into the owner's shard before a checkpoint or a full-table gather, and
 `load_from_owners` builds the replica from the owners (start and resume), so checkpoints never see
 the replica at all and resume on another W or another placement just works.
+
+Half-precision rows (embedding.dtype): the replica holds them in the owners' type and its optimizer
+rounds them with the run's rule, keyed by the row's flat id like the owner's, so a replicated row
+takes the very values the owner would have given it (and the reference's).
 """
 from __future__ import annotations
 
@@ -34,7 +38,7 @@ class Replica:
         self.sharding, self.dim = store.sharding, store.dim
         self.weight = torch.zeros(self.gids.numel(), store.dim, dtype=store.weight.dtype,
                                   device=store.weight.device)
-        self.optimizer = opt.like(self.weight)
+        self.optimizer = opt.like(self.weight, lambda slots: self.sharding.to_flat(self.gids[slots]))
 
     def __len__(self) -> int:
         return int(self.gids.numel())
@@ -71,16 +75,17 @@ class Replica:
         """Every rank receives every replicated row (and its optimizer state) from its owner.
         Collective (one allgather of slots, one of values)."""
         slots, gids = self._owned()
-        parts = torch.cat([store.rows(gids), store.state_rows(gids)], 1)
+        wide = store.compute_dtype  # rows (exact when half) and state in one message
+        parts = torch.cat([store.rows(gids).to(wide), store.state_rows(gids).to(wide)], 1)
         state = store.optimizer.state
         got_slots = comm.allgather(slots.cpu(), kind="meta").to(self.weight.device)
         got = comm.allgather(parts.cpu(), kind="meta").to(self.weight.device)
         if got_slots.numel() != len(self):
             raise RuntimeError(f"replica: owners sent {got_slots.numel()} rows for {len(self)} replicated ids")
-        self.weight.index_copy_(0, got_slots, got[:, :self.dim])
+        self.weight.index_copy_(0, got_slots, got[:, :self.dim].to(self.weight.dtype))
         if state is not None:
             mine = self.optimizer.state
-            mine.index_copy_(0, got_slots, got[:, self.dim:].reshape((-1,) + tuple(mine.shape[1:])))
+            mine.index_copy_(0, got_slots, got[:, self.dim:].reshape((-1,) + tuple(mine.shape[1:])).to(mine.dtype))
 
     def write_to_owner(self, store: ShardStore) -> None:
         """Copy the replica's values and optimizer state of the rows this rank owns into its shard

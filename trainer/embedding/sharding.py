@@ -113,6 +113,15 @@ class Sharding(ABC):
         flat = np.asarray(flat, np.int64)
         return flat + shift[np.searchsorted(ends, flat, side="right")]
 
+    def to_flat(self, gids: torch.Tensor) -> torch.Tensor:
+        """[n] flat ids of real gids (torch): the row's identity at any W (the stochastic rounding
+        of half-precision rows is keyed by it, embedding/optim.py). Padding gids give ids that
+        are no row's (nothing reads them)."""
+        table, ids = self.decode(gids)
+        if "_flat_starts" not in self.__dict__:  # host tensor, once; on_device keeps its copies
+            self.__dict__["_flat_starts"] = torch.from_numpy(flat_starts(self.table_rows))
+        return ids + self.on_device("_flat_starts", gids.device)[table]
+
     # ---- ownership and storage -----------------------------------------------------------
     @abstractmethod
     def owner(self, gids: Ids) -> Ids:

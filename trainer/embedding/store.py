@@ -4,6 +4,13 @@ Why one tensor: the pooled-gather kernels read one storage with one slot space, 
 global id space (sharding.py) makes a row's storage slot simply gid div W.
 Row init is a pure function of (seed, table, id), so any world size starts from the same tables.
 
+Row precision (embedding.dtype): the rows are stored as float32, float16 or bfloat16 (ROW_DTYPES);
+everything else of a row stays as it is (the optimizer state float32, the version int64), so half
+precision halves the rows' bytes and no more (bytes_per_row). Initial rows are computed in float32
+and rounded to nearest; updates are computed in float32 and written back by the run's rounding rule
+(optim.py). Readers get the stored values (`rows`) and upcast them where they compute: float32
+holds every half value exactly, so a read loses nothing.
+
 `touched` marks the rows written since it was last cleared (an owner update, a row put back by a
 replica or a holder): the in-memory best-model snapshot (trainer/best.py) copies only those rows,
 and puts a row it never saw back to its initial value, recomputed from (seed, table, id).
@@ -13,11 +20,22 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+import kernels
 from ..data import rng
-from .optim import SparseOptimizer, make_sparse_optimizer
+from .optim import Rounding, SparseOptimizer, make_sparse_optimizer
 from .sharding import Sharding
 
 _S_INIT = 77
+ROW_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}  # embedding.dtype
+VERSION_BYTES = 8  # int64 per row
+
+
+def row_dtype(name: str) -> torch.dtype:
+    """torch dtype of embedding.dtype `name`."""
+    try:
+        return ROW_DTYPES[name]
+    except KeyError:
+        raise ValueError(f"embedding.dtype={name!r} is not one of {', '.join(ROW_DTYPES)}") from None
 
 
 _INIT_CHUNK_ROWS = 1 << 18  # rows hashed at once: bounds init's temporaries to ~100 MB at d = 16
@@ -47,18 +65,43 @@ class ShardStore:
 
     def __init__(self, sharding: Sharding, dim: int, seed: int, init_scale: float | None,
                  optimizer: str, lr: float, eps: float, device: torch.device,
-                 accumulator_init: float = 0.0, weight_decay: float = 0.0) -> None:
+                 accumulator_init: float = 0.0, weight_decay: float = 0.0,
+                 dtype: torch.dtype = torch.float32, rounding: Rounding | None = None) -> None:
+        """dtype: the rows' (float32, float16, bfloat16); rounding: how updated half rows are
+        written back (default: stochastic, seeded by `seed`)."""
         self.sharding, self.dim = sharding, dim
         self.seed, self.init_scale = seed, init_scale
-        weight = torch.empty(sharding.local_rows, dim, device=device)
+        weight = torch.empty(sharding.local_rows, dim, dtype=dtype, device=device)
         for lo in range(0, sharding.local_rows, _INIT_CHUNK_ROWS):  # temporaries: one chunk of rows
             idx = torch.arange(lo, min(lo + _INIT_CHUNK_ROWS, sharding.local_rows), dtype=torch.int64)
-            weight[lo:lo + idx.numel()] = self._initial(idx).to(device)
+            weight[lo:lo + idx.numel()] = self._initial(idx).to(device, dtype)
         self.weight = weight
         self.version = torch.zeros(sharding.local_rows, dtype=torch.int64, device=device)  # updates applied
         self.touched = torch.zeros(sharding.local_rows, dtype=torch.bool, device=device)  # written since cleared
+        self.rounding = rounding if rounding is not None else Rounding("stochastic", seed)
         self.optimizer: SparseOptimizer = make_sparse_optimizer(optimizer, self.weight, lr, eps,
-                                                                 accumulator_init, weight_decay)
+                                                                 accumulator_init, weight_decay,
+                                                                 self.row_keys, self.rounding)
+
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        """What rows are read into for computing (the workspace, a cached copy): float32 for half
+        rows, which it holds exactly; float64 stays float64."""
+        return kernels.reference.accumulation_dtype(self.weight.dtype)
+
+    def row_keys(self, local_idx: torch.Tensor) -> torch.Tensor:
+        """[n] flat ids of storage rows local_idx: their identity at any W (the rounding's key)."""
+        s = self.sharding
+        return s.to_flat(s.global_of(local_idx, s.rank))
+
+    def bytes_per_row(self) -> dict[str, int]:
+        """What one row costs its owner, by part: the row itself (dim x its element size), the
+        optimizer state (float32 values: 0 for SGD, 1 for row-wise Adagrad, dim for Adagrad),
+        its version (int64); and the total."""
+        row = self.dim * self.weight.element_size()
+        st = self.optimizer.state
+        state = 0 if st is None else (st[0].numel() if st.dim() > 1 else 1) * st.element_size()
+        return {"row": row, "state": state, "version": VERSION_BYTES, "total": row + state + VERSION_BYTES}
 
     def initial_rows(self, local_idx: torch.Tensor) -> torch.Tensor:
         """[n, d] initial values of storage rows local_idx (real rows; padding rows are zeros)."""
@@ -76,7 +119,7 @@ class ShardStore:
         return out
 
     def rows(self, gids: torch.Tensor) -> torch.Tensor:
-        """[n, d] current rows of owned gids."""
+        """[n, d] current rows of owned gids, as stored (embedding.dtype)."""
         return self.weight.index_select(0, self.sharding.local_index(gids))
 
     def versions(self, local_idx: torch.Tensor) -> torch.Tensor:
@@ -107,18 +150,19 @@ class ShardStore:
         s = self.optimizer.state
         idx = self.sharding.local_index(gids)
         if s is None:
-            return torch.zeros(idx.numel(), 0, dtype=self.weight.dtype, device=self.weight.device)
+            return torch.zeros(idx.numel(), 0, dtype=self.compute_dtype, device=self.weight.device)
         return s.index_select(0, idx).reshape(idx.numel(), self.state_width)
 
     def put(self, gids: torch.Tensor, rows: torch.Tensor, state: torch.Tensor | None = None,
             updates: torch.Tensor | None = None) -> None:
-        """Take owned rows back from a holder: values [n, d], optimizer state [n, state_width]
-        (None: keep), and advance versions by the updates [n] the holder applied (None: 0)."""
+        """Take owned rows back from a holder: values [n, d] (any float type holding values of the
+        rows' type: a copy), optimizer state [n, state_width] (None: keep), and advance versions
+        by the updates [n] the holder applied (None: 0)."""
         idx = self.sharding.local_index(gids)
-        self.weight.index_copy_(0, idx, rows)
+        self.weight.index_copy_(0, idx, rows.to(self.weight.dtype))
         self.touched.index_fill_(0, idx, True)
         s = self.optimizer.state
         if state is not None and s is not None:
-            s.index_copy_(0, idx, state.reshape((-1,) + tuple(s.shape[1:])))
+            s.index_copy_(0, idx, state.reshape((-1,) + tuple(s.shape[1:])).to(s.dtype))
         if updates is not None:
             self.version.index_add_(0, idx, updates)

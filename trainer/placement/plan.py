@@ -54,10 +54,14 @@ class Plan:
         return out
 
 
-def row_bytes(dim: int, optimizer: str, elem: int = 4) -> int:
-    """Bytes a replicated row costs one worker: the row plus its sparse optimizer state."""
+ROW_ELEM = {"fp32": 4, "fp16": 2, "bf16": 2}  # bytes of a row element per embedding.dtype
+
+
+def row_bytes(dim: int, optimizer: str, row_elem: int = 4) -> int:
+    """Bytes a replicated row costs one worker: the row (dim x row_elem: embedding.dtype) plus its
+    sparse optimizer state (float32 whatever the rows' type)."""
     state = {"sgd": 0, "adagrad": dim, "rowwise_adagrad": 1}[optimizer]
-    return (dim + state) * elem
+    return dim * row_elem + state * 4
 
 
 def fae_plan(profile: AccessProfile, budget_bytes: int, per_row: int) -> Plan:
@@ -96,7 +100,7 @@ def plan_run(c: Any, data: Any, world: int) -> Plan:
     profile = profile_stream(data, rows, c.train.steps * local_batch_size(c, world) * world,
                              p.profile_fraction)
     plan = make_plan(p.name, profile, budget_bytes=p.budget_bytes,
-                     per_row=row_bytes(c.model.embedding_dim, c.optim.sparse), config=c, world=world,
+                     per_row=row_bytes(c.model.embedding_dim, c.optim.sparse, ROW_ELEM[c.embedding.dtype]), config=c, world=world,
                      data=data)
     plan.info["plan_seconds"] = round(time.perf_counter() - t0, 3)
     return plan

@@ -9,7 +9,9 @@ gradients, and writebacks (row, state, update count).
 A worker keeps the rows lent to it in LentRows, with their optimizer state, and applies the real
 sparse optimizer to them (kernels.row_update), so its copy is exactly the row the single-process
 reference holds; the owner takes value and state back on writeback and advances the row's version
-by the updates it carried.
+by the updates it carried. Half-precision rows stay in the owners' type here too, rounded by the
+run's rule keyed by the row's flat id (so exactly as their owner would); writebacks travel as
+float32 (row, state and update count in one message: a count in a half type would round).
 """
 from __future__ import annotations
 
@@ -32,7 +34,9 @@ class LentRows:
     def __init__(self, capacity: int, store: ShardStore, n_ids: int) -> None:
         dev, opt = store.weight.device, store.optimizer
         self.weight = torch.zeros(capacity, store.dim, dtype=store.weight.dtype, device=dev)
-        self.optimizer = opt.like(self.weight)
+        self.gid = torch.full((capacity,), -1, dtype=torch.int64, device=dev)  # the row in each slot
+        self.optimizer = opt.like(self.weight, lambda slots: store.sharding.to_flat(self.gid[slots]))
+        self.compute_dtype = store.compute_dtype
         self.count = torch.zeros(capacity, dtype=torch.int64, device=dev)
         self.used = torch.zeros(capacity, dtype=torch.bool, device=dev)
         self.map = id_slot_map(n_ids, capacity, dev)
@@ -54,7 +58,7 @@ class LentRows:
         """[n, sw] optimizer state of slots (sw = 0 for SGD)."""
         s = self.optimizer.state
         if s is None:
-            return torch.zeros(slots.numel(), 0, dtype=self.weight.dtype, device=self.weight.device)
+            return torch.zeros(slots.numel(), 0, dtype=self.compute_dtype, device=self.weight.device)
         return s.index_select(0, slots).reshape(slots.numel(), self.sw)
 
     def install(self, gids: torch.Tensor, rows: torch.Tensor, state: torch.Tensor) -> None:
@@ -65,10 +69,11 @@ class LentRows:
             raise RuntimeError(f"herald: {k} rows lent but the worker holds only {self.used.numel()} slots")
         free = torch.nonzero_static(~self.used, size=k, fill_value=-1).squeeze(1)
         torch._assert_async((free >= 0).all(), "herald: more rows lent than slots free")
-        self.weight.index_copy_(0, free, rows)
+        self.weight.index_copy_(0, free, rows.to(self.weight.dtype))
+        self.gid.index_copy_(0, free, gids)
         if self.optimizer.state is not None:
             st = self.optimizer.state
-            st.index_copy_(0, free, state.reshape((-1,) + tuple(st.shape[1:])))
+            st.index_copy_(0, free, state.reshape((-1,) + tuple(st.shape[1:])).to(st.dtype))
         self.count.index_fill_(0, free, 0)
         self.used.index_fill_(0, free, True)
         self.map.insert(gids, free)
@@ -128,8 +133,9 @@ class HeraldRemote(RemoteRows):
             return
         mine = self._t(wb[self.sh.rank])
         slots = self.lent.find(mine)
-        payload = torch.cat([self.lent.weight.index_select(0, slots), self.lent.state(slots),
-                             self.lent.count.index_select(0, slots).to(self.lent.weight.dtype)[:, None]], 1)
+        wide = self.lent.compute_dtype
+        payload = torch.cat([self.lent.weight.index_select(0, slots).to(wide), self.lent.state(slots).to(wide),
+                             self.lent.count.index_select(0, slots).to(wide)[:, None]], 1)
         got_ids, recv = self._to_me(wb)
         cols = {"grads": self.store.dim + self.lent.sw, "versions": 1}
         got, _ = self.comm.alltoall(payload, self._splits(wb[self.sh.rank]), kind=cols, recv_splits=recv)
@@ -142,7 +148,8 @@ class HeraldRemote(RemoteRows):
         r = self.sh.rank
         mine = sync.pull[r]
         if sum(x.size for x in sync.pull) == 0:
-            return torch.zeros(0, self.store.dim, device=self.dev), self.lent.state(self._t(mine[:0]))
+            return (torch.zeros(0, self.store.dim, dtype=self.store.weight.dtype, device=self.dev),
+                    self.lent.state(self._t(mine[:0])))
         serve, send = self._to_me(sync.pull)
         rows, _ = self.comm.alltoall(self.store.rows(self._t(serve)), send, kind="rows",
                                      recv_splits=self._splits(mine))
@@ -170,7 +177,7 @@ class HeraldRemote(RemoteRows):
         at = self._positions(src, plan.remote_ids)
         if src.numel() != plan.remote_ids.numel():
             raise RuntimeError("herald: the plan and this rank's batch disagree on its remote rows")
-        ws.index_copy_(0, plan.remote_pos, torch.cat([rows, local_rows]).index_select(0, at))
+        ws.index_copy_(0, plan.remote_pos, torch.cat([rows, local_rows]).index_select(0, at).to(ws.dtype))
         return sync
 
     def write_start(self, plan: LookupPlan, grad: torch.Tensor, read: Any) -> Callable[[], Pushes]:

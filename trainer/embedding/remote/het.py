@@ -84,7 +84,7 @@ class HetWire:
 
     def __init__(self, comm: Collectives, store: ShardStore, precision: str = "fp32") -> None:
         self.comm, self.store, self.sh = comm, store, store.sharding
-        self.row_dtype = wire_float(precision)  # rows and gradients on the wire; owners keep fp32
+        self.row_dtype = wire_float(precision)  # rows and gradients on the wire (exchange.RowExchange)
         self.staleness = StalenessStats(self.sh.num_tables, store.weight.device)
 
     @property
@@ -137,7 +137,7 @@ class HetWire:
         rows [need.sum(), d] in the order of `need`), serving the check first if needed."""
         self.serve(chk)
         rows, _ = chk.rows.wait()
-        return chk.need, chk.versions, rows.to(self.store.weight.dtype)
+        return chk.need, chk.versions, rows.to(self.store.compute_dtype)  # the cache's rows: fp32
 
     def check(self, remote_ids: torch.Tensor, cached_versions: torch.Tensor, splits: list[int],
               pull_bound: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
