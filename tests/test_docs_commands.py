@@ -109,6 +109,11 @@ def _sweep_jobs(n: int, sweep: str) -> Callable[[Path], None]:
     return check
 
 
+def _bf16_rows(cwd: Path) -> None:
+    e = json.loads((cwd / "runs/bf16/summary.json").read_text())["embedding"]
+    assert e["dtype"] == "bf16" and e["bytes_per_row"] == {"row": 32, "state": 0, "version": 8, "total": 40}, e
+
+
 TRAINER = dict(json_keys=TRAINER_LINE, summary=True)
 W2 = ("train.steps=4", "data.eval_samples=512", "checkpoint.enabled=false")
 
@@ -194,6 +199,10 @@ REGISTRY: dict[str, Entry] = {
         Entry(marks=("gpu",), files=("gpu_parity.jsonl",), timeout=1800),
     ".venv/bin/python -m pytest -q -m gpu tests/test_step_device.py tests/test_kernel_*.py":
         Entry(marks=("gpu",), timeout=900),
+    # docs/config.md
+    ".venv/bin/python -m trainer data=criteo_like embedding.dtype=bf16 hydra.run.dir=runs/bf16":
+        Entry(add=("train.steps=4", "data.eval_samples=512", "data.max_table_rows=10000"),
+              files=("runs/bf16/summary.json",), check=_bf16_rows, **TRAINER),
     # docs/development.md
     ".venv/bin/python scripts/check_imports.py": Entry(stdout=r"no import cycle"),
     # benchmarks/README.md
