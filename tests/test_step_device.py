@@ -70,6 +70,9 @@ HOST_OK: dict[tuple[str, str], str] = {
         "train.nonfinite=skip every rank needs it before updating). Also Adam's step counters "
         "(.item() inside torch.optim: CPU tensors by torch's design unless fused/capturable, so no "
         "device sync). Possible: read the loss one step late in stop mode",
+    ("trainer/signals.py", "take"):
+        f"{INHERENT}: the step's global loss read back (runner._step's one read, with the stop "
+        "signal's flag that rides the same reduction: no extra read or message per step)",
     ("trainer/embedding/exchange.py", "plan_lookup"):
         f"{INHERENT}: the step's one read-back of the plan: unique ids per owner and replicated "
         "([W + 1]), the alltoall split sizes, which also fix every size of the plan",
@@ -107,8 +110,9 @@ SHAPE_OK: dict[tuple[str, str], str] = {
         "with one, HetRemote passes the count and the selection is fixed-size",
     ("trainer/embedding/cache.py", "versions_of"): CACHE_TODO + "out[hit] = version[slots[hit]]: "
         "torch.where over a clamped index_select needs no size",
-    ("kernels/reference.py", "sum_repeats"):
-        "CPU-ONLY: the owner update's torch reference selects the first occurrence of each row "
+    ("kernels/reference.py", "first_and_sums"):
+        "CPU-ONLY: the owner update's torch reference (sum_repeats, first_and_sums: the first "
+        "occurrences' positions for half rows' rounding keys) selects the first occurrence of each row "
         "(nonzero); on CUDA kernels.row_update is the Triton segment kernel, which reads nothing "
         "back (the plain-triton configuration audits it)",
 }
