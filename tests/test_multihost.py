@@ -23,6 +23,7 @@ import subprocess
 import sys
 import time
 
+import numpy as np
 import pytest
 import torch
 
@@ -94,9 +95,15 @@ def assert_same_training(local_dir: str, net_dir: str) -> dict:
                                torch.tensor(_losses(local_dir), dtype=torch.float64), rtol=1e-6, atol=0)
     a, b = _final_checkpoint(local_dir), _final_checkpoint(net_dir)
     files = sorted(f for f in os.listdir(a) if f.endswith(".pt"))
-    assert files == sorted(f for f in os.listdir(b) if f.endswith(".pt"))
-    assert {"trainer.pt", "shard_00000-of-00002.pt", "shard_00001-of-00002.pt"} <= set(files)
+    assert files == sorted(f for f in os.listdir(b) if f.endswith(".pt")) == ["trainer.pt"]
     compared = 0
+    shards = json.load(open(os.path.join(a, "manifest.json")))["shards"]
+    assert sorted(shards) == ["shard_00000-of-00002", "shard_00001-of-00002"]
+    for shard, info in shards.items():  # every field's raw array (checkpoint format 2), as saved
+        for field, meta in info["fields"].items():
+            va, vb = (np.fromfile(os.path.join(d, shard, f"{field}.bin"), dtype=meta["dtype"]) for d in (a, b))
+            np.testing.assert_allclose(vb, va, rtol=1e-6, atol=0, err_msg=f"{shard}/{field}")
+            compared += va.size
     for name in files:
         fa = _flatten(torch.load(os.path.join(a, name), weights_only=False))
         fb = _flatten(torch.load(os.path.join(b, name), weights_only=False))
