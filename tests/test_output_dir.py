@@ -107,7 +107,8 @@ def test_output_disk_full_mid_run_command_ends_with_one_error_line(tmp_path, sma
     proc = _cli(tmp_path, "train.steps=60", "train.log_every=1", f"hydra.run.dir={out}", "hydra.output_subdir=null",
                 f"checkpoint.dir={root}")
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
-    lines = proc.stderr.strip().splitlines()
+    plan, *lines = proc.stderr.strip().splitlines()  # the memory plan first (trainer/memplan.py)
+    assert plan.startswith("[trainer] memory plan, rank 0/1: "), proc.stderr
     assert lines[-1] == f"error: {out}/summary.json: No space left on device", proc.stderr
     assert sum("TensorBoard events in" in line for line in lines) == 1, proc.stderr
     assert len(lines) == 4, proc.stderr  # TensorBoard, metrics.jsonl, summary.json warnings + the error
