@@ -19,7 +19,6 @@ a GPU, the device's free memory.
 """
 from __future__ import annotations
 
-import os
 import sys
 from dataclasses import dataclass, field
 from typing import Any
@@ -29,9 +28,10 @@ import torch
 from .config import Config, ConfigError, cache_capacities, local_batch_size, table_rows
 from .embedding.sharding import RowSharding
 from .embedding.slotmap import DIRECT_MAP_MAX_IDS
+from .embedding.store import VERSION_BYTES, row_dtype
+from .placement.plan import row_bytes
 from .placement.sca import slot_bytes
 
-STATE_PER_ROW = {"sgd": 0, "adagrad": None, "rowwise_adagrad": 4}  # None: d x 4 bytes (element-wise)
 ADVICE = {"rows": "more workers, embedding.dtype=fp16 or bf16 (half the weight bytes), smaller data.table_rows",
           "cache": "a smaller cache.capacity_fraction or cache.capacity_rows", "cache map": "cache=none",
           "replica": "a smaller placement.budget_bytes", "best snapshot": "train.early_stop.restore_best=false",
@@ -40,17 +40,12 @@ HASH_SLOT_BYTES = 16  # the hash map's key + slot per entry, at its load factor 
 
 
 def state_bytes(dim: int, optimizer: str) -> int:
-    per = STATE_PER_ROW[optimizer]
-    return dim * 4 if per is None else per
+    """The sparse optimizer's state per row (float32): placement's row_bytes without the row."""
+    return row_bytes(dim, optimizer, row_elem=0)
 
 
 def weight_elem(c: Config) -> int:
-    return torch.empty(0, dtype=_dtype(c)).element_size()
-
-
-def _dtype(c: Config) -> torch.dtype:
-    name = getattr(c.embedding, "dtype", "fp32")
-    return {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[name]
+    return row_dtype(c.embedding.dtype).itemsize
 
 
 @dataclass
@@ -99,7 +94,7 @@ def plan_memory(c: Config, world: int, rank: int, device: torch.device = torch.d
     d = c.model.embedding_dim
     local = RowSharding(rows, world, rank).local_rows
     row_parts = {"weight": d * weight_elem(c), c.optim.sparse: state_bytes(d, c.optim.sparse),
-                 "version": 8, "touched": 1}
+                 "version": VERSION_BYTES, "touched": 1}
     plan = MemoryPlan(rank, world, local, row_parts)
     plan.parts["rows"] = local * plan.bytes_per_row
     slots = sum(cache_capacities(c))
