@@ -41,6 +41,7 @@ from typing import Any, Callable, Iterator
 import numpy as np
 import torch
 
+from ..embedding.sharding import rows_on_rank
 from ..embedding.store import ShardStore
 from .manifest import CheckpointDamaged, CheckpointError
 
@@ -192,7 +193,7 @@ def _segments(store: ShardStore) -> Iterator[tuple[int, int, int]]:
     s = store.sharding
     offs = s.local_table_offsets.tolist()
     for t, rows in enumerate(s.table_rows):
-        yield t, offs[t], max(-(-(rows - s.rank) // s.world), 0)
+        yield t, offs[t], rows_on_rank(rows, s.rank, s.world)
 
 
 class _HashedWriter:
@@ -366,11 +367,11 @@ def _read_one(files: dict[str, _VerifiedFile], info: dict[str, Any], table_rows:
               r: int, m: int, c: int, store: ShardStore, want: dict[str, torch.Tensor]) -> int:
     s = store.sharding
     loaded, seg_start = 0, 0
+    widest = max(np.dtype(v["dtype"]).itemsize * v["width"] for v in info["fields"].values())
+    step = max(PIECE_BYTES // widest, 1)  # rows per piece: one field's piece in memory at a time
     for t, rows in enumerate(table_rows):
-        n = max(-(-(rows - r) // saved_world), 0)
+        n = rows_on_rank(rows, r, saved_world)
         lo, hi = (0, n) if m <= 0 else q_range(n, m, c)
-        widest = max(np.dtype(v["dtype"]).itemsize * v["width"] for v in info["fields"].values())
-        step = max(PIECE_BYTES // widest, 1)
         for start in range(lo, hi, step):
             count = min(step, hi - start)
             q = q_in_order(n, start, count)

@@ -45,6 +45,11 @@ def flat_ids(values: np.ndarray, lengths: np.ndarray, table_rows: list[int]) -> 
     return np.asarray(values, dtype=np.int64) + flat_starts(table_rows)[t]
 
 
+def rows_on_rank(rows: int, rank: int, world: int) -> int:
+    """Real rows of a table of `rows` rows that rank `rank` of `world` owns: ids rank + qW."""
+    return max(-(-(rows - rank) // world), 0)
+
+
 class Sharding(ABC):
     """A layout of the fused global id space and the owner of every row (abstract strategy).
 
@@ -168,7 +173,7 @@ class Sharding(ABC):
         """How many real (not padding) rows `rank` stores: ids t_start + rank + qW of each table,
         counted in closed form (no per-row array)."""
         r = self.rank if rank is None else rank
-        return sum(max(-(-(n - r) // self.world), 0) for n in self.table_rows)
+        return sum(rows_on_rank(n, r, self.world) for n in self.table_rows)
 
     def for_rank(self, rank: int) -> "Sharding":
         """The same layout seen from worker `rank`."""
