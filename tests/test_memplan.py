@@ -46,7 +46,9 @@ def test_cache_replica_and_snapshot_are_counted():
     n_ids = sum(-(-n // 2) * 2 for n in c.data.table_rows)
     assert plan.parts["cache map"] == 4 * n_ids  # the CPU's direct map: 4 B per id of the model
     assert plan.parts["replica"] == 4096
-    assert plan.parts["best snapshot"] == plan.local_rows * c.model.embedding_dim * 4
+    assert plan.parts["best snapshot"] == plan.local_rows * (1 + c.model.embedding_dim * 4)  # held flag + rows
+    c.train.early_stop.snapshot = "disk"  # the rows in a file: the held flag only
+    assert memplan.plan_memory(c, 2, 0).parts["best snapshot"] == plan.local_rows
     assert plan.total == sum(plan.parts.values()) and "cache map" not in memplan.plan_memory(
         load_config(make_cfg(TINY + ["cache=none"])), 2, 0).parts
 

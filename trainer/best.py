@@ -6,16 +6,16 @@ evaluations in a row brought no new best. Every rank computes the same AUC from 
 logits, so every rank takes the same decision with no message, and at BSP a W-worker run stops at
 the same step as the single process.
 
-BestSnapshot keeps the best model in memory, not in a checkpoint. Why: a checkpoint writes every
+BestSnapshot keeps the best model beside the run, not in a checkpoint. Why: a checkpoint writes every
 row of every shard (1.6 GB for 26 tables of 1M rows at d = 16) and would be written at every new
-best; the snapshot copies only what changed. At a validation evaluation the caches are already
+best; the snapshot copies only what changed, in memory for a small shard or in a temporary file for
+a big one (snapshot_rows.py: a huge shard is never doubled in memory). At a validation evaluation the caches are already
 flushed (evaluate() flushes: pending cache pushes applied, replicated rows and Herald's lent rows
 written back), so the owners' shards hold every row. The snapshot then takes
 - the dense model's state (parameters and buffers, a few MB at most);
-- the shard rows written since the previous snapshot (ShardStore.touched), merged into the rows it
-  already holds. A row never written still has its initial value, a pure function of
-  (seed, table, id), so it needs no copy: memory is O(rows ever trained on this rank), never
-  O(table).
+- the shard rows written since the previous snapshot (ShardStore.touched), one window of rows at a
+  time, over the values it already holds. A row never written still has its initial value, a pure
+  function of (seed, table, id), so it needs no copy.
 Sparse optimizer state is not kept: the restored model is evaluated, never trained further.
 
 Restoring puts back the dense state and every row written since the snapshot (its snapshot value,
@@ -32,6 +32,7 @@ from typing import Any, Optional
 import torch
 
 from .build import phase
+from .snapshot_rows import SnapshotRows, in_memory
 
 
 class EarlyStopping:
@@ -80,30 +81,29 @@ class EarlyStopping:
 class BestSnapshot:
     """The best model of this rank: dense state + the shard rows trained so far (see module doc)."""
 
-    def __init__(self, model: torch.nn.Module, emb: Any, fresh: bool = True) -> None:
+    def __init__(self, model: torch.nn.Module, emb: Any, fresh: bool = True, mode: str = "auto",
+                 directory: Optional[str] = None) -> None:
         """fresh: the shard still holds its initial rows. A resumed run's shard does not (the
-        checkpoint's rows), so its first snapshot copies every row of the shard."""
+        checkpoint's rows), so its first snapshot copies every row of the shard. mode / directory:
+        where the rows are kept (snapshot_rows.in_memory; the file's directory)."""
         self.model, self.emb, self.store = model, emb, emb.store
         self.step: Optional[int] = None
         self.dense: Optional[dict[str, torch.Tensor]] = None
-        dev = self.store.weight.device
-        self.idx = torch.zeros(0, dtype=torch.int64, device=dev)  # storage rows held, ascending
-        self.rows = torch.zeros(0, self.store.dim, dtype=self.store.weight.dtype, device=dev)
+        w = self.store.weight
+        self.kept = SnapshotRows(w, in_memory(mode, w.shape[0], w.shape[1] * w.element_size()), directory)
         # from here on, touched = written since the last snapshot (all rows: not at their init)
         self.store.touched.fill_(not fresh)
 
     def take(self, step: int) -> None:
         """Snapshot the model as it is now (caches must be flushed: evaluate() does it)."""
         self.dense = {k: v.detach().clone() for k, v in self.model.state_dict().items()}
-        touched = torch.nonzero(self.store.touched).squeeze(1)
-        self.idx = torch.unique(torch.cat([self.idx, touched]))  # sorted
-        self.rows = self.store.weight.index_select(0, self.idx).clone()
+        self.kept.put(self.store.weight, self.store.touched)
         self.store.touched.zero_()
         self.step = step
 
     @property
     def held_rows(self) -> int:
-        return int(self.idx.numel())
+        return self.kept.held_rows
 
     def restore(self, comm: Any) -> int:
         """Put the snapshot back (collective when hot rows are replicated); returns the rows this
@@ -111,20 +111,27 @@ class BestSnapshot:
         if self.dense is None:
             raise RuntimeError("no snapshot to restore")
         self.model.load_state_dict(self.dense)
-        changed = torch.nonzero(self.store.touched).squeeze(1)
-        if changed.numel():
-            pos = torch.searchsorted(self.idx, changed).clamp(max=max(self.idx.numel() - 1, 0))
-            seen = (self.idx[pos] == changed) if self.idx.numel() else torch.zeros_like(changed, dtype=torch.bool)
-            values = torch.empty(changed.numel(), self.store.dim, dtype=self.store.weight.dtype,
-                                 device=self.store.weight.device)
-            values[seen] = self.rows[pos[seen]]
+        store, n = self.store, 0
+        for a, b in self.kept.windows():  # temporaries: one window of rows
+            changed = torch.nonzero(store.touched[a:b]).squeeze(1) + a
+            if not changed.numel():
+                continue
+            seen = self.kept.held[changed]
+            values = torch.empty(changed.numel(), store.dim, dtype=store.weight.dtype, device=store.weight.device)
+            if bool(seen.any()):
+                values[seen] = self.kept.values(changed[seen])
             if bool((~seen).any()):
-                values[~seen] = self.store.initial_rows(changed[~seen])
-            self.store.weight.index_copy_(0, changed, values)
-            self.store.touched.zero_()
+                values[~seen] = store.initial_rows(changed[~seen])
+            store.weight.index_copy_(0, changed, values)
+            n += int(changed.numel())
+        store.touched.zero_()
         if self.emb.replica is not None:  # the replica follows its owners again
-            self.emb.replica.load_from_owners(comm, self.store)
-        return int(changed.numel())
+            self.emb.replica.load_from_owners(comm, store)
+        return n
+
+    def close(self) -> None:
+        """Free the kept rows (the disk file goes)."""
+        self.kept.close()
 
 
 def restore_best(best: Optional[BestSnapshot], early: EarlyStopping, comm: Any, end: int) -> dict[str, Any]:

@@ -207,6 +207,7 @@ class EarlyStopConfig:
     min_delta: float = 0.0  # a new best must beat the old one's validation AUC by more than this
     min_evals: Optional[int] = None  # never stop before this many validation evaluations (a model still at its start can score below its first evaluation for a few epochs); null = the recipe's (tiny and small: 10 epochs, counted as patience is, else 0)
     restore_best: bool = True  # with a validation split: the model of the best validation AUC is restored for the final test evaluation
+    snapshot: str = "auto"  # where the best model's rows are kept: memory, disk (a temporary file in the run's directory) or auto (memory when the rank's rows take at most 256 MiB)
 
 
 @dataclass
@@ -547,6 +548,8 @@ def _validate_early_stop(c: Config) -> None:
     _check(e.min_evals >= 0, "train.early_stop.min_evals", e.min_evals, "must be >= 0 (0 = may stop at any evaluation)")
     _check(e.min_delta >= 0, "train.early_stop.min_delta", e.min_delta, "must be >= 0")
     _finite("train.early_stop.min_delta", e.min_delta)
+    _check(e.snapshot in ("auto", "memory", "disk"), "train.early_stop.snapshot", e.snapshot,
+           "must be auto, memory or disk")
     if e.patience > 0:
         _check(bool(c.data.val_fraction), "train.early_stop.patience", e.patience,
                "early stopping needs a validation split (data.val_fraction > 0); it never looks at the test split")

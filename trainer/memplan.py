@@ -12,7 +12,8 @@ What is counted, per rank (docs/design.md, "bytes per row"):
   int32 array over the whole id space on the CPU up to DIRECT_MAP_MAX_IDS ids: 4 B per id of the
   model, the one structure sized by the model; else a hash map sized by the slots);
 - the replica of hot rows (placement fae / sca): at most its budget_bytes;
-- the best-model snapshot (validation with restore_best): at most one copy of the rows' weights;
+- the best-model snapshot (validation with restore_best): its held flag (1 B per row), and in memory
+  (train.early_stop.snapshot, snapshot_rows.in_memory) at most one copy of the rows' weights;
 - the batch and the dense model's activations: an estimate (local batch x the widths of the MLPs).
 Available: MemAvailable (and the cgroup's limit, when lower) shared by the ranks on this host; on
 a GPU, the device's free memory.
@@ -31,10 +32,11 @@ from .embedding.slotmap import DIRECT_MAP_MAX_IDS
 from .embedding.store import VERSION_BYTES, row_dtype
 from .placement.plan import row_bytes
 from .placement.sca import slot_bytes
+from .snapshot_rows import in_memory
 
 ADVICE = {"rows": "more workers, embedding.dtype=fp16 or bf16 (half the weight bytes), smaller data.table_rows",
           "cache": "a smaller cache.capacity_fraction or cache.capacity_rows", "cache map": "cache=none",
-          "replica": "a smaller placement.budget_bytes", "best snapshot": "train.early_stop.restore_best=false",
+          "replica": "a smaller placement.budget_bytes", "best snapshot": "train.early_stop.snapshot=disk or restore_best=false",
           "batch": "a smaller data.batch_size or more workers"}
 HASH_SLOT_BYTES = 16  # the hash map's key + slot per entry, at its load factor of about one half
 
@@ -105,8 +107,9 @@ def plan_memory(c: Config, world: int, rank: int, device: torch.device = torch.d
         plan.parts["cache map"] = 4 * n_ids if direct else slots * HASH_SLOT_BYTES
     if c.placement.name in ("fae", "sca"):
         plan.parts["replica"] = int(c.placement.budget_bytes)
-    if c.train.early_stop.restore_best and (c.data.val_fraction or 0) > 0:
-        plan.parts["best snapshot"] = local * d * weight_elem(c)
+    if c.train.early_stop.restore_best and (c.data.val_fraction or 0) > 0:  # its held flags + the rows in memory
+        kept = in_memory(c.train.early_stop.snapshot, local, d * weight_elem(c))
+        plan.parts["best snapshot"] = local * (1 + (d * weight_elem(c) if kept else 0))
     widths = [c.data.num_dense] + list(c.model.bottom_mlp) + list(c.model.top_mlp or []) + [d * len(rows)]
     ids_per_sample = len(rows) * max(c.data.max_bag, 1)
     plan.parts["batch"] = local_batch_size(c, world) * (sum(widths) * 4 * 4 + ids_per_sample * 8 * 4)

@@ -153,7 +153,8 @@ class Trainer:
         self.early = EarlyStopping(c.train.early_stop.patience, c.train.early_stop.min_delta,
                                    c.train.early_stop.min_evals)
         self.start_step = self.checkpoints.resume(self)
-        self.best = (BestSnapshot(self.model, self.emb, fresh=self.checkpoints.resumed_from is None)
+        self.best = (BestSnapshot(self.model, self.emb, fresh=self.checkpoints.resumed_from is None,
+                                  mode=c.train.early_stop.snapshot, directory=self.out_dir)
                      if self.val_rows and c.train.early_stop.restore_best else None)
         self.recipe = recipe_of(c)
 
@@ -164,8 +165,10 @@ class Trainer:
         self.close()
 
     def close(self) -> None:
-        """Release checkpoint.dir (its lock); idempotent."""
+        """Release checkpoint.dir (its lock) and the best snapshot's rows; idempotent."""
         self.checkpoints.close()
+        if getattr(self, "best", None) is not None:
+            self.best.close()
 
     def position(self) -> Position:
         """Where this run stands (the advice after a lost worker, relaunch.failure_hint)."""
