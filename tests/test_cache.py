@@ -134,12 +134,21 @@ def test_take_due_and_take_all():
     assert sorted(rest.gids.tolist()) == [2, 3] and c.pending_updates() == 0
 
 
+def test_the_direct_map_is_used_only_while_sized_by_the_cache():
+    """4 B per id of the whole id space only while that is at most 16 ids per slot: a small cache
+    over a big id space gets the hash map (its bytes follow the slots, not the model)."""
+    from trainer.embedding.slotmap import DirectSlotMap
+    assert isinstance(RowCache([7], 2, LFU(), n_ids=112, local_lr=0.5).map, DirectSlotMap)
+    assert not isinstance(RowCache([7], 2, LFU(), n_ids=113, local_lr=0.5).map, DirectSlotMap)
+
+
 def test_cache_works_with_the_kernels_hash_map(monkeypatch):
     """Same behaviour with the id -> slot hash map used when the id space is too big for an array."""
     import trainer.embedding.slotmap as slotmap
     monkeypatch.setattr(slotmap, "DIRECT_MAP_MAX_IDS", 0)
     a, b = _cache(LFU(), caps=(3,)), None
     monkeypatch.setattr(slotmap, "DIRECT_MAP_MAX_IDS", 1 << 27)
+    monkeypatch.setattr(slotmap, "DIRECT_IDS_PER_SLOT", 100)
     b = _cache(LFU(), caps=(3,))
     assert type(a.map) is not type(b.map)
     rng = np.random.default_rng(0)

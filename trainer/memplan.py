@@ -9,8 +9,8 @@ rank with one error line (exit 2) naming the figures.
 What is counted, per rank (docs/design.md, "bytes per row"):
 - rows: local rows x (d x weight bytes + the sparse optimizer's state + 8 (version) + 1 (touched));
 - the worker cache: its slots x (row + pending update + 5 int64) and its id -> slot map (a direct
-  int32 array over the whole id space on the CPU up to DIRECT_MAP_MAX_IDS ids: 4 B per id of the
-  model, the one structure sized by the model; else a hash map sized by the slots);
+  int32 array over the whole id space on the CPU while that is at most 16 ids per slot: 4 B per
+  id, bounded by the cache's size; else a hash map sized by the slots: slotmap.uses_direct_map);
 - the replica of hot rows (placement fae / sca): at most its budget_bytes;
 - the best-model snapshot (validation with restore_best): its held flag (1 B per row), and in memory
   (train.early_stop.snapshot, snapshot_rows.in_memory) at most one copy of the rows' weights;
@@ -28,7 +28,7 @@ import torch
 
 from .config import Config, ConfigError, cache_capacities, local_batch_size, table_rows
 from .embedding.sharding import RowSharding
-from .embedding.slotmap import DIRECT_MAP_MAX_IDS
+from .embedding.slotmap import uses_direct_map
 from .embedding.store import VERSION_BYTES, row_dtype
 from .placement.plan import row_bytes
 from .placement.sca import slot_bytes
@@ -103,8 +103,7 @@ def plan_memory(c: Config, world: int, rank: int, device: torch.device = torch.d
     if slots:
         plan.parts["cache"] = slots * slot_bytes(d)
         n_ids = sum(-(-n // world) * world for n in rows)
-        direct = device.type == "cpu" and n_ids <= DIRECT_MAP_MAX_IDS  # slotmap.id_slot_map's choice
-        plan.parts["cache map"] = 4 * n_ids if direct else slots * HASH_SLOT_BYTES
+        plan.parts["cache map"] = 4 * n_ids if uses_direct_map(n_ids, slots, device) else slots * HASH_SLOT_BYTES
     if c.placement.name in ("fae", "sca"):
         plan.parts["replica"] = int(c.placement.budget_bytes)
     if c.train.early_stop.restore_best and (c.data.val_fraction or 0) > 0:  # its held flags + the rows in memory

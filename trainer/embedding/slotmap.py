@@ -2,9 +2,11 @@
 remote/herald.py): one choice between a direct array and a hash map, made here.
 
 Why two kinds: on the CPU, an int32 array over the whole id space is the cheapest map there is
-(one index per lookup, no probing), but it costs 4 bytes per id of the model, cached or not; past
-DIRECT_MAP_MAX_IDS ids (512 MiB), and on any device, the hash map of kernels/hashmap.py
-(kernels.make_id_slot_map: the Triton table on a GPU), whose size follows the slots instead.
+(one index per lookup, no probing), but it costs 4 bytes per id of the model, cached or not. So it
+is used only while it stays sized by the cache, not by the model: at most DIRECT_IDS_PER_SLOT ids
+per slot (64 B per slot, less than a slot's row; the default 10% cache qualifies), and at most
+DIRECT_MAP_MAX_IDS ids (512 MiB). Otherwise, and on any device, the hash map of kernels/hashmap.py
+(kernels.make_id_slot_map: the Triton table on a GPU), whose size follows the slots (~16 B each).
 """
 from __future__ import annotations
 
@@ -14,6 +16,13 @@ import kernels
 from kernels.hashmap import IdSlotMap
 
 DIRECT_MAP_MAX_IDS = 1 << 27  # CPU: a direct id -> slot array up to this many ids (512 MiB int32)
+DIRECT_IDS_PER_SLOT = 16  # ... and up to this many ids per slot (4 B each: 64 B per slot)
+
+
+def uses_direct_map(n_ids: int, slots: int, device: torch.device | str) -> bool:
+    """Whether id_slot_map(n_ids, slots, device) is a DirectSlotMap (the memory plan asks too)."""
+    return (torch.device(device).type == "cpu" and n_ids <= DIRECT_MAP_MAX_IDS
+            and n_ids <= DIRECT_IDS_PER_SLOT * max(slots, 1))
 
 
 class DirectSlotMap(IdSlotMap):
@@ -52,9 +61,9 @@ class DirectSlotMap(IdSlotMap):
 
 
 def id_slot_map(n_ids: int, slots: int, device: torch.device | str) -> IdSlotMap:
-    """The map of `slots` slots over ids [0, n_ids) on `device`: a DirectSlotMap on the CPU up to
-    DIRECT_MAP_MAX_IDS ids, else the kernels' hash map sized for the slots (at least one)."""
+    """The map of `slots` slots over ids [0, n_ids) on `device`: a DirectSlotMap where
+    uses_direct_map says so, else the kernels' hash map sized for the slots (at least one)."""
     dev = torch.device(device)
-    if dev.type == "cpu" and n_ids <= DIRECT_MAP_MAX_IDS:
+    if uses_direct_map(n_ids, slots, dev):
         return DirectSlotMap(n_ids, dev)
     return kernels.make_id_slot_map(max(slots, 1), dev)
