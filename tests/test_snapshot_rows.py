@@ -42,8 +42,8 @@ def test_disk_and_memory_keep_the_same_bits_one_window_at_a_time(tmp_path, monke
     disk = SnapshotRows(weight, memory=False, directory=str(tmp_path))
     assert disk.window == 7 and len(list(disk.windows())) == 15
     sizes = []
-    read, write = SnapshotRows._read, SnapshotRows._write
-    monkeypatch.setattr(SnapshotRows, "_read", lambda s, lo, hi: sizes.append(hi - lo) or read(s, lo, hi))
+    span, write = SnapshotRows._on_span, SnapshotRows._write
+    monkeypatch.setattr(SnapshotRows, "_on_span", lambda s, lo, hi, w, fn: sizes.append(hi - lo) or span(s, lo, hi, w, fn))
     monkeypatch.setattr(SnapshotRows, "_write", lambda s, a, b, t, v: sizes.append(b - a) or write(s, a, b, t, v))
     a = _run(mem, weight.clone(), 4, seed=1)
     b = _run(disk, weight.clone(), 4, seed=1)

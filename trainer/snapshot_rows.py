@@ -8,7 +8,9 @@ only written rows take disk blocks; the file vanishes when the run ends, however
 
 Both `put` (take a snapshot) and `values` (restore) walk the shard one window of rows at a time
 (checkpoint.shard_io.PIECE_BYTES of row bytes), so no phase needs more than a window or two of
-temporaries, whatever the shard's size. Memory per storage row: the `held` flag (1 B) beside the
+temporaries, whatever the shard's size; on disk a whole window of written rows is one sequential
+write, scattered rows are patched through a mapping of their span (the kernel writes back only the
+pages they dirty), unmapped before the next window. Memory per storage row: the `held` flag (1 B) beside the
 store's `touched` flag (1 B); plus the row's bytes (dim x element size) in memory, or on disk.
 
 Which one: train.early_stop.snapshot = memory | disk | auto (memory when the rank's rows take at
@@ -16,9 +18,10 @@ most MEMORY_MAX_BYTES, else disk: a huge shard is never doubled in memory).
 """
 from __future__ import annotations
 
+import mmap
 import os
 import tempfile
-from typing import Iterator, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import numpy as np
 import torch
@@ -81,8 +84,8 @@ class SnapshotRows:
             assert self._mem is not None
             return self._mem.index_select(0, rows)
         lo, hi = int(rows[0]), int(rows[-1]) + 1
-        buf = self._read(lo, hi)
-        return self._rows_of(buf[(rows - lo).cpu().numpy()])
+        at = (rows - lo).cpu().numpy()
+        return self._rows_of(self._on_span(lo, hi, False, lambda span: span[at]))
 
     def close(self) -> None:
         if self._file is not None:
@@ -99,23 +102,30 @@ class SnapshotRows:
         out = torch.from_numpy(np.ascontiguousarray(raw)).view(self.dtype).reshape(-1, self.dim)
         return out.to(self.device)
 
-    def _read(self, lo: int, hi: int) -> np.ndarray:
-        """[hi - lo, row_bytes] uint8: storage rows lo..hi-1 as the file has them."""
-        want = (hi - lo) * self.row_bytes
-        data = os.pread(self._file.fileno(), want, lo * self.row_bytes)
-        if len(data) != want:
-            raise OSError(f"snapshot file: read {len(data)} of {want} bytes at row {lo}")
-        return np.frombuffer(data, dtype=np.uint8).reshape(hi - lo, self.row_bytes).copy()
-
     def _write(self, a: int, b: int, t: torch.Tensor, vals: torch.Tensor) -> None:
+        raw = self._bytes_of(vals)
         if t.numel() == b - a:  # the whole window: one sequential write
-            buf, lo = self._bytes_of(vals), a
-        else:  # read the span the rows fall in, patch them, write it back
-            lo, hi = a + int(t[0]), a + int(t[-1]) + 1
-            buf = self._read(lo, hi)
-            buf[(t + a - lo).cpu().numpy()] = self._bytes_of(vals)
-        view = memoryview(buf.reshape(-1))
-        off, fd = lo * self.row_bytes, self._file.fileno()
-        while len(view):
-            n = os.pwrite(fd, view, off)
-            view, off = view[n:], off + n
+            view, off, fd = memoryview(raw.reshape(-1)), a * self.row_bytes, self._file.fileno()
+            while len(view):
+                n = os.pwrite(fd, view, off)
+                view, off = view[n:], off + n
+            return
+        lo, hi = a + int(t[0]), a + int(t[-1]) + 1  # scattered rows: only their pages are written
+        at = (t + a - lo).cpu().numpy()
+        self._on_span(lo, hi, True, lambda rows: rows.__setitem__(at, raw))
+
+    def _on_span(self, lo: int, hi: int, writable: bool, fn: Callable[[np.ndarray], Any]) -> Any:
+        """fn(the file's storage rows lo..hi-1 as a mapped [n, row_bytes] uint8 array); fn must
+        return nothing that points into it. The span is unmapped after: no more than a window of
+        the file is ever resident in this process."""
+        start, end = lo * self.row_bytes, hi * self.row_bytes
+        base = start - start % mmap.ALLOCATIONGRANULARITY
+        mm = mmap.mmap(self._file.fileno(), end - base, offset=base,
+                       access=mmap.ACCESS_WRITE if writable else mmap.ACCESS_READ)
+        try:
+            rows = np.frombuffer(mm, dtype=np.uint8, count=end - start, offset=start - base)
+            out = fn(rows.reshape(hi - lo, self.row_bytes))
+            del rows
+            return out
+        finally:
+            mm.close()
