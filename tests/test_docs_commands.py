@@ -325,7 +325,8 @@ INLINE_NOT_RUN = {
     "horovodrun --gloo": "the launcher's option, named in a sentence",
     ".venv/bin/python -m pytest -q": "the suite itself (what .ci/run runs)",
     ".venv/bin/python -m pytest -q tests/test_docs_commands.py": "this test",
-    'bash scripts/setup.sh && .venv/bin/python -m pytest -q -m "not gpu" -p no:cacheprovider': "what .ci/run runs",
+    'bash scripts/setup.sh && .venv/bin/python -m pytest -q -m "not gpu" -p no:cacheprovider -n 2 --dist=loadgroup':
+        "what .ci/run runs",
 }
 
 
