@@ -187,3 +187,22 @@ def test_resume_at_the_final_step_reports_null_rates(tmp_path):
     assert all(v is None for k, v in again["embedding"].items() if k.endswith("_per_step"))
     assert set(again) == set(first) and again["eval_auc"] == pytest.approx(first["eval_auc"])
     assert json.loads((tmp_path / "out" / "summary.json").read_text())["samples_per_sec"] is None
+
+
+def test_a_resume_loads_every_row_without_computing_initial_rows(tmp_path, monkeypatch):
+    """A run that resumes skips the rows' initial values (every row it owns comes from the
+    checkpoint; hashing them was half of a big resume's time) and ends as the uninterrupted run."""
+    from trainer.embedding.store import ShardStore
+    root = str(tmp_path / "ck")
+    whole = run_single(CLI_BASE + ["train.steps=6", "checkpoint.enabled=false"])
+    run_single(CLI_BASE + ["train.steps=6", "checkpoint.every=3", f"checkpoint.dir={root}"], return_state=False)
+
+    def no_init(self, local_idx):
+        raise AssertionError("a resumed run computed initial rows")
+    monkeypatch.setattr(ShardStore, "_initial", no_init)
+    again = run(make_cfg(CLI_BASE + ["comm=local", "train.steps=6", f"checkpoint.resume={ckpt.step_dir(root, 3)}",
+                                     f"checkpoint.dir={tmp_path / 'ck2'}"]), out_dir=str(tmp_path / "out"),
+                return_state=True)
+    assert again.summary["start_step"] == 3
+    for t, (x, y) in enumerate(zip(whole.state["tables"], again.state["tables"])):
+        torch.testing.assert_close(y, x, rtol=1e-5, atol=1e-6, msg=lambda m: f"table {t}: {m}")

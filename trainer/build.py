@@ -99,15 +99,16 @@ def sparse_lr(c: Config) -> float:
 
 
 def build_sparse(c: Config, comm: Collectives, data: Any, global_batch: int,
-                 device: torch.device) -> Sparse:
-    """Sharding -> store -> plan (+ replica) -> remote-row protocol -> HybridEmbedding -> feed."""
+                 device: torch.device, resuming: bool = False) -> Sparse:
+    """Sharding -> store -> plan (+ replica) -> remote-row protocol -> HybridEmbedding -> feed.
+    resuming: every row will be loaded from a checkpoint (the store skips its initial rows)."""
     rank, world = comm.rank, comm.size
     rows = table_rows(c)
     sharding = RowSharding(rows, world, rank)
     store = ShardStore(sharding, c.model.embedding_dim, c.train.seed, c.embedding.init_scale,
                        c.optim.sparse, sparse_lr(c), c.optim.eps, device, c.optim.initial_accumulator,
                        c.optim.sparse_weight_decay, row_dtype(c.embedding.dtype),
-                       Rounding(c.embedding.rounding, c.train.seed))
+                       Rounding(c.embedding.rounding, c.train.seed), initialise=not resuming)
     plan = _make_plan(c, comm, data)
     replica = Replica(plan.hot_gids(sharding), store) if plan.hot.size else None
     space = IdSpace(sharding, plan.hot)

@@ -139,7 +139,8 @@ class Trainer:
         apply_data_steps(c, self.world)  # data.epochs -> train.steps, now that W is known
         self.global_batch = local_batch_size(c, self.world) * self.world
         self.memory = check_memory(c, comm, self.device)  # before the sparse side allocates
-        self.sparse = build_sparse(c, comm, self.data, self.global_batch, self.device)
+        resuming = self.checkpoints.resume_path() is not None  # collective: rank 0 decides
+        self.sparse = build_sparse(c, comm, self.data, self.global_batch, self.device, resuming)
         self.emb, self.feed = self.sparse.emb, self.sparse.feed
         self.model, self.params, self.opt = build_dense(c, comm, self.sparse.sharding.num_tables, self.device)
         self.report = Reporter(c, comm, self.sparse, self.data, self.global_batch, self.out_dir)

@@ -88,6 +88,8 @@ class CheckpointManager:
                       if self.root and c.checkpoint.enabled else None)
         self.last: Optional[str] = None  # this run's newest complete save
         self.resumed_from: Optional[str] = None  # the checkpoint this run started from
+        self._resume_path: Optional[str] = None  # resume_path(), once decided
+        self._resolved = False
 
     @property
     def enabled(self) -> bool:
@@ -161,11 +163,18 @@ class CheckpointManager:
                     backup.close()
         return out
 
+    def resume_path(self) -> Optional[str]:
+        """The checkpoint this run will resume from (None: a fresh start), decided once by rank 0
+        (loader.resolve; collective the first time)."""
+        if not self._resolved:
+            self._resume_path, self._resolved = resolve(self.comm, self.c.checkpoint.resume, self.root), True
+        return self._resume_path
+
     def resume(self, run: Checkpointed) -> int:
         """Load checkpoint.resume (if any) into the run; returns the step to continue from (0: a
         fresh start). Collective."""
         with phase(self.comm, "other"):
-            path = resolve(self.comm, self.c.checkpoint.resume, self.root)
+            path = self.resume_path()
             if path is None:
                 return 0
             state = load(self.comm, path, run.emb.store, self.schema(run),

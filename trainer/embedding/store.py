@@ -66,13 +66,16 @@ class ShardStore:
     def __init__(self, sharding: Sharding, dim: int, seed: int, init_scale: float | None,
                  optimizer: str, lr: float, eps: float, device: torch.device,
                  accumulator_init: float = 0.0, weight_decay: float = 0.0,
-                 dtype: torch.dtype = torch.float32, rounding: Rounding | None = None) -> None:
+                 dtype: torch.dtype = torch.float32, rounding: Rounding | None = None,
+                 initialise: bool = True) -> None:
         """dtype: the rows' (float32, float16, bfloat16); rounding: how updated half rows are
-        written back (default: stochastic, seeded by `seed`)."""
+        written back (default: stochastic, seeded by `seed`). initialise=False: zeros instead of
+        the initial rows, for a run about to load every row from a checkpoint (the loader checks
+        that it wrote every row this rank owns); hashing the initial rows was half a resume's time."""
         self.sharding, self.dim = sharding, dim
         self.seed, self.init_scale = seed, init_scale
-        weight = torch.empty(sharding.local_rows, dim, dtype=dtype, device=device)
-        for lo in range(0, sharding.local_rows, _INIT_CHUNK_ROWS):  # temporaries: one chunk of rows
+        weight = (torch.empty if initialise else torch.zeros)(sharding.local_rows, dim, dtype=dtype, device=device)
+        for lo in range(0, sharding.local_rows if initialise else 0, _INIT_CHUNK_ROWS):  # one chunk at a time
             idx = torch.arange(lo, min(lo + _INIT_CHUNK_ROWS, sharding.local_rows), dtype=torch.int64)
             weight[lo:lo + idx.numel()] = self._initial(idx).to(device, dtype)
         self.weight = weight
