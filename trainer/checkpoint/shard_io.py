@@ -307,13 +307,18 @@ class _VerifiedFile:
         self.digests = [index[i:i + 32] for i in range(0, len(index), 32)]
         self.f = open(path, "rb", buffering=0)
 
-    def read(self, lo: int, hi: int) -> bytes:
-        """Bytes [lo, hi) of the file, every block they touch verified."""
+    def read(self, lo: int, hi: int) -> memoryview:
+        """Bytes [lo, hi) of the file (a view of a new writable buffer: no further copy), every
+        block they touch verified."""
         b0, b1 = lo // BLOCK, -(-hi // BLOCK)
         start = b0 * BLOCK
-        self.f.seek(start)
-        data = self.f.read(min(b1 * BLOCK, self.size) - start)
-        self.counter["bytes_read"] += len(data)
+        buf = bytearray(min(b1 * BLOCK, self.size) - start)
+        data = memoryview(buf)
+        got = os.preadv(self.f.fileno(), [data], start) if len(buf) else 0
+        self.counter["bytes_read"] += got
+        if got != len(buf):
+            raise CheckpointDamaged(f"checkpoint file {self.path} fails its checksum (corrupt or truncated): "
+                                    f"read {got} of {len(buf)} bytes at {start}")
         for b in range(b0, b1):
             chunk = data[(b - b0) * BLOCK:(b - b0 + 1) * BLOCK]
             if b >= len(self.digests) or hashlib.sha256(chunk).digest() != self.digests[b]:
@@ -363,46 +368,81 @@ def read_shards(ckpt: str, manifest: dict[str, Any], store: ShardStore, counter:
     return loaded
 
 
-def _read_one(files: dict[str, _VerifiedFile], info: dict[str, Any], table_rows: list[int], saved_world: int,
-              r: int, m: int, c: int, store: ShardStore, want: dict[str, torch.Tensor]) -> int:
-    s = store.sharding
-    loaded, seg_start = 0, 0
-    widest = max(np.dtype(v["dtype"]).itemsize * v["width"] for v in info["fields"].values())
-    step = max(PIECE_BYTES // widest, 1)  # rows per piece: one field's piece in memory at a time
+def _pieces(table_rows: list[int], saved_world: int, r: int, m: int, c: int,
+            step: int) -> Iterator[tuple[int, int, int, int, int]]:
+    """(table, its rows in shard r, the table's first row in the shard's files, first q, count)
+    of every piece this reader takes from shard r, in file order."""
+    seg_start = 0
     for t, rows in enumerate(table_rows):
         n = rows_on_rank(rows, r, saved_world)
         lo, hi = (0, n) if m <= 0 else q_range(n, m, c)
         for start in range(lo, hi, step):
-            count = min(step, hi - start)
+            yield t, n, seg_start, start, min(step, hi - start)
+        seg_start += n
+
+
+def _read_piece(files: dict[str, _VerifiedFile], info: dict[str, Any], first: int,
+                count: int) -> dict[str, torch.Tensor]:
+    """Rows first..first+count-1 of every field file, verified, as tensors of their saved dtype."""
+    out = {}
+    for name, f in files.items():
+        meta = info["fields"][name]
+        dtype, width = np.dtype(meta["dtype"]), meta["width"]
+        rb = dtype.itemsize * width
+        arr = np.frombuffer(f.read(first * rb, (first + count) * rb), dtype=dtype)
+        out[name] = _to_tensor(arr.reshape(count, width) if width > 1 else arr, saved_dtype(meta))
+    return out
+
+
+_read_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shard-read")
+
+
+def _read_one(files: dict[str, _VerifiedFile], info: dict[str, Any], table_rows: list[int], saved_world: int,
+              r: int, m: int, c: int, store: ShardStore, want: dict[str, torch.Tensor]) -> int:
+    """The rows of shard r this rank takes. The next piece is read and verified in a thread (file
+    reads and sha256 release the GIL) while this one is scattered: two pieces of rows in memory at
+    most, each at most PIECE_BYTES per field."""
+    s = store.sharding
+    loaded = 0
+    widest = max(np.dtype(v["dtype"]).itemsize * v["width"] for v in info["fields"].values())
+    pieces = list(_pieces(table_rows, saved_world, r, m, c, max(PIECE_BYTES // widest, 1)))
+    pending: Future | None = None
+    try:
+        for k, (t, n, seg_start, start, count) in enumerate(pieces):
+            if pending is None:
+                pending = _read_pool.submit(_read_piece, files, info, seg_start + start, count)
+            values_of, pending = pending.result(), None
+            if k + 1 < len(pieces):
+                _, _, seg2, start2, count2 = pieces[k + 1]
+                pending = _read_pool.submit(_read_piece, files, info, seg2 + start2, count2)
             q = q_in_order(n, start, count)
             ids = torch.from_numpy(r + q * saved_world)
             gids = s.global_ids(ids, torch.full_like(ids, t))
             keep = s.owner(gids) == s.rank if m < 0 else None
             idx = s.local_index(gids if keep is None else gids[keep])
-            for name, f in files.items():
-                meta = info["fields"][name]
-                dtype, width = np.dtype(meta["dtype"]), meta["width"]
-                rb = dtype.itemsize * width
-                raw = f.read((seg_start + start) * rb, (seg_start + start + count) * rb)
-                arr = np.frombuffer(raw, dtype=dtype).reshape(count, width) if width > 1 else np.frombuffer(raw, dtype)
-                values = _to_tensor(arr, saved_dtype(meta))
+            for name, values in values_of.items():
                 if keep is not None:
                     values = values[keep]
                 dest = want[name]
-                values = _converted(values, dest.dtype, f.path)
+                values = _converted(values, dest.dtype, files[name].path)
                 with torch.no_grad():
                     flat = dest.reshape(dest.shape[0], -1) if dest.dim() > 1 else dest
                     flat.index_copy_(0, idx.to(dest.device), values.reshape((-1,) + tuple(flat.shape[1:])).to(dest.device))
             loaded += int(idx.numel())
-        seg_start += n
+    finally:
+        if pending is not None:  # an error here: the read in flight ends before its files close
+            pending.exception()
     return loaded
 
 
 def _to_tensor(arr: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
-    """The saved values as a tensor of the dtype they were saved from (bf16 from its raw 2 bytes)."""
+    """The saved values as a tensor of the dtype they were saved from (bf16 from its raw 2 bytes);
+    a writable array is used in place, a read-only one copied."""
+    if not arr.flags.writeable:
+        arr = arr.copy()
     if dtype == torch.bfloat16:
-        return torch.from_numpy(arr.view(np.int16).copy()).view(torch.bfloat16)
-    return torch.from_numpy(arr.copy())
+        return torch.from_numpy(arr.view(np.int16)).view(torch.bfloat16)
+    return torch.from_numpy(arr)
 
 
 def _converted(values: torch.Tensor, dtype: torch.dtype, path: str) -> torch.Tensor:
