@@ -139,6 +139,7 @@ BAD = [
     ("train.ensemble=0", "train.ensemble"),
     ("train.bag=0", "train.ensemble"),  # the deprecated name: its value is checked as train.ensemble's
     ("train.early_stop.min_evals=-1", "train.early_stop.min_evals"),
+    ("train.early_stop.snapshot=ram", "train.early_stop.snapshot"),
     ("train.ensemble=2", "train.ensemble"),  # the members' validation slices: a data=criteo option
     ("data.min_count=2", "data.min_count"),  # a vocabulary of the training rows is a data=criteo option  # no validation split: never fitted on the test split
     ("+data.standardize=true", "data.standardize"),  # a data=criteo option
