@@ -1,0 +1,62 @@
+"""Dynamic tables (embedding.tables=dynamic) at W workers against one process (docs/dynamic.md).
+
+With a pool large enough that nothing is evicted, a W-worker run at BSP equals the single-process
+reference on the same global batch, with ids spread over [0, 2^56) (data.scramble_ids): every loss,
+every dense parameter and every admitted row, and the very same set of admitted ids. With eviction
+the rule is per owner, so only invariants hold (no id shares a row, counts add up over owners).
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from helpers import run_single, run_world
+from test_parity import assert_same_run
+
+BASE = ["data=tiny", "train.steps=16", "data.global_batch_size=48", "data.eval_samples=480",
+        "data.eval_batch_size=40", "train.threads=1", "train.progress=off", "checkpoint.enabled=false",
+        "embedding.tables=dynamic", "data.scramble_ids=true"]
+NO_EVICTION = ["embedding.capacity=1100"]  # > the tiny preset's largest table (1001 ids)
+
+
+def assert_same_ids(ref, got):
+    for t, (a, b) in enumerate(zip(ref.state["table_ids"], got.state["table_ids"])):
+        assert torch.equal(a, b), f"table {t}: other ids admitted"
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("world,extra", [
+    (2, ["optim=sgd"]),
+    (3, ["optim=adagrad", "embedding.admit_after=2", "data.min_bag=0", "data.max_bag=4"]),
+])
+def test_dynamic_tables_equal_the_single_process_reference(world, extra):
+    overrides = BASE + NO_EVICTION + extra
+    ref = run_single(overrides)
+    assert max(int(i.max()) for i in ref.state["table_ids"]) > 1 << 50  # the ids really are wide
+    got = run_world(world, overrides)
+    for res in got:
+        assert_same_ids(ref, res)
+        assert_same_run(ref, res)
+    s, r = got[0].summary["dynamic"], ref.summary["dynamic"]
+    if "embedding.admit_after=2" in extra:  # ids seen once read zeros and lose their gradient
+        assert r["dropped_grads"] > 0 and r["pending_ids"] > 0
+    assert s["evictions"] == r["evictions"] == 0
+    for key in ("admissions", "rows_in_use", "dropped_grads", "pending_ids"):  # summed over owners
+        assert s[key] == r[key], key
+    assert s["rows_in_use"] == sum(i.numel() for i in ref.state["table_ids"])
+    assert got[0].summary["bytes"]["rows"] > 0  # rows really travelled
+    assert got[0].summary["eval_auc"] == pytest.approx(ref.summary["eval_auc"], rel=1e-5)
+
+
+@pytest.mark.dist
+def test_dynamic_tables_with_eviction_keep_their_invariants():
+    cap = 40
+    res = run_world(2, BASE + [f"embedding.capacity={cap}", "embedding.admit_after=1", "optim=sgd",
+                               "train.log_every=4"])
+    s = res[0].summary["dynamic"]
+    assert s["evictions"] > 0
+    for tab, ids in zip(s["tables"], res[0].state["table_ids"]):
+        assert tab["rows_in_use"] == ids.numel() <= 2 * cap  # W pools of `cap` rows
+        assert ids.unique().numel() == ids.numel()  # no id holds two rows, on one owner or two
+        assert tab["admissions"] - tab["evictions"] == tab["rows_in_use"]
+    assert s["rows_in_use"] == sum(t["rows_in_use"] for t in s["tables"])
