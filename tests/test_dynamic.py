@@ -142,16 +142,23 @@ def test_no_two_ids_ever_share_a_slot_under_random_traffic():
     assert int(c["evictions"].sum()) > 0
 
 
-@pytest.mark.parametrize("override,key", [
-    ("cache=lru", "cache.policy"), ("placement=fae", "placement.name"), ("schedule=herald", "schedule.name"),
-    ("checkpoint.enabled=true", "checkpoint.enabled"), ("train.nonfinite=skip", "train.nonfinite"),
-    ("embedding.audit=true", "embedding.audit"), ("comm.settled_rows=always", "comm.settled_rows"),
+@pytest.mark.parametrize("overrides,key", [
+    (["cache=lru", "consistency=ssp"], "consistency"), (["placement=fae"], "placement.name"),
+    (["schedule=herald"], "schedule.name"), (["checkpoint.enabled=true"], "checkpoint.enabled"),
+    (["train.nonfinite=skip"], "train.nonfinite"), (["embedding.audit=true"], "embedding.audit"),
+    (["comm.settled_rows=always"], "comm.settled_rows"),
 ])
-def test_combinations_not_supported_yet_are_refused_naming_the_key(override, key):
+def test_combinations_not_supported_yet_are_refused_naming_the_key(overrides, key):
     with pytest.raises(ConfigError, match="embedding.tables=dynamic does not support") as err:
         load_config(make_cfg(["embedding.tables=dynamic", "embedding.capacity=10",
-                              "checkpoint.enabled=false", override]))
+                              "checkpoint.enabled=false"] + overrides))
     assert str(err.value).startswith(f"{key}=")
+
+
+def test_the_het_cache_at_bsp_is_accepted():
+    c = load_config(make_cfg(["embedding.tables=dynamic", "embedding.capacity=10", "checkpoint.enabled=false",
+                              "cache=lru"]))
+    assert c.cache.policy == "lru" and c.embedding.tables == "dynamic"
 
 
 def test_dynamic_tables_need_a_capacity():
@@ -161,7 +168,7 @@ def test_dynamic_tables_need_a_capacity():
 
 def test_a_refused_combination_exits_2_with_one_line(tmp_path):
     p = subprocess.run([sys.executable, "-m", "trainer", "embedding.tables=dynamic", "embedding.capacity=10",
-                        "cache=lru", f"hydra.run.dir={tmp_path}"], capture_output=True, text=True, timeout=300)
+                        "placement=fae", f"hydra.run.dir={tmp_path}"], capture_output=True, text=True, timeout=300)
     assert p.returncode == 2, p.stderr[-2000:]
     lines = p.stderr.strip().splitlines()
-    assert len(lines) == 1 and "embedding.tables=dynamic does not support the HET cache" in lines[0]
+    assert len(lines) == 1 and "embedding.tables=dynamic does not support replicated hot rows" in lines[0]

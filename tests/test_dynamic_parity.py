@@ -60,3 +60,22 @@ def test_dynamic_tables_with_eviction_keep_their_invariants():
         assert ids.unique().numel() == ids.numel()  # no id holds two rows, on one owner or two
         assert tab["admissions"] - tab["evictions"] == tab["rows_in_use"]
     assert s["rows_in_use"] == sum(t["rows_in_use"] for t in s["tables"])
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("admit_after", [1, 2])
+def test_het_cache_never_serves_a_row_of_an_ids_earlier_life(admit_after):
+    """At BSP the HET cache changes bytes, never values: with rows evicted and ids coming back
+    (a new life, from their initial row), cache=lru equals cache=none on the same owners. A copy
+    cached in an earlier life (or a locally updated copy of an id without a row) would be "fresh"
+    if versions restarted at each admission, and the runs would part."""
+    overrides = BASE + ["embedding.capacity=30", f"embedding.admit_after={admit_after}", "optim=adagrad",
+                        "train.steps=24"]
+    plain = run_world(2, overrides)
+    cached = run_world(2, overrides + ["cache=lru", "cache.capacity_rows=200"])
+    d = plain[0].summary["dynamic"]
+    assert d["evictions"] > 50 and d == cached[0].summary["dynamic"]
+    assert cached[0].summary["cache"]["hits"] > 0  # the cache held copies when they were read
+    for a, b in zip(plain, cached):
+        assert_same_ids(a, b)
+        assert_same_run(a, b)

@@ -107,7 +107,8 @@ def plan_memory(c: Config, world: int, rank: int, device: torch.device = torch.d
     if slots:
         plan.parts["cache"] = slots * slot_bytes(d)
         n_ids = sum(-(-n // world) * world for n in rows)
-        plan.parts["cache map"] = 4 * n_ids if uses_direct_map(n_ids, slots, device) else slots * HASH_SLOT_BYTES
+        direct = not dynamic and uses_direct_map(n_ids, slots, device)  # dynamic: the hash map (ids of 2^56)
+        plan.parts["cache map"] = 4 * n_ids if direct else slots * HASH_SLOT_BYTES
     if c.placement.name in ("fae", "sca"):
         plan.parts["replica"] = int(c.placement.budget_bytes)
     if c.train.early_stop.restore_best and (c.data.val_fraction or 0) > 0:  # its held flags + the rows in memory

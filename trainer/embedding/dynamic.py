@@ -124,6 +124,18 @@ class DynamicStore(ShardStore):
         self.version.index_add_(0, slots, torch.ones_like(slots) if counts is None else counts)
         self.touched.index_fill_(0, slots, True)
 
+    def check_versions(self, gids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The HET cache's version check of a training read reaching the owner (remote/het.py):
+        admit gids first, then (versions [n], tables [n]). An id without a row answers
+        ((clock + 1) << 32) - 1: above every version of its earlier lives and of its reads at
+        earlier steps, below its next life's, so a copy of it is never "fresh": the requester
+        always reads the default row (zeros) again, never a copy it updated locally."""
+        self.admit(gids)
+        slots, miss = self.pool.lookup(gids)
+        now = self.version.index_select(0, slots.clamp(min=0))
+        absent = torch.full_like(now, ((self.clock + 1) << LIFE_SHIFT) - 1)
+        return torch.where(miss, absent, now), self.sharding.decode(gids)[0]
+
     def held(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(gids [m], slots [m]) of every admitted id, sorted by gid."""
         slots = torch.nonzero(self.pool.slot_gid >= 0).squeeze(1)
