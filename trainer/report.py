@@ -67,6 +67,10 @@ class TensorBoardWriter:
             hist = cache["staleness"]["hist"]
             if hist:  # read staleness of every cached read so far, as a histogram
                 self._w.add_histogram_raw("cache/staleness", **staleness_histogram(hist), global_step=s)
+        dyn = rec.get("dynamic")
+        if dyn is not None:  # dynamic tables: totals over tables and owners so far
+            for key in DYNAMIC_SCALARS:
+                self._w.add_scalar(f"dynamic/{key}", dyn[key], s)
 
     def eval(self, step: int, ev: dict[str, Any]) -> None:
         if self._w is not None:
@@ -423,6 +427,9 @@ def keep_records_until(path: str, step: int) -> int:
 def _bound(b: int) -> int:
     """A bound as configured: -1 for unbounded (int64 max inside)."""
     return -1 if b < 0 or b >= UNBOUNDED else int(b)
+
+
+DYNAMIC_SCALARS = ("rows_in_use", "admissions", "evictions", "dropped_grads", "rejected", "pending_ids")
 
 
 def dynamic_summary(comm: Collectives, store: Any) -> dict[str, Any]:
