@@ -144,7 +144,7 @@ def test_no_two_ids_ever_share_a_slot_under_random_traffic():
 
 @pytest.mark.parametrize("overrides,key", [
     (["cache=lru", "consistency=ssp"], "consistency"), (["placement=fae"], "placement.name"),
-    (["schedule=herald"], "schedule.name"), (["checkpoint.enabled=true"], "checkpoint.enabled"),
+    (["schedule=herald"], "schedule.name"),
     (["train.nonfinite=skip"], "train.nonfinite"), (["embedding.audit=true"], "embedding.audit"),
     (["comm.settled_rows=always"], "comm.settled_rows"),
 ])

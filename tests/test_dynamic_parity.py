@@ -79,3 +79,26 @@ def test_het_cache_never_serves_a_row_of_an_ids_earlier_life(admit_after):
     for a, b in zip(plain, cached):
         assert_same_ids(a, b)
         assert_same_run(a, b)
+
+
+@pytest.mark.dist
+def test_resume_at_the_same_world_size_equals_uninterrupted(tmp_path):
+    """Dynamic shards (rows, versions, optimizer state, the pool's slot ids and scores, the
+    pending counts, the counters) saved at step 8 of 16 and resumed on W = 2 reproduce the
+    uninterrupted run, evictions and admissions included; W = 3 is refused naming both."""
+    import trainer.checkpoint as ckpt
+    overrides = [o for o in BASE if o != "checkpoint.enabled=false"] + [
+        "embedding.capacity=30", "embedding.admit_after=2", "optim=adagrad", "checkpoint.every=8"]
+    root = str(tmp_path / "full")
+    full = run_world(2, overrides + [f"checkpoint.dir={root}"])
+    assert [s for s, _ in ckpt.complete_checkpoints(root)] == [8, 16]
+    assert full[0].summary["dynamic"]["evictions"] > 0 and full[0].summary["dynamic"]["pending_ids"] > 0
+    step8 = dict(ckpt.complete_checkpoints(root))[8]
+    got = run_world(2, overrides + [f"checkpoint.resume={step8}", f"checkpoint.dir={tmp_path / 'again'}"])
+    assert got[0].summary["start_step"] == 8
+    for a, b in zip(full, got):
+        assert_same_ids(a, b)
+        assert_same_run(a, b)
+    assert got[0].summary["dynamic"] == full[0].summary["dynamic"]
+    with pytest.raises(RuntimeError, match="saved by 2 workers and resume on the same number only"):
+        run_world(3, overrides + [f"checkpoint.resume={step8}", f"checkpoint.dir={tmp_path / 'w3'}"])

@@ -627,8 +627,6 @@ def _validate_dynamic(c: Config) -> None:
              "a HET cache with bounds > 0 (a held-back push could reach an id's next life): use consistency=bsp"),
             ("placement.name", c.placement.name, c.placement.name == "none", "replicated hot rows (placement)"),
             ("schedule.name", c.schedule.name, c.schedule.name != "herald", "Herald's lent rows"),
-            ("checkpoint.enabled", c.checkpoint.enabled, not c.checkpoint.enabled, "checkpoints"),
-            ("checkpoint.resume", c.checkpoint.resume, c.checkpoint.resume is None, "resume"),
             ("embedding.audit", e.audit, not e.audit, "the audit (an array over every id)"),
             ("train.nonfinite", c.train.nonfinite, c.train.nonfinite != "skip", "skipped steps (admission is not undone)"),
             ("comm.settled_rows", c.comm.settled_rows, c.comm.settled_rows != "always", "early settled rows"),
