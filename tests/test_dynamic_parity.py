@@ -28,7 +28,8 @@ def assert_same_ids(ref, got):
 @pytest.mark.parametrize("world,extra", [
     (2, ["optim=sgd"]),
     (3, ["optim=adagrad", "embedding.admit_after=2", "data.min_bag=0", "data.max_bag=4"]),
-])
+    (2, ["optim=adam", "embedding.dtype=bf16", "train.pipeline=off"]),  # rounding keyed by (table, id)
+], ids=["w2-sgd", "w3-adagrad-admit2-emptybags", "w2-adam-bf16-serial"])
 def test_dynamic_tables_equal_the_single_process_reference(world, extra):
     overrides = BASE + NO_EVICTION + extra
     ref = run_single(overrides)
