@@ -172,3 +172,33 @@ def test_a_refused_combination_exits_2_with_one_line(tmp_path):
     assert p.returncode == 2, p.stderr[-2000:]
     lines = p.stderr.strip().splitlines()
     assert len(lines) == 1 and "embedding.tables=dynamic does not support replicated hot rows" in lines[0]
+
+
+def test_raw_ids_keep_criteos_32_bit_values_and_train_dynamic_tables(tmp_path):
+    """prepare_criteo.py --raw-ids: every id is its value's 32 bits (0: empty), read back unsigned;
+    such a directory trains embedding.tables=dynamic (a vocabulary is refused, naming the key)."""
+    import numpy as np
+    from data_helpers import N_TRAIN, prepare_sample, sample_lines
+    from trainer.data import make_data
+    from trainer.data.criteo import parse_line
+    from trainer.runner import run
+
+    from trainer.tools.prepare_criteo import parse_args
+    opt = parse_args(["--train", "t.tsv", "--out", "o", "--raw-ids"])
+    assert opt.raw_ids and opt.hash_rows is None and opt.min_count is None
+    meta = prepare_sample(str(tmp_path), hash_rows=None, raw_ids=True)
+    assert meta["table_rows"] == [1 << 32] * 26 and meta["categorical"]["kind"] == "raw"
+    d = str(tmp_path / "prepared")
+    rows = [parse_line(line)[2] for line in sample_lines()[:N_TRAIN]]
+    want = torch.tensor([[0 if v is None else v for v in r] for r in rows], dtype=torch.int64)
+    assert int(want.max()) >= 1 << 31  # values past int32's range really occur
+    base = ["data=criteo", f"data.dir={d}", "data.loader=memmap", "embedding.tables=dynamic",
+            "embedding.capacity=2000", "checkpoint.enabled=false", "data.val_fraction=0", "train.ensemble=1",
+            "data.epochs=0", "train.steps=3", "data.batch_size=64", "data.shuffle=false", "train.progress=off"]
+    with pytest.raises(ConfigError, match="data.min_count=1: .* keeps raw ids"):
+        make_data(load_config(make_cfg(base + ["data.min_count=1"])), 0, 1)
+    cfg = load_config(make_cfg(base + ["data.min_count=0"]))
+    got = make_data(cfg, 0, 1).train_batch(0)
+    assert torch.equal(got.values.reshape(-1, 26), want[:64])
+    res = run(make_cfg(base + ["data.min_count=0", "comm=local"]), str(tmp_path / "out"))
+    assert res.summary["dynamic"]["admissions"] > 0 and res.summary["dynamic"]["rows_in_use"] > 0
