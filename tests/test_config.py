@@ -147,6 +147,9 @@ BAD = [
     ("embedding.admit_after=0", "embedding.admit_after"),
     ("embedding.eviction=fifo", "embedding.eviction"),
     ("data.scramble_ids=true", "data.scramble_ids"),  # needs embedding.tables=dynamic
+    ("data.drift=-1", "data.drift"),
+    ("data.drift=0.1", "data.drift"),  # needs embedding.tables=dynamic
+    ("data.drift_eval_at=-1", "data.drift_eval_at"),
 ]
 # keys with no range to check: free text (informational names, paths) and booleans
 NO_RANGE = {"data.preset", "data.dir", "data.shuffle", "optim.name", "embedding.audit", "checkpoint.enabled",

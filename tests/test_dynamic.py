@@ -202,3 +202,34 @@ def test_raw_ids_keep_criteos_32_bit_values_and_train_dynamic_tables(tmp_path):
     assert torch.equal(got.values.reshape(-1, 26), want[:64])
     res = run(make_cfg(base + ["data.min_count=0", "comm=local"]), str(tmp_path / "out"))
     assert res.summary["dynamic"]["admissions"] > 0 and res.summary["dynamic"]["rows_in_use"] > 0
+
+
+def test_the_drifting_preset_brings_new_ids_and_moves_popularity():
+    """data=drift: a later stretch of the stream holds ids the start never had and the start's most
+    read ids fade; the same data without drift stays inside its table; eval is drawn as at
+    data.drift_eval_at."""
+    from trainer.data.synthetic import SyntheticData
+    c = load_config(make_cfg(["data=drift", "embedding.tables=dynamic", "embedding.capacity=100",
+                              "checkpoint.enabled=false", "data.drift_eval_at=200000"]))
+    data = SyntheticData(c.data, list(c.data.table_rows), 0, 1, 4096)
+    early, late = data.train_batch(0).values, data.train_batch(60).values  # samples 0.. and 245760..
+    t0 = torch.arange(early.numel()) % 8 == 0  # table 0 (one id per bag)
+    a, b = set(early[t0].tolist()), set(late[t0].tolist())
+    assert max(b) >= 100000 + 0.05 * 245760 - 1 and len(b - a) > 0.8 * len(b)  # new ids keep arriving
+    top = torch.mode(early[t0]).values.item()
+    assert (late[t0] == top).sum() < (early[t0] == top).sum() / 4  # the start's most read id fades
+    ev = next(iter(data.eval_batches())).values
+    assert int(ev.min()) >= int(0.05 * 200000)  # evaluation as at position 200000
+    flat = SyntheticData(load_config(make_cfg(["data=drift", "data.drift=0", "data.scramble_ids=false"])).data,
+                         list(c.data.table_rows), 0, 1, 4096)
+    assert int(flat.train_batch(60).values.max()) < 100000
+
+
+def test_dynamic_tables_train_on_the_drifting_preset_and_evict(tmp_path):
+    from trainer.runner import run
+    res = run(make_cfg(["data=drift", "embedding.tables=dynamic", "embedding.capacity=1500",
+                        "checkpoint.enabled=false", "train.steps=12", "data.eval_samples=1024",
+                        "train.progress=off", "comm=local"]), str(tmp_path))
+    d = res.summary["dynamic"]
+    assert d["evictions"] > 0 and d["rows_in_use"] == 8 * 1500
+    assert d["admissions"] - d["evictions"] == d["rows_in_use"]

@@ -95,6 +95,8 @@ class DataConfig:
     min_count: Optional[int] = None  # criteo: ids seen fewer times in the training rows share one out-of-vocabulary row per table, and the tables shrink to the ids kept (trainer/data/vocab.py); 0 = off; null = the recipe's (tiny and small: 1, else 0)
     val_slice: int = 1  # criteo: which slice of val_fraction of the training rows is the validation split, counted from the end (1 = the last; dev/recipe_study/val_rotations.py)
     out_of_range: str = "error"  # an id < 0 or >= its table's rows: error (stop, naming table, id, rows) | hash (id mod rows)
+    drift: float = 0.0  # synthetic, embedding.tables=dynamic: ids drift by floor(drift x stream position): new ids keep arriving, popularity moves (0 = no drift)
+    drift_eval_at: int = 0  # with drift: evaluation samples are drawn as at this training sample position
     scramble_ids: bool = False  # synthetic, embedding.tables=dynamic: present table t's id i as a random-looking id in [0, 2^56) (a bijection per table)
 
 
@@ -615,9 +617,13 @@ def _validate_dynamic(c: Config) -> None:
     _check(e.admit_after >= 1, "embedding.admit_after", e.admit_after, "must be >= 1 (1 = admit at once)")
     _check(e.admit_after < 1 << 16, "embedding.admit_after", e.admit_after, "must be < 65536")
     _check(e.capacity >= 0, "embedding.capacity", e.capacity, "must be >= 0 (rows per table on each owner)")
+    _check(c.data.drift >= 0 and math.isfinite(c.data.drift), "data.drift", c.data.drift, "must be a finite number >= 0")
+    _check(c.data.drift_eval_at >= 0, "data.drift_eval_at", c.data.drift_eval_at, "must be >= 0")
     if e.tables != "dynamic":
         _check(not c.data.scramble_ids, "data.scramble_ids", True, "needs embedding.tables=dynamic")
+        _check(not c.data.drift, "data.drift", c.data.drift, "drifting ids are unbounded: needs embedding.tables=dynamic")
         return
+    _check(c.data.name == "synthetic" or not c.data.drift, "data.drift", c.data.drift, "is a synthetic-data option")
     _check(e.capacity > 0, "embedding.capacity", e.capacity, "embedding.tables=dynamic needs a pool of > 0 rows per table")
     _check(c.data.name == "synthetic" or not c.data.scramble_ids, "data.scramble_ids", True,
            "is a synthetic-data option")
