@@ -233,3 +233,10 @@ def test_dynamic_tables_train_on_the_drifting_preset_and_evict(tmp_path):
     d = res.summary["dynamic"]
     assert d["evictions"] > 0 and d["rows_in_use"] == 8 * 1500
     assert d["admissions"] - d["evictions"] == d["rows_in_use"]
+
+
+def test_the_cache_simulator_refuses_dynamic_tables():
+    from trainer.tools.simulate import TraceError, build
+    with pytest.raises(TraceError, match="embedding.tables=dynamic: the simulator models fixed tables"):
+        build(["embedding.tables=dynamic", "embedding.capacity=10", "checkpoint.enabled=false", "cache=lru"], 2,
+              log=None)
