@@ -240,3 +240,21 @@ def test_the_cache_simulator_refuses_dynamic_tables():
     with pytest.raises(TraceError, match="embedding.tables=dynamic: the simulator models fixed tables"):
         build(["embedding.tables=dynamic", "embedding.capacity=10", "checkpoint.enabled=false", "cache=lru"], 2,
               log=None)
+
+
+def test_the_memory_plan_counts_the_pool_and_its_bookkeeping():
+    """Dynamic tables: the plan's rows are the store's (T x capacity slots of weight, state,
+    version, touched) plus the pool's slot ids and scores and the map's entries (CPU: 40 B)."""
+    import trainer.memplan as memplan
+    c = load_config(make_cfg(["data=tiny", "embedding.tables=dynamic", "embedding.capacity=50",
+                              "checkpoint.enabled=false", "optim.sparse=rowwise_adagrad", "model.embedding_dim=16"]))
+    plan = memplan.plan_memory(c, 2, 1)
+    st = DynamicStore(HashSharding(4, 50, 2, 1), 16, 0, None, "rowwise_adagrad", 0.1, 1e-8, CPU)
+    held = [st.weight, st.version, st.touched, *st.optimizer.state_tensors().values(),
+            st.pool.slot_gid, st.pool.last_use, st.pool.uses]
+    ids = torch.arange(200) | (torch.arange(200) % 4 << ID_BITS)
+    st.admit(ids)  # a full pool: its map holds 200 entries (16 B each in the reference's arrays)
+    keys, vals = st.pool.map.items()
+    held_bytes = sum(t.numel() * t.element_size() for t in held) + keys.numel() * 8 + vals.numel() * 8
+    assert plan.local_rows == 200 and plan.parts["rows"] == held_bytes
+    assert st.bytes_per_row()["total"] + 1 == plan.bytes_per_row  # + touched: the plan's part only, as for fixed tables
