@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Criteo raw TSV (Kaggle train.txt, Terabyte day_N, .gz too) -> blocks + meta.json for training.
 
-    scripts/prepare_criteo.py --train train.txt [--test test.tsv] --out DIR [--hash-rows N | --min-count K]
+    scripts/prepare_criteo.py --train train.txt [--test test.tsv] --out DIR [--hash-rows N | --min-count K | --raw-ids]
     python -m trainer data=criteo data.dir=DIR
 
 The same command as the installed `hybrid-trainer-prepare-criteo` (trainer/tools/prepare_criteo.py).

@@ -143,6 +143,14 @@ BAD = [
     ("train.ensemble=2", "train.ensemble"),  # the members' validation slices: a data=criteo option
     ("data.min_count=2", "data.min_count"),  # a vocabulary of the training rows is a data=criteo option  # no validation split: never fitted on the test split
     ("+data.standardize=true", "data.standardize"),  # a data=criteo option
+    ("embedding.tables=sparse", "embedding.tables"),
+    ("embedding.capacity=-1", "embedding.capacity"),
+    ("embedding.admit_after=0", "embedding.admit_after"),
+    ("embedding.eviction=fifo", "embedding.eviction"),
+    ("data.scramble_ids=true", "data.scramble_ids"),  # needs embedding.tables=dynamic
+    ("data.drift=-1", "data.drift"),
+    ("data.drift=0.1", "data.drift"),  # needs embedding.tables=dynamic
+    ("data.drift_eval_at=-1", "data.drift_eval_at"),
 ]
 # keys with no range to check: free text (informational names, paths) and booleans
 NO_RANGE = {"data.preset", "data.dir", "data.shuffle", "optim.name", "embedding.audit", "checkpoint.enabled",

@@ -117,6 +117,15 @@ def _bf16_rows(cwd: Path) -> None:
 TRAINER = dict(json_keys=TRAINER_LINE, summary=True)
 W2 = ("train.steps=4", "data.eval_samples=512", "checkpoint.enabled=false")
 
+def _dynamic_reported(cwd: Path) -> None:
+    """docs/dynamic.md: the run reports its pool, in summary.json and in every metrics line."""
+    d = json.loads((cwd / "runs/dyn/summary.json").read_text())["dynamic"]
+    assert d["admissions"] > 0 and d["admissions"] - d["evictions"] == d["rows_in_use"], d
+    assert d["dropped_grads"] > 0 and d["admit_after"] == 2, d  # ids seen once lose their gradient
+    lines = [json.loads(x) for x in (cwd / "runs/dyn/metrics.jsonl").read_text().splitlines() if x.strip()]
+    assert any("dynamic" in r for r in lines), "no dynamic block in metrics.jsonl"
+
+
 REGISTRY: dict[str, Entry] = {
     # README: the two commands at the top (what .ci/run runs)
     "bash scripts/setup.sh && .venv/bin/python -m trainer":
@@ -177,6 +186,12 @@ REGISTRY: dict[str, Entry] = {
     ".venv/bin/python scripts/simulate_cache.py --workers 2 --steps 400 data=criteo_like cache=lfu consistency.pull_bound=16 consistency.push_bound=16":
         Entry(shrink=(("--steps 400", "--steps 4"),), add=("data.max_table_rows=10000",),
               json_keys=("hit_rate", "bytes_per_sample")),
+    # docs/dynamic.md
+    ".venv/bin/torchrun --nproc_per_node 2 -m trainer comm=torch embedding.tables=dynamic embedding.capacity=300 "
+    "embedding.admit_after=2 data.scramble_ids=true checkpoint.enabled=false train.steps=40 train.log_every=4 "
+    "hydra.run.dir=runs/dyn":
+        Entry(shrink=(("train.steps=40", "train.steps=8"),), add=("data.eval_samples=512",),
+              check=_dynamic_reported, **TRAINER),
     # docs/placement.md
     ".venv/bin/torchrun --nproc_per_node 2 -m trainer comm=torch data=criteo_like cache=lru placement=sca":
         Entry(add=W2 + ("data.max_table_rows=10000", "placement.plan_steps=2"), **TRAINER),

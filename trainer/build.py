@@ -23,10 +23,11 @@ from .config import Config, ConfigError, cache_capacities, needs_global_view, st
 from .embedding import HybridEmbedding, RowSharding, ShardStore
 from .embedding.cache import RowCache, make_policy
 from .embedding.consistency import Bounds
+from .embedding.dynamic import DynamicStore
 from .embedding.optim import Rounding
 from .embedding.remote import Audit, CacheStats, HeraldRemote, HetRemote, HetWire, RemoteRows
 from .embedding.replica import Replica
-from .embedding.sharding import Sharding
+from .embedding.sharding import HashSharding, Sharding
 from .embedding.store import row_dtype
 from .models import build_model
 from .placement import Plan, plan_run
@@ -103,12 +104,8 @@ def build_sparse(c: Config, comm: Collectives, data: Any, global_batch: int,
     """Sharding -> store -> plan (+ replica) -> remote-row protocol -> HybridEmbedding -> feed.
     resuming: every row will be loaded from a checkpoint (the store skips its initial rows)."""
     rank, world = comm.rank, comm.size
-    rows = table_rows(c)
-    sharding = RowSharding(rows, world, rank)
-    store = ShardStore(sharding, c.model.embedding_dim, c.train.seed, c.embedding.init_scale,
-                       c.optim.sparse, sparse_lr(c), c.optim.eps, device, c.optim.initial_accumulator,
-                       c.optim.sparse_weight_decay, row_dtype(c.embedding.dtype),
-                       Rounding(c.embedding.rounding, c.train.seed), initialise=not resuming)
+    store = _make_store(c, comm, device, resuming)
+    sharding = store.sharding
     plan = _make_plan(c, comm, data)
     replica = Replica(plan.hot_gids(sharding), store) if plan.hot.size else None
     space = IdSpace(sharding, plan.hot)
@@ -124,6 +121,20 @@ def build_sparse(c: Config, comm: Collectives, data: Any, global_batch: int,
     feed = _make_feed(c, data, global_batch, rank, world, plan, space, herald) \
         if needs_global_view(c) else None
     return Sparse(sharding, emb, plan, bounds, feed, herald)
+
+
+def _make_store(c: Config, comm: Collectives, device: torch.device, resuming: bool = False) -> ShardStore:
+    """The owner's shard: fixed tables (RowSharding, row gid div W) or dynamic ones (HashSharding,
+    a pool of embedding.capacity rows per table found by id: embedding/dynamic.py, whose free
+    slots start at zeros anyway). resuming: every row comes from a checkpoint (no initial rows)."""
+    e = c.embedding
+    args = (c.model.embedding_dim, c.train.seed, e.init_scale, c.optim.sparse, sparse_lr(c), c.optim.eps,
+            device, c.optim.initial_accumulator, c.optim.sparse_weight_decay, row_dtype(e.dtype),
+            Rounding(e.rounding, c.train.seed))
+    if e.tables == "dynamic":
+        sharding = HashSharding(len(table_rows(c)), e.capacity, comm.size, comm.rank)
+        return DynamicStore(sharding, *args, admit_after=e.admit_after, eviction=e.eviction)
+    return ShardStore(RowSharding(table_rows(c), comm.size, comm.rank), *args, initialise=not resuming)
 
 
 def _make_plan(c: Config, comm: Collectives, data: Any) -> Plan:

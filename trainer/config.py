@@ -43,6 +43,8 @@ RECIPES = ("auto", "tiny", "small", "large", "none")  # train.recipe (trainer/re
 
 
 WIRE_PRECISIONS = ("fp32", "fp16", "bf16")
+TABLE_KINDS = ("fixed", "dynamic")  # embedding.tables
+EVICTIONS = ("lru", "lfu")  # embedding.eviction
 EMBEDDING_DTYPES = ("fp32", "fp16", "bf16")  # embedding.dtype (= embedding/store.ROW_DTYPES)
 ROUNDINGS = ("stochastic", "nearest")  # embedding.rounding (= embedding/optim.ROUNDINGS)
 SETTLED_ROWS = ("auto", "always", "never")
@@ -93,6 +95,9 @@ class DataConfig:
     min_count: Optional[int] = None  # criteo: ids seen fewer times in the training rows share one out-of-vocabulary row per table, and the tables shrink to the ids kept (trainer/data/vocab.py); 0 = off; null = the recipe's (tiny and small: 1, else 0)
     val_slice: int = 1  # criteo: which slice of val_fraction of the training rows is the validation split, counted from the end (1 = the last; dev/recipe_study/val_rotations.py)
     out_of_range: str = "error"  # an id < 0 or >= its table's rows: error (stop, naming table, id, rows) | hash (id mod rows)
+    drift: float = 0.0  # synthetic, embedding.tables=dynamic: ids drift by floor(drift x stream position): new ids keep arriving, popularity moves (0 = no drift)
+    drift_eval_at: int = 0  # with drift: evaluation samples are drawn as at this training sample position
+    scramble_ids: bool = False  # synthetic, embedding.tables=dynamic: present table t's id i as a random-looking id in [0, 2^56) (a bijection per table)
 
 
 @dataclass
@@ -129,6 +134,10 @@ class EmbeddingConfig:
     audit: bool = False  # record every read's version and every computed row gradient (tests; slow)
     dtype: str = "fp32"  # how owners store rows: fp32 | fp16 | bf16 (optimizer state stays fp32; updates computed in fp32)
     rounding: str = "stochastic"  # how an updated fp16 / bf16 row is written back: stochastic (unbiased, seeded by train.seed, step, row) | nearest
+    tables: str = "fixed"  # fixed (rows 0..table_rows-1, owner id mod W) | dynamic (any id in [0, 2^56): hashed owner, id -> row map, admission, eviction; docs/dynamic.md)
+    capacity: int = 0  # dynamic: rows per table on each owner (the pool); must be > 0 with tables=dynamic
+    admit_after: int = 1  # dynamic: an id gets a row the k-th step it is seen (1 = at once); before that it reads zeros and its gradient is dropped
+    eviction: str = "lru"  # dynamic, full pool: lru (least recently used) | lfu (fewest uses, ties least recent)
 
 
 @dataclass
@@ -493,6 +502,7 @@ def validate(c: Config) -> None:
     _one_of("embedding.dtype", c.embedding.dtype, EMBEDDING_DTYPES)
     _one_of("embedding.rounding", c.embedding.rounding, ROUNDINGS)
     _validate_cache(c)
+    _validate_dynamic(c)
     t = c.train
     _check(t.steps > 0, "train.steps", t.steps, "must be > 0")
     _check(t.log_every > 0, "train.log_every", t.log_every, "must be > 0")
@@ -596,6 +606,38 @@ def _validate_placement(c: Config) -> None:
                "consistency", c.consistency.name, "schedule=herald is exact (BSP): use consistency=bsp")
         _check(c.cache.policy in ("none", "lru"), "cache.policy", c.cache.policy,
                "schedule=herald holds lent rows in an LRU cache: use cache=lru (or cache=none)")
+
+
+def _validate_dynamic(c: Config) -> None:
+    """embedding.tables=dynamic and what it does not support yet (docs/dynamic.md#what-it-refuses):
+    each refusal is one line, before anything starts."""
+    e = c.embedding
+    _one_of("embedding.tables", e.tables, TABLE_KINDS)
+    _one_of("embedding.eviction", e.eviction, EVICTIONS)
+    _check(e.admit_after >= 1, "embedding.admit_after", e.admit_after, "must be >= 1 (1 = admit at once)")
+    _check(e.admit_after < 1 << 16, "embedding.admit_after", e.admit_after, "must be < 65536")
+    _check(e.capacity >= 0, "embedding.capacity", e.capacity, "must be >= 0 (rows per table on each owner)")
+    _check(c.data.drift >= 0 and math.isfinite(c.data.drift), "data.drift", c.data.drift, "must be a finite number >= 0")
+    _check(c.data.drift_eval_at >= 0, "data.drift_eval_at", c.data.drift_eval_at, "must be >= 0")
+    if e.tables != "dynamic":
+        _check(not c.data.scramble_ids, "data.scramble_ids", True, "needs embedding.tables=dynamic")
+        _check(not c.data.drift, "data.drift", c.data.drift, "drifting ids are unbounded: needs embedding.tables=dynamic")
+        return
+    _check(c.data.name == "synthetic" or not c.data.drift, "data.drift", c.data.drift, "is a synthetic-data option")
+    _check(e.capacity > 0, "embedding.capacity", e.capacity, "embedding.tables=dynamic needs a pool of > 0 rows per table")
+    _check(c.data.name == "synthetic" or not c.data.scramble_ids, "data.scramble_ids", True,
+           "is a synthetic-data option")
+    bsp = all(b == 0 for b in sum(staleness_bounds(c), []))
+    for key, value, ok, why in (
+            ("consistency", c.consistency.name, c.cache.policy == "none" or bsp,
+             "a HET cache with bounds > 0 (a held-back push could reach an id's next life): use consistency=bsp"),
+            ("placement.name", c.placement.name, c.placement.name == "none", "replicated hot rows (placement)"),
+            ("schedule.name", c.schedule.name, c.schedule.name != "herald", "Herald's lent rows"),
+            ("embedding.audit", e.audit, not e.audit, "the audit (an array over every id)"),
+            ("train.nonfinite", c.train.nonfinite, c.train.nonfinite != "skip", "skipped steps (admission is not undone)"),
+            ("comm.settled_rows", c.comm.settled_rows, c.comm.settled_rows != "always", "early settled rows"),
+            ("data.val_fraction", c.data.val_fraction, not c.data.val_fraction, "a validation split (the best-model snapshot)")):
+        _check(ok, key, value, f"embedding.tables=dynamic does not support {why} yet (docs/dynamic.md)")
 
 
 def _validate_checkpoint(c: Config) -> None:

@@ -27,6 +27,7 @@ from typing import Any
 import torch
 
 from .config import Config, ConfigError, cache_capacities, local_batch_size, table_rows
+from .embedding.pool import pool_slot_bytes
 from .embedding.sharding import RowSharding
 from .embedding.slotmap import uses_direct_map
 from .embedding.store import VERSION_BYTES, row_dtype
@@ -94,16 +95,20 @@ def plan_memory(c: Config, world: int, rank: int, device: torch.device = torch.d
     """The plan of rank `rank` of `world` on `device` (no allocation: the sharding's offsets only)."""
     rows = table_rows(c)
     d = c.model.embedding_dim
-    local = RowSharding(rows, world, rank).local_rows
+    dynamic = c.embedding.tables == "dynamic"  # a pool of embedding.capacity rows per table
+    local = len(rows) * c.embedding.capacity if dynamic else RowSharding(rows, world, rank).local_rows
     row_parts = {"weight": d * weight_elem(c), c.optim.sparse: state_bytes(d, c.optim.sparse),
                  "version": VERSION_BYTES, "touched": 1}
+    if dynamic:
+        row_parts["pool"] = pool_slot_bytes(device)
     plan = MemoryPlan(rank, world, local, row_parts)
     plan.parts["rows"] = local * plan.bytes_per_row
     slots = sum(cache_capacities(c))
     if slots:
         plan.parts["cache"] = slots * slot_bytes(d)
         n_ids = sum(-(-n // world) * world for n in rows)
-        plan.parts["cache map"] = 4 * n_ids if uses_direct_map(n_ids, slots, device) else slots * HASH_SLOT_BYTES
+        direct = not dynamic and uses_direct_map(n_ids, slots, device)  # dynamic: the hash map (ids of 2^56)
+        plan.parts["cache map"] = 4 * n_ids if direct else slots * HASH_SLOT_BYTES
     if c.placement.name in ("fae", "sca"):
         plan.parts["replica"] = int(c.placement.budget_bytes)
     if c.train.early_stop.restore_best and (c.data.val_fraction or 0) > 0:  # its held flags + the rows in memory

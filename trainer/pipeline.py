@@ -49,8 +49,9 @@ class StepPipeline:
         self.overlaps = self.mode != "off" and sparse.herald is None
         # train.pipeline=ids: the settled rows travel early where bytes cost time, between hosts
         # (on one host the extra round trip measured more than the rows it moves ahead)
-        self.settled = self.mode == "ids" and (c.comm.settled_rows == "always" or (
-            c.comm.settled_rows == "auto" and comm.spans_hosts))
+        # (not with dynamic tables: step i+1's admissions must not run before step i's update)
+        self.settled = self.mode == "ids" and not self.emb.store.dynamic and (
+            c.comm.settled_rows == "always" or (c.comm.settled_rows == "auto" and comm.spans_hosts))
         self.current: Optional[InFlightStep] = None  # the step being trained
         self.next: Optional[InFlightStep] = None  # the step prepared ahead
         self.alltoalls = {"hot": 0, "cold": 0}  # alltoall calls of this rank in hot / other steps

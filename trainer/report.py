@@ -23,6 +23,7 @@ from .comm import EMBEDDING_KINDS, KINDS, Collectives
 from .config import Config
 from .embedding.consistency import HIST_BINS, UNBOUNDED
 from .embedding.module import CACHE_COUNTERS
+from .embedding.pool import POOL_COUNTERS
 from .embedding.remote import het_wire_bytes
 from .metrics import JsonlWriter, write_summary
 from .schedule import HotColdOrder
@@ -66,6 +67,10 @@ class TensorBoardWriter:
             hist = cache["staleness"]["hist"]
             if hist:  # read staleness of every cached read so far, as a histogram
                 self._w.add_histogram_raw("cache/staleness", **staleness_histogram(hist), global_step=s)
+        dyn = rec.get("dynamic")
+        if dyn is not None:  # dynamic tables: totals over tables and owners so far
+            for key in DYNAMIC_SCALARS:
+                self._w.add_scalar(f"dynamic/{key}", dyn[key], s)
 
     def eval(self, step: int, ev: dict[str, Any]) -> None:
         if self._w is not None:
@@ -185,6 +190,8 @@ class Reporter:
                "rank0_ids": s.ids, "rank0_unique": s.unique, "rank0_remote": s.remote}
         if self.emb.cache is not None:
             rec["cache"] = self.cache_summary()  # so far: totals, per table, staleness histogram
+        if self.emb.store.dynamic:
+            rec["dynamic"] = dynamic_summary(self.comm, self.emb.store)
         self.metrics.write(rec)
         self.tb.step(rec)
 
@@ -317,6 +324,7 @@ class Reporter:
                           **{f"{k}_per_step": per(v, trained) for k, v in zip(emb.stats.totals.keys(), lookups)}},
             "evals": evals,
             "cache": _after_flush(self.cache_summary()),
+            "dynamic": dynamic_summary(self.comm, emb.store) if emb.store.dynamic else None,
             "placement": self._placement_summary(bytes_, run_samples, trained, alltoalls),
             "config": asdict(c),
             "start_step": start_step,
@@ -419,6 +427,27 @@ def keep_records_until(path: str, step: int) -> int:
 def _bound(b: int) -> int:
     """A bound as configured: -1 for unbounded (int64 max inside)."""
     return -1 if b < 0 or b >= UNBOUNDED else int(b)
+
+
+DYNAMIC_SCALARS = ("rows_in_use", "admissions", "evictions", "dropped_grads", "rejected", "pending_ids")
+
+
+def dynamic_summary(comm: Collectives, store: Any) -> dict[str, Any]:
+    """The `dynamic` block of metrics.jsonl and summary.json (embedding.tables=dynamic): rows in
+    use, admissions, evictions, dropped gradients and rejected admissions, per table and in total,
+    summed over the owners (collective: one allreduce)."""
+    pool, t = store.pool, store.sharding.num_tables
+    local = torch.cat([pool.counters.flatten(), pool.rows_in_use(),
+                       torch.tensor([pool.pending_ids()], device=pool.counters.device)]).double().cpu()
+    with phase(comm, "other"):
+        tot = comm.allreduce(local, op="sum", kind="meta").long().tolist()
+    per = {k: tot[i * t:(i + 1) * t] for i, k in enumerate(POOL_COUNTERS + ("rows_in_use",))}
+    tables = [{"table": i, "capacity_rows": comm.size * pool.capacity, **{k: v[i] for k, v in per.items()}}
+              for i in range(t)]
+    return {"capacity_rows_per_owner": pool.capacity, "admit_after": pool.admit_after,
+            "eviction": pool.eviction, **{k: sum(v) for k, v in per.items()},
+            "pending_ids": tot[-1], "bytes_per_slot": pool.bytes_per_slot(),
+            "pending_bytes_per_id": pool.pending_bytes_per_id(), "tables": tables}
 
 
 def _after_flush(cache: Optional[dict[str, Any]]) -> Optional[dict[str, Any]]:

@@ -39,6 +39,7 @@ from .config import Config, auto_threads, local_batch_size, validate_world
 from .configure import load_config
 from .data import make_data
 from .embedding import InFlightStep
+from .embedding.dynamic import gather_tables
 from .evaluation import Evaluator
 from .lr import LrSchedule
 from .memplan import check_memory
@@ -329,11 +330,15 @@ class Trainer:
         return RunResult(summary, self.rank, list(self.losses), state)
 
     def _gather_state(self) -> dict[str, Any]:
+        ids = None
         with phase(self.comm, "other"):
-            tables = self.emb.full_tables()
+            if self.emb.store.dynamic:  # per table: the admitted ids (sorted) and their rows
+                ids, tables = gather_tables(self.comm, self.emb.store)
+            else:
+                tables = self.emb.full_tables()
         dense = {k: v.detach().cpu().clone() for k, v in self.model.state_dict().items()}
         audit = self.emb.audit.result() if self.emb.audit is not None else None
-        return {"dense": dense, "tables": tables, "audit": audit}
+        return {"dense": dense, "tables": tables, "table_ids": ids, "audit": audit}
 
     def _save(self, step: int, train_time: float, stop: Stop | None = None) -> None:
         """Checkpoint `step` (CheckpointManager.save). When the save fails (on any rank: every

@@ -22,6 +22,7 @@ from ..comm import Collectives
 from ..embedding.store import ShardStore
 from .manifest import (TRAINER_FILE, CheckpointDamaged, CheckpointError, check_schema, check_stream_world,
                        complete_checkpoints, latest, read_file, read_manifest, shard_file, unseen_damage)
+from .pool_io import read_pool_shard
 from .shard_io import read_shards, saved_dtype, torch_name
 from .state import load_shard_rows
 
@@ -119,7 +120,8 @@ def _load_local(ckpt: str, store: ShardStore, schema: dict[str, Any], counter: d
     state = read_file(ckpt, TRAINER_FILE, manifest)
     if int(manifest.get("format_version", 1)) >= 2:
         _say_conversion(ckpt, manifest, store)
-        loaded = read_shards(ckpt, manifest, store, counter)
+        read = read_pool_shard if store.dynamic else read_shards  # dynamic tables: pool_io.py
+        loaded = read(ckpt, manifest, store, counter)
     else:
         loaded = 0
         for r in range(int(manifest["world_size"])):  # one saved shard in memory at a time

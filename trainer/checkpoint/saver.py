@@ -29,6 +29,7 @@ from .lock import DirLock
 from .manifest import (FORMAT_VERSION, TRAINER_FILE, WORK_DIR, WORLD_BOUND_DATA, CheckpointError,
                        complete_checkpoints, damage_seen, damaged_checkpoints, fsync_dir, last_save_seq,
                        step_dir, write_file, write_manifest)
+from .pool_io import write_pool_shard
 from .shard_io import shard_dir, write_shard
 
 
@@ -111,7 +112,8 @@ class Checkpointer:
 
     def _write_shard(self, tmp: str, store: ShardStore) -> dict[str, Any]:
         """Write this rank's shard into tmp (shard_io.write_shard); its manifest entry."""
-        return write_shard(os.path.join(tmp, shard_dir(self.comm.rank, self.comm.size)), store)
+        write = write_pool_shard if store.dynamic else write_shard  # dynamic tables: pool_io.py
+        return write(os.path.join(tmp, shard_dir(self.comm.rank, self.comm.size)), store)
 
     def _finish(self, tmp: str, step: int, trainer_state: dict[str, Any] | None,
                 schema: dict[str, Any], shards: list[dict[str, Any]]) -> None:

@@ -6,12 +6,13 @@ synthetic: generated Zipf data; criteo: blocks prepared by scripts/prepare_crite
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Optional, Union
+from typing import TYPE_CHECKING, Any, Optional, Union
 
 from ..config import (Config, ConfigError, DataConfig, check_data_source, data_source_error, epoch_steps,
                       local_batch_size, table_rows, val_rows)
 from .batch import Batch
-from .ids import GuardedData, IdGuard, IdRangeError
+from .ids import ID_LIMIT, GuardedData, IdGuard, IdRangeError
+from .scramble import ScrambledIds
 from .synthetic import SyntheticData
 
 if TYPE_CHECKING:  # the real-data modules are imported only when selected (DALI is heavy)
@@ -129,7 +130,13 @@ def make_data(cfg: Config, rank: int, world: int) -> GuardedData:
     """The data source named by cfg.data.name for this rank, behind the id-range guard
     (data.out_of_range, ids.py). It does not touch cfg: the step count data.epochs asks for comes
     from resolve(cfg, world), applied by the caller (trainer.recipes.apply_data_steps)."""
-    return GuardedData(_make_data(cfg, rank, world), IdGuard(table_rows(cfg), cfg.data.out_of_range))
+    data: Any = _make_data(cfg, rank, world)
+    if cfg.embedding.tables != "dynamic":
+        return GuardedData(data, IdGuard(table_rows(cfg), cfg.data.out_of_range))
+    if cfg.data.scramble_ids:
+        data = ScrambledIds(data, cfg.data.seed)
+    # dynamic tables take any id below ID_LIMIT (data.out_of_range: outside it, an error or folded)
+    return GuardedData(data, IdGuard([ID_LIMIT] * len(table_rows(cfg)), cfg.data.out_of_range))
 
 
 def _make_data(cfg: Config, rank: int, world: int) -> Union[SyntheticData, CriteoData, MovieLensData]:

@@ -27,7 +27,7 @@ import torch
 from ..config import ConfigError, DataConfig, val_range
 from ..device import resident
 from .batch import Batch
-from .criteo import CriteoFormatError, check_block, from_block, read_meta
+from .criteo import CriteoFormatError, check_block, from_block, raw_ids, read_meta
 from .ids import IdGuard
 from .segment import Segment
 from .vocab import Vocab, build_vocab
@@ -80,9 +80,16 @@ def train_vocab(cfg: DataConfig) -> Vocab:
     """data.min_count's vocabulary of the prepared directory cfg.dir: counted on the training rows
     CriteoData trains on (validation and test rows left out)."""
     meta = read_meta(cfg.dir)
+    _no_raw_vocab(meta, cfg)
     train = split_validation(split_segments(meta, cfg.dir, cfg)[0], cfg)[0]
     check_blocks(train, cfg.dir, 1 + int(meta["num_dense"]) + len(meta["table_rows"]))
     return build_vocab(train, int(meta["num_dense"]), [int(n) for n in meta["table_rows"]], cfg.min_count)
+
+
+def _no_raw_vocab(meta: dict, cfg: DataConfig) -> None:
+    if raw_ids(meta) and cfg.min_count:
+        raise ConfigError(f"data.min_count={cfg.min_count}: data.dir={cfg.dir!r} keeps raw ids "
+                          "(prepare_criteo.py --raw-ids), which take no vocabulary: set data.min_count=0")
 
 
 STATS_ROWS = 1_000_000  # data.standardize: mean and std from the first training rows (all of a small set)
@@ -230,16 +237,19 @@ class BlockStream:
 
 def to_batch(cols: Columns, num_dense: int, rows: torch.Tensor, guard: IdGuard | None = None,
              where: str = "batch", norm: tuple[torch.Tensor, torch.Tensor] | None = None,
-             vocab: Vocab | None = None) -> Batch:
+             vocab: Vocab | None = None, raw: bool = False) -> Batch:
     """Columns -> Batch (one id per bag). Ids are checked against the data's own table sizes by
     `guard` (data.out_of_range), mapped through the training rows' vocabulary (data.min_count,
     vocab.py), then folded into the configured table sizes (id mod rows: the data.max_table_rows
-    cap). norm = (mean, std): dense -> (dense - mean) / std (data.standardize)."""
+    cap). norm = (mean, std): dense -> (dense - mean) / std (data.standardize). raw: the ids are
+    raw 32-bit values (prepare_criteo.py --raw-ids), stored as int32 bits: read as unsigned."""
     labels, dense, ids = cols
     if norm is not None:
         dense = (dense - resident(norm[0], dense.device)) / resident(norm[1], dense.device)
     b, t = labels.shape[0], rows.numel()
     ids = ids.reshape(b, t)
+    if raw:
+        ids = ids.long() & 0xFFFFFFFF
     if guard is not None:
         ids = guard.columns(ids, where)
     if vocab is not None:
@@ -259,6 +269,8 @@ class CriteoData:
         self.F, self.rows = int(self.meta["num_dense"]), torch.tensor(rows, dtype=torch.int64)
         self.guard = IdGuard([int(n) for n in self.meta["table_rows"]], cfg.out_of_range,
                              f"data.dir={cfg.dir!r}")
+        self.raw = raw_ids(self.meta)  # prepare_criteo.py --raw-ids: 32-bit values as ids
+        _no_raw_vocab(self.meta, cfg)
         self.train_segs, self.eval_segs = split_segments(self.meta, cfg.dir, cfg)
         check_blocks(self.train_segs + self.eval_segs, cfg.dir, 1 + self.F + len(self.meta["table_rows"]))
         if not self.train_segs:
@@ -304,7 +316,7 @@ class CriteoData:
                 self._step += 1
         self._step += 1
         return to_batch(self._train.take(self.b), self.F, self.rows, self.guard,
-                        f"training batch of step {step}", self.norm, self.vocab)
+                        f"training batch of step {step}", self.norm, self.vocab, self.raw)
 
     def _split_segs(self, split: str) -> list[Segment]:
         if split not in ("test", "val"):
@@ -334,7 +346,7 @@ class CriteoData:
             left -= n
             cols = stream.take(n) if n else self._empty()
             yield to_batch(cols, self.F, self.rows, self.guard,
-                           f"{'eval' if split == 'test' else 'validation'} batch", self.norm, self.vocab)
+                           f"{'eval' if split == 'test' else 'validation'} batch", self.norm, self.vocab, self.raw)
 
     def _empty(self) -> Columns:
         return (torch.zeros(0), torch.zeros((0, self.F)), torch.zeros((0, self.rows.numel()), dtype=torch.int64))

@@ -14,6 +14,9 @@ Encoding (the rule is written into meta.json):
 - categorical, `hash` mode: id = 0 when empty, else 1 + splitmix64(value ^ salt_t) mod (rows_t - 1).
 - categorical, `vocab` mode: id = 0 when empty, 1 when the value was seen fewer than min_count
   times in the training files (out of vocabulary), else 2 + its rank in the sorted vocabulary.
+- categorical, `raw` mode (for embedding.tables=dynamic): id = the value's 32 bits (Criteo's values
+  are 8 hex digits; a wider one keeps its low 32 bits), 0 when empty (a value 00000000 would share
+  it); stored in the int32 column as its bit pattern, read back as unsigned (raw_ids).
 
 Block format: one .npy file per block, int32 [n, 1 + 13 + 26]: column 0 the label, columns 1..13 the
 dense float32 values stored bit-for-bit (numpy .view), columns 14..39 the ids. One array per block
@@ -32,6 +35,7 @@ NUM_DENSE, NUM_CAT = 13, 26
 NUM_FIELDS = 1 + NUM_DENSE + NUM_CAT
 WIDTH = NUM_FIELDS  # int32 columns of a block
 EMPTY_ID, OOV_ID = 0, 1
+RAW_ROWS = 1 << 32  # raw mode: ids are 32-bit values
 FORMAT = "criteo-blocks-v1"
 META = "meta.json"
 MAX_INT_DIGITS, MAX_HEX_DIGITS = 18, 16
@@ -210,6 +214,10 @@ class Encoder:
         return cls("hash", list(rows))
 
     @classmethod
+    def raw(cls) -> "Encoder":
+        return cls("raw", [RAW_ROWS] * NUM_CAT)
+
+    @classmethod
     def from_vocab(cls, vocab: list[np.ndarray], min_count: int) -> "Encoder":
         return cls("vocab", [2 + v.size for v in vocab], vocab, min_count)
 
@@ -222,6 +230,8 @@ class Encoder:
         return out
 
     def _encode_table(self, t: int, v: np.ndarray) -> np.ndarray:
+        if self.kind == "raw":  # the 32 bits as the int32 column's bit pattern
+            return (v & np.uint64(RAW_ROWS - 1)).astype(np.uint32).view(np.int32)
         if self.kind == "hash":
             return 1 + (splitmix64(v ^ table_salt(t)) % np.uint64(self.rows[t] - 1)).astype(np.int64)
         keys = self.vocab[t]
@@ -236,6 +246,9 @@ class Encoder:
             return {"kind": "hash", "empty_id": EMPTY_ID,
                     "rule": "id = 0 if empty else 1 + splitmix64(value ^ splitmix64(t + 1)) mod (rows_t - 1)",
                     "hash_rows": self.rows}
+        if self.kind == "raw":
+            return {"kind": "raw", "empty_id": EMPTY_ID,
+                    "rule": "id = the value's low 32 bits, unsigned (stored as int32 bits); 0 if empty"}
         return {"kind": "vocab", "empty_id": EMPTY_ID, "oov_id": OOV_ID, "min_count": self.min_count,
                 "rule": "id = 0 if empty, 1 if seen < min_count times in train, else 2 + rank in sorted vocab",
                 "vocab_sizes": [int(v.size) for v in self.vocab]}
@@ -243,6 +256,12 @@ class Encoder:
     def signature(self) -> dict[str, Any]:
         """What must match for a resumed run to reuse finished files."""
         return {"kind": self.kind, "rows": self.rows, "min_count": self.min_count}
+
+
+def raw_ids(meta: dict[str, Any]) -> bool:
+    """The directory keeps raw 32-bit values as ids (prepare_criteo.py --raw-ids): its int32 id
+    columns are read as unsigned."""
+    return meta.get("categorical", {}).get("kind") == "raw"
 
 
 def to_block(labels: np.ndarray, dense: np.ndarray, ids: np.ndarray) -> np.ndarray:

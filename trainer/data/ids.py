@@ -26,6 +26,10 @@ from ..device import resident
 from .batch import Batch
 
 
+ID_BITS = 56  # embedding.tables=dynamic: a table takes any id in [0, 2^ID_BITS) (docs/dynamic.md)
+ID_LIMIT = 1 << ID_BITS
+
+
 class IdRangeError(ValueError):
     """A batch holds ids outside their table (data.out_of_range=error); names table, id, size."""
 

@@ -42,6 +42,7 @@ class PrepOptions:
     test: list[str] = field(default_factory=list)  # test files (empty = the trainer holds out a tail)
     hash_rows: Optional[list[int]] = None  # hashing mode: 26 table sizes (reserved ids included)
     min_count: Optional[int] = None  # vocabulary mode: keep values seen at least this often
+    raw_ids: bool = False  # raw mode: the values' 32 bits are the ids (embedding.tables=dynamic)
     strict: bool = False  # fail at the first bad row instead of skipping it
     workers: int = 1  # worker processes
     chunk_mb: float = 16.0  # MB of text per chunk (one block per chunk; a worker needs ~12x in memory)
@@ -358,8 +359,9 @@ def check_options(opt: PrepOptions) -> None:
             if not os.path.isfile(p):
                 raise CriteoFormatError(f"{option} input file {p!r} does not exist" if not os.path.exists(p)
                                         else f"{option} {p!r} is not a regular file")
-    if (opt.hash_rows is None) == (opt.min_count is None):
-        raise CriteoFormatError("give exactly one of --hash-rows (hashing) or --min-count (vocabulary)")
+    if (opt.hash_rows is not None) + (opt.min_count is not None) + opt.raw_ids != 1:
+        raise CriteoFormatError("give exactly one of --hash-rows (hashing), --min-count (vocabulary) or "
+                                "--raw-ids (raw values)")
     if opt.hash_rows is not None and (len(opt.hash_rows) != NUM_CAT or min(opt.hash_rows) < 2
                                       or max(opt.hash_rows) >= 2**31):
         raise CriteoFormatError(f"--hash-rows: need 1 or {NUM_CAT} sizes in [2, 2^31), got {opt.hash_rows}")
@@ -379,7 +381,7 @@ def _signature(opt: PrepOptions) -> dict[str, Any]:
     marker); a vocabulary is counted over the training files' contents, so there they must be
     unchanged (size and mtime)."""
     train = [_source(p) for p in opt.train]
-    return {"hash_rows": opt.hash_rows, "min_count": opt.min_count, "chunk_mb": opt.chunk_mb,
+    return {"hash_rows": opt.hash_rows, "min_count": opt.min_count, "raw_ids": opt.raw_ids, "chunk_mb": opt.chunk_mb,
             "train": train if opt.min_count is not None else [t["path"] for t in train]}
 
 
@@ -542,7 +544,7 @@ def _prepare(opt: PrepOptions) -> dict[str, Any]:
     counting = sum(os.path.getsize(p) for p in opt.train) if opt.min_count is not None else 0
     progress = Progress(sizes + counting, opt.progress)
     try:
-        encoder = (Encoder.hashing(opt.hash_rows) if opt.hash_rows is not None
+        encoder = (Encoder.raw() if opt.raw_ids else Encoder.hashing(opt.hash_rows) if opt.hash_rows is not None
                    else build_vocab(opt, progress))
         workers = Workers(opt.workers, encoder)
         try:

@@ -7,6 +7,11 @@ batch, and W workers together see exactly the global batch of the single-process
 
 Label model: logit = signal * (sum_t mean_{id in bag t} w_t[id] / sqrt(T) + x . v / sqrt(F)) with
 planted w_t[id], v ~ N(0, 1); label ~ Bernoulli(sigmoid(logit)).
+
+Drift (data.drift > 0, for embedding.tables=dynamic): the sample at stream position i draws its
+ids as above and adds floor(drift x i) to each, so the id space is unbounded: new ids keep arriving
+(drift per sample and table) and an id's popularity changes as the window moves over the scrambled
+ranks. Evaluation samples are drawn as at training position data.drift_eval_at + their index.
 """
 from __future__ import annotations
 
@@ -71,7 +76,8 @@ class SyntheticData:
         # planted weights: a lookup table when small enough (saves two hashes per id per batch)
         self._w_start = np.cumsum([0] + list(rows[:-1])).astype(np.int64)
         self._w_table = None
-        if sum(rows) <= _PLANTED_TABLE_MAX_ROWS:
+        self._drift = float(cfg.drift)
+        if sum(rows) <= _PLANTED_TABLE_MAX_ROWS and not self._drift:  # drifting ids pass any row count
             t = np.repeat(np.arange(self.T), rows)
             i = np.arange(sum(rows)) - self._w_start[t]
             self._w_table = self._planted(t, i).astype(np.float32)
@@ -104,7 +110,8 @@ class SyntheticData:
         key = (idx[bag // self.T] * self.cfg.max_bag + pos) * self.T + table
         u = rng.uniform(self.cfg.seed, _stream(split, _S_ID), key)
         rank = zipf_rank(u, self._n[table], self.cfg.zipf_alpha)
-        return (rank * self._mult[table] + self._shift[table]) % self._n[table]
+        ids = (rank * self._mult[table] + self._shift[table]) % self._n[table]
+        return ids + self._offsets(split, idx)[bag // self.T] if self._drift else ids
 
     def _fixed_ids(self, split: int, idx: np.ndarray, length: int) -> np.ndarray:
         """_ids when every bag holds `length` ids: the same keys and the same elementwise
@@ -117,7 +124,14 @@ class SyntheticData:
         u = rng.uniform(self.cfg.seed, _stream(split, _S_ID), key)
         n = self._n[None, :, None]
         rank = zipf_rank(u, n, self.cfg.zipf_alpha)
-        return ((rank * self._mult[None, :, None] + self._shift[None, :, None]) % n).reshape(-1)
+        ids = (rank * self._mult[None, :, None] + self._shift[None, :, None]) % n
+        return (ids + self._offsets(split, idx)[:, None, None] if self._drift else ids).reshape(-1)
+
+    def _offsets(self, split: int, idx: np.ndarray) -> np.ndarray:
+        """[n] int64 drift of samples idx: floor(drift x stream position) (evaluation: as at
+        training position data.drift_eval_at + index)."""
+        pos = idx + (self.cfg.drift_eval_at if split == EVAL else 0)
+        return np.floor(self._drift * pos.astype(np.float64)).astype(np.int64)
 
     def _planted(self, table: np.ndarray, ids: np.ndarray) -> np.ndarray:
         return rng.normal(self.cfg.seed, _S_WEIGHT, ids * self.T + table)

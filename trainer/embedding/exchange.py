@@ -71,6 +71,7 @@ class Pull:
         self.served: torch.Tensor | None = None  # ids peers asked this rank (as owner) for
         self.served_splits: list[int] = []
         self.early: Early | None = None  # the settled rows, sent ahead (serve_settled)
+        self.admits = True  # a training read: dynamic tables admit the ids it asks for (not eval's)
 
     def requests(self) -> tuple[torch.Tensor, list[int]]:
         """(ids peers asked this rank for, per-peer counts): waits for the request once."""
@@ -149,6 +150,8 @@ class RowExchange:
         if p.rows is not None:
             return
         served, served_splits = p.requests()
+        if p.admits and self.store.dynamic:
+            self.store.admit(served)
         e = p.early
         if e is None:
             rows = self.store.rows(served).to(self.row_dtype)
@@ -174,8 +177,11 @@ class RowExchange:
         return out
 
     def pull(self, remote_ids: torch.Tensor, splits: list[int]) -> torch.Tensor:
-        """[Ur, d] rows of remote_ids (grouped by owner as `splits` says), now."""
-        return self.result(self.request(remote_ids, splits))
+        """[Ur, d] rows of remote_ids (grouped by owner as `splits` says), now; reads only
+        (evaluation: a dynamic table admits nothing)."""
+        p = self.request(remote_ids, splits)
+        p.admits = False
+        return self.result(p)
 
     def push_start(self, p: Pull, grads: torch.Tensor):
         """Start sending grads [Ur, d] of pull p's ids to their owners; returns a function that

@@ -133,6 +133,9 @@ class HybridEmbedding:
         batch, info, plan = flight.batch, flight.info, flight.plan
         ws = self._workspace(plan)
         self.step += 1
+        if self.store.dynamic:  # its own ids first; peers' requests when this rank serves them
+            self.store.clock = self.step
+            self.store.admit(plan.owned_ids)
         if info.hot:
             if plan.remote_pos.numel():
                 raise RuntimeError(f"step {self.step}: a hot step holds {plan.remote_pos.numel()} "

@@ -30,6 +30,8 @@ from typing import TypeVar, Union
 import numpy as np
 import torch
 
+from ..data.ids import ID_BITS, ID_LIMIT  # dynamic tables: ids in [0, 2^56); gid = (table << ID_BITS) | id
+
 Ids = TypeVar("Ids", torch.Tensor, np.ndarray)
 Array = Union[torch.Tensor, np.ndarray]
 
@@ -209,3 +211,76 @@ class RowSharding(Sharding):
         """Table of storage rows `local_idx` (on any worker)."""
         return torch.searchsorted(self.on_device("local_table_offsets", local_idx.device)[1:], local_idx,
                                   right=True)
+
+
+_ID_MASK = ID_LIMIT - 1
+_M1, _M2 = -4658895280553007687, -7723592293110705685  # splitmix64's multipliers as int64
+
+
+def _shr(x: torch.Tensor, s: int) -> torch.Tensor:
+    """Logical right shift of int64 (torch's >> is arithmetic)."""
+    return (x >> s) & ((1 << (64 - s)) - 1)
+
+
+def mix64(x: torch.Tensor) -> torch.Tensor:
+    """splitmix64's finaliser on int64 tensors (wrapping arithmetic): a bijection of 64-bit words."""
+    x = x ^ _shr(x, 30)
+    x = x * _M1
+    x = x ^ _shr(x, 27)
+    x = x * _M2
+    return x ^ _shr(x, 31)
+
+
+class HashSharding(Sharding):
+    """Dynamic tables (embedding.tables=dynamic): any id in [0, 2^56) of any table; the owner of
+    (table t, id i) is hash(t, i) mod W, with hash = splitmix64 of the gid (t << 56) | i.
+
+    There is no storage row per gid: each owner keeps its rows in a pool of `capacity` rows per
+    table and maps gids to pool slots (embedding/dynamic.py), so local_index / global_of do not
+    exist here. The gid space is T x 2^56 (int64 on the wire); "flat ids" (a W-independent
+    identity, the rounding key of half rows) are the gids themselves."""
+
+    def __init__(self, num_tables: int, capacity: int, world: int, rank: int) -> None:
+        if not 0 <= rank < world:
+            raise ValueError(f"rank {rank} outside world of size {world}")
+        if num_tables >= 1 << (63 - ID_BITS):
+            raise ValueError(f"dynamic tables: at most {(1 << (63 - ID_BITS)) - 1} tables, not {num_tables}")
+        self.num_tables_, self.capacity = num_tables, capacity
+        self.table_rows = [ID_LIMIT] * num_tables  # the id space of every table
+        self.world, self.rank = world, rank
+        self.table_offsets = torch.arange(num_tables + 1, dtype=torch.int64) << ID_BITS
+        self.local_table_offsets = torch.arange(num_tables + 1, dtype=torch.int64) * capacity
+        self.local_rows = num_tables * capacity  # the pool's slots
+
+    def decode(self, gids):
+        return gids >> ID_BITS, gids & _ID_MASK
+
+    def valid(self, gids):
+        return torch.ones_like(gids, dtype=torch.bool)
+
+    def to_flat(self, gids):
+        return gids
+
+    def from_flat(self, flat):
+        return flat
+
+    def owner(self, gids):
+        if isinstance(gids, np.ndarray):
+            return self.owner(torch.from_numpy(np.asarray(gids, np.int64))).numpy()
+        return (mix64(gids) & 0x7FFFFFFFFFFFFFFF) % self.world
+
+    def local_index(self, gids):
+        raise TypeError("dynamic tables have no fixed storage row per id: ask the owner's pool (DynamicStore.slots)")
+
+    def global_of(self, local_idx, rank):
+        raise TypeError("dynamic tables have no fixed id per storage row: ask the owner's pool (DynamicStore)")
+
+    def real_rows(self, rank: int | None = None) -> int:
+        return self.local_rows
+
+    def local_table_of(self, local_idx: torch.Tensor) -> torch.Tensor:
+        """Table of pool slots `local_idx`."""
+        return local_idx // self.capacity
+
+    def for_rank(self, rank: int) -> "HashSharding":
+        return HashSharding(self.num_tables_, self.capacity, self.world, rank)

@@ -63,6 +63,8 @@ def init_rows(seed: int, table_rows: list[int], dim: int, table: torch.Tensor, i
 class ShardStore:
     """Rows owned by this rank and their optimizer; `step` applies one update per row."""
 
+    dynamic = False  # dynamic.DynamicStore: rows in a pool found by id, admitted by admit()
+
     def __init__(self, sharding: Sharding, dim: int, seed: int, init_scale: float | None,
                  optimizer: str, lr: float, eps: float, device: torch.device,
                  accumulator_init: float = 0.0, weight_decay: float = 0.0,

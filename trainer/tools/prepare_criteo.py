@@ -3,7 +3,7 @@
 The command line over trainer/data/prepare.py (streaming, parallel over cores, resumable per file),
 installed as `hybrid-trainer-prepare-criteo` (scripts/prepare_criteo.py in a checkout):
 
-    hybrid-trainer-prepare-criteo --train train.txt [--test test.tsv] --out DIR [--hash-rows N | --min-count K]
+    hybrid-trainer-prepare-criteo --train train.txt [--test test.tsv] --out DIR [--hash-rows N | --min-count K | --raw-ids]
     hybrid-trainer data=criteo data.dir=DIR
 
 Bad rows are skipped, counted and listed (first line numbers) on screen and in DIR/meta.json;
@@ -34,18 +34,22 @@ def parse_args(argv: list[str] | None = None) -> PrepOptions:
     enc = ap.add_mutually_exclusive_group()
     enc.add_argument("--hash-rows", type=_hash_rows, default=None,
                      help=f"hash every table into N rows (or 26 comma-separated sizes); "
-                          f"default {DEFAULT_HASH_ROWS} when --min-count is not given")
+                          f"default {DEFAULT_HASH_ROWS} when neither --min-count nor --raw-ids is given")
     enc.add_argument("--min-count", type=int, default=None,
                      help="vocabulary of values seen >= K times in the training files; others -> OOV id")
+    enc.add_argument("--raw-ids", action="store_true",
+                     help="keep each value's 32 bits as its id (no hashing, no vocabulary): for "
+                          "embedding.tables=dynamic")
     ap.add_argument("--strict", action="store_true", help="fail at the first bad row")
     ap.add_argument("--workers", type=int, default=os.cpu_count() or 1, help="worker processes (default: cores)")
     ap.add_argument("--chunk-mb", type=float, default=16.0,
                     help="MB of text per chunk = one block (default 16; a worker needs ~12x this in memory)")
     ap.add_argument("--no-progress", action="store_true", help="no progress bar")
     a = ap.parse_args(argv)
-    hash_rows = a.hash_rows if a.hash_rows is not None or a.min_count is not None \
+    hash_rows = a.hash_rows if a.hash_rows is not None or a.min_count is not None or a.raw_ids \
         else [DEFAULT_HASH_ROWS] * NUM_CAT
     return PrepOptions(out=a.out, train=a.train, test=a.test, hash_rows=hash_rows, min_count=a.min_count,
+                       raw_ids=a.raw_ids,
                        strict=a.strict, workers=a.workers, chunk_mb=a.chunk_mb, progress=not a.no_progress)
 
 

@@ -14,7 +14,9 @@ The wire, per step:
   push (consistency.push_due, evictions, transient rows, the flush), all three in one message per
   owner (one alltoall; each part's bytes are still counted under its own kind).
 On the wire an id is its owner's storage row (Sharding.local_index), as int32 whenever the shard
-allows (exchange.wire_dtype), like the versions and counts.
+allows (exchange.wire_dtype), like the versions and counts. Dynamic tables (embedding/dynamic.py)
+have no storage row per id: the id travels as its gid, int64 like the versions (which carry the
+row's admission step), and the owner answers from its pool (DynamicStore.check_versions).
 """
 from __future__ import annotations
 
@@ -84,13 +86,18 @@ class HetWire:
 
     def __init__(self, comm: Collectives, store: ShardStore, precision: str = "fp32") -> None:
         self.comm, self.store, self.sh = comm, store, store.sharding
+        self.dynamic = store.dynamic  # ids travel as gids, versions carry an admission step
         self.row_dtype = wire_float(precision)  # rows and gradients on the wire (exchange.RowExchange)
         self.staleness = StalenessStats(self.sh.num_tables, store.weight.device)
 
     @property
     def wire_dtype(self) -> torch.dtype:
         """Integer type of ids (owner storage rows), versions and counts on the wire."""
-        return wire_dtype(self.sh.local_rows)
+        return torch.int64 if self.dynamic else wire_dtype(self.sh.local_rows)
+
+    def _wire_ids(self, gids: torch.Tensor) -> torch.Tensor:
+        """What identifies gids on the wire: the owner's storage row, or the gid itself (dynamic)."""
+        return gids if self.dynamic else self.sh.local_index(gids)
 
     @property
     def row_elem(self) -> int:
@@ -103,7 +110,7 @@ class HetWire:
         `splits`; cached_versions -1 = no copy) to their owners; pull_bound [T] per table.
         counts: an int64 vector of the requester's that serve() reads back together with the
         row counts (Check.counted), so it costs no read of its own."""
-        req = torch.stack([self.sh.local_index(remote_ids), cached_versions], 1).to(self.wire_dtype)
+        req = torch.stack([self._wire_ids(remote_ids), cached_versions], 1).to(self.wire_dtype)
         handle = self.comm.alltoall_async(req, splits, kind={"ids": 1, "versions": 1})
         return Check(handle, list(splits), pull_bound, counts)
 
@@ -115,8 +122,10 @@ class HetWire:
             return
         served, served_splits = chk.request.wait()
         idx, ver = served[:, 0].long(), served[:, 1].long()
-        now = self.store.versions(idx)
-        table = self.sh.local_table_of(idx)
+        if self.dynamic:  # a training read: the owner admits first (idx are gids)
+            now, table = self.store.check_versions(idx)
+        else:
+            now, table = self.store.versions(idx), self.sh.local_table_of(idx)
         send, gap = serve_check(ver, now, chk.pull_bound[table])  # bounds live on the store's device
         self.staleness.record(gap, table)
         reply = torch.where(send, now, torch.full_like(now, -1)).to(self.wire_dtype)
@@ -128,7 +137,8 @@ class HetWire:
         parts = [segment_counts(send, served_splits), segment_counts(chk.need, chk.splits)]
         counts = torch.cat(parts + ([chk.counts] if chk.counts is not None else [])).tolist()
         send_splits, recv_splits, chk.counted = counts[:w], counts[w:2 * w], counts[2 * w:]
-        rows = self.store.weight.index_select(0, select(idx, send, sum(send_splits)))
+        sent = select(idx, send, sum(send_splits))
+        rows = self.store.rows(sent) if self.dynamic else self.store.weight.index_select(0, sent)
         chk.rows = self.comm.alltoall_async(rows.to(self.row_dtype), send_splits, kind="rows",
                                             recv_splits=recv_splits)
 
@@ -176,7 +186,7 @@ class HetWire:
         gids, grads, counts = pushes.gids, pushes.grads, pushes.counts
         order = torch.argsort(sh.owner(gids), stable=True)  # group by owner (no host read to test it)
         gids, grads, counts = gids[order], grads[order], counts[order]
-        head = torch.stack([sh.local_index(gids), counts], 1).to(self.wire_dtype)
+        head = torch.stack([self._wire_ids(gids), counts], 1).to(self.wire_dtype)
         packed = _pack_rows([head, grads.to(self.row_dtype)])
         w = 2 * head.element_size()  # bytes of (id, count)
         kind = {"ids": w // 2, "versions": w // 2, "grads": packed.shape[1] - w}
@@ -193,7 +203,8 @@ class HetWire:
             got, _ = handle.wait()
             head = _unpack_rows(got, 0, w, self.wire_dtype).long()
             recv = _unpack_rows(got, w, got.shape[1] - w, self.row_dtype).to(grads.dtype)
-            return Pushes(sh.global_of(head[:, 0], sh.rank), recv, head[:, 1])
+            ids = head[:, 0] if self.dynamic else sh.global_of(head[:, 0], sh.rank)
+            return Pushes(ids, recv, head[:, 1])
         return finish
 
 

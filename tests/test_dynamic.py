@@ -1,0 +1,260 @@
+"""Dynamic tables' parts without processes: the hashed owner, the slot pool (admission, eviction,
+a returning id's new life), the store's default rows and dropped gradients, the scrambled ids,
+and the combinations refused at config time (docs/dynamic.md)."""
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from helpers import make_cfg
+from trainer.config import ConfigError
+from trainer.configure import load_config
+from trainer.data.scramble import scramble
+from trainer.embedding.dynamic import LIFE_SHIFT, DynamicStore, dynamic_init_rows
+from trainer.embedding.pool import SlotPool
+from trainer.embedding.sharding import ID_BITS, HashSharding
+
+CPU = torch.device("cpu")
+
+
+def gid(t: int, i) -> torch.Tensor:
+    return (torch.as_tensor(i, dtype=torch.int64) | (t << ID_BITS)).reshape(-1)
+
+
+def store(capacity=4, admit_after=1, eviction="lru", world=1, rank=0, optimizer="sgd", tables=2):
+    sh = HashSharding(tables, capacity, world, rank)
+    return DynamicStore(sh, 3, 7, 0.1, optimizer, 0.5, 1e-8, CPU, 0.1, admit_after=admit_after, eviction=eviction)
+
+
+def test_owner_is_a_hash_of_table_and_id_and_every_rank_agrees():
+    ids = torch.randint(0, 1 << ID_BITS, (20000,))
+    owners = [HashSharding(3, 8, 4, r).owner(gid(1, ids)) for r in range(4)]
+    assert all(torch.equal(o, owners[0]) for o in owners)
+    counts = torch.bincount(owners[0], minlength=4)
+    assert counts.min() > 4500  # spread evenly over the 4 owners (5000 expected)
+    same_id_other_table = HashSharding(3, 8, 4, 0).owner(gid(2, ids))
+    assert (same_id_other_table != owners[0]).float().mean() > 0.6  # the table is part of the key
+    assert (HashSharding(3, 8, 4, 0).owner(gid(1, ids).numpy()) == owners[0].numpy()).all()  # numpy: the same rule
+
+
+def test_scramble_is_a_bijection_into_the_dynamic_id_space():
+    v = torch.arange(300000)
+    s = scramble(v, torch.zeros_like(v), 5)
+    assert s.unique().numel() == v.numel() and int(s.min()) >= 0 and int(s.max()) < 1 << ID_BITS
+    assert not torch.equal(s, scramble(v, torch.ones_like(v), 5))  # per table
+
+
+def test_admission_at_once_gives_each_id_its_initial_row():
+    st = store()
+    g = gid(0, [5, 1 << 40, 5])
+    assert torch.count_nonzero(st.rows(g)) == 0  # not admitted: the default, zeros
+    st.admit(g)
+    expect = dynamic_init_rows(7, 3, g, 0.1)
+    torch.testing.assert_close(st.rows(g), expect)
+    assert st.pool.c["admissions"].tolist() == [2, 0]
+
+
+def test_admit_after_counts_once_per_step_and_drops_gradients_until_then():
+    st = store(admit_after=3)
+    g = gid(1, [9])
+    for step in range(3):
+        st.clock = step
+        st.admit(torch.cat([g, g]))  # two reads in one step count once
+        st.admit(g)  # ... and so does a second call in the same step (a peer's request)
+        if step < 2:
+            assert torch.count_nonzero(st.rows(g)) == 0
+            st.apply(g, torch.ones(1, 3))
+            assert st.pool.c["dropped_grads"].tolist() == [0, step + 1]
+            assert st.pool.pending_ids() == 1
+    torch.testing.assert_close(st.rows(g), dynamic_init_rows(7, 3, g, 0.1))
+    assert st.pool.pending_ids() == 0  # admitted ids leave the counter
+    st.apply(g, torch.ones(1, 3))
+    torch.testing.assert_close(st.rows(g), dynamic_init_rows(7, 3, g, 0.1) - 0.5)
+    assert st.pool.c["dropped_grads"].tolist() == [0, 2]
+
+
+def test_lru_evicts_the_least_recently_read_and_never_a_row_of_this_step():
+    st = store(capacity=3)
+    for step, ids in enumerate([[1, 2, 3], [2], [3]]):
+        st.clock = step
+        st.admit(gid(0, ids))
+    st.clock = 3
+    st.admit(gid(0, [3, 4]))  # full: 1 (read at step 0) goes; 3 is read now and stays
+    held = set((st.held()[0] & ((1 << ID_BITS) - 1)).tolist())
+    assert held == {2, 3, 4}
+    st.admit(gid(0, [5, 6, 7]))  # step 3 again: only 2 may go; 6 and 7 are rejected
+    assert set((st.held()[0] & ((1 << ID_BITS) - 1)).tolist()) == {3, 4, 5}
+    assert st.pool.c["evictions"].tolist() == [2, 0] and st.pool.c["rejected"].tolist() == [2, 0]
+    assert torch.count_nonzero(st.rows(gid(0, [6, 7]))) == 0
+
+
+def test_lfu_evicts_the_least_used():
+    st = store(capacity=2, eviction="lfu")
+    for step, ids in enumerate([[1, 2], [1], [1], [2]]):
+        st.clock = step
+        st.admit(gid(0, ids))
+    st.clock = 4
+    st.admit(gid(0, [3]))  # 2 was read last but twice; 1 three times: 2 goes
+    assert set((st.held()[0] & ((1 << ID_BITS) - 1)).tolist()) == {1, 3}
+
+
+def test_a_returning_id_restarts_from_its_initial_row_with_a_later_version():
+    st = store(capacity=1, optimizer="rowwise_adagrad")
+    a, b = gid(0, [11]), gid(0, [12])
+    st.admit(a)
+    st.apply(a, torch.ones(1, 3))
+    st.apply(a, torch.ones(1, 3))
+    slot = int(st.pool.lookup(a)[0])
+    old_version = int(st.version[slot])
+    assert int(st.optimizer.state[slot]) != pytest.approx(0.1)
+    st.clock = 1
+    st.admit(b)  # evicts a; b takes its slot
+    assert int(st.pool.lookup(b)[0]) == slot and bool(st.pool.lookup(a)[1])
+    assert torch.count_nonzero(st.rows(a)) == 0
+    st.clock = 2
+    st.admit(a)  # a's new life: its initial row, a fresh optimizer state
+    torch.testing.assert_close(st.rows(a), dynamic_init_rows(7, 3, a, 0.1))
+    assert float(st.optimizer.state[slot]) == pytest.approx(0.1)
+    new_version = int(st.version[slot])
+    assert new_version == 3 << LIFE_SHIFT and new_version > old_version  # a copy of the old life is "behind"
+
+
+def test_no_two_ids_ever_share_a_slot_under_random_traffic():
+    st = store(capacity=16, admit_after=2, tables=3)
+    gen = torch.Generator().manual_seed(0)
+    for step in range(60):
+        st.clock = step
+        t = torch.randint(0, 3, (40,), generator=gen)
+        i = torch.randint(0, 60, (40,), generator=gen)
+        st.admit(i | (t << ID_BITS))
+        st.apply(i | (t << ID_BITS), torch.randn(40, 3, generator=gen))
+        slots = st.pool.slot_gid
+        held = slots[slots >= 0]
+        assert held.unique().numel() == held.numel()
+        got, miss = st.pool.lookup(held)
+        assert not miss.any() and torch.equal(st.pool.slot_gid[got], held)  # map and slots agree
+        assert ((held >> ID_BITS) == torch.nonzero(slots >= 0).squeeze(1) // 16).all()  # own table's slots
+    c = st.pool.c
+    assert torch.equal(c["admissions"] - c["evictions"], st.pool.rows_in_use())
+    assert int(c["evictions"].sum()) > 0
+
+
+@pytest.mark.parametrize("overrides,key", [
+    (["cache=lru", "consistency=ssp"], "consistency"), (["placement=fae"], "placement.name"),
+    (["schedule=herald"], "schedule.name"),
+    (["train.nonfinite=skip"], "train.nonfinite"), (["embedding.audit=true"], "embedding.audit"),
+    (["comm.settled_rows=always"], "comm.settled_rows"),
+])
+def test_combinations_not_supported_yet_are_refused_naming_the_key(overrides, key):
+    with pytest.raises(ConfigError, match="embedding.tables=dynamic does not support") as err:
+        load_config(make_cfg(["embedding.tables=dynamic", "embedding.capacity=10",
+                              "checkpoint.enabled=false"] + overrides))
+    assert str(err.value).startswith(f"{key}=")
+
+
+def test_the_het_cache_at_bsp_is_accepted():
+    c = load_config(make_cfg(["embedding.tables=dynamic", "embedding.capacity=10", "checkpoint.enabled=false",
+                              "cache=lru"]))
+    assert c.cache.policy == "lru" and c.embedding.tables == "dynamic"
+
+
+def test_dynamic_tables_need_a_capacity():
+    with pytest.raises(ConfigError, match="embedding.capacity=0"):
+        load_config(make_cfg(["embedding.tables=dynamic", "checkpoint.enabled=false"]))
+
+
+def test_a_refused_combination_exits_2_with_one_line(tmp_path):
+    p = subprocess.run([sys.executable, "-m", "trainer", "embedding.tables=dynamic", "embedding.capacity=10",
+                        "placement=fae", f"hydra.run.dir={tmp_path}"], capture_output=True, text=True, timeout=300)
+    assert p.returncode == 2, p.stderr[-2000:]
+    lines = p.stderr.strip().splitlines()
+    assert len(lines) == 1 and "embedding.tables=dynamic does not support replicated hot rows" in lines[0]
+
+
+def test_raw_ids_keep_criteos_32_bit_values_and_train_dynamic_tables(tmp_path):
+    """prepare_criteo.py --raw-ids: every id is its value's 32 bits (0: empty), read back unsigned;
+    such a directory trains embedding.tables=dynamic (a vocabulary is refused, naming the key)."""
+    import numpy as np
+    from data_helpers import N_TRAIN, prepare_sample, sample_lines
+    from trainer.data import make_data
+    from trainer.data.criteo import parse_line
+    from trainer.runner import run
+
+    from trainer.tools.prepare_criteo import parse_args
+    opt = parse_args(["--train", "t.tsv", "--out", "o", "--raw-ids"])
+    assert opt.raw_ids and opt.hash_rows is None and opt.min_count is None
+    meta = prepare_sample(str(tmp_path), hash_rows=None, raw_ids=True)
+    assert meta["table_rows"] == [1 << 32] * 26 and meta["categorical"]["kind"] == "raw"
+    d = str(tmp_path / "prepared")
+    rows = [parse_line(line)[2] for line in sample_lines()[:N_TRAIN]]
+    want = torch.tensor([[0 if v is None else v for v in r] for r in rows], dtype=torch.int64)
+    assert int(want.max()) >= 1 << 31  # values past int32's range really occur
+    base = ["data=criteo", f"data.dir={d}", "data.loader=memmap", "embedding.tables=dynamic",
+            "embedding.capacity=2000", "checkpoint.enabled=false", "data.val_fraction=0", "train.ensemble=1",
+            "data.epochs=0", "train.steps=3", "data.batch_size=64", "data.shuffle=false", "train.progress=off"]
+    with pytest.raises(ConfigError, match="data.min_count=1: .* keeps raw ids"):
+        make_data(load_config(make_cfg(base + ["data.min_count=1"])), 0, 1)
+    cfg = load_config(make_cfg(base + ["data.min_count=0"]))
+    got = make_data(cfg, 0, 1).train_batch(0)
+    assert torch.equal(got.values.reshape(-1, 26), want[:64])
+    res = run(make_cfg(base + ["data.min_count=0", "comm=local"]), str(tmp_path / "out"))
+    assert res.summary["dynamic"]["admissions"] > 0 and res.summary["dynamic"]["rows_in_use"] > 0
+
+
+def test_the_drifting_preset_brings_new_ids_and_moves_popularity():
+    """data=drift: a later stretch of the stream holds ids the start never had and the start's most
+    read ids fade; the same data without drift stays inside its table; eval is drawn as at
+    data.drift_eval_at."""
+    from trainer.data.synthetic import SyntheticData
+    c = load_config(make_cfg(["data=drift", "embedding.tables=dynamic", "embedding.capacity=100",
+                              "checkpoint.enabled=false", "data.drift_eval_at=200000"]))
+    data = SyntheticData(c.data, list(c.data.table_rows), 0, 1, 4096)
+    early, late = data.train_batch(0).values, data.train_batch(60).values  # samples 0.. and 245760..
+    t0 = torch.arange(early.numel()) % 8 == 0  # table 0 (one id per bag)
+    a, b = set(early[t0].tolist()), set(late[t0].tolist())
+    assert max(b) >= 100000 + 0.05 * 245760 - 1 and len(b - a) > 0.8 * len(b)  # new ids keep arriving
+    top = torch.mode(early[t0]).values.item()
+    assert (late[t0] == top).sum() < (early[t0] == top).sum() / 4  # the start's most read id fades
+    ev = next(iter(data.eval_batches())).values
+    assert int(ev.min()) >= int(0.05 * 200000)  # evaluation as at position 200000
+    flat = SyntheticData(load_config(make_cfg(["data=drift", "data.drift=0", "data.scramble_ids=false"])).data,
+                         list(c.data.table_rows), 0, 1, 4096)
+    assert int(flat.train_batch(60).values.max()) < 100000
+
+
+def test_dynamic_tables_train_on_the_drifting_preset_and_evict(tmp_path):
+    from trainer.runner import run
+    res = run(make_cfg(["data=drift", "embedding.tables=dynamic", "embedding.capacity=1500",
+                        "checkpoint.enabled=false", "train.steps=12", "data.eval_samples=1024",
+                        "train.progress=off", "comm=local"]), str(tmp_path))
+    d = res.summary["dynamic"]
+    assert d["evictions"] > 0 and d["rows_in_use"] == 8 * 1500
+    assert d["admissions"] - d["evictions"] == d["rows_in_use"]
+
+
+def test_the_cache_simulator_refuses_dynamic_tables():
+    from trainer.tools.simulate import TraceError, build
+    with pytest.raises(TraceError, match="embedding.tables=dynamic: the simulator models fixed tables"):
+        build(["embedding.tables=dynamic", "embedding.capacity=10", "checkpoint.enabled=false", "cache=lru"], 2,
+              log=None)
+
+
+def test_the_memory_plan_counts_the_pool_and_its_bookkeeping():
+    """Dynamic tables: the plan's rows are the store's (T x capacity slots of weight, state,
+    version, touched) plus the pool's slot ids and scores and the map's entries (CPU: 40 B)."""
+    import trainer.memplan as memplan
+    c = load_config(make_cfg(["data=tiny", "embedding.tables=dynamic", "embedding.capacity=50",
+                              "checkpoint.enabled=false", "optim.sparse=rowwise_adagrad", "model.embedding_dim=16"]))
+    plan = memplan.plan_memory(c, 2, 1)
+    st = DynamicStore(HashSharding(4, 50, 2, 1), 16, 0, None, "rowwise_adagrad", 0.1, 1e-8, CPU)
+    held = [st.weight, st.version, st.touched, *st.optimizer.state_tensors().values(),
+            st.pool.slot_gid, st.pool.last_use, st.pool.uses]
+    ids = torch.arange(200) | (torch.arange(200) % 4 << ID_BITS)
+    st.admit(ids)  # a full pool: its map holds 200 entries (16 B each in the reference's arrays)
+    keys, vals = st.pool.map.items()
+    held_bytes = sum(t.numel() * t.element_size() for t in held) + keys.numel() * 8 + vals.numel() * 8
+    assert plan.local_rows == 200 and plan.parts["rows"] == held_bytes
+    assert st.bytes_per_row()["total"] + 1 == plan.bytes_per_row  # + touched: the plan's part only, as for fixed tables

@@ -1,0 +1,105 @@
+"""Dynamic tables (embedding.tables=dynamic) at W workers against one process (docs/dynamic.md).
+
+With a pool large enough that nothing is evicted, a W-worker run at BSP equals the single-process
+reference on the same global batch, with ids spread over [0, 2^56) (data.scramble_ids): every loss,
+every dense parameter and every admitted row, and the very same set of admitted ids. With eviction
+the rule is per owner, so only invariants hold (no id shares a row, counts add up over owners).
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from helpers import run_single, run_world
+from test_parity import assert_same_run
+
+BASE = ["data=tiny", "train.steps=16", "data.global_batch_size=48", "data.eval_samples=480",
+        "data.eval_batch_size=40", "train.threads=1", "train.progress=off", "checkpoint.enabled=false",
+        "embedding.tables=dynamic", "data.scramble_ids=true"]
+NO_EVICTION = ["embedding.capacity=1100"]  # > the tiny preset's largest table (1001 ids)
+
+
+def assert_same_ids(ref, got):
+    for t, (a, b) in enumerate(zip(ref.state["table_ids"], got.state["table_ids"])):
+        assert torch.equal(a, b), f"table {t}: other ids admitted"
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("world,extra", [
+    (2, ["optim=sgd"]),
+    (3, ["optim=adagrad", "embedding.admit_after=2", "data.min_bag=0", "data.max_bag=4"]),
+    (2, ["optim=adam", "embedding.dtype=bf16", "train.pipeline=off"]),  # rounding keyed by (table, id)
+], ids=["w2-sgd", "w3-adagrad-admit2-emptybags", "w2-adam-bf16-serial"])
+def test_dynamic_tables_equal_the_single_process_reference(world, extra):
+    overrides = BASE + NO_EVICTION + extra
+    ref = run_single(overrides)
+    assert max(int(i.max()) for i in ref.state["table_ids"]) > 1 << 50  # the ids really are wide
+    got = run_world(world, overrides)
+    for res in got:
+        assert_same_ids(ref, res)
+        assert_same_run(ref, res)
+    s, r = got[0].summary["dynamic"], ref.summary["dynamic"]
+    if "embedding.admit_after=2" in extra:  # ids seen once read zeros and lose their gradient
+        assert r["dropped_grads"] > 0 and r["pending_ids"] > 0
+    assert s["evictions"] == r["evictions"] == 0
+    for key in ("admissions", "rows_in_use", "dropped_grads", "pending_ids"):  # summed over owners
+        assert s[key] == r[key], key
+    assert s["rows_in_use"] == sum(i.numel() for i in ref.state["table_ids"])
+    assert got[0].summary["bytes"]["rows"] > 0  # rows really travelled
+    assert got[0].summary["eval_auc"] == pytest.approx(ref.summary["eval_auc"], rel=1e-5)
+
+
+@pytest.mark.dist
+def test_dynamic_tables_with_eviction_keep_their_invariants():
+    cap = 40
+    res = run_world(2, BASE + [f"embedding.capacity={cap}", "embedding.admit_after=1", "optim=sgd",
+                               "train.log_every=4"])
+    s = res[0].summary["dynamic"]
+    assert s["evictions"] > 0
+    for tab, ids in zip(s["tables"], res[0].state["table_ids"]):
+        assert tab["rows_in_use"] == ids.numel() <= 2 * cap  # W pools of `cap` rows
+        assert ids.unique().numel() == ids.numel()  # no id holds two rows, on one owner or two
+        assert tab["admissions"] - tab["evictions"] == tab["rows_in_use"]
+    assert s["rows_in_use"] == sum(t["rows_in_use"] for t in s["tables"])
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("admit_after", [1, 2])
+def test_het_cache_never_serves_a_row_of_an_ids_earlier_life(admit_after):
+    """At BSP the HET cache changes bytes, never values: with rows evicted and ids coming back
+    (a new life, from their initial row), cache=lru equals cache=none on the same owners. A copy
+    cached in an earlier life (or a locally updated copy of an id without a row) would be "fresh"
+    if versions restarted at each admission, and the runs would part."""
+    overrides = BASE + ["embedding.capacity=30", f"embedding.admit_after={admit_after}", "optim=adagrad",
+                        "train.steps=24"]
+    plain = run_world(2, overrides)
+    cached = run_world(2, overrides + ["cache=lru", "cache.capacity_rows=200"])
+    d = plain[0].summary["dynamic"]
+    assert d["evictions"] > 50 and d == cached[0].summary["dynamic"]
+    assert cached[0].summary["cache"]["hits"] > 0  # the cache held copies when they were read
+    for a, b in zip(plain, cached):
+        assert_same_ids(a, b)
+        assert_same_run(a, b)
+
+
+@pytest.mark.dist
+def test_resume_at_the_same_world_size_equals_uninterrupted(tmp_path):
+    """Dynamic shards (rows, versions, optimizer state, the pool's slot ids and scores, the
+    pending counts, the counters) saved at step 8 of 16 and resumed on W = 2 reproduce the
+    uninterrupted run, evictions and admissions included; W = 3 is refused naming both."""
+    import trainer.checkpoint as ckpt
+    overrides = [o for o in BASE if o != "checkpoint.enabled=false"] + [
+        "embedding.capacity=30", "embedding.admit_after=2", "optim=adagrad", "checkpoint.every=8"]
+    root = str(tmp_path / "full")
+    full = run_world(2, overrides + [f"checkpoint.dir={root}"])
+    assert [s for s, _ in ckpt.complete_checkpoints(root)] == [8, 16]
+    assert full[0].summary["dynamic"]["evictions"] > 0 and full[0].summary["dynamic"]["pending_ids"] > 0
+    step8 = dict(ckpt.complete_checkpoints(root))[8]
+    got = run_world(2, overrides + [f"checkpoint.resume={step8}", f"checkpoint.dir={tmp_path / 'again'}"])
+    assert got[0].summary["start_step"] == 8
+    for a, b in zip(full, got):
+        assert_same_ids(a, b)
+        assert_same_run(a, b)
+    assert got[0].summary["dynamic"] == full[0].summary["dynamic"]
+    with pytest.raises(RuntimeError, match="saved by 2 workers and resume on the same number only"):
+        run_world(3, overrides + [f"checkpoint.resume={step8}", f"checkpoint.dir={tmp_path / 'w3'}"])
