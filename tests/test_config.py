@@ -229,10 +229,24 @@ def test_global_batch_must_divide_by_world():
         validate_world(cfg, 3)
 
 
-@pytest.mark.parametrize("preset", ["tiny", "criteo_like", "bench"])
+@pytest.mark.parametrize("preset", ["tiny", "criteo_like", "bench", "mlperf"])
 def test_presets_are_valid(preset):
     cfg = load_config(make_cfg([f"data={preset}"]))
     assert cfg.data.preset == preset
+
+
+def test_mlperf_presets_have_the_mlperf_shape():
+    """data=mlperf model=dlrm_mlperf: MLPerf DLRM's 26 tables (Criteo 1TB capped at 40M), d = 128,
+    bottom 13-512-256-128, top 1024-1024-512-256-1; the table rows capped by data.max_table_rows."""
+    from trainer.config import table_rows
+    cfg = load_config(make_cfg(["data=mlperf", "model=dlrm_mlperf"]))
+    assert len(cfg.data.table_rows) == 26 and cfg.data.num_dense == 13
+    assert max(cfg.data.table_rows) == 40_000_000 and sum(cfg.data.table_rows) == 204_184_588
+    assert (cfg.model.name, cfg.model.embedding_dim) == ("dlrm", 128)
+    assert (cfg.model.bottom_mlp, cfg.model.top_mlp) == ([512, 256], [1024, 1024, 512, 256])
+    assert max(table_rows(cfg)) == cfg.data.max_table_rows == 200_000
+    full = load_config(make_cfg(["data=mlperf", "data.max_table_rows=0"]))
+    assert table_rows(full) == full.data.table_rows
 
 
 def test_criteo_like_has_kaggle_cardinalities_capped():

@@ -31,7 +31,7 @@ from trainer.runner import RunResult, Trainer, run
 
 PARITY_TOL = {"bf16": 1e-3, "fp16": 5e-4}  # rtol = atol of W = 2 against W = 1; measured (tiny, adagrad, 24 steps): bf16 1e-4 (losses) / 5e-5 (dense), fp16 3.4e-6 / 3.8e-5
 AUC_TOL = 5e-3  # their eval AUC on the 480 rows; measured: bf16 1.1e-3, fp16 2.6e-5
-SMALL_AUC_TOL = 0.01  # the small run's bound; the full run's measured gap is in the report
+SMALL_AUC_TOL = 0.005  # the small run (150 steps, adam) measured bf16 -4.5e-4, fp16 +1.9e-4 against fp32 0.7952; the full runs: the report
 
 
 # ---------------------------------------------------------------------------- fp32 and the scaler
@@ -225,10 +225,10 @@ def test_the_scale_survives_a_resume(tmp_path):
 @pytest.mark.slow
 def test_small_criteo_like_auc_close_to_fp32():
     o = ["data=criteo_like", "data.max_table_rows=20000", "data.batch_size=512", "data.eval_samples=16384",
-         "train.steps=150", "train.threads=1", "train.progress=off", "checkpoint.enabled=false"]
+         "optim=adam", "train.steps=150", "train.threads=1", "train.progress=off", "checkpoint.enabled=false"]
     auc = {p: run_single(o + [f"train.precision={p}"], return_state=False).summary["eval_auc"]
            for p in ("fp32", "bf16", "fp16")}
-    assert auc["fp32"] > 0.6, auc  # it learnt something
+    assert auc["fp32"] > 0.75, auc  # it learnt something (0.795)
     for p in ("bf16", "fp16"):
         assert abs(auc[p] - auc["fp32"]) < SMALL_AUC_TOL, auc
 
