@@ -164,22 +164,25 @@ def fp16_reference(comm, overrides: list[str], skip: tuple[int, ...]) -> RunResu
 FP16 = ["optim=adam", "train.precision=fp16", "train.loss_scale.init=1024"]
 
 
-def overflow_worker(rank: int, world: int, where: str, bad: tuple[int, ...], bad_rank: int) -> dict:
+def overflow_worker(rank: int, world: int, where: str, bad: tuple[int, ...], bad_rank: int,
+                    extra: list[str]) -> dict:
     inject(where, bad, bad_rank)
-    got = run(make_cfg(BASE + FP16 + ["comm=torch"]), return_state=True)
+    got = run(make_cfg(BASE + FP16 + extra + ["comm=torch"]), return_state=True)
     comm = make_collectives("torch", 60.0, "gloo")
     try:
-        ref = fp16_reference(comm, BASE + FP16 + ["comm=torch"], bad)
+        ref = fp16_reference(comm, BASE + FP16 + extra + ["comm=torch"], bad)
     finally:
         comm.close()
     return {"got": got, "ref": ref}
 
 
 @pytest.mark.dist
-@pytest.mark.parametrize("where", ["dense", "rows"])
-def test_an_overflow_on_one_rank_skips_the_step_on_every_rank(where):
+@pytest.mark.parametrize("where,extra", [("dense", []), ("rows", []), ("rows", ["train.nonfinite=skip"])],
+                         ids=["dense", "rows", "rows-nonfinite-skip"])
+def test_an_overflow_on_one_rank_skips_the_step_on_every_rank(where, extra):
+    """(nonfinite=skip: the loss was reduced before backward, the overflow counts travel alone.)"""
     bad, bad_rank = (3, 7), 1
-    res = spawn(2, overflow_worker, where, bad, bad_rank)
+    res = spawn(2, overflow_worker, where, bad, bad_rank, extra)
     for r, out in enumerate(res):
         got, ref = out["got"], out["ref"]
         s = got.summary
