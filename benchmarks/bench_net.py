@@ -63,7 +63,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the runs' 
 if ROOT not in sys.path:  # the repository root: dev/ and benchmarks/ are importable from it
     sys.path.insert(0, ROOT)
 
-from benchmarks.phases import ENV as PHASES_ENV  # noqa: E402
+from benchmarks.phases import ENV as PHASES_ENV, read_phases  # noqa: E402
 from dev import netcluster  # noqa: E402
 from dev.netcluster import NetCluster, NetClusterError  # noqa: E402
 from trainer.tools.cli import bad_input, input_errors  # noqa: E402
@@ -156,16 +156,6 @@ def summary_line(link: str, mode: str, runs: list[dict]) -> dict:
         out.update(speedup_median=round(statistics.median(ups), 3), speedup_min=min(ups), speedup_max=max(ups),
                    speedups=ups)
     return out
-
-
-def read_phases(run_dir: str) -> list[dict]:
-    """The ranks' phase timers of a --phases run (benchmarks/phases.py), rank order."""
-    out = []
-    for name in os.listdir(run_dir):
-        if name.startswith("phases_rank") and name.endswith(".json"):
-            with open(os.path.join(run_dir, name)) as f:
-                out.append(json.load(f))
-    return sorted(out, key=lambda r: r["rank"])  # by rank (a name sort puts rank10 before rank2)
 
 
 def run_one(link: str, mode: str, steps: int, quick: bool, extra: list[str], tmp: str,

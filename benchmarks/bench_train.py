@@ -1,14 +1,27 @@
 #!/usr/bin/env python
-"""Training throughput benchmark: the `bench` workload at W = 1 and W = 2, one JSON line per run.
+"""Training throughput benchmark: one JSON line per point (world size x batch size x precision).
 
-Workload (data=bench): 26 tables x 100,000 rows, d = 16, 13 dense features, 2048 samples per rank,
-Zipf alpha 1.1, one torch thread per rank, exact (no cache) BSP mode, the default step
-(train.pipeline=ids; `-- train.pipeline=off` for the serial one). W = 1 runs
-`python -m trainer`, W > 1 runs `torchrun --standalone --nproc_per_node W -m trainer comm=torch`,
-each writing summary.json; the line reports its samples_per_sec (global, all steps, eval excluded)
-and bytes_per_sample by kind. Extra trainer overrides can follow `--`.
+Workloads (`--workload`):
+- bench (the default; data=bench): 26 tables x 100,000 rows, d = 16, 13 dense features, 2048
+  samples per rank, Zipf alpha 1.1, DLRM with bottom [64, 32] and top [64, 32];
+- mlperf (data=mlperf model=dlrm_mlperf): the MLPerf DLRM shape, 26 tables with MLPerf's Criteo
+  1TB row counts capped at data.max_table_rows (200,000 by default: ~0.9 GiB of rows; raise it
+  with `-- data.max_table_rows=N` where the machine holds more), d = 128, bottom 512-256-128, top
+  1024-1024-512-256-1, 2048 samples per rank.
+Both: one torch thread per rank, exact (no cache) BSP mode, the default step (train.pipeline=ids;
+`-- train.pipeline=off` for the serial one). W = 1 runs `python -m trainer`, W > 1 runs
+`torchrun --standalone --nproc_per_node W -m trainer comm=torch`, each under benchmarks/phases.py
+(timers around the step's phases, about a microsecond per call) and writing summary.json.
 
-    python benchmarks/bench_train.py [--worlds 1 2] [--steps 60] [-- model.embedding_dim=32 ...]
+A point per (--worlds, --batch-sizes: samples per rank, data.batch_size; --precisions:
+train.precision); left out, the workload's own. Each line: samples_per_sec (global, all steps,
+eval excluded) and after the first 10 steps, ms_per_step by phase (rank 0's: step, batch,
+prefetch, lookup, backward, apply, wait; they nest, see benchmarks/phases.py), cpu_busy,
+bytes_per_sample by kind, and `phases` (every rank's report). Extra trainer overrides can follow
+`--`.
+
+    python benchmarks/bench_train.py [--worlds 1 2] [--steps 60] [--workload bench|mlperf]
+        [--batch-sizes 2048 16384] [--precisions fp32 bf16 fp16] [-- model.embedding_dim=32 ...]
 """
 from __future__ import annotations
 
@@ -22,50 +35,73 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:  # the repository root, for the package when run from a checkout
     sys.path.insert(0, ROOT)
 
+from benchmarks.phases import ENV as PHASES_ENV, read_phases  # noqa: E402
 from trainer.tools.cli import bad_input, input_errors  # noqa: E402
 from trainer.tools.launch import check_trainer, run_trainer, trainer_command  # noqa: E402
 
-BASE = ["data=bench", "model.embedding_dim=16", "train.threads=1", "train.log_every=10",
-        "data.eval_samples=8192", "train.progress=off", "checkpoint.enabled=false"]
+COMMON = ["train.threads=1", "train.log_every=10", "data.eval_samples=8192", "train.progress=off",
+          "checkpoint.enabled=false"]
+WORKLOADS = {"bench": ["data=bench", "model.embedding_dim=16", *COMMON],
+             "mlperf": ["data=mlperf", "model=dlrm_mlperf", *COMMON]}
+BASE = WORKLOADS["bench"]
 
 
-def overrides(steps: int, extra: list[str]) -> list[str]:
+def point_overrides(batch: int | None, precision: str | None) -> list[str]:
+    """The overrides of one point (none where the workload's own value stands)."""
+    return ([f"data.batch_size={batch}"] if batch is not None else []) + \
+        ([f"train.precision={precision}"] if precision is not None else [])
+
+
+def overrides(steps: int, extra: list[str], workload: str = "bench", point: list[str] = ()) -> list[str]:
     """The trainer overrides of a run (the output directory aside)."""
-    return [*BASE, f"train.steps={steps}", *extra]
+    return [*WORKLOADS[workload], f"train.steps={steps}", *point, *extra]
 
 
 def launcher(world: int, backend: str) -> str:
     return "local" if world == 1 else ("horovodrun" if backend == "horovod" else "torchrun")
 
 
-def command(world: int, steps: int, out: str, extra: list[str], backend: str) -> list[str]:
-    return trainer_command(world, [*overrides(steps, extra), f"hydra.run.dir={out}"], launcher(world, backend))
+def command(world: int, steps: int, out: str, extra: list[str], backend: str, workload: str = "bench",
+            point: list[str] = ()) -> list[str]:
+    return trainer_command(world, [*overrides(steps, extra, workload, point), f"hydra.run.dir={out}"],
+                           launcher(world, backend), module="benchmarks.phases")
 
 
-def check(worlds: list[int], steps: int, extra: list[str], backend: str) -> None:
+def check(worlds: list[int], steps: int, extra: list[str], backend: str, workload: str = "bench",
+          points: list[list[str]] = ([],)) -> None:
     """Every run's config before any starts: a bad override is one error line, not a failed run."""
     for w in worlds:
-        check_trainer(w, overrides(steps, extra), launcher(w, backend))
+        for point in points:
+            check_trainer(w, overrides(steps, extra, workload, point), launcher(w, backend))
 
 
-def bench(world: int, steps: int, extra: list[str], backend: str) -> dict:
+def bench(world: int, steps: int, extra: list[str], backend: str, workload: str = "bench",
+          point: list[str] = ()) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "run")
         try:
-            s = run_trainer(command(world, steps, out, extra, backend), out, cwd=ROOT)
+            s = run_trainer(command(world, steps, out, extra, backend, workload, point), out, cwd=ROOT,
+                            env={PHASES_ENV: out, "PYTHONUNBUFFERED": "1"})
         except RuntimeError as exc:
-            raise SystemExit(f"W={world}: {exc}") from None
+            raise SystemExit(f"W={world} {' '.join(point)}: {exc}") from None
         lines = [json.loads(x) for x in open(os.path.join(out, "metrics.jsonl")) if '"loss"' in x]
+        phases = read_phases(out)
     steady = [x["samples_per_sec"] for x in lines[1:]] or [s["samples_per_sec"]]
-    return {"bench": "train", "overrides": extra, "world_size": world, "backend": backend if world > 1 else "local",
-            "steps": steps, "global_batch_size": s["global_batch_size"],
+    cfg = s["config"]
+    return {"bench": "train", "workload": workload, "overrides": extra, "world_size": world,
+            "backend": backend if world > 1 else "local", "steps": steps,
+            "batch_size": cfg["data"]["batch_size"] if cfg["data"]["global_batch_size"] is None else None,
+            "global_batch_size": s["global_batch_size"], "precision": cfg["train"]["precision"],
             "samples_per_sec": round(s["samples_per_sec"], 1),
             "samples_per_sec_after_first_10_steps": round(
                 (len(steady) * 10 * s["global_batch_size"]) / sum(10 * s["global_batch_size"] / v for v in steady), 1),
             "bytes_per_sample": round(s["bytes_per_sample"], 2),
             "bytes_per_sample_by_kind": {k: round(v, 2) for k, v in s["bytes_per_sample_by_kind"].items()},
             "remote_rows_per_step": s["embedding"]["remote_per_step"],
-            "final_loss": s["final_loss"], "eval_auc": s["eval_auc"], "wall_s": round(s["wall_s"], 1)}
+            "ms_per_step": phases[0]["ms_per_step"] if phases else None,
+            "cpu_busy": phases[0]["cpu_busy"] if phases else None,
+            "final_loss": s["final_loss"], "eval_auc": s["eval_auc"], "wall_s": round(s["wall_s"], 1),
+            "phases": phases}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -76,13 +112,20 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--worlds", type=int, nargs="+", default=[1, 2])
     ap.add_argument("--steps", type=int, default=60)
     ap.add_argument("--backend", choices=["torch", "horovod"], default="torch")
+    ap.add_argument("--workload", choices=sorted(WORKLOADS), default="bench")
+    ap.add_argument("--batch-sizes", type=int, nargs="+", default=[None], metavar="B",
+                    help="samples per rank (data.batch_size), one point each; default: the workload's")
+    ap.add_argument("--precisions", nargs="+", default=[None], metavar="P",
+                    help="train.precision (fp32, bf16, fp16), one point each; default: the trainer's (fp32)")
     a = ap.parse_args(argv)
+    points = [point_overrides(b, p) for b in a.batch_sizes for p in a.precisions]
     try:
-        check(a.worlds, a.steps, extra, a.backend)
+        check(a.worlds, a.steps, extra, a.backend, a.workload, points)
     except input_errors() as exc:
         return bad_input(exc)
     for w in a.worlds:
-        print(json.dumps(bench(w, a.steps, extra, a.backend)), flush=True)
+        for point in points:
+            print(json.dumps(bench(w, a.steps, extra, a.backend, a.workload, point)), flush=True)
     return 0
 
 

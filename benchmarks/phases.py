@@ -94,6 +94,16 @@ class Timers:
                 "cpu_busy": round(self.cpu_seconds / wall, 3) if wall > 0 else 0.0}
 
 
+def read_phases(run_dir: str) -> list[dict[str, Any]]:
+    """The ranks' reports of a run under this module (DIR/phases_rank<r>.json), in rank order."""
+    out = []
+    for name in os.listdir(run_dir):
+        if name.startswith("phases_rank") and name.endswith(".json"):
+            with open(os.path.join(run_dir, name)) as f:
+                out.append(json.load(f))
+    return sorted(out, key=lambda r: r["rank"])  # by rank (a name sort puts rank10 before rank2)
+
+
 def run_trainer_probed(doc: str, env: str, name: str, make: Callable[[], Any]) -> None:
     """`python -m trainer ARGS` in this process with a probe (make(): an object with install()
     and report(rank)) whose report is written to $env/<name>_rank<r>.json when the process exits.

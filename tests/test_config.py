@@ -108,6 +108,12 @@ BAD = [
     ("train.nonfinite=retry", "train.nonfinite"),
     ("train.on_signal=pause", "train.on_signal"),
     ("train.max_skips=0", "train.max_skips"),
+    ("train.precision=fp8", "train.precision"),
+    ("train.early_stop.snapshot=cloud", "train.early_stop.snapshot"),
+    ("train.loss_scale.init=0", "train.loss_scale.init"),
+    ("train.loss_scale.growth_factor=0.5", "train.loss_scale.growth_factor"),
+    ("train.loss_scale.backoff_factor=1.5", "train.loss_scale.backoff_factor"),
+    ("train.loss_scale.growth_interval=0", "train.loss_scale.growth_interval"),
     ("checkpoint.every=-1", "checkpoint.every"),
     ("checkpoint.keep_last=-1", "checkpoint.keep_last"),
     ("checkpoint.dir=' '", "checkpoint.dir"),
@@ -139,7 +145,6 @@ BAD = [
     ("train.ensemble=0", "train.ensemble"),
     ("train.bag=0", "train.ensemble"),  # the deprecated name: its value is checked as train.ensemble's
     ("train.early_stop.min_evals=-1", "train.early_stop.min_evals"),
-    ("train.early_stop.snapshot=ram", "train.early_stop.snapshot"),
     ("train.ensemble=2", "train.ensemble"),  # the members' validation slices: a data=criteo option
     ("data.min_count=2", "data.min_count"),  # a vocabulary of the training rows is a data=criteo option  # no validation split: never fitted on the test split
     ("+data.standardize=true", "data.standardize"),  # a data=criteo option
@@ -232,10 +237,24 @@ def test_global_batch_must_divide_by_world():
         validate_world(cfg, 3)
 
 
-@pytest.mark.parametrize("preset", ["tiny", "criteo_like", "bench"])
+@pytest.mark.parametrize("preset", ["tiny", "criteo_like", "bench", "mlperf"])
 def test_presets_are_valid(preset):
     cfg = load_config(make_cfg([f"data={preset}"]))
     assert cfg.data.preset == preset
+
+
+def test_mlperf_presets_have_the_mlperf_shape():
+    """data=mlperf model=dlrm_mlperf: MLPerf DLRM's 26 tables (Criteo 1TB capped at 40M), d = 128,
+    bottom 13-512-256-128, top 1024-1024-512-256-1; the table rows capped by data.max_table_rows."""
+    from trainer.config import table_rows
+    cfg = load_config(make_cfg(["data=mlperf", "model=dlrm_mlperf"]))
+    assert len(cfg.data.table_rows) == 26 and cfg.data.num_dense == 13
+    assert max(cfg.data.table_rows) == 40_000_000 and sum(cfg.data.table_rows) == 204_184_588
+    assert (cfg.model.name, cfg.model.embedding_dim) == ("dlrm", 128)
+    assert (cfg.model.bottom_mlp, cfg.model.top_mlp) == ([512, 256], [1024, 1024, 512, 256])
+    assert max(table_rows(cfg)) == cfg.data.max_table_rows == 200_000
+    full = load_config(make_cfg(["data=mlperf", "data.max_table_rows=0"]))
+    assert table_rows(full) == full.data.table_rows
 
 
 def test_criteo_like_has_kaggle_cardinalities_capped():

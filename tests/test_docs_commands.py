@@ -60,7 +60,7 @@ SHRINK_KEYS = {
     "train.steps", "data.eval_samples", "data.train_samples", "data.epochs", "data.max_table_rows",
     "data.batch_size", "checkpoint.every", "--steps", "--repeat", "--warmup", "--sample-every",
     "--splits", "--measure-steps", "--herald-steps", "--plan-steps", "--sizes", "--budget",
-    "--jobs", "--slices", "placement.plan_steps",
+    "--jobs", "--slices", "placement.plan_steps", "--batch-sizes",
 }
 # Switches an entry may add where the text beside the command does not need what they turn off.
 OFF_SWITCHES = {"checkpoint.enabled=false", "train.tensorboard=false", "--quick"}
@@ -112,6 +112,11 @@ def _sweep_jobs(n: int, sweep: str) -> Callable[[Path], None]:
 def _bf16_rows(cwd: Path) -> None:
     e = json.loads((cwd / "runs/bf16/summary.json").read_text())["embedding"]
     assert e["dtype"] == "bf16" and e["bytes_per_row"] == {"row": 32, "state": 0, "version": 8, "total": 40}, e
+
+
+def _amp_summary(cwd: Path) -> None:
+    p = json.loads((cwd / "runs/amp/summary.json").read_text())["precision"]
+    assert p["dense"] == "bf16" and p["loss_scale"] is None, p
 
 
 TRAINER = dict(json_keys=TRAINER_LINE, summary=True)
@@ -215,6 +220,9 @@ REGISTRY: dict[str, Entry] = {
     ".venv/bin/python -m pytest -q -m gpu tests/test_step_device.py tests/test_kernel_*.py":
         Entry(marks=("gpu",), timeout=900),
     # docs/config.md
+    ".venv/bin/python -m trainer data=criteo_like train.precision=bf16 hydra.run.dir=runs/amp":
+        Entry(add=("train.steps=4", "data.eval_samples=512", "data.max_table_rows=10000"),
+              files=("runs/amp/summary.json",), check=_amp_summary, **TRAINER),
     ".venv/bin/python -m trainer data=criteo_like embedding.dtype=bf16 hydra.run.dir=runs/bf16":
         Entry(add=("train.steps=4", "data.eval_samples=512", "data.max_table_rows=10000"),
               files=("runs/bf16/summary.json",), check=_bf16_rows, **TRAINER),
@@ -223,6 +231,12 @@ REGISTRY: dict[str, Entry] = {
     # benchmarks/README.md
     ".venv/bin/python benchmarks/bench_train.py --steps 60":
         Entry(shrink=(("--steps 60", "--steps 2"),), json_keys=("samples_per_sec",)),
+    ".venv/bin/python benchmarks/bench_train.py --workload mlperf --worlds 1 --steps 30 --batch-sizes 2048 "
+    "--precisions fp32 bf16 -- data.max_table_rows=200000":
+        Entry(shrink=(("--steps 30", "--steps 2"), ("--batch-sizes 2048", "--batch-sizes 64"),
+                      ("data.max_table_rows=200000", "data.max_table_rows=2000")),
+              add=("data.eval_samples=512",), json_keys=("samples_per_sec", "ms_per_step", "precision"),
+              stdout=r'(?m)^\{.*"workload": "mlperf".*"precision": "fp32".*\n\{.*"workload": "mlperf".*"precision": "bf16"'),
     ".venv/bin/python benchmarks/bench_cache.py":
         Entry(add=("--steps", "6", "--warmup", "2"), json_keys=("read_ms", "write_ms")),
     ".venv/bin/python benchmarks/bench_comm.py --all":
@@ -240,6 +254,10 @@ REGISTRY: dict[str, Entry] = {
         Entry(marks=("gpu",), json_keys=("kernel", "impl", "gbps"), timeout=900),
     ".venv/bin/python benchmarks/bench_train.py --worlds 1 --steps 60 -- train.device=cuda":
         Entry(marks=("gpu",), shrink=(("--steps 60", "--steps 4"),), json_keys=("samples_per_sec",), timeout=900),
+    ".venv/bin/python benchmarks/bench_train.py --workload mlperf --worlds 1 --steps 30 --batch-sizes 2048 16384 "
+    "65536 --precisions fp32 bf16 -- train.device=cuda":
+        Entry(marks=("gpu",), shrink=(("--steps 30", "--steps 4"),), json_keys=("samples_per_sec", "ms_per_step"),
+              timeout=900),
     ".venv/bin/python benchmarks/bench_net.py --links 200mbit --repeat 3 --steps 120":
         Entry(marks=("netns",), shrink=(("--repeat 3", "--repeat 1"), ("--steps 120", "--steps 4")),
               add=("--quick",), json_keys=("mode", "speedup_vs_exact_serial"), timeout=900),

@@ -70,9 +70,10 @@ HOST_OK: dict[tuple[str, str], str] = {
         "train.nonfinite=skip every rank needs it before updating). Also Adam's step counters "
         "(.item() inside torch.optim: CPU tensors by torch's design unless fused/capturable, so no "
         "device sync). Possible: read the loss one step late in stop mode",
-    ("trainer/signals.py", "take"):
+    ("trainer/signals.py", "take_values"):
         f"{INHERENT}: the step's global loss read back (runner._step's one read, with the stop "
-        "signal's flag that rides the same reduction: no extra read or message per step)",
+        "signal's flag that rides the same reduction: no extra read or message per step; with "
+        "train.precision=fp16 also the ranks' overflow count, in the same read)",
     ("trainer/embedding/exchange.py", "plan_lookup"):
         f"{INHERENT}: the step's one read-back of the plan: unique ids per owner and replicated "
         "([W + 1]), the alltoall split sizes, which also fix every size of the plan",
@@ -274,6 +275,14 @@ def test_audit_catches_host_factories_mixes_and_reads():
 def test_one_step_w1(model: str):
     """W = 1 (every row owned): lookup, pooled gather and its backward, owner update, dense step."""
     _check(audit_worker(0, 1, [f"model={model}", "optim=adagrad"]), f"W=1 model={model}",
+           most_syncs=SYNCS_AT_MOST["w1"])
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_one_step_w1_mixed_precision(precision: str):
+    """train.precision: autocast and fp16's loss scaler (unscale, the overflow decision, the
+    scale's update) add no host sync: fp16's overflow count rides the loss's read."""
+    _check(audit_worker(0, 1, [f"train.precision={precision}", "optim=adam"]), f"W=1 precision={precision}",
            most_syncs=SYNCS_AT_MOST["w1"])
 
 

@@ -116,7 +116,7 @@ def build_sparse(c: Config, comm: Collectives, data: Any, global_batch: int,
     with phase(comm, "other"):  # the replica is loaded from the owners
         emb = HybridEmbedding(comm, sharding, store, c.model.pooling, remote, replica, audit,
                               c.comm.wire_precision)
-    if c.train.nonfinite == "skip":
+    if c.train.nonfinite == "skip" or c.train.precision == "fp16":  # fp16: the loss scaler's skipped steps
         emb.enable_discard()
     feed = _make_feed(c, data, global_batch, rank, world, plan, space, herald) \
         if needs_global_view(c) else None

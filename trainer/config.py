@@ -49,6 +49,7 @@ EMBEDDING_DTYPES = ("fp32", "fp16", "bf16")  # embedding.dtype (= embedding/stor
 ROUNDINGS = ("stochastic", "nearest")  # embedding.rounding (= embedding/optim.ROUNDINGS)
 SETTLED_ROWS = ("auto", "always", "never")
 PIPELINES = ("off", "ids", "rows")
+PRECISIONS = ("fp32", "bf16", "fp16")  # train.precision (trainer/precision.py)
 
 
 class ConfigError(ValueError):
@@ -220,6 +221,16 @@ class EarlyStopConfig:
 
 
 @dataclass
+class LossScaleConfig:
+    """train.precision=fp16's loss scaler (torch.amp.GradScaler's semantics and defaults)."""
+
+    init: float = 65536.0  # the first scale (2 ** 16)
+    growth_factor: float = 2.0  # the scale is multiplied by this after growth_interval steps in a row without overflow
+    backoff_factor: float = 0.5  # ... and by this at a step whose gradients overflow (that step is skipped on every rank)
+    growth_interval: int = 2000  # steps in a row without overflow before the scale grows
+
+
+@dataclass
 class TrainConfig:
     steps: int = 200  # training steps (each consumes one global batch)
     seed: int = 0  # seed of dense init and embedding init
@@ -232,6 +243,8 @@ class TrainConfig:
     max_skips: int = 10  # nonfinite=skip: stop anyway after this many consecutive skipped steps
     memory_check: bool = True  # stop at start-up (exit 2) when a rank's memory plan (trainer/memplan.py) exceeds the memory it can have; false: warn and start
     on_signal: str = "save"  # SIGTERM / SIGINT / SIGUSR1: stop every rank at the next step boundary and save a checkpoint there (save) or not (stop); exit 128 + signal
+    precision: str = "fp32"  # the dense model's forward and backward: fp32 | bf16 | fp16 (autocast; fp32 master weights and optimizer; fp16 with a loss scaler); rows: embedding.dtype
+    loss_scale: LossScaleConfig = field(default_factory=lambda: LossScaleConfig())
     pipeline: str = "ids"  # off (serial step) | ids (next step's input side + id exchange overlap this step: exact) | rows (also its rows: needs a cache and pull_bound >= 1)
     tensorboard: bool = True  # also write TensorBoard scalars to <output dir>/tensorboard (when there is an output dir)
     recipe: str = "auto"  # defaults for the null keys: auto (data=criteo: tiny below TINY_DATA_ROWS training rows, small below SMALL_DATA_ROWS, else large; other data: none) | tiny | small | large | none
@@ -518,6 +531,7 @@ def validate(c: Config) -> None:
         _check(t.nonfinite != "skip", "train.pipeline", t.pipeline,
                "rows cannot undo a prefetched step: use train.nonfinite=stop or train.pipeline=ids")
     _one_of("train.device", t.device, ("cpu", "cuda", "auto"))
+    _validate_precision(c)
     _check(t.seed >= 0, "train.seed", t.seed, "must be >= 0")
     _one_of("train.nonfinite", t.nonfinite, NONFINITE)
     _check(t.max_skips > 0, "train.max_skips", t.max_skips, "must be > 0")
@@ -526,6 +540,22 @@ def validate(c: Config) -> None:
     _validate_kernels(c)
     _validate_checkpoint(c)
     _validate_placement(c)
+
+
+def _validate_precision(c: Config) -> None:
+    """Mixed precision of the dense model (trainer/precision.py)."""
+    t, s = c.train, c.train.loss_scale
+    _one_of("train.precision", t.precision, PRECISIONS)
+    _check(s.init > 0, "train.loss_scale.init", s.init, "must be > 0")
+    _finite("train.loss_scale.init", s.init)
+    _check(s.growth_factor >= 1, "train.loss_scale.growth_factor", s.growth_factor, "must be >= 1")
+    _finite("train.loss_scale.growth_factor", s.growth_factor)
+    _check(0 < s.backoff_factor < 1, "train.loss_scale.backoff_factor", s.backoff_factor, "must be in (0, 1)")
+    _check(s.growth_interval > 0, "train.loss_scale.growth_interval", s.growth_interval, "must be > 0")
+    if t.precision == "fp16":  # the scaler skips a step whose gradients overflow: it must be undoable
+        _check(t.pipeline != "rows", "train.precision", t.precision,
+               "fp16's loss scaler skips a step whose gradients overflow, which train.pipeline=rows "
+               "cannot undo (its next step was read before): use train.pipeline=ids or off, or bf16")
 
 
 _UNRESOLVED = "null (the recipe's) was not resolved: load the config with trainer.configure.load_config"

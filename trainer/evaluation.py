@@ -12,7 +12,8 @@ keeps the order of the logits, so no AUC changes; the test split still decides n
 from __future__ import annotations
 
 import sys
-from typing import Any, Optional
+from contextlib import nullcontext
+from typing import Any, Callable, ContextManager, Optional
 
 import numpy as np
 import torch
@@ -27,8 +28,9 @@ class Evaluator:
     """Evaluations of one rank's model (see the module docstring). Every call is collective."""
 
     def __init__(self, comm: Collectives, model: torch.nn.Module, emb: HybridEmbedding, data: Any,
-                 device: torch.device) -> None:
+                 device: torch.device, autocast: Callable[[], ContextManager[Any]] = nullcontext) -> None:
         self.comm, self.model, self.emb, self.data, self.device = comm, model, emb, data, device
+        self.autocast = autocast  # the model's forward context (train.precision: trainer/precision.py)
         self.temperature = 1.0  # logit scale of evaluations (calibrate() sets it before the final one)
         self.test_rows: Optional[np.ndarray] = None  # [n, 2] (logit x temperature, label) of the last test evaluation
 
@@ -52,7 +54,9 @@ class Evaluator:
         with phase(self.comm, "eval"):
             for batch in self.data.eval_batches(split):
                 batch = batch.to(self.device)
-                logits.append(self.model(batch.dense, self.emb.eval_lookup(batch)).float().cpu())
+                pooled = self.emb.eval_lookup(batch)
+                with self.autocast():
+                    logits.append(self.model(batch.dense, pooled).float().cpu())
                 labels.append(batch.labels.cpu())
             local = torch.stack([torch.cat(logits), torch.cat(labels)], dim=1) if logits \
                 else torch.zeros(0, 2)

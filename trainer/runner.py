@@ -45,6 +45,7 @@ from .lr import LrSchedule
 from .memplan import check_memory
 from .outdir import HeldDir, claim_out_dir, probe_dir
 from .pipeline import StepPipeline
+from .precision import DensePrecision
 from .recipes import announce_recipe, apply_data_steps, recipe_of
 from .relaunch import Position, failure_hint
 from .report import Reporter
@@ -144,6 +145,7 @@ class Trainer:
         self.sparse = build_sparse(c, comm, self.data, self.global_batch, self.device, resuming)
         self.emb, self.feed = self.sparse.emb, self.sparse.feed
         self.model, self.params, self.opt = build_dense(c, comm, self.sparse.sharding.num_tables, self.device)
+        self.precision = DensePrecision(c, self.device)  # train.precision: autocast, fp16's loss scaler
         self.report = Reporter(c, comm, self.sparse, self.data, self.global_batch, self.out_dir)
         self.steps = StepPipeline(c, comm, self.sparse, self.data, self.device, self.checkpoints.due)
         self.losses: list[float] = []
@@ -151,7 +153,7 @@ class Trainer:
         self.current_step: int | None = None  # the step in progress (failure reports)
         self.lr = LrSchedule(c.optim, c.train.steps, self.opt, self.emb, sparse_lr(c))
         self.val_rows = int(getattr(self.data, "val_rows", 0))  # validation split (0: none)
-        self.evaluator = Evaluator(comm, self.model, self.emb, self.data, self.device)
+        self.evaluator = Evaluator(comm, self.model, self.emb, self.data, self.device, self.precision.autocast)
         self.early = EarlyStopping(c.train.early_stop.patience, c.train.early_stop.min_delta,
                                    c.train.early_stop.min_evals)
         self.start_step = self.checkpoints.resume(self)
@@ -191,6 +193,9 @@ class Trainer:
         skip: the global loss is reduced first (one extra allreduce of 4 bytes, 8 with W > 1) and,
         when it is not finite, every rank drops the step before anything changed (embedding.discard).
         Either reduction also carries the stop signals' flag (trainer/signals.py).
+        train.precision: the model's forward under autocast; fp16 scales the loss, and one
+        reduction after backward (with the loss in stop mode) tells every rank whether any
+        gradient overflowed: then every rank drops the step (trainer/precision.py).
         train.pipeline != off: the next step is prepared during this one (StepPipeline.prefetch),
         and the dense allreduce starts behind the embedding gradient push and travels while the
         owners update."""
@@ -198,8 +203,9 @@ class Trainer:
         batch = flight.batch
         pooled = self.emb.lookup(flight)
         self.steps.prefetch(flight.step)
-        logits = self.model(batch.dense, pooled)
-        loss = F.binary_cross_entropy_with_logits(logits, batch.labels, reduction="sum") / self.global_batch
+        with self.precision.autocast():
+            logits = self.model(batch.dense, pooled)
+        loss = F.binary_cross_entropy_with_logits(logits.float(), batch.labels, reduction="sum") / self.global_batch
         extra = [SIGNALS.carry(loss, self.world)]  # with a stop signal's flag (trainer/signals.py)
         if self.c.train.nonfinite == "skip":
             value = SIGNALS.take(self.comm.allreduce(extra.pop(), op="sum", kind="dense"), self.world)
@@ -208,8 +214,18 @@ class Trainer:
                 self.steps.restart_next()  # its cache lookups predate the rollback
                 return value
         self.opt.zero_grad(set_to_none=False)
-        loss.backward()
+        self.precision.backward(loss)
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
+        if self.precision.scaler is not None:  # fp16: unscaled, and every rank's overflow known
+            taken, overflow = self.precision.agree(self.comm, grads, flight.ws.grad,
+                                                   extra.pop() if extra else None, flight.step)
+            if taken is not None:  # stop mode: the loss came with the overflow flags
+                value = taken
+                self._check_loss(value, flight.step)
+            if overflow:
+                self.emb.discard(flight)
+                self.steps.restart_next()
+                return value
         if self.steps.mode == "off":
             self.emb.apply_gradients(flight)
             reduced = self.comm.grouped_allreduce(grads + extra, op="sum", kind="dense")
@@ -223,10 +239,15 @@ class Trainer:
         self.opt.step()
         if extra:
             value = SIGNALS.take(reduced[-1], self.world)
-            if not math.isfinite(value):
-                raise TrainingError(f"loss is {value} at step {flight.step}; stopping (lower optim.lr? "
-                                    "train.nonfinite=skip drops such batches)")
+            self._check_loss(value, flight.step)
         return value
+
+    @staticmethod
+    def _check_loss(value: float, step: int) -> None:
+        """train.nonfinite=stop: a non-finite global loss stops the run."""
+        if not math.isfinite(value):
+            raise TrainingError(f"loss is {value} at step {step}; stopping (lower optim.lr? "
+                                "train.nonfinite=skip drops such batches)")
 
     def _after_skip(self, step: int) -> None:
         """Step `step` was skipped (non-finite loss): warn; stop after train.max_skips in a row."""
@@ -308,7 +329,8 @@ class Trainer:
         return RunResult(summary, self.rank, list(self.losses), state)
 
     def _described(self) -> dict[str, Any]:
-        return {"recipe": self.recipe.describe(self.c), "settled_rows": self.steps.settled}
+        return {"recipe": self.recipe.describe(self.c), "settled_rows": self.steps.settled,
+                "precision": self.precision.summary()}
 
     def _stop(self, done: int, train_time: float, return_state: bool) -> RunResult:
         """A rank received a stop signal and every rank learnt it in step `done` (trainer/signals.py):

@@ -96,9 +96,14 @@ class SignalWatch:
 
     def take(self, reduced: torch.Tensor, world: int) -> float:
         """The global loss from the reduced carry(); notes whether a rank had a signal (agreed)."""
+        return self.take_values(reduced, world)[0]
+
+    def take_values(self, reduced: torch.Tensor, world: int) -> list[float]:
+        """take() of a reduced carry() that has more elements after it (fp16's overflow count,
+        trainer/precision.py): [global loss, those elements], in one read."""
         values = reduced.tolist()
         self.agreed = values[1] > 0 if world > 1 else self.received is not None
-        return float(values[0])
+        return [float(values[0]), *values[2 if world > 1 else 1:]]
 
 
 SIGNALS = SignalWatch()  # this process's (runner.run installs it)

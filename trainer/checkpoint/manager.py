@@ -32,6 +32,14 @@ from .saver import Checkpointer
 from .state import rng_state, set_rng_state
 
 
+class Stateful(Protocol):
+    """A part whose state a checkpoint keeps when it has one (precision.DensePrecision)."""
+
+    def state_dict(self) -> Optional[dict[str, Any]]: ...
+
+    def load_state_dict(self, state: Optional[dict[str, Any]]) -> None: ...
+
+
 class Checkpointed(Protocol):
     """What a checkpoint saves of a run and puts back (runner.Trainer is one)."""
 
@@ -42,6 +50,7 @@ class Checkpointed(Protocol):
     losses: list[float]  # the global loss of every step so far
     evals: list[dict[str, Any]]  # every evaluation record so far
     early: EarlyStopping
+    precision: Stateful  # train.precision (trainer/precision.py; fp16: its loss scaler is saved)
 
 
 @dataclass
@@ -127,6 +136,8 @@ class CheckpointManager:
                          "optimizer": run.opt.state_dict(), "rng": rng_state(run.device),
                          "losses": list(run.losses), "evals": list(run.evals),
                          "early_stop": run.early.state()}
+                if run.precision.state_dict() is not None:  # train.precision=fp16: the loss scaler
+                    state["precision"] = run.precision.state_dict()
             saver = into or self.saver
             assert saver is not None, "save() of a run without checkpoints"
             try:
@@ -193,6 +204,7 @@ class CheckpointManager:
         set_rng_state(state["rng"], run.device)
         run.losses, run.evals = list(state["losses"]), list(state["evals"])
         run.early.load(state.get("early_stop"))  # a stopped run stays stopped; patience goes on
+        run.precision.load_state_dict(state.get("precision"))  # fp16's loss scale goes on (else a fresh one)
         run.emb.step = step - 1  # the cache's clock (LRU ages, audit) continues too
         self.resumed_from = path
         return step

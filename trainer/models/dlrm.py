@@ -36,7 +36,10 @@ class _Gram(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g: torch.Tensor) -> torch.Tensor:
         (z,) = ctx.saved_tensors
-        return torch.bmm(g + g.transpose(1, 2), z)
+        # under autocast (train.precision) the forward's bmm ran in the half type: g is half while
+        # z was saved fp32, and the backward runs outside autocast; the product is taken in g's
+        # type (z cast as the forward's autocast cast it) and returned in z's (no-ops in fp32)
+        return torch.bmm(g + g.transpose(1, 2), z.to(g.dtype)).to(z.dtype)
 
 
 class DLRM(nn.Module):

@@ -17,7 +17,7 @@ import os
 import subprocess
 import sys
 import time
-from typing import Any, Optional, Sequence
+from typing import Any, Mapping, Optional, Sequence
 
 LAUNCHERS = ("local", "torchrun", "horovodrun")
 BACKEND = {"local": None, "torchrun": "torch", "horovodrun": "horovod"}  # the comm= each launcher needs
@@ -98,12 +98,15 @@ def check_trainer(world: int, overrides: Sequence[str], launcher: str = "auto") 
     validate_world(compose_config(worker_overrides(launcher, overrides), world), world)
 
 
-def run_trainer(argv: Sequence[str], out_dir: str, cwd: Optional[str] = None) -> dict[str, Any]:
+def run_trainer(argv: Sequence[str], out_dir: str, cwd: Optional[str] = None,
+                env: Optional[Mapping[str, str]] = None) -> dict[str, Any]:
     """Run a trainer command line (trainer_command) whose hydra.run.dir is out_dir and return its
-    summary.json, with "wall_s": the seconds the whole command took. A failed run raises
-    RuntimeError with its exit status, the command and the end of its stderr."""
+    summary.json, with "wall_s": the seconds the whole command took. env: variables set for the
+    command on top of this process's. A failed run raises RuntimeError with its exit status, the
+    command and the end of its stderr."""
     t0 = time.perf_counter()
-    proc = subprocess.run(list(argv), cwd=cwd, capture_output=True, text=True)
+    proc = subprocess.run(list(argv), cwd=cwd, capture_output=True, text=True,
+                          env=None if env is None else {**os.environ, **env})
     wall = time.perf_counter() - t0
     if proc.returncode != 0:
         raise RuntimeError(f"the trainer failed (exit {proc.returncode}): {' '.join(argv)}\n{proc.stderr[-4000:]}")
