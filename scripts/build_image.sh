@@ -10,7 +10,9 @@
 #   1. the base: `mmdebstrap --variant=minbase bookworm` with the Dockerfile's apt packages, imported
 #      as localhost/hybrid-trainer-base:bookworm-<hash>; its tar is cached;
 #   2. the wheelhouse: every wheel the image installs, made on this host with its pip (which must
-#      be Python 3.11, bookworm's), torch pinned to the +cpu build, and Horovod's sdist; cached;
+#      be Python 3.11, bookworm's), torch pinned to the +cpu build, and Horovod's sdist; cached.
+#      pip finds torch's +cpu wheel where its configuration says (a local --find-links, or
+#      TORCH_CPU_INDEX=https://download.pytorch.org/whl/cpu); it never takes PyPI's CUDA torch;
 #   3. `build --build-arg WHEELHOUSE=1` with the wheels in wheelhouse/ (hard links): pip installs
 #      with --no-index --find-links; the Horovod wheel the image builds is copied back into the
 #      wheelhouse, so a build on an empty engine store installs it instead of compiling.
@@ -89,6 +91,8 @@ reqs += ["pip", "setuptools", "wheel", "packaging", "pyyaml", "cloudpickle", "ps
 print("\n".join(reqs))
 EOF
 }
+# pip's "Location ... is ignored" noise (local index configs) left out
+pip_filter() { { grep -v "^WARNING: Location '.*' is ignored" || true; } >&2; }
 make_wheelhouse() {
   "$HPY" -c 'import sys; sys.exit(sys.version_info[:2] != (3, 11))' \
     || die "the wheelhouse is made with this host's pip for the image's Python 3.11 (bookworm's): $HPY is $("$HPY" --version 2>&1); set PYTHON=python3.11"
@@ -104,10 +108,10 @@ make_wheelhouse() {
   # the constraint keeps pip from ever choosing a CUDA torch (several GB): only the +cpu build fits
   echo "torch==$TORCH_VERSION+cpu" >"$wh.tmp/constraints.txt"
   "$HPY" -m pip wheel -q --disable-pip-version-check -w "$wh.tmp" -c "$wh.tmp/constraints.txt" \
-    -r "$wh.tmp/requirements.txt" --extra-index-url https://download.pytorch.org/whl/cpu \
-    || die "pip wheel failed (see above)"
-  "$HPY" -m pip wheel -q --disable-pip-version-check --no-deps -w "$wh.tmp" recbole==1.2.1 \
-    || die "pip wheel recbole failed"
+    -r "$wh.tmp/requirements.txt" ${TORCH_CPU_INDEX:+--extra-index-url "$TORCH_CPU_INDEX"} 2>&1 \
+    | pip_filter || die "pip wheel failed (see above)"
+  "$HPY" -m pip wheel -q --disable-pip-version-check --no-deps -w "$wh.tmp" recbole==1.2.1 2>&1 \
+    | pip_filter || die "pip wheel recbole failed"
   ls "$wh.tmp" | grep -q "^torch-$TORCH_VERSION+cpu-" || die "the wheelhouse has no torch $TORCH_VERSION+cpu wheel"
   local sdist=$CACHE/wheels/sdist/horovod-$HOROVOD_VERSION.tar.gz
   if [ -f "$sdist" ]; then cp "$sdist" "$wh.tmp/"; else

@@ -160,3 +160,26 @@ def test_every_tracked_top_level_entry_is_copied_or_left_out_on_purpose():
         pytest.skip("not a git checkout")
     top = {p.split("/")[0] for p in tracked.splitlines()}
     assert top - copied - left_out == set(), f"neither copied into the image nor left out: {top - copied - left_out}"
+
+
+def test_build_script_usage():
+    """build_image.sh takes cpu or cuda: anything else is a usage error (exit 2) before any work."""
+    for args in ([], ["gpu"]):
+        r = subprocess.run(["bash", os.path.join(ROOT, "scripts", "build_image.sh"), *args],
+                           capture_output=True, text=True, timeout=30)
+        assert r.returncode == 2 and "usage: build_image.sh cpu|cuda" in r.stderr, (args, r.returncode, r.stderr)
+    r = subprocess.run(["bash", os.path.join(ROOT, "scripts", "build_image.sh"), "--help"],
+                       capture_output=True, text=True, timeout=30)
+    assert r.returncode == 0 and "hybrid-trainer:cpu" in r.stdout and "mmdebstrap" in r.stdout, r.stdout
+
+
+def test_build_script_reads_the_dockerfiles_apt_packages():
+    """The cpu base is made with the packages of the Dockerfile's first RUN (so that RUN skips apt)."""
+    first = next(i for i in INSTRUCTIONS if i.startswith("RUN"))
+    m = re.match(r'RUN pkgs="([^"]+)"', first)
+    assert m, first[:80]
+    pkgs = m.group(1).split()
+    assert {"python3-venv", "libopenmpi-dev", "openssh-server", "build-essential", "cmake"} <= set(pkgs)
+    assert "if ! dpkg -s $pkgs" in first
+    script = _read("scripts", "build_image.sh")
+    assert "RUN pkgs=" in script and '--include="$(IFS=,; echo "${APT[*]}")"' in script
