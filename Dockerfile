@@ -41,12 +41,13 @@
 #   # a staleness sweep, every job in the same 16 processes, one after the other:
 #   docker exec ht horovodrun -np 16 -H host1:8,host2:8 -p 12345 \
 #     python -m trainer -m comm=horovod train.device=cuda optim.lr=0.01,0.1 hydra.sweep.dir=/runs/sweep1
-# The remote ranks run in a login shell of sshd, which does not see the image's ENV: the image
-# therefore also puts its PATH (the venv first) into /etc/environment for sshd's sessions, and
-# horovodrun forwards the launching shell's environment. host1 and host2 are names that every
-# container resolves to the other nodes (with --network host: the hosts' names). Add --mpi to use
-# Open MPI instead of Gloo as the controller (NCCL moves the GPU data either way); on hosts with
-# several NICs pin them: --network-interface eth0, NCCL_SOCKET_IFNAME=eth0.
+# No -it on the exec: it fails without a terminal (from a script, a scheduler). host1 and host2 are
+# names that every container resolves to the nodes (with --network host: the hosts' own names).
+# Horovod is built with MPI here, so horovodrun's default controller is Open MPI; --gloo picks
+# Gloo (NCCL moves the GPU data either way). Commands that sshd starts (the remote side of
+# horovodrun, or your own ssh) do not see the image's ENV: /etc/environment gives them its PATH
+# (the venv first) and Open MPI's permission to run as root. On hosts with several NICs pin them:
+# --network-interface eth0, NCCL_SOCKET_IFNAME=eth0.
 # tests/test_image.py runs this recipe for the cpu flavour: two containers on one podman network.
 
 ARG BASE_IMAGE=nvidia/cuda:12.8.1-devel-ubuntu24.04

@@ -602,7 +602,7 @@ def _run_one(c: Command, e: Entry, cwd: Path, sample: Callable[[], Path]) -> Opt
         out, err = proc.communicate()
         return (f"{c.where}: `{c.text}` did not finish within {e.timeout} s (ran: {line})\n"
                 f"--- stderr (end) ---\n{err[-3000:]}")
-    out = re.sub(r"(?m)^\[\d+\]<stdout>:", "", out)  # horovodrun prefixes each rank's lines
+    out = re.sub(r"(?m)^\[\d+(?:,\d+)?\]<stdout>:", "", out)  # horovodrun prefixes each rank's lines ([1,0]: under MPI)
     p = subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
     tail = f"\n--- stdout (end) ---\n{p.stdout[-2000:]}\n--- stderr (end) ---\n{p.stderr[-4000:]}"
     if p.returncode != 0:
