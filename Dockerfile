@@ -122,12 +122,20 @@ assert horovod.__version__ == '${HOROVOD_VERSION}', horovod.__version__; \
 assert hvd.nccl_built() == ('${HOROVOD_GPU}' == 'nccl') and hvd.gloo_built() and hvd.mpi_built(), 'horovod flavour'" \
     && rm -rf ${HOROVOD_WHEEL_CACHE}/logs ${HOROVOD_WHEEL_CACHE}/sdist ${HOROVOD_WHEEL_CACHE}/.lock-* /tmp/install_horovod.sh
 
-# The project (editable, with its test extras: tests/ and scripts/gpu_check.sh run in the image) and
-# recbole's MovieLens-100K files (--no-deps: only the data is used), last so code changes rebuild
-# only these layers. Listed, not `COPY . .`: wheelhouse/ and the rest stay out
-# (tests/test_dockerfile.py checks the list against the repository).
+# The project (editable) with its dependencies and test extras (tests/ and scripts/gpu_check.sh run
+# in the image) and recbole's MovieLens-100K files (--no-deps: only the data is used). The
+# dependencies first, read from pyproject.toml alone, so that a code change reinstalls only the
+# project. Listed, not `COPY . .`: wheelhouse/ and the rest stay out (tests/test_dockerfile.py
+# checks the list against the repository).
 WORKDIR /workspace/hybrid-trainer
-COPY pyproject.toml README.md ./
+COPY pyproject.toml ./
+RUN --mount=type=bind,source=wheelhouse,target=/wheelhouse \
+    python -c "import tomllib; p = tomllib.load(open('pyproject.toml', 'rb'))['project']; \
+print('\n'.join(p['dependencies'] + p['optional-dependencies']['test']))" > /tmp/requirements.txt \
+    && pip install -r /tmp/requirements.txt \
+    && pip install --no-deps recbole==1.2.1 \
+    && rm /tmp/requirements.txt
+COPY README.md ./
 COPY conf/ conf/
 COPY kernels/ kernels/
 COPY trainer/ trainer/
@@ -137,8 +145,7 @@ COPY dev/ dev/
 COPY docs/ docs/
 COPY tests/ tests/
 RUN --mount=type=bind,source=wheelhouse,target=/wheelhouse \
-    pip install -e ".[test]" \
-    && pip install --no-deps recbole==1.2.1 \
+    pip install --no-deps -e . \
     && rm -f ${VIRTUAL_ENV}/pip.conf \
     && python -c "import torch, trainer, kernels; print('torch', torch.__version__)" \
     && horovodrun --check-build

@@ -95,7 +95,9 @@ def test_horovod_built_with_nccl_mpi_and_tools_installed():
     assert "hvd.nccl_built() == ('${HOROVOD_GPU}' == 'nccl') and hvd.gloo_built() and hvd.mpi_built()" in run
     for pkg in ("libopenmpi-dev", "openmpi-bin", "openssh-server", "openssh-client"):
         assert pkg in run, pkg
-    assert 'pip install -e ".[test]"' in run
+    # the dependencies and test extras from pyproject.toml, then the project itself (editable)
+    assert "p['dependencies'] + p['optional-dependencies']['test']" in run and "pip install -r /tmp/requirements.txt" in run
+    assert "pip install --no-deps -e ." in run and "pip install --no-deps recbole==1.2.1" in run
 
 
 def test_documented_multi_node_command():

@@ -146,7 +146,7 @@ REGISTRY: dict[str, Entry] = {
     "podman run --rm --network none hybrid-trainer:cpu python -m trainer train.steps=100":
         Entry(marks=("docker",), shrink=(("train.steps=100", "train.steps=4"),), add=("data.eval_samples=512",),
               json_keys=TRAINER_LINE, timeout=600),
-    "mkdir -p runs && podman run --rm --network none -v $PWD/runs:/runs hybrid-trainer:cpu horovodrun -np 2 -H localhost:2 python -m trainer comm=horovod hydra.run.dir=/runs/img":
+    "mkdir -p runs && podman run --rm --network none -v $PWD/runs:/runs hybrid-trainer:cpu horovodrun -np 2 -H localhost:2 --gloo python -m trainer comm=horovod hydra.run.dir=/runs/img":
         Entry(marks=("docker",), add=W2, files=("runs/img/summary.json",), json_keys=TRAINER_LINE, timeout=600),
     "docker run --rm --gpus all --ipc host hybrid-trainer horovodrun -np 8 -H localhost:8 python -m trainer comm=horovod train.device=cuda":
         Entry(marks=("docker", "gpu"), add=("train.steps=4",), json_keys=TRAINER_LINE, timeout=900),
