@@ -7,7 +7,7 @@ image, without a network (`--network none`):
 - what is in it: torch's CPU build, Horovod with Gloo and MPI, the project; no .git, no venv from
   the host, no wheelhouse, no outputs;
 - the default job (fewer steps);
-- `horovodrun -np 2 -H localhost:2` training W = 2;
+- `horovodrun -np 2 -H localhost:2 --gloo` training W = 2 (the reference of the next item);
 - a resume from a checkpoint the host's venv wrote into a mounted directory, equal to the host's
   uninterrupted run;
 - the Dockerfile header's multi-node recipe for real: its key pair and container command, two
@@ -223,9 +223,10 @@ def two_containers(engine, image, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def one_host_run(engine, image, two_containers):
-    """The reference: horovodrun -np 2 -H localhost:2 in one container without a network."""
+    """The reference: horovodrun -np 2 -H localhost:2 in one container without a network (with Gloo,
+    the faster controller on one host: a W = 2 step's sums are the same under either)."""
     runs = two_containers["runs"]
-    r = in_image(engine, image, ["horovodrun", "-np", "2", "-H", "localhost:2", "python", "-m", "trainer",
+    r = in_image(engine, image, ["horovodrun", "-np", "2", "-H", "localhost:2", "--gloo", "python", "-m", "trainer",
                                  "comm=horovod", "hydra.run.dir=/runs/local", *CFG], volumes={str(runs): "/runs"})
     rec = last_json(r.stdout)
     assert rec["world_size"] == 2 and rec["steps"] == 12, rec
