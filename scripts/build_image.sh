@@ -146,6 +146,7 @@ esac
 IMAGE=hybrid-trainer:$FLAVOUR
 log "$ENG build -t $IMAGE ${BUILD_ARGS[*]} $*"
 TB=$(date +%s)
+OLD_ID=$("$ENG" image inspect "$IMAGE" --format '{{.Id}}' 2>/dev/null || true)
 status=0
 "$ENG" build -t "$IMAGE" "${BUILD_ARGS[@]}" "$@" . || status=$?
 stage_wheelhouse ""
@@ -166,6 +167,11 @@ if [ "$FLAVOUR" = cpu ]; then
     fi
   done
   "$ENG" rm "$cid" >/dev/null
+fi
+# the image this build replaced (untagged now; its layers that the new one shares stay)
+NEW_ID=$("$ENG" image inspect "$IMAGE" --format '{{.Id}}')
+if [ -n "$OLD_ID" ] && [ "$OLD_ID" != "$NEW_ID" ]; then
+  "$ENG" rmi "$OLD_ID" >/dev/null 2>&1 && log "removed the image it replaced (${OLD_ID:0:12})" || true
 fi
 SIZE=$("$ENG" image inspect "$IMAGE" --format '{{.Size}}')
 log "built $IMAGE: $(( SIZE / 1000000 )) MB, build $TBUILD s, in all $(( $(date +%s) - T0 )) s"
