@@ -2,7 +2,7 @@
 # Build the trainer's image from the Dockerfile with podman or docker (the first whose `info` works;
 # ENGINE=podman|docker picks one): hybrid-trainer:cpu or hybrid-trainer:cuda.
 #
-#   bash scripts/build_image.sh cpu      # Debian bookworm + CPU torch + Horovod (Gloo + MPI), offline
+#   bash scripts/build_image.sh cpu      # Debian bookworm + CPU torch + Horovod (Gloo; HOROVOD_MPI=1: + MPI), offline
 #   bash scripts/build_image.sh cuda     # CUDA 12.8 devel + CUDA torch + Horovod (NCCL + Gloo + MPI)
 #   bash scripts/build_image.sh cuda --build-arg HOROVOD_BUILD_CUDA_CC_LIST=90   # more build args
 #
@@ -47,6 +47,11 @@ log "engine: $ENG ($("$ENG" --version))"
 APT_PKGS=$(tr '\n' ' ' <Dockerfile | sed -n 's/.*RUN pkgs="\([^"]*\)".*/\1/p' | tr -d '\\' | tr -s ' ')
 read -r -a APT <<<"$APT_PKGS"
 ((${#APT[@]} > 5)) || die "cannot read the apt packages from the Dockerfile's first RUN (got: '$APT_PKGS')"
+# cpu: Horovod with Gloo only unless HOROVOD_MPI=1 (then Open MPI too, compiled in the image: the
+# host's wheel is Gloo-only); the base gets Open MPI's packages only then
+MPI=${HOROVOD_MPI:-0}
+[[ $MPI == 0 || $MPI == 1 ]] || die "HOROVOD_MPI must be 0 or 1, not '$MPI'"
+if [[ $FLAVOUR == cpu && $MPI == 1 ]]; then APT+=(openmpi-bin libopenmpi-dev); fi
 arg() { sed -n "s/^ARG $1=\(.*\)$/\1/p" Dockerfile | head -n1; }
 TORCH_VERSION=$(arg TORCH_VERSION); HOROVOD_VERSION=$(arg HOROVOD_VERSION)
 CACHE=${HT_CACHE:-$HOME/.cache/hybrid-trainer}
@@ -123,12 +128,22 @@ make_wheelhouse() {
   log "wheelhouse: $(ls "$wh" | grep -c '\.whl$') wheels, $(du -sh "$wh" | cut -f1), $(( $(date +%s) - t )) s"
 }
 
-# wheelhouse/ in the context: hard links to the cache (a copy across filesystems)
+# wheelhouse/ in the context: hard links to the cache (a copy across filesystems), with the Horovod
+# wheels scripts/install_horovod.sh cached on this host (the image installs one whose key, the
+# same script's, matches: Gloo-only on CPU, as setup.sh builds it)
 stage_wheelhouse() {
   find "$STAGE" -mindepth 1 ! -name README.md -exec rm -rf {} +
   [ -n "${1:-}" ] || return 0
   cp -al "$1"/. "$STAGE"/ 2>/dev/null || cp -a "$1"/. "$STAGE"/
   rm -f "$STAGE/COMPLETE" "$STAGE/requirements.txt" "$STAGE/constraints.txt"
+  local d
+  for d in "$CACHE"/wheels/horovod-*/; do
+    [ -d "$d" ] && ls "$d"*.whl >/dev/null 2>&1 || continue
+    d=${d%/}
+    [ -d "$STAGE/horovod/${d##*/}" ] && continue
+    mkdir -p "$STAGE/horovod"
+    cp -a "$d" "$STAGE/horovod/" && log "wheelhouse: the host's Horovod wheel ${d##*/}"
+  done
 }
 
 # ---------------------------------------------------------------- build
@@ -139,7 +154,7 @@ case $FLAVOUR in
     make_wheelhouse
     stage_wheelhouse "$WH"
     BUILD_ARGS=(--network none --build-arg "BASE_IMAGE=$BASE" --build-arg TORCH_CUDA=cpu
-                --build-arg HOROVOD_GPU=cpu --build-arg WHEELHOUSE=1) ;;
+                --build-arg HOROVOD_GPU=cpu --build-arg WHEELHOUSE=1 --build-arg "HOROVOD_MPI=$MPI") ;;
   cuda)
     stage_wheelhouse "" ;;
 esac

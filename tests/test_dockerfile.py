@@ -92,7 +92,9 @@ def test_horovod_built_with_nccl_mpi_and_tools_installed():
     run = "\n".join(i for i in INSTRUCTIONS if i.startswith("RUN"))
     assert ARGS["HOROVOD_GPU"] == "nccl"
     assert "HOROVOD_INSTALL_GPU=${HOROVOD_GPU}" in run and "install_horovod.sh" in run
-    assert "hvd.nccl_built() == ('${HOROVOD_GPU}' == 'nccl') and hvd.gloo_built() and hvd.mpi_built()" in run
+    assert "hvd.nccl_built() == ('${HOROVOD_GPU}' == 'nccl') and hvd.gloo_built()" in run
+    assert ARGS["HOROVOD_MPI"] == "1" and "hvd.mpi_built() == ('${HOROVOD_MPI}' == '1')" in run  # MPI by default
+    assert 'if [ "${HOROVOD_MPI}" = 1 ]; then pkgs="$pkgs openmpi-bin libopenmpi-dev"; fi' in run
     for pkg in ("libopenmpi-dev", "openmpi-bin", "openssh-server", "openssh-client"):
         assert pkg in run, pkg
     # the dependencies and test extras from pyproject.toml, then the project itself (editable)
@@ -124,9 +126,10 @@ def _build_args(flavour: str) -> dict[str, str]:
 def test_flavours_differ_only_by_build_args():
     """One FROM, the cpu flavour's values given as build args of ARGs the file has, every ARG used."""
     cpu = _build_args("cpu")
-    assert set(cpu) == {"BASE_IMAGE", "TORCH_CUDA", "HOROVOD_GPU", "WHEELHOUSE"}, cpu
+    assert set(cpu) == {"BASE_IMAGE", "TORCH_CUDA", "HOROVOD_GPU", "WHEELHOUSE", "HOROVOD_MPI"}, cpu
     assert set(cpu) <= set(ARGS) | {"HOROVOD_BUILD_CUDA_CC_LIST"}, set(cpu) - set(ARGS)
     assert cpu["TORCH_CUDA"] == "cpu" and cpu["HOROVOD_GPU"] == "cpu" and cpu["WHEELHOUSE"] == "1"
+    assert cpu["HOROVOD_MPI"] == "$MPI"  # HOROVOD_MPI=1 bash scripts/build_image.sh cpu: + Open MPI (else Gloo only)
     assert _build_args("cuda") == {}  # the defaults are the CUDA image
     text = "\n".join(INSTRUCTIONS)
     for arg in ARGS:
@@ -181,7 +184,7 @@ def test_build_script_reads_the_dockerfiles_apt_packages():
     m = re.match(r'RUN pkgs="([^"]+)"', first)
     assert m, first[:80]
     pkgs = m.group(1).split()
-    assert {"python3-venv", "libopenmpi-dev", "openssh-server", "build-essential", "cmake"} <= set(pkgs)
+    assert {"python3-venv", "openssh-server", "build-essential", "cmake"} <= set(pkgs)  # Open MPI's: by HOROVOD_MPI
     assert "if ! dpkg -s $pkgs" in first
     script = _read("scripts", "build_image.sh")
     assert "RUN pkgs=" in script and '--include="$(IFS=,; echo "${APT[*]}")"' in script
