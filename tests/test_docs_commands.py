@@ -153,6 +153,15 @@ REGISTRY: dict[str, Entry] = {
         Entry(marks=("gpu",), skip="needs two hosts with 8 GPUs each (host1, host2): a real cluster; "
                                    "its one-machine form is docs/cluster.md's, run under netns"),
     "docker build -t hybrid-trainer .": Entry(marks=("docker",), in_checkout=True, timeout=3600),
+    # README (In a container) and docs/running.md: the cpu image (cached: a build with nothing
+    # changed takes seconds; tests/test_image.py builds it first in a full run)
+    "bash scripts/build_image.sh cpu": Entry(marks=("docker",), in_checkout=True, timeout=3600,
+                                             stdout=r"(?m)^hybrid-trainer:cpu$"),
+    "podman run --rm --network none hybrid-trainer:cpu python -m trainer train.steps=100":
+        Entry(marks=("docker",), shrink=(("train.steps=100", "train.steps=4"),), add=("data.eval_samples=512",),
+              json_keys=TRAINER_LINE, timeout=600),
+    "mkdir -p runs && podman run --rm --network none -v $PWD/runs:/runs hybrid-trainer:cpu horovodrun -np 2 -H localhost:2 --gloo python -m trainer comm=horovod hydra.run.dir=/runs/img":
+        Entry(marks=("docker",), add=W2, files=("runs/img/summary.json",), json_keys=TRAINER_LINE, timeout=600),
     "docker run --rm --gpus all --ipc host hybrid-trainer horovodrun -np 8 -H localhost:8 python -m trainer comm=horovod train.device=cuda":
         Entry(marks=("docker", "gpu"), add=("train.steps=4",), json_keys=TRAINER_LINE, timeout=900),
     ".venv/bin/horovodrun -np 2 -H localhost:2 --gloo .venv/bin/python -m trainer -m optim.lr=0.01,0.1 hydra.sweep.dir=multirun/lr":
@@ -560,12 +569,20 @@ def _has_netns() -> Optional[str]:
     return None
 
 
-def _has_docker() -> Optional[str]:
-    if shutil.which("docker") is None:
-        return "needs a container engine (no `docker`)"
-    if subprocess.run(["docker", "info"], capture_output=True, timeout=60).returncode:
-        return "needs a running container engine (`docker info` fails)"
+def _engine_fails(name: str) -> Optional[str]:
+    """Why the container engine `name` (podman or docker) does not run here, or None."""
+    if shutil.which(name) is None:
+        return f"no `{name}`"
+    if subprocess.run([name, "info"], capture_output=True, timeout=120).returncode:
+        return f"`{name} info` fails"
     return None
+
+
+def _has_docker() -> Optional[str]:
+    """A container engine runs: podman or docker (scripts/build_image.sh uses either); a command
+    that names one needs that one (checked per command)."""
+    whys = [_engine_fails(e) for e in ("podman", "docker")]
+    return None if None in whys else f"needs a running container engine ({'; '.join(whys)})"
 
 
 def _has_gpu() -> Optional[str]:
@@ -619,7 +636,7 @@ def _run_one(c: Command, e: Entry, cwd: Path, sample: Callable[[], Path]) -> Opt
         out, err = proc.communicate()
         return (f"{c.where}: `{c.text}` did not finish within {e.timeout} s (ran: {line})\n"
                 f"--- stderr (end) ---\n{err[-3000:]}")
-    out = re.sub(r"(?m)^\[\d+\]<stdout>:", "", out)  # horovodrun prefixes each rank's lines
+    out = re.sub(r"(?m)^\[\d+(?:,\d+)?\]<stdout>:", "", out)  # horovodrun prefixes each rank's lines ([1,0]: under MPI)
     p = subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
     tail = f"\n--- stdout (end) ---\n{p.stdout[-2000:]}\n--- stderr (end) ---\n{p.stderr[-4000:]}"
     if p.returncode != 0:
@@ -677,6 +694,11 @@ def test_documented_commands_run(block: list[Command], tmp_path: Path, request) 
         why = NEEDS[mark]()
         if why:
             pytest.skip(f"{block[0].where}: {why}")
+    for c, e in runnable:  # `docker ...` needs docker itself, `podman ...` podman
+        engine = c.text.split()[0]
+        why = _engine_fails(engine) if "docker" in e.marks and engine in ("docker", "podman") else None
+        if why:
+            pytest.skip(f"{c.where}: needs a running `{engine}` ({why})")
     cwd = _scratch(tmp_path)
     sample = lambda: request.getfixturevalue("prepared_sample")  # noqa: E731 - only when DIR is used
     cleanups = [e.cleanup for _, e in runnable if e.cleanup]

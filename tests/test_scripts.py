@@ -25,9 +25,11 @@ RUNNER = os.path.join(ROOT, "tests", "script_runner.py")
 # script -> where a shrunk real run of it is tested (file::test); "" = in this file
 REAL_RUNS = {
     "scripts/baseline_lr.py": "test_baseline_lr.py::test_baseline_auc_and_split_sizes_match_the_trainer",
+    "scripts/build_image.sh": "test_image.py::test_image_holds_the_cpu_stack_and_no_host_files",
     "scripts/check_imports.py": "test_imports.py::test_cli_on_the_repository_checks_both_packages",
     "scripts/gpu_check.sh": "test_gpu_check.py::test_gpu_check_runs_every_stage_in_cpu_mode",
     "scripts/install_horovod.sh": "",
+    "scripts/install_podman.sh": "",
     "scripts/plan.py": "test_sca.py::test_plan_script_prints_json_and_rejects_bad_input",
     "scripts/plot_sweep.py": "test_horovod.py::test_staleness_sweep_under_horovodrun_and_plot",
     "scripts/prepare_criteo.py": "test_criteo_prep.py::test_bad_rows_counted_with_line_numbers_and_round_trip",
@@ -89,6 +91,7 @@ def test_every_script_is_listed_and_its_real_run_exists():
 def _local_test(script: str) -> str:
     """This file's shrunk real run of `script` (REAL_RUNS "")."""
     return {"scripts/install_horovod.sh": "test_install_horovod_has_nothing_to_do_in_this_venv",
+            "scripts/install_podman.sh": "test_install_podman_ends_with_a_running_engine",
             "scripts/setup.sh": "test_setup_check_finds_everything_in_this_venv",
             "benchmarks/bench_comm.py": "test_bench_comm_all_launches_torchrun_and_horovodrun",
             "benchmarks/bench_data.py": "test_bench_data_measures_prepare_and_both_loaders",
@@ -122,6 +125,8 @@ HELP_SAYS = {  # a phrase of each script's own help text (not argparse's), so th
     "dev/recipe_study/val_rotations.py": "validation slices",
     "scripts/gpu_check.sh": "GPU checklist",
     "scripts/install_horovod.sh": "C++17",
+    "scripts/install_podman.sh": "runc",
+    "scripts/build_image.sh": "mmdebstrap",
     "scripts/setup.sh": "--check",
 }
 
@@ -382,3 +387,20 @@ def test_check_trainer_composes_what_the_workers_would():
         launch.check_trainer(3, ["data=tiny", "data.global_batch_size=64"])
     with pytest.raises(ValueError, match="comm.backend='nosuch'"):
         launch.check_trainer(2, ["data=tiny", "comm.backend=nosuch"], "horovodrun")
+
+
+def test_install_podman_ends_with_a_running_engine():
+    """install_podman.sh (.ci/run runs it before the suite): as root on Debian it installs what is
+    missing (nothing, where CI already ran it), keeps an existing containers.conf and ends with
+    `podman info` naming the runtime."""
+    import shutil
+
+    if os.geteuid() != 0 or shutil.which("dpkg") is None or shutil.which("apt-get") is None:
+        pytest.skip("install_podman.sh needs root, dpkg and apt-get (Debian)")
+    p = subprocess.run(["bash", os.path.join(ROOT, "scripts", "install_podman.sh")], capture_output=True,
+                       text=True, timeout=900)
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert "[install_podman] podman: runtime runc" in p.stdout, p.stdout
+    r = subprocess.run(["bash", os.path.join(ROOT, "scripts", "install_podman.sh"), "nosuch"], capture_output=True,
+                       text=True, timeout=30)
+    assert r.returncode == 2 and r.stderr.startswith("error: nosuch: unknown argument"), r.stderr
