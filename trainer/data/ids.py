@@ -108,15 +108,43 @@ class IdGuard:
             "Set data.out_of_range=hash to fold such ids into their table (id mod rows)")
 
 
-class GuardedData:
-    """A data source whose every batch (and global-view id list) passes through an IdGuard; every
-    other attribute is the wrapped source's."""
+class MappedData:
+    """A data source whose every batch (and global-view id list) passes through map_batch / map_ids
+    (a subclass's); every other attribute is the wrapped source's."""
 
-    def __init__(self, data: Any, guard: IdGuard) -> None:
-        self._data, self.guard = data, guard
+    def __init__(self, data: Any) -> None:
+        self._data = data
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._data, name)
+
+    def map_batch(self, b: Batch, where: str) -> Batch:
+        raise NotImplementedError
+
+    def map_ids(self, values: np.ndarray, lengths: np.ndarray, where: str) -> np.ndarray:
+        raise NotImplementedError
+
+    def train_batch(self, step: int) -> Batch:
+        return self.map_batch(self._data.train_batch(step), f"training batch of step {step}")
+
+    def eval_batches(self, split: str = "test") -> Iterator[Batch]:
+        for b in self._data.eval_batches(split):
+            yield self.map_batch(b, "eval batch" if split == "test" else "validation batch")
+
+    def sample_ids(self, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        values, lengths = self._data.sample_ids(keys)
+        return self.map_ids(values, lengths, "global batch"), lengths
+
+    def sample_batch(self, keys: np.ndarray) -> Batch:
+        return self.map_batch(self._data.sample_batch(keys), "training batch")
+
+
+class GuardedData(MappedData):
+    """A data source whose every batch (and global-view id list) passes through an IdGuard."""
+
+    def __init__(self, data: Any, guard: IdGuard) -> None:
+        super().__init__(data)
+        self.guard = guard
 
     @property
     def source(self) -> Any:
@@ -128,16 +156,8 @@ class GuardedData:
         inner = getattr(self._data, "guard", None)
         return self.guard.hashed + (inner.hashed if isinstance(inner, IdGuard) else 0)
 
-    def train_batch(self, step: int) -> Batch:
-        return self.guard.batch(self._data.train_batch(step), f"training batch of step {step}")
+    def map_batch(self, b: Batch, where: str) -> Batch:
+        return self.guard.batch(b, where)
 
-    def eval_batches(self, split: str = "test") -> Iterator[Batch]:
-        for b in self._data.eval_batches(split):
-            yield self.guard.batch(b, "eval batch" if split == "test" else "validation batch")
-
-    def sample_ids(self, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        values, lengths = self._data.sample_ids(keys)
-        return self.guard.sample_ids(values, lengths, "global batch"), lengths
-
-    def sample_batch(self, keys: np.ndarray) -> Batch:
-        return self.guard.batch(self._data.sample_batch(keys), "training batch")
+    def map_ids(self, values: np.ndarray, lengths: np.ndarray, where: str) -> np.ndarray:
+        return self.guard.sample_ids(values, lengths, where)

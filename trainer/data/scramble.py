@@ -8,13 +8,13 @@ table merged) with ids spread over the whole space, as production hashes are.
 """
 from __future__ import annotations
 
-from typing import Any, Iterator
+from typing import Any
 
 import numpy as np
 import torch
 
 from .batch import Batch
-from .ids import ID_BITS
+from .ids import ID_BITS, MappedData
 
 _MASK = (1 << ID_BITS) - 1
 _A, _B = 0x9E3779B97F4A7C15 & _MASK | 1, 0xBF58476D1CE4E5B9 & _MASK | 1  # odd: invertible mod 2^56
@@ -34,31 +34,16 @@ def scramble(values: torch.Tensor, table: torch.Tensor, seed: int) -> torch.Tens
     return (x + _salt(seed, table)) & _MASK
 
 
-class ScrambledIds:
-    """A data source whose every batch (and global-view id list) has its ids scrambled; every
-    other attribute is the wrapped source's."""
+class ScrambledIds(MappedData):
+    """A data source whose every batch (and global-view id list) has its ids scrambled."""
 
     def __init__(self, data: Any, seed: int) -> None:
-        self._data, self.seed = data, seed
+        super().__init__(data)
+        self.seed = seed
 
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._data, name)
-
-    def _batch(self, b: Batch) -> Batch:
+    def map_batch(self, b: Batch, where: str) -> Batch:
         return Batch(b.dense, scramble(b.values, b.table_index(), self.seed), b.lengths, b.labels)
 
-    def train_batch(self, step: int) -> Batch:
-        return self._batch(self._data.train_batch(step))
-
-    def eval_batches(self, split: str = "test") -> Iterator[Batch]:
-        for b in self._data.eval_batches(split):
-            yield self._batch(b)
-
-    def sample_batch(self, keys: np.ndarray) -> Batch:
-        return self._batch(self._data.sample_batch(keys))
-
-    def sample_ids(self, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        values, lengths = self._data.sample_ids(keys)
+    def map_ids(self, values: np.ndarray, lengths: np.ndarray, where: str) -> np.ndarray:
         t = np.repeat(np.tile(np.arange(lengths.shape[1]), lengths.shape[0]), lengths.reshape(-1))
-        out = scramble(torch.from_numpy(np.asarray(values, np.int64)), torch.from_numpy(t), self.seed)
-        return out.numpy(), lengths
+        return scramble(torch.from_numpy(np.asarray(values, np.int64)), torch.from_numpy(t), self.seed).numpy()
