@@ -35,7 +35,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:  # the repository root, for the package when run from a checkout
     sys.path.insert(0, ROOT)
 
-from benchmarks.phases import ENV as PHASES_ENV, read_phases  # noqa: E402
+from benchmarks.phases import ENV as PHASES_ENV, PROFILE_ENV, read_phases  # noqa: E402
 from trainer.tools.cli import bad_input, input_errors  # noqa: E402
 from trainer.tools.launch import check_trainer, run_trainer, trainer_command  # noqa: E402
 
@@ -76,17 +76,18 @@ def check(worlds: list[int], steps: int, extra: list[str], backend: str, workloa
 
 
 def bench(world: int, steps: int, extra: list[str], backend: str, workload: str = "bench",
-          point: list[str] = ()) -> dict:
+          point: list[str] = (), profile_steps: int = 0) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "run")
         try:
             s = run_trainer(command(world, steps, out, extra, backend, workload, point), out, cwd=ROOT,
-                            env={PHASES_ENV: out, "PYTHONUNBUFFERED": "1"})
+                            env={PHASES_ENV: out, "PYTHONUNBUFFERED": "1", PROFILE_ENV: str(profile_steps)})
         except RuntimeError as exc:
             raise SystemExit(f"W={world} {' '.join(point)}: {exc}") from None
         lines = [json.loads(x) for x in open(os.path.join(out, "metrics.jsonl")) if '"loss"' in x]
         phases = read_phases(out)
-    steady = [x["samples_per_sec"] for x in lines[1:]] or [s["samples_per_sec"]]
+    # the steady rate: after the first 10 steps, and after the profiled ones (the window 10-20)
+    steady = [x["samples_per_sec"] for x in lines[2 if profile_steps else 1:]] or [s["samples_per_sec"]]
     cfg = s["config"]
     return {"bench": "train", "workload": workload, "overrides": extra, "world_size": world,
             "backend": backend if world > 1 else "local", "steps": steps,
@@ -99,7 +100,9 @@ def bench(world: int, steps: int, extra: list[str], backend: str, workload: str 
             "bytes_per_sample_by_kind": {k: round(v, 2) for k, v in s["bytes_per_sample_by_kind"].items()},
             "remote_rows_per_step": s["embedding"]["remote_per_step"],
             "ms_per_step": phases[0]["ms_per_step"] if phases else None,
+            "ms_per_step_steady": phases[0].get("ms_per_step_steady") if phases else None,
             "cpu_busy": phases[0]["cpu_busy"] if phases else None,
+            **({"profile": phases[0]["profile"]} if phases and "profile" in phases[0] else {}),
             "final_loss": s["final_loss"], "eval_auc": s["eval_auc"], "wall_s": round(s["wall_s"], 1),
             "phases": phases}
 
@@ -117,7 +120,12 @@ def main(argv: list[str] | None = None) -> int:
                     help="samples per rank (data.batch_size), one point each; default: the workload's")
     ap.add_argument("--precisions", nargs="+", default=[None], metavar="P",
                     help="train.precision (fp32, bf16, fp16), one point each; default: the trainer's (fp32)")
+    ap.add_argument("--profile-steps", type=int, default=0, metavar="N",
+                    help="torch.profiler over N steps after the first 10 (rank 0's summary in `profile`)")
     a = ap.parse_args(argv)
+    if a.profile_steps and not (1 <= a.profile_steps <= 10 and a.steps >= 30):
+        return bad_input(ValueError(f"--profile-steps takes 1..10 steps (the steps 11-20) and needs --steps >= 30 "
+                                    f"(the steady rate is read after step 20), got {a.profile_steps} with --steps {a.steps}"))
     points = [point_overrides(b, p) for b in a.batch_sizes for p in a.precisions]
     try:
         check(a.worlds, a.steps, extra, a.backend, a.workload, points)
@@ -125,7 +133,7 @@ def main(argv: list[str] | None = None) -> int:
         return bad_input(exc)
     for w in a.worlds:
         for point in points:
-            print(json.dumps(bench(w, a.steps, extra, a.backend, a.workload, point)), flush=True)
+            print(json.dumps(bench(w, a.steps, extra, a.backend, a.workload, point, a.profile_steps)), flush=True)
     return 0
 
 

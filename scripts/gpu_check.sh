@@ -20,7 +20,20 @@
 # CRITEO=DIR (a prepared Criteo directory) adds the parity path criteo-dali: the default recipe on
 # data=criteo, DALI's GPU pipeline on the device (the memmap reader where DALI is not installed).
 # PART=checks runs env, pytest and parity only; PART=bench env and the benchmarks only (default:
-# all), so a short device lease can take them in two calls.
+# all), so a short device lease can take them in two calls. PART=step runs env and the step study
+# of the MLPerf-shaped DLRM only:
+#   dense_probe    dev/gpu_dense_probe.py: the dense step alone, eager vs one CUDA graph
+#                                                                         -> dense_probe.jsonl
+#   step_mlperf    bench_train --workload mlperf, bf16, W = 1 at STEP_BATCHES (default 2048 16384
+#                  65536), torch.profiler over 5 steps (kernel busy share, launches, top kernels),
+#                  STEP_EXTRA overrides appended                          -> step.jsonl
+#   step_bench     the same profile on the bench workload at 2,048 (the earlier baseline)
+#                                                                         -> step.jsonl
+#   step_w2_*      the bench workload at W = 2 through gloo on the one device, for each
+#                  train.pipeline in STEP_W2_PIPELINES (e.g. "off ids"; default: none)
+#                                                                         -> step.jsonl
+# (STEP_PRECISIONS: the mlperf points' train.precision list, default bf16; DENSE_PROBE=0 skips the
+# probe; STEP_EXTRA="data.cycle_batches=8" takes the synthetic generator out of the step.)
 # DEVICE=cpu QUICK=1 runs the same plumbing on a CPU machine (small sizes, no gpu tests), to check
 # the script itself before spending GPU time. PYTHON picks the interpreter (default python3).
 set -u
@@ -82,6 +95,27 @@ import trainer, kernels  # noqa: F401  (the package imports with this interprete
 print("trainer imports")
 EOF
 [ $? = 0 ] || { say "env failed: see $LOG"; exit 1; }
+
+if [ "$PART" = step ]; then
+  STEP_BATCHES=${STEP_BATCHES:-2048 16384 65536}
+  SSTEPS=$([ "$QUICK" = 1 ] && echo 30 || echo 40)
+  [ "${DENSE_PROBE:-1}" = 1 ] && stage dense_probe 90 "$OUT/dense_probe.jsonl" "$PY" dev/gpu_dense_probe.py \
+    --device "$DEVICE" $([ "$QUICK" = 1 ] && echo --batch-sizes 256 --iters 2)
+  for batch in $STEP_BATCHES; do
+    stage "step_mlperf_$batch" 120 "$OUT/step.jsonl" "$PY" benchmarks/bench_train.py --worlds 1 \
+      --workload mlperf --steps "$SSTEPS" --profile-steps 5 --batch-sizes "$batch" \
+      --precisions ${STEP_PRECISIONS:-bf16} -- "train.device=$DEVICE" data.loader_threads=8 ${STEP_EXTRA:-}
+  done
+  stage step_bench 90 "$OUT/step.jsonl" "$PY" benchmarks/bench_train.py --worlds 1 --steps "$SSTEPS" \
+    --profile-steps 5 -- "train.device=$DEVICE" ${STEP_EXTRA:-}
+  for pipe in ${STEP_W2_PIPELINES:-}; do  # W = 2 through gloo on the one device, serial vs pipelined
+    stage "step_w2_pipeline_$pipe" 120 "$OUT/step.jsonl" "$PY" benchmarks/bench_train.py --worlds 2 \
+      --steps "$SSTEPS" --profile-steps 5 -- "train.device=$DEVICE" comm.dist_backend=gloo \
+      "train.pipeline=$pipe" ${STEP_EXTRA:-}
+  done
+  say "done: $OUT"
+  exit 0
+fi
 
 PYTEST_PID=
 if [ "$PART" != bench ] && [ "$DEVICE" = cuda ]; then

@@ -152,3 +152,37 @@ def test_plan_lookup_sorts_narrow_ids_as_int32_with_the_same_plan(monkeypatch):
         assert torch.equal(getattr(narrow, f), getattr(wide, f)), f
     assert narrow.splits == wide.splits and narrow.uniq.dtype == torch.int64
     assert torch.equal(narrow.uniq[narrow.inverse], gids)
+
+
+@pytest.mark.parametrize("bags", [(1, 1), (0, 5)])
+def test_loader_threads_make_the_same_batches_in_chunks(bags):
+    """data.loader_threads > 1 makes a large batch in row chunks on a thread pool: every value is
+    a function of its sample's index alone, so training and evaluation batches are bit-identical."""
+    extra = ["data.global_batch_size=9000", f"data.min_bag={bags[0]}", f"data.max_bag={bags[1]}",
+             "data.eval_samples=9000", "data.eval_batch_size=9000"]
+    one, three = (make_data(_cfg(*extra, f"data.loader_threads={n}"), 0, 1) for n in (1, 3))
+    assert min(3, 9000 // 4096) == 2  # the chunked path really runs (two chunks of 4,500)
+    pairs = [(one.train_batch(4), three.train_batch(4)), (next(one.eval_batches()), next(three.eval_batches()))]
+    for a, b in pairs:
+        for f in ("dense", "values", "lengths", "labels"):
+            assert torch.equal(getattr(a, f), getattr(b, f)), f
+    assert three._pool is not None  # ... on the pool
+
+
+def test_cycle_batches_repeats_the_first_k_global_batches_everywhere():
+    """data.cycle_batches=K: global batch s is global batch s mod K, made once per rank; the global
+    view (stream_keys, what schedulers and placement profiles read) repeats the same way, and the
+    ranks' slices still make up the single process's batch."""
+    c = _cfg("data.cycle_batches=3")
+    full = make_data(c, 0, 1)
+    plain = make_data(_cfg(), 0, 1)
+    for s in range(7):
+        assert torch.equal(full.train_batch(s).values, plain.train_batch(s % 3).values)
+    assert full.train_batch(4) is full.train_batch(1)  # made once, kept
+    g = 48
+    pos = np.arange(5 * g, 6 * g)  # step 5 = step 2
+    assert np.array_equal(full.stream_keys(pos), np.arange(2 * g, 3 * g))
+    parts = [make_data(c, r, 3).train_batch(5) for r in range(3)]
+    assert torch.equal(torch.cat([p.values for p in parts]), full.train_batch(2).values)
+    with pytest.raises(Exception, match="data.cycle_batches"):
+        _cfg("data.cycle_batches=-1")

@@ -65,6 +65,27 @@ def test_hash_folds_only_out_of_range_ids_mod_rows():
     assert g.batch(ok, "b") is ok and g.hashed == 4  # an in-range batch is passed through untouched
 
 
+@pytest.mark.parametrize("n", [1, 2])
+def test_bags_of_one_length_take_the_column_check_with_the_same_result(n):
+    """Every bag holds n ids: the guard checks by column (no per-id table index): the same folded
+    ids and count (hash) and the same message (error) as the general check."""
+    rng = np.random.default_rng(0)
+    lengths = [[n] * 4 for _ in range(3)]
+    values = [int(rng.integers(-5, 2 * r)) for _ in range(3) for r in ROWS for _ in range(n)]
+    b = _batch(values, lengths)
+    assert b.uniform_bag_length() == n and _batch([1, 2], [[1, 1, 0, 0]]).uniform_bag_length() is None
+    fast, general = IdGuard(ROWS, "hash"), IdGuard(ROWS, "hash")
+    got = fast.batch(b, "b").values
+    want = general.values(b.values, b.table_index(), "b")
+    assert torch.equal(got, want) and fast.hashed == general.hashed > 0
+    messages = []
+    for check in (lambda g: g.batch(b, "b"), lambda g: g.values(b.values, b.table_index(), "b")):
+        with pytest.raises(IdRangeError) as err:
+            check(IdGuard(ROWS, "error"))
+        messages.append(str(err.value))
+    assert messages[0] == messages[1]
+
+
 def test_global_view_and_batches_see_the_same_guarded_ids(monkeypatch):
     """GuardedData.sample_ids (what placement and Herald plan with) and sample_batch (what a rank
     trains on) fold identically; the numpy path agrees with the torch path."""

@@ -21,6 +21,7 @@ CASES = {
     "w2-adagrad-mean": (2, ["optim=adagrad", "model.pooling=mean"]),
     "w3-adagrad": (3, ["optim=adagrad"]),
     "w3-adam-rowwise": (3, ["optim=adam"]),
+    "w2-sgd-cycled": (2, ["optim=sgd", "data.cycle_batches=5"]),  # repeated batches, made once
 }
 
 

@@ -87,7 +87,7 @@ class DataConfig:
     seed: int = 1234  # data seed (ids, labels, planted weights)
     dir: Optional[str] = None  # criteo: directory from scripts/prepare_criteo.py; movielens: folder with ml-100k.* (null = recbole's)
     loader: str = "dali"  # criteo reader: dali (default) | memmap (the reference)
-    loader_threads: int = 1  # criteo: DALI pipeline threads per rank
+    loader_threads: int = 1  # threads per rank: DALI pipeline threads (criteo), batch row chunks (synthetic)
     eval_fraction: float = 0.1  # held-out share: criteo's tail (when no test split), movielens' random split
     shuffle: bool = True  # criteo/movielens: seeded shuffle of training rows (criteo: block order + rows in a block)
     epochs: Optional[float] = 0.0  # criteo/movielens: > 0 sets train.steps = ceil(epochs * training rows / global batch); null = the recipe's
@@ -98,6 +98,7 @@ class DataConfig:
     out_of_range: str = "error"  # an id < 0 or >= its table's rows: error (stop, naming table, id, rows) | hash (id mod rows)
     drift: float = 0.0  # synthetic, embedding.tables=dynamic: ids drift by floor(drift x stream position): new ids keep arriving, popularity moves (0 = no drift)
     drift_eval_at: int = 0  # with drift: evaluation samples are drawn as at this training sample position
+    cycle_batches: int = 0  # synthetic: K > 0: the training stream repeats its first K global batches, each made once (benchmarks)
     scramble_ids: bool = False  # synthetic, embedding.tables=dynamic: present table t's id i as a random-looking id in [0, 2^56) (a bijection per table)
 
 
@@ -466,6 +467,9 @@ def validate(c: Config) -> None:
     _check(d.eval_batch_size > 0, "data.eval_batch_size", d.eval_batch_size, "must be > 0")
     _one_of("data.loader", d.loader, LOADERS)
     _check(d.loader_threads > 0, "data.loader_threads", d.loader_threads, "must be > 0")
+    _check(d.cycle_batches >= 0, "data.cycle_batches", d.cycle_batches, "must be >= 0 (0 = no repeat)")
+    _check(d.name == "synthetic" or not d.cycle_batches, "data.cycle_batches", d.cycle_batches,
+           "is a synthetic-data option")
     _check(0 < d.eval_fraction < 1, "data.eval_fraction", d.eval_fraction, "must be in (0, 1)")
     _check(d.epochs is not None, "data.epochs", d.epochs, _UNRESOLVED)
     _check(d.epochs >= 0, "data.epochs", d.epochs, "must be >= 0 (0 = use train.steps)")

@@ -142,7 +142,7 @@ def make_data(cfg: Config, rank: int, world: int) -> GuardedData:
 def _make_data(cfg: Config, rank: int, world: int) -> Union[SyntheticData, CriteoData, MovieLensData]:
     b = local_batch_size(cfg, world)
     if cfg.data.name == "synthetic":
-        return SyntheticData(cfg.data, table_rows(cfg), rank, world, b)
+        return SyntheticData(cfg.data, table_rows(cfg), rank, world, b, pin_memory=_local_gpu(cfg) is not None)
     if cfg.data.name == "criteo":
         from .blocks import CriteoData, memmap_reader
         num_dense = cfg.data.num_dense

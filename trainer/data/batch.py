@@ -41,6 +41,15 @@ class Batch:
         torch.cumsum(flat, 0, out=out[1:])
         return out
 
+    def uniform_bag_length(self) -> int | None:
+        """n when every bag holds exactly n ids (one-hot data: 1), else None. Reads the lengths
+        (one pass, on the host for a host batch)."""
+        if self.lengths.numel() == 0:
+            return None
+        lo, hi = torch.aminmax(self.lengths)
+        n = int(lo)
+        return n if n == int(hi) and n * self.lengths.numel() == self.values.numel() else None
+
     def table_index(self) -> torch.Tensor:
         """[N] int64 table of every value, on the batch's device."""
         if self._tables is None:

@@ -86,9 +86,27 @@ class IdGuard:
         return ids
 
     def batch(self, b: Batch, where: str) -> Batch:
+        n = b.uniform_bag_length()
+        if n is not None:  # every bag holds n ids: checked by column, no per-id table index
+            v = self.uniform(b.values.view(b.batch_size, b.num_tables, n), where).reshape(-1)
+            return b if v.data_ptr() == b.values.data_ptr() else Batch(b.dense, v, b.lengths, b.labels)
         tables = b.table_index().to(b.values.device)
         v = self.values(b.values, tables, where)
         return b if v is b.values else Batch(b.dense, v, b.lengths, b.labels, tables)
+
+    def uniform(self, ids: torch.Tensor, where: str) -> torch.Tensor:
+        """ids [b, T, n] (bags of n ids, table t in column t) -> in-range ids [b, T, n] (the same
+        tensor when all are): the check of `values` without its [N] table index, which costs more
+        than the check itself on the host (1.7M ids: ~30 ms against ~5)."""
+        lim = resident(self.rows, ids.device).view(1, -1, 1)
+        bad = (ids < 0) | (ids >= lim)
+        if not bool(bad.any()):
+            return ids
+        if self.policy == "error":
+            table = torch.arange(ids.shape[1], device=ids.device).view(1, -1, 1).expand_as(ids)
+            self._raise(ids.reshape(-1), table.reshape(-1), bad.reshape(-1), where)
+        self._hashed += int(bad.sum())
+        return torch.where(bad, torch.remainder(ids, lim), ids)
 
     def sample_ids(self, values: np.ndarray, lengths: np.ndarray, where: str) -> np.ndarray:
         """The numpy form (global views): values [N] with lengths [G, T] (sample-major bags)."""

@@ -16,7 +16,8 @@ ranks. Evaluation samples are drawn as at training position data.drift_eval_at +
 from __future__ import annotations
 
 import math
-from typing import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from typing import Iterator, Optional
 
 import numpy as np
 import torch
@@ -29,6 +30,7 @@ TRAIN, EVAL = 0, 1
 _S_LEN, _S_ID, _S_DENSE, _S_LABEL = 1, 2, 3, 4
 _S_WEIGHT, _S_DENSE_W = 90, 91
 _PLANTED_TABLE_MAX_ROWS = 20_000_000
+_CHUNK_MIN_SAMPLES = 4096  # data.loader_threads splits a batch into chunks of at least this many
 
 
 def _stream(split: int, kind: int) -> int:
@@ -62,8 +64,10 @@ def coprime_multiplier(n: int) -> int:
 class SyntheticData:
     """Generates the local slice of each global batch for one rank."""
 
-    def __init__(self, cfg: DataConfig, rows: list[int], rank: int, world: int, local_batch: int):
+    def __init__(self, cfg: DataConfig, rows: list[int], rank: int, world: int, local_batch: int,
+                 pin_memory: bool = False):
         self.cfg, self.rows, self.rank, self.world, self.b = cfg, list(rows), rank, world, local_batch
+        self.pin_memory = pin_memory  # chunked batches in page-locked memory (batches for a GPU)
         self.T, self.F = len(rows), cfg.num_dense
         self._n = np.asarray(rows, dtype=np.int64)
         self._mult = np.asarray([coprime_multiplier(n) for n in rows], dtype=np.int64)
@@ -81,6 +85,12 @@ class SyntheticData:
             t = np.repeat(np.arange(self.T), rows)
             i = np.arange(sum(rows)) - self._w_start[t]
             self._w_table = self._planted(t, i).astype(np.float32)
+        # data.loader_threads > 1: a batch's samples are made in row chunks on a thread pool (numpy
+        # releases the GIL in its array loops); every value is a function of its sample's index
+        # alone, so the chunks give bit-identical batches (tests/test_data.py)
+        self._pool: Optional[ThreadPoolExecutor] = None
+        self._cycled: dict[int, Batch] = {}  # data.cycle_batches: the K local batches, once made
+        self._threads = max(1, int(cfg.loader_threads))
 
     @property
     def global_batch(self) -> int:
@@ -143,8 +153,30 @@ class SyntheticData:
         return self._planted(table, ids)
 
     def samples(self, split: int, idx: np.ndarray) -> Batch:
-        """The samples with global indices idx (1-D int64) of a split."""
+        """The samples with global indices idx (1-D int64) of a split (in row chunks on
+        data.loader_threads threads when the batch is large enough: the same values)."""
         idx = np.asarray(idx, dtype=np.int64)
+        chunks = min(self._threads, idx.size // _CHUNK_MIN_SAMPLES)
+        if chunks <= 1:
+            return self._samples(split, idx)
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(self._threads, thread_name_prefix="synthetic")
+        parts = list(self._pool.map(lambda part: self._samples(split, part), np.array_split(idx, chunks)))
+        fields = ("dense", "values", "lengths", "labels")
+        # the whole batch in one buffer per field, page-locked when it goes to a GPU (the copy to
+        # the device then starts from it directly); the chunks are copied in on the pool too
+        outs = [torch.empty((sum(getattr(p, f).shape[0] for p in parts), *getattr(parts[0], f).shape[1:]),
+                            dtype=getattr(parts[0], f).dtype, pin_memory=self.pin_memory) for f in fields]
+
+        def fill(k: int) -> None:
+            for out, f in zip(outs, fields):
+                at = sum(getattr(p, f).shape[0] for p in parts[:k])
+                src = getattr(parts[k], f)
+                out[at:at + src.shape[0]].copy_(src)
+        list(self._pool.map(fill, range(len(parts))))
+        return Batch(*outs)
+
+    def _samples(self, split: int, idx: np.ndarray) -> Batch:
         lengths = self._lengths(split, idx)
         values = self._ids(split, idx, lengths)
         dense = rng.normal(self.cfg.seed, _stream(split, _S_DENSE),
@@ -175,6 +207,9 @@ class SyntheticData:
     def stream_keys(self, pos: np.ndarray) -> np.ndarray:
         """Sample keys (training sample indices) at positions `pos` of the training stream."""
         pos = np.asarray(pos, dtype=np.int64)
+        if self.cfg.cycle_batches:  # the stream repeats its first K global batches
+            g = self.global_batch
+            pos = (pos // g) % self.cfg.cycle_batches * g + pos % g
         return pos % self.n_train if self.n_train > 0 else pos
 
     def sample_ids(self, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -188,13 +223,21 @@ class SyntheticData:
 
     # ---- iteration -------------------------------------------------------------------------
     def train_indices(self, step: int) -> np.ndarray:
+        if self.cfg.cycle_batches:
+            step %= self.cfg.cycle_batches
         start = step * self.global_batch + self.rank * self.b
         idx = np.arange(start, start + self.b, dtype=np.int64)
         return idx % self.n_train if self.n_train > 0 else idx
 
     def train_batch(self, step: int) -> Batch:
-        """This rank's slice [rank*b, (rank+1)*b) of global batch `step`."""
-        return self.samples(TRAIN, self.train_indices(step))
+        """This rank's slice [rank*b, (rank+1)*b) of global batch `step` (with data.cycle_batches
+        = K: of global batch step mod K, made once and kept: K local batches in host memory)."""
+        k = self.cfg.cycle_batches
+        if not k:
+            return self.samples(TRAIN, self.train_indices(step))
+        if step % k not in self._cycled:
+            self._cycled[step % k] = self.samples(TRAIN, self.train_indices(step))
+        return self._cycled[step % k]
 
     @property
     def val_rows(self) -> int:
