@@ -119,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batch-sizes", type=int, nargs="+", default=[None], metavar="B",
                     help="samples per rank (data.batch_size), one point each; default: the workload's")
     ap.add_argument("--precisions", nargs="+", default=[None], metavar="P",
-                    help="train.precision (fp32, bf16, fp16), one point each; default: the trainer's (fp32)")
+                    help="train.precision (fp32, tf32, bf16, fp16), one point each; default: the trainer's (fp32)")
     ap.add_argument("--profile-steps", type=int, default=0, metavar="N",
                     help="torch.profiler over N steps after the first 10 (rank 0's summary in `profile`)")
     a = ap.parse_args(argv)

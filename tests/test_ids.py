@@ -86,6 +86,29 @@ def test_bags_of_one_length_take_the_column_check_with_the_same_result(n):
     assert messages[0] == messages[1]
 
 
+def test_a_batch_that_passed_is_not_checked_again_and_a_bad_one_always_is(monkeypatch):
+    """data.cycle_batches hands the guard the same batch objects again: one that passed unchanged
+    is passed through without a second look; a new (even equal) batch is checked; a bad one
+    is refused every time it comes."""
+    g = IdGuard(ROWS, "error")
+    checks = []
+    real = g._check
+    monkeypatch.setattr(g, "_check", lambda b, where: checks.append(b) or real(b, where))
+    ok = _batch([1, 2, 3, 4, 5], [[1, 1, 1, 1], [1, 0, 0, 0]])
+    assert g.batch(ok, "b") is ok and g.batch(ok, "b") is ok and len(checks) == 1
+    twin = _batch([1, 2, 3, 4, 5], [[1, 1, 1, 1], [1, 0, 0, 0]])
+    assert g.batch(twin, "b") is twin and len(checks) == 2
+    bad = _batch([1, 2, 13, 4, 5], [[1, 1, 1, 1], [1, 0, 0, 0]])
+    for _ in range(2):
+        with pytest.raises(IdRangeError):
+            g.batch(bad, "b")
+    assert len(checks) == 4
+    folding = IdGuard(ROWS, "hash")
+    for _ in range(2):
+        folding.batch(bad, "b")
+    assert folding.hashed == 2  # a folded batch is folded (and counted) at each use
+
+
 def test_global_view_and_batches_see_the_same_guarded_ids(monkeypatch):
     """GuardedData.sample_ids (what placement and Herald plan with) and sample_batch (what a rank
     trains on) fold identically; the numpy path agrees with the torch path."""

@@ -50,6 +50,24 @@ def test_fp32_enters_no_autocast_and_scales_nothing(monkeypatch):
     assert entered and all(a.fast_dtype == torch.bfloat16 for a in entered)
 
 
+def test_tf32_is_the_fp32_step_on_a_cpu_and_sets_only_cuda_flags():
+    """train.precision=tf32: no autocast, no scaling; on a CPU every loss and parameter equals
+    fp32's bit for bit; on CUDA it switches on TF32 matrix products (the flags alone)."""
+    flags = torch.backends.cuda.matmul
+    before = flags.allow_tf32, torch.backends.cudnn.allow_tf32
+    try:
+        flags.allow_tf32 = False
+        ref = run_single(BASE + ["train.steps=4"])
+        got = run_single(BASE + ["train.steps=4", "train.precision=tf32"])
+        assert got.losses == ref.losses and got.summary["precision"]["dense"] == "tf32"
+        assert_same_run(ref, got, rtol=0, atol=0)
+        assert flags.allow_tf32 is False  # a CPU run leaves CUDA's flags alone
+        DensePrecision(load_config(make_cfg(BASE + ["train.precision=tf32"])), torch.device("cuda"))
+        assert flags.allow_tf32 is True
+    finally:
+        flags.allow_tf32, torch.backends.cudnn.allow_tf32 = before
+
+
 def test_loss_scaler_follows_gradscaler():
     """The same overflow sequence gives GradScaler's scale after every step (growth and backoff)."""
     cfg = LossScaleConfig(init=1024.0, growth_factor=2.0, backoff_factor=0.5, growth_interval=3)

@@ -49,7 +49,7 @@ EMBEDDING_DTYPES = ("fp32", "fp16", "bf16")  # embedding.dtype (= embedding/stor
 ROUNDINGS = ("stochastic", "nearest")  # embedding.rounding (= embedding/optim.ROUNDINGS)
 SETTLED_ROWS = ("auto", "always", "never")
 PIPELINES = ("off", "ids", "rows")
-PRECISIONS = ("fp32", "bf16", "fp16")  # train.precision (trainer/precision.py)
+PRECISIONS = ("fp32", "tf32", "bf16", "fp16")  # train.precision (trainer/precision.py)
 
 
 class ConfigError(ValueError):

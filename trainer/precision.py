@@ -2,6 +2,9 @@
 
 What changes type, and what does not:
 - `fp32` (the default): nothing; the step is the fp32 step, bit for bit (no autocast, no scaling).
+- `tf32`: fp32 everywhere, but on CUDA the matrix products (and cuDNN) may run on TF32 tensor
+  cores (10-bit mantissa inputs, fp32 accumulation: torch.backends.cuda.matmul.allow_tf32), as
+  NVIDIA's DLRM does at "TF32"; set for the whole process. On a CPU it is the fp32 step, bit for bit.
 - `bf16` / `fp16`: the dense model's forward (and so its backward) runs under torch.autocast on the
   trainer's device: matrix products in the half type, the rest as autocast decides. The parameters
   (master weights), their gradients, the dense optimizer and its state stay fp32, and so do the
@@ -39,7 +42,7 @@ from .signals import SIGNALS
 
 __all__ = ["AUTOCAST_DTYPES", "DensePrecision", "LossScaler"]
 
-AUTOCAST_DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}  # train.precision -> autocast dtype
+AUTOCAST_DTYPES = {"fp32": None, "tf32": None, "bf16": torch.bfloat16, "fp16": torch.float16}  # train.precision -> autocast dtype
 
 
 class LossScaler:
@@ -90,6 +93,9 @@ class DensePrecision:
         self.dtype = AUTOCAST_DTYPES[self.name]
         self.device = device
         self.scaler = LossScaler(c.train.loss_scale) if self.name == "fp16" else None
+        if self.name == "tf32" and device.type == "cuda":  # fp32 tensors, TF32 tensor-core products
+            torch.backends.cuda.matmul.allow_tf32 = True
+            torch.backends.cudnn.allow_tf32 = True
         self.overflow_at: list[int] = []  # steps the scaler skipped (this process's; a resume keeps the count)
         self.overflow_skips = 0
 

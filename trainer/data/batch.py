@@ -21,6 +21,8 @@ class Batch:
     labels: torch.Tensor  # [B] float32 click labels in {0, 1}
     # table_index(), made once per batch (the id guard and the lookup plan both need it)
     _tables: torch.Tensor | None = field(default=None, repr=False, compare=False)
+    # ids per bag when the source knows every bag holds exactly that many (None: read the lengths)
+    bag_length: int | None = field(default=None, repr=False, compare=False)
 
     @property
     def batch_size(self) -> int:
@@ -46,6 +48,8 @@ class Batch:
         (one pass, on the host for a host batch)."""
         if self.lengths.numel() == 0:
             return None
+        if self.bag_length is not None:
+            return self.bag_length
         lo, hi = torch.aminmax(self.lengths)
         n = int(lo)
         return n if n == int(hi) and n * self.lengths.numel() == self.values.numel() else None
@@ -63,4 +67,4 @@ class Batch:
         (trainer/device.py), so the host does not wait for the device's queued work."""
         return Batch(to_device(self.dense, device), to_device(self.values, device),
                      to_device(self.lengths, device), to_device(self.labels, device),
-                     None if self._tables is None else to_device(self._tables, device))
+                     None if self._tables is None else to_device(self._tables, device), self.bag_length)

@@ -17,6 +17,8 @@ data.max_table_rows folds them into smaller tables (a folding the config asked f
 """
 from __future__ import annotations
 
+import weakref
+
 from typing import Any, Iterator
 
 import numpy as np
@@ -34,6 +36,9 @@ class IdRangeError(ValueError):
     """A batch holds ids outside their table (data.out_of_range=error); names table, id, size."""
 
 
+_PASSED_KEPT = 64  # batches IdGuard.batch remembers as passed (a repeated one is not checked again)
+
+
 class IdGuard:
     """Checks (and, with policy hash, folds) per-table ids against the tables' row counts."""
 
@@ -44,6 +49,8 @@ class IdGuard:
         self.policy, self.what = policy, what
         self._hashed = 0  # ids folded so far (policy hash), counted on the host
         self._hashed_on: list[torch.Tensor] = []  # ... and on devices (read only when reported)
+        # the last batches that passed unchanged, by id, held weakly (a batch that dies leaves)
+        self._passed: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
 
     @property
     def hashed(self) -> int:
@@ -86,13 +93,24 @@ class IdGuard:
         return ids
 
     def batch(self, b: Batch, where: str) -> Batch:
+        if self._passed.get(id(b)) is b:  # this very batch passed before (data.cycle_batches)
+            return b
+        out = self._check(b, where)
+        if out is b:  # batches are never changed in place: a repeated one needs no second look
+            self._passed[id(b)] = b
+            if len(self._passed) > _PASSED_KEPT:
+                self._passed.pop(next(iter(self._passed.keys())), None)
+        return out
+
+    def _check(self, b: Batch, where: str) -> Batch:
         n = b.uniform_bag_length()
         if n is not None:  # every bag holds n ids: checked by column, no per-id table index
             v = self.uniform(b.values.view(b.batch_size, b.num_tables, n), where).reshape(-1)
-            return b if v.data_ptr() == b.values.data_ptr() else Batch(b.dense, v, b.lengths, b.labels)
+            return b if v.data_ptr() == b.values.data_ptr() else Batch(b.dense, v, b.lengths, b.labels,
+                                                                       bag_length=b.bag_length)
         tables = b.table_index().to(b.values.device)
         v = self.values(b.values, tables, where)
-        return b if v is b.values else Batch(b.dense, v, b.lengths, b.labels, tables)
+        return b if v is b.values else Batch(b.dense, v, b.lengths, b.labels, tables, b.bag_length)
 
     def uniform(self, ids: torch.Tensor, where: str) -> torch.Tensor:
         """ids [b, T, n] (bags of n ids, table t in column t) -> in-range ids [b, T, n] (the same

@@ -89,6 +89,8 @@ class SyntheticData:
         # releases the GIL in its array loops); every value is a function of its sample's index
         # alone, so the chunks give bit-identical batches (tests/test_data.py)
         self._pool: Optional[ThreadPoolExecutor] = None
+        # bags of one fixed length: batches say so (the id guard then reads no lengths)
+        self._bag_length = cfg.min_bag if cfg.min_bag == cfg.max_bag else None
         self._cycled: dict[int, Batch] = {}  # data.cycle_batches: the K local batches, once made
         self._threads = max(1, int(cfg.loader_threads))
 
@@ -174,7 +176,7 @@ class SyntheticData:
                 src = getattr(parts[k], f)
                 out[at:at + src.shape[0]].copy_(src)
         list(self._pool.map(fill, range(len(parts))))
-        return Batch(*outs)
+        return Batch(*outs, bag_length=self._bag_length)
 
     def _samples(self, split: int, idx: np.ndarray) -> Batch:
         lengths = self._lengths(split, idx)
@@ -187,7 +189,7 @@ class SyntheticData:
         u = rng.uniform(self.cfg.seed, _stream(split, _S_LABEL), idx)
         labels = (u < 1.0 / (1.0 + np.exp(-logit))).astype(np.float32)
         return Batch(torch.from_numpy(dense.astype(np.float32)), torch.from_numpy(values),
-                     torch.from_numpy(lengths), torch.from_numpy(labels))
+                     torch.from_numpy(lengths), torch.from_numpy(labels), bag_length=self._bag_length)
 
     def _bag_means(self, values: np.ndarray, lengths: np.ndarray, one_hot: bool | None = None) -> np.ndarray:
         """[n, T] mean planted weight of each bag (0 for an empty one). one_hot (default: the
