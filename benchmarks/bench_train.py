@@ -17,11 +17,17 @@ A point per (--worlds, --batch-sizes: samples per rank, data.batch_size; --preci
 train.precision); left out, the workload's own. Each line: samples_per_sec (global, all steps,
 eval excluded) and after the first 10 steps, ms_per_step by phase (rank 0's: step, batch,
 prefetch, lookup, backward, apply, wait; they nest, see benchmarks/phases.py), cpu_busy,
-bytes_per_sample by kind, and `phases` (every rank's report). Extra trainer overrides can follow
-`--`.
+bytes_per_sample by kind, and `phases` (every rank's report); `ms_per_step_steady`: the phases
+over the steps after the first 10 (and after the profiled ones). `--profile-steps N` (1..10; needs
+--steps >= 30) runs torch.profiler over steps 11..10+N and adds rank 0's `profile`: wall and
+device-busy ms per step, the busy share, kernels, launches, aten ops and copies per step, the top
+kernels and ops (benchmarks/phases.py); the steady rate then starts after step 20. On a GPU,
+`-- data.cycle_batches=8 data.loader_threads=8` takes the host's synthetic generator out of the
+measured step (docs/gpu.md). Extra trainer overrides can follow `--`.
 
     python benchmarks/bench_train.py [--worlds 1 2] [--steps 60] [--workload bench|mlperf]
-        [--batch-sizes 2048 16384] [--precisions fp32 bf16 fp16] [-- model.embedding_dim=32 ...]
+        [--batch-sizes 2048 16384] [--precisions fp32 tf32 bf16 fp16] [--profile-steps 5]
+        [-- model.embedding_dim=32 ...]
 """
 from __future__ import annotations
 

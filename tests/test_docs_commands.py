@@ -224,6 +224,8 @@ REGISTRY: dict[str, Entry] = {
     # docs/gpu.md
     'PYTHON="$PWD/.venv/bin/python" bash scripts/gpu_check.sh OUT':
         Entry(marks=("gpu",), files=("OUT/check.log",), timeout=1800),
+    'PART=step PYTHON="$PWD/.venv/bin/python" bash scripts/gpu_check.sh OUT':
+        Entry(marks=("gpu",), files=("OUT/check.log", "OUT/step.jsonl"), timeout=1800),
     ".venv/bin/python dev/gpu_parity.py --jobs 8 --out gpu_parity.jsonl":
         Entry(marks=("gpu",), files=("gpu_parity.jsonl",), timeout=1800),
     ".venv/bin/python -m pytest -q -m gpu tests/test_step_device.py tests/test_kernel_*.py":
