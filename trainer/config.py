@@ -246,6 +246,7 @@ class TrainConfig:
     on_signal: str = "save"  # SIGTERM / SIGINT / SIGUSR1: stop every rank at the next step boundary and save a checkpoint there (save) or not (stop); exit 128 + signal
     precision: str = "fp32"  # the dense model's forward and backward: fp32 | bf16 | fp16 (autocast; fp32 master weights and optimizer; fp16 with a loss scaler); rows: embedding.dtype
     loss_scale: LossScaleConfig = field(default_factory=lambda: LossScaleConfig())
+    cuda_graph: str = "off"  # on: the dense forward + loss + backward replayed from one CUDA graph (trainer/dense_step.py; on a CPU the same split step, eagerly) | off
     pipeline: str = "ids"  # off (serial step) | ids (next step's input side + id exchange overlap this step: exact) | rows (also its rows: needs a cache and pull_bound >= 1)
     tensorboard: bool = True  # also write TensorBoard scalars to <output dir>/tensorboard (when there is an output dir)
     recipe: str = "auto"  # defaults for the null keys: auto (data=criteo: tiny below TINY_DATA_ROWS training rows, small below SMALL_DATA_ROWS, else large; other data: none) | tiny | small | large | none
@@ -556,6 +557,9 @@ def _validate_precision(c: Config) -> None:
     _finite("train.loss_scale.growth_factor", s.growth_factor)
     _check(0 < s.backoff_factor < 1, "train.loss_scale.backoff_factor", s.backoff_factor, "must be in (0, 1)")
     _check(s.growth_interval > 0, "train.loss_scale.growth_interval", s.growth_interval, "must be > 0")
+    _one_of("train.cuda_graph", t.cuda_graph, ("off", "on"))
+    _check(not (t.cuda_graph == "on" and t.precision == "fp16"), "train.cuda_graph", t.cuda_graph,
+           "is not available with train.precision=fp16 (its loss scale changes between steps): use bf16")
     if t.precision == "fp16":  # the scaler skips a step whose gradients overflow: it must be undoable
         _check(t.pipeline != "rows", "train.precision", t.precision,
                "fp16's loss scaler skips a step whose gradients overflow, which train.pipeline=rows "

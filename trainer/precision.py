@@ -99,11 +99,12 @@ class DensePrecision:
         self.overflow_at: list[int] = []  # steps the scaler skipped (this process's; a resume keeps the count)
         self.overflow_skips = 0
 
-    def autocast(self) -> ContextManager[Any]:
-        """The context of the dense model's forward (fp32: none at all)."""
+    def autocast(self, cache: bool = True) -> ContextManager[Any]:
+        """The context of the dense model's forward (fp32: none at all). cache=False: without
+        autocast's cache of cast weights (a CUDA graph's capture needs it off; the same values)."""
         if self.dtype is None:
             return nullcontext()
-        return torch.autocast(self.device.type, dtype=self.dtype)
+        return torch.autocast(self.device.type, dtype=self.dtype, cache_enabled=cache)
 
     def backward(self, loss: torch.Tensor) -> None:
         """loss.backward(), on the scaled loss under fp16 (every gradient is then scale times too

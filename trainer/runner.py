@@ -45,6 +45,7 @@ from .lr import LrSchedule
 from .memplan import check_memory
 from .outdir import HeldDir, claim_out_dir, probe_dir
 from .pipeline import StepPipeline
+from .dense_step import DenseStep
 from .precision import DensePrecision
 from .recipes import announce_recipe, apply_data_steps, recipe_of
 from .relaunch import Position, failure_hint
@@ -146,6 +147,8 @@ class Trainer:
         self.emb, self.feed = self.sparse.emb, self.sparse.feed
         self.model, self.params, self.opt = build_dense(c, comm, self.sparse.sharding.num_tables, self.device)
         self.precision = DensePrecision(c, self.device)  # train.precision: autocast, fp16's loss scaler
+        self.dense_step = (DenseStep(self.model, self.params, self.precision.autocast, self.global_batch,
+                                     self.device, graph=True) if c.train.cuda_graph == "on" else None)
         self.report = Reporter(c, comm, self.sparse, self.data, self.global_batch, self.out_dir)
         self.steps = StepPipeline(c, comm, self.sparse, self.data, self.device, self.checkpoints.due)
         self.losses: list[float] = []
@@ -203,9 +206,13 @@ class Trainer:
         batch = flight.batch
         pooled = self.emb.lookup(flight)
         self.steps.prefetch(flight.step)
-        with self.precision.autocast():
-            logits = self.model(batch.dense, pooled)
-        loss = F.binary_cross_entropy_with_logits(logits.float(), batch.labels, reduction="sum") / self.global_batch
+        split = self.dense_step  # train.cuda_graph=on: the dense half in one piece (trainer/dense_step.py)
+        if split is not None:
+            loss, grads, rows_grad = split.forward_backward(batch.dense, pooled, batch.labels)
+        else:
+            with self.precision.autocast():
+                logits = self.model(batch.dense, pooled)
+            loss = F.binary_cross_entropy_with_logits(logits.float(), batch.labels, reduction="sum") / self.global_batch
         extra = [SIGNALS.carry(loss, self.world)]  # with a stop signal's flag (trainer/signals.py)
         if self.c.train.nonfinite == "skip":
             value = SIGNALS.take(self.comm.allreduce(extra.pop(), op="sum", kind="dense"), self.world)
@@ -213,9 +220,12 @@ class Trainer:
                 self.emb.discard(flight)
                 self.steps.restart_next()  # its cache lookups predate the rollback
                 return value
-        self.opt.zero_grad(set_to_none=False)
-        self.precision.backward(loss)
-        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
+        if split is not None:
+            split.rows_backward(pooled, rows_grad)
+        else:
+            self.opt.zero_grad(set_to_none=False)
+            self.precision.backward(loss)
+            grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
         if self.precision.scaler is not None:  # fp16: unscaled, and every rank's overflow known
             taken, overflow = self.precision.agree(self.comm, grads, flight.ws.grad,
                                                    extra.pop() if extra else None, flight.step)
@@ -330,7 +340,8 @@ class Trainer:
 
     def _described(self) -> dict[str, Any]:
         return {"recipe": self.recipe.describe(self.c), "settled_rows": self.steps.settled,
-                "precision": self.precision.summary()}
+                "precision": self.precision.summary(),
+                "cuda_graph": self.dense_step.summary() if self.dense_step is not None else None}
 
     def _stop(self, done: int, train_time: float, return_state: bool) -> RunResult:
         """A rank received a stop signal and every rank learnt it in step `done` (trainer/signals.py):

@@ -1,0 +1,104 @@
+"""DenseStep: the dense half of a training step, replayed from one CUDA graph (train.cuda_graph=on).
+
+Why: at small batches the GPU step is launch-bound (benchmarks/reports/2026-11-26-gpu-step.md:
+~1,000 aten ops for ~1 ms of GPU work at 2,048 samples). The dense half (the model's forward under
+autocast, the loss, the backward to every dense parameter and to the pooled rows) has shapes fixed
+by the config, so it can be captured once and replayed as one launch; the sparse half (lookup
+plans, unique ids, the rows' update) has sizes that depend on the ids and stays eager.
+
+How: the step is split where the two halves meet. The pooled rows enter the dense half as a
+leaf (`pooled.detach()` that takes a gradient); the dense half returns the loss, the dense
+gradients and the pooled rows' gradient (torch.autograd.grad: fresh outputs, nothing
+accumulated); the trainer then sends that gradient into the embedding's backward
+(`rows_backward`) after its non-finite check, exactly where the one-piece backward would have
+reached it. On a CPU there is no graph: `on` runs the same split step eagerly, and it equals
+the one-piece step (`off`) bit for bit (tests/test_dense_step.py), which is what makes the graph a
+replay of the same arithmetic on CUDA.
+
+On CUDA (`on`): the first call warms the function up on a side stream (twice, discarded: a pure
+function of its inputs, the parameters untouched) and captures it into a torch.cuda.CUDAGraph
+over static input buffers (the batch's dense features, the pooled rows, the labels); every call
+copies its inputs into them and replays. The outputs are the graph's own tensors, overwritten by
+the next replay: every use of them is queued on the stream before it. A batch of another shape
+runs eagerly (the graph is for the config's local batch). Autocast runs with its weight cache off
+during capture (as torch.cuda.graphs asks). The parameters must keep their storage (optimizers,
+checkpoint loads and snapshots copy into them in place; nothing in the trainer replaces them).
+Not with fp16 (the loss scale changes between steps): refused at config time.
+"""
+from __future__ import annotations
+
+from typing import Callable, ContextManager, Optional
+
+import torch
+import torch.nn.functional as F
+
+__all__ = ["DenseStep"]
+
+_WARMUP = 2  # side-stream runs before the capture (cuBLAS handles, autocast, allocator pools)
+
+
+class DenseStep:
+    """forward_backward(dense, pooled, labels) -> (loss, dense grads, pooled rows' grad): see the
+    module docstring. `graph`: capture on CUDA (train.cuda_graph=on); else eager."""
+
+    def __init__(self, model: torch.nn.Module, params: list[torch.nn.Parameter],
+                 autocast: Callable[..., ContextManager], global_batch: int, device: torch.device,
+                 graph: bool) -> None:
+        self.model, self.params, self.autocast = model, params, autocast
+        self.global_batch = global_batch
+        self.capture = graph and device.type == "cuda"
+        self.graph: Optional[torch.cuda.CUDAGraph] = None
+        self.static_in: tuple[torch.Tensor, ...] = ()
+        self.static_out: tuple[torch.Tensor, list[torch.Tensor], torch.Tensor] | None = None
+        self.replays = 0  # steps replayed from the graph (summary.json)
+        self.eager_steps = 0  # steps run eagerly (no graph, or a batch of another shape)
+
+    def _compute(self, dense: torch.Tensor, rows: torch.Tensor, labels: torch.Tensor,
+                 cache: bool = True) -> tuple[torch.Tensor, list[torch.Tensor], torch.Tensor]:
+        """The dense half on a leaf `rows`: (loss, grads of self.params, grad of rows). The loss is
+        the one-piece step's expression, so the two paths compute the same values."""
+        with self.autocast(cache=cache):
+            logits = self.model(dense, rows)
+        loss = F.binary_cross_entropy_with_logits(logits.float(), labels, reduction="sum") / self.global_batch
+        got = torch.autograd.grad(loss, [*self.params, rows], allow_unused=True)
+        grads = [g if g is not None else torch.zeros_like(p) for g, p in zip(got[:-1], self.params)]
+        return loss.detach(), grads, got[-1] if got[-1] is not None else torch.zeros_like(rows)
+
+    def forward_backward(self, dense: torch.Tensor, pooled: torch.Tensor, labels: torch.Tensor
+                         ) -> tuple[torch.Tensor, list[torch.Tensor], torch.Tensor]:
+        """(loss, dense gradients, the pooled rows' gradient) of this batch; `pooled` itself
+        is not differentiated here (rows_backward does that)."""
+        if not self.capture:
+            self.eager_steps += 1
+            return self._compute(dense, pooled.detach().requires_grad_(), labels)
+        if self.graph is None:
+            self._capture(dense, pooled, labels)
+        elif tuple(t.shape for t in (dense, pooled, labels)) != tuple(t.shape for t in self.static_in):
+            self.eager_steps += 1
+            return self._compute(dense, pooled.detach().requires_grad_(), labels)
+        for buf, src in zip(self.static_in, (dense, pooled.detach(), labels)):
+            buf.copy_(src)
+        self.graph.replay()
+        self.replays += 1
+        return self.static_out
+
+    @staticmethod
+    def rows_backward(pooled: torch.Tensor, grad: torch.Tensor) -> None:
+        """The embedding's half of the backward: the pooled rows' gradient into their lookup."""
+        if pooled.requires_grad:
+            pooled.backward(grad)
+
+    def _capture(self, dense: torch.Tensor, pooled: torch.Tensor, labels: torch.Tensor) -> None:
+        self.static_in = (dense.clone(), pooled.detach().clone().requires_grad_(), labels.clone())
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(_WARMUP):
+                self._compute(*self.static_in, cache=False)
+        torch.cuda.current_stream().wait_stream(side)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            self.static_out = self._compute(*self.static_in, cache=False)
+
+    def summary(self) -> dict[str, int | bool]:
+        return {"captured": self.graph is not None, "replays": self.replays, "eager_steps": self.eager_steps}
