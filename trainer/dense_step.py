@@ -76,8 +76,9 @@ class DenseStep:
         elif tuple(t.shape for t in (dense, pooled, labels)) != tuple(t.shape for t in self.static_in):
             self.eager_steps += 1
             return self._compute(dense, pooled.detach().requires_grad_(), labels)
-        for buf, src in zip(self.static_in, (dense, pooled.detach(), labels)):
-            buf.copy_(src)
+        with torch.no_grad():  # the static rows are a leaf that takes a gradient
+            for buf, src in zip(self.static_in, (dense, pooled.detach(), labels)):
+                buf.copy_(src)
         self.graph.replay()
         self.replays += 1
         return self.static_out
