@@ -7,6 +7,8 @@ the rule is per owner, so only invariants hold (no id shares a row, counts add u
 """
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -101,5 +103,60 @@ def test_resume_at_the_same_world_size_equals_uninterrupted(tmp_path):
         assert_same_ids(a, b)
         assert_same_run(a, b)
     assert got[0].summary["dynamic"] == full[0].summary["dynamic"]
-    with pytest.raises(RuntimeError, match="saved by 2 workers and resume on the same number only"):
-        run_world(3, overrides + [f"checkpoint.resume={step8}", f"checkpoint.dir={tmp_path / 'w3'}"])
+
+
+def _counts(d):
+    """summary.json's dynamic counters without the pools' capacity (W x embedding.capacity)."""
+    drop = ("capacity_rows",)
+    return {k: ([{a: b for a, b in t.items() if a not in drop} for t in v] if k == "tables" else v)
+            for k, v in d.items() if k not in drop}
+
+
+@pytest.mark.dist
+def test_resume_at_another_world_size_moves_ids_to_their_new_owners(tmp_path, capfd):
+    """A W = 2 checkpoint (admit_after=2: pending counts too) resumed on W = 3 and on one process,
+    with pools large enough that nothing is evicted: every id moves to its new owner with its row,
+    optimizer state, version and scores, and the run equals the uninterrupted single process (which
+    equals any W): every loss, dense parameter and admitted row, the same ids, the same counters."""
+    import trainer.checkpoint as ckpt
+    overrides = [o for o in BASE if o != "checkpoint.enabled=false"] + NO_EVICTION + [
+        "embedding.admit_after=2", "optim=adagrad", "checkpoint.every=8"]
+    ref = run_single(overrides + [f"checkpoint.dir={tmp_path / 'ref'}"])
+    root = str(tmp_path / "w2")
+    run_world(2, overrides + [f"checkpoint.dir={root}"])
+    step8 = dict(ckpt.complete_checkpoints(root))[8]
+    for world in (3, 1):
+        extra = [f"checkpoint.resume={step8}", f"checkpoint.dir={tmp_path / f'again{world}'}"]
+        got = run_world(world, overrides + extra) if world > 1 else [run_single(overrides + extra)]
+        assert got[0].summary["start_step"] == 8
+        for res in got:
+            assert_same_ids(ref, res)
+            assert_same_run(ref, res)
+        assert _counts(got[0].summary["dynamic"]) == _counts(ref.summary["dynamic"])
+        assert ref.summary["dynamic"]["pending_ids"] > 0 and ref.summary["dynamic"]["evictions"] == 0
+    assert "dynamic tables saved by 2 workers resumed on 3" in capfd.readouterr().err
+
+
+@pytest.mark.dist
+def test_resume_on_fewer_owners_evicts_by_score_and_counts_it(tmp_path, capfd):
+    """W = 3 with 40 rows per table and owner, resumed on W = 2 with the same capacity: the owners
+    are over full, keep the best-scored ids and evict the rest; no id shares a row, the counters
+    still add up (admissions - evictions = rows in use) and the evictions include the reshard's."""
+    import trainer.checkpoint as ckpt
+    overrides = [o for o in BASE if o != "checkpoint.enabled=false"] + [
+        "embedding.capacity=40", "optim=sgd", "checkpoint.every=8"]
+    root = str(tmp_path / "w3")
+    full = run_world(3, overrides + [f"checkpoint.dir={root}"])
+    step8 = dict(ckpt.complete_checkpoints(root))[8]
+    saved_in_use = sum(full[0].summary["dynamic"]["tables"][t]["rows_in_use"] for t in range(4))
+    got = run_world(2, overrides + [f"checkpoint.resume={step8}", f"checkpoint.dir={tmp_path / 'w2'}",
+                                    "train.steps=9"])
+    s = got[0].summary["dynamic"]
+    for t, tab in enumerate(s["tables"]):
+        ids = got[0].state["table_ids"][t]
+        assert tab["rows_in_use"] == ids.numel() <= 2 * 40
+        assert ids.unique().numel() == ids.numel()
+        assert tab["admissions"] - tab["evictions"] == tab["rows_in_use"]
+    told = [int(x) for x in re.findall(r"holds \d+ ids; (\d+) evicted over capacity", capfd.readouterr().err)]
+    assert len(told) == 2 and sum(told) > 0  # 3 x 40 rows per table do not fit in 2 x 40
+    assert saved_in_use > 2 * 40 and s["evictions"] >= sum(told)

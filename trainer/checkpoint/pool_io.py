@@ -10,19 +10,29 @@ pool's counters per table (admissions, evictions, dropped gradients, rejected: i
 entry for the shard, they are T x 4 numbers). The id -> slot map is not saved: it is rebuilt from
 slot_gid on load.
 
-Resume is at the same number of workers only (the owner of an id is hash mod W; moving ids to the
-owners of another W, and evicting by score where one is over full, is not written yet): another W
-stops the load with a CheckpointError naming both.
+Resume at the same number of workers and capacity copies each shard back slot for slot. At
+another W (or another embedding.capacity) the ids move to their new owners (hash mod W'): each
+rank streams every saved shard's slot ids and scores (24 B per saved slot, a piece at a time),
+keeps the ids it now owns, and where a table holds more of them than its capacity keeps the
+best-scored ones (LRU: the most recently read, LFU: the most used, then the most recent; ties: the
+lower id) and evicts the others (counted in `evictions`, told on stderr); its kept ids take the
+table's first slots in id order, and their rows, versions and optimizer state are read from the
+saved shards piece by piece (every rank reads every saved shard: the ids are spread by hash). The
+pending counts follow their ids; the counters move to rank 0 (their sums over ranks are what
+summary.json reports), so admissions - evictions = rows in use still holds.
 """
 from __future__ import annotations
 
 import os
+import sys
 from typing import Any
 
 import numpy as np
 import torch
 
 from ..embedding.dynamic import DynamicStore
+from ..embedding.pool import POOL_COUNTERS
+from ..embedding.sharding import ID_BITS
 from .manifest import CheckpointDamaged, CheckpointError
 from .shard_io import PIECE_BYTES, VERSION_DTYPE, Field, _HashedWriter, _to_tensor, _VerifiedFile, fields, \
     saved_dtype, shard_dir, torch_name
@@ -71,22 +81,25 @@ def write_pool_shard(directory: str, store: DynamicStore) -> dict[str, Any]:
 
 
 def read_pool_shard(ckpt: str, manifest: dict[str, Any], store: DynamicStore, counter: dict[str, int]) -> int:
-    """Copy this rank's saved dynamic shard into store (same W only), rebuild the id -> slot map
-    and the pending counts; returns the slots read."""
+    """Load this rank's dynamic shard from a checkpoint into store: the saved shard itself at the
+    same W and capacity, else the ids this rank owns now from every saved shard (_reshard; see the
+    module docstring); rebuild the id -> slot map and the pending counts; returns the slots set."""
     s = store.sharding
     saved_world = int(manifest["world_size"])
-    if saved_world != s.world:
-        raise CheckpointError(f"checkpoint {ckpt}: dynamic tables were saved by {saved_world} workers and "
-                              f"resume on the same number only (this run has {s.world})")
-    name = shard_dir(s.rank, saved_world)
-    info = manifest["shards"].get(name)
-    if info is None or "pending" not in info:
-        raise CheckpointDamaged(f"checkpoint {ckpt}: manifest lists no dynamic shard {name}")
+    names = [shard_dir(k, saved_world) for k in range(saved_world)]
+    infos = []
+    for name in names:
+        info = manifest["shards"].get(name)
+        if info is None or "pending" not in info:
+            raise CheckpointDamaged(f"checkpoint {ckpt}: manifest lists no dynamic shard {name}")
+        infos.append(info)
     want = {f.name: t for f, t in pool_fields(store)}
-    if set(info["fields"]) != set(want) or int(info["rows"]) != store.weight.shape[0]:
-        raise CheckpointError(f"{os.path.join(ckpt, name)}: saved fields {sorted(info['fields'])} of "
-                              f"{info['rows']} slots do not match this run's {sorted(want)} of "
-                              f"{store.weight.shape[0]} (another optimizer or embedding.capacity?)")
+    if set(infos[0]["fields"]) != set(want):
+        raise CheckpointError(f"{os.path.join(ckpt, names[0])}: saved fields {sorted(infos[0]['fields'])} do not "
+                              f"match this run's {sorted(want)} (another optimizer?)")
+    if saved_world != s.world or int(infos[0]["rows"]) != store.weight.shape[0]:
+        return _reshard(ckpt, names, infos, store, want, counter)
+    name, info = names[s.rank], infos[s.rank]
     n = store.weight.shape[0]
     for fname, meta in info["fields"].items():
         f = _VerifiedFile(os.path.join(ckpt, name, f"{fname}.bin"), meta, counter)
@@ -117,6 +130,105 @@ def read_pool_shard(ckpt: str, manifest: dict[str, Any], store: DynamicStore, co
             pool.pending.insert(pending[0].to(pool.slot_gid.device), pending[1].to(pool.slot_gid.device))
     pool.counters.copy_(torch.tensor(info["counters"], dtype=torch.int64))
     return n
+
+
+def _columns(ckpt: str, name: str, info: dict[str, Any], names: tuple[str, ...], counter: dict[str, int]):
+    """Pieces (lo, {field: [m, width] tensor}) of the named fields of a saved shard, PIECE_BYTES of
+    the widest at a time, every block verified."""
+    files = {k: _VerifiedFile(os.path.join(ckpt, name, f"{k}.bin"), info["fields"][k], counter) for k in names}
+    try:
+        metas = {k: info["fields"][k] for k in names}
+        widths = {k: np.dtype(m["dtype"]).itemsize * m["width"] for k, m in metas.items()}
+        n, step = int(info["rows"]), max(PIECE_BYTES // max(widths.values()), 1)
+        for lo in range(0, n, step):
+            hi = min(lo + step, n)
+            out = {}
+            for k, f in files.items():
+                arr = np.frombuffer(f.read(lo * widths[k], hi * widths[k]), dtype=np.dtype(metas[k]["dtype"]))
+                out[k] = _to_tensor(arr.reshape(hi - lo, metas[k]["width"]), saved_dtype(metas[k]))
+            yield lo, out
+    finally:
+        for f in files.values():
+            f.close()
+
+
+def _reshard(ckpt: str, names: list[str], infos: list[dict[str, Any]], store: DynamicStore,
+             want: dict[str, torch.Tensor], counter: dict[str, int]) -> int:
+    """The ids this rank owns under this run's W and capacity, from every saved shard (the module
+    docstring says how)."""
+    s, pool = store.sharding, store.pool
+    cap, num_tables, lfu = s.capacity, s.num_tables, pool.eviction == "lfu"
+    # 1. candidates: the saved ids this rank owns now, with their scores and where they are
+    cand: list[torch.Tensor] = []  # rows of (gid, last_use, uses, saved shard, saved slot)
+    for k, (name, info) in enumerate(zip(names, infos)):
+        for lo, cols in _columns(ckpt, name, info, _POOL, counter):
+            gid = cols["slot_gid"].reshape(-1)
+            mine = torch.nonzero((gid >= 0) & (s.owner(gid.clamp(min=0)) == s.rank)).squeeze(1)
+            if mine.numel():
+                cand.append(torch.stack([gid[mine], cols["last_use"].reshape(-1)[mine], cols["uses"].reshape(-1)[mine],
+                                         torch.full_like(mine, k), mine + lo], 1))
+    c = torch.cat(cand) if cand else torch.zeros(0, 5, dtype=torch.int64)
+    # 2. per table, the best `cap` of them by the pool's score (ties: the lower id)
+    order = torch.argsort(c[:, 0])
+    order = order[torch.argsort(-c[order, 1], stable=True)]  # most recent first
+    if lfu:
+        order = order[torch.argsort(-c[order, 2], stable=True)]  # most used first
+    c = c[order]
+    table = c[:, 0] >> ID_BITS
+    c = c[torch.argsort(table, stable=True)]
+    table = c[:, 0] >> ID_BITS
+    counts = torch.bincount(table, minlength=num_tables)
+    rank_in_table = torch.arange(c.shape[0]) - torch.repeat_interleave(torch.cumsum(counts, 0) - counts, counts)
+    keep = rank_in_table < cap
+    evicted = torch.bincount(table[~keep], minlength=num_tables)
+    c = c[keep]
+    c = c[torch.argsort(c[:, 0])]  # by id: each table's kept ids take its first slots in id order
+    table = c[:, 0] >> ID_BITS
+    kept = torch.bincount(table, minlength=num_tables)
+    slot = table * cap + torch.arange(c.shape[0]) - torch.repeat_interleave(torch.cumsum(kept, 0) - kept, kept)
+    # 3. their fields (rows, versions, optimizer state, scores, slot ids), saved shard by saved shard
+    for k, (name, info) in enumerate(zip(names, infos)):
+        from_k = torch.nonzero(c[:, 3] == k).squeeze(1)
+        if not from_k.numel():
+            continue
+        src = c[from_k, 4]
+        by_src = torch.argsort(src)
+        src, dst = src[by_src], slot[from_k][by_src]
+        for lo, cols in _columns(ckpt, name, info, tuple(want), counter):
+            n_piece = next(iter(cols.values())).shape[0]
+            a, b = (int(x) for x in torch.searchsorted(src, torch.tensor([lo, lo + n_piece])))
+            if a == b:
+                continue
+            for fname, values in cols.items():
+                dest = _flat(want[fname])
+                if values.dtype != dest.dtype:
+                    raise CheckpointError(f"{os.path.join(ckpt, name, fname)}.bin: saved as {torch_name(values.dtype)}, "
+                                          f"this run holds {torch_name(dest.dtype)} (dynamic tables resume with the same types)")
+                with torch.no_grad():
+                    dest[dst[a:b].to(dest.device)] = values[src[a:b] - lo].to(dest.device)
+    held = slot.to(pool.slot_gid.device)
+    pool.map.erase(pool.map.items()[0])
+    pool.map.insert(c[:, 0].to(held.device), held)
+    # 4. the pending counts of the ids it owns now; the counters to rank 0, plus its evictions
+    if pool.pending is not None:
+        pool.pending.erase(pool.pending.items()[0])
+    totals = torch.zeros_like(pool.counters, device="cpu")
+    for name, info in zip(names, infos):
+        totals += torch.tensor(info["counters"], dtype=torch.int64)
+        if pool.pending is None:
+            continue
+        ids, vals = (_read_all(os.path.join(ckpt, name, f"{k}.bin"), info["pending"][k], counter) for k in _PENDING)
+        mine = s.owner(ids) == s.rank if ids.numel() else ids.bool()
+        if bool(mine.any()):
+            pool.pending.insert(ids[mine].to(held.device), vals[mine].to(held.device))
+    totals = totals if s.rank == 0 else torch.zeros_like(totals)
+    totals[POOL_COUNTERS.index("evictions")] += evicted
+    pool.counters.copy_(totals)
+    if int(evicted.sum()) or s.rank == 0:
+        print(f"[trainer] {ckpt}: dynamic tables saved by {len(names)} workers resumed on {s.world} "
+              f"(embedding.capacity {cap}): rank {s.rank} holds {c.shape[0]} ids; {int(evicted.sum())} evicted "
+              "over capacity by score", file=sys.stderr)
+    return store.weight.shape[0]
 
 
 def _read_all(path: str, meta: dict[str, Any], counter: dict[str, int]) -> torch.Tensor:
