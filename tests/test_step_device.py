@@ -286,6 +286,17 @@ def test_one_step_w1_mixed_precision(precision: str):
            most_syncs=SYNCS_AT_MOST["w1"])
 
 
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_one_step_w1_dense_graph(precision: str):
+    """train.cuda_graph=on: the step passes the same audit with no more syncs, and its dense half
+    (trainer/dense_step.py, what a CUDA graph captures) makes nothing on the host, mixes nothing,
+    reads nothing back and makes no tensor whose size depends on device values."""
+    records, plans = audit_worker(0, 1, ["train.cuda_graph=on", f"train.precision={precision}", "optim=adagrad"])
+    _check((records, plans), f"W=1 cuda_graph=on {precision}", most_syncs=SYNCS_AT_MOST["w1"])
+    dense = [r for r in records if r.file == "trainer/dense_step.py" or r.file.startswith("trainer/models/")]
+    assert not dense, "the captured dense half must be free of host work:\n" + "\n".join(map(str, dense))
+
+
 W2_CONFIGS = {
     # no cache, the serial step: RowExchange.pull / push; the Triton kernels (interpreted) on the
     # sparse side
