@@ -107,9 +107,7 @@ def read_pool_shard(ckpt: str, manifest: dict[str, Any], store: DynamicStore, co
         finally:
             f.close()
     pool = store.pool
-    held = torch.nonzero(pool.slot_gid >= 0).squeeze(1)
-    pool.map.erase(pool.map.items()[0])
-    pool.map.insert(pool.slot_gid[held], held)
+    pool.reindex()
     pending = [_read_all(os.path.join(ckpt, name, f"{k}.bin"), info["pending"][k], counter) for k in _PENDING]
     if pool.pending is not None:
         pool.pending.erase(pool.pending.items()[0])
