@@ -272,6 +272,30 @@ def test_the_drifting_preset_brings_new_ids_and_moves_popularity():
     assert int(flat.train_batch(60).values.max()) < 100000
 
 
+def test_hash_rows_folds_the_dynamic_tables_ids_into_fixed_rows():
+    """data.hash_rows=N (fixed tables): the very ids a dynamic table sees (drifting, scrambled),
+    each hashed into [0, N) of its table by splitmix64 of (table, id): the same-memory baseline.
+    Refused with dynamic tables (and on Criteo: its hashing is prepare_criteo.py's)."""
+    from trainer.config import table_rows
+    from trainer.data import make_data
+    from trainer.embedding.sharding import mix64
+    base = ["data=drift", "checkpoint.enabled=false", "data.batch_size=512"]
+    dyn = load_config(make_cfg(base + ["embedding.tables=dynamic", "embedding.capacity=100"]))
+    fixed = load_config(make_cfg(base + ["data.hash_rows=300"]))
+    assert table_rows(fixed) == [300] * 8
+    for step in (0, 40):
+        raw, got = make_data(dyn, 0, 1).train_batch(step), make_data(fixed, 0, 1).train_batch(step)
+        t = raw.table_index()
+        want = (mix64(raw.values | (t << ID_BITS)) & 0x7FFFFFFFFFFFFFFF) % 300
+        assert torch.equal(got.values, want) and torch.equal(got.labels, raw.labels)
+        assert int(raw.values.max()) >= 1 << 40 and 250 < got.values.unique().numel() <= 300  # wide ids, folded
+    for extra in (["data.hash_rows=300", "embedding.tables=dynamic", "embedding.capacity=100"], ["data.hash_rows=-1"]):
+        with pytest.raises(ConfigError, match="data.hash_rows"):
+            load_config(make_cfg(base + extra))
+    with pytest.raises(ConfigError, match="data.drift=0.05: drifting ids are unbounded"):
+        load_config(make_cfg(base + ["data.scramble_ids=false"]))  # drift on fixed tables without hashing: refused
+
+
 def test_dynamic_tables_train_on_the_drifting_preset_and_evict(tmp_path):
     from trainer.runner import run
     res = run(make_cfg(["data=drift", "embedding.tables=dynamic", "embedding.capacity=1500",

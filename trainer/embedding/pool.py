@@ -139,8 +139,8 @@ class SlotPool:
         u = gids if _ascending(gids) else torch.unique(gids)  # a plan's owned ids are already
         slots_u, miss_u = self.lookup(u)
         hit = slots_u[~miss_u]
-        self.last_use[hit] = step
-        self.uses[hit] += 1
+        self.last_use.index_fill_(0, hit, step)
+        self.uses.index_add_(0, hit, torch.ones_like(hit))
         new = u[miss_u]
         if new.numel() and self.pending is not None:
             val, absent = self.pending.lookup(new)
@@ -151,27 +151,41 @@ class SlotPool:
             new = new[cnt >= self.admit_after]
         if not new.numel():
             return None
-        table = new >> ID_BITS  # sorted by gid, so grouped by table
-        need = torch.bincount(table, minlength=self.num_tables).tolist()
+        ids, slots = self._place(new, step)
+        if not ids.numel():
+            return None
+        self._insert(ids, slots)
+        self.slot_gid.index_copy_(0, slots, ids)
+        self.last_use.index_fill_(0, slots, step)
+        self.uses.index_fill_(0, slots, 1)
+        if self.pending is not None:
+            self.pending.erase(ids)
+        self.c["admissions"].index_add_(0, ids >> ID_BITS, torch.ones_like(ids))
+        return ids, slots
+
+    def _place(self, new: torch.Tensor, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Slots for the ids due, new [m] (ascending, so grouped by table): (ids that got one,
+        their slots). Where every table's ids fit its free tail (the usual step until a pool
+        fills), all at once; else table by table (_slots_for: holes, tail, evictions)."""
+        table = new >> ID_BITS
+        need = torch.bincount(table, minlength=self.num_tables)
+        start = torch.tensor(self._free_from, device=new.device)
+        room = torch.arange(1, self.num_tables + 1, device=new.device) * self.capacity - start
+        if not any(h.numel() for h in self._holes) and bool((need <= room).all()):
+            first = torch.cumsum(need, 0) - need  # each table's first position in new
+            slots = start.index_select(0, table) + torch.arange(new.numel(), device=new.device) \
+                - first.index_select(0, table)
+            self._free_from = (start + need).tolist()
+            return new, slots
         got_ids, got_slots, lo_id = [], [], 0
-        for t, n in enumerate(need):
+        for t, n in enumerate(need.tolist()):
             if n:
                 s = self._slots_for(t, n, step)
                 got_ids.append(new[lo_id:lo_id + s.numel()])
                 got_slots.append(s)
                 self.c["rejected"][t] += n - s.numel()
             lo_id += n
-        ids, slots = torch.cat(got_ids), torch.cat(got_slots)
-        if not ids.numel():
-            return None
-        self._insert(ids, slots)
-        self.slot_gid[slots] = ids
-        self.last_use[slots] = step
-        self.uses[slots] = 1
-        if self.pending is not None:
-            self.pending.erase(ids)
-        self.c["admissions"].index_add_(0, ids >> ID_BITS, torch.ones_like(ids))
-        return ids, slots
+        return torch.cat(got_ids), torch.cat(got_slots)
 
     def _slots_for(self, t: int, n: int, step: int) -> torch.Tensor:
         """Up to n slots of table t: free ones first (lowest first), then evicted ones (lowest
