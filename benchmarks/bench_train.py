@@ -14,7 +14,7 @@ Both: one torch thread per rank, exact (no cache) BSP mode, the default step (tr
 (timers around the step's phases, about a microsecond per call) and writing summary.json.
 
 A point per (--worlds, --batch-sizes: samples per rank, data.batch_size; --precisions:
-train.precision); left out, the workload's own. Each line: samples_per_sec (global, all steps,
+train.precision; --tables: embedding.tables, fixed against dynamic); left out, the workload's own. Each line: samples_per_sec (global, all steps,
 eval excluded) and after the first 10 steps, ms_per_step by phase (rank 0's: step, batch,
 prefetch, lookup, backward, apply, wait; they nest, see benchmarks/phases.py), cpu_busy,
 bytes_per_sample by kind, and `phases` (every rank's report); `ms_per_step_steady`: the phases
@@ -26,8 +26,8 @@ kernels and ops (benchmarks/phases.py); the steady rate then starts after step 2
 measured step (docs/gpu.md). Extra trainer overrides can follow `--`.
 
     python benchmarks/bench_train.py [--worlds 1 2] [--steps 60] [--workload bench|mlperf]
-        [--batch-sizes 2048 16384] [--precisions fp32 tf32 bf16 fp16] [--profile-steps 5]
-        [-- model.embedding_dim=32 ...]
+        [--batch-sizes 2048 16384] [--precisions fp32 tf32 bf16 fp16] [--tables fixed dynamic]
+        [--repeats R] [--profile-steps 5] [-- model.embedding_dim=32 embedding.capacity=100000 ...]
 """
 from __future__ import annotations
 
@@ -52,10 +52,11 @@ WORKLOADS = {"bench": ["data=bench", "model.embedding_dim=16", *COMMON],
 BASE = WORKLOADS["bench"]
 
 
-def point_overrides(batch: int | None, precision: str | None) -> list[str]:
+def point_overrides(batch: int | None, precision: str | None, tables: str | None = None) -> list[str]:
     """The overrides of one point (none where the workload's own value stands)."""
     return ([f"data.batch_size={batch}"] if batch is not None else []) + \
-        ([f"train.precision={precision}"] if precision is not None else [])
+        ([f"train.precision={precision}"] if precision is not None else []) + \
+        ([f"embedding.tables={tables}"] if tables is not None else [])
 
 
 def overrides(steps: int, extra: list[str], workload: str = "bench", point: list[str] = ()) -> list[str]:
@@ -99,6 +100,7 @@ def bench(world: int, steps: int, extra: list[str], backend: str, workload: str 
             "backend": backend if world > 1 else "local", "steps": steps,
             "batch_size": cfg["data"]["batch_size"] if cfg["data"]["global_batch_size"] is None else None,
             "global_batch_size": s["global_batch_size"], "precision": cfg["train"]["precision"],
+            "tables": cfg["embedding"]["tables"],
             "samples_per_sec": round(s["samples_per_sec"], 1),
             "samples_per_sec_after_first_10_steps": round(
                 (len(steady) * 10 * s["global_batch_size"]) / sum(10 * s["global_batch_size"] / v for v in steady), 1),
@@ -126,20 +128,30 @@ def main(argv: list[str] | None = None) -> int:
                     help="samples per rank (data.batch_size), one point each; default: the workload's")
     ap.add_argument("--precisions", nargs="+", default=[None], metavar="P",
                     help="train.precision (fp32, tf32, bf16, fp16), one point each; default: the trainer's (fp32)")
+    ap.add_argument("--tables", nargs="+", default=[None], choices=["fixed", "dynamic"],
+                    help="embedding.tables, one point each, side by side at every W (dynamic needs "
+                         "`-- embedding.capacity=N`, which fixed tables ignore); default: the trainer's (fixed)")
+    ap.add_argument("--repeats", type=int, default=1, metavar="R",
+                    help="run every point R times, in rounds (point after point, then again), so that "
+                         "a machine's load changes reach all points alike; each line carries `repeat`")
     ap.add_argument("--profile-steps", type=int, default=0, metavar="N",
                     help="torch.profiler over N steps after the first 10 (rank 0's summary in `profile`)")
     a = ap.parse_args(argv)
     if a.profile_steps and not (1 <= a.profile_steps <= 10 and a.steps >= 30):
         return bad_input(ValueError(f"--profile-steps takes 1..10 steps (the steps 11-20) and needs --steps >= 30 "
                                     f"(the steady rate is read after step 20), got {a.profile_steps} with --steps {a.steps}"))
-    points = [point_overrides(b, p) for b in a.batch_sizes for p in a.precisions]
+    points = [point_overrides(b, p, t) for b in a.batch_sizes for p in a.precisions for t in a.tables]
     try:
         check(a.worlds, a.steps, extra, a.backend, a.workload, points)
     except input_errors() as exc:
         return bad_input(exc)
-    for w in a.worlds:
-        for point in points:
-            print(json.dumps(bench(w, a.steps, extra, a.backend, a.workload, point, a.profile_steps)), flush=True)
+    if a.repeats < 1:
+        return bad_input(ValueError(f"--repeats takes R >= 1, got {a.repeats}"))
+    for r in range(a.repeats):
+        for w in a.worlds:
+            for point in points:
+                line = bench(w, a.steps, extra, a.backend, a.workload, point, a.profile_steps)
+                print(json.dumps({**line, "repeat": r} if a.repeats > 1 else line), flush=True)
     return 0
 
 

@@ -22,7 +22,7 @@ from typing import Optional, Tuple
 import torch
 from torch import Tensor
 
-from kernels.hashmap import IdSlotMap
+from kernels.probe_map import ReferenceIdSlotMap  # noqa: F401 (the reference backend's id -> slot map)
 from kernels.rounding import StochasticRounding, round_rows
 
 MODES = ("sum", "mean")
@@ -396,80 +396,3 @@ def _update_rows(
         storage.index_copy_(0, rows_idx, round_rows(rows, storage.dtype, rounding))
         if st is not None:
             state.index_copy_(0, rows_idx, st.to(state.dtype))
-
-
-# ----------------------------------------------------------------------------- id -> slot map
-
-
-class ReferenceIdSlotMap(IdSlotMap):
-    """Id-to-slot map over sorted arrays and searchsorted (any device, pure torch).
-
-    Keys: int64 ids >= 0. Values: int64 slots. ``capacity`` is only a hint (the arrays grow).
-    """
-
-    def __init__(self, capacity: int = 0, device: torch.device | str = "cpu") -> None:
-        del capacity
-        self._device = torch.device(device)
-        self._keys = torch.empty(0, dtype=torch.int64, device=self._device)
-        self._vals = torch.empty(0, dtype=torch.int64, device=self._device)
-
-    @property
-    def device(self) -> torch.device:
-        return self._device
-
-    def __len__(self) -> int:
-        return self._keys.numel()
-
-    def _find(self, ids: Tensor) -> Tuple[Tensor, Tensor]:
-        """Position of each id in the sorted keys and whether it is there. ids [n] -> ([n], [n])."""
-        pos = torch.searchsorted(self._keys, ids).clamp_max(max(self._keys.numel() - 1, 0))
-        if not self._keys.numel():
-            return pos, torch.zeros_like(ids, dtype=torch.bool)
-        return pos, self._keys.index_select(0, pos) == ids
-
-    def lookup(self, ids: Tensor) -> Tuple[Tensor, Tensor]:
-        ids = self._prepare(ids)
-        pos, hit = self._find(ids)
-        found = self._vals.index_select(0, pos) if self._vals.numel() else ids.clone()
-        return torch.where(hit, found, torch.full_like(ids, -1)), ~hit
-
-    def insert(self, ids: Tensor, slots: Tensor) -> Tensor:
-        ids, slots = self._prepare(ids), self._prepare(slots)
-        _, hit = self._find(ids)
-        first = _first_occurrence(ids)
-        keep_ids, keep_vals = _last_value_per_id(ids, slots)
-        pos, existing = self._find(keep_ids)
-        self._vals[pos[existing]] = keep_vals[existing]
-        keys = torch.cat([self._keys, keep_ids[~existing]])
-        vals = torch.cat([self._vals, keep_vals[~existing]])
-        self._keys, order = torch.sort(keys)
-        self._vals = vals.index_select(0, order)
-        return ~hit & first
-
-    def erase(self, ids: Tensor) -> Tensor:
-        ids = self._prepare(ids)
-        _, hit = self._find(ids)
-        drop = torch.isin(self._keys, ids[hit])
-        self._keys, self._vals = self._keys[~drop], self._vals[~drop]
-        return hit
-
-    def items(self) -> Tuple[Tensor, Tensor]:
-        return self._keys.clone(), self._vals.clone()
-
-
-def _first_occurrence(ids: Tensor) -> Tensor:
-    """True at the first occurrence of each id in the batch. ids [n] -> bool [n]."""
-    order = torch.argsort(ids, stable=True)
-    sorted_ids = ids.index_select(0, order)
-    head = torch.ones_like(sorted_ids, dtype=torch.bool)
-    head[1:] = sorted_ids[1:] != sorted_ids[:-1]
-    return torch.zeros_like(head).index_put_((order,), head)
-
-
-def _last_value_per_id(ids: Tensor, vals: Tensor) -> Tuple[Tensor, Tensor]:
-    """Dedup a batch keeping the last value of each id. -> (unique ids [u], values [u])."""
-    order = torch.argsort(ids, stable=True)
-    sorted_ids = ids.index_select(0, order)
-    tail = torch.ones_like(sorted_ids, dtype=torch.bool)
-    tail[:-1] = sorted_ids[1:] != sorted_ids[:-1]
-    return sorted_ids[tail], vals.index_select(0, order)[tail]

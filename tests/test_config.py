@@ -156,6 +156,7 @@ BAD = [
     ("data.scramble_ids=true", "data.scramble_ids"),  # needs embedding.tables=dynamic
     ("data.drift=-1", "data.drift"),
     ("data.drift=0.1", "data.drift"),  # needs embedding.tables=dynamic
+    ("data.hash_rows=-1", "data.hash_rows"),
     ("data.drift_eval_at=-1", "data.drift_eval_at"),
 ]
 # keys with no range to check: free text (informational names, paths) and booleans

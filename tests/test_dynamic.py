@@ -142,6 +142,53 @@ def test_no_two_ids_ever_share_a_slot_under_random_traffic():
     assert int(c["evictions"].sum()) > 0
 
 
+@pytest.mark.parametrize("eviction", ["lru", "lfu"])
+def test_eviction_order_equals_a_sort_of_the_whole_table(eviction):
+    """The pool picks victims with topk / kthvalue (O(capacity), no sort of the table); they must be
+    the slots a full sort by score picks: LRU (last read, slot), LFU (uses, last read, slot), never
+    a slot read in this step, in that order (the new ids take them in it)."""
+    pool = SlotPool(2, 40, 1, eviction, CPU)
+    gen = torch.Generator().manual_seed(1)
+    evicted = 0
+    for step in range(80):
+        ids = torch.randint(0, 90, (int(torch.randint(1, 60, (1,), generator=gen)),), generator=gen)
+        t = torch.randint(0, 2, ids.shape, generator=gen)
+        gids = torch.unique(ids | (t << ID_BITS))
+        before = (pool.slot_gid.clone(), pool.last_use.clone(), pool.uses.clone())
+        slots, miss = pool.lookup(gids)
+        read = set(slots[~miss].tolist())
+        new = gids[miss]
+        got = pool.admit(gids, step)
+        for tab in range(2):
+            want_new = new[(new >> ID_BITS) == tab]
+            lo = tab * 40
+            free = [s for s in range(lo, lo + 40) if before[0][s] < 0]
+            scored = sorted((s for s in range(lo, lo + 40) if before[0][s] >= 0 and s not in read),
+                            key=lambda s: (int(before[2][s]), int(before[1][s]), s) if eviction == "lfu"
+                            else (int(before[1][s]), s))
+            expect = (free + scored)[: want_new.numel()]
+            mine = [] if got is None else got[1][(got[0] >> ID_BITS) == tab].tolist()
+            assert mine == expect
+            evicted += max(len(expect) - len(free), 0)
+    assert evicted > 100 and int(pool.c["evictions"].sum()) == evicted
+
+
+def test_free_slots_after_a_load_go_lowest_first_and_lookups_stay_exact():
+    """reindex() (a checkpoint load) rebuilds the map and the free slots from slot_gid, holes
+    below the last held slot included: they are handed out first, lowest first; the pool's
+    remembered answers follow every insert and erase."""
+    pool = SlotPool(1, 8, 1, "lru", CPU)
+    pool.slot_gid[torch.tensor([0, 2, 3, 6])] = gid(0, [10, 20, 30, 40])
+    pool.last_use[torch.tensor([0, 2, 3, 6])] = torch.tensor([0, 1, 2, 3])
+    pool.reindex()
+    assert pool.lookup(gid(0, [20, 40, 50]))[0].tolist() == [2, 6, -1]
+    ids, slots = pool.admit(gid(0, [20, 41, 42, 43, 44, 45]), step=4)
+    assert slots.tolist() == [1, 4, 5, 7, 0]  # holes 1, 4, 5, the free tail 7, then 10's slot (LRU)
+    assert ids.tolist() == gid(0, [41, 42, 43, 44, 45]).tolist()
+    for g in (gid(0, [10, 20, 41, 45]), gid(0, [20, 41, 42, 43, 44, 45])):
+        assert [t.tolist() for t in pool.lookup(g)] == [t.tolist() for t in pool.map.lookup(g)]
+
+
 @pytest.mark.parametrize("overrides,key", [
     (["cache=lru", "consistency=ssp"], "consistency"), (["placement=fae"], "placement.name"),
     (["schedule=herald"], "schedule.name"),
@@ -225,6 +272,30 @@ def test_the_drifting_preset_brings_new_ids_and_moves_popularity():
     assert int(flat.train_batch(60).values.max()) < 100000
 
 
+def test_hash_rows_folds_the_dynamic_tables_ids_into_fixed_rows():
+    """data.hash_rows=N (fixed tables): the very ids a dynamic table sees (drifting, scrambled),
+    each hashed into [0, N) of its table by splitmix64 of (table, id): the same-memory baseline.
+    Refused with dynamic tables (and on Criteo: its hashing is prepare_criteo.py's)."""
+    from trainer.config import table_rows
+    from trainer.data import make_data
+    from trainer.embedding.sharding import mix64
+    base = ["data=drift", "checkpoint.enabled=false", "data.batch_size=512"]
+    dyn = load_config(make_cfg(base + ["embedding.tables=dynamic", "embedding.capacity=100"]))
+    fixed = load_config(make_cfg(base + ["data.hash_rows=300"]))
+    assert table_rows(fixed) == [300] * 8
+    for step in (0, 40):
+        raw, got = make_data(dyn, 0, 1).train_batch(step), make_data(fixed, 0, 1).train_batch(step)
+        t = raw.table_index()
+        want = (mix64(raw.values | (t << ID_BITS)) & 0x7FFFFFFFFFFFFFFF) % 300
+        assert torch.equal(got.values, want) and torch.equal(got.labels, raw.labels)
+        assert int(raw.values.max()) >= 1 << 40 and 250 < got.values.unique().numel() <= 300  # wide ids, folded
+    for extra in (["data.hash_rows=300", "embedding.tables=dynamic", "embedding.capacity=100"], ["data.hash_rows=-1"]):
+        with pytest.raises(ConfigError, match="data.hash_rows"):
+            load_config(make_cfg(base + extra))
+    with pytest.raises(ConfigError, match="data.drift=0.05: drifting ids are unbounded"):
+        load_config(make_cfg(base + ["data.scramble_ids=false"]))  # drift on fixed tables without hashing: refused
+
+
 def test_dynamic_tables_train_on_the_drifting_preset_and_evict(tmp_path):
     from trainer.runner import run
     res = run(make_cfg(["data=drift", "embedding.tables=dynamic", "embedding.capacity=1500",
@@ -244,17 +315,24 @@ def test_the_cache_simulator_refuses_dynamic_tables():
 
 def test_the_memory_plan_counts_the_pool_and_its_bookkeeping():
     """Dynamic tables: the plan's rows are the store's (T x capacity slots of weight, state,
-    version, touched) plus the pool's slot ids and scores and the map's entries (CPU: 40 B)."""
+    version, touched) plus the pool's slot ids and scores and a bound on the map's cells (CPU:
+    16 B a cell; the map of a full pool never holds more than the bound)."""
     import trainer.memplan as memplan
+    from kernels.probe_map import cells_bound
     c = load_config(make_cfg(["data=tiny", "embedding.tables=dynamic", "embedding.capacity=50",
                               "checkpoint.enabled=false", "optim.sparse=rowwise_adagrad", "model.embedding_dim=16"]))
     plan = memplan.plan_memory(c, 2, 1)
     st = DynamicStore(HashSharding(4, 50, 2, 1), 16, 0, None, "rowwise_adagrad", 0.1, 1e-8, CPU)
     held = [st.weight, st.version, st.touched, *st.optimizer.state_tensors().values(),
             st.pool.slot_gid, st.pool.last_use, st.pool.uses]
-    ids = torch.arange(200) | (torch.arange(200) % 4 << ID_BITS)
-    st.admit(ids)  # a full pool: its map holds 200 entries (16 B each in the reference's arrays)
-    keys, vals = st.pool.map.items()
-    held_bytes = sum(t.numel() * t.element_size() for t in held) + keys.numel() * 8 + vals.numel() * 8
-    assert plan.local_rows == 200 and plan.parts["rows"] == held_bytes
+    rows_bytes = sum(t.numel() * t.element_size() for t in held)
+    cells = []
+    for step in range(30):  # a full pool with churn: ids come and go, tombstones, rebuilds
+        st.clock = step
+        i = torch.arange(step * 20, step * 20 + 200)
+        st.admit(i | (i % 4 << ID_BITS))
+        cells.append(st.pool.map.capacity)
+    map_share = plan.bytes_per_row - st.bytes_per_row()["total"] - 1 + st.bytes_per_row()["map"]
+    assert plan.local_rows == 200 and plan.parts["rows"] == rows_bytes + 200 * map_share
+    assert max(cells) * 16 <= 200 * map_share and map_share == -(-16 * cells_bound(200) // 200)
     assert st.bytes_per_row()["total"] + 1 == plan.bytes_per_row  # + touched: the plan's part only, as for fixed tables

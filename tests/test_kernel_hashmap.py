@@ -122,3 +122,40 @@ def test_gpu_hashmap_vs_reference():
         for a, b in zip(gpu_map.lookup(probe), ref_map.lookup(probe)):
             assert torch.equal(a, b)
     assert len(gpu_map) == len(ref_map)
+
+
+def test_reference_map_churn_stays_exact_and_bounded():
+    """The CPU map (open addressing, kernels/probe_map.py) under the pool's traffic: ids come and
+    go at a constant number held, over full int64 range keys (tables in the top bits). Answers
+    equal a dict throughout; tombstones are reused or dropped by rebuilds, so the cells stay
+    bounded by the ids held, not by the ids ever seen; items() are sorted."""
+    gen = torch.Generator().manual_seed(3)
+    table, model = kernels.ReferenceIdSlotMap(4, "cpu"), {}
+    held = 2000
+    for step in range(120):
+        ids = (torch.randint(0, 1 << 20, (300,), generator=gen) * 1_000_003 + (step % 5 << 56)).unique()
+        ids = ids[torch.randperm(ids.numel(), generator=gen)]
+        vals = torch.randint(0, 1 << 40, ids.shape, generator=gen)
+        new = table.insert(ids, vals)
+        assert new.tolist() == [i not in model for i in ids.tolist()]
+        model.update(zip(ids.tolist(), vals.tolist()))
+        if len(model) > held:
+            drop = torch.tensor(list(model)[: len(model) - held])
+            assert table.erase(drop).all()
+            for i in drop.tolist():
+                del model[i]
+        probe = torch.cat([ids, ids + 1])
+        slots, miss = table.lookup(probe)
+        assert slots.tolist() == [model.get(i, -1) for i in probe.tolist()]
+        assert len(table) == len(model)
+    assert table.capacity <= 4 * held / 0.5  # 36,000 ids went through, 2,000 held
+    keys, vals = table.items()
+    assert keys.tolist() == sorted(model) and vals.tolist() == [model[k] for k in sorted(model)]
+
+
+def test_reference_map_duplicate_ids_keep_the_last_value_and_report_the_first():
+    table = kernels.ReferenceIdSlotMap(0, "cpu")
+    table.insert(torch.tensor([7]), torch.tensor([70]))
+    new = table.insert(torch.tensor([9, 7, 9, 3, 9]), torch.tensor([1, 2, 3, 4, 5]))
+    assert new.tolist() == [True, False, False, True, False]
+    assert table.lookup(torch.tensor([9, 7, 3]))[0].tolist() == [5, 2, 4]

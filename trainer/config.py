@@ -100,6 +100,7 @@ class DataConfig:
     drift_eval_at: int = 0  # with drift: evaluation samples are drawn as at this training sample position
     cycle_batches: int = 0  # synthetic: K > 0: the training stream repeats its first K global batches, each made once (benchmarks)
     scramble_ids: bool = False  # synthetic, embedding.tables=dynamic: present table t's id i as a random-looking id in [0, 2^56) (a bijection per table)
+    hash_rows: int = 0  # synthetic, embedding.tables=fixed: N > 0 hashes every (scrambled, drifting) id into N rows per table (splitmix64 mod N; collisions share a row): dynamic tables' same-memory baseline, as prepare_criteo --hash-rows; 0 = off
 
 
 @dataclass
@@ -657,9 +658,17 @@ def _validate_dynamic(c: Config) -> None:
     _check(e.capacity >= 0, "embedding.capacity", e.capacity, "must be >= 0 (rows per table on each owner)")
     _check(c.data.drift >= 0 and math.isfinite(c.data.drift), "data.drift", c.data.drift, "must be a finite number >= 0")
     _check(c.data.drift_eval_at >= 0, "data.drift_eval_at", c.data.drift_eval_at, "must be >= 0")
+    _check(c.data.hash_rows >= 0, "data.hash_rows", c.data.hash_rows, "must be >= 0 (0 = off)")
+    if c.data.hash_rows:
+        _check(c.data.name == "synthetic", "data.hash_rows", c.data.hash_rows,
+               "is a synthetic-data option (Criteo: prepare_criteo.py --hash-rows)")
+        _check(e.tables == "fixed", "data.hash_rows", c.data.hash_rows, "hashes ids into fixed tables: needs embedding.tables=fixed")
     if e.tables != "dynamic":
-        _check(not c.data.scramble_ids, "data.scramble_ids", True, "needs embedding.tables=dynamic")
-        _check(not c.data.drift, "data.drift", c.data.drift, "drifting ids are unbounded: needs embedding.tables=dynamic")
+        if c.data.hash_rows:  # ids hashed into the tables' rows: any id is fine
+            return
+        _check(not c.data.scramble_ids, "data.scramble_ids", True, "needs embedding.tables=dynamic or data.hash_rows")
+        _check(not c.data.drift, "data.drift", c.data.drift,
+               "drifting ids are unbounded: needs embedding.tables=dynamic or data.hash_rows")
         return
     _check(c.data.name == "synthetic" or not c.data.drift, "data.drift", c.data.drift, "is a synthetic-data option")
     _check(e.capacity > 0, "embedding.capacity", e.capacity, "embedding.tables=dynamic needs a pool of > 0 rows per table")
@@ -770,7 +779,14 @@ def staleness_bounds(c: Config) -> tuple[list[int], list[int]]:
 
 
 def table_rows(c: Config) -> list[int]:
-    """Rows per table after the cap."""
+    """Rows per table of the model: after the cap, or data.hash_rows each (ids hashed into them)."""
+    if c.data.hash_rows > 0:
+        return [c.data.hash_rows] * len(c.data.table_rows)
+    return source_rows(c)
+
+
+def source_rows(c: Config) -> list[int]:
+    """Rows per table the data draws its ids from, after the cap (before data.hash_rows)."""
     cap = c.data.max_table_rows
     return [min(n, cap) if cap > 0 else n for n in c.data.table_rows]
 

@@ -27,6 +27,7 @@ from typing import Any
 import torch
 
 from .config import Config, ConfigError, cache_capacities, local_batch_size, table_rows
+from kernels.probe_map import cells_bound
 from .embedding.pool import pool_slot_bytes
 from .embedding.sharding import RowSharding
 from .embedding.slotmap import uses_direct_map
@@ -39,7 +40,6 @@ ADVICE = {"rows": "more workers, embedding.dtype=fp16 or bf16 (half the weight b
           "cache": "a smaller cache.capacity_fraction or cache.capacity_rows", "cache map": "cache=none",
           "replica": "a smaller placement.budget_bytes", "best snapshot": "train.early_stop.snapshot=disk or restore_best=false",
           "batch": "a smaller data.batch_size or more workers"}
-HASH_SLOT_BYTES = 16  # the hash map's key + slot per entry, at its load factor of about one half
 
 
 def state_bytes(dim: int, optimizer: str) -> int:
@@ -100,7 +100,7 @@ def plan_memory(c: Config, world: int, rank: int, device: torch.device = torch.d
     row_parts = {"weight": d * weight_elem(c), c.optim.sparse: state_bytes(d, c.optim.sparse),
                  "version": VERSION_BYTES, "touched": 1}
     if dynamic:
-        row_parts["pool"] = pool_slot_bytes(device)
+        row_parts["pool"] = pool_slot_bytes(device, local)
     plan = MemoryPlan(rank, world, local, row_parts)
     plan.parts["rows"] = local * plan.bytes_per_row
     slots = sum(cache_capacities(c))
@@ -108,7 +108,7 @@ def plan_memory(c: Config, world: int, rank: int, device: torch.device = torch.d
         plan.parts["cache"] = slots * slot_bytes(d)
         n_ids = sum(-(-n // world) * world for n in rows)
         direct = not dynamic and uses_direct_map(n_ids, slots, device)  # dynamic: the hash map (ids of 2^56)
-        plan.parts["cache map"] = 4 * n_ids if direct else slots * HASH_SLOT_BYTES
+        plan.parts["cache map"] = 4 * n_ids if direct else 16 * cells_bound(slots)  # hash-map cells
     if c.placement.name in ("fae", "sca"):
         plan.parts["replica"] = int(c.placement.budget_bytes)
     if c.train.early_stop.restore_best and (c.data.val_fraction or 0) > 0:  # its held flags + the rows in memory

@@ -120,9 +120,7 @@ def read_pool_shard(ckpt: str, manifest: dict[str, Any], store: DynamicStore, co
         finally:
             f.close()
     pool = store.pool
-    held = torch.nonzero(pool.slot_gid >= 0).squeeze(1)
-    pool.map.erase(pool.map.items()[0])
-    pool.map.insert(pool.slot_gid[held], held)
+    pool.reindex()
     pending = [_read_all(os.path.join(ckpt, name, f"{k}.bin"), info["pending"][k], counter) for k in _PENDING]
     if pool.pending is not None:
         pool.pending.erase(pool.pending.items()[0])
@@ -206,9 +204,8 @@ def _reshard(ckpt: str, names: list[str], infos: list[dict[str, Any]], store: Dy
                                           f"this run holds {torch_name(dest.dtype)} (dynamic tables resume with the same types)")
                 with torch.no_grad():
                     dest[dst[a:b].to(dest.device)] = values[src[a:b] - lo].to(dest.device)
-    held = slot.to(pool.slot_gid.device)
-    pool.map.erase(pool.map.items()[0])
-    pool.map.insert(c[:, 0].to(held.device), held)
+    pool.reindex()  # the id -> slot map and the free slots, from the slot ids just read
+    device = pool.slot_gid.device
     # 4. the pending counts of the ids it owns now; the counters to rank 0, plus its evictions
     if pool.pending is not None:
         pool.pending.erase(pool.pending.items()[0])
@@ -220,7 +217,7 @@ def _reshard(ckpt: str, names: list[str], infos: list[dict[str, Any]], store: Dy
         ids, vals = (_read_all(os.path.join(ckpt, name, f"{k}.bin"), info["pending"][k], counter) for k in _PENDING)
         mine = s.owner(ids) == s.rank if ids.numel() else ids.bool()
         if bool(mine.any()):
-            pool.pending.insert(ids[mine].to(held.device), vals[mine].to(held.device))
+            pool.pending.insert(ids[mine].to(device), vals[mine].to(device))
     totals = totals if s.rank == 0 else torch.zeros_like(totals)
     totals[POOL_COUNTERS.index("evictions")] += evicted
     pool.counters.copy_(totals)

@@ -9,10 +9,10 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Optional, Union
 
 from ..config import (Config, ConfigError, DataConfig, check_data_source, data_source_error, epoch_steps,
-                      local_batch_size, table_rows, val_rows)
+                      local_batch_size, source_rows, table_rows, val_rows)
 from .batch import Batch
 from .ids import ID_LIMIT, GuardedData, IdGuard, IdRangeError
-from .scramble import ScrambledIds
+from .scramble import HashedIds, ScrambledIds
 from .synthetic import SyntheticData
 
 if TYPE_CHECKING:  # the real-data modules are imported only when selected (DALI is heavy)
@@ -132,6 +132,8 @@ def make_data(cfg: Config, rank: int, world: int) -> GuardedData:
     from resolve(cfg, world), applied by the caller (trainer.recipes.apply_data_steps)."""
     data: Any = _make_data(cfg, rank, world)
     if cfg.embedding.tables != "dynamic":
+        if cfg.data.hash_rows:  # the same ids as a dynamic table would see, hashed into the rows
+            data = HashedIds(ScrambledIds(data, cfg.data.seed) if cfg.data.scramble_ids else data, cfg.data.hash_rows)
         return GuardedData(data, IdGuard(table_rows(cfg), cfg.data.out_of_range))
     if cfg.data.scramble_ids:
         data = ScrambledIds(data, cfg.data.seed)
@@ -142,7 +144,7 @@ def make_data(cfg: Config, rank: int, world: int) -> GuardedData:
 def _make_data(cfg: Config, rank: int, world: int) -> Union[SyntheticData, CriteoData, MovieLensData]:
     b = local_batch_size(cfg, world)
     if cfg.data.name == "synthetic":
-        return SyntheticData(cfg.data, table_rows(cfg), rank, world, b, pin_memory=_local_gpu(cfg) is not None)
+        return SyntheticData(cfg.data, source_rows(cfg), rank, world, b, pin_memory=_local_gpu(cfg) is not None)
     if cfg.data.name == "criteo":
         from .blocks import CriteoData, memmap_reader
         num_dense = cfg.data.num_dense

@@ -1,4 +1,5 @@
-"""data.scramble_ids: a data source whose ids look like raw 56-bit hashes (dynamic tables' tests).
+"""data.scramble_ids: a data source whose ids look like raw 56-bit hashes (dynamic tables' tests);
+data.hash_rows: the same ids hashed into N rows per table (fixed tables, the same-memory baseline).
 
 Why: dynamic tables (embedding.tables=dynamic) take any id in [0, 2^56); the synthetic presets draw
 ids in [0, table_rows). ScrambledIds maps table t's id i to scramble(t, i), a bijection of
@@ -47,3 +48,25 @@ class ScrambledIds(MappedData):
     def map_ids(self, values: np.ndarray, lengths: np.ndarray, where: str) -> np.ndarray:
         t = np.repeat(np.tile(np.arange(lengths.shape[1]), lengths.shape[0]), lengths.reshape(-1))
         return scramble(torch.from_numpy(np.asarray(values, np.int64)), torch.from_numpy(t), self.seed).numpy()
+
+
+class HashedIds(MappedData):
+    """data.hash_rows = N (fixed tables): table t's id i becomes splitmix64((t << 56) | i) mod N, as
+    prepare_criteo.py --hash-rows folds raw Criteo values: ids that collide share a row. With drift
+    or scrambled ids this is the baseline a dynamic table of N rows is measured against (the same
+    rows, so the same memory for the rows)."""
+
+    def __init__(self, data: Any, rows: int) -> None:
+        super().__init__(data)
+        self.rows = rows
+
+    def fold(self, values: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+        from ..embedding.sharding import mix64
+        return (mix64(values | (table << ID_BITS)) & 0x7FFFFFFFFFFFFFFF) % self.rows
+
+    def map_batch(self, b: Batch, where: str) -> Batch:
+        return Batch(b.dense, self.fold(b.values, b.table_index()), b.lengths, b.labels)
+
+    def map_ids(self, values: np.ndarray, lengths: np.ndarray, where: str) -> np.ndarray:
+        t = np.repeat(np.tile(np.arange(lengths.shape[1]), lengths.shape[0]), lengths.reshape(-1))
+        return self.fold(torch.from_numpy(np.asarray(values, np.int64)), torch.from_numpy(t)).numpy()

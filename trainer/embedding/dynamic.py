@@ -103,6 +103,8 @@ class DynamicStore(ShardStore):
     def rows(self, gids: torch.Tensor) -> torch.Tensor:
         """[n, d] rows of owned gids as stored; zeros for ids without a row (not admitted yet)."""
         slots, miss = self.pool.lookup(gids)
+        if not bool(miss.any()):
+            return self.weight.index_select(0, slots)
         out = self.weight.index_select(0, slots.clamp(min=0))
         return out.masked_fill_(miss.unsqueeze(1), 0)
 

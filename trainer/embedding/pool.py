@@ -8,7 +8,11 @@ initialises a slot when the pool hands it to a new id.
 
 - map: gid -> slot, one map for all tables of this owner (the gid carries the table, so it is the
   per-table map of (table, id) under one key; kernels.make_id_slot_map: the Triton hash table on
-  CUDA, its sorted-array reference elsewhere). No two gids ever share a slot.
+  CUDA, the open-addressing reference of kernels/probe_map.py elsewhere). No two gids ever share
+  a slot. A step's bookkeeping costs in proportion to its ids, except eviction: free slots are a
+  cursor per table (plus the holes a checkpoint load may leave), the map's last two answers are
+  remembered (a step asks for the same ids in admit, rows and apply); a table that evicts pays
+  O(capacity) (topk / kthvalue over its scores, no sort).
 - slot_gid [S]: the gid holding each slot (-1: free); last_use [S]: the last step it was read;
   uses [S]: steps it was read (LFU).
 - pending (admit_after > 1): gid -> (last step counted << 16 | steps seen) for ids not admitted
@@ -27,17 +31,26 @@ from typing import Optional
 import torch
 
 import kernels
+from kernels.probe_map import cells_bound
 from .sharding import ID_BITS
 
 POOL_COUNTERS = ("admissions", "evictions", "dropped_grads", "rejected")  # [T] each, per owner
 _COUNT_BITS = 16  # pending value: (step << 16) | count
 
 
-def pool_slot_bytes(device: torch.device) -> int:
-    """Bytes of a slot's bookkeeping on `device` (SlotPool.bytes_per_slot's total), for the memory
-    plan: a Triton hash-table cell (32 B) on CUDA, the reference's sorted arrays (16 B) elsewhere,
-    plus the slot's id and scores (24 B)."""
-    return (32 if kernels.use_triton(torch.device(device)) else 16) + 24
+def _ascending(gids: torch.Tensor) -> bool:
+    """Whether gids [n] are strictly ascending (sorted and distinct)."""
+    return gids.numel() < 2 or bool((gids[1:] > gids[:-1]).all())
+
+
+def pool_slot_bytes(device: torch.device, slots: int) -> int:
+    """Bytes of a slot's bookkeeping on `device` for a pool of `slots` slots (SlotPool.bytes_per_slot's
+    total), for the memory plan: the slot's id and scores (24 B) and its share of the map: a Triton
+    hash-table cell (32 B, at load 1/2) on CUDA; on the CPU the reference map's most cells for
+    that many ids (16 B each over 2.7-5.3 cells per id below 2^20 slots: 43-86 B)."""
+    if kernels.use_triton(torch.device(device)):
+        return 32 + 24
+    return -(-16 * cells_bound(max(slots, 1)) // max(slots, 1)) + 24
 
 
 class SlotPool:
@@ -56,10 +69,51 @@ class SlotPool:
         self.uses = torch.zeros(n, dtype=torch.int64, device=device)
         self.counters = torch.zeros(len(POOL_COUNTERS), num_tables, dtype=torch.int64, device=device)
         self.c = {k: self.counters[i] for i, k in enumerate(POOL_COUNTERS)}
+        # free slots of table t, lowest first: _holes[t] (sorted; only after a load), then every
+        # slot from _free_from[t] up (a slot is freed only to be reused at once, by _slots_for)
+        self._free_from = [t * capacity for t in range(num_tables)]
+        self._holes = [self.slot_gid[:0]] * num_tables
+        # the map's last two answers (gids, slots, miss, gids sorted?), kept exact: a step asks for
+        # the same ids up to three times (admit, rows, apply); an insert updates the sorted ones
+        # (drops the others), an erase drops all
+        self._memo: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, bool]] = []
+
+    def reindex(self) -> None:
+        """Rebuild the id -> slot map and the free slots from slot_gid (after a checkpoint load)."""
+        self._memo.clear()
+        self.map.erase(self.map.items()[0])
+        held = torch.nonzero(self.slot_gid >= 0).squeeze(1)
+        self.map.insert(self.slot_gid[held], held)
+        for t in range(self.num_tables):
+            lo, hi = t * self.capacity, (t + 1) * self.capacity
+            taken = torch.nonzero(self.slot_gid[lo:hi] >= 0).squeeze(1)
+            self._free_from[t] = lo + (int(taken[-1]) + 1 if taken.numel() else 0)
+            self._holes[t] = torch.nonzero(self.slot_gid[lo:self._free_from[t]] < 0).squeeze(1) + lo
 
     def lookup(self, gids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(slots [n], -1 where absent; miss [n] bool) of gids."""
-        return self.map.lookup(gids)
+        """(slots [n], -1 where absent; miss [n] bool) of gids (not to be modified: the same
+        tensors answer the same gids again while the map is unchanged)."""
+        if not gids.numel():
+            return self.map.lookup(gids)
+        for i, m in enumerate(self._memo):
+            if m[0].numel() == gids.numel() and torch.equal(m[0], gids):
+                self._memo.insert(0, self._memo.pop(i))
+                return m[1], m[2]
+        slots, miss = self.map.lookup(gids)
+        self._memo = [(gids.clone(), slots, miss, _ascending(gids)), *self._memo[:1]]
+        return slots, miss
+
+    def _insert(self, ids: torch.Tensor, slots: torch.Tensor) -> None:
+        """Map ids [m] (ascending) to slots [m]; the remembered answers learn them."""
+        self.map.insert(ids, slots)
+        memo = []
+        for g, s, miss, ascending in self._memo:
+            if ascending:
+                at = torch.searchsorted(g, ids).clamp_(max=g.numel() - 1)
+                there = g[at] == ids
+                at = at[there]
+                memo.append((g, s.index_copy(0, at, slots[there]), miss.index_fill(0, at, False), True))
+        self._memo = memo
 
     def rows_in_use(self) -> torch.Tensor:
         """[T] slots holding an id, per table."""
@@ -80,12 +134,14 @@ class SlotPool:
         seen admit_after times (evicting the pool's lowest-scored rows not read in this step when
         the table is full; ids beyond that stay out, counted as `rejected`). Returns the new
         (gids [m], slots [m]), sorted by gid, for the store to initialise; None when none."""
-        u = torch.unique(gids)
-        slots, miss = self.map.lookup(u)
-        hit = slots[~miss]
-        self.last_use[hit] = step
-        self.uses[hit] += 1
-        new = u[miss]
+        if not gids.numel():
+            return None
+        u = gids if _ascending(gids) else torch.unique(gids)  # a plan's owned ids are already
+        slots_u, miss_u = self.lookup(u)
+        hit = slots_u[~miss_u]
+        self.last_use.index_fill_(0, hit, step)
+        self.uses.index_add_(0, hit, torch.ones_like(hit))
+        new = u[miss_u]
         if new.numel() and self.pending is not None:
             val, absent = self.pending.lookup(new)
             seen = val & ((1 << _COUNT_BITS) - 1)
@@ -95,39 +151,60 @@ class SlotPool:
             new = new[cnt >= self.admit_after]
         if not new.numel():
             return None
-        table = new >> ID_BITS  # sorted by gid, so grouped by table
-        need = torch.bincount(table, minlength=self.num_tables).tolist()
+        ids, slots = self._place(new, step)
+        if not ids.numel():
+            return None
+        self._insert(ids, slots)
+        self.slot_gid.index_copy_(0, slots, ids)
+        self.last_use.index_fill_(0, slots, step)
+        self.uses.index_fill_(0, slots, 1)
+        if self.pending is not None:
+            self.pending.erase(ids)
+        self.c["admissions"].index_add_(0, ids >> ID_BITS, torch.ones_like(ids))
+        return ids, slots
+
+    def _place(self, new: torch.Tensor, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Slots for the ids due, new [m] (ascending, so grouped by table): (ids that got one,
+        their slots). Where every table's ids fit its free tail (the usual step until a pool
+        fills), all at once; else table by table (_slots_for: holes, tail, evictions)."""
+        table = new >> ID_BITS
+        need = torch.bincount(table, minlength=self.num_tables)
+        start = torch.tensor(self._free_from, device=new.device)
+        room = torch.arange(1, self.num_tables + 1, device=new.device) * self.capacity - start
+        if not any(h.numel() for h in self._holes) and bool((need <= room).all()):
+            first = torch.cumsum(need, 0) - need  # each table's first position in new
+            slots = start.index_select(0, table) + torch.arange(new.numel(), device=new.device) \
+                - first.index_select(0, table)
+            self._free_from = (start + need).tolist()
+            return new, slots
         got_ids, got_slots, lo_id = [], [], 0
-        for t, n in enumerate(need):
+        for t, n in enumerate(need.tolist()):
             if n:
                 s = self._slots_for(t, n, step)
                 got_ids.append(new[lo_id:lo_id + s.numel()])
                 got_slots.append(s)
                 self.c["rejected"][t] += n - s.numel()
             lo_id += n
-        ids, slots = torch.cat(got_ids), torch.cat(got_slots)
-        if not ids.numel():
-            return None
-        self.map.insert(ids, slots)
-        self.slot_gid[slots] = ids
-        self.last_use[slots] = step
-        self.uses[slots] = 1
-        if self.pending is not None:
-            self.pending.erase(ids)
-        self.c["admissions"].index_add_(0, ids >> ID_BITS, torch.ones_like(ids))
-        return ids, slots
+        return torch.cat(got_ids), torch.cat(got_slots)
 
     def _slots_for(self, t: int, n: int, step: int) -> torch.Tensor:
         """Up to n slots of table t: free ones first (lowest first), then evicted ones (lowest
         score first; never a row read in this step)."""
         lo, hi = t * self.capacity, (t + 1) * self.capacity
-        owner = self.slot_gid[lo:hi]
-        free = torch.nonzero(owner < 0).squeeze(1)[:n] + lo
+        holes = self._holes[t]
+        free = holes[:n]
+        self._holes[t] = holes[n:]
+        take = min(n - free.numel(), hi - self._free_from[t])
+        if take > 0:
+            free = torch.cat([free, torch.arange(self._free_from[t], self._free_from[t] + take,
+                                                 device=self.slot_gid.device)])
+            self._free_from[t] += take
         short = n - free.numel()
         if short <= 0:
             return free
         victims = self._victims(lo, hi, short, step)
         if victims.numel():
+            self._memo.clear()
             self.map.erase(self.slot_gid[victims])
             self.slot_gid[victims] = -1
             self.c["evictions"][t] += victims.numel()
@@ -135,25 +212,38 @@ class SlotPool:
 
     def _victims(self, lo: int, hi: int, m: int, step: int) -> torch.Tensor:
         """Up to m occupied slots of [lo, hi) not read in `step`, lowest score first: LRU = least
-        recently read (ties: lowest slot); LFU = fewest uses, ties least recent."""
+        recently read (ties: lowest slot); LFU = fewest uses, ties least recent (then lowest slot).
+        O(capacity), no sort of the table (topk / kthvalue)."""
+        c = hi - lo
         last = self.last_use[lo:hi]
-        cand = torch.nonzero((self.slot_gid[lo:hi] >= 0) & (last < step)).squeeze(1)
-        if not cand.numel():
-            return cand
-        recency = last[cand] * (hi - lo) + cand  # distinct keys: the same choice on every device
-        order = torch.argsort(recency)
+        ok = (last < step) & (self.slot_gid[lo:hi] >= 0)  # (slots just taken free hold no id yet)
+        recency = last * c + torch.arange(c, device=last.device)  # distinct keys: one order everywhere
+        never = torch.iinfo(torch.int64).max
+        m = min(m, int(ok.sum()))
+        if m == 0:
+            return recency[:0]
         if self.eviction == "lfu":
-            order = order[torch.argsort(self.uses[lo:hi][cand][order], stable=True)]
-        return cand[order[:m]] + lo
+            uses = self.uses[lo:hi].masked_fill(~ok, never)
+            cut = int(torch.kthvalue(uses, m).values)  # the m-th fewest uses: take all below it,
+            below = torch.nonzero(uses < cut).squeeze(1)  # then the least recent of those at it
+            at = torch.nonzero(uses == cut).squeeze(1)
+            tie = at[torch.topk(recency[at], m - below.numel(), largest=False).indices]
+            pick = torch.cat([below, tie])
+            key = torch.stack([uses[pick], recency[pick]])
+            order = torch.argsort(key[1])
+            order = order[torch.argsort(key[0][order], stable=True)]
+            return pick[order] + lo
+        return torch.topk(recency.masked_fill(~ok, never), m, largest=False, sorted=True).indices + lo
 
     def bytes_per_slot(self) -> dict[str, int]:
-        """What the pool costs per row slot beyond the row: its map entry (a hash-table cell of
-        int64 key + int64 value at load <= 1/2: <= 32 B; the reference's sorted arrays: 16 B),
-        the slot's id (8 B), its scores (last use and uses: 16 B)."""
-        cell = pool_slot_bytes(self.map.device) - 24
+        """What the pool costs per row slot beyond the row: its share of the map (pool_slot_bytes:
+        a hash-table cell of int64 key + int64 value, 32 B at load 1/2 in the Triton table; the
+        CPU map's bound), the slot's id (8 B), its scores (last use and uses: 16 B)."""
+        cell = pool_slot_bytes(self.map.device, self.slot_gid.numel()) - 24
         return {"map": cell, "slot_id": 8, "scores": 16, "total": cell + 24}
 
     def pending_bytes_per_id(self) -> int:
         """Exact admission counting: one map entry per id not admitted yet (key + packed step and
-        count), as bytes_per_slot's map cell."""
-        return 0 if self.pending is None else pool_slot_bytes(self.pending.device) - 24
+        count): two int64 per cell, at load 1/2 (32 B, the figure reported) down to 3/16 after a
+        rebuild (86 B), on the CPU and in the Triton table alike."""
+        return 0 if self.pending is None else 32

