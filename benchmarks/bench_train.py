@@ -140,13 +140,13 @@ def main(argv: list[str] | None = None) -> int:
     if a.profile_steps and not (1 <= a.profile_steps <= 10 and a.steps >= 30):
         return bad_input(ValueError(f"--profile-steps takes 1..10 steps (the steps 11-20) and needs --steps >= 30 "
                                     f"(the steady rate is read after step 20), got {a.profile_steps} with --steps {a.steps}"))
+    if a.repeats < 1:
+        return bad_input(ValueError(f"--repeats takes R >= 1, got {a.repeats}"))
     points = [point_overrides(b, p, t) for b in a.batch_sizes for p in a.precisions for t in a.tables]
     try:
         check(a.worlds, a.steps, extra, a.backend, a.workload, points)
     except input_errors() as exc:
         return bad_input(exc)
-    if a.repeats < 1:
-        return bad_input(ValueError(f"--repeats takes R >= 1, got {a.repeats}"))
     for r in range(a.repeats):
         for w in a.worlds:
             for point in points:
