@@ -44,7 +44,8 @@ def test_gpu_check_runs_every_stage_in_cpu_mode(tmp_path: Path):
 @pytest.mark.dist
 def test_gpu_check_step_study_in_cpu_mode(tmp_path: Path):
     """PART=step (the profiled step study of the MLPerf-shaped DLRM) in its CPU mode: every stage
-    runs, the benchmark lines carry the profile and the steady phases, the probe its eager line."""
+    runs (dev/gpu_dense_probe.py among them), the benchmark lines carry the profile and the steady
+    phases, the probe its eager lines."""
     env = {**os.environ, "DEVICE": "cpu", "QUICK": "1", "PYTHON": sys.executable, "PART": "step",
            "STEP_BATCHES": "128", "STEP_W2_PIPELINES": "ids",
            "STEP_EXTRA": "data.cycle_batches=4 data.max_table_rows=2000 data.eval_samples=512"}
