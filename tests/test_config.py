@@ -53,6 +53,7 @@ BAD = [
     ("data.loader_threads=0", "data.loader_threads"),
     ("data.cycle_batches=-2", "data.cycle_batches"),
     ("train.cuda_graph=sometimes", "train.cuda_graph"),
+    ("embedding.lfu_half_life=-1", "embedding.lfu_half_life"),
     ("+data.eval_fraction=0", "data.eval_fraction"),
     ("+data.eval_fraction=1", "data.eval_fraction"),
     ("+data.epochs=-1", "data.epochs"),

@@ -101,6 +101,35 @@ def test_lfu_evicts_the_least_used():
     assert set((st.held()[0] & ((1 << ID_BITS) - 1)).tolist()) == {1, 3}
 
 
+@pytest.mark.parametrize("half_life,kept", [(0, {1, 3}), (5, {2, 3})])
+def test_lfu_decay_lets_old_popularity_fade(half_life, kept):
+    """embedding.lfu_half_life: id 1 read 10 times long ago, id 2 twice just now. Without decay
+    LFU keeps 1 (10 uses against 2); halved per 5 idle steps, 1's uses are 10 >> 4 = 0 at step 30
+    and it goes. The score is a function of the saved uses, last read and step alone."""
+    sh = HashSharding(2, 2, 1, 0)
+    st = DynamicStore(sh, 3, 7, 0.1, "sgd", 0.5, 1e-8, CPU, 0.1, eviction="lfu", lfu_half_life=half_life)
+    for step in range(10):
+        st.clock = step
+        st.admit(gid(0, [1]))
+    for step in (28, 29):
+        st.clock = step
+        st.admit(gid(0, [2]))
+    st.clock = 30
+    st.admit(gid(0, [3]))
+    assert set((st.held()[0] & ((1 << ID_BITS) - 1)).tolist()) == kept
+    pool = st.pool
+    scores = pool.lfu_scores(torch.tensor([10, 2]), torch.tensor([9, 29]), 30)
+    assert scores.tolist() == ([10, 2] if half_life == 0 else [0, 2])
+
+
+def test_lfu_half_life_needs_lfu():
+    with pytest.raises(ConfigError, match="embedding.lfu_half_life.*eviction=lfu"):
+        load_config(make_cfg(["embedding.tables=dynamic", "embedding.capacity=10", "embedding.lfu_half_life=4"]))
+    c = load_config(make_cfg(["embedding.tables=dynamic", "embedding.capacity=10", "embedding.eviction=lfu",
+                              "embedding.lfu_half_life=4"]))
+    assert c.embedding.lfu_half_life == 4
+
+
 def test_a_returning_id_restarts_from_its_initial_row_with_a_later_version():
     st = store(capacity=1, optimizer="rowwise_adagrad")
     a, b = gid(0, [11]), gid(0, [12])

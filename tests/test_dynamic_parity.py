@@ -50,10 +50,12 @@ def test_dynamic_tables_equal_the_single_process_reference(world, extra):
 
 
 @pytest.mark.dist
-def test_dynamic_tables_with_eviction_keep_their_invariants():
+@pytest.mark.parametrize("eviction", [["embedding.eviction=lru"], ["embedding.eviction=lfu", "embedding.lfu_half_life=3"]],
+                         ids=["lru", "lfu-decay"])
+def test_dynamic_tables_with_eviction_keep_their_invariants(eviction):
     cap = 40
     res = run_world(2, BASE + [f"embedding.capacity={cap}", "embedding.admit_after=1", "optim=sgd",
-                               "train.log_every=4"])
+                               "train.log_every=4", *eviction])
     s = res[0].summary["dynamic"]
     assert s["evictions"] > 0
     for tab, ids in zip(s["tables"], res[0].state["table_ids"]):

@@ -133,7 +133,8 @@ def _make_store(c: Config, comm: Collectives, device: torch.device, resuming: bo
             Rounding(e.rounding, c.train.seed))
     if e.tables == "dynamic":
         sharding = HashSharding(len(table_rows(c)), e.capacity, comm.size, comm.rank)
-        return DynamicStore(sharding, *args, admit_after=e.admit_after, eviction=e.eviction)
+        return DynamicStore(sharding, *args, admit_after=e.admit_after, eviction=e.eviction,
+                            lfu_half_life=e.lfu_half_life)
     return ShardStore(RowSharding(table_rows(c), comm.size, comm.rank), *args, initialise=not resuming)
 
 

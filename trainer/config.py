@@ -141,6 +141,7 @@ class EmbeddingConfig:
     capacity: int = 0  # dynamic: rows per table on each owner (the pool); must be > 0 with tables=dynamic
     admit_after: int = 1  # dynamic: an id gets a row the k-th step it is seen (1 = at once); before that it reads zeros and its gradient is dropped
     eviction: str = "lru"  # dynamic, full pool: lru (least recently used) | lfu (fewest uses, ties least recent)
+    lfu_half_life: int = 0  # dynamic, eviction=lfu: a row's use count halves for every this many steps it is not read (old popularity fades); 0 = no decay
 
 
 @dataclass
@@ -654,6 +655,9 @@ def _validate_dynamic(c: Config) -> None:
     _one_of("embedding.tables", e.tables, TABLE_KINDS)
     _one_of("embedding.eviction", e.eviction, EVICTIONS)
     _check(e.admit_after >= 1, "embedding.admit_after", e.admit_after, "must be >= 1 (1 = admit at once)")
+    _check(e.lfu_half_life >= 0, "embedding.lfu_half_life", e.lfu_half_life, "must be >= 0 (0 = no decay)")
+    _check(not e.lfu_half_life or e.eviction == "lfu", "embedding.lfu_half_life", e.lfu_half_life,
+           "decays LFU's use counts: needs embedding.eviction=lfu")
     _check(e.admit_after < 1 << 16, "embedding.admit_after", e.admit_after, "must be < 65536")
     _check(e.capacity >= 0, "embedding.capacity", e.capacity, "must be >= 0 (rows per table on each owner)")
     _check(c.data.drift >= 0 and math.isfinite(c.data.drift), "data.drift", c.data.drift, "must be a finite number >= 0")

@@ -14,8 +14,8 @@ Resume at the same number of workers and capacity copies each shard back slot fo
 another W (or another embedding.capacity) the ids move to their new owners (hash mod W'): each
 rank streams every saved shard's slot ids and scores (24 B per saved slot, a piece at a time),
 keeps the ids it now owns, and where a table holds more of them than its capacity keeps the
-best-scored ones (LRU: the most recently read, LFU: the most used, then the most recent; ties: the
-lower id) and evicts the others (counted in `evictions`, told on stderr); its kept ids take the
+best-scored ones (LRU: the most recently read, LFU: the most used, decayed as the pool does, then
+the most recent; ties: the lower id) and evicts the others (counted in `evictions`, told on stderr); its kept ids take the
 table's first slots in id order, and their rows, versions and optimizer state are read from the
 saved shards piece by piece (every rank reads every saved shard: the ids are spread by hash). The
 pending counts follow their ids; the counters move to rank 0 (their sums over ranks are what
@@ -98,7 +98,7 @@ def read_pool_shard(ckpt: str, manifest: dict[str, Any], store: DynamicStore, co
         raise CheckpointError(f"{os.path.join(ckpt, names[0])}: saved fields {sorted(infos[0]['fields'])} do not "
                               f"match this run's {sorted(want)} (another optimizer?)")
     if saved_world != s.world or int(infos[0]["rows"]) != store.weight.shape[0]:
-        return _reshard(ckpt, names, infos, store, want, counter)
+        return _reshard(ckpt, names, infos, store, want, counter, int(manifest.get("step", 0)))
     name, info = names[s.rank], infos[s.rank]
     n = store.weight.shape[0]
     for fname, meta in info["fields"].items():
@@ -151,9 +151,9 @@ def _columns(ckpt: str, name: str, info: dict[str, Any], names: tuple[str, ...],
 
 
 def _reshard(ckpt: str, names: list[str], infos: list[dict[str, Any]], store: DynamicStore,
-             want: dict[str, torch.Tensor], counter: dict[str, int]) -> int:
+             want: dict[str, torch.Tensor], counter: dict[str, int], step: int) -> int:
     """The ids this rank owns under this run's W and capacity, from every saved shard (the module
-    docstring says how)."""
+    docstring says how); `step`: the checkpoint's, from which LFU's decayed uses are seen."""
     s, pool = store.sharding, store.pool
     cap, num_tables, lfu = s.capacity, s.num_tables, pool.eviction == "lfu"
     # 1. candidates: the saved ids this rank owns now, with their scores and where they are
@@ -169,8 +169,8 @@ def _reshard(ckpt: str, names: list[str], infos: list[dict[str, Any]], store: Dy
     # 2. per table, the best `cap` of them by the pool's score (ties: the lower id)
     order = torch.argsort(c[:, 0])
     order = order[torch.argsort(-c[order, 1], stable=True)]  # most recent first
-    if lfu:
-        order = order[torch.argsort(-c[order, 2], stable=True)]  # most used first
+    if lfu:  # most used first (uses decayed as the pool scores them: embedding.lfu_half_life)
+        order = order[torch.argsort(-pool.lfu_scores(c[order, 2], c[order, 1], step), stable=True)]
     c = c[order]
     table = c[:, 0] >> ID_BITS
     c = c[torch.argsort(table, stable=True)]

@@ -57,10 +57,11 @@ class SlotPool:
     """Slots of `capacity` rows per table for `num_tables` dynamic tables (see the module docstring)."""
 
     def __init__(self, num_tables: int, capacity: int, admit_after: int, eviction: str,
-                 device: torch.device) -> None:
+                 device: torch.device, lfu_half_life: int = 0) -> None:
         if eviction not in ("lru", "lfu"):
             raise ValueError(f"embedding.eviction={eviction!r} is not one of lru, lfu")
         self.num_tables, self.capacity, self.admit_after, self.eviction = num_tables, capacity, admit_after, eviction
+        self.half_life = lfu_half_life  # LFU: a row's uses count half per this many steps unread (0: never)
         n = num_tables * capacity
         self.map = kernels.make_id_slot_map(n, device)
         self.pending = kernels.make_id_slot_map(1024, device) if admit_after > 1 else None
@@ -223,7 +224,7 @@ class SlotPool:
         if m == 0:
             return recency[:0]
         if self.eviction == "lfu":
-            uses = self.uses[lo:hi].masked_fill(~ok, never)
+            uses = self.lfu_scores(self.uses[lo:hi], last, step).masked_fill(~ok, never)
             cut = int(torch.kthvalue(uses, m).values)  # the m-th fewest uses: take all below it,
             below = torch.nonzero(uses < cut).squeeze(1)  # then the least recent of those at it
             at = torch.nonzero(uses == cut).squeeze(1)
@@ -234,6 +235,16 @@ class SlotPool:
             order = order[torch.argsort(key[0][order], stable=True)]
             return pick[order] + lo
         return torch.topk(recency.masked_fill(~ok, never), m, largest=False, sorted=True).indices + lo
+
+    def lfu_scores(self, uses: torch.Tensor, last_use: torch.Tensor, step: int) -> torch.Tensor:
+        """LFU's score of rows with `uses` reads, last read at `last_use`, seen from `step`: the
+        uses, halved for every `half_life` steps since the last read (embedding.lfu_half_life;
+        0: the uses themselves). A function of the saved scores and the step alone: the same on
+        every owner and after a resume."""
+        if not self.half_life:
+            return uses
+        idle = ((step - last_use).clamp(min=0) // self.half_life).clamp(max=62)
+        return uses >> idle
 
     def bytes_per_slot(self) -> dict[str, int]:
         """What the pool costs per row slot beyond the row: its share of the map (pool_slot_bytes:
