@@ -54,6 +54,7 @@ BAD = [
     ("data.cycle_batches=-2", "data.cycle_batches"),
     ("train.cuda_graph=sometimes", "train.cuda_graph"),
     ("embedding.lfu_half_life=-1", "embedding.lfu_half_life"),
+    ("embedding.ttl_steps=-1", "embedding.ttl_steps"),
     ("+data.eval_fraction=0", "data.eval_fraction"),
     ("+data.eval_fraction=1", "data.eval_fraction"),
     ("+data.epochs=-1", "data.epochs"),

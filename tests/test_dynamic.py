@@ -130,6 +130,42 @@ def test_lfu_half_life_needs_lfu():
     assert c.embedding.lfu_half_life == 4
 
 
+def test_a_row_unread_past_its_ttl_expires_and_its_id_starts_a_new_life():
+    """embedding.ttl_steps=3: id 1 read at steps 0 and 2 (idle 2: kept, trained), then at step 6
+    (idle 4 > 3): it reads its initial row again, with fresh optimizer state and the version of a
+    new life, in the same slot; counted as an eviction and an admission. Id 2, read every 3 steps,
+    never expires."""
+    sh = HashSharding(1, 4, 1, 0)
+    st = DynamicStore(sh, 3, 7, 0.1, "adagrad", 0.5, 1e-8, CPU, 0.1, ttl_steps=3)
+    init = dynamic_init_rows(7, 3, gid(0, [1, 2]), 0.1)
+    for step in (0, 2, 3, 6):
+        st.clock = step
+        ids = [1, 2] if step in (0, 2, 6) else [2]
+        st.admit(gid(0, ids))
+        st.apply(gid(0, ids), torch.ones(len(ids), 3))
+        if step == 2:
+            trained = st.rows(gid(0, [1])).clone()
+            assert not torch.equal(trained, init[:1])
+    slots, miss = st.pool.lookup(gid(0, [1, 2]))
+    assert not miss.any()
+    v = st.version.index_select(0, slots)
+    assert int(v[0]) >> LIFE_SHIFT == 7 and int(v[1]) >> LIFE_SHIFT == 1  # 1 reborn at step 6, 2 not
+    # id 1's row: its initial row after one update from fresh state (the same as a first admission)
+    fresh = DynamicStore(sh, 3, 7, 0.1, "adagrad", 0.5, 1e-8, CPU, 0.1)
+    fresh.clock = 6
+    fresh.admit(gid(0, [1]))
+    fresh.apply(gid(0, [1]), torch.ones(1, 3))
+    assert torch.equal(st.rows(gid(0, [1])), fresh.rows(gid(0, [1])))
+    c = st.pool.c
+    assert int(c["evictions"][0]) == 1 and int(c["admissions"][0]) == 3
+
+
+def test_ttl_needs_admission_at_once():
+    with pytest.raises(ConfigError, match="embedding.ttl_steps.*admit_after"):
+        load_config(make_cfg(["embedding.tables=dynamic", "embedding.capacity=10", "embedding.ttl_steps=4",
+                              "embedding.admit_after=2"]))
+
+
 def test_a_returning_id_restarts_from_its_initial_row_with_a_later_version():
     st = store(capacity=1, optimizer="rowwise_adagrad")
     a, b = gid(0, [11]), gid(0, [12])

@@ -50,6 +50,21 @@ def test_dynamic_tables_equal_the_single_process_reference(world, extra):
 
 
 @pytest.mark.dist
+def test_expiry_equals_the_single_process_reference():
+    """embedding.ttl_steps: whether a row expired depends on its id's own last read and the step,
+    not on the owner: with pools large enough that nothing is evicted for room, W = 2 with expiring
+    rows equals one process, expiries (counted as evictions) included."""
+    overrides = BASE + NO_EVICTION + ["optim=adagrad", "embedding.ttl_steps=2", "cache=lru"]
+    ref = run_single(overrides)
+    got = run_world(2, overrides)
+    assert ref.summary["dynamic"]["evictions"] > 0  # rows really expired
+    for res in got:
+        assert_same_ids(ref, res)
+        assert_same_run(ref, res)
+    assert _counts(got[0].summary["dynamic"]) == _counts(ref.summary["dynamic"])
+
+
+@pytest.mark.dist
 @pytest.mark.parametrize("eviction", [["embedding.eviction=lru"], ["embedding.eviction=lfu", "embedding.lfu_half_life=3"]],
                          ids=["lru", "lfu-decay"])
 def test_dynamic_tables_with_eviction_keep_their_invariants(eviction):

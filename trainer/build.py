@@ -134,7 +134,7 @@ def _make_store(c: Config, comm: Collectives, device: torch.device, resuming: bo
     if e.tables == "dynamic":
         sharding = HashSharding(len(table_rows(c)), e.capacity, comm.size, comm.rank)
         return DynamicStore(sharding, *args, admit_after=e.admit_after, eviction=e.eviction,
-                            lfu_half_life=e.lfu_half_life)
+                            lfu_half_life=e.lfu_half_life, ttl_steps=e.ttl_steps)
     return ShardStore(RowSharding(table_rows(c), comm.size, comm.rank), *args, initialise=not resuming)
 
 

@@ -141,6 +141,7 @@ class EmbeddingConfig:
     capacity: int = 0  # dynamic: rows per table on each owner (the pool); must be > 0 with tables=dynamic
     admit_after: int = 1  # dynamic: an id gets a row the k-th step it is seen (1 = at once); before that it reads zeros and its gradient is dropped
     eviction: str = "lru"  # dynamic, full pool: lru (least recently used) | lfu (fewest uses, ties least recent)
+    ttl_steps: int = 0  # dynamic: a row not read for more than this many steps expires: its id starts a new life (its initial row) when next seen; 0 = never
     lfu_half_life: int = 0  # dynamic, eviction=lfu: a row's use count halves for every this many steps it is not read (old popularity fades); 0 = no decay
 
 
@@ -656,6 +657,9 @@ def _validate_dynamic(c: Config) -> None:
     _one_of("embedding.eviction", e.eviction, EVICTIONS)
     _check(e.admit_after >= 1, "embedding.admit_after", e.admit_after, "must be >= 1 (1 = admit at once)")
     _check(e.lfu_half_life >= 0, "embedding.lfu_half_life", e.lfu_half_life, "must be >= 0 (0 = no decay)")
+    _check(e.ttl_steps >= 0, "embedding.ttl_steps", e.ttl_steps, "must be >= 0 (0 = rows never expire)")
+    _check(not e.ttl_steps or e.admit_after == 1, "embedding.ttl_steps", e.ttl_steps,
+           "is not available with embedding.admit_after > 1 yet (an expired id would wait for admission again)")
     _check(not e.lfu_half_life or e.eviction == "lfu", "embedding.lfu_half_life", e.lfu_half_life,
            "decays LFU's use counts: needs embedding.eviction=lfu")
     _check(e.admit_after < 1 << 16, "embedding.admit_after", e.admit_after, "must be < 65536")

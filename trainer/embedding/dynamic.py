@@ -55,8 +55,9 @@ class DynamicStore(ShardStore):
                  optimizer: str, lr: float, eps: float, device: torch.device,
                  accumulator_init: float = 0.0, weight_decay: float = 0.0,
                  dtype: torch.dtype = torch.float32, rounding: Rounding | None = None,
-                 admit_after: int = 1, eviction: str = "lru", lfu_half_life: int = 0) -> None:
-        self.pool = SlotPool(sharding.num_tables, sharding.capacity, admit_after, eviction, device, lfu_half_life)
+                 admit_after: int = 1, eviction: str = "lru", lfu_half_life: int = 0, ttl_steps: int = 0) -> None:
+        self.pool = SlotPool(sharding.num_tables, sharding.capacity, admit_after, eviction, device, lfu_half_life,
+                             ttl_steps)
         super().__init__(sharding, dim, seed, init_scale, optimizer, lr, eps, device, accumulator_init,
                          weight_decay, dtype, rounding, initialise=False)  # free slots: zeros
         self.scale = init_scale if init_scale else float(np.sqrt(1.0 / sharding.capacity))

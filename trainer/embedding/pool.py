@@ -57,11 +57,12 @@ class SlotPool:
     """Slots of `capacity` rows per table for `num_tables` dynamic tables (see the module docstring)."""
 
     def __init__(self, num_tables: int, capacity: int, admit_after: int, eviction: str,
-                 device: torch.device, lfu_half_life: int = 0) -> None:
+                 device: torch.device, lfu_half_life: int = 0, ttl_steps: int = 0) -> None:
         if eviction not in ("lru", "lfu"):
             raise ValueError(f"embedding.eviction={eviction!r} is not one of lru, lfu")
         self.num_tables, self.capacity, self.admit_after, self.eviction = num_tables, capacity, admit_after, eviction
         self.half_life = lfu_half_life  # LFU: a row's uses count half per this many steps unread (0: never)
+        self.ttl = ttl_steps  # a row unread for more than this many steps expires (0: never)
         n = num_tables * capacity
         self.map = kernels.make_id_slot_map(n, device)
         self.pending = kernels.make_id_slot_map(1024, device) if admit_after > 1 else None
@@ -140,9 +141,34 @@ class SlotPool:
         u = gids if _ascending(gids) else torch.unique(gids)  # a plan's owned ids are already
         slots_u, miss_u = self.lookup(u)
         hit = slots_u[~miss_u]
+        reborn = self._expire(u[~miss_u], hit, step) if self.ttl else None
         self.last_use.index_fill_(0, hit, step)
         self.uses.index_add_(0, hit, torch.ones_like(hit))
-        new = u[miss_u]
+        got = self._admit_new(u[miss_u], step)
+        if reborn is None or got is None:
+            return got if reborn is None else reborn
+        ids, slots = torch.cat([got[0], reborn[0]]), torch.cat([got[1], reborn[1]])
+        order = torch.argsort(ids)
+        return ids[order], slots[order]
+
+    def _expire(self, ids: torch.Tensor, slots: torch.Tensor, step: int) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
+        """embedding.ttl_steps: the ids among the read ones [n] (holding `slots`) whose rows were
+        not read for more than ttl steps start a new life in the same slot (returned for the
+        store to initialise; counted as an eviction and an admission): an expired row is never
+        read again. Decided by each id's own last read and the step: the same at any W."""
+        stale = (step - self.last_use[slots]) > self.ttl
+        if not bool(stale.any()):
+            return None
+        ids, slots = ids[stale], slots[stale]
+        self.uses.index_fill_(0, slots, 0)  # the read below makes it 1: a new life's count
+        t = ids >> ID_BITS
+        self.c["evictions"].index_add_(0, t, torch.ones_like(t))
+        self.c["admissions"].index_add_(0, t, torch.ones_like(t))
+        return ids, slots
+
+    def _admit_new(self, new: torch.Tensor, step: int) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
+        """admit's ids without a row, new [m] (ascending): count them (admit_after > 1), place
+        the ones due (evicting where a table is full); (gids, slots) of those admitted, or None."""
         if new.numel() and self.pending is not None:
             val, absent = self.pending.lookup(new)
             seen = val & ((1 << _COUNT_BITS) - 1)
