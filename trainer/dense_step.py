@@ -68,14 +68,13 @@ class DenseStep:
                          ) -> tuple[torch.Tensor, list[torch.Tensor], torch.Tensor]:
         """(loss, dense gradients, the pooled rows' gradient) of this batch; `pooled` itself
         is not differentiated here (rows_backward does that)."""
-        if not self.capture:
+        other_shape = self.graph is not None and \
+            tuple(t.shape for t in (dense, pooled, labels)) != tuple(t.shape for t in self.static_in)
+        if not self.capture or other_shape:
             self.eager_steps += 1
             return self._compute(dense, pooled.detach().requires_grad_(), labels)
         if self.graph is None:
             self._capture(dense, pooled, labels)
-        elif tuple(t.shape for t in (dense, pooled, labels)) != tuple(t.shape for t in self.static_in):
-            self.eager_steps += 1
-            return self._compute(dense, pooled.detach().requires_grad_(), labels)
         with torch.no_grad():  # the static rows are a leaf that takes a gradient
             for buf, src in zip(self.static_in, (dense, pooled.detach(), labels)):
                 buf.copy_(src)

@@ -87,12 +87,12 @@ class SyntheticData:
             self._w_table = self._planted(t, i).astype(np.float32)
         # data.loader_threads > 1: a batch's samples are made in row chunks on a thread pool (numpy
         # releases the GIL in its array loops); every value is a function of its sample's index
-        # alone, so the chunks give bit-identical batches (tests/test_data.py)
+        # alone, so the chunks give bit-identical batches (tests/test_data_sharding.py)
+        self._threads = max(1, int(cfg.loader_threads))
         self._pool: Optional[ThreadPoolExecutor] = None
         # bags of one fixed length: batches say so (the id guard then reads no lengths)
         self._bag_length = cfg.min_bag if cfg.min_bag == cfg.max_bag else None
         self._cycled: dict[int, Batch] = {}  # data.cycle_batches: the K local batches, once made
-        self._threads = max(1, int(cfg.loader_threads))
 
     @property
     def global_batch(self) -> int:
@@ -167,14 +167,13 @@ class SyntheticData:
         fields = ("dense", "values", "lengths", "labels")
         # the whole batch in one buffer per field, page-locked when it goes to a GPU (the copy to
         # the device then starts from it directly); the chunks are copied in on the pool too
-        outs = [torch.empty((sum(getattr(p, f).shape[0] for p in parts), *getattr(parts[0], f).shape[1:]),
+        starts = {f: np.cumsum([0] + [getattr(p, f).shape[0] for p in parts]) for f in fields}
+        outs = [torch.empty((int(starts[f][-1]), *getattr(parts[0], f).shape[1:]),
                             dtype=getattr(parts[0], f).dtype, pin_memory=self.pin_memory) for f in fields]
 
         def fill(k: int) -> None:
             for out, f in zip(outs, fields):
-                at = sum(getattr(p, f).shape[0] for p in parts[:k])
-                src = getattr(parts[k], f)
-                out[at:at + src.shape[0]].copy_(src)
+                out[starts[f][k]:starts[f][k + 1]].copy_(getattr(parts[k], f))
         list(self._pool.map(fill, range(len(parts))))
         return Batch(*outs, bag_length=self._bag_length)
 
