@@ -150,6 +150,12 @@ def _columns(ckpt: str, name: str, info: dict[str, Any], names: tuple[str, ...],
             f.close()
 
 
+def _place_in_group(table: torch.Tensor, num_tables: int) -> torch.Tensor:
+    """[n] each entry's position among the entries of its table, for `table` [n] sorted."""
+    counts = torch.bincount(table, minlength=num_tables)
+    return torch.arange(table.numel()) - torch.repeat_interleave(torch.cumsum(counts, 0) - counts, counts)
+
+
 def _reshard(ckpt: str, names: list[str], infos: list[dict[str, Any]], store: DynamicStore,
              want: dict[str, torch.Tensor], counter: dict[str, int], step: int) -> int:
     """The ids this rank owns under this run's W and capacity, from every saved shard (the module
@@ -172,18 +178,14 @@ def _reshard(ckpt: str, names: list[str], infos: list[dict[str, Any]], store: Dy
     if lfu:  # most used first (uses decayed as the pool scores them: embedding.lfu_half_life)
         order = order[torch.argsort(-pool.lfu_scores(c[order, 2], c[order, 1], step), stable=True)]
     c = c[order]
+    c = c[torch.argsort(c[:, 0] >> ID_BITS, stable=True)]  # grouped by table, best first in each
     table = c[:, 0] >> ID_BITS
-    c = c[torch.argsort(table, stable=True)]
-    table = c[:, 0] >> ID_BITS
-    counts = torch.bincount(table, minlength=num_tables)
-    rank_in_table = torch.arange(c.shape[0]) - torch.repeat_interleave(torch.cumsum(counts, 0) - counts, counts)
-    keep = rank_in_table < cap
+    keep = _place_in_group(table, num_tables) < cap
     evicted = torch.bincount(table[~keep], minlength=num_tables)
     c = c[keep]
     c = c[torch.argsort(c[:, 0])]  # by id: each table's kept ids take its first slots in id order
     table = c[:, 0] >> ID_BITS
-    kept = torch.bincount(table, minlength=num_tables)
-    slot = table * cap + torch.arange(c.shape[0]) - torch.repeat_interleave(torch.cumsum(kept, 0) - kept, kept)
+    slot = table * cap + _place_in_group(table, num_tables)
     # 3. their fields (rows, versions, optimizer state, scores, slot ids), saved shard by saved shard
     for k, (name, info) in enumerate(zip(names, infos)):
         from_k = torch.nonzero(c[:, 3] == k).squeeze(1)
