@@ -63,7 +63,7 @@ PROFILE_AFTER = 10  # steps before the profiled ones (warm-up: compilation, allo
 
 class StepProfile:
     """torch.profiler over `steps` training steps after PROFILE_AFTER, summarised (see the module
-    docstring): begin() before a step, end() after one; summary() once it has run."""
+    docstring): begin() before a step, end() after one; `result` once the steps have run."""
 
     def __init__(self, steps: int) -> None:
         self.steps, self.seen, self.prof, self.t0, self.wall = steps, 0, None, 0.0, 0.0
@@ -76,9 +76,9 @@ class StepProfile:
 
     def begin(self) -> None:
         if self.seen == PROFILE_AFTER and self.prof is None and self.result is None:
+            import torch
             import torch.profiler as tp
             acts = [tp.ProfilerActivity.CPU]
-            import torch
             if torch.cuda.is_available():
                 acts.append(tp.ProfilerActivity.CUDA)
             self._sync()

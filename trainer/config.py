@@ -247,7 +247,7 @@ class TrainConfig:
     max_skips: int = 10  # nonfinite=skip: stop anyway after this many consecutive skipped steps
     memory_check: bool = True  # stop at start-up (exit 2) when a rank's memory plan (trainer/memplan.py) exceeds the memory it can have; false: warn and start
     on_signal: str = "save"  # SIGTERM / SIGINT / SIGUSR1: stop every rank at the next step boundary and save a checkpoint there (save) or not (stop); exit 128 + signal
-    precision: str = "fp32"  # the dense model's forward and backward: fp32 | bf16 | fp16 (autocast; fp32 master weights and optimizer; fp16 with a loss scaler); rows: embedding.dtype
+    precision: str = "fp32"  # the dense model's forward and backward: fp32 | tf32 (CUDA's TF32 products) | bf16 | fp16 (autocast; fp32 master weights and optimizer; fp16 with a loss scaler); rows: embedding.dtype
     loss_scale: LossScaleConfig = field(default_factory=lambda: LossScaleConfig())
     cuda_graph: str = "off"  # on: the dense forward + loss + backward replayed from one CUDA graph (trainer/dense_step.py; on a CPU the same split step, eagerly) | off
     pipeline: str = "ids"  # off (serial step) | ids (next step's input side + id exchange overlap this step: exact) | rows (also its rows: needs a cache and pull_bound >= 1)

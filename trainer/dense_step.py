@@ -32,9 +32,19 @@ from typing import Callable, ContextManager, Optional
 import torch
 import torch.nn.functional as F
 
-__all__ = ["DenseStep"]
+__all__ = ["DenseStep", "dense_loss"]
 
 _WARMUP = 2  # side-stream runs before the capture (cuBLAS handles, autocast, allocator pools)
+
+
+def dense_loss(model: torch.nn.Module, autocast: ContextManager, dense: torch.Tensor, rows: torch.Tensor,
+               labels: torch.Tensor, global_batch: int) -> torch.Tensor:
+    """The training loss of this rank's batch: the model's forward under `autocast`, BCE summed
+    and divided by the global batch (so the ranks' losses add up to the global mean). The one
+    expression of both steps, split or not: the same values either way."""
+    with autocast:
+        logits = model(dense, rows)
+    return F.binary_cross_entropy_with_logits(logits.float(), labels, reduction="sum") / global_batch
 
 
 class DenseStep:
@@ -55,11 +65,8 @@ class DenseStep:
 
     def _compute(self, dense: torch.Tensor, rows: torch.Tensor, labels: torch.Tensor,
                  cache: bool = True) -> tuple[torch.Tensor, list[torch.Tensor], torch.Tensor]:
-        """The dense half on a leaf `rows`: (loss, grads of self.params, grad of rows). The loss is
-        the one-piece step's expression, so the two paths compute the same values."""
-        with self.autocast(cache=cache):
-            logits = self.model(dense, rows)
-        loss = F.binary_cross_entropy_with_logits(logits.float(), labels, reduction="sum") / self.global_batch
+        """The dense half on a leaf `rows`: (loss, grads of self.params, grad of rows)."""
+        loss = dense_loss(self.model, self.autocast(cache=cache), dense, rows, labels, self.global_batch)
         got = torch.autograd.grad(loss, [*self.params, rows], allow_unused=True)
         grads = [g if g is not None else torch.zeros_like(p) for g, p in zip(got[:-1], self.params)]
         return loss.detach(), grads, got[-1] if got[-1] is not None else torch.zeros_like(rows)

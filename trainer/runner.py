@@ -27,7 +27,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 import kernels
 
@@ -45,7 +44,7 @@ from .lr import LrSchedule
 from .memplan import check_memory
 from .outdir import HeldDir, claim_out_dir, probe_dir
 from .pipeline import StepPipeline
-from .dense_step import DenseStep
+from .dense_step import DenseStep, dense_loss
 from .precision import DensePrecision
 from .recipes import announce_recipe, apply_data_steps, recipe_of
 from .relaunch import Position, failure_hint
@@ -210,9 +209,8 @@ class Trainer:
         if split is not None:
             loss, grads, rows_grad = split.forward_backward(batch.dense, pooled, batch.labels)
         else:
-            with self.precision.autocast():
-                logits = self.model(batch.dense, pooled)
-            loss = F.binary_cross_entropy_with_logits(logits.float(), batch.labels, reduction="sum") / self.global_batch
+            loss = dense_loss(self.model, self.precision.autocast(), batch.dense, pooled, batch.labels,
+                              self.global_batch)
         extra = [SIGNALS.carry(loss, self.world)]  # with a stop signal's flag (trainer/signals.py)
         if self.c.train.nonfinite == "skip":
             value = SIGNALS.take(self.comm.allreduce(extra.pop(), op="sum", kind="dense"), self.world)
