@@ -13,7 +13,11 @@ from helpers import make_cfg
 from trainer.config import ConfigError
 from trainer.configure import load_config
 from trainer.data.scramble import scramble
+from trainer.embedding.cache import RowCache, make_policy
+from trainer.embedding.consistency import CURRENT_LIFE
 from trainer.embedding.dynamic import LIFE_SHIFT, DynamicStore, dynamic_init_rows
+from trainer.embedding.remote.het import HetWire
+from trainer.embedding.types import Pushes
 from trainer.embedding.pool import SlotPool
 from trainer.embedding.sharding import ID_BITS, HashSharding
 
@@ -187,6 +191,67 @@ def test_a_returning_id_restarts_from_its_initial_row_with_a_later_version():
     assert new_version == 3 << LIFE_SHIFT and new_version > old_version  # a copy of the old life is "behind"
 
 
+def test_a_push_held_back_past_an_eviction_never_reaches_the_ids_next_life():
+    """HET with bounds > 0: a worker may push updates made on a copy of an id's earlier life after
+    the owner evicted it and admitted it again; each push carries its life, and the owner drops
+    the earlier life's (counted like the gradients of ids without a row)."""
+    st = store(capacity=1)
+    a, b = gid(0, [11]), gid(0, [12])
+    st.admit(a)
+    slot = int(st.pool.lookup(a)[0])
+    old_life = int(st.version[slot]) >> LIFE_SHIFT
+    st.clock = 1
+    st.admit(b)  # evicts a
+    st.clock = 2
+    st.admit(a)  # a's next life
+    new_life = int(st.version[slot]) >> LIFE_SHIFT
+    assert new_life > old_life
+    fresh = st.rows(a).clone()
+    st.apply(a, torch.ones(1, 3), counts=torch.tensor([3]), lives=torch.tensor([old_life]))
+    assert torch.equal(st.rows(a), fresh) and int(st.version[slot]) == new_life << LIFE_SHIFT
+    assert int(st.pool.c["dropped_grads"][0]) == 1
+    st.apply(a, torch.ones(1, 3), counts=torch.tensor([2]), lives=torch.tensor([new_life]))
+    assert not torch.equal(st.rows(a), fresh) and int(st.version[slot]) == (new_life << LIFE_SHIFT) + 2
+    st.apply(a, torch.ones(1, 3), lives=torch.tensor([CURRENT_LIFE]))  # the owner's own read
+    assert int(st.version[slot]) == (new_life << LIFE_SHIFT) + 3
+
+
+def test_a_cached_copy_reread_in_another_life_drops_its_pending_updates():
+    """The worker's side: local updates made on a copy of an earlier life (or of an id that has
+    no row now) are dropped when the copy is re-read, never re-applied to the new row nor pushed;
+    within one life they are kept, and every push names the life of its copy."""
+    cache = RowCache([4], 3, make_policy("lru"), n_ids=100, local_lr=0.5)
+    x = torch.tensor([5])
+    slots, _ = cache.install(x, torch.tensor([0]), torch.zeros(1, 3), torch.tensor([(2 << LIFE_SHIFT) + 1]), 0)
+    g = torch.ones(1, 3)
+    cache.record_updates(slots, g)
+    row = torch.full((1, 3), 2.0)
+    kept = cache.refresh(slots, row, torch.tensor([(2 << LIFE_SHIFT) + 9]))  # same life, newer
+    assert int(kept[0]) == 0 and int(cache.count[slots]) == 1
+    torch.testing.assert_close(cache.rows[slots], row - 0.5 * g)
+    pushed = cache.take_all()
+    assert pushed.lives.tolist() == [2] and pushed.counts.tolist() == [1]
+    for new_version in ((5 << LIFE_SHIFT), (4 << LIFE_SHIFT) - 1):  # a new life; no row (absent)
+        cache.record_updates(slots, g)
+        dropped = cache.refresh(slots, row, torch.tensor([new_version]))
+        assert int(dropped[0]) == 1 and int(cache.count[slots]) == 0
+        assert torch.equal(cache.rows[slots], row) and torch.count_nonzero(cache.pending) == 0
+    assert len(cache.take_all()) == 0
+
+
+def test_the_het_wire_carries_each_pushs_life_to_the_owner():
+    """Dynamic tables: (life, count) share the count's int64 on the wire and arrive apart."""
+    from test_cache_bookkeeping import _Mirror
+    st = store(capacity=8, world=2, rank=0)
+    sh, wire = st.sharding, HetWire(_Mirror(), st)
+    gids = gid(1, [7, 9, 3])
+    lives, counts = torch.tensor([CURRENT_LIFE, 4, 1 << 20]), torch.tensor([1, 7, (1 << 32) - 2])
+    got = wire.push_updates(Pushes(gids, torch.randn(3, 3), counts, lives))
+    order = torch.argsort(sh.owner(gids), stable=True)
+    assert torch.equal(got.gids, gids[order]) and torch.equal(got.counts, counts[order])
+    assert torch.equal(got.lives, lives[order])
+
+
 def test_no_two_ids_ever_share_a_slot_under_random_traffic():
     st = store(capacity=16, admit_after=2, tables=3)
     gen = torch.Generator().manual_seed(0)
@@ -255,7 +320,7 @@ def test_free_slots_after_a_load_go_lowest_first_and_lookups_stay_exact():
 
 
 @pytest.mark.parametrize("overrides,key", [
-    (["cache=lru", "consistency=ssp"], "consistency"), (["placement=fae"], "placement.name"),
+    (["placement=fae"], "placement.name"),
     (["schedule=herald"], "schedule.name"),
     (["train.nonfinite=skip"], "train.nonfinite"), (["embedding.audit=true"], "embedding.audit"),
     (["comm.settled_rows=always"], "comm.settled_rows"),
@@ -267,9 +332,10 @@ def test_combinations_not_supported_yet_are_refused_naming_the_key(overrides, ke
     assert str(err.value).startswith(f"{key}=")
 
 
-def test_the_het_cache_at_bsp_is_accepted():
+@pytest.mark.parametrize("consistency", ["bsp", "ssp", "asp"])
+def test_the_het_cache_is_accepted_at_any_bounds(consistency):
     c = load_config(make_cfg(["embedding.tables=dynamic", "embedding.capacity=10", "checkpoint.enabled=false",
-                              "cache=lru"]))
+                              "cache=lru", f"consistency={consistency}"]))
     assert c.cache.policy == "lru" and c.embedding.tables == "dynamic"
 
 

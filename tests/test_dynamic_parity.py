@@ -7,6 +7,8 @@ the rule is per owner, so only invariants hold (no id shares a row, counts add u
 """
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -176,3 +178,23 @@ def test_resume_on_fewer_owners_evicts_by_score_and_counts_it(tmp_path):
         assert after["admissions"] - after["evictions"] == after["rows_in_use"]
         evicted += moved_out
     assert evicted > 0  # 3 x 40 rows of a table do not fit in 2 x 40
+
+
+@pytest.mark.dist
+def test_bounded_staleness_across_evictions_drops_only_earlier_lives():
+    """consistency=ssp with rows evicted and ids coming back: copies of an earlier life are
+    re-read (their local updates dropped, counted), held-back pushes of an earlier life are
+    dropped by the owner, and the pools' invariants hold (tests/test_dynamic.py tests each guard
+    alone: the two tests fail with it removed)."""
+    cap = 30
+    res = run_world(2, BASE + [f"embedding.capacity={cap}", "optim=adagrad", "train.steps=24", "cache=lru",
+                               "cache.capacity_rows=200", "consistency=ssp"])
+    d, cache = res[0].summary["dynamic"], res[0].summary["cache"]
+    assert d["evictions"] > 50 and cache["fresh_hits"] > 0  # stale copies really were used
+    assert cache["old_life_updates"] > 0  # ... and some were of an id's earlier life
+    for tab, ids in zip(d["tables"], res[0].state["table_ids"]):
+        assert tab["rows_in_use"] == ids.numel() <= 2 * cap
+        assert ids.unique().numel() == ids.numel()
+        assert tab["admissions"] - tab["evictions"] == tab["rows_in_use"]
+    assert all(bool(torch.isfinite(v).all()) for v in res[0].state["dense"].values())
+    assert all(math.isfinite(x) for x in res[0].losses)

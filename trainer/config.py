@@ -682,10 +682,7 @@ def _validate_dynamic(c: Config) -> None:
     _check(e.capacity > 0, "embedding.capacity", e.capacity, "embedding.tables=dynamic needs a pool of > 0 rows per table")
     _check(c.data.name == "synthetic" or not c.data.scramble_ids, "data.scramble_ids", True,
            "is a synthetic-data option")
-    bsp = all(b == 0 for b in sum(staleness_bounds(c), []))
     for key, value, ok, why in (
-            ("consistency", c.consistency.name, c.cache.policy == "none" or bsp,
-             "a HET cache with bounds > 0 (a held-back push could reach an id's next life): use consistency=bsp"),
             ("placement.name", c.placement.name, c.placement.name == "none", "replicated hot rows (placement)"),
             ("schedule.name", c.schedule.name, c.schedule.name != "herald", "Herald's lent rows"),
             ("embedding.audit", e.audit, not e.audit, "the audit (an array over every id)"),

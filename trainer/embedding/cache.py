@@ -30,6 +30,9 @@ out lowest first and only come back by rollback, which restores the earlier stat
 count of free slots places misses without scanning; only tables whose region is full run a partial
 selection (topk) over their region for victims.
 
+Lives (dynamic tables): every push carries the life of the copy its updates were made on, and a
+copy re-read in another life of its id drops its pending updates (consistency.py, "Lives").
+
 Undo (train.nonfinite=skip): between `begin()` and `commit()` every slot a read changes is saved
 first (touch, refresh, install + eviction), so `rollback()` returns the cache to exactly its state
 before the step (rows, versions, pending updates and counts, policy metadata, the id map).
@@ -41,7 +44,7 @@ from __future__ import annotations
 import torch
 
 from ..device import positions
-from .consistency import push_due
+from .consistency import life_changed, life_of, push_due
 from .slotmap import id_slot_map
 from .types import Pushes
 
@@ -177,12 +180,22 @@ class RowCache:
         ticks = torch.arange(k, device=slots.device) + ((step << TICK_BITS) + done)
         self.last_use.index_copy_(0, slots, ticks)
 
-    def refresh(self, slots: torch.Tensor, rows: torch.Tensor, versions: torch.Tensor) -> None:
-        """Re-read copies: owner rows [k, d] at `versions`, own pending updates re-applied."""
+    def refresh(self, slots: torch.Tensor, rows: torch.Tensor, versions: torch.Tensor) -> torch.Tensor:
+        """Re-read copies: owner rows [k, d] at `versions`, own pending updates re-applied, unless
+        the copy was of an earlier life of its id (dynamic tables: consistency.life_changed): then
+        they are dropped, never applied to (or pushed into) the new life. Returns [k] the local
+        updates dropped per slot (0 where kept; always 0 for fixed tables)."""
         self._save(slots)
-        local = rows - self.local_lr * self.pending.index_select(0, slots)
-        self.rows.index_copy_(0, slots, local)
+        pending = self.pending.index_select(0, slots)
+        count = self.count.index_select(0, slots)
+        gone = life_changed(self.version.index_select(0, slots), versions)
+        pending.masked_fill_(gone.unsqueeze(1), 0.0)
+        dropped = torch.where(gone, count, torch.zeros_like(count))
+        self.rows.index_copy_(0, slots, rows - self.local_lr * pending)
+        self.pending.index_copy_(0, slots, pending)
+        self.count.index_copy_(0, slots, count - dropped)
         self.version.index_copy_(0, slots, versions)
+        return dropped
 
     def install(self, gids: torch.Tensor, tables: torch.Tensor, rows: torch.Tensor,
                 versions: torch.Tensor, step: int) -> tuple[torch.Tensor, Pushes]:
@@ -279,8 +292,9 @@ class RowCache:
         count = self.count.index_select(0, slots).add_(1)
         due = self._due(count, slots, push_bound)
         at = torch.nonzero(due).squeeze(1) if due_count is None else positions(due, due_count)
-        out = Pushes(self.gid.index_select(0, slots.index_select(0, at)), pending.index_select(0, at),
-                     count.index_select(0, at))
+        took = slots.index_select(0, at)
+        out = Pushes(self.gid.index_select(0, took), pending.index_select(0, at), count.index_select(0, at),
+                     life_of(self.version.index_select(0, took)))
         self.pending.index_copy_(0, slots, pending.index_fill_(0, at, 0.0))
         self.count.index_copy_(0, slots, count.index_fill_(0, at, 0))
         return out
@@ -305,7 +319,7 @@ class RowCache:
 
     def _take(self, slots: torch.Tensor) -> Pushes:
         out = Pushes(self.gid.index_select(0, slots), self.pending.index_select(0, slots),
-                     self.count.index_select(0, slots))
+                     self.count.index_select(0, slots), life_of(self.version.index_select(0, slots)))
         self.pending.index_fill_(0, slots, 0.0)
         self.count.index_fill_(0, slots, 0)
         return out

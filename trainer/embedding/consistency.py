@@ -11,6 +11,15 @@ remembers the owner version it was read at. Read staleness = owner version now -
 - push: a worker's local updates to a cached row are pushed once it holds more than push_bound of
   them (and on eviction and flush).
 A bound of -1 means unbounded; bounds of 0 are bulk-synchronous (exact) training.
+
+Lives (dynamic tables, embedding/dynamic.py): an id's row can be evicted and admitted again, a new
+"life" from its initial value. A version then carries the life in its high bits: a row admitted at
+step s starts at version (s + 1) << LIFE_SHIFT, and an id without a row answers
+((step + 1) << LIFE_SHIFT) - 1 (ABSENT in the low bits). A copy of an earlier life is so far behind
+that the pull rule always re-reads it; `life_changed` tells the cache that its pending updates
+belong to that earlier life (they are dropped, never pushed into the new one), and every push
+carries the life its updates were made in (`life_of`), so the owner drops a held-back push that
+arrives after the id was evicted (and maybe admitted again). Fixed tables never leave life 0.
 """
 from __future__ import annotations
 
@@ -21,6 +30,9 @@ import torch
 UNBOUNDED = torch.iinfo(torch.int64).max
 MISSING = -1  # the version sent for an id the worker has no copy of
 HIST_BINS = 65  # staleness histogram: bins 0..63 exactly, bin 64 = 64 or more
+LIFE_SHIFT = 32  # version = (admission step + 1) << LIFE_SHIFT + updates in this life
+ABSENT = (1 << LIFE_SHIFT) - 1  # the low bits of the version an id without a row answers
+CURRENT_LIFE = -1  # a push's life when its updates were made on the owner's current row
 
 
 def _effective(bounds: list[int]) -> torch.Tensor:
@@ -62,6 +74,18 @@ def needs_row(cached_version: torch.Tensor, owner_version: torch.Tensor,
     owner_version:  [n] the owner's current versions; pull_bound: [n] bound of each row's table.
     """
     return (cached_version < 0) | (owner_version - cached_version > pull_bound)
+
+
+def life_of(version: torch.Tensor) -> torch.Tensor:
+    """[n] the life a version belongs to (0 for fixed tables)."""
+    return version >> LIFE_SHIFT
+
+
+def life_changed(old_version: torch.Tensor, new_version: torch.Tensor) -> torch.Tensor:
+    """[n] bool: a copy read at old_version, re-read at new_version, is of another life of its id
+    (or the id has no row now): the updates made on the old copy must not reach the new one."""
+    absent = (new_version & ABSENT) == ABSENT
+    return (life_of(old_version) != life_of(new_version)) | absent
 
 
 def push_due(local_updates: torch.Tensor, push_bound: torch.Tensor) -> torch.Tensor:

@@ -25,13 +25,13 @@ import numpy as np
 import torch
 
 from ..data import rng
+from .consistency import LIFE_SHIFT, life_of
 from .optim import Rounding
 from .pool import SlotPool
 from .sharding import HashSharding
 from .store import ShardStore
 
 _S_INIT_DYN = 78
-LIFE_SHIFT = 32  # version = (admission step + 1) << 32 + updates in this life
 
 
 def dynamic_init_rows(seed: int, dim: int, gids: torch.Tensor, scale: float) -> torch.Tensor:
@@ -110,12 +110,16 @@ class DynamicStore(ShardStore):
         return out.masked_fill_(miss.unsqueeze(1), 0)
 
     def apply(self, gids: torch.Tensor, grads: torch.Tensor, unique: bool = False,
-              counts: torch.Tensor | None = None) -> None:
+              counts: torch.Tensor | None = None, lives: torch.Tensor | None = None) -> None:
         """ShardStore.apply on the admitted ids' slots; the others' gradients are dropped and
-        counted once per id and step."""
+        counted once per id and step, and so are updates made in an earlier life of the id
+        (lives [n]: Pushes.lives, a HET push held back past an eviction; CURRENT_LIFE: this one)."""
         if gids.numel() == 0:
             return
         slots, miss = self.pool.lookup(gids)
+        if lives is not None:
+            now = life_of(self.version.index_select(0, slots.clamp(min=0)))
+            miss = miss | ((lives >= 0) & (lives != now))
         if bool(miss.any()):
             self.pool.count_dropped(torch.unique(gids[miss]))
             keep = ~miss

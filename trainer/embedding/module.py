@@ -235,7 +235,7 @@ class HybridEmbedding:
     def _apply(self, owned: Pushes, received: Pushes) -> None:
         """Owner update: own rows plus what peers pushed, once per row, versions advanced."""
         both = Pushes.cat([owned, received])
-        self.store.apply(both.gids, both.grads, unique=len(received) == 0, counts=both.counts)
+        self.store.apply(both.gids, both.grads, unique=len(received) == 0, counts=both.counts, lives=both.lives)
         if self.audit is not None and len(both):
             g = torch.unique(both.gids)
             self.audit.update(self.step, g, self.store.versions(self.sharding.local_index(g)))

@@ -132,10 +132,11 @@ class ShardStore:
         return self.version.index_select(0, local_idx)
 
     def apply(self, gids: torch.Tensor, grads: torch.Tensor, unique: bool = False,
-              counts: torch.Tensor | None = None) -> None:
+              counts: torch.Tensor | None = None, lives: torch.Tensor | None = None) -> None:
         """Sum grads [n, d] per row, update each touched row once (kernels.row_update: Triton on
         CUDA, the reference on CPU), and advance its version by the number of updates folded into
-        it (counts [n], default 1 each). unique=True: gids are known to be distinct, skip the sum."""
+        it (counts [n], default 1 each). unique=True: gids are known to be distinct, skip the sum.
+        lives: the pushes' lives (Pushes.lives): a fixed row has one life, so they are not read."""
         if gids.numel() == 0:
             return
         idx = self.sharding.local_index(gids)

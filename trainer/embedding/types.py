@@ -17,6 +17,8 @@ from typing import Any, Optional
 
 import torch
 
+from .consistency import CURRENT_LIFE
+
 
 @dataclass
 class LookupPlan:
@@ -50,11 +52,15 @@ class LookupPlan:
 
 @dataclass
 class Pushes:
-    """Row updates leaving a worker: global ids [n], summed gradients [n, d], update counts [n]."""
+    """Row updates leaving a worker: global ids [n], summed gradients [n, d], update counts [n],
+    and (dynamic tables) the life each row's updates were made in, [n] or None
+    (consistency.life_of; CURRENT_LIFE where they were made on the owner's current row, None when
+    every one was): the owner drops updates of an id's earlier life."""
 
     gids: torch.Tensor
     grads: torch.Tensor
     counts: torch.Tensor
+    lives: Optional[torch.Tensor] = None
 
     @classmethod
     def empty(cls, dim: int, device: torch.device) -> "Pushes":
@@ -62,14 +68,18 @@ class Pushes:
                    torch.empty(0, dtype=torch.int64, device=device))
 
     @classmethod
-    def single(cls, gids: torch.Tensor, grads: torch.Tensor) -> "Pushes":
+    def single(cls, gids: torch.Tensor, grads: torch.Tensor, lives: Optional[torch.Tensor] = None) -> "Pushes":
         """One update per row."""
-        return cls(gids, grads, torch.ones_like(gids))
+        return cls(gids, grads, torch.ones_like(gids), lives)
 
     @classmethod
     def cat(cls, parts: list["Pushes"]) -> "Pushes":
+        lives = None
+        if any(p.lives is not None for p in parts):
+            lives = torch.cat([p.lives if p.lives is not None else torch.full_like(p.gids, CURRENT_LIFE)
+                               for p in parts])
         return cls(torch.cat([p.gids for p in parts]), torch.cat([p.grads for p in parts]),
-                   torch.cat([p.counts for p in parts]))
+                   torch.cat([p.counts for p in parts]), lives)
 
     def __len__(self) -> int:
         return int(self.gids.numel())

@@ -42,7 +42,7 @@ from ..consistency import HIST_BINS, staleness_histogram
 from ..types import LookupPlan, Pushes
 
 CACHE_COUNTERS = ("requested", "hits", "fresh_hits", "pulled", "transient", "pushed_rows",
-                  "pushed_updates", "evicted_dirty")
+                  "pushed_updates", "evicted_dirty", "old_life_updates")
 
 
 def _read_weights() -> torch.Tensor:

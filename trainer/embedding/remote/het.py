@@ -12,7 +12,9 @@ The wire, per step:
   travel. The owner records the staleness of the reads it let through.
 - push_updates_start: (id, update count, summed gradient) for whichever rows the cache decided to
   push (consistency.push_due, evictions, transient rows, the flush), all three in one message per
-  owner (one alltoall; each part's bytes are still counted under its own kind).
+  owner (one alltoall; each part's bytes are still counted under its own kind). Dynamic tables:
+  the count's high 32 bits carry the life the updates were made in (consistency.py, "Lives"; a
+  count is < 2^32), so the owner drops a held-back push of an id's earlier life.
 On the wire an id is its owner's storage row (Sharding.local_index), as int32 whenever the shard
 allows (exchange.wire_dtype), like the versions and counts. Dynamic tables (embedding/dynamic.py)
 have no storage row per id: the id travels as its gid, int64 like the versions (which carry the
@@ -27,7 +29,7 @@ import torch
 from ...comm import Collectives
 from ...device import positions, select
 from ..cache import RowCache
-from ..consistency import Bounds, needs_row
+from ..consistency import ABSENT, LIFE_SHIFT, Bounds, life_of, needs_row
 from ..exchange import segment_counts, wire_dtype, wire_float
 from ..sharding import Sharding
 from ..store import ShardStore
@@ -79,6 +81,7 @@ class HetStep:
         self.slots, self.transient, self.evicted = slots, transient, evicted
         self.announced: Any = None  # this step's push sizes, sent ahead (HetWire.announce)
         self.due: Optional[int] = None  # ... and how many of its cached rows are due
+        self.transient_lives: Optional[torch.Tensor] = None  # the life each transient row was read in
 
 
 class HetWire:
@@ -184,6 +187,8 @@ class HetWire:
         (ids, versions, grads), exactly as if they went in separate messages."""
         sh = self.sh
         gids, grads, counts = pushes.gids, pushes.grads, pushes.counts
+        if self.dynamic and pushes.lives is not None:  # (life, count) in one int64: count < 2^32
+            counts = (pushes.lives << LIFE_SHIFT) | counts
         order = torch.argsort(sh.owner(gids), stable=True)  # group by owner (no host read to test it)
         gids, grads, counts = gids[order], grads[order], counts[order]
         head = torch.stack([self._wire_ids(gids), counts], 1).to(self.wire_dtype)
@@ -203,8 +208,9 @@ class HetWire:
             got, _ = handle.wait()
             head = _unpack_rows(got, 0, w, self.wire_dtype).long()
             recv = _unpack_rows(got, w, got.shape[1] - w, self.row_dtype).to(grads.dtype)
-            ids = head[:, 0] if self.dynamic else sh.global_of(head[:, 0], sh.rank)
-            return Pushes(ids, recv, head[:, 1])
+            if not self.dynamic:
+                return Pushes(sh.global_of(head[:, 0], sh.rank), recv, head[:, 1])
+            return Pushes(head[:, 0], recv, head[:, 1] & ABSENT, head[:, 1] >> LIFE_SHIFT)
         return finish
 
 
@@ -298,8 +304,11 @@ class HetRemote(RemoteRows):
         pulled_slot = slots.index_select(0, pulled)
         was_cached = pulled_slot >= 0
         stale = positions(was_cached, n_pulled - n_miss)  # cached copies too far behind: re-read
-        cache.refresh(pulled_slot.index_select(0, stale), rows.index_select(0, stale),
-                      versions.index_select(0, pulled.index_select(0, stale)))
+        stale_slots = pulled_slot.index_select(0, stale)
+        dropped = cache.refresh(stale_slots, rows.index_select(0, stale),
+                                versions.index_select(0, pulled.index_select(0, stale)))
+        if getattr(self.wire, "dynamic", False):  # updates of an id's earlier life, dropped with the old copy
+            self.stats.add("old_life_updates", cache.slot_table.index_select(0, stale_slots), dropped)
         fetched = positions(~was_cached, n_miss)  # misses
         miss = pulled.index_select(0, fetched)
         new_slots, evicted, placed = cache.install_counted(
@@ -319,6 +328,8 @@ class HetRemote(RemoteRows):
         if self.audit is not None:
             self.audit.read(step, remote, torch.where(need, versions, cached_ver))
         out = HetStep(slots, transient, evicted)
+        if transient is not None:  # pushed at once, tagged with the life they were read in
+            out.transient_lives = life_of(versions.index_select(0, transient))
         self._announce(remote, out)
         return out
 
@@ -356,7 +367,8 @@ class HetRemote(RemoteRows):
             cached = positions(slots >= 0, slots.numel() - gone.numel())
             parts.append(self.cache.record_and_take_due(slots.index_select(0, cached),
                                                         g.index_select(0, cached), self.bounds.push, due))
-            parts.append(Pushes.single(plan.remote_ids.index_select(0, gone), g.index_select(0, gone)))
+            parts.append(Pushes.single(plan.remote_ids.index_select(0, gone), g.index_select(0, gone),
+                                       read.transient_lives))
         evicted = read.evicted
         if evicted is not None and len(evicted):
             self.stats.add("evicted_dirty", self.sharding.table_of(evicted.gids))
