@@ -686,8 +686,9 @@ def _validate_dynamic(c: Config) -> None:
     for key, value, ok, why in (
             ("consistency", c.consistency.name, c.cache.policy == "none" or bsp,
              "a HET cache with bounds > 0 (a held-back push could reach an id's next life): use consistency=bsp"),
-            ("placement.name", c.placement.name, c.placement.name == "none", "replicated hot rows (placement)"),
-            ("schedule.name", c.schedule.name, c.schedule.name != "herald", "Herald's lent rows"),
+            ("placement.name", c.placement.name, c.placement.name != "sca", "sca's cost model (it simulates fixed tables): use placement=fae"),
+            ("embedding.ttl_steps", e.ttl_steps, not e.ttl_steps or (c.placement.name == "none" and c.schedule.name != "herald"),
+             "expiring rows that are replicated (placement) or lent (schedule=herald)"),
             ("embedding.audit", e.audit, not e.audit, "the audit (an array over every id)"),
             ("train.nonfinite", c.train.nonfinite, c.train.nonfinite != "skip", "skipped steps (admission is not undone)"),
             ("comm.settled_rows", c.comm.settled_rows, c.comm.settled_rows != "always", "early settled rows"),
