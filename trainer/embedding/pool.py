@@ -83,6 +83,7 @@ class SlotPool:
         # the same ids up to three times (admit, rows, apply); an insert updates the sorted ones
         # (drops the others), an erase drops all
         self._memo: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, bool]] = []
+        self.stale_copies = 0  # copies that came back to another life of their id, dropped (0: pins hold)
         # callables giving gids (any order, any owner) never to be evicted now (module docstring)
         self.pins: list[Callable[[], torch.Tensor]] = []
 
