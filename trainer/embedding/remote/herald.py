@@ -138,7 +138,7 @@ class HeraldRemote(RemoteRows):
             serve_l, send_l = self._to_me(sync.pull, sync.lend)
             st = self.store.state_rows(self._t(serve_l))
             state, _ = self.comm.alltoall(st, send_l, kind="rows",
-                                          recv_splits=self._splits(mine[sync.lend[r]]))
+                                          recv_splits=self._splits(sync.pull[r][sync.lend[r]]))
         return rows, state, lives
 
     # ---- dynamic tables (module docstring) -------------------------------------------------
