@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from helpers import make_cfg, run_single, run_world
-from test_dynamic_parity import BASE, NO_EVICTION, assert_same_ids
+from test_dynamic_parity import BASE, NO_EVICTION, assert_same_ids, resume_at_step_8_equals_uninterrupted
 from test_parity import assert_same_run
 from trainer.configure import load_config
 from trainer.data import make_data
@@ -106,20 +106,10 @@ def test_a_pinned_row_is_never_chosen_for_eviction():
 
 @pytest.mark.dist
 def test_resume_with_replicated_rows_equals_uninterrupted(tmp_path):
-    """placement=fae with hot batches, 30-row pools (evictions) and admit_after = 2: saved at step 8 of 16 (the
-    replica written back into its owners first) and resumed on W = 2, every loss, parameter,
-    admitted id and counter equals the uninterrupted run (the replica is rebuilt from the owners
-    with each row's life)."""
-    import trainer.checkpoint as ckpt
-    overrides = [o for o in BASE if o != "checkpoint.enabled=false"] + HOT + [
-        "embedding.capacity=30", "embedding.admit_after=2", "optim=adagrad", "checkpoint.every=8"]
-    root = str(tmp_path / "full")
-    full = run_world(2, overrides + [f"checkpoint.dir={root}"])
+    """placement=fae with hot batches, 30-row pools (evictions) and admit_after = 2: saved at step 8
+    of 16 (the replica written back into its owners first) and resumed on W = 2, every loss,
+    parameter, admitted id and counter equals the uninterrupted run (the replica is rebuilt from
+    the owners with each row's life)."""
+    full = resume_at_step_8_equals_uninterrupted(tmp_path, HOT + ["embedding.capacity=30", "embedding.admit_after=2",
+                                                                  "optim=adagrad"])
     assert full[0].summary["dynamic"]["evictions"] > 0 and full[0].summary["placement"]["hot_steps"] > 0
-    step8 = dict(ckpt.complete_checkpoints(root))[8]
-    got = run_world(2, overrides + [f"checkpoint.resume={step8}", f"checkpoint.dir={tmp_path / 'again'}"])
-    assert got[0].summary["start_step"] == 8
-    for a, b in zip(full, got):
-        assert_same_ids(a, b)
-        assert_same_run(a, b)
-    assert got[0].summary["dynamic"] == full[0].summary["dynamic"]
