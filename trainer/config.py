@@ -683,11 +683,13 @@ def _validate_dynamic(c: Config) -> None:
     _check(c.data.name == "synthetic" or not c.data.scramble_ids, "data.scramble_ids", True,
            "is a synthetic-data option")
     bsp = all(b == 0 for b in sum(staleness_bounds(c), []))
+    copies = c.placement.name != "none" or c.schedule.name == "herald"  # rows replicated or lent
     for key, value, ok, why in (
             ("consistency", c.consistency.name, c.cache.policy == "none" or bsp,
              "a HET cache with bounds > 0 (a held-back push could reach an id's next life): use consistency=bsp"),
-            ("placement.name", c.placement.name, c.placement.name != "sca", "sca's cost model (it simulates fixed tables): use placement=fae"),
-            ("embedding.ttl_steps", e.ttl_steps, not e.ttl_steps or (c.placement.name == "none" and c.schedule.name != "herald"),
+            ("placement.name", c.placement.name, c.placement.name != "sca",
+             "sca's cost model (it simulates fixed tables): use placement=fae"),
+            ("embedding.ttl_steps", e.ttl_steps, not (e.ttl_steps and copies),
              "expiring rows that are replicated (placement) or lent (schedule=herald)"),
             ("embedding.audit", e.audit, not e.audit, "the audit (an array over every id)"),
             ("train.nonfinite", c.train.nonfinite, c.train.nonfinite != "skip", "skipped steps (admission is not undone)"),

@@ -438,8 +438,8 @@ def dynamic_summary(comm: Collectives, store: Any) -> dict[str, Any]:
     summed over the owners, and copies written back to another life of their id (stale_copies,
     dropped: remote/herald.py) (collective: one allreduce)."""
     pool, t = store.pool, store.sharding.num_tables
-    local = torch.cat([pool.counters.flatten(), pool.rows_in_use(),
-                       torch.tensor([pool.pending_ids(), pool.stale_copies], device=pool.counters.device)]).double().cpu()
+    tail = torch.tensor([pool.pending_ids(), pool.stale_copies], device=pool.counters.device)
+    local = torch.cat([pool.counters.flatten(), pool.rows_in_use(), tail]).double().cpu()
     with phase(comm, "other"):
         tot = comm.allreduce(local, op="sum", kind="meta").long().tolist()
     per = {k: tot[i * t:(i + 1) * t] for i, k in enumerate(POOL_COUNTERS + ("rows_in_use",))}

@@ -124,7 +124,8 @@ class Replica:
         if got_slots.numel() != len(self):
             raise RuntimeError(f"replica: owners sent {got_slots.numel()} rows for {len(self)} replicated ids")
         if self.dynamic:  # admitted or not, and in which life
-            self.life.index_copy_(0, got_slots, comm.allgather(store.lives(gids).cpu(), kind="meta").to(self.life.device))
+            lives = comm.allgather(store.lives(gids).cpu(), kind="meta")
+            self.life.index_copy_(0, got_slots, lives.to(self.life.device))
         self.weight.index_copy_(0, got_slots, got[:, :self.dim].to(self.weight.dtype))
         if state is not None:
             mine = self.optimizer.state

@@ -216,7 +216,8 @@ class HeraldRemote(RemoteRows):
         optimizer state."""
         r = self.sh.rank
         at = self._t(self._index(want, fresh))
-        local_rows.index_copy_(0, self._t(self._index(sync.local[r], fresh)), got.index_select(0, at).to(local_rows.dtype))
+        rows = got.index_select(0, at).to(local_rows.dtype)
+        local_rows.index_copy_(0, self._t(self._index(sync.local[r], fresh)), rows)
         kept = np.isin(fresh, sync.local[r][sync.keep[r]])
         if kept.any():
             k = self._t(np.flatnonzero(kept))
