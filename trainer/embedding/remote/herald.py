@@ -142,14 +142,15 @@ class HeraldRemote(RemoteRows):
         return rows, state, lives
 
     # ---- dynamic tables (module docstring) -------------------------------------------------
-    def _refresh(self, sync: Any) -> list[np.ndarray]:
+    def _refresh(self, sync: Any, local_slots: torch.Tensor) -> list[np.ndarray]:
         """Per worker, the copies lent without a row that it reads now (before any writeback):
-        this rank's own from its copies' lives, the others' among the ids this owner lent so."""
+        this rank's own from its copies' lives (local_slots: of sync.local[rank]), the others'
+        among the ids this owner lent so."""
         r = self.sh.rank
         out = []
         for k, local in enumerate(sync.local):
             if k == r:
-                out.append(local[self.lent.life.index_select(0, self.lent.find(self._t(local))).cpu().numpy() == 0])
+                out.append(local[self.lent.life.index_select(0, local_slots).cpu().numpy() == 0])
             else:
                 out.append(local[np.isin(local, self.absent_out)])
         return out
@@ -184,7 +185,7 @@ class HeraldRemote(RemoteRows):
         local_rows = self.lent.weight.index_select(0, local_slots)  # before writebacks
         want = sync.pull
         if self.dynamic:  # copies lent without a row are read from their owner again
-            refresh = self._refresh(sync)
+            refresh = self._refresh(sync, local_slots)
             want = [self.sh.owner_order(np.concatenate([p, f])) for p, f in zip(sync.pull, refresh)]
         self.writeback(sync.writeback)
         if self.dynamic:
