@@ -320,8 +320,9 @@ def test_free_slots_after_a_load_go_lowest_first_and_lookups_stay_exact():
 
 
 @pytest.mark.parametrize("overrides,key", [
-    (["placement=fae"], "placement.name"),
-    (["schedule=herald"], "schedule.name"),
+    (["placement=sca"], "placement.name"),
+    (["placement=fae", "embedding.ttl_steps=3"], "embedding.ttl_steps"),
+    (["schedule=herald", "cache=lru", "embedding.ttl_steps=3"], "embedding.ttl_steps"),
     (["train.nonfinite=skip"], "train.nonfinite"), (["embedding.audit=true"], "embedding.audit"),
     (["comm.settled_rows=always"], "comm.settled_rows"),
 ])
@@ -346,10 +347,10 @@ def test_dynamic_tables_need_a_capacity():
 
 def test_a_refused_combination_exits_2_with_one_line(tmp_path):
     p = subprocess.run([sys.executable, "-m", "trainer", "embedding.tables=dynamic", "embedding.capacity=10",
-                        "placement=fae", f"hydra.run.dir={tmp_path}"], capture_output=True, text=True, timeout=300)
+                        "placement=sca", f"hydra.run.dir={tmp_path}"], capture_output=True, text=True, timeout=300)
     assert p.returncode == 2, p.stderr[-2000:]
     lines = p.stderr.strip().splitlines()
-    assert len(lines) == 1 and "embedding.tables=dynamic does not support replicated hot rows" in lines[0]
+    assert len(lines) == 1 and "embedding.tables=dynamic does not support sca's cost model" in lines[0]
 
 
 def test_raw_ids_keep_criteos_32_bit_values_and_train_dynamic_tables(tmp_path):

@@ -106,13 +106,20 @@ def test_resume_at_the_same_world_size_equals_uninterrupted(tmp_path):
     """Dynamic shards (rows, versions, optimizer state, the pool's slot ids and scores, the
     pending counts, the counters) saved at step 8 of 16 and resumed on W = 2 reproduce the
     uninterrupted run, evictions and admissions included; W = 3 is refused naming both."""
+    full = resume_at_step_8_equals_uninterrupted(tmp_path, ["embedding.capacity=30", "embedding.admit_after=2",
+                                                            "optim=adagrad"])
+    assert full[0].summary["dynamic"]["evictions"] > 0 and full[0].summary["dynamic"]["pending_ids"] > 0
+
+
+def resume_at_step_8_equals_uninterrupted(tmp_path, extra):
+    """Train BASE + extra (16 steps) on W = 2 saving at steps 8 and 16, resume the step-8 checkpoint
+    on W = 2 and check it against the uninterrupted run: every loss, dense parameter, admitted id
+    and row, and the dynamic counters. Returns the uninterrupted run."""
     import trainer.checkpoint as ckpt
-    overrides = [o for o in BASE if o != "checkpoint.enabled=false"] + [
-        "embedding.capacity=30", "embedding.admit_after=2", "optim=adagrad", "checkpoint.every=8"]
+    overrides = [o for o in BASE if o != "checkpoint.enabled=false"] + extra + ["checkpoint.every=8"]
     root = str(tmp_path / "full")
     full = run_world(2, overrides + [f"checkpoint.dir={root}"])
     assert [s for s, _ in ckpt.complete_checkpoints(root)] == [8, 16]
-    assert full[0].summary["dynamic"]["evictions"] > 0 and full[0].summary["dynamic"]["pending_ids"] > 0
     step8 = dict(ckpt.complete_checkpoints(root))[8]
     got = run_world(2, overrides + [f"checkpoint.resume={step8}", f"checkpoint.dir={tmp_path / 'again'}"])
     assert got[0].summary["start_step"] == 8
@@ -120,6 +127,7 @@ def test_resume_at_the_same_world_size_equals_uninterrupted(tmp_path):
         assert_same_ids(a, b)
         assert_same_run(a, b)
     assert got[0].summary["dynamic"] == full[0].summary["dynamic"]
+    return full
 
 
 def _counts(d):

@@ -11,6 +11,8 @@
 """
 from __future__ import annotations
 
+import copy
+
 import numpy as np
 import pytest
 
@@ -72,26 +74,26 @@ def test_planner_invariants_step_by_step():
     for k in range(30):
         gb = feed.global_batch(k)
         a = part.assign(gb)
-        holder_before = planner.holder.copy()
+        holder_before = copy.deepcopy(planner.holders)
         plan = planner.plan(k, gb, a)
         g, w = read_pairs(space, gb, a, world)
         for r in range(world):
-            assert np.all(holder_before[plan.writeback[r]] == r)  # only held rows go back
+            assert np.all(holder_before.of(plan.writeback[r]) == r)  # only held rows go back
             mine = np.sort(g[(w == r) & (g % world != r)])
             got = np.sort(np.concatenate([plan.pull[r], plan.local[r]]))
             assert np.array_equal(mine, got)  # every remote read is pulled or local, once
-            assert np.all(holder_before[plan.local[r]] == r)
+            assert np.all(holder_before.of(plan.local[r]) == r)
             assert planner.held[r].size <= cap
             lent_any |= bool(plan.lend[r].any())
             local_any |= bool(plan.keep[r].any())
         # a row held after the step was read in it by its holder alone (or not at all)
-        held_g = planner.holder[g]
+        held_g = planner.holders.of(g)
         assert np.all((held_g < 0) | (held_g == w))
-        assert all(np.all(planner.holder[planner.held[r]] == r) for r in range(world))
-        assert (planner.holder >= 0).sum() == sum(x.size for x in planner.held)
+        assert all(np.all(planner.holders.of(planner.held[r]) == r) for r in range(world))
+        assert len(planner.holders) == sum(x.size for x in planner.held)
     assert lent_any and local_any
     back = planner.flush()
-    assert sum(x.size for x in back) > 0 and (planner.holder >= 0).sum() == 0
+    assert sum(x.size for x in back) > 0 and len(planner.holders) == 0
     s = planner.summary()
     assert s["writebacks"] == s["lend_pulls"]  # every lent row came back exactly once
     assert s["pulls_vs_naive"] < 1

@@ -20,6 +20,7 @@ import torch
 
 from .comm import Collectives
 from .config import Config, ConfigError, cache_capacities, needs_global_view, staleness_bounds, table_rows
+from .data import id_rows
 from .embedding import HybridEmbedding, RowSharding, ShardStore
 from .embedding.cache import RowCache, make_policy
 from .embedding.consistency import Bounds
@@ -182,7 +183,7 @@ def _make_remote(c: Config, comm: Collectives, store: ShardStore, plan: Plan,
 def _make_feed(c: Config, data: Any, global_batch: int, rank: int, world: int, plan: Plan,
                space: IdSpace, herald: Optional[HeraldPlanner]) -> Feed:
     """The global view: FAE's hot/cold order or the data's own, Herald's partition and sync."""
-    rows = table_rows(c)
+    rows = id_rows(c)  # dynamic tables: flat ids are the global ids
     order = make_order(data, global_batch, plan.hot, rows, c.placement)
     partition = (HeraldPartition(world, space, herald, c.schedule.cache_aware, c.schedule.passes)
                  if c.schedule.name == "herald" else None)

@@ -435,10 +435,11 @@ DYNAMIC_SCALARS = ("rows_in_use", "admissions", "evictions", "dropped_grads", "r
 def dynamic_summary(comm: Collectives, store: Any) -> dict[str, Any]:
     """The `dynamic` block of metrics.jsonl and summary.json (embedding.tables=dynamic): rows in
     use, admissions, evictions, dropped gradients and rejected admissions, per table and in total,
-    summed over the owners (collective: one allreduce)."""
+    summed over the owners, and copies written back to another life of their id (stale_copies,
+    dropped: remote/herald.py) (collective: one allreduce)."""
     pool, t = store.pool, store.sharding.num_tables
-    local = torch.cat([pool.counters.flatten(), pool.rows_in_use(),
-                       torch.tensor([pool.pending_ids()], device=pool.counters.device)]).double().cpu()
+    tail = torch.tensor([pool.pending_ids(), pool.stale_copies], device=pool.counters.device)
+    local = torch.cat([pool.counters.flatten(), pool.rows_in_use(), tail]).double().cpu()
     with phase(comm, "other"):
         tot = comm.allreduce(local, op="sum", kind="meta").long().tolist()
     per = {k: tot[i * t:(i + 1) * t] for i, k in enumerate(POOL_COUNTERS + ("rows_in_use",))}
@@ -446,7 +447,7 @@ def dynamic_summary(comm: Collectives, store: Any) -> dict[str, Any]:
               for i in range(t)]
     return {"capacity_rows_per_owner": pool.capacity, "admit_after": pool.admit_after,
             "eviction": pool.eviction, **{k: sum(v) for k, v in per.items()},
-            "pending_ids": tot[-1], "bytes_per_slot": pool.bytes_per_slot(),
+            "pending_ids": tot[-2], "stale_copies": tot[-1], "bytes_per_slot": pool.bytes_per_slot(),
             "pending_bytes_per_id": pool.pending_bytes_per_id(), "tables": tables}
 
 

@@ -38,7 +38,6 @@ from .config import Config, auto_threads, local_batch_size, validate_world
 from .configure import load_config
 from .data import make_data
 from .embedding import InFlightStep
-from .embedding.dynamic import gather_tables
 from .evaluation import Evaluator
 from .lr import LrSchedule
 from .memplan import check_memory
@@ -364,7 +363,7 @@ class Trainer:
         ids = None
         with phase(self.comm, "other"):
             if self.emb.store.dynamic:  # per table: the admitted ids (sorted) and their rows
-                ids, tables = gather_tables(self.comm, self.emb.store)
+                ids, tables = self.emb.dynamic_tables()
             else:
                 tables = self.emb.full_tables()
         dense = {k: v.detach().cpu().clone() for k, v in self.model.state_dict().items()}

@@ -19,7 +19,7 @@ if TYPE_CHECKING:  # the real-data modules are imported only when selected (DALI
     from .blocks import CriteoData
     from .movielens import MovieLensData
 
-__all__ = ["Batch", "DataShape", "GuardedData", "IdGuard", "IdRangeError", "SyntheticData", "epoch_rows",
+__all__ = ["Batch", "DataShape", "GuardedData", "IdGuard", "IdRangeError", "SyntheticData", "epoch_rows", "id_rows",
            "make_data", "resolve", "shape_of", "val_slices", "vocab_rows"]
 
 
@@ -138,7 +138,15 @@ def make_data(cfg: Config, rank: int, world: int) -> GuardedData:
     if cfg.data.scramble_ids:
         data = ScrambledIds(data, cfg.data.seed)
     # dynamic tables take any id below ID_LIMIT (data.out_of_range: outside it, an error or folded)
-    return GuardedData(data, IdGuard([ID_LIMIT] * len(table_rows(cfg)), cfg.data.out_of_range))
+    return GuardedData(data, IdGuard(id_rows(cfg), cfg.data.out_of_range))
+
+
+def id_rows(cfg: Config) -> list[int]:
+    """The id space of every table: its rows (fixed tables), or ID_LIMIT each (dynamic ones, whose
+    flat ids are then the global ids (table << 56) | id: profiles, plans and the feed use them)."""
+    if cfg.embedding.tables == "dynamic":
+        return [ID_LIMIT] * len(table_rows(cfg))
+    return table_rows(cfg)
 
 
 def _make_data(cfg: Config, rank: int, world: int) -> Union[SyntheticData, CriteoData, MovieLensData]:

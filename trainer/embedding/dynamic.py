@@ -72,6 +72,10 @@ class DynamicStore(ShardStore):
             out[held] = dynamic_init_rows(self.seed, self.dim, gids.cpu()[held], self.scale)
         return out.to(self.weight.device, self.weight.dtype)
 
+    def initial_values(self, gids: torch.Tensor) -> torch.Tensor:
+        """[n, d] the initial rows of gids (a new life), in the rows' type and device."""
+        return dynamic_init_rows(self.seed, self.dim, gids, self.scale).to(self.weight.device, self.weight.dtype)
+
     def row_keys(self, local_idx: torch.Tensor) -> torch.Tensor:
         """The rounding key of a slot's row: its id's gid (the same at any W)."""
         return self.pool.slot_gid.index_select(0, local_idx)
@@ -93,8 +97,7 @@ class DynamicStore(ShardStore):
         if got is None:
             return
         ids, slots = got
-        self.weight.index_copy_(0, slots, dynamic_init_rows(self.seed, self.dim, ids, self.scale)
-                                .to(self.weight.device, self.weight.dtype))
+        self.weight.index_copy_(0, slots, self.initial_values(ids))
         st = self.optimizer.state
         if st is not None:
             st.index_fill_(0, slots, self.optimizer.init)
@@ -130,6 +133,29 @@ class DynamicStore(ShardStore):
         self.optimizer.step(slots, grads, unique=unique)
         self.version.index_add_(0, slots, torch.ones_like(slots) if counts is None else counts)
         self.touched.index_fill_(0, slots, True)
+
+    def slots(self, gids: torch.Tensor) -> torch.Tensor:
+        """[n] pool slots of owned gids that hold a row (put: a copy goes back only to a row)."""
+        slots, miss = self.pool.lookup(gids)
+        if bool(miss.any()):
+            raise RuntimeError(f"dynamic tables: {int(miss.sum())} ids written back hold no row on their owner")
+        return slots
+
+    def state_rows(self, gids: torch.Tensor) -> torch.Tensor:
+        """[n, state_width] optimizer state of owned gids; a fresh state for ids without a row."""
+        slots, miss = self.pool.lookup(gids)
+        s = self.optimizer.state
+        if s is None:
+            return torch.zeros(gids.numel(), 0, dtype=self.compute_dtype, device=self.weight.device)
+        out = s.index_select(0, slots.clamp(min=0)).reshape(gids.numel(), self.state_width)
+        return out.masked_fill(miss.unsqueeze(1), self.optimizer.init)
+
+    def lives(self, gids: torch.Tensor) -> torch.Tensor:
+        """[n] the life of owned gids: the step that admitted the row + 1 (its version >> 32), 0
+        for ids without a row. A copy made of a row carries its life; it may go back (put) only to
+        the same life."""
+        slots, miss = self.pool.lookup(gids)
+        return life_of(self.version.index_select(0, slots.clamp(min=0))).masked_fill_(miss, 0)
 
     def check_versions(self, gids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The HET cache's version check of a training read reaching the owner (remote/het.py):

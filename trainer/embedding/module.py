@@ -38,6 +38,7 @@ import torch
 import kernels
 from ..comm import Collectives
 from ..data.batch import Batch
+from .dynamic import gather_tables
 from .exchange import RowExchange, plan_lookup
 from .remote import CACHE_COUNTERS, Audit, CacheStats, PlainRemote, RemoteRows
 from .replica import Replica
@@ -136,6 +137,8 @@ class HybridEmbedding:
         if self.store.dynamic:  # its own ids first; peers' requests when this rank serves them
             self.store.clock = self.step
             self.store.admit(plan.owned_ids)
+            if self.replica is not None:  # the hot ids the global batch reads (replica.py)
+                self.replica.admit(self.comm, self.store, self._union(info))
         if info.hot:
             if plan.remote_pos.numel():
                 raise RuntimeError(f"step {self.step}: a hot step holds {plan.remote_pos.numel()} "
@@ -215,10 +218,7 @@ class HybridEmbedding:
     def _reduce_hot(self, plan: LookupPlan, grad: torch.Tensor, info: GlobalStep) -> None:
         """Sum the gradients of the hot rows the global batch touched over all ranks (one
         allreduce of [u, d], kind "replica") and apply them to every replica alike."""
-        union = info.hot_slots
-        if union is None:
-            raise RuntimeError("replicated rows need the global step's hot_slots (the scheduler's feed)")
-        union = union.to(grad.device)  # the runner moved it with the batch: no copy here
+        union = self._union(info).to(grad.device)  # the runner moved it with the batch: no copy here
         buf = torch.zeros(union.numel(), self.dim, dtype=grad.dtype, device=grad.device)
         if plan.hot_slots.numel():
             if union.numel() == 0:
@@ -230,7 +230,14 @@ class HybridEmbedding:
             buf.index_copy_(0, at, grad[plan.hot_pos])
         if union.numel():
             buf = self.comm.allreduce(buf, op="sum", kind="replica")
-        self.replica.apply(union, buf)
+        self.replica.apply(union, buf, self.store)
+
+    @staticmethod
+    def _union(info: GlobalStep) -> torch.Tensor:
+        """The replica slots the global batch reads (the scheduler's feed)."""
+        if info.hot_slots is None:
+            raise RuntimeError("replicated rows need the global step's hot_slots (the scheduler's feed)")
+        return info.hot_slots
 
     def _apply(self, owned: Pushes, received: Pushes) -> None:
         """Owner update: own rows plus what peers pushed, once per row, versions advanced."""
@@ -251,6 +258,13 @@ class HybridEmbedding:
             return 0
         self._apply(Pushes.empty(self.dim, self.store.weight.device), received)
         return len(received)
+
+    def dynamic_tables(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Dynamic tables: (ids, rows) of every admitted row per table (dynamic.gather_tables),
+        replicated rows written back first. Collective."""
+        if self.replica is not None:
+            self.replica.write_to_owner(self.store)
+        return gather_tables(self.comm, self.store)
 
     def full_tables(self) -> list[torch.Tensor]:
         """Every table, whole ([rows_t, d] each, as stored), assembled from all shards. Collective."""

@@ -23,10 +23,14 @@ Admission happens where a training step's reads reach the owner (admit), once pe
 a row read in step s is stamped s and can never be evicted in step s, so every update of step s
 lands on the id that was read. An evicted id's slot is reused at once; the id loses its row, its
 count and its scores, and comes back as a new id.
+
+Pinned rows (`pins`): ids of which another worker holds a copy that it updates (a replicated hot
+row, placement; a row Herald lent out) are never evicted while that copy lives, so no copy
+outlives its id's life here. The pins are asked for only when a table evicts (O(capacity) then).
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -79,6 +83,9 @@ class SlotPool:
         # the same ids up to three times (admit, rows, apply); an insert updates the sorted ones
         # (drops the others), an erase drops all
         self._memo: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, bool]] = []
+        self.stale_copies = 0  # copies that came back to another life of their id, dropped (0: pins hold)
+        # callables giving gids (any order, any owner) never to be evicted now (module docstring)
+        self.pins: list[Callable[[], torch.Tensor]] = []
 
     def reindex(self) -> None:
         """Rebuild the id -> slot map and the free slots from slot_gid (after a checkpoint load)."""
@@ -244,6 +251,8 @@ class SlotPool:
         c = hi - lo
         last = self.last_use[lo:hi]
         ok = (last < step) & (self.slot_gid[lo:hi] >= 0)  # (slots just taken free hold no id yet)
+        if self.pins:  # held elsewhere (a replica, a lent row): never evicted
+            ok &= ~torch.isin(self.slot_gid[lo:hi], torch.cat([p().to(last.device) for p in self.pins]))
         recency = last * c + torch.arange(c, device=last.device)  # distinct keys: one order everywhere
         never = torch.iinfo(torch.int64).max
         m = min(m, int(ok.sum()))

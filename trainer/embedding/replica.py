@@ -15,6 +15,15 @@ optimizer state back into the owner's shard before a checkpoint or a full-table 
 `load_from_owners` builds the replica from the owners (start and resume), so checkpoints never see
 the replica at all and resume on another W or another placement just works.
 
+Dynamic tables (embedding.tables=dynamic, docs/dynamic.md): a hot id is admitted as any id is,
+by its owner, the step its admit_after-th read comes; only the reads reach it differently: every
+rank knows the hot ids the global batch reads (`admit`), so each owner counts and stamps its own
+and, in the steps that read hot ids not admitted yet, tells every rank which of them got a row (one
+allreduce of a flag each). Until then a hot id reads zeros and its gradient is dropped (counted by
+its owner), as without a replica. Its owner pins it (pool.SlotPool.pins): a replicated row is never
+evicted, so the replica never holds a life its owner has ended; each replicated row keeps its life
+(the admission step + 1, 8 B) and goes back to its owner only into the same life (else an error).
+
 Half-precision rows (embedding.dtype): the replica holds them in the owners' type and its optimizer
 rounds them with the run's rule, keyed by the row's flat id like the owner's, so a replicated row
 takes the very values the owner would have given it (and the reference's).
@@ -39,6 +48,12 @@ class Replica:
         self.weight = torch.zeros(self.gids.numel(), store.dim, dtype=store.weight.dtype,
                                   device=store.weight.device)
         self.optimizer = opt.like(self.weight, lambda slots: self.sharding.to_flat(self.gids[slots]))
+        self.dynamic = store.dynamic
+        # dynamic tables: the life of each replicated row (0: not admitted yet; fixed tables: 1)
+        self.life = torch.full_like(self.gids, 0 if self.dynamic else 1)
+        if self.dynamic:
+            mine = self._owned()[1]
+            store.pool.pins.append(lambda: mine)
 
     def __len__(self) -> int:
         return int(self.gids.numel())
@@ -60,8 +75,34 @@ class Replica:
     def rows(self, slots: torch.Tensor) -> torch.Tensor:
         return self.weight.index_select(0, slots)
 
-    def apply(self, slots: torch.Tensor, grads: torch.Tensor) -> None:
-        """One optimizer step on distinct slots [u] with the gradient summed over workers [u, d]."""
+    def admit(self, comm: Collectives, store: ShardStore, union: torch.Tensor) -> None:
+        """Dynamic tables, at a training lookup (store.clock set), on every rank alike: the hot rows
+        the global batch reads (union [u], replica slots, ascending) reach their owners' admission;
+        those not admitted yet learn whether they are now (collective only in such steps) and start
+        from their initial row and a fresh optimizer state, as on the owner."""
+        gids = self.gids.index_select(0, union)
+        store.admit(gids[self.sharding.owned_by(gids)])
+        new = union[self.life.index_select(0, union) == 0]
+        if not new.numel():
+            return
+        g = self.gids.index_select(0, new)
+        mine = self.sharding.owned_by(g)
+        life = torch.zeros_like(g).masked_scatter_(mine, store.lives(g[mine]))
+        life = comm.allreduce(life.cpu(), op="sum", kind="meta").to(g.device)
+        got = new[life > 0]
+        self.life.index_copy_(0, got, life[life > 0])
+        self.weight.index_copy_(0, got, store.initial_values(self.gids.index_select(0, got)))
+        if self.optimizer.state is not None:
+            self.optimizer.state.index_fill_(0, got, self.optimizer.init)
+
+    def apply(self, slots: torch.Tensor, grads: torch.Tensor, store: ShardStore) -> None:
+        """One optimizer step on distinct slots [u] with the gradient summed over workers [u, d];
+        dynamic tables: the rows not admitted drop theirs, counted by their owner (store)."""
+        if self.dynamic and slots.numel():
+            keep = self.life.index_select(0, slots) > 0
+            lost = self.gids.index_select(0, slots[~keep])
+            store.pool.count_dropped(lost[self.sharding.owned_by(lost)])
+            slots, grads = slots[keep], grads[keep]
         if slots.numel():
             self.optimizer.step(slots, grads, unique=True)
 
@@ -82,6 +123,9 @@ class Replica:
         got = comm.allgather(parts.cpu(), kind="meta").to(self.weight.device)
         if got_slots.numel() != len(self):
             raise RuntimeError(f"replica: owners sent {got_slots.numel()} rows for {len(self)} replicated ids")
+        if self.dynamic:  # admitted or not, and in which life
+            lives = comm.allgather(store.lives(gids).cpu(), kind="meta")
+            self.life.index_copy_(0, got_slots, lives.to(self.life.device))
         self.weight.index_copy_(0, got_slots, got[:, :self.dim].to(self.weight.dtype))
         if state is not None:
             mine = self.optimizer.state
@@ -89,7 +133,13 @@ class Replica:
 
     def write_to_owner(self, store: ShardStore) -> None:
         """Copy the replica's values and optimizer state of the rows this rank owns into its shard
-        (no communication: every rank holds the same replica)."""
+        (no communication: every rank holds the same replica); dynamic tables: those admitted,
+        each into the life it was admitted in (an error otherwise: the pin failed)."""
         slots, gids = self._owned()
+        if self.dynamic:
+            held = self.life.index_select(0, slots) > 0
+            slots, gids = slots[held], gids[held]
+            if not torch.equal(store.lives(gids), self.life.index_select(0, slots)):
+                raise RuntimeError("replica: a replicated row outlived its id's life on its owner")
         state = self.optimizer.state.index_select(0, slots) if self.optimizer.state is not None else None
         store.put(gids, self.weight.index_select(0, slots), state)

@@ -123,6 +123,10 @@ class ShardStore:
             out[at] = init_rows(self.seed, self.sharding.table_rows, self.dim, table[at], ids[at], self.init_scale)
         return out
 
+    def slots(self, gids: torch.Tensor) -> torch.Tensor:
+        """[n] storage rows of owned gids (every one must have a row)."""
+        return self.sharding.local_index(gids)
+
     def rows(self, gids: torch.Tensor) -> torch.Tensor:
         """[n, d] current rows of owned gids, as stored (embedding.dtype)."""
         return self.weight.index_select(0, self.sharding.local_index(gids))
@@ -154,7 +158,7 @@ class ShardStore:
     def state_rows(self, gids: torch.Tensor) -> torch.Tensor:
         """[n, state_width] optimizer state of owned gids."""
         s = self.optimizer.state
-        idx = self.sharding.local_index(gids)
+        idx = self.slots(gids)
         if s is None:
             return torch.zeros(idx.numel(), 0, dtype=self.compute_dtype, device=self.weight.device)
         return s.index_select(0, idx).reshape(idx.numel(), self.state_width)
@@ -164,7 +168,7 @@ class ShardStore:
         """Take owned rows back from a holder: values [n, d] (any float type holding values of the
         rows' type: a copy), optimizer state [n, state_width] (None: keep), and advance versions
         by the updates [n] the holder applied (None: 0)."""
-        idx = self.sharding.local_index(gids)
+        idx = self.slots(gids)
         self.weight.index_copy_(0, idx, rows.to(self.weight.dtype))
         self.touched.index_fill_(0, idx, True)
         s = self.optimizer.state

@@ -13,7 +13,8 @@ from typing import Any, Callable, Optional
 import numpy as np
 import torch
 
-from ..config import ConfigError, local_batch_size, table_rows
+from ..config import ConfigError, local_batch_size
+from ..data import id_rows
 from ..embedding.sharding import Sharding
 from .profile import AccessProfile, profile_stream
 
@@ -96,7 +97,7 @@ def plan_run(c: Any, data: Any, world: int) -> Plan:
     if p.name == "none":
         return Plan("none")
     t0 = time.perf_counter()
-    rows = table_rows(c)
+    rows = id_rows(c)  # dynamic tables: the profile's flat ids are the global ids
     profile = profile_stream(data, rows, c.train.steps * local_batch_size(c, world) * world,
                              p.profile_fraction)
     plan = make_plan(p.name, profile, budget_bytes=p.budget_bytes,

@@ -37,6 +37,7 @@ import numpy as np
 
 from ..embedding.sharding import Sharding
 from .feed import GlobalBatch, is_member
+from .holders import Holders
 
 
 class IdSpace:
@@ -62,16 +63,26 @@ class IdSpace:
         return self.sharding.owner_order(gids)
 
 
-def unique_pairs(a: np.ndarray, b: np.ndarray, base: int) -> tuple[np.ndarray, np.ndarray]:
-    """The distinct (a, b) pairs (0 <= b < base), sorted by (a, b)."""
-    key = np.unique(np.asarray(a, np.int64) * base + b)
-    return np.divmod(key, base)
+def unique_pairs(a: np.ndarray, b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The distinct (a, b) pairs of int64 values (any: dynamic tables' ids fill 63 bits), sorted
+    by (a, b)."""
+    a, b = np.asarray(a, np.int64), np.asarray(b, np.int64)
+    order = np.lexsort((b, a))
+    a, b = a[order], b[order]
+    first = np.ones(a.size, bool)
+    first[1:] = (a[1:] != a[:-1]) | (b[1:] != b[:-1])
+    return a[first], b[first]
+
+
+def dense_ids(gids: np.ndarray) -> np.ndarray:
+    """[m] gids renumbered 0..k-1 in their order (a key gid * W + w cannot overflow then)."""
+    return np.unique(gids, return_inverse=True)[1].reshape(-1).astype(np.int64)
 
 
 def read_pairs(space: IdSpace, gb: GlobalBatch, worker_of: np.ndarray, world: int) -> tuple[np.ndarray, np.ndarray]:
     """(gid [m], worker [m]): the distinct non-replicated rows each worker reads, sorted by gid."""
     keep = space.not_hot(gb.flat)
-    return unique_pairs(space.gids(gb.flat[keep]), worker_of[gb.sample[keep]], world)
+    return unique_pairs(space.gids(gb.flat[keep]), worker_of[gb.sample[keep]])
 
 
 def remote_reads(space: IdSpace, gb: GlobalBatch, worker_of: np.ndarray, world: int) -> int:
@@ -104,18 +115,19 @@ class HeraldPartition:
     def _pairs(self, gb: GlobalBatch) -> tuple[np.ndarray, np.ndarray]:
         """(sample [m], gid [m]): distinct non-replicated (sample, row) pairs."""
         keep = self.space.not_hot(gb.flat)
-        return unique_pairs(gb.sample[keep], self.space.gids(gb.flat[keep]), self.space.n_ids)
+        return unique_pairs(gb.sample[keep], self.space.gids(gb.flat[keep]))
 
     def _free(self, gid: np.ndarray) -> np.ndarray:
         """[m, W] bool: the row is owned (or held, when cache-aware) by each worker."""
         w = self.world
         free = self.space.owner(gid)[:, None] == np.arange(w)[None, :]
         if self.cache_aware and self.planner is not None:
-            free |= self.planner.holder[gid][:, None] == np.arange(w)[None, :]
+            free |= self.planner.holders.of(gid)[:, None] == np.arange(w)[None, :]
         return free
 
     def remote_reads(self, sample: np.ndarray, gid: np.ndarray, free: np.ndarray, a: np.ndarray) -> int:
-        """The objective for assignment a: distinct (row, worker) reads not free at the worker."""
+        """The objective for assignment a: distinct (row, worker) reads not free at the worker
+        (gid: dense_ids, so gid * W + w fits)."""
         w = a[sample]
         key, first = np.unique(gid * self.world + w, return_index=True)
         return int((~free[first, w[first]]).sum())
@@ -124,6 +136,7 @@ class HeraldPartition:
         n, w = gb.keys.size, self.world
         sample, gid = self._pairs(gb)
         free = self._free(gid)
+        gid = dense_ids(gid)  # a key from here on
         naive = contiguous(n, w)
         cands = [naive]
         score = np.stack([np.bincount(sample, weights=free[:, k], minlength=n) for k in range(w)], 1)
@@ -201,8 +214,8 @@ class HeraldPlanner:
 
     def __init__(self, world: int, space: IdSpace, capacity: int) -> None:
         self.world, self.space, self.capacity = world, space, int(capacity)
-        self.holder = np.full(space.n_ids, -1, np.int64)
-        self.last_use = np.full(space.n_ids, -1, np.int64)
+        self.holders = Holders()
+        self.returning = np.zeros(0, np.int64)  # the rows the last plan sends back (writebacks)
         self.held = [np.zeros(0, np.int64) for _ in range(world)]
         self.counts = {"pulls": 0, "lend_pulls": 0, "grad_pushes": 0, "writebacks": 0,
                        "local_reads": 0, "naive_remote_reads": 0}
@@ -214,12 +227,14 @@ class HeraldPlanner:
         owner = self.space.owner(g)
         _, inv, cnt = np.unique(g, return_inverse=True, return_counts=True)
         readers = cnt[inv]
-        h = self.holder[g]
+        h = self.holders.of(g)
         excl = (readers == 1) & (w != owner)
         back = np.unique(g[(h >= 0) & (w != h)])  # held rows somebody else reads now
-        wb = [back[self.holder[back] == k] for k in range(self.world)]
-        self.holder[back] = -1
+        hb = self.holders.of(back)
+        wb = [back[hb == k] for k in range(self.world)]
+        self.holders.drop(back)
         plan = self._per_worker(step, g, w, owner, h, excl, wb)
+        self.returning = np.concatenate(plan.writeback)
         self._count(plan)
         return plan
 
@@ -235,9 +250,9 @@ class HeraldPlanner:
             evict, lends = self._make_room(held, keep_g, want)
             held = np.union1d(np.setdiff1d(held, evict, assume_unique=True), lends)
             self.held[k] = held
-            self.holder[evict] = -1
-            self.holder[lends] = k
-            self.last_use[np.concatenate([keep_g, lends])] = step
+            self.holders.drop(evict)
+            self.holders.add(lends, k, step)
+            self.holders.touch(keep_g, step)
             transient = np.setdiff1d(want, lends, assume_unique=True)
             pull = self.space.owner_order(np.concatenate([shared, want]))
             local = self.space.owner_order(np.concatenate([keep_g, clean]))
@@ -256,7 +271,7 @@ class HeraldPlanner:
         evict = np.zeros(0, np.int64)
         if over > 0:
             idle = np.setdiff1d(held, used, assume_unique=True)
-            order = np.lexsort((idle, self.last_use[idle]))
+            order = np.lexsort((idle, self.holders.last_use(idle)))
             evict = np.sort(idle[order[:min(over, idle.size)]])
         room = max(self.capacity - (held.size - evict.size), 0)
         return evict, want[:room]
@@ -273,8 +288,8 @@ class HeraldPlanner:
         """Every held row goes back to its owner (eval, checkpoint, exit); nothing stays lent."""
         out = [self.space.owner_order(x) for x in self.held]
         self.counts["writebacks"] += sum(x.size for x in out)
-        for x in self.held:
-            self.holder[x] = -1
+        self.holders = Holders()
+        self.returning = np.concatenate(out)
         self.held = [np.zeros(0, np.int64) for _ in range(self.world)]
         return out
 

@@ -12,6 +12,16 @@ reference holds; the owner takes value and state back on writeback and advances 
 by the updates it carried. Half-precision rows stay in the owners' type here too, rounded by the
 run's rule keyed by the row's flat id (so exactly as their owner would); writebacks travel as
 float32 (row, state and update count in one message: a count in a half type would round).
+
+Dynamic tables (embedding.tables=dynamic, docs/dynamic.md): every id read in a step reaches its
+owner's admission (the owner knows them all from the plan: `_admit`), so admit_after counts and
+dropped gradients are those of one process. A lent row is pinned by its owner (pool.SlotPool.pins)
+until it is back: it is never evicted while lent. A lent copy carries its life (the admission
+step + 1; 0 when the id had no row): a copy without a row reads zeros and drops its gradients
+(counted by the owner), and is refreshed from its owner in every step it is read (owner and holder
+both know which: the owner keeps the ids it lent without a row, 8 B each), so it takes its
+initial row the step its owner admits it. A writeback goes back only into the life it was lent in;
+one from another life is dropped and counted (pool `stale_copies`; 0 while the pin holds).
 """
 from __future__ import annotations
 
@@ -22,72 +32,10 @@ import torch
 
 from ...comm import Collectives
 from ...device import from_host
-from ..slotmap import id_slot_map
 from ..store import ShardStore
 from ..types import LookupPlan, Pushes
 from .base import RemoteRows
-
-
-class LentRows:
-    """Rows lent to this worker: value, optimizer state and local update count per slot."""
-
-    def __init__(self, capacity: int, store: ShardStore, n_ids: int) -> None:
-        dev, opt = store.weight.device, store.optimizer
-        self.weight = torch.zeros(capacity, store.dim, dtype=store.weight.dtype, device=dev)
-        self.gid = torch.full((capacity,), -1, dtype=torch.int64, device=dev)  # the row in each slot
-        self.optimizer = opt.like(self.weight, lambda slots: store.sharding.to_flat(self.gid[slots]))
-        self.compute_dtype = store.compute_dtype
-        self.count = torch.zeros(capacity, dtype=torch.int64, device=dev)
-        self.used = torch.zeros(capacity, dtype=torch.bool, device=dev)
-        self.map = id_slot_map(n_ids, capacity, dev)
-        self.sw = store.state_width
-
-    def __len__(self) -> int:
-        return int(self.used.sum())
-
-    def find(self, gids: torch.Tensor) -> torch.Tensor:
-        """[n] slots of lent rows gids (all lent here: the plan says so; checked without a read of
-        the device, so on CUDA a violation fails asynchronously)."""
-        if gids.numel() == 0:
-            return gids.clone()
-        slots, missing = self.map.lookup(gids)
-        torch._assert_async(~missing.any(), "herald: rows the plan lends to this worker are not lent to it")
-        return slots
-
-    def state(self, slots: torch.Tensor) -> torch.Tensor:
-        """[n, sw] optimizer state of slots (sw = 0 for SGD)."""
-        s = self.optimizer.state
-        if s is None:
-            return torch.zeros(slots.numel(), 0, dtype=self.compute_dtype, device=self.weight.device)
-        return s.index_select(0, slots).reshape(slots.numel(), self.sw)
-
-    def install(self, gids: torch.Tensor, rows: torch.Tensor, state: torch.Tensor) -> None:
-        """Lend rows gids [k] here (the planner keeps at most `capacity` lent per worker): the
-        first k free slots, found in a fixed-size pass (no count read back)."""
-        k = gids.numel()
-        if k > self.used.numel():
-            raise RuntimeError(f"herald: {k} rows lent but the worker holds only {self.used.numel()} slots")
-        free = torch.nonzero_static(~self.used, size=k, fill_value=-1).squeeze(1)
-        torch._assert_async((free >= 0).all(), "herald: more rows lent than slots free")
-        self.weight.index_copy_(0, free, rows.to(self.weight.dtype))
-        self.gid.index_copy_(0, free, gids)
-        if self.optimizer.state is not None:
-            st = self.optimizer.state
-            st.index_copy_(0, free, state.reshape((-1,) + tuple(st.shape[1:])).to(st.dtype))
-        self.count.index_fill_(0, free, 0)
-        self.used.index_fill_(0, free, True)
-        self.map.insert(gids, free)
-
-    def remove(self, gids: torch.Tensor) -> None:
-        slots = self.find(gids)
-        self.used.index_fill_(0, slots, False)
-        self.map.erase(gids)
-
-    def update(self, slots: torch.Tensor, grads: torch.Tensor) -> None:
-        """One exact optimizer step per distinct slot [k] (this worker is the row's only reader)."""
-        if slots.numel():
-            self.optimizer.step(slots, grads, unique=True)
-            self.count.index_add_(0, slots, torch.ones_like(slots))
+from .lent import LentRows
 
 
 class HeraldRemote(RemoteRows):
@@ -97,6 +45,15 @@ class HeraldRemote(RemoteRows):
         self.comm, self.store, self.sh, self.planner = comm, store, store.sharding, planner
         self.lent = LentRows(planner.capacity, store, int(self.sh.table_offsets[-1]))
         self.dev = store.weight.device
+        self.dynamic = store.dynamic
+        self.absent_out = np.zeros(0, np.int64)  # dynamic: my ids lent without a row (sorted)
+        if self.dynamic:
+            store.pool.pins.append(self._lent_out)
+
+    def _lent_out(self) -> torch.Tensor:
+        """This owner's ids lent out now or coming back this step (pinned: never evicted)."""
+        out = np.concatenate(self.planner.held + [self.planner.returning])
+        return torch.from_numpy(out[self.sh.owned_by(out)])
 
     # ---- helpers ---------------------------------------------------------------------------
     def _t(self, x: np.ndarray) -> torch.Tensor:
@@ -112,6 +69,12 @@ class HeraldRemote(RemoteRows):
 
     def _splits(self, gids: np.ndarray) -> list[int]:
         return self.sh.per_owner(gids)
+
+    @staticmethod
+    def _index(ids: np.ndarray, want: np.ndarray) -> np.ndarray:
+        """[k] positions in ids [n] (distinct) of want [k] (all present), on the host."""
+        order = np.argsort(ids, kind="stable")
+        return order[np.searchsorted(ids[order], want)] if want.size else want.astype(np.int64)
 
     @staticmethod
     def _positions(ids: torch.Tensor, want: torch.Tensor) -> torch.Tensor:
@@ -138,28 +101,79 @@ class HeraldRemote(RemoteRows):
                              self.lent.count.index_select(0, slots).to(wide)[:, None]], 1)
         got_ids, recv = self._to_me(wb)
         cols = {"grads": self.store.dim + self.lent.sw, "versions": 1}
-        got, _ = self.comm.alltoall(payload, self._splits(wb[self.sh.rank]), kind=cols, recv_splits=recv)
+        splits = self._splits(wb[self.sh.rank])
+        got, _ = self.comm.alltoall(payload, splits, kind=cols, recv_splits=recv)
+        ids = self._t(got_ids)
+        if self.dynamic:  # each copy goes back only into the life it was lent in
+            life, _ = self.comm.alltoall(self.lent.life.index_select(0, slots), splits, kind="versions",
+                                         recv_splits=recv)
+            now = self.store.lives(ids)
+            self.store.pool.stale_copies += int(((life > 0) & (life != now)).sum())
+            ok = (life > 0) & (life == now)  # (life 0: a copy of no row, nothing to write)
+            ids, got = ids[ok], got[ok]
+            self.absent_out = np.setdiff1d(self.absent_out, got_ids)
         d = self.store.dim
-        self.store.put(self._t(got_ids), got[:, :d], got[:, d:d + self.lent.sw], got[:, -1].round().long())
+        self.store.put(ids, got[:, :d], got[:, d:d + self.lent.sw], got[:, -1].round().long())
         self.lent.remove(mine)
 
-    def _pull(self, sync: Any) -> tuple[torch.Tensor, torch.Tensor]:
-        """(rows [n, d], state [n_lent, sw]) of this rank's pull list, served by the owners."""
+    def _pull(self, sync: Any, want: list[np.ndarray]) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+        """(rows [n, d], state [n_lent, sw], lives [n] or None) of this rank's list in `want` (per
+        worker, in owner order: sync.pull, plus refreshed copies with dynamic tables), served by
+        the owners; lives: dynamic tables' (DynamicStore.lives)."""
         r = self.sh.rank
-        mine = sync.pull[r]
-        if sum(x.size for x in sync.pull) == 0:
+        mine = want[r]
+        if sum(x.size for x in sync.pull + (sync.local if self.dynamic else [])) == 0:  # known to all
             return (torch.zeros(0, self.store.dim, dtype=self.store.weight.dtype, device=self.dev),
-                    self.lent.state(self._t(mine[:0])))
-        serve, send = self._to_me(sync.pull)
+                    self.lent.state(self._t(mine[:0])), self._t(mine[:0]) if self.dynamic else None)
+        serve, send = self._to_me(want)
         rows, _ = self.comm.alltoall(self.store.rows(self._t(serve)), send, kind="rows",
                                      recv_splits=self._splits(mine))
+        lives = None
+        if self.dynamic:
+            lives, _ = self.comm.alltoall(self.store.lives(self._t(serve)), send, kind="versions",
+                                          recv_splits=self._splits(mine))
+            self._note_absent(sync, want, serve)
         state = self.lent.state(self._t(mine[:0]))
         if self.lent.sw and sum(int(x.sum()) for x in sync.lend):
             serve_l, send_l = self._to_me(sync.pull, sync.lend)
             st = self.store.state_rows(self._t(serve_l))
             state, _ = self.comm.alltoall(st, send_l, kind="rows",
-                                          recv_splits=self._splits(mine[sync.lend[r]]))
-        return rows, state
+                                          recv_splits=self._splits(sync.pull[r][sync.lend[r]]))
+        return rows, state, lives
+
+    # ---- dynamic tables (module docstring) -------------------------------------------------
+    def _refresh(self, sync: Any, local_slots: torch.Tensor) -> list[np.ndarray]:
+        """Per worker, the copies lent without a row that it reads now (before any writeback):
+        this rank's own from its copies' lives (local_slots: of sync.local[rank]), the others'
+        among the ids this owner lent so."""
+        r = self.sh.rank
+        out = []
+        for k, local in enumerate(sync.local):
+            if k == r:
+                out.append(local[self.lent.life.index_select(0, local_slots).cpu().numpy() == 0])
+            else:
+                out.append(local[np.isin(local, self.absent_out)])
+        return out
+
+    def _admit(self, sync: Any) -> None:
+        """Every id of this owner that another worker reads this step reaches its admission (the
+        owner's own reads were admitted by the module); the exclusive reads (lent or kept) of ids
+        still without a row then lose their gradient at the holder: counted here, once."""
+        mine = [x[self.sh.owned_by(x)] for x in sync.pull + sync.local]
+        ids = np.unique(np.concatenate(mine))
+        self.store.admit(self._t(ids))
+        excl = np.concatenate([np.concatenate([p[lend], loc[keep]]) for p, lend, loc, keep in
+                               zip(sync.pull, sync.lend, sync.local, sync.keep)])
+        excl = self._t(excl[self.sh.owned_by(excl)])
+        self.store.pool.count_dropped(excl[self.store.lives(excl) == 0])
+
+    def _note_absent(self, sync: Any, want: list[np.ndarray], serve: np.ndarray) -> None:
+        """The owner's record of the ids it lent without a row: this step's lends of such ids join
+        it, refreshed copies that got a row leave it."""
+        lives = self.store.lives(self._t(serve)).cpu().numpy()
+        lent = np.concatenate([p[lend] for p, lend in zip(sync.pull, sync.lend)])
+        absent, present = serve[lives == 0], serve[lives > 0]
+        self.absent_out = np.union1d(np.setdiff1d(self.absent_out, present), absent[np.isin(absent, lent)])
 
     def read(self, plan: LookupPlan, ws: torch.Tensor, step: int, sync: Any = None, token: Any = None) -> Any:
         """Returns the step's SyncPlan: its write pushes and updates what the plan says."""
@@ -167,18 +181,49 @@ class HeraldRemote(RemoteRows):
             raise RuntimeError("schedule=herald: a training step needs the global SyncPlan")
         r = self.sh.rank
         local = self._t(sync.local[r])
-        local_rows = self.lent.weight.index_select(0, self.lent.find(local))  # before writebacks
+        local_slots = self.lent.find(local)
+        local_rows = self.lent.weight.index_select(0, local_slots)  # before writebacks
+        want = sync.pull
+        if self.dynamic:  # copies lent without a row are read from their owner again
+            refresh = self._refresh(sync, local_slots)
+            want = [self.sh.owner_order(np.concatenate([p, f])) for p, f in zip(sync.pull, refresh)]
         self.writeback(sync.writeback)
-        rows, state = self._pull(sync)
+        if self.dynamic:
+            self._admit(sync)
+        rows, state, lives = self._pull(sync, want)
         pull = self._t(sync.pull[r])
         lend = self._t(np.flatnonzero(sync.lend[r]))  # positions from the host mask: no device read
-        self.lent.install(pull.index_select(0, lend), rows.index_select(0, lend), state)
+        if self.dynamic:
+            got, fresh = rows, refresh[r]
+            at = self._t(self._index(want[r], sync.pull[r]))
+            rows, pull_lives = got.index_select(0, at), lives.index_select(0, at)
+            self.lent.install(pull.index_select(0, lend), rows.index_select(0, lend), state,
+                              pull_lives.index_select(0, lend))
+            if fresh.size:
+                self._take_fresh(sync, got, lives, want[r], fresh, local_rows)
+        else:
+            self.lent.install(pull.index_select(0, lend), rows.index_select(0, lend), state)
         src = torch.cat([pull, local])
         at = self._positions(src, plan.remote_ids)
         if src.numel() != plan.remote_ids.numel():
             raise RuntimeError("herald: the plan and this rank's batch disagree on its remote rows")
         ws.index_copy_(0, plan.remote_pos, torch.cat([rows, local_rows]).index_select(0, at).to(ws.dtype))
         return sync
+
+    def _take_fresh(self, sync: Any, got: torch.Tensor, lives: torch.Tensor, want: np.ndarray,
+                    fresh: np.ndarray, local_rows: torch.Tensor) -> None:
+        """This step's reads of this rank's refreshed copies take the owners' answers (zeros, or
+        the initial row of an id admitted now); kept copies take the new life with a fresh
+        optimizer state."""
+        r = self.sh.rank
+        at = self._t(self._index(want, fresh))
+        rows = got.index_select(0, at).to(local_rows.dtype)
+        local_rows.index_copy_(0, self._t(self._index(sync.local[r], fresh)), rows)
+        kept = np.isin(fresh, sync.local[r][sync.keep[r]])
+        if kept.any():
+            k = self._t(np.flatnonzero(kept))
+            self.lent.set(self.lent.find(self._t(fresh[kept])), got.index_select(0, at.index_select(0, k)), None,
+                          lives.index_select(0, at.index_select(0, k)))
 
     def write_start(self, plan: LookupPlan, grad: torch.Tensor, read: Any) -> Callable[[], Pushes]:
         sync = read
