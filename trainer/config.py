@@ -814,6 +814,24 @@ def validate_world(c: Config, world: int) -> None:
     for i, n in enumerate(table_rows(c)):
         _check(n >= world, f"data.table_rows[{i}]", n,
                f"has fewer rows than the {world} workers; every worker must own at least one row")
+    if c.train.cuda_graph == "on" and world == 1:
+        _validate_whole_step(c)
+
+
+def _validate_whole_step(c: Config) -> None:
+    """train.cuda_graph=on at W = 1 runs the whole step with a padded plan (trainer/whole_step.py):
+    what it cannot pad yet is refused, naming the key."""
+    e, why = c.embedding, "train.cuda_graph=on at W = 1 runs the whole step padded, which "
+    for key, value, ok, what in (
+            ("embedding.tables", e.tables, e.tables == "fixed", "supports fixed tables only"),
+            ("cache.policy", c.cache.policy, c.cache.policy == "none", "supports no cache"),
+            ("consistency.name", c.consistency.name, c.consistency.name == "bsp", "supports bsp only"),
+            ("placement.name", c.placement.name, c.placement.name == "none", "supports no placement"),
+            ("schedule.name", c.schedule.name, c.schedule.name == "random", "supports schedule=random only"),
+            ("embedding.rounding", e.rounding, e.dtype == "fp32" or e.rounding == "nearest",
+             f"supports half rows (embedding.dtype={e.dtype}) rounded to nearest only (the stochastic key changes every step)"),
+            ("embedding.audit", e.audit, not e.audit, "does not record the audit")):
+        _check(ok, key, value, why + what + "; use train.cuda_graph=off")
 
 
 def auto_threads(c: Config) -> int:

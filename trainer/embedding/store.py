@@ -143,6 +143,15 @@ class ShardStore:
         self.version.index_add_(0, idx, torch.ones_like(idx) if counts is None else counts)
         self.touched.index_fill_(0, idx, True)
 
+    def apply_masked(self, idx: torch.Tensor, grads: torch.Tensor, mask: torch.Tensor) -> None:
+        """The fixed-size owner update of a padded plan (padded.py): distinct storage rows idx [C]
+        take grads [C, d] where mask [C] is True; the others (padding) keep their row, state,
+        version and touched mark exactly. The same arithmetic as apply(unique=True) on the
+        masked rows; no size depends on the mask."""
+        self.optimizer.step(idx, grads, unique=True, mask=mask)
+        self.version.index_add_(0, idx, mask.long())
+        self.touched.index_copy_(0, idx, self.touched.index_select(0, idx) | mask)
+
     # ---- whole rows with their optimizer state (replicas and lent rows come and go) ---------
     @property
     def state_width(self) -> int:
