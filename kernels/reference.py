@@ -17,6 +17,7 @@ Accumulation is float32 (float64 for float64 inputs, which gradcheck uses).
 
 from __future__ import annotations
 
+import math
 from typing import Optional, Tuple
 
 import torch
@@ -387,6 +388,15 @@ def check_mask(mask: Optional[Tensor], rows: Tensor, unique: bool) -> None:
                          f"{mask.dtype} {tuple(mask.shape)}")
 
 
+def zero_step_is_identity(optimizer: str, lr: float, eps: float, weight_decay: float) -> bool:
+    """Whether a zero gradient leaves a row and its state exactly as they are (bit for bit):
+    SGD w + (-lr) * 0 = w; Adagrad (row-wise too) s + 0 * 0 = s and w + (-lr) * (0 / (sqrt(s) +
+    eps)) = w, the quotient 0 since eps > 0 and s >= 0 keep the divisor positive (a NaN state,
+    which a real step would make NaN anyway, excepted); coupled weight decay adds wd * w: not the
+    identity. Then a masked row needs only its gradient zeroed (one select, no copy of the rows)."""
+    return weight_decay == 0 and math.isfinite(lr) and (optimizer == "sgd" or eps > 0)
+
+
 def _update_rows(
     storage: Tensor,
     state: Optional[Tensor],
@@ -407,6 +417,8 @@ def _update_rows(
     over a large table.
     """
     acc = grads.dtype
+    if mask is not None and zero_step_is_identity(optimizer, lr, eps, weight_decay):
+        grads, mask = torch.where(mask[:, None], grads, 0.0), None  # masked rows: a zero gradient
     with torch.no_grad():
         old = storage.index_select(0, rows_idx)
         rows = old.to(acc, copy=mask is not None)

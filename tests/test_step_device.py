@@ -404,11 +404,14 @@ def test_allow_lists_give_reasons():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (docs/gpu.md, item 1)")
-@pytest.mark.parametrize("pipeline", ["off", "ids"])
-def test_cuda_step_syncs_w1(pipeline: str):
+@pytest.mark.parametrize("pipeline, graph, most", [("off", "off", SYNCS_AT_MOST["w1"]),
+                                                   ("ids", "off", SYNCS_AT_MOST["w1"]), ("ids", "on", 1)])
+def test_cuda_step_syncs_w1(pipeline: str, graph: str, most: int):
     """On a GPU: the audited W = 1 step's host syncs, counted by CUDA itself
     (torch.cuda.set_sync_debug_mode("warn") warns once per synchronizing call): at most the
-    loss and the plan's count read-back, as the CPU audit predicts (SYNCS_AT_MOST["w1"])."""
+    loss and the plan's count read-back, as the CPU audit predicts (SYNCS_AT_MOST["w1"]); with
+    train.cuda_graph=on (the whole step, replayed from its graph by the audited step: the first
+    step runs eagerly, the second captures and replays) the loss only."""
     import warnings
 
     from trainer.comm import make_collectives
@@ -416,7 +419,7 @@ def test_cuda_step_syncs_w1(pipeline: str):
     from trainer.runner import Trainer
 
     c = to_config(make_cfg(TINY + ["comm=local", "train.device=cuda", "optim=adagrad",
-                                   f"train.pipeline={pipeline}"]))
+                                   f"train.pipeline={pipeline}", f"train.cuda_graph={graph}"]))
     comm = make_collectives(c.comm.backend, c.comm.timeout_s, c.comm.dist_backend)
     try:
         trainer = Trainer(c, comm, None)
@@ -435,8 +438,10 @@ def test_cuda_step_syncs_w1(pipeline: str):
     # one warning per synchronising call; torch also warns, once per process, that the mode is a
     # prototype ("... does not yet detect all synchronizing operations"): not a sync
     syncs = [str(w.message) for w in caught if "called a synchronizing CUDA operation" in str(w.message)]
-    print(f"--- cuda W=1 pipeline={pipeline}: {len(syncs)} host syncs in one step")
-    assert len(syncs) <= SYNCS_AT_MOST["w1"], syncs
+    print(f"--- cuda W=1 pipeline={pipeline} cuda_graph={graph}: {len(syncs)} host syncs in one step")
+    assert len(syncs) <= most, syncs
+    if graph == "on":
+        assert trainer.whole_step.replays == WARMUP_STEPS, trainer.whole_step.summary()  # steps 1 and 2
 
 
 @pytest.mark.parametrize("policy", ["error", "hash"])

@@ -65,7 +65,7 @@ def test_padded_plan_is_the_eager_plan_in_fixed_slots():
         high = sh.n_ids if trial % 2 else 20  # many repeats, or few
         gids = torch.randint(0, high, (n,), generator=gen)
         eager = plan_lookup(sh, gids)
-        u, cap = eager.uniq.numel(), unique_capacity(n, 1, 1, sh.local_rows)
+        u, cap = eager.uniq.numel(), unique_capacity(n, 1, [sh.local_rows])
         for pad in (0, 9):
             ids = torch.cat([gids, torch.full((pad,), sh.n_ids)])
             plan = padded_plan(sh, ids, min(cap + pad, sh.local_rows), sh.n_ids if pad else None)

@@ -249,7 +249,7 @@ class TrainConfig:
     on_signal: str = "save"  # SIGTERM / SIGINT / SIGUSR1: stop every rank at the next step boundary and save a checkpoint there (save) or not (stop); exit 128 + signal
     precision: str = "fp32"  # the dense model's forward and backward: fp32 | tf32 (CUDA's TF32 products) | bf16 | fp16 (autocast; fp32 master weights and optimizer; fp16 with a loss scaler); rows: embedding.dtype
     loss_scale: LossScaleConfig = field(default_factory=lambda: LossScaleConfig())
-    cuda_graph: str = "off"  # on: the dense forward + loss + backward replayed from one CUDA graph (trainer/dense_step.py; on a CPU the same split step, eagerly) | off
+    cuda_graph: str = "off"  # on: the step replayed from one CUDA graph: at W = 1 the whole step, lookups padded to a capacity (trainer/whole_step.py), at W > 1 the dense forward + loss + backward (trainer/dense_step.py); on a CPU the same functions, eagerly | off
     pipeline: str = "ids"  # off (serial step) | ids (next step's input side + id exchange overlap this step: exact) | rows (also its rows: needs a cache and pull_bound >= 1)
     tensorboard: bool = True  # also write TensorBoard scalars to <output dir>/tensorboard (when there is an output dir)
     recipe: str = "auto"  # defaults for the null keys: auto (data=criteo: tiny below TINY_DATA_ROWS training rows, small below SMALL_DATA_ROWS, else large; other data: none) | tiny | small | large | none

@@ -23,9 +23,8 @@ the loss is read, as in the eager step. Equal results: on a CPU this runs eagerl
 train.cuda_graph=off bit for bit (tests/test_whole_step.py).
 
 On CUDA: the function is captured into one torch.cuda.CUDAGraph over static inputs (dense,
-padded ids, lengths, labels, a live flag) and replayed. The warm-up runs before the capture
-(side stream, twice) pass live = False, which masks every row: the update kernels run and touch
-nothing. The sparse optimizer's learning rate is a kernel constant, so the graph is captured for
+padded ids, lengths, labels) and replayed. The warm-up runs before the capture (side stream,
+twice) mask every row: the update kernels run and touch nothing. The sparse optimizer's learning rate is a kernel constant, so the graph is captured for
 one rate: a step whose rate differs from the step before (a warmup or a decay) runs eagerly,
 and the first two steps at a new constant rate capture it again. A batch of another shape runs
 eagerly. Refused at W = 1 (config time, validate_world): what cannot be padded yet (dynamic tables,
@@ -50,7 +49,7 @@ from .signals import SIGNALS
 
 __all__ = ["WholeStep"]
 
-Inputs = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
+Inputs = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
 
 
 class WholeStep:
@@ -69,11 +68,9 @@ class WholeStep:
         # padding entries' global id (past every table), and the id that makes it in the last table
         self.sentinel = int(offsets[-1]) if self.ragged else None
         self.pad_id = int(offsets[-1] - offsets[-2])
-        self.capacity = unique_capacity(global_batch // comm.size, self.sharding.num_tables, self.max_bag,
-                                        self.sharding.local_rows)
+        self.capacity = unique_capacity(global_batch // comm.size, self.max_bag, self.sharding.table_rows)
         self.skip = c.train.nonfinite == "skip"
         self.capture = device.type == "cuda"
-        self.live = torch.ones((), dtype=torch.bool, device=device)
         self.graph: Optional[torch.cuda.CUDAGraph] = None
         self.graph_lr: Optional[float] = None
         self.last_lr: Optional[float] = None
@@ -107,7 +104,7 @@ class WholeStep:
         return value
 
     def inputs(self, batch: Batch) -> Inputs:
-        """(dense, ids, lengths, labels, live) of a batch; ragged bags padded to the config's
+        """(dense, ids, lengths, labels) of a batch; ragged bags padded to the config's
         length: ids [B x T x max bag], lengths [B + 1, T] (the padding in the extra sample's last
         bag). Sizes from the batch's shape (host integers), nothing read from the device."""
         values, lengths = batch.values, batch.lengths
@@ -118,12 +115,13 @@ class WholeStep:
             extra = lengths.new_zeros(1, batch.num_tables)
             extra[0, -1] = cap - n
             values, lengths = padded, torch.cat([lengths, extra])
-        return batch.dense, values, lengths, batch.labels, self.live
+        return batch.dense, values, lengths, batch.labels
 
     def _compute(self, dense: torch.Tensor, values: torch.Tensor, lengths: torch.Tensor,
-                 labels: torch.Tensor, live: torch.Tensor, cache: bool = True
+                 labels: torch.Tensor, cache: bool = True, warm: bool = False
                  ) -> tuple[torch.Tensor, list[torch.Tensor], torch.Tensor]:
-        """The step's function: (loss, dense gradients, unique count), the rows updated in place."""
+        """The step's function: (loss, dense gradients, unique count), the rows updated in place
+        (warm: a warm-up before the capture, whose update masks every row)."""
         ids = Batch(dense, values, lengths, labels)
         plan = padded_plan(self.sharding, self.sharding.global_ids(values, ids.table_index()),
                            self.capacity, self.sentinel)
@@ -134,10 +132,13 @@ class WholeStep:
         loss = dense_loss(self.model, self.autocast(cache=cache), dense, pooled, labels, self.global_batch)
         got = torch.autograd.grad(loss, [*self.params, ws], allow_unused=True)
         grads = [g if g is not None else torch.zeros_like(p) for g, p in zip(got[:-1], self.params)]
-        mask = plan.valid & live
+        mask = torch.zeros_like(plan.valid) if warm else plan.valid
         if self.skip:
-            mask &= torch.isfinite(loss)
-        self.store.apply_masked(plan.rows, got[-1] if got[-1] is not None else torch.zeros_like(ws), mask)
+            mask = mask & torch.isfinite(loss)
+        # the padding slots' gradient is zero (no entry points there): outside a skip or a warm-up
+        # it is zero wherever the mask is False
+        self.store.apply_masked(plan.rows, got[-1] if got[-1] is not None else torch.zeros_like(ws), mask,
+                                zero_outside=not (self.skip or warm))
         return loss.detach(), grads, plan.count
 
     # ---- eager or replayed ---------------------------------------------------------------
@@ -165,12 +166,11 @@ class WholeStep:
 
     def _capture(self, inputs: Inputs, lr: float) -> None:
         self.static_in = tuple(t.clone() for t in inputs)
-        idle = (*self.static_in[:-1], torch.zeros_like(self.live))  # warm-ups update no row
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
             for _ in range(_WARMUP):
-                self._compute(*idle, cache=False)
+                self._compute(*self.static_in, cache=False, warm=True)  # updates no row
         torch.cuda.current_stream().wait_stream(side)
         self.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.graph):

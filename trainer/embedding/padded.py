@@ -5,8 +5,8 @@ from the device once per step; every tensor after it (the workspace, its gradien
 update) then has a size that depends on the data. A CUDA graph replays fixed shapes and reads
 nothing back, so this plan pads the unique ids to a capacity fixed by the config.
 
-What: `capacity` slots, C = min(local batch x tables x max bag, the shard's rows): the batch never
-has more unique ids. The first `count` slots hold the batch's unique ids in ascending order, the
+What: `capacity` slots, C = the sum over tables of min(local batch x max bag, the table's rows):
+the batch never has more unique ids. The first `count` slots hold the batch's unique ids in ascending order, the
 same slots as plan_lookup's (so the workspace, the pooled gather and the rows' gradient are the
 same numbers); the other C - count slots hold storage rows the batch does not touch, all distinct
 (the smallest such rows, found by a search over the sorted ids: fixed-size). Their gradient is
@@ -45,9 +45,10 @@ class PaddedPlan:
     count: torch.Tensor
 
 
-def unique_capacity(local_batch: int, num_tables: int, max_bag: int, local_rows: int) -> int:
-    """Slots of a padded plan: the most unique ids one batch can hold on this shard."""
-    return min(local_batch * num_tables * max_bag, local_rows)
+def unique_capacity(local_batch: int, max_bag: int, table_rows: list[int]) -> int:
+    """Slots of a padded plan: the most unique ids one batch can hold on this (W = 1) shard,
+    per table the fewer of its ids in a batch and its rows."""
+    return sum(min(local_batch * max_bag, rows) for rows in table_rows)
 
 
 def padded_plan(sharding: Sharding, gids: torch.Tensor, capacity: int,
