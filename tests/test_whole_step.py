@@ -108,3 +108,35 @@ def test_whole_step_replays_equal_the_eager_step_on_cuda(precision):
     graph = got.summary["cuda_graph"]
     assert graph["captured"] and graph["replays"] == 11 and graph["eager_steps"] == 1, graph
     assert_same_run(ref, got, rtol=1e-5, atol=1e-6)
+
+
+def test_memory_plan_counts_the_padded_step():
+    """trainer/memplan.py counts the padded step's [C, d] buffers (workspace, its gradient, the
+    update's rows before and after) and its plan, C being the step's own capacity: per table the
+    fewer of its ids in a batch (48 samples x 3 ids) and its rows."""
+    import trainer.memplan as memplan
+    from trainer.embedding.padded import PLAN_SLOT_BYTES
+    c = load_config(make_cfg(BASE + ["train.cuda_graph=on"]))
+    slots = unique_capacity(48, 3, [97, 1001, 13, 250])
+    assert slots == 97 + 144 + 13 + 144
+    d = c.model.embedding_dim
+    assert memplan.plan_memory(c, 1, 0).parts["padded step"] == slots * (4 * d * 4 + PLAN_SLOT_BYTES)
+    assert "padded step" not in memplan.plan_memory(c, 2, 0).parts  # W > 1: the dense half only
+    got = run_single(BASE + ["train.cuda_graph=on", "train.steps=1"], return_state=False)
+    assert got.summary["cuda_graph"]["unique_capacity"] == slots
+
+
+def test_a_smaller_capacity_is_exact_and_stops_the_run_when_exceeded():
+    """train.unique_capacity below the bound (398 slots here): with room for every batch's unique
+    ids (this run holds at most ~200) the same run bit for bit; with too little the run stops at
+    the first such step with one line naming the key (the excess rides the loss's read)."""
+    from trainer.build import TrainingError
+    extra = ["train.steps=4", "optim=adagrad"]
+    ref = run_single(BASE + extra)
+    got = run_single(BASE + extra + ["train.cuda_graph=on", "train.unique_capacity=300"])
+    assert got.summary["cuda_graph"]["unique_capacity"] == 300
+    assert got.losses == ref.losses
+    assert_same_run(ref, got, rtol=0, atol=0)
+    with pytest.raises(TrainingError, match=r"^step 0: the batch holds \d+ unique ids, more than "
+                                            r"train.unique_capacity=50; raise it"):
+        run_single(BASE + extra + ["train.cuda_graph=on", "train.unique_capacity=50"])

@@ -12,6 +12,11 @@ owner's masked update of the rows (ShardStore.apply_masked). It returns the loss
 gradients; the dense allreduce (a copy at W = 1), the dense optimizer's step and the loss's one
 read follow as in the eager step (runner.Trainer._step), in the same order.
 
+The capacity: by default the bound (per table the fewer of local batch x max bag and its rows),
+which no batch exceeds; train.unique_capacity sets a smaller one (less memory and work: the
+padding is most of the slots when bags are multi-hot), and a batch past it stops the run with
+an error naming the key, its excess read with the loss (no other read).
+
 Ragged bags (data.min_bag < data.max_bag) make the batch's own id count vary: the ids are
 padded to local batch x tables x max bag, the padding entries in one extra bag of an extra
 sample (dropped from the pooled rows before the model), their ids the sentinel the plan leaves
@@ -39,6 +44,7 @@ import torch
 
 import kernels
 
+from .build import TrainingError
 from .comm import Collectives
 from .config import Config
 from .data.batch import Batch
@@ -68,7 +74,9 @@ class WholeStep:
         # padding entries' global id (past every table), and the id that makes it in the last table
         self.sentinel = int(offsets[-1]) if self.ragged else None
         self.pad_id = int(offsets[-1] - offsets[-2])
-        self.capacity = unique_capacity(global_batch // comm.size, self.max_bag, self.sharding.table_rows)
+        local, rows = global_batch // comm.size, self.sharding.table_rows
+        self.bound = unique_capacity(local, self.max_bag, rows)  # never exceeded
+        self.capacity = unique_capacity(local, self.max_bag, rows, c.train.unique_capacity)
         self.skip = c.train.nonfinite == "skip"
         self.capture = device.type == "cuda"
         self.graph: Optional[torch.cuda.CUDAGraph] = None
@@ -89,9 +97,12 @@ class WholeStep:
         self.prefetch(flight.step)  # the next batch is made and copied during this step
         loss, grads, count = self._run(inputs)
         self.emb.stats.record_on_device(int(flight.batch.values.numel()), count)
-        extra = [SIGNALS.carry(loss, self.comm.size)]
+        carry = SIGNALS.carry(loss, self.comm.size)
+        if self.capacity < self.bound:  # the unique ids past the capacity ride the loss's read
+            carry = torch.cat([carry, (count - self.capacity).clamp(min=0).to(carry.dtype).reshape(1)])
+        extra = [carry]
         if self.skip:
-            value = SIGNALS.take(self.comm.allreduce(extra.pop(), op="sum", kind="dense"), self.comm.size)
+            value = self._take(self.comm.allreduce(extra.pop(), op="sum", kind="dense"), flight.step)
             if not math.isfinite(value):
                 return value  # no row changed (the update's mask held the loss's finiteness)
         reduced = self.comm.grouped_allreduce(grads + extra, op="sum", kind="dense")
@@ -99,8 +110,18 @@ class WholeStep:
             p.grad = g
         self.opt.step()
         if extra:
-            value = SIGNALS.take(reduced[-1], self.comm.size)
+            value = self._take(reduced[-1], flight.step)
             check_loss(value, flight.step)
+        return value
+
+    def _take(self, reduced: torch.Tensor, step: int) -> float:
+        """The global loss of the reduced carry; a batch past train.unique_capacity stops the run
+        (its plan dropped ids: the step is wrong, and nothing is saved after it)."""
+        value, *past = SIGNALS.take_values(reduced, self.comm.size)
+        if past and past[0] > 0:
+            raise TrainingError(f"step {step}: the batch holds {self.capacity + int(past[0])} unique ids, more than "
+                                f"train.unique_capacity={self.capacity}; raise it (0: the bound, {self.bound}, "
+                                "is never exceeded)")
         return value
 
     def inputs(self, batch: Batch) -> Inputs:

@@ -5,8 +5,11 @@ from the device once per step; every tensor after it (the workspace, its gradien
 update) then has a size that depends on the data. A CUDA graph replays fixed shapes and reads
 nothing back, so this plan pads the unique ids to a capacity fixed by the config.
 
-What: `capacity` slots, C = the sum over tables of min(local batch x max bag, the table's rows):
-the batch never has more unique ids. The first `count` slots hold the batch's unique ids in ascending order, the
+What: `capacity` slots, by default C = the sum over tables of min(local batch x max bag, the
+table's rows): the batch never has more unique ids. A smaller capacity (train.unique_capacity)
+saves memory and work; a batch that exceeds it gets a wrong plan (its extra ids clamped to the
+last slot, nothing out of bounds) and a count above the capacity, which the caller reads with
+the loss and stops the run on (trainer/whole_step.py). The first `count` slots hold the batch's unique ids in ascending order, the
 same slots as plan_lookup's (so the workspace, the pooled gather and the rows' gradient are the
 same numbers); the other C - count slots hold storage rows the batch does not touch, all distinct
 (the smallest such rows, found by a search over the sorted ids: fixed-size). Their gradient is
@@ -17,8 +20,9 @@ entries of the batch (ragged bags padded to a fixed length, trainer/whole_step.p
 slot; their entries point at the last slot and carry a zero gradient (a padding slot unless the
 batch holds every row of the shard; then the +0.0 they add can only turn a -0.0 sum into +0.0).
 
-Bytes: per step, the [C] plan (8 + 8 + 1 bytes a slot) and the caller's [C, d] workspace and its
-gradient, where plan_lookup's were [U]: per batch, never per table row.
+Bytes: per step, the [C] plan (PLAN_SLOT_BYTES a slot) and the caller's [C, d] workspace, its
+gradient and the update's rows, where plan_lookup's were [U]: per batch, never per table row
+(trainer/memplan.py counts them).
 """
 from __future__ import annotations
 
@@ -30,7 +34,9 @@ import torch
 from .exchange import sorted_runs
 from .sharding import Sharding
 
-__all__ = ["PaddedPlan", "padded_plan", "unique_capacity"]
+__all__ = ["PLAN_SLOT_BYTES", "PaddedPlan", "padded_plan", "unique_capacity"]
+
+PLAN_SLOT_BYTES = 8 + 8 + 1  # a slot's row (int64), its gap count for the search (int64), valid (bool)
 
 
 @dataclass
@@ -45,10 +51,12 @@ class PaddedPlan:
     count: torch.Tensor
 
 
-def unique_capacity(local_batch: int, max_bag: int, table_rows: list[int]) -> int:
-    """Slots of a padded plan: the most unique ids one batch can hold on this (W = 1) shard,
-    per table the fewer of its ids in a batch and its rows."""
-    return sum(min(local_batch * max_bag, rows) for rows in table_rows)
+def unique_capacity(local_batch: int, max_bag: int, table_rows: list[int], chosen: int = 0) -> int:
+    """Slots of a padded plan: `chosen` (train.unique_capacity) when > 0, at most the bound: the
+    most unique ids one batch can hold on this (W = 1) shard, per table the fewer of its ids in a
+    batch and its rows."""
+    bound = sum(min(local_batch * max_bag, rows) for rows in table_rows)
+    return min(chosen, bound) if chosen > 0 else bound
 
 
 def padded_plan(sharding: Sharding, gids: torch.Tensor, capacity: int,
@@ -63,9 +71,10 @@ def padded_plan(sharding: Sharding, gids: torch.Tensor, capacity: int,
     count = seg[-1] + 1 if seg.numel() else torch.zeros((), dtype=torch.int64, device=dev)
     slot = torch.arange(c, dtype=torch.int64, device=dev)
     valid = slot < count
-    # the unique ids' storage rows into their slots (every other entry into a dump slot c)
+    # the unique ids' storage rows into their slots (every other entry, and ids past a capacity
+    # below the bound, into a dump slot c: the caller checks count <= capacity)
     members = torch.zeros(c + 1, dtype=torch.int64, device=dev)
-    members.scatter_(0, torch.where(first, seg, c), sharding.local_index(ids))
+    members.scatter_(0, torch.where(first, seg, c).clamp_(max=c), sharding.local_index(ids))
     members = members[:c]
     # padding slot count + k takes the k-th smallest row not in the batch: k plus the number of
     # members m_i with m_i - i <= k (m_i - i, the rows missing below m_i, does not decrease)
@@ -74,5 +83,6 @@ def padded_plan(sharding: Sharding, gids: torch.Tensor, capacity: int,
     rows = torch.where(valid, members, k + torch.searchsorted(missing_below, k, right=True))
     if sentinel is not None:
         seg = torch.where(ids < sentinel, seg, c - 1)
+    seg = seg.clamp(max=c - 1)  # only past a capacity below the bound, where the step then stops
     inverse = torch.empty_like(seg).scatter_(0, perm, seg)
     return PaddedPlan(rows, inverse, valid, count)
