@@ -214,17 +214,20 @@ def row_update(
     unique: bool = False,
     weight_decay: float = 0.0,
     rounding: Optional[StochasticRounding] = None,
+    mask: Optional[Tensor] = None,
 ) -> None:
     """The owner's sparse update, in place: sum grads [n, d] per storage row (rows [n], repeated
     when several workers pushed one row), then SGD / Adagrad (state [S, d]) / row-wise Adagrad
     (state [S]) once per distinct row. unique=True: rows are known distinct (no sum).
     weight_decay: coupled L2 (g += wd * w, torch.optim's rule) once per distinct row.
     fp16 / bf16 storage: each row is updated in fp32 and written back by `rounding` (stochastic,
-    kernels/rounding.py: keys [n], one per entry of rows) or, when None, rounded to nearest."""
+    kernels/rounding.py: keys [n], one per entry of rows) or, when None, rounded to nearest.
+    mask [n] bool (unique=True only): rows where it is False stay exactly as they are (the
+    padding rows of a fixed-size update)."""
     fn = (_scatter_update_module.row_update_triton if use_triton(storage.device)
           else reference.row_update)
     fn(storage, rows, grads, optimizer=optimizer, lr=lr, eps=eps, state=state, unique=unique,
-       weight_decay=weight_decay, rounding=rounding)
+       weight_decay=weight_decay, rounding=rounding, mask=mask)
 
 
 def make_id_slot_map(capacity: int, device: torch.device | str = "cpu") -> IdSlotMap:

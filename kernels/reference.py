@@ -17,6 +17,7 @@ Accumulation is float32 (float64 for float64 inputs, which gradcheck uses).
 
 from __future__ import annotations
 
+import math
 from typing import Optional, Tuple
 
 import torch
@@ -339,6 +340,7 @@ def row_update(
     unique: bool = False,
     weight_decay: float = 0.0,
     rounding: Optional[StochasticRounding] = None,
+    mask: Optional[Tensor] = None,
 ) -> None:
     """Sparse optimizer on row gradients, in place: the owner's update (store.apply).
 
@@ -350,14 +352,17 @@ def row_update(
     Half-precision storage: the rows are updated in fp32 and written back by `rounding`'s
     stochastic rule (kernels/rounding.py; its keys [n] align with `rows`), or rounded to nearest
     when it is None. The state is whatever dtype it is (the trainer keeps it fp32).
+    mask [n] bool (with unique=True only): rows where it is False are left exactly as they are
+    (row and state): the padding rows of a fixed-size update (trainer/embedding/padded.py).
     """
     check_update_args(storage, state, optimizer)
     if grads.dim() != 2 or grads.shape[0] != rows.numel() or grads.shape[1] != storage.shape[1]:
         raise ValueError(f"grads must be [len(rows), d] = [{rows.numel()}, {storage.shape[1]}]")
     check_rounding(rounding, rows)
+    check_mask(mask, rows, unique)
     grads = grads.to(accumulation_dtype(grads.dtype))
     if unique:
-        _update_rows(storage, state, rows.long(), grads, optimizer, lr, eps, weight_decay, rounding)
+        _update_rows(storage, state, rows.long(), grads, optimizer, lr, eps, weight_decay, rounding, mask)
         return
     keep, uniq, summed = first_and_sums(rows, grads, storage.shape[0])
     if rounding is not None and keep is not None:
@@ -371,6 +376,27 @@ def check_rounding(rounding: Optional[StochasticRounding], rows: Tensor) -> None
         raise ValueError(f"rounding.keys must be [len(rows)] = [{rows.numel()}], got {tuple(rounding.keys.shape)}")
 
 
+def check_mask(mask: Optional[Tensor], rows: Tensor, unique: bool) -> None:
+    """A row mask is [len(rows)] bool and comes with unique=True (distinct rows: a masked row is
+    written back as it was, which two entries of one row would race on)."""
+    if mask is None:
+        return
+    if not unique:
+        raise ValueError("row_update: mask needs unique=True (distinct rows)")
+    if mask.dtype != torch.bool or tuple(mask.shape) != (rows.numel(),):
+        raise ValueError(f"row_update: mask must be bool [len(rows)] = [{rows.numel()}], got "
+                         f"{mask.dtype} {tuple(mask.shape)}")
+
+
+def zero_step_is_identity(optimizer: str, lr: float, eps: float, weight_decay: float) -> bool:
+    """Whether a zero gradient leaves a row and its state exactly as they are (bit for bit):
+    SGD w + (-lr) * 0 = w; Adagrad (row-wise too) s + 0 * 0 = s and w + (-lr) * (0 / (sqrt(s) +
+    eps)) = w, the quotient 0 since eps > 0 and s >= 0 keep the divisor positive (a NaN state,
+    which a real step would make NaN anyway, excepted); coupled weight decay adds wd * w: not the
+    identity. Then a masked row needs only its gradient zeroed (one select, no copy of the rows)."""
+    return weight_decay == 0 and math.isfinite(lr) and (optimizer == "sgd" or eps > 0)
+
+
 def _update_rows(
     storage: Tensor,
     state: Optional[Tensor],
@@ -381,18 +407,28 @@ def _update_rows(
     eps: float,
     weight_decay: float = 0.0,
     rounding: Optional[StochasticRounding] = None,
+    mask: Optional[Tensor] = None,
 ) -> None:
     """Apply the optimizer to distinct storage[rows_idx] (and state) in place; half storage is
-    written back by `rounding` (keys aligned with rows_idx) or to nearest.
+    written back by `rounding` (keys aligned with rows_idx) or to nearest. mask: rows where it is
+    False are written back as they were (the same ops on every row, a select before the copy).
 
     Gather, update, copy back: index_add_ of the step would be ~4x slower on CPU for rows scattered
     over a large table.
     """
     acc = grads.dtype
+    if mask is not None and zero_step_is_identity(optimizer, lr, eps, weight_decay):
+        grads, mask = torch.where(mask[:, None], grads, 0.0), None  # masked rows: a zero gradient
     with torch.no_grad():
-        rows = storage.index_select(0, rows_idx).to(acc)
-        st = None if state is None else state.index_select(0, rows_idx).to(acc)
+        old = storage.index_select(0, rows_idx)
+        rows = old.to(acc, copy=mask is not None)
+        old_st = None if state is None else state.index_select(0, rows_idx)
+        st = None if old_st is None else old_st.to(acc, copy=mask is not None)
         optimizer_step_(rows, st, grads, optimizer, lr, eps, weight_decay)
-        storage.index_copy_(0, rows_idx, round_rows(rows, storage.dtype, rounding))
+        new = round_rows(rows, storage.dtype, rounding)
+        if mask is not None:
+            new = torch.where(mask[:, None], new, old)
+            st = None if st is None else torch.where(mask if st.dim() == 1 else mask[:, None], st, old_st.to(acc))
+        storage.index_copy_(0, rows_idx, new)
         if st is not None:
             state.index_copy_(0, rows_idx, st.to(state.dtype))

@@ -131,8 +131,10 @@ def row_update_triton(
     unique: bool = False,
     weight_decay: float = 0.0,
     rounding: Optional[StochasticRounding] = None,
+    mask: Optional[Tensor] = None,
 ) -> None:
     """Same contract as kernels.reference.row_update: rows [n], grads [n, d] -> in place.
+    mask (unique=True): a row where it is False gets an empty segment, which touches nothing.
 
     The received row gradients are the segment kernel's input with one entry per gradient row:
     entries are stable-sorted by storage row (unique=True: taken as they are, one per segment).
@@ -143,11 +145,12 @@ def row_update_triton(
     if grads.dim() != 2 or grads.shape[0] != rows.numel() or grads.shape[1] != storage.shape[1]:
         raise ValueError(f"grads must be [len(rows), d] = [{rows.numel()}, {storage.shape[1]}]")
     ref.check_rounding(rounding, rows)
+    ref.check_mask(mask, rows, unique)
     _check_in_place(storage, state)
     if rows.numel() == 0 or storage.shape[1] == 0:
         return
     grads = grads.to(ref.accumulation_dtype(grads.dtype)).contiguous()
-    segs = _row_segments(rows.long().contiguous(), unique)
+    segs = _row_segments(rows.long().contiguous(), unique, mask)
     if rounding is None or storage.dtype not in HALF_DTYPES:
         rounding = None
     _launch_segments(segs, grads, storage, optimizer, state=state, lr=lr, eps=eps, wd=weight_decay,
@@ -165,12 +168,13 @@ def row_update_triton(
 UNIQUE_BLOCK_N = 1
 
 
-def _row_segments(rows: Tensor, unique: bool) -> Segments:
+def _row_segments(rows: Tensor, unique: bool, mask: Optional[Tensor] = None) -> Segments:
     """Segments over gradient rows: entry e is gradient row e (no bags, no coefficients);
-    unique=True: one live segment per row as given (rows known distinct, no sort)."""
+    unique=True: one live segment per row as given (rows known distinct, no sort); a row whose
+    mask is False gets an empty one."""
     if unique:
         pos = torch.arange(rows.numel(), device=rows.device)
-        return Segments(rows, pos, pos + 1, pos)
+        return Segments(rows, pos, pos + (1 if mask is None else mask.long()), pos)
     sorted_rows, order, starts, ends = sorted_segments(rows)
     return Segments(sorted_rows, starts, ends, order)
 

@@ -6,8 +6,9 @@
 # Stages, each under its own time limit (a stage that fails or overruns is reported and the next
 # one runs), logs and JSON lines in OUTDIR:
 #   env            GPU, driver, torch / CUDA / Triton versions           -> check.log
-#   pytest         the gpu-marked kernel and host-sync tests (compiled Triton kernels,
-#                  torch.cuda.set_sync_debug_mode), beside the parity run -> pytest_gpu.log
+#   pytest         the gpu-marked kernel, host-sync and CUDA-graph tests (compiled Triton
+#                  kernels, torch.cuda.set_sync_debug_mode, train.cuda_graph=on's captures),
+#                  beside the parity run                                  -> pytest_gpu.log
 #   parity         dev/gpu_parity.py: every training path on cuda against the CPU reference
 #                                                                         -> gpu_parity.jsonl
 #   bench_kernels  benchmarks/bench_kernels.py: gather / scatter+update against the copy bandwidth
@@ -33,7 +34,9 @@
 #                  train.pipeline in STEP_W2_PIPELINES (e.g. "off ids"; default: none)
 #                                                                         -> step.jsonl
 # (STEP_PRECISIONS: the mlperf points' train.precision list, default bf16; DENSE_PROBE=0 skips the
-# probe; STEP_EXTRA="data.cycle_batches=8" takes the synthetic generator out of the step.)
+# probe; STEP_EXTRA="data.cycle_batches=8" takes the synthetic generator out of the step, and
+# STEP_EXTRA="data.cycle_batches=8 train.cuda_graph=on" measures the captured step: the whole step at
+# W = 1, the dense half at W = 2.)
 # DEVICE=cpu QUICK=1 runs the same plumbing on a CPU machine (small sizes, no gpu tests), to check
 # the script itself before spending GPU time. PYTHON picks the interpreter (default python3).
 set -u
@@ -120,7 +123,7 @@ fi
 PYTEST_PID=
 if [ "$PART" != bench ] && [ "$DEVICE" = cuda ]; then
   stage pytest 200 "$OUT/pytest_gpu.log" "$PY" -m pytest -q -s -m gpu -p no:cacheprovider \
-    tests/test_kernel_*.py tests/test_step_device.py &
+    tests/test_kernel_*.py tests/test_step_device.py tests/test_dense_step.py tests/test_whole_step.py &
   PYTEST_PID=$!
 fi
 

@@ -26,6 +26,10 @@ Run the trainer's construction and a few steps under it, and it reports, for the
   a host -> device transfer made by the step. Op ``to`` / ``copy_`` / ``tensor(device=)`` is a
   blocking copy (from pageable memory CUDA waits for the stream: a host sync); ``to(non_blocking)``
   is the pinned, asynchronous copy of ``trainer/device.py``'s ``to_device``;
+- ``sizes`` (when set to a list): every op's output shapes in call order, with its site; two
+  steps of a step that allocates nothing by the data's values give the same list (a
+  data-dependent size that needs no device read, e.g. a size read from a host batch, shows
+  up here and in no other kind);
 - ``shape``: ops whose output size depends on the values of a ``dev`` tensor (nonzero, unique,
   masked_select, boolean-mask indexing, repeat_interleave without output_size, bincount: its length
   is max(minlength, max + 1)): they wait for the device too on CUDA (torch.cuda.set_sync_debug_mode
@@ -179,6 +183,7 @@ class StepAudit(TorchFunctionMode):
         super().__init__()
         self.records: list[Record] = []
         self.recording = False
+        self.sizes: Optional[list[tuple[str, str, tuple]]] = None  # a list: every op's output sizes
         self.label: WeakIdKeyDictionary = WeakIdKeyDictionary()
         self._patched: list[tuple[Any, str, Any]] = []
 
@@ -269,6 +274,11 @@ class StepAudit(TorchFunctionMode):
         if label is not None:
             for t in _tensors(out):
                 self.label[t] = label
+        if self.recording and self.sizes is not None:
+            shapes = tuple(tuple(t.shape) for t in _tensors(out))
+            if shapes:
+                file, function, line, _ = _where()
+                self.sizes.append((getattr(func, "__name__", str(func)), f"{file}:{function}:{line}", shapes))
         return out
 
     def _result_label(self, func: Callable, args: tuple, kwargs: dict, has_dev: bool,

@@ -53,6 +53,7 @@ BAD = [
     ("data.loader_threads=0", "data.loader_threads"),
     ("data.cycle_batches=-2", "data.cycle_batches"),
     ("train.cuda_graph=sometimes", "train.cuda_graph"),
+    ("train.unique_capacity=-1", "train.unique_capacity"),
     ("embedding.lfu_half_life=-1", "embedding.lfu_half_life"),
     ("embedding.ttl_steps=-1", "embedding.ttl_steps"),
     ("+data.eval_fraction=0", "data.eval_fraction"),

@@ -273,3 +273,39 @@ def test_gpu_sparse_backward(optimizer):
     for a, b in zip(updated[0], updated[1]):
         if b is not None:
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+@needs_triton
+@pytest.mark.parametrize("optimizer", ["sgd", "adagrad", "rowwise_adagrad"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("weight_decay", [0.0, 0.01])
+def test_masked_update_equals_the_update_of_the_live_rows(optimizer, dtype, weight_decay):
+    """row_update(mask=): the padded owner update of a capturable step (trainer/embedding/padded.py).
+    On the live rows it equals the update of those rows alone, bit for bit, in the reference
+    (whose arithmetic the CPU step runs) and within float tolerance in Triton; every masked row
+    and its state stay exactly as they were: with weight decay (the reference selects the old
+    rows) and without (a zero gradient's step, kernels.reference.zero_step_is_identity)."""
+    rows, dim, live = 60, 5, 7
+    storage = rand_storage(rows, dim, dtype)
+    state = _opt_state(optimizer, rows, dim)
+    idx = torch.randperm(rows, generator=torch.Generator().manual_seed(4))[:20].to(DEV)
+    grads = randn(20, dim).to(DEV)
+    mask = torch.arange(20, device=DEV) < live
+    kw = dict(optimizer=optimizer, lr=0.3, eps=1e-8, unique=True, weight_decay=weight_decay)
+    want_w, want_s = _run_row_update(ref.row_update, storage, state, rows=idx[:live], grads=grads[:live], **kw)
+    for fn in (ref.row_update, row_update_triton):
+        got_w, got_s = _run_row_update(fn, storage, state, rows=idx, grads=grads, mask=mask, **kw)
+        exact = {"rtol": 0, "atol": 0} if fn is ref.row_update else {}  # Triton: dtype's default tolerance
+        torch.testing.assert_close(got_w, want_w, **exact)
+        if state is not None:
+            torch.testing.assert_close(got_s, want_s, **exact)
+            assert torch.equal(got_s[idx[live:]], state[idx[live:]])
+        assert torch.equal(got_w[idx[live:]], storage[idx[live:]])
+
+
+def test_masked_update_needs_distinct_rows():
+    storage = torch.zeros(4, 2)
+    with pytest.raises(ValueError, match="mask needs unique=True"):
+        ref.row_update(storage, torch.tensor([0, 0]), torch.ones(2, 2), mask=torch.tensor([True, False]))
+    with pytest.raises(ValueError, match="mask must be bool"):
+        ref.row_update(storage, torch.tensor([0, 1]), torch.ones(2, 2), unique=True, mask=torch.tensor([1, 0]))

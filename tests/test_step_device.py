@@ -151,7 +151,8 @@ PLAN_TENSORS = ("uniq", "inverse", "owned_pos", "remote_pos", "hot_pos", "hot_sl
 # ---------------------------------------------------------------------------------- the audit
 
 
-def audit_worker(rank: int, world: int, overrides: list[str]) -> tuple[list[Record], list[dict]]:
+def audit_worker(rank: int, world: int, overrides: list[str],
+                 need_plans: bool = True) -> tuple[list[Record], list[dict]]:
     """Build the trainer and run WARMUP_STEPS + 1 steps under the audit; return the last step's
     records and, for every lookup plan made in it, the virtual device of each plan tensor.
     Module level: the W > 1 runs call it in spawned ranks."""
@@ -189,7 +190,7 @@ def audit_worker(rank: int, world: int, overrides: list[str]) -> tuple[list[Reco
     finally:
         comm.close()
     assert audit.records, "nothing was recorded: is Trainer.train_step still the step?"
-    assert plans, "no lookup plan was made in the audited step: is HybridEmbedding.plan still it?"
+    assert plans or not need_plans, "no lookup plan was made in the audited step: is HybridEmbedding.plan still it?"
     return audit.records, plans
 
 
@@ -286,15 +287,68 @@ def test_one_step_w1_mixed_precision(precision: str):
            most_syncs=SYNCS_AT_MOST["w1"])
 
 
+CAPTURED = ("trainer/whole_step.py", "trainer/dense_step.py", "trainer/embedding/padded.py", "trainer/models/")
+
+
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
-def test_one_step_w1_dense_graph(precision: str):
-    """train.cuda_graph=on: the step passes the same audit with no more syncs, and its dense half
-    (trainer/dense_step.py, what a CUDA graph captures) makes nothing on the host, mixes nothing,
-    reads nothing back and makes no tensor whose size depends on device values."""
-    records, plans = audit_worker(0, 1, ["train.cuda_graph=on", f"train.precision={precision}", "optim=adagrad"])
-    _check((records, plans), f"W=1 cuda_graph=on {precision}", most_syncs=SYNCS_AT_MOST["w1"])
-    dense = [r for r in records if r.file == "trainer/dense_step.py" or r.file.startswith("trainer/models/")]
-    assert not dense, "the captured dense half must be free of host work:\n" + "\n".join(map(str, dense))
+def test_one_step_w1_whole_graph(precision: str):
+    """train.cuda_graph=on at W = 1 (trainer/whole_step.py): the step passes the same audit with
+    one host sync, the loss (no plan count read back), and what a CUDA graph captures (the padded
+    plan, the gather, the model, the rows' update) makes nothing on the host, mixes nothing, reads
+    nothing back and makes no tensor whose size depends on device values. Ragged bags (TINY's
+    data.min_bag=0) take the padded-entries path."""
+    # no plan of plan_lookup's is made: the whole step pads its own
+    records, plans = audit_worker(0, 1, ["train.cuda_graph=on", f"train.precision={precision}", "optim=adagrad"],
+                                  need_plans=False)
+    _check((records, plans), f"W=1 cuda_graph=on {precision}", most_syncs=1)
+    inside = [r for r in records if r.file.startswith(CAPTURED)]
+    assert not inside, "the captured step must be free of host work:\n" + "\n".join(map(str, inside))
+    assert not [r for r in records if r.kind == "shape"], "a tensor sized by device values"
+
+
+FIXED_BAGS = ["data.min_bag=2", "data.max_bag=2", "optim=adagrad", "data.zipf_alpha=1.3"]
+
+
+def sizes_of_two_steps(overrides: list[str]) -> tuple[list, list, list[int]]:
+    """Every op's output sizes (device_audit's `sizes`) in two consecutive steps, and the unique
+    ids of each step's batch (they must differ, or the comparison proves nothing)."""
+    from trainer.comm import make_collectives
+    from trainer.configure import load_config as to_config
+    from trainer.runner import Trainer
+
+    c = to_config(make_cfg(TINY + ["train.steps=5"] + list(overrides) + ["comm=local"]))
+    comm = make_collectives(c.comm.backend, c.comm.timeout_s, c.comm.dist_backend)
+    audit, steps, unique = StepAudit(), [], []
+    try:
+        with audit:
+            trainer = Trainer(c, comm, None)
+            for step in range(WARMUP_STEPS + 2):
+                audit.sizes, audit.recording = [], step >= WARMUP_STEPS
+                trainer.train_step(step)
+                audit.recording = False
+                trainer.emb.stats.settle()
+                unique.append(trainer.emb.stats.unique)
+                steps.append(audit.sizes)
+    finally:
+        comm.close()
+    return steps[-2], steps[-1], unique[-2:]
+
+
+def _first_difference(a: list, b: list) -> str:
+    at = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+    return f"op {at} of {len(a)} / {len(b)}: {a[at] if at < len(a) else None} vs {b[at] if at < len(b) else None}"
+
+
+def test_whole_step_makes_no_tensor_sized_by_the_data():
+    """train.cuda_graph=on at W = 1: two steps whose batches hold different numbers of unique ids
+    make the same tensors, op for op, size for size (what a CUDA graph replays). The eager step
+    (train.cuda_graph=off) fails the same comparison (its plan, workspace and update are sized by
+    the unique count), which is what makes this a test."""
+    first, second, unique = sizes_of_two_steps(FIXED_BAGS + ["train.cuda_graph=on"])
+    assert unique[0] != unique[1], f"both batches hold {unique[0]} unique ids: nothing is compared"
+    assert first == second, "a size depends on the data: " + _first_difference(first, second)
+    first, second, unique = sizes_of_two_steps(FIXED_BAGS)
+    assert unique[0] != unique[1] and first != second, "the eager step's sizes did not follow the data"
 
 
 W2_CONFIGS = {
@@ -350,11 +404,14 @@ def test_allow_lists_give_reasons():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (docs/gpu.md, item 1)")
-@pytest.mark.parametrize("pipeline", ["off", "ids"])
-def test_cuda_step_syncs_w1(pipeline: str):
+@pytest.mark.parametrize("pipeline, graph, most", [("off", "off", SYNCS_AT_MOST["w1"]),
+                                                   ("ids", "off", SYNCS_AT_MOST["w1"]), ("ids", "on", 1)])
+def test_cuda_step_syncs_w1(pipeline: str, graph: str, most: int):
     """On a GPU: the audited W = 1 step's host syncs, counted by CUDA itself
     (torch.cuda.set_sync_debug_mode("warn") warns once per synchronizing call): at most the
-    loss and the plan's count read-back, as the CPU audit predicts (SYNCS_AT_MOST["w1"])."""
+    loss and the plan's count read-back, as the CPU audit predicts (SYNCS_AT_MOST["w1"]); with
+    train.cuda_graph=on (the whole step, replayed from its graph by the audited step: the first
+    step runs eagerly, the second captures and replays) the loss only."""
     import warnings
 
     from trainer.comm import make_collectives
@@ -362,7 +419,7 @@ def test_cuda_step_syncs_w1(pipeline: str):
     from trainer.runner import Trainer
 
     c = to_config(make_cfg(TINY + ["comm=local", "train.device=cuda", "optim=adagrad",
-                                   f"train.pipeline={pipeline}"]))
+                                   f"train.pipeline={pipeline}", f"train.cuda_graph={graph}"]))
     comm = make_collectives(c.comm.backend, c.comm.timeout_s, c.comm.dist_backend)
     try:
         trainer = Trainer(c, comm, None)
@@ -381,8 +438,10 @@ def test_cuda_step_syncs_w1(pipeline: str):
     # one warning per synchronising call; torch also warns, once per process, that the mode is a
     # prototype ("... does not yet detect all synchronizing operations"): not a sync
     syncs = [str(w.message) for w in caught if "called a synchronizing CUDA operation" in str(w.message)]
-    print(f"--- cuda W=1 pipeline={pipeline}: {len(syncs)} host syncs in one step")
-    assert len(syncs) <= SYNCS_AT_MOST["w1"], syncs
+    print(f"--- cuda W=1 pipeline={pipeline} cuda_graph={graph}: {len(syncs)} host syncs in one step")
+    assert len(syncs) <= most, syncs
+    if graph == "on":
+        assert trainer.whole_step.replays == WARMUP_STEPS, trainer.whole_step.summary()  # steps 1 and 2
 
 
 @pytest.mark.parametrize("policy", ["error", "hash"])

@@ -249,7 +249,8 @@ class TrainConfig:
     on_signal: str = "save"  # SIGTERM / SIGINT / SIGUSR1: stop every rank at the next step boundary and save a checkpoint there (save) or not (stop); exit 128 + signal
     precision: str = "fp32"  # the dense model's forward and backward: fp32 | tf32 (CUDA's TF32 products) | bf16 | fp16 (autocast; fp32 master weights and optimizer; fp16 with a loss scaler); rows: embedding.dtype
     loss_scale: LossScaleConfig = field(default_factory=lambda: LossScaleConfig())
-    cuda_graph: str = "off"  # on: the dense forward + loss + backward replayed from one CUDA graph (trainer/dense_step.py; on a CPU the same split step, eagerly) | off
+    cuda_graph: str = "off"  # on: the step replayed from one CUDA graph: at W = 1 the whole step, lookups padded to a capacity (trainer/whole_step.py), at W > 1 the dense forward + loss + backward (trainer/dense_step.py); on a CPU the same functions, eagerly | off
+    unique_capacity: int = 0  # cuda_graph=on at W = 1: slots of the padded lookup plan; 0 = the bound (per table min(local batch x data.max_bag, its rows): never exceeded); smaller saves memory and work, and a batch with more unique ids stops the run naming this key
     pipeline: str = "ids"  # off (serial step) | ids (next step's input side + id exchange overlap this step: exact) | rows (also its rows: needs a cache and pull_bound >= 1)
     tensorboard: bool = True  # also write TensorBoard scalars to <output dir>/tensorboard (when there is an output dir)
     recipe: str = "auto"  # defaults for the null keys: auto (data=criteo: tiny below TINY_DATA_ROWS training rows, small below SMALL_DATA_ROWS, else large; other data: none) | tiny | small | large | none
@@ -543,6 +544,7 @@ def validate(c: Config) -> None:
     _check(t.seed >= 0, "train.seed", t.seed, "must be >= 0")
     _one_of("train.nonfinite", t.nonfinite, NONFINITE)
     _check(t.max_skips > 0, "train.max_skips", t.max_skips, "must be > 0")
+    _check(t.unique_capacity >= 0, "train.unique_capacity", t.unique_capacity, "must be >= 0 (0 = the bound)")
     _one_of("train.on_signal", t.on_signal, ON_SIGNAL)
     _validate_early_stop(c)
     _validate_kernels(c)
@@ -814,6 +816,24 @@ def validate_world(c: Config, world: int) -> None:
     for i, n in enumerate(table_rows(c)):
         _check(n >= world, f"data.table_rows[{i}]", n,
                f"has fewer rows than the {world} workers; every worker must own at least one row")
+    if c.train.cuda_graph == "on" and world == 1:
+        _validate_whole_step(c)
+
+
+def _validate_whole_step(c: Config) -> None:
+    """train.cuda_graph=on at W = 1 runs the whole step with a padded plan (trainer/whole_step.py):
+    what it cannot pad yet is refused, naming the key."""
+    e, why = c.embedding, "train.cuda_graph=on at W = 1 runs the whole step padded, which "
+    for key, value, ok, what in (
+            ("embedding.tables", e.tables, e.tables == "fixed", "supports fixed tables only"),
+            ("cache.policy", c.cache.policy, c.cache.policy == "none", "supports no cache"),
+            ("consistency.name", c.consistency.name, c.consistency.name == "bsp", "supports bsp only"),
+            ("placement.name", c.placement.name, c.placement.name == "none", "supports no placement"),
+            ("schedule.name", c.schedule.name, c.schedule.name == "random", "supports schedule=random only"),
+            ("embedding.rounding", e.rounding, e.dtype == "fp32" or e.rounding == "nearest",
+             f"supports half rows (embedding.dtype={e.dtype}) rounded to nearest only (the stochastic key changes every step)"),
+            ("embedding.audit", e.audit, not e.audit, "does not record the audit")):
+        _check(ok, key, value, why + what + "; use train.cuda_graph=off")
 
 
 def auto_threads(c: Config) -> int:

@@ -14,7 +14,10 @@ What is counted, per rank (docs/design.md, "bytes per row"):
 - the replica of hot rows (placement fae / sca): at most its budget_bytes;
 - the best-model snapshot (validation with restore_best): its held flag (1 B per row), and in memory
   (train.early_stop.snapshot, snapshot_rows.in_memory) at most one copy of the rows' weights;
-- the batch and the dense model's activations: an estimate (local batch x the widths of the MLPs).
+- the batch and the dense model's activations: an estimate (local batch x the widths of the MLPs);
+- the padded step (train.cuda_graph=on at W = 1, trainer/whole_step.py): per slot of its padded
+  plan, the workspace, its gradient and the update's rows before and after (4 x d float32) and
+  the plan (17 B), held between steps by a CUDA graph's pool.
 Available: MemAvailable (and the cgroup's limit, when lower) shared by the ranks on this host; on
 a GPU, the device's free memory.
 """
@@ -28,6 +31,7 @@ import torch
 
 from .config import Config, ConfigError, cache_capacities, local_batch_size, table_rows
 from kernels.probe_map import cells_bound
+from .embedding.padded import PLAN_SLOT_BYTES, unique_capacity
 from .embedding.pool import pool_slot_bytes
 from .embedding.sharding import RowSharding
 from .embedding.slotmap import uses_direct_map
@@ -39,7 +43,8 @@ from .snapshot_rows import in_memory
 ADVICE = {"rows": "more workers, embedding.dtype=fp16 or bf16 (half the weight bytes), smaller data.table_rows",
           "cache": "a smaller cache.capacity_fraction or cache.capacity_rows", "cache map": "cache=none",
           "replica": "a smaller placement.budget_bytes", "best snapshot": "train.early_stop.snapshot=disk or restore_best=false",
-          "batch": "a smaller data.batch_size or more workers"}
+          "batch": "a smaller data.batch_size or more workers",
+          "padded step": "a smaller train.unique_capacity or data.batch_size, or train.cuda_graph=off"}
 
 
 def state_bytes(dim: int, optimizer: str) -> int:
@@ -117,6 +122,9 @@ def plan_memory(c: Config, world: int, rank: int, device: torch.device = torch.d
     widths = [c.data.num_dense] + list(c.model.bottom_mlp) + list(c.model.top_mlp or []) + [d * len(rows)]
     ids_per_sample = len(rows) * max(c.data.max_bag, 1)
     plan.parts["batch"] = local_batch_size(c, world) * (sum(widths) * 4 * 4 + ids_per_sample * 8 * 4)
+    if c.train.cuda_graph == "on" and world == 1:
+        slots = unique_capacity(local_batch_size(c, world), max(c.data.max_bag, 1), rows, c.train.unique_capacity)
+        plan.parts["padded step"] = slots * (4 * d * 4 + PLAN_SLOT_BYTES)
     return plan
 
 

@@ -40,8 +40,11 @@ class StepPipeline:
     checkpoint follows `done` steps (a flush: train.pipeline=rows answers no read across it)."""
 
     def __init__(self, c: Config, comm: Collectives, sparse: Sparse, data: Any, device: torch.device,
-                 saves_after: Callable[[int], bool]) -> None:
+                 saves_after: Callable[[int], bool], plans: bool = True) -> None:
+        """plans=False: the step prepared ahead is its batch only (a step that makes its own
+        fixed-size plan, trainer/whole_step.py)."""
         self.c, self.comm, self.data, self.device = c, comm, data, device
+        self.plans = plans
         self.emb, self.feed = sparse.emb, sparse.feed
         self.saves_after = saves_after
         self.mode = c.train.pipeline  # off | ids | rows
@@ -98,7 +101,7 @@ class StepPipeline:
             return
         calls = self._alltoall_calls()
         batch, info = self.batch(step + 1)
-        self.next = self.emb.prepare(InFlightStep(step + 1, batch, info))
+        self.next = self._prepare(InFlightStep(step + 1, batch, info))
         if self.settled:  # the rows this step leaves alone travel during its compute
             self.emb.serve_settled(self.next, self.current)
         elif self.mode == "rows" and not self._flush_after(step):
@@ -114,8 +117,11 @@ class StepPipeline:
         ahead = self.next
         if ahead is not None:
             self.emb.cancel(ahead)
-            self.next = self.emb.prepare(InFlightStep(ahead.step, ahead.batch, ahead.info))
+            self.next = self._prepare(InFlightStep(ahead.step, ahead.batch, ahead.info))
             self.next.alltoalls_ahead = ahead.alltoalls_ahead
+
+    def _prepare(self, flight: InFlightStep) -> InFlightStep:
+        return self.emb.prepare(flight) if self.plans else flight
 
     def drop_prepared(self) -> None:
         """The step prepared ahead will not run (early stop, failed save): its begun read is waited

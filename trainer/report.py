@@ -185,6 +185,7 @@ class Reporter:
     def step(self, step: int, loss: float, samples_per_sec: float) -> None:
         """The metrics line of `step` (0-based; the line says step + 1 steps done). Collective."""
         s = self.emb.stats
+        s.settle()
         rec = {"step": step + 1, "loss": loss if math.isfinite(loss) else None,  # None: a skipped step
                "samples_per_sec": samples_per_sec, "bytes": self.global_bytes("train"),
                "rank0_ids": s.ids, "rank0_unique": s.unique, "rank0_remote": s.remote}
@@ -285,6 +286,7 @@ class Reporter:
         run_samples = trained * self.global_batch  # what this process's byte counters cover
         per = (lambda x, n: x / n) if trained > 0 else (lambda x, n: None)
         bytes_ = self.global_bytes("train")
+        emb.stats.settle()
         lookups = self._sum([float(v) for v in emb.stats.totals.values()])
         tail = [v for v in losses if math.isfinite(v)][-10:]  # skipped steps have no loss
         skipped = [i for i, v in enumerate(losses) if not math.isfinite(v)]

@@ -44,6 +44,7 @@ from .memplan import check_memory
 from .outdir import HeldDir, claim_out_dir, probe_dir
 from .pipeline import StepPipeline
 from .dense_step import DenseStep, dense_loss
+from .whole_step import WholeStep
 from .precision import DensePrecision
 from .recipes import announce_recipe, apply_data_steps, recipe_of
 from .relaunch import Position, failure_hint
@@ -145,10 +146,14 @@ class Trainer:
         self.emb, self.feed = self.sparse.emb, self.sparse.feed
         self.model, self.params, self.opt = build_dense(c, comm, self.sparse.sharding.num_tables, self.device)
         self.precision = DensePrecision(c, self.device)  # train.precision: autocast, fp16's loss scaler
+        whole = c.train.cuda_graph == "on" and self.world == 1  # W > 1: the dense half only
         self.dense_step = (DenseStep(self.model, self.params, self.precision.autocast, self.global_batch,
-                                     self.device, graph=True) if c.train.cuda_graph == "on" else None)
+                                     self.device, graph=True) if c.train.cuda_graph == "on" and not whole else None)
         self.report = Reporter(c, comm, self.sparse, self.data, self.global_batch, self.out_dir)
-        self.steps = StepPipeline(c, comm, self.sparse, self.data, self.device, self.checkpoints.due)
+        self.steps = StepPipeline(c, comm, self.sparse, self.data, self.device, self.checkpoints.due,
+                                  plans=not whole)
+        self.whole_step = (WholeStep(c, comm, self.emb, self.model, self.params, self.opt, self.precision.autocast,
+                                     self.global_batch, self.steps.prefetch, self.device) if whole else None)
         self.losses: list[float] = []
         self.evals: list[dict[str, Any]] = []
         self.current_step: int | None = None  # the step in progress (failure reports)
@@ -200,6 +205,8 @@ class Trainer:
         train.pipeline != off: the next step is prepared during this one (StepPipeline.prefetch),
         and the dense allreduce starts behind the embedding gradient push and travels while the
         owners update."""
+        if self.whole_step is not None:  # train.cuda_graph=on at W = 1: fixed shapes (trainer/whole_step.py)
+            return self.whole_step.train(flight, self._check_loss)
         self.model.train()
         batch = flight.batch
         pooled = self.emb.lookup(flight)
@@ -338,7 +345,7 @@ class Trainer:
     def _described(self) -> dict[str, Any]:
         return {"recipe": self.recipe.describe(self.c), "settled_rows": self.steps.settled,
                 "precision": self.precision.summary(),
-                "cuda_graph": self.dense_step.summary() if self.dense_step is not None else None}
+                "cuda_graph": next((s.summary() for s in (self.whole_step, self.dense_step) if s is not None), None)}
 
     def _stop(self, done: int, train_time: float, return_state: bool) -> RunResult:
         """A rank received a stop signal and every rank learnt it in step `done` (trainer/signals.py):

@@ -58,7 +58,7 @@ class Batch:
         """[N] int64 table of every value, on the batch's device."""
         if self._tables is None:
             t = torch.arange(self.num_tables, dtype=torch.int64, device=self.lengths.device)
-            self._tables = torch.repeat_interleave(t.repeat(self.batch_size), self.lengths.reshape(-1),
+            self._tables = torch.repeat_interleave(t.repeat(self.lengths.shape[0]), self.lengths.reshape(-1),
                                                    output_size=self.values.numel())
         return self._tables
 

@@ -30,14 +30,7 @@ def plan_lookup(sharding: Sharding, gids: torch.Tensor,
     (U, owned, remote, hot), so the rest is fixed-size work: no op waits for the device, where
     torch.unique, nonzero and bincount would each wait once."""
     world, rank, dev = sharding.world, sharding.rank, gids.device
-    n = gids.numel()
-    # ids that fit in int32 (wire_dtype's rule) sort as int32: the same order and the same
-    # inverse, ~1.8x faster on the CPU; wider ones as they are (both conversions then no-ops)
-    ids, perm = torch.sort(gids.to(wire_dtype(sharding.n_ids)))
-    ids = ids.long()
-    first = torch.ones(n, dtype=torch.bool, device=dev)  # the first of each run of equal ids
-    if n > 1:
-        torch.ne(ids[1:], ids[:-1], out=first[1:])
+    ids, perm, first = sorted_runs(sharding, gids)
     seg = torch.cumsum(first, 0) - 1  # [N] position in uniq of each sorted id
     slot = hot_slot_of(ids) if hot_slot_of is not None else None
     key = sharding.owner(ids)
@@ -59,6 +52,20 @@ def plan_lookup(sharding: Sharding, gids: torch.Tensor,
     splits = per_key[:world]
     splits[rank] = 0
     return LookupPlan(uniq, inverse, owned_pos, remote_pos, splits, hot_pos, hot_slots)
+
+
+def sorted_runs(sharding: Sharding, gids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(ids sorted [N] int64, the sort's permutation [N], [N] bool: the first of each run of equal
+    ids). Fixed-size: the dedup both lookup plans start from (plan_lookup; the padded plan of a
+    capturable step, padded.py)."""
+    # ids that fit in int32 (wire_dtype's rule) sort as int32: the same order and the same
+    # inverse, ~1.8x faster on the CPU; wider ones as they are (both conversions then no-ops)
+    ids, perm = torch.sort(gids.to(wire_dtype(sharding.n_ids)))
+    ids = ids.long()
+    first = torch.ones(ids.numel(), dtype=torch.bool, device=gids.device)
+    if ids.numel() > 1:
+        torch.ne(ids[1:], ids[:-1], out=first[1:])
+    return ids, perm, first
 
 
 class Pull:

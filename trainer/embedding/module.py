@@ -51,17 +51,33 @@ __all__ = ["CACHE_COUNTERS", "HybridEmbedding", "InFlightStep", "LookupStats"]
 
 @dataclass
 class LookupStats:
-    """Counts of the last training step (per rank)."""
+    """Counts of the last training step (per rank). A capturable step counts its unique ids on
+    the device (record_on_device); settle() reads them, once, where they are reported."""
 
     ids: int = 0
     unique: int = 0
     remote: int = 0
     totals: dict[str, int] = field(default_factory=lambda: {"ids": 0, "unique": 0, "remote": 0})
+    pending: torch.Tensor | None = None  # [2] int64 on the device: last unique count, sum unsettled
 
     def record(self, ids: int, unique: int, remote: int) -> None:
         self.ids, self.unique, self.remote = ids, unique, remote
         for k, v in (("ids", ids), ("unique", unique), ("remote", remote)):
             self.totals[k] += v
+
+    def record_on_device(self, ids: int, unique: torch.Tensor) -> None:
+        """A step with no remote ids whose unique count [] stays on the device (no read)."""
+        self.ids, self.remote = ids, 0
+        self.totals["ids"] += ids
+        last = unique.reshape(1)
+        self.pending = torch.cat([last, last if self.pending is None else self.pending[1:] + last])
+
+    def settle(self) -> None:
+        """Read the counts kept on the device (one read; a no-op when there are none)."""
+        if self.pending is not None:
+            self.unique, unsettled = self.pending.tolist()
+            self.totals["unique"] += unsettled
+            self.pending = None
 
 
 class HybridEmbedding:

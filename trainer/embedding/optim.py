@@ -72,11 +72,13 @@ class SparseOptimizer:
         elif name == "rowwise_adagrad":
             self.state = torch.full((weight.shape[0],), init, dtype=state_dtype, device=weight.device)
 
-    def step(self, idx: torch.Tensor, grad: torch.Tensor, unique: bool = False) -> None:
-        """Rows idx [n] of weight (repeats allowed unless unique) take grad [n, d], summed per row."""
+    def step(self, idx: torch.Tensor, grad: torch.Tensor, unique: bool = False,
+             mask: Optional[torch.Tensor] = None) -> None:
+        """Rows idx [n] of weight (repeats allowed unless unique) take grad [n, d], summed per row;
+        mask [n] (unique only): rows where it is False are left as they are."""
         kernels.row_update(self.weight, idx, grad, optimizer=self.name, lr=self.lr, eps=self.eps,
                            state=self.state, unique=unique, weight_decay=self.weight_decay,
-                           rounding=self._rounding(idx))
+                           rounding=self._rounding(idx), mask=mask)
 
     def _rounding(self, idx: torch.Tensor) -> Optional[kernels.StochasticRounding]:
         if self.weight.dtype not in HALF_DTYPES or self.rounding is None or self.row_keys is None:

@@ -148,6 +148,20 @@ class ShardStore:
         self.version.index_add_(0, idx, torch.ones_like(idx) if counts is None else counts)
         self.touched.index_fill_(0, idx, True)
 
+    def apply_masked(self, idx: torch.Tensor, grads: torch.Tensor, mask: torch.Tensor,
+                     zero_outside: bool = False) -> None:
+        """The fixed-size owner update of a padded plan (padded.py): distinct storage rows idx [C]
+        take grads [C, d] where mask [C] is True; the others (padding) keep their row, state,
+        version and touched mark exactly. The same arithmetic as apply(unique=True) on the
+        masked rows; no size depends on the mask. zero_outside: grads are exactly zero where mask
+        is False (a padded plan's workspace gradient); when a zero step leaves a row as it is
+        (kernels.reference.zero_step_is_identity) the optimizer then runs unmasked: no select."""
+        opt = self.optimizer
+        plain = zero_outside and kernels.reference.zero_step_is_identity(opt.name, opt.lr, opt.eps, opt.weight_decay)
+        opt.step(idx, grads, unique=True, mask=None if plain else mask)
+        self.version.index_add_(0, idx, mask.long())
+        self.touched.index_copy_(0, idx, self.touched.index_select(0, idx) | mask)
+
     # ---- whole rows with their optimizer state (replicas and lent rows come and go) ---------
     @property
     def state_width(self) -> int:

@@ -1,0 +1,203 @@
+"""WholeStep: the whole W = 1 training step as one function of fixed shapes (train.cuda_graph=on).
+
+Why: at W = 1 DenseStep (dense_step.py) leaves the sparse half eager, because its sizes depend
+on the ids: the lookup plan reads the batch's unique count back every step and sizes the
+workspace, its gradient and the owner update by it (benchmarks/reports/2026-11-26-gpu-step.md:
+those launches and that read are what the GPU waits for). Here the plan is padded to a capacity
+fixed by the config (embedding/padded.py), so everything from the batch's ids to the updated
+rows is one function whose every tensor has a size set by the config, which reads nothing back:
+the lookup plan, the workspace gathered from the shard, the pooled gather, the model's forward
+under autocast, the loss, the backward to the dense parameters and to the workspace, and the
+owner's masked update of the rows (ShardStore.apply_masked). It returns the loss and the dense
+gradients; the dense allreduce (a copy at W = 1), the dense optimizer's step and the loss's one
+read follow as in the eager step (runner.Trainer._step), in the same order.
+
+The capacity: by default the bound (per table the fewer of local batch x max bag and its rows),
+which no batch exceeds; train.unique_capacity sets a smaller one (less memory and work: the
+padding is most of the slots when bags are multi-hot), and a batch past it stops the run with
+an error naming the key, its excess read with the loss (no other read).
+
+Ragged bags (data.min_bag < data.max_bag) make the batch's own id count vary: the ids are
+padded to local batch x tables x max bag, the padding entries in one extra bag of an extra
+sample (dropped from the pooled rows before the model), their ids the sentinel the plan leaves
+out. Bags of one fixed length need no padding.
+
+train.nonfinite=skip: the update's mask also holds "the loss is finite" (a device value), so a
+non-finite step changes no row without the host deciding first; the dense step is skipped after
+the loss is read, as in the eager step. Equal results: on a CPU this runs eagerly and equals
+train.cuda_graph=off bit for bit (tests/test_whole_step.py).
+
+On CUDA: the function is captured into one torch.cuda.CUDAGraph over static inputs (dense,
+padded ids, lengths, labels) and replayed. The warm-up runs before the capture (side stream,
+twice) mask every row: the update kernels run and touch nothing. The sparse optimizer's learning rate is a kernel constant, so the graph is captured for
+one rate: a step whose rate differs from the step before (a warmup or a decay) runs eagerly,
+and the first two steps at a new constant rate capture it again. A batch of another shape runs
+eagerly. Refused at W = 1 (config time, validate_world): what cannot be padded yet (dynamic tables,
+a cache, a placement, Herald, stochastic rounding of half rows, the audit).
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, Callable, ContextManager, Optional
+
+import torch
+
+import kernels
+
+from .build import TrainingError
+from .comm import Collectives
+from .config import Config
+from .data.batch import Batch
+from .dense_step import _WARMUP, dense_loss
+from .embedding import HybridEmbedding, InFlightStep
+from .embedding.padded import padded_plan, unique_capacity
+from .signals import SIGNALS
+
+__all__ = ["WholeStep"]
+
+Inputs = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
+
+
+class WholeStep:
+    """train(flight) -> the global loss of one W = 1 step (see the module docstring)."""
+
+    def __init__(self, c: Config, comm: Collectives, emb: HybridEmbedding, model: torch.nn.Module,
+                 params: list[torch.nn.Parameter], opt: torch.optim.Optimizer,
+                 autocast: Callable[..., ContextManager], global_batch: int,
+                 prefetch: Callable[[int], None], device: torch.device) -> None:
+        self.comm, self.emb, self.store, self.sharding = comm, emb, emb.store, emb.sharding
+        self.model, self.params, self.opt, self.autocast = model, params, opt, autocast
+        self.global_batch, self.prefetch = global_batch, prefetch
+        self.max_bag = c.data.max_bag
+        self.ragged = c.data.min_bag != c.data.max_bag
+        offsets = self.sharding.table_offsets  # [T + 1], host
+        # padding entries' global id (past every table), and the id that makes it in the last table
+        self.sentinel = int(offsets[-1]) if self.ragged else None
+        self.pad_id = int(offsets[-1] - offsets[-2])
+        local, rows = global_batch // comm.size, self.sharding.table_rows
+        self.bound = unique_capacity(local, self.max_bag, rows)  # never exceeded
+        self.capacity = unique_capacity(local, self.max_bag, rows, c.train.unique_capacity)
+        self.skip = c.train.nonfinite == "skip"
+        self.capture = device.type == "cuda"
+        self.graph: Optional[torch.cuda.CUDAGraph] = None
+        self.graph_lr: Optional[float] = None
+        self.last_lr: Optional[float] = None
+        self.static_in: tuple[torch.Tensor, ...] = ()
+        self.static_out: Any = None
+        self.replays = 0  # steps replayed from the graph (summary.json)
+        self.eager_steps = 0  # steps run eagerly (a CPU, a changing rate, a batch of another shape)
+
+    # ---- the step ------------------------------------------------------------------------
+    def train(self, flight: InFlightStep, check_loss: Callable[[float, int], None]) -> float:
+        """One step of `flight` (its batch on the device); returns the global loss. Collective."""
+        self.model.train()
+        self.emb.step += 1  # the lookups' clock, as HybridEmbedding.lookup keeps it
+        self.store.rounding.step = flight.step
+        inputs = self.inputs(flight.batch)
+        self.prefetch(flight.step)  # the next batch is made and copied during this step
+        loss, grads, count = self._run(inputs)
+        self.emb.stats.record_on_device(int(flight.batch.values.numel()), count)
+        carry = SIGNALS.carry(loss, self.comm.size)
+        if self.capacity < self.bound:  # the unique ids past the capacity ride the loss's read
+            carry = torch.cat([carry, (count - self.capacity).clamp(min=0).to(carry.dtype).reshape(1)])
+        extra = [carry]
+        if self.skip:
+            value = self._take(self.comm.allreduce(extra.pop(), op="sum", kind="dense"), flight.step)
+            if not math.isfinite(value):
+                return value  # no row changed (the update's mask held the loss's finiteness)
+        reduced = self.comm.grouped_allreduce(grads + extra, op="sum", kind="dense")
+        for p, g in zip(self.params, reduced):
+            p.grad = g
+        self.opt.step()
+        if extra:
+            value = self._take(reduced[-1], flight.step)
+            check_loss(value, flight.step)
+        return value
+
+    def _take(self, reduced: torch.Tensor, step: int) -> float:
+        """The global loss of the reduced carry; a batch past train.unique_capacity stops the run
+        (its plan dropped ids: the step is wrong, and nothing is saved after it)."""
+        value, *past = SIGNALS.take_values(reduced, self.comm.size)
+        if past and past[0] > 0:
+            raise TrainingError(f"step {step}: the batch holds {self.capacity + int(past[0])} unique ids, more than "
+                                f"train.unique_capacity={self.capacity}; raise it (0: the bound, {self.bound}, "
+                                "is never exceeded)")
+        return value
+
+    def inputs(self, batch: Batch) -> Inputs:
+        """(dense, ids, lengths, labels) of a batch; ragged bags padded to the config's
+        length: ids [B x T x max bag], lengths [B + 1, T] (the padding in the extra sample's last
+        bag). Sizes from the batch's shape (host integers), nothing read from the device."""
+        values, lengths = batch.values, batch.lengths
+        if self.ragged:
+            n, cap = values.numel(), batch.batch_size * batch.num_tables * self.max_bag
+            padded = values.new_full((cap,), self.pad_id)
+            padded[:n] = values
+            extra = lengths.new_zeros(1, batch.num_tables)
+            extra[0, -1] = cap - n
+            values, lengths = padded, torch.cat([lengths, extra])
+        return batch.dense, values, lengths, batch.labels
+
+    def _compute(self, dense: torch.Tensor, values: torch.Tensor, lengths: torch.Tensor,
+                 labels: torch.Tensor, cache: bool = True, warm: bool = False
+                 ) -> tuple[torch.Tensor, list[torch.Tensor], torch.Tensor]:
+        """The step's function: (loss, dense gradients, unique count), the rows updated in place
+        (warm: a warm-up before the capture, whose update masks every row)."""
+        ids = Batch(dense, values, lengths, labels)
+        plan = padded_plan(self.sharding, self.sharding.global_ids(values, ids.table_index()),
+                           self.capacity, self.sentinel)
+        ws = self.store.weight.index_select(0, plan.rows).to(self.store.compute_dtype).requires_grad_()
+        pooled = kernels.pooled_gather(ws, plan.inverse, ids.offsets(), ids.num_tables, mode=self.emb.pooling)
+        if self.ragged:
+            pooled = pooled[:labels.shape[0]]  # the padding's extra sample
+        loss = dense_loss(self.model, self.autocast(cache=cache), dense, pooled, labels, self.global_batch)
+        got = torch.autograd.grad(loss, [*self.params, ws], allow_unused=True)
+        grads = [g if g is not None else torch.zeros_like(p) for g, p in zip(got[:-1], self.params)]
+        mask = torch.zeros_like(plan.valid) if warm else plan.valid
+        if self.skip:
+            mask = mask & torch.isfinite(loss)
+        # the padding slots' gradient is zero (no entry points there): outside a skip or a warm-up
+        # it is zero wherever the mask is False
+        self.store.apply_masked(plan.rows, got[-1] if got[-1] is not None else torch.zeros_like(ws), mask,
+                                zero_outside=not (self.skip or warm))
+        return loss.detach(), grads, plan.count
+
+    # ---- eager or replayed ---------------------------------------------------------------
+    def _run(self, inputs: Inputs) -> tuple[torch.Tensor, list[torch.Tensor], torch.Tensor]:
+        if not self.capture:
+            self.eager_steps += 1
+            return self._compute(*inputs)
+        lr = self.store.optimizer.lr
+        steady, self.last_lr = lr == self.last_lr, lr
+        same_shape = self.graph is None or \
+            tuple(t.shape for t in inputs) == tuple(t.shape for t in self.static_in)
+        if self.graph is not None and lr != self.graph_lr and steady:
+            self.graph = None  # a new constant rate: capture it
+        if self.graph is None and steady:
+            self._capture(inputs, lr)
+        if self.graph is None or lr != self.graph_lr or not same_shape:
+            self.eager_steps += 1
+            return self._compute(*inputs)
+        with torch.no_grad():
+            for buf, src in zip(self.static_in, inputs):
+                buf.copy_(src)
+        self.graph.replay()
+        self.replays += 1
+        return self.static_out
+
+    def _capture(self, inputs: Inputs, lr: float) -> None:
+        self.static_in = tuple(t.clone() for t in inputs)
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(_WARMUP):
+                self._compute(*self.static_in, cache=False, warm=True)  # updates no row
+        torch.cuda.current_stream().wait_stream(side)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            self.static_out = self._compute(*self.static_in, cache=False)
+        self.graph_lr = lr
+
+    def summary(self) -> dict[str, Any]:
+        return {"captured": self.graph is not None, "replays": self.replays, "eager_steps": self.eager_steps,
+                "scope": "step", "unique_capacity": self.capacity}
