@@ -164,10 +164,27 @@ def test_a_row_unread_past_its_ttl_expires_and_its_id_starts_a_new_life():
     assert int(c["evictions"][0]) == 1 and int(c["admissions"][0]) == 3
 
 
-def test_ttl_needs_admission_at_once():
-    with pytest.raises(ConfigError, match="embedding.ttl_steps.*admit_after"):
-        load_config(make_cfg(["embedding.tables=dynamic", "embedding.capacity=10", "embedding.ttl_steps=4",
-                              "embedding.admit_after=2"]))
+def test_an_expired_row_with_admission_after_k_sightings_is_reborn_without_waiting_again():
+    """embedding.ttl_steps with admit_after = 2: an id waits for its second sighting once; when its
+    row expires, the id (already admitted) starts its new life the next time it is read, without
+    being counted again: expiry resets what the row learnt, not the admission."""
+    c = load_config(make_cfg(["embedding.tables=dynamic", "embedding.capacity=10", "embedding.ttl_steps=4",
+                              "embedding.admit_after=2", "checkpoint.enabled=false"]))
+    assert c.embedding.ttl_steps == 4 and c.embedding.admit_after == 2
+    sh = HashSharding(1, 4, 1, 0)
+    st = DynamicStore(sh, 3, 7, 0.1, "sgd", 0.5, 1e-8, CPU, 0.1, admit_after=2, ttl_steps=2)
+    x = gid(0, [5])
+    for step in (0, 1):  # seen twice: admitted at step 1 (life 2)
+        st.clock = step
+        st.admit(x)
+        st.apply(x, torch.ones(1, 3))
+    assert not bool(st.pool.lookup(x)[1]) and int(st.pool.c["dropped_grads"][0]) == 1
+    st.clock = 6  # idle 5 > 2: expired; reborn at once, from its initial row
+    st.admit(x)
+    slot = int(st.pool.lookup(x)[0])
+    assert int(st.version[slot]) == 7 << LIFE_SHIFT
+    assert torch.equal(st.rows(x), dynamic_init_rows(7, 3, x, 0.1))
+    assert int(st.pool.c["admissions"][0]) == 2 and int(st.pool.c["evictions"][0]) == 1
 
 
 def test_a_returning_id_restarts_from_its_initial_row_with_a_later_version():

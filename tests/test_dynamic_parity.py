@@ -56,7 +56,8 @@ def test_expiry_equals_the_single_process_reference():
     """embedding.ttl_steps: whether a row expired depends on its id's own last read and the step,
     not on the owner: with pools large enough that nothing is evicted for room, W = 2 with expiring
     rows equals one process, expiries (counted as evictions) included."""
-    overrides = BASE + NO_EVICTION + ["optim=adagrad", "embedding.ttl_steps=2", "cache=lru"]
+    overrides = BASE + NO_EVICTION + ["optim=adagrad", "embedding.ttl_steps=2", "cache=lru",
+                                      "embedding.admit_after=2"]  # expiry never re-counts admission
     ref = run_single(overrides)
     got = run_world(2, overrides)
     assert ref.summary["dynamic"]["evictions"] > 0  # rows really expired

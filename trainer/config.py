@@ -660,8 +660,6 @@ def _validate_dynamic(c: Config) -> None:
     _check(e.admit_after >= 1, "embedding.admit_after", e.admit_after, "must be >= 1 (1 = admit at once)")
     _check(e.lfu_half_life >= 0, "embedding.lfu_half_life", e.lfu_half_life, "must be >= 0 (0 = no decay)")
     _check(e.ttl_steps >= 0, "embedding.ttl_steps", e.ttl_steps, "must be >= 0 (0 = rows never expire)")
-    _check(not e.ttl_steps or e.admit_after == 1, "embedding.ttl_steps", e.ttl_steps,
-           "is not available with embedding.admit_after > 1 yet (an expired id would wait for admission again)")
     _check(not e.lfu_half_life or e.eviction == "lfu", "embedding.lfu_half_life", e.lfu_half_life,
            "decays LFU's use counts: needs embedding.eviction=lfu")
     _check(e.admit_after < 1 << 16, "embedding.admit_after", e.admit_after, "must be < 65536")
