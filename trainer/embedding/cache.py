@@ -33,9 +33,8 @@ selection (topk) over their region for victims.
 Lives (dynamic tables): every push carries the life of the copy its updates were made on, and a
 copy re-read in another life of its id drops its pending updates (consistency.py, "Lives").
 
-Undo (train.nonfinite=skip): between `begin()` and `commit()` every slot a read changes is saved
-first (touch, refresh, install + eviction), so `rollback()` returns the cache to exactly its state
-before the step (rows, versions, pending updates and counts, policy metadata, the id map).
+Undo (train.nonfinite=skip): cache_journal.py (the cache saves each slot it changes first, so a
+step's reads can be rolled back exactly).
 
 Nothing here talks to other workers: the simulator (trainer/sim/) drives the same object.
 """
@@ -44,6 +43,7 @@ from __future__ import annotations
 import torch
 
 from ..device import positions
+from .cache_journal import CacheJournal
 from .consistency import life_changed, life_of, push_due
 from .slotmap import id_slot_map
 from .types import Pushes
@@ -113,7 +113,7 @@ def make_policy(name: str, pin_threshold: int = 8) -> CachePolicy:
         raise ValueError(f"cache.policy={name!r} is not one of {sorted(POLICIES)}") from None
 
 
-class RowCache:
+class RowCache(CacheJournal):
     """Cached remote rows of one worker, per-table capacities, one policy."""
 
     def __init__(self, capacities: list[int], dim: int, policy: CachePolicy, n_ids: int,
@@ -136,8 +136,7 @@ class RowCache:
         self.last_use = torch.full((c,), -1, dtype=torch.int64, device=dev)
         self.map = id_slot_map(n_ids, c, dev)
         self._uses = (-1, 0)  # (step, uses stamped in it so far): the next tick of that step
-        self._journal: list[tuple[torch.Tensor, ...]] | None = None  # saved slots while undoable
-        self._journal_free: torch.Tensor | None = None  # the free counts at begin()
+        self.init_journal()
 
     _FIELDS = ("gid", "rows", "pending", "version", "count", "freq", "last_use")
 
@@ -227,40 +226,6 @@ class RowCache:
         self._stamp(placed, step)
         self.map.insert(gids, placed)
         return slots, evicted, placed_n
-
-    # ---- undo ----------------------------------------------------------------------------
-    def begin(self) -> None:
-        """Start saving every slot the coming changes touch (until commit or rollback)."""
-        self._journal = []
-        self._journal_free = self._free.clone()
-
-    def commit(self) -> None:
-        """Keep the changes made since begin() (drop what was saved)."""
-        self._journal, self._journal_free = None, None
-
-    def rollback(self) -> None:
-        """Undo every change since begin(): saved slots get their old fields and map entries
-        back (newest save first, so a slot saved twice ends with its oldest values)."""
-        if self._journal is None:
-            raise RuntimeError("RowCache.rollback() without begin()")
-        for saved in reversed(self._journal):
-            slots, old = saved[0], dict(zip(self._FIELDS, saved[1:]))
-            now = self.gid.index_select(0, slots)
-            moved = now != old["gid"]
-            if bool((moved & (now >= 0)).any()):
-                self.map.erase(now[moved & (now >= 0)])
-            for name, value in old.items():
-                getattr(self, name).index_copy_(0, slots, value)
-            back = moved & (old["gid"] >= 0)
-            if bool(back.any()):
-                self.map.insert(old["gid"][back], slots[back])
-        self._free.copy_(self._journal_free)
-        self._journal, self._journal_free = None, None
-
-    def _save(self, slots: torch.Tensor) -> None:
-        if self._journal is not None and slots.numel():
-            self._journal.append((slots.clone(),) + tuple(getattr(self, f).index_select(0, slots)
-                                                          for f in self._FIELDS))
 
     # ---- writes --------------------------------------------------------------------------
     def record_updates(self, slots: torch.Tensor, grads: torch.Tensor) -> None:
