@@ -55,6 +55,11 @@ class IdSlotMap(abc.ABC):
     def insert(self, ids: Tensor, slots: Tensor) -> Tensor:
         """Upsert ids [n] -> slots [n]; returns new [n] bool (id was absent before)."""
 
+    def insert_absent(self, ids: Tensor, slots: Tensor) -> None:
+        """insert() of ids [n] the caller knows are distinct and absent (e.g. the misses of a
+        lookup it just made): a backend may skip looking for them (the reference map does)."""
+        self.insert(ids, slots)
+
     @abc.abstractmethod
     def erase(self, ids: Tensor) -> Tensor:
         """Remove ids [n]; returns found [n] bool (id was present before)."""

@@ -41,16 +41,22 @@ _MIX2 = np.uint64(0x94D049BB133111EB)
 START_MAX_IDS = 1 << 20  # the table starts sized for at most this many ids (32 MiB of cells)
 
 
-def probe_hash(ids: np.ndarray) -> np.ndarray:
-    """splitmix64's finaliser of each id: uint64 [n] (wrapping arithmetic, in place on one copy)."""
-    h = ids.astype(np.uint64)
-    t = np.empty_like(h)
+def splitmix_inplace(h: np.ndarray, t: np.ndarray) -> np.ndarray:
+    """splitmix64's finaliser of uint64 array h, in h (t: scratch of h's shape; wrapping
+    arithmetic, no temporaries). The probe hash here; the counter-based random numbers of the
+    trainer's data and initial rows (trainer/data/rng.py) too."""
     for shift, mul in ((30, _MIX1), (27, _MIX2)):
         np.right_shift(h, np.uint64(shift), out=t)
         np.bitwise_xor(h, t, out=h)
         np.multiply(h, mul, out=h)
     np.right_shift(h, np.uint64(31), out=t)
     return np.bitwise_xor(h, t, out=h)
+
+
+def probe_hash(ids: np.ndarray) -> np.ndarray:
+    """splitmix64's finaliser of each id: uint64 [n] (on one copy of the ids)."""
+    h = ids.astype(np.uint64)
+    return splitmix_inplace(h, np.empty_like(h))
 
 
 def cells_for(ids: int, load: float) -> int:
@@ -152,6 +158,12 @@ class ReferenceIdSlotMap(IdSlotMap):
         if order is not None:
             new[order] = new.copy()
         return self._out(new)
+
+    def insert_absent(self, ids: Tensor, slots: Tensor) -> None:
+        ids, slots = self._host(ids), self._host(slots)
+        if ids.shape != slots.shape:
+            raise ValueError("ids and slots must have the same length")
+        self._claim(ids, slots)  # no _find: none of them is here
 
     def _claim(self, ids: np.ndarray, vals: np.ndarray) -> None:
         """Put distinct absent ids [m] in the first free (EMPTY or TOMBSTONE) cell of their chains."""

@@ -60,6 +60,31 @@ def test_hashmap_random_ops_match_dict(factory, seed):
 
 
 @pytest.mark.parametrize("factory", MAP_FACTORIES)
+def test_hashmap_insert_absent_matches_dict_through_tombstones(factory):
+    """insert_absent (the ids a lookup just missed; the reference skips finding them) claims free
+    and tombstoned cells alike: with erases in between, every answer is the dict's."""
+    gen = torch.Generator().manual_seed(3)
+    table, model = factory(), {}
+    for step in range(60):
+        ids = torch.randint(0, 200, (int(torch.randint(1, 50, (1,), generator=gen)),), generator=gen).unique()
+        if step % 3 == 2:
+            table.erase(ids)
+            for i in ids.tolist():
+                model.pop(i, None)
+            continue
+        _, miss = table.lookup(ids)
+        absent = ids[miss]
+        vals = torch.randint(0, 10_000, absent.shape, generator=gen)
+        table.insert_absent(absent, vals)
+        model.update(zip(absent.tolist(), vals.tolist()))
+        slots, miss = table.lookup(ids)
+        assert not bool(miss.any()) and slots.tolist() == [model[i] for i in ids.tolist()]
+        assert len(table) == len(model)
+    keys, vals = table.items()
+    assert dict(zip(keys.tolist(), vals.tolist())) == model
+
+
+@pytest.mark.parametrize("factory", MAP_FACTORIES)
 def test_hashmap_duplicate_ids_in_one_insert(factory):
     table = factory()
     ids = torch.tensor([5, 9, 5, 5, 1 << 40, 9])

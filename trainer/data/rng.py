@@ -8,13 +8,15 @@ from __future__ import annotations
 
 import numpy as np
 
+from kernels.probe_map import splitmix_inplace
+
 _M1 = np.uint64(0xBF58476D1CE4E5B9)
 _M2 = np.uint64(0x94D049BB133111EB)
 _GOLD = np.uint64(0x9E3779B97F4A7C15)
 
 
 def _mix(x: np.ndarray) -> np.ndarray:
-    """splitmix64 finaliser on uint64 arrays (wrapping arithmetic)."""
+    """splitmix64 finaliser on uint64 arrays (wrapping arithmetic); a new array (or scalar)."""
     x = x ^ (x >> np.uint64(30))
     x = x * _M1
     x = x ^ (x >> np.uint64(27))
@@ -26,13 +28,25 @@ def hash64(seed: int, stream: int, index: np.ndarray) -> np.ndarray:
     """[...] uint64 hash of (seed, stream, index); index is any integer array."""
     with np.errstate(over="ignore"):
         key = _mix(np.uint64(seed & 0xFFFFFFFFFFFFFFFF) * _GOLD + np.uint64(stream) * _M2)
-        x = np.asarray(index).astype(np.uint64) * _GOLD + key
-        return _mix(_mix(x) + key)
+        x = np.asarray(index).astype(np.uint64)  # a copy, hashed in place (no temporaries: the data
+        # and the initial rows of dynamic tables hash millions of values a step)
+        if not x.ndim:
+            return _mix(_mix(x * _GOLD + key) + key)
+        t = np.empty_like(x)
+        np.multiply(x, _GOLD, out=x)
+        np.add(x, key, out=x)
+        splitmix_inplace(x, t)
+        np.add(x, key, out=x)
+        return splitmix_inplace(x, t)
 
 
 def uniform(seed: int, stream: int, index: np.ndarray) -> np.ndarray:
     """[...] float64 in [0, 1), deterministic per (seed, stream, index)."""
-    return (hash64(seed, stream, index) >> np.uint64(11)).astype(np.float64) * (1.0 / (1 << 53))
+    h = hash64(seed, stream, index)
+    h >>= np.uint64(11)
+    out = h.astype(np.float64)
+    out *= 1.0 / (1 << 53)
+    return out
 
 
 def normal(seed: int, stream: int, index: np.ndarray) -> np.ndarray:

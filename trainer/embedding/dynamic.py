@@ -41,7 +41,10 @@ def dynamic_init_rows(seed: int, dim: int, gids: torch.Tensor, scale: float) -> 
     with np.errstate(over="ignore"):
         key = rng.hash64(seed, _S_INIT_DYN, g)[:, None] + np.arange(dim, dtype=np.uint64)[None, :]
     u = rng.uniform(seed, _S_INIT_DYN, key)
-    return torch.from_numpy(((2.0 * u - 1.0) * scale).astype(np.float32))
+    u *= 2.0  # (2 u - 1) scale, in place: new rows are initialised every step
+    u -= 1.0
+    u *= scale
+    return torch.from_numpy(u.astype(np.float32))
 
 
 class DynamicStore(ShardStore):

@@ -71,18 +71,21 @@ class SlotPool:
         self.map = kernels.make_id_slot_map(n, device)
         self.pending = kernels.make_id_slot_map(1024, device) if admit_after > 1 else None
         self.slot_gid = torch.full((n,), -1, dtype=torch.int64, device=device)
-        self.last_use = torch.full((n,), -1, dtype=torch.int64, device=device)
-        self.uses = torch.zeros(n, dtype=torch.int64, device=device)
+        # a slot's scores side by side (one cache line: a step reads and stamps them for every id)
+        scores = torch.zeros(n, 2, dtype=torch.int64, device=device)
+        self.last_use, self.uses = scores[:, 0].fill_(-1), scores[:, 1]
         self.counters = torch.zeros(len(POOL_COUNTERS), num_tables, dtype=torch.int64, device=device)
         self.c = {k: self.counters[i] for i, k in enumerate(POOL_COUNTERS)}
         # free slots of table t, lowest first: _holes[t] (sorted; only after a load), then every
         # slot from _free_from[t] up (a slot is freed only to be reused at once, by _slots_for)
         self._free_from = [t * capacity for t in range(num_tables)]
         self._holes = [self.slot_gid[:0]] * num_tables
-        # the map's last two answers (gids, slots, miss, gids sorted?), kept exact: a step asks for
-        # the same ids up to three times (admit, rows, apply); an insert updates the sorted ones
-        # (drops the others), an erase drops all
-        self._memo: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, bool]] = []
+        # the map's last two answers (gids, slots, miss, gids sorted?, step asked in), kept exact: a
+        # step asks for the same ids up to three times (admit, rows, apply); an insert updates the
+        # sorted ones asked in this step (drops the others: answers for an earlier step are rarely
+        # asked again), an erase drops all
+        self._memo: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, bool, int]] = []
+        self._clock = -1  # the step of the last admit (the memo's current step)
         self.stale_copies = 0  # copies that came back to another life of their id, dropped (0: pins hold)
         # callables giving gids (any order, any owner) never to be evicted now (module docstring)
         self.pins: list[Callable[[], torch.Tensor]] = []
@@ -109,19 +112,19 @@ class SlotPool:
                 self._memo.insert(0, self._memo.pop(i))
                 return m[1], m[2]
         slots, miss = self.map.lookup(gids)
-        self._memo = [(gids.clone(), slots, miss, _ascending(gids)), *self._memo[:1]]
+        self._memo = [(gids.clone(), slots, miss, _ascending(gids), self._clock), *self._memo[:1]]
         return slots, miss
 
     def _insert(self, ids: torch.Tensor, slots: torch.Tensor) -> None:
-        """Map ids [m] (ascending) to slots [m]; the remembered answers learn them."""
-        self.map.insert(ids, slots)
+        """Map ids [m] (ascending, none in the map) to slots [m]; the remembered answers learn them."""
+        self.map.insert_absent(ids, slots)
         memo = []
-        for g, s, miss, ascending in self._memo:
-            if ascending:
+        for g, s, miss, ascending, step in self._memo:
+            if ascending and step == self._clock:
                 at = torch.searchsorted(g, ids).clamp_(max=g.numel() - 1)
                 there = g[at] == ids
                 at = at[there]
-                memo.append((g, s.index_copy(0, at, slots[there]), miss.index_fill(0, at, False), True))
+                memo.append((g, s.index_copy(0, at, slots[there]), miss.index_fill(0, at, False), True, step))
         self._memo = memo
 
     def rows_in_use(self) -> torch.Tensor:
@@ -145,6 +148,7 @@ class SlotPool:
         (gids [m], slots [m]), sorted by gid, for the store to initialise; None when none."""
         if not gids.numel():
             return None
+        self._clock = step
         u = gids if _ascending(gids) else torch.unique(gids)  # a plan's owned ids are already
         slots_u, miss_u = self.lookup(u)
         hit = slots_u[~miss_u]
