@@ -340,7 +340,7 @@ def test_free_slots_after_a_load_go_lowest_first_and_lookups_stay_exact():
     (["placement=sca"], "placement.name"),
     (["placement=fae", "embedding.ttl_steps=3"], "embedding.ttl_steps"),
     (["schedule=herald", "cache=lru", "embedding.ttl_steps=3"], "embedding.ttl_steps"),
-    (["placement=fae", "train.nonfinite=skip"], "train.nonfinite"),
+    (["schedule=herald", "cache=lru", "train.nonfinite=skip"], "train.nonfinite"),
     (["schedule=herald", "cache=lru", "train.precision=fp16"], "train.precision"),
     (["embedding.audit=true"], "embedding.audit"),
     (["comm.settled_rows=always"], "comm.settled_rows"),

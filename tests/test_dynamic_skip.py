@@ -1,6 +1,7 @@
 """Skipped steps with dynamic tables (train.nonfinite=skip; fp16's overflow skips take the same
 path): a skipped step leaves the pool exactly as before it (which id holds which slot, the map, the
-lives, scores, pending counts, counters, free slots and the rows admission wrote), and a W = 2 run
+lives, scores, pending counts, counters, free slots and the rows admission wrote; FAE's replicated
+rows given a life), and a W = 2 run
 that skips a step equals one that never saw the batch: at the same W with evictions, admit_after = 2
 and the HET cache, and the single process without evictions (docs/dynamic.md, "Skipped steps").
 """
@@ -22,6 +23,7 @@ from trainer.runner import RunResult, Trainer, run
 
 EVICT = ["embedding.capacity=30", "embedding.admit_after=2", "optim=adagrad"]
 SKIP = ["train.nonfinite=skip"]
+FAE = ["placement=fae", "placement.budget_bytes=4000"]  # ~31 hot rows of the tiny preset
 
 
 def pool_state(st) -> dict[str, object]:
@@ -135,6 +137,36 @@ def test_a_skipped_step_leaves_the_pool_as_it_was(monkeypatch, how):
         assert t.precision.overflow_at == [6]
 
 
+def test_a_skipped_step_gives_replicated_hot_rows_no_life(monkeypatch):
+    """placement=fae at W = 1, admit_after = 2: step 1, where the hot ids are seen the second time,
+    is skipped: the replica's rows it admitted get their life (none), value and optimizer state
+    back with the pool, and they are admitted the next step instead; the run ends with every
+    replicated row written back into its life (flush checks it)."""
+    poison_w1(monkeypatch, (1,))
+    t = Trainer(load_config(make_cfg(DYN + EVICT + FAE + SKIP)), LocalCollectives(), None)
+    rep = t.emb.replica
+    t.train_step(0)
+    before = pool_state(t.emb.store)
+    kept = [rep.life.clone(), rep.weight.clone(), rep.optimizer.state.clone()]
+    seen = []
+    real = t.emb.discard
+
+    def discard(flight):
+        seen.append(rep.life.clone())
+        real(flight)
+
+    monkeypatch.setattr(t.emb, "discard", discard)
+    t.train_step(1)
+    assert int((seen[0] > 0).sum()) > 10 and not bool((kept[0] > 0).any())  # hot ids got lives, undone
+    assert_same_state(before, pool_state(t.emb.store))
+    for a, b in zip(kept, [rep.life, rep.weight, rep.optimizer.state]):
+        assert torch.equal(a, b)
+    for s in range(2, t.c.train.steps):
+        t.train_step(s)
+    assert int((rep.life > 0).sum()) > 10
+    t.emb.flush()
+
+
 def same_w_worker(rank: int, world: int, overrides: list[str], bad: tuple[int, ...], bad_rank: int) -> dict:
     """Spawned rank: the skip run, then the same trainer never calling train_step for `bad`, with
     its dynamic block."""
@@ -176,11 +208,12 @@ def test_two_workers_skip_with_evictions_as_if_the_batch_never_came():
 
 @pytest.mark.dist
 def test_two_workers_skip_equal_the_single_process_that_never_saw_the_batch():
-    """Without evictions (W = 2 equals one process then), admit_after = 2: the W = 2 run skipping
-    step 5 (rank 0's batch) equals the single process that never ran step 5."""
+    """Without evictions (W = 2 equals one process then), admit_after = 2, hot rows replicated at
+    W = 2 (FAE): the W = 2 run skipping steps 1 (where the hot ids are seen the second time) and 5
+    (rank 0's batches) equals the single process, without placement, that never ran them."""
     overrides = DYN + NO_EVICTION + ["embedding.admit_after=2", "optim=adagrad"]
-    bad = (5,)
-    res = spawn(2, skip_worker, overrides, bad, 0)
+    bad = (1, 5)
+    res = spawn(2, skip_worker, overrides + FAE + ["placement.hot_batches=false"], bad, 0)
     t = Trainer(load_config(make_cfg(overrides + ["comm=local"])), LocalCollectives(), None)
     ref = reference(t.comm, [], bad, t)
     ref_dynamic = dynamic_summary(t.comm, t.emb.store)
@@ -188,6 +221,6 @@ def test_two_workers_skip_equal_the_single_process_that_never_saw_the_batch():
         assert_same_ids(ref, got)
         assert_same_run(ref, RunResult({}, r, without(got.losses, bad), got.state))
     d = res[0].summary["dynamic"]
-    assert d["pending_ids"] > 0 and d["dropped_grads"] > 0
+    assert d["pending_ids"] > 0 and d["dropped_grads"] > 0 and res[0].summary["placement"]["hot_rows"] > 10
     for key in ("admissions", "rows_in_use", "dropped_grads", "pending_ids", "evictions"):
         assert d[key] == ref_dynamic[key], key

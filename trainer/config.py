@@ -682,17 +682,18 @@ def _validate_dynamic(c: Config) -> None:
     _check(e.capacity > 0, "embedding.capacity", e.capacity, "embedding.tables=dynamic needs a pool of > 0 rows per table")
     _check(c.data.name == "synthetic" or not c.data.scramble_ids, "data.scramble_ids", True,
            "is a synthetic-data option")
-    copies = c.placement.name != "none" or c.schedule.name == "herald"  # rows replicated or lent
+    lent = c.schedule.name == "herald"
+    copies = c.placement.name != "none" or lent  # rows replicated or lent
     for key, value, ok, why in (
             ("placement.name", c.placement.name, c.placement.name != "sca",
              "sca's cost model (it simulates fixed tables): use placement=fae"),
             ("embedding.ttl_steps", e.ttl_steps, not (e.ttl_steps and copies),
              "expiring rows that are replicated (placement) or lent (schedule=herald)"),
             ("embedding.audit", e.audit, not e.audit, "the audit (an array over every id)"),
-            ("train.nonfinite", c.train.nonfinite, not (c.train.nonfinite == "skip" and copies),
-             "skipped steps with rows replicated (placement) or lent (schedule=herald): their admissions are not undone"),
-            ("train.precision", c.train.precision, not (c.train.precision == "fp16" and copies),
-             "fp16's skipped steps with rows replicated (placement) or lent (schedule=herald): their admissions are not undone"),
+            ("train.nonfinite", c.train.nonfinite, not (c.train.nonfinite == "skip" and lent),
+             "skipped steps with rows lent (schedule=herald): their admissions are not undone"),
+            ("train.precision", c.train.precision, not (c.train.precision == "fp16" and lent),
+             "fp16's skipped steps with rows lent (schedule=herald): their admissions are not undone"),
             ("comm.settled_rows", c.comm.settled_rows, c.comm.settled_rows != "always", "early settled rows")):
         _check(ok, key, value, f"embedding.tables=dynamic does not support {why} yet (docs/dynamic.md)")
 
