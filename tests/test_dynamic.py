@@ -340,7 +340,9 @@ def test_free_slots_after_a_load_go_lowest_first_and_lookups_stay_exact():
     (["placement=sca"], "placement.name"),
     (["placement=fae", "embedding.ttl_steps=3"], "embedding.ttl_steps"),
     (["schedule=herald", "cache=lru", "embedding.ttl_steps=3"], "embedding.ttl_steps"),
-    (["train.nonfinite=skip"], "train.nonfinite"), (["embedding.audit=true"], "embedding.audit"),
+    (["schedule=herald", "cache=lru", "train.nonfinite=skip"], "train.nonfinite"),
+    (["schedule=herald", "cache=lru", "train.precision=fp16"], "train.precision"),
+    (["embedding.audit=true"], "embedding.audit"),
     (["comm.settled_rows=always"], "comm.settled_rows"),
 ])
 def test_combinations_not_supported_yet_are_refused_naming_the_key(overrides, key):
@@ -372,7 +374,8 @@ def test_a_refused_combination_exits_2_with_one_line(tmp_path):
 
 def test_raw_ids_keep_criteos_32_bit_values_and_train_dynamic_tables(tmp_path):
     """prepare_criteo.py --raw-ids: every id is its value's 32 bits (0: empty), read back unsigned;
-    such a directory trains embedding.tables=dynamic (a vocabulary is refused, naming the key)."""
+    such a directory trains embedding.tables=dynamic (a vocabulary is refused, naming the key), with
+    the small-data recipe's validation split."""
     import numpy as np
     from data_helpers import N_TRAIN, prepare_sample, sample_lines
     from trainer.data import make_data
@@ -389,7 +392,7 @@ def test_raw_ids_keep_criteos_32_bit_values_and_train_dynamic_tables(tmp_path):
     want = torch.tensor([[0 if v is None else v for v in r] for r in rows], dtype=torch.int64)
     assert int(want.max()) >= 1 << 31  # values past int32's range really occur
     base = ["data=criteo", f"data.dir={d}", "data.loader=memmap", "embedding.tables=dynamic",
-            "embedding.capacity=2000", "checkpoint.enabled=false", "data.val_fraction=0", "train.ensemble=1",
+            "embedding.capacity=2000", "checkpoint.enabled=false", "train.ensemble=1",
             "data.epochs=0", "train.steps=3", "data.batch_size=64", "data.shuffle=false", "train.progress=off"]
     with pytest.raises(ConfigError, match="data.min_count=1: .* keeps raw ids"):
         make_data(load_config(make_cfg(base + ["data.min_count=1"])), 0, 1)
@@ -398,6 +401,7 @@ def test_raw_ids_keep_criteos_32_bit_values_and_train_dynamic_tables(tmp_path):
     assert torch.equal(got.values.reshape(-1, 26), want[:64])
     res = run(make_cfg(base + ["data.min_count=0", "comm=local"]), str(tmp_path / "out"))
     assert res.summary["dynamic"]["admissions"] > 0 and res.summary["dynamic"]["rows_in_use"] > 0
+    assert res.summary["val_samples"] > 0 and res.summary["best_step"] is not None  # the recipe's validation split
 
 
 def test_the_drifting_preset_brings_new_ids_and_moves_popularity():

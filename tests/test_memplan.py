@@ -53,6 +53,23 @@ def test_cache_replica_and_snapshot_are_counted():
         load_config(make_cfg(TINY + ["cache=none"])), 2, 0).parts
 
 
+def test_a_dynamic_pools_snapshot_counts_each_slots_id_and_version():
+    """Dynamic tables: the best snapshot's part is its tensors: held flag + rows + the kept slot id
+    and version (16 B per slot), in memory or with the rows on disk."""
+    from trainer.snapshot_rows import SnapshotRows, SnapshotSlots
+    c = load_config(make_cfg(TINY + ["embedding.tables=dynamic", "embedding.capacity=50", "data.val_fraction=0.1",
+                                     "data.train_samples=960"]))
+    plan = memplan.plan_memory(c, 2, 0)
+    slots = len(c.data.table_rows) * 50
+    weight = torch.zeros(slots, c.model.embedding_dim)
+    kept, ids = SnapshotRows(weight, True), SnapshotSlots(torch.full((slots,), -1))
+    kept.put(weight, torch.ones(slots, dtype=torch.bool))
+    held = [kept.held, kept._mem, ids.gid, ids.version]
+    assert plan.parts["best snapshot"] == sum(t.numel() * t.element_size() for t in held)
+    c.train.early_stop.snapshot = "disk"
+    assert memplan.plan_memory(c, 2, 0).parts["best snapshot"] == slots * (1 + 16)
+
+
 @pytest.mark.parametrize("override,part", [(HUGE, "rows"), ("data.batch_size=50000000", "batch")])
 def test_a_config_that_cannot_fit_is_one_line_exit_2(tmp_path, override, part):
     """The command: exit 2 with one `error: memory plan ...` line naming the largest part and the

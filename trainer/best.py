@@ -17,6 +17,13 @@ written back), so the owners' shards hold every row. The snapshot then takes
   time, over the values it already holds. A row never written still has its initial value, a pure
   function of (seed, table, id), so it needs no copy.
 Sparse optimizer state is not kept: the restored model is evaluated, never trained further.
+Dynamic tables (a row is a pool slot, which an id may lose and another take after the snapshot):
+each written slot's id and version are kept too (snapshot_rows.SnapshotSlots, 16 B per slot), and
+restoring puts them back before the rows (a slot free at the snapshot is free again: zeros), then
+rebuilds the pool's id -> slot map, so the restored pool holds the ids of the best step, in the
+same slots and lives, with their rows; ids it does not hold read the default row (zeros) as ever.
+The pool's scores, pending counts and counters stay the end's (nothing trains after the restore;
+summary.json's `dynamic` block is the run's as trained, taken before it).
 
 Restoring puts back the dense state and every row written since the snapshot (its snapshot value,
 or its initial value if the snapshot never saw it), then reloads the replica of hot rows from the
@@ -32,7 +39,7 @@ from typing import Any, Optional
 import torch
 
 from .build import phase
-from .snapshot_rows import SnapshotRows, in_memory
+from .snapshot_rows import SnapshotRows, SnapshotSlots, in_memory
 
 
 class EarlyStopping:
@@ -91,12 +98,15 @@ class BestSnapshot:
         self.dense: Optional[dict[str, torch.Tensor]] = None
         w = self.store.weight
         self.kept = SnapshotRows(w, in_memory(mode, w.shape[0], w.shape[1] * w.element_size()), directory)
+        self.slots = SnapshotSlots(self.store.pool.slot_gid) if self.store.dynamic else None
         # from here on, touched = written since the last snapshot (all rows: not at their init)
         self.store.touched.fill_(not fresh)
 
     def take(self, step: int) -> None:
         """Snapshot the model as it is now (caches must be flushed: evaluate() does it)."""
         self.dense = {k: v.detach().clone() for k, v in self.model.state_dict().items()}
+        if self.slots is not None:
+            self.slots.put(self.store.pool.slot_gid, self.store.version, self.store.touched, self.kept.windows())
         self.kept.put(self.store.weight, self.store.touched)
         self.store.touched.zero_()
         self.step = step
@@ -117,6 +127,8 @@ class BestSnapshot:
             if not changed.numel():
                 continue
             seen = self.kept.held[changed]
+            if self.slots is not None:  # ids first: a slot's initial row is its id's (free: zeros)
+                self.slots.restore(store.pool.slot_gid, store.version, changed, seen)
             values = torch.empty(changed.numel(), store.dim, dtype=store.weight.dtype, device=store.weight.device)
             if bool(seen.any()):
                 values[seen] = self.kept.values(changed[seen])
@@ -125,6 +137,8 @@ class BestSnapshot:
             store.weight.index_copy_(0, changed, values)
             n += int(changed.numel())
         store.touched.zero_()
+        if self.slots is not None:
+            store.pool.reindex()  # the id -> slot map and free slots of the restored ids
         if self.emb.replica is not None:  # the replica follows its owners again
             self.emb.replica.load_from_owners(comm, store)
         return n

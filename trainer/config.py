@@ -92,7 +92,7 @@ class DataConfig:
     shuffle: bool = True  # criteo/movielens: seeded shuffle of training rows (criteo: block order + rows in a block)
     epochs: Optional[float] = 0.0  # criteo/movielens: > 0 sets train.steps = ceil(epochs * training rows / global batch); null = the recipe's
     standardize: Optional[bool] = None  # criteo: dense features -> (x - mean) / std of the training rows (the first 1M); null = the recipe's (tiny and small: true, else false)
-    val_fraction: Optional[float] = None  # validation split: the last share of the training rows (never the test split), evaluated every train.eval_every steps; 0 = none; null = the recipe's
+    val_fraction: Optional[float] = None  # validation split: the last share of the training rows (never the test split), evaluated every train.eval_every steps; 0 = none; null = the recipe's (dynamic tables too: the best model's snapshot keeps each slot's id and life)
     min_count: Optional[int] = None  # criteo: ids seen fewer times in the training rows share one out-of-vocabulary row per table, and the tables shrink to the ids kept (trainer/data/vocab.py); 0 = off; null = the recipe's (tiny and small: 1, else 0)
     val_slice: int = 1  # criteo: which slice of val_fraction of the training rows is the validation split, counted from the end (1 = the last; dev/recipe_study/val_rotations.py)
     out_of_range: str = "error"  # an id < 0 or >= its table's rows: error (stop, naming table, id, rows) | hash (id mod rows)
@@ -243,7 +243,7 @@ class TrainConfig:
     threads: int = 0  # torch threads per rank; 0 = cores / local ranks
     progress: str = "auto"  # progress bar on rank 0: auto (when interactive) | on | off
     device: str = "cpu"  # cpu | cuda | auto
-    nonfinite: str = "stop"  # NaN/inf global loss: stop (error naming the step) | skip (drop the batch, no update anywhere)
+    nonfinite: str = "stop"  # NaN/inf global loss: stop (error naming the step) | skip (drop the batch, no update anywhere; dynamic tables: the step's admissions, evictions and counts undone too)
     max_skips: int = 10  # nonfinite=skip: stop anyway after this many consecutive skipped steps
     memory_check: bool = True  # stop at start-up (exit 2) when a rank's memory plan (trainer/memplan.py) exceeds the memory it can have; false: warn and start
     on_signal: str = "save"  # SIGTERM / SIGINT / SIGUSR1: stop every rank at the next step boundary and save a checkpoint there (save) or not (stop); exit 128 + signal
@@ -682,16 +682,19 @@ def _validate_dynamic(c: Config) -> None:
     _check(e.capacity > 0, "embedding.capacity", e.capacity, "embedding.tables=dynamic needs a pool of > 0 rows per table")
     _check(c.data.name == "synthetic" or not c.data.scramble_ids, "data.scramble_ids", True,
            "is a synthetic-data option")
-    copies = c.placement.name != "none" or c.schedule.name == "herald"  # rows replicated or lent
+    lent = c.schedule.name == "herald"
+    copies = c.placement.name != "none" or lent  # rows replicated or lent
     for key, value, ok, why in (
             ("placement.name", c.placement.name, c.placement.name != "sca",
              "sca's cost model (it simulates fixed tables): use placement=fae"),
             ("embedding.ttl_steps", e.ttl_steps, not (e.ttl_steps and copies),
              "expiring rows that are replicated (placement) or lent (schedule=herald)"),
             ("embedding.audit", e.audit, not e.audit, "the audit (an array over every id)"),
-            ("train.nonfinite", c.train.nonfinite, c.train.nonfinite != "skip", "skipped steps (admission is not undone)"),
-            ("comm.settled_rows", c.comm.settled_rows, c.comm.settled_rows != "always", "early settled rows"),
-            ("data.val_fraction", c.data.val_fraction, not c.data.val_fraction, "a validation split (the best-model snapshot)")):
+            ("train.nonfinite", c.train.nonfinite, not (c.train.nonfinite == "skip" and lent),
+             "skipped steps with rows lent (schedule=herald): their admissions are not undone"),
+            ("train.precision", c.train.precision, not (c.train.precision == "fp16" and lent),
+             "fp16's skipped steps with rows lent (schedule=herald): their admissions are not undone"),
+            ("comm.settled_rows", c.comm.settled_rows, c.comm.settled_rows != "always", "early settled rows")):
         _check(ok, key, value, f"embedding.tables=dynamic does not support {why} yet (docs/dynamic.md)")
 
 

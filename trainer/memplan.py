@@ -14,6 +14,7 @@ What is counted, per rank (docs/design.md, "bytes per row"):
 - the replica of hot rows (placement fae / sca): at most its budget_bytes;
 - the best-model snapshot (validation with restore_best): its held flag (1 B per row), and in memory
   (train.early_stop.snapshot, snapshot_rows.in_memory) at most one copy of the rows' weights;
+  dynamic tables add each slot's id and version at the snapshot (SNAPSHOT_SLOT_BYTES, 16 B per slot);
 - the batch and the dense model's activations: an estimate (local batch x the widths of the MLPs);
 - the padded step (train.cuda_graph=on at W = 1, trainer/whole_step.py): per slot of its padded
   plan, the workspace, its gradient and the update's rows before and after (4 x d float32) and
@@ -38,7 +39,7 @@ from .embedding.slotmap import uses_direct_map
 from .embedding.store import VERSION_BYTES, row_dtype
 from .placement.plan import row_bytes
 from .placement.sca import slot_bytes
-from .snapshot_rows import in_memory
+from .snapshot_rows import SNAPSHOT_SLOT_BYTES, in_memory
 
 ADVICE = {"rows": "more workers, embedding.dtype=fp16 or bf16 (half the weight bytes), smaller data.table_rows",
           "cache": "a smaller cache.capacity_fraction or cache.capacity_rows", "cache map": "cache=none",
@@ -118,7 +119,8 @@ def plan_memory(c: Config, world: int, rank: int, device: torch.device = torch.d
         plan.parts["replica"] = int(c.placement.budget_bytes)
     if c.train.early_stop.restore_best and (c.data.val_fraction or 0) > 0:  # its held flags + the rows in memory
         kept = in_memory(c.train.early_stop.snapshot, local, d * weight_elem(c))
-        plan.parts["best snapshot"] = local * (1 + (d * weight_elem(c) if kept else 0))
+        plan.parts["best snapshot"] = local * (1 + (d * weight_elem(c) if kept else 0)
+                                               + (SNAPSHOT_SLOT_BYTES if dynamic else 0))
     widths = [c.data.num_dense] + list(c.model.bottom_mlp) + list(c.model.top_mlp or []) + [d * len(rows)]
     ids_per_sample = len(rows) * max(c.data.max_bag, 1)
     plan.parts["batch"] = local_batch_size(c, world) * (sum(widths) * 4 * 4 + ids_per_sample * 8 * 4)

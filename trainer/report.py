@@ -326,7 +326,8 @@ class Reporter:
                           **{f"{k}_per_step": per(v, trained) for k, v in zip(emb.stats.totals.keys(), lookups)}},
             "evals": evals,
             "cache": _after_flush(self.cache_summary()),
-            "dynamic": dynamic_summary(self.comm, emb.store) if emb.store.dynamic else None,
+            "dynamic": (extra or {}).get("dynamic") or (dynamic_summary(self.comm, emb.store) if emb.store.dynamic
+                                                        else None),  # extra's: taken before a restore
             "placement": self._placement_summary(bytes_, run_samples, trained, alltoalls),
             "config": asdict(c),
             "start_step": start_step,

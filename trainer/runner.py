@@ -48,7 +48,7 @@ from .whole_step import WholeStep
 from .precision import DensePrecision
 from .recipes import announce_recipe, apply_data_steps, recipe_of
 from .relaunch import Position, failure_hint
-from .report import Reporter
+from .report import Reporter, dynamic_summary
 from .signals import NOT_EVALUATED, SIGNALS, Stop, agree, announce, why_not_saved
 
 __all__ = ["RunResult", "Trainer", "TrainingError", "run"]
@@ -331,7 +331,11 @@ class Trainer:
             self.steps.drop_prepared()  # an early stop leaves the step prepared ahead unrun
             if k.enabled and self.start_step < end:
                 self._save(end, train_time)
+            # dynamic tables: summary.json's `dynamic` block is the pool as trained, not as restored
+            trained = dynamic_summary(self.comm, self.emb.store) if self.val_rows and self.emb.store.dynamic else None
             extra = restore_best(self.best, self.early, self.comm, end) if self.val_rows else {}
+            if trained is not None:
+                extra["dynamic"] = trained
             extra["calibration"] = self.evaluator.calibrate() if c.train.calibrate and self.val_rows else None
             final_eval = self._eval_now(end)
             summary = report.summary(train_time, final_eval, self.losses, self.evals, self.start_step,

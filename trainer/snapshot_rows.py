@@ -13,6 +13,12 @@ write, scattered rows are patched through a mapping of their span (the kernel wr
 pages they dirty), unmapped before the next window. Memory per storage row: the `held` flag (1 B) beside the
 store's `touched` flag (1 B); plus the row's bytes (dim x element size) in memory, or on disk.
 
+Dynamic tables (embedding.tables=dynamic): a storage row is a pool slot, which may hold another id
+at the restore than at the snapshot, so SnapshotSlots keeps beside the rows each held slot's id and
+version (its id's life) at the last snapshot: two int64 per slot (16 B), in memory, written for the
+touched slots only. A slot never written before the snapshot was free then (an admission writes
+its row), so it restores to free: no id, zeros, version 0.
+
 Which one: train.early_stop.snapshot = memory | disk | auto (memory when the rank's rows take at
 most MEMORY_MAX_BYTES, else disk: a huge shard is never doubled in memory).
 """
@@ -21,7 +27,7 @@ from __future__ import annotations
 import mmap
 import os
 import tempfile
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Callable, Iterable, Iterator, Optional
 
 import numpy as np
 import torch
@@ -29,6 +35,7 @@ import torch
 PIECE_BYTES = 64 << 20  # row bytes per window (the checkpoint's piece size: checkpoint.shard_io)
 MEMORY_MAX_BYTES = 256 << 20  # auto: a larger copy of the rank's rows goes to disk
 MODES = ("auto", "memory", "disk")
+SNAPSHOT_SLOT_BYTES = 16  # dynamic tables: a slot's id and version at the snapshot (SnapshotSlots)
 
 
 def in_memory(mode: str, rows: int, row_bytes: int) -> bool:
@@ -129,3 +136,27 @@ class SnapshotRows:
             return out
         finally:
             mm.close()
+
+
+class SnapshotSlots:
+    """Dynamic tables: which id held each slot of the pool, and in which life (its version), at the
+    last snapshot, for the slots written before it (SnapshotRows.held says which: see the module
+    docstring). 16 B per slot (two int64), in memory."""
+
+    def __init__(self, slot_gid: torch.Tensor) -> None:
+        self.gid = torch.full_like(slot_gid, -1)
+        self.version = torch.zeros_like(slot_gid)
+
+    def put(self, slot_gid: torch.Tensor, version: torch.Tensor, touched: torch.Tensor,
+            windows: Iterable[tuple[int, int]]) -> None:
+        """Keep the id and version of the slots flagged in `touched`, a window of slots at a time."""
+        for a, b in windows:
+            t = torch.nonzero(touched[a:b]).squeeze(1) + a
+            self.gid.index_copy_(0, t, slot_gid.index_select(0, t))
+            self.version.index_copy_(0, t, version.index_select(0, t))
+
+    def restore(self, slot_gid: torch.Tensor, version: torch.Tensor, slots: torch.Tensor, held: torch.Tensor) -> None:
+        """Put back the id and version of slots [n]; those not held (free at the snapshot) get no
+        id and version 0. The pool's map is the caller's to rebuild (SlotPool.reindex)."""
+        slot_gid.index_copy_(0, slots, self.gid.index_select(0, slots).masked_fill(~held, -1))
+        version.index_copy_(0, slots, self.version.index_select(0, slots).masked_fill(~held, 0))

@@ -12,6 +12,11 @@ the ShardStore whose every "storage row of a gid" goes through that map:
 - apply(gids, grads): one update per admitted row; gradients of ids without a row are dropped and
   counted (pool counter `dropped_grads`).
 
+Undo (train.nonfinite=skip, fp16's skipped steps): between begin() and commit() the pool journals
+its bookkeeping (pool_journal.py) and the store, before admit() writes a new row, keeps the slot's
+row, optimizer state, version and touched flag, so rollback() returns the shard to its state before
+the step (what it keeps is bounded by the step's admissions: row + state + 9 B per admitted slot).
+
 Versions: a row admitted at step s starts at version (s + 1) << 32 and counts its updates from
 there, so any version of an id's later life is larger than every version of an earlier one (an id
 evicted at step s' > s can only come back at a step after s'): a copy held anywhere under an older
@@ -65,6 +70,8 @@ class DynamicStore(ShardStore):
                          weight_decay, dtype, rounding, initialise=False)  # free slots: zeros
         self.scale = init_scale if init_scale else float(np.sqrt(1.0 / sharding.capacity))
         self.clock = 0  # the training step whose reads admit() counts (set by HybridEmbedding)
+        self._undo: list[tuple[torch.Tensor, ...]] | None = None  # rows admit() replaced, while undoable
+        self._undo_clock = 0
 
     def initial_rows(self, local_idx: torch.Tensor) -> torch.Tensor:
         """[n, d] initial values of the ids now holding slots local_idx (zeros for free slots)."""
@@ -100,12 +107,42 @@ class DynamicStore(ShardStore):
         if got is None:
             return
         ids, slots = got
+        if self._undo is not None:
+            st = self.optimizer.state
+            self._undo.append((slots, self.weight.index_select(0, slots), self.version.index_select(0, slots),
+                               self.touched.index_select(0, slots),
+                               st.index_select(0, slots) if st is not None else None))
         self.weight.index_copy_(0, slots, self.initial_values(ids))
         st = self.optimizer.state
         if st is not None:
             st.index_fill_(0, slots, self.optimizer.init)
         self.version.index_fill_(0, slots, (self.clock + 1) << LIFE_SHIFT)
         self.touched.index_fill_(0, slots, True)
+
+    def begin(self) -> None:
+        """Make the coming admissions undoable (a training step whose skip is possible: lookup)."""
+        self.pool.begin()
+        self._undo, self._undo_clock = [], self.clock
+
+    def commit(self) -> None:
+        """Keep the admissions made since begin() (the step's update is applied)."""
+        self.pool.commit()
+        self._undo = None
+
+    def rollback(self) -> None:
+        """The step is skipped: every admission, eviction and count since begin() undone, the rows
+        replaced by new lives back (newest first), and the clock as it was."""
+        if self._undo is None:
+            raise RuntimeError("DynamicStore.rollback() without begin()")
+        st = self.optimizer.state
+        for slots, weight, version, touched, state in reversed(self._undo):
+            self.weight.index_copy_(0, slots, weight)
+            self.version.index_copy_(0, slots, version)
+            self.touched.index_copy_(0, slots, touched)
+            if st is not None:
+                st.index_copy_(0, slots, state)
+        self.pool.rollback()
+        self._undo, self.clock = None, self._undo_clock
 
     def rows(self, gids: torch.Tensor) -> torch.Tensor:
         """[n, d] rows of owned gids as stored; zeros for ids without a row (not admitted yet)."""

@@ -15,8 +15,10 @@ Each row of a batch is one of three kinds (exchange.plan_lookup):
 A hot step (the scheduler says every id of the global batch is replicated) runs no alltoall at all.
 A training step goes prepare() -> lookup() -> apply_gradients(), or discard() instead of the
 last when every rank decided to skip the step (train.nonfinite=skip): no row, replica, cache entry
-or version changes. What a step holds between those calls (its batch, plan, the remote protocol's
-begun read and read, the workspace) lives in its InFlightStep (types.py), which every call takes:
+or version changes; dynamic tables' admissions, evictions and counts of the step are undone too
+(DynamicStore.rollback, Replica.rollback: they journal them from the step's lookup to its update).
+What a step holds between those calls (its batch, plan, the remote protocol's begun read and read,
+the workspace) lives in its InFlightStep (types.py), which every call takes:
 this module keeps no step of its own, so the step prepared ahead (train.pipeline) and the step
 being trained are two objects the trainer holds side by side (trainer/pipeline.py).
 Evaluation (eval_lookup) reads fresh rows from the owners after a flush, so it measures the model
@@ -97,6 +99,7 @@ class HybridEmbedding:
         if replica is not None:
             replica.load_from_owners(comm, store)
         self.step = -1  # the clock of training lookups (the cache's LRU ages, the audit)
+        self.undoable = False  # enable_discard(): dynamic tables journal each step's admissions
 
     @property
     def cache(self):
@@ -151,6 +154,8 @@ class HybridEmbedding:
         ws = self._workspace(plan)
         self.step += 1
         if self.store.dynamic:  # its own ids first; peers' requests when this rank serves them
+            for undo in self._journals():  # until apply_gradients (commit) or discard (rollback)
+                undo.begin()
             self.store.clock = self.step
             self.store.admit(plan.owned_ids)
             if self.replica is not None:  # the hot ids the global batch reads (replica.py)
@@ -193,6 +198,8 @@ class HybridEmbedding:
         have started and before this rank waits for what it receives (train.pipeline starts the
         dense allreduce there, so it travels behind the row gradients while the owner updates)."""
         ws, read = self._finish(flight, "apply_gradients")
+        for undo in self._journals():
+            undo.commit()
         plan, info = flight.plan, flight.info
         self.store.rounding.step = flight.step  # half rows: this step's updates round by its key
         grad = ws.grad if ws.grad is not None else torch.zeros_like(ws)
@@ -211,8 +218,10 @@ class HybridEmbedding:
         self._apply(owned, finish())
 
     def enable_discard(self) -> None:
-        """Make discard() possible: protocols with state (the HET cache) journal each read."""
+        """Make discard() possible: protocols with state (the HET cache) journal each read, dynamic
+        tables each step's admissions."""
         self.remote.enable_undo()
+        self.undoable = True
 
     def discard(self, flight: InFlightStep) -> None:
         """Drop a looked-up training step instead of applying its gradients. Every rank must call
@@ -220,6 +229,15 @@ class HybridEmbedding:
         _, read = self._finish(flight, "discard")
         if not flight.info.hot:
             self.remote.discard(read)
+        for undo in self._journals():
+            undo.rollback()
+
+    def _journals(self) -> list[Any]:
+        """What journals a training step's admissions while discard() is possible (dynamic tables):
+        the owner's pool and rows, and the replica's rows given a life."""
+        if not (self.undoable and self.store.dynamic):
+            return []
+        return [self.store] if self.replica is None else [self.store, self.replica]
 
     @staticmethod
     def _finish(flight: InFlightStep, what: str) -> tuple[torch.Tensor, Any]:

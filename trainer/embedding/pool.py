@@ -27,6 +27,9 @@ count and its scores, and comes back as a new id.
 Pinned rows (`pins`): ids of which another worker holds a copy that it updates (a replicated hot
 row, placement; a row Herald lent out) are never evicted while that copy lives, so no copy
 outlives its id's life here. The pins are asked for only when a table evicts (O(capacity) then).
+
+Undo (train.nonfinite=skip, fp16's skipped steps): pool_journal.py (the pool saves each slot and
+pending count it changes first, so a skipped step's admissions, evictions and counts roll back).
 """
 from __future__ import annotations
 
@@ -36,6 +39,7 @@ import torch
 
 import kernels
 from kernels.probe_map import cells_bound
+from .pool_journal import PoolJournal
 from .sharding import ID_BITS
 
 POOL_COUNTERS = ("admissions", "evictions", "dropped_grads", "rejected")  # [T] each, per owner
@@ -57,7 +61,7 @@ def pool_slot_bytes(device: torch.device, slots: int) -> int:
     return -(-16 * cells_bound(max(slots, 1)) // max(slots, 1)) + 24
 
 
-class SlotPool:
+class SlotPool(PoolJournal):
     """Slots of `capacity` rows per table for `num_tables` dynamic tables (see the module docstring)."""
 
     def __init__(self, num_tables: int, capacity: int, admit_after: int, eviction: str,
@@ -89,6 +93,7 @@ class SlotPool:
         self.stale_copies = 0  # copies that came back to another life of their id, dropped (0: pins hold)
         # callables giving gids (any order, any owner) never to be evicted now (module docstring)
         self.pins: list[Callable[[], torch.Tensor]] = []
+        self.init_journal()
 
     def reindex(self) -> None:
         """Rebuild the id -> slot map and the free slots from slot_gid (after a checkpoint load)."""
@@ -152,6 +157,7 @@ class SlotPool:
         u = gids if _ascending(gids) else torch.unique(gids)  # a plan's owned ids are already
         slots_u, miss_u = self.lookup(u)
         hit = slots_u[~miss_u]
+        self._save(hit)
         reborn = self._expire(u[~miss_u], hit, step) if self.ttl else None
         self.last_use.index_fill_(0, hit, step)
         self.uses.index_add_(0, hit, torch.ones_like(hit))
@@ -185,6 +191,7 @@ class SlotPool:
             seen = val & ((1 << _COUNT_BITS) - 1)
             counted = (val >> _COUNT_BITS) == step
             cnt = torch.where(absent, torch.ones_like(val), torch.where(counted, seen, seen + 1))
+            self._save_pending(new, val, absent)
             self.pending.insert(new, (step << _COUNT_BITS) | cnt)
             new = new[cnt >= self.admit_after]
         if not new.numel():
@@ -192,6 +199,7 @@ class SlotPool:
         ids, slots = self._place(new, step)
         if not ids.numel():
             return None
+        self._save(slots)
         self._insert(ids, slots)
         self.slot_gid.index_copy_(0, slots, ids)
         self.last_use.index_fill_(0, slots, step)
@@ -242,6 +250,7 @@ class SlotPool:
             return free
         victims = self._victims(lo, hi, short, step)
         if victims.numel():
+            self._save(victims)
             self._memo.clear()
             self.map.erase(self.slot_gid[victims])
             self.slot_gid[victims] = -1

@@ -23,6 +23,9 @@ allreduce of a flag each). Until then a hot id reads zeros and its gradient is d
 its owner), as without a replica. Its owner pins it (pool.SlotPool.pins): a replicated row is never
 evicted, so the replica never holds a life its owner has ended; each replicated row keeps its life
 (the admission step + 1, 8 B) and goes back to its owner only into the same life (else an error).
+A skipped step (train.nonfinite=skip, fp16's overflows) undoes the lives it gave: between begin()
+and commit() `admit` keeps each newly admitted row's life, value and optimizer state first, and
+rollback() puts them back (with the owner's own rollback: dynamic.DynamicStore.rollback).
 
 Half-precision rows (embedding.dtype): the replica holds them in the owners' type and its optimizer
 rounds them with the run's rule, keyed by the row's flat id like the owner's, so a replicated row
@@ -54,6 +57,7 @@ class Replica:
         if self.dynamic:
             mine = self._owned()[1]
             store.pool.pins.append(lambda: mine)
+        self._undo: list[tuple] | None = None  # rows admit() gave a life, kept as they were, while undoable
 
     def __len__(self) -> int:
         return int(self.gids.numel())
@@ -90,10 +94,33 @@ class Replica:
         life = torch.zeros_like(g).masked_scatter_(mine, store.lives(g[mine]))
         life = comm.allreduce(life.cpu(), op="sum", kind="meta").to(g.device)
         got = new[life > 0]
+        if self._undo is not None:
+            st = self.optimizer.state
+            self._undo.append((got, self.life.index_select(0, got), self.weight.index_select(0, got),
+                               st.index_select(0, got) if st is not None else None))
         self.life.index_copy_(0, got, life[life > 0])
         self.weight.index_copy_(0, got, store.initial_values(self.gids.index_select(0, got)))
         if self.optimizer.state is not None:
             self.optimizer.state.index_fill_(0, got, self.optimizer.init)
+
+    def begin(self) -> None:
+        """Make the coming admissions undoable (a training step whose skip is possible)."""
+        self._undo = []
+
+    def commit(self) -> None:
+        self._undo = None
+
+    def rollback(self) -> None:
+        """The step is skipped: the rows it admitted get their life (0), value and state back."""
+        if self._undo is None:
+            raise RuntimeError("Replica.rollback() without begin()")
+        st = self.optimizer.state
+        for got, life, weight, state in reversed(self._undo):
+            self.life.index_copy_(0, got, life)
+            self.weight.index_copy_(0, got, weight)
+            if st is not None:
+                st.index_copy_(0, got, state)
+        self._undo = None
 
     def apply(self, slots: torch.Tensor, grads: torch.Tensor, store: ShardStore) -> None:
         """One optimizer step on distinct slots [u] with the gradient summed over workers [u, d];
