@@ -116,6 +116,11 @@ class SlotPool(PoolJournal):
             if m[0].numel() == gids.numel() and torch.equal(m[0], gids):
                 self._memo.insert(0, self._memo.pop(i))
                 return m[1], m[2]
+        if len(self._memo) == 2:  # the owner's update asks for its own ids then its peers' (W > 1)
+            for x, y in (self._memo, self._memo[::-1]):
+                k = x[0].numel()
+                if k + y[0].numel() == gids.numel() and torch.equal(x[0], gids[:k]) and torch.equal(y[0], gids[k:]):
+                    return torch.cat([x[1], y[1]]), torch.cat([x[2], y[2]])
         slots, miss = self.map.lookup(gids)
         self._memo = [(gids.clone(), slots, miss, _ascending(gids), self._clock), *self._memo[:1]]
         return slots, miss
