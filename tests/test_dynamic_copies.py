@@ -103,3 +103,64 @@ def test_resume_with_replicated_rows_equals_uninterrupted(tmp_path):
     full = resume_at_step_8_equals_uninterrupted(tmp_path, HOT + ["embedding.capacity=30", "embedding.admit_after=2",
                                                                   "optim=adagrad"])
     assert full[0].summary["dynamic"]["evictions"] > 0 and full[0].summary["placement"]["hot_steps"] > 0
+
+
+@pytest.mark.dist
+def test_replicated_and_lent_rows_resume_at_another_world_size(tmp_path):
+    """FAE's replica and Herald's lent rows across a checkpoint at another W, without eviction
+    (admit_after = 2, Adagrad): a W = 2 checkpoint (FAE + Herald) resumed on one process (FAE),
+    and the single process's checkpoint (neither) resumed on W = 3 (FAE + Herald), each equals the uninterrupted single process in every loss, dense parameter,
+    admitted id and row, and counter (the save wrote the replica back and called the lent rows
+    home; the resume rebuilt the replica from the new owners with each row's life)."""
+    import trainer.checkpoint as ckpt
+    from test_dynamic_parity import _counts
+    overrides = [o for o in BASE if o != "checkpoint.enabled=false"] + NO_EVICTION + [
+        "optim=adagrad", "embedding.admit_after=2", "checkpoint.every=8"]
+    copies = FAE + ["placement.hot_batches=false"] + HERALD
+    ref = run_single(overrides + [f"checkpoint.dir={tmp_path / 'w1'}"])
+    run_world(2, overrides + copies + [f"checkpoint.dir={tmp_path / 'w2'}"])
+    saved = {w: dict(ckpt.complete_checkpoints(str(tmp_path / f"w{w}")))[8] for w in (1, 2)}
+    for saved_on, world, extra in ((2, 1, FAE + ["placement.hot_batches=false"]), (1, 3, copies)):
+        again = overrides + extra + [f"checkpoint.resume={saved[saved_on]}",
+                                     f"checkpoint.dir={tmp_path / f'again{saved_on}{world}'}"]
+        got = run_world(world, again) if world > 1 else [run_single(again)]
+        assert got[0].summary["start_step"] == 8
+        for res in got:
+            assert_same_ids(ref, res)
+            assert_same_run(ref, res)
+        assert _counts(got[0].summary["dynamic"]) == _counts(ref.summary["dynamic"]), (saved_on, world)
+        assert got[0].summary["placement"]["hot_rows"] > 20
+        if world > 1:  # rows really were replicated and lent after the resume
+            assert got[0].summary["bytes"]["replica"] > 0 and got[0].summary["placement"]["schedule"]["lend_pulls"] > 0
+    assert ref.summary["dynamic"]["pending_ids"] > 0 and ref.summary["dynamic"]["dropped_grads"] > 0
+
+
+@pytest.mark.dist
+def test_replicated_and_lent_rows_resume_under_eviction(tmp_path):
+    """30-row pools (evictions), hot rows replicated and the others lent by Herald, admit_after = 2:
+    saved at step 8 of 16 on W = 2 and resumed on W = 2, every loss, parameter, admitted id and
+    counter equals the uninterrupted run; the same checkpoint resumed on W = 3 with 20-row pools
+    (over-full owners evict by score at the load) keeps the per-owner invariants: no id shares a
+    row, rows in use <= W x capacity, admissions - evictions = rows in use, no stale writeback,
+    and every hot id is held again."""
+    import trainer.checkpoint as ckpt
+    extra = ["embedding.admit_after=2", "optim=adagrad", *FAE, *HERALD]
+    full = resume_at_step_8_equals_uninterrupted(tmp_path, extra + ["embedding.capacity=30"])
+    d = full[0].summary["dynamic"]
+    assert d["evictions"] > 50 and d["stale_copies"] == 0 and d["dropped_grads"] > 0
+    assert full[0].summary["placement"]["schedule"]["lend_pulls"] > 0
+    step8 = dict(ckpt.complete_checkpoints(str(tmp_path / "full")))[8]
+    cap, world = 20, 3
+    overrides = [o for o in BASE if o != "checkpoint.enabled=false"] + extra + [
+        f"embedding.capacity={cap}", f"checkpoint.resume={step8}", f"checkpoint.dir={tmp_path / 'w3'}"]
+    res = run_world(world, overrides)
+    s = res[0].summary["dynamic"]
+    assert res[0].summary["start_step"] == 8 and s["stale_copies"] == 0
+    for tab, ids in zip(s["tables"], res[0].state["table_ids"]):
+        assert tab["rows_in_use"] == ids.numel() <= world * cap
+        assert ids.unique().numel() == ids.numel()
+        assert tab["admissions"] - tab["evictions"] == tab["rows_in_use"]
+    assert res[0].summary["placement"]["schedule"]["lend_pulls"] > 0
+    hot = _hot_ids(overrides, world)
+    ids = [((t << 56) | i) for t, tab in enumerate(res[0].state["table_ids"]) for i in tab.tolist()]
+    assert hot.numel() > 20 and torch.isin(hot, torch.tensor(ids)).all()
