@@ -34,7 +34,8 @@ from .models import build_model
 from .placement import Plan, plan_run
 from .schedule import Feed
 from .schedule.feed import make_order
-from .schedule.herald import HeraldPartition, HeraldPlanner, IdSpace
+from .schedule.herald import HeraldPlanner, IdSpace
+from .schedule.partition import HeraldPartition
 
 
 class TrainingError(RuntimeError):
