@@ -682,12 +682,9 @@ def _validate_dynamic(c: Config) -> None:
     _check(e.capacity > 0, "embedding.capacity", e.capacity, "embedding.tables=dynamic needs a pool of > 0 rows per table")
     _check(c.data.name == "synthetic" or not c.data.scramble_ids, "data.scramble_ids", True,
            "is a synthetic-data option")
-    copies = c.placement.name != "none" or c.schedule.name == "herald"  # rows replicated or lent
     for key, value, ok, why in (
             ("placement.name", c.placement.name, c.placement.name != "sca",
              "sca's cost model (it simulates fixed tables): use placement=fae"),
-            ("embedding.ttl_steps", e.ttl_steps, not (e.ttl_steps and copies),
-             "expiring rows that are replicated (placement) or lent (schedule=herald)"),
             ("embedding.audit", e.audit, not e.audit, "the audit (an array over every id)"),
             ("train.nonfinite", c.train.nonfinite, c.train.nonfinite != "skip", "skipped steps (admission is not undone)"),
             ("comm.settled_rows", c.comm.settled_rows, c.comm.settled_rows != "always", "early settled rows"),

@@ -23,6 +23,11 @@ allreduce of a flag each). Until then a hot id reads zeros and its gradient is d
 its owner), as without a replica. Its owner pins it (pool.SlotPool.pins): a replicated row is never
 evicted, so the replica never holds a life its owner has ended; each replicated row keeps its life
 (the admission step + 1, 8 B) and goes back to its owner only into the same life (else an error).
+With embedding.ttl_steps a replicated row expires as its owner's does: every rank sees every read
+of a hot id, so each keeps the step each hot row was last read (8 B) and, when a hot row read now
+was unread for more than ttl steps, starts its new life (initial row, fresh optimizer state) on
+every replica alike, by the owner's rule (pool.expired) and with no message; the owner, which
+stamps the same reads, has just done the same.
 
 Half-precision rows (embedding.dtype): the replica holds them in the owners' type and its optimizer
 rounds them with the run's rule, keyed by the row's flat id like the owner's, so a replicated row
@@ -33,6 +38,7 @@ from __future__ import annotations
 import torch
 
 from ..comm import Collectives
+from .pool import expired
 from .store import ShardStore
 
 
@@ -51,6 +57,9 @@ class Replica:
         self.dynamic = store.dynamic
         # dynamic tables: the life of each replicated row (0: not admitted yet; fixed tables: 1)
         self.life = torch.full_like(self.gids, 0 if self.dynamic else 1)
+        # embedding.ttl_steps: each row's last training read, as its owner's pool stamps it
+        self.ttl = store.pool.ttl if self.dynamic else 0
+        self.last = torch.full_like(self.gids, -1)
         if self.dynamic:
             mine = self._owned()[1]
             store.pool.pins.append(lambda: mine)
@@ -82,6 +91,8 @@ class Replica:
         from their initial row and a fresh optimizer state, as on the owner."""
         gids = self.gids.index_select(0, union)
         store.admit(gids[self.sharding.owned_by(gids)])
+        if self.ttl:
+            self._expire(union, store)
         new = union[self.life.index_select(0, union) == 0]
         if not new.numel():
             return
@@ -91,9 +102,23 @@ class Replica:
         life = comm.allreduce(life.cpu(), op="sum", kind="meta").to(g.device)
         got = new[life > 0]
         self.life.index_copy_(0, got, life[life > 0])
-        self.weight.index_copy_(0, got, store.initial_values(self.gids.index_select(0, got)))
+        self._start_life(got, store)
+
+    def _expire(self, union: torch.Tensor, store: ShardStore) -> None:
+        """embedding.ttl_steps: the admitted rows among union [u] (read now) that were unread for
+        more than ttl steps start a new life, as on their owner (module docstring)."""
+        held = union[self.life.index_select(0, union) > 0]
+        old = held[expired(self.last.index_select(0, held), store.clock, self.ttl)]
+        self.last.index_fill_(0, union, store.clock)
+        if old.numel():
+            self.life.index_fill_(0, old, store.clock + 1)
+            self._start_life(old, store)
+
+    def _start_life(self, slots: torch.Tensor, store: ShardStore) -> None:
+        """Replica slots [k] start a life of their id: its initial row, a fresh optimizer state."""
+        self.weight.index_copy_(0, slots, store.initial_values(self.gids.index_select(0, slots)))
         if self.optimizer.state is not None:
-            self.optimizer.state.index_fill_(0, got, self.optimizer.init)
+            self.optimizer.state.index_fill_(0, slots, self.optimizer.init)
 
     def apply(self, slots: torch.Tensor, grads: torch.Tensor, store: ShardStore) -> None:
         """One optimizer step on distinct slots [u] with the gradient summed over workers [u, d];
@@ -123,9 +148,11 @@ class Replica:
         got = comm.allgather(parts.cpu(), kind="meta").to(self.weight.device)
         if got_slots.numel() != len(self):
             raise RuntimeError(f"replica: owners sent {got_slots.numel()} rows for {len(self)} replicated ids")
-        if self.dynamic:  # admitted or not, and in which life
-            lives = comm.allgather(store.lives(gids).cpu(), kind="meta")
-            self.life.index_copy_(0, got_slots, lives.to(self.life.device))
+        if self.dynamic:  # admitted or not, in which life, and last read when (embedding.ttl_steps)
+            lives = torch.stack([store.lives(gids), store.last_reads(gids)], 1)
+            lives = comm.allgather(lives.cpu(), kind="meta").to(self.life.device)
+            self.life.index_copy_(0, got_slots, lives[:, 0])
+            self.last.index_copy_(0, got_slots, lives[:, 1])
         self.weight.index_copy_(0, got_slots, got[:, :self.dim].to(self.weight.dtype))
         if state is not None:
             mine = self.optimizer.state

@@ -25,11 +25,12 @@ pulls, pushes (gradients + writebacks) and the naive baseline, for summary.json 
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
+from ..embedding.pool import expired
 from ..embedding.sharding import Sharding
 from .feed import GlobalBatch, is_member
 from .holders import Holders
@@ -95,6 +96,9 @@ class SyncPlan:
     local[w]:     rows w reads from its own copy; keep[w] (bool over local[w]): w stays the holder
                   and updates it locally, else (just written back, shared) w pushes its gradient
     push[w]:      rows whose gradient w pushes to their owners this step
+    expired:      lent rows read this step after more than embedding.ttl_steps steps unread (sorted,
+                  every worker's): their id starts a new life at its owner now, so a copy read is
+                  read again from the owner and a copy written back goes back to nothing
     """
 
     writeback: list[np.ndarray]
@@ -103,13 +107,15 @@ class SyncPlan:
     local: list[np.ndarray]
     keep: list[np.ndarray]
     push: list[np.ndarray]
+    expired: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
 
 
 class HeraldPlanner:
     """The global state of on-demand sync: which worker holds which lent row (LRU per worker)."""
 
-    def __init__(self, world: int, space: IdSpace, capacity: int) -> None:
+    def __init__(self, world: int, space: IdSpace, capacity: int, ttl: int = 0) -> None:
         self.world, self.space, self.capacity = world, space, int(capacity)
+        self.ttl = ttl  # dynamic tables' embedding.ttl_steps (0: rows never expire)
         self.holders = Holders()
         self.returning = np.zeros(0, np.int64)  # the rows the last plan sends back (writebacks)
         self.held = [np.zeros(0, np.int64) for _ in range(world)]
@@ -126,11 +132,14 @@ class HeraldPlanner:
         h = self.holders.of(g)
         excl = (readers == 1) & (w != owner)
         back = np.unique(g[(h >= 0) & (w != h)])  # held rows somebody else reads now
+        read = np.unique(g[h >= 0])  # a held row's holder was its only reader since it was lent:
+        ended = read[expired(self.holders.last_use(read), step, self.ttl)]  # its last use is the id's
         hb = self.holders.of(back)
         wb = [back[hb == k] for k in range(self.world)]
         self.holders.drop(back)
         plan = self._per_worker(step, g, w, owner, h, excl, wb)
         self.returning = np.concatenate(plan.writeback)
+        plan.expired = ended
         self._count(plan)
         return plan
 
