@@ -338,8 +338,6 @@ def test_free_slots_after_a_load_go_lowest_first_and_lookups_stay_exact():
 
 @pytest.mark.parametrize("overrides,key", [
     (["placement=sca"], "placement.name"),
-    (["placement=fae", "embedding.ttl_steps=3"], "embedding.ttl_steps"),
-    (["schedule=herald", "cache=lru", "embedding.ttl_steps=3"], "embedding.ttl_steps"),
     (["schedule=herald", "cache=lru", "train.nonfinite=skip"], "train.nonfinite"),
     (["schedule=herald", "cache=lru", "train.precision=fp16"], "train.precision"),
     (["embedding.audit=true"], "embedding.audit"),

@@ -7,7 +7,11 @@ hot rows (placement=fae) and Herald's lent rows (schedule=herald), real gloo pro
 - Eviction: the owner pins every id copied elsewhere, so a copy never outlives its id's life: the
   replica writes back only into the life it was admitted in (an error otherwise), Herald drops and
   counts a writeback of another life (`stale_copies`, 0 here); the pool invariants hold.
-- A checkpoint resume with replicated rows equals the uninterrupted run.
+- Expiry (embedding.ttl_steps): copies expire with their ids, by the owner's rule, so W = 2 with
+  FAE and Herald still equals one process without copies.
+- A checkpoint resume with replicated (and lent) rows equals the uninterrupted run at the same W,
+  and the single process at another W without eviction; with eviction at another W the
+  invariants hold.
 """
 from __future__ import annotations
 
@@ -70,15 +74,23 @@ def test_copied_rows_are_pinned_on_their_owner_under_eviction():
     cap = 30
     overrides = BASE + [f"embedding.capacity={cap}", "optim=adagrad", "train.steps=24", *FAE, *HERALD]
     res = run_world(2, overrides)
-    s = res[0].summary["dynamic"]
-    assert s["evictions"] > 100 and s["stale_copies"] == 0
-    for tab, ids in zip(s["tables"], res[0].state["table_ids"]):
-        assert tab["rows_in_use"] == ids.numel() <= 2 * cap
-        assert ids.unique().numel() == ids.numel()  # no id holds two rows, on one owner or two
+    assert res[0].summary["dynamic"]["evictions"] > 100
+    assert_copies_kept_their_invariants(res[0], overrides, 2, cap)
+
+
+def assert_copies_kept_their_invariants(res, overrides: list[str], world: int, cap: int) -> None:
+    """Rank 0's result of a run of `overrides` on `world` workers with `cap`-row pools, FAE and
+    Herald: no id holds two rows (on one owner or two), rows in use <= W x cap and admissions -
+    evictions = rows in use per table, no stale writeback, rows were lent, and every hot id was
+    read, admitted and is still held (pinned)."""
+    s = res.summary["dynamic"]
+    assert s["stale_copies"] == 0 and res.summary["placement"]["schedule"]["lend_pulls"] > 0
+    for tab, ids in zip(s["tables"], res.state["table_ids"]):
+        assert tab["rows_in_use"] == ids.numel() <= world * cap
+        assert ids.unique().numel() == ids.numel()
         assert tab["admissions"] - tab["evictions"] == tab["rows_in_use"]
-    assert res[0].summary["placement"]["schedule"]["lend_pulls"] > 0
-    hot = _hot_ids(overrides, 2)  # every hot id was read, admitted, and is still held
-    ids = [((t << 56) | i) for t, tab in enumerate(res[0].state["table_ids"]) for i in tab.tolist()]
+    hot = _hot_ids(overrides, world)
+    ids = [((t << 56) | i) for t, tab in enumerate(res.state["table_ids"]) for i in tab.tolist()]
     assert hot.numel() > 20 and torch.isin(hot, torch.tensor(ids)).all()
 
 
@@ -103,3 +115,79 @@ def test_resume_with_replicated_rows_equals_uninterrupted(tmp_path):
     full = resume_at_step_8_equals_uninterrupted(tmp_path, HOT + ["embedding.capacity=30", "embedding.admit_after=2",
                                                                   "optim=adagrad"])
     assert full[0].summary["dynamic"]["evictions"] > 0 and full[0].summary["placement"]["hot_steps"] > 0
+
+
+@pytest.mark.dist
+def test_replicated_and_lent_rows_resume_at_another_world_size(tmp_path):
+    """FAE's replica and Herald's lent rows across a checkpoint at another W, without eviction
+    (admit_after = 2, Adagrad): a W = 2 checkpoint (FAE + Herald) resumed on one process (FAE),
+    and the single process's checkpoint (neither) resumed on W = 3 (FAE + Herald), each equals the uninterrupted single process in every loss, dense parameter,
+    admitted id and row, and counter (the save wrote the replica back and called the lent rows
+    home; the resume rebuilt the replica from the new owners with each row's life)."""
+    import trainer.checkpoint as ckpt
+    from test_dynamic_parity import _counts
+    overrides = [o for o in BASE if o != "checkpoint.enabled=false"] + NO_EVICTION + [
+        "optim=adagrad", "embedding.admit_after=2", "checkpoint.every=8"]
+    copies = FAE + ["placement.hot_batches=false"] + HERALD
+    ref = run_single(overrides + [f"checkpoint.dir={tmp_path / 'w1'}"])
+    run_world(2, overrides + copies + [f"checkpoint.dir={tmp_path / 'w2'}"])
+    saved = {w: dict(ckpt.complete_checkpoints(str(tmp_path / f"w{w}")))[8] for w in (1, 2)}
+    for saved_on, world, extra in ((2, 1, FAE + ["placement.hot_batches=false"]), (1, 3, copies)):
+        again = overrides + extra + [f"checkpoint.resume={saved[saved_on]}",
+                                     f"checkpoint.dir={tmp_path / f'again{saved_on}{world}'}"]
+        got = run_world(world, again) if world > 1 else [run_single(again)]
+        assert got[0].summary["start_step"] == 8
+        for res in got:
+            assert_same_ids(ref, res)
+            assert_same_run(ref, res)
+        assert _counts(got[0].summary["dynamic"]) == _counts(ref.summary["dynamic"]), (saved_on, world)
+        assert got[0].summary["placement"]["hot_rows"] > 20
+        if world > 1:  # rows really were replicated and lent after the resume
+            assert got[0].summary["bytes"]["replica"] > 0 and got[0].summary["placement"]["schedule"]["lend_pulls"] > 0
+    assert ref.summary["dynamic"]["pending_ids"] > 0 and ref.summary["dynamic"]["dropped_grads"] > 0
+
+
+@pytest.mark.dist
+def test_replicated_and_lent_rows_resume_under_eviction_and_expiry(tmp_path):
+    """30-row pools (evictions), rows expiring after 3 steps unread, hot rows replicated and the
+    others lent by Herald, admit_after = 2: saved at step 8 of 16 on W = 2 and resumed on W = 2,
+    every loss, parameter, admitted id and counter equals the uninterrupted run (the replica takes
+    its rows' last reads from the owners, so it expires them as they do); the same checkpoint
+    resumed on W = 3 with 20-row pools (over-full owners evict by score at the load) keeps the
+    per-owner invariants: no id shares a row, rows in use <= W x capacity, admissions - evictions
+    = rows in use, no stale writeback, every hot id is held again."""
+    import trainer.checkpoint as ckpt
+    extra = ["embedding.admit_after=2", "optim=adagrad", "embedding.ttl_steps=3", *FAE, *HERALD]
+    full = resume_at_step_8_equals_uninterrupted(tmp_path, extra + ["embedding.capacity=30"])
+    d = full[0].summary["dynamic"]
+    assert d["evictions"] > 50 and d["stale_copies"] == 0 and d["dropped_grads"] > 0
+    assert full[0].summary["placement"]["schedule"]["lend_pulls"] > 0
+    step8 = dict(ckpt.complete_checkpoints(str(tmp_path / "full")))[8]
+    cap, world = 20, 3
+    overrides = [o for o in BASE if o != "checkpoint.enabled=false"] + extra + [
+        f"embedding.capacity={cap}", f"checkpoint.resume={step8}", f"checkpoint.dir={tmp_path / 'w3'}"]
+    res = run_world(world, overrides)[0]
+    assert res.summary["start_step"] == 8
+    assert_copies_kept_their_invariants(res, overrides, world, cap)
+
+
+@pytest.mark.dist
+def test_replicated_and_lent_rows_expire_as_in_one_process():
+    """embedding.ttl_steps=2 with hot rows replicated and the others lent by Herald (admit_after = 2,
+    Adagrad, no eviction for room): a replicated or lent row read after more than 2 steps unread
+    starts its new life on its owner and on its copies alike (the replica by the owner's rule, from
+    the same reads; Herald's plan names the lent ones), so one process with FAE alone, and W = 2 with
+    FAE and Herald, equal one process without copies in every loss, dense parameter, admitted id
+    and row, and counter (expiries included), with no stale writeback."""
+    from test_dynamic_parity import _counts
+    overrides = BASE + NO_EVICTION + ["optim=adagrad", "embedding.admit_after=2", "embedding.ttl_steps=2"]
+    fae = FAE + ["placement.hot_batches=false"]
+    ref = run_single(overrides)
+    assert ref.summary["dynamic"]["evictions"] > 100  # rows really expired (nothing is evicted for room)
+    for got in ([run_single(overrides + fae)], run_world(2, overrides + fae + HERALD)):
+        for res in got:
+            assert_same_ids(ref, res)
+            assert_same_run(ref, res)
+        assert _counts(got[0].summary["dynamic"]) == _counts(ref.summary["dynamic"])
+        assert got[0].summary["dynamic"]["stale_copies"] == 0 and got[0].summary["placement"]["hot_rows"] > 20
+    assert got[0].summary["placement"]["schedule"]["lend_pulls"] > 0

@@ -224,3 +224,25 @@ def test_two_workers_skip_equal_the_single_process_that_never_saw_the_batch():
     assert d["pending_ids"] > 0 and d["dropped_grads"] > 0 and res[0].summary["placement"]["hot_rows"] > 10
     for key in ("admissions", "rows_in_use", "dropped_grads", "pending_ids", "evictions"):
         assert d[key] == ref_dynamic[key], key
+
+
+@pytest.mark.dist
+def test_two_workers_skip_with_expiry_equal_the_single_process_skipping_the_same_steps(monkeypatch):
+    """embedding.ttl_steps = 1 (a row unread in the previous step expires when read), hot rows
+    replicated at W = 2 (FAE, each replica expires its rows too): a skipped step's expiries and
+    the last reads it stamped are undone on owners and replicas, while its step number stays used
+    (expiry counts steps, so the reference skips the same steps, rather than never running them):
+    W = 2 equals the single process, without placement, skipping steps 2 and 5."""
+    overrides = DYN + NO_EVICTION + ["embedding.admit_after=2", "optim=adagrad", "embedding.ttl_steps=1"]
+    bad = (2, 5)
+    res = spawn(2, skip_worker, overrides + FAE + ["placement.hot_batches=false"], bad, 0)
+    poison_w1(monkeypatch, bad)
+    ref = run(make_cfg(overrides + SKIP + ["comm=local"]), return_state=True)
+    for r, got in enumerate(res):
+        assert_same_ids(ref, got)
+        assert_same_run(RunResult({}, r, without(ref.losses, bad), ref.state),
+                        RunResult({}, r, without(got.losses, bad), got.state))
+    d = res[0].summary["dynamic"]
+    assert d["evictions"] > 0 and res[0].summary["placement"]["hot_rows"] > 10  # rows expired
+    for key in ("admissions", "rows_in_use", "dropped_grads", "pending_ids", "evictions"):
+        assert d[key] == ref.summary["dynamic"][key], key

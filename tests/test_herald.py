@@ -23,7 +23,8 @@ from trainer.configure import load_config
 from trainer.data import SyntheticData
 from trainer.embedding.sharding import RowSharding
 from trainer.schedule.feed import Feed, StreamOrder
-from trainer.schedule.herald import HeraldPartition, HeraldPlanner, IdSpace, read_pairs
+from trainer.schedule.herald import HeraldPlanner, IdSpace, read_pairs
+from trainer.schedule.partition import HeraldPartition
 
 BASE = ["data=tiny", "data.table_rows=[97,3001,13,1250]", "train.steps=24", "data.global_batch_size=48",
         "data.eval_samples=480", "data.eval_batch_size=40", "train.threads=1", "train.progress=off"]

@@ -34,7 +34,8 @@ from .models import build_model
 from .placement import Plan, plan_run
 from .schedule import Feed
 from .schedule.feed import make_order
-from .schedule.herald import HeraldPartition, HeraldPlanner, IdSpace
+from .schedule.herald import HeraldPlanner, IdSpace
+from .schedule.partition import HeraldPartition
 
 
 class TrainingError(RuntimeError):
@@ -156,7 +157,8 @@ def _make_herald(c: Config, world: int, space: IdSpace, plan: Plan) -> Optional[
     total capacity per worker (0 with cache=none: nothing is lent, pushes are still planned)."""
     if c.schedule.name != "herald" or not c.schedule.on_demand_sync:
         return None
-    return HeraldPlanner(world, space, sum(_cache_rows(c, plan)))
+    ttl = c.embedding.ttl_steps if c.embedding.tables == "dynamic" else 0  # lent rows expire as their ids do
+    return HeraldPlanner(world, space, sum(_cache_rows(c, plan)), ttl)
 
 
 def _make_remote(c: Config, comm: Collectives, store: ShardStore, plan: Plan,

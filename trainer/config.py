@@ -683,12 +683,9 @@ def _validate_dynamic(c: Config) -> None:
     _check(c.data.name == "synthetic" or not c.data.scramble_ids, "data.scramble_ids", True,
            "is a synthetic-data option")
     lent = c.schedule.name == "herald"
-    copies = c.placement.name != "none" or lent  # rows replicated or lent
     for key, value, ok, why in (
             ("placement.name", c.placement.name, c.placement.name != "sca",
              "sca's cost model (it simulates fixed tables): use placement=fae"),
-            ("embedding.ttl_steps", e.ttl_steps, not (e.ttl_steps and copies),
-             "expiring rows that are replicated (placement) or lent (schedule=herald)"),
             ("embedding.audit", e.audit, not e.audit, "the audit (an array over every id)"),
             ("train.nonfinite", c.train.nonfinite, not (c.train.nonfinite == "skip" and lent),
              "skipped steps with rows lent (schedule=herald): their admissions are not undone"),

@@ -197,6 +197,12 @@ class DynamicStore(ShardStore):
         slots, miss = self.pool.lookup(gids)
         return life_of(self.version.index_select(0, slots.clamp(min=0))).masked_fill_(miss, 0)
 
+    def last_reads(self, gids: torch.Tensor) -> torch.Tensor:
+        """[n] the last training step that read each owned gid's row (-1 for ids without a row):
+        what expiry (embedding.ttl_steps) is decided by; a copy held elsewhere carries it."""
+        slots, miss = self.pool.lookup(gids)
+        return self.pool.last_use.index_select(0, slots.clamp(min=0)).masked_fill_(miss, -1)
+
     def check_versions(self, gids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The HET cache's version check of a training read reaching the owner (remote/het.py):
         admit gids first, then (versions [n], tables [n]). An id without a row answers

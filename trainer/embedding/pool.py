@@ -27,13 +27,15 @@ count and its scores, and comes back as a new id.
 Pinned rows (`pins`): ids of which another worker holds a copy that it updates (a replicated hot
 row, placement; a row Herald lent out) are never evicted while that copy lives, so no copy
 outlives its id's life here. The pins are asked for only when a table evicts (O(capacity) then).
+Expiry (embedding.ttl_steps) is not eviction: a copied id expires too, and its copies follow it,
+deciding by the same rule (`expired`) from the same last reads.
 
 Undo (train.nonfinite=skip, fp16's skipped steps): pool_journal.py (the pool saves each slot and
 pending count it changes first, so a skipped step's admissions, evictions and counts roll back).
 """
 from __future__ import annotations
 
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -49,6 +51,14 @@ _COUNT_BITS = 16  # pending value: (step << 16) | count
 def _ascending(gids: torch.Tensor) -> bool:
     """Whether gids [n] are strictly ascending (sorted and distinct)."""
     return gids.numel() < 2 or bool((gids[1:] > gids[:-1]).all())
+
+
+def expired(last_read: Any, step: int, ttl: int) -> Any:
+    """embedding.ttl_steps' rule: rows last read at `last_read` (a torch or numpy array) have
+    expired when read at `step` (unread for more than ttl steps; ttl 0: never). The owner's pool
+    applies it, and so does every copy of a row held elsewhere (the replica, Herald's planner),
+    from the same last reads: all decide alike, with no message."""
+    return (step - last_read > ttl) & (ttl > 0)
 
 
 def pool_slot_bytes(device: torch.device, slots: int) -> int:
@@ -178,7 +188,7 @@ class SlotPool(PoolJournal):
         not read for more than ttl steps start a new life in the same slot (returned for the
         store to initialise; counted as an eviction and an admission): an expired row is never
         read again. Decided by each id's own last read and the step: the same at any W."""
-        stale = (step - self.last_use[slots]) > self.ttl
+        stale = expired(self.last_use[slots], step, self.ttl)
         if not bool(stale.any()):
             return None
         ids, slots = ids[stale], slots[stale]

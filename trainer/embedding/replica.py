@@ -27,6 +27,12 @@ A skipped step (train.nonfinite=skip, fp16's overflows) undoes the lives it gave
 and commit() `admit` keeps each newly admitted row's life, value and optimizer state first, and
 rollback() puts them back (with the owner's own rollback: dynamic.DynamicStore.rollback).
 
+With embedding.ttl_steps a replicated row expires as its owner's does: every rank sees every read
+of a hot id, so each keeps the step each hot row was last read (8 B) and, when a hot row read now
+was unread for more than ttl steps, starts its new life (initial row, fresh optimizer state) on
+every replica alike, by the owner's rule (pool.expired) and with no message; the owner, which
+stamps the same reads, has just done the same.
+
 Half-precision rows (embedding.dtype): the replica holds them in the owners' type and its optimizer
 rounds them with the run's rule, keyed by the row's flat id like the owner's, so a replicated row
 takes the very values the owner would have given it (and the reference's).
@@ -36,6 +42,7 @@ from __future__ import annotations
 import torch
 
 from ..comm import Collectives
+from .pool import expired
 from .store import ShardStore
 
 
@@ -54,10 +61,14 @@ class Replica:
         self.dynamic = store.dynamic
         # dynamic tables: the life of each replicated row (0: not admitted yet; fixed tables: 1)
         self.life = torch.full_like(self.gids, 0 if self.dynamic else 1)
+        # embedding.ttl_steps: each row's last training read, as its owner's pool stamps it
+        self.ttl = store.pool.ttl if self.dynamic else 0
+        self.last = torch.full_like(self.gids, -1)
         if self.dynamic:
             mine = self._owned()[1]
             store.pool.pins.append(lambda: mine)
         self._undo: list[tuple] | None = None  # rows admit() gave a life, kept as they were, while undoable
+        self._undo_last: list[tuple] = []  # (slots, last reads) _expire stamped, while undoable
 
     def __len__(self) -> int:
         return int(self.gids.numel())
@@ -86,6 +97,8 @@ class Replica:
         from their initial row and a fresh optimizer state, as on the owner."""
         gids = self.gids.index_select(0, union)
         store.admit(gids[self.sharding.owned_by(gids)])
+        if self.ttl:
+            self._expire(union, store)
         new = union[self.life.index_select(0, union) == 0]
         if not new.numel():
             return
@@ -94,18 +107,40 @@ class Replica:
         life = torch.zeros_like(g).masked_scatter_(mine, store.lives(g[mine]))
         life = comm.allreduce(life.cpu(), op="sum", kind="meta").to(g.device)
         got = new[life > 0]
-        if self._undo is not None:
-            st = self.optimizer.state
-            self._undo.append((got, self.life.index_select(0, got), self.weight.index_select(0, got),
-                               st.index_select(0, got) if st is not None else None))
+        self._save(got)
         self.life.index_copy_(0, got, life[life > 0])
-        self.weight.index_copy_(0, got, store.initial_values(self.gids.index_select(0, got)))
+        self._start_life(got, store)
+
+    def _expire(self, union: torch.Tensor, store: ShardStore) -> None:
+        """embedding.ttl_steps: the admitted rows among union [u] (read now) that were unread for
+        more than ttl steps start a new life, as on their owner (module docstring)."""
+        held = union[self.life.index_select(0, union) > 0]
+        old = held[expired(self.last.index_select(0, held), store.clock, self.ttl)]
+        if self._undo is not None:  # a skipped step leaves the last reads as they were
+            self._undo_last.append((union, self.last.index_select(0, union)))
+        self.last.index_fill_(0, union, store.clock)
+        if old.numel():
+            self._save(old)
+            self.life.index_fill_(0, old, store.clock + 1)
+            self._start_life(old, store)
+
+    def _start_life(self, slots: torch.Tensor, store: ShardStore) -> None:
+        """Replica slots [k] start a life of their id: its initial row, a fresh optimizer state."""
+        self.weight.index_copy_(0, slots, store.initial_values(self.gids.index_select(0, slots)))
         if self.optimizer.state is not None:
-            self.optimizer.state.index_fill_(0, got, self.optimizer.init)
+            self.optimizer.state.index_fill_(0, slots, self.optimizer.init)
+
+    def _save(self, slots: torch.Tensor) -> None:
+        """Between begin() and commit(): keep the life, value and state of replica slots [k]
+        before a new life of theirs starts (admission or expiry)."""
+        if self._undo is not None and slots.numel():
+            st = self.optimizer.state
+            self._undo.append((slots, self.life.index_select(0, slots), self.weight.index_select(0, slots),
+                               st.index_select(0, slots) if st is not None else None))
 
     def begin(self) -> None:
-        """Make the coming admissions undoable (a training step whose skip is possible)."""
-        self._undo = []
+        """Make the coming admissions and expiries undoable (a training step whose skip is possible)."""
+        self._undo, self._undo_last = [], []
 
     def commit(self) -> None:
         self._undo = None
@@ -120,6 +155,8 @@ class Replica:
             self.weight.index_copy_(0, got, weight)
             if st is not None:
                 st.index_copy_(0, got, state)
+        for union, last in reversed(self._undo_last):
+            self.last.index_copy_(0, union, last)
         self._undo = None
 
     def apply(self, slots: torch.Tensor, grads: torch.Tensor, store: ShardStore) -> None:
@@ -150,9 +187,11 @@ class Replica:
         got = comm.allgather(parts.cpu(), kind="meta").to(self.weight.device)
         if got_slots.numel() != len(self):
             raise RuntimeError(f"replica: owners sent {got_slots.numel()} rows for {len(self)} replicated ids")
-        if self.dynamic:  # admitted or not, and in which life
-            lives = comm.allgather(store.lives(gids).cpu(), kind="meta")
-            self.life.index_copy_(0, got_slots, lives.to(self.life.device))
+        if self.dynamic:  # admitted or not, in which life, and last read when (embedding.ttl_steps)
+            lives = torch.stack([store.lives(gids), store.last_reads(gids)], 1)
+            lives = comm.allgather(lives.cpu(), kind="meta").to(self.life.device)
+            self.life.index_copy_(0, got_slots, lives[:, 0])
+            self.last.index_copy_(0, got_slots, lives[:, 1])
         self.weight.index_copy_(0, got_slots, got[:, :self.dim].to(self.weight.dtype))
         if state is not None:
             mine = self.optimizer.state

@@ -1,16 +1,11 @@
-"""Herald (Zeng et al.): location-aware sample partition and on-demand synchronisation.
+"""Herald (Zeng et al.): on-demand synchronisation, and the id space it and its partition plan over.
 
 Why global planning: every rank sees every global batch's ids (feed.py), so every rank can compute
 the same partition and the same synchronisation plan. No decision, id request or "is it fresh?"
 question ever travels: an owner knows which of its rows each worker pulls, which gradients arrive
 and which rows come back, in which order.
 
-Partition (HeraldPartition): minimise the distinct (row, worker) reads of rows the worker neither
-owns nor holds (lent, below). Sample i scores at worker w the ids of i that are free there (owned,
-held, and after the first pass also read by the other samples assigned to w); samples go to their
-best worker, highest scores first, exactly B per worker. The best of these passes and of the
-contiguous (random) partition is kept, so Herald is never worse than random on its objective.
-Deterministic: numpy on the same inputs on every rank.
+Partition (HeraldPartition, a worker for each sample): partition.py.
 
 On-demand sync (HeraldPlanner), exact (BSP) for every sparse optimizer:
 - a row read in a step by exactly one worker w that is not its owner is *lent* to w: w pulls the
@@ -30,11 +25,12 @@ pulls, pushes (gradients + writebacks) and the naive baseline, for summary.json 
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, Optional
+from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
+from ..embedding.pool import expired
 from ..embedding.sharding import Sharding
 from .feed import GlobalBatch, is_member
 from .holders import Holders
@@ -74,11 +70,6 @@ def unique_pairs(a: np.ndarray, b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return a[first], b[first]
 
 
-def dense_ids(gids: np.ndarray) -> np.ndarray:
-    """[m] gids renumbered 0..k-1 in their order (a key gid * W + w cannot overflow then)."""
-    return np.unique(gids, return_inverse=True)[1].reshape(-1).astype(np.int64)
-
-
 def read_pairs(space: IdSpace, gb: GlobalBatch, worker_of: np.ndarray, world: int) -> tuple[np.ndarray, np.ndarray]:
     """(gid [m], worker [m]): the distinct non-replicated rows each worker reads, sorted by gid."""
     keep = space.not_hot(gb.flat)
@@ -95,100 +86,6 @@ def contiguous(g: int, world: int) -> np.ndarray:
     return np.repeat(np.arange(world), g // world)
 
 
-class HeraldPartition:
-    """Location-aware, exactly balanced assignment of a global batch's samples to workers.
-
-    Objective: the distinct (row, worker) reads of rows the worker neither owns nor holds (each
-    one a pull and a push under BSP; replicated rows do not count). Pass 0 scores sample i at
-    worker w by the ids of i that w owns or holds; each further pass adds the ids that samples
-    already assigned to w read too (co-location), and re-assigns. The best of the passes and of
-    the contiguous (random) partition is kept, so Herald is never worse than random on it.
-    """
-
-    def __init__(self, world: int, space: IdSpace, planner: Optional["HeraldPlanner"] = None,
-                 cache_aware: bool = True, passes: int = 2) -> None:
-        self.world, self.space, self.planner, self.cache_aware = world, space, planner, cache_aware
-        self.passes = passes
-        self.remote = 0  # remote reads (the objective) of the partitions chosen so far
-        self.random_remote = 0  # ... and of the contiguous (random) partitions of the same batches
-
-    def _pairs(self, gb: GlobalBatch) -> tuple[np.ndarray, np.ndarray]:
-        """(sample [m], gid [m]): distinct non-replicated (sample, row) pairs."""
-        keep = self.space.not_hot(gb.flat)
-        return unique_pairs(gb.sample[keep], self.space.gids(gb.flat[keep]))
-
-    def _free(self, gid: np.ndarray) -> np.ndarray:
-        """[m, W] bool: the row is owned (or held, when cache-aware) by each worker."""
-        w = self.world
-        free = self.space.owner(gid)[:, None] == np.arange(w)[None, :]
-        if self.cache_aware and self.planner is not None:
-            free |= self.planner.holders.of(gid)[:, None] == np.arange(w)[None, :]
-        return free
-
-    def remote_reads(self, sample: np.ndarray, gid: np.ndarray, free: np.ndarray, a: np.ndarray) -> int:
-        """The objective for assignment a: distinct (row, worker) reads not free at the worker
-        (gid: dense_ids, so gid * W + w fits)."""
-        w = a[sample]
-        key, first = np.unique(gid * self.world + w, return_index=True)
-        return int((~free[first, w[first]]).sum())
-
-    def assign(self, gb: GlobalBatch) -> np.ndarray:
-        n, w = gb.keys.size, self.world
-        sample, gid = self._pairs(gb)
-        free = self._free(gid)
-        gid = dense_ids(gid)  # a key from here on
-        naive = contiguous(n, w)
-        cands = [naive]
-        score = np.stack([np.bincount(sample, weights=free[:, k], minlength=n) for k in range(w)], 1)
-        a = balanced_greedy(score, n // w)
-        cands.append(a)
-        for _ in range(self.passes):
-            a = balanced_greedy(self._colocated(sample, gid, free, a, n), n // w)
-            cands.append(a)
-        costs = [self.remote_reads(sample, gid, free, c) for c in cands]
-        best = int(np.argmin(costs))  # ties keep the earlier candidate (contiguous first)
-        self.remote += costs[best]
-        self.random_remote += costs[0]
-        return cands[best]
-
-    def _colocated(self, sample: np.ndarray, gid: np.ndarray, free: np.ndarray, a: np.ndarray,
-                   n: int) -> np.ndarray:
-        """[G, W] ids of each sample free at each worker given assignment a (owned, held, or read
-        by another sample assigned there)."""
-        w = self.world
-        uk, cnt = np.unique(gid * w + a[sample], return_counts=True)
-        out = np.empty((n, w))
-        for k in range(w):
-            key = gid * w + k
-            pos = np.searchsorted(uk, key).clip(max=uk.size - 1)
-            others = np.where(uk[pos] == key, cnt[pos], 0) - (a[sample] == k)
-            out[:, k] = np.bincount(sample, weights=free[:, k] | (others > 0), minlength=n)
-        return out
-
-
-def balanced_greedy(s: np.ndarray, cap: int) -> np.ndarray:
-    """[n] worker of each sample, exactly `cap` per worker: in rounds, every unassigned sample
-    proposes its best worker with room (lowest index on ties); each worker keeps the highest
-    scoring proposals (ties: lower sample index) up to its room. A round fills a worker or ends."""
-    n, w = s.shape
-    out = np.full(n, -1, np.int64)
-    room = np.full(w, cap, np.int64)
-    score = s.astype(np.float64)
-    while (out < 0).any():
-        free = np.nonzero(out < 0)[0]
-        masked = np.where(room[None, :] > 0, score[free], -np.inf)
-        best = masked.argmax(1)
-        val = masked[np.arange(free.size), best]
-        order = np.lexsort((free, -val, best))  # by worker, then score desc, then sample
-        b_sorted = best[order]
-        start = np.searchsorted(b_sorted, np.arange(w))
-        rank_in = np.arange(order.size) - start[b_sorted]
-        take = rank_in < room[b_sorted]
-        out[free[order[take]]] = b_sorted[take]
-        room -= np.bincount(b_sorted[take], minlength=w)
-    return out
-
-
 @dataclass
 class SyncPlan:
     """One step's synchronisation, per worker w (gids in owner order, then ascending):
@@ -199,6 +96,9 @@ class SyncPlan:
     local[w]:     rows w reads from its own copy; keep[w] (bool over local[w]): w stays the holder
                   and updates it locally, else (just written back, shared) w pushes its gradient
     push[w]:      rows whose gradient w pushes to their owners this step
+    expired:      lent rows read this step after more than embedding.ttl_steps steps unread (sorted,
+                  every worker's): their id starts a new life at its owner now, so a copy read is
+                  read again from the owner and a copy written back goes back to nothing
     """
 
     writeback: list[np.ndarray]
@@ -207,13 +107,15 @@ class SyncPlan:
     local: list[np.ndarray]
     keep: list[np.ndarray]
     push: list[np.ndarray]
+    expired: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
 
 
 class HeraldPlanner:
     """The global state of on-demand sync: which worker holds which lent row (LRU per worker)."""
 
-    def __init__(self, world: int, space: IdSpace, capacity: int) -> None:
+    def __init__(self, world: int, space: IdSpace, capacity: int, ttl: int = 0) -> None:
         self.world, self.space, self.capacity = world, space, int(capacity)
+        self.ttl = ttl  # dynamic tables' embedding.ttl_steps (0: rows never expire)
         self.holders = Holders()
         self.returning = np.zeros(0, np.int64)  # the rows the last plan sends back (writebacks)
         self.held = [np.zeros(0, np.int64) for _ in range(world)]
@@ -230,11 +132,14 @@ class HeraldPlanner:
         h = self.holders.of(g)
         excl = (readers == 1) & (w != owner)
         back = np.unique(g[(h >= 0) & (w != h)])  # held rows somebody else reads now
+        read = np.unique(g[h >= 0])  # a held row's holder was its only reader since it was lent:
+        ended = read[expired(self.holders.last_use(read), step, self.ttl)]  # its last use is the id's
         hb = self.holders.of(back)
         wb = [back[hb == k] for k in range(self.world)]
         self.holders.drop(back)
         plan = self._per_worker(step, g, w, owner, h, excl, wb)
         self.returning = np.concatenate(plan.writeback)
+        plan.expired = ended
         self._count(plan)
         return plan
 

@@ -283,7 +283,8 @@ def simulate_schedule(cfg: Config, workers: int, steps: int,
     from ..data import make_data
     from ..placement import plan_run
     from ..embedding.sharding import RowSharding
-    from ..schedule.herald import HeraldPartition, HeraldPlanner, IdSpace
+    from ..schedule.herald import HeraldPlanner, IdSpace
+    from ..schedule.partition import HeraldPartition
     t0 = time.perf_counter()
     rows = table_rows(cfg)
     data = make_data(cfg, 0, workers)

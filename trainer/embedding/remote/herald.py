@@ -22,6 +22,11 @@ step + 1; 0 when the id had no row): a copy without a row reads zeros and drops 
 both know which: the owner keeps the ids it lent without a row, 8 B each), so it takes its
 initial row the step its owner admits it. A writeback goes back only into the life it was lent in;
 one from another life is dropped and counted (pool `stale_copies`; 0 while the pin holds).
+Expiry (embedding.ttl_steps) is no eviction: a lent id expires when read after more than ttl steps
+unread, as in one process. The plan names such ids (SyncPlan.expired: the planner knows each lent
+row's last use, which is its id's, since its holder alone read it): the owner starts the id's new
+life when the step's reads reach it, a copy written back now goes back to nothing (not counted as
+stale), and the holder's reads of its copy this step are refreshed from the owner as above.
 """
 from __future__ import annotations
 
@@ -90,8 +95,9 @@ class HeraldRemote(RemoteRows):
         return pos
 
     # ---- the protocol ----------------------------------------------------------------------
-    def writeback(self, wb: list[np.ndarray]) -> None:
-        """Send back the rows of `wb` (per worker) and install what this rank receives as owner."""
+    def writeback(self, wb: list[np.ndarray], ended: Optional[np.ndarray] = None) -> None:
+        """Send back the rows of `wb` (per worker) and install what this rank receives as owner;
+        ended: ids whose life ends by expiry this step (SyncPlan.expired), their copies dropped."""
         if sum(x.size for x in wb) == 0:
             return
         mine = self._t(wb[self.sh.rank])
@@ -108,8 +114,10 @@ class HeraldRemote(RemoteRows):
             life, _ = self.comm.alltoall(self.lent.life.index_select(0, slots), splits, kind="versions",
                                          recv_splits=recv)
             now = self.store.lives(ids)
+            if ended is not None and ended.size:
+                life = life.masked_fill(from_host(np.isin(got_ids, ended), self.dev, torch.bool), 0)
             self.store.pool.stale_copies += int(((life > 0) & (life != now)).sum())
-            ok = (life > 0) & (life == now)  # (life 0: a copy of no row, nothing to write)
+            ok = (life > 0) & (life == now)  # (life 0: a copy of no row or of an ended life: nothing to write)
             ids, got = ids[ok], got[ok]
             self.absent_out = np.setdiff1d(self.absent_out, got_ids)
         d = self.store.dim
@@ -145,14 +153,15 @@ class HeraldRemote(RemoteRows):
     def _refresh(self, sync: Any, local_slots: torch.Tensor) -> list[np.ndarray]:
         """Per worker, the copies lent without a row that it reads now (before any writeback):
         this rank's own from its copies' lives (local_slots: of sync.local[rank]), the others'
-        among the ids this owner lent so."""
+        among the ids this owner lent so; and the copies whose id expires now (sync.expired)."""
         r = self.sh.rank
         out = []
         for k, local in enumerate(sync.local):
+            ended = np.isin(local, sync.expired)  # and copies whose id's life ends now (expiry)
             if k == r:
-                out.append(local[self.lent.life.index_select(0, local_slots).cpu().numpy() == 0])
+                out.append(local[(self.lent.life.index_select(0, local_slots).cpu().numpy() == 0) | ended])
             else:
-                out.append(local[np.isin(local, self.absent_out)])
+                out.append(local[np.isin(local, self.absent_out) | ended])
         return out
 
     def _admit(self, sync: Any) -> None:
@@ -187,7 +196,7 @@ class HeraldRemote(RemoteRows):
         if self.dynamic:  # copies lent without a row are read from their owner again
             refresh = self._refresh(sync, local_slots)
             want = [self.sh.owner_order(np.concatenate([p, f])) for p, f in zip(sync.pull, refresh)]
-        self.writeback(sync.writeback)
+        self.writeback(sync.writeback, sync.expired)
         if self.dynamic:
             self._admit(sync)
         rows, state, lives = self._pull(sync, want)
@@ -213,8 +222,8 @@ class HeraldRemote(RemoteRows):
     def _take_fresh(self, sync: Any, got: torch.Tensor, lives: torch.Tensor, want: np.ndarray,
                     fresh: np.ndarray, local_rows: torch.Tensor) -> None:
         """This step's reads of this rank's refreshed copies take the owners' answers (zeros, or
-        the initial row of an id admitted now); kept copies take the new life with a fresh
-        optimizer state."""
+        the initial row of an id admitted or expired now); kept copies take the new life with a
+        fresh optimizer state."""
         r = self.sh.rank
         at = self._t(self._index(want, fresh))
         rows = got.index_select(0, at).to(local_rows.dtype)
