@@ -40,16 +40,13 @@ _S_INIT_DYN = 78
 
 
 def dynamic_init_rows(seed: int, dim: int, gids: torch.Tensor, scale: float) -> torch.Tensor:
-    """[n, dim] float32 initial rows of gids (table << 56 | id): U(-scale, scale), element k of
-    (table, id) a pure function of (seed, table, id, k)."""
-    g = gids.cpu().numpy().astype(np.uint64)
-    with np.errstate(over="ignore"):
-        key = rng.hash64(seed, _S_INIT_DYN, g)[:, None] + np.arange(dim, dtype=np.uint64)[None, :]
-    u = rng.uniform(seed, _S_INIT_DYN, key)
-    u *= 2.0  # (2 u - 1) scale, in place: new rows are initialised every step
-    u -= 1.0
-    u *= scale
-    return torch.from_numpy(u.astype(np.float32))
+    """[n, dim] float32 initial rows of gids (table << 56 | id): U(-scale, scale), row (table, id)
+    a pure function of (seed, table, id) (rng.uniform_rows: made every step for the new rows)."""
+    u = rng.uniform_rows(seed, _S_INIT_DYN, gids.cpu().numpy(), dim)
+    u *= np.float32(2.0)
+    u -= np.float32(1.0)
+    u *= np.float32(scale)
+    return torch.from_numpy(np.ascontiguousarray(u))
 
 
 class DynamicStore(ShardStore):
