@@ -362,6 +362,28 @@ def test_dynamic_tables_need_a_capacity():
         load_config(make_cfg(["embedding.tables=dynamic", "checkpoint.enabled=false"]))
 
 
+def test_a_byte_budget_sets_the_most_rows_per_table_that_fit():
+    """embedding.capacity_bytes: the memory plan's rows of the resolved capacity fit the budget,
+    one row more per table does not; the resolved config loads again unchanged; too small a
+    budget, a disagreeing capacity and fixed tables are refused naming the key."""
+    from trainer.memplan import plan_memory
+
+    base = ["embedding.tables=dynamic", "checkpoint.enabled=false"]
+    for budget in (200_000, 30_000_000):
+        c = load_config(make_cfg(base + [f"embedding.capacity_bytes={budget}"]))
+        assert c.embedding.capacity > 0 and plan_memory(c, 1, 0).parts["rows"] <= budget
+        cap = c.embedding.capacity
+        assert load_config(c).embedding.capacity == cap  # a resolved config is valid as it is
+        c.embedding.capacity = cap + 1
+        assert plan_memory(c, 1, 0).parts["rows"] > budget
+    with pytest.raises(ConfigError, match="embedding.capacity_bytes=100: too small for one row per table"):
+        load_config(make_cfg(base + ["embedding.capacity_bytes=100"]))
+    with pytest.raises(ConfigError, match="give one of them"):
+        load_config(make_cfg(base + ["embedding.capacity_bytes=200000", "embedding.capacity=7"]))
+    with pytest.raises(ConfigError, match="embedding.capacity_bytes=5.*needs embedding.tables=dynamic"):
+        load_config(make_cfg(["embedding.capacity_bytes=5", "checkpoint.enabled=false"]))
+
+
 def test_a_refused_combination_exits_2_with_one_line(tmp_path):
     p = subprocess.run([sys.executable, "-m", "trainer", "embedding.tables=dynamic", "embedding.capacity=10",
                         "placement=sca", f"hydra.run.dir={tmp_path}"], capture_output=True, text=True, timeout=300)

@@ -138,7 +138,8 @@ class EmbeddingConfig:
     dtype: str = "fp32"  # how owners store rows: fp32 | fp16 | bf16 (optimizer state stays fp32; updates computed in fp32)
     rounding: str = "stochastic"  # how an updated fp16 / bf16 row is written back: stochastic (unbiased, seeded by train.seed, step, row) | nearest
     tables: str = "fixed"  # fixed (rows 0..table_rows-1, owner id mod W) | dynamic (any id in [0, 2^56): hashed owner, id -> row map, admission, eviction; docs/dynamic.md)
-    capacity: int = 0  # dynamic: rows per table on each owner (the pool); must be > 0 with tables=dynamic
+    capacity: int = 0  # dynamic: rows per table on each owner (the pool); > 0, or set by capacity_bytes
+    capacity_bytes: int = 0  # dynamic: each owner's budget for its pool in bytes (rows, optimizer state, version, the pool's map and scores): sets capacity to the most rows per table that fit (memplan.capacity_for_budget); 0 = give capacity
     admit_after: int = 1  # dynamic: an id gets a row the k-th step it is seen (1 = at once); before that it reads zeros and its gradient is dropped
     eviction: str = "lru"  # dynamic, full pool: lru (least recently used) | lfu (fewest uses, ties least recent)
     ttl_steps: int = 0  # dynamic: a row not read for more than this many steps expires: its id starts a new life (its initial row) when next seen; 0 = never
@@ -664,6 +665,9 @@ def _validate_dynamic(c: Config) -> None:
            "decays LFU's use counts: needs embedding.eviction=lfu")
     _check(e.admit_after < 1 << 16, "embedding.admit_after", e.admit_after, "must be < 65536")
     _check(e.capacity >= 0, "embedding.capacity", e.capacity, "must be >= 0 (rows per table on each owner)")
+    _check(e.capacity_bytes >= 0, "embedding.capacity_bytes", e.capacity_bytes, "must be >= 0 (0 = give embedding.capacity)")
+    _check(not e.capacity_bytes or e.tables == "dynamic", "embedding.capacity_bytes", e.capacity_bytes,
+           "is the pool's budget of dynamic tables: needs embedding.tables=dynamic")
     _check(c.data.drift >= 0 and math.isfinite(c.data.drift), "data.drift", c.data.drift, "must be a finite number >= 0")
     _check(c.data.drift_eval_at >= 0, "data.drift_eval_at", c.data.drift_eval_at, "must be >= 0")
     _check(c.data.hash_rows >= 0, "data.hash_rows", c.data.hash_rows, "must be >= 0 (0 = off)")
@@ -679,7 +683,8 @@ def _validate_dynamic(c: Config) -> None:
                "drifting ids are unbounded: needs embedding.tables=dynamic or data.hash_rows")
         return
     _check(c.data.name == "synthetic" or not c.data.drift, "data.drift", c.data.drift, "is a synthetic-data option")
-    _check(e.capacity > 0, "embedding.capacity", e.capacity, "embedding.tables=dynamic needs a pool of > 0 rows per table")
+    _check(e.capacity > 0 or e.capacity_bytes > 0, "embedding.capacity", e.capacity,
+           "embedding.tables=dynamic needs a pool of > 0 rows per table (or embedding.capacity_bytes)")
     _check(c.data.name == "synthetic" or not c.data.scramble_ids, "data.scramble_ids", True,
            "is a synthetic-data option")
     lent = c.schedule.name == "herald"

@@ -41,9 +41,32 @@ def load_config(cfg: Any, world: Optional[int] = None) -> Config:
     if shape is not None:
         apply_data_shape(conf, shape.num_dense, _model_rows(conf, shape))
     validate(conf)
+    apply_capacity_budget(conf)
     if world is not None:
         apply_data_steps(conf, world)
     return conf
+
+
+def apply_capacity_budget(c: Config) -> None:
+    """embedding.capacity_bytes > 0: set embedding.capacity to the most rows per table that fit it
+    (memplan.capacity_for_budget, on the device the run will use); a capacity given beside it
+    must be that figure (a resolved config loads again unchanged)."""
+    e = c.embedding
+    if not e.capacity_bytes:
+        return
+    from .memplan import capacity_for_budget  # torch and the kernels: only when asked
+
+    import torch
+
+    cuda = c.train.device == "cuda" or (c.train.device == "auto" and torch.cuda.is_available())
+    cap = capacity_for_budget(c, torch.device("cuda" if cuda else "cpu"))
+    if cap < 1:
+        raise ConfigError(f"embedding.capacity_bytes={e.capacity_bytes}: too small for one row per table "
+                          f"on each owner (the pool's bytes per slot: docs/dynamic.md#bytes-per-slot)")
+    if e.capacity and e.capacity != cap:
+        raise ConfigError(f"embedding.capacity={e.capacity} and embedding.capacity_bytes={e.capacity_bytes} "
+                          f"(which gives {cap} rows per table): give one of them")
+    e.capacity = cap
 
 
 def compose_config(overrides: list[str], world: Optional[int] = None) -> Config:

@@ -97,17 +97,40 @@ def fmt_bytes(n: float) -> str:
     return f"{int(n)} B"
 
 
+def row_parts(c: Config, device: torch.device, local: int) -> dict[str, int]:
+    """Bytes per local row by part, for `local` rows on `device` (dynamic tables: a pool slot)."""
+    d = c.model.embedding_dim
+    parts = {"weight": d * weight_elem(c), c.optim.sparse: state_bytes(d, c.optim.sparse),
+             "version": VERSION_BYTES, "touched": 1}
+    if c.embedding.tables == "dynamic":
+        parts["pool"] = pool_slot_bytes(device, local)
+    return parts
+
+
+def capacity_for_budget(c: Config, device: torch.device) -> int:
+    """embedding.capacity_bytes: the most rows per table (0 if not even one) whose pools, over
+    every table, fit the owner's budget at their bytes per slot (row_parts; the CPU map's share
+    per slot depends on the slots, so the answer is searched, not divided)."""
+    tables, budget = len(table_rows(c)), c.embedding.capacity_bytes
+
+    def fits(cap: int) -> bool:
+        return tables * cap * sum(row_parts(c, device, max(tables * cap, 1)).values()) <= budget
+
+    floor = sum(v for k, v in row_parts(c, device, 1).items() if k != "pool")  # a slot costs more
+    lo, hi = 0, budget // (tables * floor) + 1  # 0 rows fit, hi rows cannot
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    return lo
+
+
 def plan_memory(c: Config, world: int, rank: int, device: torch.device = torch.device("cpu")) -> MemoryPlan:
     """The plan of rank `rank` of `world` on `device` (no allocation: the sharding's offsets only)."""
     rows = table_rows(c)
     d = c.model.embedding_dim
     dynamic = c.embedding.tables == "dynamic"  # a pool of embedding.capacity rows per table
     local = len(rows) * c.embedding.capacity if dynamic else RowSharding(rows, world, rank).local_rows
-    row_parts = {"weight": d * weight_elem(c), c.optim.sparse: state_bytes(d, c.optim.sparse),
-                 "version": VERSION_BYTES, "touched": 1}
-    if dynamic:
-        row_parts["pool"] = pool_slot_bytes(device, local)
-    plan = MemoryPlan(rank, world, local, row_parts)
+    plan = MemoryPlan(rank, world, local, row_parts(c, device, local))
     plan.parts["rows"] = local * plan.bytes_per_row
     slots = sum(cache_capacities(c))
     if slots:
