@@ -68,6 +68,13 @@ PATHS: dict[str, tuple[int, list[str]]] = {
     "w2-het-skip-adam": (2, ["cache=lru", "consistency=ssp", "placement=fae", "optim=adam",
                              "train.nonfinite=skip"]),
     "w2-fp16-wire": (2, ["comm.wire_precision=fp16", "cache=lfu", "consistency=ssp"]),
+    # dynamic tables: the pool's map is the Triton hash table on CUDA; small pools evict (LFU with
+    # decay, admission after 2 sightings, expiry), the HET cache at a bound, FAE's pinned hot rows
+    "dynamic": (1, ["embedding.tables=dynamic", "embedding.capacity=30", "embedding.admit_after=2",
+                    "embedding.eviction=lfu", "embedding.lfu_half_life=8", "embedding.ttl_steps=40",
+                    "data.scramble_ids=true", "optim=adagrad"]),
+    "w2-dynamic": (2, ["embedding.tables=dynamic", "embedding.capacity=20", "embedding.admit_after=2",
+                       "data.scramble_ids=true", "cache=lru", "consistency=ssp", "placement=fae"]),
 }
 # with --criteo DIR (a prepared Criteo directory): the DALI pipeline on the device (the batches
 # made on the GPU) against the memmap reader on the CPU, the default recipe with one model

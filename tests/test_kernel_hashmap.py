@@ -184,3 +184,39 @@ def test_reference_map_duplicate_ids_keep_the_last_value_and_report_the_first():
     new = table.insert(torch.tensor([9, 7, 9, 3, 9]), torch.tensor([1, 2, 3, 4, 5]))
     assert new.tolist() == [True, False, False, True, False]
     assert table.lookup(torch.tensor([9, 7, 3]))[0].tolist() == [5, 2, 4]
+
+
+@needs_triton
+@pytest.mark.parametrize("eviction", ["lru", "lfu"])
+def test_dynamic_pool_over_the_triton_map_equals_over_the_reference(eviction):
+    """A dynamic table's owner (embedding/dynamic.py) keeps its id -> slot map in the Triton hash
+    table on CUDA: the same store over TritonIdSlotMap (interpreted here, compiled on a GPU) and
+    over the reference map admits, evicts, reads and updates alike: every slot, row, version and
+    counter, through admissions (admit_after 2), evictions of full pools and TTL expiry."""
+    from trainer.embedding.dynamic import DynamicStore
+    from trainer.embedding.sharding import ID_BITS, HashSharding
+
+    def make(triton: bool) -> DynamicStore:
+        st = DynamicStore(HashSharding(2, 6, 1, 0), 3, 7, 0.1, "adagrad", 0.5, 1e-8, torch.device(DEV), 0.1,
+                          admit_after=2, eviction=eviction, ttl_steps=4)
+        if triton:
+            st.pool.map = kernels.TritonIdSlotMap(12, DEV)
+            st.pool.pending = kernels.TritonIdSlotMap(16, DEV)
+        return st
+
+    ref, tri = make(False), make(True)
+    assert isinstance(tri.pool.map, kernels.TritonIdSlotMap)
+    gen = torch.Generator().manual_seed(5)
+    for step in range(1, 25):
+        ids = torch.randint(0, 20, (12,), generator=gen)
+        gids = (ids | (torch.randint(0, 2, (12,), generator=gen) << ID_BITS)).to(DEV).unique()
+        grads = torch.randn(gids.numel(), 3, generator=gen).to(DEV)
+        for st in (ref, tri):
+            st.clock = step
+            st.admit(gids)
+            st.apply(gids, grads, unique=True)
+        assert torch.equal(ref.rows(gids), tri.rows(gids))
+        assert torch.equal(ref.pool.slot_gid, tri.pool.slot_gid) and torch.equal(ref.version, tri.version)
+        assert torch.equal(ref.pool.counters, tri.pool.counters)
+    assert int(ref.pool.c["evictions"].sum()) > 5 and int(ref.pool.c["admissions"].sum()) > 12
+    assert torch.equal(ref.weight, tri.weight) and ref.pool.pending_ids() == tri.pool.pending_ids()
