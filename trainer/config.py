@@ -709,6 +709,8 @@ def _validate_dynamic(c: Config) -> None:
 def _validate_admit_counter(e: EmbeddingConfig) -> None:
     """embedding.admit_counter and the count-min sketch's keys (docs/dynamic.md#admission)."""
     _one_of("embedding.admit_counter", e.admit_counter, ADMIT_COUNTERS)
+    _check(e.count_min_bytes > 0, "embedding.count_min_bytes", e.count_min_bytes, "must be > 0")
+    _check(1 <= e.count_min_depth <= 16, "embedding.count_min_depth", e.count_min_depth, "must be in [1, 16]")
     _check(e.count_min_halve_steps >= 0, "embedding.count_min_halve_steps", e.count_min_halve_steps,
            "must be >= 0 (0 = never)")
     _check(not e.count_min_halve_steps or e.admit_counter == "count_min", "embedding.count_min_halve_steps",
@@ -721,7 +723,6 @@ def _validate_admit_counter(e: EmbeddingConfig) -> None:
            "counts ids before admission: needs embedding.admit_after > 1 (1 admits at once)")
     _check(e.admit_after < 1 << 15, "embedding.admit_after", e.admit_after,
            "must be < 32768 with embedding.admit_counter=count_min (int16 counters)")
-    _check(1 <= e.count_min_depth <= 16, "embedding.count_min_depth", e.count_min_depth, "must be in [1, 16]")
     _check(e.count_min_bytes >= 2 * e.count_min_depth, "embedding.count_min_bytes", e.count_min_bytes,
            f"too small for {e.count_min_depth} rows of int16 counters (embedding.count_min_depth)")
 

@@ -32,7 +32,7 @@ keeping what they save bounded by the step's ids, and both run on CPU and CUDA t
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional, Union
+from typing import Any, Union
 
 import torch
 
@@ -56,7 +56,7 @@ class Counting:
     halve_steps: int = 0
 
     @classmethod
-    def of(cls, e: Any) -> "Counting":
+    def of(cls, e: Any) -> Counting:
         """The counting of an EmbeddingConfig (trainer/config.py)."""
         return cls(e.admit_counter, e.count_min_bytes, e.count_min_depth, e.count_min_halve_steps)
 
@@ -72,7 +72,7 @@ class Counting:
 Counter = Union["ExactCounts", "CountMinCounts"]
 
 
-def make_counter(admit_after: int, device: torch.device, counting: Counting) -> Optional[Counter]:
+def make_counter(admit_after: int, device: torch.device, counting: Counting) -> Counter | None:
     """The pool's admission counter; None when ids are admitted at once (admit_after 1)."""
     if admit_after <= 1:
         return None
@@ -83,7 +83,7 @@ def make_counter(admit_after: int, device: torch.device, counting: Counting) -> 
     raise ValueError(f"embedding.admit_counter={counting.kind!r} is not one of {', '.join(COUNTERS)}")
 
 
-def counter_figures(counter: Optional[Counter]) -> dict[str, int]:
+def counter_figures(counter: Counter | None) -> dict[str, int]:
     """What a pool's counter reports (report.dynamic_summary, per owner): pending_ids (exact: the
     ids counted and not admitted; count_min: an estimate, CountMinCounts.pending_ids),
     pending_bytes_per_id (exact: 32, the map's cell at load 1/2, up to 86 B after a rebuild, on the
@@ -104,7 +104,7 @@ class ExactCounts:
     def __init__(self, admit_after: int, device: torch.device) -> None:
         self.admit_after = admit_after
         self.map = kernels.make_id_slot_map(1024, device)
-        self._journal: Optional[list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]] = None
+        self._journal: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] | None = None
 
     def count(self, ids: torch.Tensor, step: int) -> torch.Tensor:
         """Count ids [n] (ascending, distinct, holding no row) seen in `step`, once per step;
@@ -174,7 +174,7 @@ class CountMinCounts:
         self._offset = (torch.arange(1, self.depth + 1, dtype=torch.int64, device=device) * _GAMMA).unsqueeze(1)
         self._row0 = (torch.arange(self.depth, dtype=torch.int64, device=device) * self.width).unsqueeze(1)
         self._step, self._seen = -1, torch.zeros(0, dtype=torch.int64, device=device)  # ids counted in _step
-        self._journal: Optional[list[tuple[torch.Tensor, torch.Tensor]]] = None
+        self._journal: list[tuple[torch.Tensor, torch.Tensor]] | None = None
         self._kept: tuple[int, torch.Tensor] = (self._step, self._seen)
 
     def where(self, ids: torch.Tensor) -> torch.Tensor:
@@ -225,13 +225,13 @@ class CountMinCounts:
         counting over each row's zero cells (every counted id makes its cells nonzero, until
         halving clears them), averaged over the rows."""
         zeros = (self.cells.view(self.depth, self.width) == 0).sum(1).double().clamp(min=1)
-        return int(round(float((-self.width * torch.log(zeros / self.width)).mean())))
+        return round(float((-self.width * torch.log(zeros / self.width)).mean()))
 
     def bytes(self) -> int:
         return self.cells.numel() * self.cells.element_size()
 
     def load(self, sketches: list[tuple[torch.Tensor, int]],
-             exact: Optional[tuple[torch.Tensor, torch.Tensor]] = None, step: int = 0) -> None:
+             exact: tuple[torch.Tensor, torch.Tensor] | None = None, step: int = 0) -> None:
         """The sketch from a checkpoint's: saved sketches, (cells [depth x width], epoch) each, or
         exact counts, (ids [m], (step << 16 | count) [m]) of the ids this owner holds now, saved at
         `step`. Sketches: their element-wise max, each first halved to the latest epoch: each id's
