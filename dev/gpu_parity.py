@@ -75,6 +75,10 @@ PATHS: dict[str, tuple[int, list[str]]] = {
                     "data.scramble_ids=true", "optim=adagrad"]),
     "w2-dynamic": (2, ["embedding.tables=dynamic", "embedding.capacity=20", "embedding.admit_after=2",
                        "data.scramble_ids=true", "cache=lru", "consistency=ssp", "placement=fae"]),
+    # admission counted by a count-min sketch (int16 scatter-max, halving) on the device
+    "dynamic-count-min": (1, ["embedding.tables=dynamic", "embedding.capacity=30", "embedding.admit_after=2",
+                              "embedding.admit_counter=count_min", "embedding.count_min_bytes=16384",
+                              "embedding.count_min_halve_steps=6", "data.scramble_ids=true", "optim=adagrad"]),
 }
 # with --criteo DIR (a prepared Criteo directory): the DALI pipeline on the device (the batches
 # made on the GPU) against the memmap reader on the CPU, the default recipe with one model

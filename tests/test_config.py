@@ -156,6 +156,11 @@ BAD = [
     ("embedding.tables=sparse", "embedding.tables"),
     ("embedding.capacity=-1", "embedding.capacity"),
     ("embedding.admit_after=0", "embedding.admit_after"),
+    ("embedding.capacity_bytes=-1", "embedding.capacity_bytes"),
+    ("embedding.admit_counter=sketch", "embedding.admit_counter"),
+    ("embedding.count_min_bytes=0", "embedding.count_min_bytes"),
+    ("embedding.count_min_depth=0", "embedding.count_min_depth"),
+    ("embedding.count_min_halve_steps=-1", "embedding.count_min_halve_steps"),
     ("embedding.eviction=fifo", "embedding.eviction"),
     ("data.scramble_ids=true", "data.scramble_ids"),  # needs embedding.tables=dynamic
     ("data.drift=-1", "data.drift"),

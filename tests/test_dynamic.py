@@ -13,6 +13,7 @@ from helpers import make_cfg
 from trainer.config import ConfigError
 from trainer.configure import load_config
 from trainer.data.scramble import scramble
+from trainer.embedding.admission import Counting
 from trainer.embedding.cache import RowCache, make_policy
 from trainer.embedding.consistency import CURRENT_LIFE
 from trainer.embedding.dynamic import LIFE_SHIFT, DynamicStore, dynamic_init_rows
@@ -28,9 +29,10 @@ def gid(t: int, i) -> torch.Tensor:
     return (torch.as_tensor(i, dtype=torch.int64) | (t << ID_BITS)).reshape(-1)
 
 
-def store(capacity=4, admit_after=1, eviction="lru", world=1, rank=0, optimizer="sgd", tables=2):
+def store(capacity=4, admit_after=1, eviction="lru", world=1, rank=0, optimizer="sgd", tables=2, counting=Counting()):
     sh = HashSharding(tables, capacity, world, rank)
-    return DynamicStore(sh, 3, 7, 0.1, optimizer, 0.5, 1e-8, CPU, 0.1, admit_after=admit_after, eviction=eviction)
+    return DynamicStore(sh, 3, 7, 0.1, optimizer, 0.5, 1e-8, CPU, 0.1, admit_after=admit_after, eviction=eviction,
+                        counting=counting)
 
 
 def test_owner_is_a_hash_of_table_and_id_and_every_rank_agrees():

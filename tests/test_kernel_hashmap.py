@@ -201,7 +201,7 @@ def test_dynamic_pool_over_the_triton_map_equals_over_the_reference(eviction):
                           admit_after=2, eviction=eviction, ttl_steps=4)
         if triton:
             st.pool.map = kernels.TritonIdSlotMap(12, DEV)
-            st.pool.pending = kernels.TritonIdSlotMap(16, DEV)
+            st.pool.admission.map = kernels.TritonIdSlotMap(16, DEV)
         return st
 
     ref, tri = make(False), make(True)

@@ -22,6 +22,7 @@ from .comm import Collectives
 from .config import Config, ConfigError, cache_capacities, needs_global_view, staleness_bounds, table_rows
 from .data import id_rows
 from .embedding import HybridEmbedding, RowSharding, ShardStore
+from .embedding.admission import Counting
 from .embedding.cache import RowCache, make_policy
 from .embedding.consistency import Bounds
 from .embedding.dynamic import DynamicStore
@@ -136,7 +137,7 @@ def _make_store(c: Config, comm: Collectives, device: torch.device, resuming: bo
     if e.tables == "dynamic":
         sharding = HashSharding(len(table_rows(c)), e.capacity, comm.size, comm.rank)
         return DynamicStore(sharding, *args, admit_after=e.admit_after, eviction=e.eviction,
-                            lfu_half_life=e.lfu_half_life, ttl_steps=e.ttl_steps)
+                            lfu_half_life=e.lfu_half_life, ttl_steps=e.ttl_steps, counting=Counting.of(e))
     return ShardStore(RowSharding(table_rows(c), comm.size, comm.rank), *args, initialise=not resuming)
 
 

@@ -44,6 +44,7 @@ RECIPES = ("auto", "tiny", "small", "large", "none")  # train.recipe (trainer/re
 
 WIRE_PRECISIONS = ("fp32", "fp16", "bf16")
 TABLE_KINDS = ("fixed", "dynamic")  # embedding.tables
+ADMIT_COUNTERS = ("exact", "count_min")  # embedding.admit_counter (trainer/embedding/admission.py)
 EVICTIONS = ("lru", "lfu")  # embedding.eviction
 EMBEDDING_DTYPES = ("fp32", "fp16", "bf16")  # embedding.dtype (= embedding/store.ROW_DTYPES)
 ROUNDINGS = ("stochastic", "nearest")  # embedding.rounding (= embedding/optim.ROUNDINGS)
@@ -144,6 +145,10 @@ class EmbeddingConfig:
     eviction: str = "lru"  # dynamic, full pool: lru (least recently used) | lfu (fewest uses, ties least recent)
     ttl_steps: int = 0  # dynamic: a row not read for more than this many steps expires: its id starts a new life (its initial row) when next seen; 0 = never
     lfu_half_life: int = 0  # dynamic, eviction=lfu: a row's use count halves for every this many steps it is not read (old popularity fades); 0 = no decay
+    admit_counter: str = "exact"  # dynamic, admit_after > 1: how ids are counted until admitted: exact (a map entry per id not admitted yet, 32-86 B each: grows with the distinct ids) | count_min (a count-min sketch of count_min_bytes per owner: fixed memory, never under-counts, so ids may be admitted early; docs/dynamic.md#admission)
+    count_min_bytes: int = 16 << 20  # count_min: the sketch's bytes per owner, count_min_depth rows of int16 counters (16 MiB: 4 x 2M counters, about 2% of 1M ids seen once admitted at once with admit_after=2)
+    count_min_depth: int = 4  # count_min: rows of the sketch (hashes per id)
+    count_min_halve_steps: int = 0  # count_min: halve every counter each time the step passes a multiple of this (old sightings fade); 0 = never
 
 
 @dataclass
@@ -664,6 +669,7 @@ def _validate_dynamic(c: Config) -> None:
     _check(not e.lfu_half_life or e.eviction == "lfu", "embedding.lfu_half_life", e.lfu_half_life,
            "decays LFU's use counts: needs embedding.eviction=lfu")
     _check(e.admit_after < 1 << 16, "embedding.admit_after", e.admit_after, "must be < 65536")
+    _validate_admit_counter(e)
     _check(e.capacity >= 0, "embedding.capacity", e.capacity, "must be >= 0 (rows per table on each owner)")
     _check(e.capacity_bytes >= 0, "embedding.capacity_bytes", e.capacity_bytes, "must be >= 0 (0 = give embedding.capacity)")
     _check(not e.capacity_bytes or e.tables == "dynamic", "embedding.capacity_bytes", e.capacity_bytes,
@@ -698,6 +704,27 @@ def _validate_dynamic(c: Config) -> None:
              "fp16's skipped steps with rows lent (schedule=herald): their admissions are not undone"),
             ("comm.settled_rows", c.comm.settled_rows, c.comm.settled_rows != "always", "early settled rows")):
         _check(ok, key, value, f"embedding.tables=dynamic does not support {why} yet (docs/dynamic.md)")
+
+
+def _validate_admit_counter(e: EmbeddingConfig) -> None:
+    """embedding.admit_counter and the count-min sketch's keys (docs/dynamic.md#admission)."""
+    _one_of("embedding.admit_counter", e.admit_counter, ADMIT_COUNTERS)
+    _check(e.count_min_bytes > 0, "embedding.count_min_bytes", e.count_min_bytes, "must be > 0")
+    _check(1 <= e.count_min_depth <= 16, "embedding.count_min_depth", e.count_min_depth, "must be in [1, 16]")
+    _check(e.count_min_halve_steps >= 0, "embedding.count_min_halve_steps", e.count_min_halve_steps,
+           "must be >= 0 (0 = never)")
+    _check(not e.count_min_halve_steps or e.admit_counter == "count_min", "embedding.count_min_halve_steps",
+           e.count_min_halve_steps, "halves the sketch's counters: needs embedding.admit_counter=count_min")
+    if e.admit_counter != "count_min":
+        return
+    _check(e.tables == "dynamic", "embedding.admit_counter", e.admit_counter,
+           "counts dynamic tables' ids before admission: needs embedding.tables=dynamic")
+    _check(e.admit_after > 1, "embedding.admit_counter", e.admit_counter,
+           "counts ids before admission: needs embedding.admit_after > 1 (1 admits at once)")
+    _check(e.admit_after < 1 << 15, "embedding.admit_after", e.admit_after,
+           "must be < 32768 with embedding.admit_counter=count_min (int16 counters)")
+    _check(e.count_min_bytes >= 2 * e.count_min_depth, "embedding.count_min_bytes", e.count_min_bytes,
+           f"too small for {e.count_min_depth} rows of int16 counters (embedding.count_min_depth)")
 
 
 def _validate_checkpoint(c: Config) -> None:

@@ -12,6 +12,8 @@ What is counted, per rank (docs/design.md, "bytes per row"):
   int32 array over the whole id space on the CPU while that is at most 16 ids per slot: 4 B per
   id, bounded by the cache's size; else a hash map sized by the slots: slotmap.uses_direct_map);
 - the replica of hot rows (placement fae / sca): at most its budget_bytes;
+- dynamic tables' count-min sketch (embedding.admit_counter=count_min): its counters (admission.py;
+  exact counting grows with the ids not admitted yet, 32-86 B each, and is not planned);
 - the best-model snapshot (validation with restore_best): its held flag (1 B per row), and in memory
   (train.early_stop.snapshot, snapshot_rows.in_memory) at most one copy of the rows' weights;
   dynamic tables add each slot's id and version at the snapshot (SNAPSHOT_SLOT_BYTES, 16 B per slot);
@@ -32,6 +34,7 @@ import torch
 
 from .config import Config, ConfigError, cache_capacities, local_batch_size, table_rows
 from kernels.probe_map import cells_bound
+from .embedding.admission import Counting
 from .embedding.padded import PLAN_SLOT_BYTES, unique_capacity
 from .embedding.pool import pool_slot_bytes
 from .embedding.sharding import RowSharding
@@ -43,7 +46,8 @@ from .snapshot_rows import SNAPSHOT_SLOT_BYTES, in_memory
 
 ADVICE = {"rows": "more workers, embedding.dtype=fp16 or bf16 (half the weight bytes), smaller data.table_rows",
           "cache": "a smaller cache.capacity_fraction or cache.capacity_rows", "cache map": "cache=none",
-          "replica": "a smaller placement.budget_bytes", "best snapshot": "train.early_stop.snapshot=disk or restore_best=false",
+          "replica": "a smaller placement.budget_bytes", "admission": "a smaller embedding.count_min_bytes",
+          "best snapshot": "train.early_stop.snapshot=disk or restore_best=false",
           "batch": "a smaller data.batch_size or more workers",
           "padded step": "a smaller train.unique_capacity or data.batch_size, or train.cuda_graph=off"}
 
@@ -140,6 +144,9 @@ def plan_memory(c: Config, world: int, rank: int, device: torch.device = torch.d
         plan.parts["cache map"] = 4 * n_ids if direct else 16 * cells_bound(slots)  # hash-map cells
     if c.placement.name in ("fae", "sca"):
         plan.parts["replica"] = int(c.placement.budget_bytes)
+    sketch = Counting.of(c.embedding).sketch_bytes_held() if dynamic and c.embedding.admit_after > 1 else 0
+    if sketch:
+        plan.parts["admission"] = sketch
     if c.train.early_stop.restore_best and (c.data.val_fraction or 0) > 0:  # its held flags + the rows in memory
         kept = in_memory(c.train.early_stop.snapshot, local, d * weight_elem(c))
         plan.parts["best snapshot"] = local * (1 + (d * weight_elem(c) if kept else 0)

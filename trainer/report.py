@@ -21,6 +21,7 @@ import torch
 from .build import Sparse, phase
 from .comm import EMBEDDING_KINDS, KINDS, Collectives
 from .config import Config
+from .embedding.admission import counter_figures
 from .embedding.consistency import HIST_BINS, UNBOUNDED
 from .embedding.module import CACHE_COUNTERS
 from .embedding.pool import POOL_COUNTERS
@@ -432,16 +433,20 @@ def _bound(b: int) -> int:
     return -1 if b < 0 or b >= UNBOUNDED else int(b)
 
 
-DYNAMIC_SCALARS = ("rows_in_use", "admissions", "evictions", "dropped_grads", "rejected", "pending_ids")
+DYNAMIC_SCALARS = ("rows_in_use", "admissions", "evictions", "dropped_grads", "rejected", "pending_ids",
+                   "admission_bytes")
 
 
 def dynamic_summary(comm: Collectives, store: Any) -> dict[str, Any]:
     """The `dynamic` block of metrics.jsonl and summary.json (embedding.tables=dynamic): rows in
     use, admissions, evictions, dropped gradients and rejected admissions, per table and in total,
     summed over the owners, and copies written back to another life of their id (stale_copies,
-    dropped: remote/herald.py) (collective: one allreduce)."""
+    dropped: remote/herald.py); the admission counter's pending ids (count_min: an estimate) and
+    bytes (admission.counter_figures) (collective: one allreduce)."""
     pool, t = store.pool, store.sharding.num_tables
-    tail = torch.tensor([pool.pending_ids(), pool.stale_copies], device=pool.counters.device)
+    figures = counter_figures(pool.admission)
+    tail = torch.tensor([figures["pending_ids"], figures["admission_bytes"], pool.stale_copies],
+                        device=pool.counters.device)
     local = torch.cat([pool.counters.flatten(), pool.rows_in_use(), tail]).double().cpu()
     with phase(comm, "other"):
         tot = comm.allreduce(local, op="sum", kind="meta").long().tolist()
@@ -449,9 +454,11 @@ def dynamic_summary(comm: Collectives, store: Any) -> dict[str, Any]:
     tables = [{"table": i, "capacity_rows": comm.size * pool.capacity, **{k: v[i] for k, v in per.items()}}
               for i in range(t)]
     return {"capacity_rows_per_owner": pool.capacity, "admit_after": pool.admit_after,
-            "eviction": pool.eviction, **{k: sum(v) for k, v in per.items()},
-            "pending_ids": tot[-2], "stale_copies": tot[-1], "bytes_per_slot": pool.bytes_per_slot(),
-            "pending_bytes_per_id": pool.pending_bytes_per_id(), "tables": tables}
+            "eviction": pool.eviction, "admit_counter": pool.admission.kind if pool.admission else "none",
+            **{k: sum(v) for k, v in per.items()},
+            "pending_ids": tot[-3], "admission_bytes": tot[-2], "stale_copies": tot[-1],
+            "bytes_per_slot": pool.bytes_per_slot(), "pending_bytes_per_id": figures["pending_bytes_per_id"],
+            "tables": tables}
 
 
 def _after_flush(cache: Optional[dict[str, Any]]) -> Optional[dict[str, Any]]:

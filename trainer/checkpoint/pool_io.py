@@ -4,8 +4,10 @@ pool slot order, with the pool's own fields beside the rows.
 
 Fields, one value (or row) per pool slot, T x capacity of them: weight, version, the optimizer's
 state_<name> (as for fixed tables) and the pool's slot_gid (the id holding each slot, -1: free),
-last_use and uses (the eviction scores). Besides them, the ids counted but not admitted yet
-(pending_ids.bin, pending_values.bin: (last step counted << 16 | count), admit_after > 1) and the
+last_use and uses (the eviction scores). Besides them, the admission counts (admit_after > 1,
+embedding.admit_counter; admission.py): exact, the ids counted but not admitted yet
+(pending_ids.bin, pending_values.bin: (last step counted << 16 | count)); count_min, the sketch's
+int16 counters (count_min.bin; its depth, width and halving epoch in the manifest's entry); and the
 pool's counters per table (admissions, evictions, dropped gradients, rejected: in the manifest's
 entry for the shard, they are T x 4 numbers). The id -> slot map is not saved: it is rebuilt from
 slot_gid on load.
@@ -18,7 +20,11 @@ best-scored ones (LRU: the most recently read, LFU: the most used, decayed as th
 the most recent; ties: the lower id) and evicts the others (counted in `evictions`, told on stderr); its kept ids take the
 table's first slots in id order, and their rows, versions and optimizer state are read from the
 saved shards piece by piece (every rank reads every saved shard: the ids are spread by hash). The
-pending counts follow their ids; the counters move to rank 0 (their sums over ranks are what
+exact pending counts follow their ids; a count-min sketch cannot tell its ids apart, so every new
+owner's sketch is the element-wise max of all the saved ones (each id's count lived in its old
+owner's sketch, so the max never under-counts it, and it adds less of the other owners' ids than
+a sum would; an exact checkpoint resumed with count_min puts each pending id's count into its new
+owner's sketch; a sketch is never turned back into exact counts: refused). The counters move to rank 0 (their sums over ranks are what
 summary.json reports), so admissions - evictions = rows in use still holds.
 """
 from __future__ import annotations
@@ -39,6 +45,7 @@ from .shard_io import PIECE_BYTES, VERSION_DTYPE, Field, _HashedWriter, _to_tens
 
 _POOL = ("slot_gid", "last_use", "uses")
 _PENDING = ("pending_ids", "pending_values")
+_SKETCH = "count_min"
 
 
 def pool_fields(store: DynamicStore) -> list[tuple[Field, torch.Tensor]]:
@@ -69,14 +76,20 @@ def write_pool_shard(directory: str, store: DynamicStore) -> dict[str, Any]:
                            "counters": store.pool.counters.cpu().tolist()}
     for (f, flat, _), info in zip(parts, infos):
         out["fields"][f.name] = {"dtype": f.dtype.str, "torch_dtype": torch_name(flat.dtype), "width": f.width, **info}
-    pending = store.pool.pending
-    ids, vals = pending.items() if pending is not None else (torch.zeros(0, dtype=torch.int64),) * 2
-    for name, values in zip(_PENDING, (ids, vals)):
+    counts = store.pool.admission
+    if counts is not None and counts.kind == _SKETCH:
+        arrays = {_SKETCH: counts.cells}
+        out[_SKETCH] = {"depth": counts.depth, "width": counts.width, "epoch": counts.epoch}
+    else:
+        ids, vals = counts.items() if counts is not None else (torch.zeros(0, dtype=torch.int64),) * 2
+        arrays = dict(zip(_PENDING, (ids, vals)))
+    for name, values in arrays.items():
         w = _HashedWriter(os.path.join(directory, f"{name}.bin"))
+        array = values.cpu().contiguous().numpy()
         try:
-            w.write(values.cpu().contiguous().numpy())
+            w.write(array)
         finally:
-            out["pending"][name] = {"dtype": VERSION_DTYPE.str, "count": int(values.numel()), **w.close()}
+            out["pending"][name] = {"dtype": array.dtype.str, "count": int(values.numel()), **w.close()}
     return out
 
 
@@ -121,11 +134,7 @@ def read_pool_shard(ckpt: str, manifest: dict[str, Any], store: DynamicStore, co
             f.close()
     pool = store.pool
     pool.reindex()
-    pending = [_read_all(os.path.join(ckpt, name, f"{k}.bin"), info["pending"][k], counter) for k in _PENDING]
-    if pool.pending is not None:
-        pool.pending.erase(pool.pending.items()[0])
-        if pending[0].numel():
-            pool.pending.insert(pending[0].to(pool.slot_gid.device), pending[1].to(pool.slot_gid.device))
+    _read_counts(ckpt, [(name, info)], store, counter, int(manifest.get("step", 0)))
     pool.counters.copy_(torch.tensor(info["counters"], dtype=torch.int64))
     return n
 
@@ -207,19 +216,14 @@ def _reshard(ckpt: str, names: list[str], infos: list[dict[str, Any]], store: Dy
                 with torch.no_grad():
                     dest[dst[a:b].to(dest.device)] = values[src[a:b] - lo].to(dest.device)
     pool.reindex()  # the id -> slot map and the free slots, from the slot ids just read
-    device = pool.slot_gid.device
-    # 4. the pending counts of the ids it owns now; the counters to rank 0, plus its evictions
-    if pool.pending is not None:
-        pool.pending.erase(pool.pending.items()[0])
+    # 4. the admission counts of the ids it owns now (at the same W: its own shard's); the counters
+    # to rank 0, plus its evictions
+    same_owners = len(names) == s.world
+    _read_counts(ckpt, [(names[s.rank], infos[s.rank])] if same_owners else list(zip(names, infos)), store,
+                 counter, step)
     totals = torch.zeros_like(pool.counters, device="cpu")
-    for name, info in zip(names, infos):
+    for info in infos:
         totals += torch.tensor(info["counters"], dtype=torch.int64)
-        if pool.pending is None:
-            continue
-        ids, vals = (_read_all(os.path.join(ckpt, name, f"{k}.bin"), info["pending"][k], counter) for k in _PENDING)
-        mine = s.owner(ids) == s.rank if ids.numel() else ids.bool()
-        if bool(mine.any()):
-            pool.pending.insert(ids[mine].to(device), vals[mine].to(device))
     totals = totals if s.rank == 0 else torch.zeros_like(totals)
     totals[POOL_COUNTERS.index("evictions")] += evicted
     pool.counters.copy_(totals)
@@ -230,9 +234,41 @@ def _reshard(ckpt: str, names: list[str], infos: list[dict[str, Any]], store: Dy
     return store.weight.shape[0]
 
 
+def _read_counts(ckpt: str, shards: list[tuple[str, dict[str, Any]]], store: DynamicStore,
+                 counter: dict[str, int], step: int) -> None:
+    """The admission counts of the ids this rank owns, from the saved shards (name, manifest
+    entry) that may hold them (the module docstring says how); `step`: the checkpoint's."""
+    s, counts = store.sharding, store.pool.admission
+    if counts is None:
+        return
+    sketches, ids, vals = [], [], []
+    for name, info in shards:
+        read = {k: _read_all(os.path.join(ckpt, name, f"{k}.bin"), meta, counter) for k, meta in info["pending"].items()}
+        if _SKETCH in info:
+            if counts.kind != _SKETCH:
+                raise CheckpointError(f"{os.path.join(ckpt, name)}: admission counted by a count-min sketch, which "
+                                      f"cannot give exact counts: resume with embedding.admit_counter={_SKETCH}")
+            meta = info[_SKETCH]
+            if (meta["depth"], meta["width"]) != (counts.depth, counts.width):
+                raise CheckpointError(f"{os.path.join(ckpt, name)}: a count-min sketch of {meta['depth']} x "
+                                      f"{meta['width']} counters, this run's is {counts.depth} x {counts.width}: resume "
+                                      "with the same embedding.count_min_bytes and count_min_depth")
+            sketches.append((read[_SKETCH], int(meta["epoch"])))
+            continue
+        mine = s.owner(read["pending_ids"]) == s.rank if read["pending_ids"].numel() else read["pending_ids"].bool()
+        ids.append(read["pending_ids"][mine])
+        vals.append(read["pending_values"][mine])
+    device = store.pool.slot_gid.device
+    exact = (torch.cat(ids).to(device), torch.cat(vals).to(device)) if ids else None
+    if counts.kind == _SKETCH:
+        counts.load(sketches, exact, step)
+    else:
+        counts.load(*exact)
+
+
 def _read_all(path: str, meta: dict[str, Any], counter: dict[str, int]) -> torch.Tensor:
     f = _VerifiedFile(path, meta, counter)
     try:
-        return torch.from_numpy(np.frombuffer(f.read(0, meta["bytes"]), dtype=VERSION_DTYPE).copy())
+        return torch.from_numpy(np.frombuffer(f.read(0, meta["bytes"]), dtype=np.dtype(meta["dtype"])).copy())
     finally:
         f.close()

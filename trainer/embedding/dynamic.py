@@ -30,6 +30,7 @@ import numpy as np
 import torch
 
 from ..data import rng
+from .admission import Counting
 from .consistency import LIFE_SHIFT, life_of
 from .optim import Rounding
 from .pool import SlotPool
@@ -51,8 +52,8 @@ def dynamic_init_rows(seed: int, dim: int, gids: torch.Tensor, scale: float) -> 
 
 class DynamicStore(ShardStore):
     """A ShardStore over a slot pool: `capacity` rows per table, any id (see the module docstring).
-    admit_after, eviction: the pool's (embedding.admit_after, embedding.eviction); init_scale 0 or
-    None: sqrt(1 / capacity)."""
+    admit_after, eviction, counting: the pool's (embedding.admit_after, embedding.eviction, the
+    admission counter: admission.Counting); init_scale 0 or None: sqrt(1 / capacity)."""
 
     dynamic = True
 
@@ -60,9 +61,10 @@ class DynamicStore(ShardStore):
                  optimizer: str, lr: float, eps: float, device: torch.device,
                  accumulator_init: float = 0.0, weight_decay: float = 0.0,
                  dtype: torch.dtype = torch.float32, rounding: Rounding | None = None,
-                 admit_after: int = 1, eviction: str = "lru", lfu_half_life: int = 0, ttl_steps: int = 0) -> None:
+                 admit_after: int = 1, eviction: str = "lru", lfu_half_life: int = 0, ttl_steps: int = 0,
+                 counting: Counting = Counting()) -> None:
         self.pool = SlotPool(sharding.num_tables, sharding.capacity, admit_after, eviction, device, lfu_half_life,
-                             ttl_steps)
+                             ttl_steps, counting)
         super().__init__(sharding, dim, seed, init_scale, optimizer, lr, eps, device, accumulator_init,
                          weight_decay, dtype, rounding, initialise=False)  # free slots: zeros
         self.scale = init_scale if init_scale else float(np.sqrt(1.0 / sharding.capacity))

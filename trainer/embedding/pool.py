@@ -15,8 +15,9 @@ initialises a slot when the pool hands it to a new id.
   O(capacity) (topk / kthvalue over its scores, no sort).
 - slot_gid [S]: the gid holding each slot (-1: free); last_use [S]: the last step it was read;
   uses [S]: steps it was read (LFU).
-- pending (admit_after > 1): gid -> (last step counted << 16 | steps seen) for ids not admitted
-  yet; exact counting, an id is counted once per step however many workers read it.
+- admission (admit_after > 1): the counts of ids not admitted yet, exact or a count-min sketch
+  (admission.py, embedding.admit_counter); an id is counted once per step however many workers
+  read it.
 - Table t's slots are [t * capacity, (t + 1) * capacity).
 
 Admission happens where a training step's reads reach the owner (admit), once per step per id:
@@ -30,8 +31,9 @@ outlives its id's life here. The pins are asked for only when a table evicts (O(
 Expiry (embedding.ttl_steps) is not eviction: a copied id expires too, and its copies follow it,
 deciding by the same rule (`expired`) from the same last reads.
 
-Undo (train.nonfinite=skip, fp16's skipped steps): pool_journal.py (the pool saves each slot and
-pending count it changes first, so a skipped step's admissions, evictions and counts roll back).
+Undo (train.nonfinite=skip, fp16's skipped steps): pool_journal.py (the pool saves each slot it
+changes first, the counter each count, so a skipped step's admissions, evictions and counts roll
+back).
 """
 from __future__ import annotations
 
@@ -41,11 +43,11 @@ import torch
 
 import kernels
 from kernels.probe_map import cells_bound
+from .admission import Counting, make_counter
 from .pool_journal import PoolJournal
 from .sharding import ID_BITS
 
 POOL_COUNTERS = ("admissions", "evictions", "dropped_grads", "rejected")  # [T] each, per owner
-_COUNT_BITS = 16  # pending value: (step << 16) | count
 
 
 def _ascending(gids: torch.Tensor) -> bool:
@@ -75,7 +77,8 @@ class SlotPool(PoolJournal):
     """Slots of `capacity` rows per table for `num_tables` dynamic tables (see the module docstring)."""
 
     def __init__(self, num_tables: int, capacity: int, admit_after: int, eviction: str,
-                 device: torch.device, lfu_half_life: int = 0, ttl_steps: int = 0) -> None:
+                 device: torch.device, lfu_half_life: int = 0, ttl_steps: int = 0,
+                 counting: Counting = Counting()) -> None:
         if eviction not in ("lru", "lfu"):
             raise ValueError(f"embedding.eviction={eviction!r} is not one of lru, lfu")
         self.num_tables, self.capacity, self.admit_after, self.eviction = num_tables, capacity, admit_after, eviction
@@ -83,7 +86,7 @@ class SlotPool(PoolJournal):
         self.ttl = ttl_steps  # a row unread for more than this many steps expires (0: never)
         n = num_tables * capacity
         self.map = kernels.make_id_slot_map(n, device)
-        self.pending = kernels.make_id_slot_map(1024, device) if admit_after > 1 else None
+        self.admission = make_counter(admit_after, device, counting)  # None: admitted at once
         self.slot_gid = torch.full((n,), -1, dtype=torch.int64, device=device)
         # a slot's scores side by side (one cache line: a step reads and stamps them for every id)
         scores = torch.zeros(n, 2, dtype=torch.int64, device=device)
@@ -152,8 +155,8 @@ class SlotPool(PoolJournal):
         return (self.slot_gid >= 0).view(self.num_tables, self.capacity).sum(1)
 
     def pending_ids(self) -> int:
-        """Ids counted but not admitted (admit_after > 1)."""
-        return 0 if self.pending is None else len(self.pending)
+        """Ids counted but not admitted (admit_after > 1; count_min: an estimate, admission.py)."""
+        return 0 if self.admission is None else self.admission.pending_ids()
 
     def count_dropped(self, gids: torch.Tensor) -> None:
         """Gradients of gids [n] (distinct) that had no row: dropped, counted per table."""
@@ -201,14 +204,8 @@ class SlotPool(PoolJournal):
     def _admit_new(self, new: torch.Tensor, step: int) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
         """admit's ids without a row, new [m] (ascending): count them (admit_after > 1), place
         the ones due (evicting where a table is full); (gids, slots) of those admitted, or None."""
-        if new.numel() and self.pending is not None:
-            val, absent = self.pending.lookup(new)
-            seen = val & ((1 << _COUNT_BITS) - 1)
-            counted = (val >> _COUNT_BITS) == step
-            cnt = torch.where(absent, torch.ones_like(val), torch.where(counted, seen, seen + 1))
-            self._save_pending(new, val, absent)
-            self.pending.insert(new, (step << _COUNT_BITS) | cnt)
-            new = new[cnt >= self.admit_after]
+        if new.numel() and self.admission is not None:
+            new = new[self.admission.count(new, step)]
         if not new.numel():
             return None
         ids, slots = self._place(new, step)
@@ -219,8 +216,8 @@ class SlotPool(PoolJournal):
         self.slot_gid.index_copy_(0, slots, ids)
         self.last_use.index_fill_(0, slots, step)
         self.uses.index_fill_(0, slots, 1)
-        if self.pending is not None:
-            self.pending.erase(ids)
+        if self.admission is not None:
+            self.admission.admitted(ids)
         self.c["admissions"].index_add_(0, ids >> ID_BITS, torch.ones_like(ids))
         return ids, slots
 
@@ -315,9 +312,3 @@ class SlotPool(PoolJournal):
         CPU map's bound), the slot's id (8 B), its scores (last use and uses: 16 B)."""
         cell = pool_slot_bytes(self.map.device, self.slot_gid.numel()) - 24
         return {"map": cell, "slot_id": 8, "scores": 16, "total": cell + 24}
-
-    def pending_bytes_per_id(self) -> int:
-        """Exact admission counting: one map entry per id not admitted yet (key + packed step and
-        count): two int64 per cell, at load 1/2 (32 B, the figure reported) down to 3/16 after a
-        rebuild (86 B), on the CPU and in the Triton table alike."""
-        return 0 if self.pending is None else 32

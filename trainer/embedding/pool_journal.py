@@ -3,14 +3,15 @@ apart from the pool.
 
 Between `begin()` and `commit()` the pool saves, before it changes them, every slot a step's
 admission touches (`_save`: the read rows' scores, expired rows' counts, evicted and newly taken
-slots: their id, last use and uses) and every pending count it rewrites (`_save_pending`: the
-counts' old values, or that the id had none), and `begin()` keeps the [4, T] counters and the free
-slots' cursors (a list of T ints and T tensor references: the hole tensors are replaced, never
-written). So `rollback()` returns the pool to exactly its state before the step: which id holds
-which slot, the id -> slot map, scores, pending counts, counters and free slots. What is saved is
-bounded by the step's ids (24 B per saved slot, 17 B per saved pending count), never by the pool.
+slots: their id, last use and uses), the admission counter journals every count it rewrites
+(admission.py: an exact count's old value or that the id had none, 17 B; a sketch's raised cells,
+10 B each), and `begin()` keeps the [4, T] counters and the free slots' cursors (a list of T ints
+and T tensor references: the hole tensors are replaced, never written). So `rollback()` returns
+the pool to exactly its state before the step: which id holds which slot, the id -> slot map,
+scores, pending counts, counters and free slots. What is saved is bounded by the step's ids (24 B
+per saved slot and the counts above), never by the pool.
 A mixin of SlotPool (pool.py): it reads the pool's `slot_gid`, `last_use`, `uses`, `map`,
-`pending`, `counters`, `_free_from`, `_holes` and `_memo`, and holds nothing else; outside
+`admission`, `counters`, `_free_from`, `_holes` and `_memo`, and holds nothing else; outside
 begin() .. commit() saving costs nothing. The rows' values and versions are the store's to undo
 (dynamic.DynamicStore.rollback).
 """
@@ -30,7 +31,7 @@ class PoolJournal:
     last_use: torch.Tensor
     uses: torch.Tensor
     map: Any
-    pending: Any
+    admission: Any
     counters: torch.Tensor
     _free_from: list[int]
     _holes: list[torch.Tensor]
@@ -38,7 +39,6 @@ class PoolJournal:
 
     def init_journal(self) -> None:
         self._journal: Optional[list[tuple[torch.Tensor, ...]]] = None  # saved slots while undoable
-        self._journal_pending: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
         self._journal_keep: Optional[tuple[torch.Tensor, list[int], list[torch.Tensor]]] = None
 
     @property
@@ -47,12 +47,16 @@ class PoolJournal:
 
     def begin(self) -> None:
         """Start saving everything the coming admissions change (until commit or rollback)."""
-        self._journal, self._journal_pending = [], []
+        self._journal = []
+        if self.admission is not None:
+            self.admission.begin()
         self._journal_keep = (self.counters.clone(), list(self._free_from), list(self._holes))
 
     def commit(self) -> None:
         """Keep the changes made since begin() (drop what was saved)."""
-        self._journal, self._journal_pending, self._journal_keep = None, [], None
+        self._journal, self._journal_keep = None, None
+        if self.admission is not None:
+            self.admission.commit()
 
     def rollback(self) -> None:
         """Undo every change since begin(): saved slots get their old id and scores back (newest
@@ -78,11 +82,8 @@ class PoolJournal:
                 ids, at = old[back], slots[back]
                 order = torch.argsort(ids)
                 self.map.insert(ids[order], at[order])
-        for ids, val, absent in reversed(self._journal_pending):
-            if bool(absent.any()):
-                self.pending.erase(ids[absent])
-            if not bool(absent.all()):
-                self.pending.insert(ids[~absent], val[~absent])
+        if self.admission is not None:
+            self.admission.rollback()
         counters, free_from, holes = self._journal_keep
         self.counters.copy_(counters)  # in place: the per-counter views (SlotPool.c) stay valid
         self._free_from[:], self._holes[:] = free_from, holes
@@ -93,8 +94,3 @@ class PoolJournal:
         if self._journal is not None and slots.numel():
             self._journal.append((slots.clone(),) + tuple(getattr(self, f).index_select(0, slots)
                                                           for f in _SLOT_FIELDS))
-
-    def _save_pending(self, ids: torch.Tensor, val: torch.Tensor, absent: torch.Tensor) -> None:
-        """Pending counts of ids [n] about to be rewritten: their values (absent: none)."""
-        if self._journal is not None and ids.numel():
-            self._journal_pending.append((ids.clone(), val.clone(), absent.clone()))
