@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from helpers import make_cfg
-from kernel_helpers import needs_cuda
+from kernel_helpers import gpu, needs_cuda
 from test_dynamic import gid, store
 from test_dynamic_parity import resume_at_step_8_equals_uninterrupted
 from trainer.checkpoint.manifest import CheckpointError
@@ -306,6 +306,7 @@ def test_two_workers_with_a_sketch_keep_the_invariants_and_resume_as_uninterrupt
         assert tab["admissions"] - tab["evictions"] == tab["rows_in_use"]
 
 
+@gpu
 @needs_cuda
 def test_the_sketch_counts_alike_on_cuda():
     """The same stream (halving, a skipped step) through the sketch on CUDA tensors and on the
