@@ -747,11 +747,16 @@ def _validate_kernels(c: Config) -> None:
 
     env = os.environ.get(kernels.ENV_VAR, "").strip().lower()
     name, source = (env, kernels.ENV_VAR) if env else (c.kernels.backend, "kernels.backend")
-    cuda = c.train.device == "cuda" or (c.train.device == "auto" and _cuda_available())
     try:
-        kernels.check_backend(name, "cuda" if cuda else "cpu", source)
+        kernels.check_backend(name, run_device(c), source)
     except kernels.BackendError as exc:
         raise ConfigError(str(exc)) from None
+
+
+def run_device(c: Config) -> str:
+    """"cuda" or "cpu": the device train.device names (auto: CUDA where there is one), for the
+    checks and sizes decided before start-up (the kernels' backend, embedding.capacity_bytes)."""
+    return "cuda" if c.train.device == "cuda" or (c.train.device == "auto" and _cuda_available()) else "cpu"
 
 
 def _cuda_available() -> bool:

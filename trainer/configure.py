@@ -26,7 +26,8 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-from .config import Config, ConfigError, apply_data_shape, check_min_count, compose, data_source_error, parse, validate
+from .config import (Config, ConfigError, apply_data_shape, check_min_count, compose, data_source_error, parse,
+                     run_device, validate)
 from .data import DataShape, epoch_rows, shape_of, vocab_rows
 from .data.criteo import CriteoFormatError
 from .recipes import apply_data_steps, apply_recipe, choose_recipe
@@ -54,12 +55,11 @@ def apply_capacity_budget(c: Config) -> None:
     e = c.embedding
     if not e.capacity_bytes:
         return
-    from .memplan import capacity_for_budget  # torch and the kernels: only when asked
-
     import torch
 
-    cuda = c.train.device == "cuda" or (c.train.device == "auto" and torch.cuda.is_available())
-    cap = capacity_for_budget(c, torch.device("cuda" if cuda else "cpu"))
+    from .memplan import capacity_for_budget  # torch and the kernels: only when asked
+
+    cap = capacity_for_budget(c, torch.device(run_device(c)))
     if cap < 1:
         raise ConfigError(f"embedding.capacity_bytes={e.capacity_bytes}: too small for one row per table "
                           f"on each owner (the pool's bytes per slot: docs/dynamic.md#bytes-per-slot)")

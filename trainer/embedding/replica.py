@@ -143,7 +143,7 @@ class Replica:
         self._undo, self._undo_last = [], []
 
     def commit(self) -> None:
-        self._undo = None
+        self._undo, self._undo_last = None, []
 
     def rollback(self) -> None:
         """The step is skipped: the rows it admitted get their life (0), value and state back."""
@@ -157,7 +157,7 @@ class Replica:
                 st.index_copy_(0, got, state)
         for union, last in reversed(self._undo_last):
             self.last.index_copy_(0, union, last)
-        self._undo = None
+        self._undo, self._undo_last = None, []
 
     def apply(self, slots: torch.Tensor, grads: torch.Tensor, store: ShardStore) -> None:
         """One optimizer step on distinct slots [u] with the gradient summed over workers [u, d];
