@@ -31,6 +31,7 @@ from helpers import make_cfg, run_single, run_world, spawn
 from test_parity import assert_same_run
 
 import trainer.checkpoint as ckpt
+from trainer.checkpoint.manifest import WORK_DIR
 from trainer.runner import run
 
 RESUME_CASES = {
@@ -68,6 +69,34 @@ def test_keep_last_rotation_keeps_exactly_n(tmp_path):
     run_single(BASE + ["train.steps=10", "checkpoint.every=2", "checkpoint.keep_last=2",
                        f"checkpoint.dir={root}"])
     assert sorted(os.listdir(root)) == ["step_00000008", "step_00000010"]
+
+
+def test_a_run_killed_while_rotation_deletes_leaves_no_damaged_checkpoint(tmp_path, monkeypatch):
+    """Rotation renames a checkpoint out of the step_K names before deleting it: a run killed in
+    the middle of that delete (rmtree takes manifest.json out first here, then the process dies)
+    leaves the run's own work directory, not a step_K without a manifest that resume=auto would
+    have to stop at; the newest checkpoint stays the one to resume from."""
+    import trainer.checkpoint.saver as saver
+    real = shutil.rmtree
+
+    class Killed(BaseException):
+        pass
+
+    def killed_mid_delete(path, ignore_errors=False):
+        if os.path.exists(os.path.join(path, ckpt.MANIFEST)):
+            os.remove(os.path.join(path, ckpt.MANIFEST))  # rmtree may take it out first
+        raise Killed
+    root = _dir(tmp_path, "ck")
+    run_single(BASE + ["train.steps=2", "checkpoint.every=2", f"checkpoint.dir={root}"])
+    monkeypatch.setattr(saver.shutil, "rmtree", killed_mid_delete)
+    with pytest.raises(Killed):
+        run_single(BASE + ["train.steps=4", "checkpoint.every=2", "checkpoint.keep_last=1",
+                           f"checkpoint.dir={root}", f"checkpoint.resume={_step(root, 2)}"])
+    monkeypatch.setattr(saver.shutil, "rmtree", real)
+    assert ckpt.damaged_checkpoints(root) == []
+    assert ckpt.latest(root) == _step(root, 4)
+    left = [n for n in os.listdir(root) if WORK_DIR.match(n)]
+    assert len(left) == 1 and left[0].startswith("step_00000002.old-"), os.listdir(root)
 
 
 def test_no_output_dir_means_no_checkpoint_and_out_dir_default(tmp_path):

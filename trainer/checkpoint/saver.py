@@ -158,6 +158,18 @@ class Checkpointer:
         if old is not None:
             shutil.rmtree(old, ignore_errors=True)
 
+    def _remove(self, path: str) -> None:
+        """Delete a complete checkpoint: first renamed to this run's `.old-` name (atomic), then
+        removed. A run killed while deleting (rmtree takes the manifest out before the rest)
+        leaves a work directory that its next run clears (lock take-over), never a step_K
+        without a manifest, which resume=auto would have to stop at."""
+        doomed = f"{path}.old-{self.run_id}-{uuid.uuid4().hex[:8]}"
+        try:
+            os.replace(path, doomed)
+        except FileNotFoundError:
+            return
+        shutil.rmtree(doomed, ignore_errors=True)
+
     def rotate(self) -> None:
         """Delete complete checkpoints beyond keep_last, the least recently saved first (save_seq,
         not the step: a branch resumed from an older step keeps its own saves), and this run's
@@ -171,7 +183,7 @@ class Checkpointer:
         found = complete_checkpoints(self.root)
         drop = found[:-self.keep_last] if self.keep_last > 0 else []
         for _, path in drop:
-            shutil.rmtree(path, ignore_errors=True)
+            self._remove(path)
         self._discard_own()
 
     def _discard_own(self) -> None:
