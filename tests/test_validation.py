@@ -260,3 +260,25 @@ def test_early_stopping_waits_for_min_evals():
     assert old.evals == 5
     c = load_config(make_cfg(["data=tiny", "data.train_samples=100", "data.val_fraction=0.2"]))
     assert c.train.early_stop.min_evals == 0  # outside the criteo recipes
+
+
+@pytest.mark.parametrize("n, decimals", [(7, None), (5_000, 1), (50_000, None)])
+def test_auc_and_logloss_equal_scikit_learns(n, decimals):
+    """trainer.metrics computes AUC (average ranks: tied logits count one half) and log loss
+    itself; both equal scikit-learn's on the probabilities, with ties, float32 logits and rows far
+    in the tails; one class: no AUC; no rows: neither."""
+    from sklearn.metrics import log_loss, roc_auc_score
+
+    from trainer.metrics import auc_logloss
+
+    rng = np.random.default_rng(n)
+    z = rng.normal(0.0, 3.0, n)
+    z = (np.round(z, decimals) if decimals is not None else z).astype(np.float32)
+    y = (rng.random(n) < 1.0 / (1.0 + np.exp(-z))).astype(np.float32)
+    p = 1.0 / (1.0 + np.exp(-z.astype(np.float64)))
+    auc, ll = auc_logloss(z, y)
+    assert auc == pytest.approx(roc_auc_score(y, p), abs=1e-12)
+    assert ll == pytest.approx(log_loss(y, p, labels=[0.0, 1.0]), rel=1e-9)
+    assert auc_logloss(np.array([3.0, -1.0, 2.0]), np.ones(3))[0] is None
+    assert auc_logloss(np.zeros(0), np.zeros(0)) == (None, None)
+    assert auc_logloss(np.array([1.0, 1.0, 0.0]), np.array([1.0, 0.0, 0.0]))[0] == 0.75  # a tie counts half
