@@ -75,10 +75,12 @@ if [ "$QUICK" = 1 ]; then
   PARITY=(--only dlrm w2-lfu-ssp --steps 6)
   KBENCH=(--quick)
   TSTEPS=6
+  TQUICK=(data.max_table_rows=20000 data.eval_samples=1024)  # bench_train's workload, small
 else
   PARITY=(--steps 120)
   KBENCH=(--dims 16 64 128 --bags 8 32 --reps 20)
   TSTEPS=60
+  TQUICK=()
 fi
 
 stage env 60 "$LOG" "$PY" - "$DEVICE" <<'EOF'
@@ -143,7 +145,7 @@ for batch in default ${BATCHES:-}; do
   [ "$batch" = default ] || size=("data.batch_size=$batch")
   for dev in "$DEVICE" cpu; do
     stage "bench_train_${dev}_$batch" 90 "$OUT/bench_train.jsonl" "$PY" benchmarks/bench_train.py \
-      --worlds 1 --steps "$TSTEPS" -- "train.device=$dev" "${size[@]}"
+      --worlds 1 --steps "$TSTEPS" -- "${TQUICK[@]}" "train.device=$dev" "${size[@]}"
     [ "$DEVICE" = cpu ] && break
   done
 done
@@ -152,7 +154,7 @@ done
 # it through gloo, which stages every collective through host memory)
 for pipe in off ids; do
   stage "bench_train_w2_pipeline_$pipe" 120 "$OUT/bench_train.jsonl" "$PY" benchmarks/bench_train.py \
-    --worlds 2 --steps "$TSTEPS" -- "train.device=$DEVICE" comm.dist_backend=gloo "train.pipeline=$pipe"
+    --worlds 2 --steps "$TSTEPS" -- "${TQUICK[@]}" "train.device=$DEVICE" comm.dist_backend=gloo "train.pipeline=$pipe"
 done
 
 if [ -n "${BEFORE:-}" ]; then  # the same benchmarks at another checkout, side by side
@@ -160,6 +162,6 @@ if [ -n "${BEFORE:-}" ]; then  # the same benchmarks at another checkout, side b
   stage bench_kernels_before 100 "$OUT/bench_before.jsonl" "${old[@]}" "$PY" \
     "$BEFORE/benchmarks/bench_kernels.py" --device "$DEVICE" "${KBENCH[@]}"
   stage bench_train_before 90 "$OUT/bench_before.jsonl" "${old[@]}" "$PY" \
-    "$BEFORE/benchmarks/bench_train.py" --worlds 1 --steps "$TSTEPS" -- "train.device=$DEVICE"
+    "$BEFORE/benchmarks/bench_train.py" --worlds 1 --steps "$TSTEPS" -- "${TQUICK[@]}" "train.device=$DEVICE"
 fi
 say "done: $OUT"

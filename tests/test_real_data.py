@@ -59,13 +59,15 @@ def test_criteo_sample_trains_every_model_on_two_workers(prepared):
 
 def test_python_m_trainer_data_criteo(prepared, tmp_path):
     """The documented command line (the tiny-data recipe on this sample: an ensemble of 5 models, each
-    trained up to 30 epochs on 80% of the training rows, validated once per epoch on its own 20%
-    slice, stopped early, its best model calibrated and tested; the test split scored with their
-    mean prediction) writes the ensemble's summary.json and one per member, and says so on stderr."""
+    trained on 80% of the training rows, validated once per epoch on its own 20% slice, stopped
+    early, its best model calibrated and tested; the test split scored with their mean prediction)
+    writes the ensemble's summary.json and one per member, and says so on stderr. 4 epochs here, not
+    the recipe's 30 (a user's value is kept, the rest is the recipe's): the same code paths in a
+    quarter of the time; what the whole recipe scores is benchmarks/reports' recipe figures."""
     out = tmp_path / "run"
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     proc = subprocess.run([sys.executable, "-m", "trainer", "data=criteo", f"data.dir={prepared}",
-                           "data.batch_size=64", f"hydra.run.dir={out}"],
+                           "data.batch_size=64", "data.epochs=4", f"hydra.run.dir={out}"],
                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "recipe tiny (data=criteo with 1,600 training rows < 100,000)" in proc.stderr
@@ -81,7 +83,7 @@ def test_python_m_trainer_data_criteo(prepared, tmp_path):
         ms = json.loads((out / f"member{m['member']}" / "summary.json").read_text())
         assert (ms["test_auc"], ms["best_step"], ms["steps"]) == (m["test_auc"], m["best_step"], m["steps"])
         assert ms["val_samples"] == 320 and ms["best_step"] <= ms["steps"] and ms["eval_samples"] == N_TEST
-        assert ms["config"]["train"]["steps"] == -(-30 * n_train // 64) >= ms["steps"]
+        assert ms["config"]["train"]["steps"] == -(-4 * n_train // 64) >= ms["steps"]
         assert ms["config"]["train"]["eval_every"] == -(-n_train // 64)
         assert ms["early_stop"]["stopped_early"] == (ms["steps"] < ms["config"]["train"]["steps"])
         assert ms["config"]["data"]["loader"] == "dali" and ms["config"]["data"]["min_count"] == 1
