@@ -208,7 +208,7 @@ def row_update(
     grads: Tensor,
     *,
     optimizer: str = "sgd",
-    lr: float = 0.01,
+    lr: float | Tensor = 0.01,
     eps: float = 1e-10,
     state: Optional[Tensor] = None,
     unique: bool = False,
@@ -223,7 +223,9 @@ def row_update(
     fp16 / bf16 storage: each row is updated in fp32 and written back by `rounding` (stochastic,
     kernels/rounding.py: keys [n], one per entry of rows) or, when None, rounded to nearest.
     mask [n] bool (unique=True only): rows where it is False stay exactly as they are (the
-    padding rows of a fixed-size update)."""
+    padding rows of a fixed-size update). lr: a float, or one fp32 value on the storage's device
+    that the Triton kernel reads there (a captured step follows a changing rate; the reference
+    reads it to the host)."""
     fn = (_scatter_update_module.row_update_triton if use_triton(storage.device)
           else reference.row_update)
     fn(storage, rows, grads, optimizer=optimizer, lr=lr, eps=eps, state=state, unique=unique,

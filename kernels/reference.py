@@ -334,7 +334,7 @@ def row_update(
     grads: Tensor,
     *,
     optimizer: str = "sgd",
-    lr: float = 0.01,
+    lr: float | Tensor = 0.01,
     eps: float = 1e-10,
     state: Optional[Tensor] = None,
     unique: bool = False,
@@ -354,8 +354,12 @@ def row_update(
     when it is None. The state is whatever dtype it is (the trainer keeps it fp32).
     mask [n] bool (with unique=True only): rows where it is False are left exactly as they are
     (row and state): the padding rows of a fixed-size update (trainer/embedding/padded.py).
+    lr may be a one-element fp32 tensor (the Triton kernel reads it on the device); here it is
+    read to the host first, so the arithmetic is the float rate's.
     """
     check_update_args(storage, state, optimizer)
+    check_lr(lr, storage)
+    lr = float(lr)
     if grads.dim() != 2 or grads.shape[0] != rows.numel() or grads.shape[1] != storage.shape[1]:
         raise ValueError(f"grads must be [len(rows), d] = [{rows.numel()}, {storage.shape[1]}]")
     check_rounding(rounding, rows)
@@ -386,6 +390,13 @@ def check_mask(mask: Optional[Tensor], rows: Tensor, unique: bool) -> None:
     if mask.dtype != torch.bool or tuple(mask.shape) != (rows.numel(),):
         raise ValueError(f"row_update: mask must be bool [len(rows)] = [{rows.numel()}], got "
                          f"{mask.dtype} {tuple(mask.shape)}")
+
+
+def check_lr(lr: float | Tensor, storage: Tensor) -> None:
+    """A rate given as a tensor is one fp32 value on the storage's device."""
+    if isinstance(lr, Tensor) and (lr.numel() != 1 or lr.dtype != torch.float32 or lr.device != storage.device):
+        raise ValueError(f"lr as a tensor must be one float32 value on {storage.device}, got "
+                         f"{tuple(lr.shape)} {lr.dtype} on {lr.device}")
 
 
 def zero_step_is_identity(optimizer: str, lr: float, eps: float, weight_decay: float) -> bool:

@@ -125,7 +125,7 @@ def row_update_triton(
     grads: Tensor,
     *,
     optimizer: str = "sgd",
-    lr: float = 0.01,
+    lr: float | Tensor = 0.01,
     eps: float = 1e-10,
     state: Optional[Tensor] = None,
     unique: bool = False,
@@ -140,12 +140,15 @@ def row_update_triton(
     entries are stable-sorted by storage row (unique=True: taken as they are, one per segment).
     Half storage with `rounding`: the kernel repeats kernels/rounding.py's rule and hash, with the
     key of the segment's first entry (every entry of a segment is the same storage row).
+    lr as a one-element fp32 tensor on the storage's device: the kernel reads the rate from it, so
+    a captured CUDA graph follows a rate that changes between replays (train.cuda_graph=on).
     """
     ref.check_update_args(storage, state, optimizer)
     if grads.dim() != 2 or grads.shape[0] != rows.numel() or grads.shape[1] != storage.shape[1]:
         raise ValueError(f"grads must be [len(rows), d] = [{rows.numel()}, {storage.shape[1]}]")
     ref.check_rounding(rounding, rows)
     ref.check_mask(mask, rows, unique)
+    ref.check_lr(lr, storage)
     _check_in_place(storage, state)
     if rows.numel() == 0 or storage.shape[1] == 0:
         return
@@ -191,7 +194,7 @@ def _check_in_place(storage: Tensor, state: Optional[Tensor]) -> None:
 
 
 def _launch_segments(segs: Segments, bag_grad: Tensor, out: Tensor, op: str, *,
-                     state: Optional[Tensor] = None, lr: float = 0.0, eps: float = 0.0,
+                     state: Optional[Tensor] = None, lr: float | Tensor = 0.0, eps: float = 0.0,
                      wd: float = 0.0, block_n: Optional[int] = None,
                      rounding: Optional[StochasticRounding] = None) -> None:
     """One program per (segment, block of d); row-wise Adagrad needs the whole row in one.
@@ -210,6 +213,7 @@ def _launch_segments(segs: Segments, bag_grad: Tensor, out: Tensor, op: str, *,
         # bit 32 set: never an int argument Triton specialises (0, 1); the kernel keeps 32 bits
         (1 << 32) | (0 if rounding is None else rounding.salt),
         HAS_COEF=segs.coef is not None, OP=_OPT_CODE[op], HAS_WD=wd != 0.0, SR=rounding is not None,
+        LR_IN_MEMORY=isinstance(lr, Tensor),
         BF16=out.dtype == torch.bfloat16, BLOCK_N=block_n, BLOCK_D=block_d)
 
 
@@ -257,9 +261,10 @@ def _segment_kernel(grad_ptr, slot_ptr, starts_ptr, ends_ptr, bags_ptr, coef_ptr
                     state_ptr, keys_ptr, dim, stride_out, stride_state, lr, eps, wd, salt,
                     HAS_COEF: tl.constexpr, OP: tl.constexpr, HAS_WD: tl.constexpr,
                     SR: tl.constexpr, BF16: tl.constexpr, BLOCK_N: tl.constexpr,
-                    BLOCK_D: tl.constexpr):
+                    BLOCK_D: tl.constexpr, LR_IN_MEMORY: tl.constexpr = False):
     """Sum one slot's entry gradients in entry order, then write (OP 0) or optimize (OP 1..3);
-    HAS_WD adds coupled L2 (g += wd * w) before the optimizer; SR writes the updated row to the
+    HAS_WD adds coupled L2 (g += wd * w) before the optimizer; LR_IN_MEMORY: lr points at the
+    rate (one fp32 value) instead of being it; SR writes the updated row to the
     half-precision storage by stochastic rounding (kernels/rounding.py, repeated here inline: a
     jitted kernel cannot call another), keyed by keys[first entry of the segment].
     An empty segment touches nothing (its slot belongs to another program's live segment)."""
@@ -283,6 +288,8 @@ def _segment_kernel(grad_ptr, slot_ptr, starts_ptr, ends_ptr, bags_ptr, coef_ptr
     if OP == 0:
         tl.store(w_ptrs, g.to(out_ptr.dtype.element_ty), mask=col_ok)
     else:
+        if LR_IN_MEMORY:
+            lr = tl.load(lr)
         w = tl.load(w_ptrs, mask=col_ok, other=0.0).to(g.dtype)
         if HAS_WD:
             g = g + wd * w

@@ -309,3 +309,29 @@ def test_masked_update_needs_distinct_rows():
         ref.row_update(storage, torch.tensor([0, 0]), torch.ones(2, 2), mask=torch.tensor([True, False]))
     with pytest.raises(ValueError, match="mask must be bool"):
         ref.row_update(storage, torch.tensor([0, 1]), torch.ones(2, 2), unique=True, mask=torch.tensor([1, 0]))
+
+
+@needs_triton
+@pytest.mark.parametrize("optimizer", ["sgd", "adagrad", "rowwise_adagrad"])
+@pytest.mark.parametrize("masked", [False, True])
+def test_a_rate_read_from_the_device_equals_the_float_rate(optimizer, masked):
+    """lr as a one-element fp32 tensor (what a captured step passes, so that one CUDA graph follows
+    a warmup or a decay): the Triton kernel reads it on the device and writes bit for bit what the
+    float rate writes; the reference reads it to the host (the same arithmetic); a rate of another
+    shape, dtype or device is refused."""
+    rows, dim = 50, 6
+    storage, state = rand_storage(rows, dim, torch.float32), _opt_state(optimizer, rows, dim)
+    idx = torch.randperm(rows, generator=torch.Generator().manual_seed(2))[:17].to(DEV)
+    grads = randn(17, dim).to(DEV)
+    mask = (torch.arange(17, device=DEV) % 3 != 0) if masked else None
+    kw = dict(rows=idx, grads=grads, optimizer=optimizer, eps=1e-8, unique=True, weight_decay=0.01, mask=mask)
+    rate = torch.tensor([0.37], device=DEV)
+    for fn in (row_update_triton, ref.row_update):
+        want = _run_row_update(fn, storage, state, lr=0.37, **kw)
+        got = _run_row_update(fn, storage, state, lr=rate, **kw)
+        torch.testing.assert_close(got[0], want[0], rtol=0, atol=0)
+        if state is not None:
+            torch.testing.assert_close(got[1], want[1], rtol=0, atol=0)
+        for bad in (torch.tensor([0.37, 0.1], device=DEV), torch.tensor([0.37], dtype=torch.float64, device=DEV)):
+            with pytest.raises(ValueError, match="lr as a tensor must be one float32 value"):
+                _run_row_update(fn, storage, state, lr=bad, **kw)

@@ -94,19 +94,33 @@ def test_what_cannot_be_padded_yet_is_refused_at_w1(override, key):
     validate_world(load_config(make_cfg(["data=tiny", override] + extra)), 1)  # and off: no refusal
 
 
+SCHEDULES = {"constant": ["optim.warmup_steps=0", "optim.decay=none"],
+             "warmup-poly": ["optim.warmup_steps=4", "optim.decay=poly"]}
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-@pytest.mark.parametrize("precision", ["fp32", "bf16"])
-def test_whole_step_replays_equal_the_eager_step_on_cuda(precision):
-    """On CUDA the whole step is captured once the rate is steady (optim.warmup_steps=0: from the
-    second step) and replayed: the same losses, parameters and rows as train.cuda_graph=off within
-    float tolerance (the off step's Triton gather adds with atomics)."""
+@pytest.mark.parametrize("precision, schedule, backend", [
+    ("fp32", "constant", "auto"), ("bf16", "constant", "auto"), ("fp32", "warmup-poly", "auto"),
+    ("fp32", "constant", "reference"), ("fp32", "warmup-poly", "reference")])
+def test_whole_step_replays_equal_the_eager_step_on_cuda(precision, schedule, backend):
+    """On CUDA the whole step is captured and replayed: the same losses, parameters and rows as
+    train.cuda_graph=off within float tolerance (the off step's Triton gather adds with atomics).
+    With the Triton kernels the sparse rate is read on the device, so one graph serves every step
+    from the first, through a warmup and a decay too; with kernels.backend=reference the rate is a
+    constant of the graph: captured once it is steady (from the second step), a changing rate
+    runs eagerly."""
     extra = ["train.device=cuda", f"train.precision={precision}", "train.steps=12", "optim=adagrad",
-             "optim.warmup_steps=0", "optim.decay=none"]
+             f"kernels.backend={backend}", *SCHEDULES[schedule]]
     ref = run_single(BASE + extra)
     got = run_single(BASE + extra + ["train.cuda_graph=on"])
     graph = got.summary["cuda_graph"]
-    assert graph["captured"] and graph["replays"] == 11 and graph["eager_steps"] == 1, graph
+    if backend == "auto":
+        assert graph["captured"] and graph["replays"] == 12 and graph["eager_steps"] == 0, graph
+    elif schedule == "constant":
+        assert graph["captured"] and graph["replays"] == 11 and graph["eager_steps"] == 1, graph
+    else:  # every step of the warmup and the decay has its own rate
+        assert not graph["captured"] and graph["eager_steps"] == 12, graph
     assert_same_run(ref, got, rtol=1e-5, atol=1e-6)
 
 

@@ -29,10 +29,12 @@ train.cuda_graph=off bit for bit (tests/test_whole_step.py).
 
 On CUDA: the function is captured into one torch.cuda.CUDAGraph over static inputs (dense,
 padded ids, lengths, labels) and replayed. The warm-up runs before the capture (side stream,
-twice) mask every row: the update kernels run and touch nothing. The sparse optimizer's learning rate is a kernel constant, so the graph is captured for
-one rate: a step whose rate differs from the step before (a warmup or a decay) runs eagerly,
-and the first two steps at a new constant rate capture it again. A batch of another shape runs
-eagerly. Refused at W = 1 (config time, validate_world): what cannot be padded yet (dynamic tables,
+twice) mask every row: the update kernels run and touch nothing. The sparse optimizer's rate:
+with the Triton kernels it is a device value the update kernel reads (SparseOptimizer.lr_on_device,
+filled before every step, outside the graph), so one graph serves a warmup and a decay too. With
+kernels.backend=reference the rate is a constant of the captured arithmetic: the graph is captured
+for one rate, a step whose rate differs from the step before runs eagerly, and the first two
+steps at a new constant rate capture it again. A batch of another shape runs eagerly. Refused at W = 1 (config time, validate_world): what cannot be padded yet (dynamic tables,
 a cache, a placement, Herald, stochastic rounding of half rows, the audit).
 """
 from __future__ import annotations
@@ -79,6 +81,10 @@ class WholeStep:
         self.capacity = unique_capacity(local, self.max_bag, rows, c.train.unique_capacity)
         self.skip = c.train.nonfinite == "skip"
         self.capture = device.type == "cuda"
+        # the rate read on the device (Triton's update kernel): one graph for every rate
+        self.rate = (torch.zeros(1, dtype=torch.float32, device=device)
+                     if self.capture and kernels.use_triton(device) else None)
+        self.store.optimizer.lr_on_device = self.rate
         self.graph: Optional[torch.cuda.CUDAGraph] = None
         self.graph_lr: Optional[float] = None
         self.last_lr: Optional[float] = None
@@ -167,7 +173,10 @@ class WholeStep:
         if not self.capture:
             self.eager_steps += 1
             return self._compute(*inputs)
-        lr = self.store.optimizer.lr
+        lr: Optional[float] = self.store.optimizer.lr
+        if self.rate is not None:  # the kernel reads the rate: every step's rate is the graph's
+            self.rate.fill_(lr)
+            lr = None
         steady, self.last_lr = lr == self.last_lr, lr
         same_shape = self.graph is None or \
             tuple(t.shape for t in inputs) == tuple(t.shape for t in self.static_in)
@@ -185,7 +194,7 @@ class WholeStep:
         self.replays += 1
         return self.static_out
 
-    def _capture(self, inputs: Inputs, lr: float) -> None:
+    def _capture(self, inputs: Inputs, lr: Optional[float]) -> None:
         self.static_in = tuple(t.clone() for t in inputs)
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())

@@ -63,6 +63,9 @@ class SparseOptimizer:
         if name not in OPTIMIZERS:
             raise ValueError(f"optim.sparse={name!r} is not one of {sorted(OPTIMIZERS)}")
         self.name, self.weight, self.lr, self.eps, self.init = name, weight, lr, eps, init
+        # a captured step's rate (trainer/whole_step.py): one fp32 value on the weight's device that
+        # the update kernel reads there; its owner fills it with `lr` before every step
+        self.lr_on_device: Optional[torch.Tensor] = None
         self.weight_decay = weight_decay
         self.row_keys, self.rounding = row_keys, rounding
         state_dtype = kernels.reference.accumulation_dtype(weight.dtype)  # fp32 (fp64 stays fp64)
@@ -76,7 +79,8 @@ class SparseOptimizer:
              mask: Optional[torch.Tensor] = None) -> None:
         """Rows idx [n] of weight (repeats allowed unless unique) take grad [n, d], summed per row;
         mask [n] (unique only): rows where it is False are left as they are."""
-        kernels.row_update(self.weight, idx, grad, optimizer=self.name, lr=self.lr, eps=self.eps,
+        lr = self.lr if self.lr_on_device is None else self.lr_on_device
+        kernels.row_update(self.weight, idx, grad, optimizer=self.name, lr=lr, eps=self.eps,
                            state=self.state, unique=unique, weight_decay=self.weight_decay,
                            rounding=self._rounding(idx), mask=mask)
 
