@@ -146,7 +146,7 @@ class Checkpointer:
         """Rename tmp to final (an existing final, from an older branch of the job, is replaced)."""
         old = None
         if os.path.exists(final):
-            old = f"{final}.old-{self.run_id}-{uuid.uuid4().hex[:8]}"
+            old = self._old_name(final)
             os.replace(final, old)
         try:
             os.replace(tmp, final)
@@ -158,12 +158,16 @@ class Checkpointer:
         if old is not None:
             shutil.rmtree(old, ignore_errors=True)
 
+    def _old_name(self, path: str) -> str:
+        """This run's work name for a checkpoint on its way out (WORK_DIR's `.old-` form)."""
+        return f"{path}.old-{self.run_id}-{uuid.uuid4().hex[:8]}"
+
     def _remove(self, path: str) -> None:
         """Delete a complete checkpoint: first renamed to this run's `.old-` name (atomic), then
         removed. A run killed while deleting (rmtree takes the manifest out before the rest)
         leaves a work directory that its next run clears (lock take-over), never a step_K
         without a manifest, which resume=auto would have to stop at."""
-        doomed = f"{path}.old-{self.run_id}-{uuid.uuid4().hex[:8]}"
+        doomed = self._old_name(path)
         try:
             os.replace(path, doomed)
         except FileNotFoundError:
