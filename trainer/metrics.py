@@ -14,6 +14,11 @@ from typing import Any
 import numpy as np
 
 
+def logloss_rows(z: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """Each row's log loss from its logit z and label y: softplus(z) - y z (stable, no clipping)."""
+    return np.logaddexp(0.0, z) - y * z
+
+
 def auc_logloss(logits: np.ndarray, labels: np.ndarray) -> tuple[float | None, float | None]:
     """Exact ROC AUC and mean log loss over the whole eval split; None when undefined (no rows;
     AUC with one class only). Computed here rather than by scikit-learn, whose import costs every
@@ -24,7 +29,7 @@ def auc_logloss(logits: np.ndarray, labels: np.ndarray) -> tuple[float | None, f
     if labels.size == 0:
         return None, None
     z, pos = logits.astype(np.float64).ravel(), labels.ravel() > 0.5
-    ll = float(np.mean(np.logaddexp(0.0, z) - pos * z))
+    ll = float(np.mean(logloss_rows(z, pos)))
     n_pos = int(np.count_nonzero(pos))
     n_neg = pos.size - n_pos
     if n_pos == 0 or n_neg == 0:
@@ -52,7 +57,7 @@ def fit_temperature(logits: np.ndarray, labels: np.ndarray) -> tuple[float, floa
     order = np.lexsort((labels, logits))
     z, y = logits.astype(np.float64)[order], labels.astype(np.float64)[order]
     tz = TEMPERATURES[:, None] * z[None, :]  # [K, n]
-    losses = (np.logaddexp(0.0, tz) - y[None, :] * tz).mean(axis=1)  # softplus(Tz) - yTz, stable
+    losses = logloss_rows(tz, y[None, :]).mean(axis=1)
     k = int(np.argmin(losses))  # first of equal losses
     one = int(np.flatnonzero(TEMPERATURES == 1.0)[0])
     return float(TEMPERATURES[k]), float(losses[one]), float(losses[k])

@@ -34,8 +34,9 @@ with the Triton kernels it is a device value the update kernel reads (SparseOpti
 filled before every step, outside the graph), so one graph serves a warmup and a decay too. With
 kernels.backend=reference the rate is a constant of the captured arithmetic: the graph is captured
 for one rate, a step whose rate differs from the step before runs eagerly, and the first two
-steps at a new constant rate capture it again. A batch of another shape runs eagerly. Refused at W = 1 (config time, validate_world): what cannot be padded yet (dynamic tables,
-a cache, a placement, Herald, stochastic rounding of half rows, the audit).
+steps at a new constant rate capture it again. A batch of another shape runs eagerly.
+Refused at W = 1 (config time, validate_world): what cannot be padded yet (dynamic tables, a
+cache, a placement, Herald, stochastic rounding of half rows, the audit).
 """
 from __future__ import annotations
 
