@@ -2,8 +2,9 @@
 """Input-pipeline benchmark: Criteo preprocessing MB/s (total and per core) and loader samples/s,
 DALI against the numpy-memmap reference. One JSON line per figure on stdout.
 
-The input is a real Criteo file (--input), or the shared 2k-row sample repeated --repeat times into
-a temporary directory (never inside the repo). Everything derived is written under a temporary
+The input is a real Criteo file (--input), or a made-up Criteo-format sample of 1,999 rows
+(dev/criteo_file.py: Criteo's columns, field widths and empty shares) repeated --repeat times into a
+temporary directory (never inside the repo). Everything derived is written under a temporary
 directory and removed at the end.
 
     .venv/bin/python benchmarks/bench_data.py [--input day_0] [--repeat 100] [--workers 1 2] [--batch 4096]
@@ -23,16 +24,21 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:  # the repository root, for the package when run from a checkout
     sys.path.insert(0, ROOT)
+from dev import criteo_file  # noqa: E402
 from trainer.data.criteo import CriteoFormatError  # noqa: E402
 from trainer.tools.cli import bad_input  # noqa: E402
 
-SAMPLE = os.path.join(ROOT, "..", "shared", "data", "criteo_sample_2k.tsv")
+SAMPLE_ROWS = 1999
+
+
+def sample_bytes() -> bytes:
+    """The made-up sample the default input repeats."""
+    return "".join(criteo_file.lines(SAMPLE_ROWS)).encode()
 
 
 def make_input(tmp: str, repeat: int) -> str:
     """The sample repeated `repeat` times (a stand-in for a large Criteo file)."""
-    with open(SAMPLE, "rb") as f:
-        text = f.read()
+    text = sample_bytes()
     path = os.path.join(tmp, "input.tsv")
     with open(path, "wb") as f:
         for _ in range(repeat):
@@ -87,8 +93,8 @@ def check(a: argparse.Namespace) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--input", help="a raw Criteo TSV file (default: the shared sample, repeated)")
-    ap.add_argument("--repeat", type=int, default=100, help="repetitions of the sample (default 100, ~46 MB)")
+    ap.add_argument("--input", help="a raw Criteo TSV file (default: a made-up sample, repeated)")
+    ap.add_argument("--repeat", type=int, default=100, help="repetitions of the sample (default 100, ~45 MB)")
     ap.add_argument("--workers", type=int, nargs="+", default=sorted({1, os.cpu_count() or 1}))
     ap.add_argument("--chunk-mb", type=float, default=8.0)
     ap.add_argument("--batch", type=int, default=4096)

@@ -434,13 +434,17 @@ class NetCluster:
             c.horovodrun([sys.executable, "-m", "trainer", "comm=horovod", ...], timeout=300)
 
     rate: None (unshaped), bits/s, or a tc rate ('200mbit'); delay_ms: per link end (netem, where
-    the kernel has it); ssh: start sshd in every host (needed by horovodrun).
+    the kernel has it); ssh: start sshd in every host (needed by horovodrun); names: another name
+    for each host, beside h0, h1, ... (e.g. the docs' host1, host2, so their commands run as printed).
     """
 
     def __init__(self, hosts: int = 2, rate: Any = None, delay_ms: float = 0.0, ssh: bool = False,
-                 install_sshd: bool = True, verbose: bool = False) -> None:
+                 install_sshd: bool = True, verbose: bool = False, names: Sequence[str] = ()) -> None:
         if not 1 <= int(hosts) <= MAX_HOSTS:
             raise NetClusterError(f"hosts={hosts}: must be 1..{MAX_HOSTS}")
+        if names and len(names) != int(hosts):
+            raise NetClusterError(f"names={list(names)}: one per host ({hosts})")
+        self.names = tuple(names)
         if delay_ms < 0:
             raise NetClusterError(f"delay_ms={delay_ms}: must be >= 0")
         self.n = int(hosts)
@@ -521,7 +525,8 @@ class NetCluster:
         _run(["ip", "-n", br, "link", "add", BRIDGE, "type", "bridge", "forward_delay", "0"])
         _run(["ip", "-n", br, "link", "set", BRIDGE, "up"])
         machine = socket.gethostname()
-        names = "".join(f"{x.addr} h{x.index}\n" for x in self.hosts)
+        names = "".join(f"{x.addr} h{x.index}{' ' + self.names[x.index] if self.names else ''}\n"
+                        for x in self.hosts)
         for h in self.hosts:
             port = f"p{h.index}"
             _run(["ip", "netns", "add", h.ns])

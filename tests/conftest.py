@@ -14,16 +14,55 @@ if TESTS not in sys.path:
 if os.environ.get("PYTHONPATH", "").split(os.pathsep)[0] != ROOT:
     os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p)
 
+# The real Criteo sample (1,999 rows of Criteo's Kaggle data in raw TSV), for the few tests whose
+# point is real Criteo statistics (a baseline's AUC, what a model learns from real rows). Criteo's
+# terms forbid copying it into the repository, so it is read where it lies: $CRITEO_SAMPLE, else the
+# file beside the checkout in ../shared/data. Every other test runs on files the suite makes itself
+# (tests/data_helpers.py, dev/criteo_file.py), so a fresh clone passes without it.
+CRITEO_SAMPLE_ENV = "CRITEO_SAMPLE"
+CRITEO_SAMPLE_DEFAULT = os.path.join(ROOT, "..", "shared", "data", "criteo_sample_2k.tsv")
+
+
+def criteo_sample_path() -> str:
+    return os.environ.get(CRITEO_SAMPLE_ENV) or os.path.normpath(CRITEO_SAMPLE_DEFAULT)
+
+
+@pytest.fixture(scope="session")
+def sample_file(tmp_path_factory) -> str:
+    """The suite's own sample (1,999 made-up rows in Criteo's raw format) as a file."""
+    from data_helpers import write_sample
+
+    return write_sample(str(tmp_path_factory.mktemp("sample") / "criteo_format_sample.tsv"))
+
+
+@pytest.fixture(scope="session")
+def criteo_sample() -> str:
+    """The path of the real Criteo sample; the test is skipped, naming the variable, without it."""
+    path = criteo_sample_path()
+    if not os.path.isfile(path):
+        pytest.skip(f"the real Criteo sample is not at {path}: set {CRITEO_SAMPLE_ENV} to a copy of "
+                    "criteo_sample_2k.tsv (Criteo Kaggle rows, raw TSV) to run this test")
+    return path
+
 
 def pytest_collection_modifyitems(config, items):
     """Under pytest-xdist (.ci/run: `-n 2 --dist loadgroup`), tests are grouped: a file's tests run
     in one worker, in their order (a module's fixtures are built once; the docs' command blocks,
     independent of each other, are spread one by one), and every test that builds
     network namespaces or containers runs in one worker (they share host-wide names: emulated
-    hosts, bridges, images). Without xdist the marks change nothing."""
+    hosts, bridges, images). Without xdist the marks change nothing. A test that reads the real
+    Criteo sample (the criteo_sample fixture) is marked real_sample. A gpu-marked test is skipped
+    where no CUDA device is visible (the README's `pytest -q` runs everywhere)."""
+    import torch
+
+    no_gpu = None if torch.cuda.is_available() else pytest.mark.skip(reason="needs a CUDA device")
     for item in items:
+        if no_gpu is not None and item.get_closest_marker("gpu"):
+            item.add_marker(no_gpu)
         host_wide = item.get_closest_marker("netns") or item.get_closest_marker("docker")
         group = item.nodeid.split("::")[0]
         if "test_documented_commands_run[" in item.nodeid:  # the docs' blocks are independent: ~12 min as one
             group = item.nodeid
         item.add_marker(pytest.mark.xdist_group("host-wide" if host_wide else group))
+        if "criteo_sample" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.real_sample)

@@ -1,6 +1,8 @@
-"""Test helpers for real data: the Criteo sample (read from ../shared/data, never copied into the
-repo; derived files go to pytest's tmp_path) prepared by the real preprocessing code, and a worker
-body that trains several models in one pair of gloo processes (saves process start-ups)."""
+"""Test helpers for Criteo-format data: the suite's own sample (1,999 made-up rows in Criteo's raw
+format, dev/criteo_file.py; files derived from it go to pytest's tmp_path) prepared by the real
+preprocessing code, and a worker body that trains several models in one pair of gloo processes
+(saves process start-ups). Tests of real Criteo statistics take the real sample from the
+`criteo_sample` fixture (tests/conftest.py) instead."""
 from __future__ import annotations
 
 import collections
@@ -10,18 +12,23 @@ from typing import Any
 
 import numpy as np
 
-from helpers import SHARED_DATA, make_cfg
+from dev import criteo_file
+from helpers import make_cfg
 from trainer.data.prepare import PrepOptions, prepare
 from trainer.runner import run
 
-SAMPLE = os.path.join(SHARED_DATA, "criteo_sample_2k.tsv")
+N_ROWS = 1999  # rows of the suite's sample (as many as the real sample has)
 N_TRAIN = 1600  # first rows of the sample used for training; the rest is the test split
 
 
 def sample_lines() -> list[str]:
-    """The raw sample rows (with their newlines)."""
-    with open(SAMPLE) as f:
-        return f.readlines()
+    """The suite's sample rows, in Criteo's raw format (with their newlines)."""
+    return list(criteo_file.lines(N_ROWS))
+
+
+def write_sample(path: str) -> str:
+    """The suite's sample as a file (what a script that reads a raw Criteo file is given)."""
+    return write_lines(path, sample_lines())
 
 
 def write_lines(path: str, lines: list[str]) -> str:
@@ -30,9 +37,14 @@ def write_lines(path: str, lines: list[str]) -> str:
     return path
 
 
-def prepare_sample(out: str, with_test: bool = True, **opts: Any) -> dict:
-    """Prepare the sample into `out` (train = first N_TRAIN rows, test = the rest)."""
-    lines = sample_lines()
+def prepare_sample(out: str, with_test: bool = True, source: str | None = None, **opts: Any) -> dict:
+    """Prepare the sample into `out` (train = first N_TRAIN rows, test = the rest); `source`: another
+    raw file of as many rows (the real Criteo sample) instead of the suite's."""
+    if source is None:
+        lines = sample_lines()
+    else:
+        with open(source) as f:
+            lines = f.readlines()
     raw = os.path.join(out, "raw")
     os.makedirs(raw, exist_ok=True)
     train = write_lines(os.path.join(raw, "train.tsv"), lines[:N_TRAIN] if with_test else lines)

@@ -19,10 +19,6 @@ import torch
 from trainer.config import compose
 from trainer.runner import RunResult, run
 
-SHARED_DATA = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "..",
-                           "shared", "data")
-
-
 def make_cfg(overrides: list[str]):
     """The composed Hydra config of `python -m trainer <overrides>`."""
     return compose(overrides)

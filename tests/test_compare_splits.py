@@ -1,4 +1,4 @@
-"""dev/recipe_study/compare_splits.py on the shared Criteo sample: K train / test splits of the raw file, each
+"""dev/recipe_study/compare_splits.py on the suite's Criteo-format sample: K train / test splits of the raw file, each
 prepared, the LR baseline and the default command per model on each, one JSON line per result."""
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import sys
 import numpy as np
 import pytest
 
-from data_helpers import N_TRAIN, SAMPLE, sample_lines
+from data_helpers import N_TRAIN, sample_lines
 from dev.recipe_study.splits import split_lines
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -31,9 +31,9 @@ def test_split_one_is_the_file_order_and_the_others_shuffle():
             split_lines(lines, 1, bad)
 
 
-def test_each_split_against_its_own_baseline(tmp_path, capsys):
+def test_each_split_against_its_own_baseline(sample_file, tmp_path, capsys):
     work = tmp_path / "work"
-    assert compare_splits.main([SAMPLE, "--splits", "2", "--models", "dlrm", "--work", str(work), *FAST]) == 0
+    assert compare_splits.main([sample_file, "--splits", "2", "--models", "dlrm", "--work", str(work), *FAST]) == 0
     captured = capsys.readouterr()
     lines = [json.loads(x) for x in captured.out.splitlines()]
     assert len(lines) == 5
@@ -53,9 +53,9 @@ def test_each_split_against_its_own_baseline(tmp_path, capsys):
     assert "split 2/2: dlrm" in captured.err
 
 
-def test_first_starts_at_a_later_split(tmp_path, capsys):
+def test_first_starts_at_a_later_split(sample_file, tmp_path, capsys):
     work = tmp_path / "work"
-    assert compare_splits.main([SAMPLE, "--first", "3", "--splits", "1", "--models", "dlrm", "--work", str(work),
+    assert compare_splits.main([sample_file, "--first", "3", "--splits", "1", "--models", "dlrm", "--work", str(work),
                                 *FAST]) == 0
     captured = capsys.readouterr()
     lr, run, total = [json.loads(x) for x in captured.out.splitlines()]
@@ -67,7 +67,7 @@ def test_first_starts_at_a_later_split(tmp_path, capsys):
     assert "split 3/3: dlrm" in captured.err
 
 
-def test_a_given_test_file_is_split_one_as_given(tmp_path, capsys):
+def test_a_given_test_file_is_split_one_as_given(sample_file, tmp_path, capsys):
     # TRAIN.tsv --test TEST.tsv: the pair as it is, one split. The sample's first 1,600 lines and the
     # rest are split 1 of the whole file (file order), so both ways give the same rows and results.
     lines = sample_lines()
@@ -77,7 +77,7 @@ def test_a_given_test_file_is_split_one_as_given(tmp_path, capsys):
     work = tmp_path / "work"
     assert compare_splits.main([str(train), "--test", str(test), "--models", "dlrm", "--work", str(work), *FAST]) == 0
     given = [json.loads(x) for x in capsys.readouterr().out.splitlines()]
-    assert compare_splits.main([SAMPLE, "--splits", "1", "--models", "dlrm", "--work", str(tmp_path / "w1"), *FAST]) == 0
+    assert compare_splits.main([sample_file, "--splits", "1", "--models", "dlrm", "--work", str(tmp_path / "w1"), *FAST]) == 0
     whole = [json.loads(x) for x in capsys.readouterr().out.splitlines()]
     for r in given + whole:
         r.pop("seconds", None)  # wall time, the one field that differs
@@ -90,28 +90,28 @@ def test_a_given_test_file_is_split_one_as_given(tmp_path, capsys):
     assert "none.tsv" in capsys.readouterr().err
 
 
-def test_bad_input_is_a_clear_error(tmp_path, capsys):
+def test_bad_input_is_a_clear_error(sample_file, tmp_path, capsys):
     assert compare_splits.main([str(tmp_path / "missing.tsv"), "--splits", "1"]) == 2
     assert "missing.tsv" in capsys.readouterr().err
-    assert compare_splits.main([SAMPLE, "--test-rows", "0", "--models", "dlrm"]) == 2
+    assert compare_splits.main([sample_file, "--test-rows", "0", "--models", "dlrm"]) == 2
     assert "--test-rows 0" in capsys.readouterr().err
-    assert compare_splits.main([SAMPLE, "--first", "0", "--models", "dlrm"]) == 2
+    assert compare_splits.main([sample_file, "--first", "0", "--models", "dlrm"]) == 2
     assert "--first 0" in capsys.readouterr().err
 
 
-def test_models_and_overrides_are_checked_before_any_work(tmp_path, capsys):
+def test_models_and_overrides_are_checked_before_any_work(sample_file, tmp_path, capsys):
     # `--models wdl deepfm` takes one name; "deepfm" lands among the overrides. Refused before a
     # split is prepared (--work stays empty), with the comma-separated form to use instead.
     work = tmp_path / "work"
-    assert compare_splits.main([SAMPLE, "--models", "wdl", "deepfm", "--work", str(work)]) == 2
+    assert compare_splits.main([sample_file, "--models", "wdl", "deepfm", "--work", str(work)]) == 2
     err = capsys.readouterr().err
     assert "override 'deepfm' is not key=value" in err and "--models wdl,deepfm" in err
     assert not work.exists()
-    assert compare_splits.main([SAMPLE, "--models", "dlrm,xdeepfm", "--work", str(work)]) == 2
+    assert compare_splits.main([sample_file, "--models", "dlrm,xdeepfm", "--work", str(work)]) == 2
     assert "'xdeepfm' is not a model" in capsys.readouterr().err
-    assert compare_splits.main([SAMPLE, "--models", ",", "--work", str(work)]) == 2
+    assert compare_splits.main([sample_file, "--models", ",", "--work", str(work)]) == 2
     assert "no model named" in capsys.readouterr().err
-    assert compare_splits.main([SAMPLE, "--models", "dlrm", "train.ensemble", "--work", str(work)]) == 2
+    assert compare_splits.main([sample_file, "--models", "dlrm", "train.ensemble", "--work", str(work)]) == 2
     err = capsys.readouterr().err
     assert "override 'train.ensemble' is not key=value" in err and "--models" not in err
     assert not work.exists()

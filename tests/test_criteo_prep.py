@@ -1,4 +1,4 @@
-"""Criteo preprocessing on the real sample (read from ../shared/data, outputs in tmp_path): bad-row
+"""Criteo preprocessing on the suite's Criteo-format sample (outputs in tmp_path): bad-row
 counts and line numbers, --strict, round trip against a plain per-line parser, both encodings,
 resume per file, gzip input, and the trainer's errors for a missing or unprepared data.dir."""
 from __future__ import annotations

@@ -16,7 +16,7 @@ from dev import gpu_parity
 
 @pytest.fixture(scope="module")
 def criteo(tmp_path_factory) -> str:
-    """The shared Criteo sample, prepared (1,600 training / 399 test rows)."""
+    """The suite's Criteo-format sample, prepared (1,600 training / 399 test rows)."""
     return prepared_dir(tmp_path_factory, "gpu_paths")
 
 

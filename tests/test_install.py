@@ -25,8 +25,9 @@ from pathlib import Path
 
 import pytest
 
+from data_helpers import sample_lines
+
 ROOT = Path(__file__).resolve().parents[1]
-SAMPLE = ROOT.parent / "shared" / "data" / "criteo_sample_2k.tsv"
 
 
 def _pyproject() -> dict:
@@ -93,10 +94,9 @@ def test_the_wheel_trains_from_any_directory(installed, tmp_path):
     assert json.loads((tmp_path / "run2" / "summary.json").read_text())["config"]["optim"]["dense"] == "adam"
 
 
-@pytest.mark.skipif(not SAMPLE.is_file(), reason="the shared Criteo sample is not there")
 def test_the_installed_commands_prepare_and_train_criteo(installed, tmp_path):
     bin_ = installed / "bin"
-    lines = SAMPLE.read_text().splitlines(keepends=True)
+    lines = sample_lines()
     (tmp_path / "train.tsv").write_text("".join(lines[:400]))
     (tmp_path / "test.tsv").write_text("".join(lines[1800:1900]))
     _run([str(bin_ / "hybrid-trainer-prepare-criteo"), "--train", "train.tsv", "--test", "test.tsv", "--out", "prep",

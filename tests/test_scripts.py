@@ -15,7 +15,7 @@ import sys
 
 import pytest
 
-from data_helpers import SAMPLE, prepare_sample
+from data_helpers import prepare_sample
 from hvd_launch import ROOT, env, require_horovod, require_netns
 from trainer.tools import launch
 
@@ -46,6 +46,7 @@ REAL_RUNS = {
     "benchmarks/scale_probe.py": "test_bench_scale.py::test_every_phase_of_a_train_and_a_resume_at_2w",
     "benchmarks/phases.py": "test_bench_net.py::test_repeat_interleaves_rounds_and_phases_time_every_rank_step_by_step",
     "benchmarks/soak.py": "test_soak.py::test_soak_prints_one_json_line_with_sane_figures",
+    "dev/criteo_file.py": "test_criteo_file.py::test_the_command_writes_a_file_prepare_criteo_reads",
     "dev/gpu_parity.py": "test_gpu_paths.py::test_harness_on_cpu",
     "dev/gpu_dense_probe.py": "test_gpu_check.py::test_gpu_check_step_study_in_cpu_mode",
     "dev/netcluster.py": "",
@@ -119,6 +120,7 @@ HELP_SAYS = {  # a phrase of each script's own help text (not argparse's), so th
     "benchmarks/bench_train.py": "Training throughput",
     "benchmarks/phases.py": "STEP_PHASES_DIR",
     "benchmarks/soak.py": "Soak test",
+    "dev/criteo_file.py": "stand-in for",
     "dev/gpu_parity.py": "CPU reference",
     "dev/gpu_dense_probe.py": "eager against one CUDA graph",
     "dev/netcluster.py": "Emulated multi-host cluster",
@@ -156,7 +158,7 @@ def test_help(script, helps):
 BAD_OVERRIDES = {"data.batch_size=-1": "data.batch_size=-1: must be > 0",
                  "nosuch=1": "Could not override 'nosuch'. To append to your config use +nosuch=1"}
 # the scripts that take trainer overrides: their arguments before the bad override ({dir}: a
-# prepared Criteo directory)
+# prepared Criteo directory; {sample}: a raw Criteo-format file)
 TAKES_OVERRIDES = {
     "scripts/plan.py": ["-W", "2", "data=tiny", "placement=fae"],
     "scripts/simulate_cache.py": ["-W", "2", "data=tiny", "cache=lru", "--steps", "2"],
@@ -165,7 +167,7 @@ TAKES_OVERRIDES = {
     "benchmarks/soak.py": ["--steps", "4", "--sample-every", "2"],
     "benchmarks/bench_train.py": ["--worlds", "1", "2", "--steps", "2", "--"],
     "benchmarks/bench_net.py": ["--quick", "--links", "localhost", "--modes", "exact_serial", "--"],
-    "dev/recipe_study/compare_splits.py": [SAMPLE, "--splits", "1", "--models", "dlrm"],
+    "dev/recipe_study/compare_splits.py": ["{sample}", "--splits", "1", "--models", "dlrm"],
     "dev/recipe_study/val_rotations.py": ["{dir}", "--slices", "1", "--models", "dlrm"],
 }
 MISSING = "/nonexistent/input"
@@ -191,6 +193,7 @@ BAD_INPUT = [
      "data.global_batch_size=64: must be divisible by the world size 3"),
     (["-m", "benchmarks.scale_probe", "data=tiny"], "set SCALE_PROBE_DIR"),
     (["-m", "benchmarks.phases", "data=tiny"], "set STEP_PHASES_DIR"),
+    (["dev/criteo_file.py", "--rows", "0", "--out", "{tmp}/x.tsv"], "--rows 0: must be > 0"),
     (["dev/gpu_parity.py", "--device", "cpu", "--criteo", MISSING], f"data.dir='{MISSING}'"),
     (["dev/gpu_parity.py", "--device", "nosuch"], "--device nosuch"),
     (["dev/netcluster.py", "down", "--tag", "htnet0-nosuch"], "error"),
@@ -205,7 +208,8 @@ def _bad_cases(prepared: str, tmp: str) -> list[tuple[str, list[str], str]]:
     out = []
     for script, before in TAKES_OVERRIDES.items():
         for bad, says in BAD_OVERRIDES.items():
-            out.append((f"{script} {bad}", [script, *(a.format(dir=prepared) for a in before), bad], says))
+            args = [a.format(dir=prepared, sample=os.path.join(tmp, "raw", "train.tsv")) for a in before]
+            out.append((f"{script} {bad}", [script, *args, bad], says))
     for argv, says in BAD_INPUT:  # the test id: the arguments before any placeholder is filled
         out.append((" ".join(argv[:3]), [a.format(tmp=tmp) for a in argv], says))
     # the trainer run by the phase timers: its own one-line error for a bad value (Hydra's errors,
@@ -286,7 +290,9 @@ def test_bench_data_measures_prepare_and_both_loaders():
                           capture_output=True, text=True, env=env(), cwd=ROOT, timeout=300)
     prep, *loaders = _json_lines(proc)
     assert prep["bench"] == "prepare" and prep["workers"] == 1 and prep["rows"] == 2 * 1999
-    assert prep["mb_per_s"] > 0 and prep["input_mb"] == pytest.approx(2 * os.path.getsize(SAMPLE) / 2**20, abs=0.05)
+    from benchmarks.bench_data import sample_bytes
+
+    assert prep["mb_per_s"] > 0 and prep["input_mb"] == pytest.approx(2 * len(sample_bytes()) / 2**20, abs=0.05)
     assert [x["loader"] for x in loaders] == ["memmap", "dali"]
     for x in loaders:
         assert x["bench"] == "loader" and (x["batch"], x["steps"]) == (256, 3) and x["samples_per_s"] > 0

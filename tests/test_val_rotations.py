@@ -1,4 +1,4 @@
-"""dev/recipe_study/val_rotations.py on the shared Criteo sample: one run per validation slice (different
+"""dev/recipe_study/val_rotations.py on the suite's Criteo-format sample: one run per validation slice (different
 validation rows each time, the same test split), each compared with the LR baseline fitted once."""
 from __future__ import annotations
 

@@ -1,0 +1,466 @@
+"""The registry of the commands shown in the docs: how each is found (fenced bash blocks, inline
+code that reads as a command), run (the overrides that only shrink it, its placeholders) and checked
+(what the text beside it promises). tests/test_docs_commands.py runs them; a test elsewhere that runs
+a documented command takes it from here (`documented`), so it runs what the docs print."""
+from __future__ import annotations
+
+import dataclasses
+import glob
+import json
+import os
+import re
+import shlex
+import sys
+from pathlib import Path
+from typing import Callable, Optional
+
+ROOT = Path(__file__).resolve().parents[1]
+DOCS = ["README.md", *sorted(os.path.relpath(p, ROOT) for p in glob.glob(str(ROOT / "docs" / "*.md"))),
+        "benchmarks/README.md"]
+LINKS = ("scripts", "benchmarks", "dev", "conf", "trainer", "kernels", "tests", "Dockerfile",
+         "pyproject.toml")
+SETUP = "bash scripts/setup.sh && "
+
+# Keys an entry may lower (Hydra overrides and tool flags: steps, rows, repeats, eval samples,
+# processes per host, the sizes a benchmark sweeps); a list value may only lose members.
+SHRINK_KEYS = {
+    "train.steps", "data.eval_samples", "data.train_samples", "data.epochs", "data.max_table_rows",
+    "data.batch_size", "checkpoint.every", "--steps", "--repeat", "--warmup", "--sample-every",
+    "--splits", "--measure-steps", "--herald-steps", "--plan-steps", "--sizes", "--budget",
+    "--jobs", "--slices", "placement.plan_steps", "--batch-sizes", "--nproc_per_node", "--rows",
+    "--tables", "--dim", "--batch", "--eval-samples", "--resume-worlds", "--workers", "--np",
+}
+# Switches an entry may add where the text beside the command does not need what they turn off.
+OFF_SWITCHES = {"checkpoint.enabled=false", "train.tensorboard=false", "--quick", "train.progress=off"}
+# Keys an entry may add that only say where a run writes (a directory of the test's own).
+PLACE_KEYS = {"--work", "hydra.run.dir"}
+
+# Rows of the sample that each file placeholder gets (train rows first; test rows from the tail).
+FILE_ROWS = {"FILE.tsv": (0, 600), "TRAIN.tsv": (0, 500), "TEST.tsv": (1600, 1800),
+             "train.txt": (0, 400), "day_0.gz": (0, 200), "day_1.gz": (200, 400),
+             "day_23.gz": (1600, 1800)}
+TRAINER_LINE = ("world_size", "steps", "samples_per_sec", "final_loss", "eval_auc", "bytes_per_sample")
+SUMMARY_RE = r"(?m)^summary: (?P<path>\S+summary\.json)$"
+
+
+@dataclasses.dataclass(frozen=True)
+class Entry:
+    """How one documented command is run and checked."""
+
+    shrink: tuple[tuple[str, str], ...] = ()  # (old, new) text: the same key with a lower value
+    add: tuple[str, ...] = ()  # appended arguments: SHRINK_KEYS with a value, OFF_SWITCHES, PLACE_KEYS
+    rows: tuple[tuple[str, int, int], ...] = ()  # file placeholder -> sample rows [a, b), if not FILE_ROWS'
+    writes_dir: bool = False  # the command creates DIR itself (no prepared sample is linked)
+    files: tuple[str, ...] = ()  # paths (relative to the scratch dir) that must exist afterwards
+    json_keys: tuple[str, ...] = ()  # keys of the last JSON line of stdout
+    stdout: Optional[str] = None  # a pattern stdout must match
+    summary: bool = False  # the trainer's "summary: PATH" line names a file that exists
+    marks: tuple[str, ...] = ()  # gpu, docker, netns
+    skip: Optional[str] = None  # listed, never run here, with this reason
+    elsewhere: Optional[str] = None  # "tests/FILE.py::TEST": that test runs it, as `documented(text)` gives it
+    ci: Optional[str] = None  # "setup+run": .ci/run runs its set-up, run the rest; "setup+ci": .ci/run runs it
+    cleanup: Optional[str] = None  # run after the block whatever happened (e.g. tear a cluster down)
+    check: Optional[Callable[[Path], None]] = None  # more checks on the scratch dir
+    in_checkout: bool = False  # run in the checkout itself (docker build: its context must be real files)
+    host: Optional[int] = None  # run inside emulated host k (named host1, host2, ...), at once with the block's others
+    serves: Optional[str] = None  # a server: passes once stderr or stdout matches this, then it is stopped
+    timeout: int = 300
+
+
+def _resume_logged(cwd: Path) -> None:
+    lines = [json.loads(x) for x in (cwd / "runs/ck/metrics.jsonl").read_text().splitlines() if x.strip()]
+    assert any(r.get("event") == "resume" for r in lines), "no resume line in runs/ck/metrics.jsonl"
+    s = json.loads((cwd / "runs/ck/summary.json").read_text())
+    assert s["resumed_from"] and s["start_step"] > 0, (s["resumed_from"], s["start_step"])
+
+
+def _sweep_jobs(n: int, sweep: str) -> Callable[[Path], None]:
+    def check(cwd: Path) -> None:
+        for k in range(n):
+            assert (cwd / sweep / str(k) / "summary.json").is_file(), f"{sweep}/{k}/summary.json missing"
+    return check
+
+
+def _bf16_rows(cwd: Path) -> None:
+    e = json.loads((cwd / "runs/bf16/summary.json").read_text())["embedding"]
+    assert e["dtype"] == "bf16" and e["bytes_per_row"] == {"row": 32, "state": 0, "version": 8, "total": 40}, e
+
+
+def _amp_summary(cwd: Path) -> None:
+    p = json.loads((cwd / "runs/amp/summary.json").read_text())["precision"]
+    assert p["dense"] == "bf16" and p["loss_scale"] is None, p
+
+
+TRAINER = dict(json_keys=TRAINER_LINE, summary=True)
+W2 = ("train.steps=4", "data.eval_samples=512", "checkpoint.enabled=false")
+
+def _vocabulary_prepared(cwd: Path) -> None:
+    """docs/data.md: a vocabulary of the values seen >= 4 times (ids 0 empty, 1 rare, 2 + rank)."""
+    meta = json.loads((cwd / "VOCAB_DIR/meta.json").read_text())
+    cat = meta["categorical"]
+    assert cat["kind"] == "vocab" and cat["min_count"] == 4 and meta["table_rows"] == [2 + n for n in cat["vocab_sizes"]], cat
+
+
+def _dynamic_reported(cwd: Path) -> None:
+    """docs/dynamic.md: the run reports its pool, in summary.json and in every metrics line."""
+    d = json.loads((cwd / "runs/dyn/summary.json").read_text())["dynamic"]
+    assert d["admissions"] > 0 and d["admissions"] - d["evictions"] == d["rows_in_use"], d
+    assert d["dropped_grads"] > 0 and d["admit_after"] == 2, d  # ids seen once lose their gradient
+    lines = [json.loads(x) for x in (cwd / "runs/dyn/metrics.jsonl").read_text().splitlines() if x.strip()]
+    assert any("dynamic" in r for r in lines), "no dynamic block in metrics.jsonl"
+
+
+REGISTRY: dict[str, Entry] = {
+    # README: the two commands at the top (what .ci/run runs)
+    "bash scripts/setup.sh && .venv/bin/python -m trainer":
+        Entry(ci="setup+run", add=("train.steps=4", "data.eval_samples=512"), **TRAINER),
+    "bash scripts/setup.sh && .venv/bin/python -m pytest -q": Entry(ci="setup+ci"),
+    # README: Running
+    ".venv/bin/python -m trainer model=dcn optim=adam train.steps=600 hydra.run.dir=runs/dcn":
+        Entry(shrink=(("train.steps=600", "train.steps=4"),), add=("data.eval_samples=512",),
+              files=("runs/dcn/summary.json",), **TRAINER),
+    ".venv/bin/torchrun --nproc_per_node 2 -m trainer comm=torch": Entry(add=W2, **TRAINER),
+    ".venv/bin/horovodrun -np 2 -H localhost:2 --gloo .venv/bin/python -m trainer comm=horovod hydra.run.dir=runs/hvd":
+        Entry(add=W2, files=("runs/hvd/summary.json",), **TRAINER),
+    # README: Real data
+    ".venv/bin/python scripts/prepare_criteo.py --train TRAIN.tsv --test TEST.tsv --out DIR":
+        Entry(writes_dir=True, files=("DIR/meta.json",)),
+    ".venv/bin/python -m trainer data=criteo data.dir=DIR": Entry(add=("data.epochs=1",), **TRAINER),
+    ".venv/bin/python scripts/baseline_lr.py DIR": Entry(json_keys=("eval_auc", "eval_logloss", "C")),
+    # docs/running.md
+    ".venv/bin/torchrun --nnodes 2 --nproc_per_node 8 --rdzv_endpoint host1:29500 -m trainer comm=torch train.device=cuda":
+        Entry(marks=("gpu",), skip="needs two hosts with 8 GPUs each (host1, host2): a real cluster; "
+                                   "its one-machine form is docs/cluster.md's, run under netns"),
+    "docker build -t hybrid-trainer .": Entry(marks=("docker",), in_checkout=True, timeout=3600),
+    # README (In a container) and docs/running.md: the cpu image (cached: a build with nothing
+    # changed takes seconds; tests/test_image.py builds it first in a full run)
+    "bash scripts/build_image.sh cpu": Entry(marks=("docker",), in_checkout=True, timeout=3600,
+                                             stdout=r"(?m)^hybrid-trainer:cpu$"),
+    "podman run --rm --network none hybrid-trainer:cpu python -m trainer train.steps=100":
+        Entry(marks=("docker",), shrink=(("train.steps=100", "train.steps=4"),), add=("data.eval_samples=512",),
+              json_keys=TRAINER_LINE, timeout=600),
+    "mkdir -p runs && podman run --rm --network none -v $PWD/runs:/runs hybrid-trainer:cpu horovodrun -np 2 -H localhost:2 --gloo python -m trainer comm=horovod hydra.run.dir=/runs/img":
+        Entry(marks=("docker",), add=W2, files=("runs/img/summary.json",), json_keys=TRAINER_LINE, timeout=600),
+    "docker run --rm --gpus all --ipc host hybrid-trainer horovodrun -np 8 -H localhost:8 python -m trainer comm=horovod train.device=cuda":
+        Entry(marks=("docker", "gpu"), add=("train.steps=4",), json_keys=TRAINER_LINE, timeout=900),
+    ".venv/bin/horovodrun -np 2 -H localhost:2 --gloo .venv/bin/python -m trainer -m optim.lr=0.01,0.1 hydra.sweep.dir=multirun/lr":
+        Entry(add=W2, check=_sweep_jobs(2, "multirun/lr")),
+    # docs/operations.md
+    ".venv/bin/python -m trainer train.steps=100 checkpoint.every=50 hydra.run.dir=runs/ck":
+        Entry(shrink=(("train.steps=100", "train.steps=4"), ("checkpoint.every=50", "checkpoint.every=2")),
+              add=("data.eval_samples=512",), files=("runs/ck/checkpoints",), **TRAINER),
+    ".venv/bin/torchrun --nproc_per_node 2 -m trainer comm=torch train.steps=300 checkpoint.resume=auto hydra.run.dir=runs/ck":
+        Entry(shrink=(("train.steps=300", "train.steps=8"),), add=("data.eval_samples=512",),
+              check=_resume_logged, **TRAINER),
+    # docs/data.md
+    ".venv/bin/python scripts/prepare_criteo.py --train day_0.gz day_1.gz --test day_23.gz --out DIR":
+        Entry(writes_dir=True, files=("DIR/meta.json",)),
+    ".venv/bin/python scripts/prepare_criteo.py --train train.txt --out VOCAB_DIR --min-count 4":
+        Entry(files=("VOCAB_DIR/meta.json",), check=_vocabulary_prepared),
+    ".venv/bin/python -m trainer data=movielens optim=adam optim.sparse_lr=0.2 train.steps=600":
+        # "eval AUC about 0.77" needs the 600 steps (~30 s alone, minutes on a busy machine): not
+        # checked here; tests/test_real_data.py trains MovieLens.
+        Entry(shrink=(("train.steps=600", "train.steps=20"),), **TRAINER),
+    ".venv/bin/torchrun --nproc_per_node 2 -m trainer comm=torch data=criteo data.dir=DIR model=dcn":
+        Entry(add=("data.epochs=1", "data.eval_samples=256"), **TRAINER),
+    ".venv/bin/python scripts/baseline_lr.py DIR --compare model=dcn":
+        Entry(add=("data.epochs=1",), json_keys=("lr_eval_auc", "trainer_eval_auc", "trainer_minus_lr_auc")),
+    # docs/recipe.md
+    ".venv/bin/python dev/recipe_study/compare_splits.py TRAIN.tsv --test TEST.tsv":
+        Entry(add=("data.epochs=1",), json_keys=("model",), timeout=600),
+    # docs/cache.md
+    ".venv/bin/torchrun --nproc_per_node 2 -m trainer -m comm=torch data=criteo_like optim=adam cache=lfu "
+    "consistency.pull_bound=0,1,4,16 'consistency.push_bound=${consistency.pull_bound}' hydra.sweep.dir=multirun/stale":
+        Entry(add=W2 + ("data.max_table_rows=10000",), check=_sweep_jobs(4, "multirun/stale"), timeout=600),
+    ".venv/bin/torchrun --nproc_per_node 2 -m trainer comm=torch data=criteo_like optim=adam hydra.run.dir=runs/nocache":
+        Entry(add=W2 + ("data.max_table_rows=10000",), files=("runs/nocache/summary.json",), **TRAINER),
+    ".venv/bin/python scripts/plot_sweep.py multirun/stale --baseline runs/nocache/summary.json --out stale.png":
+        Entry(files=("stale.png",), json_keys=("png", "points", "chosen")),
+    ".venv/bin/python scripts/simulate_cache.py --workers 2 --steps 400 data=criteo_like cache=lfu consistency.pull_bound=16 consistency.push_bound=16":
+        Entry(shrink=(("--steps 400", "--steps 4"),), add=("data.max_table_rows=10000",),
+              json_keys=("hit_rate", "bytes_per_sample")),
+    # docs/dynamic.md
+    ".venv/bin/torchrun --nproc_per_node 2 -m trainer comm=torch embedding.tables=dynamic embedding.capacity=300 "
+    "embedding.admit_after=2 data.scramble_ids=true checkpoint.enabled=false train.steps=40 train.log_every=4 "
+    "hydra.run.dir=runs/dyn":
+        Entry(shrink=(("train.steps=40", "train.steps=8"),), add=("data.eval_samples=512",),
+              check=_dynamic_reported, **TRAINER),
+    # docs/placement.md
+    ".venv/bin/torchrun --nproc_per_node 2 -m trainer comm=torch data=criteo_like cache=lru placement=sca":
+        Entry(add=W2 + ("data.max_table_rows=10000", "placement.plan_steps=2"), **TRAINER),
+    ".venv/bin/python scripts/plan.py --workers 8 data=criteo_like cache=lru placement=sca":
+        Entry(add=("data.max_table_rows=10000", "placement.plan_steps=2"), json_keys=("name", "hot_rows")),
+    # docs/cluster.md (root networking)
+    ".venv/bin/python dev/netcluster.py up --hosts 2 --rate 200mbit --ssh --ttl 600": Entry(marks=("netns",)),
+    ".venv/bin/python dev/netcluster.py torchrun -- -m trainer comm=torch data=bench train.steps=50":
+        Entry(marks=("netns",), shrink=(("train.steps=50", "train.steps=4"),),
+              add=("data.eval_samples=512", "checkpoint.enabled=false"), json_keys=TRAINER_LINE),
+    '.venv/bin/python dev/netcluster.py horovodrun -- "$PWD/.venv/bin/python" -m trainer comm=horovod data=bench train.steps=50':
+        Entry(marks=("netns",), shrink=(("train.steps=50", "train.steps=4"),),
+              add=("data.eval_samples=512", "checkpoint.enabled=false"), json_keys=TRAINER_LINE),
+    ".venv/bin/python dev/netcluster.py down":
+        Entry(marks=("netns",), cleanup=".venv/bin/python dev/netcluster.py down"),
+    # docs/gpu.md
+    'PYTHON="$PWD/.venv/bin/python" bash scripts/gpu_check.sh OUT':
+        Entry(marks=("gpu",), files=("OUT/check.log",), timeout=1800),
+    'PART=step PYTHON="$PWD/.venv/bin/python" bash scripts/gpu_check.sh OUT':
+        Entry(marks=("gpu",), files=("OUT/check.log", "OUT/step.jsonl"), timeout=1800),
+    ".venv/bin/python dev/gpu_parity.py --jobs 8 --out gpu_parity.jsonl":
+        Entry(marks=("gpu",), files=("gpu_parity.jsonl",), timeout=1800),
+    ".venv/bin/python -m pytest -q -m gpu tests/test_step_device.py tests/test_kernel_*.py":
+        Entry(marks=("gpu",), timeout=900),
+    # docs/config.md
+    ".venv/bin/python -m trainer data=criteo_like train.precision=bf16 hydra.run.dir=runs/amp":
+        Entry(add=("train.steps=4", "data.eval_samples=512", "data.max_table_rows=10000"),
+              files=("runs/amp/summary.json",), check=_amp_summary, **TRAINER),
+    ".venv/bin/python -m trainer data=criteo_like embedding.dtype=bf16 hydra.run.dir=runs/bf16":
+        Entry(add=("train.steps=4", "data.eval_samples=512", "data.max_table_rows=10000"),
+              files=("runs/bf16/summary.json",), check=_bf16_rows, **TRAINER),
+    # docs/development.md
+    ".venv/bin/python scripts/check_imports.py": Entry(stdout=r"no import cycle"),
+    # benchmarks/README.md
+    ".venv/bin/python benchmarks/bench_train.py --steps 60":
+        Entry(shrink=(("--steps 60", "--steps 2"),), json_keys=("samples_per_sec",)),
+    ".venv/bin/python benchmarks/bench_train.py --workload mlperf --worlds 1 --steps 30 --batch-sizes 2048 "
+    "--precisions fp32 bf16 -- data.max_table_rows=200000":
+        Entry(shrink=(("--steps 30", "--steps 2"), ("--batch-sizes 2048", "--batch-sizes 64"),
+                      ("data.max_table_rows=200000", "data.max_table_rows=2000")),
+              add=("data.eval_samples=512",), json_keys=("samples_per_sec", "ms_per_step", "precision"),
+              stdout=r'(?m)^\{.*"workload": "mlperf".*"precision": "fp32".*\n\{.*"workload": "mlperf".*"precision": "bf16"'),
+    ".venv/bin/python benchmarks/bench_cache.py":
+        Entry(add=("--steps", "6", "--warmup", "2"), json_keys=("read_ms", "write_ms")),
+    ".venv/bin/python benchmarks/bench_comm.py --all":
+        Entry(elsewhere="tests/test_scripts.py::test_bench_comm_all_launches_torchrun_and_horovodrun "
+                        "(--np 2 --sizes 1KiB,16KiB --budget 64KiB)"),
+    ".venv/bin/python benchmarks/bench_data.py --repeat 200":
+        Entry(elsewhere="tests/test_scripts.py::test_bench_data_measures_prepare_and_both_loaders "
+                        "(--repeat 2 --workers 1 --steps 3 --batch 256)"),
+    ".venv/bin/python benchmarks/bench_placement.py":
+        Entry(add=("--steps", "2", "--herald-steps", "2")),
+    ".venv/bin/python benchmarks/soak.py":
+        Entry(add=("--steps", "40", "--sample-every", "10", "--warmup", "10"),
+              json_keys=("rss_slope_mib_per_1k_steps", "throughput_drift")),
+    ".venv/bin/python benchmarks/bench_scale.py --rows 2000000 --worlds 1 2":
+        Entry(elsewhere="tests/test_bench_scale.py::test_every_phase_of_a_train_and_a_resume_at_2w "
+                        "(--rows 4000 --tables 2 --worlds 1 --resume-worlds 1 2 --steps 2)"),
+    ".venv/bin/python benchmarks/bench_kernels.py --dims 16 64 128 --bags 8 32":
+        Entry(marks=("gpu",), json_keys=("kernel", "impl", "gbps"), timeout=900),
+    ".venv/bin/python benchmarks/bench_train.py --worlds 1 --steps 60 -- train.device=cuda":
+        Entry(marks=("gpu",), shrink=(("--steps 60", "--steps 4"),), json_keys=("samples_per_sec",), timeout=900),
+    ".venv/bin/python benchmarks/bench_train.py --workload mlperf --worlds 1 --steps 30 --batch-sizes 2048 16384 "
+    "65536 --precisions fp32 bf16 -- train.device=cuda":
+        Entry(marks=("gpu",), shrink=(("--steps 30", "--steps 4"),), json_keys=("samples_per_sec", "ms_per_step"),
+              timeout=900),
+    ".venv/bin/python benchmarks/bench_net.py --links 200mbit --repeat 3 --steps 120":
+        Entry(elsewhere="tests/test_bench_net.py::test_readme_command_on_a_shaped_link (--repeat 1 --steps 4 --quick)"),
+}
+
+
+# ---------------------------------------------------------------------------------------------
+# Parsing the docs
+
+
+@dataclasses.dataclass(frozen=True)
+class Command:
+    file: str
+    line: int  # 1-based line of the command's first line
+    text: str  # joined, comment stripped
+    comment: str
+
+    @property
+    def where(self) -> str:
+        return f"{self.file}:{self.line}"
+
+
+def split_comment(line: str) -> tuple[str, str]:
+    """(command, comment): `#` outside quotes, at the start or after whitespace, begins a comment."""
+    quote = None
+    for i, ch in enumerate(line):
+        if quote:
+            if ch == quote:
+                quote = None
+        elif ch in "'\"":
+            quote = ch
+        elif ch == "#" and (i == 0 or line[i - 1].isspace()):
+            return line[:i].rstrip(), line[i + 1:].strip()
+    return line.rstrip(), ""
+
+
+def parse_blocks(rel: str) -> list[list[Command]]:
+    """The bash blocks of one file, each a list of its commands."""
+    blocks: list[list[Command]] = []
+    fence: Optional[str] = None  # the info string of the open fence, if any
+    pending: list[str] = []
+    start = 0
+    for n, raw in enumerate((ROOT / rel).read_text().splitlines(), 1):
+        stripped = raw.strip()
+        if fence is None:
+            m = re.match(r"^```\s*(\S*)", stripped)
+            if m:
+                fence = m.group(1)
+                if fence == "bash":
+                    blocks.append([])
+            continue
+        if stripped.startswith("```"):
+            assert not pending, f"{rel}:{start}: a continued line runs into the end of its block"
+            fence = None
+            continue
+        if fence != "bash":
+            continue
+        if not pending:
+            start = n
+        if raw.rstrip().endswith("\\"):
+            pending.append(raw.rstrip()[:-1].strip())
+            continue
+        pending.append(stripped)
+        text, comment = split_comment(" ".join(p for p in pending if p))
+        pending = []
+        if text.strip():
+            blocks[-1].append(Command(rel, start, text.strip(), comment))
+    assert fence is None, f"{rel}: a fenced block is never closed"
+    return [b for b in blocks if b]
+
+
+def all_blocks() -> list[list[Command]]:
+    return [b for rel in DOCS if (ROOT / rel).is_file() for b in parse_blocks(rel)]
+
+
+def all_commands() -> list[Command]:
+    return [c for b in all_blocks() for c in b]
+
+
+# Inline code that reads as a command: a program a user would type with its arguments (after any
+# VAR=value settings), or a script of ours (a path ending in .py or .sh) with arguments that are
+# options, key=value overrides or the docs' placeholders (`cache.py TICK_BITS` names a symbol in a
+# file and is not a command). A span may wrap onto the next line. Each must be one of the block
+# commands, or the start of one (a user finds it run as written there), or an abbreviation (`...`, a
+# <placeholder>, [optional] parts, a|b alternatives), or have an entry in INLINE (run like a block
+# command, or by the test it names), or be one of INLINE_NOT_RUN, each with why it is not run:
+# nothing a user copies from a sentence goes untested.
+PROGRAMS = r"python3?|torchrun|horovodrun|bash|docker|podman|pytest|pip|tensorboard|srun|sbatch|hybrid-trainer[\w-]*"
+ENV_SETTINGS = r"(?:[A-Z_][A-Z0-9_]*=\S+\s+)*"
+INLINE_PROGRAM = re.compile(rf"^{ENV_SETTINGS}(?:\.venv/bin/)?(?:{PROGRAMS})\s+\S")
+INLINE_SCRIPT = re.compile(rf"^{ENV_SETTINGS}(?:(?:\.venv/bin/)?python3?\s+)?[\w./-]+\.(?:py|sh)\s+(?P<args>.+)$")
+PLACEHOLDERS = ("DIR", "OUT", "FILE.tsv", "TRAIN.tsv", "TEST.tsv", "host1", "host2")
+
+
+def reads_as_command(span: str) -> bool:
+    text = " ".join(span.split())
+    if INLINE_PROGRAM.match(text):
+        return True
+    m = INLINE_SCRIPT.match(text)
+    return bool(m) and any(a.startswith("-") or "=" in a or a in PLACEHOLDERS or re.search(r"/|\.[a-z]+$", a)
+                           for a in m.group("args").split())
+
+
+def abbreviated(text: str) -> bool:
+    """A shortened form: `...`, a <placeholder>, an [optional] part, a|b alternatives, a count
+    named by one capital letter (`--nproc_per_node N`)."""
+    return "..." in text or bool(re.search(r"<\w+>|\[[^\]]+\]|\w\|\w|(?:^|\s)[A-Z](?:\s|$)", text))
+
+
+INLINE_NOT_RUN = {
+    "docker info": "the check that a container engine is there (the docker marker's own test)",
+    'python -c "import torch; print(torch.cuda.get_device_name(), torch.version.cuda)"':
+        "prints the GPU's name: gpu.md's first step on a lent machine",
+    "pytest -m gpu -n 8 tests/test_gpu_paths.py": "a GPU machine's parallel form of tests/test_gpu_paths.py",
+    "pytest -m gpu tests/test_gpu_paths.py -k criteo": "runs only with a GPU (the gpu marker)",
+    "pytest -m gpu tests/test_dali_loader.py": "runs only with a GPU (the gpu marker)",
+    "pytest -q -m gpu tests/test_step_device.py": "runs only with a GPU (the gpu marker)",
+    "pytest -q -s tests/test_step_device.py": "the CPU audit: part of the suite CI runs",
+    "pytest -q -s tests/test_step_device.py -k het": "the CPU audit of the cache's step: part of the suite CI runs",
+    "torchrun --standalone": "the launcher's option, named in a sentence",
+    "torchrun --nnodes N --node_rank k": "the form of what dev/netcluster.py runs on each emulated host",
+    "torchrun --nproc_per_node 2": "the launcher's option, named in a sentence",
+    "horovodrun --gloo": "the launcher's option, named in a sentence",
+    ".venv/bin/python -m pytest -q": "the suite itself (what .ci/run runs)",
+    ".venv/bin/python -m pytest -q tests/test_docs_commands.py": "this test",
+    'bash scripts/setup.sh && .venv/bin/python -m pytest -q -m "not gpu" -p no:cacheprovider -n 2 --dist=loadgroup':
+        "what .ci/run runs",
+}
+
+
+def _normal(text: str) -> str:
+    """A command as a user would type it anywhere: no leading VAR=value settings, no .venv/bin/
+    prefix, no `python` before a script, a script by its file name, one space between words."""
+    text = re.sub(rf"^{ENV_SETTINGS}", "", " ".join(text.split()))
+    text = re.sub(r"(^|\s)\.venv/bin/", r"\1", text)
+    text = re.sub(r"^python3?\s+(?=[\w./-]+\.(?:py|sh)\b)", "", text)
+    return re.sub(r"^[\w./-]*/(?=[\w-]+\.(?:py|sh)\b)", "", text)
+
+
+def inline_commands(rel: str) -> list[tuple[int, str]]:
+    """(line, text) of the inline code spans of a file, outside fenced blocks, that read as commands
+    (a span may wrap onto the next line: its text is joined)."""
+    kept, fenced = [], False
+    for line in (ROOT / rel).read_text().splitlines():
+        if line.strip().startswith("```"):
+            fenced = not fenced
+            kept.append("")
+            continue
+        kept.append("" if fenced else line)
+    text = "\n".join(kept)
+    out = []
+    for m in re.finditer(r"`([^`]+)`", text):
+        span = m.group(1)
+        if "\n\n" in span or not span.strip():
+            continue
+        if reads_as_command(span):
+            out.append((text.count("\n", 0, m.start()) + 1, " ".join(span.split())))
+    return out
+
+
+
+
+# Inline commands that run: like a block command of their own (in a scratch directory), or by the
+# test they name (`elsewhere`), which takes the command line from `documented`.
+INLINE: dict[str, Entry] = {
+}
+
+
+# ---------------------------------------------------------------------------------------------
+# The command line a documented command runs as
+
+
+def entry(text: str) -> Entry:
+    """The entry of a documented command (a block command or an inline one)."""
+    return REGISTRY[text] if text in REGISTRY else INLINE[text]
+
+
+def script_path(name: str) -> str:
+    """The repository path of a script a sentence names by its file name alone (`bench_kernels.py`)."""
+    found = sorted(os.path.relpath(p, ROOT) for top in ("scripts", "benchmarks", "dev")
+                   for p in glob.glob(str(ROOT / top / "**" / name), recursive=True))
+    assert len(found) == 1, f"{name}: {len(found)} scripts of that name ({found})"
+    return found[0]
+
+
+def command_line(text: str, e: Entry) -> str:
+    """What runs for the documented command `text`: its set-up left out where .ci/run runs it, its
+    shrinks applied, its additions appended, and a script named by its file name alone (in an inline
+    command) run from where it is with the virtual environment's python."""
+    if e.ci == "setup+run":
+        text = text[len(SETUP):]
+    for old, new in e.shrink:
+        text = text.replace(old, new)
+    if e.add:
+        text += " " + " ".join(shlex.quote(a) for a in e.add)
+    m = re.match(rf"^({ENV_SETTINGS})(?:python3?\s+)?([\w-]+\.(?:py|sh))(?=\s|$)", text)
+    if m:
+        run = "bash" if m.group(2).endswith(".sh") else ".venv/bin/python"
+        text = f"{m.group(1)}{run} {script_path(m.group(2))}{text[m.end():]}"
+    return text
+
+
+def documented(text: str) -> list[str]:
+    """The argv of the documented command `text` as its entry runs it, for the test its entry names
+    (`elsewhere`): that test runs what the docs print, shrunk only as the registry allows. Programs
+    of the virtual environment (`.venv/bin/X`, `pip`, `python`, `hybrid-trainer...`) are this
+    environment's; a shell's redirections and `&&` are not allowed here."""
+    line = command_line(text, entry(text))
+    assert not re.search(r"[|&;<>]", line), f"{text}: run it in a block, not through documented()"
+    argv = shlex.split(line)
+    prog = re.sub(r"^\.venv/bin/", "", argv[0])
+    if argv[0].startswith(".venv/bin/") or re.fullmatch(rf"{PROGRAMS}", prog) and prog not in ("bash", "docker", "podman"):
+        argv[0] = os.path.join(sys.prefix, "bin", prog)
+    return argv
