@@ -18,7 +18,7 @@
 #
 # One node, 8 GPUs:
 #   docker run --rm --gpus all --ipc host -v /data:/data hybrid-trainer:cuda \
-#     horovodrun -np 8 -H localhost:8 python -m trainer comm=horovod train.device=cuda \
+#     horovodrun -np 8 -H localhost:8 python -m trainer comm=horovod \
 #       data=criteo_like hydra.run.dir=/data/runs/one-node
 #
 # Multi-node (2 nodes x 8 GPUs): horovodrun on host1 starts the remote ranks over ssh, so every
@@ -37,10 +37,10 @@
 #   # then on host1 only (rank 0 runs there; /runs must be storage both nodes share, since every
 #   # rank writes its shard of a checkpoint there):
 #   docker exec ht horovodrun -np 16 -H host1:8,host2:8 -p 12345 \
-#     python -m trainer comm=horovod train.device=cuda data=criteo_like hydra.run.dir=/runs/r1
+#     python -m trainer comm=horovod data=criteo_like hydra.run.dir=/runs/r1
 #   # a staleness sweep, every job in the same 16 processes, one after the other:
 #   docker exec ht horovodrun -np 16 -H host1:8,host2:8 -p 12345 \
-#     python -m trainer -m comm=horovod train.device=cuda optim.lr=0.01,0.1 hydra.sweep.dir=/runs/sweep1
+#     python -m trainer -m comm=horovod optim.lr=0.01,0.1 hydra.sweep.dir=/runs/sweep1
 # No -it on the exec: it fails without a terminal (from a script, a scheduler). host1 and host2 are
 # names that every container resolves to the nodes (with --network host: the hosts' own names).
 # Horovod is built with MPI here, so horovodrun's default controller is Open MPI; --gloo picks

@@ -91,6 +91,19 @@ def _amp_summary(cwd: Path) -> None:
     assert p["dense"] == "bf16" and p["loss_scale"] is None, p
 
 
+def _trained_on_the_run_device(cwd: Path) -> None:
+    """The W = 2 runs trained where train.device=auto says (the GPUs where there are any) and
+    their collectives followed: nccl with a GPU per rank, gloo on the CPU or ranks sharing a GPU."""
+    import torch
+    runs = [json.loads(p.read_text()) for p in cwd.glob("outputs/**/summary.json")]
+    w2 = [s for s in runs if s["world_size"] == 2]
+    assert w2, f"no W = 2 summary.json under {cwd / 'outputs'}"
+    gpu = torch.cuda.is_available()
+    for s in w2:
+        assert s["device"] == ("cuda" if gpu else "cpu"), s["device"]
+        assert s["transport"] == ("nccl" if gpu and torch.cuda.device_count() >= 2 else "gloo"), s["transport"]
+
+
 TRAINER = dict(json_keys=TRAINER_LINE, summary=True)
 W2 = ("train.steps=4", "data.eval_samples=512", "checkpoint.enabled=false")
 
@@ -128,7 +141,7 @@ REGISTRY: dict[str, Entry] = {
     ".venv/bin/python -m trainer data=criteo data.dir=DIR": Entry(add=("data.epochs=1",), **TRAINER),
     ".venv/bin/python scripts/baseline_lr.py DIR": Entry(json_keys=("eval_auc", "eval_logloss", "C")),
     # docs/running.md
-    ".venv/bin/torchrun --nnodes 2 --nproc_per_node 8 --rdzv_endpoint host1:29500 -m trainer comm=torch train.device=cuda":
+    ".venv/bin/torchrun --nnodes 2 --nproc_per_node 8 --rdzv_endpoint host1:29500 -m trainer comm=torch":
         Entry(marks=("gpu",), skip="needs two hosts with 8 GPUs each (host1, host2): a real cluster; "
                                    "its one-machine form is docs/cluster.md's, run under netns"),
     "docker build -t hybrid-trainer .": Entry(marks=("docker",), in_checkout=True, timeout=3600),
@@ -141,7 +154,7 @@ REGISTRY: dict[str, Entry] = {
               json_keys=TRAINER_LINE, timeout=600),
     "mkdir -p runs && podman run --rm --network none -v $PWD/runs:/runs hybrid-trainer:cpu horovodrun -np 2 -H localhost:2 --gloo python -m trainer comm=horovod hydra.run.dir=/runs/img":
         Entry(marks=("docker",), add=W2, files=("runs/img/summary.json",), json_keys=TRAINER_LINE, timeout=600),
-    "docker run --rm --gpus all --ipc host hybrid-trainer horovodrun -np 8 -H localhost:8 python -m trainer comm=horovod train.device=cuda":
+    "docker run --rm --gpus all --ipc host hybrid-trainer horovodrun -np 8 -H localhost:8 python -m trainer comm=horovod":
         Entry(marks=("docker", "gpu"), add=("train.steps=4",), json_keys=TRAINER_LINE, timeout=900),
     ".venv/bin/horovodrun -np 2 -H localhost:2 --gloo .venv/bin/python -m trainer -m optim.lr=0.01,0.1 hydra.sweep.dir=multirun/lr":
         Entry(add=W2, check=_sweep_jobs(2, "multirun/lr")),
@@ -161,6 +174,9 @@ REGISTRY: dict[str, Entry] = {
         # "eval AUC about 0.77" needs the 600 steps (~30 s alone, minutes on a busy machine): not
         # checked here; tests/test_real_data.py trains MovieLens.
         Entry(shrink=(("train.steps=600", "train.steps=20"),), **TRAINER),
+    ".venv/bin/torchrun --nproc_per_node 2 -m trainer comm=torch data=criteo data.dir=DIR":
+        # the README's and gpu.md's GPU command: runs on the CPU too; on a GPU machine it must train there
+        Entry(add=("data.epochs=1", "data.eval_samples=256"), check=_trained_on_the_run_device, **TRAINER),
     ".venv/bin/torchrun --nproc_per_node 2 -m trainer comm=torch data=criteo data.dir=DIR model=dcn":
         Entry(add=("data.epochs=1", "data.eval_samples=256"), **TRAINER),
     ".venv/bin/python scripts/baseline_lr.py DIR --compare model=dcn":

@@ -274,3 +274,55 @@ def test_criteo_like_has_kaggle_cardinalities_capped():
     rows = table_rows(cfg)
     assert len(rows) == 26 and cfg.data.num_dense == 13
     assert max(rows) == 50000 and rows[8] == 3  # the 3-value feature is untouched by the cap
+
+
+# ---------------------------------------------------------------- the run's device and its transport
+def _cuda(monkeypatch, available: bool) -> None:
+    """torch.cuda.is_available as on a machine with (or without) a GPU, for config's one rule."""
+    import torch
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: available)
+
+
+def test_default_device_is_auto_in_the_yaml_and_the_schema():
+    """A GPU user's first command trains on the GPU: train.device=auto by default, in
+    conf/train/default.yaml and in the dataclass alike, and the default config composes with it."""
+    from trainer.config import TrainConfig
+    assert TrainConfig().device == "auto"
+    c = load_config(make_cfg([]))
+    assert c.train.device == "auto" and c.comm.dist_backend == "auto"
+
+
+@pytest.mark.parametrize("cuda", [False, True], ids=["no-gpu", "gpu"])
+def test_auto_device_is_cuda_exactly_when_a_gpu_is_visible_and_nccl_follows(monkeypatch, cuda):
+    from trainer.config import dist_transport, run_device
+    _cuda(monkeypatch, cuda)
+    c = load_config(make_cfg(["comm=torch"]))  # composes and validates either way
+    want = "cuda" if cuda else "cpu"
+    assert run_device(c) == want
+    assert dist_transport(c.comm.dist_backend, run_device(c)) == ("nccl" if cuda else "gloo")
+    cpu = load_config(make_cfg(["comm=torch", "train.device=cpu"]))  # explicit cpu: gloo, GPU or not
+    assert run_device(cpu) == "cpu" and dist_transport(cpu.comm.dist_backend, run_device(cpu)) == "gloo"
+
+
+def test_dist_transport_rule():
+    from trainer.config import dist_transport
+    assert dist_transport("auto", "cuda") == "nccl" and dist_transport("auto", "cpu") == "gloo"
+    assert dist_transport("auto", "cuda", gpus_shared=True) == "gloo"  # NCCL refuses two ranks on a GPU
+    assert dist_transport("gloo", "cuda") == "gloo" and dist_transport("nccl", "cuda", True) == "nccl"
+
+
+def test_nccl_on_a_cpu_run_is_refused_naming_both_keys(monkeypatch):
+    _cuda(monkeypatch, True)  # even with a GPU: train.device=cpu keeps the tensors on the host
+    with pytest.raises(ConfigError) as err:
+        load_config(make_cfg(["comm=torch", "train.device=cpu", "comm.dist_backend=nccl"]))
+    msg = str(err.value)
+    assert "comm.dist_backend='nccl'" in msg and "train.device=cpu" in msg and "\n" not in msg, msg
+    c = load_config(make_cfg(["comm=torch", "comm.dist_backend=nccl"]))  # auto device on the GPU: fine
+    assert c.comm.dist_backend == "nccl"
+
+
+@pytest.mark.parametrize("device", ["auto", "cuda"])
+def test_nccl_without_a_visible_gpu_is_refused(monkeypatch, device):
+    _cuda(monkeypatch, False)
+    with pytest.raises(ConfigError, match=r"comm.dist_backend='nccl': needs a CUDA device, and none is visible"):
+        load_config(make_cfg(["comm=torch", f"train.device={device}", "comm.dist_backend=nccl"]))

@@ -8,6 +8,7 @@ import sys
 
 import numpy as np
 import pytest
+import torch
 
 from helpers import run_world
 from trainer.configure import load_config
@@ -34,6 +35,10 @@ def test_default_job_learns(tmp_path):
                 "bytes", "bytes_per_sample"):
         assert key in summary, key
     assert summary["world_size"] == 1 and summary["steps"] == 300
+    # train.device=auto (the default) is reported resolved: the device the run trained on
+    assert summary["config"]["train"]["device"] == "auto"
+    assert summary["device"] == ("cuda" if torch.cuda.is_available() else "cpu")
+    assert summary["transport"] is None  # the local backend sends nothing
     assert summary["eval_auc"] > 0.6, summary["eval_auc"]
     assert summary["samples_per_sec"] > 0
     lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
@@ -62,6 +67,8 @@ def test_torchrun_two_workers_share_one_output_dir(tmp_path):
     assert len(run_dirs) == 1, f"stray output dirs left: {run_dirs}"
     summary = json.load(open(runs[0]))
     assert summary["world_size"] == 2 and summary["bytes"]["rows"] > 0
+    if not torch.cuda.is_available():  # the default device, auto, is the CPU here: gloo carries the bytes
+        assert (summary["device"], summary["transport"]) == ("cpu", "gloo")
 
 
 @pytest.mark.dist

@@ -19,7 +19,8 @@ from typing import Any, Iterator, Optional
 import torch
 
 from .comm import Collectives
-from .config import Config, ConfigError, cache_capacities, needs_global_view, staleness_bounds, table_rows
+from .config import (Config, ConfigError, cache_capacities, needs_global_view, run_device, staleness_bounds,
+                     table_rows)
 from .data import id_rows
 from .embedding import HybridEmbedding, RowSharding, ShardStore
 from .embedding.admission import Counting
@@ -54,11 +55,12 @@ def phase(comm: Collectives, name: str) -> Iterator[None]:
 
 
 def device_of(c: Config) -> torch.device:
-    if c.train.device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if c.train.device == "cuda" and not torch.cuda.is_available():
+    """The run's torch.device: config.run_device's choice (train.device=auto: cuda when a GPU is
+    visible); "cuda" is this rank's GPU, the current device the collectives set (LOCAL_RANK)."""
+    device = run_device(c)
+    if device == "cuda" and not torch.cuda.is_available():
         raise TrainingError("train.device='cuda' but no CUDA device is available")
-    return torch.device(c.train.device)
+    return torch.device(device)
 
 
 # ---- dense side ------------------------------------------------------------------------------

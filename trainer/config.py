@@ -49,6 +49,8 @@ EVICTIONS = ("lru", "lfu")  # embedding.eviction
 EMBEDDING_DTYPES = ("fp32", "fp16", "bf16")  # embedding.dtype (= embedding/store.ROW_DTYPES)
 ROUNDINGS = ("stochastic", "nearest")  # embedding.rounding (= embedding/optim.ROUNDINGS)
 SETTLED_ROWS = ("auto", "always", "never")
+DEVICES = ("auto", "cpu", "cuda")  # train.device (resolve_device)
+DIST_BACKENDS = ("auto", "gloo", "nccl")  # comm.dist_backend (dist_transport)
 PIPELINES = ("off", "ids", "rows")
 PRECISIONS = ("fp32", "tf32", "bf16", "fp16")  # train.precision (trainer/precision.py)
 
@@ -126,7 +128,7 @@ class OptimConfig:
 @dataclass
 class CommConfig:
     backend: str = "auto"  # auto | local | torch | horovod (auto follows the launcher)
-    dist_backend: str = "auto"  # torch backend's transport: auto | gloo | nccl
+    dist_backend: str = "auto"  # torch backend's transport: auto (nccl when the run's device is cuda and each rank of the host has a GPU, else gloo: dist_transport) | gloo | nccl (cuda only)
     timeout_s: float = 60.0  # a collective waiting longer than this raises, naming the operation
     wire_precision: str = "fp32"  # rows and row gradients on the wire: fp32 | fp16 | bf16 (owners keep their embedding.dtype)
     settled_rows: str = "auto"  # train.pipeline=ids, no cache: send the next step's rows this step does not update early: auto (when the ranks span hosts) | always | never
@@ -248,7 +250,7 @@ class TrainConfig:
     eval_every: Optional[int] = 0  # evaluate every N steps too (0 = only at the end); on the validation split when there is one; null = the recipe's (tiny and small: k times per epoch, k = ceil(epoch rows / 1,280) up to 4; resolved once W is known)
     threads: int = 0  # torch threads per rank; 0 = cores / local ranks
     progress: str = "auto"  # progress bar on rank 0: auto (when interactive) | on | off
-    device: str = "cpu"  # cpu | cuda | auto
+    device: str = "auto"  # auto (cuda when a GPU is visible, else cpu: run_device) | cpu | cuda; comm.dist_backend=auto follows it (nccl on cuda)
     nonfinite: str = "stop"  # NaN/inf global loss: stop (error naming the step) | skip (drop the batch, no update anywhere; dynamic tables: the step's admissions, evictions and counts undone too)
     max_skips: int = 10  # nonfinite=skip: stop anyway after this many consecutive skipped steps
     memory_check: bool = True  # stop at start-up (exit 2) when a rank's memory plan (trainer/memplan.py) exceeds the memory it can have; false: warn and start
@@ -518,7 +520,9 @@ def validate(c: Config) -> None:
     _finite("optim.initial_accumulator", o.initial_accumulator)
     _validate_schedule(c)
     _one_of("comm.backend", c.comm.backend, BACKENDS)
-    _one_of("comm.dist_backend", c.comm.dist_backend, ("auto", "gloo", "nccl"))
+    _one_of("comm.dist_backend", c.comm.dist_backend, DIST_BACKENDS)
+    _one_of("train.device", c.train.device, DEVICES)
+    _validate_transport(c)
     _one_of("comm.wire_precision", c.comm.wire_precision, WIRE_PRECISIONS)
     _one_of("comm.settled_rows", c.comm.settled_rows, SETTLED_ROWS)
     _check(c.comm.timeout_s > 0, "comm.timeout_s", c.comm.timeout_s, "must be > 0")
@@ -545,7 +549,6 @@ def validate(c: Config) -> None:
                "and a pull_bound >= 1 (or -1) for every table; use train.pipeline=ids for exact training")
         _check(t.nonfinite != "skip", "train.pipeline", t.pipeline,
                "rows cannot undo a prefetched step: use train.nonfinite=stop or train.pipeline=ids")
-    _one_of("train.device", t.device, ("cpu", "cuda", "auto"))
     _validate_precision(c)
     _check(t.seed >= 0, "train.seed", t.seed, "must be >= 0")
     _one_of("train.nonfinite", t.nonfinite, NONFINITE)
@@ -753,10 +756,40 @@ def _validate_kernels(c: Config) -> None:
         raise ConfigError(str(exc)) from None
 
 
+def resolve_device(device: str) -> str:
+    """"cuda" or "cpu": the run's device for a train.device value. The one rule (auto: cuda when a
+    CUDA device is visible, else cpu); everything that asks "does this run use the GPU" asks it
+    here: the trainer's torch.device (build.device_of), the collectives' transport
+    (dist_transport, Horovod's on-GPU path), the DALI pipeline's GPU, the kernels' backend and
+    the memory plan checked before start-up."""
+    return "cuda" if device == "cuda" or (device == "auto" and _cuda_available()) else "cpu"
+
+
 def run_device(c: Config) -> str:
-    """"cuda" or "cpu": the device train.device names (auto: CUDA where there is one), for the
-    checks and sizes decided before start-up (the kernels' backend, embedding.capacity_bytes)."""
-    return "cuda" if c.train.device == "cuda" or (c.train.device == "auto" and _cuda_available()) else "cpu"
+    """"cuda" or "cpu": the device of the run c describes (resolve_device(c.train.device))."""
+    return resolve_device(c.train.device)
+
+
+def dist_transport(dist_backend: str, device: str, gpus_shared: bool = False) -> str:
+    """comm.dist_backend resolved for a run on `device` ("cuda" or "cpu", resolve_device): gloo or
+    nccl as named; auto is nccl exactly when the run's device is cuda and every rank of this host
+    has a GPU of its own, else gloo. gpus_shared: ranks of this host would share a GPU (more
+    ranks than GPUs, or no local rank to pick one by), which NCCL refuses ("Duplicate GPU
+    detected"); gloo then carries the collectives through host memory."""
+    if dist_backend != "auto":
+        return dist_backend
+    return "nccl" if device == "cuda" and not gpus_shared else "gloo"
+
+
+def _validate_transport(c: Config) -> None:
+    """comm.dist_backend=nccl needs the run on CUDA: NCCL moves CUDA tensors only."""
+    if c.comm.dist_backend != "nccl":
+        return
+    _check(c.train.device != "cpu", "comm.dist_backend", c.comm.dist_backend,
+           "NCCL moves CUDA tensors only, and train.device=cpu trains on the CPU: use "
+           "comm.dist_backend=gloo (or auto), or train.device=cuda")
+    _check(_cuda_available(), "comm.dist_backend", c.comm.dist_backend,
+           "needs a CUDA device, and none is visible here: use comm.dist_backend=gloo (or auto)")
 
 
 def _cuda_available() -> bool:

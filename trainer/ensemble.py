@@ -162,6 +162,7 @@ def _ensemble_summary(c: Config, last: dict[str, Any], members: list[dict[str, A
     trained = sum(m["trained_samples"] for m in members)  # by this process (not reused, not before a resume)
     return {
         "world_size": world, "output_dir": top, "backend": last.get("backend"),
+        "device": last.get("device"), "transport": last.get("transport"),
         "steps": steps, "samples": samples, "train_time_s": time_s,
         "samples_per_sec": trained / max(sum(m["train_time_s"] for m in members if m["trained_samples"]), 1e-9)
         if trained else None,

@@ -77,7 +77,8 @@ def _run(cfg: Any, out_dir: str | None, return_state: bool, comm: Collectives | 
     config = load_config(cfg)
     own = comm is None
     if comm is None:
-        comm = make_collectives(config.comm.backend, config.comm.timeout_s, config.comm.dist_backend)
+        comm = make_collectives(config.comm.backend, config.comm.timeout_s, config.comm.dist_backend,
+                                config.train.device)
     trainer, held = None, HeldDir(None)
     try:
         held = claim_out_dir(comm, out_dir, record)
@@ -347,7 +348,8 @@ class Trainer:
         return RunResult(summary, self.rank, list(self.losses), state)
 
     def _described(self) -> dict[str, Any]:
-        return {"recipe": self.recipe.describe(self.c), "settled_rows": self.steps.settled,
+        return {"device": self.device.type, "transport": self.comm.transport,
+                "recipe": self.recipe.describe(self.c), "settled_rows": self.steps.settled,
                 "precision": self.precision.summary(),
                 "cuda_graph": next((s.summary() for s in (self.whole_step, self.dense_step) if s is not None), None)}
 

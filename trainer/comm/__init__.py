@@ -1,7 +1,8 @@
 """Collectives: one interface, backends local / torch (gloo, nccl) / horovod, chosen by config.
 
 `make_collectives("auto")` picks horovod under horovodrun, torch under torchrun (WORLD_SIZE > 1),
-and local otherwise.
+and local otherwise. `device` is the run's train.device: the transport follows it (nccl when the
+run trains on CUDA, trainer.config.resolve_device / dist_transport).
 """
 from __future__ import annotations
 
@@ -31,16 +32,17 @@ def detect_backend() -> str:
 
 
 def make_collectives(backend: str = "auto", timeout_s: float = 60.0,
-                     dist_backend: str = "auto") -> Collectives:
-    """Create the Collectives for `backend` (auto|local|torch|horovod)."""
+                     dist_backend: str = "auto", device: str = "auto") -> Collectives:
+    """Create the Collectives for `backend` (auto|local|torch|horovod) of a run on `device` (a
+    train.device value: auto | cpu | cuda); dist_backend: the torch backend's transport."""
     if backend == "auto":
         backend = detect_backend()
     if backend == "local":
         return LocalCollectives(timeout_s)
     if backend == "torch":
         from .torch_dist import TorchCollectives
-        return TorchCollectives(timeout_s, dist_backend)
+        return TorchCollectives(timeout_s, dist_backend, device)
     if backend == "horovod":
         from .horovod import HorovodCollectives
-        return HorovodCollectives(timeout_s)
+        return HorovodCollectives(timeout_s, device)
     raise ValueError(f"comm.backend={backend!r} is not one of auto, local, torch, horovod")

@@ -64,6 +64,9 @@ class Collectives(abc.ABC):
     # True where the backend's alltoall learns the receive sizes itself (Horovod's negotiation):
     # announcing them early (exchange_splits_async) would only add a collective there
     learns_splits = False
+    # what carries the collectives' bytes: "gloo" / "nccl" (torch), "gloo" / "mpi" / "nccl"
+    # (Horovod); None for the local backend (nothing leaves the process). summary.json's `transport`
+    transport: str | None = None
 
     def __init__(self, rank: int, size: int, timeout_s: float, local_size: int | None = None) -> None:
         self.rank = rank

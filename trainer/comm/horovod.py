@@ -18,7 +18,7 @@ import time
 
 import torch
 
-from ..config import ConfigError
+from ..config import ConfigError, resolve_device
 from .base import Collectives
 
 try:  # import errors are re-raised with the fix in HorovodCollectives.__init__
@@ -62,13 +62,18 @@ class HorovodCollectives(Collectives):
 
     learns_splits = True  # hvd.alltoall negotiates the receive sizes itself (one collective)
 
-    def __init__(self, timeout_s: float) -> None:
+    def __init__(self, timeout_s: float, device: str = "auto") -> None:
+        """device: the run's train.device. On cuda each rank takes the GPU of its local rank, and
+        the tensors stay there when Horovod was built with NCCL (on_gpu); a CPU run's tensors go
+        through Gloo or MPI even on a host with GPUs."""
         init_horovod(timeout_s)
         super().__init__(hvd.rank(), hvd.size(), timeout_s, local_size=hvd.local_size())
         self.local_rank = hvd.local_rank()
-        self.on_gpu = bool(hvd.nccl_built()) and torch.cuda.is_available()
-        if torch.cuda.is_available():  # one GPU per rank: device "cuda" means this rank's GPU
+        on_cuda = resolve_device(device) == "cuda"
+        self.on_gpu = bool(hvd.nccl_built()) and on_cuda
+        if on_cuda:  # one GPU per rank: device "cuda" means this rank's GPU
             torch.cuda.set_device(self.local_rank % torch.cuda.device_count())
+        self.transport = "nccl" if self.on_gpu else ("gloo" if hvd.gloo_enabled() else "mpi")
 
     # ---- plumbing ----------------------------------------------------------------------------
     def _dev(self, t: torch.Tensor) -> torch.Tensor:

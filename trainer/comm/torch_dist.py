@@ -21,6 +21,7 @@ import torch
 import torch._dynamo  # noqa: F401  (must precede init_process_group: see below)
 import torch.distributed as dist
 
+from ..config import dist_transport, resolve_device
 from .base import Collectives, flatten, unflatten
 
 
@@ -60,16 +61,35 @@ def _rendezvous(timeout: _dt.timedelta) -> dict[str, Any]:
     return {"store": dist.PrefixStore(prefix, _STORE["store"]), "rank": rank, "world_size": world}
 
 
+def pick_backend(dist_backend: str, device: str) -> str:
+    """gloo or nccl: comm.dist_backend for a run on train.device `device` in this process's
+    environment (config.dist_transport; auto: nccl when the run is on cuda and this host's ranks
+    have a GPU each)."""
+    run = resolve_device(device)
+    return dist_transport(dist_backend, run, run == "cuda" and _gpus_shared())
+
+
+def _gpus_shared() -> bool:
+    """Whether ranks of this host would share a GPU: more ranks here (LOCAL_WORLD_SIZE, else
+    WORLD_SIZE) than GPUs, or no LOCAL_RANK to pick a GPU by (every rank on the current one)."""
+    env = os.environ
+    if "LOCAL_RANK" not in env:
+        return int(env.get("WORLD_SIZE", "1")) > 1
+    here = env.get("LOCAL_WORLD_SIZE") or env.get("WORLD_SIZE", "1")
+    return int(here) > torch.cuda.device_count()
+
+
 class TorchCollectives(Collectives):
     """Collectives over a torch.distributed process group, from the torchrun environment (RANK,
     WORLD_SIZE, MASTER_ADDR, MASTER_PORT; the rendezvous of _rendezvous)."""
 
-    def __init__(self, timeout_s: float, backend: str = "auto") -> None:
-        if torch.cuda.is_available() and "LOCAL_RANK" in os.environ:
+    def __init__(self, timeout_s: float, backend: str = "auto", device: str = "auto") -> None:
+        """backend: comm.dist_backend (auto | gloo | nccl); device: the run's train.device. On
+        cuda each rank takes the GPU of its local rank (LOCAL_RANK modulo the GPUs), and auto is
+        nccl unless this host's ranks would share a GPU (config.dist_transport)."""
+        if resolve_device(device) == "cuda" and "LOCAL_RANK" in os.environ:
             torch.cuda.set_device(int(os.environ["LOCAL_RANK"]) % torch.cuda.device_count())
-        if backend == "auto":
-            backend = "nccl" if torch.cuda.is_available() and os.environ.get("LOCAL_RANK") else "gloo"
-        self.backend = backend
+        self.backend = self.transport = backend = pick_backend(backend, device)
         self._owns_group = not dist.is_initialized()
         timeout = _dt.timedelta(seconds=timeout_s)
         if self._owns_group:

@@ -9,7 +9,7 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Optional, Union
 
 from ..config import (Config, ConfigError, DataConfig, check_data_source, data_source_error, epoch_steps,
-                      local_batch_size, source_rows, table_rows, val_rows)
+                      local_batch_size, run_device, source_rows, table_rows, val_rows)
 from .batch import Batch
 from .ids import ID_LIMIT, GuardedData, IdGuard, IdRangeError
 from .scramble import HashedIds, ScrambledIds
@@ -120,10 +120,10 @@ def train_rows(d: DataConfig) -> int:
 
 
 def _local_gpu(cfg: Config) -> Optional[int]:
-    """The GPU a DALI pipeline should run on: the current CUDA device when training on CUDA."""
+    """The GPU a DALI pipeline should run on: the current CUDA device when the run trains on CUDA
+    (config.run_device)."""
     import torch
-    on_cuda = cfg.train.device == "cuda" or (cfg.train.device == "auto" and torch.cuda.is_available())
-    return torch.cuda.current_device() if on_cuda else None
+    return torch.cuda.current_device() if run_device(cfg) == "cuda" else None
 
 
 def make_data(cfg: Config, rank: int, world: int) -> GuardedData:
