@@ -29,9 +29,11 @@ SHRINK_KEYS = {
     "--splits", "--measure-steps", "--herald-steps", "--plan-steps", "--sizes", "--budget",
     "--jobs", "--slices", "placement.plan_steps", "--batch-sizes", "--nproc_per_node", "--rows",
     "--tables", "--dim", "--batch", "--eval-samples", "--resume-worlds", "--workers", "--np",
+    "--models", "--hash-rows",
 }
 # Switches an entry may add where the text beside the command does not need what they turn off.
-OFF_SWITCHES = {"checkpoint.enabled=false", "train.tensorboard=false", "--quick", "train.progress=off"}
+OFF_SWITCHES = {"checkpoint.enabled=false", "train.tensorboard=false", "--quick", "train.progress=off",
+                "--no-progress"}
 # Keys an entry may add that only say where a run writes (a directory of the test's own).
 PLACE_KEYS = {"--work", "hydra.run.dir"}
 
@@ -53,6 +55,7 @@ class Entry:
     writes_dir: bool = False  # the command creates DIR itself (no prepared sample is linked)
     files: tuple[str, ...] = ()  # paths (relative to the scratch dir) that must exist afterwards
     json_keys: tuple[str, ...] = ()  # keys of the last JSON line of stdout
+    json_values: tuple[tuple[str, object], ...] = ()  # (key, value) the last JSON line must hold
     stdout: Optional[str] = None  # a pattern stdout must match
     summary: bool = False  # the trainer's "summary: PATH" line names a file that exists
     marks: tuple[str, ...] = ()  # gpu, docker, netns
@@ -60,14 +63,21 @@ class Entry:
     elsewhere: Optional[str] = None  # "tests/FILE.py::TEST": that test runs it, as `documented(text)` gives it
     ci: Optional[str] = None  # "setup+run": .ci/run runs its set-up, run the rest; "setup+ci": .ci/run runs it
     cleanup: Optional[str] = None  # run after the block whatever happened (e.g. tear a cluster down)
-    check: Optional[Callable[[Path], None]] = None  # more checks on the scratch dir
+    check: Optional[Callable[..., None]] = None  # more checks: check(scratch dir, stdout)
     in_checkout: bool = False  # run in the checkout itself (docker build: its context must be real files)
     host: Optional[int] = None  # run inside emulated host k (named host1, host2, ...), at once with the block's others
     serves: Optional[str] = None  # a server: passes once stderr or stdout matches this, then it is stopped
     timeout: int = 300
 
 
-def _resume_logged(cwd: Path) -> None:
+def newest_summary(cwd: Path) -> dict:
+    """The summary.json a command of the block wrote last (under outputs/ or runs/)."""
+    paths = sorted(cwd.glob("outputs/**/summary.json"), key=lambda p: p.stat().st_mtime)
+    assert paths, f"no summary.json under {cwd / 'outputs'}"
+    return json.loads(paths[-1].read_text())
+
+
+def _resume_logged(cwd: Path, out: str = "") -> None:
     lines = [json.loads(x) for x in (cwd / "runs/ck/metrics.jsonl").read_text().splitlines() if x.strip()]
     assert any(r.get("event") == "resume" for r in lines), "no resume line in runs/ck/metrics.jsonl"
     s = json.loads((cwd / "runs/ck/summary.json").read_text())
@@ -75,23 +85,23 @@ def _resume_logged(cwd: Path) -> None:
 
 
 def _sweep_jobs(n: int, sweep: str) -> Callable[[Path], None]:
-    def check(cwd: Path) -> None:
+    def check(cwd: Path, out: str = "") -> None:
         for k in range(n):
             assert (cwd / sweep / str(k) / "summary.json").is_file(), f"{sweep}/{k}/summary.json missing"
     return check
 
 
-def _bf16_rows(cwd: Path) -> None:
+def _bf16_rows(cwd: Path, out: str = "") -> None:
     e = json.loads((cwd / "runs/bf16/summary.json").read_text())["embedding"]
     assert e["dtype"] == "bf16" and e["bytes_per_row"] == {"row": 32, "state": 0, "version": 8, "total": 40}, e
 
 
-def _amp_summary(cwd: Path) -> None:
+def _amp_summary(cwd: Path, out: str = "") -> None:
     p = json.loads((cwd / "runs/amp/summary.json").read_text())["precision"]
     assert p["dense"] == "bf16" and p["loss_scale"] is None, p
 
 
-def _trained_on_the_run_device(cwd: Path) -> None:
+def _trained_on_the_run_device(cwd: Path, out: str = "") -> None:
     """The W = 2 runs trained where train.device=auto says (the GPUs where there are any) and
     their collectives followed: nccl with a GPU per rank, gloo on the CPU or ranks sharing a GPU."""
     import torch
@@ -107,20 +117,82 @@ def _trained_on_the_run_device(cwd: Path) -> None:
 TRAINER = dict(json_keys=TRAINER_LINE, summary=True)
 W2 = ("train.steps=4", "data.eval_samples=512", "checkpoint.enabled=false")
 
-def _vocabulary_prepared(cwd: Path) -> None:
+def _vocabulary_prepared(cwd: Path, out: str = "") -> None:
     """docs/data.md: a vocabulary of the values seen >= 4 times (ids 0 empty, 1 rare, 2 + rank)."""
     meta = json.loads((cwd / "VOCAB_DIR/meta.json").read_text())
     cat = meta["categorical"]
     assert cat["kind"] == "vocab" and cat["min_count"] == 4 and meta["table_rows"] == [2 + n for n in cat["vocab_sizes"]], cat
 
 
-def _dynamic_reported(cwd: Path) -> None:
+def _dynamic_reported(cwd: Path, out: str = "") -> None:
     """docs/dynamic.md: the run reports its pool, in summary.json and in every metrics line."""
     d = json.loads((cwd / "runs/dyn/summary.json").read_text())["dynamic"]
     assert d["admissions"] > 0 and d["admissions"] - d["evictions"] == d["rows_in_use"], d
     assert d["dropped_grads"] > 0 and d["admit_after"] == 2, d  # ids seen once lose their gradient
     lines = [json.loads(x) for x in (cwd / "runs/dyn/metrics.jsonl").read_text().splitlines() if x.strip()]
-    assert any("dynamic" in r for r in lines), "no dynamic block in metrics.jsonl"
+    steps = [r for r in lines if "loss" in r and "step" in r]
+    assert [r["step"] for r in steps] == [4, 8], [r.get("step") for r in lines]  # train.log_every=4 of 8 steps
+    assert all("dynamic" in r and r["dynamic"]["rows_in_use"] > 0 for r in steps), "a step line without its dynamic block"
+
+
+def _checkpoints_saved(*steps: int) -> Callable[[Path], None]:
+    """docs/operations.md: the run saved a checkpoint at each of `steps` (the every-N saves and the last)."""
+    def check(cwd: Path, out: str = "") -> None:
+        got = sorted(p.name for p in (cwd / "runs/ck/checkpoints").iterdir() if p.name.startswith("step_"))
+        assert got == [f"step_{k:08d}" for k in steps], got
+    return check
+
+
+def _resumed_on_two(cwd: Path, out: str = "") -> None:
+    """docs/operations.md: continues from the last checkpoint (step 4 once shrunk) on 2 workers."""
+    _resume_logged(cwd)
+    s = json.loads((cwd / "runs/ck/summary.json").read_text())
+    assert (s["start_step"], s["world_size"], s["steps"]) == (4, 2, 8), (s["start_step"], s["world_size"], s["steps"])
+    assert s["resumed_from"].endswith("step_00000004"), s["resumed_from"]
+
+
+def _hashed_rows(cwd: Path, out: str = "") -> None:
+    """docs/data.md: hashing into 1M rows per table, the test file as the test split."""
+    meta = json.loads((cwd / "DIR/meta.json").read_text())
+    assert meta["categorical"]["kind"] == "hash" and meta["table_rows"] == [1_000_000] * 26, meta["table_rows"]
+    assert meta["splits"]["train"]["rows"] == 400 and meta["splits"]["test"]["rows"] == 200, meta["splits"]
+
+
+def _recipe_and_test_split(cwd: Path, out: str = "") -> None:
+    """README: the recipe for DIR's size (tiny: < 100,000 rows), evaluated on the 200 rows of TEST.tsv."""
+    s = newest_summary(cwd)
+    assert s["recipe"]["name"] == "tiny" and s["eval_samples"] == 200, (s["recipe"], s["eval_samples"])
+
+
+def _one_line_per_model(cwd: Path, out: str = "") -> None:
+    """docs/recipe.md: LR and the four default commands on one pair, one JSON line each."""
+    lines = [json.loads(x) for x in out.splitlines() if x.startswith("{")]
+    runs = [r.get("baseline") or r.get("model") for r in lines if "split" in r]
+    assert runs == ["lr", "dlrm", "wdl", "deepfm", "dcn"], lines
+
+
+def _placement_measured(cwd: Path, out: str = "") -> None:
+    """docs/placement.md: SCA's plan trained; summary.json's placement holds predicted vs measured bytes."""
+    p = newest_summary(cwd)["placement"]
+    pvm = p["predicted_vs_measured"]
+    assert p["name"] == "sca" and pvm["predicted"] > 0 and pvm["measured"] > 0, p
+
+
+def _raw_ids(cwd: Path, out: str = "") -> None:
+    """docs/dynamic.md: --raw-ids keeps the values' 32 bits (no hashing, no vocabulary)."""
+    meta = json.loads((cwd / "RAW_DIR/meta.json").read_text())
+    assert meta["categorical"]["kind"] == "raw", meta["categorical"]
+
+
+def _dynamic_on_raw_ids(cwd: Path, out: str = "") -> None:
+    d = newest_summary(cwd)["dynamic"]
+    assert d["admissions"] > 0 and d["rows_in_use"] > 0, d
+
+
+def _both_worlds(cwd: Path, out: str = "") -> None:
+    """benchmarks/README.md: the bench workload at W = 1 and W = 2."""
+    lines = [json.loads(x) for x in out.splitlines() if x.startswith("{")]
+    assert sorted(r["world_size"] for r in lines) == [1, 2], lines
 
 
 REGISTRY: dict[str, Entry] = {
@@ -131,19 +203,22 @@ REGISTRY: dict[str, Entry] = {
     # README: Running
     ".venv/bin/python -m trainer model=dcn optim=adam train.steps=600 hydra.run.dir=runs/dcn":
         Entry(shrink=(("train.steps=600", "train.steps=4"),), add=("data.eval_samples=512",),
-              files=("runs/dcn/summary.json",), **TRAINER),
-    ".venv/bin/torchrun --nproc_per_node 2 -m trainer comm=torch": Entry(add=W2, **TRAINER),
+              files=("runs/dcn/summary.json",), json_values=(("world_size", 1), ("steps", 4)), **TRAINER),
+    ".venv/bin/torchrun --nproc_per_node 2 -m trainer comm=torch": Entry(add=W2, json_values=(("world_size", 2),), **TRAINER),
     ".venv/bin/horovodrun -np 2 -H localhost:2 --gloo .venv/bin/python -m trainer comm=horovod hydra.run.dir=runs/hvd":
-        Entry(add=W2, files=("runs/hvd/summary.json",), **TRAINER),
+        Entry(add=W2, files=("runs/hvd/summary.json",), json_values=(("world_size", 2),), **TRAINER),
     # README: Real data
     ".venv/bin/python scripts/prepare_criteo.py --train TRAIN.tsv --test TEST.tsv --out DIR":
         Entry(writes_dir=True, files=("DIR/meta.json",)),
-    ".venv/bin/python -m trainer data=criteo data.dir=DIR": Entry(add=("data.epochs=1",), **TRAINER),
+    ".venv/bin/python -m trainer data=criteo data.dir=DIR":
+        Entry(add=("data.epochs=1",), check=_recipe_and_test_split, **TRAINER),
     ".venv/bin/python scripts/baseline_lr.py DIR": Entry(json_keys=("eval_auc", "eval_logloss", "C")),
-    # docs/running.md
-    ".venv/bin/torchrun --nnodes 2 --nproc_per_node 8 --rdzv_endpoint host1:29500 -m trainer comm=torch":
-        Entry(marks=("gpu",), skip="needs two hosts with 8 GPUs each (host1, host2): a real cluster; "
-                                   "its one-machine form is docs/cluster.md's, run under netns"),
+    # docs/running.md: both lines at once, each in its emulated host (named host1, host2)
+    ".venv/bin/torchrun --nnodes 2 --node_rank 0 --master_addr host1 --master_port 29500 --nproc_per_node 8 -m trainer comm=torch":
+        Entry(host=0, marks=("netns",), shrink=(("--nproc_per_node 8", "--nproc_per_node 1"),), add=W2,
+              json_values=(("world_size", 2),), **TRAINER),
+    ".venv/bin/torchrun --nnodes 2 --node_rank 1 --master_addr host1 --master_port 29500 --nproc_per_node 8 -m trainer comm=torch":
+        Entry(host=1, marks=("netns",), shrink=(("--nproc_per_node 8", "--nproc_per_node 1"),), add=W2),
     "docker build -t hybrid-trainer .": Entry(marks=("docker",), in_checkout=True, timeout=3600),
     # README (In a container) and docs/running.md: the cpu image (cached: a build with nothing
     # changed takes seconds; tests/test_image.py builds it first in a full run)
@@ -161,13 +236,13 @@ REGISTRY: dict[str, Entry] = {
     # docs/operations.md
     ".venv/bin/python -m trainer train.steps=100 checkpoint.every=50 hydra.run.dir=runs/ck":
         Entry(shrink=(("train.steps=100", "train.steps=4"), ("checkpoint.every=50", "checkpoint.every=2")),
-              add=("data.eval_samples=512",), files=("runs/ck/checkpoints",), **TRAINER),
+              add=("data.eval_samples=512",), check=_checkpoints_saved(2, 4), **TRAINER),
     ".venv/bin/torchrun --nproc_per_node 2 -m trainer comm=torch train.steps=300 checkpoint.resume=auto hydra.run.dir=runs/ck":
         Entry(shrink=(("train.steps=300", "train.steps=8"),), add=("data.eval_samples=512",),
-              check=_resume_logged, **TRAINER),
+              check=_resumed_on_two, **TRAINER),
     # docs/data.md
     ".venv/bin/python scripts/prepare_criteo.py --train day_0.gz day_1.gz --test day_23.gz --out DIR":
-        Entry(writes_dir=True, files=("DIR/meta.json",)),
+        Entry(writes_dir=True, check=_hashed_rows),
     ".venv/bin/python scripts/prepare_criteo.py --train train.txt --out VOCAB_DIR --min-count 4":
         Entry(files=("VOCAB_DIR/meta.json",), check=_vocabulary_prepared),
     ".venv/bin/python -m trainer data=movielens optim=adam optim.sparse_lr=0.2 train.steps=600":
@@ -178,12 +253,17 @@ REGISTRY: dict[str, Entry] = {
         # the README's and gpu.md's GPU command: runs on the CPU too; on a GPU machine it must train there
         Entry(add=("data.epochs=1", "data.eval_samples=256"), check=_trained_on_the_run_device, **TRAINER),
     ".venv/bin/torchrun --nproc_per_node 2 -m trainer comm=torch data=criteo data.dir=DIR model=dcn":
-        Entry(add=("data.epochs=1", "data.eval_samples=256"), **TRAINER),
+        Entry(add=("data.epochs=1", "data.eval_samples=256"), json_values=(("world_size", 2),), **TRAINER),
     ".venv/bin/python scripts/baseline_lr.py DIR --compare model=dcn":
         Entry(add=("data.epochs=1",), json_keys=("lr_eval_auc", "trainer_eval_auc", "trainer_minus_lr_auc")),
     # docs/recipe.md
     ".venv/bin/python dev/recipe_study/compare_splits.py TRAIN.tsv --test TEST.tsv":
-        Entry(add=("data.epochs=1",), json_keys=("model",), timeout=600),
+        Entry(add=("data.epochs=1",), check=_one_line_per_model, timeout=600),
+    ".venv/bin/python dev/recipe_study/compare_splits.py FILE.tsv --splits 16 --models dlrm > base.jsonl":
+        Entry(shrink=(("--splits 16", "--splits 2"),), add=("data.epochs=1",), files=("base.jsonl",), timeout=600),
+    ".venv/bin/python dev/recipe_study/compare_splits.py FILE.tsv --splits 16 --models dlrm optim.lr=0.0005 > new.jsonl":
+        Entry(shrink=(("--splits 16", "--splits 2"),), add=("data.epochs=1",), files=("new.jsonl",), timeout=600),
+    ".venv/bin/python dev/recipe_study/paired_splits.py base.jsonl new.jsonl": Entry(json_keys=("model",)),
     # docs/cache.md
     ".venv/bin/torchrun --nproc_per_node 2 -m trainer -m comm=torch data=criteo_like optim=adam cache=lfu "
     "consistency.pull_bound=0,1,4,16 'consistency.push_bound=${consistency.pull_bound}' hydra.sweep.dir=multirun/stale":
@@ -201,9 +281,14 @@ REGISTRY: dict[str, Entry] = {
     "hydra.run.dir=runs/dyn":
         Entry(shrink=(("train.steps=40", "train.steps=8"),), add=("data.eval_samples=512",),
               check=_dynamic_reported, **TRAINER),
+    ".venv/bin/python scripts/prepare_criteo.py --train TRAIN.tsv --test TEST.tsv --out RAW_DIR --raw-ids":
+        Entry(files=("RAW_DIR/meta.json",), check=_raw_ids),
+    ".venv/bin/python -m trainer data=criteo data.dir=RAW_DIR embedding.tables=dynamic embedding.capacity=100000 "
+    "data.min_count=0 train.ensemble=1":
+        Entry(add=("data.epochs=1", "data.eval_samples=128"), check=_dynamic_on_raw_ids, **TRAINER),
     # docs/placement.md
     ".venv/bin/torchrun --nproc_per_node 2 -m trainer comm=torch data=criteo_like cache=lru placement=sca":
-        Entry(add=W2 + ("data.max_table_rows=10000", "placement.plan_steps=2"), **TRAINER),
+        Entry(add=W2 + ("data.max_table_rows=10000", "placement.plan_steps=2"), check=_placement_measured, **TRAINER),
     ".venv/bin/python scripts/plan.py --workers 8 data=criteo_like cache=lru placement=sca":
         Entry(add=("data.max_table_rows=10000", "placement.plan_steps=2"), json_keys=("name", "hot_rows")),
     # docs/cluster.md (root networking)
@@ -236,7 +321,7 @@ REGISTRY: dict[str, Entry] = {
     ".venv/bin/python scripts/check_imports.py": Entry(stdout=r"no import cycle"),
     # benchmarks/README.md
     ".venv/bin/python benchmarks/bench_train.py --steps 60":
-        Entry(shrink=(("--steps 60", "--steps 2"),), json_keys=("samples_per_sec",)),
+        Entry(shrink=(("--steps 60", "--steps 2"),), json_keys=("samples_per_sec",), check=_both_worlds),
     ".venv/bin/python benchmarks/bench_train.py --workload mlperf --worlds 1 --steps 30 --batch-sizes 2048 "
     "--precisions fp32 bf16 -- data.max_table_rows=200000":
         Entry(shrink=(("--steps 30", "--steps 2"), ("--batch-sizes 2048", "--batch-sizes 64"),
@@ -246,19 +331,21 @@ REGISTRY: dict[str, Entry] = {
     ".venv/bin/python benchmarks/bench_cache.py":
         Entry(add=("--steps", "6", "--warmup", "2"), json_keys=("read_ms", "write_ms")),
     ".venv/bin/python benchmarks/bench_comm.py --all":
-        Entry(elsewhere="tests/test_scripts.py::test_bench_comm_all_launches_torchrun_and_horovodrun "
-                        "(--np 2 --sizes 1KiB,16KiB --budget 64KiB)"),
+        Entry(elsewhere="tests/test_scripts.py::test_bench_comm_all_launches_torchrun_and_horovodrun",
+              add=("--sizes", "1KiB,16KiB", "--budget", "64KiB")),
     ".venv/bin/python benchmarks/bench_data.py --repeat 200":
-        Entry(elsewhere="tests/test_scripts.py::test_bench_data_measures_prepare_and_both_loaders "
-                        "(--repeat 2 --workers 1 --steps 3 --batch 256)"),
+        Entry(elsewhere="tests/test_scripts.py::test_bench_data_measures_prepare_and_both_loaders",
+              shrink=(("--repeat 200", "--repeat 2"),), add=("--workers", "1", "--steps", "3", "--batch", "256")),
     ".venv/bin/python benchmarks/bench_placement.py":
         Entry(add=("--steps", "2", "--herald-steps", "2")),
     ".venv/bin/python benchmarks/soak.py":
         Entry(add=("--steps", "40", "--sample-every", "10", "--warmup", "10"),
               json_keys=("rss_slope_mib_per_1k_steps", "throughput_drift")),
     ".venv/bin/python benchmarks/bench_scale.py --rows 2000000 --worlds 1 2":
-        Entry(elsewhere="tests/test_bench_scale.py::test_every_phase_of_a_train_and_a_resume_at_2w "
-                        "(--rows 4000 --tables 2 --worlds 1 --resume-worlds 1 2 --steps 2)"),
+        Entry(elsewhere="tests/test_bench_scale.py::test_every_phase_of_a_train_and_a_resume_at_2w",
+              shrink=(("--rows 2000000", "--rows 4000"),),
+              add=("--tables", "2", "--dim", "8", "--resume-worlds", "2", "--steps", "2", "--batch", "64",
+                   "--eval-samples", "256")),
     ".venv/bin/python benchmarks/bench_kernels.py --dims 16 64 128 --bags 8 32":
         Entry(marks=("gpu",), json_keys=("kernel", "impl", "gbps"), timeout=900),
     ".venv/bin/python benchmarks/bench_train.py --worlds 1 --steps 60 -- train.device=cuda":
@@ -268,7 +355,8 @@ REGISTRY: dict[str, Entry] = {
         Entry(marks=("gpu",), shrink=(("--steps 30", "--steps 4"),), json_keys=("samples_per_sec", "ms_per_step"),
               timeout=900),
     ".venv/bin/python benchmarks/bench_net.py --links 200mbit --repeat 3 --steps 120":
-        Entry(elsewhere="tests/test_bench_net.py::test_readme_command_on_a_shaped_link (--repeat 1 --steps 4 --quick)"),
+        Entry(elsewhere="tests/test_bench_net.py::test_readme_command_on_a_shaped_link",
+              shrink=(("--repeat 3", "--repeat 1"), ("--steps 120", "--steps 4")), add=("--quick",)),
 }
 
 
@@ -377,6 +465,10 @@ def abbreviated(text: str) -> bool:
 
 INLINE_NOT_RUN = {
     "docker info": "the check that a container engine is there (the docker marker's own test)",
+    "podman info": "the check that a container engine is there (the docker marker's own test)",
+    "podman import": "names a step of scripts/build_image.sh (tests/test_image.py builds the image)",
+    "pip wheel": "names a step of scripts/build_image.sh (tests/test_image.py builds the image)",
+    "pip install --no-deps -e .": "a step of the Dockerfile (tests/test_image.py builds the image)",
     'python -c "import torch; print(torch.cuda.get_device_name(), torch.version.cuda)"':
         "prints the GPU's name: gpu.md's first step on a lent machine",
     "pytest -m gpu -n 8 tests/test_gpu_paths.py": "a GPU machine's parallel form of tests/test_gpu_paths.py",
@@ -386,13 +478,10 @@ INLINE_NOT_RUN = {
     "pytest -q -s tests/test_step_device.py": "the CPU audit: part of the suite CI runs",
     "pytest -q -s tests/test_step_device.py -k het": "the CPU audit of the cache's step: part of the suite CI runs",
     "torchrun --standalone": "the launcher's option, named in a sentence",
-    "torchrun --nnodes N --node_rank k": "the form of what dev/netcluster.py runs on each emulated host",
     "torchrun --nproc_per_node 2": "the launcher's option, named in a sentence",
     "horovodrun --gloo": "the launcher's option, named in a sentence",
     ".venv/bin/python -m pytest -q": "the suite itself (what .ci/run runs)",
     ".venv/bin/python -m pytest -q tests/test_docs_commands.py": "this test",
-    'bash scripts/setup.sh && .venv/bin/python -m pytest -q -m "not gpu" -p no:cacheprovider -n 2 --dist=loadgroup':
-        "what .ci/run runs",
 }
 
 
@@ -431,6 +520,26 @@ def inline_commands(rel: str) -> list[tuple[int, str]]:
 # Inline commands that run: like a block command of their own (in a scratch directory), or by the
 # test they name (`elsewhere`), which takes the command line from `documented`.
 INLINE: dict[str, Entry] = {
+    # README: as a package (tests/test_install.py: a copy of the checkout, a fresh environment)
+    "pip wheel --no-deps .": Entry(elsewhere="tests/test_install.py::installed"),
+    "pip install .": Entry(elsewhere="tests/test_install.py::installed"),
+    "hybrid-trainer model=dcn": Entry(elsewhere="tests/test_install.py::test_the_wheel_trains_from_any_directory",
+                                      add=("train.steps=3", "data.eval_samples=256", "train.progress=off")),
+    "hybrid-trainer-prepare-criteo --train TRAIN.tsv --test TEST.tsv --out DIR":
+        Entry(elsewhere="tests/test_install.py::test_the_installed_commands_prepare_and_train_criteo",
+              add=("--hash-rows", "1000", "--workers", "1", "--no-progress")),
+    "hybrid-trainer-plot-sweep --help":
+        Entry(elsewhere="tests/test_install.py::test_the_installed_commands_prepare_and_train_criteo"),
+    # docs/outputs.md: TensorBoard serves the run's events
+    "tensorboard --logdir OUT": Entry(serves=r"TensorBoard \S+ at http://\S+:\d+/", timeout=120),
+    # docs/recipe.md
+    "val_rotations.py DIR": Entry(add=("--slices", "1", "--models", "dlrm", "data.epochs=1"), json_keys=("model",),
+                                  timeout=600),
+    # benchmarks/README.md and docs/gpu.md
+    "bench_kernels.py --quick": Entry(json_keys=("kernel", "impl", "gbps")),
+    "bench_kernels.py --dims 128 --bags 1 8": Entry(marks=("gpu",), json_keys=("kernel", "impl", "gbps"), timeout=900),
+    "benchmarks/bench_train.py --workload mlperf --profile-steps 5":
+        Entry(marks=("gpu",), json_keys=("samples_per_sec", "ms_per_step"), timeout=1800),
 }
 
 
@@ -468,15 +577,15 @@ def command_line(text: str, e: Entry) -> str:
     return text
 
 
-def documented(text: str) -> list[str]:
+def documented(text: str, bin_dir: Optional[str] = None) -> list[str]:
     """The argv of the documented command `text` as its entry runs it, for the test its entry names
     (`elsewhere`): that test runs what the docs print, shrunk only as the registry allows. Programs
-    of the virtual environment (`.venv/bin/X`, `pip`, `python`, `hybrid-trainer...`) are this
-    environment's; a shell's redirections and `&&` are not allowed here."""
+    of a virtual environment (`.venv/bin/X`, `pip`, `python`, `hybrid-trainer...`) are taken from
+    `bin_dir` (default: this environment's); a shell's redirections and `&&` are not allowed here."""
     line = command_line(text, entry(text))
     assert not re.search(r"[|&;<>]", line), f"{text}: run it in a block, not through documented()"
     argv = shlex.split(line)
     prog = re.sub(r"^\.venv/bin/", "", argv[0])
-    if argv[0].startswith(".venv/bin/") or re.fullmatch(rf"{PROGRAMS}", prog) and prog not in ("bash", "docker", "podman"):
-        argv[0] = os.path.join(sys.prefix, "bin", prog)
+    if argv[0].startswith(".venv/bin/") or re.fullmatch(PROGRAMS, prog) and prog not in ("bash", "docker", "podman"):
+        argv[0] = os.path.join(bin_dir or os.path.join(sys.prefix, "bin"), prog)
     return argv

@@ -11,6 +11,7 @@ import sys
 
 import pytest
 
+from docs_registry import documented
 from hvd_launch import ROOT, env, require_netns
 
 from benchmarks import bench_net  # noqa: E402
@@ -97,9 +98,8 @@ def test_readme_command_on_a_shaped_link():
     round of 4 steps of the quick workload: every mode on the emulated 200 Mbit/s link, each
     against the exact serial step of its round (the docs' registry runs it here, not twice)."""
     require_netns()
-    proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "bench_net.py"), "--links", "200mbit",
-                           "--repeat", "1", "--steps", "4", "--quick"],
-                          capture_output=True, text=True, env=env(), timeout=600)
+    proc = subprocess.run(documented(".venv/bin/python benchmarks/bench_net.py --links 200mbit --repeat 3 --steps 120"),
+                          capture_output=True, text=True, env=env(), cwd=ROOT, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = [json.loads(x) for x in proc.stdout.splitlines()]
     runs, sums = [x for x in lines if not x.get("summary")], [x for x in lines if x.get("summary")]

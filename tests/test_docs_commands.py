@@ -46,22 +46,32 @@ from typing import Any, Callable, Optional
 
 import pytest
 
-from docs_registry import (DOCS, FILE_ROWS, INLINE_NOT_RUN, INLINE_PROGRAM, LINKS, OFF_SWITCHES, REGISTRY, ROOT,
-                           SETUP, SHRINK_KEYS, SUMMARY_RE, Command, Entry, _normal, all_blocks, all_commands,
-                           inline_commands, parse_blocks)
+from docs_registry import (DOCS, FILE_ROWS, INLINE, INLINE_NOT_RUN, LINKS, OFF_SWITCHES, PLACE_KEYS, REGISTRY,
+                           ROOT, SETUP, SHRINK_KEYS, SUMMARY_RE, Command, Entry, _normal, abbreviated, all_blocks,
+                           all_commands, command_line, inline_commands, parse_blocks)
 
-def test_every_inline_command_is_run_as_a_block_command():
+def _inline_spans() -> list[tuple[str, int, str]]:
+    return [(rel, n, text) for rel in DOCS for n, text in inline_commands(rel)]
+
+
+def test_every_inline_command_is_run():
+    """Inline code that reads as a command runs: as (the start of) a block command, as an INLINE
+    entry of its own, or by the test its entry names; the rest are abbreviations or INLINE_NOT_RUN."""
     blocks = [_normal(c.text) for c in all_commands()]
     loose = []
-    for rel in DOCS:
-        for n, span in inline_commands(rel):
-            text = span.strip()
-            if text in INLINE_NOT_RUN or "..." in text or re.search(r"<\w+>|\[\w+\]", text):
-                continue
-            if not any(b == _normal(text) or b.startswith(_normal(text) + " ") for b in blocks):
-                loose.append(f"{rel}:{n}: `{text}`")
-    assert not loose, ("commands shown inline that no bash block runs (put them in a block, with a "
-                       "REGISTRY entry; or abbreviate them with `...`):\n" + "\n".join(loose))
+    for rel, n, text in _inline_spans():
+        if text in INLINE or text in INLINE_NOT_RUN or abbreviated(text):
+            continue
+        if not any(b == _normal(text) or b.startswith(_normal(text) + " ") for b in blocks):
+            loose.append(f"{rel}:{n}: `{text}`")
+    assert not loose, ("commands shown inline that nothing runs (put them in a bash block with a REGISTRY "
+                       "entry, give them an INLINE entry, or abbreviate them with `...`):\n" + "\n".join(loose))
+
+
+def test_every_inline_entry_is_still_in_the_docs():
+    shown = {text for _, _, text in _inline_spans()}
+    stale = [t for t in [*INLINE, *INLINE_NOT_RUN] if t not in shown]
+    assert not stale, "INLINE / INLINE_NOT_RUN entries no longer shown inline in the docs:\n" + "\n".join(stale)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -100,7 +110,7 @@ def test_every_entry_is_still_in_the_docs():
 
 def test_entries_only_shrink_their_commands():
     problems = []
-    for text, e in REGISTRY.items():
+    for text, e in [*REGISTRY.items(), *INLINE.items()]:
         for old, new in e.shrink:
             (ko, vo), (kn, vn) = _key_value(old), _key_value(new)
             if old not in text:
@@ -118,14 +128,16 @@ def test_entries_only_shrink_their_commands():
                 key, value, i = a, args[i + 1] if i + 1 < len(args) else "", i + 2
             else:
                 (key, value), i = _key_value(a), i + 1
-            if key not in SHRINK_KEYS:
-                problems.append(f"{text}: adds {a!r}, not one of SHRINK_KEYS / OFF_SWITCHES")
+            if key not in SHRINK_KEYS and key not in PLACE_KEYS:
+                problems.append(f"{text}: adds {a!r}, not one of SHRINK_KEYS / OFF_SWITCHES / PLACE_KEYS")
             for m in re.finditer(rf"(?:^|\s){re.escape(key)}[= ](\S+)", text):
                 if not _lower(m.group(1), value):
                     problems.append(f"{text}: adds {key} {value}, above the command's own {m.group(1)}")
         for mark in e.marks:
             if mark not in ("gpu", "docker", "netns"):
                 problems.append(f"{text}: unknown marker {mark}")
+        if e.host is not None and "netns" not in e.marks:
+            problems.append(f"{text}: runs in an emulated host, so it needs the netns marker")
     assert not problems, "\n".join(problems)
 
 
@@ -136,37 +148,17 @@ def _ci_command() -> list[str]:
     return shlex.split(runs[0])
 
 
-def _without_pytest_flags(argv: list[str]) -> list[str]:
-    """argv with every pytest option after `pytest` dropped except -q (-m/-p/-k take a value)."""
-    if "pytest" not in argv:
-        return argv
-    at = argv.index("pytest") + 1
-    out, i = argv[:at], at
-    while i < len(argv):
-        a = argv[i]
-        if a in ("-m", "-p", "-k", "-n", "--durations"):
-            i += 2
-        elif a.startswith("-") and a != "-q":
-            i += 1
-        else:
-            out.append(a)
-            i += 1
-    return out
-
-
 def test_ci_runs_the_readme_setup_and_test_commands():
-    """The README's first two commands: .ci/run runs the same set-up, then the same test command
-    (pytest's flags aside); the first command's own part after the set-up runs in its block."""
+    """The README's first two commands: .ci/run runs the test command exactly as the README prints
+    it (pytest's options live in pyproject.toml, for both); the first command's own part after the
+    set-up runs in its block."""
     ci = _ci_command()
     top = [c for c in parse_blocks("README.md")[0]]
     assert [REGISTRY[c.text].ci for c in top] == ["setup+run", "setup+ci"], \
         f"README.md:{top[0].line}: the first block must be the set-up + train and set-up + test commands"
     for c in top:
         assert c.text.startswith(SETUP), f"{c.where}: does not start with `{SETUP}`"
-    assert ci[:3] == shlex.split(SETUP), f".ci/run does not start with {SETUP!r}: {ci}"
-    tests = top[1].text
-    assert _without_pytest_flags(ci) == _without_pytest_flags(shlex.split(tests)), \
-        f"{top[1].where}: `{tests}` is not what .ci/run runs (`{' '.join(ci)}`), pytest flags aside"
+    assert ci == shlex.split(top[1].text), f"{top[1].where}: `{top[1].text}` is not what .ci/run runs (`{' '.join(ci)}`)"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -250,17 +242,6 @@ def _has_gpu() -> Optional[str]:
 NEEDS = {"gpu": _has_gpu, "docker": _has_docker, "netns": _has_netns}
 
 
-def _command_line(c: Command, e: Entry) -> str:
-    text = c.text[len(SETUP):] if e.ci == "setup+run" else c.text
-    for old, new in e.shrink:
-        text = text.replace(old, new)
-    for word, new in e.subs:
-        text = re.sub(rf"\b{re.escape(word)}\b", new, text)
-    if e.add:
-        text += " " + " ".join(shlex.quote(a) for a in e.add)
-    return text
-
-
 def _last_json(stdout: str) -> Optional[dict[str, Any]]:
     for line in reversed(stdout.splitlines()):
         line = line.strip()
@@ -272,9 +253,9 @@ def _last_json(stdout: str) -> Optional[dict[str, Any]]:
     return None
 
 
-def _run_one(c: Command, e: Entry, cwd: Path, sample: Callable[[], Path]) -> Optional[str]:
-    """Run one command; None when it did what its text says, else what went wrong."""
-    line = _command_line(c, e)
+def _prepare(c: Command, e: Entry, cwd: Path, sample: Callable[[], Path]) -> str:
+    """The command line to run, with the placeholders it names made in the scratch dir."""
+    line = command_line(c.text, e)
     rows = {w: (a, b) for w, a, b in e.rows}
     for word in FILE_ROWS:
         if re.search(rf"(?<![\w/.]){re.escape(word)}\b", line) and not (cwd / word).exists():
@@ -283,42 +264,69 @@ def _run_one(c: Command, e: Entry, cwd: Path, sample: Callable[[], Path]) -> Opt
         os.symlink(sample(), cwd / "DIR")
     if re.search(r"\bOUT\b", line):
         (cwd / "OUT").mkdir(exist_ok=True)
-    proc = subprocess.Popen(["bash", "-c", line], cwd=ROOT if e.in_checkout else cwd, env=_env(),
+    return line
+
+
+def _popen(line: str, e: Entry, cwd: Path) -> subprocess.Popen:
+    return subprocess.Popen(["bash", "-c", line], cwd=ROOT if e.in_checkout else cwd, env=_env(),
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+
+
+def _serve(c: Command, e: Entry, line: str, cwd: Path) -> Optional[str]:
+    """A server: it must say it serves (e.serves on stdout or stderr) and answer there, then it is stopped."""
+    proc = _popen(line, e, cwd)
+    seen, deadline = "", time.monotonic() + e.timeout
     try:
-        out, err = proc.communicate(timeout=e.timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)  # the launcher's workers too
-        out, err = proc.communicate()
-        return (f"{c.where}: `{c.text}` did not finish within {e.timeout} s (ran: {line})\n"
-                f"--- stderr (end) ---\n{err[-3000:]}")
+        os.set_blocking(proc.stderr.fileno(), False)
+        os.set_blocking(proc.stdout.fileno(), False)
+        while time.monotonic() < deadline and proc.poll() is None:
+            seen += (proc.stderr.read() or "") + (proc.stdout.read() or "")
+            m = re.search(e.serves, seen)
+            if m:
+                import urllib.request
+                url = re.search(r"http://\S+?:\d+/", m.group(0)).group(0)
+                with urllib.request.urlopen(url, timeout=30) as r:
+                    return None if r.status == 200 else f"{c.where}: {url} answered {r.status}"
+            time.sleep(0.2)
+        return (f"{c.where}: `{c.text}` did not say it serves ({e.serves!r}) within {e.timeout} s "
+                f"(rc {proc.poll()}; ran: {line})\n--- output ---\n{seen[-3000:]}")
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+
+
+def _outcome(c: Command, e: Entry, cwd: Path, line: str, rc: int, out: str, err: str) -> Optional[str]:
+    """None when the finished command did what its text says, else what went wrong."""
     out = re.sub(r"(?m)^\[\d+(?:,\d+)?\]<stdout>:", "", out)  # horovodrun prefixes each rank's lines ([1,0]: under MPI)
-    p = subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
-    tail = f"\n--- stdout (end) ---\n{p.stdout[-2000:]}\n--- stderr (end) ---\n{p.stderr[-4000:]}"
-    if p.returncode != 0:
-        return f"{c.where}: `{c.text}` exited {p.returncode} (ran: {line}){tail}"
+    tail = f"\n--- stdout (end) ---\n{out[-2000:]}\n--- stderr (end) ---\n{err[-4000:]}"
+    if rc != 0:
+        return f"{c.where}: `{c.text}` exited {rc} (ran: {line}){tail}"
     problems = []
     for f in e.files:
         if not (cwd / f).exists():
             problems.append(f"{f} was not written")
-    if e.json_keys:
-        rec = _last_json(p.stdout)
+    if e.json_keys or e.json_values:
+        rec = _last_json(out)
         if rec is None:
             problems.append("no JSON line on stdout")
         else:
             lost = [k for k in e.json_keys if k not in rec]
             if lost:
                 problems.append(f"its JSON line has no {lost} (keys: {sorted(rec)})")
-    if e.stdout and not re.search(e.stdout, p.stdout):
+            wrong = [(k, rec.get(k), v) for k, v in e.json_values if rec.get(k) != v]
+            if wrong:
+                problems.append(f"its JSON line has (key, got, documented) {wrong}")
+    if e.stdout and not re.search(e.stdout, out):
         problems.append(f"stdout does not match {e.stdout!r}")
     if e.summary:
-        m = re.search(SUMMARY_RE, p.stdout)
+        m = re.search(SUMMARY_RE, out)
         path = None if m is None else Path(m.group("path"))
         if path is None or not (path if path.is_absolute() else cwd / path).is_file():
             problems.append("no `summary: PATH` line naming a summary.json that exists")
     if e.check is not None and not problems:
         try:
-            e.check(cwd)
+            e.check(cwd, out)
         except AssertionError as exc:
             problems.append(str(exc))
     if problems:
@@ -327,32 +335,78 @@ def _run_one(c: Command, e: Entry, cwd: Path, sample: Callable[[], Path]) -> Opt
     return None
 
 
+def _run_one(c: Command, e: Entry, cwd: Path, sample: Callable[[], Path]) -> Optional[str]:
+    """Run one command; None when it did what its text says, else what went wrong."""
+    line = _prepare(c, e, cwd, sample)
+    if e.serves:
+        return _serve(c, e, line, cwd)
+    proc = _popen(line, e, cwd)
+    try:
+        out, err = proc.communicate(timeout=e.timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)  # the launcher's workers too
+        out, err = proc.communicate()
+        return (f"{c.where}: `{c.text}` did not finish within {e.timeout} s (ran: {line})\n"
+                f"--- stderr (end) ---\n{err[-3000:]}")
+    return _outcome(c, e, cwd, line, proc.returncode, out, err)
+
+
+def _run_on_hosts(runnable: list[tuple[Command, Entry]], cwd: Path, sample: Callable[[], Path]) -> list[Optional[str]]:
+    """Commands that each run on their own host (`host1`, `host2`, ... as the docs name them), all at
+    once, each inside its emulated host (dev/netcluster.py), the scratch dir shared as a cluster's
+    filesystem would be."""
+    from dev.netcluster import NetCluster
+
+    lines = [_prepare(c, e, cwd, sample) for c, e in runnable]
+    n = 1 + max(e.host for _, e in runnable)
+    with NetCluster(hosts=n, names=[f"host{k + 1}" for k in range(n)]) as cluster:
+        results = cluster.launch([(e.host, ["bash", "-c", line]) for (_, e), line in zip(runnable, lines)],
+                                 timeout=max(e.timeout for _, e in runnable), env=cluster.env(base=_env()),
+                                 cwd=str(cwd))
+    return [(f"{c.where}: `{c.text}` did not finish within {e.timeout} s (ran: {line}; inside host{e.host + 1})"
+             f"\n--- stderr (end) ---\n{r.stderr[-3000:]}") if r.timed_out
+            else _outcome(c, e, cwd, line, r.returncode, r.stdout, r.stderr)
+            for (c, e), line, r in zip(runnable, lines, results)]
+
+
+def _inline_blocks() -> list[list[Command]]:
+    """Each INLINE command that runs here (not elsewhere), as a block of its own, where it is first shown."""
+    first: dict[str, Command] = {}
+    for rel in DOCS:
+        for n, text in inline_commands(rel):
+            first.setdefault(text, Command(rel, n, text, ""))
+    return [[first[t]] for t, e in INLINE.items() if t in first]
+
+
 def _block_params() -> list[Any]:
     params = []
-    for block in all_blocks():
-        entries = [REGISTRY.get(c.text) for c in block]
+    for block in all_blocks() + _inline_blocks():
+        entries = [REGISTRY.get(c.text) or INLINE.get(c.text) for c in block]
         marks = sorted({m for e in entries if e is not None for m in e.marks})
         params.append(pytest.param(block, id=block[0].where, marks=[getattr(pytest.mark, m) for m in marks]))
     return params
 
 
 def _check_elsewhere(c: Command, elsewhere: str) -> None:
-    """An entry run by another test: that test function exists and runs the command's script."""
-    node = elsewhere.split()[0]
-    path, _, name = node.partition("::")
-    source = (Path(ROOT) / path).read_text()
-    assert f"def {name}(" in source, f"{c.where}: {node} does not exist"
-    script = next(w for w in c.text.split() if w.endswith((".py", ".sh")))
-    body = source[source.index(f"def {name}("):]
-    end = body.find("\ndef ", 1)
-    body = body if end < 0 else body[:end]  # the test function's own text
-    assert os.path.basename(script)[:-3] in body, f"{c.where}: {node} does not run {script}"  # name, no .py
+    """An entry run by another test: that test function (or fixture) calls `documented(<the
+    command's exact text>)`, so it runs the command as printed, shrunk only as its entry says."""
+    import ast
+
+    path, _, name = elsewhere.partition("::")
+    tree = ast.parse((ROOT / path).read_text())
+    fns = [n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == name]
+    assert fns, f"{c.where}: {elsewhere} does not exist"
+    calls = [n for n in ast.walk(fns[0]) if isinstance(n, ast.Call) and getattr(n.func, "id", None) == "documented"]
+    texts = [n.args[0].value for n in calls if n.args and isinstance(n.args[0], ast.Constant)]
+    assert c.text in texts, f"{c.where}: {elsewhere} does not run documented({c.text!r}) (it runs {texts})"
 
 
 @pytest.mark.parametrize("block", _block_params())
 def test_documented_commands_run(block: list[Command], tmp_path: Path, request) -> None:
-    """One fenced bash block: its commands in order, in one scratch directory."""
-    entries = [REGISTRY.get(c.text) for c in block]
+    """One fenced bash block (or an inline command with an INLINE entry): its commands in order, in
+    one scratch directory; those that run on a host of their own (host1, host2) at once, each in
+    its emulated host."""
+    entries = [REGISTRY.get(c.text) or INLINE.get(c.text) for c in block]
     missing = [c.where for c, e in zip(block, entries) if e is None]
     assert not missing, f"no REGISTRY entry for the command(s) at {missing}"
     reasons = [f"{c.where}: {e.skip}" for c, e in zip(block, entries) if e.skip]
@@ -378,7 +432,10 @@ def test_documented_commands_run(block: list[Command], tmp_path: Path, request) 
     cleanups = [e.cleanup for _, e in runnable if e.cleanup]
     failures = []
     try:
-        for c, e in runnable:  # all of them: a later command may fail for its own reason too
+        if any(e.host is not None for _, e in runnable):
+            assert all(e.host is not None for _, e in runnable), f"{block[0].where}: every command or none on a host"
+            failures = _run_on_hosts(runnable, cwd, sample)
+        for c, e in runnable if not failures else ():  # all of them: a later command may fail for its own reason too
             t0 = time.perf_counter()
             failures.append(_run_one(c, e, cwd, sample))
             print(f"{c.where}: {time.perf_counter() - t0:.1f} s{' (failed)' if failures[-1] else ''}")

@@ -3,12 +3,14 @@ directory after a plain (non-editable) install.
 
 - pyproject.toml lists every package directory of trainer/ and kernels/, and ships conf/ as
   trainer/conf/;
-- the wheel, built from this checkout and installed with --no-deps into a fresh virtual environment
-  (its dependencies come from this one, through a .pth line that does not run this environment's
-  editable-install hook), trains from a directory outside the checkout with a config group
-  override, through `hybrid-trainer` and `python -m trainer`; `hybrid-trainer-prepare-criteo`
-  prepares rows that `hybrid-trainer data=criteo` then trains on; every module of the installed
-  package imports, from the installed copy, and loads nothing of benchmarks/ or dev/;
+- the README's `pip wheel --no-deps .` and `pip install .`, as printed (docs_registry.documented),
+  in a copy of the checkout: the wheel holds the configs, and the install into a fresh virtual
+  environment (its dependencies come from this one, through a .pth line that does not run this
+  environment's editable-install hook; pip without an index) trains from a directory outside the
+  checkout with the README's `hybrid-trainer model=dcn` and `python -m trainer`;
+  `hybrid-trainer-prepare-criteo` prepares rows that `hybrid-trainer data=criteo` then trains on;
+  every module of the installed package imports, from the installed copy, and loads nothing of
+  benchmarks/ or dev/;
 - another distribution's `kernels` (or `trainer`) in the way stops the command with one line naming
   it, before anything else is imported.
 """
@@ -16,6 +18,8 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import shutil
 import subprocess
 import sys
 import sysconfig
@@ -26,6 +30,7 @@ from pathlib import Path
 import pytest
 
 from data_helpers import sample_lines
+from docs_registry import documented
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -56,26 +61,37 @@ def _run(cmd: list[str], cwd, timeout: float = 300, **extra: str) -> subprocess.
     return proc
 
 
+# pip without a package index: the project's dependencies (and the build backend, setuptools) are
+# this environment's, on the fresh one's path by a .pth line, so `pip install .` finds them there.
+OFFLINE_PIP = {"PIP_NO_INDEX": "1", "PIP_NO_BUILD_ISOLATION": "false", "PIP_DISABLE_PIP_VERSION_CHECK": "1"}
+
+
 @pytest.fixture(scope="module")
 def installed(tmp_path_factory) -> Path:
-    """A fresh venv with the wheel of this checkout installed (--no-deps); the dependencies are
-    this venv's site-packages, on sys.path by a .pth line."""
+    """The README's two ways, as printed, in a copy of the checkout: `pip wheel --no-deps .` (the
+    wheel holds the configs and none of benchmarks/, dev/, tests/, scripts/) and `pip install .`
+    into a fresh virtual environment whose dependencies are this one's site-packages (a .pth line;
+    its own older setuptools removed so this one's builds the project)."""
     tmp = tmp_path_factory.mktemp("install")
-    _run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation",
-          "--disable-pip-version-check", "-w", str(tmp / "wheels"), str(ROOT)], cwd=tmp)
-    wheels = list((tmp / "wheels").glob("hybrid_trainer-*.whl"))
-    assert len(wheels) == 1, wheels
-    names = zipfile.ZipFile(wheels[0]).namelist()
-    shipped = sorted(n[len("trainer/conf/"):] for n in names if n.startswith("trainer/conf/"))
-    assert shipped == sorted(str(p.relative_to(ROOT / "conf")) for p in (ROOT / "conf").rglob("*.yaml"))
-    assert not [n for n in names if n.startswith(("benchmarks/", "dev/", "tests/", "scripts/"))]
+    src = tmp / "src"
+    shutil.copytree(ROOT, src, ignore=shutil.ignore_patterns(".git", ".venv", "__pycache__", "*.egg-info", "build",
+                                                             "dist", "outputs", "runs", "multirun", ".pytest_cache"))
     venv = tmp / "venv"
     _run([sys.executable, "-m", "venv", str(venv)], cwd=tmp)
     py = venv / "bin" / "python"
     site = subprocess.run([str(py), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
                           capture_output=True, text=True, check=True).stdout.strip()
     Path(site, "project_deps.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
-    _run([str(py), "-m", "pip", "install", "-q", "--no-deps", "--disable-pip-version-check", str(wheels[0])], cwd=tmp)
+    _run([str(py), "-m", "pip", "uninstall", "-q", "-y", "setuptools"], cwd=tmp, **OFFLINE_PIP)
+    _run(documented("pip wheel --no-deps .", bin_dir=str(venv / "bin")), cwd=src, **OFFLINE_PIP)
+    wheels = list(src.glob("hybrid_trainer-*.whl"))
+    assert len(wheels) == 1, wheels
+    names = zipfile.ZipFile(wheels[0]).namelist()
+    shipped = sorted(n[len("trainer/conf/"):] for n in names if n.startswith("trainer/conf/"))
+    assert shipped == sorted(str(p.relative_to(ROOT / "conf")) for p in (ROOT / "conf").rglob("*.yaml"))
+    assert not [n for n in names if n.startswith(("benchmarks/", "dev/", "tests/", "scripts/"))]
+    _run(documented("pip install .", bin_dir=str(venv / "bin")), cwd=src, **OFFLINE_PIP)
+    shutil.rmtree(src)  # the installed copy, not the sources, must be what runs
     return venv
 
 
@@ -84,11 +100,10 @@ def test_the_wheel_trains_from_any_directory(installed, tmp_path):
     where = _run([str(bin_ / "python"), "-c", "import trainer, trainer.config as c; print(trainer.__file__); "
                   "print(c.CONF_DIR)"], cwd=tmp_path).stdout.split()
     assert all(p.startswith(str(installed)) for p in where), where  # the installed copy, its configs
-    out = _run([str(bin_ / "hybrid-trainer"), "model=dcn", "train.steps=3", "data.eval_samples=256",
-                "train.progress=off", f"hydra.run.dir={tmp_path / 'run'}"], cwd=tmp_path)
-    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    out = _run(documented("hybrid-trainer model=dcn", bin_dir=str(bin_)), cwd=tmp_path)
+    path = re.search(r"(?m)^summary: (\S+)$", out.stdout).group(1)
+    summary = json.loads((tmp_path / path).read_text())
     assert summary["config"]["model"]["name"] == "dcn" and summary["steps"] == 3
-    assert f"summary: {tmp_path / 'run' / 'summary.json'}" in out.stdout
     _run([str(bin_ / "python"), "-m", "trainer", "optim=adam", "train.steps=2", "data.eval_samples=256",
           "train.progress=off", f"hydra.run.dir={tmp_path / 'run2'}"], cwd=tmp_path)
     assert json.loads((tmp_path / "run2" / "summary.json").read_text())["config"]["optim"]["dense"] == "adam"
@@ -97,15 +112,15 @@ def test_the_wheel_trains_from_any_directory(installed, tmp_path):
 def test_the_installed_commands_prepare_and_train_criteo(installed, tmp_path):
     bin_ = installed / "bin"
     lines = sample_lines()
-    (tmp_path / "train.tsv").write_text("".join(lines[:400]))
-    (tmp_path / "test.tsv").write_text("".join(lines[1800:1900]))
-    _run([str(bin_ / "hybrid-trainer-prepare-criteo"), "--train", "train.tsv", "--test", "test.tsv", "--out", "prep",
-          "--hash-rows", "1000", "--workers", "1", "--no-progress"], cwd=tmp_path)
-    _run([str(bin_ / "hybrid-trainer"), "data=criteo", "data.dir=prep", "data.epochs=1", "train.progress=off",
+    (tmp_path / "TRAIN.tsv").write_text("".join(lines[:400]))
+    (tmp_path / "TEST.tsv").write_text("".join(lines[1800:1900]))
+    _run(documented("hybrid-trainer-prepare-criteo --train TRAIN.tsv --test TEST.tsv --out DIR", bin_dir=str(bin_)),
+         cwd=tmp_path)
+    _run([str(bin_ / "hybrid-trainer"), "data=criteo", "data.dir=DIR", "data.epochs=1", "train.progress=off",
           f"hydra.run.dir={tmp_path / 'run'}"], cwd=tmp_path)
     assert json.loads((tmp_path / "run" / "summary.json").read_text())["test_auc"] is not None
-    assert "usage: hybrid-trainer-plot-sweep" in _run([str(bin_ / "hybrid-trainer-plot-sweep"), "--help"],
-                                                      cwd=tmp_path).stdout
+    out = _run(documented("hybrid-trainer-plot-sweep --help", bin_dir=str(bin_)), cwd=tmp_path).stdout
+    assert "usage: hybrid-trainer-plot-sweep" in out
 
 
 def test_every_module_of_the_installed_package_imports(installed, tmp_path):

@@ -16,6 +16,7 @@ import sys
 import pytest
 
 from data_helpers import prepare_sample
+from docs_registry import documented
 from hvd_launch import ROOT, env, require_horovod, require_netns
 from trainer.tools import launch
 
@@ -285,8 +286,7 @@ def test_bench_placement_measure_trains_and_sca_predicts_its_bytes():
 
 
 def test_bench_data_measures_prepare_and_both_loaders():
-    proc = subprocess.run([PY, os.path.join(ROOT, "benchmarks", "bench_data.py"), "--repeat", "2", "--workers", "1",
-                           "--steps", "3", "--batch", "256"],
+    proc = subprocess.run(documented(".venv/bin/python benchmarks/bench_data.py --repeat 200"),  # benchmarks/README.md's
                           capture_output=True, text=True, env=env(), cwd=ROOT, timeout=300)
     prep, *loaders = _json_lines(proc)
     assert prep["bench"] == "prepare" and prep["workers"] == 1 and prep["rows"] == 2 * 1999
@@ -301,8 +301,7 @@ def test_bench_data_measures_prepare_and_both_loaders():
 @pytest.mark.dist
 def test_bench_comm_all_launches_torchrun_and_horovodrun():
     require_horovod()
-    proc = subprocess.run([PY, os.path.join(ROOT, "benchmarks", "bench_comm.py"), "--all", "--np", "2",
-                           "--sizes", "1KiB,16KiB", "--budget", "64KiB", "--timeout", "60"],
+    proc = subprocess.run(documented(".venv/bin/python benchmarks/bench_comm.py --all"),  # benchmarks/README.md's
                           capture_output=True, text=True, env=env(), cwd=ROOT, timeout=600)
     lines = _json_lines(proc)
     assert [(x["backend"], x["op"], x["bytes"]) for x in lines] == [
