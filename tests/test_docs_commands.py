@@ -273,27 +273,29 @@ def _popen(line: str, e: Entry, cwd: Path) -> subprocess.Popen:
 
 
 def _serve(c: Command, e: Entry, line: str, cwd: Path) -> Optional[str]:
-    """A server: it must say it serves (e.serves on stdout or stderr) and answer there, then it is stopped."""
-    proc = _popen(line, e, cwd)
-    seen, deadline = "", time.monotonic() + e.timeout
+    """A server: it must say it serves (e.serves in its output) and answer there, then it is stopped."""
+    import threading
+    import urllib.request
+
+    proc = subprocess.Popen(["bash", "-c", line], cwd=cwd, env=_env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    seen: list[str] = []
+    threading.Thread(target=lambda: seen.extend(proc.stdout), daemon=True).start()
+    deadline = time.monotonic() + e.timeout
     try:
-        os.set_blocking(proc.stderr.fileno(), False)
-        os.set_blocking(proc.stdout.fileno(), False)
         while time.monotonic() < deadline and proc.poll() is None:
-            seen += (proc.stderr.read() or "") + (proc.stdout.read() or "")
-            m = re.search(e.serves, seen)
+            m = re.search(e.serves, "".join(seen))
             if m:
-                import urllib.request
                 url = re.search(r"http://\S+?:\d+/", m.group(0)).group(0)
                 with urllib.request.urlopen(url, timeout=30) as r:
                     return None if r.status == 200 else f"{c.where}: {url} answered {r.status}"
             time.sleep(0.2)
         return (f"{c.where}: `{c.text}` did not say it serves ({e.serves!r}) within {e.timeout} s "
-                f"(rc {proc.poll()}; ran: {line})\n--- output ---\n{seen[-3000:]}")
+                f"(rc {proc.poll()}; ran: {line})\n--- output ---\n{''.join(seen)[-3000:]}")
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
-        proc.communicate()
+        proc.wait()
 
 
 def _outcome(c: Command, e: Entry, cwd: Path, line: str, rc: int, out: str, err: str) -> Optional[str]:
