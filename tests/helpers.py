@@ -14,9 +14,11 @@ import traceback
 from contextlib import contextmanager
 from typing import Any, Callable, Iterator
 
+import numpy as np
 import pytest
 import torch
 from trainer.config import compose
+from trainer.metrics import auc_logloss
 from trainer.runner import RunResult, run
 
 def make_cfg(overrides: list[str]):
@@ -136,3 +138,80 @@ def fill(directory: Any, leave: int = 0) -> None:
     if leave:
         os.ftruncate(fd, os.fstat(fd).st_size - leave)
     os.close(fd)
+
+
+# ---- comparing the evaluations of runs that differ in W, launcher, backend or pipelining ----------
+# What is exact between such runs is what the parity tolerance covers: the eval logits (like the
+# losses and the parameters) agree within (rtol, atol). The AUC is a rank statistic: the share of
+# (positive, negative) pairs whose logits are in order, a tie counting one half. A pair ordered the
+# other way by a last-bit difference of one logit moves it by 1 / (n_pos n_neg), ~2e-5 on 480 rows:
+# more than any relative tolerance on the AUC itself, so it is compared in pairs.
+
+def assert_auc_close(got: float, ref: float, n_pos: int, n_neg: int, pairs: float = 1) -> None:
+    """The AUCs `got` and `ref` of n_pos positives and n_neg negatives differ by at most `pairs`
+    (positive, negative) pairs ordered the other way (a tie made or undone is half a pair)."""
+    apart = abs(got - ref) * n_pos * n_neg  # numerators are whole halves: exact up to the division
+    assert apart <= pairs + 1e-6, (f"AUC {got!r} vs {ref!r}: {apart:.3f} (positive, negative) pairs apart, "
+                                   f"{pairs} allowed ({n_pos} positives, {n_neg} negatives)")
+
+
+def flippable_pairs(rows: np.ndarray, rtol: float, atol: float) -> int:
+    """(positive, negative) pairs of these [n, 2] (logit, label) rows that another run can order
+    differently while each of its logits is within atol + rtol |z| of these: those whose logits are
+    within the sum of their two tolerances (assert_auc_close's `pairs` then follows from the logits)."""
+    z, pos = rows[:, 0].astype(np.float64), rows[:, 1] > 0.5
+    zp, zn = z[pos], z[~pos]
+    en = atol + rtol * np.abs(zn)
+    count = 0
+    for lo in range(0, zp.size, 512):  # [512, n_neg] at a time
+        p = zp[lo:lo + 512, None]
+        count += int((np.abs(p - zn) <= (atol + rtol * np.abs(p) + en) * (1 + 1e-9)).sum())
+    return count
+
+
+def gathered_positions(n: int, batch: int, world: int) -> np.ndarray:
+    """Split positions of the rows an evaluation gathers from `world` ranks (rank 0's rows, then
+    rank 1's, ...), for the sources whose eval batch k of rank r holds the rows from
+    (k W + r) batch on (synthetic.py and movielens.py, eval_batches)."""
+    steps = -(-n // (batch * world)) if n else 0
+    parts = [np.arange(s, min(s + batch, n)) for r in range(world) for k in range(steps)
+             for s in [(k * world + r) * batch] if s < n]
+    return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
+
+
+def eval_rows(res: RunResult) -> np.ndarray:
+    """The final test evaluation's [n, 2] (logit, label) rows of a run (return_state), in split order."""
+    rows = res.state["eval_rows"]
+    assert rows is not None, "no test evaluation in this run"
+    pos = gathered_positions(rows.shape[0], res.summary["config"]["data"]["eval_batch_size"],
+                             res.summary["world_size"])
+    out = np.empty_like(rows)
+    out[pos] = rows
+    return out
+
+
+def assert_same_eval(ref: RunResult, got: RunResult, rtol: float = 1e-5, atol: float = 1e-6) -> None:
+    """`got`'s final test evaluation against `ref`'s (both with return_state; W, launcher, backend,
+    pipelining may differ): each reports the AUC and log loss of its own rows; the same rows with
+    the same labels; every logit within (rtol, atol) of the reference's (the parity tolerance); the
+    AUCs within the pairs those logits may order differently (flippable_pairs; none: equal)."""
+    for r in (ref, got):  # the summary's metrics are those of the rows compared here
+        rows = r.state["eval_rows"]
+        assert auc_logloss(rows[:, 0], rows[:, 1]) == (r.summary["eval_auc"], r.summary["eval_logloss"])
+    a, b = eval_rows(ref), eval_rows(got)
+    assert a.shape == b.shape, (a.shape, b.shape)
+    np.testing.assert_array_equal(b[:, 1], a[:, 1], err_msg="eval labels (rows in another order?)")
+    np.testing.assert_allclose(b[:, 0], a[:, 0], rtol=rtol, atol=atol, err_msg="eval logits")
+    n_pos = int((a[:, 1] > 0.5).sum())
+    assert_auc_close(got.summary["eval_auc"], ref.summary["eval_auc"], n_pos, a.shape[0] - n_pos,
+                     pairs=flippable_pairs(a, rtol, atol))
+
+
+def eval_label_counts(overrides: list[str], split: str = "test") -> tuple[int, int]:
+    """(positives, negatives) of a config's test (or validation) split, read from its data source:
+    assert_auc_close's counts for runs whose eval rows are not at hand (summary.json only)."""
+    from trainer.configure import load_config
+    from trainer.data import make_data
+    labels = torch.cat([b.labels for b in make_data(load_config(make_cfg(overrides)), 0, 1).eval_batches(split)])
+    n_pos = int((labels > 0.5).sum())
+    return n_pos, int(labels.numel()) - n_pos

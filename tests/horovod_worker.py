@@ -130,13 +130,14 @@ def train_case(overrides: list[str]) -> dict:
     from helpers import make_cfg
     from trainer.runner import run
     hv = run(make_cfg(overrides + ["comm=horovod"]), return_state=True)
-    tc = run(make_cfg(overrides + ["comm=torch", "comm.dist_backend=gloo"]), return_state=False)
+    tc = run(make_cfg(overrides + ["comm=torch", "comm.dist_backend=gloo"]), return_state=True)
     keep = ("world_size", "backend", "bytes", "eval_bytes", "final_loss", "eval_auc", "eval_logloss",
-            "eval_samples", "embedding")
-    return {"rank": hv.rank,
+            "eval_samples", "embedding", "config")
+    return {"rank": hv.rank,  # every rank's eval rows (helpers.assert_same_eval), rank 0's whole state
             "horovod": {"losses": hv.losses, "summary": {k: hv.summary[k] for k in keep},
-                        "state": hv.state if hv.rank == 0 else None},
-            "torch": {"losses": tc.losses, "summary": {k: tc.summary[k] for k in keep}}}
+                        "state": hv.state if hv.rank == 0 else {"eval_rows": hv.state["eval_rows"]}},
+            "torch": {"losses": tc.losses, "summary": {k: tc.summary[k] for k in keep},
+                      "state": {"eval_rows": tc.state["eval_rows"]}}}
 
 
 def mode_auto(out_dir: str) -> dict:

@@ -30,7 +30,7 @@ import sys
 
 import pytest
 import torch
-from helpers import make_cfg, run_single, run_world
+from helpers import assert_same_eval, make_cfg, run_single, run_world
 from test_parity import assert_same_run
 
 import kernels
@@ -243,7 +243,7 @@ def test_half_runs_equal_the_single_process_reference(case):
         for res in results:
             assert res.summary["world_size"] == world
             assert_same_half_run(ref, res, dtype)
-            assert res.summary["eval_auc"] == pytest.approx(ref.summary["eval_auc"], abs=1e-4)
+            assert_same_eval(ref, res, rtol=1e-4, atol=1e-6)  # the losses' tolerance; the AUC: the pairs it lets turn
     s = results[0].summary
     assert s["bytes"]["rows"] > 0 and s["bytes"]["grads"] > 0  # rows really moved between workers
     if "placement=fae" in extra:

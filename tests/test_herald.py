@@ -16,7 +16,7 @@ import copy
 import numpy as np
 import pytest
 
-from helpers import make_cfg, run_single, run_world
+from helpers import assert_same_eval, make_cfg, run_single, run_world
 from test_parity import assert_same_run
 from trainer.config import ConfigError, table_rows
 from trainer.configure import load_config
@@ -132,4 +132,5 @@ def test_herald_parity_with_single_process(case):
     if "schedule.on_demand_sync=false" not in extra:
         assert s["lend_pulls"] > 0 and s["local_reads"] > 0
         assert s["pulls_vs_naive"] < 1 and s["pushes_vs_naive"] < 1
-    assert got[0].summary["eval_auc"] == pytest.approx(ref.summary["eval_auc"], rel=1e-5)
+    for res in got:  # the eval logits within the parity tolerance, the AUC within the pairs they let turn
+        assert_same_eval(ref, res)

@@ -32,6 +32,7 @@ import time
 
 import numpy as np
 import pytest
+from helpers import assert_auc_close, eval_label_counts
 from test_multihost import CFG, _assert_crossed_links, assert_same_training
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -160,7 +161,9 @@ def test_resume_inside_from_a_checkpoint_written_outside(engine, image, tmp_path
     s_part = json.loads((part / "summary.json").read_text())
     assert s_part["start_step"] == 6 and s_part["resumed_from"].startswith("/runs/part/checkpoints/step_"), s_part
     assert s_part["steps"] == 12 and s_part["final_loss"] == pytest.approx(s_full["final_loss"], rel=1e-6)
-    assert s_part["eval_auc"] == pytest.approx(s_full["eval_auc"], rel=1e-6)
+    # another build of torch may sum in another order: the AUC within one (positive, negative) pair
+    assert_auc_close(s_part["eval_auc"], s_full["eval_auc"], *eval_label_counts(cfg), pairs=1)
+    assert s_part["eval_logloss"] == pytest.approx(s_full["eval_logloss"], rel=1e-6)
     a, b = _final_shard_arrays(full), _final_shard_arrays(part)
     assert a.keys() == b.keys() and len(a) >= 3, a.keys()
     for k in a:

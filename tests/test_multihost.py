@@ -27,6 +27,7 @@ import numpy as np
 import pytest
 import torch
 
+from helpers import assert_auc_close, eval_label_counts
 from hvd_launch import ROOT, horovodrun, require_horovod, require_netns, tail, torchrun
 from dev import netcluster
 from dev.netcluster import NetCluster
@@ -119,7 +120,11 @@ def assert_same_training(local_dir: str, net_dir: str) -> dict:
                 assert vb == pytest.approx(va, rel=1e-6) if isinstance(va, float) else vb == va, f"{name}{key}"
     assert compared > 10_000  # every row, its version and accumulator, and the dense model
     assert s_net["bytes"] == s_local["bytes"] and s_net["eval_bytes"] == s_local["eval_bytes"]
-    assert s_net["eval_auc"] == pytest.approx(s_local["eval_auc"], rel=1e-6)
+    # the AUC is a rank statistic: within one (positive, negative) pair (no eval logits in summary.json)
+    n_pos, n_neg = eval_label_counts(CFG)
+    assert s_net["eval_samples"] == s_local["eval_samples"] == n_pos + n_neg
+    assert_auc_close(s_net["eval_auc"], s_local["eval_auc"], n_pos, n_neg, pairs=1)
+    assert s_net["eval_logloss"] == pytest.approx(s_local["eval_logloss"], rel=1e-6)
     assert s_net["bytes"]["rows"] > 0 and s_net["bytes"]["grads"] > 0  # rows moved between hosts
     return s_net
 

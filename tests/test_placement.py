@@ -13,7 +13,7 @@ from collections import Counter
 import numpy as np
 import pytest
 
-from helpers import make_cfg, run_single, run_world
+from helpers import assert_same_eval, make_cfg, run_single, run_world
 from test_parity import assert_same_run
 from trainer.config import ConfigError
 from trainer.configure import load_config
@@ -116,4 +116,5 @@ def test_fae_parity_and_hot_steps_run_no_alltoall(world, extra):
         assert p["alltoalls_in_cold_steps"] > 0
     s = got[0].summary
     assert s["placement"]["hot_rows"] > 0 and s["bytes"]["replica"] > 0
-    assert s["eval_auc"] == pytest.approx(ref.summary["eval_auc"], rel=1e-5)
+    for res in got:  # the eval logits within the parity tolerance, the AUC within the pairs they let turn
+        assert_same_eval(ref, res)

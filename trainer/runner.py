@@ -59,7 +59,9 @@ class RunResult:
     summary: dict[str, Any]
     rank: int
     losses: list[float]  # global mean training loss of every step
-    state: dict[str, Any] | None = None  # {"dense": state_dict, "tables": [Tensor [rows_t, d]]}
+    # return_state: {"dense": state_dict, "tables": [Tensor [rows_t, d]], "table_ids", "audit",
+    # "eval_rows": the last test evaluation's [n, 2] (logit, label) rows, in the ranks' gathered order}
+    state: dict[str, Any] | None = None
 
 
 def run(cfg: Any, out_dir: str | None = None, return_state: bool = False,
@@ -381,7 +383,8 @@ class Trainer:
                 tables = self.emb.full_tables()
         dense = {k: v.detach().cpu().clone() for k, v in self.model.state_dict().items()}
         audit = self.emb.audit.result() if self.emb.audit is not None else None
-        return {"dense": dense, "tables": tables, "table_ids": ids, "audit": audit}
+        return {"dense": dense, "tables": tables, "table_ids": ids, "audit": audit,
+                "eval_rows": self.evaluator.test_rows}
 
     def _save(self, step: int, train_time: float, stop: Stop | None = None) -> None:
         """Checkpoint `step` (CheckpointManager.save). When the save fails (on any rank: every
