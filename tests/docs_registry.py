@@ -34,8 +34,6 @@ SHRINK_KEYS = {
 # Switches an entry may add where the text beside the command does not need what they turn off.
 OFF_SWITCHES = {"checkpoint.enabled=false", "train.tensorboard=false", "--quick", "train.progress=off",
                 "--no-progress"}
-# Keys an entry may add that only say where a run writes (a directory of the test's own).
-PLACE_KEYS = {"--work", "hydra.run.dir"}
 
 # Rows of the sample that each file placeholder gets (train rows first; test rows from the tail).
 FILE_ROWS = {"FILE.tsv": (0, 600), "TRAIN.tsv": (0, 500), "TEST.tsv": (1600, 1800),
@@ -50,7 +48,7 @@ class Entry:
     """How one documented command is run and checked."""
 
     shrink: tuple[tuple[str, str], ...] = ()  # (old, new) text: the same key with a lower value
-    add: tuple[str, ...] = ()  # appended arguments: SHRINK_KEYS with a value, OFF_SWITCHES, PLACE_KEYS
+    add: tuple[str, ...] = ()  # appended arguments: SHRINK_KEYS with a value, or OFF_SWITCHES
     rows: tuple[tuple[str, int, int], ...] = ()  # file placeholder -> sample rows [a, b), if not FILE_ROWS'
     writes_dir: bool = False  # the command creates DIR itself (no prepared sample is linked)
     files: tuple[str, ...] = ()  # paths (relative to the scratch dir) that must exist afterwards
@@ -59,7 +57,6 @@ class Entry:
     stdout: Optional[str] = None  # a pattern stdout must match
     summary: bool = False  # the trainer's "summary: PATH" line names a file that exists
     marks: tuple[str, ...] = ()  # gpu, docker, netns
-    skip: Optional[str] = None  # listed, never run here, with this reason
     elsewhere: Optional[str] = None  # "tests/FILE.py::TEST": that test runs it, as `documented(text)` gives it
     ci: Optional[str] = None  # "setup+run": .ci/run runs its set-up, run the rest; "setup+ci": .ci/run runs it
     cleanup: Optional[str] = None  # run after the block whatever happened (e.g. tear a cluster down)

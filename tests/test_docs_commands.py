@@ -1,33 +1,34 @@
-"""Every command shown in the docs runs as written and does what the text beside it says.
+"""Every command shown in the docs runs as printed and does what the text beside it says.
 
 Which commands (the rule, also in docs/development.md, "The commands in the docs are tested"):
 README.md, docs/*.md and benchmarks/README.md (not the dated reports under benchmarks/reports/,
 which record what was run at the time). A command is a line of a fenced block whose info string is
 `bash`; a line ending in a backslash continues on the next one; `#` outside quotes (at the start
 or after a blank) begins a comment; blank and comment-only lines are skipped. Indented blocks and
-fences of another kind (```text) are never run; inline code that reads as a command must be a block
-command (or its start), an abbreviation, or listed in INLINE_NOT_RUN with why.
+fences of another kind (```text) are never run. Inline code that reads as a command
+(docs_registry.reads_as_command) must be a block command (or its start), an abbreviation, an
+INLINE entry (run here as a block of its own, or by the test it names), or in INLINE_NOT_RUN with why.
 
-How: REGISTRY maps each command (its exact text, joined, comment stripped) to an Entry: the
-overrides that only shrink it (`shrink`: old -> new text, each a key whose value goes down; `add`:
-arguments appended, from SHRINK_KEYS or OFF_SWITCHES), the text substitutions of placeholders
-(`subs`), and the checks of what the text beside it promises (`files` it writes, the keys of the
-JSON line it prints, a pattern of its stdout). Placeholders: `DIR` is the suite's Criteo-format
-sample (tests/data_helpers.py: 1,999 made-up rows in Criteo's raw format) prepared once per session
-(linked into the scratch dir) unless the entry says the command writes it; `FILE.tsv`, `TRAIN.tsv`,
-`TEST.tsv`, `train.txt`, `day_*.gz` are cut from the sample into the scratch dir under their own
-names; `OUT` is a new directory.
+How (tests/docs_registry.py): REGISTRY and INLINE map each command (its exact text, joined, comment
+stripped) to an Entry: the overrides that only shrink it (`shrink`: old -> new text, each a key whose
+value goes down; `add`: arguments appended, from SHRINK_KEYS or OFF_SWITCHES) and the checks of
+what the text beside it promises (`files` it writes, the keys and values of the JSON line it
+prints, a pattern of its stdout, `check` for the rest). Placeholders are made, never substituted:
+`DIR` is the suite's Criteo-format sample (tests/data_helpers.py: 1,999 made-up rows in Criteo's raw
+format) prepared once per session (linked into the scratch dir) unless the entry says the command
+writes it; `FILE.tsv`, `TRAIN.tsv`, `TEST.tsv`, `train.txt`, `day_*.gz` are cut from the sample into
+the scratch dir under their own names; `OUT` is a new directory; `host1`, `host2` are emulated hosts.
 
 Every block runs in one scratch directory that links the checkout's scripts/, benchmarks/, dev/,
 conf/, trainer/, kernels/, tests/ and the virtual environment as .venv, so its relative paths work
 as written and nothing is written into the checkout; a block's commands run in order (a later one
-may read what an earlier one wrote). Markers: `gpu` (a CUDA device), `docker` (a container
-engine), `netns` (root and `ip netns`: runs in this project's CI) on the blocks whose commands need
-them, each skipped with its reason where that is missing; an entry with `skip` (real host names)
-is listed and skipped with its reason. A command without an entry fails, naming file:line; an
-entry whose command is no longer in the docs fails too. The README's two set-up commands are
-checked against .ci/run (which runs them) rather than run again; the first one's training part
-is run.
+may read what an earlier one wrote), except lines for different hosts (Entry.host), which run at
+once, each inside its emulated host (dev/netcluster.py). Markers: `gpu` (a CUDA device), `docker`
+(a container engine), `netns` (root and `ip netns`: runs in this project's CI) on the blocks whose
+commands need them, each skipped with its reason where that is missing. A command without an entry
+fails, naming file:line; an entry whose command is no longer in the docs fails too. The README's
+test command is checked to be .ci/run's, exactly, rather than run again; the first command's
+training part is run.
 """
 from __future__ import annotations
 
@@ -46,7 +47,7 @@ from typing import Any, Callable, Optional
 
 import pytest
 
-from docs_registry import (DOCS, FILE_ROWS, INLINE, INLINE_NOT_RUN, LINKS, OFF_SWITCHES, PLACE_KEYS, REGISTRY,
+from docs_registry import (DOCS, FILE_ROWS, INLINE, INLINE_NOT_RUN, LINKS, OFF_SWITCHES, REGISTRY,
                            ROOT, SETUP, SHRINK_KEYS, SUMMARY_RE, Command, Entry, _normal, abbreviated, all_blocks,
                            all_commands, command_line, inline_commands, parse_blocks)
 
@@ -128,8 +129,8 @@ def test_entries_only_shrink_their_commands():
                 key, value, i = a, args[i + 1] if i + 1 < len(args) else "", i + 2
             else:
                 (key, value), i = _key_value(a), i + 1
-            if key not in SHRINK_KEYS and key not in PLACE_KEYS:
-                problems.append(f"{text}: adds {a!r}, not one of SHRINK_KEYS / OFF_SWITCHES / PLACE_KEYS")
+            if key not in SHRINK_KEYS:
+                problems.append(f"{text}: adds {a!r}, not one of SHRINK_KEYS / OFF_SWITCHES")
             for m in re.finditer(rf"(?:^|\s){re.escape(key)}[= ](\S+)", text):
                 if not _lower(m.group(1), value):
                     problems.append(f"{text}: adds {key} {value}, above the command's own {m.group(1)}")
@@ -411,15 +412,12 @@ def test_documented_commands_run(block: list[Command], tmp_path: Path, request) 
     entries = [REGISTRY.get(c.text) or INLINE.get(c.text) for c in block]
     missing = [c.where for c, e in zip(block, entries) if e is None]
     assert not missing, f"no REGISTRY entry for the command(s) at {missing}"
-    reasons = [f"{c.where}: {e.skip}" for c, e in zip(block, entries) if e.skip]
-    for c, e in zip(block, entries):  # run by the named test instead: it must exist and name the script
+    for c, e in zip(block, entries):  # run by the named test instead: it must call documented(text)
         if e.elsewhere:
             _check_elsewhere(c, e.elsewhere)
-    runnable = [(c, e) for c, e in zip(block, entries) if not e.skip and not e.elsewhere and e.ci != "setup+ci"]
-    if not runnable and not reasons and any(e.elsewhere for e in entries):
-        return  # every command of the block is run by its test elsewhere
+    runnable = [(c, e) for c, e in zip(block, entries) if not e.elsewhere and e.ci != "setup+ci"]
     if not runnable:
-        pytest.skip("; ".join(reasons) or "checked against .ci/run, not run here")
+        return  # run by the tests named (elsewhere), or by .ci/run (checked against the README above)
     for mark in sorted({m for _, e in runnable for m in e.marks}):
         why = NEEDS[mark]()
         if why:
@@ -447,5 +445,3 @@ def test_documented_commands_run(block: list[Command], tmp_path: Path, request) 
     failures = [f for f in failures if f]
     if failures:
         pytest.fail(f"{len(failures)} of {len(runnable)} commands failed:\n\n" + "\n\n".join(failures))
-    if reasons:
-        pytest.skip("ran the others; not run here: " + "; ".join(reasons))
