@@ -62,7 +62,7 @@ def bench_prepare(src: str, tmp: str, workers: int, chunk_mb: float) -> tuple[di
 
 
 def bench_loader(directory: str, loader: str, batch: int, steps: int) -> dict:
-    from trainer.configure import load_config
+    from trainer.plan.configure import load_config
     from trainer.data import make_data
 
     # train.recipe=none: the loader reads every training row as prepared (the data=criteo recipe

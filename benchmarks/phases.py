@@ -49,8 +49,8 @@ from typing import Any, Callable
 
 PHASES = (  # (phase, module, class, method)
     ("step", "trainer.runner", "Trainer", "train_step"),
-    ("batch", "trainer.pipeline", "StepPipeline", "batch"),
-    ("prefetch", "trainer.pipeline", "StepPipeline", "prefetch"),
+    ("batch", "trainer.train.pipeline", "StepPipeline", "batch"),
+    ("prefetch", "trainer.train.pipeline", "StepPipeline", "prefetch"),
     ("lookup", "trainer.embedding.module", "HybridEmbedding", "lookup"),
     ("apply", "trainer.embedding.module", "HybridEmbedding", "apply_gradients"),
     ("wait", "trainer.comm.base", "Handle", "wait"),

@@ -33,10 +33,10 @@ PHASES = (  # (phase, module, class, method)
     ("store_init", "trainer.embedding.store", "ShardStore", "__init__"),
     ("resume", "trainer.checkpoint.manager", "CheckpointManager", "resume"),
     ("train", "trainer.runner", "Trainer", "train_step"),
-    ("eval", "trainer.evaluation", "Evaluator", "predict"),
+    ("eval", "trainer.evaluation.evaluator", "Evaluator", "predict"),
     ("save", "trainer.checkpoint.manager", "CheckpointManager", "save"),
-    ("snapshot", "trainer.best", "BestSnapshot", "take"),
-    ("restore", "trainer.best", "BestSnapshot", "restore"),
+    ("snapshot", "trainer.evaluation.best", "BestSnapshot", "take"),
+    ("restore", "trainer.evaluation.best", "BestSnapshot", "restore"),
 )
 ENV = "SCALE_PROBE_DIR"
 IO_KEYS = ("rchar", "wchar", "read_bytes", "write_bytes")

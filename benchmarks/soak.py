@@ -61,7 +61,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
 
 def config(steps: int, overrides: list[str]):
     """The validated Config of the soak's run (bad overrides raise: trainer.tools.cli.input_errors)."""
-    from trainer.configure import compose_config
+    from trainer.plan.configure import compose_config
 
     return compose_config(["comm=local", "train.progress=off", "checkpoint.enabled=false", *overrides,
                            f"train.steps={steps}"])

@@ -27,9 +27,9 @@ if ROOT not in sys.path:
 import torch  # noqa: E402
 
 from trainer.config import compose  # noqa: E402
-from trainer.configure import load_config  # noqa: E402
+from trainer.plan.configure import load_config  # noqa: E402
 from trainer.models import build_model  # noqa: E402
-from trainer.precision import AUTOCAST_DTYPES  # noqa: E402
+from trainer.train.precision import AUTOCAST_DTYPES  # noqa: E402
 
 
 def forward_macs(model: torch.nn.Module, tables: int, d: int) -> int:

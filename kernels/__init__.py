@@ -27,7 +27,7 @@ launchers with ``from kernels.pooled_gather import pooled_gather_triton``.
 
 from __future__ import annotations
 
-__distribution__ = "hybrid-trainer"  # this package is hybrid-trainer's (trainer/install.py checks it)
+__distribution__ = "hybrid-trainer"  # this package is hybrid-trainer's (trainer/run/install.py checks it)
 
 import contextlib
 import os

@@ -39,7 +39,7 @@ def main(argv: list[str] | None = None) -> int:
     def run() -> None:
         if a.workers <= 0:
             raise ConfigError(f"--workers {a.workers}: must be > 0")
-        from trainer.configure import compose_config
+        from trainer.plan.configure import compose_config
         cfg = compose_config(a.overrides, a.workers)  # data.epochs -> train.steps for W workers
         if not needs_global_view(cfg):
             raise ConfigError("placement=none: nothing to plan (use placement=fae or placement=sca)")

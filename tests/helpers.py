@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 import torch
 from trainer.config import compose
-from trainer.metrics import auc_logloss
+from trainer.evaluation.metrics import auc_logloss
 from trainer.runner import RunResult, run
 
 def make_cfg(overrides: list[str]):
@@ -210,7 +210,7 @@ def assert_same_eval(ref: RunResult, got: RunResult, rtol: float = 1e-5, atol: f
 def eval_label_counts(overrides: list[str], split: str = "test") -> tuple[int, int]:
     """(positives, negatives) of a config's test (or validation) split, read from its data source:
     assert_auc_close's counts for runs whose eval rows are not at hand (summary.json only)."""
-    from trainer.configure import load_config
+    from trainer.plan.configure import load_config
     from trainer.data import make_data
     labels = torch.cat([b.labels for b in make_data(load_config(make_cfg(overrides)), 0, 1).eval_batches(split)])
     n_pos = int((labels > 0.5).sum())

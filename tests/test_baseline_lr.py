@@ -14,7 +14,7 @@ import pytest
 from data_helpers import N_TRAIN, prepare_sample
 from helpers import make_cfg
 from trainer.config import table_rows
-from trainer.configure import load_config
+from trainer.plan.configure import load_config
 from trainer.data.blocks import CriteoData, memmap_reader
 from trainer.tools.baseline import Features, Split, _folds, load_splits
 

@@ -20,7 +20,7 @@ import torch
 from helpers import assert_same_eval, make_cfg, run_single, run_world
 from test_parity import assert_same_run
 from trainer.config import ConfigError, table_rows
-from trainer.configure import load_config
+from trainer.plan.configure import load_config
 from trainer.embedding.cache import LFU, LRU, LFUPinned, RowCache
 from trainer.embedding.consistency import UNBOUNDED, Bounds, needs_row, push_due
 from trainer.embedding.sharding import RowSharding

@@ -21,7 +21,7 @@ from helpers import make_cfg, run_single, run_world
 
 import trainer.checkpoint as ckpt
 from trainer.config import ConfigError
-from trainer.configure import load_config
+from trainer.plan.configure import load_config
 
 
 def _copy(saved: str, tmp_path) -> str:

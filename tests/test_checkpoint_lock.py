@@ -23,7 +23,7 @@ from failure_helpers import (
 from helpers import make_cfg, spawn
 
 import trainer.checkpoint as ckpt
-import trainer.procs as procs
+import trainer.core.procs as procs
 import trainer.runner as runner
 from trainer.runner import run
 

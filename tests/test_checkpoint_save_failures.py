@@ -27,7 +27,7 @@ from helpers import make_cfg, run_single, run_world, spawn, tmpfs, train_worker
 from test_parity import assert_same_run
 
 import trainer.checkpoint as ckpt
-import trainer.procs as procs
+import trainer.core.procs as procs
 from trainer.checkpoint import saver
 from trainer.runner import run
 

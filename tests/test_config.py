@@ -8,7 +8,7 @@ import pytest
 
 from helpers import make_cfg
 from trainer.config import Config, ConfigError, local_batch_size, validate_world
-from trainer.configure import load_config
+from trainer.plan.configure import load_config
 
 BAD = [
     ("data.batch_size=0", "data.batch_size"),

@@ -1,4 +1,4 @@
-"""trainer/configure.py: the config every entry point runs with. A file dataset reports its shape
+"""trainer/plan/configure.py: the config every entry point runs with. A file dataset reports its shape
 (trainer.data.resolve) and the entry point fills the config with it; data.epochs becomes
 train.steps only where the world size W is known (load_config(..., world=W), or the Trainer right
 after make_data); make_data itself never writes the config."""
@@ -13,9 +13,9 @@ from data_helpers import N_TRAIN, prepare_sample
 from helpers import make_cfg
 from trainer.comm import LocalCollectives
 from trainer.config import ConfigError, get_key as getattr_key, parse
-from trainer.configure import compose_config, load_config
+from trainer.plan.configure import compose_config, load_config
 from trainer.data import DataShape, make_data, resolve
-from trainer.recipes import (SMALL_DATA_ROWS, TINY_DATA_ROWS, apply_data_steps, choose_recipe, evals_per_epoch,
+from trainer.plan.recipes import (SMALL_DATA_ROWS, TINY_DATA_ROWS, apply_data_steps, choose_recipe, evals_per_epoch,
                              recipe_of)
 from trainer.runner import Trainer
 

@@ -16,7 +16,7 @@ import pytest
 from data_helpers import N_TRAIN, prepare_sample, sample_lines, write_lines
 from helpers import make_cfg
 from trainer.config import ConfigError
-from trainer.configure import load_config
+from trainer.plan.configure import load_config
 from trainer.data.criteo import NUM_CAT, from_block, parse_chunk, parse_line
 from trainer.data.prepare import PrepOptions, prepare
 

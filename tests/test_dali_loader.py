@@ -12,7 +12,7 @@ import torch
 
 from data_helpers import N_TRAIN, prepare_sample
 from helpers import make_cfg, spawn
-from trainer.configure import load_config
+from trainer.plan.configure import load_config
 from trainer.data import make_data
 from trainer.data.blocks import CriteoData
 from trainer.data.criteo import from_block

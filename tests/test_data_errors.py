@@ -19,7 +19,7 @@ from data_helpers import N_TRAIN, sample_lines, write_lines
 from failure_helpers import ROOT, _env, prepared, read_only_path  # noqa: F401 (fixtures)
 from helpers import make_cfg
 
-from trainer.configure import load_config as to_config
+from trainer.plan.configure import load_config as to_config
 from trainer.data import make_data
 from trainer.data.blocks import memmap_reader
 from trainer.data.criteo import NUM_CAT, CriteoFormatError, parse_chunk

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from helpers import make_cfg
-from trainer.configure import load_config
+from trainer.plan.configure import load_config
 from trainer.data import make_data
 from trainer.data.synthetic import EVAL, zipf_rank
 from trainer.embedding import RowSharding, plan_lookup

@@ -1,7 +1,7 @@
-"""train.cuda_graph=on at W > 1 (trainer/dense_step.py): the dense half of the step as one function of
+"""train.cuda_graph=on at W > 1 (trainer/train/dense_step.py): the dense half of the step as one function of
 (dense features, pooled rows, labels), captured in a CUDA graph on a GPU. On a CPU the same split
 step runs eagerly, and W = 2 must equal the single process. At W = 1 the key runs the whole step
-instead (trainer/whole_step.py; its tests, bit for bit against the eager step, the CUDA capture
+instead (trainer/train/whole_step.py; its tests, bit for bit against the eager step, the CUDA capture
 included, are tests/test_whole_step.py)."""
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 from helpers import make_cfg, run_single, run_world
 from test_parity import BASE, assert_same_run
 from trainer.config import ConfigError
-from trainer.configure import load_config
+from trainer.plan.configure import load_config
 
 SHORT = BASE + ["train.steps=8"]
 

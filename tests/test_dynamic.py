@@ -11,7 +11,7 @@ import torch
 
 from helpers import make_cfg
 from trainer.config import ConfigError
-from trainer.configure import load_config
+from trainer.plan.configure import load_config
 from trainer.data.scramble import scramble
 from trainer.embedding.admission import Counting
 from trainer.embedding.cache import RowCache, make_policy
@@ -368,7 +368,7 @@ def test_a_byte_budget_sets_the_most_rows_per_table_that_fit():
     """embedding.capacity_bytes: the memory plan's rows of the resolved capacity fit the budget,
     one row more per table does not; the resolved config loads again unchanged; too small a
     budget, a disagreeing capacity and fixed tables are refused naming the key."""
-    from trainer.memplan import plan_memory
+    from trainer.plan.memplan import plan_memory
 
     base = ["embedding.tables=dynamic", "checkpoint.enabled=false"]
     for budget in (200_000, 30_000_000):
@@ -492,7 +492,7 @@ def test_the_memory_plan_counts_the_pool_and_its_bookkeeping():
     """Dynamic tables: the plan's rows are the store's (T x capacity slots of weight, state,
     version, touched) plus the pool's slot ids and scores and a bound on the map's cells (CPU:
     16 B a cell; the map of a full pool never holds more than the bound)."""
-    import trainer.memplan as memplan
+    import trainer.plan.memplan as memplan
     from kernels.probe_map import cells_bound
     c = load_config(make_cfg(["data=tiny", "embedding.tables=dynamic", "embedding.capacity=50",
                               "checkpoint.enabled=false", "optim.sparse=rowwise_adagrad", "model.embedding_dim=16"]))

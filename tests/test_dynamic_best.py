@@ -19,7 +19,7 @@ from test_dynamic_parity import BASE as DYN, NO_EVICTION, assert_same_ids
 from test_parity import assert_same_run
 from test_validation import _same_model, _until_best
 from trainer.comm import LocalCollectives
-from trainer.configure import load_config
+from trainer.plan.configure import load_config
 from trainer.runner import Trainer
 
 VAL = ["data.train_samples=960", "data.val_fraction=0.25", "train.eval_every=4", "train.early_stop.patience=0",

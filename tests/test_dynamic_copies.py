@@ -21,7 +21,7 @@ import torch
 from helpers import make_cfg, run_single, run_world
 from test_dynamic_parity import BASE, NO_EVICTION, assert_same_ids, resume_at_step_8_equals_uninterrupted
 from test_parity import assert_same_run
-from trainer.configure import load_config
+from trainer.plan.configure import load_config
 from trainer.data import make_data
 from trainer.embedding.dynamic import DynamicStore
 from trainer.embedding.sharding import HashSharding

@@ -20,7 +20,7 @@ from trainer.checkpoint.pool_io import read_pool_shard, write_pool_shard
 from trainer.checkpoint.shard_io import shard_dir
 from trainer.comm import LocalCollectives
 from trainer.config import ConfigError
-from trainer.configure import load_config
+from trainer.plan.configure import load_config
 from trainer.embedding.admission import Counting
 from trainer.embedding.dynamic import DynamicStore
 from trainer.embedding.sharding import ID_BITS, HashSharding
@@ -274,7 +274,7 @@ def test_the_memory_plan_and_the_summary_report_the_sketchs_bytes():
     """The plan's `admission` part is the sketch a pool holds (count_min_bytes rounded down to
     whole rows); exact counting plans none (it grows with the ids); the dynamic block reports the
     counter, its bytes summed over owners, and 0 B per pending id."""
-    from trainer.memplan import plan_memory
+    from trainer.plan.memplan import plan_memory
     base = ["data=tiny", "embedding.tables=dynamic", "embedding.capacity=50", "checkpoint.enabled=false",
             "embedding.admit_after=2"]
     c = load_config(make_cfg(base + ["embedding.admit_counter=count_min", "embedding.count_min_bytes=10001"]))

@@ -17,7 +17,7 @@ from test_nonfinite import poison, poison_w1, reference, without
 from test_parity import assert_same_run
 from test_precision import FP16, inject
 from trainer.comm import LocalCollectives, make_collectives
-from trainer.configure import load_config
+from trainer.plan.configure import load_config
 from trainer.embedding.admission import Counting
 from trainer.report import dynamic_summary
 from trainer.runner import RunResult, Trainer, run

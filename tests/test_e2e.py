@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from helpers import run_world
-from trainer.configure import load_config
+from trainer.plan.configure import load_config
 from trainer.data import make_data
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

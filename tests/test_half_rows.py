@@ -38,7 +38,7 @@ from kernels.rounding import StochasticRounding, random_bits, round_rows, round_
 from trainer.checkpoint import shard_io
 from trainer.checkpoint.manifest import CheckpointError
 from trainer.config import ConfigError
-from trainer.configure import load_config
+from trainer.plan.configure import load_config
 from trainer.embedding import RowSharding, ShardStore
 from trainer.embedding.optim import Rounding
 

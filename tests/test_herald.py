@@ -19,7 +19,7 @@ import pytest
 from helpers import assert_same_eval, make_cfg, run_single, run_world
 from test_parity import assert_same_run
 from trainer.config import ConfigError, table_rows
-from trainer.configure import load_config
+from trainer.plan.configure import load_config
 from trainer.data import SyntheticData
 from trainer.embedding.sharding import RowSharding
 from trainer.schedule.feed import Feed, StreamOrder

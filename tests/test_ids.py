@@ -25,7 +25,7 @@ from helpers import make_cfg, run_single
 from test_parity import assert_same_run
 from trainer.comm import LocalCollectives
 from trainer.config import ConfigError
-from trainer.configure import load_config
+from trainer.plan.configure import load_config
 from trainer.data import Batch, GuardedData, IdGuard, IdRangeError, make_data
 from trainer.data.synthetic import SyntheticData
 from trainer.runner import RunResult, Trainer

@@ -2,7 +2,7 @@
 the installed package holds.
 
 What is asserted: neither package has an import cycle, even counting imports made for type checkers
-only; trainer/config.py imports nothing else of the package (a leaf); the simulator's engine
+only; trainer/config/ imports nothing else of the package (a leaf); the simulator's engine
 (trainer/sim/) imports only trainer/embedding; training never imports trainer/tools; every module of
 the two packages imports on its own and none of them loads the repository's benchmarks/ or dev/
 (the lab lives beside the package, not in it). The checker itself is tested on a small package with
@@ -43,7 +43,7 @@ def _package(root, files: dict[str, str]) -> str:
 
 def test_config_is_a_leaf():
     graph = check.import_graph(TRAINER)
-    assert "trainer.config" in graph and "trainer.configure" in graph
+    assert "trainer.config" in graph and "trainer.plan.configure" in graph
     assert graph["trainer.config"] == {}, graph["trainer.config"]
 
 
@@ -53,7 +53,7 @@ def test_data_and_config_share_no_cycle():
         assert not {"trainer.config", "trainer.data"} & set(comp), comp
     graph = check.import_graph(TRAINER)
     assert "trainer.config" in graph["trainer.data"]  # data uses the schemas, never the reverse
-    assert "trainer.data" in graph["trainer.configure"] and "trainer.config" in graph["trainer.configure"]
+    assert "trainer.data" in graph["trainer.plan.configure"] and "trainer.config" in graph["trainer.plan.configure"]
 
 
 def test_no_import_cycle_anywhere():

@@ -128,7 +128,7 @@ def test_config_key_validation(monkeypatch: pytest.MonkeyPatch):
     from helpers import make_cfg
 
     from trainer.config import ConfigError
-    from trainer.configure import load_config
+    from trainer.plan.configure import load_config
 
     base = ["data=tiny", "train.device=cpu"]
     assert load_config(make_cfg(base)).kernels.backend == "auto"
@@ -148,7 +148,7 @@ def test_config_forced_triton_without_cuda_is_a_config_error(monkeypatch: pytest
     from helpers import make_cfg
 
     from trainer.config import ConfigError
-    from trainer.configure import load_config
+    from trainer.plan.configure import load_config
 
     forced = ["data=tiny", "train.device=cpu", "kernels.backend=triton"]
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
@@ -237,7 +237,7 @@ def _initial_tables() -> list[Tensor]:
     from helpers import make_cfg
 
     from trainer.config import table_rows
-    from trainer.configure import load_config
+    from trainer.plan.configure import load_config
     from trainer.embedding import init_rows
 
     c = load_config(make_cfg(TINY_RUN))

@@ -1,4 +1,4 @@
-"""trainer/memplan.py: every rank knows its bytes before it allocates, rank 0 prints the plan, and a
+"""trainer/plan/memplan.py: every rank knows its bytes before it allocates, rank 0 prints the plan, and a
 config that cannot fit stops every rank with one error line (exit 2) instead of the allocator's
 traceback. The figures are checked against the tensors a run really holds."""
 from __future__ import annotations
@@ -12,9 +12,9 @@ import torch
 from failure_helpers import _env
 from helpers import make_cfg, run_single, spawn
 
-import trainer.memplan as memplan
+import trainer.plan.memplan as memplan
 from trainer.config import ConfigError
-from trainer.configure import load_config
+from trainer.plan.configure import load_config
 from trainer.runner import run
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -56,7 +56,7 @@ def test_cache_replica_and_snapshot_are_counted():
 def test_a_dynamic_pools_snapshot_counts_each_slots_id_and_version():
     """Dynamic tables: the best snapshot's part is its tensors: held flag + rows + the kept slot id
     and version (16 B per slot), in memory or with the rows on disk."""
-    from trainer.snapshot_rows import SnapshotRows, SnapshotSlots
+    from trainer.core.snapshot_rows import SnapshotRows, SnapshotSlots
     c = load_config(make_cfg(TINY + ["embedding.tables=dynamic", "embedding.capacity=50", "data.val_fraction=0.1",
                                      "data.train_samples=960"]))
     plan = memplan.plan_memory(c, 2, 0)

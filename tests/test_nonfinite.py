@@ -22,7 +22,7 @@ from helpers import make_cfg, run_single, spawn
 from test_parity import assert_same_run
 from trainer.comm import LocalCollectives, make_collectives
 from trainer.config import ConfigError
-from trainer.configure import load_config
+from trainer.plan.configure import load_config
 from trainer.data.synthetic import SyntheticData
 from trainer.embedding.cache import RowCache, make_policy
 from trainer.runner import RunResult, Trainer, TrainingError, run

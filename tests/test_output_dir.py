@@ -30,7 +30,7 @@ from helpers import fill, make_cfg, spawn, tmpfs
 import trainer.checkpoint as ckpt
 import trainer.runner as runner
 from trainer.build import TrainingError
-from trainer.outdir import OUTPUT_DIR
+from trainer.run.outdir import OUTPUT_DIR
 from trainer.runner import run
 
 
@@ -107,7 +107,7 @@ def test_output_disk_full_mid_run_command_ends_with_one_error_line(tmp_path, sma
     proc = _cli(tmp_path, "train.steps=60", "train.log_every=1", f"hydra.run.dir={out}", "hydra.output_subdir=null",
                 f"checkpoint.dir={root}")
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
-    plan, *lines = proc.stderr.strip().splitlines()  # the memory plan first (trainer/memplan.py)
+    plan, *lines = proc.stderr.strip().splitlines()  # the memory plan first (trainer/plan/memplan.py)
     assert plan.startswith("[trainer] memory plan, rank 0/1: "), proc.stderr
     assert lines[-1] == f"error: {out}/summary.json: No space left on device", proc.stderr
     assert sum("TensorBoard events in" in line for line in lines) == 1, proc.stderr
@@ -154,7 +154,7 @@ def test_full_disk_under_the_output_dir_does_not_stop_training(tmp_path, capfd):
 
 
 def test_metrics_failure_is_reported_in_the_summary(tmp_path, monkeypatch):
-    import trainer.metrics as metrics
+    import trainer.evaluation.metrics as metrics
     real_open = open
 
     def failing_open(path, mode="r", *a, **k):

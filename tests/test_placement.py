@@ -16,7 +16,7 @@ import pytest
 from helpers import assert_same_eval, make_cfg, run_single, run_world
 from test_parity import assert_same_run
 from trainer.config import ConfigError
-from trainer.configure import load_config
+from trainer.plan.configure import load_config
 from trainer.data import SyntheticData
 from trainer.placement import fae_plan, flat_ids, profile_stream, row_bytes
 from trainer.schedule import HotColdOrder

@@ -1,4 +1,4 @@
-"""Mixed precision of the dense model (train.precision, trainer/precision.py).
+"""Mixed precision of the dense model (train.precision, trainer/train/precision.py).
 
 - fp32 (the default) runs no autocast and scales nothing: the step is the fp32 step.
 - LossScaler follows torch.amp.GradScaler's scale, step for step, for the same overflows.
@@ -25,8 +25,8 @@ from test_parity import BASE, assert_same_run
 from trainer.checkpoint.manifest import step_dir
 from trainer.comm import make_collectives
 from trainer.config import ConfigError, LossScaleConfig
-from trainer.configure import load_config
-from trainer.precision import DensePrecision, LossScaler
+from trainer.plan.configure import load_config
+from trainer.train.precision import DensePrecision, LossScaler
 from trainer.runner import RunResult, Trainer, run
 
 PARITY_TOL = {"bf16": 1e-3, "fp16": 5e-4}  # rtol = atol of W = 2 against W = 1; measured (tiny, adagrad, 24 steps): bf16 1e-4 (losses) / 5e-5 (dense), fp16 3.4e-6 / 3.8e-5

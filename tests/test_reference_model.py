@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 from helpers import make_cfg, run_single
 from trainer.config import table_rows
-from trainer.configure import load_config
+from trainer.plan.configure import load_config
 from trainer.data import make_data
 from trainer.embedding import init_rows
 from trainer.models import build_model

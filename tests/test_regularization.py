@@ -24,8 +24,8 @@ from helpers import make_cfg  # noqa: E402
 from kernels import reference as ref  # noqa: E402
 from kernels._triton import has_triton, interpret_enabled  # noqa: E402
 from trainer.config import OptimConfig  # noqa: E402
-from trainer.configure import load_config  # noqa: E402
-from trainer.lr import lr_factor  # noqa: E402
+from trainer.plan.configure import load_config  # noqa: E402
+from trainer.train.lr import lr_factor  # noqa: E402
 from trainer.models import build_model  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() and not interpret_enabled() else "cpu"

@@ -20,7 +20,7 @@ import pytest
 from helpers import make_cfg, run_single, run_world
 from test_parity import assert_same_run
 from trainer.config import ConfigError, cache_capacities
-from trainer.configure import load_config
+from trainer.plan.configure import load_config
 from trainer.data import SyntheticData
 from trainer.placement import fae_plan, profile_stream, row_bytes
 from trainer.placement.sca import analytic_costs, bucket_edges, predict_bytes, sca_plan, slot_bytes

@@ -1,4 +1,4 @@
-"""Preemption (trainer/signals.py): SIGTERM, SIGINT and SIGUSR1 stop every rank at the next step
+"""Preemption (trainer/run/signals.py): SIGTERM, SIGINT and SIGUSR1 stop every rank at the next step
 boundary with a checkpoint of that step, summary.json saying why and where, one line naming the
 relaunch command and exit status 128 + the signal; a second signal exits at once; a worker lost
 mid-save leaves the survivor speaking even though torchrun SIGTERMs it.
@@ -26,11 +26,11 @@ from test_worker_failure import _finish, _worker
 
 import trainer.checkpoint as ckpt
 from trainer.checkpoint import saver
-from trainer.evaluation import Evaluator
-from trainer.lr import LrSchedule
+from trainer.evaluation.evaluator import Evaluator
+from trainer.train.lr import LrSchedule
 import trainer.runner as runner
 from trainer.runner import run
-from trainer.signals import REPEAT_S, STOP_SIGNALS
+from trainer.run.signals import REPEAT_S, STOP_SIGNALS
 
 BASE = CLI_BASE + ["train.steps=12", "train.log_every=1"]
 LONG = CLI_BASE + ["train.steps=200", "train.log_every=1"]  # long enough to be signalled on the way
@@ -258,7 +258,7 @@ def test_sigterm_to_the_command_exits_143_with_a_checkpoint_ends_the_sweep_and_r
 SLOW_SAVE = """
 import sys, time
 from trainer.checkpoint import Checkpointer
-from trainer.signals import SIGNALS
+from trainer.run.signals import SIGNALS
 real = Checkpointer._write_shard
 
 def slow(self, tmp, store):  # a save that starts after the first signal takes a minute

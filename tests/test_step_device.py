@@ -10,7 +10,7 @@ What can fail here without a GPU:
   ``device=``, every op mixing the two, every host read, every op whose output size depends on
   device values and every host -> device copy. Each must be at a site of the allow-lists below,
   each entry with the reason it is allowed; a new site fails the test with the list. Every copy
-  must be asynchronous (pinned memory, ``trainer/device.py``), and every tensor of the step's
+  must be asynchronous (pinned memory, ``trainer/core/device.py``), and every tensor of the step's
   lookup plan must follow the device.
 
 Entries marked TODO are host syncs the algorithm does not need, in code another change owns
@@ -70,7 +70,7 @@ HOST_OK: dict[tuple[str, str], str] = {
         "train.nonfinite=skip every rank needs it before updating). Also Adam's step counters "
         "(.item() inside torch.optim: CPU tensors by torch's design unless fused/capturable, so no "
         "device sync). Possible: read the loss one step late in stop mode",
-    ("trainer/signals.py", "take_values"):
+    ("trainer/run/signals.py", "take_values"):
         f"{INHERENT}: the step's global loss read back (runner._step's one read, with the stop "
         "signal's flag that rides the same reduction: no extra read or message per step; with "
         "train.precision=fp16 also the ranks' overflow count, in the same read)",
@@ -117,12 +117,12 @@ SHAPE_OK: dict[tuple[str, str], str] = {
         "(nonzero); on CUDA kernels.row_update is the Triton segment kernel, which reads nothing "
         "back (the plain-triton configuration audits it)",
 }
-ASYNC_COPY = "pinned host memory, non_blocking (trainer/device.py)"
+ASYNC_COPY = "pinned host memory, non_blocking (trainer/core/device.py)"
 COPY_OK: dict[tuple[str, str], str] = {
     ("trainer/data/batch.py", "to"):
         f"the step's batch, made on the host by the data source: {ASYNC_COPY}; with "
         "train.pipeline the next batch is made and copied during this step",
-    ("trainer/pipeline.py", "batch"):
+    ("trainer/train/pipeline.py", "batch"):
         f"the scheduler's hot slots of the global batch (host: every rank computes them from the "
         f"global view), moved with the batch: {ASYNC_COPY}",
     ("trainer/embedding/exchange.py", "segment_counts"):
@@ -157,7 +157,7 @@ def audit_worker(rank: int, world: int, overrides: list[str],
     records and, for every lookup plan made in it, the virtual device of each plan tensor.
     Module level: the W > 1 runs call it in spawned ranks."""
     from trainer.comm import make_collectives
-    from trainer.configure import load_config as to_config
+    from trainer.plan.configure import load_config as to_config
     from trainer.runner import Trainer
 
     comm_key = ["comm=torch"] if world > 1 else ["comm=local"]
@@ -287,12 +287,12 @@ def test_one_step_w1_mixed_precision(precision: str):
            most_syncs=SYNCS_AT_MOST["w1"])
 
 
-CAPTURED = ("trainer/whole_step.py", "trainer/dense_step.py", "trainer/embedding/padded.py", "trainer/models/")
+CAPTURED = ("trainer/train/whole_step.py", "trainer/train/dense_step.py", "trainer/embedding/padded.py", "trainer/models/")
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 def test_one_step_w1_whole_graph(precision: str):
-    """train.cuda_graph=on at W = 1 (trainer/whole_step.py): the step passes the same audit with
+    """train.cuda_graph=on at W = 1 (trainer/train/whole_step.py): the step passes the same audit with
     one host sync, the loss (no plan count read back), and what a CUDA graph captures (the padded
     plan, the gather, the model, the rows' update) makes nothing on the host, mixes nothing, reads
     nothing back and makes no tensor whose size depends on device values. Ragged bags (TINY's
@@ -313,7 +313,7 @@ def sizes_of_two_steps(overrides: list[str]) -> tuple[list, list, list[int]]:
     """Every op's output sizes (device_audit's `sizes`) in two consecutive steps, and the unique
     ids of each step's batch (they must differ, or the comparison proves nothing)."""
     from trainer.comm import make_collectives
-    from trainer.configure import load_config as to_config
+    from trainer.plan.configure import load_config as to_config
     from trainer.runner import Trainer
 
     c = to_config(make_cfg(TINY + ["train.steps=5"] + list(overrides) + ["comm=local"]))
@@ -372,10 +372,10 @@ W2_CONFIGS = {
 
 @pytest.mark.parametrize("shortcut", [True, False])
 def test_positions_checks_its_count_on_both_paths(shortcut: bool, monkeypatch: pytest.MonkeyPatch):
-    """trainer.device.positions: the CPU shortcut (torch.nonzero) and the device path
+    """trainer.core.device.positions: the CPU shortcut (torch.nonzero) and the device path
     (nonzero_static, the one the audit sees) give the same positions and both refuse a wrong count."""
     import kernels.reference
-    import trainer.device as device
+    import trainer.core.device as device
     monkeypatch.setattr(kernels.reference, "CPU_SHORTCUTS", shortcut)
     mask = torch.tensor([False, True, True, False, True])
     assert device.positions(mask, 3).tolist() == [1, 2, 4]
@@ -415,7 +415,7 @@ def test_cuda_step_syncs_w1(pipeline: str, graph: str, most: int):
     import warnings
 
     from trainer.comm import make_collectives
-    from trainer.configure import load_config as to_config
+    from trainer.plan.configure import load_config as to_config
     from trainer.runner import Trainer
 
     c = to_config(make_cfg(TINY + ["comm=local", "train.device=cuda", "optim=adagrad",
@@ -449,7 +449,7 @@ def test_criteo_batch_on_the_device_is_made_there(policy: str):
     """DALI's GPU pipeline hands `to_batch` its columns on the device (docs/gpu.md, item 4): the
     id guard, the vocabulary, the folding into the configured tables and the standardisation must
     then make nothing on the host, copy nothing per batch (their constants are copied once:
-    trainer/device.py resident) and read back nothing, except policy error's one flag per batch
+    trainer/core/device.py resident) and read back nothing, except policy error's one flag per batch
     (a bad batch is refused before anything uses it). Ids out of range under hash are folded."""
     from trainer.data.blocks import to_batch
     from trainer.data.ids import IdGuard

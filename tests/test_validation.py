@@ -17,7 +17,7 @@ import torch
 from helpers import assert_auc_close, assert_same_eval, eval_label_counts, make_cfg, run_single, run_world
 from test_parity import assert_same_run
 from trainer.config import ConfigError
-from trainer.configure import load_config
+from trainer.plan.configure import load_config
 from trainer.data import make_data
 
 # a small finite training set, overfitted quickly (Adagrad at lr 0.5): validation AUC peaks at
@@ -223,7 +223,7 @@ def test_resume_keeps_the_early_stopping_state(tmp_path, capsys):
 def test_fit_temperature_recovers_a_known_scale_and_ignores_row_order():
     from scipy.optimize import minimize_scalar
 
-    from trainer.metrics import TEMPERATURES, auc_logloss, fit_temperature
+    from trainer.evaluation.metrics import TEMPERATURES, auc_logloss, fit_temperature
 
     rng = np.random.default_rng(0)
     z = rng.normal(0.0, 3.0, 20_000)
@@ -268,7 +268,7 @@ def test_early_stopping_waits_for_min_evals():
     for a few epochs (seen at W = 2 on the sample: AUC 0.45 at the first epoch, lower for three
     more, stopped after 20 steps); no stop comes before min_evals evaluations, and the count is in
     the checkpointed state."""
-    from trainer.best import EarlyStopping
+    from trainer.evaluation.best import EarlyStopping
 
     def run(min_evals: int, aucs: list[float]) -> EarlyStopping:
         e = EarlyStopping(patience=3, min_delta=0.0, min_evals=min_evals)
@@ -296,12 +296,12 @@ def test_early_stopping_waits_for_min_evals():
 
 @pytest.mark.parametrize("n, decimals", [(7, None), (5_000, 1), (50_000, None)])
 def test_auc_and_logloss_equal_scikit_learns(n, decimals):
-    """trainer.metrics computes AUC (average ranks: tied logits count one half) and log loss
+    """trainer.evaluation.metrics computes AUC (average ranks: tied logits count one half) and log loss
     itself; both equal scikit-learn's on the probabilities, with ties, float32 logits and rows far
     in the tails; one class: no AUC; no rows: neither."""
     from sklearn.metrics import log_loss, roc_auc_score
 
-    from trainer.metrics import auc_logloss
+    from trainer.evaluation.metrics import auc_logloss
 
     rng = np.random.default_rng(n)
     z = rng.normal(0.0, 3.0, n)

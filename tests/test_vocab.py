@@ -11,7 +11,7 @@ import torch
 from data_helpers import prepared_dir, reference_vocab
 from helpers import make_cfg, run_world
 from trainer.config import ConfigError
-from trainer.configure import load_config
+from trainer.plan.configure import load_config
 from trainer.data import make_data
 from trainer.data.vocab import OOV_ROW, build_vocab
 
@@ -94,7 +94,7 @@ def test_the_recipe_counts_and_other_data_refuse(prepared):
     assert dcn.data.table_rows == [2 + len(k) for k in reference_vocab(prepared, N_FIT, 2)]
     mine = load_config(make_cfg(["data=criteo", f"data.dir={prepared}", "model=dcn", "data.min_count=1"]))
     assert (mine.data.min_count, mine.embedding.init_scale) == (1, 0.0)  # a value given on the command line wins
-    from trainer.recipes import recipe_of
+    from trainer.plan.recipes import recipe_of
     assert recipe_of(dcn).describe(dcn)["overridden"] == {} and recipe_of(mine).describe(mine)["overridden"] == {
         "data.min_count": 1}
     big = load_config(make_cfg(["data=criteo", f"data.dir={prepared}", "train.recipe=large"]))

@@ -1,4 +1,4 @@
-"""train.cuda_graph=on at W = 1 (trainer/whole_step.py): the whole step as one function of fixed
+"""train.cuda_graph=on at W = 1 (trainer/train/whole_step.py): the whole step as one function of fixed
 shapes, over a lookup plan padded to a capacity set by the config (trainer/embedding/padded.py).
 On a CPU it runs eagerly and must equal train.cuda_graph=off bit for bit: every loss, dense
 parameter and embedding row, for the four models, SGD / Adagrad / row-wise Adagrad, fp32 and bf16
@@ -12,7 +12,7 @@ import torch
 from helpers import make_cfg, run_single
 from test_parity import BASE, assert_same_run
 from trainer.config import ConfigError, validate_world
-from trainer.configure import load_config
+from trainer.plan.configure import load_config
 from trainer.embedding.exchange import plan_lookup
 from trainer.embedding.padded import padded_plan, unique_capacity
 from trainer.embedding.sharding import RowSharding
@@ -90,7 +90,7 @@ def test_what_cannot_be_padded_yet_is_refused_at_w1(override, key):
     with pytest.raises(ConfigError, match=f"^{key}=.*train.cuda_graph=on at W = 1") as err:
         validate_world(c, 1)
     assert "\n" not in str(err.value)
-    validate_world(c, 2)  # W > 1: the dense half only (trainer/dense_step.py), as before
+    validate_world(c, 2)  # W > 1: the dense half only (trainer/train/dense_step.py), as before
     validate_world(load_config(make_cfg(["data=tiny", override] + extra)), 1)  # and off: no refusal
 
 
@@ -125,10 +125,10 @@ def test_whole_step_replays_equal_the_eager_step_on_cuda(precision, schedule, ba
 
 
 def test_memory_plan_counts_the_padded_step():
-    """trainer/memplan.py counts the padded step's [C, d] buffers (workspace, its gradient, the
+    """trainer/plan/memplan.py counts the padded step's [C, d] buffers (workspace, its gradient, the
     update's rows before and after) and its plan, C being the step's own capacity: per table the
     fewer of its ids in a batch (48 samples x 3 ids) and its rows."""
-    import trainer.memplan as memplan
+    import trainer.plan.memplan as memplan
     from trainer.embedding.padded import PLAN_SLOT_BYTES
     c = load_config(make_cfg(BASE + ["train.cuda_graph=on"]))
     slots = unique_capacity(48, 3, [97, 1001, 13, 250])

@@ -193,7 +193,7 @@ def test_stalled_worker_times_out_and_the_survivor_exits_by_itself(launcher, tmp
 
 
 # ---------------------------------------------------------------------------- the relaunch command
-import trainer.relaunch as relaunch
+import trainer.run.relaunch as relaunch
 
 
 def _hydra_values(tokens: list[str]) -> dict[str, str]:

@@ -19,7 +19,7 @@ import shutil
 import sys
 import tempfile
 
-from .install import InstallError, check_install
+from .run.install import InstallError, check_install
 
 try:  # before the rest of the package is imported: another distribution's `kernels` would fail there
     check_install()
@@ -38,8 +38,8 @@ from .comm import CollectiveError
 from .config import CONF_DIR, ConfigError
 from .data import IdRangeError
 from .data.criteo import CriteoFormatError
-from .multirun import SWEEP, describe, launcher_rank
-from .outdir import RECORD_DIR, hold_sweep_dir, hydra_record, literal_sweep_dir
+from .run.multirun import SWEEP, describe, launcher_rank
+from .run.outdir import RECORD_DIR, hold_sweep_dir, hydra_record, literal_sweep_dir
 from .runner import TrainingError, run
 from .tools.cli import error_line
 
@@ -80,7 +80,7 @@ def _job_failed(message: str) -> None:
 
 
 def _stopped(stopped: dict, hc, rank: int) -> None:
-    """A stop signal ended the run (trainer/signals.py): in a sweep the job is recorded as failed
+    """A stop signal ended the run (trainer/run/signals.py): in a sweep the job is recorded as failed
     and the sweep ends; the process exits with 128 + the signal's number (143 for SIGTERM)."""
     if hc.mode == RunMode.MULTIRUN:
         SWEEP.record(_SWEEP_SHOWN or hc.sweep.dir, hc.job.num, list(hc.overrides.task), rank,

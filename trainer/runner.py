@@ -30,26 +30,26 @@ import torch
 
 import kernels
 
-from .best import BestSnapshot, EarlyStopping, restore_best
+from .evaluation.best import BestSnapshot, EarlyStopping, restore_best
 from .build import TrainingError, build_dense, build_sparse, device_of, phase, sparse_lr
 from .checkpoint import CheckpointError, CheckpointManager
 from .comm import CollectiveError, Collectives, make_collectives
 from .config import Config, auto_threads, local_batch_size, validate_world
-from .configure import load_config
+from .plan.configure import load_config
 from .data import make_data
 from .embedding import InFlightStep
-from .evaluation import Evaluator
-from .lr import LrSchedule
-from .memplan import check_memory
-from .outdir import HeldDir, claim_out_dir, probe_dir
-from .pipeline import StepPipeline
-from .dense_step import DenseStep, dense_loss
-from .whole_step import WholeStep
-from .precision import DensePrecision
-from .recipes import announce_recipe, apply_data_steps, recipe_of
-from .relaunch import Position, failure_hint
+from .evaluation.evaluator import Evaluator
+from .train.lr import LrSchedule
+from .plan.memplan import check_memory
+from .run.outdir import HeldDir, claim_out_dir, probe_dir
+from .train.pipeline import StepPipeline
+from .train.dense_step import DenseStep, dense_loss
+from .train.whole_step import WholeStep
+from .train.precision import DensePrecision
+from .plan.recipes import announce_recipe, apply_data_steps, recipe_of
+from .run.relaunch import Position, failure_hint
 from .report import Reporter, dynamic_summary
-from .signals import NOT_EVALUATED, SIGNALS, Stop, agree, announce, why_not_saved
+from .run.signals import NOT_EVALUATED, SIGNALS, Stop, agree, announce, why_not_saved
 
 __all__ = ["RunResult", "Trainer", "TrainingError", "run"]
 
@@ -87,7 +87,7 @@ def _run(cfg: Any, out_dir: str | None, return_state: bool, comm: Collectives | 
         out_dir = held.path  # rank 0's, on every rank
         recipe = announce_recipe(config, comm)  # once, for one model or an ensemble
         if config.train.ensemble > 1:  # K members, each a Trainer (ensemble.py does not import this module)
-            from .ensemble import run_ensemble
+            from .evaluation.ensemble import run_ensemble
             summary, losses, state = run_ensemble(config, comm, out_dir, Trainer, recipe, return_state)
             if summary.get("stopped"):  # a member stopped on a signal: resume=auto continues the ensemble
                 announce(summary, comm, "auto", config.checkpoint.dir, out_dir,
@@ -201,26 +201,26 @@ class Trainer:
         gradients and a non-finite one raises (the run stops, no checkpoint is written after it).
         skip: the global loss is reduced first (one extra allreduce of 4 bytes, 8 with W > 1) and,
         when it is not finite, every rank drops the step before anything changed (embedding.discard).
-        Either reduction also carries the stop signals' flag (trainer/signals.py).
+        Either reduction also carries the stop signals' flag (trainer/run/signals.py).
         train.precision: the model's forward under autocast; fp16 scales the loss, and one
         reduction after backward (with the loss in stop mode) tells every rank whether any
-        gradient overflowed: then every rank drops the step (trainer/precision.py).
+        gradient overflowed: then every rank drops the step (trainer/train/precision.py).
         train.pipeline != off: the next step is prepared during this one (StepPipeline.prefetch),
         and the dense allreduce starts behind the embedding gradient push and travels while the
         owners update."""
-        if self.whole_step is not None:  # train.cuda_graph=on at W = 1: fixed shapes (trainer/whole_step.py)
+        if self.whole_step is not None:  # train.cuda_graph=on at W = 1: fixed shapes (trainer/train/whole_step.py)
             return self.whole_step.train(flight, self._check_loss)
         self.model.train()
         batch = flight.batch
         pooled = self.emb.lookup(flight)
         self.steps.prefetch(flight.step)
-        split = self.dense_step  # train.cuda_graph=on: the dense half in one piece (trainer/dense_step.py)
+        split = self.dense_step  # train.cuda_graph=on: the dense half in one piece (trainer/train/dense_step.py)
         if split is not None:
             loss, grads, rows_grad = split.forward_backward(batch.dense, pooled, batch.labels)
         else:
             loss = dense_loss(self.model, self.precision.autocast(), batch.dense, pooled, batch.labels,
                               self.global_batch)
-        extra = [SIGNALS.carry(loss, self.world)]  # with a stop signal's flag (trainer/signals.py)
+        extra = [SIGNALS.carry(loss, self.world)]  # with a stop signal's flag (trainer/run/signals.py)
         if self.c.train.nonfinite == "skip":
             value = SIGNALS.take(self.comm.allreduce(extra.pop(), op="sum", kind="dense"), self.world)
             if not math.isfinite(value):
@@ -356,7 +356,7 @@ class Trainer:
                 "cuda_graph": next((s.summary() for s in (self.whole_step, self.dense_step) if s is not None), None)}
 
     def _stop(self, done: int, train_time: float, return_state: bool) -> RunResult:
-        """A rank received a stop signal and every rank learnt it in step `done` (trainer/signals.py):
+        """A rank received a stop signal and every rank learnt it in step `done` (trainer/run/signals.py):
         the step prepared ahead is dropped, `done` saved (train.on_signal=save; a failed save ends
         as in _save), summary.json written with `stopped` and without an evaluation (a huge model's
         can outlast a scheduler's grace time), checkpoint.dir released; run() then says so. Collective."""

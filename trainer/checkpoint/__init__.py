@@ -8,7 +8,7 @@ The package, by concern (docs/design.md, section 8):
   bounded pieces, checksummed per block, laid out so that a reader at another W reads only its rows;
 - state.py: the rank's RNG states, and the reader of format 1's pickled shards;
 - lock.py: one run at a time in a checkpoint.dir (DirLock, taken over from a dead run; the same lock
-  guards output and sweep dirs, trainer/outdir.py);
+  guards output and sweep dirs, trainer/run/outdir.py);
 - saver.py: writing one atomically (Checkpointer: every rank its shard, rank 0 the manifest and the
   rename, then rotation by save order);
 - loader.py: choosing the checkpoint to resume and loading its rows under this run's W;

@@ -1,12 +1,12 @@
 """A directory's lock: one run at a time writes into a checkpoint.dir (and, with the same lock, into
-an output dir or a sweep dir: trainer/outdir.py).
+an output dir or a sweep dir: trainer/run/outdir.py).
 
 Why a lock: two runs writing into one checkpoint dir would replace each other's step_K and delete
 each other's saves in progress (in one output dir they would mix their metrics and summaries). The
 directory belongs to one run at a time: rank 0 creates `lock.json`
 (run id, pid, host, the process's start time) with O_EXCL at start-up, and every rank learns the
 outcome (saver.Checkpointer). A second run fails at once naming the holder; a lock whose process is
-gone (same host, pid not running or reused: trainer/procs.py reads its start time) is taken over
+gone (same host, pid not running or reused: trainer/core/procs.py reads its start time) is taken over
 with a warning, together with that dead run's unfinished saves, so a killed run never keeps the
 directory. Runs that follow one another in the directory continue one job: their saves are ordered
 together (manifest.py's save sequence).
@@ -25,7 +25,7 @@ import weakref
 from dataclasses import dataclass
 from typing import Any, Optional, Pattern
 
-from ..procs import pid_namespace, proc_start
+from ..core.procs import pid_namespace, proc_start
 from .manifest import WORK_DIR, CheckpointError
 
 LOCK = "lock.json"  # the run that owns a checkpoint dir (see DirLock)

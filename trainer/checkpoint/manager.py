@@ -21,7 +21,7 @@ from typing import Any, Optional, Protocol
 
 import torch
 
-from ..best import EarlyStopping
+from ..evaluation.best import EarlyStopping
 from ..build import phase
 from ..comm import CollectiveError, Collectives
 from ..config import Config
@@ -50,7 +50,7 @@ class Checkpointed(Protocol):
     losses: list[float]  # the global loss of every step so far
     evals: list[dict[str, Any]]  # every evaluation record so far
     early: EarlyStopping
-    precision: Stateful  # train.precision (trainer/precision.py; fp16: its loss scaler is saved)
+    precision: Stateful  # train.precision (trainer/train/precision.py; fp16: its loss scaler is saved)
 
 
 @dataclass

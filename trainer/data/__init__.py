@@ -26,7 +26,7 @@ __all__ = ["Batch", "DataShape", "GuardedData", "IdGuard", "IdRangeError", "Synt
 @dataclass(frozen=True)
 class DataShape:
     """What a file dataset says about itself; the entry point copies it into the config
-    (trainer/configure.py), so the config never reads files and the data never writes the config."""
+    (trainer/plan/configure.py), so the config never reads files and the data never writes the config."""
 
     num_dense: int  # dense features per sample -> data.num_dense
     table_rows: list[int]  # rows per table as stored, before data.max_table_rows -> data.table_rows
@@ -129,7 +129,7 @@ def _local_gpu(cfg: Config) -> Optional[int]:
 def make_data(cfg: Config, rank: int, world: int) -> GuardedData:
     """The data source named by cfg.data.name for this rank, behind the id-range guard
     (data.out_of_range, ids.py). It does not touch cfg: the step count data.epochs asks for comes
-    from resolve(cfg, world), applied by the caller (trainer.recipes.apply_data_steps)."""
+    from resolve(cfg, world), applied by the caller (trainer.plan.recipes.apply_data_steps)."""
     data: Any = _make_data(cfg, rank, world)
     if cfg.embedding.tables != "dynamic":
         if cfg.data.hash_rows:  # the same ids as a dynamic table would see, hashed into the rows

@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from ..config import ConfigError, DataConfig, val_range
-from ..device import resident
+from ..core.device import resident
 from .batch import Batch
 from .criteo import CriteoFormatError, check_block, from_block, raw_ids, read_meta
 from .ids import IdGuard

@@ -57,7 +57,7 @@ class Counting:
 
     @classmethod
     def of(cls, e: Any) -> Counting:
-        """The counting of an EmbeddingConfig (trainer/config.py)."""
+        """The counting of an EmbeddingConfig (trainer/config/)."""
         return cls(e.admit_counter, e.count_min_bytes, e.count_min_depth, e.count_min_halve_steps)
 
     def sketch_width(self) -> int:

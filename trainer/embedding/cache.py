@@ -42,7 +42,7 @@ from __future__ import annotations
 
 import torch
 
-from ..device import positions
+from ..core.device import positions
 from .cache_journal import CacheJournal
 from .consistency import life_changed, life_of, push_due
 from .slotmap import id_slot_map

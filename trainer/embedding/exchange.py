@@ -13,7 +13,7 @@ from typing import Callable
 import torch
 
 from ..comm import Collectives
-from ..device import from_host, positions, select
+from ..core.device import from_host, positions, select
 from .sharding import Sharding
 from .store import ShardStore
 from .types import LookupPlan

@@ -20,7 +20,7 @@ or version changes; dynamic tables' admissions, evictions and counts of the step
 What a step holds between those calls (its batch, plan, the remote protocol's begun read and read,
 the workspace) lives in its InFlightStep (types.py), which every call takes:
 this module keeps no step of its own, so the step prepared ahead (train.pipeline) and the step
-being trained are two objects the trainer holds side by side (trainer/pipeline.py).
+being trained are two objects the trainer holds side by side (trainer/train/pipeline.py).
 Evaluation (eval_lookup) reads fresh rows from the owners after a flush, so it measures the model
 they hold.
 Half-precision rows (embedding.dtype): the workspace is float32 whatever the rows' type (the

@@ -9,20 +9,20 @@ What: `capacity` slots, by default C = the sum over tables of min(local batch x 
 table's rows): the batch never has more unique ids. A smaller capacity (train.unique_capacity)
 saves memory and work; a batch that exceeds it gets a wrong plan (its extra ids clamped to the
 last slot, nothing out of bounds) and a count above the capacity, which the caller reads with
-the loss and stops the run on (trainer/whole_step.py). The first `count` slots hold the batch's unique ids in ascending order, the
+the loss and stops the run on (trainer/train/whole_step.py). The first `count` slots hold the batch's unique ids in ascending order, the
 same slots as plan_lookup's (so the workspace, the pooled gather and the rows' gradient are the
 same numbers); the other C - count slots hold storage rows the batch does not touch, all distinct
 (the smallest such rows, found by a search over the sorted ids: fixed-size). Their gradient is
 zero and the owner update is masked there (ShardStore.apply_masked: row, optimizer state, version
 and touched mark written back as they were), so padding changes nothing, and no two slots name
 one row (a masked write-back racing a real one would). Ids at or above `sentinel` are padding
-entries of the batch (ragged bags padded to a fixed length, trainer/whole_step.py): they join no
+entries of the batch (ragged bags padded to a fixed length, trainer/train/whole_step.py): they join no
 slot; their entries point at the last slot and carry a zero gradient (a padding slot unless the
 batch holds every row of the shard; then the +0.0 they add can only turn a -0.0 sum into +0.0).
 
 Bytes: per step, the [C] plan (PLAN_SLOT_BYTES a slot) and the caller's [C, d] workspace, its
 gradient and the update's rows, where plan_lookup's were [U]: per batch, never per table row
-(trainer/memplan.py counts them).
+(trainer/plan/memplan.py counts them).
 """
 from __future__ import annotations
 

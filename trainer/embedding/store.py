@@ -12,7 +12,7 @@ and rounded to nearest; updates are computed in float32 and written back by the 
 holds every half value exactly, so a read loses nothing.
 
 `touched` marks the rows written since it was last cleared (an owner update, a row put back by a
-replica or a holder): the in-memory best-model snapshot (trainer/best.py) copies only those rows,
+replica or a holder): the in-memory best-model snapshot (trainer/evaluation/best.py) copies only those rows,
 and puts a row it never saw back to its initial value, recomputed from (seed, table, id).
 """
 from __future__ import annotations

@@ -90,7 +90,7 @@ def check_trainer(world: int, overrides: Sequence[str], launcher: str = "auto") 
     would start from, without starting them: a bad override or value raises here (ConfigError,
     Hydra's errors: trainer.tools.cli.input_errors) instead of in every launched worker."""
     from ..config import validate_world
-    from ..configure import compose_config
+    from ..plan.configure import compose_config
 
     if world < 1:
         raise ValueError(f"{world} workers: must be >= 1")

@@ -66,7 +66,7 @@ import numpy as np
 import torch
 
 from ..config import Config, cache_capacities, local_batch_size, needs_global_view, table_rows
-from ..configure import compose_config
+from ..plan.configure import compose_config
 from ..schedule.replay import FeedTrace, spec_from_config
 from ..sim import CacheSimulator, SimSpec, Trace, bound_value, opt_hits_by_table, run_simulation
 from ..embedding.consistency import HIST_BINS

@@ -13,7 +13,7 @@ Which jobs a sweep has comes from the sweep itself, not from the summaries found
 multirun.yaml holds the sweep's overrides, expanded into jobs here by Hydra's own sweeper, and each
 job's directory holds its overrides in .hydra/overrides.yaml. A job without a summary.json (it
 failed, or the sweep was stopped) is therefore named, with its error from the sweep's summary.json
-(trainer/multirun.py) when it has one, and the report says which jobs it used.
+(trainer/run/multirun.py) when it has one, and the report says which jobs it used.
 
 The command (`hybrid-trainer-plot-sweep`, scripts/plot_sweep.py in a checkout):
 
@@ -39,7 +39,7 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from ..comm import EMBEDDING_KINDS
-from ..multirun import as_typed
+from ..run.multirun import as_typed
 
 
 

@@ -36,7 +36,7 @@ import numpy as np
 import torch
 
 from ...comm import Collectives
-from ...device import from_host
+from ...core.device import from_host
 from ..store import ShardStore
 from ..types import LookupPlan, Pushes
 from .base import RemoteRows

@@ -27,7 +27,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from ...comm import Collectives
-from ...device import positions, select
+from ...core.device import positions, select
 from ..cache import RowCache
 from ..consistency import ABSENT, LIFE_SHIFT, Bounds, life_of, needs_row
 from ..exchange import segment_counts, wire_dtype, wire_float

@@ -31,12 +31,12 @@ from typing import Any, Callable, Optional
 
 import numpy as np
 
-from .build import phase
-from .comm import Collectives
-from .config import Config
-from .configure import load_config
+from ..build import phase
+from ..comm import Collectives
+from ..config import Config
+from ..plan.configure import load_config
 from .metrics import auc_logloss, write_summary
-from .recipes import apply_data_steps
+from ..plan.recipes import apply_data_steps
 
 LOGITS = "test_logits.npy"  # a member's [n, 2] float64 (calibrated logit, label) of the test split
 
@@ -102,7 +102,7 @@ def run_ensemble(c: Config, comm: Collectives, out_dir: Optional[str], make_trai
     builds a member (runner.Trainer, a context manager). recipe: summary.json's `recipe` (the
     caller announced it, recipes.announce_recipe). Returns (the ensemble's summary, the members'
     losses one after the other, the last member's model when return_state)."""
-    from .data import val_slices
+    from ..data import val_slices
 
     slices = val_slices(c.data, c.train.ensemble)
     rank = comm.rank

@@ -47,14 +47,14 @@ import torch
 
 import kernels
 
-from .build import TrainingError
-from .comm import Collectives
-from .config import Config
-from .data.batch import Batch
+from ..build import TrainingError
+from ..comm import Collectives
+from ..config import Config
+from ..data.batch import Batch
 from .dense_step import _WARMUP, dense_loss
-from .embedding import HybridEmbedding, InFlightStep
-from .embedding.padded import padded_plan, unique_capacity
-from .signals import SIGNALS
+from ..embedding import HybridEmbedding, InFlightStep
+from ..embedding.padded import padded_plan, unique_capacity
+from ..run.signals import SIGNALS
 
 __all__ = ["WholeStep"]
 

@@ -6,9 +6,9 @@ rules, so a bad sweep value fails at start-up with `key=value: reason`, not deep
 
 A leaf: it imports nothing else of trainer/ (the `kernels` package is outside it), so any module may
 use the schemas. What a file dataset says about itself (dense features, table rows, training rows)
-is read by trainer.data and applied by the entry point (trainer/configure.py: load_config) with the
+is read by trainer.data and applied by the entry point (trainer/plan/configure.py: load_config) with the
 pure helpers here (check_data_source, apply_data_shape, epoch_steps). The values a null key takes
-(the recipes: tuning policy, measured on data) are not here but in trainer/recipes.py; this module
+(the recipes: tuning policy, measured on data) are not here but in trainer/plan/recipes.py; this module
 only names the recipes (RECIPES) and refuses a key left unresolved.
 """
 from __future__ import annotations
@@ -36,10 +36,10 @@ SCHEDULES = ("random", "herald")
 GLOBAL_VIEW_DATASETS = ("synthetic", "movielens")  # random access to any sample: schedulers, profiles
 OUT_OF_RANGE = ("error", "hash")  # data.out_of_range (trainer/data/ids.py)
 NONFINITE = ("stop", "skip")  # train.nonfinite
-ON_SIGNAL = ("save", "stop")  # train.on_signal (trainer/signals.py)
+ON_SIGNAL = ("save", "stop")  # train.on_signal (trainer/run/signals.py)
 CONSISTENCY_PRESETS = ("bsp", "ssp", "asp")  # consistency.name (conf/consistency/*.yaml)
-LR_DECAYS = ("none", "poly")  # optim.decay (trainer/lr.py)
-RECIPES = ("auto", "tiny", "small", "large", "none")  # train.recipe (trainer/recipes.py)
+LR_DECAYS = ("none", "poly")  # optim.decay (trainer/train/lr.py)
+RECIPES = ("auto", "tiny", "small", "large", "none")  # train.recipe (trainer/plan/recipes.py)
 
 
 WIRE_PRECISIONS = ("fp32", "fp16", "bf16")
@@ -52,7 +52,7 @@ SETTLED_ROWS = ("auto", "always", "never")
 DEVICES = ("auto", "cpu", "cuda")  # train.device (resolve_device)
 DIST_BACKENDS = ("auto", "gloo", "nccl")  # comm.dist_backend (dist_transport)
 PIPELINES = ("off", "ids", "rows")
-PRECISIONS = ("fp32", "tf32", "bf16", "fp16")  # train.precision (trainer/precision.py)
+PRECISIONS = ("fp32", "tf32", "bf16", "fp16")  # train.precision (trainer/train/precision.py)
 
 
 class ConfigError(ValueError):
@@ -253,18 +253,18 @@ class TrainConfig:
     device: str = "auto"  # auto (cuda when a GPU is visible, else cpu: run_device) | cpu | cuda; comm.dist_backend=auto follows it (nccl on cuda)
     nonfinite: str = "stop"  # NaN/inf global loss: stop (error naming the step) | skip (drop the batch, no update anywhere; dynamic tables: the step's admissions, evictions and counts undone too)
     max_skips: int = 10  # nonfinite=skip: stop anyway after this many consecutive skipped steps
-    memory_check: bool = True  # stop at start-up (exit 2) when a rank's memory plan (trainer/memplan.py) exceeds the memory it can have; false: warn and start
+    memory_check: bool = True  # stop at start-up (exit 2) when a rank's memory plan (trainer/plan/memplan.py) exceeds the memory it can have; false: warn and start
     on_signal: str = "save"  # SIGTERM / SIGINT / SIGUSR1: stop every rank at the next step boundary and save a checkpoint there (save) or not (stop); exit 128 + signal
     precision: str = "fp32"  # the dense model's forward and backward: fp32 | tf32 (CUDA's TF32 products) | bf16 | fp16 (autocast; fp32 master weights and optimizer; fp16 with a loss scaler); rows: embedding.dtype
     loss_scale: LossScaleConfig = field(default_factory=lambda: LossScaleConfig())
-    cuda_graph: str = "off"  # on: the step replayed from one CUDA graph: at W = 1 the whole step, lookups padded to a capacity (trainer/whole_step.py), at W > 1 the dense forward + loss + backward (trainer/dense_step.py); on a CPU the same functions, eagerly | off
+    cuda_graph: str = "off"  # on: the step replayed from one CUDA graph: at W = 1 the whole step, lookups padded to a capacity (trainer/train/whole_step.py), at W > 1 the dense forward + loss + backward (trainer/train/dense_step.py); on a CPU the same functions, eagerly | off
     unique_capacity: int = 0  # cuda_graph=on at W = 1: slots of the padded lookup plan; 0 = the bound (per table min(local batch x data.max_bag, its rows): never exceeded); smaller saves memory and work, and a batch with more unique ids stops the run naming this key
     pipeline: str = "ids"  # off (serial step) | ids (next step's input side + id exchange overlap this step: exact) | rows (also its rows: needs a cache and pull_bound >= 1)
     tensorboard: bool = True  # also write TensorBoard scalars to <output dir>/tensorboard (when there is an output dir)
     recipe: str = "auto"  # defaults for the null keys: auto (data=criteo: tiny below TINY_DATA_ROWS training rows, small below SMALL_DATA_ROWS, else large; other data: none) | tiny | small | large | none
     early_stop: EarlyStopConfig = field(default_factory=lambda: EarlyStopConfig())
     calibrate: Optional[bool] = None  # fit a logit temperature on the validation split for the final test evaluation (README "Validation"); null = the recipe's
-    ensemble: Optional[int] = None  # train K models, model k validated (and early-stopped, calibrated) on its own validation slice, and test the mean of their predictions (trainer/ensemble.py); 1 = one model; null = the recipe's (tiny: 5, else 1)
+    ensemble: Optional[int] = None  # train K models, model k validated (and early-stopped, calibrated) on its own validation slice, and test the mean of their predictions (trainer/evaluation/ensemble.py); 1 = one model; null = the recipe's (tiny: 5, else 1)
     bag: Optional[int] = None  # deprecated: the old name of train.ensemble, read into it with a warning (RENAMED); removed in the next release
 
 
@@ -299,7 +299,7 @@ def _conf_dir() -> str:
     """The Hydra configs: trainer/conf/ in an installed package (the wheel ships the repository's
     conf/ there: pyproject.toml's package-dir), else conf/ beside the package (a source checkout
     and an editable install)."""
-    here = os.path.dirname(os.path.abspath(__file__))
+    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the trainer package
     installed = os.path.join(here, "conf")
     return installed if os.path.isfile(os.path.join(installed, "config.yaml")) else \
         os.path.join(os.path.dirname(here), "conf")
@@ -310,7 +310,7 @@ CONF_DIR = _conf_dir()
 
 def compose(overrides: list[str]) -> DictConfig:
     """The composed Hydra config of `python -m trainer <overrides>` (same conf/ dir and defaults),
-    not yet typed: trainer.configure.compose_config gives the validated Config."""
+    not yet typed: trainer.plan.configure.compose_config gives the validated Config."""
     from hydra import compose as hydra_compose, initialize_config_dir
     with initialize_config_dir(config_dir=CONF_DIR, version_base=None):
         return hydra_compose(config_name="config", overrides=list(overrides))
@@ -319,7 +319,7 @@ def compose(overrides: list[str]) -> DictConfig:
 def parse(cfg: Any) -> Config:
     """A Hydra/OmegaConf tree (or a plain dict, or a Config) merged onto the schema, renamed keys
     moved to their new names (RENAMED); not yet resolved against the data files nor validated
-    (trainer.configure.load_config does both)."""
+    (trainer.plan.configure.load_config does both)."""
     if isinstance(cfg, Config):
         return _renamed(cfg)
     base = OmegaConf.structured(Config)
@@ -562,7 +562,7 @@ def validate(c: Config) -> None:
 
 
 def _validate_precision(c: Config) -> None:
-    """Mixed precision of the dense model (trainer/precision.py)."""
+    """Mixed precision of the dense model (trainer/train/precision.py)."""
     t, s = c.train, c.train.loss_scale
     _one_of("train.precision", t.precision, PRECISIONS)
     _check(s.init > 0, "train.loss_scale.init", s.init, "must be > 0")
@@ -580,11 +580,11 @@ def _validate_precision(c: Config) -> None:
                "cannot undo (its next step was read before): use train.pipeline=ids or off, or bf16")
 
 
-_UNRESOLVED = "null (the recipe's) was not resolved: load the config with trainer.configure.load_config"
+_UNRESOLVED = "null (the recipe's) was not resolved: load the config with trainer.plan.configure.load_config"
 
 
 def _validate_schedule(c: Config) -> None:
-    """Regularisation and the learning-rate schedule (trainer/lr.py)."""
+    """Regularisation and the learning-rate schedule (trainer/train/lr.py)."""
     o = c.optim
     for key, v in (("optim.weight_decay", o.weight_decay), ("optim.sparse_weight_decay", o.sparse_weight_decay)):
         _check(v is not None, key, v, _UNRESOLVED)
@@ -889,7 +889,7 @@ def validate_world(c: Config, world: int) -> None:
 
 
 def _validate_whole_step(c: Config) -> None:
-    """train.cuda_graph=on at W = 1 runs the whole step with a padded plan (trainer/whole_step.py):
+    """train.cuda_graph=on at W = 1 runs the whole step with a padded plan (trainer/train/whole_step.py):
     what it cannot pad yet is refused, naming the key."""
     e, why = c.embedding, "train.cuda_graph=on at W = 1 runs the whole step padded, which "
     for key, value, ok, what in (

@@ -36,9 +36,9 @@ from typing import Any, ContextManager, Optional
 
 import torch
 
-from .comm import Collectives
-from .config import Config, LossScaleConfig
-from .signals import SIGNALS
+from ..comm import Collectives
+from ..config import Config, LossScaleConfig
+from ..run.signals import SIGNALS
 
 __all__ = ["AUTOCAST_DTYPES", "DensePrecision", "LossScaler"]
 

@@ -38,8 +38,8 @@ from typing import Any, Optional
 
 import torch
 
-from .build import phase
-from .snapshot_rows import SnapshotRows, SnapshotSlots, in_memory
+from ..build import phase
+from ..core.snapshot_rows import SnapshotRows, SnapshotSlots, in_memory
 
 
 class EarlyStopping:

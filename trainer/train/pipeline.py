@@ -26,11 +26,11 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from .build import Sparse
-from .comm import Collectives
-from .config import Config
-from .device import to_device
-from .embedding import InFlightStep
+from ..build import Sparse
+from ..comm import Collectives
+from ..config import Config
+from ..core.device import to_device
+from ..embedding import InFlightStep
 
 __all__ = ["StepPipeline"]
 
@@ -42,7 +42,7 @@ class StepPipeline:
     def __init__(self, c: Config, comm: Collectives, sparse: Sparse, data: Any, device: torch.device,
                  saves_after: Callable[[int], bool], plans: bool = True) -> None:
         """plans=False: the step prepared ahead is its batch only (a step that makes its own
-        fixed-size plan, trainer/whole_step.py)."""
+        fixed-size plan, trainer/train/whole_step.py)."""
         self.c, self.comm, self.data, self.device = c, comm, data, device
         self.plans = plans
         self.emb, self.feed = sparse.emb, sparse.feed
@@ -62,7 +62,7 @@ class StepPipeline:
 
     def batch(self, step: int) -> tuple[Any, Any]:
         """(this rank's batch on the device, the GlobalStep or None) of `step`. Both copies are
-        asynchronous (pinned host memory, trainer/device.py); with train.pipeline the next step's
+        asynchronous (pinned host memory, trainer/core/device.py); with train.pipeline the next step's
         batch is made during this step, so its copy overlaps this step's work."""
         batch, info = self.feed.step(step) if self.feed is not None else (self.data.train_batch(step), None)
         if info is not None and info.hot_slots is not None:

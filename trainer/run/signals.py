@@ -31,9 +31,9 @@ from typing import Any, Iterator, Optional
 
 import torch
 
-from .build import phase
-from .comm import Collectives
-from .config import Config
+from ..build import phase
+from ..comm import Collectives
+from ..config import Config
 from .relaunch import relaunch_command
 
 __all__ = ["NOT_EVALUATED", "REPEAT_S", "SIGNALS", "STOP_SIGNALS", "SignalWatch", "Stop", "agree", "announce",
@@ -100,7 +100,7 @@ class SignalWatch:
 
     def take_values(self, reduced: torch.Tensor, world: int) -> list[float]:
         """take() of a reduced carry() that has more elements after it (fp16's overflow count,
-        trainer/precision.py): [global loss, those elements], in one read."""
+        trainer/train/precision.py): [global loss, those elements], in one read."""
         values = reduced.tolist()
         self.agreed = values[1] > 0 if world > 1 else self.received is not None
         return [float(values[0]), *values[2 if world > 1 else 1:]]

@@ -18,16 +18,16 @@ from typing import Any, Optional
 import numpy as np
 import torch
 
-from .build import Sparse, phase
-from .comm import EMBEDDING_KINDS, KINDS, Collectives
-from .config import Config
-from .embedding.admission import counter_figures
-from .embedding.consistency import HIST_BINS, UNBOUNDED
-from .embedding.module import CACHE_COUNTERS
-from .embedding.pool import POOL_COUNTERS
-from .embedding.remote import het_wire_bytes
-from .metrics import JsonlWriter, write_summary
-from .schedule import HotColdOrder
+from ..build import Sparse, phase
+from ..comm import EMBEDDING_KINDS, KINDS, Collectives
+from ..config import Config
+from ..embedding.admission import counter_figures
+from ..embedding.consistency import HIST_BINS, UNBOUNDED
+from ..embedding.module import CACHE_COUNTERS
+from ..embedding.pool import POOL_COUNTERS
+from ..embedding.remote import het_wire_bytes
+from ..evaluation.metrics import JsonlWriter, write_summary
+from ..schedule import HotColdOrder
 
 
 class TensorBoardWriter:
@@ -312,7 +312,7 @@ class Reporter:
             "test_logloss": final_eval["eval_logloss"],
             "best_step": None, "val_auc": None, "val_logloss": None, "val_samples": 0,  # no validation split
             "calibration": None,  # train.calibrate: the temperature fitted on the validation split
-            "stopped": None,  # a stop signal that ended the run (trainer/signals.py)
+            "stopped": None,  # a stop signal that ended the run (trainer/run/signals.py)
             **(extra or {}),
             "bytes": bytes_,
             "bytes_total": sum(bytes_.values()),
