@@ -15,9 +15,13 @@ the submodule pkg.name when that file exists, else to pkg itself. Importing a su
 add an edge to its parent package's __init__ (Python runs it first, but within one package that
 is the normal layout, not a cycle of ours).
 
+Layers: the trainer's components (its subpackages and top modules) stand in the layers of LAYERS,
+from the schema up to the runner; an import from a lower layer into a higher one is reported with
+its file and line (imports under `if TYPE_CHECKING:` are types and exempt).
+
 Prints every cycle (a strongly connected component of two or more modules, or a module importing
-itself) with one closed path through it and the import lines behind each step; exit status 1 if
-there is any, 0 if none, 2 on a bad argument.
+itself) with one closed path through it and the import lines behind each step, and every import
+against the layers; exit status 1 if there is any, 0 if none, 2 on a bad argument.
 """
 from __future__ import annotations
 
@@ -29,6 +33,18 @@ from typing import Iterator, Optional
 
 Graph = dict[str, dict[str, list[int]]]  # module -> imported module -> line numbers
 PACKAGES = ("trainer", "kernels")  # the repository's packages, checked by default
+
+# The trainer's components from the bottom up (docs/design.md has the map): a module may import
+# its own component and those of lower layers, never a higher one. "" is the package's __init__.
+LAYERS: dict[str, list[tuple[str, ...]]] = {"trainer": [
+    ("config",),                                     # 0 the schema, loading, validation
+    ("core", "comm"),                                # 1 errors and phases, device helpers, hashing; collectives
+    ("data", "models"),                              # 2 batches from every source; the dense models
+    ("embedding", "sim", "schedule", "placement"),   # 3 the sparse side and its planners
+    ("evaluation", "plan", "report", "checkpoint"),  # 4 around a run: metrics, the derived config, writers, checkpoints
+    ("run", "train"),                                # 5 a run's life (out dir, signals, resume); the step
+    ("build", "runner", "tools", "__main__", ""),    # 6 assembling and driving everything
+]}
 
 
 def module_files(package_dir: str) -> dict[str, str]:
@@ -188,6 +204,26 @@ def closed_path(graph: Graph, comp: list[str]) -> list[str]:
     return comp + [start]  # unreachable for a real component
 
 
+def component(module: str) -> str:
+    """The component of a module: `trainer.report.x` -> "report", the package itself -> ""."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else ""
+
+
+def layer_violations(graph: Graph, layers: list[tuple[str, ...]], files: dict[str, str], root: str) -> list[str]:
+    """One line per import of a higher layer's module, and per component placed in no layer."""
+    where = {c: i for i, names in enumerate(layers) for c in names}
+    out = sorted({f"{m}: component {component(m)!r} is in no layer of check_imports.LAYERS"
+                  for m in graph if component(m) not in where})
+    for m in sorted(graph):
+        for t, at in sorted(graph[m].items()):
+            a, b = where.get(component(m)), where.get(component(t))
+            if a is not None and b is not None and b > a:
+                out.append(f"{m} -> {t}: layer {a} ({component(m) or '__init__'}) imports layer {b} "
+                           f"({component(t)})    ({os.path.relpath(files[m], root)}:{', '.join(map(str, at))})")
+    return out
+
+
 def report(graph: Graph, cycles: list[list[str]], files: dict[str, str], root: str) -> str:
     lines = []
     for i, comp in enumerate(cycles, 1):
@@ -224,6 +260,15 @@ def main(argv: Optional[list[str]] = None) -> int:
         cycles = cycles_of(graph)
         edges = sum(len(e) for e in graph.values())
         name = os.path.basename(os.path.abspath(d))
+        runtime = import_graph(d) if a.types else graph  # type-only imports are exempt from the layers
+        wrong = layer_violations(runtime, LAYERS[name], files, root) if name in LAYERS else []
+        for line in wrong:
+            print(f"layer: {line}")
+        found += len(wrong)
+        if wrong:
+            print(f"{name}: {len(wrong)} import(s) against its layers")
+        elif name in LAYERS:
+            print(f"{name}: every import within its layers ({len(LAYERS[name])} layers)")
         if not cycles:
             print(f"{name}: no import cycle among {len(graph)} modules ({edges} import edges)")
             continue

@@ -453,7 +453,7 @@ def test_hash_rows_folds_the_dynamic_tables_ids_into_fixed_rows():
     Refused with dynamic tables (and on Criteo: its hashing is prepare_criteo.py's)."""
     from trainer.config import table_rows
     from trainer.data import make_data
-    from trainer.embedding.sharding import mix64
+    from trainer.core.hashing import mix64
     base = ["data=drift", "checkpoint.enabled=false", "data.batch_size=512"]
     dyn = load_config(make_cfg(base + ["embedding.tables=dynamic", "embedding.capacity=100"]))
     fixed = load_config(make_cfg(base + ["data.hash_rows=300"]))

@@ -56,6 +56,31 @@ def test_data_and_config_share_no_cycle():
     assert "trainer.data" in graph["trainer.plan.configure"] and "trainer.config" in graph["trainer.plan.configure"]
 
 
+def test_every_import_keeps_to_the_layers():
+    """The trainer's components (docs/design.md's map): a lower layer never imports a higher one,
+    and every component has its layer."""
+    files = check.module_files(TRAINER)
+    assert check.layer_violations(check.import_graph(TRAINER), check.LAYERS["trainer"], files, ROOT) == []
+    placed = {c for layer in check.LAYERS["trainer"] for c in layer}
+    assert {check.component(m) for m in files} == placed  # no layer names a component that is gone
+
+
+def test_layer_violations_are_reported_with_file_and_line(tmp_path):
+    pkg = _package(tmp_path, {
+        "__init__.py": "",
+        "low/__init__.py": "",
+        "low/a.py": "from ..high import b\n",  # up a layer: reported
+        "high/__init__.py": "",
+        "high/b.py": "from ..low import a\nfrom typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from .. import odd\n",
+        "odd.py": "",
+    })
+    files = check.module_files(pkg)
+    got = check.layer_violations(check.import_graph(pkg), [("low",), ("high",)], files, str(tmp_path))
+    assert got == ["pkg.odd: component 'odd' is in no layer of check_imports.LAYERS",
+                   "pkg: component '' is in no layer of check_imports.LAYERS",
+                   "pkg.low.a -> pkg.high.b: layer 0 (low) imports layer 1 (high)    (pkg/low/a.py:1)"], got
+
+
 def test_no_import_cycle_anywhere():
     for package in (TRAINER, KERNELS):
         assert check.find_cycles(package) == [], package

@@ -29,7 +29,7 @@ from helpers import fill, make_cfg, spawn, tmpfs
 
 import trainer.checkpoint as ckpt
 import trainer.runner as runner
-from trainer.build import TrainingError
+from trainer.core.errors import TrainingError
 from trainer.run.outdir import OUTPUT_DIR
 from trainer.runner import run
 

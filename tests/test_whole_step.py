@@ -144,7 +144,7 @@ def test_a_smaller_capacity_is_exact_and_stops_the_run_when_exceeded():
     """train.unique_capacity below the bound (398 slots here): with room for every batch's unique
     ids (this run holds at most ~200) the same run bit for bit; with too little the run stops at
     the first such step with one line naming the key (the excess rides the loss's read)."""
-    from trainer.build import TrainingError
+    from trainer.core.errors import TrainingError
     extra = ["train.steps=4", "optim=adagrad"]
     ref = run_single(BASE + extra)
     got = run_single(BASE + extra + ["train.cuda_graph=on", "train.unique_capacity=300"])

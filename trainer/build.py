@@ -12,13 +12,13 @@ Nothing here runs a training step; runner.py's loop only uses what these functio
 from __future__ import annotations
 
 import sys
-from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Iterator, Optional
+from typing import Any, Optional
 
 import torch
 
 from .comm import Collectives
+from .core.errors import TrainingError, phase
 from .config import (Config, ConfigError, cache_capacities, needs_global_view, run_device, staleness_bounds,
                      table_rows)
 from .data import id_rows
@@ -38,20 +38,6 @@ from .schedule import Feed
 from .schedule.feed import make_order
 from .schedule.herald import HeraldPlanner, IdSpace
 from .schedule.partition import HeraldPartition
-
-
-class TrainingError(RuntimeError):
-    """Training cannot go on (non-finite loss, no device, ...); the message names the step."""
-
-
-@contextmanager
-def phase(comm: Collectives, name: str) -> Iterator[None]:
-    """Count the bytes sent inside the block under phase `name` (train / eval / other)."""
-    prev, comm.counter.phase = comm.counter.phase, name
-    try:
-        yield
-    finally:
-        comm.counter.phase = prev
 
 
 def device_of(c: Config) -> torch.device:

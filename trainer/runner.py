@@ -31,7 +31,8 @@ import torch
 import kernels
 
 from .evaluation.best import BestSnapshot, EarlyStopping, restore_best
-from .build import TrainingError, build_dense, build_sparse, device_of, phase, sparse_lr
+from .build import build_dense, build_sparse, device_of, sparse_lr
+from .core.errors import TrainingError, phase
 from .checkpoint import CheckpointError, CheckpointManager
 from .comm import CollectiveError, Collectives, make_collectives
 from .config import Config, auto_threads, local_batch_size, validate_world

@@ -22,7 +22,7 @@ from typing import Any, Optional, Protocol
 import torch
 
 from ..evaluation.best import EarlyStopping
-from ..build import phase
+from ..core.errors import phase
 from ..comm import CollectiveError, Collectives
 from ..config import Config
 from ..embedding import HybridEmbedding

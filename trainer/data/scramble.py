@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from ..core.hashing import mix64
 from .batch import Batch
 from .ids import ID_BITS, MappedData
 
@@ -61,7 +62,6 @@ class HashedIds(MappedData):
         self.rows = rows
 
     def fold(self, values: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
-        from ..embedding.sharding import mix64
         return (mix64(values | (table << ID_BITS)) & 0x7FFFFFFFFFFFFFFF) % self.rows
 
     def map_batch(self, b: Batch, where: str) -> Batch:

@@ -37,7 +37,7 @@ from typing import Any, Union
 import torch
 
 import kernels
-from .sharding import mix64
+from ..core.hashing import mix64
 
 _COUNT_BITS = 16  # exact: (step << 16) | count
 _GAMMA = -7046029254386353131  # 0x9E3779B97F4A7C15 as int64: splitmix64's increment

@@ -30,6 +30,7 @@ from typing import TypeVar, Union
 import numpy as np
 import torch
 
+from ..core.hashing import mix64
 from ..data.ids import ID_BITS, ID_LIMIT  # dynamic tables: ids in [0, 2^56); gid = (table << ID_BITS) | id
 
 Ids = TypeVar("Ids", torch.Tensor, np.ndarray)
@@ -214,21 +215,6 @@ class RowSharding(Sharding):
 
 
 _ID_MASK = ID_LIMIT - 1
-_M1, _M2 = -4658895280553007687, -7723592293110705685  # splitmix64's multipliers as int64
-
-
-def _shr(x: torch.Tensor, s: int) -> torch.Tensor:
-    """Logical right shift of int64 (torch's >> is arithmetic)."""
-    return (x >> s) & ((1 << (64 - s)) - 1)
-
-
-def mix64(x: torch.Tensor) -> torch.Tensor:
-    """splitmix64's finaliser on int64 tensors (wrapping arithmetic): a bijection of 64-bit words."""
-    x = x ^ _shr(x, 30)
-    x = x * _M1
-    x = x ^ _shr(x, 27)
-    x = x * _M2
-    return x ^ _shr(x, 31)
 
 
 class HashSharding(Sharding):

@@ -38,7 +38,7 @@ from typing import Any, Optional
 
 import torch
 
-from ..build import phase
+from ..core.errors import phase
 from ..core.snapshot_rows import SnapshotRows, SnapshotSlots, in_memory
 
 

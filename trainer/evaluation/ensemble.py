@@ -31,7 +31,7 @@ from typing import Any, Callable, Optional
 
 import numpy as np
 
-from ..build import phase
+from ..core.errors import phase
 from ..comm import Collectives
 from ..config import Config
 from ..plan.configure import load_config

@@ -18,7 +18,7 @@ from typing import Any, Callable, ContextManager, Optional
 import numpy as np
 import torch
 
-from ..build import phase
+from ..core.errors import phase
 from ..comm import Collectives
 from ..embedding import HybridEmbedding
 from .metrics import auc_logloss, fit_temperature

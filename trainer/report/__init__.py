@@ -13,14 +13,14 @@ import os
 import sys
 import threading
 from dataclasses import asdict
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import numpy as np
 import torch
 
-from ..build import Sparse, phase
 from ..comm import EMBEDDING_KINDS, KINDS, Collectives
 from ..config import Config
+from ..core.errors import phase
 from ..embedding.admission import counter_figures
 from ..embedding.consistency import HIST_BINS, UNBOUNDED
 from ..embedding.module import CACHE_COUNTERS
@@ -28,6 +28,9 @@ from ..embedding.pool import POOL_COUNTERS
 from ..embedding.remote import het_wire_bytes
 from ..evaluation.metrics import JsonlWriter, write_summary
 from ..schedule import HotColdOrder
+
+if TYPE_CHECKING:  # the sparse side, as build.py assembles it (a type only: build is above this layer)
+    from ..build import Sparse
 
 
 class TensorBoardWriter:

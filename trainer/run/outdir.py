@@ -28,7 +28,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from ..build import TrainingError, phase
+from ..core.errors import TrainingError, phase
 from ..checkpoint.lock import DirLock, Guarded
 from ..comm import Collectives
 

@@ -31,7 +31,7 @@ from typing import Any, Iterator, Optional
 
 import torch
 
-from ..build import phase
+from ..core.errors import phase
 from ..comm import Collectives
 from ..config import Config
 from .relaunch import relaunch_command

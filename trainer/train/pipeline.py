@@ -22,15 +22,17 @@ next step during it, plus those made for it during the step before.
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import torch
 
-from ..build import Sparse
 from ..comm import Collectives
 from ..config import Config
 from ..core.device import to_device
 from ..embedding import InFlightStep
+
+if TYPE_CHECKING:  # the sparse side, as build.py assembles it (a type only: build is above this layer)
+    from ..build import Sparse
 
 __all__ = ["StepPipeline"]
 

@@ -47,7 +47,7 @@ import torch
 
 import kernels
 
-from ..build import TrainingError
+from ..core.errors import TrainingError
 from ..comm import Collectives
 from ..config import Config
 from ..data.batch import Batch
