@@ -1,0 +1,277 @@
+"""The config schema: one dataclass per Hydra group, one line of doc per key; the names of
+every key's allowed values."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+from omegaconf import MISSING
+
+MODELS = ("dlrm", "wdl", "deepfm", "dcn")
+DATASETS = ("synthetic", "criteo", "movielens")
+FILE_DATASETS = ("criteo", "movielens")  # shape (dense, table rows) comes from the files
+LOADERS = ("dali", "memmap")
+DENSE_OPTIMS = ("sgd", "adagrad", "adam")
+SPARSE_OPTIMS = ("sgd", "adagrad", "rowwise_adagrad")
+POOLINGS = ("sum", "mean")
+BACKENDS = ("auto", "local", "torch", "horovod")
+CACHE_POLICIES = ("none", "lru", "lfu", "lfu_pinned")
+KERNEL_BACKENDS = ("auto", "triton", "reference")  # = kernels.BACKENDS
+PLACEMENTS = ("none", "fae", "sca")  # = placement.PLANNERS
+SCHEDULES = ("random", "herald")
+GLOBAL_VIEW_DATASETS = ("synthetic", "movielens")  # random access to any sample: schedulers, profiles
+OUT_OF_RANGE = ("error", "hash")  # data.out_of_range (trainer/data/ids.py)
+NONFINITE = ("stop", "skip")  # train.nonfinite
+ON_SIGNAL = ("save", "stop")  # train.on_signal (trainer/run/signals.py)
+CONSISTENCY_PRESETS = ("bsp", "ssp", "asp")  # consistency.name (conf/consistency/*.yaml)
+LR_DECAYS = ("none", "poly")  # optim.decay (trainer/train/lr.py)
+RECIPES = ("auto", "tiny", "small", "large", "none")  # train.recipe (trainer/plan/recipes.py)
+
+
+WIRE_PRECISIONS = ("fp32", "fp16", "bf16")
+TABLE_KINDS = ("fixed", "dynamic")  # embedding.tables
+ADMIT_COUNTERS = ("exact", "count_min")  # embedding.admit_counter (trainer/embedding/admission.py)
+EVICTIONS = ("lru", "lfu")  # embedding.eviction
+EMBEDDING_DTYPES = ("fp32", "fp16", "bf16")  # embedding.dtype (= embedding/store.ROW_DTYPES)
+ROUNDINGS = ("stochastic", "nearest")  # embedding.rounding (= embedding/optim.ROUNDINGS)
+SETTLED_ROWS = ("auto", "always", "never")
+DEVICES = ("auto", "cpu", "cuda")  # train.device (resolve_device)
+DIST_BACKENDS = ("auto", "gloo", "nccl")  # comm.dist_backend (dist_transport)
+PIPELINES = ("off", "ids", "rows")
+PRECISIONS = ("fp32", "tf32", "bf16", "fp16")  # train.precision (trainer/train/precision.py)
+
+
+@dataclass
+class ModelConfig:
+    name: str = MISSING  # model architecture: dlrm
+    embedding_dim: Optional[int] = 16  # d, the width of every embedding row; null = the recipe's (WDL's and DCN's presets: 32 on tiny and small data, else 16)
+    bottom_mlp: list[int] = field(default_factory=lambda: [64, 32])  # hidden widths of the dense MLP (a d-wide layer is appended)
+    top_mlp: Optional[list[int]] = field(default_factory=lambda: [64, 32])  # hidden widths of the top MLP (a 1-wide logit layer is appended); null = the recipe's (DLRM's preset)
+    pooling: str = "sum"  # bag pooling of multi-hot features: sum | mean
+    cross_layers: int = 3  # dcn: number of cross layers
+    cross_rank: int = 0  # dcn: rank of each cross layer's weight (0 = full rank, DCN-v2's W)
+    dropout: Optional[float] = None  # dropout rate after every hidden layer of the MLPs (training only); null = the recipe's (0 unless it says otherwise)
+
+
+@dataclass
+class DataConfig:
+    name: str = MISSING  # dataset kind: synthetic
+    preset: str = "custom"  # informational name of the preset (tiny, criteo_like, bench)
+    num_dense: int = 13  # number of dense (continuous) features
+    table_rows: list[int] = MISSING  # rows per embedding table (cardinalities), before the cap
+    max_table_rows: int = 0  # cap applied to every table's rows; 0 = no cap
+    min_bag: int = 1  # fewest ids in one sample's bag of a table (0 allows empty bags)
+    max_bag: int = 1  # most ids in one bag (> 1 = multi-hot)
+    zipf_alpha: float = 1.1  # skew of id popularity, p(rank k) ~ 1 / (k + 1) ** alpha
+    signal: float = 2.0  # strength of the planted label signal (0 = labels are coin flips)
+    batch_size: int = 128  # samples per rank per step (ignored when global_batch_size is set)
+    global_batch_size: Optional[int] = None  # if set: samples per step over all ranks (must divide by W)
+    train_samples: int = 0  # size of the training set (epochs wrap); 0 = a fresh stream every step
+    eval_samples: int = 4096  # size of the held-out eval split
+    eval_batch_size: int = 1024  # eval samples per rank per eval step
+    seed: int = 1234  # data seed (ids, labels, planted weights)
+    dir: Optional[str] = None  # criteo: directory from scripts/prepare_criteo.py; movielens: folder with ml-100k.* (null = recbole's)
+    loader: str = "dali"  # criteo reader: dali (default) | memmap (the reference)
+    loader_threads: int = 1  # threads per rank: DALI pipeline threads (criteo), batch row chunks (synthetic)
+    eval_fraction: float = 0.1  # held-out share: criteo's tail (when no test split), movielens' random split
+    shuffle: bool = True  # criteo/movielens: seeded shuffle of training rows (criteo: block order + rows in a block)
+    epochs: Optional[float] = 0.0  # criteo/movielens: > 0 sets train.steps = ceil(epochs * training rows / global batch); null = the recipe's
+    standardize: Optional[bool] = None  # criteo: dense features -> (x - mean) / std of the training rows (the first 1M); null = the recipe's (tiny and small: true, else false)
+    val_fraction: Optional[float] = None  # validation split: the last share of the training rows (never the test split), evaluated every train.eval_every steps; 0 = none; null = the recipe's (dynamic tables too: the best model's snapshot keeps each slot's id and life)
+    min_count: Optional[int] = None  # criteo: ids seen fewer times in the training rows share one out-of-vocabulary row per table, and the tables shrink to the ids kept (trainer/data/vocab.py); 0 = off; null = the recipe's (tiny and small: 1, else 0)
+    val_slice: int = 1  # criteo: which slice of val_fraction of the training rows is the validation split, counted from the end (1 = the last; dev/recipe_study/val_rotations.py)
+    out_of_range: str = "error"  # an id < 0 or >= its table's rows: error (stop, naming table, id, rows) | hash (id mod rows)
+    drift: float = 0.0  # synthetic, embedding.tables=dynamic: ids drift by floor(drift x stream position): new ids keep arriving, popularity moves (0 = no drift)
+    drift_eval_at: int = 0  # with drift: evaluation samples are drawn as at this training sample position
+    cycle_batches: int = 0  # synthetic: K > 0: the training stream repeats its first K global batches, each made once (benchmarks)
+    scramble_ids: bool = False  # synthetic, embedding.tables=dynamic: present table t's id i as a random-looking id in [0, 2^56) (a bijection per table)
+    hash_rows: int = 0  # synthetic, embedding.tables=fixed: N > 0 hashes every (scrambled, drifting) id into N rows per table (splitmix64 mod N; collisions share a row): dynamic tables' same-memory baseline, as prepare_criteo --hash-rows; 0 = off
+
+
+@dataclass
+class OptimConfig:
+    name: Optional[str] = "sgd"  # preset name (informational); optim=auto (the default): the recipe's
+    dense: Optional[str] = "sgd"  # optimizer of dense parameters: sgd | adagrad | adam; null = the recipe's
+    sparse: Optional[str] = "sgd"  # owner-side optimizer of embedding rows: sgd | adagrad | rowwise_adagrad; null = the recipe's
+    lr: Optional[float] = 0.1  # learning rate of dense parameters (and of rows unless sparse_lr is set); null = the recipe's
+    sparse_lr: Optional[float] = None  # learning rate of embedding rows; null = lr (or the recipe's, under optim=auto)
+    eps: Optional[float] = 1e-10  # Adagrad/Adam epsilon (torch's placement: lr * g / (sqrt(state) + eps)); null = the recipe's
+    momentum: float = 0.0  # SGD momentum of dense parameters
+    initial_accumulator: float = 0.1  # Adagrad state start (TensorFlow's 0.1; 0 = torch's, ill-conditioned: see README)
+    weight_decay: Optional[float] = None  # L2 of dense parameters (torch.optim's weight_decay: g += wd * w); null = the recipe's (0 unless it says otherwise)
+    sparse_weight_decay: Optional[float] = None  # L2 of embedding rows, applied by the owner once per touched row per step (g += wd * w); null = the recipe's
+    warmup_steps: Optional[int] = None  # lr ramps linearly to its value over these steps (factor (k + 1) / (warmup + 1) at step k); null = the recipe's
+    decay: Optional[str] = None  # lr decay after warmup: none | poly (MLPerf DLRM: (1 - k / decay_steps) ** decay_power); null = the recipe's
+    decay_start: int = -1  # first step of the decay; -1 = right after the warmup
+    decay_steps: int = 0  # length of the decay in steps (lr reaches 0 at its end, then stays there); 0 = until train.steps
+    decay_power: float = 2.0  # exponent of the polynomial decay (2 = MLPerf DLRM's)
+
+
+@dataclass
+class CommConfig:
+    backend: str = "auto"  # auto | local | torch | horovod (auto follows the launcher)
+    dist_backend: str = "auto"  # torch backend's transport: auto (nccl when the run's device is cuda and each rank of the host has a GPU, else gloo: dist_transport) | gloo | nccl (cuda only)
+    timeout_s: float = 60.0  # a collective waiting longer than this raises, naming the operation
+    wire_precision: str = "fp32"  # rows and row gradients on the wire: fp32 | fp16 | bf16 (owners keep their embedding.dtype)
+    settled_rows: str = "auto"  # train.pipeline=ids, no cache: send the next step's rows this step does not update early: auto (when the ranks span hosts) | always | never
+
+
+@dataclass
+class EmbeddingConfig:
+    init_scale: Optional[float] = None  # rows ~ U(-s, s); 0 = sqrt(1 / rows) per table (DLRM); null = the recipe's (tiny and small: 0.01, else 0)
+    audit: bool = False  # record every read's version and every computed row gradient (tests; slow)
+    dtype: str = "fp32"  # how owners store rows: fp32 | fp16 | bf16 (optimizer state stays fp32; updates computed in fp32)
+    rounding: str = "stochastic"  # how an updated fp16 / bf16 row is written back: stochastic (unbiased, seeded by train.seed, step, row) | nearest
+    tables: str = "fixed"  # fixed (rows 0..table_rows-1, owner id mod W) | dynamic (any id in [0, 2^56): hashed owner, id -> row map, admission, eviction; docs/dynamic.md)
+    capacity: int = 0  # dynamic: rows per table on each owner (the pool); > 0, or set by capacity_bytes
+    capacity_bytes: int = 0  # dynamic: each owner's budget for its pool in bytes (rows, optimizer state, version, the pool's map and scores): sets capacity to the most rows per table that fit (memplan.capacity_for_budget); 0 = give capacity
+    admit_after: int = 1  # dynamic: an id gets a row the k-th step it is seen (1 = at once); before that it reads zeros and its gradient is dropped
+    eviction: str = "lru"  # dynamic, full pool: lru (least recently used) | lfu (fewest uses, ties least recent)
+    ttl_steps: int = 0  # dynamic: a row not read for more than this many steps expires: its id starts a new life (its initial row) when next seen; 0 = never
+    lfu_half_life: int = 0  # dynamic, eviction=lfu: a row's use count halves for every this many steps it is not read (old popularity fades); 0 = no decay
+    admit_counter: str = "exact"  # dynamic, admit_after > 1: how ids are counted until admitted: exact (a map entry per id not admitted yet, 32-86 B each: grows with the distinct ids) | count_min (a count-min sketch of count_min_bytes per owner: fixed memory, never under-counts, so ids may be admitted early; docs/dynamic.md#admission)
+    count_min_bytes: int = 16 << 20  # count_min: the sketch's bytes per owner, count_min_depth rows of int16 counters (16 MiB: 4 x 2M counters, about 2% of 1M ids seen once admitted at once with admit_after=2)
+    count_min_depth: int = 4  # count_min: rows of the sketch (hashes per id)
+    count_min_halve_steps: int = 0  # count_min: halve every counter each time the step passes a multiple of this (old sightings fade); 0 = never
+
+
+@dataclass
+class TableCacheConfig:
+    """Per-table override of the cache capacity (either field; null = inherit)."""
+
+    capacity_rows: Optional[int] = None  # rows of this table a worker may cache
+    capacity_fraction: Optional[float] = None  # ... or this fraction of the table's rows
+
+
+@dataclass
+class CacheConfig:
+    """HET's per-worker cache of remote rows (docs/design.md, section 5)."""
+
+    policy: str = "none"  # none | lru | lfu | lfu_pinned
+    capacity_fraction: float = 0.1  # cached rows per table, as a fraction of the table's rows
+    capacity_rows: Optional[int] = None  # cached rows per table (overrides capacity_fraction)
+    pin_threshold: int = 8  # lfu_pinned: an entry used at least this often is never evicted
+    tables: dict[str, TableCacheConfig] = field(default_factory=dict)  # per-table overrides, key = table index
+
+
+@dataclass
+class TableBoundsConfig:
+    """Per-table override of the staleness bounds (null = inherit)."""
+
+    pull_bound: Optional[int] = None
+    push_bound: Optional[int] = None
+
+
+@dataclass
+class ConsistencyConfig:
+    """HET bounded staleness: bounds of 0 are exact synchronous training (BSP); -1 = unbounded."""
+
+    name: str = "bsp"  # preset chosen (bsp | ssp | asp); summary.json reports the label of the bounds in force
+    pull_bound: int = 0  # a cached row is re-read when its owner is more than this many updates ahead
+    push_bound: int = 0  # local updates are pushed once a row holds more than this many
+    tables: dict[str, TableBoundsConfig] = field(default_factory=dict)  # per-table overrides, key = table index
+
+
+@dataclass
+class KernelsConfig:
+    """Which implementation runs the sparse hot path (pooled gather, scatter + optimizer, id map)."""
+
+    backend: str = "auto"  # auto (Triton on CUDA tensors, torch reference otherwise) | triton | reference; $TRAINER_KERNELS overrides
+
+
+@dataclass
+class PlacementConfig:
+    """Which rows are replicated on every worker (hot) instead of sharded (trainer/placement/)."""
+
+    name: str = "none"  # none (every row sharded) | fae (hot rows by budget + hot/cold batches) | sca (cost-model planner)
+    budget_bytes: int = 1048576  # per-worker memory for replicated rows (sca: replicated + cached rows), bytes
+    profile_fraction: float = 0.05  # share of the run's training samples the profiler counts (every k-th sample)
+    hot_batches: bool = False  # schedule hot batches (every id replicated: no alltoall) apart from cold ones
+    hot_rate: float = 0.5  # at most this share of a window's steps are hot batches
+    window_batches: int = 16  # hot/cold batches are formed within windows of this many global batches
+    buckets: int = 32  # sca: frequency buckets the planner decides for (replicate / cache / shard)
+    plan_steps: int = 32  # sca: steps of the run's stream each candidate placement is replayed on (simulator)
+
+
+@dataclass
+class ScheduleConfig:
+    """Which worker trains which sample of a global batch, and when updated rows are synchronised."""
+
+    name: str = "random"  # random (equal contiguous slices of the shuffled global batch) | herald
+    on_demand_sync: bool = True  # herald: push a row's update only when another worker reads it next step (or at a flush)
+    cache_aware: bool = True  # herald: a sample also scores for the rows a worker holds (on-demand sync's lent rows)
+    passes: int = 2  # herald: co-location passes after the owner/holder pass (each ~N ids x W lookups)
+
+
+@dataclass
+class EarlyStopConfig:
+    """Early stopping on validation AUC (needs data.val_fraction > 0 and train.eval_every > 0)."""
+
+    patience: Optional[int] = None  # stop after this many validation evaluations without a new best; 0 = never stop early; null = the recipe's (tiny and small: 3 epochs, i.e. 3 x the evaluations per epoch when train.eval_every is the recipe's too, else 3)
+    min_delta: float = 0.0  # a new best must beat the old one's validation AUC by more than this
+    min_evals: Optional[int] = None  # never stop before this many validation evaluations (a model still at its start can score below its first evaluation for a few epochs); null = the recipe's (tiny and small: 10 epochs, counted as patience is, else 0)
+    restore_best: bool = True  # with a validation split: the model of the best validation AUC is restored for the final test evaluation
+    snapshot: str = "auto"  # where the best model's rows are kept: memory, disk (a temporary file in the run's directory) or auto (memory when the rank's rows take at most 256 MiB)
+
+
+@dataclass
+class LossScaleConfig:
+    """train.precision=fp16's loss scaler (torch.amp.GradScaler's semantics and defaults)."""
+
+    init: float = 65536.0  # the first scale (2 ** 16)
+    growth_factor: float = 2.0  # the scale is multiplied by this after growth_interval steps in a row without overflow
+    backoff_factor: float = 0.5  # ... and by this at a step whose gradients overflow (that step is skipped on every rank)
+    growth_interval: int = 2000  # steps in a row without overflow before the scale grows
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 200  # training steps (each consumes one global batch)
+    seed: int = 0  # seed of dense init and embedding init
+    log_every: int = 10  # write a JSONL metrics line every N steps
+    eval_every: Optional[int] = 0  # evaluate every N steps too (0 = only at the end); on the validation split when there is one; null = the recipe's (tiny and small: k times per epoch, k = ceil(epoch rows / 1,280) up to 4; resolved once W is known)
+    threads: int = 0  # torch threads per rank; 0 = cores / local ranks
+    progress: str = "auto"  # progress bar on rank 0: auto (when interactive) | on | off
+    device: str = "auto"  # auto (cuda when a GPU is visible, else cpu: run_device) | cpu | cuda; comm.dist_backend=auto follows it (nccl on cuda)
+    nonfinite: str = "stop"  # NaN/inf global loss: stop (error naming the step) | skip (drop the batch, no update anywhere; dynamic tables: the step's admissions, evictions and counts undone too)
+    max_skips: int = 10  # nonfinite=skip: stop anyway after this many consecutive skipped steps
+    memory_check: bool = True  # stop at start-up (exit 2) when a rank's memory plan (trainer/plan/memplan.py) exceeds the memory it can have; false: warn and start
+    on_signal: str = "save"  # SIGTERM / SIGINT / SIGUSR1: stop every rank at the next step boundary and save a checkpoint there (save) or not (stop); exit 128 + signal
+    precision: str = "fp32"  # the dense model's forward and backward: fp32 | tf32 (CUDA's TF32 products) | bf16 | fp16 (autocast; fp32 master weights and optimizer; fp16 with a loss scaler); rows: embedding.dtype
+    loss_scale: LossScaleConfig = field(default_factory=lambda: LossScaleConfig())
+    cuda_graph: str = "off"  # on: the step replayed from one CUDA graph: at W = 1 the whole step, lookups padded to a capacity (trainer/train/whole_step.py), at W > 1 the dense forward + loss + backward (trainer/train/dense_step.py); on a CPU the same functions, eagerly | off
+    unique_capacity: int = 0  # cuda_graph=on at W = 1: slots of the padded lookup plan; 0 = the bound (per table min(local batch x data.max_bag, its rows): never exceeded); smaller saves memory and work, and a batch with more unique ids stops the run naming this key
+    pipeline: str = "ids"  # off (serial step) | ids (next step's input side + id exchange overlap this step: exact) | rows (also its rows: needs a cache and pull_bound >= 1)
+    tensorboard: bool = True  # also write TensorBoard scalars to <output dir>/tensorboard (when there is an output dir)
+    recipe: str = "auto"  # defaults for the null keys: auto (data=criteo: tiny below TINY_DATA_ROWS training rows, small below SMALL_DATA_ROWS, else large; other data: none) | tiny | small | large | none
+    early_stop: EarlyStopConfig = field(default_factory=lambda: EarlyStopConfig())
+    calibrate: Optional[bool] = None  # fit a logit temperature on the validation split for the final test evaluation (README "Validation"); null = the recipe's
+    ensemble: Optional[int] = None  # train K models, model k validated (and early-stopped, calibrated) on its own validation slice, and test the mean of their predictions (trainer/evaluation/ensemble.py); 1 = one model; null = the recipe's (tiny: 5, else 1)
+    bag: Optional[int] = None  # deprecated: the old name of train.ensemble, read into it with a warning (RENAMED); removed in the next release
+
+
+@dataclass
+class CheckpointConfig:
+    """Periodic + final checkpoints (trainer/checkpoint/) and resume, also on another W."""
+
+    enabled: bool = True  # false: write no checkpoint at all (benchmarks, throwaway runs); resume still works
+    dir: Optional[str] = None  # where step_K directories go (shared by all ranks); null = <run output dir>/checkpoints
+    every: int = 0  # also save every N steps (0 = only the final checkpoint)
+    keep_last: int = 3  # complete checkpoints kept; older ones are deleted after a new one is complete (0 = keep all)
+    resume: Optional[str] = None  # null = start fresh | auto = newest complete checkpoint in dir (none: fresh) | PATH of a step_K dir
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    comm: CommConfig = field(default_factory=CommConfig)
+    embedding: EmbeddingConfig = field(default_factory=EmbeddingConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    consistency: ConsistencyConfig = field(default_factory=ConsistencyConfig)
+    kernels: KernelsConfig = field(default_factory=KernelsConfig)
+    placement: PlacementConfig = field(default_factory=PlacementConfig)
+    schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
