@@ -326,3 +326,15 @@ def test_nccl_without_a_visible_gpu_is_refused(monkeypatch, device):
     _cuda(monkeypatch, False)
     with pytest.raises(ConfigError, match=r"comm.dist_backend='nccl': needs a CUDA device, and none is visible"):
         load_config(make_cfg(["comm=torch", f"train.device={device}", "comm.dist_backend=nccl"]))
+
+
+def test_the_schema_defaults_are_the_config_python_m_trainer_composes():
+    """One default per key: the dataclasses' defaults are exactly what conf/config.yaml's default
+    options compose to (before the recipe fills the nulls), so Config() is `python -m trainer`'s
+    config and a key an option file leaves out gets the same value it would under the defaults."""
+    import dataclasses
+
+    from trainer.config import compose, parse
+    want, got = dataclasses.asdict(Config()), dataclasses.asdict(parse(compose([])))
+    diff = {f"{g}.{k}": (want[g][k], got[g][k]) for g in want for k in want[g] if want[g][k] != got[g][k]}
+    assert not diff, f"schema default vs conf/ default: {diff}"

@@ -5,8 +5,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
-from omegaconf import MISSING
-
 MODELS = ("dlrm", "wdl", "deepfm", "dcn")
 DATASETS = ("synthetic", "criteo", "movielens")
 FILE_DATASETS = ("criteo", "movielens")  # shape (dense, table rows) comes from the files
@@ -43,10 +41,10 @@ PRECISIONS = ("fp32", "tf32", "bf16", "fp16")  # train.precision (trainer/train/
 
 @dataclass
 class ModelConfig:
-    name: str = MISSING  # model architecture: dlrm
+    name: str = "dlrm"  # model architecture: dlrm
     embedding_dim: Optional[int] = 16  # d, the width of every embedding row; null = the recipe's (WDL's and DCN's presets: 32 on tiny and small data, else 16)
     bottom_mlp: list[int] = field(default_factory=lambda: [64, 32])  # hidden widths of the dense MLP (a d-wide layer is appended)
-    top_mlp: Optional[list[int]] = field(default_factory=lambda: [64, 32])  # hidden widths of the top MLP (a 1-wide logit layer is appended); null = the recipe's (DLRM's preset)
+    top_mlp: Optional[list[int]] = None  # hidden widths of the top MLP (a 1-wide logit layer is appended); null = the recipe's (DLRM's preset)
     pooling: str = "sum"  # bag pooling of multi-hot features: sum | mean
     cross_layers: int = 3  # dcn: number of cross layers
     cross_rank: int = 0  # dcn: rank of each cross layer's weight (0 = full rank, DCN-v2's W)
@@ -55,20 +53,20 @@ class ModelConfig:
 
 @dataclass
 class DataConfig:
-    name: str = MISSING  # dataset kind: synthetic
-    preset: str = "custom"  # informational name of the preset (tiny, criteo_like, bench)
-    num_dense: int = 13  # number of dense (continuous) features
-    table_rows: list[int] = MISSING  # rows per embedding table (cardinalities), before the cap
+    name: str = "synthetic"  # dataset kind: synthetic
+    preset: str = "tiny"  # informational name of the preset (tiny, criteo_like, bench)
+    num_dense: int = 4  # number of dense (continuous) features
+    table_rows: list[int] = field(default_factory=lambda: [97, 1001, 13, 250])  # rows per embedding table (cardinalities), before the cap
     max_table_rows: int = 0  # cap applied to every table's rows; 0 = no cap
     min_bag: int = 1  # fewest ids in one sample's bag of a table (0 allows empty bags)
-    max_bag: int = 1  # most ids in one bag (> 1 = multi-hot)
-    zipf_alpha: float = 1.1  # skew of id popularity, p(rank k) ~ 1 / (k + 1) ** alpha
-    signal: float = 2.0  # strength of the planted label signal (0 = labels are coin flips)
-    batch_size: int = 128  # samples per rank per step (ignored when global_batch_size is set)
+    max_bag: int = 3  # most ids in one bag (> 1 = multi-hot)
+    zipf_alpha: float = 1.05  # skew of id popularity, p(rank k) ~ 1 / (k + 1) ** alpha
+    signal: float = 2.5  # strength of the planted label signal (0 = labels are coin flips)
+    batch_size: int = 64  # samples per rank per step (ignored when global_batch_size is set)
     global_batch_size: Optional[int] = None  # if set: samples per step over all ranks (must divide by W)
     train_samples: int = 0  # size of the training set (epochs wrap); 0 = a fresh stream every step
     eval_samples: int = 4096  # size of the held-out eval split
-    eval_batch_size: int = 1024  # eval samples per rank per eval step
+    eval_batch_size: int = 512  # eval samples per rank per eval step
     seed: int = 1234  # data seed (ids, labels, planted weights)
     dir: Optional[str] = None  # criteo: directory from scripts/prepare_criteo.py; movielens: folder with ml-100k.* (null = recbole's)
     loader: str = "dali"  # criteo reader: dali (default) | memmap (the reference)
@@ -90,12 +88,12 @@ class DataConfig:
 
 @dataclass
 class OptimConfig:
-    name: Optional[str] = "sgd"  # preset name (informational); optim=auto (the default): the recipe's
-    dense: Optional[str] = "sgd"  # optimizer of dense parameters: sgd | adagrad | adam; null = the recipe's
-    sparse: Optional[str] = "sgd"  # owner-side optimizer of embedding rows: sgd | adagrad | rowwise_adagrad; null = the recipe's
-    lr: Optional[float] = 0.1  # learning rate of dense parameters (and of rows unless sparse_lr is set); null = the recipe's
+    name: Optional[str] = None  # preset name (informational); optim=auto (the default): the recipe's
+    dense: Optional[str] = None  # optimizer of dense parameters: sgd | adagrad | adam; null = the recipe's
+    sparse: Optional[str] = None  # owner-side optimizer of embedding rows: sgd | adagrad | rowwise_adagrad; null = the recipe's
+    lr: Optional[float] = None  # learning rate of dense parameters (and of rows unless sparse_lr is set); null = the recipe's
     sparse_lr: Optional[float] = None  # learning rate of embedding rows; null = lr (or the recipe's, under optim=auto)
-    eps: Optional[float] = 1e-10  # Adagrad/Adam epsilon (torch's placement: lr * g / (sqrt(state) + eps)); null = the recipe's
+    eps: Optional[float] = None  # Adagrad/Adam epsilon (torch's placement: lr * g / (sqrt(state) + eps)); null = the recipe's
     momentum: float = 0.0  # SGD momentum of dense parameters
     initial_accumulator: float = 0.1  # Adagrad state start (TensorFlow's 0.1; 0 = torch's, ill-conditioned: see README)
     weight_decay: Optional[float] = None  # L2 of dense parameters (torch.optim's weight_decay: g += wd * w); null = the recipe's (0 unless it says otherwise)
@@ -148,7 +146,7 @@ class CacheConfig:
     """HET's per-worker cache of remote rows (docs/design.md, section 5)."""
 
     policy: str = "none"  # none | lru | lfu | lfu_pinned
-    capacity_fraction: float = 0.1  # cached rows per table, as a fraction of the table's rows
+    capacity_fraction: float = 0.0  # cached rows per table, as a fraction of the table's rows
     capacity_rows: Optional[int] = None  # cached rows per table (overrides capacity_fraction)
     pin_threshold: int = 8  # lfu_pinned: an entry used at least this often is never evicted
     tables: dict[str, TableCacheConfig] = field(default_factory=dict)  # per-table overrides, key = table index
@@ -226,10 +224,10 @@ class LossScaleConfig:
 
 @dataclass
 class TrainConfig:
-    steps: int = 200  # training steps (each consumes one global batch)
+    steps: int = 300  # training steps (each consumes one global batch)
     seed: int = 0  # seed of dense init and embedding init
     log_every: int = 10  # write a JSONL metrics line every N steps
-    eval_every: Optional[int] = 0  # evaluate every N steps too (0 = only at the end); on the validation split when there is one; null = the recipe's (tiny and small: k times per epoch, k = ceil(epoch rows / 1,280) up to 4; resolved once W is known)
+    eval_every: Optional[int] = None  # evaluate every N steps too (0 = only at the end); on the validation split when there is one; null = the recipe's (tiny and small: k times per epoch, k = ceil(epoch rows / 1,280) up to 4; resolved once W is known)
     threads: int = 0  # torch threads per rank; 0 = cores / local ranks
     progress: str = "auto"  # progress bar on rank 0: auto (when interactive) | on | off
     device: str = "auto"  # auto (cuda when a GPU is visible, else cpu: run_device) | cpu | cuda; comm.dist_backend=auto follows it (nccl on cuda)
