@@ -7,7 +7,9 @@ regenerated, not edited); every key a YAML file of conf/ sets is a key of the sc
 of each group's default option (and of conf/config.yaml's blocks) are the schema's defaults; the
 page's reference lists every key with the schema's default; every key, group and option has its
 doc; the YAML files hold values, not a second copy of the docs (no comment on a key's line). The
-checker itself is tried on a copy of conf/ and a page with one drift each.
+checker itself is tried on a copy of conf/ and a page with one drift each. In the prose of README.md
+and docs/: every `key=value` names a key of the schema, and a default a sentence states is the
+schema's.
 """
 from __future__ import annotations
 
@@ -117,3 +119,56 @@ def test_the_command_checks_and_rewrites_the_page(tmp_path):
     assert fresh.returncode == 0, fresh.stderr
     text = page.read_text()
     assert text.startswith("# intro\n") and text.endswith("## after\n") and doc.page_part(text) == doc.render()
+
+
+# ---------------------------------------------------------------- the prose of README.md and docs/
+PROSE = ["README.md", *sorted(str(p.relative_to(ROOT)) for p in (ROOT / "docs").glob("*.md")), "benchmarks/README.md"]
+_KEY = r"(?:%s)\.[\w.]+" % "|".join(doc.groups())
+OVERRIDE = re.compile(rf"(?<![\w.])\+?({_KEY}|(?:cache|consistency)\.tables\.\w+\.\w+)=")
+# `key=value` (the default) | `key=value`, the default) ... and `key` (default `value` | `key=a|b` (default value
+SAID_DEFAULT = re.compile(rf"`({_KEY})=([^`|]+)`(?: \(the default\)|, the default[),.;])")
+SAID_DEFAULT_OF = re.compile(rf"`({_KEY})(?:=[^`]*)?`[^()`]{{0,3}}\(default:? `?([\w.+-]+)`?(?: (MiB|GiB|s)\b)?")
+
+
+def _same(said: str, default, unit: str | None = None) -> bool:
+    scale = {"MiB": 1 << 20, "GiB": 1 << 30}.get(unit or "", 1)
+    try:
+        return float(said) * scale == float(default)
+    except (TypeError, ValueError):
+        return said == doc.yaml_value(default)
+
+
+def _line(text: str, pos: int) -> int:
+    return text.count("\n", 0, pos) + 1
+
+
+def test_every_key_the_docs_override_is_a_key_of_the_schema():
+    """A renamed or removed key leaves no command or sentence behind (`+cache.tables.0.capacity_rows=`
+    counts as its per-table entry)."""
+    known = {k.name for k in doc.keys()}
+    stale = []
+    for rel in PROSE:
+        text = (ROOT / rel).read_text()
+        for m in OVERRIDE.finditer(text):
+            key = re.sub(r"\.tables\.\w+\.", ".tables.<t>.", m.group(1))
+            if key not in known:
+                stale.append(f"{rel}:{_line(text, m.start())}: {m.group(1)}")
+    assert not stale, f"overrides of keys the schema does not have: {stale}"
+
+
+def test_a_default_the_prose_states_is_the_schemas():
+    """`train.pipeline=ids` (the default), `comm.timeout_s` (default 60 s), ...: where a page says
+    a key's default, it is the schema's."""
+    defaults = {k.name: k.default for k in doc.keys()}
+    said, wrong = 0, []
+    for rel in PROSE:
+        text = (ROOT / rel).read_text()
+        for m in [*SAID_DEFAULT.finditer(text), *SAID_DEFAULT_OF.finditer(text)]:
+            key, value = m.group(1), m.group(2).strip()
+            unit = m.group(3) if m.re is SAID_DEFAULT_OF else None
+            said += 1
+            if key not in defaults or not _same(value, defaults[key], unit):
+                wrong.append(f"{rel}:{_line(text, m.start())}: {key} default {value}"
+                             f"{' ' + unit if unit else ''}, the schema's is {doc.yaml_value(defaults.get(key))}")
+    assert said >= 10, said  # the patterns still find the docs' wording
+    assert not wrong, "\n".join(wrong)
