@@ -1,14 +1,27 @@
 """Typed config schemas (one dataclass per Hydra group) and validation with clear messages.
 
-Why: Hydra composes YAML; this module turns the composed tree into typed dataclasses (OmegaConf
+Why: Hydra composes YAML; this package turns the composed tree into typed dataclasses (OmegaConf
 rejects unknown keys and wrong types, naming the full key) and then checks ranges and cross-field
 rules, so a bad sweep value fails at start-up with `key=value: reason`, not deep inside a step.
+
+Where things are (a newcomer adding a key touches schema.py, the default option's YAML and, by
+regenerating it, docs/config.md):
+- schema.py: the dataclasses; each key's one doc (its field's comment) and its default (= the value
+  `python -m trainer` composes from conf/); the tuples of allowed values.
+- load.py: conf/'s directory, Hydra's composition (compose), the tree parsed onto the schema (parse),
+  old key names moved to their new ones (RENAMED).
+- validate.py: every check (validate, validate_world, the data-source checks).
+- derive.py: values computed from a config (the run's device and transport, rows per table, cache
+  capacities, staleness bounds, batch sizes, the validation split, threads).
+- errors.py: ConfigError and the helpers that raise it naming the key.
+- doc.py: docs/config.md's key reference, generated from schema.py and conf/ (python -m trainer.config.doc).
+This module re-exports their public names: import from trainer.config.
 
 A leaf: it imports nothing else of trainer/ (the `kernels` package is outside it), so any module may
 use the schemas. What a file dataset says about itself (dense features, table rows, training rows)
 is read by trainer.data and applied by the entry point (trainer/plan/configure.py: load_config) with the
 pure helpers here (check_data_source, apply_data_shape, epoch_steps). The values a null key takes
-(the recipes: tuning policy, measured on data) are not here but in trainer/plan/recipes.py; this module
+(the recipes: tuning policy, measured on data) are not here but in trainer/plan/recipes.py; this package
 only names the recipes (RECIPES) and refuses a key left unresolved.
 """
 from __future__ import annotations
