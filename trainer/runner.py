@@ -38,13 +38,12 @@ from .comm import CollectiveError, Collectives, make_collectives
 from .config import Config, auto_threads, local_batch_size, validate_world
 from .plan.configure import load_config
 from .data import make_data
-from .embedding import InFlightStep
 from .evaluation.evaluator import Evaluator
 from .train.lr import LrSchedule
 from .plan.memplan import check_memory
 from .run.outdir import HeldDir, claim_out_dir, probe_dir
-from .train.pipeline import StepPipeline
-from .train.dense_step import DenseStep, dense_loss
+from .train.pipeline import StepOrder, StepPipeline
+from .train.dense_step import DenseStep
 from .train.whole_step import WholeStep
 from .train.precision import DensePrecision
 from .plan.recipes import announce_recipe, apply_data_steps, recipe_of
@@ -118,7 +117,7 @@ def agree_out_dir(comm: Collectives, out_dir: str | None) -> str | None:
         return comm.root_decides(lambda: probe_dir(out_dir), TrainingError)
 
 
-class Trainer:
+class Trainer(StepOrder):
     """One rank's training loop over the parts build.py assembles. `with Trainer(...) as t:
     t.fit()` releases the checkpoint directory at the end (close())."""
 
@@ -196,76 +195,6 @@ class Trainer:
         value = self._step(flight)
         self.steps.finish(flight)
         return value
-
-    def _step(self, flight: InFlightStep) -> float:
-        """One step; returns the global loss. train.nonfinite=stop: the loss travels with the dense
-        gradients and a non-finite one raises (the run stops, no checkpoint is written after it).
-        skip: the global loss is reduced first (one extra allreduce of 4 bytes, 8 with W > 1) and,
-        when it is not finite, every rank drops the step before anything changed (embedding.discard).
-        Either reduction also carries the stop signals' flag (trainer/run/signals.py).
-        train.precision: the model's forward under autocast; fp16 scales the loss, and one
-        reduction after backward (with the loss in stop mode) tells every rank whether any
-        gradient overflowed: then every rank drops the step (trainer/train/precision.py).
-        train.pipeline != off: the next step is prepared during this one (StepPipeline.prefetch),
-        and the dense allreduce starts behind the embedding gradient push and travels while the
-        owners update."""
-        if self.whole_step is not None:  # train.cuda_graph=on at W = 1: fixed shapes (trainer/train/whole_step.py)
-            return self.whole_step.train(flight, self._check_loss)
-        self.model.train()
-        batch = flight.batch
-        pooled = self.emb.lookup(flight)
-        self.steps.prefetch(flight.step)
-        split = self.dense_step  # train.cuda_graph=on: the dense half in one piece (trainer/train/dense_step.py)
-        if split is not None:
-            loss, grads, rows_grad = split.forward_backward(batch.dense, pooled, batch.labels)
-        else:
-            loss = dense_loss(self.model, self.precision.autocast(), batch.dense, pooled, batch.labels,
-                              self.global_batch)
-        extra = [SIGNALS.carry(loss, self.world)]  # with a stop signal's flag (trainer/run/signals.py)
-        if self.c.train.nonfinite == "skip":
-            value = SIGNALS.take(self.comm.allreduce(extra.pop(), op="sum", kind="dense"), self.world)
-            if not math.isfinite(value):
-                self.emb.discard(flight)
-                self.steps.restart_next()  # its cache lookups predate the rollback
-                return value
-        if split is not None:
-            split.rows_backward(pooled, rows_grad)
-        else:
-            self.opt.zero_grad(set_to_none=False)
-            self.precision.backward(loss)
-            grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
-        if self.precision.scaler is not None:  # fp16: unscaled, and every rank's overflow known
-            taken, overflow = self.precision.agree(self.comm, grads, flight.ws.grad,
-                                                   extra.pop() if extra else None, flight.step)
-            if taken is not None:  # stop mode: the loss came with the overflow flags
-                value = taken
-                self._check_loss(value, flight.step)
-            if overflow:
-                self.emb.discard(flight)
-                self.steps.restart_next()
-                return value
-        if self.steps.mode == "off":
-            self.emb.apply_gradients(flight)
-            reduced = self.comm.grouped_allreduce(grads + extra, op="sum", kind="dense")
-        else:  # the row gradients leave first, the dense allreduce behind them while owners update
-            dense = []
-            self.emb.apply_gradients(flight, between=lambda: dense.append(
-                self.comm.grouped_allreduce_async(grads + extra, op="sum", kind="dense")))
-            reduced = dense[0].wait()
-        for p, g in zip(self.params, reduced):
-            p.grad = g
-        self.opt.step()
-        if extra:
-            value = SIGNALS.take(reduced[-1], self.world)
-            self._check_loss(value, flight.step)
-        return value
-
-    @staticmethod
-    def _check_loss(value: float, step: int) -> None:
-        """train.nonfinite=stop: a non-finite global loss stops the run."""
-        if not math.isfinite(value):
-            raise TrainingError(f"loss is {value} at step {step}; stopping (lower optim.lr? "
-                                "train.nonfinite=skip drops such batches)")
 
     def _after_skip(self, step: int) -> None:
         """Step `step` was skipped (non-finite loss): warn; stop after train.max_skips in a row."""

@@ -30,21 +30,12 @@ from __future__ import annotations
 from typing import Callable, ContextManager, Optional
 
 import torch
-import torch.nn.functional as F
 
-__all__ = ["DenseStep", "dense_loss"]
+from .step import dense_loss
+
+__all__ = ["DenseStep"]
 
 _WARMUP = 2  # side-stream runs before the capture (cuBLAS handles, autocast, allocator pools)
-
-
-def dense_loss(model: torch.nn.Module, autocast: ContextManager, dense: torch.Tensor, rows: torch.Tensor,
-               labels: torch.Tensor, global_batch: int) -> torch.Tensor:
-    """The training loss of this rank's batch: the model's forward under `autocast`, BCE summed
-    and divided by the global batch (so the ranks' losses add up to the global mean). The one
-    expression of both steps, split or not: the same values either way."""
-    with autocast:
-        logits = model(dense, rows)
-    return F.binary_cross_entropy_with_logits(logits.float(), labels, reduction="sum") / global_batch
 
 
 class DenseStep:

@@ -51,10 +51,11 @@ from ..core.errors import TrainingError
 from ..comm import Collectives
 from ..config import Config
 from ..data.batch import Batch
-from .dense_step import _WARMUP, dense_loss
+from .dense_step import _WARMUP
 from ..embedding import HybridEmbedding, InFlightStep
 from ..embedding.padded import padded_plan, unique_capacity
 from ..run.signals import SIGNALS
+from .step import dense_loss
 
 __all__ = ["WholeStep"]
 
