@@ -98,7 +98,10 @@ class HybridEmbedding:
         self.replica = replica
         if replica is not None:
             replica.load_from_owners(comm, store)
-        self.step = -1  # the clock of training lookups (the cache's LRU ages, the audit)
+        # the step of the last training lookup, as its InFlightStep carries it (the train pipeline's
+        # clock, trainer/train/pipeline.py; this module counts nothing): the cache's LRU ages, the
+        # dynamic tables' admissions, the audit's records (a resumed run: the checkpoint's step - 1)
+        self.step = -1
         self.undoable = False  # enable_discard(): dynamic tables journal each step's admissions
 
     @property
@@ -152,7 +155,7 @@ class HybridEmbedding:
             self.prepare(flight)
         batch, info, plan = flight.batch, flight.info, flight.plan
         ws = self._workspace(plan)
-        self.step += 1
+        self.step = flight.step
         if self.store.dynamic:  # its own ids first; peers' requests when this rank serves them
             for undo in self._journals():  # until apply_gradients (commit) or discard (rollback)
                 undo.begin()

@@ -99,7 +99,6 @@ class WholeStep(StepStrategy):
     # ---- the stages (step.py) -------------------------------------------------------------
     def lookup(self, ctx: StepContext) -> None:
         """The padded inputs of the step's function (the lookup is inside it)."""
-        self.emb.step += 1  # the lookups' clock, as HybridEmbedding.lookup keeps it
         self.store.rounding.step = ctx.step
         ctx.inputs = self.inputs(ctx.flight.batch)
 
