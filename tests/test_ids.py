@@ -171,7 +171,7 @@ def test_error_stops_before_any_state_change(monkeypatch, extra, pipeline):
                                            r"training batch of step 4"):
         t.train_step(stops)
     if pipeline == "off":
-        assert dict(t.comm.counter.calls) == calls and t.steps.current is None  # nothing was even looked up
+        assert dict(t.comm.counter.calls) == calls and t.pipeline.current is None  # nothing was even looked up
     assert_same_run(_state(ref), _state(t), rtol=0, atol=0)  # no row, no dense parameter changed
     with pytest.raises(IdRangeError, match="table 3"):
         run_single(BASE + extra)

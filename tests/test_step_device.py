@@ -48,7 +48,7 @@ WARMUP_STEPS = 2  # optimizer state, cache fills and the first lent rows happen 
 SPLITS_TENSOR = ("alltoall split sizes are host integers by nature (the backends take them as a "
                  "Python list); the torch backend moves the tensor to the process group's device")
 GUARD = ("AUDIT: the data source's id guard (data/ids.py) checks the batch on the host, before "
-         "StepPipeline.batch moves it; the audit takes its device=lengths.device / .to(values.device) "
+         "TrainPipeline.batch moves it; the audit takes its device=lengths.device / .to(values.device) "
          "tensors for device ones (a CPU .to returns the same tensor). With DALI on GPU the batch "
          "arrives on the device and this is one sync per batch: docs/gpu.md")
 FACTORY_OK: dict[tuple[str, str], str] = {
@@ -65,13 +65,13 @@ MIX_OK: dict[tuple[str, str], str] = {
 INHERENT = "needed by the algorithm"
 CACHE_TODO = ("TODO(cache.py, being vectorised in another change: do not edit here): ")
 HOST_OK: dict[tuple[str, str], str] = {
-    ("trainer/runner.py", "_step"):
+    ("trainer/train/pipeline.py", "_end"):
         f"{INHERENT}: the step's global loss (recorded every step, checked for NaN/inf; with "
         "train.nonfinite=skip every rank needs it before updating). Also Adam's step counters "
         "(.item() inside torch.optim: CPU tensors by torch's design unless fused/capturable, so no "
         "device sync). Possible: read the loss one step late in stop mode",
     ("trainer/run/signals.py", "take_values"):
-        f"{INHERENT}: the step's global loss read back (runner._step's one read, with the stop "
+        f"{INHERENT}: the step's global loss read back (TrainPipeline._end's one read, with the stop "
         "signal's flag that rides the same reduction: no extra read or message per step; with "
         "train.precision=fp16 also the ranks' overflow count, in the same read)",
     ("trainer/embedding/exchange.py", "plan_lookup"):
@@ -441,7 +441,7 @@ def test_cuda_step_syncs_w1(pipeline: str, graph: str, most: int):
     print(f"--- cuda W=1 pipeline={pipeline} cuda_graph={graph}: {len(syncs)} host syncs in one step")
     assert len(syncs) <= most, syncs
     if graph == "on":
-        assert trainer.whole_step.replays == WARMUP_STEPS, trainer.whole_step.summary()  # steps 1 and 2
+        assert trainer.pipeline.strategy.replays == WARMUP_STEPS, trainer.pipeline.strategy.summary()  # steps 1 and 2
 
 
 @pytest.mark.parametrize("policy", ["error", "hash"])

@@ -1,18 +1,18 @@
 """run(cfg): the training job, identical on every rank, callable from tests and from Hydra.
 
-The Trainer only trains: one step (lookup, forward, backward, embedding push + owner update, dense
-allreduce + step) and the loop around it, which decides when to evaluate, stop early and save.
-Everything else is an object it asks: what a rank holds is assembled by build.py (dense model +
-optimizer, the sparse side); the steps in flight and the next step's input side by pipeline.py
-(StepPipeline); evaluations by evaluation.py (Evaluator); saves, resume and the rescue of a failed
-save by checkpoint/ (CheckpointManager); what the run reports by report.py; the advice after a lost
-worker by relaunch.py. A Trainer is a context manager: leaving its `with` block
-releases the checkpoint directory.
+The Trainer drives the loop: it asks for one step at a time and decides when to evaluate, stop
+early and save. Everything else is an object it asks: what a rank holds is assembled by build.py
+(dense model + optimizer, the sparse side); a step (its order, its state, the steps in flight and
+the next step's input side, the eager or graph strategy) is trainer/train/pipeline.py's
+(TrainPipeline.progress); evaluations by evaluation/evaluator.py (Evaluator); saves, resume and
+the rescue of a failed save by checkpoint/ (CheckpointManager); what the run reports by report/;
+the advice after a lost worker by run/relaunch.py. A Trainer is a context manager: leaving its
+`with` block releases the checkpoint directory.
 
 With a validation split (data.val_fraction > 0) the evaluations every train.eval_every steps (and
 after the last step) run on it, feed early stopping (train.early_stop, best.py) and keep the best
 model in memory; the final evaluation on the test split runs on the restored best model.
-The learning rates follow lr.py's schedule, set before every step.
+The learning rates follow train/lr.py's schedule, set by the pipeline before every step.
 
 The local loss is sum(BCE over the local slice) / global batch, so gradients summed over ranks equal
 the gradient of the single-process reference's mean loss over the global batch (docs/design.md, section 2).
@@ -38,14 +38,11 @@ from .comm import CollectiveError, Collectives, make_collectives
 from .config import Config, auto_threads, local_batch_size, validate_world
 from .plan.configure import load_config
 from .data import make_data
-from .embedding import InFlightStep
 from .evaluation.evaluator import Evaluator
 from .train.lr import LrSchedule
 from .plan.memplan import check_memory
 from .run.outdir import HeldDir, claim_out_dir, probe_dir
-from .train.pipeline import StepPipeline
-from .train.dense_step import DenseStep, dense_loss
-from .train.whole_step import WholeStep
+from .train.pipeline import TrainPipeline
 from .train.precision import DensePrecision
 from .plan.recipes import announce_recipe, apply_data_steps, recipe_of
 from .run.relaunch import Position, failure_hint
@@ -150,18 +147,13 @@ class Trainer:
         self.emb, self.feed = self.sparse.emb, self.sparse.feed
         self.model, self.params, self.opt = build_dense(c, comm, self.sparse.sharding.num_tables, self.device)
         self.precision = DensePrecision(c, self.device)  # train.precision: autocast, fp16's loss scaler
-        whole = c.train.cuda_graph == "on" and self.world == 1  # W > 1: the dense half only
-        self.dense_step = (DenseStep(self.model, self.params, self.precision.autocast, self.global_batch,
-                                     self.device, graph=True) if c.train.cuda_graph == "on" and not whole else None)
+        self.lr = LrSchedule(c.optim, c.train.steps, self.opt, self.emb, sparse_lr(c))
         self.report = Reporter(c, comm, self.sparse, self.data, self.global_batch, self.out_dir)
-        self.steps = StepPipeline(c, comm, self.sparse, self.data, self.device, self.checkpoints.due,
-                                  plans=not whole)
-        self.whole_step = (WholeStep(c, comm, self.emb, self.model, self.params, self.opt, self.precision.autocast,
-                                     self.global_batch, self.steps.prefetch, self.device) if whole else None)
+        self.pipeline = TrainPipeline(c, comm, self.sparse, self.data, self.device, self.checkpoints.due,
+                                      model=self.model, params=self.params, opt=self.opt, precision=self.precision,
+                                      lr=self.lr, global_batch=self.global_batch)
         self.losses: list[float] = []
         self.evals: list[dict[str, Any]] = []
-        self.current_step: int | None = None  # the step in progress (failure reports)
-        self.lr = LrSchedule(c.optim, c.train.steps, self.opt, self.emb, sparse_lr(c))
         self.val_rows = int(getattr(self.data, "val_rows", 0))  # validation split (0: none)
         self.evaluator = Evaluator(comm, self.model, self.emb, self.data, self.device, self.precision.autocast)
         self.early = EarlyStopping(c.train.early_stop.patience, c.train.early_stop.min_delta,
@@ -187,85 +179,13 @@ class Trainer:
     def position(self) -> Position:
         """Where this run stands (the advice after a lost worker, relaunch.failure_hint)."""
         k = self.checkpoints
-        return Position(self.current_step, self.out_dir, k.root, k.last or k.resumed_from)
+        return Position(self.pipeline.step, self.out_dir, k.root, k.last or k.resumed_from)
 
     # ---- one step --------------------------------------------------------------------------
     def train_step(self, step: int) -> float:
-        """Forward, backward, embedding push + owner update, dense allreduce + step. Collective."""
-        flight = self.steps.start(step)
-        value = self._step(flight)
-        self.steps.finish(flight)
-        return value
-
-    def _step(self, flight: InFlightStep) -> float:
-        """One step; returns the global loss. train.nonfinite=stop: the loss travels with the dense
-        gradients and a non-finite one raises (the run stops, no checkpoint is written after it).
-        skip: the global loss is reduced first (one extra allreduce of 4 bytes, 8 with W > 1) and,
-        when it is not finite, every rank drops the step before anything changed (embedding.discard).
-        Either reduction also carries the stop signals' flag (trainer/run/signals.py).
-        train.precision: the model's forward under autocast; fp16 scales the loss, and one
-        reduction after backward (with the loss in stop mode) tells every rank whether any
-        gradient overflowed: then every rank drops the step (trainer/train/precision.py).
-        train.pipeline != off: the next step is prepared during this one (StepPipeline.prefetch),
-        and the dense allreduce starts behind the embedding gradient push and travels while the
-        owners update."""
-        if self.whole_step is not None:  # train.cuda_graph=on at W = 1: fixed shapes (trainer/train/whole_step.py)
-            return self.whole_step.train(flight, self._check_loss)
-        self.model.train()
-        batch = flight.batch
-        pooled = self.emb.lookup(flight)
-        self.steps.prefetch(flight.step)
-        split = self.dense_step  # train.cuda_graph=on: the dense half in one piece (trainer/train/dense_step.py)
-        if split is not None:
-            loss, grads, rows_grad = split.forward_backward(batch.dense, pooled, batch.labels)
-        else:
-            loss = dense_loss(self.model, self.precision.autocast(), batch.dense, pooled, batch.labels,
-                              self.global_batch)
-        extra = [SIGNALS.carry(loss, self.world)]  # with a stop signal's flag (trainer/run/signals.py)
-        if self.c.train.nonfinite == "skip":
-            value = SIGNALS.take(self.comm.allreduce(extra.pop(), op="sum", kind="dense"), self.world)
-            if not math.isfinite(value):
-                self.emb.discard(flight)
-                self.steps.restart_next()  # its cache lookups predate the rollback
-                return value
-        if split is not None:
-            split.rows_backward(pooled, rows_grad)
-        else:
-            self.opt.zero_grad(set_to_none=False)
-            self.precision.backward(loss)
-            grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
-        if self.precision.scaler is not None:  # fp16: unscaled, and every rank's overflow known
-            taken, overflow = self.precision.agree(self.comm, grads, flight.ws.grad,
-                                                   extra.pop() if extra else None, flight.step)
-            if taken is not None:  # stop mode: the loss came with the overflow flags
-                value = taken
-                self._check_loss(value, flight.step)
-            if overflow:
-                self.emb.discard(flight)
-                self.steps.restart_next()
-                return value
-        if self.steps.mode == "off":
-            self.emb.apply_gradients(flight)
-            reduced = self.comm.grouped_allreduce(grads + extra, op="sum", kind="dense")
-        else:  # the row gradients leave first, the dense allreduce behind them while owners update
-            dense = []
-            self.emb.apply_gradients(flight, between=lambda: dense.append(
-                self.comm.grouped_allreduce_async(grads + extra, op="sum", kind="dense")))
-            reduced = dense[0].wait()
-        for p, g in zip(self.params, reduced):
-            p.grad = g
-        self.opt.step()
-        if extra:
-            value = SIGNALS.take(reduced[-1], self.world)
-            self._check_loss(value, flight.step)
-        return value
-
-    @staticmethod
-    def _check_loss(value: float, step: int) -> None:
-        """train.nonfinite=stop: a non-finite global loss stops the run."""
-        if not math.isfinite(value):
-            raise TrainingError(f"loss is {value} at step {step}; stopping (lower optim.lr? "
-                                "train.nonfinite=skip drops such batches)")
+        """Step `step` (TrainPipeline.progress: lookup, forward, backward, embedding push + owner
+        update, dense allreduce + step); returns its global loss. Collective."""
+        return self.pipeline.progress(step)
 
     def _after_skip(self, step: int) -> None:
         """Step `step` was skipped (non-finite loss): warn; stop after train.max_skips in a row."""
@@ -305,8 +225,6 @@ class Trainer:
         end = self.early.stopped_at if self.early.stop else c.train.steps  # the step training stops at
         try:
             for step in range(self.start_step, end):
-                self.current_step = step
-                self.lr.apply(step)
                 t0 = time.perf_counter()
                 self.losses.append(self.train_step(step))
                 train_time += time.perf_counter() - t0
@@ -332,7 +250,7 @@ class Trainer:
                     self._save(done, train_time)
                 if done == end:
                     break
-            self.steps.drop_prepared()  # an early stop leaves the step prepared ahead unrun
+            self.pipeline.drop_prepared()  # an early stop leaves the step prepared ahead unrun
             if k.enabled and self.start_step < end:
                 self._save(end, train_time)
             # dynamic tables: summary.json's `dynamic` block is the pool as trained, not as restored
@@ -343,7 +261,7 @@ class Trainer:
             extra["calibration"] = self.evaluator.calibrate() if c.train.calibrate and self.val_rows else None
             final_eval = self._eval_now(end)
             summary = report.summary(train_time, final_eval, self.losses, self.evals, self.start_step,
-                                     k.resumed_from, k.last, self.steps.alltoalls, end_step=end,
+                                     k.resumed_from, k.last, self.pipeline.alltoalls, end_step=end,
                                      extra={**extra, **self._described()})
             state = self._gather_state() if return_state else None
         finally:
@@ -352,9 +270,9 @@ class Trainer:
 
     def _described(self) -> dict[str, Any]:
         return {"device": self.device.type, "transport": self.comm.transport,
-                "recipe": self.recipe.describe(self.c), "settled_rows": self.steps.settled,
+                "recipe": self.recipe.describe(self.c), "settled_rows": self.pipeline.settled,
                 "precision": self.precision.summary(),
-                "cuda_graph": next((s.summary() for s in (self.whole_step, self.dense_step) if s is not None), None)}
+                "cuda_graph": self.pipeline.strategy.summary()}
 
     def _stop(self, done: int, train_time: float, return_state: bool) -> RunResult:
         """A rank received a stop signal and every rank learnt it in step `done` (trainer/run/signals.py):
@@ -362,13 +280,13 @@ class Trainer:
         as in _save), summary.json written with `stopped` and without an evaluation (a huge model's
         can outlast a scheduler's grace time), checkpoint.dir released; run() then says so. Collective."""
         k, stop = self.checkpoints, agree(self.comm, SIGNALS, done)
-        self.steps.drop_prepared()
+        self.pipeline.drop_prepared()
         stop.continue_from, stop.why_none = k.last or k.resumed_from, why_not_saved(self.c, k.enabled)
         if stop.why_none is None:
             self._save(done, train_time, stop)
             stop.saved(k.last)
         summary = self.report.summary(train_time, NOT_EVALUATED, self.losses, self.evals, self.start_step,
-                                      k.resumed_from, k.last, self.steps.alltoalls, end_step=done,
+                                      k.resumed_from, k.last, self.pipeline.alltoalls, end_step=done,
                                       extra={"stopped": stop.record(), **self._described()})
         state = self._gather_state() if return_state else None
         self.report.close()
@@ -397,7 +315,7 @@ class Trainer:
             self.checkpoints.save(step, self)
             return
         except CheckpointError as exc:
-            self.steps.drop_prepared()
+            self.pipeline.drop_prepared()
             rescue = self.checkpoints.rescue(step, exc, self)
             if stop is not None:
                 stop.saved(rescue.fallback)
@@ -407,7 +325,7 @@ class Trainer:
         try:
             summary = self.report.summary(train_time, final_eval, self.losses, self.evals, self.start_step,
                                           self.checkpoints.resumed_from, self.checkpoints.last,
-                                          self.steps.alltoalls, end_step=step, checkpoint_error=rescue.record(),
+                                          self.pipeline.alltoalls, end_step=step, checkpoint_error=rescue.record(),
                                           extra={"stopped": stop.record()} if stop is not None else None)
         except OSError as write_error:  # rank 0: summary.json too (it went to stdout)
             written = f"stdout (summary.json cannot be written: {write_error})"

@@ -98,7 +98,10 @@ class HybridEmbedding:
         self.replica = replica
         if replica is not None:
             replica.load_from_owners(comm, store)
-        self.step = -1  # the clock of training lookups (the cache's LRU ages, the audit)
+        # the step of the last training lookup, as its InFlightStep carries it (the train pipeline's
+        # clock, trainer/train/pipeline.py; this module counts nothing): the cache's LRU ages, the
+        # dynamic tables' admissions, the audit's records (a resumed run: the checkpoint's step - 1)
+        self.step = -1
         self.undoable = False  # enable_discard(): dynamic tables journal each step's admissions
 
     @property
@@ -152,7 +155,7 @@ class HybridEmbedding:
             self.prepare(flight)
         batch, info, plan = flight.batch, flight.info, flight.plan
         ws = self._workspace(plan)
-        self.step += 1
+        self.step = flight.step
         if self.store.dynamic:  # its own ids first; peers' requests when this rank serves them
             for undo in self._journals():  # until apply_gradients (commit) or discard (rollback)
                 undo.begin()
@@ -192,11 +195,16 @@ class HybridEmbedding:
         if plan.hot_pos.numel():
             ws.index_copy_(0, plan.hot_pos, self.replica.rows(plan.hot_slots).to(ws.dtype))
 
-    def apply_gradients(self, flight: InFlightStep, between: Callable[[], None] | None = None) -> None:
+    def apply_gradients(self, flight: InFlightStep) -> None:
         """Replicated rows: allreduce + local update; remote rows: the protocol's pushes; owners
-        update every touched row once. Collective. between(): called once, after the pushes
-        have started and before this rank waits for what it receives (train.pipeline starts the
-        dense allreduce there, so it travels behind the row gradients while the owner updates)."""
+        update every touched row once. Collective."""
+        self.begin_update(flight)()
+
+    def begin_update(self, flight: InFlightStep) -> Callable[[], None]:
+        """apply_gradients in two halves: this one reduces the replicated rows and starts the
+        pushes; the function it returns waits for what this rank receives and updates the owned
+        rows (train.pipeline starts the dense allreduce between the two, so it travels behind the
+        row gradients while the owners update). Collective, both halves, each called once."""
         ws, read = self._finish(flight, "apply_gradients")
         for undo in self._journals():
             undo.commit()
@@ -213,9 +221,7 @@ class HybridEmbedding:
             finish = lambda: received  # noqa: E731
         else:
             finish = self.remote.write_start(plan, grad, read)
-        if between is not None:
-            between()
-        self._apply(owned, finish())
+        return lambda: self._apply(owned, finish())
 
     def enable_discard(self) -> None:
         """Make discard() possible: protocols with state (the HET cache) journal each read, dynamic

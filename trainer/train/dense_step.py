@@ -9,11 +9,13 @@ plans, unique ids, the rows' update) has sizes that depend on the ids and stays 
 How: the step is split where the two halves meet. The pooled rows enter the dense half as a
 leaf (`pooled.detach()` that takes a gradient); the dense half returns the loss, the dense
 gradients and the pooled rows' gradient (torch.autograd.grad: fresh outputs, nothing
-accumulated); the trainer then sends that gradient into the embedding's backward
-(`rows_backward`) after its non-finite check, exactly where the one-piece backward would have
-reached it. On a CPU there is no graph: `on` runs the same split step eagerly, and it equals
-the one-piece step (`off`) bit for bit (tests/test_dense_step.py), which is what makes the graph a
-replay of the same arithmetic on CUDA.
+accumulated); the pipeline then sends that gradient into the embedding's backward
+(`rows_backward`, this strategy's backward stage) after its non-finite check, exactly where the
+one-piece backward would have reached it. The rest is EagerStep's (step.py: the sparse half
+eager), and the order and the step's end are TrainPipeline's (pipeline.py). On a CPU there is no
+graph: `on` runs the same split step eagerly, and it equals the one-piece step (`off`) bit for
+bit (tests/test_dense_step.py), which is what makes the graph a replay of the same arithmetic on
+CUDA.
 
 On CUDA (`on`): the first call warms the function up on a side stream (twice, discarded: a pure
 function of its inputs, the parameters untouched) and captures it into a torch.cuda.CUDAGraph
@@ -27,41 +29,42 @@ Not with fp16 (the loss scale changes between steps): refused at config time.
 """
 from __future__ import annotations
 
-from typing import Callable, ContextManager, Optional
+from typing import Any, Optional
 
 import torch
-import torch.nn.functional as F
 
-__all__ = ["DenseStep", "dense_loss"]
+from ..embedding import HybridEmbedding
+from .precision import DensePrecision
+from .step import EagerStep, StepContext, dense_loss
+
+__all__ = ["DenseStep"]
 
 _WARMUP = 2  # side-stream runs before the capture (cuBLAS handles, autocast, allocator pools)
 
 
-def dense_loss(model: torch.nn.Module, autocast: ContextManager, dense: torch.Tensor, rows: torch.Tensor,
-               labels: torch.Tensor, global_batch: int) -> torch.Tensor:
-    """The training loss of this rank's batch: the model's forward under `autocast`, BCE summed
-    and divided by the global batch (so the ranks' losses add up to the global mean). The one
-    expression of both steps, split or not: the same values either way."""
-    with autocast:
-        logits = model(dense, rows)
-    return F.binary_cross_entropy_with_logits(logits.float(), labels, reduction="sum") / global_batch
+class DenseStep(EagerStep):
+    """The strategy of train.cuda_graph=on at W > 1: EagerStep whose forward is
+    forward_backward(dense, pooled, labels) -> (loss, dense grads, pooled rows' grad) and whose
+    backward is rows_backward (see the module docstring). Captured on CUDA; eager elsewhere."""
 
-
-class DenseStep:
-    """forward_backward(dense, pooled, labels) -> (loss, dense grads, pooled rows' grad): see the
-    module docstring. `graph`: capture on CUDA (train.cuda_graph=on); else eager."""
-
-    def __init__(self, model: torch.nn.Module, params: list[torch.nn.Parameter],
-                 autocast: Callable[..., ContextManager], global_batch: int, device: torch.device,
-                 graph: bool) -> None:
-        self.model, self.params, self.autocast = model, params, autocast
-        self.global_batch = global_batch
-        self.capture = graph and device.type == "cuda"
+    def __init__(self, emb: HybridEmbedding, model: torch.nn.Module, params: list[torch.nn.Parameter],
+                 opt: torch.optim.Optimizer, precision: DensePrecision, global_batch: int,
+                 device: torch.device) -> None:
+        super().__init__(emb, model, params, opt, precision, global_batch)
+        self.autocast = precision.autocast
+        self.capture = device.type == "cuda"
         self.graph: Optional[torch.cuda.CUDAGraph] = None
         self.static_in: tuple[torch.Tensor, ...] = ()
         self.static_out: tuple[torch.Tensor, list[torch.Tensor], torch.Tensor] | None = None
         self.replays = 0  # steps replayed from the graph (summary.json)
         self.eager_steps = 0  # steps run eagerly (no graph, or a batch of another shape)
+
+    def forward(self, ctx: StepContext) -> None:
+        batch = ctx.flight.batch
+        ctx.loss, ctx.grads, ctx.rows_grad = self.forward_backward(batch.dense, ctx.pooled, batch.labels)
+
+    def backward(self, ctx: StepContext) -> None:
+        self.rows_backward(ctx.pooled, ctx.rows_grad)
 
     def _compute(self, dense: torch.Tensor, rows: torch.Tensor, labels: torch.Tensor,
                  cache: bool = True) -> tuple[torch.Tensor, list[torch.Tensor], torch.Tensor]:
@@ -107,5 +110,5 @@ class DenseStep:
         with torch.cuda.graph(self.graph):
             self.static_out = self._compute(*self.static_in, cache=False)
 
-    def summary(self) -> dict[str, int | bool]:
+    def summary(self) -> dict[str, Any]:
         return {"captured": self.graph is not None, "replays": self.replays, "eager_steps": self.eager_steps}

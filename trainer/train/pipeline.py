@@ -1,26 +1,43 @@
-"""StepPipeline: the training steps in flight, and the next step's input side made ahead.
+"""TrainPipeline: one owner of a training step's order, its state and its clock.
 
-Why an object of its own (like TorchRec's TrainPipelineSparseDist, which owns the next batch's
-input distribution): with train.pipeline (default `ids`) two steps are in flight at once. During
-step i's forward and backward, step i+1's batch is made and copied to the device, its lookup plan
-made and its id requests sent; with `ids` and the ranks on several hosts the owners also send the
-rows of step i+1 that step i's update leaves unchanged (comm.settled_rows), with `rows` all of
-them (one step staler, within the pull bound). Only work that depends on no update of step i moves
-into step i, so the run stays exact (docs/design.md, section 4).
+progress(step) runs one step of this rank in a fixed order (as TorchRec's
+TrainPipelineSparseDist.progress does), for every strategy (step.py: how a step computes, chosen
+by train.cuda_graph and W: EagerStep, DenseStep, WholeStep):
 
-This object holds both steps as InFlightStep objects (trainer/embedding/types.py): `current`, the
-step being trained, and `next`, the step prepared ahead. They carry everything a step holds between
-calls (batch, plan, the remote protocol's begun read and read, the workspace); HybridEmbedding and
-the remote-row protocols take them as arguments and keep no step of their own. The Trainer asks
-for a step (start), trains it (HybridEmbedding.lookup, prefetch, apply_gradients or discard) and
-hands it back (finish).
+  1. the clock: `step` is the step in progress (the rates of lr.py set for it; the failure
+     advice's position); the step taken: the one prepared during the step before, else a new one
+     with its batch (start). Its state travels in a StepContext (step.py)
+  2. lookup (the strategy)
+  3. prefetch: the next step's input side, made during this one (see below)
+  4. forward (the strategy: the loss; the graphs' dense gradients with it)
+  5. the end of a step, written once here (_end): the loss's reduction carries the stop signals'
+     flag (trainer/run/signals.py) and the strategy's values. train.nonfinite=stop: it travels
+     with the dense gradients and a non-finite loss raises (the run stops, no checkpoint is
+     written after it); skip: it is reduced first (one extra allreduce of 4 bytes, 8 with W > 1)
+     and, when not finite, every rank drops the step before anything changed. Then the rest of
+     the backward (the strategy); fp16: one reduction tells every rank whether any gradient
+     overflowed (with the loss in stop mode), and every rank drops the step (precision.py); the
+     rows' update with the dense allreduce (train.pipeline != off: the allreduce starts behind the
+     row gradients and travels while the owners update); the dense optimizer's step; the loss
+     read and checked
+  6. finish: the step's alltoalls counted
 
-It also keeps the alltoall count per step (summary.json's alltoall calls per hot / cold step): a
-step's calls are the collectives counter's difference over the step, minus those made for the
-next step during it, plus those made for it during the step before.
+Why the steps in flight are this object's too (TorchRec's pipeline owns the next batch's input
+distribution the same way): with train.pipeline (default `ids`) two steps are in flight at once.
+During step i's forward and backward, step i+1's batch is made and copied to the device, its
+lookup plan made and its id requests sent; with `ids` and the ranks on several hosts the owners
+also send the rows of step i+1 that step i's update leaves unchanged (comm.settled_rows), with
+`rows` all of them (one step staler, within the pull bound). Only work that depends on no update
+of step i moves into step i, so the run stays exact (docs/design.md, section 4). Both steps are
+InFlightStep objects (trainer/embedding/types.py): `current`, the step being trained, and `next`,
+the step prepared ahead; HybridEmbedding and the remote-row protocols take them as arguments and
+keep no step of their own. The alltoall count per step (summary.json's alltoall calls per hot /
+cold step): the collectives counter's difference over the step, minus the calls made for the next
+step during it, plus those made for it during the step before.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
@@ -29,26 +46,36 @@ import torch
 from ..comm import Collectives
 from ..config import Config
 from ..core.device import to_device
+from ..core.errors import TrainingError
 from ..embedding import InFlightStep
+from ..run.signals import SIGNALS
+from .dense_step import DenseStep
+from .lr import LrSchedule
+from .precision import DensePrecision
+from .step import EagerStep, StepContext, StepStrategy
+from .whole_step import WholeStep
 
 if TYPE_CHECKING:  # the sparse side, as build.py assembles it (a type only: build is above this layer)
     from ..build import Sparse
 
-__all__ = ["StepPipeline"]
+__all__ = ["TrainPipeline"]
 
 
-class StepPipeline:
-    """This rank's steps in flight (see the module docstring). `saves_after(done)`: whether a
-    checkpoint follows `done` steps (a flush: train.pipeline=rows answers no read across it)."""
+class TrainPipeline:
+    """This rank's training steps: progress(step) trains one (see the module docstring).
+    `saves_after(done)`: whether a checkpoint follows `done` steps (a flush: train.pipeline=rows
+    answers no read across it)."""
 
     def __init__(self, c: Config, comm: Collectives, sparse: Sparse, data: Any, device: torch.device,
-                 saves_after: Callable[[int], bool], plans: bool = True) -> None:
-        """plans=False: the step prepared ahead is its batch only (a step that makes its own
-        fixed-size plan, trainer/train/whole_step.py)."""
+                 saves_after: Callable[[int], bool], *, model: torch.nn.Module, params: list[torch.nn.Parameter],
+                 opt: torch.optim.Optimizer, precision: DensePrecision, lr: LrSchedule, global_batch: int) -> None:
         self.c, self.comm, self.data, self.device = c, comm, data, device
-        self.plans = plans
         self.emb, self.feed = sparse.emb, sparse.feed
+        self.model, self.params, self.opt, self.precision, self.lr = model, params, opt, precision, lr
         self.saves_after = saves_after
+        self.skip = c.train.nonfinite == "skip"
+        self.strategy = self._choose(model, global_batch)
+        self.plans = self.strategy.plans_ahead  # False: the step prepared ahead is its batch only
         self.mode = c.train.pipeline  # off | ids | rows
         # Herald plans its sync step by step against its flushes: nothing is planned early
         self.overlaps = self.mode != "off" and sparse.herald is None
@@ -57,11 +84,99 @@ class StepPipeline:
         # (not with dynamic tables: step i+1's admissions must not run before step i's update)
         self.settled = self.mode == "ids" and not self.emb.store.dynamic and (
             c.comm.settled_rows == "always" or (c.comm.settled_rows == "auto" and comm.spans_hosts))
+        self.step: Optional[int] = None  # the clock: the step in progress, or the last one begun
         self.current: Optional[InFlightStep] = None  # the step being trained
         self.next: Optional[InFlightStep] = None  # the step prepared ahead
         self.alltoalls = {"hot": 0, "cold": 0}  # alltoall calls of this rank in hot / other steps
         self._calls_at_start = 0
 
+    def _choose(self, model: torch.nn.Module, global_batch: int) -> StepStrategy:
+        """train.cuda_graph=on: at W = 1 the whole step (whole_step.py), at W > 1 the dense half
+        (dense_step.py) from one graph; off: the eager step (step.py)."""
+        if self.c.train.cuda_graph == "on" and self.comm.size == 1:
+            return WholeStep(self.c, self.comm, self.emb, model, self.params, self.precision.autocast,
+                             global_batch, self.device)
+        if self.c.train.cuda_graph == "on":
+            return DenseStep(self.emb, model, self.params, self.opt, self.precision, global_batch, self.device)
+        return EagerStep(self.emb, model, self.params, self.opt, self.precision, global_batch)
+
+    # ---- one step ------------------------------------------------------------------------
+    def progress(self, step: int) -> float:
+        """Train step `step` in the module docstring's order; returns its global loss (not finite:
+        the step was dropped, nothing changed). Collective."""
+        self.step = step
+        self.lr.apply(step)
+        ctx = StepContext(self.start(step))
+        self.model.train()
+        self.strategy.lookup(ctx)
+        self.prefetch(step)
+        self.strategy.forward(ctx)
+        value = self._end(ctx)
+        self.finish(ctx.flight)
+        return value
+
+    def _end(self, ctx: StepContext) -> float:
+        """The end of every step (the module docstring's 5): returns the global loss."""
+        carry = [self.strategy.carry(ctx, SIGNALS.carry(ctx.loss, self.comm.size))]
+        if self.skip:
+            value = self._take(self.comm.allreduce(carry.pop(), op="sum", kind="dense"), ctx)
+            if not math.isfinite(value):
+                return self._drop(ctx, value)
+        self.strategy.backward(ctx)
+        if self.precision.scaler is not None:  # fp16: unscaled, and every rank's overflow known
+            taken, overflow = self.precision.agree(self.comm, ctx.grads, ctx.flight.ws.grad,
+                                                   carry.pop() if carry else None, ctx.step)
+            if taken is not None:  # stop mode: the loss came with the overflow flags
+                value = taken
+                self._check_loss(value, ctx.step)
+            if overflow:
+                return self._drop(ctx, value)
+        reduced = self._update(ctx, ctx.grads + carry)
+        for p, g in zip(self.params, reduced):
+            p.grad = g
+        self.opt.step()
+        if carry:
+            value = self._take(reduced[-1], ctx)
+            self._check_loss(value, ctx.step)
+        return value
+
+    def _update(self, ctx: StepContext, dense: list[torch.Tensor]) -> list[torch.Tensor]:
+        """The rows' update and the dense allreduce of `dense` (the gradients, then the loss's
+        carry in stop mode); returns it reduced. train.pipeline=off, or rows updated already (the
+        whole step): one after the other; else the row gradients leave first, the dense allreduce
+        behind them, and it travels while the owners update."""
+        finish = self.strategy.update_rows(ctx)
+        if finish is not None and self.mode == "off":
+            finish()
+            finish = None
+        if finish is None:
+            return self.comm.grouped_allreduce(dense, op="sum", kind="dense")
+        pending = self.comm.grouped_allreduce_async(dense, op="sum", kind="dense")
+        finish()
+        return pending.wait()
+
+    def _take(self, reduced: torch.Tensor, ctx: StepContext) -> float:
+        """The global loss of a reduced carry, in one read with the stop signals' flag and the
+        strategy's values (which it checks)."""
+        value, *values = SIGNALS.take_values(reduced, self.comm.size)
+        self.strategy.check(ctx, values)
+        return value
+
+    def _drop(self, ctx: StepContext, value: float) -> float:
+        """Every rank drops the step (a non-finite loss under train.nonfinite=skip, an fp16
+        overflow): nothing changed; the step prepared ahead begins its read again."""
+        self.strategy.discard(ctx)
+        self.restart_next()  # its cache lookups predate the rollback
+        return value
+
+    @staticmethod
+    def _check_loss(value: float, step: int) -> None:
+        """train.nonfinite=stop: a non-finite global loss stops the run."""
+        if not math.isfinite(value):
+            raise TrainingError(f"loss is {value} at step {step}; stopping (lower optim.lr? "
+                                "train.nonfinite=skip drops such batches)")
+
+    # ---- the steps in flight ---------------------------------------------------------------
     def batch(self, step: int) -> tuple[Any, Any]:
         """(this rank's batch on the device, the GlobalStep or None) of `step`. Both copies are
         asynchronous (pinned host memory, trainer/core/device.py); with train.pipeline the next step's
@@ -114,10 +229,10 @@ class StepPipeline:
         self.next.alltoalls_ahead = self._alltoall_calls() - calls
 
     def restart_next(self) -> None:
-        """The current step was discarded (train.nonfinite=skip): the step prepared ahead looked
-        the cache up before the rollback, so its read begins again. Collective."""
+        """The current step was dropped (_drop): the step prepared ahead looked the cache up before
+        the rollback, so its read begins again. Collective."""
         ahead = self.next
-        if ahead is not None:
+        if ahead is not None and self.plans:  # without a plan ahead it looked nothing up
             self.emb.cancel(ahead)
             self.next = self._prepare(InFlightStep(ahead.step, ahead.batch, ahead.info))
             self.next.alltoalls_ahead = ahead.alltoalls_ahead

@@ -9,8 +9,9 @@ rows is one function whose every tensor has a size set by the config, which read
 the lookup plan, the workspace gathered from the shard, the pooled gather, the model's forward
 under autocast, the loss, the backward to the dense parameters and to the workspace, and the
 owner's masked update of the rows (ShardStore.apply_masked). It returns the loss and the dense
-gradients; the dense allreduce (a copy at W = 1), the dense optimizer's step and the loss's one
-read follow as in the eager step (runner.Trainer._step), in the same order.
+gradients; it is a strategy of TrainPipeline (pipeline.py, the stages in step.py), whose end of a
+step follows as for the eager step: the dense allreduce (a copy at W = 1), the dense optimizer's
+step and the loss's one read.
 
 The capacity: by default the bound (per table the fewer of local batch x max bag and its rows),
 which no batch exceeds; train.unique_capacity sets a smaller one (less memory and work: the
@@ -23,9 +24,9 @@ sample (dropped from the pooled rows before the model), their ids the sentinel t
 out. Bags of one fixed length need no padding.
 
 train.nonfinite=skip: the update's mask also holds "the loss is finite" (a device value), so a
-non-finite step changes no row without the host deciding first; the dense step is skipped after
-the loss is read, as in the eager step. Equal results: on a CPU this runs eagerly and equals
-train.cuda_graph=off bit for bit (tests/test_whole_step.py).
+non-finite step changes no row without the host deciding first (nothing to discard); the dense
+step is skipped after the loss is read, as in the eager step. Equal results: on a CPU this runs
+eagerly and equals train.cuda_graph=off bit for bit (tests/test_whole_step.py).
 
 On CUDA: the function is captured into one torch.cuda.CUDAGraph over static inputs (dense,
 padded ids, lengths, labels) and replayed. The warm-up runs before the capture (side stream,
@@ -40,7 +41,6 @@ cache, a placement, Herald, stochastic rounding of half rows, the audit).
 """
 from __future__ import annotations
 
-import math
 from typing import Any, Callable, ContextManager, Optional
 
 import torch
@@ -51,26 +51,28 @@ from ..core.errors import TrainingError
 from ..comm import Collectives
 from ..config import Config
 from ..data.batch import Batch
-from .dense_step import _WARMUP, dense_loss
-from ..embedding import HybridEmbedding, InFlightStep
+from .dense_step import _WARMUP
+from ..embedding import HybridEmbedding
 from ..embedding.padded import padded_plan, unique_capacity
-from ..run.signals import SIGNALS
+from .step import StepContext, StepStrategy, dense_loss
 
 __all__ = ["WholeStep"]
 
 Inputs = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
 
 
-class WholeStep:
-    """train(flight) -> the global loss of one W = 1 step (see the module docstring)."""
+class WholeStep(StepStrategy):
+    """The strategy of train.cuda_graph=on at W = 1: one step's function of fixed shapes (see the
+    module docstring); the step prepared ahead is its batch only (no plan: this step pads its own)."""
+
+    plans_ahead = False
 
     def __init__(self, c: Config, comm: Collectives, emb: HybridEmbedding, model: torch.nn.Module,
-                 params: list[torch.nn.Parameter], opt: torch.optim.Optimizer,
-                 autocast: Callable[..., ContextManager], global_batch: int,
-                 prefetch: Callable[[int], None], device: torch.device) -> None:
-        self.comm, self.emb, self.store, self.sharding = comm, emb, emb.store, emb.sharding
-        self.model, self.params, self.opt, self.autocast = model, params, opt, autocast
-        self.global_batch, self.prefetch = global_batch, prefetch
+                 params: list[torch.nn.Parameter], autocast: Callable[..., ContextManager], global_batch: int,
+                 device: torch.device) -> None:
+        self.emb, self.store, self.sharding = emb, emb.store, emb.sharding
+        self.model, self.params, self.autocast = model, params, autocast
+        self.global_batch = global_batch
         self.max_bag = c.data.max_bag
         self.ragged = c.data.min_bag != c.data.max_bag
         offsets = self.sharding.table_offsets  # [T + 1], host
@@ -94,42 +96,30 @@ class WholeStep:
         self.replays = 0  # steps replayed from the graph (summary.json)
         self.eager_steps = 0  # steps run eagerly (a CPU, a changing rate, a batch of another shape)
 
-    # ---- the step ------------------------------------------------------------------------
-    def train(self, flight: InFlightStep, check_loss: Callable[[float, int], None]) -> float:
-        """One step of `flight` (its batch on the device); returns the global loss. Collective."""
-        self.model.train()
-        self.emb.step += 1  # the lookups' clock, as HybridEmbedding.lookup keeps it
-        self.store.rounding.step = flight.step
-        inputs = self.inputs(flight.batch)
-        self.prefetch(flight.step)  # the next batch is made and copied during this step
-        loss, grads, count = self._run(inputs)
-        self.emb.stats.record_on_device(int(flight.batch.values.numel()), count)
-        carry = SIGNALS.carry(loss, self.comm.size)
-        if self.capacity < self.bound:  # the unique ids past the capacity ride the loss's read
-            carry = torch.cat([carry, (count - self.capacity).clamp(min=0).to(carry.dtype).reshape(1)])
-        extra = [carry]
-        if self.skip:
-            value = self._take(self.comm.allreduce(extra.pop(), op="sum", kind="dense"), flight.step)
-            if not math.isfinite(value):
-                return value  # no row changed (the update's mask held the loss's finiteness)
-        reduced = self.comm.grouped_allreduce(grads + extra, op="sum", kind="dense")
-        for p, g in zip(self.params, reduced):
-            p.grad = g
-        self.opt.step()
-        if extra:
-            value = self._take(reduced[-1], flight.step)
-            check_loss(value, flight.step)
-        return value
+    # ---- the stages (step.py) -------------------------------------------------------------
+    def lookup(self, ctx: StepContext) -> None:
+        """The padded inputs of the step's function (the lookup is inside it)."""
+        self.store.rounding.step = ctx.step
+        ctx.inputs = self.inputs(ctx.flight.batch)
 
-    def _take(self, reduced: torch.Tensor, step: int) -> float:
-        """The global loss of the reduced carry; a batch past train.unique_capacity stops the run
-        (its plan dropped ids: the step is wrong, and nothing is saved after it)."""
-        value, *past = SIGNALS.take_values(reduced, self.comm.size)
-        if past and past[0] > 0:
-            raise TrainingError(f"step {step}: the batch holds {self.capacity + int(past[0])} unique ids, more than "
-                                f"train.unique_capacity={self.capacity}; raise it (0: the bound, {self.bound}, "
-                                "is never exceeded)")
-        return value
+    def forward(self, ctx: StepContext) -> None:
+        """The step's function: the loss, the dense gradients, the rows updated (masked)."""
+        ctx.loss, ctx.grads, ctx.count = self._run(ctx.inputs)
+        self.emb.stats.record_on_device(int(ctx.flight.batch.values.numel()), ctx.count)
+
+    def carry(self, ctx: StepContext, carry: torch.Tensor) -> torch.Tensor:
+        """The unique ids past the capacity ride the loss's read."""
+        if self.capacity < self.bound:
+            carry = torch.cat([carry, (ctx.count - self.capacity).clamp(min=0).to(carry.dtype).reshape(1)])
+        return carry
+
+    def check(self, ctx: StepContext, values: list[float]) -> None:
+        """A batch past train.unique_capacity stops the run (its plan dropped ids: the step is
+        wrong, and nothing is saved after it)."""
+        if values and values[0] > 0:
+            raise TrainingError(f"step {ctx.step}: the batch holds {self.capacity + int(values[0])} unique ids, "
+                                f"more than train.unique_capacity={self.capacity}; raise it (0: the bound, "
+                                f"{self.bound}, is never exceeded)")
 
     def inputs(self, batch: Batch) -> Inputs:
         """(dense, ids, lengths, labels) of a batch; ragged bags padded to the config's
