@@ -1,6 +1,6 @@
 """Every script of scripts/, benchmarks/ and dev/ (dev/recipe_study/ too): its --help, one shrunk real
 run (here, or in the test named in REAL_RUNS), and for bad input one `error: ...` line with exit
-status 2 instead of a traceback; what they share to start the trainer (trainer/tools/launch.py).
+status 2 instead of a traceback; what they share to start the trainer (dev/launch.py).
 
 The --help and bad-input runs go through tests/script_runner.py: one process imports torch, Hydra
 and numpy once and forks a child per command line, each child running the script afresh as
@@ -18,7 +18,7 @@ import pytest
 from data_helpers import prepare_sample
 from docs_registry import documented
 from hvd_launch import ROOT, env, require_horovod, require_netns
-from trainer.tools import launch
+from dev import launch
 
 PY = sys.executable
 RUNNER = os.path.join(ROOT, "tests", "script_runner.py")
