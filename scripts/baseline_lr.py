@@ -10,7 +10,8 @@ ones that pick rows (data.eval_fraction, data.train_samples, data.eval_samples, 
 apply to the baseline too, so both always see the same splits. C is chosen on folds of the TRAIN
 split (never on the eval split; --folds), then the model is refitted on the whole train split.
 Output: train_rows, eval_rows, eval_auc, eval_logloss, C, seconds (+ the trainer's run and
-trainer_auc - lr_auc with --compare). Exit status 2 on a bad directory or config.
+trainer_auc - lr_auc with --compare). Exit status 2 on a bad directory or config, or without
+scikit-learn (the `baseline` extra: pip install 'hybrid-trainer[baseline]').
 """
 from __future__ import annotations
 
