@@ -23,11 +23,8 @@ import sys
 import tempfile
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if ROOT not in sys.path:  # the repository root: this checkout's package, not another one installed
-    sys.path.insert(0, ROOT)
-from trainer.tools.baseline import DEFAULT_CS, SOLVERS, compose, run_baseline  # noqa: E402
-from trainer.tools.cli import bad_input, input_errors  # noqa: E402
+from trainer.tools.baseline import DEFAULT_CS, SOLVERS, compose, run_baseline
+from trainer.tools.cli import bad_input, input_errors
 
 
 def _floats(text: str) -> list[float]:

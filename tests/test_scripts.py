@@ -91,6 +91,17 @@ def test_every_script_is_listed_and_its_real_run_exists():
         assert f"def {name}(" in text and os.path.basename(script).rsplit(".", 1)[0] in text, (script, where)
 
 
+def test_user_scripts_run_the_installed_package_from_any_directory(tmp_path):
+    """scripts/ are the user's tools: they import the installed package (setup.sh installs the
+    checkout editable) and never edit sys.path, so they run alike from any directory; benchmarks/
+    and dev/, which import each other and are never installed, put the repository root there."""
+    user = sorted(s for s in PYTHON_SCRIPTS if s.startswith("scripts/"))
+    assert [s for s in user if "sys.path" in open(os.path.join(ROOT, s)).read()] == []
+    res = run_many([{"argv": [os.path.join(ROOT, s), "--help"], "cwd": str(tmp_path), "timeout": 60} for s in user])
+    assert [(s, r["rc"], r["stderr"][-500:]) for s, r in zip(user, res) if r["rc"] != 0] == []
+    assert all(HELP_SAYS[s] in r["stdout"] for s, r in zip(user, res))
+
+
 def _local_test(script: str) -> str:
     """This file's shrunk real run of `script` (REAL_RUNS "")."""
     return {"scripts/install_horovod.sh": "test_install_horovod_has_nothing_to_do_in_this_venv",
