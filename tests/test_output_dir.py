@@ -200,15 +200,14 @@ def test_metrics_rewrite_that_fails_keeps_the_log_and_marks_the_resume(tmp_path,
     args = CLI_BASE + ["comm=local", "train.steps=6", "train.log_every=1", "checkpoint.every=3", f"checkpoint.dir={root}"]
     run(make_cfg(args), out_dir=out)
     before = open(os.path.join(out, "metrics.jsonl")).read()
-    import trainer.report.writers as writers
-    real = os.replace
+    real = os.replace  # what trainer/core/atomic.py renames the rewritten log with
 
     def failing_replace(src, dst):
         if str(dst).endswith("metrics.jsonl"):
             raise OSError(28, "No space left on device (injected)", str(src))
         return real(src, dst)
 
-    monkeypatch.setattr(writers.os, "replace", failing_replace)
+    monkeypatch.setattr(os, "replace", failing_replace)
     capfd.readouterr()
     run(make_cfg(args + [f"checkpoint.resume={ckpt.step_dir(root, 3)}"]), out_dir=out)
     err = capfd.readouterr().err

@@ -6,11 +6,12 @@ every file a run reports in:
 - reporter.py: Reporter (one rank's lines, the summary; collective) and the `dynamic` block;
 - tensorboard.py: the TensorBoard event files;
 - writers.py: metrics.jsonl (JsonlWriter), summary.json (write_summary), the log cut back after a
-  resume (keep_records_until).
+  resume (keep_records_until); whole files through trainer/core/atomic.py, the package's one
+  atomic writer (a sweep's summary.json and Criteo preparation's files use it too).
 """
 from .reporter import Reporter, dynamic_summary
 from .tensorboard import TensorBoardWriter, staleness_histogram
-from .writers import JsonlWriter, keep_records_until, write_json_atomic, write_summary
+from .writers import JsonlWriter, keep_records_until, write_summary
 
 __all__ = ["JsonlWriter", "Reporter", "TensorBoardWriter", "dynamic_summary", "keep_records_until",
-           "staleness_histogram", "write_json_atomic", "write_summary"]
+           "staleness_histogram", "write_summary"]

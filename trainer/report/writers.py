@@ -1,14 +1,14 @@
-"""Writing a run's files: metrics.jsonl (one JSON record per line, never ending a run), JSON
-written atomically (summary.json), and the log cut back to a resumed step."""
+"""Writing a run's files: metrics.jsonl (one JSON record per line, never ending a run), summary.json
+(whole or not at all, else on stdout), and the log cut back to a resumed step. Whole files are
+written by trainer/core/atomic.py, the package's one way to replace a file."""
 from __future__ import annotations
 
 import json
-import math
-import os
 import sys
 from typing import Any
 
-import numpy as np
+from ..core.atomic import jsonable, replacing, write_json_atomic
+
 
 class JsonlWriter:
     """Appends one JSON object per line; a no-op when path is None (non-zero ranks, tests).
@@ -36,7 +36,7 @@ class JsonlWriter:
         if self._f is None:
             self.lost += 1
             return
-        line = (json.dumps(record, default=_jsonable) + "\n").encode()
+        line = (json.dumps(record, default=jsonable) + "\n").encode()
         end = self._f.tell()
         try:
             view = memoryview(line)
@@ -78,51 +78,23 @@ class JsonlWriter:
         self._close()
 
 
-def _jsonable(x: Any) -> Any:
-    if isinstance(x, (np.integer,)):
-        return int(x)
-    if isinstance(x, (np.floating,)):
-        return float(x)
-    raise TypeError(f"not JSON serialisable: {type(x)}")
-
-
-def write_json_atomic(path: str, obj: dict[str, Any]) -> None:
-    """Write obj as pretty JSON via a temporary file and rename (never a half-written file)."""
-    tmp = f"{path}.tmp.{os.getpid()}"
-    try:
-        with open(tmp, "w") as f:
-            json.dump(obj, f, indent=2, sort_keys=False, default=_jsonable)
-            f.write("\n")
-        os.replace(tmp, path)
-    except BaseException:
-        try:  # no half-written temporary file left behind (it may be what filled the disk)
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
-
-
 def write_summary(path: str, summary: dict[str, Any]) -> None:
-    """write_json_atomic for summary.json; when the disk refuses it, the summary goes to stdout
+    """core.atomic.write_json_atomic for summary.json; when the disk refuses it, the summary goes to stdout
     (one JSON line, so the results of the run are not lost) before the error is raised."""
     try:
         write_json_atomic(path, summary)
     except OSError as exc:
         print(f"[trainer] warning: cannot write {path} ({exc}); the summary follows on stdout",
               file=sys.stderr)
-        print(json.dumps(summary, default=_jsonable), flush=True)
+        print(json.dumps(summary, default=jsonable), flush=True)
         raise
-
-
-def finite_or_none(x: float | None) -> float | None:
-    return x if x is not None and math.isfinite(x) else None
 
 
 def keep_records_until(path: str, step: int) -> int:
     """Rewrite the metrics log `path` keeping only the records of steps <= step (step lines, evals
-    and earlier resume lines; lines without a step too), atomically: a temporary file in the same
-    directory, fsynced, renamed over the log. Lines that are not whole JSON records (cut by a
-    kill) go too. Returns how many lines were dropped. A log that cannot be rewritten (a full disk)
+    and earlier resume lines; lines without a step too), atomically (core/atomic.py: a temporary
+    file in the same directory, fsynced, renamed over the log). Lines that are not whole JSON
+    records (cut by a kill) go too. Returns how many lines were dropped. A log that cannot be rewritten (a full disk)
     stays as it is, with a warning; the resume line written next still marks where the resumed
     run's records begin. Rank 0 only, before the log is opened for appending."""
 
@@ -145,20 +117,12 @@ def keep_records_until(path: str, step: int) -> int:
         return 0
     if dropped == 0:
         return 0
-    tmp = f"{path}.rewrite-{os.getpid()}"
     try:
-        with open(path, "rb") as src, open(tmp, "wb") as dst:
+        with open(path, "rb") as src, replacing(path, "wb", fsync=True) as dst:
             for line in src:
                 if line.endswith(b"\n") and wanted(line):
                     dst.write(line)
-            dst.flush()
-            os.fsync(dst.fileno())
-        os.replace(tmp, path)
     except OSError as exc:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
         print(f"[trainer] warning: cannot rewrite {path} ({exc}); its {dropped} records after step "
               f"{step} from the interrupted run stay, before the resume line", file=sys.stderr)
         return 0
