@@ -257,7 +257,7 @@ def plot(points: list[Point], baseline: Optional[dict[str, Any]], x_key: str, ou
 def main(argv: list[str] | None = None) -> int:
     """`hybrid-trainer-plot-sweep` / scripts/plot_sweep.py: see the module doc's end."""
     ap = argparse.ArgumentParser(description="Plot a staleness sweep: eval AUC and embedding bytes per sample "
-                                             "against the bound." + __doc__.split("The command", 1)[1][1:],
+                                             "against the bound.\n\nThe command " + __doc__.split("The command ", 1)[1],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("sweep", nargs="+", help="sweep directories (or summary.json files)")
     ap.add_argument("--out", default="sweep.png", help="PNG to write (default: sweep.png)")
