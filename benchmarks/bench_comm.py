@@ -26,7 +26,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:  # the repository root, for the package when run from a checkout
     sys.path.insert(0, ROOT)
 from trainer.tools.cli import bad_input  # noqa: E402
-from trainer.tools.launch import launch_command  # noqa: E402
+from dev.launch import launch_command  # noqa: E402
 
 OPS = ("alltoall", "allreduce")
 BACKENDS = ("auto", "local", "torch", "horovod")  # trainer.comm.make_collectives

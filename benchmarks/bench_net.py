@@ -67,7 +67,7 @@ from benchmarks.phases import ENV as PHASES_ENV, read_phases  # noqa: E402
 from dev import netcluster  # noqa: E402
 from dev.netcluster import NetCluster, NetClusterError  # noqa: E402
 from trainer.tools.cli import bad_input, input_errors  # noqa: E402
-from trainer.tools.launch import check_trainer, trainer_command  # noqa: E402
+from dev.launch import check_trainer, trainer_command  # noqa: E402
 
 CACHE_SSP = ["cache=lfu", "consistency=ssp", "consistency.pull_bound=4", "consistency.push_bound=4"]
 MODES = {

@@ -32,7 +32,7 @@ from trainer.config import cache_capacities  # noqa: E402
 from trainer.placement.sca import slot_bytes  # noqa: E402
 from trainer.tools import simulate as sim  # noqa: E402
 from trainer.tools.cli import bad_input, input_errors  # noqa: E402
-from trainer.tools.launch import check_trainer, run_trainer, trainer_command  # noqa: E402
+from dev.launch import check_trainer, run_trainer, trainer_command  # noqa: E402
 
 
 def _bytes_per_sample(overrides: list[str], workers: int, steps: int) -> dict:

@@ -41,7 +41,7 @@ if ROOT not in sys.path:  # the repository root: benchmarks/ and this checkout's
 
 from benchmarks.scale_probe import ENV as PROBE_ENV  # noqa: E402
 from trainer.tools.cli import bad_input, input_errors  # noqa: E402
-from trainer.tools.launch import check_trainer, trainer_command  # noqa: E402
+from dev.launch import check_trainer, trainer_command  # noqa: E402
 
 PIECE = 64 << 20  # the I/O reference's write / read size
 

@@ -43,7 +43,7 @@ if ROOT not in sys.path:  # the repository root, for the package when run from a
 
 from benchmarks.phases import ENV as PHASES_ENV, PROFILE_ENV, read_phases  # noqa: E402
 from trainer.tools.cli import bad_input, input_errors  # noqa: E402
-from trainer.tools.launch import check_trainer, run_trainer, trainer_command  # noqa: E402
+from dev.launch import check_trainer, run_trainer, trainer_command  # noqa: E402
 
 COMMON = ["train.threads=1", "train.log_every=10", "data.eval_samples=8192", "train.progress=off",
           "checkpoint.enabled=false"]

@@ -37,7 +37,7 @@ from typing import Any
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:  # the repository root: dev/ and benchmarks/ are importable from it
     sys.path.insert(0, ROOT)
-from trainer.tools.launch import run_trainer, trainer_command  # noqa: E402
+from dev.launch import run_trainer, trainer_command  # noqa: E402
 
 BASE = ["train.progress=off", "train.threads=2", "train.tensorboard=false"]
 CUDA = ["train.device=cuda", "kernels.backend=auto"]
@@ -196,7 +196,7 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"path {CRITEO} needs --criteo DIR")
     import torch
     from trainer.tools.cli import bad_input, input_errors
-    from trainer.tools.launch import check_trainer
+    from dev.launch import check_trainer
     try:
         try:
             kind = torch.device(a.device).type

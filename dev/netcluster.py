@@ -70,7 +70,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:  # the repository root: run as a script, trainer/ comes from this checkout
     sys.path.insert(0, ROOT)
 from trainer.core import procs  # noqa: E402  /proc/PID/stat, parsed once (a leaf: the standard library only)
-from trainer.tools.launch import horovodrun_path, launch_command  # noqa: E402
+from dev.launch import horovodrun_path, launch_command  # noqa: E402
 
 PREFIX = "htnet"
 SUBNET = "10.213.0"  # host k is SUBNET.<k+1>/24; the subnet exists only inside our namespaces

@@ -37,12 +37,12 @@ from typing import Iterator, Optional
 import torch
 from torch import Tensor
 
-from kernels import hashmap as _hashmap_module
+from kernels import id_slot_map_triton as _id_slot_map_module
 from kernels import pooled_gather as _pooled_gather_module
 from kernels import reference
 from kernels import scatter_update as _scatter_update_module
 from kernels._triton import has_triton, interpret_enabled, require_triton
-from kernels.hashmap import IdSlotMap, TritonIdSlotMap
+from kernels.id_slot_map_triton import IdSlotMap, TritonIdSlotMap
 from kernels.reference import ReferenceIdSlotMap
 from kernels.rounding import StochasticRounding, salt_of
 
@@ -235,5 +235,5 @@ def row_update(
 def make_id_slot_map(capacity: int, device: torch.device | str = "cpu") -> IdSlotMap:
     """An id -> slot map on ``device``: the Triton hash table when the backend says so."""
     if use_triton(torch.device(device)):
-        return _hashmap_module.TritonIdSlotMap(capacity, device)
+        return _id_slot_map_module.TritonIdSlotMap(capacity, device)
     return ReferenceIdSlotMap(capacity, device)

@@ -23,7 +23,7 @@ from typing import Optional, Tuple
 import torch
 from torch import Tensor
 
-from kernels.probe_map import ReferenceIdSlotMap  # noqa: F401 (the reference backend's id -> slot map)
+from kernels.id_slot_map_reference import ReferenceIdSlotMap  # noqa: F401 (the reference backend's id -> slot map)
 from kernels.rounding import StochasticRounding, round_rows
 
 MODES = ("sum", "mean")

@@ -10,22 +10,21 @@ ones that pick rows (data.eval_fraction, data.train_samples, data.eval_samples, 
 apply to the baseline too, so both always see the same splits. C is chosen on folds of the TRAIN
 split (never on the eval split; --folds), then the model is refitted on the whole train split.
 Output: train_rows, eval_rows, eval_auc, eval_logloss, C, seconds (+ the trainer's run and
-trainer_auc - lr_auc with --compare). Exit status 2 on a bad directory or config.
+trainer_auc - lr_auc with --compare). Exit status 2 on a bad directory or config, or without
+scikit-learn (the `baseline` extra: pip install 'hybrid-trainer[baseline]').
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import subprocess
 import sys
 import tempfile
+import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if ROOT not in sys.path:  # the repository root: this checkout's package, not another one installed
-    sys.path.insert(0, ROOT)
-from trainer.tools.baseline import DEFAULT_CS, SOLVERS, compose, run_baseline  # noqa: E402
-from trainer.tools.cli import bad_input, input_errors  # noqa: E402
-from trainer.tools import launch  # noqa: E402
+from trainer.tools.baseline import DEFAULT_CS, SOLVERS, compose, run_baseline
+from trainer.tools.cli import bad_input, input_errors
 
 
 def _floats(text: str) -> list[float]:
@@ -55,11 +54,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def run_trainer(directory: str, overrides: list[str], run_dir: str) -> dict:
-    """`python -m trainer data=criteo data.dir=DIR <overrides>`; its summary.json."""
-    cmd = launch.trainer_command(1, ["data=criteo", f"data.dir={directory}", "train.progress=off",
-                                     f"hydra.run.dir={run_dir}", *overrides])
-    s = launch.run_trainer(cmd, run_dir)
-    s["_seconds"], s["_command"] = round(s["wall_s"], 3), " ".join(cmd[1:])
+    """`python -m trainer data=criteo data.dir=DIR <overrides>` in one process; its summary.json,
+    with "_seconds" (the whole command's) and "_command". A failed run raises RuntimeError with its
+    exit status and the end of its stderr."""
+    cmd = [sys.executable, "-m", "trainer", "data=criteo", f"data.dir={directory}", "train.progress=off",
+           f"hydra.run.dir={run_dir}", *overrides]
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    wall = time.perf_counter() - t0
+    if proc.returncode != 0:
+        raise RuntimeError(f"the trainer failed (exit {proc.returncode}): {' '.join(cmd)}\n{proc.stderr[-4000:]}")
+    with open(os.path.join(run_dir, "summary.json")) as f:
+        s = json.load(f)
+    s["_seconds"], s["_command"] = round(wall, 3), " ".join(cmd[1:])
     return s
 
 

@@ -14,14 +14,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if ROOT not in sys.path:  # the repository root: this checkout's package, not another one installed
-    sys.path.insert(0, ROOT)
-from trainer.config import ConfigError, needs_global_view  # noqa: E402
-from trainer.tools.cli import exit_status  # noqa: E402
+from trainer.config import ConfigError, needs_global_view
+from trainer.tools.cli import exit_status
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

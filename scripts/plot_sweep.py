@@ -13,13 +13,9 @@ lists the missing ones (`missing`).
 """
 from __future__ import annotations
 
-import os
 import sys
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if ROOT not in sys.path:  # the repository root: this checkout's package, not another one installed
-    sys.path.insert(0, ROOT)
-from trainer.tools.sweep import main  # noqa: E402  (the installed `hybrid-trainer-plot-sweep`)
+from trainer.tools.sweep import main  # the installed `hybrid-trainer-plot-sweep`
 
 if __name__ == "__main__":
     sys.exit(main())

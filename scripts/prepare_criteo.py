@@ -10,13 +10,9 @@ Bad rows are skipped, counted and listed (first line numbers) on screen and in D
 """
 from __future__ import annotations
 
-import os
 import sys
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if ROOT not in sys.path:  # the repository root: this checkout's package, not another one installed
-    sys.path.insert(0, ROOT)
-from trainer.tools.prepare_criteo import main, parse_args, report  # noqa: E402,F401
+from trainer.tools.prepare_criteo import main, parse_args, report  # noqa: F401
 
 if __name__ == "__main__":
     sys.exit(main())

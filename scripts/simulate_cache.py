@@ -23,14 +23,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if ROOT not in sys.path:  # the repository root: this checkout's package, not another one installed
-    sys.path.insert(0, ROOT)
-from trainer.tools import simulate as sim  # noqa: E402
-from trainer.tools.cli import exit_status  # noqa: E402
+from trainer.tools import simulate as sim
+from trainer.tools.cli import exit_status
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -129,6 +129,15 @@ def test_missing_directory_is_a_clear_error(tmp_path):
     assert missing in p.stderr and p.stdout == ""
 
 
+def test_without_scikit_learn_one_line_names_the_extra(prepared, capsys, monkeypatch):
+    """scikit-learn comes with the `baseline` extra: without it the script says so in one line."""
+    monkeypatch.setitem(sys.modules, "sklearn", None)  # what importlib finds when it is not installed
+    assert baseline_lr.main([prepared]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and err.count("\n") == 1, err
+    assert "scikit-learn" in err and "pip install 'hybrid-trainer[baseline]'" in err, err
+
+
 def test_directory_without_metadata_is_a_clear_error(tmp_path, capsys):
     assert baseline_lr.main([str(tmp_path)]) == 2
     err = capsys.readouterr().err

@@ -493,7 +493,7 @@ def test_the_memory_plan_counts_the_pool_and_its_bookkeeping():
     version, touched) plus the pool's slot ids and scores and a bound on the map's cells (CPU:
     16 B a cell; the map of a full pool never holds more than the bound)."""
     import trainer.plan.memplan as memplan
-    from kernels.probe_map import cells_bound
+    from kernels.id_slot_map_reference import cells_bound
     c = load_config(make_cfg(["data=tiny", "embedding.tables=dynamic", "embedding.capacity=50",
                               "checkpoint.enabled=false", "optim.sparse=rowwise_adagrad", "model.embedding_dim=16"]))
     plan = memplan.plan_memory(c, 2, 1)

@@ -48,6 +48,21 @@ def test_the_package_list_is_every_package_directory():
     assert _pyproject()["tool"]["setuptools"]["package-dir"] == {"trainer.conf": "conf"}
 
 
+def test_every_tool_extra_is_in_the_test_extra_and_no_dependency():
+    """scikit-learn and matplotlib are extras (`baseline`, `plot`: only their tools import them,
+    trainer.tools.cli.EXTRAS says which); the test extra, which setup.sh and the image install,
+    holds every extra's requirements."""
+    from trainer.tools.cli import EXTRAS
+
+    project = _pyproject()["project"]
+    extras = project["optional-dependencies"]
+    assert set(EXTRAS) <= set(extras), (sorted(EXTRAS), sorted(extras))
+    for name in EXTRAS:
+        assert set(extras[name]) <= set(extras["test"]), (name, extras[name])
+    names = [re.split(r"[<>=;\[ ]", r, maxsplit=1)[0] for r in project["dependencies"]]
+    assert not {"scikit-learn", "matplotlib"} & set(names), names
+
+
 def _clean_env(**extra: str) -> dict[str, str]:
     """This process's environment without the checkout on PYTHONPATH (the installed copy must be
     the one that runs)."""

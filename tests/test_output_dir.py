@@ -154,14 +154,14 @@ def test_full_disk_under_the_output_dir_does_not_stop_training(tmp_path, capfd):
 
 
 def test_metrics_failure_is_reported_in_the_summary(tmp_path, monkeypatch):
-    import trainer.evaluation.metrics as metrics
+    import trainer.report.writers as writers
     real_open = open
 
     def failing_open(path, mode="r", *a, **k):
         f = real_open(path, mode, *a, **k)
         return _FailingFile(f, 3) if str(path).endswith("metrics.jsonl") else f
 
-    monkeypatch.setattr(metrics, "open", failing_open, raising=False)
+    monkeypatch.setattr(writers, "open", failing_open, raising=False)
     res = run(make_cfg(TINY + ["train.steps=10", "train.log_every=1"]), out_dir=str(tmp_path))
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["metrics_log"] == res.summary["metrics_log"]
@@ -200,15 +200,14 @@ def test_metrics_rewrite_that_fails_keeps_the_log_and_marks_the_resume(tmp_path,
     args = CLI_BASE + ["comm=local", "train.steps=6", "train.log_every=1", "checkpoint.every=3", f"checkpoint.dir={root}"]
     run(make_cfg(args), out_dir=out)
     before = open(os.path.join(out, "metrics.jsonl")).read()
-    import trainer.report as report
-    real = os.replace
+    real = os.replace  # what trainer/core/atomic.py renames the rewritten log with
 
     def failing_replace(src, dst):
         if str(dst).endswith("metrics.jsonl"):
             raise OSError(28, "No space left on device (injected)", str(src))
         return real(src, dst)
 
-    monkeypatch.setattr(report.os, "replace", failing_replace)
+    monkeypatch.setattr(os, "replace", failing_replace)
     capfd.readouterr()
     run(make_cfg(args + [f"checkpoint.resume={ckpt.step_dir(root, 3)}"]), out_dir=out)
     err = capfd.readouterr().err

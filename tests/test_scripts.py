@@ -1,6 +1,6 @@
 """Every script of scripts/, benchmarks/ and dev/ (dev/recipe_study/ too): its --help, one shrunk real
 run (here, or in the test named in REAL_RUNS), and for bad input one `error: ...` line with exit
-status 2 instead of a traceback; what they share to start the trainer (trainer/tools/launch.py).
+status 2 instead of a traceback; what they share to start the trainer (dev/launch.py).
 
 The --help and bad-input runs go through tests/script_runner.py: one process imports torch, Hydra
 and numpy once and forks a child per command line, each child running the script afresh as
@@ -18,7 +18,7 @@ import pytest
 from data_helpers import prepare_sample
 from docs_registry import documented
 from hvd_launch import ROOT, env, require_horovod, require_netns
-from trainer.tools import launch
+from dev import launch
 
 PY = sys.executable
 RUNNER = os.path.join(ROOT, "tests", "script_runner.py")
@@ -89,6 +89,17 @@ def test_every_script_is_listed_and_its_real_run_exists():
         path, name = (where or f"test_scripts.py::{_local_test(script)}").split("::")
         text = open(os.path.join(ROOT, "tests", path)).read()
         assert f"def {name}(" in text and os.path.basename(script).rsplit(".", 1)[0] in text, (script, where)
+
+
+def test_user_scripts_run_the_installed_package_from_any_directory(tmp_path):
+    """scripts/ are the user's tools: they import the installed package (setup.sh installs the
+    checkout editable) and never edit sys.path, so they run alike from any directory; benchmarks/
+    and dev/, which import each other and are never installed, put the repository root there."""
+    user = sorted(s for s in PYTHON_SCRIPTS if s.startswith("scripts/"))
+    assert [s for s in user if "sys.path" in open(os.path.join(ROOT, s)).read()] == []
+    res = run_many([{"argv": [os.path.join(ROOT, s), "--help"], "cwd": str(tmp_path), "timeout": 60} for s in user])
+    assert [(s, r["rc"], r["stderr"][-500:]) for s, r in zip(user, res) if r["rc"] != 0] == []
+    assert all(HELP_SAYS[s] in r["stdout"] for s, r in zip(user, res))
 
 
 def _local_test(script: str) -> str:

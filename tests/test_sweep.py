@@ -111,6 +111,18 @@ def test_plot_names_jobs_of_a_sweep_that_was_stopped(tmp_path):
     assert refused.returncode == 2 and "job 1 of" in refused.stderr and "consistency.pull_bound=2" in refused.stderr
 
 
+def test_plot_without_matplotlib_one_line_names_the_extra(tmp_path, capsys, monkeypatch):
+    """matplotlib comes with the `plot` extra: without it the command says so in one line, before
+    reading the sweep."""
+    from trainer.tools import sweep
+
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # what importlib finds when it is not installed
+    assert sweep.main([str(tmp_path / "stale")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and err.count("\n") == 1, err
+    assert "matplotlib" in err and "pip install 'hybrid-trainer[plot]'" in err, err
+
+
 def test_a_second_sweep_on_a_sweep_dir_in_use_is_refused(tmp_path):
     """Sweep A trains its job 0 in hydra.sweep.dir=sw; sweep B on the same dir, alone and under
     torchrun (W = 2), stops with one error naming the dir and A before Hydra writes anything: every

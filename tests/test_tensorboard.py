@@ -84,7 +84,7 @@ def test_staleness_histogram_from_counts_equals_one_value_per_read(hist):
     import numpy as np
     from torch.utils.tensorboard.summary import make_histogram
     from trainer.embedding.consistency import HIST_BINS
-    from trainer.report import _bin_value, staleness_histogram
+    from trainer.report.tensorboard import _bin_value, staleness_histogram
     values = np.repeat([_bin_value(k) for k in hist], [hist[k] for k in hist])
     want = make_histogram(values, bins=np.arange(HIST_BINS + 1) - 0.5)
     got = staleness_histogram(hist)

@@ -36,12 +36,12 @@ from omegaconf import DictConfig
 from .checkpoint import CheckpointError
 from .comm import CollectiveError
 from .config import CONF_DIR, ConfigError
+from .core.errors import error_line
 from .data import IdRangeError
 from .data.criteo import CriteoFormatError
 from .run.multirun import SWEEP, describe, launcher_rank
 from .run.outdir import RECORD_DIR, hold_sweep_dir, hydra_record, literal_sweep_dir
 from .runner import TrainingError, run
-from .tools.cli import error_line
 
 _USER_ARGV: list[str] | None = None  # sys.argv as typed, while Hydra parses another one (cli)
 _SWEEP_SHOWN: str | None = None  # a non-zero rank's name for rank 0's sweep dir (its own is private)

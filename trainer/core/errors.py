@@ -1,5 +1,6 @@
-"""What every component may raise or wrap itself in: the error that stops training, and the phase
-a block of collectives is counted under (train / eval / other)."""
+"""What every component may raise or wrap itself in: the error that stops training, the phase
+a block of collectives is counted under (train / eval / other), and the one line an error is
+reported in (`error: ...`, by the command line and every tool)."""
 from __future__ import annotations
 
 from contextlib import contextmanager
@@ -21,3 +22,30 @@ def phase(comm: "Collectives", name: str) -> Iterator[None]:
         yield
     finally:
         comm.counter.phase = prev
+
+
+def error_line(exc: BaseException) -> str:
+    """The message of exc on one line, as `error: ...` prints it. Hydra's and OmegaConf's messages
+    span lines: "Could not override 'x'.\\nTo append to your config use +x=1", a list of the
+    available options one per indented line, then the config search path (dropped: it names
+    Hydra's own directories). Lines are joined with "; " (" " after a line ending in "." or ":"),
+    the items of an indented list with ", ". An override Hydra could not parse comes first
+    (`train.steps=[1: no viable alternative at input '[1'; ...`)."""
+    out, indented_before = "", False
+    for raw in str(exc).splitlines():
+        line = raw.strip()
+        if not line:
+            continue
+        if line == "Config search path:":
+            break
+        indented = raw[:1].isspace()
+        if not out:
+            out = line
+        elif indented and indented_before:
+            out += ", " + line
+        else:
+            out += (" " if out.endswith((".", ":")) else "; ") + line
+        indented_before = indented
+    out = out or type(exc).__name__
+    override = getattr(exc, "override", None)  # hydra.errors.OverrideParseException
+    return f"{override}: {out}" if isinstance(override, str) and override not in out else out

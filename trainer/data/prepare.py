@@ -28,6 +28,7 @@ from typing import Any, Callable, Iterator, Optional
 
 import numpy as np
 
+from ..core.atomic import replacing, write_json_atomic
 from .criteo import (FORMAT, META, NUM_CAT, NUM_DENSE, REASONS, CriteoFormatError, Encoder,
                      check_block, parse_chunk, to_block)
 
@@ -117,14 +118,11 @@ def encode_task(args: tuple[bytes, str]) -> ChunkStat:
     p = parse_chunk(buf)
     if p.labels.size:
         block = to_block(p.labels, p.dense, _ENCODER.encode(p.cats, p.empty))
-        tmp = path + ".tmp.npy"
         try:
-            np.save(tmp, block)
-            os.replace(tmp, path)
-        except OSError as exc:  # a full disk: leave no partial block behind
-            if os.path.exists(tmp):
-                os.remove(tmp)
-            raise OSError(exc.errno, exc.strerror, exc.filename or tmp) from exc
+            with replacing(path, "wb") as f:  # a full disk leaves no partial block behind
+                np.save(f, block)
+        except OSError as exc:
+            raise OSError(exc.errno, exc.strerror, exc.filename or path) from exc
     bad, first = _bad_stats(p)
     return ChunkStat(p.num_lines, int(p.labels.size), int(p.labels.sum()), bad, first)
 
@@ -243,9 +241,8 @@ def _count_file(opt: PrepOptions, workers: Workers, progress: Progress, i: int,
 
 
 def _save_npz(path: str, arrays: dict[str, np.ndarray]) -> None:
-    tmp = path + ".tmp.npz"
-    np.savez(tmp, **arrays)
-    os.replace(tmp, path)
+    with replacing(path, "wb") as f:
+        np.savez(f, **arrays)
 
 
 def build_vocab(opt: PrepOptions, progress: Progress) -> Encoder:
@@ -334,16 +331,8 @@ def _encode_file(opt: PrepOptions, workers: Workers, progress: Progress, split: 
         _add_chunk(rec, stat, opt, progress, name(k))
         progress.advance(pos - last, sum(stat.bad.values()))
         last = pos
-    write_json(marker, rec)
+    write_json_atomic(marker, rec, indent=1)
     return rec
-
-
-def write_json(path: str, obj: Any) -> None:
-    """Write JSON atomically (temporary file + rename)."""
-    tmp = f"{path}.tmp.{os.getpid()}"
-    with open(tmp, "w") as f:
-        json.dump(obj, f, indent=1)
-    os.replace(tmp, path)
 
 
 # ---- the whole run --------------------------------------------------------------------------------
@@ -482,7 +471,7 @@ def _make_out(opt: PrepOptions) -> None:
 
 def _check_signature(opt: PrepOptions) -> None:
     """Record this run's signature (check_out compared it with an earlier one)."""
-    write_json(os.path.join(opt.out, OPTIONS), _signature(opt))
+    write_json_atomic(os.path.join(opt.out, OPTIONS), _signature(opt), indent=1)
 
 
 def _split_meta(recs: list[dict[str, Any]]) -> dict[str, Any]:
@@ -563,5 +552,5 @@ def _prepare(opt: PrepOptions) -> dict[str, Any]:
                 f"no row of the {split} files ({', '.join(files)}) survived: {bad['total']} bad rows "
                 f"({', '.join(f'{k}: {v}' for k, v in bad['by_reason'].items()) or 'the files are empty'})"
                 + (f"; first: {first}" if first else "") + f". {META} was not written")
-    write_json(os.path.join(opt.out, META), meta)
+    write_json_atomic(os.path.join(opt.out, META), meta, indent=1)
     return meta

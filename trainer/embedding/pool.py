@@ -8,7 +8,7 @@ initialises a slot when the pool hands it to a new id.
 
 - map: gid -> slot, one map for all tables of this owner (the gid carries the table, so it is the
   per-table map of (table, id) under one key; kernels.make_id_slot_map: the Triton hash table on
-  CUDA, the open-addressing reference of kernels/probe_map.py elsewhere). No two gids ever share
+  CUDA, the open-addressing reference of kernels/id_slot_map_reference.py elsewhere). No two gids ever share
   a slot. A step's bookkeeping costs in proportion to its ids, except eviction: free slots are a
   cursor per table (plus the holes a checkpoint load may leave), the map's last two answers are
   remembered (a step asks for the same ids in admit, rows and apply); a table that evicts pays
@@ -42,7 +42,7 @@ from typing import Any, Callable, Optional
 import torch
 
 import kernels
-from kernels.probe_map import cells_bound
+from kernels.id_slot_map_reference import cells_bound
 from .admission import Counting, make_counter
 from .pool_journal import PoolJournal
 from .sharding import ID_BITS

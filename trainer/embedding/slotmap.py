@@ -5,16 +5,16 @@ Why two kinds: on the CPU, an int32 array over the whole id space is the cheapes
 (one index per lookup, no probing), but it costs 4 bytes per id of the model, cached or not. So it
 is used only while it stays sized by the cache, not by the model: at most DIRECT_IDS_PER_SLOT ids
 per slot (64 B per slot, less than a slot's row; the default 10% cache qualifies), and at most
-DIRECT_MAP_MAX_IDS ids (512 MiB). Otherwise, and on any device, the hash map of kernels/hashmap.py
+DIRECT_MAP_MAX_IDS ids (512 MiB). Otherwise, and on any device, the hash map of kernels/id_slot_map_triton.py
 (kernels.make_id_slot_map: the Triton table on a GPU), whose size follows the slots (16 B cells,
-2.7-5.3 per slot: kernels.probe_map.cells_bound).
+2.7-5.3 per slot: kernels.id_slot_map_reference.cells_bound).
 """
 from __future__ import annotations
 
 import torch
 
 import kernels
-from kernels.hashmap import IdSlotMap
+from kernels.id_slot_map_triton import IdSlotMap
 
 DIRECT_MAP_MAX_IDS = 1 << 27  # CPU: a direct id -> slot array up to this many ids (512 MiB int32)
 DIRECT_IDS_PER_SLOT = 16  # ... and up to this many ids per slot (4 B each: 64 B per slot)

@@ -35,8 +35,9 @@ from ..core.errors import phase
 from ..comm import Collectives
 from ..config import Config
 from ..plan.configure import load_config
-from .metrics import auc_logloss, write_summary
 from ..plan.recipes import apply_data_steps
+from ..report.writers import write_summary
+from .metrics import auc_logloss
 
 LOGITS = "test_logits.npy"  # a member's [n, 2] float64 (calibrated logit, label) of the test split
 

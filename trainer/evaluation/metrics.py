@@ -1,15 +1,10 @@
-"""Evaluation metrics, per-step JSONL logging and the run summary.
+"""Evaluation metrics: exact AUC and log loss, temperature scaling. (What a run writes is
+trainer/report/'s.)
 
-Why one module: every claim the project makes (accuracy, throughput, bytes on the wire) comes out
-of here, computed the same way for every backend and world size.
+Why one module: every accuracy claim the project makes comes out of here, computed the same way
+for every backend and world size.
 """
 from __future__ import annotations
-
-import json
-import math
-import os
-import sys
-from typing import Any
 
 import numpy as np
 
@@ -61,111 +56,3 @@ def fit_temperature(logits: np.ndarray, labels: np.ndarray) -> tuple[float, floa
     k = int(np.argmin(losses))  # first of equal losses
     one = int(np.flatnonzero(TEMPERATURES == 1.0)[0])
     return float(TEMPERATURES[k]), float(losses[one]), float(losses[k])
-
-
-class JsonlWriter:
-    """Appends one JSON object per line; a no-op when path is None (non-zero ranks, tests).
-
-    A log must never end a run: when a write fails (a full disk, a quota, an I/O error) the file is
-    cut back to its last complete line, one warning goes to stderr, and later records are counted
-    as lost instead of written; report() says so for the summary. Each record is written with
-    one unbuffered write loop, so a failure cannot leave half a line in a buffer for the next one."""
-
-    def __init__(self, path: str | None) -> None:
-        self.path = path
-        self.written = 0  # records in the file
-        self.lost = 0  # records not written after a failure
-        self.error: str | None = None
-        self._f = None
-        if path:
-            try:
-                self._f = open(path, "ab", buffering=0)
-            except OSError as exc:
-                self._fail(exc, None)
-
-    def write(self, record: dict[str, Any]) -> None:
-        if self.path is None:
-            return
-        if self._f is None:
-            self.lost += 1
-            return
-        line = (json.dumps(record, default=_jsonable) + "\n").encode()
-        end = self._f.tell()
-        try:
-            view = memoryview(line)
-            while view:
-                view = view[self._f.write(view):]
-        except OSError as exc:
-            self.lost += 1
-            self._fail(exc, end)
-            return
-        self.written += 1
-
-    def _fail(self, exc: OSError, end: int | None) -> None:
-        self.error = f"{type(exc).__name__}: {exc}"
-        if self._f is not None and end is not None:
-            try:
-                self._f.truncate(end)  # no partial line (also frees what it held)
-            except OSError:
-                pass
-        self._close()
-        print(f"[trainer] warning: cannot write {self.path} ({self.error}); training goes on without "
-              "its per-step log (the summary counts the records lost)", file=sys.stderr)
-
-    def report(self) -> dict[str, Any] | None:
-        """For summary.json: None when every record was written (or there is no log)."""
-        if self.error is None:
-            return None
-        return {"path": self.path, "error": self.error, "records_written": self.written,
-                "records_lost": self.lost}
-
-    def _close(self) -> None:
-        f, self._f = self._f, None
-        if f is not None:
-            try:
-                f.close()
-            except OSError:
-                pass
-
-    def close(self) -> None:
-        self._close()
-
-
-def _jsonable(x: Any) -> Any:
-    if isinstance(x, (np.integer,)):
-        return int(x)
-    if isinstance(x, (np.floating,)):
-        return float(x)
-    raise TypeError(f"not JSON serialisable: {type(x)}")
-
-
-def write_json_atomic(path: str, obj: dict[str, Any]) -> None:
-    """Write obj as pretty JSON via a temporary file and rename (never a half-written file)."""
-    tmp = f"{path}.tmp.{os.getpid()}"
-    try:
-        with open(tmp, "w") as f:
-            json.dump(obj, f, indent=2, sort_keys=False, default=_jsonable)
-            f.write("\n")
-        os.replace(tmp, path)
-    except BaseException:
-        try:  # no half-written temporary file left behind (it may be what filled the disk)
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
-
-
-def write_summary(path: str, summary: dict[str, Any]) -> None:
-    """write_json_atomic for summary.json; when the disk refuses it, the summary goes to stdout
-    (one JSON line, so the results of the run are not lost) before the error is raised."""
-    try:
-        write_json_atomic(path, summary)
-    except OSError as exc:
-        print(f"[trainer] warning: cannot write {path} ({exc}); the summary follows on stdout",
-              file=sys.stderr)
-        print(json.dumps(summary, default=_jsonable), flush=True)
-        raise
-
-
-def finite_or_none(x: float | None) -> float | None:
-    return x if x is not None and math.isfinite(x) else None

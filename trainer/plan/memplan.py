@@ -33,7 +33,7 @@ from typing import Any
 import torch
 
 from ..config import Config, ConfigError, cache_capacities, local_batch_size, table_rows
-from kernels.probe_map import cells_bound
+from kernels.id_slot_map_reference import cells_bound
 from ..embedding.admission import Counting
 from ..embedding.padded import PLAN_SLOT_BYTES, unique_capacity
 from ..embedding.pool import pool_slot_bytes

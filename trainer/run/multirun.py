@@ -15,10 +15,11 @@ error. `scripts/plot_sweep.py` reads it to name the jobs that have no summary.
 """
 from __future__ import annotations
 
-import json
 import os
 import time
 from typing import Any
+
+from ..core.atomic import write_json_atomic
 
 SUMMARY = "summary.json"
 
@@ -58,10 +59,7 @@ class SweepLog:
         path = os.path.join(self.sweep_dir, SUMMARY)
         try:
             os.makedirs(self.sweep_dir, exist_ok=True)
-            tmp = f"{path}.tmp-{os.getpid()}"
-            with open(tmp, "w") as f:
-                json.dump(record, f, indent=1)
-            os.replace(tmp, path)
+            write_json_atomic(path, record, indent=1)
         except OSError as exc:  # the jobs' own outputs matter more than this index of them
             print(f"[trainer] warning: cannot write the sweep summary {path}: {exc}", flush=True)
 

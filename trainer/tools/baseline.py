@@ -15,6 +15,7 @@ by; on large data its last `val_fraction`, like the trainer's tail rule), then t
 on the whole training split (the rows the trainer splits into training and validation rows with
 data.val_fraction: the baseline uses them all); the eval split is only scored.
 Metrics come from trainer.evaluation.metrics.auc_logloss, the trainer's own AUC/logloss code.
+scikit-learn (and scipy) come with the `baseline` extra: `pip install 'hybrid-trainer[baseline]'`.
 
 Memory: the splits are loaded whole (4 bytes x 40 per row, plus ~26 x 12 bytes per row for the
 sparse matrix): fine up to a few million rows; for Criteo Kaggle use max_train_rows (first rows).
@@ -32,6 +33,7 @@ from ..plan.configure import compose_config
 from ..data.blocks import split_segments
 from ..data.segment import Segment
 from ..data.criteo import CriteoFormatError, from_block, read_meta
+from .cli import require_extra
 
 DEFAULT_CS = (0.01, 0.03, 0.1, 0.3, 1.0, 3.0)
 SOLVERS = ("liblinear", "saga")
@@ -167,7 +169,8 @@ def run_baseline(c: Config, cs: Sequence[float] = DEFAULT_CS, folds: int = 0, va
                  solver: str = "liblinear", max_train_rows: int = 0) -> dict[str, Any]:
     """Fit and score the baseline; the result is the script's JSON line. folds: K >= 2 contiguous
     folds of the train split to choose C, 1 = its last val_fraction, 0 = auto (5 folds below
-    AUTO_FOLDS_ROWS training rows, else the tail slice)."""
+    AUTO_FOLDS_ROWS training rows, else the tail slice). Needs the `baseline` extra (scikit-learn)."""
+    require_extra("baseline", "the logistic-regression baseline")
     if solver not in SOLVERS:
         raise ValueError(f"solver={solver!r}: must be one of {', '.join(SOLVERS)}")
     if not 0 < val_fraction < 1:

@@ -1,47 +1,44 @@
 """What every command-line tool of the package shares: bad input is one `error: ...` line on stderr
-and exit status 2, never a traceback."""
+and exit status 2, never a traceback; so is a tool's optional package that is not installed (the
+line names the extra that brings it: EXTRAS, pyproject.toml's [project.optional-dependencies])."""
 from __future__ import annotations
 
+import importlib.util
 import sys
 from typing import Any, Callable
 
+from ..core.errors import error_line
+
+
+# extra -> {module a tool imports: the distribution that provides it}
+EXTRAS: dict[str, dict[str, str]] = {
+    "baseline": {"sklearn": "scikit-learn", "scipy": "scipy"},  # the LR baseline (baseline.py)
+    "plot": {"matplotlib": "matplotlib"},  # the sweep's plot (sweep.py)
+}
+
+
+class MissingExtra(RuntimeError):
+    """A tool needs a package of one of the project's extras that is not installed."""
+
+
+def require_extra(extra: str, what: str) -> None:
+    """Raise MissingExtra, one line naming the packages and `pip install 'hybrid-trainer[extra]'`,
+    unless every module of EXTRAS[extra] can be imported (looked up, not imported)."""
+    missing = [dist for module, dist in EXTRAS[extra].items() if importlib.util.find_spec(module) is None]
+    if missing:
+        raise MissingExtra(f"{what} needs {' and '.join(missing)}, not installed here: "
+                           f"pip install 'hybrid-trainer[{extra}]' (in a checkout: pip install -e '.[{extra}]')")
+
 
 def input_errors() -> tuple[type[BaseException], ...]:
-    """The errors that mean bad input to the tools (a bad directory, file, override or config):
-    their scripts print them and exit with status 2."""
+    """The errors that mean bad input to the tools (a bad directory, file, override or config) or a
+    missing extra: their scripts print them and exit with status 2."""
     from hydra.errors import HydraException
 
     from ..config import ConfigError
     from ..data.criteo import CriteoFormatError
 
-    return (ConfigError, CriteoFormatError, HydraException, ValueError, OSError)
-
-
-def error_line(exc: BaseException) -> str:
-    """The message of exc on one line, as `error: ...` prints it. Hydra's and OmegaConf's messages
-    span lines: "Could not override 'x'.\\nTo append to your config use +x=1", a list of the
-    available options one per indented line, then the config search path (dropped: it names
-    Hydra's own directories). Lines are joined with "; " (" " after a line ending in "." or ":"),
-    the items of an indented list with ", ". An override Hydra could not parse comes first
-    (`train.steps=[1: no viable alternative at input '[1'; ...`)."""
-    out, indented_before = "", False
-    for raw in str(exc).splitlines():
-        line = raw.strip()
-        if not line:
-            continue
-        if line == "Config search path:":
-            break
-        indented = raw[:1].isspace()
-        if not out:
-            out = line
-        elif indented and indented_before:
-            out += ", " + line
-        else:
-            out += (" " if out.endswith((".", ":")) else "; ") + line
-        indented_before = indented
-    out = out or type(exc).__name__
-    override = getattr(exc, "override", None)  # hydra.errors.OverrideParseException
-    return f"{override}: {out}" if isinstance(override, str) and override not in out else out
+    return (ConfigError, CriteoFormatError, HydraException, MissingExtra, ValueError, OSError)
 
 
 def bad_input(exc: BaseException) -> int:

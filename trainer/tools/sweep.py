@@ -25,7 +25,8 @@ the points, the cheapest bound (fewest embedding bytes) whose eval AUC is within
 bound-0 (BSP) run, and its byte saving against --baseline (a cache=none run) when given. A sweep
 with jobs that have no summary.json (failed, or never run) is refused, naming them, unless
 --allow-missing: then the plot and the choice use the jobs there are, and the JSON line lists the
-missing ones (`missing`).
+missing ones (`missing`). The plot needs the `plot` extra (matplotlib): pip install
+'hybrid-trainer[plot]'; without it the command stops with one `error:` line saying so.
 """
 from __future__ import annotations
 
@@ -40,6 +41,7 @@ from typing import Any, Optional
 
 from ..comm import EMBEDDING_KINDS
 from ..run.multirun import as_typed
+from .cli import MissingExtra, require_extra
 
 
 
@@ -206,7 +208,8 @@ def _jsonable(x: float) -> Any:
 def plot(points: list[Point], baseline: Optional[dict[str, Any]], x_key: str, out_png: str,
          title: str = "", tol: float = 0.002) -> None:
     """Two panels against the swept value: eval AUC (with the BSP - tol line), and embedding
-    bytes per sample (the chosen bound starred)."""
+    bytes per sample (the chosen bound starred). Needs the `plot` extra (matplotlib)."""
+    require_extra("plot", "plotting a sweep")
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -254,7 +257,7 @@ def plot(points: list[Point], baseline: Optional[dict[str, Any]], x_key: str, ou
 def main(argv: list[str] | None = None) -> int:
     """`hybrid-trainer-plot-sweep` / scripts/plot_sweep.py: see the module doc's end."""
     ap = argparse.ArgumentParser(description="Plot a staleness sweep: eval AUC and embedding bytes per sample "
-                                             "against the bound." + __doc__.split("The command", 1)[1][1:],
+                                             "against the bound.\n\nThe command " + __doc__.split("The command ", 1)[1],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("sweep", nargs="+", help="sweep directories (or summary.json files)")
     ap.add_argument("--out", default="sweep.png", help="PNG to write (default: sweep.png)")
@@ -268,10 +271,11 @@ def main(argv: list[str] | None = None) -> int:
                     help="plot and choose from the jobs that have a summary when others have none")
     a = ap.parse_args(argv)
     try:
+        require_extra("plot", "plotting a sweep")
         found, missing = find_jobs(a.sweep)
         points = load_points(found, a.x, a.series)
         baseline = json.load(open(a.baseline)) if a.baseline else None
-    except (OSError, KeyError, ValueError) as e:  # a missing or malformed summary, a key it lacks
+    except (OSError, KeyError, ValueError, MissingExtra) as e:  # a missing or malformed summary, a key it lacks; no matplotlib
         print(f"error: {e}", file=sys.stderr)
         return 2
     for job in missing:

@@ -1,4 +1,5 @@
-"""Id-to-slot hash map for the embedding cache: one interface, a Triton and a reference backend.
+"""Id-to-slot hash map for the embedding cache: the interface (IdSlotMap) and its Triton table
+(TritonIdSlotMap); the reference backend, also the CPU path, is kernels/id_slot_map_reference.py.
 
 Why a GPU hash map: every step maps the batch's remote ids to cache slots (lookup), installs fetched
 rows (insert) and evicts (erase). Doing that on the host means a device->host copy of the ids every

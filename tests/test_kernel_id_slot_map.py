@@ -1,6 +1,6 @@
-"""The id -> slot hash map (kernels/hashmap.py): the Triton map and its reference against a Python
-dict under random inserts, lookups and deletes, duplicate ids, odd batch sizes, growth and
-tombstone reuse; compiled on a GPU.
+"""The id -> slot hash map: the Triton map (kernels/id_slot_map_triton.py) and its reference
+(kernels/id_slot_map_reference.py) against a Python dict under random inserts, lookups and deletes,
+duplicate ids, odd batch sizes, growth and tombstone reuse; compiled on a GPU.
 
 Shared set-up (Triton's interpreter on CPU machines, the autouse fixtures, bag and storage
 factories) is in kernel_helpers.py."""
@@ -150,7 +150,7 @@ def test_gpu_hashmap_vs_reference():
 
 
 def test_reference_map_churn_stays_exact_and_bounded():
-    """The CPU map (open addressing, kernels/probe_map.py) under the pool's traffic: ids come and
+    """The CPU map (open addressing, kernels/id_slot_map_reference.py) under the pool's traffic: ids come and
     go at a constant number held, over full int64 range keys (tables in the top bits). Answers
     equal a dict throughout; tombstones are reused or dropped by rebuilds, so the cells stay
     bounded by the ids held, not by the ids ever seen; items() are sorted."""

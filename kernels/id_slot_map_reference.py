@@ -6,9 +6,9 @@ table (millions of ids), not with the batch: dynamic tables ran 2x slower than f
 W = 1. Here a lookup, insert or erase of n ids costs O(n) expected work (a few probe rounds, each
 one gather over the ids still probing), whatever the table holds.
 
-Layout, as the Triton table (kernels/hashmap.py): a power-of-two array of int64 keys (EMPTY = -1,
-TOMBSTONE = -2, so ids must be >= 0) and one of int64 values, linear probing from a mixed hash of
-the id (splitmix64's finaliser). Differences, since one host thread drives every call:
+Layout, as the Triton table (kernels/id_slot_map_triton.py): a power-of-two array of int64 keys
+(EMPTY = -1, TOMBSTONE = -2, so ids must be >= 0) and one of int64 values, linear probing from a
+mixed hash of the id (splitmix64's finaliser). Differences, since one host thread drives every call:
 - insert first finds the ids already present (an update in place), then claims for each absent id
   the first EMPTY *or* TOMBSTONE cell of its chain (no concurrent inserter can hold the same id);
   ids of one round that reach the same free cell are settled by np.maximum.at: the largest id
@@ -34,7 +34,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from kernels.hashmap import EMPTY, TOMBSTONE, IdSlotMap
+from kernels.id_slot_map_triton import EMPTY, TOMBSTONE, IdSlotMap
 
 _MIX1 = np.uint64(0xBF58476D1CE4E5B9)  # splitmix64's multipliers
 _MIX2 = np.uint64(0x94D049BB133111EB)

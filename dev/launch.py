@@ -1,7 +1,7 @@
 """Command lines that start the trainer (or any Python program) on W workers of one machine or of
 several: with no launcher (W = 1), under torchrun (comm=torch) or under horovodrun (comm=horovod).
-The tools, benchmarks and dev harnesses build their runs with these, so a launcher's options are
-written once.
+The benchmarks, the dev harnesses and the tests build their runs with these, so a launcher's options
+are written once (beside the package, not in it: no user command needs them).
 
     trainer_command(2, ["data=tiny"], "torchrun")
     -> [python, -m, torch.distributed.run, --standalone, --nproc_per_node, 2, -m, trainer, comm=torch, data=tiny]
@@ -89,8 +89,8 @@ def check_trainer(world: int, overrides: Sequence[str], launcher: str = "auto") 
     """Compose and validate the config the workers of trainer_command(world, overrides, launcher)
     would start from, without starting them: a bad override or value raises here (ConfigError,
     Hydra's errors: trainer.tools.cli.input_errors) instead of in every launched worker."""
-    from ..config import validate_world
-    from ..plan.configure import compose_config
+    from trainer.config import validate_world
+    from trainer.plan.configure import compose_config
 
     if world < 1:
         raise ValueError(f"{world} workers: must be >= 1")
