@@ -48,12 +48,12 @@
 # horovodrun, or your own ssh) do not see the image's ENV: /etc/environment gives them its PATH
 # (the venv first) and Open MPI's permission to run as root. On hosts with several NICs pin them:
 # --network-interface eth0, NCCL_SOCKET_IFNAME=eth0.
-# tests/test_image.py runs this recipe for the cpu flavour: two containers on one podman network.
+# tests/tools/test_image.py runs this recipe for the cpu flavour: two containers on one podman network.
 
 ARG BASE_IMAGE=nvidia/cuda:12.8.1-devel-ubuntu24.04
 FROM ${BASE_IMAGE}
 
-# Pins: tests/test_dockerfile.py keeps these equal to pyproject.toml and scripts/install_horovod.sh.
+# Pins: tests/tools/test_dockerfile.py keeps these equal to pyproject.toml and scripts/install_horovod.sh.
 ARG TORCH_VERSION=2.13.0
 # torch's wheel index under download.pytorch.org/whl/: cu128 matches the default CUDA base; cpu
 ARG TORCH_CUDA=cu128
@@ -131,7 +131,7 @@ assert hvd.nccl_built() == ('${HOROVOD_GPU}' == 'nccl') and hvd.gloo_built() \
 # The project (editable) with its dependencies and test extras (tests/ and scripts/gpu_check.sh run
 # in the image) and recbole's MovieLens-100K files (--no-deps: only the data is used). The
 # dependencies first, read from pyproject.toml alone, so that a code change reinstalls only the
-# project. Listed, not `COPY . .`: wheelhouse/ and the rest stay out (tests/test_dockerfile.py
+# project. Listed, not `COPY . .`: wheelhouse/ and the rest stay out (tests/tools/test_dockerfile.py
 # checks the list against the repository).
 WORKDIR /workspace/hybrid-trainer
 COPY pyproject.toml ./

@@ -125,7 +125,7 @@ fi
 PYTEST_PID=
 if [ "$PART" != bench ] && [ "$DEVICE" = cuda ]; then
   stage pytest 200 "$OUT/pytest_gpu.log" "$PY" -m pytest -q -s -m gpu -p no:cacheprovider \
-    tests/test_kernel_*.py tests/test_step_device.py tests/test_dense_step.py tests/test_whole_step.py &
+    tests/kernels/test_kernel_*.py tests/unit/test_step_device.py tests/unit/test_dense_step.py tests/unit/test_whole_step.py &
   PYTEST_PID=$!
 fi
 

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Install a container engine for the image's tests (tests/test_image.py) on Debian: podman with runc
+# Install a container engine for the image's tests (tests/tools/test_image.py) on Debian: podman with runc
 # (crun fails on hosts that forbid setrlimit or use hybrid cgroups), mmdebstrap for the base image
 # (no registry needed), and the engine settings that work there. As root with apt-get; idempotent.
 #

@@ -67,7 +67,7 @@ if [ "${SKIP_HOROVOD:-0}" != 1 ]; then
   PYTHON="$VPY" bash scripts/install_horovod.sh
 fi
 # sshd for the emulated multi-host runs (horovodrun over ssh between network namespaces:
-# dev/netcluster.py, tests/test_multihost.py): Debian's openssh-server, only as root with
+# dev/netcluster.py, tests/distributed/test_multihost.py): Debian's openssh-server, only as root with
 # apt-get, quietly; never fails the setup (the cluster installs it on demand too).
 if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1 && ! [ -x /usr/sbin/sshd ]; then
   echo "[setup] installing openssh-server (sshd for the emulated multi-host tests)"

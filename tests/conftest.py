@@ -9,6 +9,13 @@ if ROOT not in sys.path:
 TESTS = os.path.dirname(os.path.abspath(__file__))
 if TESTS not in sys.path:
     sys.path.insert(0, TESTS)
+# tests/ holds the shared helpers (helpers.py, data_helpers.py, ...); its groups (unit/,
+# distributed/, kernels/, docs/, tools/) hold the test files, some of which reuse another file's
+# checks (test_parity.assert_same_run): every group is importable from any test and its workers
+GROUPS = ("unit", "distributed", "kernels", "docs", "tools")
+for _path in [os.path.join(TESTS, g) for g in GROUPS]:  # after tests/: its helpers come first
+    if _path not in sys.path:
+        sys.path.append(_path)
 # Subprocesses (scripts, `python -m trainer`, launchers) import this checkout too, whatever their
 # working directory: the venv's editable install may point at another checkout (a git worktree).
 if os.environ.get("PYTHONPATH", "").split(os.pathsep)[0] != ROOT:
@@ -21,6 +28,59 @@ if os.environ.get("PYTHONPATH", "").split(os.pathsep)[0] != ROOT:
 # (tests/data_helpers.py, dev/criteo_file.py), so a fresh clone passes without it.
 CRITEO_SAMPLE_ENV = "CRITEO_SAMPLE"
 CRITEO_SAMPLE_DEFAULT = os.path.join(ROOT, "..", "shared", "data", "criteo_sample_2k.tsv")
+
+
+# ---- fixtures the checkpoint, output-directory and data-error tests share ----------------------
+# (real tmpfs mounts: root ignores permission bits, so a read-only mount is the only refusal root gets)
+
+@pytest.fixture
+def small_fs(tmp_path):
+    """A small file system to fill (tests/helpers.py tmpfs)."""
+    from helpers import tmpfs
+
+    with tmpfs(tmp_path / "small") as mnt:
+        yield mnt
+
+
+@pytest.fixture
+def read_only(tmp_path):
+    """A read-only directory holding an `out` directory."""
+    from helpers import tmpfs
+
+    with tmpfs(tmp_path / "ro", dirs=("out",), read_only=True) as mnt:
+        yield mnt
+
+
+@pytest.fixture
+def read_only_path(tmp_path):
+    """A read-only directory holding an `inside` directory, as a Path."""
+    from pathlib import Path
+
+    from helpers import tmpfs
+
+    with tmpfs(tmp_path / "ro", dirs=("inside",), read_only=True) as mnt:
+        yield Path(mnt)
+
+
+@pytest.fixture(scope="module")
+def prepared(tmp_path_factory) -> str:
+    """The suite's Criteo-format sample, prepared (a module may define its own `prepared`)."""
+    from data_helpers import prepare_sample
+
+    out = tmp_path_factory.mktemp("criteo")
+    prepare_sample(str(out))
+    return str(out / "prepared")
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory) -> str:
+    """One complete W = 1 checkpoint (adagrad) at step 3, never modified by tests (copy it)."""
+    from failure_helpers import BASE, _step
+    from helpers import run_single
+
+    root = str(tmp_path_factory.mktemp("saved"))
+    run_single(BASE + ["train.steps=3", "optim=adagrad", f"checkpoint.dir={root}"])
+    return _step(root, 3)
 
 
 def criteo_sample_path() -> str:

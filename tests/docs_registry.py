@@ -1,6 +1,6 @@
 """The registry of the commands shown in the docs: how each is found (fenced bash blocks, inline
 code that reads as a command), run (the overrides that only shrink it, its placeholders) and checked
-(what the text beside it promises). tests/test_docs_commands.py runs them; a test elsewhere that runs
+(what the text beside it promises). tests/docs/test_docs_commands.py runs them; a test elsewhere that runs
 a documented command takes it from here (`documented`), so it runs what the docs print."""
 from __future__ import annotations
 
@@ -218,7 +218,7 @@ REGISTRY: dict[str, Entry] = {
         Entry(host=1, marks=("netns",), shrink=(("--nproc_per_node 8", "--nproc_per_node 1"),), add=W2),
     "docker build -t hybrid-trainer .": Entry(marks=("docker",), in_checkout=True, timeout=3600),
     # README (In a container) and docs/running.md: the cpu image (cached: a build with nothing
-    # changed takes seconds; tests/test_image.py builds it first in a full run)
+    # changed takes seconds; tests/tools/test_image.py builds it first in a full run)
     "bash scripts/build_image.sh cpu": Entry(marks=("docker",), in_checkout=True, timeout=3600,
                                              stdout=r"(?m)^hybrid-trainer:cpu$"),
     "podman run --rm --network none hybrid-trainer:cpu python -m trainer train.steps=100":
@@ -244,7 +244,7 @@ REGISTRY: dict[str, Entry] = {
         Entry(files=("VOCAB_DIR/meta.json",), check=_vocabulary_prepared),
     ".venv/bin/python -m trainer data=movielens optim=adam optim.sparse_lr=0.2 train.steps=600":
         # "eval AUC about 0.77" needs the 600 steps (~30 s alone, minutes on a busy machine): not
-        # checked here; tests/test_real_data.py trains MovieLens.
+        # checked here; tests/unit/test_real_data.py trains MovieLens.
         Entry(shrink=(("train.steps=600", "train.steps=20"),), **TRAINER),
     ".venv/bin/torchrun --nproc_per_node 2 -m trainer comm=torch data=criteo data.dir=DIR":
         # the README's and gpu.md's GPU command: runs on the CPU too; on a GPU machine it must train there
@@ -305,7 +305,7 @@ REGISTRY: dict[str, Entry] = {
         Entry(marks=("gpu",), files=("OUT/check.log", "OUT/step.jsonl"), timeout=1800),
     ".venv/bin/python dev/gpu_parity.py --jobs 8 --out gpu_parity.jsonl":
         Entry(marks=("gpu",), files=("gpu_parity.jsonl",), timeout=1800),
-    ".venv/bin/python -m pytest -q -m gpu tests/test_step_device.py tests/test_kernel_*.py":
+    ".venv/bin/python -m pytest -q -m gpu tests/unit/test_step_device.py tests/kernels/test_kernel_*.py":
         Entry(marks=("gpu",), timeout=900),
     # docs/config.md
     ".venv/bin/python -m trainer data=criteo_like train.precision=bf16 hydra.run.dir=runs/amp":
@@ -328,10 +328,10 @@ REGISTRY: dict[str, Entry] = {
     ".venv/bin/python benchmarks/bench_cache.py":
         Entry(add=("--steps", "6", "--warmup", "2"), json_keys=("read_ms", "write_ms")),
     ".venv/bin/python benchmarks/bench_comm.py --all":
-        Entry(elsewhere="tests/test_scripts.py::test_bench_comm_all_launches_torchrun_and_horovodrun",
+        Entry(elsewhere="tests/tools/test_scripts.py::test_bench_comm_all_launches_torchrun_and_horovodrun",
               add=("--sizes", "1KiB,16KiB", "--budget", "64KiB")),
     ".venv/bin/python benchmarks/bench_data.py --repeat 200":
-        Entry(elsewhere="tests/test_scripts.py::test_bench_data_measures_prepare_and_both_loaders",
+        Entry(elsewhere="tests/tools/test_scripts.py::test_bench_data_measures_prepare_and_both_loaders",
               shrink=(("--repeat 200", "--repeat 2"),), add=("--workers", "1", "--steps", "3", "--batch", "256")),
     ".venv/bin/python benchmarks/bench_placement.py":
         Entry(add=("--steps", "2", "--herald-steps", "2")),
@@ -339,7 +339,7 @@ REGISTRY: dict[str, Entry] = {
         Entry(add=("--steps", "40", "--sample-every", "10", "--warmup", "10"),
               json_keys=("rss_slope_mib_per_1k_steps", "throughput_drift")),
     ".venv/bin/python benchmarks/bench_scale.py --rows 2000000 --worlds 1 2":
-        Entry(elsewhere="tests/test_bench_scale.py::test_every_phase_of_a_train_and_a_resume_at_2w",
+        Entry(elsewhere="tests/tools/test_bench_scale.py::test_every_phase_of_a_train_and_a_resume_at_2w",
               shrink=(("--rows 2000000", "--rows 4000"),),
               add=("--tables", "2", "--dim", "8", "--resume-worlds", "2", "--steps", "2", "--batch", "64",
                    "--eval-samples", "256")),
@@ -352,7 +352,7 @@ REGISTRY: dict[str, Entry] = {
         Entry(marks=("gpu",), shrink=(("--steps 30", "--steps 4"),), json_keys=("samples_per_sec", "ms_per_step"),
               timeout=900),
     ".venv/bin/python benchmarks/bench_net.py --links 200mbit --repeat 3 --steps 120":
-        Entry(elsewhere="tests/test_bench_net.py::test_readme_command_on_a_shaped_link",
+        Entry(elsewhere="tests/tools/test_bench_net.py::test_readme_command_on_a_shaped_link",
               shrink=(("--repeat 3", "--repeat 1"), ("--steps 120", "--steps 4")), add=("--quick",)),
 }
 
@@ -463,22 +463,22 @@ def abbreviated(text: str) -> bool:
 INLINE_NOT_RUN = {
     "docker info": "the check that a container engine is there (the docker marker's own test)",
     "podman info": "the check that a container engine is there (the docker marker's own test)",
-    "podman import": "names a step of scripts/build_image.sh (tests/test_image.py builds the image)",
-    "pip wheel": "names a step of scripts/build_image.sh (tests/test_image.py builds the image)",
-    "pip install --no-deps -e .": "a step of the Dockerfile (tests/test_image.py builds the image)",
+    "podman import": "names a step of scripts/build_image.sh (tests/tools/test_image.py builds the image)",
+    "pip wheel": "names a step of scripts/build_image.sh (tests/tools/test_image.py builds the image)",
+    "pip install --no-deps -e .": "a step of the Dockerfile (tests/tools/test_image.py builds the image)",
     'python -c "import torch; print(torch.cuda.get_device_name(), torch.version.cuda)"':
         "prints the GPU's name: gpu.md's first step on a lent machine",
-    "pytest -m gpu -n 8 tests/test_gpu_paths.py": "a GPU machine's parallel form of tests/test_gpu_paths.py",
-    "pytest -m gpu tests/test_gpu_paths.py -k criteo": "runs only with a GPU (the gpu marker)",
-    "pytest -m gpu tests/test_dali_loader.py": "runs only with a GPU (the gpu marker)",
-    "pytest -q -m gpu tests/test_step_device.py": "runs only with a GPU (the gpu marker)",
-    "pytest -q -s tests/test_step_device.py": "the CPU audit: part of the suite CI runs",
-    "pytest -q -s tests/test_step_device.py -k het": "the CPU audit of the cache's step: part of the suite CI runs",
+    "pytest -m gpu -n 8 tests/unit/test_gpu_paths.py": "a GPU machine's parallel form of tests/unit/test_gpu_paths.py",
+    "pytest -m gpu tests/unit/test_gpu_paths.py -k criteo": "runs only with a GPU (the gpu marker)",
+    "pytest -m gpu tests/unit/test_dali_loader.py": "runs only with a GPU (the gpu marker)",
+    "pytest -q -m gpu tests/unit/test_step_device.py": "runs only with a GPU (the gpu marker)",
+    "pytest -q -s tests/unit/test_step_device.py": "the CPU audit: part of the suite CI runs",
+    "pytest -q -s tests/unit/test_step_device.py -k het": "the CPU audit of the cache's step: part of the suite CI runs",
     "torchrun --standalone": "the launcher's option, named in a sentence",
     "torchrun --nproc_per_node 2": "the launcher's option, named in a sentence",
     "horovodrun --gloo": "the launcher's option, named in a sentence",
     ".venv/bin/python -m pytest -q": "the suite itself (what .ci/run runs)",
-    ".venv/bin/python -m pytest -q tests/test_docs_commands.py": "this test",
+    ".venv/bin/python -m pytest -q tests/docs/test_docs_commands.py": "this test",
 }
 
 
@@ -517,16 +517,16 @@ def inline_commands(rel: str) -> list[tuple[int, str]]:
 # Inline commands that run: like a block command of their own (in a scratch directory), or by the
 # test they name (`elsewhere`), which takes the command line from `documented`.
 INLINE: dict[str, Entry] = {
-    # README: as a package (tests/test_install.py: a copy of the checkout, a fresh environment)
-    "pip wheel --no-deps .": Entry(elsewhere="tests/test_install.py::installed"),
-    "pip install .": Entry(elsewhere="tests/test_install.py::installed"),
-    "hybrid-trainer model=dcn": Entry(elsewhere="tests/test_install.py::test_the_wheel_trains_from_any_directory",
+    # README: as a package (tests/tools/test_install.py: a copy of the checkout, a fresh environment)
+    "pip wheel --no-deps .": Entry(elsewhere="tests/tools/test_install.py::installed"),
+    "pip install .": Entry(elsewhere="tests/tools/test_install.py::installed"),
+    "hybrid-trainer model=dcn": Entry(elsewhere="tests/tools/test_install.py::test_the_wheel_trains_from_any_directory",
                                       add=("train.steps=3", "data.eval_samples=256", "train.progress=off")),
     "hybrid-trainer-prepare-criteo --train TRAIN.tsv --test TEST.tsv --out DIR":
-        Entry(elsewhere="tests/test_install.py::test_the_installed_commands_prepare_and_train_criteo",
+        Entry(elsewhere="tests/tools/test_install.py::test_the_installed_commands_prepare_and_train_criteo",
               add=("--hash-rows", "1000", "--workers", "1", "--no-progress")),
     "hybrid-trainer-plot-sweep --help":
-        Entry(elsewhere="tests/test_install.py::test_the_installed_commands_prepare_and_train_criteo"),
+        Entry(elsewhere="tests/tools/test_install.py::test_the_installed_commands_prepare_and_train_criteo"),
     # docs/outputs.md: TensorBoard serves the run's events
     "tensorboard --logdir OUT": Entry(serves=r"TensorBoard \S+ at http://\S+:\d+/", timeout=120),
     # docs/recipe.md

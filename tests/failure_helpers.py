@@ -1,8 +1,7 @@
 """What the checkpoint, output-directory and data-error tests share: the tiny run they start (BASE with
 its step counts for in-process runs, CLI_BASE for `python -m trainer` processes started by _cli),
-the small file systems they fill or make read-only (real tmpfs mounts: root ignores permission bits,
-so a read-only mount is the only refusal root gets), a prepared Criteo sample and a saved
-checkpoint to copy."""
+and a few readers (their fixtures, the small file systems they fill or make read-only, a prepared
+sample and a saved checkpoint, are tests/conftest.py's)."""
 from __future__ import annotations
 
 import json
@@ -10,39 +9,15 @@ import os
 import subprocess
 import sys
 import time
-from pathlib import Path
 from typing import Callable
 
-import pytest
-from data_helpers import prepare_sample
-from helpers import run_single, tmpfs
 
 import trainer.checkpoint as ckpt
-
-
-@pytest.fixture
-def small_fs(tmp_path):
-    with tmpfs(tmp_path / "small") as mnt:
-        yield mnt
-
-
-@pytest.fixture
-def read_only(tmp_path):
-    """A read-only directory (a tmpfs remounted ro: root ignores permission bits)."""
-    with tmpfs(tmp_path / "ro", dirs=("out",), read_only=True) as mnt:
-        yield mnt
 
 
 def _records(path) -> list[dict]:
     with open(path) as f:
         return [json.loads(line) for line in f]
-
-
-@pytest.fixture
-def read_only_path(tmp_path):
-    """A read-only directory (a tmpfs remounted ro: root ignores permission bits)."""
-    with tmpfs(tmp_path / "ro", dirs=("inside",), read_only=True) as mnt:
-        yield Path(mnt)
 
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -86,13 +61,6 @@ def _manifest(path: str) -> dict:
         return json.load(f)
 
 
-@pytest.fixture(scope="module")
-def prepared(tmp_path_factory) -> str:
-    out = tmp_path_factory.mktemp("criteo")
-    prepare_sample(str(out))
-    return str(out / "prepared")
-
-
 STEPS, K = 12, 5
 
 
@@ -106,11 +74,3 @@ def _dir(tmp_path, name: str) -> str:
 
 def _step(root: str, step: int) -> str:
     return ckpt.step_dir(root, step)
-
-
-@pytest.fixture(scope="module")
-def saved(tmp_path_factory) -> str:
-    """One complete W = 1 checkpoint (adagrad) at step 3, never modified by tests (copy it)."""
-    root = str(tmp_path_factory.mktemp("saved"))
-    run_single(BASE + ["train.steps=3", "optim=adagrad", f"checkpoint.dir={root}"])
-    return _step(root, 3)

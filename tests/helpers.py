@@ -35,7 +35,7 @@ def free_port() -> int:
 # Workers are forked from a server that has imported torch and the trainer once (the
 # "forkserver" start method with a preload): a spawned worker would import them again, ~3 s of
 # CPU each, a large share of the suite's time (the dist tests take ~45% less). torch._dynamo too:
-# the first torch.optim optimizer imports it (~2.5 s; tests/test_dynamic_parity.py 76 s -> 41 s). A worker gets the
+# the first torch.optim optimizer imports it (~2.5 s; tests/distributed/test_dynamic_parity.py 76 s -> 41 s). A worker gets the
 # test's environment and working directory as they are at spawn() (a forked worker would otherwise
 # keep the server's). TEST_START_METHOD=spawn goes back to fresh interpreters.
 PRELOAD = ["torch", "torch._dynamo", "trainer.runner", "trainer.config", "trainer.comm"]

@@ -1,4 +1,4 @@
-"""One rank of the horovodrun-launched tests (tests/test_horovod.py starts it; not a test module).
+"""One rank of the horovodrun-launched tests (tests/distributed/test_horovod.py starts it; not a test module).
 
     horovodrun -np 2 -H localhost:2 --gloo python tests/horovod_worker.py MODE OUT [overrides...]
 

@@ -1,4 +1,4 @@
-"""Shared set-up of the kernel tests (tests/test_kernel_*.py: one file per kernel, plus the
+"""Shared set-up of the kernel tests (tests/kernels/test_kernel_*.py: one file per kernel, plus the
 reference and the dispatch): every Triton kernel is tested against its pure-torch reference, and the
 reference against torch itself.
 
@@ -18,7 +18,7 @@ No silent skips: triton is a pinned dependency on Linux x86_64 (pyproject.toml),
 tests always run and a missing or broken triton FAILS them (and test_triton_is_usable_where_pinned
 says why). They skip only on platforms where triton cannot be installed.
 
-The two autouse fixtures apply to a test module that imports them.
+The kernel tests' two autouse fixtures (one thread, the backend "auto") are tests/kernels/conftest.py's.
 """
 
 from __future__ import annotations
@@ -36,7 +36,6 @@ from typing import Any, Callable, Optional, Tuple
 import pytest
 from torch import Tensor
 
-import kernels
 from kernels import reference as ref
 from kernels._triton import has_triton, interpret_enabled, interpreter_ready
 
@@ -61,29 +60,6 @@ needs_cuda = pytest.mark.skipif(
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 INDEX_DTYPES = [torch.int32, torch.int64]
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny tensors gain nothing from intra-op threads, and OpenMP spinning on a busy 2-core
-    machine made index_add_ 100x slower; restore the thread count for the other modules."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
-
-
-@pytest.fixture(autouse=True)
-def _default_backend(monkeypatch: pytest.MonkeyPatch):
-    """Every test starts on backend "auto" (no force, no variable, configured "auto") and leaves
-    it there."""
-    monkeypatch.delenv(kernels.ENV_VAR, raising=False)
-    kernels.set_backend(None)
-    kernels.configure("auto", "cpu")
-    yield
-    kernels.set_backend(None)
-    monkeypatch.delenv(kernels.ENV_VAR, raising=False)
-    kernels.configure("auto", "cpu")
 
 
 def make_bags(

@@ -3,7 +3,7 @@ default and doc, every group with its options.
 
 Why generated: a key is documented once, by the comment on its field's line in schema.py (and a
 group by its dataclass's docstring, an option by the comment at the top of its conf/ file); the
-page is written from them, so it cannot drift. tests/test_config_docs.py checks that the page holds
+page is written from them, so it cannot drift. tests/docs/test_config_docs.py checks that the page holds
 what this module prints, and that the schema's defaults are the values conf/ composes.
 
     python -m trainer.config.doc                      # print the reference

@@ -1,7 +1,7 @@
 """The config schema: one dataclass per Hydra group (or block of conf/config.yaml), and the one
 place every key is documented: the comment on its field's line. docs/config.md's key reference is
 generated from these comments and defaults (python -m trainer.config.doc); the defaults are the
-values `python -m trainer` composes from conf/ (tests/test_config_docs.py checks all three agree).
+values `python -m trainer` composes from conf/ (tests/docs/test_config_docs.py checks all three agree).
 
 The tuples name each key's allowed values (validate.py checks them). A key whose value a recipe
 fills (null = "the recipe's") says so; the recipes' values are in trainer/plan/recipes.py

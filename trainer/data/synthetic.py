@@ -87,7 +87,7 @@ class SyntheticData:
             self._w_table = self._planted(t, i).astype(np.float32)
         # data.loader_threads > 1: a batch's samples are made in row chunks on a thread pool (numpy
         # releases the GIL in its array loops); every value is a function of its sample's index
-        # alone, so the chunks give bit-identical batches (tests/test_data_sharding.py)
+        # alone, so the chunks give bit-identical batches (tests/unit/test_data_sharding.py)
         self._threads = max(1, int(cfg.loader_threads))
         self._pool: Optional[ThreadPoolExecutor] = None
         # bags of one fixed length: batches say so (the id guard then reads no lengths)

@@ -8,7 +8,7 @@ consistency rules, connected to the owners by an in-process wire (InProcessHetWi
 alltoall: the owners are one shared version array. Rows are 1 wide and zero inside (only slots,
 versions and counts matter); bytes are counted at the configured embedding_dim with the trainer's
 formulas (het_wire_bytes / no_cache_wire_bytes). The trainer's cache counters for the same config and
-steps equal the simulator's (tests/test_simulate_cache.py runs both).
+steps equal the simulator's (tests/tools/test_simulate_cache.py runs both).
 
 One simulated step, as one training step of every worker:
   reads (every worker, against the owner versions at the end of the previous step): the worker's

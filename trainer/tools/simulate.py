@@ -7,7 +7,7 @@ trace through the SAME objects the trainer uses (plan_lookup, HetRemote / PlainR
 RowCache and consistency rules, the byte formulas het_wire_bytes / no_cache_wire_bytes) over an
 in-process exchange, which answers "what would policy P, capacity C and bounds (s_pull, s_push)
 cost at W workers" without training, for W up to 64 on one machine. The trainer's cache counters
-for the same config and steps are equal to the simulator's (tests/test_simulate_cache.py checks
+for the same config and steps are equal to the simulator's (tests/tools/test_simulate_cache.py checks
 this against a real 2-process run).
 
 Pieces here: trace sources (ConfigTrace: synthetic presets / a prepared Criteo dir through the data

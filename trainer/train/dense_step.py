@@ -14,7 +14,7 @@ accumulated); the pipeline then sends that gradient into the embedding's backwar
 one-piece backward would have reached it. The rest is EagerStep's (step.py: the sparse half
 eager), and the order and the step's end are TrainPipeline's (pipeline.py). On a CPU there is no
 graph: `on` runs the same split step eagerly, and it equals the one-piece step (`off`) bit for
-bit (tests/test_dense_step.py), which is what makes the graph a replay of the same arithmetic on
+bit (tests/unit/test_dense_step.py), which is what makes the graph a replay of the same arithmetic on
 CUDA.
 
 On CUDA (`on`): the first call warms the function up on a side stream (twice, discarded: a pure

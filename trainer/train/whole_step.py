@@ -26,7 +26,7 @@ out. Bags of one fixed length need no padding.
 train.nonfinite=skip: the update's mask also holds "the loss is finite" (a device value), so a
 non-finite step changes no row without the host deciding first (nothing to discard); the dense
 step is skipped after the loss is read, as in the eager step. Equal results: on a CPU this runs
-eagerly and equals train.cuda_graph=off bit for bit (tests/test_whole_step.py).
+eagerly and equals train.cuda_graph=off bit for bit (tests/unit/test_whole_step.py).
 
 On CUDA: the function is captured into one torch.cuda.CUDAGraph over static inputs (dense,
 padded ids, lengths, labels) and replayed. The warm-up runs before the capture (side stream,

@@ -1,0 +1,173 @@
+"""scripts/check_imports.py: the static import graph of trainer/ and kernels/ and their cycles; what
+the installed package holds.
+
+What is asserted: neither package has an import cycle, even counting imports made for type checkers
+only; trainer/config/ imports nothing else of the package (a leaf); the simulator's engine
+(trainer/sim/) imports only trainer/embedding; training never imports trainer/tools; every module of
+the two packages imports on its own and none of them loads the repository's benchmarks/ or dev/
+(the lab lives beside the package, not in it). The checker itself is tested on a small package with
+known cycles (module level, inside a function, relative imports, TYPE_CHECKING left out by default).
+"""
+from __future__ import annotations
+
+import ast
+import importlib.util
+import os
+import subprocess
+import sys
+import textwrap
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+SCRIPT = os.path.join(ROOT, "scripts", "check_imports.py")
+TRAINER = os.path.join(ROOT, "trainer")
+KERNELS = os.path.join(ROOT, "kernels")
+
+
+def _checker():
+    spec = importlib.util.spec_from_file_location("check_imports", SCRIPT)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+check = _checker()
+
+
+def _package(root, files: dict[str, str]) -> str:
+    pkg = root / "pkg"
+    for rel, text in files.items():
+        path = pkg / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(textwrap.dedent(text))
+    return str(pkg)
+
+
+def test_config_is_a_leaf():
+    graph = check.import_graph(TRAINER)
+    assert "trainer.config" in graph and "trainer.plan.configure" in graph
+    config = {m: deps for m, deps in graph.items() if m == "trainer.config" or m.startswith("trainer.config.")}
+    outside = {m: [d for d in deps if d != "trainer.config" and not d.startswith("trainer.config.")]
+               for m, deps in config.items()}
+    assert not any(outside.values()), outside
+
+
+def test_data_and_config_share_no_cycle():
+    cycles = check.find_cycles(TRAINER)
+    for comp in cycles:
+        assert not {"trainer.config", "trainer.data"} & set(comp), comp
+    graph = check.import_graph(TRAINER)
+    assert "trainer.config" in graph["trainer.data"]  # data uses the schemas, never the reverse
+    assert "trainer.data" in graph["trainer.plan.configure"] and "trainer.config" in graph["trainer.plan.configure"]
+
+
+def test_every_import_keeps_to_the_layers():
+    """The trainer's components (docs/design.md's map): a lower layer never imports a higher one,
+    and every component has its layer."""
+    files = check.module_files(TRAINER)
+    assert check.layer_violations(check.import_graph(TRAINER), check.LAYERS["trainer"], files, ROOT) == []
+    placed = {c for layer in check.LAYERS["trainer"] for c in layer}
+    assert {check.component(m) for m in files} == placed  # no layer names a component that is gone
+
+
+def test_layer_violations_are_reported_with_file_and_line(tmp_path):
+    pkg = _package(tmp_path, {
+        "__init__.py": "",
+        "low/__init__.py": "",
+        "low/a.py": "from ..high import b\n",  # up a layer: reported
+        "high/__init__.py": "",
+        "high/b.py": "from ..low import a\nfrom typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from .. import odd\n",
+        "odd.py": "",
+    })
+    files = check.module_files(pkg)
+    got = check.layer_violations(check.import_graph(pkg), [("low",), ("high",)], files, str(tmp_path))
+    assert got == ["pkg.odd: component 'odd' is in no layer of check_imports.LAYERS",
+                   "pkg: component '' is in no layer of check_imports.LAYERS",
+                   "pkg.low.a -> pkg.high.b: layer 0 (low) imports layer 1 (high)    (pkg/low/a.py:1)"], got
+
+
+def test_no_import_cycle_anywhere():
+    for package in (TRAINER, KERNELS):
+        assert check.find_cycles(package) == [], package
+        assert check.find_cycles(package, types=True) == [], package  # type-only imports too
+
+
+def test_every_module_of_the_package_imports_and_none_is_the_lab():
+    """Each module of trainer/ and kernels/ imported alone (a fresh interpreter for all, in order);
+    none of them pulls in benchmarks/ or dev/, and neither package holds a benchmark, a study or
+    the cluster emulation by name."""
+    names = sorted(m for d in (TRAINER, KERNELS) for m in check.module_files(d))
+    lab = ("bench", "soak", "netcluster", "gpu_parity", "phases", "splits", "rotations", "paired")
+    assert not [m for m in names if any(w in m.rsplit(".", 1)[-1] for w in lab)], names
+    code = ("import importlib, sys\n"
+            f"for name in {names!r}:\n"
+            "    importlib.import_module(name)\n"
+            "print(sorted({m.split('.')[0] for m in sys.modules} & {'benchmarks', 'dev'}))\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.strip() == "[]", proc.stdout
+
+
+def test_simulator_engine_imports_only_the_embedding():
+    graph = check.import_graph(TRAINER)
+    used = {t for m, edges in graph.items() if m.startswith("trainer.sim") for t in edges}
+    outside = {t for t in used if t.startswith("trainer.") and not t.startswith(("trainer.sim", "trainer.embedding"))}
+    assert outside == set(), outside
+    assert any(t.startswith("trainer.embedding.remote") for t in used)
+
+
+def test_training_never_imports_the_tools():
+    graph = check.import_graph(TRAINER)
+    users = {m for m, edges in graph.items() if any(t.startswith("trainer.tools") for t in edges)}
+    # the command line (python -m trainer) included: the error-line format it shares with the
+    # tools is trainer/core/errors.py's
+    assert users <= {m for m in graph if m.startswith("trainer.tools")}, users
+
+
+def test_checker_finds_cycles_of_every_kind(tmp_path):
+    pkg = _package(tmp_path, {
+        "__init__.py": "",
+        "a.py": "from . import b\n",
+        "b.py": "def f():\n    from .sub.c import g\n    return g\n",  # inside a function
+        "sub/__init__.py": "",
+        "sub/c.py": "from ..a import x\nx = 1\n",  # relative, two levels up
+        "d.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from . import e\n"
+                "else:\n    import pkg.f\n",
+        "e.py": "from .d import y\n",  # d -> e only for type checkers: no cycle
+        "f.py": "import pkg.f\n",  # a module importing itself
+        "leaf.py": "import os\nimport json\n",
+    })
+    assert check.find_cycles(pkg) == [["pkg.a", "pkg.b", "pkg.sub.c"], ["pkg.f"]]
+    assert check.find_cycles(pkg, types=True) == [["pkg.a", "pkg.b", "pkg.sub.c"], ["pkg.d", "pkg.e"], ["pkg.f"]]
+    graph = check.import_graph(pkg)
+    assert graph["pkg.d"] == {"pkg.f": [5]} and graph["pkg.e"] == {"pkg.d": [1]}
+    assert graph["pkg.b"] == {"pkg.sub.c": [2]} and graph["pkg.leaf"] == {}
+    assert check.closed_path(graph, ["pkg.a", "pkg.b", "pkg.sub.c"]) == ["pkg.a", "pkg.b", "pkg.sub.c", "pkg.a"]
+
+
+def test_cli_reports_cycles_and_exit_status(tmp_path):
+    clean = _package(tmp_path / "clean", {"__init__.py": "", "a.py": "from . import b\n", "b.py": "x = 1\n"})
+    proc = subprocess.run([sys.executable, SCRIPT, clean], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0 and "no import cycle" in proc.stdout, proc.stdout + proc.stderr
+    loop = _package(tmp_path / "loop", {"__init__.py": "", "a.py": "from .b import y\nx = 1\n",
+                                        "b.py": "def f():\n    from .a import x\n"})
+    proc = subprocess.run([sys.executable, SCRIPT, loop], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "cycle 1: 2 module(s): pkg.a, pkg.b" in proc.stdout
+    assert "pkg.a -> pkg.b" in proc.stdout and "pkg.b -> pkg.a    (pkg/b.py:2)" in proc.stdout
+    proc = subprocess.run([sys.executable, SCRIPT, str(tmp_path / "nope")], capture_output=True, text=True)
+    assert proc.returncode == 2 and proc.stderr.startswith("error:")
+
+
+def test_cli_on_the_repository_checks_both_packages():
+    proc = subprocess.run([sys.executable, SCRIPT, "--types"], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "trainer: no import cycle" in proc.stdout and "kernels: no import cycle" in proc.stdout, proc.stdout
+
+
+def test_importing_config_loads_nothing_else_of_the_package():
+    code = ("import sys, trainer.config; "
+            "print(sorted(m for m in sys.modules if m.startswith('trainer.')))")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr
+    loaded = ast.literal_eval(proc.stdout.strip())
+    assert "trainer.config" in loaded and all(m.startswith("trainer.config") for m in loaded), loaded

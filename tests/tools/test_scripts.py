@@ -1,0 +1,424 @@
+"""Every script of scripts/, benchmarks/ and dev/ (dev/recipe_study/ too): its --help, one shrunk real
+run (here, or in the test named in REAL_RUNS), and for bad input one `error: ...` line with exit
+status 2 instead of a traceback; what they share to start the trainer (dev/launch.py).
+
+The --help and bad-input runs go through tests/script_runner.py: one process imports torch, Hydra
+and numpy once and forks a child per command line, each child running the script afresh as
+`python SCRIPT ARGS` would (the repository's modules are never imported before the fork)."""
+from __future__ import annotations
+
+import glob
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from data_helpers import prepare_sample
+from docs_registry import documented
+from hvd_launch import ROOT, env, require_horovod, require_netns
+from dev import launch
+
+PY = sys.executable
+RUNNER = os.path.join(ROOT, "tests", "script_runner.py")
+
+# script -> where a shrunk real run of it is tested (file::test); "" = in this file
+REAL_RUNS = {
+    "scripts/baseline_lr.py": "tools/test_baseline_lr.py::test_baseline_auc_and_split_sizes_match_the_trainer",
+    "scripts/build_image.sh": "tools/test_image.py::test_image_holds_the_cpu_stack_and_no_host_files",
+    "scripts/check_imports.py": "docs/test_imports.py::test_cli_on_the_repository_checks_both_packages",
+    "scripts/gpu_check.sh": "tools/test_gpu_check.py::test_gpu_check_runs_every_stage_in_cpu_mode",
+    "scripts/install_horovod.sh": "",
+    "scripts/install_podman.sh": "",
+    "scripts/plan.py": "distributed/test_sca.py::test_plan_script_prints_json_and_rejects_bad_input",
+    "scripts/plot_sweep.py": "distributed/test_horovod.py::test_staleness_sweep_under_horovodrun_and_plot",
+    "scripts/prepare_criteo.py": "unit/test_criteo_prep.py::test_bad_rows_counted_with_line_numbers_and_round_trip",
+    "scripts/setup.sh": "",
+    "scripts/simulate_cache.py": "tools/test_simulate_cache.py::test_cli_one_json_line_and_64_workers",
+    "benchmarks/bench_cache.py": "tools/test_bench_cache.py::test_prints_one_line_with_its_timings",
+    "benchmarks/bench_comm.py": "",
+    "benchmarks/bench_data.py": "",
+    "benchmarks/bench_kernels.py": "tools/test_bench_kernels.py::test_bench_kernels_quick_cpu",
+    "benchmarks/bench_net.py": "tools/test_bench_net.py::test_repeat_interleaves_rounds_and_phases_time_every_rank_step_by_step",
+    "benchmarks/bench_placement.py": "",
+    "benchmarks/bench_scale.py": "tools/test_bench_scale.py::test_every_phase_of_a_train_and_a_resume_at_2w",
+    "benchmarks/bench_train.py": "tools/test_gpu_check.py::test_gpu_check_runs_every_stage_in_cpu_mode",
+    "benchmarks/scale_probe.py": "tools/test_bench_scale.py::test_every_phase_of_a_train_and_a_resume_at_2w",
+    "benchmarks/phases.py": "tools/test_bench_net.py::test_repeat_interleaves_rounds_and_phases_time_every_rank_step_by_step",
+    "benchmarks/soak.py": "tools/test_soak.py::test_soak_prints_one_json_line_with_sane_figures",
+    "dev/criteo_file.py": "tools/test_criteo_file.py::test_the_command_writes_a_file_prepare_criteo_reads",
+    "dev/gpu_parity.py": "unit/test_gpu_paths.py::test_harness_on_cpu",
+    "dev/gpu_dense_probe.py": "tools/test_gpu_check.py::test_gpu_check_step_study_in_cpu_mode",
+    "dev/netcluster.py": "",
+    "dev/recipe_study/compare_splits.py": "tools/test_compare_splits.py::test_each_split_against_its_own_baseline",
+    "dev/recipe_study/paired_splits.py": "tools/test_paired_splits.py::test_paired_differences_against_a_plain_computation",
+    "dev/recipe_study/val_rotations.py": "tools/test_val_rotations.py::test_one_run_per_slice_against_one_baseline",
+}
+SHELL = [s for s in REAL_RUNS if s.endswith(".sh")]
+PYTHON_SCRIPTS = [s for s in REAL_RUNS if s.endswith(".py")]
+MODULES = ["-m benchmarks.phases", "-m benchmarks.scale_probe"]  # wrappers of the trainer, run under a launcher
+
+
+def run_many(cases: list[dict]) -> list[dict]:
+    """Each case ({"argv", "env", "timeout"}) as `python ARGV` from the repository root, through
+    tests/script_runner.py; {"rc", "stdout", "stderr", "timed_out", "seconds"} each."""
+    for c in cases:
+        c.setdefault("cwd", ROOT)
+    proc = subprocess.run([PY, RUNNER], input=json.dumps(cases), capture_output=True, text=True,
+                          env=env(), cwd=ROOT, timeout=60 + sum(c.get("timeout", 120) for c in cases))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout)
+
+
+def _scripts_on_disk() -> list[str]:
+    """The command-line scripts of the three folders: shell scripts and Python files with a
+    __main__ block (dev/recipe_study/'s modules have none)."""
+    out = []
+    for folder in ("scripts", "benchmarks", "dev"):
+        for path in sorted(glob.glob(os.path.join(ROOT, folder, "**", "*"), recursive=True)):
+            rel = os.path.relpath(path, ROOT)
+            if path.endswith(".sh") or (path.endswith(".py") and 'if __name__ == "__main__"' in open(path).read()):
+                out.append(rel)
+    return out
+
+
+def test_every_script_is_listed_and_its_real_run_exists():
+    assert sorted(_scripts_on_disk()) == sorted(REAL_RUNS), "a script was added or removed: list it in REAL_RUNS"
+    for script, where in REAL_RUNS.items():  # the test exists, in a file that names the script
+        path, name = (where or f"tools/test_scripts.py::{_local_test(script)}").split("::")
+        text = open(os.path.join(ROOT, "tests", path)).read()
+        assert f"def {name}(" in text and os.path.basename(script).rsplit(".", 1)[0] in text, (script, where)
+
+
+def test_user_scripts_run_the_installed_package_from_any_directory(tmp_path):
+    """scripts/ are the user's tools: they import the installed package (setup.sh installs the
+    checkout editable) and never edit sys.path, so they run alike from any directory; benchmarks/
+    and dev/, which import each other and are never installed, put the repository root there."""
+    user = sorted(s for s in PYTHON_SCRIPTS if s.startswith("scripts/"))
+    assert [s for s in user if "sys.path" in open(os.path.join(ROOT, s)).read()] == []
+    res = run_many([{"argv": [os.path.join(ROOT, s), "--help"], "cwd": str(tmp_path), "timeout": 60} for s in user])
+    assert [(s, r["rc"], r["stderr"][-500:]) for s, r in zip(user, res) if r["rc"] != 0] == []
+    assert all(HELP_SAYS[s] in r["stdout"] for s, r in zip(user, res))
+
+
+def _local_test(script: str) -> str:
+    """This file's shrunk real run of `script` (REAL_RUNS "")."""
+    return {"scripts/install_horovod.sh": "test_install_horovod_has_nothing_to_do_in_this_venv",
+            "scripts/install_podman.sh": "test_install_podman_ends_with_a_running_engine",
+            "scripts/setup.sh": "test_setup_check_finds_everything_in_this_venv",
+            "benchmarks/bench_comm.py": "test_bench_comm_all_launches_torchrun_and_horovodrun",
+            "benchmarks/bench_data.py": "test_bench_data_measures_prepare_and_both_loaders",
+            "benchmarks/bench_placement.py": "test_bench_placement_simulated",
+            "dev/netcluster.py": "test_netcluster_command_line_up_run_down"}[script]
+
+
+# ------------------------------------------------------------------------------------------ --help
+HELP_SAYS = {  # a phrase of each script's own help text (not argparse's), so the text is its own
+    "scripts/baseline_lr.py": "Logistic-regression baseline",
+    "scripts/check_imports.py": "Import cycles",
+    "scripts/plan.py": "placement plan",
+    "scripts/plot_sweep.py": "staleness sweep",
+    "scripts/prepare_criteo.py": "Criteo raw TSV",
+    "scripts/simulate_cache.py": "Belady",
+    "benchmarks/bench_cache.py": "bookkeeping",
+    "benchmarks/bench_comm.py": "Collective latency",
+    "benchmarks/bench_data.py": "Input-pipeline benchmark",
+    "benchmarks/bench_kernels.py": "sparse kernels",
+    "benchmarks/bench_net.py": "Network benchmark",
+    "benchmarks/bench_placement.py": "--consistency",
+    "benchmarks/bench_scale.py": "every phase of a run",
+    "benchmarks/scale_probe.py": "SCALE_PROBE_DIR",
+    "benchmarks/bench_train.py": "Training throughput",
+    "benchmarks/phases.py": "STEP_PHASES_DIR",
+    "benchmarks/soak.py": "Soak test",
+    "dev/criteo_file.py": "stand-in for",
+    "dev/gpu_parity.py": "CPU reference",
+    "dev/gpu_dense_probe.py": "eager against one CUDA graph",
+    "dev/netcluster.py": "Emulated multi-host cluster",
+    "dev/recipe_study/compare_splits.py": "logistic regression",
+    "dev/recipe_study/paired_splits.py": "split by split",
+    "dev/recipe_study/val_rotations.py": "validation slices",
+    "scripts/gpu_check.sh": "GPU checklist",
+    "scripts/install_horovod.sh": "C++17",
+    "scripts/install_podman.sh": "runc",
+    "scripts/build_image.sh": "mmdebstrap",
+    "scripts/setup.sh": "--check",
+}
+
+
+@pytest.fixture(scope="module")
+def helps() -> dict[str, dict]:
+    scripts = PYTHON_SCRIPTS + MODULES
+    res = run_many([{"argv": s.split() + ["--help"], "timeout": 60} for s in scripts])
+    out = dict(zip(scripts, res))
+    for s in SHELL:
+        p = subprocess.run(["bash", os.path.join(ROOT, s), "--help"], capture_output=True, text=True, timeout=30)
+        out[s] = {"rc": p.returncode, "stdout": p.stdout, "stderr": p.stderr}
+    return out
+
+
+@pytest.mark.parametrize("script", sorted(REAL_RUNS) + MODULES)
+def test_help(script, helps):
+    r = helps[script]
+    assert r["rc"] == 0 and r["stderr"] == "", r
+    assert HELP_SAYS[script.replace("-m ", "").replace(".", "/", 1) + ".py" if script.startswith("-m ")
+                     else script] in r["stdout"], r["stdout"]
+
+
+# ------------------------------------------------------------------------------------ bad input
+BAD_OVERRIDES = {"data.batch_size=-1": "data.batch_size=-1: must be > 0",
+                 "nosuch=1": "Could not override 'nosuch'. To append to your config use +nosuch=1"}
+# the scripts that take trainer overrides: their arguments before the bad override ({dir}: a
+# prepared Criteo directory; {sample}: a raw Criteo-format file)
+TAKES_OVERRIDES = {
+    "scripts/plan.py": ["-W", "2", "data=tiny", "placement=fae"],
+    "scripts/simulate_cache.py": ["-W", "2", "data=tiny", "cache=lru", "--steps", "2"],
+    "scripts/baseline_lr.py": ["{dir}"],
+    "benchmarks/bench_cache.py": ["--steps", "4", "--warmup", "1"],
+    "benchmarks/soak.py": ["--steps", "4", "--sample-every", "2"],
+    "benchmarks/bench_train.py": ["--worlds", "1", "2", "--steps", "2", "--"],
+    "benchmarks/bench_net.py": ["--quick", "--links", "localhost", "--modes", "exact_serial", "--"],
+    "dev/recipe_study/compare_splits.py": ["{sample}", "--splits", "1", "--models", "dlrm"],
+    "dev/recipe_study/val_rotations.py": ["{dir}", "--slices", "1", "--models", "dlrm"],
+}
+MISSING = "/nonexistent/input"
+# other bad input: (script and arguments, what the one line says)
+BAD_INPUT = [
+    (["scripts/prepare_criteo.py", "--train", MISSING, "--out", "{tmp}/out"], f"input file '{MISSING}' does not exist"),
+    (["scripts/plot_sweep.py", MISSING], f"{MISSING}: no such sweep directory"),
+    (["scripts/simulate_cache.py", "--trace", MISSING, "--batch", "8", "cache=lru"], f"No such file or directory: '{MISSING}'"),
+    (["scripts/baseline_lr.py", MISSING], f"data.dir='{MISSING}'"),
+    (["scripts/check_imports.py", MISSING], f"{MISSING}: not a directory"),
+    (["scripts/plan.py", "-W", "0", "data=tiny", "placement=fae"], "--workers 0: must be > 0"),
+    (["benchmarks/bench_data.py", "--input", MISSING, "--workers", "1"], f"--input {MISSING}: no such file"),
+    (["benchmarks/bench_data.py", "--repeat", "0"], "--repeat 0: must be > 0"),
+    (["benchmarks/bench_placement.py", "--data", "nosuch"], "Could not find 'data/nosuch'; Available options in 'data': bench,"),
+    (["benchmarks/bench_placement.py", "--steps", "0"], "--steps 0: must be > 0"),
+    (["benchmarks/bench_kernels.py", "--device", "nosuch", "--quick"], "--device nosuch: not a torch device"),
+    (["benchmarks/bench_comm.py", "--sizes", "1XB"], "size '1XB'"),
+    (["benchmarks/bench_comm.py", "--ops", "alltoall,gather"], "gather is not one of alltoall, allreduce"),
+    (["benchmarks/bench_train.py", "--worlds", "3", "--steps", "2", "--", "data=tiny", "data.global_batch_size=64"],
+     "data.global_batch_size=64: must be divisible by the world size 3"),
+    (["benchmarks/bench_net.py", "--links", "fast"], "link rate 'fast'"),
+    (["benchmarks/bench_scale.py", "--worlds", "3", "--", "data.global_batch_size=64"],
+     "data.global_batch_size=64: must be divisible by the world size 3"),
+    (["-m", "benchmarks.scale_probe", "data=tiny"], "set SCALE_PROBE_DIR"),
+    (["-m", "benchmarks.phases", "data=tiny"], "set STEP_PHASES_DIR"),
+    (["dev/criteo_file.py", "--rows", "0", "--out", "{tmp}/x.tsv"], "--rows 0: must be > 0"),
+    (["dev/gpu_parity.py", "--device", "cpu", "--criteo", MISSING], f"data.dir='{MISSING}'"),
+    (["dev/gpu_parity.py", "--device", "nosuch"], "--device nosuch"),
+    (["dev/netcluster.py", "down", "--tag", "htnet0-nosuch"], "error"),
+    (["dev/recipe_study/compare_splits.py", MISSING, "--splits", "1"], MISSING),
+    (["dev/recipe_study/paired_splits.py", MISSING, MISSING], MISSING),
+    (["dev/recipe_study/val_rotations.py", MISSING, "--models", "dlrm"], f"data.dir='{MISSING}'"),
+]
+
+
+def _bad_cases(prepared: str, tmp: str) -> list[tuple[str, list[str], str]]:
+    """(test id, argv, what the error line says) of every bad-input case."""
+    out = []
+    for script, before in TAKES_OVERRIDES.items():
+        for bad, says in BAD_OVERRIDES.items():
+            args = [a.format(dir=prepared, sample=os.path.join(tmp, "raw", "train.tsv")) for a in before]
+            out.append((f"{script} {bad}", [script, *args, bad], says))
+    for argv, says in BAD_INPUT:  # the test id: the arguments before any placeholder is filled
+        out.append((" ".join(argv[:3]), [a.format(tmp=tmp) for a in argv], says))
+    # the trainer run by the phase timers: its own one-line error for a bad value (Hydra's errors,
+    # such as an unknown key, are the trainer's own multi-line report: python -m trainer's)
+    out.append(("phases data.batch_size=-1", ["-m", "benchmarks.phases", "data=tiny", "data.batch_size=-1",
+                                              f"hydra.run.dir={tmp}/phases"], BAD_OVERRIDES["data.batch_size=-1"]))
+    return out
+
+
+@pytest.fixture(scope="module")
+def bad_runs(tmp_path_factory) -> dict[str, tuple[list[str], str, dict]]:
+    tmp = tmp_path_factory.mktemp("bad")
+    prepare_sample(str(tmp))
+    cases = _bad_cases(str(tmp / "prepared"), str(tmp))
+    phases_env = {"STEP_PHASES_DIR": str(tmp / "phases")}
+    res = run_many([{"argv": argv, "timeout": 120,
+                     "env": phases_env if argv[:2] == ["-m", "benchmarks.phases"] and "hydra" in argv[-1] else {}}
+                    for _, argv, _ in cases])
+    return {name: (argv, says, r) for (name, argv, says), r in zip(cases, res)}
+
+
+@pytest.mark.parametrize("case", [name for name, _, _ in _bad_cases("DIR", "TMP")])
+def test_bad_input_is_one_error_line_and_status_2(case, bad_runs):
+    argv, says, r = bad_runs[case]
+    lines = r["stderr"].splitlines()
+    errors = [x for x in lines if x.startswith("error: ")]
+    assert r["rc"] == 2 and "Traceback" not in r["stderr"], (argv, r)
+    # progress lines may come first (compare_splits prepares its split); the error is the last line
+    assert len(errors) == 1 and lines[-1] == errors[0] and says in errors[0], (argv, r["stderr"])
+    assert not r["stdout"].strip() or argv[0] == "dev/gpu_parity.py", (argv, r["stdout"])
+
+
+# ------------------------------------------------------------------------ shrunk real runs
+def _json_lines(proc: subprocess.CompletedProcess) -> list[dict]:
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return [json.loads(x) for x in proc.stdout.splitlines() if x.startswith("{")]
+
+
+def test_bench_placement_simulated():
+    proc = subprocess.run([PY, os.path.join(ROOT, "benchmarks", "bench_placement.py"), "--data", "tiny", "-W", "2",
+                           "--steps", "5", "--plan-steps", "2", "--herald-steps", "3", "--fae-budget", "4096"],
+                          capture_output=True, text=True, env=env(), cwd=ROOT, timeout=300)
+    [out] = _json_lines(proc)
+    assert (out["workers"], out["steps"], out["data"], out["fae_budget_bytes"]) == (2, 5, "tiny", 4096)
+    for cons in ("bsp", "ssp"):
+        got = out[cons]
+        c, f, s = (got[k]["bytes_per_sample"] for k in ("cache", "fae+cache", "sca"))
+        assert got["cache"]["replicated_rows"] == 0 < got["fae+cache"]["replicated_rows"]
+        assert got["fae+cache_vs_cache"] == pytest.approx(f / c) and got["sca_vs_fae"] == pytest.approx(s / f)
+        assert s <= f  # FAE's exact configuration is one of SCA's candidates
+        assert out["targets"][f"sca_no_worse_than_fae_{cons}"] is True
+        assert 0 < got["cache"]["hit_rate"] < 1 and "replica" not in got["cache"]["by_kind"]
+        assert sum(got["fae+cache"]["by_kind"].values()) == pytest.approx(f)
+    h = out["herald"]
+    assert h["steps"] == 3 and 0 < h["pulls"] <= h["naive_remote_reads"]
+    assert h["pulls_vs_naive"] == pytest.approx(h["pulls"] / h["naive_remote_reads"])
+
+
+@pytest.mark.dist
+def test_bench_placement_measure_trains_and_sca_predicts_its_bytes():
+    proc = subprocess.run([PY, os.path.join(ROOT, "benchmarks", "bench_placement.py"), "--measure", "--data", "tiny",
+                           "--consistency", "bsp", "--measure-steps", "2", "--plan-steps", "8", "--fae-budget", "4096"],
+                          capture_output=True, text=True, env=env(), cwd=ROOT, timeout=600)
+    [out] = _json_lines(proc)
+    assert (out["workers"], out["steps"], out["plan_steps"]) == (2, 2, 8) and "ssp" not in out
+    row = out["bsp"]
+    assert all(row[k]["bytes_per_sample"] > 0 for k in ("cache", "fae+cache", "sca"))
+    assert row["cache"]["predicted_vs_measured"] is None  # only SCA predicts
+    pvm = row["sca"]["predicted_vs_measured"]
+    assert pvm["measured"] == pytest.approx(row["sca"]["bytes_per_sample"])
+    assert pvm["predicted"] == pytest.approx(pvm["measured"], rel=0.05), pvm  # the replay is the run's feed
+    assert row["sca_vs_fae"] == pytest.approx(row["sca"]["bytes_per_sample"] / row["fae+cache"]["bytes_per_sample"])
+
+
+def test_bench_data_measures_prepare_and_both_loaders():
+    proc = subprocess.run(documented(".venv/bin/python benchmarks/bench_data.py --repeat 200"),  # benchmarks/README.md's
+                          capture_output=True, text=True, env=env(), cwd=ROOT, timeout=300)
+    prep, *loaders = _json_lines(proc)
+    assert prep["bench"] == "prepare" and prep["workers"] == 1 and prep["rows"] == 2 * 1999
+    from benchmarks.bench_data import sample_bytes
+
+    assert prep["mb_per_s"] > 0 and prep["input_mb"] == pytest.approx(2 * len(sample_bytes()) / 2**20, abs=0.05)
+    assert [x["loader"] for x in loaders] == ["memmap", "dali"]
+    for x in loaders:
+        assert x["bench"] == "loader" and (x["batch"], x["steps"]) == (256, 3) and x["samples_per_s"] > 0
+
+
+@pytest.mark.dist
+def test_bench_comm_all_launches_torchrun_and_horovodrun():
+    require_horovod()
+    proc = subprocess.run(documented(".venv/bin/python benchmarks/bench_comm.py --all"),  # benchmarks/README.md's
+                          capture_output=True, text=True, env=env(), cwd=ROOT, timeout=600)
+    lines = _json_lines(proc)
+    assert [(x["backend"], x["op"], x["bytes"]) for x in lines] == [
+        (b, op, n) for b in ("torch-gloo", "horovod-gloo") for op in ("alltoall", "allreduce") for n in (1024, 16384)]
+    for x in lines:
+        assert x["world_size"] == 2 and 5 <= x["iters"] <= 200 and x["lat_us_min"] <= x["lat_us_p50"]
+        # what the comm layer counts as sent: alltoall the other rank's half, allreduce the ring's 2(W-1)/W
+        assert x["wire_bytes"] == (x["bytes"] // 2 if x["op"] == "alltoall" else x["bytes"]), x
+        assert x["bw_MBps"] > 0
+
+
+@pytest.mark.dist
+@pytest.mark.netns
+def test_netcluster_command_line_up_run_down():
+    require_netns()
+    from dev import netcluster
+    nc = [PY, os.path.join(ROOT, "dev", "netcluster.py")]
+    up = subprocess.run([*nc, "up", "--rate", "100mbit", "--ttl", "300"], capture_output=True, text=True,
+                        env=env(), timeout=300)
+    assert up.returncode == 0, up.stderr[-3000:]
+    st = json.loads(up.stdout)
+    tag = st["tag"]
+    try:
+        assert [h["addr"] for h in st["hosts"]] == [f"{netcluster.SUBNET}.1", f"{netcluster.SUBNET}.2"]
+        assert st["rate_bits"] == 100_000_000
+        status = subprocess.run([*nc, "status"], capture_output=True, text=True, env=env(), timeout=60)
+        assert tag in [json.loads(x)["tag"] for x in status.stdout.splitlines()]
+        for host in (0, 1):
+            r = subprocess.run([*nc, "run", "--tag", tag, "--host", str(host), "--", "ip", "-4", "-o", "addr",
+                                "show", "dev", netcluster.IFACE], capture_output=True, text=True, env=env(), timeout=60)
+            assert r.returncode == 0 and f"{netcluster.SUBNET}.{host + 1}/24" in r.stdout, r.stdout + r.stderr
+        r = subprocess.run([*nc, "run", "--tag", tag, "--host", "2", "--", "true"], capture_output=True, text=True,
+                           env=env(), timeout=60)
+        assert r.returncode == 2 and r.stderr.strip() == "error: --host 2: the cluster has hosts 0..1"
+    finally:
+        down = subprocess.run([*nc, "down", "--tag", tag], capture_output=True, text=True, env=env(), timeout=120)
+    assert down.returncode == 0, down.stderr
+    assert not [ns for ns in netcluster._namespaces() if ns.startswith(tag + "-")]
+
+
+def test_setup_check_finds_everything_in_this_venv():
+    """setup.sh --check, the check a real run ends with, against the venv running the tests (a real
+    run would install into it)."""
+    p = subprocess.run(["bash", os.path.join(ROOT, "scripts", "setup.sh"), "--check"], capture_output=True,
+                       text=True, env={**env(), "VENV": sys.prefix}, timeout=300)
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert "[setup] torch" in p.stdout and "[setup] horovod 0.28.1" in p.stdout and "check passed" in p.stdout
+    missing = subprocess.run(["bash", os.path.join(ROOT, "scripts", "setup.sh"), "--check"], capture_output=True,
+                             text=True, env={**env(), "VENV": "/nonexistent/venv"}, timeout=60)
+    assert missing.returncode == 1 and "error: /nonexistent/venv/bin/python does not exist" in missing.stderr
+
+
+@pytest.mark.slow
+def test_install_horovod_has_nothing_to_do_in_this_venv():
+    """install_horovod.sh's idempotent path (every setup after the first): the installed Horovod
+    matches this torch, nothing is built or installed, horovodrun --check-build runs."""
+    require_horovod()
+    p = subprocess.run(["bash", os.path.join(ROOT, "scripts", "install_horovod.sh")], capture_output=True, text=True,
+                       env={**env(), "PYTHON": PY}, timeout=300)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    assert "already installed" in p.stdout and "nothing to do" in p.stdout and "[X] Gloo" in p.stdout
+    assert "pip install" not in p.stdout and "building" not in p.stdout.lower()
+
+
+# -------------------------------------------------------------- trainer command lines (launch.py)
+def test_trainer_command_per_launcher():
+    assert launch.trainer_command(1, ["data=tiny"], python="py") == ["py", "-m", "trainer", "data=tiny"]
+    assert launch.trainer_command(2, ["data=tiny"], python="py") == [
+        "py", "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m", "trainer", "comm=torch",
+        "data=tiny"]
+    assert launch.trainer_command(2, ["data=tiny"], "horovodrun", python="/v/bin/python") == [
+        "/v/bin/python", "/v/bin/horovodrun", "-np", "2", "-H", "localhost:2", "--gloo",
+        "/v/bin/python", "-m", "trainer", "comm=horovod", "data=tiny"]
+    # an override that chooses comm itself wins; another module takes the same arguments
+    assert launch.trainer_command(2, ["comm=auto"], python="py", module="benchmarks.phases")[-3:] == [
+        "-m", "benchmarks.phases", "comm=auto"]
+    # multi-node torchrun: the rendezvous replaces --standalone, nproc is per node
+    argv = launch.launch_command("torchrun", 1, ["py", "-m", "trainer"], ["--nnodes", "2", "--node_rank", "1"])
+    assert argv == ["py", "-m", "torch.distributed.run", "--nnodes", "2", "--node_rank", "1", "--nproc_per_node", "1",
+                    "-m", "trainer"]
+    for bad in (lambda: launch.launch_command("local", 2, ["py"]), lambda: launch.launch_command("mpirun", 2, ["py"]),
+                lambda: launch.launch_command("torchrun", 0, ["py"]), lambda: launch.check_trainer(0, [])):
+        with pytest.raises(ValueError):
+            bad()
+
+
+def test_check_trainer_composes_what_the_workers_would():
+    launch.check_trainer(2, ["data=tiny"], "torchrun")
+    with pytest.raises(ValueError, match="must be divisible by the world size 3"):  # ConfigError
+        launch.check_trainer(3, ["data=tiny", "data.global_batch_size=64"])
+    with pytest.raises(ValueError, match="comm.backend='nosuch'"):
+        launch.check_trainer(2, ["data=tiny", "comm.backend=nosuch"], "horovodrun")
+
+
+def test_install_podman_ends_with_a_running_engine():
+    """install_podman.sh (.ci/run runs it before the suite): as root on Debian it installs what is
+    missing (nothing, where CI already ran it), keeps an existing containers.conf and ends with
+    `podman info` naming the runtime."""
+    import shutil
+
+    if os.geteuid() != 0 or shutil.which("dpkg") is None or shutil.which("apt-get") is None:
+        pytest.skip("install_podman.sh needs root, dpkg and apt-get (Debian)")
+    p = subprocess.run(["bash", os.path.join(ROOT, "scripts", "install_podman.sh")], capture_output=True,
+                       text=True, timeout=900)
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert "[install_podman] podman: runtime runc" in p.stdout, p.stdout
+    r = subprocess.run(["bash", os.path.join(ROOT, "scripts", "install_podman.sh"), "nosuch"], capture_output=True,
+                       text=True, timeout=30)
+    assert r.returncode == 2 and r.stderr.startswith("error: nosuch: unknown argument"), r.stderr

@@ -1,0 +1,156 @@
+"""train.cuda_graph=on at W = 1 (trainer/train/whole_step.py): the whole step as one function of fixed
+shapes, over a lookup plan padded to a capacity set by the config (trainer/embedding/padded.py).
+On a CPU it runs eagerly and must equal train.cuda_graph=off bit for bit: every loss, dense
+parameter and embedding row, for the four models, SGD / Adagrad / row-wise Adagrad, fp32 and bf16
+autocast, ragged and fixed bags, skipped steps. That no tensor's size follows the data is checked
+by the device audit (tests/unit/test_step_device.py). The capture itself needs a GPU (marked gpu)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from helpers import make_cfg, run_single
+from test_parity import BASE, assert_same_run
+from trainer.config import ConfigError, validate_world
+from trainer.plan.configure import load_config
+from trainer.embedding.exchange import plan_lookup
+from trainer.embedding.padded import padded_plan, unique_capacity
+from trainer.embedding.sharding import RowSharding
+from trainer.runner import RunResult
+
+SHORT = BASE + ["train.steps=8"]
+CASES = {
+    "dlrm-sgd": ["model=dlrm", "optim=sgd"],
+    "dlrm-adagrad-bf16": ["model=dlrm", "optim=adagrad", "train.precision=bf16"],
+    "deepfm-adagrad-onehot": ["model=deepfm", "optim=adagrad", "data.min_bag=1", "data.max_bag=1"],
+    "dcn-sgd-bf16-emptybags": ["model=dcn", "optim=sgd", "train.precision=bf16", "data.min_bag=0"],
+    "wdl-rowwise-dropout": ["model=wdl", "optim=adam", "model.dropout=0.2"],
+    "mean-decay-halfrows-serial": ["optim=adagrad", "model.pooling=mean", "optim.sparse_weight_decay=0.01",
+                                   "embedding.dtype=bf16", "embedding.rounding=nearest", "train.pipeline=off"],
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_whole_step_equals_the_eager_step_bit_for_bit(case):
+    ref = run_single(SHORT + CASES[case])
+    got = run_single(SHORT + CASES[case] + ["train.cuda_graph=on"])
+    assert got.losses == ref.losses
+    assert_same_run(ref, got, rtol=0, atol=0)
+    graph = got.summary["cuda_graph"]
+    assert graph["scope"] == "step" and graph["eager_steps"] == 8 and not graph["captured"]
+    for key in ("ids_per_step", "unique_per_step", "remote_per_step"):  # counted on the device, read once
+        assert got.summary["embedding"][key] == ref.summary["embedding"][key], key
+
+
+def test_whole_step_keeps_skip_semantics(monkeypatch):
+    """train.nonfinite=skip: a poisoned batch changes no row (the update's mask holds the loss's
+    finiteness, on the device) and no dense parameter, as in the eager step."""
+    from test_nonfinite import poison_w1
+    poison_w1(monkeypatch, (2,))
+    extra = ["train.nonfinite=skip", "train.steps=6", "optim=adagrad"]
+    ref = run_single(BASE + extra)
+    got = run_single(BASE + extra + ["train.cuda_graph=on"])
+    assert got.summary["skipped_steps"] == ref.summary["skipped_steps"] == 1
+    assert [str(x) for x in got.losses] == [str(x) for x in ref.losses]  # the nan of step 2 too
+    assert_same_run(RunResult({}, 0, [], ref.state), RunResult({}, 0, [], got.state), rtol=0, atol=0)
+
+
+def test_padded_plan_is_the_eager_plan_in_fixed_slots():
+    """The first `count` slots are plan_lookup's unique ids (same order, same inverse); the rest are
+    distinct rows the batch does not hold; padding entries (ids >= the sentinel) join no slot."""
+    sh = RowSharding([97, 1001, 13, 250], 1, 0)
+    gen = torch.Generator().manual_seed(0)
+    for trial in range(60):
+        n = int(torch.randint(1, 300, (1,), generator=gen))
+        high = sh.n_ids if trial % 2 else 20  # many repeats, or few
+        gids = torch.randint(0, high, (n,), generator=gen)
+        eager = plan_lookup(sh, gids)
+        u, cap = eager.uniq.numel(), unique_capacity(n, 1, [sh.local_rows])
+        for pad in (0, 9):
+            ids = torch.cat([gids, torch.full((pad,), sh.n_ids)])
+            plan = padded_plan(sh, ids, min(cap + pad, sh.local_rows), sh.n_ids if pad else None)
+            c = plan.rows.numel()
+            assert int(plan.count) == u and plan.valid.tolist() == [True] * u + [False] * (c - u)
+            assert torch.equal(plan.rows[:u], sh.local_index(eager.uniq))
+            assert torch.equal(plan.inverse[:n], eager.inverse)
+            assert (plan.inverse[n:] == c - 1).all()
+            assert plan.rows.unique().numel() == c and 0 <= int(plan.rows.min()) and int(plan.rows.max()) < sh.local_rows
+            assert not torch.isin(plan.rows[u:], plan.rows[:u]).any()
+    every = padded_plan(sh, torch.arange(sh.n_ids).flip(0), sh.local_rows)  # a batch holding every row
+    assert int(every.count) == sh.local_rows and torch.equal(every.rows, torch.arange(sh.local_rows))
+
+
+@pytest.mark.parametrize("override, key", [
+    ("embedding.tables=dynamic", "embedding.tables"), ("cache=lru", "cache.policy"),
+    ("placement=fae", "placement.name"), ("schedule=herald", "schedule.name"),
+    ("embedding.dtype=fp16", "embedding.rounding"), ("embedding.audit=true", "embedding.audit")])
+def test_what_cannot_be_padded_yet_is_refused_at_w1(override, key):
+    extra = ["embedding.capacity=64"] if "dynamic" in override else []
+    c = load_config(make_cfg(["data=tiny", "train.cuda_graph=on", override] + extra))
+    with pytest.raises(ConfigError, match=f"^{key}=.*train.cuda_graph=on at W = 1") as err:
+        validate_world(c, 1)
+    assert "\n" not in str(err.value)
+    validate_world(c, 2)  # W > 1: the dense half only (trainer/train/dense_step.py), as before
+    validate_world(load_config(make_cfg(["data=tiny", override] + extra)), 1)  # and off: no refusal
+
+
+SCHEDULES = {"constant": ["optim.warmup_steps=0", "optim.decay=none"],
+             "warmup-poly": ["optim.warmup_steps=4", "optim.decay=poly"]}
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("precision, schedule, backend", [
+    ("fp32", "constant", "auto"), ("bf16", "constant", "auto"), ("fp32", "warmup-poly", "auto"),
+    ("fp32", "constant", "reference"), ("fp32", "warmup-poly", "reference")])
+def test_whole_step_replays_equal_the_eager_step_on_cuda(precision, schedule, backend):
+    """On CUDA the whole step is captured and replayed: the same losses, parameters and rows as
+    train.cuda_graph=off within float tolerance (the off step's Triton gather adds with atomics).
+    With the Triton kernels the sparse rate is read on the device, so one graph serves every step
+    from the first, through a warmup and a decay too; with kernels.backend=reference the rate is a
+    constant of the graph: captured once it is steady (from the second step), a changing rate
+    runs eagerly."""
+    extra = ["train.device=cuda", f"train.precision={precision}", "train.steps=12", "optim=adagrad",
+             f"kernels.backend={backend}", *SCHEDULES[schedule]]
+    ref = run_single(BASE + extra)
+    got = run_single(BASE + extra + ["train.cuda_graph=on"])
+    graph = got.summary["cuda_graph"]
+    if backend == "auto":
+        assert graph["captured"] and graph["replays"] == 12 and graph["eager_steps"] == 0, graph
+    elif schedule == "constant":
+        assert graph["captured"] and graph["replays"] == 11 and graph["eager_steps"] == 1, graph
+    else:  # every step of the warmup and the decay has its own rate
+        assert not graph["captured"] and graph["eager_steps"] == 12, graph
+    assert_same_run(ref, got, rtol=1e-5, atol=1e-6)
+
+
+def test_memory_plan_counts_the_padded_step():
+    """trainer/plan/memplan.py counts the padded step's [C, d] buffers (workspace, its gradient, the
+    update's rows before and after) and its plan, C being the step's own capacity: per table the
+    fewer of its ids in a batch (48 samples x 3 ids) and its rows."""
+    import trainer.plan.memplan as memplan
+    from trainer.embedding.padded import PLAN_SLOT_BYTES
+    c = load_config(make_cfg(BASE + ["train.cuda_graph=on"]))
+    slots = unique_capacity(48, 3, [97, 1001, 13, 250])
+    assert slots == 97 + 144 + 13 + 144
+    d = c.model.embedding_dim
+    assert memplan.plan_memory(c, 1, 0).parts["padded step"] == slots * (4 * d * 4 + PLAN_SLOT_BYTES)
+    assert "padded step" not in memplan.plan_memory(c, 2, 0).parts  # W > 1: the dense half only
+    got = run_single(BASE + ["train.cuda_graph=on", "train.steps=1"], return_state=False)
+    assert got.summary["cuda_graph"]["unique_capacity"] == slots
+
+
+def test_a_smaller_capacity_is_exact_and_stops_the_run_when_exceeded():
+    """train.unique_capacity below the bound (398 slots here): with room for every batch's unique
+    ids (this run holds at most ~200) the same run bit for bit; with too little the run stops at
+    the first such step with one line naming the key (the excess rides the loss's read)."""
+    from trainer.core.errors import TrainingError
+    extra = ["train.steps=4", "optim=adagrad"]
+    ref = run_single(BASE + extra)
+    got = run_single(BASE + extra + ["train.cuda_graph=on", "train.unique_capacity=300"])
+    assert got.summary["cuda_graph"]["unique_capacity"] == 300
+    assert got.losses == ref.losses
+    assert_same_run(ref, got, rtol=0, atol=0)
+    with pytest.raises(TrainingError, match=r"^step 0: the batch holds \d+ unique ids, more than "
+                                            r"train.unique_capacity=50; raise it"):
+        run_single(BASE + extra + ["train.cuda_graph=on", "train.unique_capacity=50"])
