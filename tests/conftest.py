@@ -64,12 +64,11 @@ def read_only_path(tmp_path):
 
 @pytest.fixture(scope="module")
 def prepared(tmp_path_factory) -> str:
-    """The suite's Criteo-format sample, prepared (a module may define its own `prepared`)."""
-    from data_helpers import prepare_sample
+    """The suite's Criteo-format sample, prepared once per module (train: the first 1,600 rows, test: the
+    rest; 1,000 rows per table); a module may define its own `prepared`."""
+    from data_helpers import prepared_dir
 
-    out = tmp_path_factory.mktemp("criteo")
-    prepare_sample(str(out))
-    return str(out / "prepared")
+    return prepared_dir(tmp_path_factory, "criteo")
 
 
 @pytest.fixture(scope="module")

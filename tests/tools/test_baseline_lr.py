@@ -26,13 +26,6 @@ import baseline_lr  # noqa: E402
 
 
 @pytest.fixture(scope="module")
-def prepared(tmp_path_factory) -> str:
-    out = tmp_path_factory.mktemp("criteo_lr")
-    prepare_sample(str(out))
-    return str(out / "prepared")
-
-
-@pytest.fixture(scope="module")
 def prepared_tail(tmp_path_factory) -> str:
     """The whole sample as training file: the trainer holds out the last data.eval_fraction."""
     out = tmp_path_factory.mktemp("criteo_lr_tail")

@@ -8,19 +8,11 @@ import os
 import numpy as np
 import pytest
 
-from data_helpers import prepare_sample
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from dev.recipe_study import val_rotations  # noqa: E402
 
 FAST = ["data.max_table_rows=1000", "data.epochs=3", "data.loader=memmap", "train.threads=1"]
-
-
-@pytest.fixture(scope="module")
-def prepared(tmp_path_factory) -> str:
-    out = tmp_path_factory.mktemp("rot")
-    prepare_sample(str(out))
-    return str(out / "prepared")
 
 
 def test_one_run_per_slice_against_one_baseline(prepared, capsys):

@@ -9,7 +9,7 @@ import math
 
 import pytest
 
-from data_helpers import N_TRAIN, prepare_sample
+from data_helpers import N_TRAIN
 from helpers import make_cfg
 from trainer.comm import LocalCollectives
 from trainer.config import ConfigError, get_key as getattr_key, parse
@@ -18,13 +18,6 @@ from trainer.data import DataShape, make_data, resolve
 from trainer.plan.recipes import (SMALL_DATA_ROWS, TINY_DATA_ROWS, apply_data_steps, choose_recipe, evals_per_epoch,
                              recipe_of)
 from trainer.runner import Trainer
-
-
-@pytest.fixture(scope="module")
-def prepared(tmp_path_factory) -> str:
-    out = tmp_path_factory.mktemp("criteo_configure")
-    prepare_sample(str(out))
-    return str(out / "prepared")
 
 
 def _criteo(d: str, *extra: str) -> list[str]:  # no validation split: every training row is trained on

@@ -17,7 +17,6 @@ import sys
 import numpy as np
 import pytest
 
-from data_helpers import prepared_dir
 from helpers import make_cfg, run_single, run_world
 from trainer.evaluation.ensemble import LOGITS, mean_prediction
 from trainer.config import ConfigError, val_range, val_rows
@@ -28,11 +27,6 @@ from trainer.runner import run
 
 QUICK = ["data.epochs=4", "train.early_stop.patience=2", "train.progress=off", "train.tensorboard=false",
          "data.loader=memmap", "train.threads=1"]
-
-
-@pytest.fixture(scope="module")
-def prepared(tmp_path_factory) -> str:
-    return prepared_dir(tmp_path_factory, "criteo_ensemble")
 
 
 def _over(d: str, *extra: str) -> list[str]:

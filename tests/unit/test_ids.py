@@ -20,7 +20,6 @@ import numpy as np
 import pytest
 import torch
 
-from data_helpers import prepare_sample
 from helpers import make_cfg, run_single
 from test_parity import assert_same_run
 from trainer.comm import LocalCollectives
@@ -193,13 +192,6 @@ def test_out_of_range_config_key():
 
 
 # ---------------------------------------------------------------------------- prepared Criteo
-@pytest.fixture(scope="module")
-def prepared(tmp_path_factory) -> str:
-    out = tmp_path_factory.mktemp("criteo_ids")
-    prepare_sample(str(out))  # hashing into 1000 rows per table (ids 1..999, 0 = empty)
-    return str(out / "prepared")
-
-
 def _shrunk(prepared: str, dest: str, rows: dict[int, int]) -> str:
     """A copy of the prepared dir whose meta.json declares smaller tables (blocks linked)."""
     os.makedirs(dest)

@@ -20,6 +20,11 @@ def test_stat_of_a_process_with_an_awkward_name(tmp_path):
         st = procs.stat(child.pid)
         assert st is not None and st.ppid == os.getpid() and st.state in ("R", "S", "D") and not st.exited
         assert st.start.isdigit() and procs.proc_start(child.pid) == st.start
+        # Popen returns once the exec has closed its error pipe, a moment before the kernel has set
+        # the new program's arguments: /proc/PID/cmdline reads empty until then (seen once in a full run)
+        deadline = time.monotonic() + 10
+        while procs.cmdline(child.pid) == [] and time.monotonic() < deadline:
+            time.sleep(0.01)
         assert procs.cmdline(child.pid) == [str(exe), "30"] and procs.cwd(child.pid) == os.getcwd()
         child.kill()
         deadline = time.monotonic() + 10

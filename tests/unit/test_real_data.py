@@ -21,13 +21,6 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 N_TEST = 1999 - N_TRAIN
 
 
-@pytest.fixture(scope="module")
-def prepared(tmp_path_factory) -> str:
-    out = tmp_path_factory.mktemp("criteo")
-    prepare_sample(str(out))
-    return str(out / "prepared")
-
-
 def _criteo(d: str, model: str, *extra: str) -> list[str]:
     return [f"model={model}", "data=criteo", f"data.dir={d}", "data.batch_size=64", "optim=adam",
             "data.epochs=0", "train.steps=50", "train.progress=off", "train.ensemble=1", *extra]

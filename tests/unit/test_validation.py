@@ -149,14 +149,6 @@ def test_validation_split_is_carved_from_the_training_rows_of_every_source():
     assert sum(sizes) == 500
 
 
-@pytest.fixture(scope="module")
-def prepared(tmp_path_factory) -> str:
-    from data_helpers import prepare_sample
-    out = tmp_path_factory.mktemp("criteo_val")
-    prepare_sample(str(out))
-    return str(out / "prepared")
-
-
 def test_criteo_standardize_uses_the_training_rows_only(prepared):
     """data.standardize (the small recipe's): every split's dense features are (x - mean) / std with
     the statistics of the training rows, the validation tail and the test split left out."""

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from data_helpers import prepared_dir, reference_vocab
+from data_helpers import reference_vocab
 from helpers import make_cfg, run_world
 from trainer.config import ConfigError
 from trainer.plan.configure import load_config
@@ -16,11 +16,6 @@ from trainer.data import make_data
 from trainer.data.vocab import OOV_ROW, build_vocab
 
 N_FIT = 1280  # the sample's 1,600 training rows less the 20% validation split
-
-
-@pytest.fixture(scope="module")
-def prepared(tmp_path_factory) -> str:
-    return prepared_dir(tmp_path_factory, "criteo_vocab")
 
 
 def _over(d: str, *extra: str) -> list[str]:
