@@ -1,7 +1,7 @@
 """A fresh clone passes its tests: nothing reaches for a file beside the checkout except the one
 fixture that reads the real Criteo sample (tests/conftest.py, `criteo_sample`), no Criteo data is in
 the repository, and without the sample the tests that use it skip, each naming $CRITEO_SAMPLE, and
-none fails (what a user's clone, with no ../shared beside it, sees)."""
+none fails (what a user's clone, with no sample directory beside it, sees)."""
 from __future__ import annotations
 
 import importlib.util
