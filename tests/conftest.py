@@ -21,14 +21,6 @@ for _path in [os.path.join(TESTS, g) for g in GROUPS]:  # after tests/: its help
 if os.environ.get("PYTHONPATH", "").split(os.pathsep)[0] != ROOT:
     os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p)
 
-# The real Criteo sample (1,999 rows of Criteo's Kaggle data in raw TSV), for the few tests whose
-# point is real Criteo statistics (a baseline's AUC, what a model learns from real rows). Criteo's
-# terms forbid copying it into the repository, so it is read where it lies: $CRITEO_SAMPLE, else the
-# file beside the checkout in ../shared/data. Every other test runs on files the suite makes itself
-# (tests/data_helpers.py, dev/criteo_file.py), so a fresh clone passes without it.
-CRITEO_SAMPLE_ENV = "CRITEO_SAMPLE"
-CRITEO_SAMPLE_DEFAULT = os.path.join(ROOT, "..", "shared", "data", "criteo_sample_2k.tsv")
-
 
 # ---- fixtures the checkpoint, output-directory and data-error tests share ----------------------
 # (real tmpfs mounts: root ignores permission bits, so a read-only mount is the only refusal root gets)
@@ -82,10 +74,6 @@ def saved(tmp_path_factory) -> str:
     return _step(root, 3)
 
 
-def criteo_sample_path() -> str:
-    return os.environ.get(CRITEO_SAMPLE_ENV) or os.path.normpath(CRITEO_SAMPLE_DEFAULT)
-
-
 @pytest.fixture(scope="session")
 def sample_file(tmp_path_factory) -> str:
     """The suite's own sample (1,999 made-up rows in Criteo's raw format) as a file."""
@@ -96,11 +84,14 @@ def sample_file(tmp_path_factory) -> str:
 
 @pytest.fixture(scope="session")
 def criteo_sample() -> str:
-    """The path of the real Criteo sample; the test is skipped, naming the variable, without it."""
-    path = criteo_sample_path()
+    """The path of the real Criteo sample (data_helpers.real_sample_path); the test is skipped,
+    naming the variable, without it. Every other test runs on files the suite makes itself."""
+    from data_helpers import CRITEO_SAMPLE_ENV, real_sample_path
+
+    path = real_sample_path()
     if not os.path.isfile(path):
         pytest.skip(f"the real Criteo sample is not at {path}: set {CRITEO_SAMPLE_ENV} to a copy of "
-                    "criteo_sample_2k.tsv (Criteo Kaggle rows, raw TSV) to run this test")
+                    "the 2k-row Criteo sample (Criteo Kaggle rows, raw TSV) to run this test")
     return path
 
 

@@ -17,6 +17,19 @@ from helpers import make_cfg
 from trainer.data.prepare import PrepOptions, prepare
 from trainer.runner import run
 
+# The real Criteo sample (1,999 rows of Criteo's Kaggle data in raw TSV), for the few tests whose
+# point is real Criteo statistics (a baseline's AUC, what a model learns from real rows), through
+# tests/conftest.py's criteo_sample fixture. Criteo's terms forbid copying it into the repository,
+# so it is read where it lies: $CRITEO_SAMPLE, else the file beside the checkout.
+CRITEO_SAMPLE_ENV = "CRITEO_SAMPLE"
+_BESIDE_CHECKOUT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "..", "shared", "data",
+                                "criteo_sample_2k.tsv")
+
+
+def real_sample_path() -> str:
+    return os.environ.get(CRITEO_SAMPLE_ENV) or os.path.normpath(_BESIDE_CHECKOUT)
+
+
 N_ROWS = 1999  # rows of the suite's sample (as many as the real sample has)
 N_TRAIN = 1600  # first rows of the sample used for training; the rest is the test split
 

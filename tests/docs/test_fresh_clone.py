@@ -1,28 +1,18 @@
 """A fresh clone passes its tests: nothing reaches for a file beside the checkout except the one
-fixture that reads the real Criteo sample (tests/conftest.py, `criteo_sample`), no Criteo data is in
+fixture that reads the real Criteo sample (tests/conftest.py's `criteo_sample`, whose path
+tests/data_helpers.py's real_sample_path says), no Criteo data is in
 the repository, and without the sample the tests that use it skip, each naming $CRITEO_SAMPLE, and
 none fails (what a user's clone, with no sample directory beside it, sees)."""
 from __future__ import annotations
 
-import importlib.util
 import os
 import re
 import subprocess
 import sys
 
+from data_helpers import CRITEO_SAMPLE_ENV
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-
-def _conftest():
-    """tests/conftest.py as a module of its own (`import conftest` would find whichever conftest
-    pytest imported last)."""
-    spec = importlib.util.spec_from_file_location("tests_root_conftest", os.path.join(ROOT, "tests", "conftest.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
-CRITEO_SAMPLE_ENV = _conftest().CRITEO_SAMPLE_ENV
 
 # a path into the directory beside the checkout, or the sample's file name
 BESIDE = re.compile("|".join([r"\.\./" + "shared", r"""["']""" + "shared" + r"""["']\s*[,)/]""",
@@ -43,17 +33,18 @@ def test_only_the_fixture_reaches_beside_the_checkout():
     found = []
     for path in _files(CODE) + [os.path.join(ROOT, "Dockerfile"), os.path.join(ROOT, "pyproject.toml")]:
         rel = os.path.relpath(path, ROOT)
-        if rel in ("tests/conftest.py", "tests/docs/test_fresh_clone.py") or path.endswith(".md") or not os.path.isfile(path):
+        if rel in ("tests/data_helpers.py", "tests/docs/test_fresh_clone.py") or path.endswith(".md") or not os.path.isfile(path):
             continue  # the dated reports (.md) record what was run at the time
         try:
             text = open(path, encoding="utf-8").read()
         except UnicodeDecodeError:
             continue
         found += [f"{rel}:{text.count(chr(10), 0, m.start()) + 1}: {m.group(0)}" for m in BESIDE.finditer(text)]
-    assert not found, ("only tests/conftest.py's criteo_sample fixture may name the real sample or the "
+    assert not found, ("only tests/data_helpers.py's real_sample_path may name the real sample or the "
                        "directory beside the checkout:\n" + "\n".join(found))
+    helpers = open(os.path.join(ROOT, "tests", "data_helpers.py")).read()
     conftest = open(os.path.join(ROOT, "tests", "conftest.py")).read()
-    assert len(BESIDE.findall(conftest)) >= 1 and "def criteo_sample(" in conftest
+    assert BESIDE.findall(helpers) and "def criteo_sample(" in conftest and "real_sample_path()" in conftest
 
 
 def test_no_criteo_data_in_the_repository():
