@@ -583,6 +583,6 @@ def documented(text: str, bin_dir: Optional[str] = None) -> list[str]:
     assert not re.search(r"[|&;<>]", line), f"{text}: run it in a block, not through documented()"
     argv = shlex.split(line)
     prog = re.sub(r"^\.venv/bin/", "", argv[0])
-    if argv[0].startswith(".venv/bin/") or re.fullmatch(PROGRAMS, prog) and prog not in ("bash", "docker", "podman"):
+    if argv[0].startswith(".venv/bin/") or (re.fullmatch(PROGRAMS, prog) and prog not in ("bash", "docker", "podman")):
         argv[0] = os.path.join(bin_dir or os.path.join(sys.prefix, "bin"), prog)
     return argv

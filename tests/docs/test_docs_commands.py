@@ -435,10 +435,11 @@ def test_documented_commands_run(block: list[Command], tmp_path: Path, request) 
         if any(e.host is not None for _, e in runnable):
             assert all(e.host is not None for _, e in runnable), f"{block[0].where}: every command or none on a host"
             failures = _run_on_hosts(runnable, cwd, sample)
-        for c, e in runnable if not failures else ():  # all of them: a later command may fail for its own reason too
-            t0 = time.perf_counter()
-            failures.append(_run_one(c, e, cwd, sample))
-            print(f"{c.where}: {time.perf_counter() - t0:.1f} s{' (failed)' if failures[-1] else ''}")
+        else:
+            for c, e in runnable:  # all of them: a later command may fail for its own reason too
+                t0 = time.perf_counter()
+                failures.append(_run_one(c, e, cwd, sample))
+                print(f"{c.where}: {time.perf_counter() - t0:.1f} s{' (failed)' if failures[-1] else ''}")
     finally:
         for cmd in cleanups:
             subprocess.run(["bash", "-c", cmd], cwd=cwd, env=_env(), capture_output=True, timeout=300)
