@@ -94,7 +94,7 @@ def trainer_args(mode: str, steps: int, out_dir: str | None, quick: bool, extra:
     """The trainer overrides of a run of `mode` (with no out_dir: without hydra.run.dir)."""
     size = QUICK if quick else FULL
     args = ["comm=torch", *WORKLOAD, f"train.steps={steps}", f"train.log_every={steps}",
-            f"data.eval_samples={size['eval_samples']}", f"data.eval_batch_size={min(4096, size['eval_samples'])}"]
+            f"data.test_samples={size['eval_samples']}", f"data.eval_batch_size={min(4096, size['eval_samples'])}"]
     if quick:  # smaller batches and tables (start-up dominates a 4-step run)
         args += [f"data.batch_size={QUICK['batch_size']}", f"data.max_table_rows={QUICK['max_table_rows']}"]
     return args + MODES[mode] + list(extra) + ([f"hydra.run.dir={out_dir}"] if out_dir else [])

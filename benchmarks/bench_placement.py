@@ -60,7 +60,7 @@ def plan_runs(a: argparse.Namespace) -> tuple[list[str], int, dict[str, dict[str
         if getattr(a, name) <= 0:
             raise ValueError(f"--{name.replace('_', '-')} {getattr(a, name)}: must be > 0")
     base = [f"data={a.data}", "cache=lru", f"placement.plan_steps={a.plan_steps}"]
-    base += (["data.global_batch_size=4096", "data.eval_samples=4096", f"train.steps={a.measure_steps}"]
+    base += (["data.global_batch_size=4096", "data.test_samples=4096", f"train.steps={a.measure_steps}"]
              if a.measure else [f"train.steps={a.steps}"])
     cfg = sim.compose_config(base)
     cache_bytes = sum(cache_capacities(cfg)) * slot_bytes(cfg.model.embedding_dim)

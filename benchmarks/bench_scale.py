@@ -55,7 +55,7 @@ def workload(a: argparse.Namespace) -> list[str]:
     rows = "[" + ",".join([str(a.rows)] * a.tables) + "]"
     out = ["data=bench", f"data.table_rows={rows}", f"model.embedding_dim={a.dim}", f"optim={a.optim}",
            f"train.steps={a.steps}", "train.progress=off", "train.tensorboard=false", "train.threads=1",
-           f"data.batch_size={a.batch}", f"data.eval_samples={a.eval_samples}", "train.log_every=10"]
+           f"data.batch_size={a.batch}", f"data.test_samples={a.eval_samples}", "train.log_every=10"]
     if a.val:
         out += [f"data.train_samples={32 * a.batch * max(a.worlds)}", "data.val_fraction=0.1",
                 f"train.eval_every={max(a.steps // 3, 1)}"]

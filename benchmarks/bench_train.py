@@ -14,7 +14,7 @@ Both: one torch thread per rank, exact (no cache) BSP mode, the default step (tr
 (timers around the step's phases, about a microsecond per call) and writing summary.json.
 
 A point per (--worlds, --batch-sizes: samples per rank, data.batch_size; --precisions:
-train.precision; --tables: embedding.tables, fixed against dynamic); left out, the workload's own. Each line: samples_per_sec (global, all steps,
+train.precision; --kinds: embedding.kind, fixed against dynamic); left out, the workload's own. Each line: samples_per_sec (global, all steps,
 eval excluded) and after the first 10 steps, ms_per_step by phase (rank 0's: step, batch,
 prefetch, lookup, backward, apply, wait; they nest, see benchmarks/phases.py), cpu_busy,
 bytes_per_sample by kind, and `phases` (every rank's report); `ms_per_step_steady`: the phases
@@ -26,7 +26,7 @@ kernels and ops (benchmarks/phases.py); the steady rate then starts after step 2
 measured step (docs/gpu.md). Extra trainer overrides can follow `--`.
 
     python benchmarks/bench_train.py [--worlds 1 2] [--steps 60] [--workload bench|mlperf]
-        [--batch-sizes 2048 16384] [--precisions fp32 tf32 bf16 fp16] [--tables fixed dynamic]
+        [--batch-sizes 2048 16384] [--precisions fp32 tf32 bf16 fp16] [--kinds fixed dynamic]
         [--repeats R] [--profile-steps 5] [-- model.embedding_dim=32 embedding.capacity=100000 ...]
 """
 from __future__ import annotations
@@ -45,18 +45,18 @@ from benchmarks.phases import ENV as PHASES_ENV, PROFILE_ENV, read_phases  # noq
 from trainer.tools.cli import bad_input, input_errors  # noqa: E402
 from dev.launch import check_trainer, run_trainer, trainer_command  # noqa: E402
 
-COMMON = ["train.threads=1", "train.log_every=10", "data.eval_samples=8192", "train.progress=off",
+COMMON = ["train.threads=1", "train.log_every=10", "data.test_samples=8192", "train.progress=off",
           "checkpoint.enabled=false"]
 WORKLOADS = {"bench": ["data=bench", "model.embedding_dim=16", *COMMON],
              "mlperf": ["data=mlperf", "model=dlrm_mlperf", *COMMON]}
 BASE = WORKLOADS["bench"]
 
 
-def point_overrides(batch: int | None, precision: str | None, tables: str | None = None) -> list[str]:
+def point_overrides(batch: int | None, precision: str | None, kind: str | None = None) -> list[str]:
     """The overrides of one point (none where the workload's own value stands)."""
     return ([f"data.batch_size={batch}"] if batch is not None else []) + \
         ([f"train.precision={precision}"] if precision is not None else []) + \
-        ([f"embedding.tables={tables}"] if tables is not None else [])
+        ([f"embedding.kind={kind}"] if kind is not None else [])
 
 
 def overrides(steps: int, extra: list[str], workload: str = "bench", point: list[str] = ()) -> list[str]:
@@ -100,7 +100,7 @@ def bench(world: int, steps: int, extra: list[str], backend: str, workload: str 
             "backend": backend if world > 1 else "local", "steps": steps,
             "batch_size": cfg["data"]["batch_size"] if cfg["data"]["global_batch_size"] is None else None,
             "global_batch_size": s["global_batch_size"], "precision": cfg["train"]["precision"],
-            "tables": cfg["embedding"]["tables"],
+            "kind": cfg["embedding"]["kind"],
             "samples_per_sec": round(s["samples_per_sec"], 1),
             "samples_per_sec_after_first_10_steps": round(
                 (len(steady) * 10 * s["global_batch_size"]) / sum(10 * s["global_batch_size"] / v for v in steady), 1),
@@ -128,8 +128,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="samples per rank (data.batch_size), one point each; default: the workload's")
     ap.add_argument("--precisions", nargs="+", default=[None], metavar="P",
                     help="train.precision (fp32, tf32, bf16, fp16), one point each; default: the trainer's (fp32)")
-    ap.add_argument("--tables", nargs="+", default=[None], choices=["fixed", "dynamic"],
-                    help="embedding.tables, one point each, side by side at every W (dynamic needs "
+    ap.add_argument("--kinds", nargs="+", default=[None], choices=["fixed", "dynamic"],
+                    help="embedding.kind, one point each, side by side at every W (dynamic needs "
                          "`-- embedding.capacity=N`, which fixed tables ignore); default: the trainer's (fixed)")
     ap.add_argument("--repeats", type=int, default=1, metavar="R",
                     help="run every point R times, in rounds (point after point, then again), so that "
@@ -142,7 +142,7 @@ def main(argv: list[str] | None = None) -> int:
                                     f"(the steady rate is read after step 20), got {a.profile_steps} with --steps {a.steps}"))
     if a.repeats < 1:
         return bad_input(ValueError(f"--repeats takes R >= 1, got {a.repeats}"))
-    points = [point_overrides(b, p, t) for b in a.batch_sizes for p in a.precisions for t in a.tables]
+    points = [point_overrides(b, p, t) for b in a.batch_sizes for p in a.precisions for t in a.kinds]
     try:
         check(a.worlds, a.steps, extra, a.backend, a.workload, points)
     except input_errors() as exc:

@@ -70,13 +70,13 @@ PATHS: dict[str, tuple[int, list[str]]] = {
     "w2-fp16-wire": (2, ["comm.wire_precision=fp16", "cache=lfu", "consistency=ssp"]),
     # dynamic tables: the pool's map is the Triton hash table on CUDA; small pools evict (LFU with
     # decay, admission after 2 sightings, expiry), the HET cache at a bound, FAE's pinned hot rows
-    "dynamic": (1, ["embedding.tables=dynamic", "embedding.capacity=30", "embedding.admit_after=2",
+    "dynamic": (1, ["embedding.kind=dynamic", "embedding.capacity=30", "embedding.admit_after=2",
                     "embedding.eviction=lfu", "embedding.lfu_half_life=8", "embedding.ttl_steps=40",
                     "data.scramble_ids=true", "optim=adagrad"]),
-    "w2-dynamic": (2, ["embedding.tables=dynamic", "embedding.capacity=20", "embedding.admit_after=2",
+    "w2-dynamic": (2, ["embedding.kind=dynamic", "embedding.capacity=20", "embedding.admit_after=2",
                        "data.scramble_ids=true", "cache=lru", "consistency=ssp", "placement=fae"]),
     # admission counted by a count-min sketch (int16 scatter-max, halving) on the device
-    "dynamic-count-min": (1, ["embedding.tables=dynamic", "embedding.capacity=30", "embedding.admit_after=2",
+    "dynamic-count-min": (1, ["embedding.kind=dynamic", "embedding.capacity=30", "embedding.admit_after=2",
                               "embedding.admit_counter=count_min", "embedding.count_min_bytes=16384",
                               "embedding.count_min_halve_steps=6", "data.scramble_ids=true", "optim=adagrad"]),
 }

@@ -6,7 +6,7 @@ on exactly the rows the trainer trains and evaluates on (trainer/tools/baseline.
     scripts/baseline_lr.py DIR --compare [trainer overrides ...] # also python -m trainer on DIR
 
 Overrides are the trainer's (`python -m trainer data=criteo data.dir=DIR <overrides>`): the data.*
-ones that pick rows (data.eval_fraction, data.train_samples, data.eval_samples, data.max_table_rows)
+ones that pick rows (data.test_fraction, data.train_samples, data.test_samples, data.max_table_rows)
 apply to the baseline too, so both always see the same splits. C is chosen on folds of the TRAIN
 split (never on the eval split; --folds), then the model is refitted on the whole train split.
 Output: train_rows, eval_rows, eval_auc, eval_logloss, C, seconds (+ the trainer's run and

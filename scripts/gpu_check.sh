@@ -75,7 +75,7 @@ if [ "$QUICK" = 1 ]; then
   PARITY=(--only dlrm w2-lfu-ssp --steps 6)
   KBENCH=(--quick)
   TSTEPS=6
-  TQUICK=(data.max_table_rows=20000 data.eval_samples=1024)  # bench_train's workload, small
+  TQUICK=(data.max_table_rows=20000 data.test_samples=1024)  # bench_train's workload, small
 else
   PARITY=(--steps 120)
   KBENCH=(--dims 16 64 128 --bags 8 32 --reps 20)

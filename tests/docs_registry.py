@@ -24,7 +24,7 @@ SETUP = "bash scripts/setup.sh && "
 # Keys an entry may lower (Hydra overrides and tool flags: steps, rows, repeats, eval samples,
 # processes per host, the sizes a benchmark sweeps); a list value may only lose members.
 SHRINK_KEYS = {
-    "train.steps", "data.eval_samples", "data.train_samples", "data.epochs", "data.max_table_rows",
+    "train.steps", "data.test_samples", "data.train_samples", "data.epochs", "data.max_table_rows",
     "data.batch_size", "checkpoint.every", "--steps", "--repeat", "--warmup", "--sample-every",
     "--splits", "--measure-steps", "--herald-steps", "--plan-steps", "--sizes", "--budget",
     "--jobs", "--slices", "placement.plan_steps", "--batch-sizes", "--nproc_per_node", "--rows",
@@ -112,7 +112,7 @@ def _trained_on_the_run_device(cwd: Path, out: str = "") -> None:
 
 
 TRAINER = dict(json_keys=TRAINER_LINE, summary=True)
-W2 = ("train.steps=4", "data.eval_samples=512", "checkpoint.enabled=false")
+W2 = ("train.steps=4", "data.test_samples=512", "checkpoint.enabled=false")
 
 def _vocabulary_prepared(cwd: Path, out: str = "") -> None:
     """docs/data.md: a vocabulary of the values seen >= 4 times (ids 0 empty, 1 rare, 2 + rank)."""
@@ -195,11 +195,11 @@ def _both_worlds(cwd: Path, out: str = "") -> None:
 REGISTRY: dict[str, Entry] = {
     # README: the two commands at the top (what .ci/run runs)
     "bash scripts/setup.sh && .venv/bin/python -m trainer":
-        Entry(ci="setup+run", add=("train.steps=4", "data.eval_samples=512"), **TRAINER),
+        Entry(ci="setup+run", add=("train.steps=4", "data.test_samples=512"), **TRAINER),
     "bash scripts/setup.sh && .venv/bin/python -m pytest -q": Entry(ci="setup+ci"),
     # README: Running
     ".venv/bin/python -m trainer model=dcn optim=adam train.steps=600 hydra.run.dir=runs/dcn":
-        Entry(shrink=(("train.steps=600", "train.steps=4"),), add=("data.eval_samples=512",),
+        Entry(shrink=(("train.steps=600", "train.steps=4"),), add=("data.test_samples=512",),
               files=("runs/dcn/summary.json",), json_values=(("world_size", 1), ("steps", 4)), **TRAINER),
     ".venv/bin/torchrun --nproc_per_node 2 -m trainer comm=torch": Entry(add=W2, json_values=(("world_size", 2),), **TRAINER),
     ".venv/bin/horovodrun -np 2 -H localhost:2 --gloo .venv/bin/python -m trainer comm=horovod hydra.run.dir=runs/hvd":
@@ -222,7 +222,7 @@ REGISTRY: dict[str, Entry] = {
     "bash scripts/build_image.sh cpu": Entry(marks=("docker",), in_checkout=True, timeout=3600,
                                              stdout=r"(?m)^hybrid-trainer:cpu$"),
     "podman run --rm --network none hybrid-trainer:cpu python -m trainer train.steps=100":
-        Entry(marks=("docker",), shrink=(("train.steps=100", "train.steps=4"),), add=("data.eval_samples=512",),
+        Entry(marks=("docker",), shrink=(("train.steps=100", "train.steps=4"),), add=("data.test_samples=512",),
               json_keys=TRAINER_LINE, timeout=600),
     "mkdir -p runs && podman run --rm --network none -v $PWD/runs:/runs hybrid-trainer:cpu horovodrun -np 2 -H localhost:2 --gloo python -m trainer comm=horovod hydra.run.dir=/runs/img":
         Entry(marks=("docker",), add=W2, files=("runs/img/summary.json",), json_keys=TRAINER_LINE, timeout=600),
@@ -233,9 +233,9 @@ REGISTRY: dict[str, Entry] = {
     # docs/operations.md
     ".venv/bin/python -m trainer train.steps=100 checkpoint.every=50 hydra.run.dir=runs/ck":
         Entry(shrink=(("train.steps=100", "train.steps=4"), ("checkpoint.every=50", "checkpoint.every=2")),
-              add=("data.eval_samples=512",), check=_checkpoints_saved(2, 4), **TRAINER),
+              add=("data.test_samples=512",), check=_checkpoints_saved(2, 4), **TRAINER),
     ".venv/bin/torchrun --nproc_per_node 2 -m trainer comm=torch train.steps=300 checkpoint.resume=auto hydra.run.dir=runs/ck":
-        Entry(shrink=(("train.steps=300", "train.steps=8"),), add=("data.eval_samples=512",),
+        Entry(shrink=(("train.steps=300", "train.steps=8"),), add=("data.test_samples=512",),
               check=_resumed_on_two, **TRAINER),
     # docs/data.md
     ".venv/bin/python scripts/prepare_criteo.py --train day_0.gz day_1.gz --test day_23.gz --out DIR":
@@ -248,9 +248,9 @@ REGISTRY: dict[str, Entry] = {
         Entry(shrink=(("train.steps=600", "train.steps=20"),), **TRAINER),
     ".venv/bin/torchrun --nproc_per_node 2 -m trainer comm=torch data=criteo data.dir=DIR":
         # the README's and gpu.md's GPU command: runs on the CPU too; on a GPU machine it must train there
-        Entry(add=("data.epochs=1", "data.eval_samples=256"), check=_trained_on_the_run_device, **TRAINER),
+        Entry(add=("data.epochs=1", "data.test_samples=256"), check=_trained_on_the_run_device, **TRAINER),
     ".venv/bin/torchrun --nproc_per_node 2 -m trainer comm=torch data=criteo data.dir=DIR model=dcn":
-        Entry(add=("data.epochs=1", "data.eval_samples=256"), json_values=(("world_size", 2),), **TRAINER),
+        Entry(add=("data.epochs=1", "data.test_samples=256"), json_values=(("world_size", 2),), **TRAINER),
     ".venv/bin/python scripts/baseline_lr.py DIR --compare model=dcn":
         Entry(add=("data.epochs=1",), json_keys=("lr_eval_auc", "trainer_eval_auc", "trainer_minus_lr_auc")),
     # docs/recipe.md
@@ -273,16 +273,16 @@ REGISTRY: dict[str, Entry] = {
         Entry(shrink=(("--steps 400", "--steps 4"),), add=("data.max_table_rows=10000",),
               json_keys=("hit_rate", "bytes_per_sample")),
     # docs/dynamic.md
-    ".venv/bin/torchrun --nproc_per_node 2 -m trainer comm=torch embedding.tables=dynamic embedding.capacity=300 "
+    ".venv/bin/torchrun --nproc_per_node 2 -m trainer comm=torch embedding.kind=dynamic embedding.capacity=300 "
     "embedding.admit_after=2 data.scramble_ids=true checkpoint.enabled=false train.steps=40 train.log_every=4 "
     "hydra.run.dir=runs/dyn":
-        Entry(shrink=(("train.steps=40", "train.steps=8"),), add=("data.eval_samples=512",),
+        Entry(shrink=(("train.steps=40", "train.steps=8"),), add=("data.test_samples=512",),
               check=_dynamic_reported, **TRAINER),
     ".venv/bin/python scripts/prepare_criteo.py --train TRAIN.tsv --test TEST.tsv --out RAW_DIR --raw-ids":
         Entry(files=("RAW_DIR/meta.json",), check=_raw_ids),
-    ".venv/bin/python -m trainer data=criteo data.dir=RAW_DIR embedding.tables=dynamic embedding.capacity=100000 "
+    ".venv/bin/python -m trainer data=criteo data.dir=RAW_DIR embedding.kind=dynamic embedding.capacity=100000 "
     "data.min_count=0 train.ensemble=1":
-        Entry(add=("data.epochs=1", "data.eval_samples=128"), check=_dynamic_on_raw_ids, **TRAINER),
+        Entry(add=("data.epochs=1", "data.test_samples=128"), check=_dynamic_on_raw_ids, **TRAINER),
     # docs/placement.md
     ".venv/bin/torchrun --nproc_per_node 2 -m trainer comm=torch data=criteo_like cache=lru placement=sca":
         Entry(add=W2 + ("data.max_table_rows=10000", "placement.plan_steps=2"), check=_placement_measured, **TRAINER),
@@ -292,10 +292,10 @@ REGISTRY: dict[str, Entry] = {
     ".venv/bin/python dev/netcluster.py up --hosts 2 --rate 200mbit --ssh --ttl 600": Entry(marks=("netns",)),
     ".venv/bin/python dev/netcluster.py torchrun -- -m trainer comm=torch data=bench train.steps=50":
         Entry(marks=("netns",), shrink=(("train.steps=50", "train.steps=4"),),
-              add=("data.eval_samples=512", "checkpoint.enabled=false"), json_keys=TRAINER_LINE),
+              add=("data.test_samples=512", "checkpoint.enabled=false"), json_keys=TRAINER_LINE),
     '.venv/bin/python dev/netcluster.py horovodrun -- "$PWD/.venv/bin/python" -m trainer comm=horovod data=bench train.steps=50':
         Entry(marks=("netns",), shrink=(("train.steps=50", "train.steps=4"),),
-              add=("data.eval_samples=512", "checkpoint.enabled=false"), json_keys=TRAINER_LINE),
+              add=("data.test_samples=512", "checkpoint.enabled=false"), json_keys=TRAINER_LINE),
     ".venv/bin/python dev/netcluster.py down":
         Entry(marks=("netns",), cleanup=".venv/bin/python dev/netcluster.py down"),
     # docs/gpu.md
@@ -309,10 +309,10 @@ REGISTRY: dict[str, Entry] = {
         Entry(marks=("gpu",), timeout=900),
     # docs/config.md
     ".venv/bin/python -m trainer data=criteo_like train.precision=bf16 hydra.run.dir=runs/amp":
-        Entry(add=("train.steps=4", "data.eval_samples=512", "data.max_table_rows=10000"),
+        Entry(add=("train.steps=4", "data.test_samples=512", "data.max_table_rows=10000"),
               files=("runs/amp/summary.json",), check=_amp_summary, **TRAINER),
     ".venv/bin/python -m trainer data=criteo_like embedding.dtype=bf16 hydra.run.dir=runs/bf16":
-        Entry(add=("train.steps=4", "data.eval_samples=512", "data.max_table_rows=10000"),
+        Entry(add=("train.steps=4", "data.test_samples=512", "data.max_table_rows=10000"),
               files=("runs/bf16/summary.json",), check=_bf16_rows, **TRAINER),
     # docs/development.md
     ".venv/bin/python scripts/check_imports.py": Entry(stdout=r"no import cycle"),
@@ -323,7 +323,7 @@ REGISTRY: dict[str, Entry] = {
     "--precisions fp32 bf16 -- data.max_table_rows=200000":
         Entry(shrink=(("--steps 30", "--steps 2"), ("--batch-sizes 2048", "--batch-sizes 64"),
                       ("data.max_table_rows=200000", "data.max_table_rows=2000")),
-              add=("data.eval_samples=512",), json_keys=("samples_per_sec", "ms_per_step", "precision"),
+              add=("data.test_samples=512",), json_keys=("samples_per_sec", "ms_per_step", "precision"),
               stdout=r'(?m)^\{.*"workload": "mlperf".*"precision": "fp32".*\n\{.*"workload": "mlperf".*"precision": "bf16"'),
     ".venv/bin/python benchmarks/bench_cache.py":
         Entry(add=("--steps", "6", "--warmup", "2"), json_keys=("read_ms", "write_ms")),
@@ -521,7 +521,7 @@ INLINE: dict[str, Entry] = {
     "pip wheel --no-deps .": Entry(elsewhere="tests/tools/test_install.py::installed"),
     "pip install .": Entry(elsewhere="tests/tools/test_install.py::installed"),
     "hybrid-trainer model=dcn": Entry(elsewhere="tests/tools/test_install.py::test_the_wheel_trains_from_any_directory",
-                                      add=("train.steps=3", "data.eval_samples=256", "train.progress=off")),
+                                      add=("train.steps=3", "data.test_samples=256", "train.progress=off")),
     "hybrid-trainer-prepare-criteo --train TRAIN.tsv --test TEST.tsv --out DIR":
         Entry(elsewhere="tests/tools/test_install.py::test_the_installed_commands_prepare_and_train_criteo",
               add=("--hash-rows", "1000", "--workers", "1", "--no-progress")),

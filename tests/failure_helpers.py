@@ -23,7 +23,7 @@ def _records(path) -> list[dict]:
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-CLI_BASE = ["data=tiny", "data.global_batch_size=48", "data.eval_samples=96", "data.eval_batch_size=48",
+CLI_BASE = ["data=tiny", "data.global_batch_size=48", "data.test_samples=96", "data.eval_batch_size=48",
         "train.threads=1", "train.progress=off"]
 
 
@@ -64,7 +64,7 @@ def _manifest(path: str) -> dict:
 STEPS, K = 12, 5
 
 
-BASE = ["data=tiny", f"train.steps={STEPS}", "data.global_batch_size=48", "data.eval_samples=96",
+BASE = ["data=tiny", f"train.steps={STEPS}", "data.global_batch_size=48", "data.test_samples=96",
         "data.eval_batch_size=48", "train.threads=1", "train.progress=off"]
 
 

@@ -35,7 +35,7 @@ from omegaconf import DictConfig
 
 from .checkpoint import CheckpointError
 from .comm import CollectiveError
-from .config import CONF_DIR, ConfigError
+from .config import CONF_DIR, ConfigError, renamed_overrides
 from .core.errors import error_line
 from .data import IdRangeError
 from .data.criteo import CriteoFormatError
@@ -170,7 +170,11 @@ def cli() -> None:
     """The command: refuse an unusable output dir with a clear error (exit 2), hold a sweep's dir
     (rank 0; the other ranks give Hydra a private one), then run Hydra."""
     global _SWEEP_SHOWN
-    argv = sys.argv[1:]
+    try:  # old key names (config RENAMED) read as the new ones, with a warning line each
+        argv = renamed_overrides(sys.argv[1:])
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        sys.exit(2)
     problem = output_dir_problem(argv) or record_problem(argv)
     if problem is not None:
         print(f"error: {problem}", file=sys.stderr)

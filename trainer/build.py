@@ -122,7 +122,7 @@ def _make_store(c: Config, comm: Collectives, device: torch.device, resuming: bo
     args = (c.model.embedding_dim, c.train.seed, e.init_scale, c.optim.sparse, sparse_lr(c), c.optim.eps,
             device, c.optim.initial_accumulator, c.optim.sparse_weight_decay, row_dtype(e.dtype),
             Rounding(e.rounding, c.train.seed))
-    if e.tables == "dynamic":
+    if e.kind == "dynamic":
         sharding = HashSharding(len(table_rows(c)), e.capacity, comm.size, comm.rank)
         return DynamicStore(sharding, *args, admit_after=e.admit_after, eviction=e.eviction,
                             lfu_half_life=e.lfu_half_life, ttl_steps=e.ttl_steps, counting=Counting.of(e))
@@ -146,7 +146,7 @@ def _make_herald(c: Config, world: int, space: IdSpace, plan: Plan) -> Optional[
     total capacity per worker (0 with cache=none: nothing is lent, pushes are still planned)."""
     if c.schedule.name != "herald" or not c.schedule.on_demand_sync:
         return None
-    ttl = c.embedding.ttl_steps if c.embedding.tables == "dynamic" else 0  # lent rows expire as their ids do
+    ttl = c.embedding.ttl_steps if c.embedding.kind == "dynamic" else 0  # lent rows expire as their ids do
     return HeraldPlanner(world, space, sum(_cache_rows(c, plan)), ttl)
 
 

@@ -1,4 +1,4 @@
-"""Dynamic tables (embedding.tables=dynamic) at W workers against one process (docs/dynamic.md).
+"""Dynamic tables (embedding.kind=dynamic) at W workers against one process (docs/dynamic.md).
 
 With a pool large enough that nothing is evicted, a W-worker run at BSP equals the single-process
 reference on the same global batch, with ids spread over [0, 2^56) (data.scramble_ids): every loss,
@@ -16,9 +16,9 @@ import torch
 from helpers import assert_same_eval, run_single, run_world
 from test_parity import assert_same_run
 
-BASE = ["data=tiny", "train.steps=16", "data.global_batch_size=48", "data.eval_samples=480",
+BASE = ["data=tiny", "train.steps=16", "data.global_batch_size=48", "data.test_samples=480",
         "data.eval_batch_size=40", "train.threads=1", "train.progress=off", "checkpoint.enabled=false",
-        "embedding.tables=dynamic", "data.scramble_ids=true"]
+        "embedding.kind=dynamic", "data.scramble_ids=true"]
 NO_EVICTION = ["embedding.capacity=1100"]  # > the tiny preset's largest table (1001 ids)
 
 

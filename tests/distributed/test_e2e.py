@@ -57,7 +57,7 @@ def test_bad_config_exits_with_message(tmp_path):
 def test_torchrun_two_workers_share_one_output_dir(tmp_path):
     """torchrun with Hydra's default (timestamped) run dir: one directory, one summary.json."""
     cmd = [os.path.join(BIN, "torchrun"), "--standalone", "--nproc_per_node", "2", "-m",
-           "trainer", "comm=torch", "train.steps=20", "data.eval_samples=512", "train.progress=off"]
+           "trainer", "comm=torch", "train.steps=20", "data.test_samples=512", "train.progress=off"]
     proc = subprocess.run(cmd, cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     runs = [os.path.join(d, f) for d, _, files in os.walk(tmp_path / "outputs") for f in files
@@ -80,7 +80,7 @@ def test_bytes_match_analytic_count_of_unique_remote_rows(pipeline, settled):
     per requested id that says which rows were sent early."""
     world, steps, dim = 2, 6, 8
     overrides = ["data=tiny", f"train.steps={steps}", f"model.embedding_dim={dim}",
-                 "data.eval_samples=64", "train.progress=off", f"train.pipeline={pipeline}",
+                 "data.test_samples=64", "train.progress=off", f"train.pipeline={pipeline}",
                  f"comm.settled_rows={settled}"]
     summary = run_world(world, overrides, return_state=False)[0].summary
     cfg = load_config(__import__("helpers").make_cfg(overrides))

@@ -27,7 +27,7 @@ from trainer.schedule.herald import HeraldPlanner, IdSpace, read_pairs
 from trainer.schedule.partition import HeraldPartition
 
 BASE = ["data=tiny", "data.table_rows=[97,3001,13,1250]", "train.steps=24", "data.global_batch_size=48",
-        "data.eval_samples=480", "data.eval_batch_size=40", "train.threads=1", "train.progress=off"]
+        "data.test_samples=480", "data.eval_batch_size=40", "train.threads=1", "train.progress=off"]
 HERALD = BASE + ["schedule=herald", "cache=lru", "cache.capacity_fraction=0.05"]
 
 

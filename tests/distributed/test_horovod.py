@@ -144,7 +144,7 @@ def test_horovod_parity_and_torch_equality(case, trained):
 
 
 # ---------------------------------------------------------------- entry points
-SHORT = ["data=tiny", "train.steps=30", "data.eval_samples=512", "train.progress=off"]
+SHORT = ["data=tiny", "train.steps=30", "data.test_samples=512", "train.progress=off"]
 REQUIRED = ("world_size", "steps", "samples_per_sec", "final_loss", "eval_auc", "eval_logloss",
             "bytes", "bytes_per_sample")
 

@@ -35,7 +35,7 @@ from dev.netcluster import NetCluster
 pytestmark = [pytest.mark.dist, pytest.mark.netns]
 # comm.settled_rows=always: the same protocol on one host and across hosts (auto would send the
 # settled rows early only across them, so the id bytes would differ by their flags)
-CFG = ["data=tiny", "optim=adagrad", "train.steps=12", "train.log_every=1", "data.eval_samples=512",
+CFG = ["data=tiny", "optim=adagrad", "train.steps=12", "train.log_every=1", "data.test_samples=512",
        "train.progress=off", "train.threads=1", "comm.settled_rows=always"]
 LAUNCH_TIMEOUT = 150
 
@@ -158,7 +158,7 @@ def test_torchrun_sweep_across_two_hosts(cluster, tmp_path):
     """A Hydra sweep of two jobs under multi-node torchrun: each job opens its own process group
     (the second one used to meet the first one's rendezvous keys in torchrun's store)."""
     sweep = tmp_path / "sweep"
-    res = cluster.torchrun(["-m", "trainer", "-m", "comm=torch", *CFG[:2], "train.steps=4", "data.eval_samples=256",
+    res = cluster.torchrun(["-m", "trainer", "-m", "comm=torch", *CFG[:2], "train.steps=4", "data.test_samples=256",
                             "train.progress=off", "checkpoint.enabled=false", "train.seed=0,1",
                             f"hydra.sweep.dir={sweep}"], timeout=LAUNCH_TIMEOUT, env=cluster.env({"PYTHONPATH": ROOT}),
                            cwd=ROOT)

@@ -33,7 +33,7 @@ def _start_error(rank: int, world: int, overrides: list[str], out_dir: str) -> s
     return "no error"
 
 
-TINY = ["data=tiny", "data.global_batch_size=48", "data.eval_samples=96", "data.eval_batch_size=48",
+TINY = ["data=tiny", "data.global_batch_size=48", "data.test_samples=96", "data.eval_batch_size=48",
         "train.threads=1", "train.progress=off", "comm=local"]
 
 

@@ -15,7 +15,7 @@ import torch
 
 from helpers import assert_same_eval, run_single, run_world
 
-BASE = ["data=tiny", "train.steps=24", "data.global_batch_size=48", "data.eval_samples=480",
+BASE = ["data=tiny", "train.steps=24", "data.global_batch_size=48", "data.test_samples=480",
         "data.eval_batch_size=40", "train.threads=1", "train.progress=off"]
 
 CASES = {

@@ -22,7 +22,7 @@ from trainer.placement import fae_plan, flat_ids, profile_stream, row_bytes
 from trainer.schedule import HotColdOrder
 
 BASE = ["data=tiny", "data.max_bag=1", "train.steps=24", "data.global_batch_size=48",
-        "data.eval_samples=480", "data.eval_batch_size=40", "train.threads=1", "train.progress=off",
+        "data.test_samples=480", "data.eval_batch_size=40", "train.threads=1", "train.progress=off",
         "placement.window_batches=8"]
 FAE = BASE + ["placement=fae", "placement.budget_bytes=16000"]
 

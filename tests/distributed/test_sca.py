@@ -27,7 +27,7 @@ from trainer.placement.sca import analytic_costs, bucket_edges, predict_bytes, s
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 BASE = ["data=tiny", "data.max_bag=1", "train.steps=24", "data.global_batch_size=48",
-        "data.eval_samples=480", "data.eval_batch_size=40", "train.threads=1", "train.progress=off"]
+        "data.test_samples=480", "data.eval_batch_size=40", "train.threads=1", "train.progress=off"]
 SCA = BASE + ["placement=sca"]
 
 

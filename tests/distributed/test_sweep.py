@@ -26,7 +26,7 @@ from hvd_launch import ROOT, TORCHRUN, env, tail, torchrun
 
 pytestmark = pytest.mark.dist
 
-SWEEP_ARGS = ["data=tiny", "train.steps=12", "data.eval_samples=512", "train.progress=off",
+SWEEP_ARGS = ["data=tiny", "train.steps=12", "data.test_samples=512", "train.progress=off",
               "checkpoint.enabled=false", "cache=lru", "comm.timeout_s=30"]
 BOUNDS = [0, 1, 4]
 
@@ -68,7 +68,7 @@ def _plot(args: list[str]) -> subprocess.CompletedProcess:
 
 def test_a_failed_job_is_named_the_sweep_goes_on_and_plot_refuses_to_choose(tmp_path):
     sweep = tmp_path / "sw"
-    proc = _trainer(["-m", "data=tiny", "train.steps=3", "data.eval_samples=256", "train.progress=off",
+    proc = _trainer(["-m", "data=tiny", "train.steps=3", "data.test_samples=256", "train.progress=off",
                      "checkpoint.enabled=false", "cache=lru", "consistency.pull_bound=0,-7,4",
                      "consistency.push_bound=${consistency.pull_bound}", f"hydra.sweep.dir={sweep}"], tmp_path)
     assert proc.returncode == 2, tail(proc)
@@ -100,7 +100,7 @@ def test_plot_names_jobs_of_a_sweep_that_was_stopped(tmp_path):
     """A sweep stopped after its first job (no sweep summary for the rest): the jobs never run are
     named from Hydra's multirun.yaml."""
     sweep = tmp_path / "sw"
-    proc = _trainer(["-m", "data=tiny", "train.steps=2", "data.eval_samples=256", "train.progress=off",
+    proc = _trainer(["-m", "data=tiny", "train.steps=2", "data.test_samples=256", "train.progress=off",
                      "checkpoint.enabled=false", "consistency.pull_bound=0,2", f"hydra.sweep.dir={sweep}"], tmp_path)
     assert proc.returncode == 0, tail(proc)
     for leftover in (sweep / "1").iterdir():  # as if the sweep had been killed before job 1 wrote anything

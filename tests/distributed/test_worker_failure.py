@@ -31,7 +31,7 @@ TIMEOUT_S = 10  # comm.timeout_s of these runs
 STEPS, EVERY = 300, 20
 ARGS = ["-m", "trainer", "data=tiny", f"train.steps={STEPS}", f"comm.timeout_s={TIMEOUT_S}",
         f"checkpoint.every={EVERY}", "checkpoint.keep_last=0", "train.progress=off", "train.threads=1",
-        "data.eval_samples=512"]
+        "data.test_samples=512"]
 LAUNCHERS = ("torchrun", "horovodrun")
 
 

@@ -69,7 +69,7 @@ def test_the_reference_lists_every_recipe_and_choice_the_schema_names():
     from trainer.config import RECIPES, TABLE_KINDS
     docs = {k.name: k.doc for k in doc.keys()}
     assert all(r in docs["train.recipe"] for r in RECIPES), docs["train.recipe"]
-    assert all(t in docs["embedding.tables"] for t in TABLE_KINDS), docs["embedding.tables"]
+    assert all(t in docs["embedding.kind"] for t in TABLE_KINDS), docs["embedding.kind"]
 
 
 @pytest.fixture

@@ -156,7 +156,7 @@ def test_config_forced_triton_without_cuda_is_a_config_error(monkeypatch: pytest
     assert load_config(make_cfg(forced)).kernels.backend == "triton"
 
 
-TINY_RUN = ["data=tiny", "train.steps=3", "data.batch_size=16", "data.eval_samples=32",
+TINY_RUN = ["data=tiny", "train.steps=3", "data.batch_size=16", "data.test_samples=32",
             "data.eval_batch_size=32", "train.threads=1", "train.progress=off", "data.min_bag=0"]
 
 

@@ -27,7 +27,7 @@ import baseline_lr  # noqa: E402
 
 @pytest.fixture(scope="module")
 def prepared_tail(tmp_path_factory) -> str:
-    """The whole sample as training file: the trainer holds out the last data.eval_fraction."""
+    """The whole sample as training file: the trainer holds out the last data.test_fraction."""
     out = tmp_path_factory.mktemp("criteo_lr_tail")
     prepare_sample(str(out), with_test=False)
     return str(out / "prepared")
@@ -62,8 +62,8 @@ def test_baseline_auc_and_split_sizes_match_the_trainer(prepared, capsys):
     assert set(r["val_auc"]) == {repr(c) for c in baseline_lr.DEFAULT_CS} and r["seconds"] > 0
 
 
-@pytest.mark.parametrize("overrides", [[], ["data.eval_fraction=0.25"], ["data.train_samples=1000",
-                                                                          "data.eval_samples=150"]])
+@pytest.mark.parametrize("overrides", [[], ["data.test_fraction=0.25"], ["data.train_samples=1000",
+                                                                          "data.test_samples=150"]])
 def test_held_out_tail_and_sample_limits_follow_the_trainer(prepared_tail, overrides):
     c = baseline_lr.compose(prepared_tail, overrides)
     train, evals = load_splits(c)
@@ -75,7 +75,7 @@ def test_held_out_tail_and_sample_limits_follow_the_trainer(prepared_tail, overr
 def test_eval_rows_are_the_trainers_tail(prepared_tail):
     """Held-out tail: baseline train rows + eval rows are the sample's rows in file order."""
     train, evals = load_splits(baseline_lr.compose(prepared_tail, []))
-    _, whole = load_splits(baseline_lr.compose(prepared_tail, ["data.eval_fraction=0.99"]))
+    _, whole = load_splits(baseline_lr.compose(prepared_tail, ["data.test_fraction=0.99"]))
     both = np.concatenate([train.ids, evals.ids])
     assert np.array_equal(both[-whole.rows:], whole.ids) and np.array_equal(evals.ids, whole.ids[-evals.rows:])
 

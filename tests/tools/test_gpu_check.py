@@ -48,7 +48,7 @@ def test_gpu_check_step_study_in_cpu_mode(tmp_path: Path):
     phases, the probe its eager lines."""
     env = {**os.environ, "DEVICE": "cpu", "QUICK": "1", "PYTHON": sys.executable, "PART": "step",
            "STEP_BATCHES": "128", "STEP_W2_PIPELINES": "ids",
-           "STEP_EXTRA": "data.cycle_batches=4 data.max_table_rows=2000 data.eval_samples=512"}
+           "STEP_EXTRA": "data.cycle_batches=4 data.max_table_rows=2000 data.test_samples=512"}
     res = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_check.sh"), str(tmp_path)], env=env,
                          capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stdout + res.stderr

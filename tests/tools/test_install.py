@@ -119,7 +119,7 @@ def test_the_wheel_trains_from_any_directory(installed, tmp_path):
     path = re.search(r"(?m)^summary: (\S+)$", out.stdout).group(1)
     summary = json.loads((tmp_path / path).read_text())
     assert summary["config"]["model"]["name"] == "dcn" and summary["steps"] == 3
-    _run([str(bin_ / "python"), "-m", "trainer", "optim=adam", "train.steps=2", "data.eval_samples=256",
+    _run([str(bin_ / "python"), "-m", "trainer", "optim=adam", "train.steps=2", "data.test_samples=256",
           "train.progress=off", f"hydra.run.dir={tmp_path / 'run2'}"], cwd=tmp_path)
     assert json.loads((tmp_path / "run2" / "summary.json").read_text())["config"]["optim"]["dense"] == "adam"
 

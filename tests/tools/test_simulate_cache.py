@@ -192,7 +192,7 @@ def test_simulator_equals_trainer_counters():
                        "consistency.push_bound=3"],
                base + ["cache=lfu_pinned", "cache.pin_threshold=3", "consistency=asp"],
                base + ["cache=lfu", "consistency=bsp"]]
-    tail = [f"train.steps={steps}", "train.eval_every=0", "data.eval_samples=128",
+    tail = [f"train.steps={steps}", "train.eval_every=0", "data.test_samples=128",
             "data.eval_batch_size=64", "train.threads=1", "train.progress=off"]
     runs = spawn(2, train_models, [c + tail for c in configs])[0]
     keys = ("requested", "hits", "fresh_hits", "pulled", "transient", "pushed_rows", "pushed_updates",

@@ -26,11 +26,11 @@ from trainer.embedding.consistency import UNBOUNDED, Bounds, needs_row, push_due
 from trainer.embedding.sharding import RowSharding
 from trainer.embedding.store import init_rows
 
-BASE = ["data=tiny", "train.steps=24", "data.global_batch_size=48", "data.eval_samples=480",
+BASE = ["data=tiny", "train.steps=24", "data.global_batch_size=48", "data.test_samples=480",
         "data.eval_batch_size=40", "train.threads=1", "train.progress=off"]
 # bigger tables than `tiny`: rows are not touched every step, so staleness really builds up
 WIDE = ["data=tiny", "data.table_rows=[97,3001,13,1250]", "data.global_batch_size=96",
-        "data.eval_samples=288", "data.eval_batch_size=96", "train.threads=1", "train.progress=off",
+        "data.test_samples=288", "data.eval_batch_size=96", "train.threads=1", "train.progress=off",
         "embedding.audit=true"]
 
 

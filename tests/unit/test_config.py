@@ -2,12 +2,13 @@
 from __future__ import annotations
 
 import dataclasses
+import re
 import typing
 
 import pytest
 
 from helpers import make_cfg
-from trainer.config import Config, ConfigError, local_batch_size, validate_world
+from trainer.config import RENAMED, Config, ConfigError, get_key, local_batch_size, parse, validate_world
 from trainer.plan.configure import load_config
 
 BAD = [
@@ -47,7 +48,7 @@ BAD = [
     ("data.signal=-1", "data.signal"),
     ("data.signal=nan", "data.signal"),
     ("data.train_samples=-1", "data.train_samples"),
-    ("data.eval_samples=-1", "data.eval_samples"),
+    ("data.test_samples=-1", "data.test_samples"),
     ("data.seed=-1", "data.seed"),
     ("+data.loader=arrow", "data.loader"),
     ("data.loader_threads=0", "data.loader_threads"),
@@ -56,8 +57,8 @@ BAD = [
     ("train.unique_capacity=-1", "train.unique_capacity"),
     ("embedding.lfu_half_life=-1", "embedding.lfu_half_life"),
     ("embedding.ttl_steps=-1", "embedding.ttl_steps"),
-    ("+data.eval_fraction=0", "data.eval_fraction"),
-    ("+data.eval_fraction=1", "data.eval_fraction"),
+    ("+data.test_fraction=0", "data.test_fraction"),
+    ("+data.test_fraction=1", "data.test_fraction"),
     ("+data.epochs=-1", "data.epochs"),
     ("+data.epochs=inf", "data.epochs"),
     ("data.out_of_range=clip", "data.out_of_range"),
@@ -153,7 +154,7 @@ BAD = [
     ("train.ensemble=2", "train.ensemble"),  # the members' validation slices: a data=criteo option
     ("data.min_count=2", "data.min_count"),  # a vocabulary of the training rows is a data=criteo option  # no validation split: never fitted on the test split
     ("+data.standardize=true", "data.standardize"),  # a data=criteo option
-    ("embedding.tables=sparse", "embedding.tables"),
+    ("embedding.kind=sparse", "embedding.kind"),
     ("embedding.capacity=-1", "embedding.capacity"),
     ("embedding.admit_after=0", "embedding.admit_after"),
     ("embedding.capacity_bytes=-1", "embedding.capacity_bytes"),
@@ -162,17 +163,16 @@ BAD = [
     ("embedding.count_min_depth=0", "embedding.count_min_depth"),
     ("embedding.count_min_halve_steps=-1", "embedding.count_min_halve_steps"),
     ("embedding.eviction=fifo", "embedding.eviction"),
-    ("data.scramble_ids=true", "data.scramble_ids"),  # needs embedding.tables=dynamic
+    ("data.scramble_ids=true", "data.scramble_ids"),  # needs embedding.kind=dynamic
     ("data.drift=-1", "data.drift"),
-    ("data.drift=0.1", "data.drift"),  # needs embedding.tables=dynamic
+    ("data.drift=0.1", "data.drift"),  # needs embedding.kind=dynamic
     ("data.hash_rows=-1", "data.hash_rows"),
     ("data.drift_eval_at=-1", "data.drift_eval_at"),
 ]
 # keys with no range to check: free text (informational names, paths) and booleans
 NO_RANGE = {"data.preset", "data.dir", "data.shuffle", "optim.name", "embedding.audit", "checkpoint.enabled",
             "placement.hot_batches", "schedule.on_demand_sync", "schedule.cache_aware",
-            "train.early_stop.restore_best", "train.tensorboard", "train.memory_check",
-            "train.bag"}  # the deprecated name of train.ensemble (RENAMED): checked as train.ensemble, see test_ensemble.py
+            "train.early_stop.restore_best", "train.tensorboard", "train.memory_check"}
 
 
 @pytest.mark.parametrize("override,key", BAD, ids=[b[0] for b in BAD])
@@ -332,9 +332,44 @@ def test_the_schema_defaults_are_the_config_python_m_trainer_composes():
     """One default per key: the dataclasses' defaults are exactly what conf/config.yaml's default
     options compose to (before the recipe fills the nulls), so Config() is `python -m trainer`'s
     config and a key an option file leaves out gets the same value it would under the defaults."""
-    import dataclasses
-
-    from trainer.config import compose, parse
+    from trainer.config import compose
     want, got = dataclasses.asdict(Config()), dataclasses.asdict(parse(compose([])))
     diff = {f"{g}.{k}": (want[g][k], got[g][k]) for g in want for k in want[g] if want[g][k] != got[g][k]}
     assert not diff, f"schema default vs conf/ default: {diff}"
+
+
+OLD_NAMES = [("train.bag", "train.ensemble", 3), ("embedding.tables", "embedding.kind", "dynamic"),
+             ("data.eval_samples", "data.test_samples", 100), ("data.eval_fraction", "data.test_fraction", 0.25)]
+DATA = ["data=criteo"]  # a data option that has every key above (synthetic data has no test_fraction)
+
+
+@pytest.mark.parametrize("old,new,value", OLD_NAMES, ids=[o[0] for o in OLD_NAMES])
+def test_old_key_name_still_works_and_warns_once(old, new, value, capfd, monkeypatch):
+    """An old key name (RENAMED), as an override or in a config tree, is read as the new key with one
+    warning line on stderr (from the launcher's rank 0 only); the same value under both names is
+    fine, different ones are refused naming both. The schema and conf/ hold only the new name."""
+    monkeypatch.delenv("RANK", raising=False)
+    capfd.readouterr()
+    c = parse(make_cfg(DATA + [f"{old}={value}"]))
+    assert get_key(c, new) == value
+    said = f"[trainer] warning: {old} is deprecated, use {new} ({old}={value} -> {new}={value}); " \
+           f"{old} will be removed in the next release"
+    err = capfd.readouterr().err
+    assert said in err and err.count("deprecated") == 1, err
+    section, name = old.split(".")
+    tree = {section: {name: value}}
+    assert get_key(parse(tree), new) == value and said in capfd.readouterr().err  # a saved or hand-written tree
+    assert tree == {section: {name: value}}  # the caller's tree is not changed
+    assert get_key(parse(make_cfg(DATA + [f"{old}={value}", f"{new}={value}"])), new) == value
+    monkeypatch.setenv("RANK", "1")  # another rank under torchrun: the same config, nothing said
+    capfd.readouterr()
+    assert get_key(parse(make_cfg(DATA + [f"{old}={value}"])), new) == value
+    assert "deprecated" not in capfd.readouterr().err
+    with pytest.raises(ConfigError, match=rf"^{re.escape(old)}={value} and {re.escape(new)}=7: {re.escape(old)} is "
+                                          rf"the old name of {re.escape(new)}: give only {re.escape(new)}$"):
+        make_cfg(DATA + [f"{old}={value}", f"{new}=7"])
+    assert not hasattr(get_key(c, section), name)
+
+
+def test_every_renamed_key_is_tested():
+    assert sorted(o[0] for o in OLD_NAMES) == sorted(RENAMED)

@@ -27,7 +27,7 @@ def prepared(tmp_path_factory) -> str:
 
 def _data(d: str, loader: str, rank: int, world: int, *extra: str) -> CriteoData:
     cfg = load_config(make_cfg(["data=criteo", f"data.dir={d}", f"data.loader={loader}", "data.batch_size=96",
-                              "data.eval_batch_size=70", "data.eval_fraction=0.15", *extra]))
+                              "data.eval_batch_size=70", "data.test_fraction=0.15", *extra]))
     return make_data(cfg, rank, world)
 
 

@@ -87,7 +87,7 @@ def test_planted_signal_is_learnable():
 
 
 def test_eval_split_is_covered_exactly_once_across_ranks():
-    c = _cfg("data.eval_samples=1000", "data.eval_batch_size=96")
+    c = _cfg("data.test_samples=1000", "data.eval_batch_size=96")
     per_rank = [list(make_data(c, r, 3).eval_batches()) for r in range(3)]
     assert len({len(x) for x in per_rank}) == 1  # same number of eval steps on every rank
     assert sum(b.batch_size for x in per_rank for b in x) == 1000
@@ -159,7 +159,7 @@ def test_loader_threads_make_the_same_batches_in_chunks(bags):
     """data.loader_threads > 1 makes a large batch in row chunks on a thread pool: every value is
     a function of its sample's index alone, so training and evaluation batches are bit-identical."""
     extra = ["data.global_batch_size=9000", f"data.min_bag={bags[0]}", f"data.max_bag={bags[1]}",
-             "data.eval_samples=9000", "data.eval_batch_size=9000"]
+             "data.test_samples=9000", "data.eval_batch_size=9000"]
     one, three = (make_data(_cfg(*extra, f"data.loader_threads={n}"), 0, 1) for n in (1, 3))
     assert min(3, 9000 // 4096) == 2  # the chunked path really runs (two chunks of 4,500)
     pairs = [(one.train_batch(4), three.train_batch(4)), (next(one.eval_batches()), next(three.eval_batches()))]

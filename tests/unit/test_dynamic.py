@@ -130,8 +130,8 @@ def test_lfu_decay_lets_old_popularity_fade(half_life, kept):
 
 def test_lfu_half_life_needs_lfu():
     with pytest.raises(ConfigError, match="embedding.lfu_half_life.*eviction=lfu"):
-        load_config(make_cfg(["embedding.tables=dynamic", "embedding.capacity=10", "embedding.lfu_half_life=4"]))
-    c = load_config(make_cfg(["embedding.tables=dynamic", "embedding.capacity=10", "embedding.eviction=lfu",
+        load_config(make_cfg(["embedding.kind=dynamic", "embedding.capacity=10", "embedding.lfu_half_life=4"]))
+    c = load_config(make_cfg(["embedding.kind=dynamic", "embedding.capacity=10", "embedding.eviction=lfu",
                               "embedding.lfu_half_life=4"]))
     assert c.embedding.lfu_half_life == 4
 
@@ -170,7 +170,7 @@ def test_an_expired_row_with_admission_after_k_sightings_is_reborn_without_waiti
     """embedding.ttl_steps with admit_after = 2: an id waits for its second sighting once; when its
     row expires, the id (already admitted) starts its new life the next time it is read, without
     being counted again: expiry resets what the row learnt, not the admission."""
-    c = load_config(make_cfg(["embedding.tables=dynamic", "embedding.capacity=10", "embedding.ttl_steps=4",
+    c = load_config(make_cfg(["embedding.kind=dynamic", "embedding.capacity=10", "embedding.ttl_steps=4",
                               "embedding.admit_after=2", "checkpoint.enabled=false"]))
     assert c.embedding.ttl_steps == 4 and c.embedding.admit_after == 2
     sh = HashSharding(1, 4, 1, 0)
@@ -346,22 +346,22 @@ def test_free_slots_after_a_load_go_lowest_first_and_lookups_stay_exact():
     (["comm.settled_rows=always"], "comm.settled_rows"),
 ])
 def test_combinations_not_supported_yet_are_refused_naming_the_key(overrides, key):
-    with pytest.raises(ConfigError, match="embedding.tables=dynamic does not support") as err:
-        load_config(make_cfg(["embedding.tables=dynamic", "embedding.capacity=10",
+    with pytest.raises(ConfigError, match="embedding.kind=dynamic does not support") as err:
+        load_config(make_cfg(["embedding.kind=dynamic", "embedding.capacity=10",
                               "checkpoint.enabled=false"] + overrides))
     assert str(err.value).startswith(f"{key}=")
 
 
 @pytest.mark.parametrize("consistency", ["bsp", "ssp", "asp"])
 def test_the_het_cache_is_accepted_at_any_bounds(consistency):
-    c = load_config(make_cfg(["embedding.tables=dynamic", "embedding.capacity=10", "checkpoint.enabled=false",
+    c = load_config(make_cfg(["embedding.kind=dynamic", "embedding.capacity=10", "checkpoint.enabled=false",
                               "cache=lru", f"consistency={consistency}"]))
-    assert c.cache.policy == "lru" and c.embedding.tables == "dynamic"
+    assert c.cache.policy == "lru" and c.embedding.kind == "dynamic"
 
 
 def test_dynamic_tables_need_a_capacity():
     with pytest.raises(ConfigError, match="embedding.capacity=0"):
-        load_config(make_cfg(["embedding.tables=dynamic", "checkpoint.enabled=false"]))
+        load_config(make_cfg(["embedding.kind=dynamic", "checkpoint.enabled=false"]))
 
 
 def test_a_byte_budget_sets_the_most_rows_per_table_that_fit():
@@ -370,7 +370,7 @@ def test_a_byte_budget_sets_the_most_rows_per_table_that_fit():
     budget, a disagreeing capacity and fixed tables are refused naming the key."""
     from trainer.plan.memplan import plan_memory
 
-    base = ["embedding.tables=dynamic", "checkpoint.enabled=false"]
+    base = ["embedding.kind=dynamic", "checkpoint.enabled=false"]
     for budget in (200_000, 30_000_000):
         c = load_config(make_cfg(base + [f"embedding.capacity_bytes={budget}"]))
         assert c.embedding.capacity > 0 and plan_memory(c, 1, 0).parts["rows"] <= budget
@@ -382,21 +382,21 @@ def test_a_byte_budget_sets_the_most_rows_per_table_that_fit():
         load_config(make_cfg(base + ["embedding.capacity_bytes=100"]))
     with pytest.raises(ConfigError, match="give one of them"):
         load_config(make_cfg(base + ["embedding.capacity_bytes=200000", "embedding.capacity=7"]))
-    with pytest.raises(ConfigError, match="embedding.capacity_bytes=5.*needs embedding.tables=dynamic"):
+    with pytest.raises(ConfigError, match="embedding.capacity_bytes=5.*needs embedding.kind=dynamic"):
         load_config(make_cfg(["embedding.capacity_bytes=5", "checkpoint.enabled=false"]))
 
 
 def test_a_refused_combination_exits_2_with_one_line(tmp_path):
-    p = subprocess.run([sys.executable, "-m", "trainer", "embedding.tables=dynamic", "embedding.capacity=10",
+    p = subprocess.run([sys.executable, "-m", "trainer", "embedding.kind=dynamic", "embedding.capacity=10",
                         "placement=sca", f"hydra.run.dir={tmp_path}"], capture_output=True, text=True, timeout=300)
     assert p.returncode == 2, p.stderr[-2000:]
     lines = p.stderr.strip().splitlines()
-    assert len(lines) == 1 and "embedding.tables=dynamic does not support sca's cost model" in lines[0]
+    assert len(lines) == 1 and "embedding.kind=dynamic does not support sca's cost model" in lines[0]
 
 
 def test_raw_ids_keep_criteos_32_bit_values_and_train_dynamic_tables(tmp_path):
     """prepare_criteo.py --raw-ids: every id is its value's 32 bits (0: empty), read back unsigned;
-    such a directory trains embedding.tables=dynamic (a vocabulary is refused, naming the key), with
+    such a directory trains embedding.kind=dynamic (a vocabulary is refused, naming the key), with
     the small-data recipe's validation split."""
     from data_helpers import N_TRAIN, prepare_sample, sample_lines
     from trainer.data import make_data
@@ -412,7 +412,7 @@ def test_raw_ids_keep_criteos_32_bit_values_and_train_dynamic_tables(tmp_path):
     rows = [parse_line(line)[2] for line in sample_lines()[:N_TRAIN]]
     want = torch.tensor([[0 if v is None else v for v in r] for r in rows], dtype=torch.int64)
     assert int(want.max()) >= 1 << 31  # values past int32's range really occur
-    base = ["data=criteo", f"data.dir={d}", "data.loader=memmap", "embedding.tables=dynamic",
+    base = ["data=criteo", f"data.dir={d}", "data.loader=memmap", "embedding.kind=dynamic",
             "embedding.capacity=2000", "checkpoint.enabled=false", "train.ensemble=1",
             "data.epochs=0", "train.steps=3", "data.batch_size=64", "data.shuffle=false", "train.progress=off"]
     with pytest.raises(ConfigError, match="data.min_count=1: .* keeps raw ids"):
@@ -430,7 +430,7 @@ def test_the_drifting_preset_brings_new_ids_and_moves_popularity():
     read ids fade; the same data without drift stays inside its table; eval is drawn as at
     data.drift_eval_at."""
     from trainer.data.synthetic import SyntheticData
-    c = load_config(make_cfg(["data=drift", "embedding.tables=dynamic", "embedding.capacity=100",
+    c = load_config(make_cfg(["data=drift", "embedding.kind=dynamic", "embedding.capacity=100",
                               "checkpoint.enabled=false", "data.drift_eval_at=200000"]))
     data = SyntheticData(c.data, list(c.data.table_rows), 0, 1, 4096)
     early, late = data.train_batch(0).values, data.train_batch(60).values  # samples 0.. and 245760..
@@ -454,7 +454,7 @@ def test_hash_rows_folds_the_dynamic_tables_ids_into_fixed_rows():
     from trainer.data import make_data
     from trainer.core.hashing import mix64
     base = ["data=drift", "checkpoint.enabled=false", "data.batch_size=512"]
-    dyn = load_config(make_cfg(base + ["embedding.tables=dynamic", "embedding.capacity=100"]))
+    dyn = load_config(make_cfg(base + ["embedding.kind=dynamic", "embedding.capacity=100"]))
     fixed = load_config(make_cfg(base + ["data.hash_rows=300"]))
     assert table_rows(fixed) == [300] * 8
     for step in (0, 40):
@@ -463,7 +463,7 @@ def test_hash_rows_folds_the_dynamic_tables_ids_into_fixed_rows():
         want = (mix64(raw.values | (t << ID_BITS)) & 0x7FFFFFFFFFFFFFFF) % 300
         assert torch.equal(got.values, want) and torch.equal(got.labels, raw.labels)
         assert int(raw.values.max()) >= 1 << 40 and 250 < got.values.unique().numel() <= 300  # wide ids, folded
-    for extra in (["data.hash_rows=300", "embedding.tables=dynamic", "embedding.capacity=100"], ["data.hash_rows=-1"]):
+    for extra in (["data.hash_rows=300", "embedding.kind=dynamic", "embedding.capacity=100"], ["data.hash_rows=-1"]):
         with pytest.raises(ConfigError, match="data.hash_rows"):
             load_config(make_cfg(base + extra))
     with pytest.raises(ConfigError, match="data.drift=0.05: drifting ids are unbounded"):
@@ -472,8 +472,8 @@ def test_hash_rows_folds_the_dynamic_tables_ids_into_fixed_rows():
 
 def test_dynamic_tables_train_on_the_drifting_preset_and_evict(tmp_path):
     from trainer.runner import run
-    res = run(make_cfg(["data=drift", "embedding.tables=dynamic", "embedding.capacity=1500",
-                        "checkpoint.enabled=false", "train.steps=12", "data.eval_samples=1024",
+    res = run(make_cfg(["data=drift", "embedding.kind=dynamic", "embedding.capacity=1500",
+                        "checkpoint.enabled=false", "train.steps=12", "data.test_samples=1024",
                         "train.progress=off", "comm=local"]), str(tmp_path))
     d = res.summary["dynamic"]
     assert d["evictions"] > 0 and d["rows_in_use"] == 8 * 1500
@@ -482,8 +482,8 @@ def test_dynamic_tables_train_on_the_drifting_preset_and_evict(tmp_path):
 
 def test_the_cache_simulator_refuses_dynamic_tables():
     from trainer.tools.simulate import TraceError, build
-    with pytest.raises(TraceError, match="embedding.tables=dynamic: the simulator models fixed tables"):
-        build(["embedding.tables=dynamic", "embedding.capacity=10", "checkpoint.enabled=false", "cache=lru"], 2,
+    with pytest.raises(TraceError, match="embedding.kind=dynamic: the simulator models fixed tables"):
+        build(["embedding.kind=dynamic", "embedding.capacity=10", "checkpoint.enabled=false", "cache=lru"], 2,
               log=None)
 
 
@@ -493,7 +493,7 @@ def test_the_memory_plan_counts_the_pool_and_its_bookkeeping():
     16 B a cell; the map of a full pool never holds more than the bound)."""
     import trainer.plan.memplan as memplan
     from kernels.id_slot_map_reference import cells_bound
-    c = load_config(make_cfg(["data=tiny", "embedding.tables=dynamic", "embedding.capacity=50",
+    c = load_config(make_cfg(["data=tiny", "embedding.kind=dynamic", "embedding.capacity=50",
                               "checkpoint.enabled=false", "optim.sparse=rowwise_adagrad", "model.embedding_dim=16"]))
     plan = memplan.plan_memory(c, 2, 1)
     st = DynamicStore(HashSharding(4, 50, 2, 1), 16, 0, None, "rowwise_adagrad", 0.1, 1e-8, CPU)

@@ -252,15 +252,15 @@ def test_a_checkpoint_keeps_the_sketch_and_another_w_never_under_counts(tmp_path
 
 
 @pytest.mark.parametrize("overrides,match", [
-    (["embedding.admit_counter=count_min", "embedding.tables=dynamic", "embedding.capacity=10"],
+    (["embedding.admit_counter=count_min", "embedding.kind=dynamic", "embedding.capacity=10"],
      "embedding.admit_counter='count_min': .*needs embedding.admit_after > 1"),
     (["embedding.admit_counter=count_min", "embedding.admit_after=2"],
-     "embedding.admit_counter='count_min': .*needs embedding.tables=dynamic"),
-    (["embedding.count_min_halve_steps=5", "embedding.tables=dynamic", "embedding.capacity=10",
+     "embedding.admit_counter='count_min': .*needs embedding.kind=dynamic"),
+    (["embedding.count_min_halve_steps=5", "embedding.kind=dynamic", "embedding.capacity=10",
       "embedding.admit_after=2"], "embedding.count_min_halve_steps=5: .*needs embedding.admit_counter=count_min"),
-    (["embedding.admit_counter=count_min", "embedding.tables=dynamic", "embedding.capacity=10",
+    (["embedding.admit_counter=count_min", "embedding.kind=dynamic", "embedding.capacity=10",
       "embedding.admit_after=2", "embedding.count_min_bytes=7"], "embedding.count_min_bytes=7: too small"),
-    (["embedding.admit_counter=count_min", "embedding.tables=dynamic", "embedding.capacity=10",
+    (["embedding.admit_counter=count_min", "embedding.kind=dynamic", "embedding.capacity=10",
       "embedding.admit_after=40000"], "embedding.admit_after=40000: must be < 32768"),
     (["embedding.admit_counter=sketch"], "embedding.admit_counter='sketch': must be one of exact, count_min"),
 ])
@@ -275,7 +275,7 @@ def test_the_memory_plan_and_the_summary_report_the_sketchs_bytes():
     whole rows); exact counting plans none (it grows with the ids); the dynamic block reports the
     counter, its bytes summed over owners, and 0 B per pending id."""
     from trainer.plan.memplan import plan_memory
-    base = ["data=tiny", "embedding.tables=dynamic", "embedding.capacity=50", "checkpoint.enabled=false",
+    base = ["data=tiny", "embedding.kind=dynamic", "embedding.capacity=50", "checkpoint.enabled=false",
             "embedding.admit_after=2"]
     c = load_config(make_cfg(base + ["embedding.admit_counter=count_min", "embedding.count_min_bytes=10001"]))
     st = store(capacity=50, admit_after=2, counting=Counting.of(c.embedding))

@@ -121,32 +121,6 @@ def test_every_slice_fits_whatever_the_row_count(prepared):
         assert c.train.ensemble == 5 and val_slices(c.data, 5) == [1, 2, 3, 4, 5], n
 
 
-DEPRECATED = ("[trainer] warning: train.bag is deprecated, use train.ensemble (train.bag=3 -> train.ensemble=3); "
-              "train.bag will be removed in the next release")
-
-
-def test_old_name_train_bag_still_works_and_warns_once(prepared, capfd, monkeypatch):
-    """train.bag=K, the name before the rename, is read as train.ensemble=K with one warning line on
-    stderr (from the launcher's rank 0 only); the same value under both names is fine, different
-    ones are refused naming both keys."""
-    base = ["data=criteo", f"data.dir={prepared}", "data.loader=memmap"]
-    monkeypatch.delenv("RANK", raising=False)
-    capfd.readouterr()
-    c = load_config(make_cfg(base + ["train.bag=3"]))
-    assert c.train.ensemble == 3 and c.train.bag is None
-    err = capfd.readouterr().err
-    assert DEPRECATED in err and err.count("deprecated") == 1, err
-    assert load_config(c).train.ensemble == 3 and "deprecated" not in capfd.readouterr().err  # moved once
-    assert load_config(make_cfg(base + ["train.bag=3", "train.ensemble=3"])).train.ensemble == 3
-    monkeypatch.setenv("RANK", "1")  # another rank under torchrun: the same config, nothing said
-    capfd.readouterr()
-    assert load_config(make_cfg(base + ["train.bag=2"])).train.ensemble == 2
-    assert "deprecated" not in capfd.readouterr().err
-    with pytest.raises(ConfigError, match=r"^train\.bag=3 and train\.ensemble=5: train\.bag is the old name of "
-                                          r"train\.ensemble: give only train\.ensemble$"):
-        load_config(make_cfg(base + ["train.bag=3", "train.ensemble=5"]))
-
-
 def test_command_refuses_both_names_and_runs_the_old_one(tmp_path):
     """`python -m trainer`: both names with different values exit 2 with the error (no traceback, no
     run); the old name alone runs, warns once and the summary's config holds it as train.ensemble."""
@@ -154,7 +128,7 @@ def test_command_refuses_both_names_and_runs_the_old_one(tmp_path):
     env = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
     env.pop("RANK", None)
     cmd = [sys.executable, "-m", "trainer", "data=tiny", "train.steps=2", "train.progress=off",
-           "train.tensorboard=false", "data.eval_samples=64"]
+           "train.tensorboard=false", "data.test_samples=64"]
     both = subprocess.run(cmd + ["train.bag=1", "train.ensemble=2", f"hydra.run.dir={tmp_path / 'both'}"],
                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert both.returncode == 2 and "Traceback" not in both.stderr, both.stderr[-3000:]
@@ -166,4 +140,4 @@ def test_command_refuses_both_names_and_runs_the_old_one(tmp_path):
     assert old.returncode == 0, old.stderr[-3000:]
     assert old.stderr.count("train.bag is deprecated, use train.ensemble (train.bag=1 -> train.ensemble=1)") == 1
     s = json.loads((out / "summary.json").read_text())
-    assert s["config"]["train"]["ensemble"] == 1 and s["config"]["train"]["bag"] is None
+    assert s["config"]["train"]["ensemble"] == 1 and "bag" not in s["config"]["train"]

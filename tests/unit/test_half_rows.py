@@ -44,7 +44,7 @@ from trainer.embedding.optim import Rounding
 
 HALF = [torch.float16, torch.bfloat16]
 NAMES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
-BASE = ["data=tiny", "train.steps=24", "data.global_batch_size=48", "data.eval_samples=480",
+BASE = ["data=tiny", "train.steps=24", "data.global_batch_size=48", "data.test_samples=480",
         "data.eval_batch_size=40", "train.threads=1", "train.progress=off"]
 
 
@@ -376,7 +376,7 @@ def test_the_best_model_is_restored_in_half_precision():
     the best step ends with (the snapshot holds the stored rows; untouched rows go back to their
     initial values, rounded to nearest as at the start)."""
     es = ["data=tiny", "data.train_samples=480", "data.val_fraction=0.25", "data.global_batch_size=48",
-          "data.eval_samples=480", "data.eval_batch_size=40", "train.threads=1", "train.progress=off",
+          "data.test_samples=480", "data.eval_batch_size=40", "train.threads=1", "train.progress=off",
           "train.steps=80", "train.eval_every=4", "train.early_stop.patience=3", "optim=adagrad", "optim.lr=0.5",
           "embedding.dtype=bf16"]
     ref = run_single(es)

@@ -30,7 +30,7 @@ from trainer.data.synthetic import SyntheticData
 from trainer.runner import RunResult, Trainer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-BASE = ["data=tiny", "train.steps=10", "data.global_batch_size=48", "data.eval_samples=480",
+BASE = ["data=tiny", "train.steps=10", "data.global_batch_size=48", "data.test_samples=480",
         "data.eval_batch_size=40", "train.threads=1", "train.progress=off", "optim=adagrad"]
 ROWS = [97, 1001, 13, 250]  # the tiny preset
 

@@ -18,7 +18,7 @@ from trainer.plan.configure import load_config
 from trainer.runner import run
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-TINY = ["data=tiny", "train.steps=2", "data.global_batch_size=48", "data.eval_samples=96", "train.progress=off",
+TINY = ["data=tiny", "train.steps=2", "data.global_batch_size=48", "data.test_samples=96", "train.progress=off",
         "checkpoint.enabled=false"]
 HUGE = "data.table_rows=[1000,10000000000]"
 
@@ -57,7 +57,7 @@ def test_a_dynamic_pools_snapshot_counts_each_slots_id_and_version():
     """Dynamic tables: the best snapshot's part is its tensors: held flag + rows + the kept slot id
     and version (16 B per slot), in memory or with the rows on disk."""
     from trainer.core.snapshot_rows import SnapshotRows, SnapshotSlots
-    c = load_config(make_cfg(TINY + ["embedding.tables=dynamic", "embedding.capacity=50", "data.val_fraction=0.1",
+    c = load_config(make_cfg(TINY + ["embedding.kind=dynamic", "embedding.capacity=50", "data.val_fraction=0.1",
                                      "data.train_samples=960"]))
     plan = memplan.plan_memory(c, 2, 0)
     slots = len(c.data.table_rows) * 50

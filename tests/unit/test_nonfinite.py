@@ -28,7 +28,7 @@ from trainer.runner import RunResult, Trainer, TrainingError, run
 from trainer.schedule.feed import Feed
 
 BASE = ["data=tiny", "data.table_rows=[97,3001,13,1250]", "train.steps=14", "data.global_batch_size=48",
-        "data.eval_samples=480", "data.eval_batch_size=40", "train.threads=1", "train.progress=off"]
+        "data.test_samples=480", "data.eval_batch_size=40", "train.threads=1", "train.progress=off"]
 SKIP = ["train.nonfinite=skip"]
 
 

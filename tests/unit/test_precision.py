@@ -245,7 +245,7 @@ def test_the_scale_survives_a_resume(tmp_path):
 # ---------------------------------------------------------------------------- accuracy
 @pytest.mark.slow
 def test_small_criteo_like_auc_close_to_fp32():
-    o = ["data=criteo_like", "data.max_table_rows=20000", "data.batch_size=512", "data.eval_samples=16384",
+    o = ["data=criteo_like", "data.max_table_rows=20000", "data.batch_size=512", "data.test_samples=16384",
          "optim=adam", "train.steps=150", "train.threads=1", "train.progress=off", "checkpoint.enabled=false"]
     auc = {p: run_single(o + [f"train.precision={p}"], return_state=False).summary["eval_auc"]
            for p in ("fp32", "bf16", "fp16")}

@@ -111,7 +111,7 @@ def test_movielens_dlrm_learns():
 def test_movielens_two_workers_reproduce_single_process():
     """MovieLens batches are W-invariant, so W = 2 (BSP) reproduces the single-process losses and
     eval logits (the AUC: within the pairs those logits may order otherwise)."""
-    over = MOVIELENS + ["train.steps=8", "data.global_batch_size=256", "data.eval_samples=2000"]
+    over = MOVIELENS + ["train.steps=8", "data.global_batch_size=256", "data.test_samples=2000"]
     single = run_single(over)
     two = run_world(2, over)
     np.testing.assert_allclose(two[0].losses, single.losses, rtol=1e-5)

@@ -51,7 +51,7 @@ def plain_torch_run(overrides: list[str]):
 
 @pytest.mark.parametrize("optim,pooling", [("sgd", "sum"), ("adagrad", "mean")])
 def test_single_process_equals_plain_torch(optim, pooling):
-    overrides = ["data=tiny", "train.steps=15", "data.batch_size=32", "data.eval_samples=64",
+    overrides = ["data=tiny", "train.steps=15", "data.batch_size=32", "data.test_samples=64",
                  f"optim={optim}", f"model.pooling={pooling}", "data.min_bag=0", "train.progress=off"]
     losses, dense, tables = plain_torch_run(overrides)
     ours = run_single(overrides)

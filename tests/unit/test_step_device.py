@@ -39,7 +39,7 @@ import torch
 from device_audit import DEV, HOST, Record, StepAudit, outside, table
 from helpers import make_cfg, spawn
 
-TINY = ["data=tiny", "train.steps=4", "data.batch_size=16", "data.eval_samples=32",
+TINY = ["data=tiny", "train.steps=4", "data.batch_size=16", "data.test_samples=32",
         "data.eval_batch_size=32", "train.threads=1", "train.progress=off", "data.min_bag=0"]
 WARMUP_STEPS = 2  # optimizer state, cache fills and the first lent rows happen here, not audited
 

@@ -23,7 +23,7 @@ from trainer.data import make_data
 # a small finite training set, overfitted quickly (Adagrad at lr 0.5): validation AUC peaks at
 # step 32 and early stopping (patience 3 evaluations of every 4 steps) ends the run at step 44
 ES = ["data=tiny", "data.train_samples=480", "data.val_fraction=0.25", "data.global_batch_size=48",
-      "data.eval_samples=480", "data.eval_batch_size=40", "train.threads=1", "train.progress=off",
+      "data.test_samples=480", "data.eval_batch_size=40", "train.threads=1", "train.progress=off",
       "train.steps=80", "train.eval_every=4", "train.early_stop.patience=3", "optim=adagrad", "optim.lr=0.5"]
 
 

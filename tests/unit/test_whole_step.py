@@ -81,7 +81,7 @@ def test_padded_plan_is_the_eager_plan_in_fixed_slots():
 
 
 @pytest.mark.parametrize("override, key", [
-    ("embedding.tables=dynamic", "embedding.tables"), ("cache=lru", "cache.policy"),
+    ("embedding.kind=dynamic", "embedding.kind"), ("cache=lru", "cache.policy"),
     ("placement=fae", "placement.name"), ("schedule=herald", "schedule.name"),
     ("embedding.dtype=fp16", "embedding.rounding"), ("embedding.audit=true", "embedding.audit")])
 def test_what_cannot_be_padded_yet_is_refused_at_w1(override, key):

@@ -1,4 +1,4 @@
-"""A dynamic tables' shard on disk (embedding.tables=dynamic): the shard directory format of
+"""A dynamic tables' shard on disk (embedding.kind=dynamic): the shard directory format of
 shard_io.py (flat little-endian arrays, one per field, each with its per-block sha256 index), in
 pool slot order, with the pool's own fields beside the rows.
 

@@ -30,7 +30,7 @@ from typing import Any, Iterator, Optional
 from omegaconf import OmegaConf
 
 from . import schema
-from .load import CONF_DIR
+from .load import CONF_DIR, RENAMED
 from .schema import Config
 
 BEGIN = ("<!-- BEGIN generated reference: written by python -m trainer.config.doc --write from "
@@ -211,6 +211,11 @@ def render(conf_dir: str = CONF_DIR) -> str:
         opts = options(g, conf_dir)
         where = ", ".join(f"`{o}`" for o in opts) if opts else "(a block of `conf/config.yaml`)"
         lines.append(f"| [`{g}`](#{g}) | {where} | {_cell(_summary(hints[g]))} |")
+    lines += ["", "## Renamed keys", "",
+              "An old name still works for one release: given as an override or in a config file, it is read",
+              "as the new key with one warning line (`trainer/config/load.py`'s `RENAMED`).", "",
+              "| old name | new name |", "|---|---|"]
+    lines += [f"| `{old}` | `{new}` |" for old, new in RENAMED.items()]
     lines += ["", "## Key reference", "",
               "Every key with its type, its default (what `python -m trainer` composes from `conf/`, and the",
               "dataclass default in `trainer/config/schema.py`) and its doc. `null` where a recipe fills the",

@@ -1,13 +1,14 @@
 """Hydra composition and the composed tree parsed onto the schema (old key names renamed)."""
 from __future__ import annotations
 
+import copy
 import os
 import sys
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from .errors import ConfigError, _check
+from .errors import ConfigError
 from .schema import Config
 
 
@@ -29,49 +30,92 @@ def compose(overrides: list[str]) -> DictConfig:
     not yet typed: trainer.plan.configure.compose_config gives the validated Config."""
     from hydra import compose as hydra_compose, initialize_config_dir
     with initialize_config_dir(config_dir=CONF_DIR, version_base=None):
-        return hydra_compose(config_name="config", overrides=list(overrides))
+        return hydra_compose(config_name="config", overrides=renamed_overrides(list(overrides)))
 
 
 def parse(cfg: Any) -> Config:
-    """A Hydra/OmegaConf tree (or a plain dict, or a Config) merged onto the schema, renamed keys
-    moved to their new names (RENAMED); not yet resolved against the data files nor validated
+    """A Hydra/OmegaConf tree (or a plain dict, or a Config) merged onto the schema, old key names
+    moved to their new ones (RENAMED); not yet resolved against the data files nor validated
     (trainer.plan.configure.load_config does both)."""
     if isinstance(cfg, Config):
-        return _renamed(cfg)
+        return cfg
     base = OmegaConf.structured(Config)
     plain = OmegaConf.to_container(cfg, resolve=True) if isinstance(cfg, DictConfig) else cfg
-    plain = {k: v for k, v in dict(plain).items() if k != "hydra"}
+    plain = _renamed_tree(copy.deepcopy({k: v for k, v in dict(plain).items() if k != "hydra"}))
     try:
         merged = OmegaConf.merge(base, plain)
-        return _renamed(OmegaConf.to_object(merged))
+        return OmegaConf.to_object(merged)
     except ConfigError:
         raise
     except Exception as exc:  # omegaconf errors already name full_key
         raise ConfigError(f"invalid config: {exc}") from exc
 
 
-# keys renamed in this release: old name -> new name. The old name still works for one release (its
-# value moves to the new key, with one warning line); giving both with different values is an error
-RENAMED = {"train.bag": "train.ensemble"}
+# keys renamed: old name -> new name. An old name still works for one release: an override or a config
+# tree that gives it is read as the new key, with one warning line; giving both in overrides with
+# different values is an error. The schema and conf/ hold only the new names.
+RENAMED = {
+    "train.bag": "train.ensemble",
+    "embedding.tables": "embedding.kind",  # a kind (fixed | dynamic), unlike the per-table cache.tables
+    "data.eval_samples": "data.test_samples",  # the test split: data.val_* is validation
+    "data.eval_fraction": "data.test_fraction",
+}
 
 
-def _renamed(c: Config) -> Config:
-    """Move the value of every old key name the config sets (RENAMED) to its new name and clear the
-    old one, saying so on stderr once (by the launcher's rank 0 only: this runs before the
-    collectives are up)."""
+def renamed_overrides(overrides: list[str]) -> list[str]:
+    """Hydra overrides ([+|++|~]key[=value]) with every old key name (RENAMED) replaced by its new
+    one, saying so on stderr (the launcher's rank 0 only: this runs before the collectives are
+    up). ConfigError when an old and a new name are both given with different values."""
+    out, given = [], {}  # given: new key -> (the override as typed, its value)
+    for arg in overrides:
+        prefix = arg[:len(arg) - len(arg.lstrip("+~"))]
+        typed, eq, value = arg[len(prefix):].partition("=")
+        key = RENAMED.get(typed.strip(), typed.strip())
+        if key != typed.strip():
+            _warn(typed.strip(), key, f"{typed.strip()}{eq}{value} -> {key}{eq}{value}")
+            arg = f"{prefix}{key}{eq}{value}"
+        if eq and key in RENAMED.values():
+            first, before = given.setdefault(key, (f"{typed.strip()}={value}", value))
+            if before != value:
+                old = next(k for k, v in RENAMED.items() if v == key)
+                raise ConfigError(f"{first} and {typed.strip()}={value}: {old} is the old name of {key}: "
+                                  f"give only {key}")
+        out.append(arg)
+    return out
+
+
+def _renamed_tree(plain: dict) -> dict:
+    """A config tree (nested dicts) with the value of every old key name it sets moved to the new
+    name (the old value wins: a composed tree always holds the new key's default)."""
     for old, new in RENAMED.items():
         (old_parent, old_name), (new_parent, new_name) = old.rsplit(".", 1), new.rsplit(".", 1)
-        value, now = get_key(c, old), get_key(c, new)
-        if value is None:
+        parent = _subtree(plain, old_parent)
+        if not isinstance(parent, dict) or old_name not in parent:
             continue
-        _check(now is None or now == value, f"{old}={value!r} and {new}", now,
-               f"{old} is the old name of {new}: give only {new}")
-        setattr(get_key(c, new_parent), new_name, value)
-        setattr(get_key(c, old_parent), old_name, None)
-        if _launcher_rank() == 0:
-            print(f"[trainer] warning: {old} is deprecated, use {new} ({old}={value} -> {new}={value}); "
-                  f"{old} will be removed in the next release", file=sys.stderr)
-    return c
+        value = parent.pop(old_name)
+        if value is None:  # an old YAML's placeholder: nothing set
+            continue
+        target = _subtree(plain, new_parent, create=True)
+        target[new_name] = value
+        _warn(old, new, f"{old}={value} -> {new}={value}")
+    return plain
+
+
+def _subtree(tree: dict, dotted: str, create: bool = False):
+    node = tree
+    for part in dotted.split("."):
+        if not isinstance(node, dict):
+            return None
+        if part not in node and create:
+            node[part] = {}
+        node = node.get(part)
+    return node
+
+
+def _warn(old: str, new: str, moved: str) -> None:
+    if _launcher_rank() == 0:
+        print(f"[trainer] warning: {old} is deprecated, use {new} ({moved}); {old} will be removed in the "
+              "next release", file=sys.stderr)
 
 
 def _launcher_rank() -> int:

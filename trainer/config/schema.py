@@ -33,7 +33,7 @@ RECIPES = ("auto", "tiny", "small", "large", "none")  # train.recipe (trainer/pl
 
 
 WIRE_PRECISIONS = ("fp32", "fp16", "bf16")
-TABLE_KINDS = ("fixed", "dynamic")  # embedding.tables
+TABLE_KINDS = ("fixed", "dynamic")  # embedding.kind
 ADMIT_COUNTERS = ("exact", "count_min")  # embedding.admit_counter (trainer/embedding/admission.py)
 EVICTIONS = ("lru", "lfu")  # embedding.eviction
 EMBEDDING_DTYPES = ("fp32", "fp16", "bf16")  # embedding.dtype (= embedding/store.ROW_DTYPES)
@@ -77,13 +77,13 @@ class DataConfig:
     batch_size: int = 64  # training samples per rank per step (ignored when global_batch_size is set)
     global_batch_size: Optional[int] = None  # if set: training samples per step over all ranks (must divide by W)
     train_samples: int = 0  # synthetic: size of the training set (epochs wrap), 0 = a fresh stream every step; criteo/movielens: > 0 keeps only the first rows of the training split
-    eval_samples: int = 4096  # the TEST split (not validation): synthetic: its size; criteo/movielens: > 0 keeps only its first rows (0 = all)
+    test_samples: int = 4096  # the TEST split (not validation): synthetic: its size; criteo/movielens: > 0 keeps only its first rows (0 = all)
     eval_batch_size: int = 512  # samples per rank per evaluation step (test and validation alike)
     seed: int = 1234  # data seed (ids, labels, planted weights, shuffles)
     dir: Optional[str] = None  # criteo: the directory written by scripts/prepare_criteo.py --out DIR; movielens: a folder with ml-100k.inter/.user/.item (null = the installed recbole's)
     loader: str = "dali"  # criteo reader: dali | memmap (the reference)
     loader_threads: int = 1  # threads per rank: DALI pipeline threads (criteo); synthetic: threads that make a batch in row chunks of >= 4,096 samples (the same values at any count)
-    eval_fraction: float = 0.1  # the TEST split's share of the rows: criteo: the last rows of the training files when no test split was prepared; movielens: a seeded random share of the ratings
+    test_fraction: float = 0.1  # the TEST split's share of the rows: criteo: the last rows of the training files when no test split was prepared; movielens: a seeded random share of the ratings
     shuffle: bool = True  # criteo/movielens: seeded shuffle of the training rows (criteo: block order + rows in a block)
     epochs: Optional[float] = 0.0  # criteo/movielens: > 0 sets train.steps = ceil(epochs x training rows / global batch); 0 = train.steps stands; null = the recipe's
     standardize: Optional[bool] = None  # criteo: dense features -> (x - mean) / std of the training rows (the first 1M); null = the recipe's
@@ -91,11 +91,11 @@ class DataConfig:
     min_count: Optional[int] = None  # criteo: ids seen fewer times in the training rows share one out-of-vocabulary row per table, and the tables shrink to the ids kept (trainer/data/vocab.py); 0 = off; null = the recipe's
     val_slice: int = 1  # criteo: which slice of val_fraction of the training rows, counted from the end, is the validation split (1 = the last; dev/recipe_study/val_rotations.py tries others)
     out_of_range: str = "error"  # an id < 0 or >= its table's rows: error (stop, naming table, id and rows) | hash (id mod rows)
-    drift: float = 0.0  # synthetic, embedding.tables=dynamic: ids drift by floor(drift x stream position): new ids keep arriving, popularity moves (0 = no drift)
+    drift: float = 0.0  # synthetic, embedding.kind=dynamic: ids drift by floor(drift x stream position): new ids keep arriving, popularity moves (0 = no drift)
     drift_eval_at: int = 0  # with drift: evaluation samples are drawn as at this training sample position (the run's last sample: evaluate "now")
     cycle_batches: int = 0  # synthetic: K > 0: the training stream repeats its first K global batches, each made once (benchmarks: the data generator out of the step)
-    scramble_ids: bool = False  # synthetic, embedding.tables=dynamic: present table t's id i as a random-looking id in [0, 2^56) (a bijection per table, as raw hashes are)
-    hash_rows: int = 0  # synthetic, embedding.tables=fixed: N > 0 hashes every (scrambled, drifting) id into N rows per table (splitmix64 mod N; collisions share a row): dynamic tables' same-memory baseline, as prepare_criteo --hash-rows; 0 = off
+    scramble_ids: bool = False  # synthetic, embedding.kind=dynamic: present table t's id i as a random-looking id in [0, 2^56) (a bijection per table, as raw hashes are)
+    hash_rows: int = 0  # synthetic, embedding.kind=fixed: N > 0 hashes every (scrambled, drifting) id into N rows per table (splitmix64 mod N; collisions share a row): dynamic tables' same-memory baseline, as prepare_criteo --hash-rows; 0 = off
 
 
 @dataclass
@@ -140,7 +140,7 @@ class EmbeddingConfig:
     audit: bool = False  # record every read's version and every computed row gradient (invariant tests; slow)
     dtype: str = "fp32"  # how owners store rows: fp32 | fp16 | bf16 (half the row bytes; optimizer state stays fp32, updates computed in fp32)
     rounding: str = "stochastic"  # how an updated fp16 / bf16 row is written back: stochastic (unbiased, seeded by train.seed, step, row) | nearest
-    tables: str = "fixed"  # the KIND of every table (one value for all; cache.tables and consistency.tables are per-table maps): fixed (rows 0..table_rows-1, owner id mod W) | dynamic (any id in [0, 2^56): hashed owner, id -> row map, admission, eviction; docs/dynamic.md)
+    kind: str = "fixed"  # every table's kind (one value for all): fixed (rows 0..table_rows-1, owner id mod W) | dynamic (any id in [0, 2^56): hashed owner, id -> row map, admission, eviction; docs/dynamic.md)
     capacity: int = 0  # dynamic: rows per table on each owner (the pool); > 0, or set by capacity_bytes
     capacity_bytes: int = 0  # dynamic: each owner's budget for its pool in bytes (rows, optimizer state, version, the pool's map and scores): sets capacity to the most rows per table that fit (memplan.capacity_for_budget); 0 = give capacity
     admit_after: int = 1  # dynamic: an id gets a row the k-th step it is seen (1 = at once); before that it reads zeros and its gradient is dropped
@@ -169,7 +169,7 @@ class CacheConfig:
     capacity_fraction: float = 0.0  # cached rows per table, as a fraction of the table's rows
     capacity_rows: Optional[int] = None  # cached rows per table (overrides capacity_fraction)
     pin_threshold: int = 8  # lfu_pinned: an entry used at least this often is never evicted
-    tables: dict[str, TableCacheConfig] = field(default_factory=dict)  # per-table overrides of the capacity, keyed by table index: +cache.tables.<t>.capacity_rows=N (not a kind of table: that is embedding.tables)
+    tables: dict[str, TableCacheConfig] = field(default_factory=dict)  # per-table overrides of the capacity, keyed by table index: +cache.tables.<t>.capacity_rows=N (not a kind of table: that is embedding.kind)
 
 
 @dataclass
@@ -268,7 +268,6 @@ class TrainConfig:
     early_stop: EarlyStopConfig = field(default_factory=lambda: EarlyStopConfig())  # early stopping on validation AUC
     calibrate: Optional[bool] = None  # fit a logit temperature on the validation split for the final test evaluation (AUC unchanged; docs/recipe.md); null = the recipe's
     ensemble: Optional[int] = None  # train K models, model k validated (and early-stopped, calibrated) on its own validation slice, and test the mean of their predictions (trainer/evaluation/ensemble.py); 1 = one model; null = the recipe's
-    bag: Optional[int] = None  # deprecated: the old name of train.ensemble, read into it with a warning (RENAMED); removed in the next release
 
 
 @dataclass

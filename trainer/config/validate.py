@@ -75,14 +75,14 @@ def validate(c: Config) -> None:
     if d.global_batch_size is not None:
         _check(d.global_batch_size > 0, "data.global_batch_size", d.global_batch_size, "must be > 0")
     _check(d.train_samples >= 0, "data.train_samples", d.train_samples, "must be >= 0")
-    _check(d.eval_samples >= 0, "data.eval_samples", d.eval_samples, "must be >= 0")
+    _check(d.test_samples >= 0, "data.test_samples", d.test_samples, "must be >= 0")
     _check(d.eval_batch_size > 0, "data.eval_batch_size", d.eval_batch_size, "must be > 0")
     _one_of("data.loader", d.loader, LOADERS)
     _check(d.loader_threads > 0, "data.loader_threads", d.loader_threads, "must be > 0")
     _check(d.cycle_batches >= 0, "data.cycle_batches", d.cycle_batches, "must be >= 0 (0 = no repeat)")
     _check(d.name == "synthetic" or not d.cycle_batches, "data.cycle_batches", d.cycle_batches,
            "is a synthetic-data option")
-    _check(0 < d.eval_fraction < 1, "data.eval_fraction", d.eval_fraction, "must be in (0, 1)")
+    _check(0 < d.test_fraction < 1, "data.test_fraction", d.test_fraction, "must be in (0, 1)")
     _check(d.epochs is not None, "data.epochs", d.epochs, _UNRESOLVED)
     _check(d.epochs >= 0, "data.epochs", d.epochs, "must be >= 0 (0 = use train.steps)")
     _finite("data.epochs", d.epochs)
@@ -252,10 +252,10 @@ def _validate_placement(c: Config) -> None:
 
 
 def _validate_dynamic(c: Config) -> None:
-    """embedding.tables=dynamic and what it does not support yet (docs/dynamic.md#what-it-refuses):
+    """embedding.kind=dynamic and what it does not support yet (docs/dynamic.md#what-it-refuses):
     each refusal is one line, before anything starts."""
     e = c.embedding
-    _one_of("embedding.tables", e.tables, TABLE_KINDS)
+    _one_of("embedding.kind", e.kind, TABLE_KINDS)
     _one_of("embedding.eviction", e.eviction, EVICTIONS)
     _check(e.admit_after >= 1, "embedding.admit_after", e.admit_after, "must be >= 1 (1 = admit at once)")
     _check(e.lfu_half_life >= 0, "embedding.lfu_half_life", e.lfu_half_life, "must be >= 0 (0 = no decay)")
@@ -266,25 +266,25 @@ def _validate_dynamic(c: Config) -> None:
     _validate_admit_counter(e)
     _check(e.capacity >= 0, "embedding.capacity", e.capacity, "must be >= 0 (rows per table on each owner)")
     _check(e.capacity_bytes >= 0, "embedding.capacity_bytes", e.capacity_bytes, "must be >= 0 (0 = give embedding.capacity)")
-    _check(not e.capacity_bytes or e.tables == "dynamic", "embedding.capacity_bytes", e.capacity_bytes,
-           "is the pool's budget of dynamic tables: needs embedding.tables=dynamic")
+    _check(not e.capacity_bytes or e.kind == "dynamic", "embedding.capacity_bytes", e.capacity_bytes,
+           "is the pool's budget of dynamic tables: needs embedding.kind=dynamic")
     _check(c.data.drift >= 0 and math.isfinite(c.data.drift), "data.drift", c.data.drift, "must be a finite number >= 0")
     _check(c.data.drift_eval_at >= 0, "data.drift_eval_at", c.data.drift_eval_at, "must be >= 0")
     _check(c.data.hash_rows >= 0, "data.hash_rows", c.data.hash_rows, "must be >= 0 (0 = off)")
     if c.data.hash_rows:
         _check(c.data.name == "synthetic", "data.hash_rows", c.data.hash_rows,
                "is a synthetic-data option (Criteo: prepare_criteo.py --hash-rows)")
-        _check(e.tables == "fixed", "data.hash_rows", c.data.hash_rows, "hashes ids into fixed tables: needs embedding.tables=fixed")
-    if e.tables != "dynamic":
+        _check(e.kind == "fixed", "data.hash_rows", c.data.hash_rows, "hashes ids into fixed tables: needs embedding.kind=fixed")
+    if e.kind != "dynamic":
         if c.data.hash_rows:  # ids hashed into the tables' rows: any id is fine
             return
-        _check(not c.data.scramble_ids, "data.scramble_ids", True, "needs embedding.tables=dynamic or data.hash_rows")
+        _check(not c.data.scramble_ids, "data.scramble_ids", True, "needs embedding.kind=dynamic or data.hash_rows")
         _check(not c.data.drift, "data.drift", c.data.drift,
-               "drifting ids are unbounded: needs embedding.tables=dynamic or data.hash_rows")
+               "drifting ids are unbounded: needs embedding.kind=dynamic or data.hash_rows")
         return
     _check(c.data.name == "synthetic" or not c.data.drift, "data.drift", c.data.drift, "is a synthetic-data option")
     _check(e.capacity > 0 or e.capacity_bytes > 0, "embedding.capacity", e.capacity,
-           "embedding.tables=dynamic needs a pool of > 0 rows per table (or embedding.capacity_bytes)")
+           "embedding.kind=dynamic needs a pool of > 0 rows per table (or embedding.capacity_bytes)")
     _check(c.data.name == "synthetic" or not c.data.scramble_ids, "data.scramble_ids", True,
            "is a synthetic-data option")
     lent = c.schedule.name == "herald"
@@ -297,7 +297,7 @@ def _validate_dynamic(c: Config) -> None:
             ("train.precision", c.train.precision, not (c.train.precision == "fp16" and lent),
              "fp16's skipped steps with rows lent (schedule=herald): their admissions are not undone"),
             ("comm.settled_rows", c.comm.settled_rows, c.comm.settled_rows != "always", "early settled rows")):
-        _check(ok, key, value, f"embedding.tables=dynamic does not support {why} yet (docs/dynamic.md)")
+        _check(ok, key, value, f"embedding.kind=dynamic does not support {why} yet (docs/dynamic.md)")
 
 
 def _validate_admit_counter(e: EmbeddingConfig) -> None:
@@ -311,8 +311,8 @@ def _validate_admit_counter(e: EmbeddingConfig) -> None:
            e.count_min_halve_steps, "halves the sketch's counters: needs embedding.admit_counter=count_min")
     if e.admit_counter != "count_min":
         return
-    _check(e.tables == "dynamic", "embedding.admit_counter", e.admit_counter,
-           "counts dynamic tables' ids before admission: needs embedding.tables=dynamic")
+    _check(e.kind == "dynamic", "embedding.admit_counter", e.admit_counter,
+           "counts dynamic tables' ids before admission: needs embedding.kind=dynamic")
     _check(e.admit_after > 1, "embedding.admit_counter", e.admit_counter,
            "counts ids before admission: needs embedding.admit_after > 1 (1 admits at once)")
     _check(e.admit_after < 1 << 15, "embedding.admit_after", e.admit_after,
@@ -405,7 +405,7 @@ def _validate_whole_step(c: Config) -> None:
     what it cannot pad yet is refused, naming the key."""
     e, why = c.embedding, "train.cuda_graph=on at W = 1 runs the whole step padded, which "
     for key, value, ok, what in (
-            ("embedding.tables", e.tables, e.tables == "fixed", "supports fixed tables only"),
+            ("embedding.kind", e.kind, e.kind == "fixed", "supports fixed tables only"),
             ("cache.policy", c.cache.policy, c.cache.policy == "none", "supports no cache"),
             ("consistency.name", c.consistency.name, c.consistency.name == "bsp", "supports bsp only"),
             ("placement.name", c.placement.name, c.placement.name == "none", "supports no placement"),

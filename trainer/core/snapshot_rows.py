@@ -13,7 +13,7 @@ write, scattered rows are patched through a mapping of their span (the kernel wr
 pages they dirty), unmapped before the next window. Memory per storage row: the `held` flag (1 B) beside the
 store's `touched` flag (1 B); plus the row's bytes (dim x element size) in memory, or on disk.
 
-Dynamic tables (embedding.tables=dynamic): a storage row is a pool slot, which may hold another id
+Dynamic tables (embedding.kind=dynamic): a storage row is a pool slot, which may hold another id
 at the restore than at the snapshot, so SnapshotSlots keeps beside the rows each held slot's id and
 version (its id's life) at the last snapshot: two int64 per slot (16 B), in memory, written for the
 touched slots only. A slot never written before the snapshot was free then (an admission writes

@@ -131,7 +131,7 @@ def make_data(cfg: Config, rank: int, world: int) -> GuardedData:
     (data.out_of_range, ids.py). It does not touch cfg: the step count data.epochs asks for comes
     from resolve(cfg, world), applied by the caller (trainer.plan.recipes.apply_data_steps)."""
     data: Any = _make_data(cfg, rank, world)
-    if cfg.embedding.tables != "dynamic":
+    if cfg.embedding.kind != "dynamic":
         if cfg.data.hash_rows:  # the same ids as a dynamic table would see, hashed into the rows
             data = HashedIds(ScrambledIds(data, cfg.data.seed) if cfg.data.scramble_ids else data, cfg.data.hash_rows)
         return GuardedData(data, IdGuard(table_rows(cfg), cfg.data.out_of_range))
@@ -144,7 +144,7 @@ def make_data(cfg: Config, rank: int, world: int) -> GuardedData:
 def id_rows(cfg: Config) -> list[int]:
     """The id space of every table: its rows (fixed tables), or ID_LIMIT each (dynamic ones, whose
     flat ids are then the global ids (table << 56) | id: profiles, plans and the feed use them)."""
-    if cfg.embedding.tables == "dynamic":
+    if cfg.embedding.kind == "dynamic":
         return [ID_LIMIT] * len(table_rows(cfg))
     return table_rows(cfg)
 

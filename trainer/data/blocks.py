@@ -48,8 +48,8 @@ def _cut(segs: list[Segment], start: int, stop: int) -> list[Segment]:
 
 
 def split_segments(meta: dict, directory: str, cfg: DataConfig) -> tuple[list[Segment], list[Segment]]:
-    """(train, eval) segments: the test split when prepared, else the last eval_fraction of train;
-    data.train_samples / data.eval_samples (> 0) keep only the first rows of each."""
+    """(train, eval) segments: the test split when prepared, else the last test_fraction of train;
+    data.train_samples / data.test_samples (> 0) keep only the first rows of each."""
     blocks = lambda s: [Segment(os.path.join(directory, b["file"]), 0, b["rows"])  # noqa: E731
                         for b in meta["splits"][s]["blocks"]]
     train = blocks("train")
@@ -57,12 +57,12 @@ def split_segments(meta: dict, directory: str, cfg: DataConfig) -> tuple[list[Se
         evals = blocks("test")
     else:
         n = sum(s.rows for s in train)
-        n_eval = math.ceil(cfg.eval_fraction * n)
+        n_eval = math.ceil(cfg.test_fraction * n)
         train, evals = _cut(train, 0, n - n_eval), _cut(train, n - n_eval, n)
     if cfg.train_samples > 0:
         train = _cut(train, 0, cfg.train_samples)
-    if cfg.eval_samples > 0:
-        evals = _cut(evals, 0, cfg.eval_samples)
+    if cfg.test_samples > 0:
+        evals = _cut(evals, 0, cfg.test_samples)
     return train, evals
 
 

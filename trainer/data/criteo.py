@@ -14,7 +14,7 @@ Encoding (the rule is written into meta.json):
 - categorical, `hash` mode: id = 0 when empty, else 1 + splitmix64(value ^ salt_t) mod (rows_t - 1).
 - categorical, `vocab` mode: id = 0 when empty, 1 when the value was seen fewer than min_count
   times in the training files (out of vocabulary), else 2 + its rank in the sorted vocabulary.
-- categorical, `raw` mode (for embedding.tables=dynamic): id = the value's 32 bits (Criteo's values
+- categorical, `raw` mode (for embedding.kind=dynamic): id = the value's 32 bits (Criteo's values
   are 8 hex digits; a wider one keeps its low 32 bits), 0 when empty (a value 00000000 would share
   it); stored in the int32 column as its bit pattern, read back as unsigned (raw_ids).
 

@@ -28,7 +28,7 @@ from ..core.device import resident
 from .batch import Batch
 
 
-ID_BITS = 56  # embedding.tables=dynamic: a table takes any id in [0, 2^ID_BITS) (docs/dynamic.md)
+ID_BITS = 56  # embedding.kind=dynamic: a table takes any id in [0, 2^ID_BITS) (docs/dynamic.md)
 ID_LIMIT = 1 << ID_BITS
 
 

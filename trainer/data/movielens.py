@@ -121,15 +121,15 @@ def split_validation(cfg: DataConfig, train_idx: np.ndarray) -> tuple[np.ndarray
 
 
 def split(cfg: DataConfig, n: int) -> tuple[np.ndarray, np.ndarray]:
-    """(eval, train) rows of the n ratings: a seeded random data.eval_fraction is held out;
-    data.train_samples / data.eval_samples (> 0) keep only the first rows of each."""
+    """(eval, train) rows of the n ratings: a seeded random data.test_fraction is held out;
+    data.train_samples / data.test_samples (> 0) keep only the first rows of each."""
     perm = np.random.default_rng([cfg.seed, 11]).permutation(n)
-    n_eval = int(round(cfg.eval_fraction * n))
+    n_eval = int(round(cfg.test_fraction * n))
     eval_idx, train_idx = perm[:n_eval], perm[n_eval:]
     if cfg.train_samples > 0:
         train_idx = train_idx[:cfg.train_samples]
-    if cfg.eval_samples > 0:
-        eval_idx = eval_idx[:cfg.eval_samples]
+    if cfg.test_samples > 0:
+        eval_idx = eval_idx[:cfg.test_samples]
     return eval_idx, train_idx
 
 

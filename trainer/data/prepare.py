@@ -43,7 +43,7 @@ class PrepOptions:
     test: list[str] = field(default_factory=list)  # test files (empty = the trainer holds out a tail)
     hash_rows: Optional[list[int]] = None  # hashing mode: 26 table sizes (reserved ids included)
     min_count: Optional[int] = None  # vocabulary mode: keep values seen at least this often
-    raw_ids: bool = False  # raw mode: the values' 32 bits are the ids (embedding.tables=dynamic)
+    raw_ids: bool = False  # raw mode: the values' 32 bits are the ids (embedding.kind=dynamic)
     strict: bool = False  # fail at the first bad row instead of skipping it
     workers: int = 1  # worker processes
     chunk_mb: float = 16.0  # MB of text per chunk (one block per chunk; a worker needs ~12x in memory)

@@ -1,7 +1,7 @@
 """data.scramble_ids: a data source whose ids look like raw 56-bit hashes (dynamic tables' tests);
 data.hash_rows: the same ids hashed into N rows per table (fixed tables, the same-memory baseline).
 
-Why: dynamic tables (embedding.tables=dynamic) take any id in [0, 2^56); the synthetic presets draw
+Why: dynamic tables (embedding.kind=dynamic) take any id in [0, 2^56); the synthetic presets draw
 ids in [0, table_rows). ScrambledIds maps table t's id i to scramble(t, i), a bijection of
 [0, 2^56) per table (multiply by an odd constant, xor-shift, multiply again, add a per-table
 constant, all mod 2^56), so the data is the same data (same samples, same labels, no two ids of a

@@ -8,7 +8,7 @@ batch, and W workers together see exactly the global batch of the single-process
 Label model: logit = signal * (sum_t mean_{id in bag t} w_t[id] / sqrt(T) + x . v / sqrt(F)) with
 planted w_t[id], v ~ N(0, 1); label ~ Bernoulli(sigmoid(logit)).
 
-Drift (data.drift > 0, for embedding.tables=dynamic): the sample at stream position i draws its
+Drift (data.drift > 0, for embedding.kind=dynamic): the sample at stream position i draws its
 ids as above and adds floor(drift x i) to each, so the id space is unbounded: new ids keep arriving
 (drift per sample and table) and an id's popularity changes as the window moves over the scrambled
 ranks. Evaluation samples are drawn as at training position data.drift_eval_at + their index.
@@ -247,7 +247,7 @@ class SyntheticData:
     def _split_size(self, split: str) -> int:
         if split not in ("test", "val"):
             raise ValueError(f"split={split!r}: must be test or val")
-        return self.cfg.eval_samples if split == "test" else self.val_rows
+        return self.cfg.test_samples if split == "test" else self.val_rows
 
     def num_eval_steps(self, split: str = "test") -> int:
         per_step = self.cfg.eval_batch_size * self.world

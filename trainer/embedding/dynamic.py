@@ -1,4 +1,4 @@
-"""The owner's shard of dynamic tables (embedding.tables=dynamic): rows in a pool, found by id.
+"""The owner's shard of dynamic tables (embedding.kind=dynamic): rows in a pool, found by id.
 
 A fixed table's row lives at storage row gid div W (store.ShardStore); a dynamic table's row lives
 in whichever pool slot its owner gave the id when it admitted it (pool.SlotPool). DynamicStore is

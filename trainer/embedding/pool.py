@@ -1,6 +1,6 @@
 """The owner's slot pool of dynamic tables: which id holds which row, admission and eviction.
 
-Why a pool: a dynamic table (embedding.tables=dynamic) takes any id in [0, 2^56), far more ids than
+Why a pool: a dynamic table (embedding.kind=dynamic) takes any id in [0, 2^56), far more ids than
 rows; each owner keeps `capacity` rows per table and maps the ids it admitted to them. This class
 holds only the bookkeeping (the id -> slot map, each slot's id, its scores, the admission counts,
 the counters); the rows and their optimizer state live in the store (embedding/dynamic.py), which

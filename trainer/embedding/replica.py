@@ -15,7 +15,7 @@ optimizer state back into the owner's shard before a checkpoint or a full-table 
 `load_from_owners` builds the replica from the owners (start and resume), so checkpoints never see
 the replica at all and resume on another W or another placement just works.
 
-Dynamic tables (embedding.tables=dynamic, docs/dynamic.md): a hot id is admitted as any id is,
+Dynamic tables (embedding.kind=dynamic, docs/dynamic.md): a hot id is admitted as any id is,
 by its owner, the step its admit_after-th read comes; only the reads reach it differently: every
 rank knows the hot ids the global batch reads (`admit`), so each owner counts and stamps its own
 and, in the steps that read hot ids not admitted yet, tells every rank which of them got a row (one

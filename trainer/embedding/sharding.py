@@ -218,7 +218,7 @@ _ID_MASK = ID_LIMIT - 1
 
 
 class HashSharding(Sharding):
-    """Dynamic tables (embedding.tables=dynamic): any id in [0, 2^56) of any table; the owner of
+    """Dynamic tables (embedding.kind=dynamic): any id in [0, 2^56) of any table; the owner of
     (table t, id i) is hash(t, i) mod W, with hash = splitmix64 of the gid (t << 56) | i.
 
     There is no storage row per gid: each owner keeps its rows in a pool of `capacity` rows per

@@ -106,7 +106,7 @@ def row_parts(c: Config, device: torch.device, local: int) -> dict[str, int]:
     d = c.model.embedding_dim
     parts = {"weight": d * weight_elem(c), c.optim.sparse: state_bytes(d, c.optim.sparse),
              "version": VERSION_BYTES, "touched": 1}
-    if c.embedding.tables == "dynamic":
+    if c.embedding.kind == "dynamic":
         parts["pool"] = pool_slot_bytes(device, local)
     return parts
 
@@ -132,7 +132,7 @@ def plan_memory(c: Config, world: int, rank: int, device: torch.device = torch.d
     """The plan of rank `rank` of `world` on `device` (no allocation: the sharding's offsets only)."""
     rows = table_rows(c)
     d = c.model.embedding_dim
-    dynamic = c.embedding.tables == "dynamic"  # a pool of embedding.capacity rows per table
+    dynamic = c.embedding.kind == "dynamic"  # a pool of embedding.capacity rows per table
     local = len(rows) * c.embedding.capacity if dynamic else RowSharding(rows, world, rank).local_rows
     plan = MemoryPlan(rank, world, local, row_parts(c, device, local))
     plan.parts["rows"] = local * plan.bytes_per_row

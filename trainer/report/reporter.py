@@ -270,7 +270,7 @@ def _bound(b: int) -> int:
 
 
 def dynamic_summary(comm: Collectives, store: Any) -> dict[str, Any]:
-    """The `dynamic` block of metrics.jsonl and summary.json (embedding.tables=dynamic): rows in
+    """The `dynamic` block of metrics.jsonl and summary.json (embedding.kind=dynamic): rows in
     use, admissions, evictions, dropped gradients and rejected admissions, per table and in total,
     summed over the owners, and copies written back to another life of their id (stale_copies,
     dropped: remote/herald.py); the admission counter's pending ids (count_min: an estimate) and

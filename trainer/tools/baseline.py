@@ -3,7 +3,7 @@
 Why: an eval AUC means little on its own; "a simple logistic regression on the same rows" is the
 yardstick for the neural models. To be the *same rows*, the splits come from the trainer's own code
 (blocks.split_segments with the composed data config: the test split or the held-out tail,
-data.train_samples / data.eval_samples) and the ids are folded into the trainer's table sizes
+data.train_samples / data.test_samples) and the ids are folded into the trainer's table sizes
 (data.max_table_rows), read with the reference memmap decoding (criteo.from_block).
 
 Features: the 13 dense values (already log(1 + max(x, 0)), standardised with training-split

@@ -39,7 +39,7 @@ def parse_args(argv: list[str] | None = None) -> PrepOptions:
                      help="vocabulary of values seen >= K times in the training files; others -> OOV id")
     enc.add_argument("--raw-ids", action="store_true",
                      help="keep each value's 32 bits as its id (no hashing, no vocabulary): for "
-                          "embedding.tables=dynamic")
+                          "embedding.kind=dynamic")
     ap.add_argument("--strict", action="store_true", help="fail at the first bad row")
     ap.add_argument("--workers", type=int, default=os.cpu_count() or 1, help="worker processes (default: cores)")
     ap.add_argument("--chunk-mb", type=float, default=16.0,

@@ -333,8 +333,8 @@ def build(overrides: list[str], workers: int, owners: str = "auto", trace_file: 
     owners = resolve_owners(owners, workers, log)
     if trace_file is None:
         cfg = compose_config(overrides, workers)  # data.epochs -> train.steps for W workers
-        if cfg.embedding.tables == "dynamic":
-            raise TraceError("embedding.tables=dynamic: the simulator models fixed tables (rows id mod W); "
+        if cfg.embedding.kind == "dynamic":
+            raise TraceError("embedding.kind=dynamic: the simulator models fixed tables (rows id mod W); "
                              "simulate dynamic tables' traffic by training them (docs/dynamic.md)")
         if needs_global_view(cfg):  # placement / schedule: the trainer's global feed and its plan
             from ..data import make_data

@@ -13,7 +13,7 @@ by the updates it carried. Half-precision rows stay in the owners' type here too
 run's rule keyed by the row's flat id (so exactly as their owner would); writebacks travel as
 float32 (row, state and update count in one message: a count in a half type would round).
 
-Dynamic tables (embedding.tables=dynamic, docs/dynamic.md): every id read in a step reaches its
+Dynamic tables (embedding.kind=dynamic, docs/dynamic.md): every id read in a step reaches its
 owner's admission (the owner knows them all from the plan: `_admit`), so admit_after counts and
 dropped gradients are those of one process. A lent row is pinned by its owner (pool.SlotPool.pins)
 until it is back: it is never evicted while lent. A lent copy carries its life (the admission
