@@ -172,3 +172,17 @@ def test_a_default_the_prose_states_is_the_schemas():
                              f"{' ' + unit if unit else ''}, the schema's is {doc.yaml_value(defaults.get(key))}")
     assert said >= 10, said  # the patterns still find the docs' wording
     assert not wrong, "\n".join(wrong)
+
+
+def test_the_recipe_page_holds_the_generated_table(tmp_path):
+    """docs/recipe.md's table of recipe values is trainer/plan/recipe_doc.py's output (generated from
+    recipes.py), and the checker fails on a page whose table drifted."""
+    from trainer.plan import recipe_doc
+    page = ROOT / "docs" / "recipe.md"
+    assert recipe_doc.page_part(page.read_text()) == recipe_doc.render(), (
+        "docs/recipe.md's table differs from trainer/plan/recipes.py: python -m trainer.plan.recipe_doc --write")
+    drifted = tmp_path / "recipe.md"
+    drifted.write_text(page.read_text().replace("| `data.epochs` | `30` |", "| `data.epochs` | `20` |"))
+    assert drifted.read_text() != page.read_text()
+    assert recipe_doc.main(["--check", str(drifted)]) == 1
+    assert recipe_doc.main(["--write", str(drifted)]) == 0 and recipe_doc.main(["--check", str(drifted)]) == 0
