@@ -180,9 +180,13 @@ def gathered_positions(n: int, batch: int, world: int) -> np.ndarray:
 
 
 def eval_rows(res: RunResult) -> np.ndarray:
-    """The final test evaluation's [n, 2] (logit, label) rows of a run (return_state), in split order."""
+    """The final test evaluation's [n, 2] (logit, label) rows of a run (return_state), in split order
+    (criteo: rank r evaluates the r-th contiguous part of the split, so the gathered rows are in
+    split order already)."""
     rows = res.state["eval_rows"]
     assert rows is not None, "no test evaluation in this run"
+    if res.summary["config"]["data"]["name"] == "criteo":
+        return rows
     pos = gathered_positions(rows.shape[0], res.summary["config"]["data"]["eval_batch_size"],
                              res.summary["world_size"])
     out = np.empty_like(rows)

@@ -41,7 +41,7 @@ def test_dali_and_memmap_yield_identical_batches(prepared, world, shuffle):
     for rank in range(world):
         dali = _data(prepared, "dali", rank, world, f"data.shuffle={shuffle}")
         ref = _data(prepared, "memmap", rank, world, f"data.shuffle={shuffle}")
-        steps = 2 * -(-dali._new_train().rows // 96) + 1  # more than two epochs of this shard
+        steps = 2 * -(-dali.train_rows // (96 * world)) + 1  # more than two epochs of the training rows
         for step in range(steps):
             _same(dali.train_batch(step), ref.train_batch(step))
         _same(dali.train_batch(3), ref.train_batch(3))  # a restart (non-sequential step)
@@ -56,41 +56,42 @@ def _rows(batches) -> list[tuple]:
             for b in batches for i in range(b.batch_size)]
 
 
-def _stream_rows(stream) -> list[tuple]:
-    """One epoch of a train stream as row tuples."""
-    labels, dense, ids = stream.take(stream.rows)
-    return [tuple(dense[i].tolist() + ids[i].tolist() + [float(labels[i])]) for i in range(stream.rows)]
+def _epoch_rows(d) -> list[tuple]:
+    """The first epoch of d's training order as row tuples."""
+    return _rows([d.sample_batch(d.stream_keys(np.arange(d.train_rows)))])
 
 
 def test_shards_cover_each_split_once(prepared):
     """Eval and validation: every rank yields the same number of batches and together they hold
-    the split exactly; train: one epoch of every rank's shard together is the training split (as a
-    multiset). The validation split (the small-data recipe's data.val_fraction=0.2) is the tail of
+    the split exactly; train: an epoch of the training order visits every training row once, and
+    the ranks' batches of a step together are the single process's batch of that step (the same
+    global batch size). The validation split (the small-data recipe's data.val_fraction=0.2) is the tail of
     the training rows: training + validation rows = the whole training split, the eval tail apart."""
     world = 2
     RAW = ("data.standardize=false", "data.min_count=0")  # row tuples compared with the block streams' raw columns
     whole = _data(prepared, "memmap", 0, 1, "data.shuffle=false", *RAW)
     n_train = 1999 - int(np.ceil(0.15 * 1999))
     assert whole.val_rows == int(np.floor(0.2 * n_train)) == 339
-    assert whole._new_train().rows == n_train - 339
+    assert whole.train_rows == n_train - 339
     no_val = _data(prepared, "memmap", 0, 1, "data.shuffle=false", "data.val_fraction=0", *RAW)
-    assert sorted(_stream_rows(whole._new_train()) + _rows(whole.eval_batches("val"))) == \
-        sorted(_stream_rows(no_val._new_train()))
+    assert sorted(_epoch_rows(whole) + _rows(whole.eval_batches("val"))) == sorted(_epoch_rows(no_val))
+    shuffled = _data(prepared, "memmap", 0, 1, "data.global_batch_size=192", *RAW)
+    assert sorted(_epoch_rows(shuffled)) == sorted(_epoch_rows(whole)) and _epoch_rows(shuffled) != _epoch_rows(whole)
     want_eval = sorted(_rows(whole.eval_batches()))
     want_val = sorted(_rows(whole.eval_batches("val")))
-    got_eval, got_val, got_train, counts = [], [], [], []
+    got_eval, got_val, got_train, counts = [], [], [[] for _ in range(9)], []
     for rank in range(world):
-        d = _data(prepared, "dali", rank, world, *RAW)
+        d = _data(prepared, "dali", rank, world, "data.global_batch_size=192", *RAW)
         batches = list(d.eval_batches())
         val = list(d.eval_batches("val"))
         counts.append((len(batches), len(val)))
         got_eval += _rows(batches)
         got_val += _rows(val)
-        stream = d._new_train()
-        got_train += _stream_rows(stream)
+        for step in range(9):  # 9 x 192 rows: into the second epoch
+            got_train[step] += _rows([d.train_batch(step)])
     assert counts[0] == counts[1] and sorted(got_eval) == want_eval and len(want_eval) == 300
     assert sorted(got_val) == want_val and len(want_val) == 339 and not set(want_val) & set(want_eval)
-    assert sorted(got_train) == sorted(_stream_rows(whole._new_train()))
+    assert got_train == [_rows([shuffled.train_batch(step)]) for step in range(9)]
 
 
 def test_prepared_test_split_is_the_eval_split(tmp_path):
@@ -168,10 +169,9 @@ def _read_rows(rank: int, world: int, runs: list[list[str]]) -> list[dict]:
 @pytest.mark.dist
 def test_one_block_trains_at_two_workers_by_row_ranges(one_block, tmp_path):
     """A file prepared as one block trains at W = 2 (real gloo processes, the default DALI loader):
-    rank r reads rows [R*r//2, R*(r+1)//2) of the R training rows, so in each of the two epochs
-    (data.epochs=2: 16 steps of 2 x 100) every training row is read by exactly one rank, reshuffled
-    per epoch; the test split is evaluated once in full; a resume at step 5 reads what the
-    uninterrupted run read."""
+    in each of the two epochs (data.epochs=2: 16 steps of 2 x 100) every training row is read by
+    exactly one rank, reshuffled per epoch; the test split is evaluated once in full; a resume at
+    step 5 reads what the uninterrupted run read."""
     root = str(tmp_path / "ck")
     base = ["data=criteo", f"data.dir={one_block}", "data.batch_size=100", "data.epochs=2", "data.val_fraction=0",
             "data.standardize=false", "data.min_count=0", "train.ensemble=1", "train.progress=off",
@@ -180,13 +180,12 @@ def test_one_block_trains_at_two_workers_by_row_ranges(one_block, tmp_path):
                                   base + [f"checkpoint.resume={root}/step_00000005"]])
     want = _file_rows(one_block, "train")
     assert len(want) == N_TRAIN
-    for r, (full, resumed) in enumerate(ranks):
+    epochs = [sum((full["rows"][k] for full, _ in ranks for k in range(e * 8, e * 8 + 8)), []) for e in range(2)]
+    assert sorted(epochs[0]) == sorted(epochs[1]) == sorted(want) and epochs[0] != epochs[1]
+    for full, resumed in ranks:
         s = full["summary"]
         assert s["steps"] == 16 and s["world_size"] == 2 and s["eval_samples"] == 1999 - N_TRAIN
         assert full["losses"] == ranks[0][0]["losses"]  # the ranks agree on every global loss
-        epochs = [sum((full["rows"][k] for k in range(e * 8, e * 8 + 8)), []) for e in range(2)]
-        mine = want[N_TRAIN * r // 2: N_TRAIN * (r + 1) // 2]
-        assert sorted(epochs[0]) == sorted(epochs[1]) == sorted(mine) and epochs[0] != epochs[1]
         assert resumed["summary"]["start_step"] == 5
         assert {k: v for k, v in resumed["rows"].items() if k < 16} == {k: full["rows"][k] for k in range(5, 16)}
         assert resumed["losses"] == full["losses"]
@@ -194,14 +193,14 @@ def test_one_block_trains_at_two_workers_by_row_ranges(one_block, tmp_path):
 
 def test_small_splits_are_sharded_by_rows_at_any_w(one_block):
     """In-process, W = 3, one block: the training rows of the validation slice's two sides (data.
-    val_slice=3 cuts the block in the middle), data.train_samples, the validation and the test split
-    are each split among the ranks by rows, every row once; every rank yields the same number of
-    evaluation batches."""
+    val_slice=3 cuts the block in the middle) and data.train_samples are the training order's rows
+    (file order: data.shuffle=false), the validation and the test split are each split among the
+    ranks by rows, every row once; every rank yields the same number of evaluation batches."""
     RAW = ("data.standardize=false", "data.min_count=0", "data.shuffle=false", "data.eval_batch_size=50")
     train, test = _file_rows(one_block, "train"), _file_rows(one_block, "test")
     for extra, n_val in ((["data.val_slice=3", "train.ensemble=1"], 320), (["data.train_samples=1000", "data.val_fraction=0"], 0)):
         ranks = [_data(one_block, "dali", r, 3, *RAW, *extra) for r in range(3)]
-        got_train = [row for d in ranks for row in _stream_rows(d._new_train())]
+        got_train = _epoch_rows(ranks[1])
         got_val = [row for d in ranks for row in _rows(d.eval_batches("val"))]
         if n_val:
             assert got_val == train[640:960] and got_train == train[:640] + train[960:]

@@ -37,8 +37,9 @@ READABLE_VERSIONS = (1, 2)
 MANIFEST = "manifest.json"
 TRAINER_FILE = "trainer.pt"  # rank 0: dense model + optimizer, step, RNG, losses, evals
 SCHEMA_KEYS = ("table_rows", "dim", "model", "optim_sparse", "optim_dense")  # must match to resume
-# data sources whose stream position depends on W: a step's batch is only defined at the saved W
-# (Criteo: the blocks, or a small split's rows, are split into W contiguous shards, trainer/data/blocks.py)
+# data sources whose stream position depended on W in checkpoints written before the key
+# data_order_world existed (Criteo's blocks were split into W shards); today every source's order is
+# the same at any W (trainer/data/order.py) and a save writes data_order_world = null
 WORLD_BOUND_DATA = ("criteo",)
 STEP_DIR = re.compile(r"^step_(\d+)$")
 WORK_DIR = re.compile(r"^step_\d+\.(tmp|old)-(?P<run>[0-9a-f]+)-[0-9a-f]+$")  # a save in progress
@@ -256,8 +257,9 @@ def check_schema(ckpt: str, manifest: dict[str, Any], schema: dict[str, Any]) ->
 
 
 def check_stream_world(ckpt: str, manifest: dict[str, Any], world: int) -> None:
-    """Refuse to resume a W-dependent data stream (Criteo) at another W: its saved position (the
-    step) names batches that exist only under the saved W's sharding of the blocks."""
+    """Refuse to resume, at another W, a checkpoint whose data order depended on W (data_order_world:
+    a Criteo run saved before the order became W-invariant): its saved position (the step) names
+    batches that exist only under the saved W's sharding of the blocks."""
     data = (manifest.get("config") or {}).get("data") or {}
     saved = manifest.get("data_order_world")
     if "data_order_world" not in manifest:  # written before the key existed: ask its config

@@ -26,7 +26,7 @@ from typing import Any
 from ..comm import CollectiveError, Collectives
 from ..embedding.store import ShardStore
 from .lock import DirLock
-from .manifest import (FORMAT_VERSION, TRAINER_FILE, WORK_DIR, WORLD_BOUND_DATA, CheckpointError,
+from .manifest import (FORMAT_VERSION, TRAINER_FILE, WORK_DIR, CheckpointError,
                        complete_checkpoints, damage_seen, damaged_checkpoints, fsync_dir, last_save_seq,
                        step_dir, write_file, write_manifest)
 from .pool_io import write_pool_shard
@@ -123,12 +123,10 @@ class Checkpointer:
             files = {TRAINER_FILE: write_file(os.path.join(tmp, TRAINER_FILE), trainer_state)}
             seq = max(self._seq, last_save_seq(self.root)) + 1
             final = step_dir(self.root, step)
-            data = (schema.get("config") or {}).get("data") or {}
             write_manifest(tmp, {"format_version": FORMAT_VERSION, "step": step,
                                   "world_size": self.comm.size, "save_seq": seq, "run_id": self.run_id,
                                   "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-                                  "data_order_world": (self.comm.size if data.get("name") in WORLD_BOUND_DATA
-                                                       else None),
+                                  "data_order_world": None,  # every data source's order is W-invariant now
                                   "damaged_seen": damage_seen(self.root, final), **schema, "files": files,
                                   "shards": {shard_dir(r, self.comm.size): s for r, s in enumerate(shards)}})
             self._publish(tmp, final)

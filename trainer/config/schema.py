@@ -23,7 +23,6 @@ CACHE_POLICIES = ("none", "lru", "lfu", "lfu_pinned")
 KERNEL_BACKENDS = ("auto", "triton", "reference")  # = kernels.BACKENDS
 PLACEMENTS = ("none", "fae", "sca")  # = placement.PLANNERS
 SCHEDULES = ("random", "herald")
-GLOBAL_VIEW_DATASETS = ("synthetic", "movielens")  # random access to any sample: schedulers, profiles
 OUT_OF_RANGE = ("error", "hash")  # data.out_of_range (trainer/data/ids.py)
 NONFINITE = ("stop", "skip")  # train.nonfinite
 ON_SIGNAL = ("save", "stop")  # train.on_signal (trainer/run/signals.py)

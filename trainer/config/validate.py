@@ -5,12 +5,12 @@ import math
 import os
 
 from .derive import (
-    _cuda_available, local_batch_size, needs_global_view, run_device, staleness_bounds, table_rows,
+    _cuda_available, local_batch_size, run_device, staleness_bounds, table_rows,
 )
 from .errors import _UNRESOLVED, ConfigError, _check, _finite, _one_of
 from .schema import (
     ADMIT_COUNTERS, BACKENDS, CACHE_POLICIES, CONSISTENCY_PRESETS, DATASETS, DENSE_OPTIMS, DEVICES,
-    DIST_BACKENDS, EMBEDDING_DTYPES, EVICTIONS, GLOBAL_VIEW_DATASETS, KERNEL_BACKENDS, LOADERS, LR_DECAYS,
+    DIST_BACKENDS, EMBEDDING_DTYPES, EVICTIONS, KERNEL_BACKENDS, LOADERS, LR_DECAYS,
     MODELS, NONFINITE, ON_SIGNAL, OUT_OF_RANGE, PIPELINES, PLACEMENTS, POOLINGS, PRECISIONS, RECIPES,
     ROUNDINGS, SCHEDULES, SETTLED_ROWS, SPARSE_OPTIMS, TABLE_KINDS, WIRE_PRECISIONS, Config, DataConfig,
     EmbeddingConfig,
@@ -239,11 +239,6 @@ def _validate_placement(c: Config) -> None:
     _check(p.buckets > 0, "placement.buckets", p.buckets, "must be > 0")
     _check(p.plan_steps > 0, "placement.plan_steps", p.plan_steps, "must be > 0")
     _check(s.passes >= 0, "schedule.passes", s.passes, "must be >= 0")
-    if needs_global_view(c):
-        what = f"placement={p.name}" if p.name != "none" else f"schedule={s.name}"
-        _check(c.data.name in GLOBAL_VIEW_DATASETS, "data.name", c.data.name,
-               f"{what} needs random access to every sample of a global batch (data="
-               f"{' or '.join(GLOBAL_VIEW_DATASETS)}); data=criteo streams per-rank blocks")
     if s.name == "herald":
         _check(c.consistency.pull_bound == 0 and c.consistency.push_bound == 0 and not c.consistency.tables,
                "consistency", c.consistency.name, "schedule=herald is exact (BSP): use consistency=bsp")

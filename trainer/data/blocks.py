@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import math
 import os
-from typing import Callable, Iterator, Optional
+from collections.abc import Iterator
 
 import numpy as np
 import torch
@@ -29,11 +29,9 @@ from ..core.device import resident
 from .batch import Batch
 from .criteo import CriteoFormatError, check_block, from_block, raw_ids, read_meta
 from .ids import IdGuard
+from .order import BlockReader, Columns, RowReader, SequentialRows, TrainOrder
 from .segment import Segment
 from .vocab import Vocab, build_vocab
-
-Columns = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # labels [n] f32, dense [n, F] f32, ids [n, T] i64
-BlockReader = Callable[[list[str], int, int], Iterator[Columns]]  # (files, shard_id, num_shards)
 
 
 def _cut(segs: list[Segment], start: int, stop: int) -> list[Segment]:
@@ -50,7 +48,7 @@ def _cut(segs: list[Segment], start: int, stop: int) -> list[Segment]:
 def split_segments(meta: dict, directory: str, cfg: DataConfig) -> tuple[list[Segment], list[Segment]]:
     """(train, eval) segments: the test split when prepared, else the last test_fraction of train;
     data.train_samples / data.test_samples (> 0) keep only the first rows of each."""
-    blocks = lambda s: [Segment(os.path.join(directory, b["file"]), 0, b["rows"])  # noqa: E731
+    blocks = lambda s: [Segment(os.path.join(directory, b["file"]), 0, b["rows"])
                         for b in meta["splits"][s]["blocks"]]
     train = blocks("train")
     if "test" in meta["splits"]:
@@ -198,7 +196,7 @@ class BlockStream:
     range through memmaps."""
 
     def __init__(self, segs: list[Segment], reader: BlockReader, rank: int, world: int,
-                 seed: Optional[int], num_dense: int) -> None:
+                 seed: int | None, num_dense: int) -> None:
         self.mine = rank_segments(segs, rank, world)
         self.seed = seed  # None = file order; else rows shuffled per (seed, epoch, segment)
         self._rows: Iterator[Columns] = (iter(()) if not self.mine
@@ -285,11 +283,10 @@ class CriteoData:
         if rows < world:
             raise ConfigError(f"data.dir={cfg.dir!r}: the training split has {rows} rows for {world} workers; "
                               "every worker needs at least one (see data.train_samples, data.val_fraction)")
-        # block order shuffled once by data.seed; a split sharded by rows keeps file order
-        if not by_rows(self.train_segs, world):
-            self.train_segs = self._block_order(self.train_segs)
-        self._train: BlockStream | None = None
-        self._step = 0
+        # one order of the training rows for every W (order.py): batch k is the same rows at any W
+        self.order = TrainOrder(self.train_segs, cfg.seed if cfg.shuffle else None)
+        self._rows = RowReader(self.order, self.F)
+        self._stream = SequentialRows(self.order, reader) if cfg.loader == "dali" else None
         self._eval: dict[str, BlockStream] = {}
 
     @property
@@ -297,26 +294,37 @@ class CriteoData:
         """Rows of the training split (all ranks)."""
         return sum(s.rows for s in self.train_segs)
 
-    def _block_order(self, segs: list[Segment]) -> list[Segment]:
-        if not self.cfg.shuffle:
-            return segs
-        perm = np.random.default_rng([self.cfg.seed, 7]).permutation(len(segs))
-        return [segs[i] for i in perm]
-
-    def _new_train(self) -> BlockStream:
-        return BlockStream(self.train_segs, self.reader, self.rank, self.world,
-                           self.cfg.seed if self.cfg.shuffle else None, self.F)
+    @property
+    def global_batch(self) -> int:
+        return self.b * self.world
 
     def train_batch(self, step: int) -> Batch:
-        """This rank's batch `step` (sequential; another step restarts the stream and skips)."""
-        if self._train is None or step != self._step:
-            self._train, self._step = self._new_train(), 0
-            for _ in range(step):
-                self._train.take(self.b)
-                self._step += 1
-        self._step += 1
-        return to_batch(self._train.take(self.b), self.F, self.rows, self.guard,
-                        f"training batch of step {step}", self.norm, self.vocab, self.raw)
+        """This rank's slice [rank*b, (rank+1)*b) of global batch `step` of the training order: the
+        block reader's stream (DALI) or the rows read by index (memmap); the same rows either way."""
+        start = step * self.global_batch + self.rank * self.b
+        pos = np.arange(start, start + self.b, dtype=np.int64)
+        cols = self._stream.columns(pos) if self._stream is not None else \
+            self._rows.columns(self.order.keys(pos), self._width)
+        return self._to_batch(cols, f"training batch of step {step}")
+
+    # ---- the global view (schedulers, placement profiles): any training row by its key ---------
+    def stream_keys(self, pos: np.ndarray) -> np.ndarray:
+        """The training rows (keys) at stream positions pos."""
+        return self.order.keys(np.asarray(pos, np.int64))
+
+    def sample_ids(self, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        b = self.sample_batch(keys)
+        return b.values.cpu().numpy(), b.lengths.cpu().numpy()
+
+    def sample_batch(self, keys: np.ndarray) -> Batch:
+        return self._to_batch(self._rows.columns(np.asarray(keys, np.int64), self._width), "training batch")
+
+    @property
+    def _width(self) -> int:
+        return 1 + self.F + self.rows.numel()
+
+    def _to_batch(self, cols: Columns, where: str) -> Batch:
+        return to_batch(cols, self.F, self.rows, self.guard, where, self.norm, self.vocab, self.raw)
 
     def _split_segs(self, split: str) -> list[Segment]:
         if split not in ("test", "val"):
@@ -345,8 +353,7 @@ class CriteoData:
             n = min(left, self.cfg.eval_batch_size)
             left -= n
             cols = stream.take(n) if n else self._empty()
-            yield to_batch(cols, self.F, self.rows, self.guard,
-                           f"{'eval' if split == 'test' else 'validation'} batch", self.norm, self.vocab, self.raw)
+            yield self._to_batch(cols, f"{'eval' if split == 'test' else 'validation'} batch")
 
     def _empty(self) -> Columns:
         return (torch.zeros(0), torch.zeros((0, self.F)), torch.zeros((0, self.rows.numel()), dtype=torch.int64))
