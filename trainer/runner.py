@@ -270,7 +270,7 @@ class Trainer:
 
     def _described(self) -> dict[str, Any]:
         return {"device": self.device.type, "transport": self.comm.transport,
-                "recipe": self.recipe.describe(self.c), "settled_rows": self.pipeline.settled,
+                "recipe": self.recipe.describe(self.c, self.world), "settled_rows": self.pipeline.settled,
                 "precision": self.precision.summary(),
                 "cuda_graph": self.pipeline.strategy.summary()}
 

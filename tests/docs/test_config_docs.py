@@ -85,25 +85,25 @@ def _edit(path: Path, old: str, new: str) -> None:
 
 def test_a_yaml_default_that_differs_from_the_schema_is_named(conf_copy):
     assert doc.drifts(str(conf_copy)) == []
-    _edit(conf_copy / "train" / "default.yaml", "steps: 300", "steps: 200")
+    _edit(conf_copy / "train" / "default.yaml", "log_every: 10", "log_every: 20")
     _edit(conf_copy / "config.yaml", "keep_last: 3", "keep_last: 5")
     _edit(conf_copy / "data" / "tiny.yaml", "batch_size: 64", "batch_size: 32")
     _edit(conf_copy / "data" / "bench.yaml", "batch_size: 2048", "batch_size: 1024")  # another option: its own value
     _edit(conf_copy / "cache" / "lru.yaml", "pin_threshold: 8", "pin_threshold: 8\ncapacity: 3")
     found = doc.drifts(str(conf_copy))
     assert [line.split(":")[0] for line in found] == [
-        "data.batch_size", "cache.capacity", "train.steps", "checkpoint.keep_last"], found
+        "data.batch_size", "cache.capacity", "train.log_every", "checkpoint.keep_last"], found
     assert "cache.capacity: set in conf/cache/lru.yaml, not a key of the schema" in found
-    assert "train.steps: 200 in conf/train/default.yaml, 300 in the schema" in found[2]
+    assert "train.log_every: 20 in conf/train/default.yaml, 10 in the schema" in found[2]
 
 
 def test_a_page_default_or_key_that_differs_from_the_schema_is_named():
     text = PAGE.read_text()
     assert doc.page_drifts(text) == []
-    text = text.replace("| `train.steps` | int | `300` |", "| `train.steps` | int | `200` |")
+    text = text.replace("| `train.log_every` | int | `10` |", "| `train.log_every` | int | `20` |")
     text = text.replace("| `comm.timeout_s` |", "| `comm.timeout` |")
     found = doc.page_drifts(text)
-    assert "train.steps: default 200 on the page, 300 in the schema" in found, found
+    assert "train.log_every: default 20 on the page, 10 in the schema" in found, found
     assert "comm.timeout_s: missing from the page" in found and \
         "comm.timeout: on the page, not a key of the schema" in found, found
 

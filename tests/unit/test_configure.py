@@ -160,3 +160,26 @@ def test_size_rule_large_data_keeps_one_epoch():
     assert "1,000,000 training rows" in at(SMALL_DATA_ROWS).why
     assert choose_recipe(parse(make_cfg(["data=tiny"])), None).name == "none"
     assert choose_recipe(parse(make_cfg(["data=tiny", "train.recipe=small"])), None).name == "small"
+
+
+def test_an_explicit_train_steps_wins_over_the_recipes_epochs(prepared, capsys):
+    """data=criteo's recipe trains data.epochs (30 on the sample); train.steps given while
+    data.epochs is left to the recipe wins (the recipe's epochs are not applied), and the recipe's
+    line says so; left out, the steps are the epochs' and the line says from what."""
+    base = ["data=criteo", f"data.dir={prepared}", "data.loader=memmap", "train.ensemble=1"]
+    given = load_config(make_cfg(base + ["train.steps=10"]), world=2)
+    assert given.train.steps == 10 and given.data.epochs == 0
+    line = recipe_of(given).line(given, 2)
+    assert "set by you: train.ensemble, train.steps." in line and "data.epochs=0" in line, line
+    derived = load_config(make_cfg(base), world=2)
+    assert derived.data.epochs == 30 and derived.train.steps == math.ceil(30 * derived_rows(derived) / 256)
+    line = recipe_of(derived).line(derived, 2)
+    assert f"train.steps={derived.train.steps} (data.epochs=30 x {derived_rows(derived):,} training rows / 256 a step)" \
+        in line, line
+    assert load_config(make_cfg(base + ["data.epochs=1", "train.steps=10"]), world=2).train.steps == \
+        math.ceil(derived_rows(derived) / 256)  # both given: data.epochs decides (the line shows its steps)
+
+
+def derived_rows(c) -> int:
+    from trainer.data import epoch_rows, shape_of
+    return epoch_rows(c, shape_of(c))

@@ -246,7 +246,7 @@ class TrainConfig:
     """The run: steps, seeds, evaluation cadence, device, precision, the step's pipeline, the
     recipe, early stopping and ensembles (conf/train/)."""
 
-    steps: int = 300  # training steps (each consumes one global batch); data.epochs > 0 sets it for file datasets
+    steps: Optional[int] = None  # training steps (each consumes one global batch); null = the recipe's: data.epochs' steps once W is known (file datasets with data.epochs > 0), else 300. Given while data.epochs is left to the recipe, it wins (data.epochs=0: the recipe's epochs not applied); given beside data.epochs > 0, data.epochs decides (the recipe's line shows the steps it derived)
     seed: int = 0  # seed of the dense and embedding init (and of stochastic rounding)
     log_every: int = 10  # write a metrics.jsonl line every N steps
     eval_every: Optional[int] = None  # evaluate every N steps too, on the validation split (data.val_fraction) when there is one, else on the test split (data.eval_*); the test split is always evaluated after the last step; 0 = only then; null = the recipe's (resolved once W is known)

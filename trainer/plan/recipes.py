@@ -36,6 +36,7 @@ EVAL_PER_EPOCH = "epoch"  # a recipe's train.eval_every: once per pass over the 
 RECIPE_EVAL_ROWS = 1_280  # ... or more often: no more than this many training rows between evaluations ...
 RECIPE_EVALS_PER_EPOCH = 4  # ... up to this many evaluations per epoch (see evals_per_epoch)
 EPOCH_COUNTS = ("train.early_stop.patience", "train.early_stop.min_evals")  # the recipe's count epochs
+DEFAULT_STEPS = 300  # train.steps left null without epochs (and the placeholder until W gives data.epochs' steps)
 _SGD = {"optim.name": "sgd", "optim.dense": "sgd", "optim.sparse": "sgd", "optim.lr": 0.1, "optim.eps": 1e-10}
 _NEUTRAL = {"data.epochs": 0.0, "data.val_fraction": 0.0, "data.standardize": False, "data.min_count": 0,
             "embedding.init_scale": 0.0, "train.eval_every": 0, "train.early_stop.patience": 0,
@@ -120,6 +121,8 @@ def apply_recipe(c: Config, recipe: str, epoch_rows: Callable[[], int] = lambda:
     when the recipe also sets the cadence (train.eval_every left null), its patience and min_evals,
     counted in epochs, become evals_per_epoch(epoch_rows()) times as many evaluations."""
     done = {}
+    if c.train.steps is not None and c.data.epochs is None:  # the user's train.steps wins over the recipe's epochs
+        c.data.epochs = 0.0
     chosen_optimizer = c.optim.sparse is not None  # a preset's null sparse_lr means "= lr", not "the recipe's"
     for key, value in recipe_values(recipe, c.model.name).items():
         *path, name = key.split(".")
@@ -143,6 +146,8 @@ def apply_recipe(c: Config, recipe: str, epoch_rows: Callable[[], int] = lambda:
         c.train.calibrate = done["train.calibrate"] = False  # nothing to calibrate on either
     if "train.ensemble" in done and not c.data.val_fraction:
         c.train.ensemble = done["train.ensemble"] = 1  # nor validation slices to give the members
+    if c.train.steps is None:  # data.epochs' steps replace it once W is known (apply_data_steps)
+        c.train.steps = DEFAULT_STEPS
     return done
 
 
@@ -169,21 +174,36 @@ class Recipe:
     name: str  # small | large | none
     why: str
 
-    def describe(self, c: Config) -> dict[str, Any]:
-        """{name, why, values: the recipe keys in force, overridden: those set apart from the recipe}."""
+    def describe(self, c: Config, world: Optional[int] = None) -> dict[str, Any]:
+        """{name, why, values: the recipe keys in force, overridden: those set apart from the recipe,
+        derived: what data.epochs gave with `world` workers (c has it applied: apply_data_steps)}."""
         want = recipe_values(self.name, c.model.name)
         values = {k: get_key(c, k) for k in recipe_keys(c.model.name)}
         k_evals = evals_per_epoch(rows_per_epoch(c, shape_of(c))) if per_epoch_cadence(self.name) else 1
         ours = lambda k, v: v == want[k] or (k in EPOCH_COUNTS and v == want[k] * k_evals)  # noqa: E731
         over = {k: v for k, v in values.items() if k in want and want[k] != EVAL_PER_EPOCH and not ours(k, v)}
-        return {"name": self.name, "why": self.why, "values": values, "overridden": over}
+        if over.get("data.epochs") == 0 and want.get("data.epochs"):  # train.steps given: the epochs not applied
+            del over["data.epochs"]
+            over["train.steps"] = c.train.steps
+        return {"name": self.name, "why": self.why, "values": values, "overridden": over,
+                "derived": derived_values(c, world) if world else {}}
 
-    def line(self, c: Config) -> str:
-        d = self.describe(c)
+    def line(self, c: Config, world: Optional[int] = None) -> str:
+        d = self.describe(c, world)
         vals = ", ".join(f"{k}={v}" for k, v in d["values"].items())
+        derived = "".join(f"; {k}={v}" for k, v in d["derived"].items())
         kept = f"; set by you: {', '.join(d['overridden'])}" if d["overridden"] else ""
-        return (f"[trainer] recipe {self.name} ({self.why}): {vals}{kept}. Any of these can be set on the "
-                "command line; train.recipe=tiny|small|large|none picks another recipe")
+        return (f"[trainer] recipe {self.name} ({self.why}): {vals}{derived}{kept}. Any of these can be set on "
+                "the command line; train.recipe=tiny|small|large|none picks another recipe")
+
+
+def derived_values(c: Config, world: int) -> dict[str, str]:
+    """What a config with W applied (apply_data_steps) derived from data.epochs, and from what:
+    {"train.steps": "75 (data.epochs=30 x 1,280 training rows / 512 a step)"}; {} without epochs."""
+    if not c.data.epochs:
+        return {}
+    rows, g = rows_per_epoch(c, shape_of(c)), local_batch_size(c, world) * world
+    return {"train.steps": f"{c.train.steps} (data.epochs={c.data.epochs:g} x {rows:,} training rows / {g:,} a step)"}
 
 
 def choose_recipe(c: Config, shape: Optional[DataShape]) -> Recipe:
@@ -220,10 +240,10 @@ def announce_recipe(c: Config, comm: Any) -> dict[str, Any]:
     apply_data_steps(view, comm.size)
     recipe = recipe_of(view)
     if comm.rank == 0 and recipe.name != "none":
-        print(recipe.line(view), file=sys.stderr)
-    return recipe.describe(view)
+        print(recipe.line(view, comm.size), file=sys.stderr)
+    return recipe.describe(view, comm.size)
 
 
 __all__ = ["EPOCH_COUNTS", "EVAL_PER_EPOCH", "MODEL_RECIPE_VALUES", "RECIPE_VALUES", "SMALL_DATA_ROWS",
-           "TINY_DATA_ROWS", "Recipe", "announce_recipe", "apply_data_steps", "apply_recipe", "choose_recipe",
-           "evals_per_epoch", "per_epoch_cadence", "recipe_keys", "recipe_of", "recipe_values"]
+           "TINY_DATA_ROWS", "DEFAULT_STEPS", "Recipe", "announce_recipe", "apply_data_steps", "apply_recipe", "choose_recipe",
+           "derived_values", "evals_per_epoch", "per_epoch_cadence", "recipe_keys", "recipe_of", "recipe_values"]
