@@ -19,8 +19,7 @@ import pytest
 import torch
 
 from helpers import run_single, run_world, spawn, train_worker
-from test_cache import WIDE, _owner_version_at
-from test_parity import BASE, assert_same_run
+from parity_helpers import BASE, WIDE, _owner_version_at, assert_same_run
 from trainer.comm import make_collectives
 
 PARITY = {

@@ -21,8 +21,8 @@ import pytest
 from failure_helpers import CLI_BASE, ROOT, _env
 from data_helpers import prepare_sample
 from helpers import make_cfg, run_single
-from test_parity import assert_same_run
-from test_worker_failure import _finish, _worker
+from hvd_launch import _finish, _worker
+from parity_helpers import assert_same_run
 
 import trainer.checkpoint as ckpt
 from trainer.checkpoint import saver

@@ -22,7 +22,7 @@ import time
 import uuid
 
 import pytest
-from hvd_launch import HOROVODRUN, ROOT, env, require_horovod
+from hvd_launch import HOROVODRUN, ROOT, _finish, _worker, env, require_horovod
 
 from trainer import checkpoint as ckpt
 
@@ -52,24 +52,6 @@ def _start(launcher: str, out: str | None, extra: list[str] = (), cwd: str = ROO
     return proc, marker
 
 
-def _worker(marker: str, rank: int) -> int:
-    """pid of the `-m trainer` process of `rank` started with `marker` (torchrun: RANK,
-    horovodrun: HOROVOD_RANK; launchers and shell wrappers are not `-m trainer` processes)."""
-    want = str(rank).encode()
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{pid}/environ", "rb") as f:
-                envs = dict(x.split(b"=", 1) for x in f.read().split(b"\0") if b"=" in x)
-            with open(f"/proc/{pid}/cmdline", "rb") as f:
-                cmd = f.read()
-        except OSError:
-            continue
-        if envs.get(b"TEST_RUN") == marker.encode() and b"-m\0trainer\0" in cmd and \
-                want in (envs.get(b"RANK"), envs.get(b"HOROVOD_RANK")):
-            return int(pid)
-    raise AssertionError(f"no worker of rank {rank} found")
-
-
 def _alive(pid: int) -> bool:
     try:
         with open(f"/proc/{pid}/stat") as f:
@@ -87,14 +69,6 @@ def _wait_for_checkpoint(proc: subprocess.Popen, root: str, timeout: float = 90)
             proc.kill()
             raise AssertionError(f"no checkpoint after {timeout}s:\n{proc.communicate()[0][-3000:]}")
         time.sleep(0.05)
-
-
-def _finish(proc: subprocess.Popen, timeout: float) -> str:
-    try:
-        return proc.communicate(timeout=timeout)[0]
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        raise AssertionError(f"the launcher hangs {timeout}s after the failure:\n{proc.communicate()[0][-3000:]}")
 
 
 def _printed_command(log: str) -> str:

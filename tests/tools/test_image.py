@@ -33,7 +33,7 @@ import time
 import numpy as np
 import pytest
 from helpers import assert_auc_close, eval_label_counts
-from test_multihost import CFG, _assert_crossed_links, assert_same_training
+from multihost_helpers import CFG, _assert_crossed_links, assert_same_training
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 IMAGE = "hybrid-trainer:cpu"

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 import torch
 
-from trainer.comm.base import Collectives
+from helpers import _Mirror
 from trainer.embedding.cache import _NEVER, TICK_BITS, RowCache, make_policy
 from trainer.embedding.remote import CACHE_COUNTERS, CacheStats, HetWire
 from trainer.embedding.sharding import RowSharding
@@ -168,28 +168,6 @@ def test_read_counters_equal_one_bincount_each():
     s.pushes(table[:10], torch.arange(10))
     assert int(s.t["pushed_rows"].sum()) == 10 and int(s.t["pushed_updates"].sum()) == 45
     assert s.vector().numel() == len(CACHE_COUNTERS) * T == 9 * T
-
-
-class _Mirror(Collectives):
-    """Rank 0 of 2 whose peer sends exactly what it sends (one process, no wire)."""
-
-    def __init__(self):
-        super().__init__(0, 2, 60.0)
-
-    def _alltoall(self, t, splits, recv_splits):
-        return t.clone()
-
-    def _allreduce(self, ts, op):
-        raise NotImplementedError
-
-    def _allgather(self, t):
-        raise NotImplementedError
-
-    def _broadcast(self, t, root):
-        raise NotImplementedError
-
-    def _barrier(self):
-        pass
 
 
 def test_push_is_one_alltoall_with_the_same_bytes():

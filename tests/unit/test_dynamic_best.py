@@ -15,9 +15,8 @@ import torch
 
 from helpers import (assert_auc_close, assert_same_eval, eval_label_counts, make_cfg, run_single, spawn,
                      train_worker)
-from test_dynamic_parity import BASE as DYN, NO_EVICTION, assert_same_ids
-from test_parity import assert_same_run
-from test_validation import _same_model, _until_best
+from dynamic_helpers import BASE as DYN, NO_EVICTION, assert_same_ids
+from parity_helpers import _same_model, _until_best, assert_same_run
 from trainer.comm import LocalCollectives
 from trainer.plan.configure import load_config
 from trainer.runner import Trainer

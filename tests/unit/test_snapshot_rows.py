@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from helpers import run_single
-from test_validation import ES, _same_model
+from parity_helpers import ES, _same_model
 from trainer.core import snapshot_rows
 from trainer.core.snapshot_rows import SnapshotRows, in_memory
 

@@ -15,29 +15,10 @@ import pytest
 import torch
 
 from helpers import assert_auc_close, assert_same_eval, eval_label_counts, make_cfg, run_single, run_world
-from test_parity import assert_same_run
+from parity_helpers import ES, _same_model, _until_best, assert_same_run
 from trainer.config import ConfigError
 from trainer.plan.configure import load_config
 from trainer.data import make_data
-
-# a small finite training set, overfitted quickly (Adagrad at lr 0.5): validation AUC peaks at
-# step 32 and early stopping (patience 3 evaluations of every 4 steps) ends the run at step 44
-ES = ["data=tiny", "data.train_samples=480", "data.val_fraction=0.25", "data.global_batch_size=48",
-      "data.eval_samples=480", "data.eval_batch_size=40", "train.threads=1", "train.progress=off",
-      "train.steps=80", "train.eval_every=4", "train.early_stop.patience=3", "optim=adagrad", "optim.lr=0.5"]
-
-
-def _same_model(a: dict, b: dict, rtol: float = 1e-5, atol: float = 1e-6) -> None:
-    for name, value in a["dense"].items():
-        torch.testing.assert_close(b["dense"][name], value, rtol=rtol, atol=atol, msg=lambda m: f"{name}: {m}")
-    for t, (x, y) in enumerate(zip(a["tables"], b["tables"])):
-        torch.testing.assert_close(y, x, rtol=rtol, atol=atol, msg=lambda m: f"table {t}: {m}")
-
-
-def _until_best(overrides: list[str], best: int) -> list[str]:
-    """The same run with the same evaluations, stopped at `best`, no early stop, no restore."""
-    return overrides + [f"train.steps={best}", "train.early_stop.patience=0",
-                        "train.early_stop.restore_best=false"]
 
 
 def _val_aucs(s: dict) -> list[tuple[int, float]]:
