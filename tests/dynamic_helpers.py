@@ -56,7 +56,7 @@ def resume_at_step_8_equals_uninterrupted(tmp_path, extra):
     return full
 
 
-def _counts(d):
+def counts(d):
     """summary.json's dynamic counters without the pools' capacity (W x embedding.capacity)."""
     drop = ("capacity_rows",)
     return {k: ([{a: b for a, b in t.items() if a not in drop} for t in v] if k == "tables" else v)

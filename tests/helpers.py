@@ -2,6 +2,8 @@
 
 Distributed tests start W real processes (spawn), each calling trainer.run() with the torch
 backend over gloo on localhost, and compare against an in-process single-worker reference.
+Also: small file systems (tmpfs, fill), two runs' evaluations compared (assert_same_eval; their
+losses and parameters: parity_helpers.assert_same_run), and a peer without processes (Mirror).
 """
 from __future__ import annotations
 
@@ -219,7 +221,7 @@ def eval_label_counts(overrides: list[str], split: str = "test") -> tuple[int, i
 
 
 # ---- a peer without processes ------------------------------------------------------------------
-class _Mirror(Collectives):
+class Mirror(Collectives):
     """Rank 0 of 2 whose peer sends exactly what it sends (one process, no wire)."""
 
     def __init__(self):

@@ -1,4 +1,5 @@
-"""Launch helpers for the horovodrun / torchrun tests: run tests/horovod_worker.py and read results."""
+"""Launch helpers for the horovodrun / torchrun tests: run tests/horovod_worker.py and read results;
+find a launched rank's process (worker) and wait for a launcher to end (finish)."""
 from __future__ import annotations
 
 import importlib.util
@@ -76,7 +77,7 @@ def worker_results(proc: subprocess.CompletedProcess, out_dir: str, world: int =
 
 
 # ---- the launchers' processes -------------------------------------------------------------------
-def _worker(marker: str, rank: int) -> int:
+def worker(marker: str, rank: int) -> int:
     """pid of the `-m trainer` process of `rank` started with `marker` (torchrun: RANK,
     horovodrun: HOROVOD_RANK; launchers and shell wrappers are not `-m trainer` processes)."""
     want = str(rank).encode()
@@ -94,7 +95,8 @@ def _worker(marker: str, rank: int) -> int:
     raise AssertionError(f"no worker of rank {rank} found")
 
 
-def _finish(proc: subprocess.Popen, timeout: float) -> str:
+def finish(proc: subprocess.Popen, timeout: float) -> str:
+    """The launcher's output once it exits; fails, killing it, if it runs past `timeout` s."""
     try:
         return proc.communicate(timeout=timeout)[0]
     except subprocess.TimeoutExpired:

@@ -95,7 +95,7 @@ def assert_same_training(local_dir: str, net_dir: str) -> dict:
     return s_net
 
 
-def _assert_crossed_links(before: list[dict], after: list[dict], summary: dict) -> None:
+def assert_crossed_links(before: list[dict], after: list[dict], summary: dict) -> None:
     """The hosts' veth0 counters carry at least what the trainer counted (its training bytes plus
     the eval's): the job talked across the emulated network, not over a loopback."""
     counted = sum(summary["bytes"].values()) + sum(summary["eval_bytes"].values())

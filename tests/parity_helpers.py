@@ -33,14 +33,14 @@ ES = ["data=tiny", "data.train_samples=480", "data.val_fraction=0.25", "data.glo
       "train.steps=80", "train.eval_every=4", "train.early_stop.patience=3", "optim=adagrad", "optim.lr=0.5"]
 
 
-def _same_model(a: dict, b: dict, rtol: float = 1e-5, atol: float = 1e-6) -> None:
+def same_model(a: dict, b: dict, rtol: float = 1e-5, atol: float = 1e-6) -> None:
     for name, value in a["dense"].items():
         torch.testing.assert_close(b["dense"][name], value, rtol=rtol, atol=atol, msg=lambda m: f"{name}: {m}")
     for t, (x, y) in enumerate(zip(a["tables"], b["tables"])):
         torch.testing.assert_close(y, x, rtol=rtol, atol=atol, msg=lambda m: f"table {t}: {m}")
 
 
-def _until_best(overrides: list[str], best: int) -> list[str]:
+def until_best(overrides: list[str], best: int) -> list[str]:
     """The same run with the same evaluations, stopped at `best`, no early stop, no restore."""
     return overrides + [f"train.steps={best}", "train.early_stop.patience=0",
                         "train.early_stop.restore_best=false"]
@@ -53,7 +53,7 @@ WIDE = ["data=tiny", "data.table_rows=[97,3001,13,1250]", "data.global_batch_siz
         "embedding.audit=true"]
 
 
-def _owner_version_at(updates: np.ndarray):
+def owner_version_at(updates: np.ndarray):
     """gid -> function(step) giving the owner's version at the start of `step` (reads happen before
     that step's updates), from the owners' logs of (step, gid, version after)."""
     hist: dict[int, list[tuple[int, int]]] = defaultdict(list)

@@ -13,7 +13,7 @@ import math
 import pytest
 import torch
 
-from dynamic_helpers import BASE, NO_EVICTION, _counts, assert_same_ids, resume_at_step_8_equals_uninterrupted
+from dynamic_helpers import BASE, NO_EVICTION, assert_same_ids, counts, resume_at_step_8_equals_uninterrupted
 from helpers import assert_same_eval, run_single, run_world
 from parity_helpers import assert_same_run
 
@@ -57,7 +57,7 @@ def test_expiry_equals_the_single_process_reference():
     for res in got:
         assert_same_ids(ref, res)
         assert_same_run(ref, res)
-    assert _counts(got[0].summary["dynamic"]) == _counts(ref.summary["dynamic"])
+    assert counts(got[0].summary["dynamic"]) == counts(ref.summary["dynamic"])
 
 
 @pytest.mark.dist
@@ -125,7 +125,7 @@ def test_resume_at_another_world_size_moves_ids_to_their_new_owners(tmp_path):
         for res in got:
             assert_same_ids(ref, res)
             assert_same_run(ref, res)
-        assert _counts(got[0].summary["dynamic"]) == _counts(ref.summary["dynamic"])
+        assert counts(got[0].summary["dynamic"]) == counts(ref.summary["dynamic"])
         assert ref.summary["dynamic"]["pending_ids"] > 0 and ref.summary["dynamic"]["evictions"] == 0
 
 

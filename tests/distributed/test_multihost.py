@@ -26,7 +26,7 @@ import time
 import pytest
 
 from hvd_launch import ROOT, horovodrun, require_horovod, require_netns, tail, torchrun
-from multihost_helpers import CFG, _assert_crossed_links, assert_same_training
+from multihost_helpers import CFG, assert_crossed_links, assert_same_training
 from dev import netcluster
 from dev.netcluster import NetCluster
 
@@ -59,7 +59,7 @@ def test_torchrun_across_two_hosts_equals_localhost(cluster, tmp_path):
         assert r.ok, r.tail()
     summary = assert_same_training(local, net)
     assert summary["backend"] == "TorchCollectives"
-    _assert_crossed_links(before, after, summary)
+    assert_crossed_links(before, after, summary)
 
 
 def test_torchrun_sweep_across_two_hosts(cluster, tmp_path):
@@ -93,7 +93,7 @@ def test_horovodrun_over_ssh_equals_localhost(cluster, tmp_path):
     assert "-H h0:1,h1:1" in " ".join(res.argv) and "--gloo" in res.argv
     summary = assert_same_training(local, net)
     assert summary["backend"] == "HorovodCollectives"
-    _assert_crossed_links(before, after, summary)
+    assert_crossed_links(before, after, summary)
 
 
 def test_commands_run_inside_their_host_and_links_are_shaped(cluster):

@@ -22,7 +22,7 @@ import time
 import uuid
 
 import pytest
-from hvd_launch import HOROVODRUN, ROOT, _finish, _worker, env, require_horovod
+from hvd_launch import HOROVODRUN, ROOT, env, finish, require_horovod, worker
 
 from trainer import checkpoint as ckpt
 
@@ -105,10 +105,10 @@ def test_killed_worker_stops_the_others_then_the_printed_command_finishes(launch
         time.sleep(0.05)
     root = os.path.join(out, "checkpoints")
     _wait_for_checkpoint(proc, root)
-    victim = _worker(marker, 1)
+    victim = worker(marker, 1)
     t0 = time.monotonic()
     os.kill(victim, signal.SIGKILL)
-    log = _finish(proc, TIMEOUT_S + 30)
+    log = finish(proc, TIMEOUT_S + 30)
     took = time.monotonic() - t0
     assert proc.returncode != 0, log[-3000:]
     assert took < TIMEOUT_S + 10, (took, log[-3000:])
@@ -143,7 +143,7 @@ def test_stalled_worker_times_out_and_the_survivor_exits_by_itself(launcher, tmp
     out = str(tmp_path / "run")
     proc, marker = _start(launcher, out)
     _wait_for_checkpoint(proc, os.path.join(out, "checkpoints"))
-    victim, survivor = _worker(marker, 1), _worker(marker, 0)
+    victim, survivor = worker(marker, 1), worker(marker, 0)
     t0 = time.monotonic()
     os.kill(victim, signal.SIGSTOP)
     try:
@@ -152,7 +152,7 @@ def test_stalled_worker_times_out_and_the_survivor_exits_by_itself(launcher, tmp
         took = time.monotonic() - t0
     finally:
         os.kill(victim, signal.SIGKILL)  # a stopped process ignores the launcher's SIGTERM
-    log = _finish(proc, 30)
+    log = finish(proc, 30)
     assert not _alive(survivor)
     assert TIMEOUT_S - 1 < took < TIMEOUT_S + 6, (took, log[-3000:])
     assert proc.returncode != 0

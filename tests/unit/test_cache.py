@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from helpers import assert_same_eval, make_cfg, run_single, run_world
-from parity_helpers import WIDE, _owner_version_at, assert_same_run
+from parity_helpers import WIDE, assert_same_run, owner_version_at
 from trainer.config import ConfigError, table_rows
 from trainer.plan.configure import load_config
 from trainer.embedding.cache import LFU, LRU, LFUPinned, RowCache
@@ -195,7 +195,7 @@ def test_bsp_with_cache_equals_single_process(case):
 # ---------------------------------------------------------------------------- invariants
 def _max_read_staleness(results) -> int:
     updates = np.concatenate([r.state["audit"]["updates"].numpy() for r in results])
-    at = _owner_version_at(updates)
+    at = owner_version_at(updates)
     worst = 0
     for r in results:
         for step, gid, ver in r.state["audit"]["reads"].numpy().tolist():

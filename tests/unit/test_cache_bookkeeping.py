@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 import torch
 
-from helpers import _Mirror
+from helpers import Mirror
 from trainer.embedding.cache import _NEVER, TICK_BITS, RowCache, make_policy
 from trainer.embedding.remote import CACHE_COUNTERS, CacheStats, HetWire
 from trainer.embedding.sharding import RowSharding
@@ -173,7 +173,7 @@ def test_read_counters_equal_one_bincount_each():
 def test_push_is_one_alltoall_with_the_same_bytes():
     sh = RowSharding([100, 37], 2, 0)
     store = ShardStore(sh, 5, 0, None, "sgd", 0.1, 1e-8, torch.device("cpu"))
-    comm = _Mirror()
+    comm = Mirror()
     wire = HetWire(comm, store)
     gids = torch.tensor([3, 8, 1, 77, 120, 6, 131])  # both owners, unsorted
     grads, counts = torch.randn(7, 5), torch.tensor([1, 4, 2, 1, 3, 1, 9])

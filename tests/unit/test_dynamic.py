@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from dynamic_helpers import CPU, gid, store
-from helpers import make_cfg
+from helpers import Mirror, make_cfg
 from trainer.config import ConfigError
 from trainer.plan.configure import load_config
 from trainer.data.scramble import scramble
@@ -248,9 +248,8 @@ def test_a_cached_copy_reread_in_another_life_drops_its_pending_updates():
 
 def test_the_het_wire_carries_each_pushs_life_to_the_owner():
     """Dynamic tables: (life, count) share the count's int64 on the wire and arrive apart."""
-    from helpers import _Mirror
     st = store(capacity=8, world=2, rank=0)
-    sh, wire = st.sharding, HetWire(_Mirror(), st)
+    sh, wire = st.sharding, HetWire(Mirror(), st)
     gids = gid(1, [7, 9, 3])
     lives, counts = torch.tensor([CURRENT_LIFE, 4, 1 << 20]), torch.tensor([1, 7, (1 << 32) - 2])
     got = wire.push_updates(Pushes(gids, torch.randn(3, 3), counts, lives))
