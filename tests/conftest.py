@@ -9,13 +9,10 @@ if ROOT not in sys.path:
 TESTS = os.path.dirname(os.path.abspath(__file__))
 if TESTS not in sys.path:
     sys.path.insert(0, TESTS)
-# tests/ holds the shared helpers (helpers.py, data_helpers.py, ...); its groups (unit/,
-# distributed/, kernels/, docs/, tools/) hold the test files, some of which reuse another file's
-# checks (test_parity.assert_same_run): every group is importable from any test and its workers
-GROUPS = ("unit", "distributed", "kernels", "docs", "tools")
-for _path in [os.path.join(TESTS, g) for g in GROUPS]:  # after tests/: its helpers come first
-    if _path not in sys.path:
-        sys.path.append(_path)
+# tests/ holds the shared helpers (helpers.py, parity_helpers.py, data_helpers.py, ...), importable
+# from any test and its workers; its groups (unit/, distributed/, kernels/, docs/, tools/) hold the
+# test files, which import no other test file (tests/docs/test_imports.py): pytest puts each test
+# file's own directory on sys.path, and no group needs another's
 # Subprocesses (scripts, `python -m trainer`, launchers) import this checkout too, whatever their
 # working directory: the venv's editable install may point at another checkout (a git worktree).
 if os.environ.get("PYTHONPATH", "").split(os.pathsep)[0] != ROOT:

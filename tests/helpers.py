@@ -2,6 +2,8 @@
 
 Distributed tests start W real processes (spawn), each calling trainer.run() with the torch
 backend over gloo on localhost, and compare against an in-process single-worker reference.
+Also: small file systems (tmpfs, fill), two runs' evaluations compared (assert_same_eval; their
+losses and parameters: parity_helpers.assert_same_run), and a peer without processes (Mirror).
 """
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ from typing import Any, Callable, Iterator
 import numpy as np
 import pytest
 import torch
+from trainer.comm.base import Collectives
 from trainer.config import compose
 from trainer.evaluation.metrics import auc_logloss
 from trainer.runner import RunResult, run
@@ -219,3 +222,26 @@ def eval_label_counts(overrides: list[str], split: str = "test") -> tuple[int, i
     labels = torch.cat([b.labels for b in make_data(load_config(make_cfg(overrides)), 0, 1).eval_batches(split)])
     n_pos = int((labels > 0.5).sum())
     return n_pos, int(labels.numel()) - n_pos
+
+
+# ---- a peer without processes ------------------------------------------------------------------
+class Mirror(Collectives):
+    """Rank 0 of 2 whose peer sends exactly what it sends (one process, no wire)."""
+
+    def __init__(self):
+        super().__init__(0, 2, 60.0)
+
+    def _alltoall(self, t, splits, recv_splits):
+        return t.clone()
+
+    def _allreduce(self, ts, op):
+        raise NotImplementedError
+
+    def _allgather(self, t):
+        raise NotImplementedError
+
+    def _broadcast(self, t, root):
+        raise NotImplementedError
+
+    def _barrier(self):
+        pass

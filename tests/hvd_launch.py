@@ -1,4 +1,5 @@
-"""Launch helpers for the horovodrun / torchrun tests: run tests/horovod_worker.py and read results."""
+"""Launch helpers for the horovodrun / torchrun tests: run tests/horovod_worker.py and read results;
+find a launched rank's process (worker) and wait for a launcher to end (finish)."""
 from __future__ import annotations
 
 import importlib.util
@@ -73,3 +74,31 @@ def worker_results(proc: subprocess.CompletedProcess, out_dir: str, world: int =
         results.append(res)
     assert proc.returncode == 0, tail(proc)
     return results
+
+
+# ---- the launchers' processes -------------------------------------------------------------------
+def worker(marker: str, rank: int) -> int:
+    """pid of the `-m trainer` process of `rank` started with `marker` (torchrun: RANK,
+    horovodrun: HOROVOD_RANK; launchers and shell wrappers are not `-m trainer` processes)."""
+    want = str(rank).encode()
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                envs = dict(x.split(b"=", 1) for x in f.read().split(b"\0") if b"=" in x)
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                cmd = f.read()
+        except OSError:
+            continue
+        if envs.get(b"TEST_RUN") == marker.encode() and b"-m\0trainer\0" in cmd and \
+                want in (envs.get(b"RANK"), envs.get(b"HOROVOD_RANK")):
+            return int(pid)
+    raise AssertionError(f"no worker of rank {rank} found")
+
+
+def finish(proc: subprocess.Popen, timeout: float) -> str:
+    """The launcher's output once it exits; fails, killing it, if it runs past `timeout` s."""
+    try:
+        return proc.communicate(timeout=timeout)[0]
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        raise AssertionError(f"the launcher hangs {timeout}s after the failure:\n{proc.communicate()[0][-3000:]}")

@@ -17,7 +17,7 @@ import torch
 from data_helpers import train_models
 from failure_helpers import BASE, CLI_BASE, STEPS, K, _cli, _dir, _manifest, _step
 from helpers import make_cfg, run_single, run_world, spawn
-from test_parity import assert_same_run
+from parity_helpers import assert_same_run
 
 import trainer.checkpoint as ckpt
 from trainer.checkpoint.manifest import WORK_DIR

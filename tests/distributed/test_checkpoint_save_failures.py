@@ -14,7 +14,7 @@ import subprocess
 import pytest
 from failure_helpers import BASE, CLI_BASE, STEPS, K, _cli, _dir, _records, _step
 from helpers import make_cfg, run_single, run_world, spawn, tmpfs, train_worker
-from test_parity import assert_same_run
+from parity_helpers import assert_same_run
 
 import trainer.checkpoint as ckpt
 import trainer.core.procs as procs

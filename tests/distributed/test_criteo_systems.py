@@ -13,7 +13,7 @@ import pytest
 
 import trainer.checkpoint as ckpt
 from helpers import assert_same_eval, run_single, run_world
-from test_parity import assert_same_run
+from parity_helpers import assert_same_run
 
 
 def _base(prepared: str, loader: str = "memmap") -> list[str]:

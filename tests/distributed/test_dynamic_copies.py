@@ -19,8 +19,8 @@ import pytest
 import torch
 
 from helpers import make_cfg, run_single, run_world
-from test_dynamic_parity import BASE, NO_EVICTION, assert_same_ids, resume_at_step_8_equals_uninterrupted
-from test_parity import assert_same_run
+from dynamic_helpers import BASE, NO_EVICTION, assert_same_ids, resume_at_step_8_equals_uninterrupted
+from parity_helpers import assert_same_run
 from trainer.plan.configure import load_config
 from trainer.data import make_data
 from trainer.embedding.dynamic import DynamicStore
@@ -125,7 +125,7 @@ def test_replicated_and_lent_rows_resume_at_another_world_size(tmp_path):
     admitted id and row, and counter (the save wrote the replica back and called the lent rows
     home; the resume rebuilt the replica from the new owners with each row's life)."""
     import trainer.checkpoint as ckpt
-    from test_dynamic_parity import _counts
+    from dynamic_helpers import counts
     overrides = [o for o in BASE if o != "checkpoint.enabled=false"] + NO_EVICTION + [
         "optim=adagrad", "embedding.admit_after=2", "checkpoint.every=8"]
     copies = FAE + ["placement.hot_batches=false"] + HERALD
@@ -140,7 +140,7 @@ def test_replicated_and_lent_rows_resume_at_another_world_size(tmp_path):
         for res in got:
             assert_same_ids(ref, res)
             assert_same_run(ref, res)
-        assert _counts(got[0].summary["dynamic"]) == _counts(ref.summary["dynamic"]), (saved_on, world)
+        assert counts(got[0].summary["dynamic"]) == counts(ref.summary["dynamic"]), (saved_on, world)
         assert got[0].summary["placement"]["hot_rows"] > 20
         if world > 1:  # rows really were replicated and lent after the resume
             assert got[0].summary["bytes"]["replica"] > 0 and got[0].summary["placement"]["schedule"]["lend_pulls"] > 0
@@ -179,7 +179,7 @@ def test_replicated_and_lent_rows_expire_as_in_one_process():
     the same reads; Herald's plan names the lent ones), so one process with FAE alone, and W = 2 with
     FAE and Herald, equal one process without copies in every loss, dense parameter, admitted id
     and row, and counter (expiries included), with no stale writeback."""
-    from test_dynamic_parity import _counts
+    from dynamic_helpers import counts
     overrides = BASE + NO_EVICTION + ["optim=adagrad", "embedding.admit_after=2", "embedding.ttl_steps=2"]
     fae = FAE + ["placement.hot_batches=false"]
     ref = run_single(overrides)
@@ -188,6 +188,6 @@ def test_replicated_and_lent_rows_expire_as_in_one_process():
         for res in got:
             assert_same_ids(ref, res)
             assert_same_run(ref, res)
-        assert _counts(got[0].summary["dynamic"]) == _counts(ref.summary["dynamic"])
+        assert counts(got[0].summary["dynamic"]) == counts(ref.summary["dynamic"])
         assert got[0].summary["dynamic"]["stale_copies"] == 0 and got[0].summary["placement"]["hot_rows"] > 20
     assert got[0].summary["placement"]["schedule"]["lend_pulls"] > 0

@@ -13,18 +13,9 @@ import math
 import pytest
 import torch
 
+from dynamic_helpers import BASE, NO_EVICTION, assert_same_ids, counts, resume_at_step_8_equals_uninterrupted
 from helpers import assert_same_eval, run_single, run_world
-from test_parity import assert_same_run
-
-BASE = ["data=tiny", "train.steps=16", "data.global_batch_size=48", "data.test_samples=480",
-        "data.eval_batch_size=40", "train.threads=1", "train.progress=off", "checkpoint.enabled=false",
-        "embedding.kind=dynamic", "data.scramble_ids=true"]
-NO_EVICTION = ["embedding.capacity=1100"]  # > the tiny preset's largest table (1001 ids)
-
-
-def assert_same_ids(ref, got):
-    for t, (a, b) in enumerate(zip(ref.state["table_ids"], got.state["table_ids"])):
-        assert torch.equal(a, b), f"table {t}: other ids admitted"
+from parity_helpers import assert_same_run
 
 
 @pytest.mark.dist
@@ -66,7 +57,7 @@ def test_expiry_equals_the_single_process_reference():
     for res in got:
         assert_same_ids(ref, res)
         assert_same_run(ref, res)
-    assert _counts(got[0].summary["dynamic"]) == _counts(ref.summary["dynamic"])
+    assert counts(got[0].summary["dynamic"]) == counts(ref.summary["dynamic"])
 
 
 @pytest.mark.dist
@@ -114,32 +105,6 @@ def test_resume_at_the_same_world_size_equals_uninterrupted(tmp_path):
     assert full[0].summary["dynamic"]["evictions"] > 0 and full[0].summary["dynamic"]["pending_ids"] > 0
 
 
-def resume_at_step_8_equals_uninterrupted(tmp_path, extra):
-    """Train BASE + extra (16 steps) on W = 2 saving at steps 8 and 16, resume the step-8 checkpoint
-    on W = 2 and check it against the uninterrupted run: every loss, dense parameter, admitted id
-    and row, and the dynamic counters. Returns the uninterrupted run."""
-    import trainer.checkpoint as ckpt
-    overrides = [o for o in BASE if o != "checkpoint.enabled=false"] + extra + ["checkpoint.every=8"]
-    root = str(tmp_path / "full")
-    full = run_world(2, overrides + [f"checkpoint.dir={root}"])
-    assert [s for s, _ in ckpt.complete_checkpoints(root)] == [8, 16]
-    step8 = dict(ckpt.complete_checkpoints(root))[8]
-    got = run_world(2, overrides + [f"checkpoint.resume={step8}", f"checkpoint.dir={tmp_path / 'again'}"])
-    assert got[0].summary["start_step"] == 8
-    for a, b in zip(full, got):
-        assert_same_ids(a, b)
-        assert_same_run(a, b)
-    assert got[0].summary["dynamic"] == full[0].summary["dynamic"]
-    return full
-
-
-def _counts(d):
-    """summary.json's dynamic counters without the pools' capacity (W x embedding.capacity)."""
-    drop = ("capacity_rows",)
-    return {k: ([{a: b for a, b in t.items() if a not in drop} for t in v] if k == "tables" else v)
-            for k, v in d.items() if k not in drop}
-
-
 @pytest.mark.dist
 def test_resume_at_another_world_size_moves_ids_to_their_new_owners(tmp_path):
     """A W = 2 checkpoint (admit_after=2: pending counts too) resumed on W = 3 and on one process,
@@ -160,7 +125,7 @@ def test_resume_at_another_world_size_moves_ids_to_their_new_owners(tmp_path):
         for res in got:
             assert_same_ids(ref, res)
             assert_same_run(ref, res)
-        assert _counts(got[0].summary["dynamic"]) == _counts(ref.summary["dynamic"])
+        assert counts(got[0].summary["dynamic"]) == counts(ref.summary["dynamic"])
         assert ref.summary["dynamic"]["pending_ids"] > 0 and ref.summary["dynamic"]["evictions"] == 0
 
 

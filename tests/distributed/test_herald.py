@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from helpers import assert_same_eval, make_cfg, run_single, run_world
-from test_parity import assert_same_run
+from parity_helpers import assert_same_run
 from trainer.config import ConfigError, table_rows
 from trainer.plan.configure import load_config
 from trainer.data import SyntheticData

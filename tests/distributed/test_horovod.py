@@ -20,7 +20,7 @@ import torch
 
 from helpers import assert_same_eval, run_single
 from hvd_launch import ROOT, WORKER, env, horovodrun, tail, worker_results
-from test_parity import BASE, assert_same_run
+from parity_helpers import BASE, assert_same_run
 from trainer.runner import RunResult
 
 pytestmark = pytest.mark.dist

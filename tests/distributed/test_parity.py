@@ -11,12 +11,9 @@ as many as the logits' tolerance lets turn (helpers.assert_same_eval), never to 
 from __future__ import annotations
 
 import pytest
-import torch
 
 from helpers import assert_same_eval, run_single, run_world
-
-BASE = ["data=tiny", "train.steps=24", "data.global_batch_size=48", "data.test_samples=480",
-        "data.eval_batch_size=40", "train.threads=1", "train.progress=off"]
+from parity_helpers import BASE, assert_same_run
 
 CASES = {
     "w2-sgd-sum": (2, ["optim=sgd"]),
@@ -26,17 +23,6 @@ CASES = {
     "w3-adam-rowwise": (3, ["optim=adam"]),
     "w2-sgd-cycled": (2, ["optim=sgd", "data.cycle_batches=5"]),  # repeated batches, made once
 }
-
-
-def assert_same_run(ref, got, rtol=1e-5, atol=1e-6):
-    torch.testing.assert_close(torch.tensor(got.losses), torch.tensor(ref.losses), rtol=rtol, atol=atol)
-    for name, value in ref.state["dense"].items():
-        torch.testing.assert_close(got.state["dense"][name], value, rtol=rtol, atol=atol,
-                                   msg=lambda m: f"dense param {name}: {m}")
-    assert len(got.state["tables"]) == len(ref.state["tables"])
-    for t, (a, b) in enumerate(zip(got.state["tables"], ref.state["tables"])):
-        assert a.shape == b.shape
-        torch.testing.assert_close(a, b, rtol=rtol, atol=atol, msg=lambda m: f"table {t}: {m}")
 
 
 @pytest.mark.dist

@@ -19,8 +19,7 @@ import pytest
 import torch
 
 from helpers import run_single, run_world, spawn, train_worker
-from test_cache import WIDE, _owner_version_at
-from test_parity import BASE, assert_same_run
+from parity_helpers import BASE, WIDE, assert_same_run, owner_version_at
 from trainer.comm import make_collectives
 
 PARITY = {
@@ -79,7 +78,7 @@ def test_settled_rows_auto_follows_the_hosts():
 
 def _reads_behind(results, shift: int) -> int:
     """Largest (owner version at the start of step - shift) - version read, over every read."""
-    at = _owner_version_at(np.concatenate([r.state["audit"]["updates"].numpy() for r in results]))
+    at = owner_version_at(np.concatenate([r.state["audit"]["updates"].numpy() for r in results]))
     worst = 0
     for r in results:
         for step, gid, ver in r.state["audit"]["reads"].numpy().tolist():

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 from helpers import make_cfg, run_single, run_world
-from test_parity import assert_same_run
+from parity_helpers import assert_same_run
 from trainer.config import ConfigError, cache_capacities
 from trainer.plan.configure import load_config
 from trainer.data import SyntheticData

@@ -21,8 +21,8 @@ import pytest
 from failure_helpers import CLI_BASE, ROOT, _env
 from data_helpers import prepare_sample
 from helpers import make_cfg, run_single
-from test_parity import assert_same_run
-from test_worker_failure import _finish, _worker
+from hvd_launch import finish, worker
+from parity_helpers import assert_same_run
 
 import trainer.checkpoint as ckpt
 from trainer.checkpoint import saver
@@ -324,8 +324,8 @@ def test_sigterm_under_torchrun_stops_every_rank_at_one_step(target, tmp_path):
     args = LONG + (["train.nonfinite=skip"] if target == "worker" else [])
     proc, marker = _torchrun(args, out)
     _wait_for_steps(proc, out, 3)
-    os.kill(_worker(marker, 1) if target == "worker" else proc.pid, signal.SIGTERM)
-    log = _finish(proc, 60)
+    os.kill(worker(marker, 1) if target == "worker" else proc.pid, signal.SIGTERM)
+    log = finish(proc, 60)
     assert proc.returncode != 0
     stopped, root = _summary(out)["stopped"], os.path.join(out, "checkpoints")
     k = stopped["step"]
@@ -371,7 +371,7 @@ def test_survivor_of_a_worker_lost_in_the_final_save_speaks_despite_torchruns_si
     out = str(tmp_path / "out")
     proc, _ = _torchrun(CLI_BASE + ["train.steps=20", "checkpoint.every=10", "checkpoint.keep_last=0"],
                         out, str(hook))
-    log = _finish(proc, 90)
+    log = finish(proc, 90)
     root = os.path.join(out, "checkpoints")
     path = ckpt.step_dir(root, 10)
     assert proc.returncode != 0

@@ -22,7 +22,7 @@ import time
 import uuid
 
 import pytest
-from hvd_launch import HOROVODRUN, ROOT, env, require_horovod
+from hvd_launch import HOROVODRUN, ROOT, env, finish, require_horovod, worker
 
 from trainer import checkpoint as ckpt
 
@@ -52,24 +52,6 @@ def _start(launcher: str, out: str | None, extra: list[str] = (), cwd: str = ROO
     return proc, marker
 
 
-def _worker(marker: str, rank: int) -> int:
-    """pid of the `-m trainer` process of `rank` started with `marker` (torchrun: RANK,
-    horovodrun: HOROVOD_RANK; launchers and shell wrappers are not `-m trainer` processes)."""
-    want = str(rank).encode()
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{pid}/environ", "rb") as f:
-                envs = dict(x.split(b"=", 1) for x in f.read().split(b"\0") if b"=" in x)
-            with open(f"/proc/{pid}/cmdline", "rb") as f:
-                cmd = f.read()
-        except OSError:
-            continue
-        if envs.get(b"TEST_RUN") == marker.encode() and b"-m\0trainer\0" in cmd and \
-                want in (envs.get(b"RANK"), envs.get(b"HOROVOD_RANK")):
-            return int(pid)
-    raise AssertionError(f"no worker of rank {rank} found")
-
-
 def _alive(pid: int) -> bool:
     try:
         with open(f"/proc/{pid}/stat") as f:
@@ -87,14 +69,6 @@ def _wait_for_checkpoint(proc: subprocess.Popen, root: str, timeout: float = 90)
             proc.kill()
             raise AssertionError(f"no checkpoint after {timeout}s:\n{proc.communicate()[0][-3000:]}")
         time.sleep(0.05)
-
-
-def _finish(proc: subprocess.Popen, timeout: float) -> str:
-    try:
-        return proc.communicate(timeout=timeout)[0]
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        raise AssertionError(f"the launcher hangs {timeout}s after the failure:\n{proc.communicate()[0][-3000:]}")
 
 
 def _printed_command(log: str) -> str:
@@ -131,10 +105,10 @@ def test_killed_worker_stops_the_others_then_the_printed_command_finishes(launch
         time.sleep(0.05)
     root = os.path.join(out, "checkpoints")
     _wait_for_checkpoint(proc, root)
-    victim = _worker(marker, 1)
+    victim = worker(marker, 1)
     t0 = time.monotonic()
     os.kill(victim, signal.SIGKILL)
-    log = _finish(proc, TIMEOUT_S + 30)
+    log = finish(proc, TIMEOUT_S + 30)
     took = time.monotonic() - t0
     assert proc.returncode != 0, log[-3000:]
     assert took < TIMEOUT_S + 10, (took, log[-3000:])
@@ -169,7 +143,7 @@ def test_stalled_worker_times_out_and_the_survivor_exits_by_itself(launcher, tmp
     out = str(tmp_path / "run")
     proc, marker = _start(launcher, out)
     _wait_for_checkpoint(proc, os.path.join(out, "checkpoints"))
-    victim, survivor = _worker(marker, 1), _worker(marker, 0)
+    victim, survivor = worker(marker, 1), worker(marker, 0)
     t0 = time.monotonic()
     os.kill(victim, signal.SIGSTOP)
     try:
@@ -178,7 +152,7 @@ def test_stalled_worker_times_out_and_the_survivor_exits_by_itself(launcher, tmp
         took = time.monotonic() - t0
     finally:
         os.kill(victim, signal.SIGKILL)  # a stopped process ignores the launcher's SIGTERM
-    log = _finish(proc, 30)
+    log = finish(proc, 30)
     assert not _alive(survivor)
     assert TIMEOUT_S - 1 < took < TIMEOUT_S + 6, (took, log[-3000:])
     assert proc.returncode != 0

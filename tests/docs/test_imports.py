@@ -7,6 +7,9 @@ only; trainer/config/ imports nothing else of the package (a leaf); the simulato
 the two packages imports on its own and none of them loads the repository's benchmarks/ or dev/
 (the lab lives beside the package, not in it). The checker itself is tested on a small package with
 known cycles (module level, inside a function, relative imports, TYPE_CHECKING left out by default).
+
+And the tests' own rule: no file under tests/ imports a test module (test_*.py); what several test
+files share lives in a helper module at tests/ root (helpers.py, parity_helpers.py, ...).
 """
 from __future__ import annotations
 
@@ -21,6 +24,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 SCRIPT = os.path.join(ROOT, "scripts", "check_imports.py")
 TRAINER = os.path.join(ROOT, "trainer")
 KERNELS = os.path.join(ROOT, "kernels")
+TESTS = os.path.join(ROOT, "tests")
 
 
 def _checker():
@@ -171,3 +175,62 @@ def test_importing_config_loads_nothing_else_of_the_package():
     assert proc.returncode == 0, proc.stderr
     loaded = ast.literal_eval(proc.stdout.strip())
     assert "trainer.config" in loaded and all(m.startswith("trainer.config") for m in loaded), loaded
+
+
+def _is_test_module(name: str) -> bool:
+    return any(part.startswith("test_") for part in name.split("."))
+
+
+def imported_test_modules(path: str) -> list[str]:
+    """'line: name' for every test module (a dotted part named test_*) the Python file at `path`
+    imports, in line order: import and from-import statements at any depth (a function's too),
+    relative ones, importlib.import_module and __import__ of a literal name. A from-import of a
+    test_* name counts too (a test module, or a test function pytest would collect again)."""
+    with open(path, encoding="utf-8") as f:
+        tree = ast.parse(f.read(), path)
+    found = []
+    for node in ast.walk(tree):
+        names = []
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = "." * node.level + (node.module or "")
+            names = [base] if _is_test_module(base) else \
+                [f"{base}.{a.name}" if node.module else base + a.name for a in node.names]
+        elif isinstance(node, ast.Call) and node.args and isinstance(node.args[0], ast.Constant) and \
+                isinstance(node.args[0].value, str) and \
+                (getattr(node.func, "id", None) == "__import__" or getattr(node.func, "attr", None) == "import_module"):
+            names = [node.args[0].value]
+        found += [(node.lineno, n) for n in names if _is_test_module(n)]
+    return [f"{line}: {name}" for line, name in sorted(found)]
+
+
+def test_no_test_file_imports_another():
+    """Every check, hook or config several test files share is in a helper module at tests/ root
+    (helpers.py, parity_helpers.py, dynamic_helpers.py, ...), never imported from a test file:
+    importing test_parity from test_cache couples the two files and hides where the check lives."""
+    files = sorted(os.path.join(d, f) for d, _, fs in os.walk(TESTS) for f in fs if f.endswith(".py"))
+    assert os.path.join(TESTS, "distributed", "test_parity.py") in files
+    found = [f"{os.path.relpath(path, ROOT)}:{hit}" for path in files for hit in imported_test_modules(path)]
+    assert not found, "test modules imported (move what they share to a helper module at tests/ root):\n" + \
+        "\n".join(found)
+
+
+def test_the_test_import_check_sees_every_form(tmp_path):
+    path = tmp_path / "test_x.py"
+    path.write_text(textwrap.dedent("""\
+        import os, test_a
+        from test_b import BASE, check
+        from tests.unit import test_c
+        from . import test_d
+
+        def f():
+            import importlib
+            from test_e import g
+            return importlib.import_module("test_f"), __import__("test_g")
+
+        import helpers, parity_helpers, pytest_timeout, testing
+        from helpers import assert_same_eval, test_like
+        """))
+    assert imported_test_modules(str(path)) == ["1: test_a", "2: test_b", "3: tests.unit.test_c", "4: .test_d",
+                                                "8: test_e", "9: test_f", "9: test_g", "12: helpers.test_like"]

@@ -33,7 +33,7 @@ import time
 import numpy as np
 import pytest
 from helpers import assert_auc_close, eval_label_counts
-from test_multihost import CFG, _assert_crossed_links, assert_same_training
+from multihost_helpers import CFG, assert_crossed_links, assert_same_training
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 IMAGE = "hybrid-trainer:cpu"
@@ -264,4 +264,4 @@ def test_two_containers_one_job_equals_one_host(two_containers, one_host_run):
     rec = last_json(r.stdout)
     assert rec["world_size"] == 2, rec
     summary = assert_same_training(str(one_host_run), str(c["runs"] / out))
-    _assert_crossed_links(before, after, summary)  # the ranks talked across the containers' network
+    assert_crossed_links(before, after, summary)  # the ranks talked across the containers' network

@@ -11,14 +11,12 @@ cache and its bounds").
 """
 from __future__ import annotations
 
-from collections import defaultdict
-
 import numpy as np
 import pytest
 import torch
 
 from helpers import assert_same_eval, make_cfg, run_single, run_world
-from test_parity import assert_same_run
+from parity_helpers import WIDE, assert_same_run, owner_version_at
 from trainer.config import ConfigError, table_rows
 from trainer.plan.configure import load_config
 from trainer.embedding.cache import LFU, LRU, LFUPinned, RowCache
@@ -28,10 +26,6 @@ from trainer.embedding.store import init_rows
 
 BASE = ["data=tiny", "train.steps=24", "data.global_batch_size=48", "data.test_samples=480",
         "data.eval_batch_size=40", "train.threads=1", "train.progress=off"]
-# bigger tables than `tiny`: rows are not touched every step, so staleness really builds up
-WIDE = ["data=tiny", "data.table_rows=[97,3001,13,1250]", "data.global_batch_size=96",
-        "data.test_samples=288", "data.eval_batch_size=96", "train.threads=1", "train.progress=off",
-        "embedding.audit=true"]
 
 
 # ---------------------------------------------------------------------------- unit: rules, cache
@@ -199,24 +193,9 @@ def test_bsp_with_cache_equals_single_process(case):
 
 
 # ---------------------------------------------------------------------------- invariants
-def _owner_version_at(updates: np.ndarray):
-    """gid -> function(step) giving the owner's version at the start of `step` (reads happen before
-    that step's updates), from the owners' logs of (step, gid, version after)."""
-    hist: dict[int, list[tuple[int, int]]] = defaultdict(list)
-    for step, gid, ver in updates.tolist():
-        hist[gid].append((step, ver))
-    for h in hist.values():
-        h.sort()
-
-    def at(gid: int, step: int) -> int:
-        before = [v for s, v in hist.get(gid, []) if s < step]
-        return max(before) if before else 0
-    return at
-
-
 def _max_read_staleness(results) -> int:
     updates = np.concatenate([r.state["audit"]["updates"].numpy() for r in results])
-    at = _owner_version_at(updates)
+    at = owner_version_at(updates)
     worst = 0
     for r in results:
         for step, gid, ver in r.state["audit"]["reads"].numpy().tolist():

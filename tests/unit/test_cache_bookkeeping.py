@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 import torch
 
-from trainer.comm.base import Collectives
+from helpers import Mirror
 from trainer.embedding.cache import _NEVER, TICK_BITS, RowCache, make_policy
 from trainer.embedding.remote import CACHE_COUNTERS, CacheStats, HetWire
 from trainer.embedding.sharding import RowSharding
@@ -170,32 +170,10 @@ def test_read_counters_equal_one_bincount_each():
     assert s.vector().numel() == len(CACHE_COUNTERS) * T == 9 * T
 
 
-class _Mirror(Collectives):
-    """Rank 0 of 2 whose peer sends exactly what it sends (one process, no wire)."""
-
-    def __init__(self):
-        super().__init__(0, 2, 60.0)
-
-    def _alltoall(self, t, splits, recv_splits):
-        return t.clone()
-
-    def _allreduce(self, ts, op):
-        raise NotImplementedError
-
-    def _allgather(self, t):
-        raise NotImplementedError
-
-    def _broadcast(self, t, root):
-        raise NotImplementedError
-
-    def _barrier(self):
-        pass
-
-
 def test_push_is_one_alltoall_with_the_same_bytes():
     sh = RowSharding([100, 37], 2, 0)
     store = ShardStore(sh, 5, 0, None, "sgd", 0.1, 1e-8, torch.device("cpu"))
-    comm = _Mirror()
+    comm = Mirror()
     wire = HetWire(comm, store)
     gids = torch.tensor([3, 8, 1, 77, 120, 6, 131])  # both owners, unsorted
     grads, counts = torch.randn(7, 5), torch.tensor([1, 4, 2, 1, 3, 1, 9])

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from helpers import make_cfg, run_single, run_world
-from test_parity import BASE, assert_same_run
+from parity_helpers import BASE, assert_same_run
 from trainer.config import ConfigError
 from trainer.plan.configure import load_config
 

@@ -9,11 +9,11 @@ import sys
 import pytest
 import torch
 
-from helpers import make_cfg
+from dynamic_helpers import CPU, gid, store
+from helpers import Mirror, make_cfg
 from trainer.config import ConfigError
 from trainer.plan.configure import load_config
 from trainer.data.scramble import scramble
-from trainer.embedding.admission import Counting
 from trainer.embedding.cache import RowCache, make_policy
 from trainer.embedding.consistency import CURRENT_LIFE
 from trainer.embedding.dynamic import LIFE_SHIFT, DynamicStore, dynamic_init_rows
@@ -21,18 +21,6 @@ from trainer.embedding.remote.het import HetWire
 from trainer.embedding.types import Pushes
 from trainer.embedding.pool import SlotPool
 from trainer.embedding.sharding import ID_BITS, HashSharding
-
-CPU = torch.device("cpu")
-
-
-def gid(t: int, i) -> torch.Tensor:
-    return (torch.as_tensor(i, dtype=torch.int64) | (t << ID_BITS)).reshape(-1)
-
-
-def store(capacity=4, admit_after=1, eviction="lru", world=1, rank=0, optimizer="sgd", tables=2, counting=Counting()):
-    sh = HashSharding(tables, capacity, world, rank)
-    return DynamicStore(sh, 3, 7, 0.1, optimizer, 0.5, 1e-8, CPU, 0.1, admit_after=admit_after, eviction=eviction,
-                        counting=counting)
 
 
 def test_owner_is_a_hash_of_table_and_id_and_every_rank_agrees():
@@ -260,9 +248,8 @@ def test_a_cached_copy_reread_in_another_life_drops_its_pending_updates():
 
 def test_the_het_wire_carries_each_pushs_life_to_the_owner():
     """Dynamic tables: (life, count) share the count's int64 on the wire and arrive apart."""
-    from test_cache_bookkeeping import _Mirror
     st = store(capacity=8, world=2, rank=0)
-    sh, wire = st.sharding, HetWire(_Mirror(), st)
+    sh, wire = st.sharding, HetWire(Mirror(), st)
     gids = gid(1, [7, 9, 3])
     lives, counts = torch.tensor([CURRENT_LIFE, 4, 1 << 20]), torch.tensor([1, 7, (1 << 32) - 2])
     got = wire.push_updates(Pushes(gids, torch.randn(3, 3), counts, lives))

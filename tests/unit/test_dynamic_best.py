@@ -15,9 +15,8 @@ import torch
 
 from helpers import (assert_auc_close, assert_same_eval, eval_label_counts, make_cfg, run_single, spawn,
                      train_worker)
-from test_dynamic_parity import BASE as DYN, NO_EVICTION, assert_same_ids
-from test_parity import assert_same_run
-from test_validation import _same_model, _until_best
+from dynamic_helpers import BASE as DYN, NO_EVICTION, assert_same_ids
+from parity_helpers import assert_same_run, same_model, until_best
 from trainer.comm import LocalCollectives
 from trainer.plan.configure import load_config
 from trainer.runner import Trainer
@@ -75,13 +74,13 @@ def test_w2_restores_the_best_pool_and_equals_the_single_process():
     process then) the restored model, its test metrics and the validation record equal the single
     process's."""
     evict, plain = DYN + EVICT + VAL, DYN + NO_EVICTION + VAL + ["embedding.admit_after=2", "optim=adagrad"]
-    res = spawn(2, two_runs_worker, [evict, _until_best(evict, 4), plain])
+    res = spawn(2, two_runs_worker, [evict, until_best(evict, 4), plain])
     ref = run_single(plain)
     for r, (full, until, same) in enumerate(res):
         s = full.summary
         assert s["early_stop"]["restored"] and s["best_step"] == 4 and s["steps"] == 16
         assert_same_ids(until, full)
-        _same_model(until.state, full.state, rtol=0, atol=0)
+        same_model(until.state, full.state, rtol=0, atol=0)
         assert (s["test_auc"], s["test_logloss"]) == (until.summary["test_auc"], until.summary["test_logloss"])
         assert same.summary["early_stop"]["restored"] and same.summary["best_step"] == 4
         assert_same_ids(ref, same)

@@ -13,8 +13,7 @@ import torch
 
 from helpers import make_cfg
 from kernel_helpers import gpu, needs_cuda
-from test_dynamic import gid, store
-from test_dynamic_parity import resume_at_step_8_equals_uninterrupted
+from dynamic_helpers import gid, resume_at_step_8_equals_uninterrupted, store
 from trainer.checkpoint.manifest import CheckpointError
 from trainer.checkpoint.pool_io import read_pool_shard, write_pool_shard
 from trainer.checkpoint.shard_io import shard_dir

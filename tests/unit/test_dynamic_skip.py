@@ -11,11 +11,9 @@ import pytest
 import torch
 
 from helpers import make_cfg, spawn
-from test_dynamic import gid, store
-from test_dynamic_parity import BASE as DYN, NO_EVICTION, assert_same_ids
-from test_nonfinite import poison, poison_w1, reference, without
-from test_parity import assert_same_run
-from test_precision import FP16, inject
+from dynamic_helpers import BASE as DYN, NO_EVICTION, assert_same_ids, gid, store
+from parity_helpers import assert_same_run
+from skip_helpers import FP16, inject, poison, poison_w1, reference, without
 from trainer.comm import LocalCollectives, make_collectives
 from trainer.plan.configure import load_config
 from trainer.embedding.admission import Counting

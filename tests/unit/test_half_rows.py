@@ -31,7 +31,7 @@ import sys
 import pytest
 import torch
 from helpers import assert_same_eval, make_cfg, run_single, run_world
-from test_parity import assert_same_run
+from parity_helpers import assert_same_run
 
 import kernels
 from kernels.rounding import StochasticRounding, random_bits, round_rows, round_stochastic, salt_of

@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from helpers import make_cfg, run_single
-from test_parity import assert_same_run
+from parity_helpers import assert_same_run
 from trainer.comm import LocalCollectives
 from trainer.config import ConfigError
 from trainer.plan.configure import load_config

@@ -10,7 +10,6 @@ that step is NaN/inf while the other ranks' local losses are finite: the decisio
 """
 from __future__ import annotations
 
-import dataclasses
 import json
 import math
 
@@ -18,14 +17,13 @@ import pytest
 import torch
 
 from helpers import make_cfg, run_single, spawn
-from test_parity import assert_same_run
+from parity_helpers import assert_same_run
+from skip_helpers import poison, poison_w1, reference, without
 from trainer.comm import LocalCollectives, make_collectives
 from trainer.config import ConfigError
 from trainer.plan.configure import load_config
-from trainer.data.synthetic import SyntheticData
 from trainer.embedding.cache import RowCache, make_policy
 from trainer.runner import RunResult, Trainer, TrainingError, run
-from trainer.schedule.feed import Feed
 
 BASE = ["data=tiny", "data.table_rows=[97,3001,13,1250]", "train.steps=14", "data.global_batch_size=48",
         "data.test_samples=480", "data.eval_batch_size=40", "train.threads=1", "train.progress=off"]
@@ -33,40 +31,6 @@ SKIP = ["train.nonfinite=skip"]
 
 
 # ---------------------------------------------------------------------------- hooks and references
-def poison(steps: tuple[int, ...], rank: int) -> None:
-    """From now on (this process), rank `rank`'s batch of each step in `steps` carries an infinite
-    dense feature: through data.train_batch (no global view) and Feed.step (placement, Herald)."""
-    real_batch, real_step = SyntheticData.train_batch, Feed.step
-
-    def bad(batch, step: int, r: int):
-        if step not in steps or r != rank:
-            return batch
-        dense = batch.dense.clone()
-        dense[0, 0] = math.inf
-        return dataclasses.replace(batch, dense=dense)
-
-    SyntheticData.train_batch = lambda self, step: bad(real_batch(self, step), step, self.rank)
-
-    def feed_step(self, step):
-        batch, info = real_step(self, step)
-        return bad(batch, step, self.rank), info
-
-    Feed.step = feed_step
-
-
-def reference(comm, overrides: list[str], skip: tuple[int, ...], t: Trainer | None = None) -> RunResult:
-    """The same trainer, never calling train_step for the steps in `skip`; flushed, gathered."""
-    t = t if t is not None else Trainer(load_config(make_cfg(overrides)), comm, None)
-    losses = [t.train_step(s) for s in range(t.c.train.steps) if s not in skip]
-    t.emb.flush()
-    return RunResult({}, comm.rank, losses, t._gather_state())
-
-
-def without(losses: list[float], skip: tuple[int, ...]) -> list[float]:
-    assert all(not math.isfinite(losses[s]) for s in skip), losses
-    return [v for s, v in enumerate(losses) if s not in skip]
-
-
 def case_worker(rank: int, world: int, overrides: list[str], bad: tuple[int, ...], bad_rank: int,
                 same_world_reference: bool) -> dict:
     """Spawned rank: the skip run, then (optionally) the reference loop on the same W, then stop."""
@@ -92,12 +56,6 @@ def test_stop_names_the_step(monkeypatch):
     poison_w1(monkeypatch, (6,))
     with pytest.raises(TrainingError, match=r"loss is (nan|inf) at step 6; stopping"):
         run_single(BASE)
-
-
-def poison_w1(monkeypatch, steps):
-    monkeypatch.setattr(SyntheticData, "train_batch", SyntheticData.train_batch)
-    monkeypatch.setattr(Feed, "step", Feed.step)  # restored after the test
-    poison(steps, 0)
 
 
 FAE = ["optim=adagrad", "data.table_rows=[97,1001,13,250]", "placement=fae", "placement.budget_bytes=16000",

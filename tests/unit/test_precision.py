@@ -20,8 +20,8 @@ import pytest
 import torch
 
 from helpers import make_cfg, run_single, run_world, spawn
-from test_nonfinite import poison_w1, reference
-from test_parity import BASE, assert_same_run
+from parity_helpers import BASE, assert_same_run
+from skip_helpers import FP16, inject, poison_w1, reference
 from trainer.checkpoint.manifest import step_dir
 from trainer.comm import make_collectives
 from trainer.config import ConfigError, LossScaleConfig
@@ -129,38 +129,6 @@ def test_two_workers_equal_one_process_within_tolerance(precision):
 
 
 # ---------------------------------------------------------------------------- the loss scaler's skips
-def inject(where: str, steps: tuple[int, ...], rank: int) -> None:
-    """From now on (this process), rank `rank`'s backward of each step in `steps` puts an inf in
-    one element of a gradient: the first dense parameter's (dense) or the pooled rows' (rows)."""
-    real = Trainer.train_step
-
-    def bomb(g: torch.Tensor) -> torch.Tensor:
-        g = g.clone()
-        g.view(-1)[0] = math.inf
-        return g
-
-    def train_step(self: Trainer, step: int) -> float:
-        if step not in steps or self.rank != rank:
-            return real(self, step)
-        handles, lookup = [], self.emb.lookup
-        if where == "dense":
-            handles.append(self.params[0].register_hook(bomb))
-        else:
-            def bombed(flight):
-                out = lookup(flight)
-                handles.append(out.register_hook(bomb))
-                return out
-            self.emb.lookup = bombed
-        try:
-            return real(self, step)
-        finally:
-            self.emb.lookup = lookup
-            for h in handles:
-                h.remove()
-
-    Trainer.train_step = train_step
-
-
 def fp16_reference(comm, overrides: list[str], skip: tuple[int, ...]) -> RunResult:
     """A run that never trains the steps in `skip` and backs the scale off there, as a skip does."""
     t = Trainer(load_config(make_cfg(overrides)), comm, None)
@@ -177,9 +145,6 @@ def fp16_reference(comm, overrides: list[str], skip: tuple[int, ...]) -> RunResu
     ref.losses = [v for v in ref.losses if math.isfinite(v)]
     ref.summary = {"loss_scale": t.precision.scaler.scale}
     return ref
-
-
-FP16 = ["optim=adam", "train.precision=fp16", "train.loss_scale.init=1024"]
 
 
 def overflow_worker(rank: int, world: int, where: str, bad: tuple[int, ...], bad_rank: int,

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from helpers import run_single
-from test_validation import ES, _same_model
+from parity_helpers import ES, same_model
 from trainer.core import snapshot_rows
 from trainer.core.snapshot_rows import SnapshotRows, in_memory
 
@@ -69,5 +69,5 @@ def test_a_run_with_the_snapshot_on_disk_restores_the_same_model():
     disk = run_single(ES + ["train.early_stop.snapshot=disk"])
     assert disk.summary["early_stop"]["restored"] and disk.summary["best_step"] < disk.summary["steps"]
     assert disk.summary["early_stop"]["snapshot_rows"] == mem.summary["early_stop"]["snapshot_rows"] > 0
-    _same_model(mem.state, disk.state, rtol=0, atol=0)
+    same_model(mem.state, disk.state, rtol=0, atol=0)
     assert disk.summary["test_auc"] == mem.summary["test_auc"]

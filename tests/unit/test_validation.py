@@ -15,29 +15,10 @@ import pytest
 import torch
 
 from helpers import assert_auc_close, assert_same_eval, eval_label_counts, make_cfg, run_single, run_world
-from test_parity import assert_same_run
+from parity_helpers import ES, assert_same_run, same_model, until_best
 from trainer.config import ConfigError
 from trainer.plan.configure import load_config
 from trainer.data import make_data
-
-# a small finite training set, overfitted quickly (Adagrad at lr 0.5): validation AUC peaks at
-# step 32 and early stopping (patience 3 evaluations of every 4 steps) ends the run at step 44
-ES = ["data=tiny", "data.train_samples=480", "data.val_fraction=0.25", "data.global_batch_size=48",
-      "data.test_samples=480", "data.eval_batch_size=40", "train.threads=1", "train.progress=off",
-      "train.steps=80", "train.eval_every=4", "train.early_stop.patience=3", "optim=adagrad", "optim.lr=0.5"]
-
-
-def _same_model(a: dict, b: dict, rtol: float = 1e-5, atol: float = 1e-6) -> None:
-    for name, value in a["dense"].items():
-        torch.testing.assert_close(b["dense"][name], value, rtol=rtol, atol=atol, msg=lambda m: f"{name}: {m}")
-    for t, (x, y) in enumerate(zip(a["tables"], b["tables"])):
-        torch.testing.assert_close(y, x, rtol=rtol, atol=atol, msg=lambda m: f"table {t}: {m}")
-
-
-def _until_best(overrides: list[str], best: int) -> list[str]:
-    """The same run with the same evaluations, stopped at `best`, no early stop, no restore."""
-    return overrides + [f"train.steps={best}", "train.early_stop.patience=0",
-                        "train.early_stop.restore_best=false"]
 
 
 def _val_aucs(s: dict) -> list[tuple[int, float]]:
@@ -82,8 +63,8 @@ def test_early_stop_restores_the_best_step_and_w2_equals_w1():
     assert best["step"] == s["best_step"] and s["val_auc"] == best["eval_auc"]
     assert s["test_auc"] == s["eval_auc"] and s["eval_samples"] == 480
     # the restored model is the model of the best step
-    plain = run_single(_until_best(ES, s["best_step"]))
-    _same_model(plain.state, ref.state, rtol=0, atol=0)
+    plain = run_single(until_best(ES, s["best_step"]))
+    same_model(plain.state, ref.state, rtol=0, atol=0)
     assert plain.summary["test_auc"] == s["test_auc"] and plain.summary["test_logloss"] == s["test_logloss"]
     assert not plain.summary["early_stop"]["restored"]
     # W = 2 (here with the HET cache at BSP, exact too): same stop, same best step, same model, its
@@ -116,9 +97,9 @@ def test_best_restore_includes_cached_rows():
     s = runs[0].summary
     assert s["early_stop"]["restored"] and s["best_step"] < s["steps"]
     assert s["cache"]["pushed_updates"] > s["cache"]["pushed_rows"] > 0  # updates really waited in caches
-    plain = run_world(2, _until_best(over, s["best_step"]))
+    plain = run_world(2, until_best(over, s["best_step"]))
     for r, p in zip(runs, plain):
-        _same_model(p.state, r.state, rtol=0, atol=0)
+        same_model(p.state, r.state, rtol=0, atol=0)
         assert r.summary["test_auc"] == p.summary["test_auc"]
 
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from helpers import make_cfg, run_single
-from test_parity import BASE, assert_same_run
+from parity_helpers import BASE, assert_same_run
 from trainer.config import ConfigError, validate_world
 from trainer.plan.configure import load_config
 from trainer.embedding.exchange import plan_lookup
@@ -45,7 +45,7 @@ def test_whole_step_equals_the_eager_step_bit_for_bit(case):
 def test_whole_step_keeps_skip_semantics(monkeypatch):
     """train.nonfinite=skip: a poisoned batch changes no row (the update's mask holds the loss's
     finiteness, on the device) and no dense parameter, as in the eager step."""
-    from test_nonfinite import poison_w1
+    from skip_helpers import poison_w1
     poison_w1(monkeypatch, (2,))
     extra = ["train.nonfinite=skip", "train.steps=6", "optim=adagrad"]
     ref = run_single(BASE + extra)
