@@ -28,6 +28,7 @@ if ROOT not in sys.path:  # the repository root, for the package when run from a
 from trainer.tools.cli import bad_input  # noqa: E402
 from dev.launch import launch_command  # noqa: E402
 
+MODULE = "benchmarks.bench_comm"  # this file: what the driver's workers run (from ROOT, dev/launch.py)
 OPS = ("alltoall", "allreduce")
 BACKENDS = ("auto", "local", "torch", "horovod")  # trainer.comm.make_collectives
 
@@ -137,10 +138,9 @@ def _launch(cmd: list[str], timeout: float) -> list[dict]:
 
 
 def driver(args: argparse.Namespace) -> int:
-    me = os.path.abspath(__file__)
     common = ["--sizes", args.sizes, "--ops", args.ops, "--budget", args.budget,
               "--timeout", str(args.timeout)]
-    runs = [launch_command(launcher, args.np, [sys.executable, me, "--backend", backend, *common])
+    runs = [launch_command(launcher, args.np, [sys.executable, "-m", MODULE, "--backend", backend, *common])
             for launcher, backend in (("torchrun", "torch"), ("horovodrun", "horovod"))]
     for cmd in runs:
         for line in _launch(cmd, args.launch_timeout):

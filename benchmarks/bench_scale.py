@@ -67,8 +67,7 @@ def run(world: int, overrides: list[str], work: str, timeout: float) -> list[dic
     probe = os.path.join(work, "probe")
     shutil.rmtree(probe, ignore_errors=True)
     argv = trainer_command(world, overrides, module="benchmarks.scale_probe")
-    env = {**os.environ, PROBE_ENV: probe, "OMP_NUM_THREADS": "1",
-           "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    env = {**os.environ, PROBE_ENV: probe, "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
     if proc.returncode != 0:
         raise RuntimeError(f"exit {proc.returncode}: {' '.join(argv)}\n{proc.stderr[-3000:]}")

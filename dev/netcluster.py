@@ -842,9 +842,8 @@ def _cmd_up(a: argparse.Namespace) -> int:
     argv = [sys.executable, "-m", "dev.netcluster", "_hold", "--hosts", str(a.hosts),
             "--rate", str(a.rate or "none"), "--delay-ms", str(a.delay_ms), "--ttl", str(a.ttl)]
     argv += ["--ssh"] if a.ssh else []
-    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     holder = subprocess.Popen(argv, stdout=log, stderr=log, stdin=subprocess.DEVNULL,
-                              start_new_session=True, env=env)
+                              start_new_session=True, cwd=ROOT)  # -m dev.netcluster: from the root
     deadline = time.monotonic() + a.timeout
     while time.monotonic() < deadline:
         mine = [c for c in _clusters() if c["owner_pid"] == holder.pid and c["tag"] not in before]
