@@ -550,10 +550,10 @@ def entry(text: str) -> Entry:
 
 
 def script_path(name: str) -> str:
-    """The repository path of a script a sentence names by its file name alone (`bench_kernels.py`)."""
-    found = sorted(os.path.relpath(p, ROOT) for top in ("scripts", "benchmarks", "dev")
-                   for p in glob.glob(str(ROOT / top / "**" / name), recursive=True))
-    assert len(found) == 1, f"{name}: {len(found)} scripts of that name ({found})"
+    """The repository path of a user tool a sentence names by its file name alone (`plan.py ...`): a
+    script of scripts/ (benchmarks/ and dev/ hold modules, shown as `python -m benchmarks.NAME`)."""
+    found = sorted(os.path.relpath(p, ROOT) for p in glob.glob(str(ROOT / "scripts" / name)))
+    assert len(found) == 1, f"{name}: {len(found)} scripts of that name in scripts/ ({found})"
     return found[0]
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import glob
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -60,6 +61,7 @@ REAL_RUNS = {
 }
 SHELL = [s for s in REAL_RUNS if s.endswith(".sh")]
 PYTHON_SCRIPTS = [s for s in REAL_RUNS if s.endswith(".py")]
+MODULES = [s for s in PYTHON_SCRIPTS if not s.startswith("scripts/")]  # benchmarks/ and dev/: run with -m
 
 
 def module_of(script: str) -> str:
@@ -73,13 +75,17 @@ def argv_of(script: str) -> list[str]:
     return [script] if script.startswith("scripts/") else ["-m", module_of(script)]
 
 
-def run_many(cases: list[dict]) -> list[dict]:
+def run_many(cases: list[dict], pythonpath: bool = True) -> list[dict]:
     """Each case ({"argv", "env", "timeout"}) as `python ARGV` from the repository root, through
-    tests/script_runner.py; {"rc", "stdout", "stderr", "timed_out", "seconds"} each."""
+    tests/script_runner.py; {"rc", "stdout", "stderr", "timed_out", "seconds"} each. pythonpath=False:
+    nothing on PYTHONPATH (not even this checkout, which the suite puts there for its subprocesses)."""
     for c in cases:
         c.setdefault("cwd", ROOT)
+    e = env()
+    if not pythonpath:
+        del e["PYTHONPATH"]
     proc = subprocess.run([PY, RUNNER], input=json.dumps(cases), capture_output=True, text=True,
-                          env=env(), cwd=ROOT, timeout=60 + sum(c.get("timeout", 120) for c in cases))
+                          env=e, cwd=ROOT, timeout=60 + sum(c.get("timeout", 120) for c in cases))
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout)
 
@@ -108,12 +114,31 @@ def test_user_scripts_run_the_installed_package_from_any_directory(tmp_path):
     """scripts/ are the user's tools: they import the installed package (setup.sh installs the
     checkout editable) and never edit sys.path, so they run alike from any directory; benchmarks/
     and dev/, which import each other and are never installed, are modules run from the repository
-    root (argv_of)."""
+    root (the next test)."""
     user = sorted(s for s in PYTHON_SCRIPTS if s.startswith("scripts/"))
     assert [s for s in user if "sys.path" in open(os.path.join(ROOT, s)).read()] == []
     res = run_many([{"argv": [os.path.join(ROOT, s), "--help"], "cwd": str(tmp_path), "timeout": 60} for s in user])
     assert [(s, r["rc"], r["stderr"][-500:]) for s, r in zip(user, res) if r["rc"] != 0] == []
     assert all(HELP_SAYS[s] in r["stdout"] for s, r in zip(user, res))
+
+
+def test_benchmarks_and_dev_run_as_modules_from_the_repository_root():
+    """benchmarks/ and dev/ are never installed: no file of theirs edits sys.path (nor hands its
+    workers a PYTHONPATH: they start them from the root, dev/launch.py ROOT), and each of their
+    command-line modules runs as `python -m MODULE --help` from the repository root with nothing
+    on PYTHONPATH (-m finds the module, the others it imports and this checkout's trainer/ in the
+    working directory); an argparse usage line names that command."""
+    files = sorted(os.path.relpath(p, ROOT) for top in ("benchmarks", "dev")
+                   for p in glob.glob(os.path.join(ROOT, top, "**", "*.py"), recursive=True))
+    assert "dev/netcluster.py" in files and "dev/recipe_study/compare_splits.py" in files
+    texts = {f: open(os.path.join(ROOT, f)).read() for f in files}
+    assert [f for f, t in texts.items() if "sys.path" in t or re.search(r"PYTHONPATH['\"]?\s*[:=]", t)] == []
+    res = run_many([{"argv": ["-m", module_of(s), "--help"], "timeout": 60} for s in MODULES], pythonpath=False)
+    assert [(s, r["rc"], r["stderr"][-500:]) for s, r in zip(MODULES, res) if r["rc"] != 0 or r["stderr"]] == []
+    assert [s for s, r in zip(MODULES, res) if HELP_SAYS[s] not in r["stdout"]] == []
+    usage = {s: r["stdout"].split("\n", 1)[0] for s, r in zip(MODULES, res) if r["stdout"].startswith("usage:")}
+    assert len(usage) >= 15 and [(s, u) for s, u in usage.items()
+                                 if not u.startswith(f"usage: python -m {module_of(s)} ")] == []
 
 
 def _local_test(script: str) -> str:
