@@ -1,4 +1,3 @@
-#!/usr/bin/env python
 """CPU cost of the HET cache's bookkeeping per step, without communication: one JSON line.
 
 The end-to-end benchmark (benchmarks/bench_net.py) moves by +-5% (+-2 ms of a ~40 ms step) from run
@@ -10,9 +9,9 @@ times each worker's read (cache lookup, version check, install with evictions, t
 fill, the push announcement) and write (local updates, due pushes). Batches are made before the
 clock starts; the first --warmup steps (the cache filling up) are not timed.
 
-    python benchmarks/bench_cache.py                                   # the bench workload, cache ssp
-    python benchmarks/bench_cache.py --steps 300 cache=lru consistency=bsp
-    python benchmarks/bench_cache.py cache.capacity_fraction=0.05 model.embedding_dim=64
+    python -m benchmarks.bench_cache                                   # the bench workload, cache ssp
+    python -m benchmarks.bench_cache --steps 300 cache=lru consistency=bsp
+    python -m benchmarks.bench_cache cache.capacity_fraction=0.05 model.embedding_dim=64
 
 Positional arguments are trainer overrides on top of the defaults below (the same key replaces the
 default's). The line: read_ms and write_ms per worker and step, their sum, the cache hit rate and
@@ -24,20 +23,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if ROOT not in sys.path:
-    sys.path.insert(0, ROOT)
+import torch
 
-import torch  # noqa: E402
+from trainer.sim import CacheSimulator
+from trainer.tools import simulate as sim_tools
+from trainer.tools.cli import bad_input, input_errors
 
-from trainer.sim import CacheSimulator  # noqa: E402
-from trainer.tools import simulate as sim_tools  # noqa: E402
-from trainer.tools.cli import bad_input, input_errors  # noqa: E402
-
-from benchmarks.phases import Timers  # noqa: E402
+from benchmarks.phases import Timers
 
 DEFAULTS = ["data=bench", "model.embedding_dim=16", "cache=lfu", "consistency=ssp",
             "consistency.pull_bound=4", "consistency.push_bound=4"]  # bench_net.py's cache ssp
@@ -55,7 +49,7 @@ def merged(overrides: list[str]) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.bench_cache", description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--steps", type=int, default=160, help="steps in all (default 160)")
     ap.add_argument("--warmup", type=int, default=40, help="first steps not timed (default 40)")

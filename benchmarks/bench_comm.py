@@ -5,9 +5,9 @@ size sweep, through `trainer.comm.make_collectives`, so the timeout polling and 
 each backend are included. Bandwidth uses the bytes the comm layer counts as sent by this rank
 (alltoall: the (W-1)/W off-rank share; allreduce: 2(W-1)/W of the payload, the ring traffic).
 
-    torchrun --nproc_per_node 2 benchmarks/bench_comm.py --backend torch
-    horovodrun -np 2 -H localhost:2 --gloo python benchmarks/bench_comm.py --backend horovod
-    python benchmarks/bench_comm.py --all          # launches both of the above, prints every line
+    torchrun --nproc_per_node 2 -m benchmarks.bench_comm --backend torch
+    horovodrun -np 2 -H localhost:2 --gloo python -m benchmarks.bench_comm --backend horovod
+    python -m benchmarks.bench_comm --all          # launches both of the above, prints every line
 
 Line: {"backend", "op", "world_size", "bytes" (payload per rank), "iters", "lat_us_p50",
 "lat_us_mean", "lat_us_min", "wire_bytes" (per rank per call), "bw_MBps" (wire_bytes / p50)}.
@@ -16,18 +16,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import subprocess
 import sys
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if ROOT not in sys.path:  # the repository root, for the package when run from a checkout
-    sys.path.insert(0, ROOT)
-from trainer.tools.cli import bad_input  # noqa: E402
-from dev.launch import launch_command  # noqa: E402
+from trainer.tools.cli import bad_input
+from dev.launch import ROOT, launch_command
 
+MODULE = "benchmarks.bench_comm"  # this file: what the driver's workers run (from ROOT, dev/launch.py)
 OPS = ("alltoall", "allreduce")
 BACKENDS = ("auto", "local", "torch", "horovod")  # trainer.comm.make_collectives
 
@@ -137,10 +134,9 @@ def _launch(cmd: list[str], timeout: float) -> list[dict]:
 
 
 def driver(args: argparse.Namespace) -> int:
-    me = os.path.abspath(__file__)
     common = ["--sizes", args.sizes, "--ops", args.ops, "--budget", args.budget,
               "--timeout", str(args.timeout)]
-    runs = [launch_command(launcher, args.np, [sys.executable, me, "--backend", backend, *common])
+    runs = [launch_command(launcher, args.np, [sys.executable, "-m", MODULE, "--backend", backend, *common])
             for launcher, backend in (("torchrun", "torch"), ("horovodrun", "horovod"))]
     for cmd in runs:
         for line in _launch(cmd, args.launch_timeout):
@@ -149,7 +145,8 @@ def driver(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.bench_comm",
+                                 description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--backend", default="auto", choices=BACKENDS, help="worker mode: the collectives' backend")
     ap.add_argument("--all", action="store_true", help="driver: launch torchrun and horovodrun workers")
     ap.add_argument("--np", type=int, default=2, help="workers per launch in --all mode")

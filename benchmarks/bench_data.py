@@ -1,4 +1,3 @@
-#!/usr/bin/env python
 """Input-pipeline benchmark: Criteo preprocessing MB/s (total and per core) and loader samples/s,
 DALI against the numpy-memmap reference. One JSON line per figure on stdout.
 
@@ -7,7 +6,7 @@ The input is a real Criteo file (--input), or a made-up Criteo-format sample of 
 temporary directory (never inside the repo). Everything derived is written under a temporary
 directory and removed at the end.
 
-    .venv/bin/python benchmarks/bench_data.py [--input day_0] [--repeat 100] [--workers 1 2] [--batch 4096]
+    .venv/bin/python -m benchmarks.bench_data [--input day_0] [--repeat 100] [--workers 1 2] [--batch 4096]
 
 Bad input (a missing --input file, a count <= 0) is one `error: ...` line, exit status 2.
 """
@@ -21,12 +20,9 @@ import sys
 import tempfile
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if ROOT not in sys.path:  # the repository root, for the package when run from a checkout
-    sys.path.insert(0, ROOT)
-from dev import criteo_file  # noqa: E402
-from trainer.data.criteo import CriteoFormatError  # noqa: E402
-from trainer.tools.cli import bad_input  # noqa: E402
+from dev import criteo_file
+from trainer.data.criteo import CriteoFormatError
+from trainer.tools.cli import bad_input
 
 SAMPLE_ROWS = 1999
 
@@ -92,7 +88,8 @@ def check(a: argparse.Namespace) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.bench_data",
+                                 description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--input", help="a raw Criteo TSV file (default: a made-up sample, repeated)")
     ap.add_argument("--repeat", type=int, default=100, help="repetitions of the sample (default 100, ~45 MB)")
     ap.add_argument("--workers", type=int, nargs="+", default=sorted({1, os.cpu_count() or 1}))

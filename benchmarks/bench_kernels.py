@@ -1,4 +1,3 @@
-#!/usr/bin/env python
 """Benchmark the sparse kernels: time and GB/s per kernel and implementation, one JSON line each.
 
 Why: issue 5's targets are stated against the device's copy bandwidth (pooled gather >= 70%, scatter
@@ -23,7 +22,7 @@ Bytes counted (the minimum a kernel must move; repeated lookups of a hot row cou
                         workers pushes every distinct row of its share of the batch once
     hashmap_lookup      n*8 (ids) + n*8 (slots) + n*16 (one probed cell)
 
-Usage: python benchmarks/bench_kernels.py [--device cuda|cpu] [--quick] [--out FILE]
+Usage: python -m benchmarks.bench_kernels [--device cuda|cpu] [--quick] [--out FILE]
 """
 
 from __future__ import annotations
@@ -31,7 +30,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import statistics
 import sys
 import time
@@ -42,17 +40,14 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if ROOT not in sys.path:  # the repository root, for the package when run from a checkout
-    sys.path.insert(0, ROOT)
-import kernels  # noqa: E402
-from kernels import reference as ref  # noqa: E402
+import kernels
+from kernels import reference as ref
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m benchmarks.bench_kernels", description=__doc__.splitlines()[0])
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--dims", type=int, nargs="+", default=[16, 64, 128, 256])
     p.add_argument("--bags", type=int, nargs="+", default=[1, 8, 32, 64], help="entries per bag")

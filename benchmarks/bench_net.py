@@ -1,4 +1,3 @@
-#!/usr/bin/env python
 """Network benchmark (issue 15): the bench workload at W = 2 over two emulated hosts, per link and mode.
 
 Workload (data=bench): 26 tables x 100,000 rows, d = 16, 13 dense features, 2048 samples per rank,
@@ -40,12 +39,12 @@ the lookup, backward, the pushes and update, and waiting on collectives (the pha
 that module), and the process CPU time per step with the share of one core it kept busy
 (`cpu_ms_per_step`, `cpu_busy`: whether a rank's waits left its core idle).
 
-    python benchmarks/bench_net.py                                   # localhost, 1gbit, 200mbit; all modes
-    python benchmarks/bench_net.py --links localhost 500mbit --modes exact_serial cache_ssp --steps 100
-    python benchmarks/bench_net.py --quick --links localhost 200mbit --modes exact_serial cache_ssp
-    python benchmarks/bench_net.py --links localhost --repeat 5 --steps 120   # 5 interleaved rounds, medians
-    python benchmarks/bench_net.py --links 1gbit --modes cache_ssp --steps 200 --phases   # where a step goes
-    python benchmarks/bench_net.py -- model.embedding_dim=32         # extra trainer overrides after --
+    python -m benchmarks.bench_net                                   # localhost, 1gbit, 200mbit; all modes
+    python -m benchmarks.bench_net --links localhost 500mbit --modes exact_serial cache_ssp --steps 100
+    python -m benchmarks.bench_net --quick --links localhost 200mbit --modes exact_serial cache_ssp
+    python -m benchmarks.bench_net --links localhost --repeat 5 --steps 120   # 5 interleaved rounds, medians
+    python -m benchmarks.bench_net --links 1gbit --modes cache_ssp --steps 200 --phases   # where a step goes
+    python -m benchmarks.bench_net -- model.embedding_dim=32         # extra trainer overrides after --
 """
 from __future__ import annotations
 
@@ -59,15 +58,11 @@ import sys
 import tempfile
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the runs' working directory
-if ROOT not in sys.path:  # the repository root: dev/ and benchmarks/ are importable from it
-    sys.path.insert(0, ROOT)
-
-from benchmarks.phases import ENV as PHASES_ENV, read_phases  # noqa: E402
-from dev import netcluster  # noqa: E402
-from dev.netcluster import NetCluster, NetClusterError  # noqa: E402
-from trainer.tools.cli import bad_input, input_errors  # noqa: E402
-from dev.launch import check_trainer, trainer_command  # noqa: E402
+from benchmarks.phases import ENV as PHASES_ENV, read_phases
+from dev import netcluster
+from dev.netcluster import NetCluster, NetClusterError
+from trainer.tools.cli import bad_input, input_errors
+from dev.launch import ROOT, check_trainer, trainer_command  # ROOT: the runs' working directory
 
 CACHE_SSP = ["cache=lfu", "consistency=ssp", "consistency.pull_bound=4", "consistency.push_bound=4"]
 MODES = {
@@ -194,7 +189,8 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     extra = argv[argv.index("--") + 1:] if "--" in argv else []
     argv = argv[: argv.index("--")] if "--" in argv else argv
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.bench_net",
+                                 description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--links", nargs="+", default=DEFAULT_LINKS,
                     help="localhost and/or tc rates (1gbit, 200mbit, ...); default: %(default)s")
     ap.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES),

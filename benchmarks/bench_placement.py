@@ -1,7 +1,7 @@
 """Issue 7's targets, simulated (no training): one JSON line of figures.
 
-    python benchmarks/bench_placement.py                      # W=8, criteo_like, 40 steps, LRU caches
-    python benchmarks/bench_placement.py --workers 16 --steps 20 --fae-budget 262144
+    python -m benchmarks.bench_placement                      # W=8, criteo_like, 40 steps, LRU caches
+    python -m benchmarks.bench_placement --workers 16 --steps 20 --fae-budget 262144
 
 For BSP and SSP (consistency=ssp) it replays the same steps for: the cache alone (cache=lru,
 placement=none), FAE + cache (placement=fae, budget --fae-budget), and the planner (placement=sca,
@@ -24,15 +24,11 @@ import os
 import sys
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if ROOT not in sys.path:  # the repository root, for the package when run from a checkout
-    sys.path.insert(0, ROOT)
-
-from trainer.config import cache_capacities  # noqa: E402
-from trainer.placement.sca import slot_bytes  # noqa: E402
-from trainer.tools import simulate as sim  # noqa: E402
-from trainer.tools.cli import bad_input, input_errors  # noqa: E402
-from dev.launch import check_trainer, run_trainer, trainer_command  # noqa: E402
+from trainer.config import cache_capacities
+from trainer.placement.sca import slot_bytes
+from trainer.tools import simulate as sim
+from trainer.tools.cli import bad_input, input_errors
+from dev.launch import ROOT, check_trainer, run_trainer, trainer_command
 
 
 def _bytes_per_sample(overrides: list[str], workers: int, steps: int) -> dict:
@@ -119,7 +115,8 @@ def simulated(a: argparse.Namespace, base: list[str], cache_bytes: int, runs: di
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(prog="python -m benchmarks.bench_placement",
+                                description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--workers", "-W", type=int, default=8)
     p.add_argument("--steps", type=int, default=40)
     p.add_argument("--data", default="criteo_like")

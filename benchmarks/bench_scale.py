@@ -1,9 +1,8 @@
-#!/usr/bin/env python
 """Memory and I/O of every phase of a run at the size the trainer exists for: one JSON line per
 (run, phase), per rank.
 
-    python benchmarks/bench_scale.py --rows 2000000 --dim 16 --optim adagrad --worlds 1 2
-    python benchmarks/bench_scale.py --rows 100000 --steps 10 --worlds 2 --resume-worlds 1 2 4 --val
+    python -m benchmarks.bench_scale --rows 2000000 --dim 16 --optim adagrad --worlds 1 2
+    python -m benchmarks.bench_scale --rows 100000 --steps 10 --worlds 2 --resume-worlds 1 2 4 --val
 
 For each W of --worlds it trains the bench workload with `--tables` tables of `--rows` rows each
 (data=bench, data.table_rows), rows of `--dim`, `--optim`'s sparse optimizer, `--steps` steps and
@@ -35,13 +34,9 @@ import tempfile
 import time
 from typing import Any
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if ROOT not in sys.path:  # the repository root: benchmarks/ and this checkout's package
-    sys.path.insert(0, ROOT)
-
-from benchmarks.scale_probe import ENV as PROBE_ENV  # noqa: E402
-from trainer.tools.cli import bad_input, input_errors  # noqa: E402
-from dev.launch import check_trainer, trainer_command  # noqa: E402
+from benchmarks.scale_probe import ENV as PROBE_ENV
+from trainer.tools.cli import bad_input, input_errors
+from dev.launch import ROOT, check_trainer, trainer_command
 
 PIECE = 64 << 20  # the I/O reference's write / read size
 
@@ -67,8 +62,7 @@ def run(world: int, overrides: list[str], work: str, timeout: float) -> list[dic
     probe = os.path.join(work, "probe")
     shutil.rmtree(probe, ignore_errors=True)
     argv = trainer_command(world, overrides, module="benchmarks.scale_probe")
-    env = {**os.environ, PROBE_ENV: probe, "OMP_NUM_THREADS": "1",
-           "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    env = {**os.environ, PROBE_ENV: probe, "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
     if proc.returncode != 0:
         raise RuntimeError(f"exit {proc.returncode}: {' '.join(argv)}\n{proc.stderr[-3000:]}")
@@ -139,7 +133,8 @@ def resume_worlds(a: argparse.Namespace, world: int) -> list[int]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.bench_scale",
+                                 description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("overrides", nargs="*", help="more trainer overrides (key=value)")
     ap.add_argument("--rows", type=int, default=2_000_000, help="rows per table (default 2,000,000)")
     ap.add_argument("--tables", type=int, default=26)

@@ -1,4 +1,3 @@
-#!/usr/bin/env python
 """Training throughput benchmark: one JSON line per point (world size x batch size x precision).
 
 Workloads (`--workload`):
@@ -25,7 +24,7 @@ kernels and ops (benchmarks/phases.py); the steady rate then starts after step 2
 `-- data.cycle_batches=8 data.loader_threads=8` takes the host's synthetic generator out of the
 measured step (docs/gpu.md). Extra trainer overrides can follow `--`.
 
-    python benchmarks/bench_train.py [--worlds 1 2] [--steps 60] [--workload bench|mlperf]
+    python -m benchmarks.bench_train [--worlds 1 2] [--steps 60] [--workload bench|mlperf]
         [--batch-sizes 2048 16384] [--precisions fp32 tf32 bf16 fp16] [--kinds fixed dynamic]
         [--repeats R] [--profile-steps 5] [-- model.embedding_dim=32 embedding.capacity=100000 ...]
 """
@@ -37,13 +36,9 @@ import os
 import sys
 import tempfile
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if ROOT not in sys.path:  # the repository root, for the package when run from a checkout
-    sys.path.insert(0, ROOT)
-
-from benchmarks.phases import ENV as PHASES_ENV, PROFILE_ENV, read_phases  # noqa: E402
-from trainer.tools.cli import bad_input, input_errors  # noqa: E402
-from dev.launch import check_trainer, run_trainer, trainer_command  # noqa: E402
+from benchmarks.phases import ENV as PHASES_ENV, PROFILE_ENV, read_phases
+from trainer.tools.cli import bad_input, input_errors
+from dev.launch import ROOT, check_trainer, run_trainer, trainer_command
 
 COMMON = ["train.threads=1", "train.log_every=10", "data.test_samples=8192", "train.progress=off",
           "checkpoint.enabled=false"]
@@ -119,7 +114,8 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     extra = argv[argv.index("--") + 1:] if "--" in argv else []
     argv = argv[: argv.index("--")] if "--" in argv else argv
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.bench_train",
+                                 description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--worlds", type=int, nargs="+", default=[1, 2])
     ap.add_argument("--steps", type=int, default=60)
     ap.add_argument("--backend", choices=["torch", "horovod"], default="torch")

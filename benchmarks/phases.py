@@ -1,4 +1,4 @@
-"""Wall-clock time per step phase, for benchmarks (`benchmarks/bench_net.py --phases`).
+"""Wall-clock time per step phase, for benchmarks (`python -m benchmarks.bench_net --phases`).
 
     STEP_PHASES_DIR=DIR python -m benchmarks.phases OVERRIDES...    # under a launcher, per rank
 

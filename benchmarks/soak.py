@@ -1,4 +1,3 @@
-#!/usr/bin/env python
 """Soak test: many training steps in one process; memory growth and throughput drift, one JSON line.
 
 Why: a leak of a few KB per step (a growing list, a cache that never evicts, tensors kept alive by a
@@ -15,23 +14,19 @@ Reported (one JSON line on stdout):
 - rss_mib_{start,end,max}, samples_per_sec_{first,last}_quarter, wall_s, final_loss, and `series`:
   [step, rss MiB, samples/s] of every sample.
 
-    python benchmarks/soak.py [--steps 3000] [--sample-every 50] [--warmup 500] [overrides ...]
-    python benchmarks/soak.py --steps 5000 data=criteo_like cache=lru consistency=ssp
+    python -m benchmarks.soak [--steps 3000] [--sample-every 50] [--warmup 500] [overrides ...]
+    python -m benchmarks.soak --steps 5000 data=criteo_like cache=lru consistency=ssp
 """
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 
 import numpy as np
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if ROOT not in sys.path:  # the repository root, for the package when run from a checkout
-    sys.path.insert(0, ROOT)
-from trainer.tools.cli import bad_input, input_errors  # noqa: E402
+from trainer.tools.cli import bad_input, input_errors
 
 
 def rss_mib() -> float:
@@ -44,7 +39,7 @@ def rss_mib() -> float:
 
 
 def parse(argv: list[str]) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m benchmarks.soak", description=__doc__.split("\n\n")[0])
     p.add_argument("--steps", type=int, default=3000, help="training steps (default 3000)")
     p.add_argument("--sample-every", type=int, default=50, help="steps between RSS/throughput samples")
     p.add_argument("--warmup", type=int, default=None,

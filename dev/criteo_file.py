@@ -1,4 +1,3 @@
-#!/usr/bin/env python
 """Made-up Criteo-format files: the suite's, the benchmarks' and the docs' examples' stand-in for
 Criteo's data, which its terms forbid us to redistribute.
 
@@ -17,23 +16,19 @@ The rows are a pure function of (row count, seed), made from integer hashes (num
 decide the counts, so another platform's libm could move a rare value by one). Row i is the same
 whatever the count, so a shorter file is a prefix of a longer one.
 
-    python dev/criteo_file.py --rows 100000 --out day_0.gz   # .gz: gzip-compressed
+    python -m dev.criteo_file --rows 100000 --out day_0.gz   # .gz: gzip-compressed
 """
 from __future__ import annotations
 
 import argparse
 import functools
 import gzip
-import os
 import sys
 
 import numpy as np
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if ROOT not in sys.path:  # the repository root, for the package when run from a checkout
-    sys.path.insert(0, ROOT)
-from trainer.data.criteo import NUM_CAT, NUM_DENSE, splitmix64  # noqa: E402
-from trainer.tools.cli import bad_input  # noqa: E402
+from trainer.data.criteo import NUM_CAT, NUM_DENSE, splitmix64
+from trainer.tools.cli import bad_input
 
 # integer fields: (share empty, median of the count, spread of log(count)); I2 may be negative
 DENSE = [(0.44, 1, 1.2), (0.0, 3, 2.0), (0.22, 6, 1.8), (0.21, 4, 1.0), (0.05, 2500, 2.2),
@@ -130,7 +125,7 @@ def write(path: str, n: int, seed: int = 0, first: int = 0) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m dev.criteo_file", description=__doc__.split("\n\n")[0])
     p.add_argument("--rows", type=int, default=1999, help="rows to write (default 1,999)")
     p.add_argument("--seed", type=int, default=0, help="another seed, another file (default 0: the suite's)")
     p.add_argument("--out", required=True, help="the file to write (.gz: gzip-compressed)")

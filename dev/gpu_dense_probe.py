@@ -1,7 +1,7 @@
 """The dense side of a training step alone, eager against one CUDA graph: the ceiling a capturable
 step (issue: a GPU step that is not launch-bound) can reach, measured before building it.
 
-    python dev/gpu_dense_probe.py [--batch-sizes 2048 16384 65536] [--precisions fp32 bf16]
+    python -m dev.gpu_dense_probe [--batch-sizes 2048 16384 65536] [--precisions fp32 bf16]
         [--model dlrm_mlperf] [--iters 30] [--device cuda]
 
 For each point: the trainer's model (conf/model/<model>.yaml, built by trainer.models) on random
@@ -16,20 +16,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if ROOT not in sys.path:
-    sys.path.insert(0, ROOT)
+import torch
 
-import torch  # noqa: E402
-
-from trainer.config import compose  # noqa: E402
-from trainer.plan.configure import load_config  # noqa: E402
-from trainer.models import build_model  # noqa: E402
-from trainer.train.precision import AUTOCAST_DTYPES  # noqa: E402
+from trainer.config import compose
+from trainer.plan.configure import load_config
+from trainer.models import build_model
+from trainer.train.precision import AUTOCAST_DTYPES
 
 
 def forward_macs(model: torch.nn.Module, tables: int, d: int) -> int:
@@ -94,7 +89,8 @@ def run_point(model_name: str, batch: int, precision: str, iters: int, device: s
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(prog="python -m dev.gpu_dense_probe",
+                                 description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--batch-sizes", type=int, nargs="+", default=[2048, 16384, 65536])
     ap.add_argument("--precisions", nargs="+", default=["fp32", "bf16"], choices=sorted(AUTOCAST_DTYPES))
     ap.add_argument("--model", default="dlrm_mlperf")

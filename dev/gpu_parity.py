@@ -1,4 +1,3 @@
-#!/usr/bin/env python
 """Every training path on a CUDA device against the CPU reference run (issue 16, item 1 and 2).
 
 Why: the kernels' own tests check each Triton kernel in isolation; a training run on a GPU also
@@ -18,7 +17,7 @@ W = 2 on one GPU goes through gloo (``comm.dist_backend=gloo``): NCCL cannot put
 device, and gloo stages every collective through host memory, so this exercises the protocol's
 device path (not its speed).
 
-    python dev/gpu_parity.py [--only NAME ...] [--jobs 6] [--steps 120] [--criteo DIR]
+    python -m dev.gpu_parity [--only NAME ...] [--jobs 6] [--steps 120] [--criteo DIR]
 
 With --criteo DIR (prepared by scripts/prepare_criteo.py) it also trains data=criteo with the DALI
 pipeline on the device against the memmap reader on the CPU (issue 16, item 3); where DALI is not
@@ -34,10 +33,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if ROOT not in sys.path:  # the repository root: dev/ and benchmarks/ are importable from it
-    sys.path.insert(0, ROOT)
-from dev.launch import run_trainer, trainer_command  # noqa: E402
+from dev.launch import ROOT, run_trainer, trainer_command
 
 BASE = ["train.progress=off", "train.threads=2", "train.tensorboard=false"]
 CUDA = ["train.device=cuda", "kernels.backend=auto"]
@@ -181,7 +177,7 @@ def compare(name: str, steps: int, tmp: str, device: str = "cuda",
 
 def main(argv: list[str] | None = None) -> int:
     import argparse
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m dev.gpu_parity", description=__doc__.splitlines()[0])
     p.add_argument("--only", nargs="+", choices=sorted(PATHS) + [CRITEO], default=sorted(PATHS))
     p.add_argument("--criteo", default=None, metavar="DIR",
                    help=f"a prepared Criteo directory: adds path {CRITEO} (DALI on the device "

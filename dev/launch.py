@@ -23,6 +23,17 @@ LAUNCHERS = ("local", "torchrun", "horovodrun")
 BACKEND = {"local": None, "torchrun": "torch", "horovodrun": "horovod"}  # the comm= each launcher needs
 STANDALONE = ("--standalone",)  # torchrun's rendezvous on this machine alone
 
+# The repository root: the working directory of every run the benchmarks and the dev harnesses
+# start (their own commands run from it too: `python -m benchmarks.bench_train`). The workers are
+# modules (`python -m benchmarks.phases`, `torchrun ... -m benchmarks.bench_comm`), and `-m` looks
+# for a module first in the working directory; benchmarks/ and dev/ are never installed, so the root
+# is the one place they import from. The working directory, not PYTHONPATH, since every launcher
+# keeps it (torchrun's workers inherit it, `ip netns exec` keeps it, horovodrun's gloo launcher cds
+# to it on every host, over ssh too), it does not leak into what the workers start, and, searched
+# first, it gives the workers this checkout's trainer/ even where the venv's editable install points
+# at another checkout (a git worktree). The paths handed to the workers are absolute.
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
 
 def horovodrun_path(python: str = sys.executable) -> str:
     """The horovodrun script installed beside the interpreter `python`."""

@@ -43,8 +43,9 @@ Everything is bounded: every command has a timeout; a launch that overruns, or w
 is stopped (process group, then whatever is left inside the host namespaces); the context manager
 tears everything down on exit, on exceptions and on SIGTERM / SIGINT / SIGHUP.
 
-Command line (also `dev/netcluster.py`): up / run / torchrun / horovodrun / shape / status /
-down / cleanup-stale; `up` starts a holder process that keeps the cluster until `down` or --ttl.
+Command line (`python -m dev.netcluster`, from the repository root): up / run / torchrun /
+horovodrun / shape / status / down / cleanup-stale; `up` starts a holder process that keeps the
+cluster until `down` or --ttl.
 """
 from __future__ import annotations
 
@@ -66,11 +67,8 @@ import time
 from dataclasses import dataclass
 from typing import Any, Iterable, Sequence
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if ROOT not in sys.path:  # the repository root: run as a script, trainer/ comes from this checkout
-    sys.path.insert(0, ROOT)
-from trainer.core import procs  # noqa: E402  /proc/PID/stat, parsed once (a leaf: the standard library only)
-from dev.launch import horovodrun_path, launch_command  # noqa: E402
+from trainer.core import procs  # /proc/PID/stat, parsed once (a leaf: the standard library only)
+from dev.launch import ROOT, horovodrun_path, launch_command
 
 PREFIX = "htnet"
 SUBNET = "10.213.0"  # host k is SUBNET.<k+1>/24; the subnet exists only inside our namespaces
@@ -842,9 +840,8 @@ def _cmd_up(a: argparse.Namespace) -> int:
     argv = [sys.executable, "-m", "dev.netcluster", "_hold", "--hosts", str(a.hosts),
             "--rate", str(a.rate or "none"), "--delay-ms", str(a.delay_ms), "--ttl", str(a.ttl)]
     argv += ["--ssh"] if a.ssh else []
-    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     holder = subprocess.Popen(argv, stdout=log, stderr=log, stdin=subprocess.DEVNULL,
-                              start_new_session=True, env=env)
+                              start_new_session=True, cwd=ROOT)  # -m dev.netcluster: from the root
     deadline = time.monotonic() + a.timeout
     while time.monotonic() < deadline:
         mine = [c for c in _clusters() if c["owner_pid"] == holder.pid and c["tag"] not in before]
@@ -896,7 +893,7 @@ def _report(results: list[Result]) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="netcluster", description="Emulated multi-host cluster "
+    ap = argparse.ArgumentParser(prog="python -m dev.netcluster", description="Emulated multi-host cluster "
                                  "(network namespaces on a bridge, tc-shaped links).")
     sub = ap.add_subparsers(dest="cmd", required=True)
     for name in ("up", "_hold"):

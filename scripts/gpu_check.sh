@@ -9,11 +9,11 @@
 #   pytest         the gpu-marked kernel, host-sync and CUDA-graph tests (compiled Triton
 #                  kernels, torch.cuda.set_sync_debug_mode, train.cuda_graph=on's captures),
 #                  beside the parity run                                  -> pytest_gpu.log
-#   parity         dev/gpu_parity.py: every training path on cuda against the CPU reference
+#   parity         python -m dev.gpu_parity: every training path on cuda against the CPU reference
 #                                                                         -> gpu_parity.jsonl
-#   bench_kernels  benchmarks/bench_kernels.py: gather / scatter+update against the copy bandwidth
+#   bench_kernels  python -m benchmarks.bench_kernels: gather / scatter+update against the copy bandwidth
 #                                                                         -> bench_kernels.jsonl
-#   bench_train    benchmarks/bench_train.py at W = 1, train.device=cuda and cpu in one run (and at
+#   bench_train    python -m benchmarks.bench_train at W = 1, train.device=cuda and cpu in one run (and at
 #                  each data.batch_size in BATCHES="B1 B2 ..."); at W = 2 with train.pipeline=off
 #                  and ids                                                -> bench_train.jsonl
 #   bench_before   both benchmarks at another checkout (BEFORE=DIR, e.g. a `git archive` of an
@@ -23,7 +23,7 @@
 # PART=checks runs env, pytest and parity only; PART=bench env and the benchmarks only (default:
 # all), so a short device lease can take them in two calls. PART=step runs env and the step study
 # of the MLPerf-shaped DLRM only:
-#   dense_probe    dev/gpu_dense_probe.py: the dense step alone, eager vs one CUDA graph
+#   dense_probe    python -m dev.gpu_dense_probe: the dense step alone, eager vs one CUDA graph
 #                                                                         -> dense_probe.jsonl
 #   step_mlperf    bench_train --workload mlperf, bf16, W = 1 at STEP_BATCHES (default 2048 16384
 #                  65536), torch.profiler over 5 steps (kernel busy share, launches, top kernels),
@@ -53,8 +53,10 @@ PART=${PART:-all}
 mkdir -p "$OUT"
 OUT=$(cd "$OUT" && pwd)
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
+# From the repository root: the benchmarks and harnesses are modules (`python -m benchmarks.x`,
+# `python -m dev.x`), found there, with this checkout's trainer/, from the working directory.
 cd "$ROOT"
-export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+export PYTHONUNBUFFERED=1
 LOG="$OUT/check.log"
 
 say() { echo "[gpu_check $(date +%T)] $*" | tee -a "$LOG"; }
@@ -104,17 +106,17 @@ EOF
 if [ "$PART" = step ]; then
   STEP_BATCHES=${STEP_BATCHES:-2048 16384 65536}
   SSTEPS=$([ "$QUICK" = 1 ] && echo 30 || echo 40)
-  [ "${DENSE_PROBE:-1}" = 1 ] && stage dense_probe 90 "$OUT/dense_probe.jsonl" "$PY" dev/gpu_dense_probe.py \
+  [ "${DENSE_PROBE:-1}" = 1 ] && stage dense_probe 90 "$OUT/dense_probe.jsonl" "$PY" -m dev.gpu_dense_probe \
     --device "$DEVICE" $([ "$QUICK" = 1 ] && echo --batch-sizes 256 --iters 2)
   for batch in $STEP_BATCHES; do
-    stage "step_mlperf_$batch" 120 "$OUT/step.jsonl" "$PY" benchmarks/bench_train.py --worlds 1 \
+    stage "step_mlperf_$batch" 120 "$OUT/step.jsonl" "$PY" -m benchmarks.bench_train --worlds 1 \
       --workload mlperf --steps "$SSTEPS" --profile-steps 5 --batch-sizes "$batch" \
       --precisions ${STEP_PRECISIONS:-bf16} -- "train.device=$DEVICE" data.loader_threads=8 ${STEP_EXTRA:-}
   done
-  stage step_bench 90 "$OUT/step.jsonl" "$PY" benchmarks/bench_train.py --worlds 1 --steps "$SSTEPS" \
+  stage step_bench 90 "$OUT/step.jsonl" "$PY" -m benchmarks.bench_train --worlds 1 --steps "$SSTEPS" \
     --profile-steps 5 -- "train.device=$DEVICE" ${STEP_EXTRA:-}
   for pipe in ${STEP_W2_PIPELINES:-}; do  # W = 2 through gloo on the one device, serial vs pipelined
-    stage "step_w2_pipeline_$pipe" 120 "$OUT/step.jsonl" "$PY" benchmarks/bench_train.py --worlds 2 \
+    stage "step_w2_pipeline_$pipe" 120 "$OUT/step.jsonl" "$PY" -m benchmarks.bench_train --worlds 2 \
       --steps "$SSTEPS" --profile-steps 5 -- "train.device=$DEVICE" comm.dist_backend=gloo \
       "train.pipeline=$pipe" ${STEP_EXTRA:-}
   done
@@ -129,7 +131,7 @@ if [ "$PART" != bench ] && [ "$DEVICE" = cuda ]; then
   PYTEST_PID=$!
 fi
 
-[ "$PART" != bench ] && stage parity 240 "$LOG" "$PY" dev/gpu_parity.py --device "$DEVICE" --jobs "$JOBS" \
+[ "$PART" != bench ] && stage parity 240 "$LOG" "$PY" -m dev.gpu_parity --device "$DEVICE" --jobs "$JOBS" \
   "${PARITY[@]}" ${CRITEO:+--criteo "$CRITEO"} --out "$OUT/gpu_parity.jsonl"
 
 [ -n "$PYTEST_PID" ] && wait "$PYTEST_PID"
@@ -137,14 +139,14 @@ fi
 
 if [ "$PART" = checks ]; then say "done: $OUT"; exit 0; fi
 # the benchmarks run alone on the device
-stage bench_kernels 100 "$LOG" "$PY" benchmarks/bench_kernels.py --device "$DEVICE" "${KBENCH[@]}" \
+stage bench_kernels 100 "$LOG" "$PY" -m benchmarks.bench_kernels --device "$DEVICE" "${KBENCH[@]}" \
   --out "$OUT/bench_kernels.jsonl"
 
 for batch in default ${BATCHES:-}; do
   size=()
   [ "$batch" = default ] || size=("data.batch_size=$batch")
   for dev in "$DEVICE" cpu; do
-    stage "bench_train_${dev}_$batch" 90 "$OUT/bench_train.jsonl" "$PY" benchmarks/bench_train.py \
+    stage "bench_train_${dev}_$batch" 90 "$OUT/bench_train.jsonl" "$PY" -m benchmarks.bench_train \
       --worlds 1 --steps "$TSTEPS" -- "${TQUICK[@]}" "train.device=$dev" "${size[@]}"
     [ "$DEVICE" = cpu ] && break
   done
@@ -153,15 +155,15 @@ done
 # issue 15 item 6: the pipelined step against the serial one at W = 2 (on one GPU both ranks share
 # it through gloo, which stages every collective through host memory)
 for pipe in off ids; do
-  stage "bench_train_w2_pipeline_$pipe" 120 "$OUT/bench_train.jsonl" "$PY" benchmarks/bench_train.py \
+  stage "bench_train_w2_pipeline_$pipe" 120 "$OUT/bench_train.jsonl" "$PY" -m benchmarks.bench_train \
     --worlds 2 --steps "$TSTEPS" -- "${TQUICK[@]}" "train.device=$DEVICE" comm.dist_backend=gloo "train.pipeline=$pipe"
 done
 
 if [ -n "${BEFORE:-}" ]; then  # the same benchmarks at another checkout, side by side
-  old=(env PYTHONPATH="$BEFORE${PYTHONPATH#$ROOT}")
+  old=(env -C "$BEFORE")  # run from that checkout's root: its benchmarks/ and trainer/
   stage bench_kernels_before 100 "$OUT/bench_before.jsonl" "${old[@]}" "$PY" \
-    "$BEFORE/benchmarks/bench_kernels.py" --device "$DEVICE" "${KBENCH[@]}"
+    -m benchmarks.bench_kernels --device "$DEVICE" "${KBENCH[@]}"
   stage bench_train_before 90 "$OUT/bench_before.jsonl" "${old[@]}" "$PY" \
-    "$BEFORE/benchmarks/bench_train.py" --worlds 1 --steps "$TSTEPS" -- "${TQUICK[@]}" "train.device=$DEVICE"
+    -m benchmarks.bench_train --worlds 1 --steps "$TSTEPS" -- "${TQUICK[@]}" "train.device=$DEVICE"
 fi
 say "done: $OUT"

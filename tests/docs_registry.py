@@ -254,13 +254,13 @@ REGISTRY: dict[str, Entry] = {
     ".venv/bin/python scripts/baseline_lr.py DIR --compare model=dcn":
         Entry(add=("data.epochs=1",), json_keys=("lr_eval_auc", "trainer_eval_auc", "trainer_minus_lr_auc")),
     # docs/recipe.md
-    ".venv/bin/python dev/recipe_study/compare_splits.py TRAIN.tsv --test TEST.tsv":
+    ".venv/bin/python -m dev.recipe_study.compare_splits TRAIN.tsv --test TEST.tsv":
         Entry(add=("data.epochs=1",), check=_one_line_per_model, timeout=600),
-    ".venv/bin/python dev/recipe_study/compare_splits.py FILE.tsv --splits 16 --models dlrm > base.jsonl":
+    ".venv/bin/python -m dev.recipe_study.compare_splits FILE.tsv --splits 16 --models dlrm > base.jsonl":
         Entry(shrink=(("--splits 16", "--splits 2"),), add=("data.epochs=1",), files=("base.jsonl",), timeout=600),
-    ".venv/bin/python dev/recipe_study/compare_splits.py FILE.tsv --splits 16 --models dlrm optim.lr=0.0005 > new.jsonl":
+    ".venv/bin/python -m dev.recipe_study.compare_splits FILE.tsv --splits 16 --models dlrm optim.lr=0.0005 > new.jsonl":
         Entry(shrink=(("--splits 16", "--splits 2"),), add=("data.epochs=1",), files=("new.jsonl",), timeout=600),
-    ".venv/bin/python dev/recipe_study/paired_splits.py base.jsonl new.jsonl": Entry(json_keys=("model",)),
+    ".venv/bin/python -m dev.recipe_study.paired_splits base.jsonl new.jsonl": Entry(json_keys=("model",)),
     # docs/cache.md
     ".venv/bin/torchrun --nproc_per_node 2 -m trainer -m comm=torch data=criteo_like optim=adam cache=lfu "
     "consistency.pull_bound=0,1,4,16 'consistency.push_bound=${consistency.pull_bound}' hydra.sweep.dir=multirun/stale":
@@ -289,21 +289,21 @@ REGISTRY: dict[str, Entry] = {
     ".venv/bin/python scripts/plan.py --workers 8 data=criteo_like cache=lru placement=sca":
         Entry(add=("data.max_table_rows=10000", "placement.plan_steps=2"), json_keys=("name", "hot_rows")),
     # docs/cluster.md (root networking)
-    ".venv/bin/python dev/netcluster.py up --hosts 2 --rate 200mbit --ssh --ttl 600": Entry(marks=("netns",)),
-    ".venv/bin/python dev/netcluster.py torchrun -- -m trainer comm=torch data=bench train.steps=50":
+    ".venv/bin/python -m dev.netcluster up --hosts 2 --rate 200mbit --ssh --ttl 600": Entry(marks=("netns",)),
+    ".venv/bin/python -m dev.netcluster torchrun -- -m trainer comm=torch data=bench train.steps=50":
         Entry(marks=("netns",), shrink=(("train.steps=50", "train.steps=4"),),
               add=("data.test_samples=512", "checkpoint.enabled=false"), json_keys=TRAINER_LINE),
-    '.venv/bin/python dev/netcluster.py horovodrun -- "$PWD/.venv/bin/python" -m trainer comm=horovod data=bench train.steps=50':
+    '.venv/bin/python -m dev.netcluster horovodrun -- "$PWD/.venv/bin/python" -m trainer comm=horovod data=bench train.steps=50':
         Entry(marks=("netns",), shrink=(("train.steps=50", "train.steps=4"),),
               add=("data.test_samples=512", "checkpoint.enabled=false"), json_keys=TRAINER_LINE),
-    ".venv/bin/python dev/netcluster.py down":
-        Entry(marks=("netns",), cleanup=".venv/bin/python dev/netcluster.py down"),
+    ".venv/bin/python -m dev.netcluster down":
+        Entry(marks=("netns",), cleanup=".venv/bin/python -m dev.netcluster down"),
     # docs/gpu.md
     'PYTHON="$PWD/.venv/bin/python" bash scripts/gpu_check.sh OUT':
         Entry(marks=("gpu",), files=("OUT/check.log",), timeout=1800),
     'PART=step PYTHON="$PWD/.venv/bin/python" bash scripts/gpu_check.sh OUT':
         Entry(marks=("gpu",), files=("OUT/check.log", "OUT/step.jsonl"), timeout=1800),
-    ".venv/bin/python dev/gpu_parity.py --jobs 8 --out gpu_parity.jsonl":
+    ".venv/bin/python -m dev.gpu_parity --jobs 8 --out gpu_parity.jsonl":
         Entry(marks=("gpu",), files=("gpu_parity.jsonl",), timeout=1800),
     ".venv/bin/python -m pytest -q -m gpu tests/unit/test_step_device.py tests/kernels/test_kernel_*.py":
         Entry(marks=("gpu",), timeout=900),
@@ -317,41 +317,41 @@ REGISTRY: dict[str, Entry] = {
     # docs/development.md
     ".venv/bin/python scripts/check_imports.py": Entry(stdout=r"no import cycle"),
     # benchmarks/README.md
-    ".venv/bin/python benchmarks/bench_train.py --steps 60":
+    ".venv/bin/python -m benchmarks.bench_train --steps 60":
         Entry(shrink=(("--steps 60", "--steps 2"),), json_keys=("samples_per_sec",), check=_both_worlds),
-    ".venv/bin/python benchmarks/bench_train.py --workload mlperf --worlds 1 --steps 30 --batch-sizes 2048 "
+    ".venv/bin/python -m benchmarks.bench_train --workload mlperf --worlds 1 --steps 30 --batch-sizes 2048 "
     "--precisions fp32 bf16 -- data.max_table_rows=200000":
         Entry(shrink=(("--steps 30", "--steps 2"), ("--batch-sizes 2048", "--batch-sizes 64"),
                       ("data.max_table_rows=200000", "data.max_table_rows=2000")),
               add=("data.test_samples=512",), json_keys=("samples_per_sec", "ms_per_step", "precision"),
               stdout=r'(?m)^\{.*"workload": "mlperf".*"precision": "fp32".*\n\{.*"workload": "mlperf".*"precision": "bf16"'),
-    ".venv/bin/python benchmarks/bench_cache.py":
+    ".venv/bin/python -m benchmarks.bench_cache":
         Entry(add=("--steps", "6", "--warmup", "2"), json_keys=("read_ms", "write_ms")),
-    ".venv/bin/python benchmarks/bench_comm.py --all":
+    ".venv/bin/python -m benchmarks.bench_comm --all":
         Entry(elsewhere="tests/tools/test_scripts.py::test_bench_comm_all_launches_torchrun_and_horovodrun",
               add=("--sizes", "1KiB,16KiB", "--budget", "64KiB")),
-    ".venv/bin/python benchmarks/bench_data.py --repeat 200":
+    ".venv/bin/python -m benchmarks.bench_data --repeat 200":
         Entry(elsewhere="tests/tools/test_scripts.py::test_bench_data_measures_prepare_and_both_loaders",
               shrink=(("--repeat 200", "--repeat 2"),), add=("--workers", "1", "--steps", "3", "--batch", "256")),
-    ".venv/bin/python benchmarks/bench_placement.py":
+    ".venv/bin/python -m benchmarks.bench_placement":
         Entry(add=("--steps", "2", "--herald-steps", "2")),
-    ".venv/bin/python benchmarks/soak.py":
+    ".venv/bin/python -m benchmarks.soak":
         Entry(add=("--steps", "40", "--sample-every", "10", "--warmup", "10"),
               json_keys=("rss_slope_mib_per_1k_steps", "throughput_drift")),
-    ".venv/bin/python benchmarks/bench_scale.py --rows 2000000 --worlds 1 2":
+    ".venv/bin/python -m benchmarks.bench_scale --rows 2000000 --worlds 1 2":
         Entry(elsewhere="tests/tools/test_bench_scale.py::test_every_phase_of_a_train_and_a_resume_at_2w",
               shrink=(("--rows 2000000", "--rows 4000"),),
               add=("--tables", "2", "--dim", "8", "--resume-worlds", "2", "--steps", "2", "--batch", "64",
                    "--eval-samples", "256")),
-    ".venv/bin/python benchmarks/bench_kernels.py --dims 16 64 128 --bags 8 32":
+    ".venv/bin/python -m benchmarks.bench_kernels --dims 16 64 128 --bags 8 32":
         Entry(marks=("gpu",), json_keys=("kernel", "impl", "gbps"), timeout=900),
-    ".venv/bin/python benchmarks/bench_train.py --worlds 1 --steps 60 -- train.device=cuda":
+    ".venv/bin/python -m benchmarks.bench_train --worlds 1 --steps 60 -- train.device=cuda":
         Entry(marks=("gpu",), shrink=(("--steps 60", "--steps 4"),), json_keys=("samples_per_sec",), timeout=900),
-    ".venv/bin/python benchmarks/bench_train.py --workload mlperf --worlds 1 --steps 30 --batch-sizes 2048 16384 "
+    ".venv/bin/python -m benchmarks.bench_train --workload mlperf --worlds 1 --steps 30 --batch-sizes 2048 16384 "
     "65536 --precisions fp32 bf16 -- train.device=cuda":
         Entry(marks=("gpu",), shrink=(("--steps 30", "--steps 4"),), json_keys=("samples_per_sec", "ms_per_step"),
               timeout=900),
-    ".venv/bin/python benchmarks/bench_net.py --links 200mbit --repeat 3 --steps 120":
+    ".venv/bin/python -m benchmarks.bench_net --links 200mbit --repeat 3 --steps 120":
         Entry(elsewhere="tests/tools/test_bench_net.py::test_readme_command_on_a_shaped_link",
               shrink=(("--repeat 3", "--repeat 1"), ("--steps 120", "--steps 4")), add=("--quick",)),
 }
@@ -530,12 +530,12 @@ INLINE: dict[str, Entry] = {
     # docs/outputs.md: TensorBoard serves the run's events
     "tensorboard --logdir OUT": Entry(serves=r"TensorBoard \S+ at http://\S+:\d+/", timeout=120),
     # docs/recipe.md
-    "val_rotations.py DIR": Entry(add=("--slices", "1", "--models", "dlrm", "data.epochs=1"), json_keys=("model",),
+    "python -m dev.recipe_study.val_rotations DIR": Entry(add=("--slices", "1", "--models", "dlrm", "data.epochs=1"), json_keys=("model",),
                                   timeout=600),
     # benchmarks/README.md and docs/gpu.md
-    "bench_kernels.py --quick": Entry(json_keys=("kernel", "impl", "gbps")),
-    "bench_kernels.py --dims 128 --bags 1 8": Entry(marks=("gpu",), json_keys=("kernel", "impl", "gbps"), timeout=900),
-    "benchmarks/bench_train.py --workload mlperf --profile-steps 5":
+    "python -m benchmarks.bench_kernels --quick": Entry(json_keys=("kernel", "impl", "gbps")),
+    "python -m benchmarks.bench_kernels --dims 128 --bags 1 8": Entry(marks=("gpu",), json_keys=("kernel", "impl", "gbps"), timeout=900),
+    "python -m benchmarks.bench_train --workload mlperf --profile-steps 5":
         Entry(marks=("gpu",), json_keys=("samples_per_sec", "ms_per_step"), timeout=1800),
 }
 
@@ -550,10 +550,10 @@ def entry(text: str) -> Entry:
 
 
 def script_path(name: str) -> str:
-    """The repository path of a script a sentence names by its file name alone (`bench_kernels.py`)."""
-    found = sorted(os.path.relpath(p, ROOT) for top in ("scripts", "benchmarks", "dev")
-                   for p in glob.glob(str(ROOT / top / "**" / name), recursive=True))
-    assert len(found) == 1, f"{name}: {len(found)} scripts of that name ({found})"
+    """The repository path of a user tool a sentence names by its file name alone (`plan.py ...`): a
+    script of scripts/ (benchmarks/ and dev/ hold modules, shown as `python -m benchmarks.NAME`)."""
+    found = sorted(os.path.relpath(p, ROOT) for p in glob.glob(str(ROOT / "scripts" / name)))
+    assert len(found) == 1, f"{name}: {len(found)} scripts of that name in scripts/ ({found})"
     return found[0]
 
 

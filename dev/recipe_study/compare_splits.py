@@ -1,11 +1,11 @@
-#!/usr/bin/env python
 """The default command of every model against logistic regression on K train / test splits of one
 raw Criteo TSV (dev/recipe_study/splits.py): how the recipe compares with LR, as a mean over splits
 rather than on one noisy test split.
 
-    dev/recipe_study/compare_splits.py FILE.tsv [--splits 8] [--first 1] [--test-rows 399] [--models dlrm,wdl,deepfm,dcn]
-                              [--work DIR] [trainer overrides ...]
-    dev/recipe_study/compare_splits.py TRAIN.tsv --test TEST.tsv [--models ...] [--work DIR] [trainer overrides ...]
+    python -m dev.recipe_study.compare_splits FILE.tsv [--splits 8] [--first 1] [--test-rows 399]
+        [--models dlrm,wdl,deepfm,dcn] [--work DIR] [trainer overrides ...]
+    python -m dev.recipe_study.compare_splits TRAIN.tsv --test TEST.tsv [--models ...] [--work DIR]
+        [trainer overrides ...]
 
 Split 1 keeps the file's order (the last --test-rows lines test), split k > 1 shuffles the lines
 with random.Random(k - 1) first; --first N runs splits N .. N + K - 1 (fresh splits to confirm a
@@ -22,17 +22,13 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import os
 import sys
 import tempfile
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-if ROOT not in sys.path:  # the repository root: dev/ and benchmarks/ are importable from it
-    sys.path.insert(0, ROOT)
-from trainer.tools.cli import exit_status  # noqa: E402
+from trainer.tools.cli import exit_status
 
-from dev.recipe_study.rotations import model_names, print_json  # noqa: E402
-from dev.recipe_study.splits import compare  # noqa: E402
+from dev.recipe_study.rotations import model_names, print_json
+from dev.recipe_study.splits import compare
 
 
 DEFAULTS = {"splits": 8, "first": 1, "test_rows": 399}  # None on the command line: these (one file only)
@@ -43,7 +39,8 @@ def log(msg: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(prog="python -m dev.recipe_study.compare_splits",
+                                 description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("file", help="raw Criteo TSV (label, 13 integer and 26 categorical columns)")
     ap.add_argument("overrides", nargs="*", help="trainer overrides (key=value) for every run")
     ap.add_argument("--splits", type=int, default=None, help=f"train / test splits (default {DEFAULTS['splits']})")

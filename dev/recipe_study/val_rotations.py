@@ -1,10 +1,10 @@
-#!/usr/bin/env python
 """One model of the default recipe (train.ensemble=1; or any overrides) over several validation slices of
 a prepared Criteo directory, each run against the logistic-regression baseline on the same test
 split (dev/recipe_study/rotations.py). The recipe's ensemble trains exactly these models (one per slice)
 and averages them; this shows how much one of them varies:
 
-    dev/recipe_study/val_rotations.py DIR [--slices 5] [--models dlrm,wdl,deepfm,dcn] [trainer overrides ...]
+    python -m dev.recipe_study.val_rotations DIR [--slices 5] [--models dlrm,wdl,deepfm,dcn]
+        [trainer overrides ...]
 
 Run k uses data.val_slice = 1, 1 + S/K, ... (S = the slices of data.val_fraction there are), so the
 validation rows, and with them the training rows and the early stop, differ from run to run while
@@ -15,19 +15,16 @@ Progress on stderr. Exit status 2 on a bad directory or config.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-if ROOT not in sys.path:  # the repository root: dev/ and benchmarks/ are importable from it
-    sys.path.insert(0, ROOT)
-from trainer.tools.cli import exit_status  # noqa: E402
+from trainer.tools.cli import exit_status
 
-from dev.recipe_study.rotations import model_names, print_json, rotate, stderr  # noqa: E402
+from dev.recipe_study.rotations import model_names, print_json, rotate, stderr
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(prog="python -m dev.recipe_study.val_rotations",
+                                 description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("dir", help="directory written by scripts/prepare_criteo.py --out DIR")
     ap.add_argument("overrides", nargs="*", help="trainer overrides (key=value) for every run")
     ap.add_argument("--slices", type=int, default=5, help="validation slices per model (default 5)")

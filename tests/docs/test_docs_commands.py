@@ -32,6 +32,7 @@ training part is run.
 """
 from __future__ import annotations
 
+import glob
 import gzip
 import json
 import os
@@ -67,6 +68,17 @@ def test_every_inline_command_is_run():
             loose.append(f"{rel}:{n}: `{text}`")
     assert not loose, ("commands shown inline that nothing runs (put them in a bash block with a REGISTRY "
                        "entry, give them an INLINE entry, or abbreviate them with `...`):\n" + "\n".join(loose))
+
+
+def test_benchmarks_and_dev_run_as_modules():
+    """benchmarks/ and dev/ are never installed: the docs run them as modules from the repository
+    root (`python -m benchmarks.bench_train`), never by a file of theirs (`benchmarks/bench_train.py`)."""
+    files = {os.path.basename(p) for top in ("benchmarks", "dev")
+             for p in glob.glob(str(ROOT / top / "**" / "*.py"), recursive=True)} - {"__init__.py"}
+    shown = [(c.where, c.text) for c in all_commands()] + [(f"{rel}:{n}", t) for rel, n, t in _inline_spans()]
+    by_file = [f"{where}: `{text}`" for where, text in shown
+               if any(os.path.basename(w) in files for w in text.split() if w.endswith(".py"))]
+    assert not by_file, "run these as `python -m benchmarks.NAME` / `python -m dev.NAME`:\n" + "\n".join(by_file)
 
 
 def test_every_inline_entry_is_still_in_the_docs():

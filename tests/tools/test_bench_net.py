@@ -5,7 +5,6 @@ localhost, and the config-key check that turns a mode the trainer cannot run yet
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 
@@ -45,9 +44,9 @@ def test_rounds_rotate_the_modes_and_summarise_medians():
 def test_repeat_interleaves_rounds_and_phases_time_every_rank_step_by_step():
     """--repeat 2 --phases on localhost (one run of the bench serves both checks): rounds rotate
     the modes' order and summarise medians; every rank's phases are timed step by step."""
-    proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "bench_net.py"), "--quick", "--repeat", "2",
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.bench_net", "--quick", "--repeat", "2",
                            "--phases", "--links", "localhost", "--modes", "exact_serial", "exact_pipelined"],
-                          capture_output=True, text=True, env=env(), timeout=400)
+                          cwd=ROOT, capture_output=True, text=True, env=env(), timeout=400)
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = [json.loads(x) for x in proc.stdout.splitlines()]
     runs, sums = [x for x in lines if not x.get("summary")], [x for x in lines if x.get("summary")]
@@ -86,8 +85,8 @@ def test_repeat_interleaves_rounds_and_phases_time_every_rank_step_by_step():
 
 
 def test_bad_link_is_refused():
-    proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "bench_net.py"), "--links", "fast"],
-                          capture_output=True, text=True, env=env(), timeout=60)
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.bench_net", "--links", "fast"],
+                          cwd=ROOT, capture_output=True, text=True, env=env(), timeout=60)
     assert proc.returncode == 2 and "error: link rate 'fast'" in proc.stderr and proc.stdout == ""
 
 
@@ -98,7 +97,7 @@ def test_readme_command_on_a_shaped_link():
     round of 4 steps of the quick workload: every mode on the emulated 200 Mbit/s link, each
     against the exact serial step of its round (the docs' registry runs it here, not twice)."""
     require_netns()
-    proc = subprocess.run(documented(".venv/bin/python benchmarks/bench_net.py --links 200mbit --repeat 3 --steps 120"),
+    proc = subprocess.run(documented(".venv/bin/python -m benchmarks.bench_net --links 200mbit --repeat 3 --steps 120"),
                           capture_output=True, text=True, env=env(), cwd=ROOT, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = [json.loads(x) for x in proc.stdout.splitlines()]

@@ -16,7 +16,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 def test_every_phase_of_a_train_and_a_resume_at_2w():
     """benchmarks/README.md's command (`--rows 2000000 --worlds 1 2`) as its registry entry shrinks
     it (tests/docs_registry.py): training at W = 1 and at W = 2, each checkpoint resumed at W = 2."""
-    argv = documented(".venv/bin/python benchmarks/bench_scale.py --rows 2000000 --worlds 1 2")
+    argv = documented(".venv/bin/python -m benchmarks.bench_scale --rows 2000000 --worlds 1 2")
     rows, tables, dim = (int(argv[argv.index(k) + 1]) for k in ("--rows", "--tables", "--dim"))
     proc = subprocess.run(argv, capture_output=True, text=True, timeout=900, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-3000:]

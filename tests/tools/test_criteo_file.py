@@ -17,7 +17,6 @@ from dev import criteo_file
 from trainer.data.criteo import NUM_CAT, NUM_DENSE, parse_chunk, parse_line
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-SCRIPT = f"{ROOT}/dev/criteo_file.py"
 
 
 def test_rows_are_criteos_format_and_parse_without_a_bad_row():
@@ -62,8 +61,8 @@ def test_the_label_can_be_learned():
 
 def test_the_command_writes_a_file_prepare_criteo_reads(tmp_path):
     out = tmp_path / "day_0.gz"
-    proc = subprocess.run([sys.executable, SCRIPT, "--rows", "500", "--out", str(out)], capture_output=True,
-                          text=True, timeout=120)
+    proc = subprocess.run([sys.executable, "-m", "dev.criteo_file", "--rows", "500", "--out", str(out)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0 and proc.stdout.strip() == str(out), proc.stderr
     with gzip.open(out, "rt") as f:
         assert f.readlines() == list(criteo_file.lines(500))

@@ -1,15 +1,19 @@
 """Every script of scripts/, benchmarks/ and dev/ (dev/recipe_study/ too): its --help, one shrunk real
 run (here, or in the test named in REAL_RUNS), and for bad input one `error: ...` line with exit
-status 2 instead of a traceback; what they share to start the trainer (dev/launch.py).
+status 2 instead of a traceback; what they share to start the trainer (dev/launch.py). A script of
+scripts/ runs as `python scripts/NAME.py` from any directory (the installed package); one of
+benchmarks/ or dev/ as a module from the repository root, `python -m benchmarks.NAME` (argv_of).
 
 The --help and bad-input runs go through tests/script_runner.py: one process imports torch, Hydra
 and numpy once and forks a child per command line, each child running the script afresh as
-`python SCRIPT ARGS` would (the repository's modules are never imported before the fork)."""
+`python SCRIPT ARGS` / `python -m MODULE ARGS` would (the repository's modules are never imported
+before the fork)."""
 from __future__ import annotations
 
 import glob
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -57,16 +61,31 @@ REAL_RUNS = {
 }
 SHELL = [s for s in REAL_RUNS if s.endswith(".sh")]
 PYTHON_SCRIPTS = [s for s in REAL_RUNS if s.endswith(".py")]
-MODULES = ["-m benchmarks.phases", "-m benchmarks.scale_probe"]  # wrappers of the trainer, run under a launcher
+MODULES = [s for s in PYTHON_SCRIPTS if not s.startswith("scripts/")]  # benchmarks/ and dev/: run with -m
 
 
-def run_many(cases: list[dict]) -> list[dict]:
+def module_of(script: str) -> str:
+    """benchmarks/bench_x.py -> benchmarks.bench_x (dev/recipe_study/x.py -> dev.recipe_study.x)."""
+    return script[:-len(".py")].replace("/", ".")
+
+
+def argv_of(script: str) -> list[str]:
+    """What follows `python` to run a Python script as its docs say: a user tool of scripts/ by its
+    path, a module of benchmarks/ or dev/ with -m (from the repository root)."""
+    return [script] if script.startswith("scripts/") else ["-m", module_of(script)]
+
+
+def run_many(cases: list[dict], pythonpath: bool = True) -> list[dict]:
     """Each case ({"argv", "env", "timeout"}) as `python ARGV` from the repository root, through
-    tests/script_runner.py; {"rc", "stdout", "stderr", "timed_out", "seconds"} each."""
+    tests/script_runner.py; {"rc", "stdout", "stderr", "timed_out", "seconds"} each. pythonpath=False:
+    nothing on PYTHONPATH (not even this checkout, which the suite puts there for its subprocesses)."""
     for c in cases:
         c.setdefault("cwd", ROOT)
+    e = env()
+    if not pythonpath:
+        del e["PYTHONPATH"]
     proc = subprocess.run([PY, RUNNER], input=json.dumps(cases), capture_output=True, text=True,
-                          env=env(), cwd=ROOT, timeout=60 + sum(c.get("timeout", 120) for c in cases))
+                          env=e, cwd=ROOT, timeout=60 + sum(c.get("timeout", 120) for c in cases))
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout)
 
@@ -94,12 +113,32 @@ def test_every_script_is_listed_and_its_real_run_exists():
 def test_user_scripts_run_the_installed_package_from_any_directory(tmp_path):
     """scripts/ are the user's tools: they import the installed package (setup.sh installs the
     checkout editable) and never edit sys.path, so they run alike from any directory; benchmarks/
-    and dev/, which import each other and are never installed, put the repository root there."""
+    and dev/, which import each other and are never installed, are modules run from the repository
+    root (the next test)."""
     user = sorted(s for s in PYTHON_SCRIPTS if s.startswith("scripts/"))
     assert [s for s in user if "sys.path" in open(os.path.join(ROOT, s)).read()] == []
     res = run_many([{"argv": [os.path.join(ROOT, s), "--help"], "cwd": str(tmp_path), "timeout": 60} for s in user])
     assert [(s, r["rc"], r["stderr"][-500:]) for s, r in zip(user, res) if r["rc"] != 0] == []
     assert all(HELP_SAYS[s] in r["stdout"] for s, r in zip(user, res))
+
+
+def test_benchmarks_and_dev_run_as_modules_from_the_repository_root():
+    """benchmarks/ and dev/ are never installed: no file of theirs edits sys.path (nor hands its
+    workers a PYTHONPATH: they start them from the root, dev/launch.py ROOT), and each of their
+    command-line modules runs as `python -m MODULE --help` from the repository root with nothing
+    on PYTHONPATH (-m finds the module, the others it imports and this checkout's trainer/ in the
+    working directory); an argparse usage line names that command."""
+    files = sorted(os.path.relpath(p, ROOT) for top in ("benchmarks", "dev")
+                   for p in glob.glob(os.path.join(ROOT, top, "**", "*.py"), recursive=True))
+    assert "dev/netcluster.py" in files and "dev/recipe_study/compare_splits.py" in files
+    texts = {f: open(os.path.join(ROOT, f)).read() for f in files}
+    assert [f for f, t in texts.items() if "sys.path" in t or re.search(r"PYTHONPATH['\"]?\s*[:=]", t)] == []
+    res = run_many([{"argv": ["-m", module_of(s), "--help"], "timeout": 60} for s in MODULES], pythonpath=False)
+    assert [(s, r["rc"], r["stderr"][-500:]) for s, r in zip(MODULES, res) if r["rc"] != 0 or r["stderr"]] == []
+    assert [s for s, r in zip(MODULES, res) if HELP_SAYS[s] not in r["stdout"]] == []
+    usage = {s: r["stdout"].split("\n", 1)[0] for s, r in zip(MODULES, res) if r["stdout"].startswith("usage:")}
+    assert len(usage) >= 15 and [(s, u) for s, u in usage.items()
+                                 if not u.startswith(f"usage: python -m {module_of(s)} ")] == []
 
 
 def _local_test(script: str) -> str:
@@ -149,8 +188,8 @@ HELP_SAYS = {  # a phrase of each script's own help text (not argparse's), so th
 
 @pytest.fixture(scope="module")
 def helps() -> dict[str, dict]:
-    scripts = PYTHON_SCRIPTS + MODULES
-    res = run_many([{"argv": s.split() + ["--help"], "timeout": 60} for s in scripts])
+    scripts = PYTHON_SCRIPTS
+    res = run_many([{"argv": argv_of(s) + ["--help"], "timeout": 60} for s in scripts])
     out = dict(zip(scripts, res))
     for s in SHELL:
         p = subprocess.run(["bash", os.path.join(ROOT, s), "--help"], capture_output=True, text=True, timeout=30)
@@ -158,12 +197,11 @@ def helps() -> dict[str, dict]:
     return out
 
 
-@pytest.mark.parametrize("script", sorted(REAL_RUNS) + MODULES)
+@pytest.mark.parametrize("script", sorted(REAL_RUNS))
 def test_help(script, helps):
     r = helps[script]
     assert r["rc"] == 0 and r["stderr"] == "", r
-    assert HELP_SAYS[script.replace("-m ", "").replace(".", "/", 1) + ".py" if script.startswith("-m ")
-                     else script] in r["stdout"], r["stdout"]
+    assert HELP_SAYS[script] in r["stdout"], r["stdout"]
 
 
 # ------------------------------------------------------------------------------------ bad input
@@ -183,7 +221,7 @@ TAKES_OVERRIDES = {
     "dev/recipe_study/val_rotations.py": ["{dir}", "--slices", "1", "--models", "dlrm"],
 }
 MISSING = "/nonexistent/input"
-# other bad input: (script and arguments, what the one line says)
+# other bad input: (script and arguments, what the one line says; run as argv_of says)
 BAD_INPUT = [
     (["scripts/prepare_criteo.py", "--train", MISSING, "--out", "{tmp}/out"], f"input file '{MISSING}' does not exist"),
     (["scripts/plot_sweep.py", MISSING], f"{MISSING}: no such sweep directory"),
@@ -203,8 +241,8 @@ BAD_INPUT = [
     (["benchmarks/bench_net.py", "--links", "fast"], "link rate 'fast'"),
     (["benchmarks/bench_scale.py", "--worlds", "3", "--", "data.global_batch_size=64"],
      "data.global_batch_size=64: must be divisible by the world size 3"),
-    (["-m", "benchmarks.scale_probe", "data=tiny"], "set SCALE_PROBE_DIR"),
-    (["-m", "benchmarks.phases", "data=tiny"], "set STEP_PHASES_DIR"),
+    (["benchmarks/scale_probe.py", "data=tiny"], "set SCALE_PROBE_DIR"),
+    (["benchmarks/phases.py", "data=tiny"], "set STEP_PHASES_DIR"),
     (["dev/criteo_file.py", "--rows", "0", "--out", "{tmp}/x.tsv"], "--rows 0: must be > 0"),
     (["dev/gpu_parity.py", "--device", "cpu", "--criteo", MISSING], f"data.dir='{MISSING}'"),
     (["dev/gpu_parity.py", "--device", "nosuch"], "--device nosuch"),
@@ -221,9 +259,9 @@ def _bad_cases(prepared: str, tmp: str) -> list[tuple[str, list[str], str]]:
     for script, before in TAKES_OVERRIDES.items():
         for bad, says in BAD_OVERRIDES.items():
             args = [a.format(dir=prepared, sample=os.path.join(tmp, "raw", "train.tsv")) for a in before]
-            out.append((f"{script} {bad}", [script, *args, bad], says))
+            out.append((f"{script} {bad}", [*argv_of(script), *args, bad], says))
     for argv, says in BAD_INPUT:  # the test id: the arguments before any placeholder is filled
-        out.append((" ".join(argv[:3]), [a.format(tmp=tmp) for a in argv], says))
+        out.append((" ".join(argv[:3]), [*argv_of(argv[0]), *(a.format(tmp=tmp) for a in argv[1:])], says))
     # the trainer run by the phase timers: its own one-line error for a bad value (Hydra's errors,
     # such as an unknown key, are the trainer's own multi-line report: python -m trainer's)
     out.append(("phases data.batch_size=-1", ["-m", "benchmarks.phases", "data=tiny", "data.batch_size=-1",
@@ -251,7 +289,7 @@ def test_bad_input_is_one_error_line_and_status_2(case, bad_runs):
     assert r["rc"] == 2 and "Traceback" not in r["stderr"], (argv, r)
     # progress lines may come first (compare_splits prepares its split); the error is the last line
     assert len(errors) == 1 and lines[-1] == errors[0] and says in errors[0], (argv, r["stderr"])
-    assert not r["stdout"].strip() or argv[0] == "dev/gpu_parity.py", (argv, r["stdout"])
+    assert not r["stdout"].strip() or argv[:2] == ["-m", "dev.gpu_parity"], (argv, r["stdout"])
 
 
 # ------------------------------------------------------------------------ shrunk real runs
@@ -261,7 +299,7 @@ def _json_lines(proc: subprocess.CompletedProcess) -> list[dict]:
 
 
 def test_bench_placement_simulated():
-    proc = subprocess.run([PY, os.path.join(ROOT, "benchmarks", "bench_placement.py"), "--data", "tiny", "-W", "2",
+    proc = subprocess.run([PY, "-m", "benchmarks.bench_placement", "--data", "tiny", "-W", "2",
                            "--steps", "5", "--plan-steps", "2", "--herald-steps", "3", "--fae-budget", "4096"],
                           capture_output=True, text=True, env=env(), cwd=ROOT, timeout=300)
     [out] = _json_lines(proc)
@@ -282,7 +320,7 @@ def test_bench_placement_simulated():
 
 @pytest.mark.dist
 def test_bench_placement_measure_trains_and_sca_predicts_its_bytes():
-    proc = subprocess.run([PY, os.path.join(ROOT, "benchmarks", "bench_placement.py"), "--measure", "--data", "tiny",
+    proc = subprocess.run([PY, "-m", "benchmarks.bench_placement", "--measure", "--data", "tiny",
                            "--consistency", "bsp", "--measure-steps", "2", "--plan-steps", "8", "--fae-budget", "4096"],
                           capture_output=True, text=True, env=env(), cwd=ROOT, timeout=600)
     [out] = _json_lines(proc)
@@ -297,7 +335,7 @@ def test_bench_placement_measure_trains_and_sca_predicts_its_bytes():
 
 
 def test_bench_data_measures_prepare_and_both_loaders():
-    proc = subprocess.run(documented(".venv/bin/python benchmarks/bench_data.py --repeat 200"),  # benchmarks/README.md's
+    proc = subprocess.run(documented(".venv/bin/python -m benchmarks.bench_data --repeat 200"),  # benchmarks/README.md's
                           capture_output=True, text=True, env=env(), cwd=ROOT, timeout=300)
     prep, *loaders = _json_lines(proc)
     assert prep["bench"] == "prepare" and prep["workers"] == 1 and prep["rows"] == 2 * 1999
@@ -312,7 +350,7 @@ def test_bench_data_measures_prepare_and_both_loaders():
 @pytest.mark.dist
 def test_bench_comm_all_launches_torchrun_and_horovodrun():
     require_horovod()
-    proc = subprocess.run(documented(".venv/bin/python benchmarks/bench_comm.py --all"),  # benchmarks/README.md's
+    proc = subprocess.run(documented(".venv/bin/python -m benchmarks.bench_comm --all"),  # benchmarks/README.md's
                           capture_output=True, text=True, env=env(), cwd=ROOT, timeout=600)
     lines = _json_lines(proc)
     assert [(x["backend"], x["op"], x["bytes"]) for x in lines] == [
@@ -329,26 +367,28 @@ def test_bench_comm_all_launches_torchrun_and_horovodrun():
 def test_netcluster_command_line_up_run_down():
     require_netns()
     from dev import netcluster
-    nc = [PY, os.path.join(ROOT, "dev", "netcluster.py")]
+    nc = [PY, "-m", "dev.netcluster"]  # from the repository root (cwd=ROOT)
     up = subprocess.run([*nc, "up", "--rate", "100mbit", "--ttl", "300"], capture_output=True, text=True,
-                        env=env(), timeout=300)
+                        env=env(), cwd=ROOT, timeout=300)
     assert up.returncode == 0, up.stderr[-3000:]
     st = json.loads(up.stdout)
     tag = st["tag"]
     try:
         assert [h["addr"] for h in st["hosts"]] == [f"{netcluster.SUBNET}.1", f"{netcluster.SUBNET}.2"]
         assert st["rate_bits"] == 100_000_000
-        status = subprocess.run([*nc, "status"], capture_output=True, text=True, env=env(), timeout=60)
+        status = subprocess.run([*nc, "status"], capture_output=True, text=True, env=env(), cwd=ROOT, timeout=60)
         assert tag in [json.loads(x)["tag"] for x in status.stdout.splitlines()]
         for host in (0, 1):
             r = subprocess.run([*nc, "run", "--tag", tag, "--host", str(host), "--", "ip", "-4", "-o", "addr",
-                                "show", "dev", netcluster.IFACE], capture_output=True, text=True, env=env(), timeout=60)
+                                "show", "dev", netcluster.IFACE], capture_output=True, text=True, env=env(), cwd=ROOT,
+                               timeout=60)
             assert r.returncode == 0 and f"{netcluster.SUBNET}.{host + 1}/24" in r.stdout, r.stdout + r.stderr
         r = subprocess.run([*nc, "run", "--tag", tag, "--host", "2", "--", "true"], capture_output=True, text=True,
-                           env=env(), timeout=60)
+                           env=env(), cwd=ROOT, timeout=60)
         assert r.returncode == 2 and r.stderr.strip() == "error: --host 2: the cluster has hosts 0..1"
     finally:
-        down = subprocess.run([*nc, "down", "--tag", tag], capture_output=True, text=True, env=env(), timeout=120)
+        down = subprocess.run([*nc, "down", "--tag", tag], capture_output=True, text=True, env=env(), cwd=ROOT,
+                              timeout=120)
     assert down.returncode == 0, down.stderr
     assert not [ns for ns in netcluster._namespaces() if ns.startswith(tag + "-")]
 

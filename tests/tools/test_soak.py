@@ -10,12 +10,11 @@ import numpy as np
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-SOAK = os.path.join(ROOT, "benchmarks", "soak.py")
 from benchmarks import soak  # noqa: E402
 
 
 def test_soak_prints_one_json_line_with_sane_figures():
-    proc = subprocess.run([sys.executable, SOAK, "--steps", "120", "--sample-every", "10", "--warmup", "20",
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.soak", "--steps", "120", "--sample-every", "10", "--warmup", "20",
                            "train.threads=1", "data.batch_size=32"],
                           cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
