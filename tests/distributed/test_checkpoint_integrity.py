@@ -181,3 +181,28 @@ def test_cli_resume_auto_and_bad_checkpoint_exit_code(tmp_path):
 def test_bad_checkpoint_config_names_the_key(override, key):
     with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
         load_config(make_cfg(BASE + [override]))
+
+
+def test_a_save_of_a_damaged_checkpoints_step_moves_it_aside(tmp_path, capsys):
+    """The run the error advises (checkpoint.resume=<step 4>) saves step 6 again: the damaged step 6
+    the error named is not overwritten but moved aside under a name that says so, with its files
+    as they were and one warning line; the new step 6 is complete and resume=auto continues it."""
+    root = str(tmp_path / "ck")
+    common = BASE + ["optim=adagrad", f"checkpoint.dir={root}"]
+    run_single(common + ["train.steps=6", "checkpoint.every=2"], return_state=False)
+    bad = _step(root, 6)
+    _damage_manifest(bad, "truncated")
+    kept = open(os.path.join(bad, ckpt.MANIFEST), "rb").read()
+    with pytest.raises(ckpt.CheckpointDamaged, match="a save of the same step moves it aside"):
+        run_single(common + ["train.steps=8", "checkpoint.resume=auto"], return_state=False)
+    capsys.readouterr()
+    run_single(common + ["train.steps=6", "checkpoint.every=2", f"checkpoint.resume={_step(root, 4)}"],
+               return_state=False)
+    aside = [n for n in os.listdir(root) if n.startswith("step_00000006.damaged-")]
+    assert len(aside) == 1 and open(os.path.join(root, aside[0], ckpt.MANIFEST), "rb").read() == kept
+    err = capsys.readouterr().err
+    assert err.count(f"[trainer] warning: {bad} was damaged (its manifest.json cannot be read") == 1, err
+    assert f"moved aside to {os.path.join(root, aside[0])}" in err
+    assert ckpt.damaged_checkpoints(root) == [] and [s for s, _ in ckpt.complete_checkpoints(root)][-1] == 6
+    res = run_single(common + ["train.steps=8", "checkpoint.resume=auto"], return_state=False)
+    assert res.summary["resumed_from"] == bad and res.summary["start_step"] == 6

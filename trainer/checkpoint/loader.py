@@ -66,7 +66,8 @@ def _auto_stops(root: str | None, unseen: list[tuple[str, str]], newest: str | N
                        f"start fresh, or delete {names}")
     return head + (f"The newest complete checkpoint is {newest}: to continue from it, run with "
                    f"checkpoint.resume={newest} (its saves then pass over {names}, which stays for you to "
-                   f"inspect or delete); or delete {names} and run again")
+                   f"inspect or delete: a save of the same step moves it aside to <name>.damaged-<time>); or delete "
+                   f"{names} and run again")
 
 
 def load(comm: Collectives, ckpt: str, store: ShardStore, schema: dict[str, Any],

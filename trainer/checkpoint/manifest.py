@@ -99,6 +99,13 @@ def complete_checkpoints(root: str | None) -> list[tuple[int, str]]:
     return [(step, path) for _, step, path in sorted(found)]
 
 
+def damage_of(ckpt: str) -> str | None:
+    """What is wrong with the checkpoint directory ckpt (its manifest missing or unreadable), or
+    None when its manifest reads."""
+    found = _manifest_or_problem(ckpt)
+    return None if isinstance(found, dict) else found
+
+
 def damaged_checkpoints(root: str | None) -> list[tuple[str, str]]:
     """(path, what is wrong) of every step_K directory under root whose manifest is missing or
     unreadable, by step. Its save order is unknown: rotation never deletes it, resume=auto stops

@@ -27,7 +27,7 @@ from ..comm import CollectiveError, Collectives
 from ..embedding.store import ShardStore
 from .lock import DirLock
 from .manifest import (FORMAT_VERSION, TRAINER_FILE, WORK_DIR, CheckpointError,
-                       complete_checkpoints, damage_seen, damaged_checkpoints, fsync_dir, last_save_seq,
+                       complete_checkpoints, damage_of, damage_seen, damaged_checkpoints, fsync_dir, last_save_seq,
                        step_dir, write_file, write_manifest)
 from .pool_io import write_pool_shard
 from .shard_io import shard_dir, write_shard
@@ -141,8 +141,16 @@ class Checkpointer:
             print(f"[trainer] warning: checkpoint rotation in {self.root} failed: {exc}", file=sys.stderr)
 
     def _publish(self, tmp: str, final: str) -> None:
-        """Rename tmp to final (an existing final, from an older branch of the job, is replaced)."""
+        """Rename tmp to final. An existing final from an older branch of the job is replaced; a
+        damaged one (no readable manifest: an error may have named it for the user to inspect) is
+        never replaced nor deleted: it moves aside to `<final>.damaged-<time>`, said in one line."""
         old = None
+        if os.path.exists(final) and damage_of(final) is not None:
+            aside = f"{final}.damaged-{time.strftime('%Y%m%dT%H%M%S')}-{uuid.uuid4().hex[:6]}"
+            why = damage_of(final)
+            os.replace(final, aside)
+            print(f"[trainer] warning: {final} was damaged ({why}); moved aside to {aside}, kept for you to "
+                  f"inspect or delete, and this save takes its name", file=sys.stderr)
         if os.path.exists(final):
             old = self._old_name(final)
             os.replace(final, old)
