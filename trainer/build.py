@@ -18,7 +18,7 @@ from typing import Any, Optional
 import torch
 
 from .comm import Collectives
-from .core.errors import TrainingError, phase
+from .core.errors import TrainingError, allocating, phase
 from .config import (Config, ConfigError, cache_capacities, needs_global_view, run_device, staleness_bounds,
                      table_rows)
 from .data import id_rows
@@ -95,7 +95,8 @@ def build_sparse(c: Config, comm: Collectives, data: Any, global_batch: int,
     """Sharding -> store -> plan (+ replica) -> remote-row protocol -> HybridEmbedding -> feed.
     resuming: every row will be loaded from a checkpoint (the store skips its initial rows)."""
     rank, world = comm.rank, comm.size
-    store = _make_store(c, comm, device, resuming)
+    with allocating("the embedding shard (rows, optimizer state, versions)"):
+        store = _make_store(c, comm, device, resuming)
     sharding = store.sharding
     plan = _make_plan(c, comm, data)
     replica = Replica(plan.hot_gids(sharding), store) if plan.hot.size else None

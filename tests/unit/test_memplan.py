@@ -85,6 +85,36 @@ def test_a_config_that_cannot_fit_is_one_line_exit_2(tmp_path, override, part):
     assert f"the largest part is {part} (" in errors[0] and "train.memory_check=false" in errors[0]
 
 
+def test_memory_check_false_and_a_table_that_cannot_fit_is_one_line_exit_2(tmp_path):
+    """train.memory_check=false starts a plan that cannot fit (a warning); the allocation that
+    fails is one `error:` line naming the part and the bytes, exit 2, not the allocator's traceback.
+    (Linux's default overcommit refuses a 640 GB allocation at once; with overcommit_memory=1 it
+    would succeed and the kernel kill the process as the rows are written: not run there.)"""
+    if open("/proc/sys/vm/overcommit_memory").read().strip() == "1":
+        pytest.skip("vm.overcommit_memory=1: the allocation would succeed, the OOM killer would end the run")
+    done = subprocess.run([sys.executable, "-m", "trainer", "data=bench", HUGE, "train.steps=2",
+                           "train.memory_check=false", "train.progress=off", f"hydra.run.dir={tmp_path / 'out'}"],
+                          cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr[-2000:]
+    assert "warning: memory plan" in done.stderr
+    last = done.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: out of memory allocating the embedding shard (rows, optimizer state, versions): ")
+    assert " bytes asked for and not available" in last, last
+
+
+def test_allocating_turns_only_out_of_memory_into_one_line():
+    from trainer.core.errors import TrainingError, allocating
+    with pytest.raises(TrainingError, match=r"^out of memory allocating the cache: 1,024 bytes asked for"):
+        with allocating("the cache"):
+            raise RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate 1024 bytes.")
+    with pytest.raises(TrainingError, match=r"^out of memory allocating rows: 2.00 GiB asked for"):
+        with allocating("rows"):
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (GPU 0; ...)")
+    with pytest.raises(RuntimeError, match="shape mismatch"):  # not an allocation failure: as it was
+        with allocating("rows"):
+            raise RuntimeError("shape mismatch")
+
+
 def _refused(rank: int, world: int) -> str:
     try:
         run(make_cfg(["data=bench", HUGE, "train.steps=2", "train.progress=off", "checkpoint.enabled=false",

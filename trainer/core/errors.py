@@ -3,6 +3,7 @@ a block of collectives is counted under (train / eval / other), and the one line
 reported in (`error: ...`, by the command line and every tool)."""
 from __future__ import annotations
 
+import re
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Iterator
 
@@ -49,3 +50,26 @@ def error_line(exc: BaseException) -> str:
     out = out or type(exc).__name__
     override = getattr(exc, "override", None)  # hydra.errors.OverrideParseException
     return f"{override}: {out}" if isinstance(override, str) and override not in out else out
+
+
+_OUT_OF_MEMORY = ("can't allocate memory", "out of memory", "CUDA out of memory", "Cannot allocate memory")
+
+
+@contextmanager
+def allocating(part: str) -> Iterator[None]:
+    """Allocation of `part` (a name a user recognises: "the embedding shard's rows and state"): an
+    allocator's out-of-memory error becomes one TrainingError line naming the part and the bytes the
+    allocator asked for, instead of its traceback (train.memory_check=false skips the plan that
+    would have refused the run at start-up)."""
+    try:
+        yield
+    except (RuntimeError, MemoryError) as exc:  # torch.OutOfMemoryError is a RuntimeError
+        text = str(exc)
+        if not isinstance(exc, MemoryError) and not any(s in text for s in _OUT_OF_MEMORY):
+            raise
+        asked = re.search(r"allocate (\d+) bytes|allocate ([\d.]+ [KMGT]i?B)", text)
+        size = (f"{int(asked.group(1)):,} bytes" if asked and asked.group(1) else asked.group(2)) if asked \
+            else "more memory than is free"
+        raise TrainingError(f"out of memory allocating {part}: {size} asked for and not available "
+                            "(train.memory_check=true checks the memory plan at start-up and names what does "
+                            "not fit; see docs/operations.md)") from None
