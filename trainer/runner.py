@@ -81,7 +81,7 @@ def _run(cfg: Any, out_dir: str | None, return_state: bool, comm: Collectives | 
                                 config.train.device)
     trainer, held = None, HeldDir(None)
     try:
-        held = claim_out_dir(comm, out_dir, record)
+        held = claim_out_dir(comm, out_dir, record, config.checkpoint.lock_lease_s)
         out_dir = held.path  # rank 0's, on every rank
         recipe = announce_recipe(config, comm)  # once, for one model or an ensemble
         if config.train.ensemble > 1:  # K members, each a Trainer (ensemble.py does not import this module)

@@ -7,12 +7,14 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
+import time
 
 import pytest
-from failure_helpers import CLI_BASE, _cli, _manifest, _popen, _wait_for
+from failure_helpers import CLI_BASE, _cli, _command, _env, _manifest, _popen, _wait_for
 from helpers import make_cfg, spawn
 
 import trainer.checkpoint as ckpt
@@ -184,3 +186,105 @@ def test_unwritable_checkpoint_dir_is_refused_before_the_sparse_side_is_built(tm
         with pytest.raises(ckpt.CheckpointError, match=rf"checkpoint\.dir {root} .*{needle}"):
             run(make_cfg(CLI_BASE + ["comm=local", "train.steps=4", f"checkpoint.dir={root}"]),
                 out_dir=str(tmp_path / "out"))
+
+
+def _age(path: str) -> float:
+    return time.time() - os.stat(path).st_mtime
+
+
+def _backdate(path: str, seconds: float) -> None:
+    t = time.time() - seconds
+    os.utime(path, (t, t))
+
+
+def test_lease_rules(tmp_path, monkeypatch):
+    """A lock whose holder cannot be seen from here (another host, another container) is a lease:
+    refused while it is fresh, naming its age and lease; taken over with one note once older than
+    its lease, with the holder's unfinished saves. An empty or garbage lock (a run killed while
+    writing it) is stale once a few seconds old, and a starting run's fresh one is waited for."""
+    import trainer.checkpoint.lock as lockmod
+    root = str(tmp_path / "d")
+    path = _write_lock(root, pid=_dead_pid(), host="elsewhere.example", lease_s=30.0)
+    with pytest.raises(ckpt.CheckpointError, match=r"on host elsewhere\.example.*refreshed its lock \d+ s ago: if it "
+                                                   r"is dead, its lock is taken over once it is 30 s old"):
+        ckpt.DirLock(root, "aaaaaaaaaaaa").acquire()
+    os.makedirs(os.path.join(root, "step_00000005.tmp-0123456789ab-00000000"))  # its save in progress
+    _backdate(path, 31)
+    lock = ckpt.DirLock(root, "bbbbbbbbbbbb")
+    lock.acquire()
+    assert "whose lease expired (not refreshed for 31 s, lease 30 s)" in lock.notes[0], lock.notes
+    assert _lock(root)["run_id"] == "bbbbbbbbbbbb" and _lock(root)["lease_s"] == 60.0
+    assert os.listdir(root) == [ckpt.LOCK]
+    lock.release()
+    for content in ("", "{not json"):
+        with open(path, "w") as f:
+            f.write(content)
+        _backdate(path, 10)
+        lock = ckpt.DirLock(root, "cccccccccccc")
+        lock.acquire()
+        assert "empty or unreadable for 10 s" in lock.notes[0], lock.notes
+        lock.release()
+    monkeypatch.setattr(lockmod, "UNREADABLE_GRACE_S", 0.5)
+    open(path, "w").close()  # being written right now: waited for, then stale
+    t0 = time.monotonic()
+    lock = ckpt.DirLock(root, "dddddddddddd")
+    lock.acquire()
+    assert time.monotonic() - t0 >= 0.4 and lock.notes and _lock(root)["run_id"] == "dddddddddddd"
+    lock.release()
+
+
+def test_a_held_lock_is_refreshed_until_released(tmp_path):
+    root = str(tmp_path / "r")
+    lock = ckpt.DirLock(root, "eeeeeeeeeeee", lease_s=0.4)
+    lock.acquire()
+    path = os.path.join(root, ckpt.LOCK)
+    _backdate(path, 100)
+    time.sleep(0.35)
+    assert _age(path) < 1.0  # touched by its refresher (every lease / 4)
+    lock.release()
+    assert not os.path.exists(path)
+
+
+def _in_own_pid_namespace(cwd, *args: str) -> subprocess.Popen:
+    """`python -m trainer` in a PID namespace of its own (unshare -p -f: as in a container), its
+    own session so that the test can kill it hard, namespace and all."""
+    return subprocess.Popen(["unshare", "-p", "-f", *_command(args)], cwd=cwd, env=_env(), text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or shutil.which("unshare") is None, reason="needs root and unshare(1)")
+def test_a_container_killed_hard_is_restarted_without_a_person(tmp_path):
+    """A run in its own PID namespace (a container) holds the checkpoint dir, with a 10 s lease. A
+    second run, outside, is refused while the first lives, also when its lock was last written
+    longer ago than the lease (the live run refreshes it every 2.5 s). Killed hard (SIGKILL to the namespace), its lock stays; a restart loop (as
+    Kubernetes' restartPolicy or `docker --restart` run it) is refused until the lease expires, then
+    takes the lock over with one warning and finishes."""
+    root, out = str(tmp_path / "ck"), str(tmp_path / "out")
+    lease = ["checkpoint.lock_lease_s=10", f"checkpoint.dir={root}", "checkpoint.every=5"]
+    first = _in_own_pid_namespace(tmp_path, "train.steps=100000", *lease, f"hydra.run.dir={out}/first")
+    try:
+        _wait_for(first, lambda: _lock(root) is not None and os.path.isdir(ckpt.step_dir(root, 5)),
+                  "the first run holds the dir and has saved step 5")
+        holder = _lock(root)
+        assert holder["pid_ns"] != procs.pid_namespace() and holder["lease_s"] == 10.0
+        _backdate(os.path.join(root, ckpt.LOCK), 60)  # as if not refreshed for a minute ...
+        time.sleep(3)  # ... but the live run refreshes it
+        live = _cli(tmp_path, "train.steps=10", *lease, f"hydra.run.dir={out}/live")
+        assert live.returncode == 2 and "refreshed its lock" in live.stderr, live.stderr[-2000:]
+    finally:
+        os.killpg(first.pid, signal.SIGKILL)
+        first.communicate()
+    assert _lock(root)["run_id"] == holder["run_id"]  # a hard kill leaves the lock
+    saved = max(step for step, _ in ckpt.complete_checkpoints(root))
+    attempts, t0 = [], time.monotonic()
+    while time.monotonic() - t0 < 60:  # the restart loop: again after a second, no person
+        res = _cli(tmp_path, f"train.steps={saved + 5}", "checkpoint.resume=auto", *lease,
+                   f"hydra.run.dir={out}/restart{len(attempts)}")
+        attempts.append(res)
+        if res.returncode != 2 or "refreshed its lock" not in res.stderr:
+            break
+        time.sleep(1)
+    last = attempts[-1]
+    assert last.returncode == 0, last.stderr[-3000:]
+    assert len(attempts) >= 2 and last.stderr.count("whose lease expired") == 1, [a.stderr[-300:] for a in attempts]
+    assert f"resuming from {ckpt.step_dir(root, saved)}" in last.stderr and _lock(root) is None

@@ -10,6 +10,13 @@ gone (same host, pid not running or reused: trainer/core/procs.py reads its star
 with a warning, together with that dead run's unfinished saves, so a killed run never keeps the
 directory. Runs that follow one another in the directory continue one job: their saves are ordered
 together (manifest.py's save sequence).
+
+A lock is also a lease, for holders whose process cannot be seen from here (another host, another
+PID namespace: a container or pod restarted on the same volume): the holder touches the file every
+lease / 4 seconds (a daemon thread) while it runs, and a lock not touched for longer than its lease
+(checkpoint.lock_lease_s, written into the lock) is stale and taken over with one warning line. A
+live holder keeps its lease fresh, so two live runs are still refused. An empty or unreadable lock
+(a run killed between creating and writing it) older than a few seconds is stale too.
 """
 from __future__ import annotations
 
@@ -19,6 +26,7 @@ import os
 import shutil
 import socket
 import sys
+import threading
 import time
 import uuid
 import weakref
@@ -29,7 +37,11 @@ from ..core.procs import pid_namespace, proc_start
 from .manifest import WORK_DIR, CheckpointError
 
 LOCK = "lock.json"  # the run that owns a checkpoint dir (see DirLock)
+LEASE_S = 60.0  # default lease: a lock from another host or namespace not touched for this long is stale
+UNREADABLE_GRACE_S = 5.0  # an empty or unreadable lock older than this is stale (a starting run writes it at once)
+ACQUIRE_S = 15.0  # how long acquire() retries a lock that keeps changing or is being written
 _HELD: dict[str, str] = {}  # lock path -> run id of the locks this process holds now
+_REFRESH: dict[str, threading.Event] = {}  # lock path -> the stop event of its refresher
 
 
 def _alive(holder: dict[str, Any]) -> bool | None:
@@ -78,8 +90,8 @@ class DirLock:
     file root/lock.json, created with O_EXCL. Only rank 0 holds it (Checkpointer, outdir.py pass
     the outcome to every rank)."""
 
-    def __init__(self, root: str, run_id: str, guards: Guarded = CHECKPOINT_DIR) -> None:
-        self.root, self.run_id, self.guards = root, run_id, guards
+    def __init__(self, root: str, run_id: str, guards: Guarded = CHECKPOINT_DIR, lease_s: float = LEASE_S) -> None:
+        self.root, self.run_id, self.guards, self.lease_s = root, run_id, guards, float(lease_s)
         self.path = os.path.join(root, LOCK)
         self.notes: list[str] = []  # warnings for the user (a dead run's lock taken over)
         self._release = None
@@ -93,8 +105,10 @@ class DirLock:
             raise error(f"{name} {self.root} cannot be created: {exc}") from exc
         me = {"run_id": self.run_id, "pid": os.getpid(), "host": socket.gethostname(),
               "pid_ns": pid_namespace(), "proc_start": proc_start(os.getpid()),
-              "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "command": " ".join(sys.argv)[:300]}
-        for _ in range(20):
+              "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "command": " ".join(sys.argv)[:300],
+              "lease_s": self.lease_s}
+        deadline = time.monotonic() + ACQUIRE_S
+        while time.monotonic() < deadline:
             try:
                 fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
             except FileExistsError:
@@ -113,6 +127,7 @@ class DirLock:
                 raise error(f"{name} {self.root} is not writable (its lock file "
                             f"{self.path} cannot be written: {exc})") from exc
             _HELD[self.path] = self.run_id
+            _start_refresher(self.path, self.run_id, self.lease_s / 4)
             self._release = weakref.finalize(self, _release_lock, self.path, self.run_id)
             return
         raise error(f"{name} {self.root}: its lock file {self.path} keeps changing "
@@ -126,10 +141,15 @@ class DirLock:
             time.sleep(0.05)
             holder = _read_lock(self.path)
             if holder is None:
-                if os.path.exists(self.path):
-                    raise error(
-                        f"{name} {self.root} is locked by a run whose lock file {self.path} "
-                        "cannot be read; if no run uses this directory, delete that file")
+                age = _age(self.path)
+                if age is None:  # gone: try again
+                    return
+                if age < UNREADABLE_GRACE_S:  # a run starting right now is writing it
+                    time.sleep(min(UNREADABLE_GRACE_S - age, 0.5))
+                    return
+                if self._take_over({}):
+                    self.notes.append(f"{name} {self.root}: took over the lock file {self.path}, which was empty "
+                                      f"or unreadable for {age:.0f} s (a run killed while writing it)")
                 return
         mine = (holder.get("host") == socket.gethostname() and holder.get("pid") == os.getpid()
                 and holder.get("pid_ns") == pid_namespace())
@@ -139,6 +159,21 @@ class DirLock:
                 raise error(f"{name} {self.root} is in use by another run in this "
                             f"process ({describe_holder(holder)})")
         alive = False if mine else _alive(holder)
+        if alive is None and "lease_s" in holder:  # another host or container: its lease decides
+            age, lease = _age(self.path), float(holder["lease_s"])
+            if age is None:
+                return
+            if age > lease:
+                if self._take_over(holder):
+                    self.notes.append(f"{name} {self.root}: took over the lock of {describe_holder(holder)}, "
+                                      f"whose lease expired (not refreshed for {age:.0f} s, lease {lease:g} s): it "
+                                      "runs on another host or in another container, and is gone")
+                return
+            raise error(
+                f"{name} {self.root} is in use by {describe_holder(holder)}; it runs on another host (or in "
+                f"another container) and refreshed its lock {age:.0f} s ago: if it is dead, its lock is taken over "
+                f"once it is {lease:g} s old (its lease). Two runs in one {name} {self.guards.clash}: "
+                f"{self.guards.advice} (or wait until that run ends)")
         if alive is not False:
             hint = ("" if alive else f"; it runs on another host (or in another container), so its "
                     f"state is unknown here: if it is dead, delete {self.path}")
@@ -193,9 +228,36 @@ def _unlink(path: str) -> None:
         pass
 
 
+def _age(path: str) -> float | None:
+    """Seconds since the lock file was last written or refreshed (None: it is gone)."""
+    try:
+        return max(0.0, time.time() - os.stat(path).st_mtime)
+    except OSError:
+        return None
+
+
+def _start_refresher(path: str, run_id: str, every: float) -> None:
+    """A daemon thread that touches the lock every `every` seconds while it is this run's."""
+    stop = threading.Event()
+    _REFRESH[path] = stop
+
+    def refresh() -> None:
+        while not stop.wait(every):
+            if _HELD.get(path) != run_id or (_read_lock(path) or {}).get("run_id") != run_id:
+                return
+            try:
+                os.utime(path)
+            except OSError:
+                return
+    threading.Thread(target=refresh, name=f"lock-lease {path}", daemon=True).start()
+
+
 def _release_lock(path: str, run_id: str) -> None:
     """Remove the lock file if it is still this run's (also at interpreter exit)."""
     if _HELD.get(path) == run_id:
         del _HELD[path]
+        stop = _REFRESH.pop(path, None)
+        if stop is not None:
+            stop.set()
     if (_read_lock(path) or {}).get("run_id") == run_id:
         _unlink(path)

@@ -93,7 +93,7 @@ class CheckpointManager:
     def __init__(self, c: Config, comm: Collectives, out_dir: Optional[str]) -> None:
         self.c, self.comm, self.out_dir = c, comm, out_dir
         self.root = c.checkpoint.dir or (os.path.join(out_dir, "checkpoints") if out_dir else None)
-        self.saver = (Checkpointer(comm, self.root, c.checkpoint.keep_last)
+        self.saver = (Checkpointer(comm, self.root, c.checkpoint.keep_last, c.checkpoint.lock_lease_s)
                       if self.root and c.checkpoint.enabled else None)
         self.last: Optional[str] = None  # this run's newest complete save
         self.resumed_from: Optional[str] = None  # the checkpoint this run started from
@@ -165,7 +165,7 @@ class CheckpointManager:
         else:
             backup = None
             try:
-                backup = Checkpointer(self.comm, alt, 0)
+                backup = Checkpointer(self.comm, alt, 0, self.c.checkpoint.lock_lease_s)
                 out.fallback = self.save(step, run, into=backup)
             except CheckpointError as again:
                 out.fallback_error = f"the fallback save into the output dir {alt} failed too: {again}"

@@ -25,7 +25,7 @@ from typing import Any
 
 from ..comm import CollectiveError, Collectives
 from ..embedding.store import ShardStore
-from .lock import DirLock
+from .lock import LEASE_S, DirLock
 from .manifest import (FORMAT_VERSION, TRAINER_FILE, WORK_DIR, CheckpointError,
                        complete_checkpoints, damage_of, damage_seen, damaged_checkpoints, fsync_dir, last_save_seq,
                        step_dir, write_file, write_manifest)
@@ -39,8 +39,8 @@ class Checkpointer:
     Created at start-up: rank 0 takes root's lock (DirLock) and every rank gets the outcome, so a
     directory in use by another run stops every rank before any training. close() releases it."""
 
-    def __init__(self, comm: Collectives, root: str, keep_last: int) -> None:
-        self.comm, self.root, self.keep_last = comm, root, keep_last
+    def __init__(self, comm: Collectives, root: str, keep_last: int, lease_s: float = LEASE_S) -> None:
+        self.comm, self.root, self.keep_last, self.lease_s = comm, root, keep_last, lease_s
         self._seq = 0  # save_seq of this run's last save
         self._warned: set[str] = set()  # damaged checkpoints rotation has warned about
         # rank 0: the newest save of this object that is complete on disk, known as soon as it is
@@ -54,7 +54,7 @@ class Checkpointer:
 
     def _lock(self) -> tuple[str, list[str]]:
         """Rank 0: take root's lock; (run id, warnings for the user)."""
-        lock = DirLock(self.root, uuid.uuid4().hex[:12])
+        lock = DirLock(self.root, uuid.uuid4().hex[:12], lease_s=self.lease_s)
         lock.acquire()
         self.lock = lock
         return lock.run_id, lock.notes

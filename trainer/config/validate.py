@@ -320,6 +320,7 @@ def _validate_checkpoint(c: Config) -> None:
     k = c.checkpoint
     _check(k.every >= 0, "checkpoint.every", k.every, "must be >= 0 (0 = only the final checkpoint)")
     _check(k.keep_last >= 0, "checkpoint.keep_last", k.keep_last, "must be >= 0 (0 = keep all)")
+    _check(k.lock_lease_s > 0, "checkpoint.lock_lease_s", k.lock_lease_s, "must be > 0 (seconds)")
     if k.dir is not None:
         _check(bool(k.dir.strip()), "checkpoint.dir", k.dir, "must be a directory path or null")
     if k.resume is not None and k.resume != "auto":

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from ..core.errors import TrainingError, phase
-from ..checkpoint.lock import DirLock, Guarded
+from ..checkpoint.lock import LEASE_S, DirLock, Guarded
 from ..comm import Collectives
 
 __all__ = ["OUTPUT_DIR", "RECORD_DIR", "SWEEP_DIR", "HeldDir", "claim_out_dir", "hold_sweep_dir", "hydra_record",
@@ -55,7 +55,8 @@ class HeldDir:
             self.lock = None
 
 
-def claim_out_dir(comm: Collectives, out_dir: Optional[str], record: Optional[dict[str, str]] = None) -> HeldDir:
+def claim_out_dir(comm: Collectives, out_dir: Optional[str], record: Optional[dict[str, str]] = None,
+                  lease_s: float = LEASE_S) -> HeldDir:
     """Rank 0 makes out_dir usable (probe_dir), takes its lock and writes `record` (relative path ->
     text) into it; every rank gets rank 0's directory, or the TrainingError saying why it cannot be
     used (unwritable, or in use by another run: named with its pid, host and command). The
@@ -66,7 +67,7 @@ def claim_out_dir(comm: Collectives, out_dir: Optional[str], record: Optional[di
         path = probe_dir(out_dir)
         if path is None:
             return None
-        lock = _take(path, OUTPUT_DIR)
+        lock = _take(path, OUTPUT_DIR, lease_s)
         try:
             for name, text in (record or {}).items():
                 _write(os.path.join(path, name), text)
@@ -157,9 +158,10 @@ def hold_sweep_dir(path: str) -> DirLock:
     return _take(path, SWEEP_DIR)
 
 
-def _take(path: str, guards: Guarded) -> DirLock:
-    """path's lock, for a new run id; a dead holder's lock taken over is said on stderr."""
-    lock = DirLock(path, uuid.uuid4().hex[:12], guards)
+def _take(path: str, guards: Guarded, lease_s: float = LEASE_S) -> DirLock:
+    """path's lock, for a new run id (a lease of lease_s seconds: checkpoint.lock_lease_s for a
+    run's output dir); a dead holder's lock taken over is said on stderr."""
+    lock = DirLock(path, uuid.uuid4().hex[:12], guards, lease_s)
     lock.acquire()
     for note in lock.notes:
         print(f"[trainer] warning: {note}", file=sys.stderr)
