@@ -122,6 +122,7 @@ BAD = [
     ("train.loss_scale.growth_interval=0", "train.loss_scale.growth_interval"),
     ("checkpoint.every=-1", "checkpoint.every"),
     ("checkpoint.keep_last=-1", "checkpoint.keep_last"),
+    ("checkpoint.lock_lease_s=0", "checkpoint.lock_lease_s"),
     ("checkpoint.dir=' '", "checkpoint.dir"),
     ("checkpoint.resume=/no/such/step_00000005", "checkpoint.resume"),
     # validation, early stopping, regularisation, schedules, recipes
