@@ -312,11 +312,13 @@ class Trainer:
         `step` (not after a stop signal: `stop`) and summary.json written with `checkpoint_error`;
         the run ends with the rescue's CheckpointError (exit 2), which carries the summary. Collective."""
         try:
-            self.checkpoints.save(step, self)
+            with SIGNALS.saving():
+                self.checkpoints.save(step, self)
             return
         except CheckpointError as exc:
             self.pipeline.drop_prepared()
-            rescue = self.checkpoints.rescue(step, exc, self)
+            with SIGNALS.saving():
+                rescue = self.checkpoints.rescue(step, exc, self)
             if stop is not None:
                 stop.saved(rescue.fallback)
         done = [e for e in self.evals[-1:] if e["step"] == step and "split" not in e]  # tested at this step already

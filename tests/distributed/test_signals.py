@@ -260,10 +260,11 @@ import sys, time
 from trainer.checkpoint import Checkpointer
 from trainer.run.signals import SIGNALS
 real = Checkpointer._write_shard
+DELAY = float(sys.argv.pop(1))  # seconds, the first argument
 
-def slow(self, tmp, store):  # a save that starts after the first signal takes a minute
+def slow(self, tmp, store):  # a save that starts after the first signal takes DELAY seconds
     if SIGNALS.received is not None:
-        time.sleep(60)
+        time.sleep(DELAY)
     return real(self, tmp, store)
 
 Checkpointer._write_shard = slow
@@ -272,30 +273,65 @@ cli()
 """
 
 
-def test_second_signal_during_the_save_exits_at_once_and_the_earlier_checkpoint_resumes(tmp_path):
-    """The save after the first SIGTERM is slow; a second SIGTERM (after REPEAT_S: not the same
-    request twice) ends the process at once with 143. Its unfinished save and lock stay until the
-    next run takes the lock over (and removes them); that run resumes the newest complete checkpoint
-    to the uninterrupted result."""
+def _slow_save_then(tmp_path, first: int, second: int, seconds: float, **popen) -> tuple[subprocess.Popen, str, str]:
+    """A run whose save after a signal takes `seconds`; `first` is sent after step 6 (the save of
+    step 5 complete), `second` once the stop's save has begun (after REPEAT_S: not the same
+    request twice). (proc, output dir, checkpoint dir)."""
     out, args = str(tmp_path / "out"), LONG + ["checkpoint.every=5", "checkpoint.keep_last=0"]
     root = os.path.join(out, "checkpoints")
-    proc = subprocess.Popen([sys.executable, "-c", SLOW_SAVE, *args, f"hydra.run.dir={out}"], cwd=tmp_path,
-                            env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    _wait_for_steps(proc, out, 6)  # the save of step 5 is complete
-    proc.send_signal(signal.SIGTERM)
+    proc = subprocess.Popen([sys.executable, "-c", SLOW_SAVE, str(seconds), *args, f"hydra.run.dir={out}"],
+                            cwd=tmp_path, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            **popen)
+    _wait_for_steps(proc, out, 6)
+    proc.send_signal(first)
     t0 = time.monotonic()
     while not any(".tmp-" in n for n in os.listdir(root)):  # the stop's (slow) save has begun
         assert proc.poll() is None and time.monotonic() - t0 < 30, proc.communicate()[1][-3000:]
         time.sleep(0.02)
     time.sleep(REPEAT_S + 0.2)
-    proc.send_signal(signal.SIGTERM)
-    t0 = time.monotonic()
-    _, err = proc.communicate(timeout=30)
-    assert time.monotonic() - t0 < 5 and proc.returncode == 143, err[-3000:]
-    assert "second signal (SIGTERM): exiting now (status 143)" in err and not _stop_lines(err), err[-3000:]
+    proc.send_signal(second)
+    return proc, out, root
+
+
+@pytest.mark.parametrize("first,second", [(signal.SIGUSR1, signal.SIGTERM), (signal.SIGTERM, signal.SIGTERM)],
+                         ids=["slurm-usr1-then-term", "kubernetes-term-twice"])
+def test_a_second_signal_during_the_save_lets_it_finish(tmp_path, first, second):
+    """Slurm's sequence (--signal=B:USR1@N, then TERM at the time limit) and a TERM repeated within
+    a grace period: the second signal comes while the stop's save is being written (slow: 3 s); the
+    save finishes, the run stops as the first signal asked (exit 128 + its number, the stop line,
+    summary.json's `stopped` with that checkpoint), and a resume equals the uninterrupted run."""
+    proc, out, root = _slow_save_then(tmp_path, first, second, 3.0)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 128 + first, err[-3000:]
+    name = signal.Signals(second).name
+    assert err.count(f"second signal ({name}) during a checkpoint save: the save goes on") == 1, err[-3000:]
+    stopped = _summary(out)["stopped"]
+    assert stopped["signal"] == signal.Signals(first).name and _stop_lines(err)
+    assert stopped["checkpoint"] == ckpt.step_dir(root, stopped["step"])
+    assert not [n for n in os.listdir(root) if ".tmp-" in n or n == ckpt.LOCK]
+    _resume_equals_the_uninterrupted_run(out, LONG + ["checkpoint.every=5", "checkpoint.keep_last=0"],
+                                         stopped["step"])
+
+
+def test_ctrl_c_twice_from_a_terminal_exits_at_once_and_the_earlier_checkpoint_resumes(tmp_path):
+    """A user's Ctrl-C twice (SIGINT, stdin a terminal) during the stop's slow save ends the process
+    at once with 130. Its unfinished save and lock stay until the next run takes the lock over (and
+    removes them); that run resumes the newest complete checkpoint to the uninterrupted result."""
+    import pty
+    master, slave = pty.openpty()
+    try:
+        proc, out, root = _slow_save_then(tmp_path, signal.SIGINT, signal.SIGINT, 60.0, stdin=slave)
+        t0 = time.monotonic()
+        _, err = proc.communicate(timeout=30)
+    finally:
+        os.close(master)
+        os.close(slave)
+    assert time.monotonic() - t0 < 5 and proc.returncode == 130, err[-3000:]
+    assert "second signal (SIGINT): exiting now (status 130)" in err and not _stop_lines(err), err[-3000:]
     names = os.listdir(root)
     assert ckpt.LOCK in names and [n for n in names if ".tmp-" in n], names
     k = ckpt.complete_checkpoints(root)[-1][0]
+    args = LONG + ["checkpoint.every=5", "checkpoint.keep_last=0"]
     assert k >= 5 and not os.path.exists(os.path.join(out, "summary.json"))
     _resume_equals_the_uninterrupted_run(out, args, k)
     assert not [n for n in os.listdir(root) if ".tmp-" in n or n == ckpt.LOCK]

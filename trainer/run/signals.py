@@ -10,10 +10,15 @@ after it; W = 1 reads its own flag. Then (runner.Trainer._stop) the run saves th
 prints one line with the relaunch command (announce) and the process exits with 128 + the signal's
 number (143 SIGTERM, 130 SIGINT, 138 SIGUSR1), the status a scheduler reads as "ended by it".
 
-A second signal exits at once (os._exit, 128 + its number): the save in progress is abandoned
-(its .tmp- directory goes when the next run takes the dead run's lock over), the earlier
-checkpoints stay. The same signal again within REPEAT_S of the first counts once: a scheduler that
-signals every process of a job and torchrun forwarding it to its workers deliver it twice.
+A second signal while a checkpoint is being written lets the save finish (one line says so; the
+run then stops as the first signal asked): the grace a scheduler gives between its warning and its
+kill (Slurm's --signal=B:USR1@N then TERM at the time limit; Kubernetes' TERM then KILL after
+terminationGracePeriodSeconds; torchrun forwarding TERM) is for that save. Only a second SIGINT
+from a terminal (stdin is a tty: Ctrl-C twice) exits at once during a save. Outside a save, a
+second signal exits at once (os._exit, 128 + its number); a save abandoned that way leaves its
+.tmp- directory to the next run, which takes the dead run's lock over; the earlier checkpoints
+stay. The same signal again within REPEAT_S of the first counts once: a scheduler that signals
+every process of a job and torchrun forwarding it to its workers deliver it twice.
 
 The handlers are in force while runner.run() runs (the main thread only: Python runs handlers
 there) and the previous ones are put back after it.
@@ -53,6 +58,8 @@ class SignalWatch:
         self.agreed = False
         self._at = 0.0
         self._depth = 0
+        self._saving = 0  # > 0 while a checkpoint is being written (saving())
+        self._deferred: Optional[int] = None  # a second signal that came during a save
         self._previous: dict[int, Any] = {}
 
     @contextmanager
@@ -60,7 +67,7 @@ class SignalWatch:
         """Handle the stop signals in this block (runner.run), then put the previous handlers back."""
         outer = self._depth == 0
         if outer:
-            self.received, self.agreed = None, False
+            self.received, self.agreed, self._deferred = None, False, None
             if threading.current_thread() is threading.main_thread():
                 self._previous = {s: signal.getsignal(s) for s in STOP_SIGNALS}
                 for s in STOP_SIGNALS:
@@ -76,6 +83,15 @@ class SignalWatch:
                 self._previous = {}
                 self.received, self.agreed = None, False
 
+    @contextmanager
+    def saving(self) -> Iterator[None]:
+        """A checkpoint is being written in this block: a second signal lets it finish."""
+        self._saving += 1
+        try:
+            yield
+        finally:
+            self._saving -= 1
+
     def _handle(self, signum: int, frame: Any) -> None:
         now = time.monotonic()
         if self.received is None:
@@ -84,6 +100,12 @@ class SignalWatch:
         if signum == self.received and now - self._at < REPEAT_S:
             return
         name = signal.Signals(signum).name
+        if self._saving and not (signum == signal.SIGINT and _from_terminal()):
+            if self._deferred is None:
+                self._deferred = signum
+                os.write(2, f"[trainer] second signal ({name}) during a checkpoint save: the save goes on, then "
+                            "the run stops (Ctrl-C twice from a terminal exits at once)\n".encode())
+            return
         os.write(2, f"[trainer] second signal ({name}): exiting now (status {128 + signum}); the "
                     "checkpoint being written, if any, is abandoned, the earlier ones are intact\n".encode())
         os._exit(128 + signum)
@@ -104,6 +126,14 @@ class SignalWatch:
         values = reduced.tolist()
         self.agreed = values[1] > 0 if world > 1 else self.received is not None
         return [float(values[0]), *values[2 if world > 1 else 1:]]
+
+
+def _from_terminal() -> bool:
+    """Whether this process reads a terminal (a SIGINT is then a user's Ctrl-C)."""
+    try:
+        return os.isatty(0)
+    except (OSError, ValueError):
+        return False
 
 
 SIGNALS = SignalWatch()  # this process's (runner.run installs it)
