@@ -38,7 +38,7 @@ from .comm import CollectiveError, Collectives, make_collectives
 from .config import Config, auto_threads, local_batch_size, validate_world
 from .plan.configure import load_config
 from .data import make_data
-from .evaluation.evaluator import Evaluator
+from .evaluation.evaluator import EvalInterrupted, Evaluator
 from .train.lr import LrSchedule
 from .plan.memplan import check_memory
 from .run.outdir import HeldDir, claim_out_dir, probe_dir
@@ -156,6 +156,7 @@ class Trainer:
         self.evals: list[dict[str, Any]] = []
         self.val_rows = int(getattr(self.data, "val_rows", 0))  # validation split (0: none)
         self.evaluator = Evaluator(comm, self.model, self.emb, self.data, self.device, self.precision.autocast)
+        self.evaluator.interrupt = lambda: SIGNALS.received is not None  # a stop request ends an evaluation
         self.early = EarlyStopping(c.train.early_stop.patience, c.train.early_stop.min_delta,
                                    c.train.early_stop.min_evals)
         self.start_step = self.checkpoints.resume(self)
@@ -239,13 +240,16 @@ class Trainer:
                     window_t, window_start = now, done
                 if SIGNALS.agreed:  # a rank received SIGTERM / SIGINT / SIGUSR1: every rank stops here
                     return self._stop(done, train_time, return_state)
-                if self.val_rows and ((c.train.eval_every and done % c.train.eval_every == 0)
-                                      or done == c.train.steps):
-                    self._validate(done)  # the last step's model is a candidate too
-                    if self.early.stop:
-                        end = done
-                elif c.train.eval_every and done % c.train.eval_every == 0 and done < c.train.steps:
-                    self._eval_now(done)
+                try:
+                    if self.val_rows and ((c.train.eval_every and done % c.train.eval_every == 0)
+                                          or done == c.train.steps):
+                        self._validate(done)  # the last step's model is a candidate too
+                        if self.early.stop:
+                            end = done
+                    elif c.train.eval_every and done % c.train.eval_every == 0 and done < c.train.steps:
+                        self._eval_now(done)
+                except EvalInterrupted:  # a stop request during the evaluation: dropped, the step saved
+                    return self._stop(done, train_time, return_state)
                 if k.due(done) and done < end:
                     self._save(done, train_time)
                 if done == end:
@@ -258,8 +262,11 @@ class Trainer:
             extra = restore_best(self.best, self.early, self.comm, end) if self.val_rows else {}
             if trained is not None:
                 extra["dynamic"] = trained
-            extra["calibration"] = self.evaluator.calibrate() if c.train.calibrate and self.val_rows else None
-            final_eval = self._eval_now(end)
+            try:
+                extra["calibration"] = self.evaluator.calibrate() if c.train.calibrate and self.val_rows else None
+                final_eval = self._eval_now(end)
+            except EvalInterrupted:  # the run is trained and saved: it stops unevaluated (resume evaluates it)
+                return self._stop(end, train_time, return_state)
             summary = report.summary(train_time, final_eval, self.losses, self.evals, self.start_step,
                                      k.resumed_from, k.last, self.pipeline.alltoalls, end_step=end,
                                      extra={**extra, **self._described()})
@@ -282,7 +289,9 @@ class Trainer:
         k, stop = self.checkpoints, agree(self.comm, SIGNALS, done)
         self.pipeline.drop_prepared()
         stop.continue_from, stop.why_none = k.last or k.resumed_from, why_not_saved(self.c, k.enabled)
-        if stop.why_none is None:
+        if stop.why_none is None and k.last is not None and k.last_step == done:
+            stop.saved(k.last)  # saved already (a stop during the evaluation after that save)
+        elif stop.why_none is None:
             self._save(done, train_time, stop)
             stop.saved(k.last)
         summary = self.report.summary(train_time, NOT_EVALUATED, self.losses, self.evals, self.start_step,

@@ -168,9 +168,11 @@ def test_a_failed_save_at_the_stop_is_rescued_and_not_evaluated(tmp_path, monkey
     assert summary["end_step"] == 5 and os.listdir(root) == []  # no partial save, no lock
 
 
-def test_signal_during_start_up_or_an_evaluation_acts_at_the_next_step_boundary(tmp_path, monkeypatch):
+def test_signal_during_start_up_or_an_evaluation_stops_within_a_batch(tmp_path, monkeypatch):
     """A signal while the sparse side is built (start-up) stops the run after step 1; one during
-    the evaluation after step 3 (train.eval_every=3) stops it after step 4: both saved there."""
+    the evaluation after step 3 (train.eval_every=3) ends that evaluation before its next batch and
+    stops the run at step 3 (saved there, the partial evaluation dropped); one during the final
+    evaluation stops the trained run with its final checkpoint, saved once, unevaluated."""
     real_build, real_eval = runner.build_sparse, Evaluator.evaluate
 
     def build(*args):
@@ -189,8 +191,41 @@ def test_signal_during_start_up_or_an_evaluation_acts_at_the_next_step_boundary(
 
     monkeypatch.setattr(Evaluator, "evaluate", evaluate)
     got = run(make_cfg(BASE + ["comm=local", "train.eval_every=3"]), out_dir=str(tmp_path / "b"))
-    assert got.summary["stopped"]["step"] == 4 and [e["step"] for e in got.summary["evals"]] == [3]
-    assert got.summary["stopped"]["checkpoint"] == ckpt.step_dir(str(tmp_path / "b" / "checkpoints"), 4)
+    assert got.summary["stopped"]["step"] == 3 and got.summary["evals"] == []
+    assert got.summary["stopped"]["checkpoint"] == ckpt.step_dir(str(tmp_path / "b" / "checkpoints"), 3)
+    saves = []
+    real_save = saver.Checkpointer.save
+    monkeypatch.setattr(saver.Checkpointer, "save", lambda self, step, *a: saves.append(step) or real_save(self, step, *a))
+    got = run(make_cfg(BASE + ["comm=local"]), out_dir=str(tmp_path / "c"))
+    stopped = got.summary["stopped"]
+    assert stopped["step"] == 12 and stopped["checkpoint"] == ckpt.step_dir(str(tmp_path / "c" / "checkpoints"), 12)
+    assert saves == [12] and got.summary["eval_auc"] is None and got.summary["end_step"] == 12
+
+
+def _signalled_in_evaluation(rank: int, world: int, overrides: list[str], out: str) -> dict:
+    """Spawned worker: rank 1 receives SIGTERM as the evaluation after step 3 begins."""
+    real = Evaluator.evaluate
+
+    def evaluate(self, *args):
+        if rank == 1:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return real(self, *args)
+
+    Evaluator.evaluate = evaluate
+    return run(make_cfg(overrides + ["comm=torch"]), out_dir=out).summary
+
+
+@pytest.mark.dist
+def test_a_signal_to_one_rank_during_an_evaluation_stops_every_rank_there(tmp_path):
+    """W = 2: rank 1 alone is signalled during the evaluation after step 3; both ranks leave the
+    evaluation within a batch (they learn it in the evaluation's per-batch agreement) and stop at
+    step 3 with its checkpoint, instead of evaluating on past a launcher's grace."""
+    from helpers import spawn
+    got = spawn(2, _signalled_in_evaluation, BASE + ["train.eval_every=3", "data.test_samples=960",
+                                                     "data.eval_batch_size=48"], str(tmp_path / "out"))
+    for s in got:
+        assert s["stopped"]["step"] == 3 and s["stopped"]["ranks"] == [1] and s["evals"] == []
+    assert got[0]["stopped"]["checkpoint"] == ckpt.step_dir(str(tmp_path / "out" / "checkpoints"), 3)
 
 
 def test_a_stop_in_an_ensemble_member_continues_with_resume_auto(tmp_path, monkeypatch, capsys):

@@ -369,6 +369,7 @@ def test_old_key_name_still_works_and_warns_once(old, new, value, capfd, monkeyp
     with pytest.raises(ConfigError, match=rf"^{re.escape(old)}={value} and {re.escape(new)}=7: {re.escape(old)} is "
                                           rf"the old name of {re.escape(new)}: give only {re.escape(new)}$"):
         make_cfg(DATA + [f"{old}={value}", f"{new}=7"])
+    assert str(get_key(parse(make_cfg(DATA + [f"{new}={value}", f"{new}=7"])), new)) in ("7", "7.0")  # the new name twice: the last wins
     assert not hasattr(get_key(c, section), name)
 
 

@@ -96,6 +96,7 @@ class CheckpointManager:
         self.saver = (Checkpointer(comm, self.root, c.checkpoint.keep_last, c.checkpoint.lock_lease_s)
                       if self.root and c.checkpoint.enabled else None)
         self.last: Optional[str] = None  # this run's newest complete save
+        self.last_step: Optional[int] = None  # ... and its step
         self.resumed_from: Optional[str] = None  # the checkpoint this run started from
         self._resume_path: Optional[str] = None  # resume_path(), once decided
         self._resolved = False
@@ -142,6 +143,7 @@ class CheckpointManager:
             assert saver is not None, "save() of a run without checkpoints"
             try:
                 self.last = saver.save(step, run.emb.store, state, {**self.schema(run), "config": asdict(self.c)})
+                self.last_step = step
             except CollectiveError:
                 # rank 0 may have put this save in place before a peer was lost in its closing
                 # broadcast: it is complete on disk, so the failure message names it

@@ -66,7 +66,7 @@ def renamed_overrides(overrides: list[str]) -> list[str]:
     """Hydra overrides ([+|++|~]key[=value]) with every old key name (RENAMED) replaced by its new
     one, saying so on stderr (the launcher's rank 0 only: this runs before the collectives are
     up). ConfigError when an old and a new name are both given with different values."""
-    out, given = [], {}  # given: new key -> (the override as typed, its value)
+    out, given = [], {}  # given: new key -> [(the override as typed, its value, under the old name)]
     for arg in overrides:
         prefix = arg[:len(arg) - len(arg.lstrip("+~"))]
         typed, eq, value = arg[len(prefix):].partition("=")
@@ -74,12 +74,14 @@ def renamed_overrides(overrides: list[str]) -> list[str]:
         if key != typed.strip():
             _warn(typed.strip(), key, f"{typed.strip()}{eq}{value} -> {key}{eq}{value}")
             arg = f"{prefix}{key}{eq}{value}"
-        if eq and key in RENAMED.values():
-            first, before = given.setdefault(key, (f"{typed.strip()}={value}", value))
-            if before != value:
+        if eq and key in RENAMED.values():  # the same key twice under its new name: the last wins (Hydra)
+            seen = given.setdefault(key, [])
+            now = (f"{typed.strip()}={value}", value, key != typed.strip())
+            clash = next((s for s in seen if s[1] != value and (s[2] or now[2])), None)
+            if clash is not None:
                 old = next(k for k, v in RENAMED.items() if v == key)
-                raise ConfigError(f"{first} and {typed.strip()}={value}: {old} is the old name of {key}: "
-                                  f"give only {key}")
+                raise ConfigError(f"{clash[0]} and {now[0]}: {old} is the old name of {key}: give only {key}")
+            seen.append(now)
         out.append(arg)
     return out
 

@@ -24,8 +24,15 @@ from ..embedding import HybridEmbedding
 from .metrics import auc_logloss, fit_temperature
 
 
+class EvalInterrupted(Exception):
+    """A stop request reached every rank during an evaluation: it was dropped between two batches."""
+
+
 class Evaluator:
-    """Evaluations of one rank's model (see the module docstring). Every call is collective."""
+    """Evaluations of one rank's model (see the module docstring). Every call is collective.
+    `interrupt` (set by the Trainer): whether this rank has a stop request; it is asked before each
+    evaluation batch and every rank learns any rank's (one 1-element allreduce per batch), so an
+    evaluation ends within one batch of a signal (EvalInterrupted)."""
 
     def __init__(self, comm: Collectives, model: torch.nn.Module, emb: HybridEmbedding, data: Any,
                  device: torch.device, autocast: Callable[[], ContextManager[Any]] = nullcontext) -> None:
@@ -33,6 +40,7 @@ class Evaluator:
         self.autocast = autocast  # the model's forward context (train.precision: trainer/train/precision.py)
         self.temperature = 1.0  # logit scale of evaluations (calibrate() sets it before the final one)
         self.test_rows: Optional[np.ndarray] = None  # [n, 2] (logit x temperature, label) of the last test evaluation
+        self.interrupt: Optional[Callable[[], bool]] = None
 
     @torch.no_grad()
     def evaluate(self, split: str = "test") -> dict[str, Any]:
@@ -53,6 +61,8 @@ class Evaluator:
         logits, labels = [], []
         with phase(self.comm, "eval"):
             for batch in self.data.eval_batches(split):
+                if self._interrupted():
+                    raise EvalInterrupted(split)
                 batch = batch.to(self.device)
                 pooled = self.emb.eval_lookup(batch)
                 with self.autocast():
@@ -61,6 +71,13 @@ class Evaluator:
             local = torch.stack([torch.cat(logits), torch.cat(labels)], dim=1) if logits \
                 else torch.zeros(0, 2)
             return self.comm.allgather(local, kind="meta").numpy()
+
+    def _interrupted(self) -> bool:
+        """Whether any rank has a stop request (collective: every rank asks before every batch)."""
+        if self.interrupt is None:
+            return False
+        flag = torch.tensor([float(self.interrupt())])
+        return bool(self.comm.allreduce(flag, kind="meta").item() > 0) if self.comm.size > 1 else flag.item() > 0
 
     def calibrate(self) -> dict[str, Any]:
         """train.calibrate: fit the temperature of the model's logits on the validation split; the
