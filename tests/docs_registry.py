@@ -461,6 +461,8 @@ def abbreviated(text: str) -> bool:
 
 
 INLINE_NOT_RUN = {
+    "python -m trainer.run.job --": "the job wrapper's name before a launcher's command "
+                                    "(tests/distributed/test_job_status.py runs it under torchrun and horovodrun)",
     "docker info": "the check that a container engine is there (the docker marker's own test)",
     "podman info": "the check that a container engine is there (the docker marker's own test)",
     "podman import": "names a step of scripts/build_image.sh (tests/tools/test_image.py builds the image)",

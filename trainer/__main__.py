@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import sys
 import tempfile
 
@@ -39,8 +40,10 @@ from .config import CONF_DIR, ConfigError, renamed_overrides
 from .core.errors import error_line
 from .data import IdRangeError
 from .data.criteo import CriteoFormatError
+from .run.job import record_exit
 from .run.multirun import SWEEP, describe, launcher_rank
 from .run.outdir import RECORD_DIR, hold_sweep_dir, hydra_record, literal_sweep_dir
+from .run.signals import STOP_SIGNALS
 from .runner import TrainingError, run
 
 _USER_ARGV: list[str] | None = None  # sys.argv as typed, while Hydra parses another one (cli)
@@ -63,6 +66,7 @@ def _exit_after_failed_collective(exc: CollectiveError) -> None:
     print(f"error: {exc}", file=sys.stderr)
     sys.stdout.flush()
     sys.stderr.flush()
+    record_exit(3)
     os._exit(3)
 
 
@@ -117,6 +121,9 @@ def main(cfg: DictConfig) -> None:
     if hc.mode == RunMode.MULTIRUN:
         SWEEP.record(_SWEEP_SHOWN or hc.sweep.dir, hc.job.num, list(hc.overrides.task), result.rank,
                      summary=os.path.join(used or out_dir, "summary.json"))
+    if hc.mode != RunMode.MULTIRUN:  # complete: a stop signal from now on changes nothing (exit 0)
+        for s in STOP_SIGNALS:
+            signal.signal(s, signal.SIG_IGN)
     if result.rank == 0:
         keys = ("world_size", "steps", "samples_per_sec", "final_loss", "eval_auc", "bytes_per_sample")
         print(json.dumps({k: result.summary[k] for k in keys}))
@@ -167,8 +174,21 @@ def _key(arg: str) -> str:
 
 
 def cli() -> None:
-    """The command: refuse an unusable output dir with a clear error (exit 2), hold a sweep's dir
-    (rank 0; the other ranks give Hydra a private one), then run Hydra."""
+    """The command (see _cli); its exit status is also noted for a job wrapper (trainer/run/job.py)."""
+    status = 1
+    try:
+        _cli()
+        status = 0
+    except SystemExit as exc:
+        status = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+        raise
+    finally:
+        record_exit(status)
+
+
+def _cli() -> None:
+    """Refuse an unusable output dir with a clear error (exit 2), hold a sweep's dir (rank 0; the
+    other ranks give Hydra a private one), then run Hydra."""
     global _SWEEP_SHOWN
     try:  # old key names (config RENAMED) read as the new ones, with a warning line each
         argv = renamed_overrides(sys.argv[1:])

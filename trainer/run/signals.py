@@ -39,6 +39,7 @@ import torch
 from ..core.errors import phase
 from ..comm import Collectives
 from ..config import Config
+from .job import record_exit
 from .relaunch import relaunch_command
 
 __all__ = ["NOT_EVALUATED", "REPEAT_S", "SIGNALS", "STOP_SIGNALS", "SignalWatch", "Stop", "agree", "announce",
@@ -108,6 +109,7 @@ class SignalWatch:
             return
         os.write(2, f"[trainer] second signal ({name}): exiting now (status {128 + signum}); the "
                     "checkpoint being written, if any, is abandoned, the earlier ones are intact\n".encode())
+        record_exit(128 + signum)
         os._exit(128 + signum)
 
     def carry(self, loss: torch.Tensor, world: int) -> torch.Tensor:

@@ -1,0 +1,127 @@
+"""One exit status for a whole job, launcher included (trainer/run/job.py): `python -m trainer.run.job
+-- LAUNCHER ...` exits 0 complete, 143 preempted and resumable, 2 bad config or input, 3 a worker
+lost, 1 any other failure; the launchers' tracebacks are held back unless the job failed otherwise.
+Real torchrun and horovodrun jobs (W = 2, gloo) are signalled through the wrapper as a scheduler
+signals a job, then requeued with checkpoint.resume=auto."""
+from __future__ import annotations
+
+import io
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+from hvd_launch import HOROVODRUN, TORCHRUN, env, require_horovod
+
+from trainer.run.job import LauncherFilter, job_status
+
+JOB = [sys.executable, "-m", "trainer.run.job", "--"]
+ARGS = ["data=tiny", "data.global_batch_size=48", "data.test_samples=96", "train.threads=1", "train.progress=off",
+        "train.log_every=1"]
+
+
+def test_the_job_status_of_its_processes():
+    assert job_status([0, 0], 0) == 0
+    assert job_status([143, 143], 1) == 143 and job_status([138, 0], 1) == 143 and job_status([130], 130) == 143
+    assert job_status([2, 2], 1) == 2 and job_status([2, 143], 1) == 2
+    assert job_status([3, 143], 1) == 143 and job_status([3, 0], 1) == 3
+    assert job_status([1, 0], 1) == 1 and job_status([0, 0], 1) == 1  # every process fine, the launcher not
+    assert job_status([], 0) == 0 and job_status([], 2) == 1 and job_status([], -15) == 143
+
+
+TORCHRUN_FAILURE = """[trainer] a line of ours
+Traceback (most recent call last):
+  File "/x/torch/distributed/run.py", line 1, in <module>
+    main()
+torch.distributed.elastic.multiprocessing.errors.ChildFailedError: 
+============================================================
+trainer FAILED
+------------------------------------------------------------
+Root Cause (first observed failure):
+  exitcode  : 143
+============================================================
+W1129 05:00:00.000000 1 torch/distributed/elastic/agent/server/api.py:1] Received Signals.SIGTERM death signal
+error: a line of ours after it
+Traceback (most recent call last):
+  File "mine.py", line 1, in <module>
+ValueError: a real bug of ours
+"""
+
+
+def test_the_filter_holds_the_launchers_lines_back():
+    out = io.StringIO()
+    f = LauncherFilter(out)
+    for line in io.StringIO(TORCHRUN_FAILURE):
+        f.feed(line)
+    f.close(show_held=False)
+    assert out.getvalue() == ("[trainer] a line of ours\nerror: a line of ours after it\nTraceback (most recent call "
+                              "last):\n  File \"mine.py\", line 1, in <module>\nValueError: a real bug of ours\n")
+    assert "ChildFailedError" in "".join(f.held) and "Received Signals.SIGTERM" in "".join(f.held)
+    shown = io.StringIO()
+    g = LauncherFilter(shown)
+    for line in io.StringIO(TORCHRUN_FAILURE):
+        g.feed(line)
+    g.close(show_held=True)
+    assert sorted(shown.getvalue().splitlines()) == sorted(TORCHRUN_FAILURE.splitlines())
+
+
+def _steps(out: str) -> int:
+    try:
+        with open(os.path.join(out, "metrics.jsonl")) as f:
+            return sum(1 for line in f if '"loss"' in line)
+    except OSError:
+        return 0
+
+
+def _signalled_job(cmd: list[str], out: str, cwd: str) -> subprocess.CompletedProcess:
+    """Start the job through the wrapper, SIGTERM the wrapper (as a scheduler does) once a few steps
+    ran, and wait for it."""
+    proc = subprocess.Popen(JOB + cmd, cwd=cwd, env=env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    t0 = time.monotonic()
+    while _steps(out) < 3:
+        assert proc.poll() is None and time.monotonic() - t0 < 180, proc.communicate()[1][-3000:]
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    stdout, stderr = proc.communicate(timeout=180)
+    return subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
+
+
+def _check_preempted_then_requeued(cmd: list[str], out: str, cwd: str) -> None:
+    stopped = _signalled_job(cmd, out, cwd)
+    assert stopped.returncode == 143, stopped.stderr[-3000:]
+    assert "Traceback" not in stopped.stderr and "ChildFailedError" not in stopped.stderr, stopped.stderr[-3000:]
+    last = stopped.stderr.strip().splitlines()[-1]
+    assert last.startswith("[job] preempted (exit 143; 2 trainer process(es) ended: 143, 143;"), last
+    assert "resumable: run the same command with checkpoint.resume=auto" in last
+    k = json.load(open(os.path.join(out, "summary.json")))["stopped"]["step"]
+    again = subprocess.run(JOB + cmd + ["checkpoint.resume=auto"], cwd=cwd, env=env(), capture_output=True,
+                           text=True, timeout=300)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert again.stderr.strip().splitlines()[-1].startswith("[job] complete (exit 0; 2 trainer process(es) ended: 0, 0")
+    s = json.load(open(os.path.join(out, "summary.json")))
+    assert s["start_step"] == k and s["end_step"] == 400 and s.get("stopped") is None
+
+
+@pytest.mark.dist
+def test_torchrun_preempted_exits_143_then_resumes_and_a_bad_config_exits_2(tmp_path):
+    out = str(tmp_path / "out")
+    cmd = [sys.executable, TORCHRUN, "--standalone", "--nproc_per_node", "2", "-m", "trainer", "comm=torch",
+           *ARGS, "train.steps=400", f"hydra.run.dir={out}"]
+    _check_preempted_then_requeued(cmd, out, str(tmp_path))
+    bad = subprocess.run(JOB + cmd[:-1] + ["data.batch_size=-1", f"hydra.run.dir={tmp_path / 'bad'}"],
+                         cwd=tmp_path, env=env(), capture_output=True, text=True, timeout=300)
+    assert bad.returncode == 2 and "Traceback" not in bad.stderr, bad.stderr[-3000:]
+    assert "error: data.batch_size=-1: must be > 0" in bad.stderr
+    assert bad.stderr.strip().splitlines()[-1].startswith("[job] bad config or input (exit 2;")
+
+
+@pytest.mark.dist
+def test_horovodrun_preempted_exits_143_then_resumes(tmp_path):
+    require_horovod()
+    out = str(tmp_path / "out")
+    cmd = [sys.executable, HOROVODRUN, "-np", "2", "-H", "localhost:2", "--gloo", sys.executable, "-m", "trainer",
+           "comm=horovod", *ARGS, "train.steps=400", f"hydra.run.dir={out}"]
+    _check_preempted_then_requeued(cmd, out, str(tmp_path))

@@ -1,0 +1,163 @@
+"""One exit status for a whole job, launcher included: `python -m trainer.run.job -- COMMAND ...`.
+
+Why: a requeue script (Slurm's, a Kubernetes Job's, a shell loop) must tell "preempted: start me
+again with checkpoint.resume=auto" from "failed: do not". Each trainer process exits with its own
+status (0, 2 for bad input, 128 + a stop signal, 3 for a lost worker), but torchrun and horovodrun
+exit 1 for any of those, with tracebacks of their own (SignalException, ChildFailedError). This
+wrapper runs COMMAND (a launcher, or `python -m trainer` itself) with TRAINER_EXIT_DIR set: every
+trainer process writes its status there as it exits (record_exit), and the wrapper exits with the
+job's:
+
+    0    complete (every process that ran ended with 0)
+    143  preempted and resumable: a stop signal (SIGTERM, SIGINT, SIGUSR1) stopped the run; its
+         checkpoint is where summary.json's `stopped` says; run the same command with
+         checkpoint.resume=auto (one line says so)
+    2    bad config or input: running it again will fail the same way
+    3    a worker was lost (the survivors printed the newest checkpoint and the relaunch command)
+    1    any other failure (the launcher's own output is shown in full)
+
+The signals the wrapper receives (TERM, INT, USR1) go to COMMAND. The launcher's own tracebacks and
+failure tables are held back and shown only for status 1; the trainer's lines pass through as they
+come. A process on another host writes into that host's TRAINER_EXIT_DIR (the same path, if it
+exists there), so the status counts the processes on this host and, on a shared file system, all.
+"""
+from __future__ import annotations
+
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+from typing import Iterable, Optional, TextIO
+
+EXIT_DIR_ENV = "TRAINER_EXIT_DIR"
+PREEMPTED = 143
+STOP_STATUSES = (128 + signal.SIGTERM, 128 + signal.SIGINT, 128 + signal.SIGUSR1)
+FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
+OUTCOMES = {0: "complete", PREEMPTED: "preempted", 2: "bad config or input", 3: "a worker was lost", 1: "failed"}
+# the launchers' own lines: held back unless the job failed for another reason
+_LAUNCHER_EXCEPTION = re.compile(r"(ChildFailedError|SignalException|horovod|Horovod detected)")
+_LAUNCHER_LINE = re.compile(r"(torch\.distributed\.elastic|torch/distributed/|^Process \d+ exit with status code|"
+                            r"^Terminating remaining workers|Sending process \d+ closing signal|"
+                            r"^W\d{4} .*(api|elastic)|^\*{10,}|^Setting OMP_NUM_THREADS)")
+
+
+def record_exit(status: int) -> None:
+    """This trainer process exits with `status`: note it in TRAINER_EXIT_DIR (when a job wrapper set
+    it). Async-signal-safe (os.open / os.write only): also called from a signal handler."""
+    where = os.environ.get(EXIT_DIR_ENV)
+    if not where:
+        return
+    try:
+        fd = os.open(os.path.join(where, f"{socket.gethostname()}-{os.getpid()}"),
+                     os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            os.write(fd, str(int(status)).encode())
+        finally:
+            os.close(fd)
+    except OSError:
+        pass
+
+
+def job_status(statuses: Iterable[int], launcher: int) -> int:
+    """The job's status (module docstring) from its processes' and the launcher's."""
+    got = list(statuses)
+    if not got:  # no trainer process got to its end (the launcher failed first, or was killed)
+        return 0 if launcher == 0 else (PREEMPTED if launcher in STOP_STATUSES or -launcher in FORWARDED else 1)
+    if 2 in got:
+        return 2
+    if any(s in STOP_STATUSES for s in got):
+        return PREEMPTED
+    if 3 in got:
+        return 3
+    return 0 if all(s == 0 for s in got) and launcher in (0, *STOP_STATUSES, *(-s for s in FORWARDED)) else 1
+
+
+class LauncherFilter:
+    """Passes the command's stderr through line by line, holding back the launcher's own lines:
+    its tracebacks (with ChildFailedError's failure table) and its status chatter."""
+
+    def __init__(self, out: TextIO) -> None:
+        self.out = out
+        self.held: list[str] = []
+        self._block: Optional[list[str]] = None  # a traceback being read
+        self._table = 0  # ChildFailedError's table: the '====' lines still to swallow
+
+    def feed(self, line: str) -> None:
+        if self._table:
+            self.held.append(line)
+            if line.startswith("===="):
+                self._table -= 1
+            return
+        if self._block is not None:
+            self._block.append(line)
+            if line[:1].isspace() or not line.strip() or line.startswith(("Traceback (", "During handling",
+                                                                           "The above exception")):
+                return
+            block, self._block = self._block, None  # the exception's line ends the traceback
+            if _LAUNCHER_EXCEPTION.search(line):
+                self.held.extend(block)
+                self._table = 2 if "ChildFailedError" in line else 0
+            else:
+                self._write(block)
+            return
+        if line.startswith("Traceback (most recent call last):"):
+            self._block = [line]
+        elif _LAUNCHER_LINE.search(line):
+            self.held.append(line)
+        else:
+            self._write([line])
+
+    def close(self, show_held: bool) -> None:
+        if self._block:
+            self.held.extend(self._block)
+            self._block = None
+        if show_held:
+            self._write(self.held)
+
+    def _write(self, lines: list[str]) -> None:
+        self.out.write("".join(lines))
+        self.out.flush()
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    args = list(sys.argv[1:] if argv is None else argv)
+    if args[:1] == ["--"]:
+        args = args[1:]
+    if not args or args[0] in ("-h", "--help"):
+        print(__doc__, file=sys.stderr if not args else sys.stdout)
+        return 0 if args else 2
+    with tempfile.TemporaryDirectory(prefix="trainer-exit-") as where:
+        try:
+            proc = subprocess.Popen(args, env={**os.environ, EXIT_DIR_ENV: where}, stderr=subprocess.PIPE,
+                                    text=True, bufsize=1, errors="replace")
+        except OSError as exc:
+            print(f"error: {args[0]}: cannot be run ({exc.strerror or exc})", file=sys.stderr)
+            return 2
+        for s in FORWARDED:
+            signal.signal(s, lambda signum, frame: proc.send_signal(signum))
+        filt = LauncherFilter(sys.stderr)
+        assert proc.stderr is not None
+        for line in proc.stderr:
+            filt.feed(line)
+        launcher = proc.wait()
+        statuses = []
+        for name in os.listdir(where):
+            try:
+                statuses.append(int(open(os.path.join(where, name)).read().strip()))
+            except (OSError, ValueError):
+                pass
+    status = job_status(statuses, launcher)
+    filt.close(show_held=status == 1)
+    what = OUTCOMES[status] if status in OUTCOMES else "failed"
+    then = {PREEMPTED: "; resumable: run the same command with checkpoint.resume=auto",
+            3: "; resumable: see the relaunch command above"}.get(status, "")
+    print(f"[job] {what} (exit {status}; {len(statuses)} trainer process(es) ended: "
+          f"{', '.join(str(s) for s in sorted(statuses)) or 'none'}; launcher {launcher}){then}", file=sys.stderr)
+    return status
+
+
+if __name__ == "__main__":
+    sys.exit(main())
