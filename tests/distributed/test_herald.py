@@ -132,5 +132,10 @@ def test_herald_parity_with_single_process(case):
     if "schedule.on_demand_sync=false" not in extra:
         assert s["lend_pulls"] > 0 and s["local_reads"] > 0
         assert s["pulls_vs_naive"] < 1 and s["pushes_vs_naive"] < 1
+    else:  # the simulator counts what this run does: the partition alone, nothing lent
+        from trainer.tools.simulate import simulate_schedule
+        sim = simulate_schedule(load_config(make_cfg(HERALD + extra)), world, 24)
+        assert sim["on_demand_sync"] is False and "lend_pulls" not in sim
+        assert sim["pulls"] == sim["pushes"] == s["remote_reads"] and sim["naive_remote_reads"] == s["random_remote_reads"]
     for res in got:  # the eval logits within the parity tolerance, the AUC within the pairs they let turn
         assert_same_eval(ref, res)

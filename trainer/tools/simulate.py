@@ -291,22 +291,31 @@ def simulate_schedule(cfg: Config, workers: int, steps: int,
     plan = plan_run(cfg, data, workers)
     space = IdSpace(RowSharding(rows, workers, 0), plan.hot)
     caps = plan.cache_rows if plan.cache_rows is not None else cache_capacities(cfg)
-    planner = HeraldPlanner(workers, space, sum(caps))
-    part = (HeraldPartition(workers, space, planner, cfg.schedule.cache_aware, cfg.schedule.passes)
-            if cfg.schedule.name == "herald" else None)
+    herald = cfg.schedule.name == "herald"
+    sync = cfg.schedule.on_demand_sync or not herald  # the baseline (no Herald) counts through the planner
+    planner = HeraldPlanner(workers, space, sum(caps)) if sync else None
+    part = HeraldPartition(workers, space, planner, cfg.schedule.cache_aware, cfg.schedule.passes) if herald else None
     trace = FeedTrace(cfg, workers, plan.hot, data, part, planner)
     every = max(1, steps // 10)
     for s in range(steps):
         gb, owner, _ = trace.global_step(s)
-        if not gb.hot:
+        if planner is not None and not gb.hot:
             planner.plan(s, gb, owner)
         if log is not None and ((s + 1) % every == 0 or s + 1 == steps):
             print(f"simulate: step {s + 1}/{steps} {time.perf_counter() - t0:.1f}s", file=log, flush=True)
-    planner.flush()
+    if planner is not None:
+        planner.flush()
+        counts = planner.summary()
+    else:  # schedule.on_demand_sync=false: the partition alone, every remote read pulled and pushed each step
+        assert part is not None
+        naive = part.random_remote
+        counts = {"pulls": part.remote, "pushes": part.remote, "naive_remote_reads": naive,
+                  "pulls_vs_naive": part.remote / naive if naive else None,
+                  "pushes_vs_naive": part.remote / naive if naive else None}
     out: dict[str, Any] = {"workers": workers, "steps": steps, "global_batch": trace.global_batch,
                            "trace": trace.description, "schedule": cfg.schedule.name,
-                           "on_demand_sync": True, "placement": plan.name,
-                           "replicated_rows": int(plan.hot.size), **planner.summary()}
+                           "on_demand_sync": sync, "placement": plan.name,
+                           "replicated_rows": int(plan.hot.size), **counts}
     if part is not None:
         out["remote_reads"], out["random_remote_reads"] = part.remote, part.random_remote
     out["seconds"] = round(time.perf_counter() - t0, 3)
