@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import sys
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -91,14 +91,16 @@ def sparse_lr(c: Config) -> float:
 
 
 def build_sparse(c: Config, comm: Collectives, data: Any, global_batch: int,
-                 device: torch.device, resuming: bool = False) -> Sparse:
+                 device: torch.device, resuming: bool = False,
+                 interrupt: Optional[Callable[[], bool]] = None) -> Sparse:
     """Sharding -> store -> plan (+ replica) -> remote-row protocol -> HybridEmbedding -> feed.
-    resuming: every row will be loaded from a checkpoint (the store skips its initial rows)."""
+    resuming: every row will be loaded from a checkpoint (the store skips its initial rows).
+    interrupt: a stop request ends the placement's profile (every rank raises StopRequested)."""
     rank, world = comm.rank, comm.size
     with allocating("the embedding shard (rows, optimizer state, versions)"):
         store = _make_store(c, comm, device, resuming)
     sharding = store.sharding
-    plan = _make_plan(c, comm, data)
+    plan = _make_plan(c, comm, data, interrupt)
     replica = Replica(plan.hot_gids(sharding), store) if plan.hot.size else None
     space = IdSpace(sharding, plan.hot)
     herald = _make_herald(c, world, space, plan)
@@ -130,12 +132,13 @@ def _make_store(c: Config, comm: Collectives, device: torch.device, resuming: bo
     return ShardStore(RowSharding(table_rows(c), comm.size, comm.rank), *args, initialise=not resuming)
 
 
-def _make_plan(c: Config, comm: Collectives, data: Any) -> Plan:
-    """Rank 0 profiles the run's training stream and plans; every rank gets rank 0's plan."""
+def _make_plan(c: Config, comm: Collectives, data: Any, interrupt: Optional[Callable[[], bool]] = None) -> Plan:
+    """Rank 0 profiles the run's training stream and plans; every rank gets rank 0's plan (or its
+    StopRequested, when a stop signal ended the profile)."""
     if c.placement.name == "none":
         return Plan("none")
     with phase(comm, "other"):
-        return comm.root_decides(lambda: plan_run(c, data, comm.size), ConfigError)
+        return comm.root_decides(lambda: plan_run(c, data, comm.size, interrupt), ConfigError)
 
 
 def _cache_rows(c: Config, plan: Plan) -> list[int]:

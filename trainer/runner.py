@@ -32,7 +32,7 @@ import kernels
 
 from .evaluation.best import BestSnapshot, EarlyStopping, restore_best
 from .build import build_dense, build_sparse, device_of, sparse_lr
-from .core.errors import TrainingError, phase
+from .core.errors import StopRequested, TrainingError, phase
 from .checkpoint import CheckpointError, CheckpointManager
 from .comm import CollectiveError, Collectives, make_collectives
 from .config import Config, auto_threads, local_batch_size, validate_world
@@ -47,7 +47,7 @@ from .train.precision import DensePrecision
 from .plan.recipes import announce_recipe, apply_data_steps, recipe_of
 from .run.relaunch import Position, failure_hint
 from .report import Reporter, dynamic_summary
-from .run.signals import NOT_EVALUATED, SIGNALS, Stop, agree, announce, why_not_saved
+from .run.signals import NOT_EVALUATED, SIGNALS, Stop, agree, announce, stopped_at_start, why_not_saved
 
 __all__ = ["RunResult", "Trainer", "TrainingError", "run"]
 
@@ -97,6 +97,8 @@ def _run(cfg: Any, out_dir: str | None, return_state: bool, comm: Collectives | 
             at = trainer.position()
             announce(result.summary, comm, at.last, at.ckpt_dir, at.out_dir)
         return result
+    except StopRequested as exc:  # a stop signal ended a long start-up phase: nothing trained
+        return RunResult(stopped_at_start(comm, SIGNALS, str(exc), out_dir), comm.rank, [], None)
     except CollectiveError as exc:  # a peer died or stalled: say where we were and how to go on
         at = trainer.position() if trainer is not None else None
         raise CollectiveError(f"{exc}\n{failure_hint(config, comm, at, out_dir)}") from exc
@@ -143,7 +145,8 @@ class Trainer:
         self.global_batch = local_batch_size(c, self.world) * self.world
         self.memory = check_memory(c, comm, self.device)  # before the sparse side allocates
         resuming = self.checkpoints.resume_path() is not None  # collective: rank 0 decides
-        self.sparse = build_sparse(c, comm, self.data, self.global_batch, self.device, resuming)
+        self.sparse = build_sparse(c, comm, self.data, self.global_batch, self.device, resuming,
+                                   interrupt=lambda: SIGNALS.received is not None)
         self.emb, self.feed = self.sparse.emb, self.sparse.feed
         self.model, self.params, self.opt = build_dense(c, comm, self.sparse.sharding.num_tables, self.device)
         self.precision = DensePrecision(c, self.device)  # train.precision: autocast, fp16's loss scaler

@@ -228,6 +228,45 @@ def test_a_signal_to_one_rank_during_an_evaluation_stops_every_rank_there(tmp_pa
     assert got[0]["stopped"]["checkpoint"] == ckpt.step_dir(str(tmp_path / "out" / "checkpoints"), 3)
 
 
+def _signalled_in_profile(rank: int, world: int, overrides: list[str], out: str) -> dict:
+    """Spawned worker (or this process: rank 0 of 1): rank 0 receives SIGTERM as the sparse side
+    is built, just before FAE's profile (which only rank 0 runs)."""
+    import trainer.build as build
+    real = build._make_store
+
+    def store(*args, **kwargs):
+        if rank == 0:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return real(*args, **kwargs)
+
+    build._make_store = store
+    try:
+        got = run(make_cfg(overrides + (["comm=torch"] if world > 1 else ["comm=local"])), out_dir=out)
+    finally:
+        build._make_store = real
+    return {"summary": got.summary, "losses": got.losses}
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("world", [1, 2])
+def test_a_signal_during_the_placement_profile_stops_before_training(tmp_path, capfd, world):
+    """FAE's profile of a long stream can take minutes: a stop signal ends it before its next chunk,
+    every rank learns it with rank 0's plan (root_decides), and the run stops with nothing trained
+    and nothing saved: one line, `stopped` with the phase, exit status 143; the directories free."""
+    from helpers import spawn
+    out = str(tmp_path / "out")
+    args = BASE + ["placement=fae", "placement.profile_fraction=1.0"]
+    got = spawn(2, _signalled_in_profile, args, out) if world == 2 else [_signalled_in_profile(0, 1, args, out)]
+    for r in got:
+        s = r["summary"]["stopped"]
+        assert s["during"] == "placement profiling" and s["step"] is None and s["checkpoint"] is None, s
+        assert s["exit_status"] == 143 and r["losses"] == []
+    err = capfd.readouterr().err
+    assert err.count("stopped: SIGTERM received during start-up (placement profiling): nothing was trained") == 1
+    assert not os.path.exists(os.path.join(out, "checkpoints", ckpt.LOCK)) and not os.path.exists(
+        os.path.join(out, ckpt.LOCK))
+
+
 def test_a_stop_in_an_ensemble_member_continues_with_resume_auto(tmp_path, monkeypatch, capsys):
     """train.ensemble=2: SIGTERM in member 2 stops the ensemble there; the line names the member and
     a command with checkpoint.resume=auto, which reuses member 1, resumes member 2 from its

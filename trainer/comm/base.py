@@ -23,7 +23,10 @@ from typing import Any, Callable, Sequence, TypeVar
 
 import torch
 
+from ..core.errors import StopRequested
+
 KINDS = ("ids", "versions", "rows", "grads", "replica", "dense", "meta")
+STOP = "stop requested"  # root_decides' verdict when root raised StopRequested
 EMBEDDING_KINDS = ("ids", "versions", "rows", "grads", "replica")  # the sparse side's traffic
 # replica: the allreduce of replicated (hot) rows' gradients
 T = TypeVar("T")
@@ -192,12 +195,14 @@ class Collectives(abc.ABC):
                 outcome = (True, decide())
             except Exception as exc:  # noqa: BLE001 - every rank must learn that root failed
                 failure = exc
-                outcome = (False, str(exc) if isinstance(exc, error)
-                           else f"rank {root} failed: {type(exc).__name__}: {exc}")
+                outcome = (False, (STOP, str(exc)) if isinstance(exc, StopRequested) else str(exc)
+                           if isinstance(exc, error) else f"rank {root} failed: {type(exc).__name__}: {exc}")
         ok, value = self.broadcast_object(outcome, root)
         if failure is not None:
             raise failure
         if not ok:
+            if isinstance(value, tuple) and value[:1] == (STOP,):  # a stop signal on root: every rank stops
+                raise StopRequested(value[1])
             raise error(value)
         return value
 

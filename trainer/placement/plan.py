@@ -90,16 +90,17 @@ def make_plan(name: str, profile: AccessProfile | None, **kw: Any) -> Plan:
     raise ConfigError(f"placement.name={name!r}: must be one of {', '.join(PLANNERS)}")
 
 
-def plan_run(c: Any, data: Any, world: int) -> Plan:
+def plan_run(c: Any, data: Any, world: int, interrupt: Optional[Callable[[], bool]] = None) -> Plan:
     """What rank 0 of a run does (and scripts/plan.py, the simulator): profile the run's training
-    stream (`data` offers the global view) and plan with config c's placement for W = world."""
+    stream (`data` offers the global view) and plan with config c's placement for W = world.
+    interrupt: a stop request ends the profile (profile_stream)."""
     p = c.placement
     if p.name == "none":
         return Plan("none")
     t0 = time.perf_counter()
     rows = id_rows(c)  # dynamic tables: the profile's flat ids are the global ids
     profile = profile_stream(data, rows, c.train.steps * local_batch_size(c, world) * world,
-                             p.profile_fraction)
+                             p.profile_fraction, interrupt=interrupt)
     plan = make_plan(p.name, profile, budget_bytes=p.budget_bytes,
                      per_row=row_bytes(c.model.embedding_dim, c.optim.sparse, ROW_ELEM[c.embedding.dtype]), config=c, world=world,
                      data=data)

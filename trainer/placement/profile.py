@@ -10,10 +10,11 @@ same profile, hence the same plan, for any number of workers.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable, Optional
 
 import numpy as np
 
+from ..core.errors import StopRequested
 from ..embedding.sharding import flat_ids
 
 
@@ -51,13 +52,16 @@ class AccessProfile:
 
 
 def profile_stream(data: Any, table_rows: list[int], stream_samples: int, fraction: float,
-                   chunk: int = 1 << 16) -> AccessProfile:
+                   chunk: int = 1 << 16, interrupt: Optional[Callable[[], bool]] = None) -> AccessProfile:
     """Count reads per row over every k-th of the first `stream_samples` stream positions
-    (k = round(1 / fraction)); `data` offers stream_keys(pos) and sample_ids(keys)."""
+    (k = round(1 / fraction)); `data` offers stream_keys(pos) and sample_ids(keys). interrupt():
+    asked before each chunk; True raises StopRequested (a stop signal during start-up)."""
     stride = max(1, int(round(1.0 / fraction)))
     pos = np.arange(0, max(stream_samples, 1), stride, dtype=np.int64)
     ids, counts = np.zeros(0, np.int64), np.zeros(0, np.int64)
     for lo in range(0, pos.size, chunk):
+        if interrupt is not None and interrupt():
+            raise StopRequested("placement profiling")
         values, lengths = data.sample_ids(data.stream_keys(pos[lo:lo + chunk]))
         u, c = np.unique(flat_ids(values, lengths, table_rows), return_counts=True)
         ids, counts = _merge(ids, counts, u, c)

@@ -43,7 +43,7 @@ from .job import record_exit
 from .relaunch import relaunch_command
 
 __all__ = ["NOT_EVALUATED", "REPEAT_S", "SIGNALS", "STOP_SIGNALS", "SignalWatch", "Stop", "agree", "announce",
-           "why_not_saved"]
+           "stopped_at_start", "why_not_saved"]
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
 REPEAT_S = 1.0  # the same signal again within this many seconds is the same request
@@ -166,6 +166,21 @@ class Stop:
         return {"reason": "signal", "signal": self.signal, "rank": self.rank, "ranks": self.ranks,
                 "step": self.step, "checkpoint": self.checkpoint, "continue_from": self.continue_from,
                 "no_checkpoint": self.why_none, "exit_status": self.exit_status}
+
+
+def stopped_at_start(comm: Collectives, watch: SignalWatch, during: str, out_dir: Optional[str]) -> dict[str, Any]:
+    """A stop signal ended start-up in `during` (a long phase: StopRequested): nothing was trained,
+    so nothing is saved; rank 0 says so in one line. The run's summary (not written to disk: there
+    is nothing to report but this) with `stopped`; the process exits with 128 + the signal."""
+    signum = watch.received or int(signal.SIGTERM)
+    name = signal.Signals(signum).name
+    if comm.rank == 0:
+        print(f"stopped: {name} received during start-up ({during}): nothing was trained, so nothing was saved; "
+              f"the same command starts it again (exit status {128 + signum})", file=sys.stderr, flush=True)
+    stop = {"reason": "signal", "signal": name, "rank": comm.rank, "ranks": [comm.rank], "step": None,
+            "during": during, "checkpoint": None, "continue_from": None,
+            "no_checkpoint": f"stopped during start-up ({during}): nothing trained", "exit_status": 128 + signum}
+    return {"stopped": stop, "output_dir": out_dir}
 
 
 def why_not_saved(c: Config, enabled: bool) -> Optional[str]:

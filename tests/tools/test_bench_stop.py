@@ -1,0 +1,33 @@
+"""benchmarks/bench_stop.py shrunk (data=tiny): a stop signal in every phase ends the run with the
+job's preempted status (143), a complete checkpoint of the step it stopped at (none when FAE's
+profile was cut: nothing trained), one JSON line per phase; at W = 2 through torchrun under the job
+wrapper. The seconds at the bench size are docs/operations.md's table."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+from hvd_launch import ROOT, env
+
+
+def _run(args: list[str]) -> list[dict]:
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.bench_stop", "--data", "tiny", *args],
+                          capture_output=True, text=True, env=env(), cwd=ROOT, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return [json.loads(x) for x in proc.stdout.splitlines()]
+
+
+@pytest.mark.dist
+def test_every_phase_stops_with_the_preempted_status_and_its_checkpoint():
+    lines = _run([])
+    assert [x["phase"] for x in lines] == ["startup", "resume", "step", "eval", "save"]
+    for x in lines:
+        assert x["exit_status"] == 143 and x["checkpoint_complete"] and x["stopped_at"] >= 1, x
+        assert 0 < x["signal_to_exit_s"] < 120
+    assert [x["stopped_at"] for x in lines if x["phase"] in ("eval", "save")] == [5, 6]
+    (fae,) = _run(["--phases", "startup", "--", "placement=fae", "placement.profile_fraction=1.0"])
+    assert fae["exit_status"] == 143 and fae["stopped_at"] is None and not fae["checkpoint_complete"]
+    (w2,) = _run(["--world", "2", "--phases", "eval"])
+    assert w2["exit_status"] == 143 and w2["stopped_at"] == 5 and w2["checkpoint_complete"]
