@@ -162,7 +162,7 @@ class Trainer:
         self.evaluator.interrupt = lambda: SIGNALS.received is not None  # a stop request ends an evaluation
         self.early = EarlyStopping(c.train.early_stop.patience, c.train.early_stop.min_delta,
                                    c.train.early_stop.min_evals)
-        self.start_step = self.checkpoints.resume(self)
+        self.start_step = self.checkpoints.resume(self, interrupt=lambda: SIGNALS.received is not None)
         self.best = (BestSnapshot(self.model, self.emb, fresh=self.checkpoints.resumed_from is None,
                                   mode=c.train.early_stop.snapshot, directory=self.out_dir)
                      if self.val_rows and c.train.early_stop.restore_best else None)

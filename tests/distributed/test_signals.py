@@ -267,6 +267,48 @@ def test_a_signal_during_the_placement_profile_stops_before_training(tmp_path, c
         os.path.join(out, ckpt.LOCK))
 
 
+def _signalled_in_load(rank: int, world: int, overrides: list[str], out: str, signalled: int) -> dict:
+    """Spawned worker (or this process): rank `signalled` receives SIGTERM at its first read of the
+    checkpoint it resumes (the next read sees it)."""
+    from trainer.checkpoint import shard_io
+    real = shard_io._VerifiedFile.read
+
+    def read(self, lo, hi):
+        if rank == signalled:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return real(self, lo, hi)
+
+    shard_io._VerifiedFile.read = read
+    try:
+        got = run(make_cfg(overrides + (["comm=torch"] if world > 1 else ["comm=local"])), out_dir=out)
+    finally:
+        shard_io._VerifiedFile.read = real
+    return {"summary": got.summary, "losses": got.losses}
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("world", [1, 2])
+def test_a_signal_during_a_resumes_load_stops_before_training(tmp_path, capfd, world):
+    """A resume's load of a big shard takes a while: a stop signal ends it at the next read, on
+    every rank (W = 2: rank 1 alone is signalled, rank 0 learns it when the load's ranks agree), with
+    nothing trained and the checkpoint untouched; the same command then resumes it to the
+    uninterrupted result."""
+    from helpers import spawn
+    root = str(tmp_path / "ck")
+    common = BASE + ["optim=adagrad", f"checkpoint.dir={root}"]
+    run_single(common + ["train.steps=6", "checkpoint.every=3"], return_state=False)
+    again = common + [f"checkpoint.resume={ckpt.step_dir(root, 3)}"]
+    out = str(tmp_path / "out")
+    got = spawn(2, _signalled_in_load, again, out, 1) if world == 2 else [_signalled_in_load(0, 1, again, out, 0)]
+    for r in got:
+        s = r["summary"]["stopped"]
+        assert s["during"].startswith(("the resume's load", "loading checkpoint")) and s["step"] is None, s
+        assert s["exit_status"] == 143 and r["losses"] == []
+    if world == 1:  # (spawned workers may be a pool's, started under another test's capture)
+        assert "received during start-up (the resume's load)" in capfd.readouterr().err
+    assert [s for s, _ in ckpt.complete_checkpoints(root)] == [3, 6] and not os.path.exists(os.path.join(root, ckpt.LOCK))
+
+
 def test_a_stop_in_an_ensemble_member_continues_with_resume_auto(tmp_path, monkeypatch, capsys):
     """train.ensemble=2: SIGTERM in member 2 stops the ensemble there; the line names the member and
     a command with checkpoint.resume=auto, which reuses member 1, resumes member 2 from its

@@ -24,8 +24,10 @@ def test_every_phase_stops_with_the_preempted_status_and_its_checkpoint():
     lines = _run([])
     assert [x["phase"] for x in lines] == ["startup", "resume", "step", "eval", "save"]
     for x in lines:
-        assert x["exit_status"] == 143 and x["checkpoint_complete"] and x["stopped_at"] >= 1, x
-        assert 0 < x["signal_to_exit_s"] < 120
+        assert x["exit_status"] == 143 and 0 < x["signal_to_exit_s"] < 120, x
+        if x["phase"] == "resume" and x["stopped_at"] is None:  # the load was cut short: nothing trained
+            continue
+        assert x["checkpoint_complete"] and x["stopped_at"] >= 1, x
     assert [x["stopped_at"] for x in lines if x["phase"] in ("eval", "save")] == [5, 6]
     (fae,) = _run(["--phases", "startup", "--", "placement=fae", "placement.profile_fraction=1.0"])
     assert fae["exit_status"] == 143 and fae["stopped_at"] is None and not fae["checkpoint_complete"]

@@ -71,10 +71,11 @@ def _auto_stops(root: str | None, unseen: list[tuple[str, str]], newest: str | N
 
 
 def load(comm: Collectives, ckpt: str, store: ShardStore, schema: dict[str, Any],
-         auto_root: str | None = None, counter: dict[str, int] | None = None) -> dict[str, Any]:
+         auto_root: str | None = None, counter: dict[str, Any] | None = None) -> dict[str, Any]:
     """Verify ckpt (schema, the checksums of what is read), load this rank's rows under the current
     W into store, and return rank 0's trainer state (dense model/optimizer, step, RNG, losses).
-    counter["bytes_read"] adds the shard bytes this rank read. Collective.
+    counter["bytes_read"] adds the shard bytes this rank read; counter["interrupt"] (optional) is
+    asked before each read (a stop request: every rank raises StopRequested). Collective.
     auto_root: the checkpoint.dir that resume=auto chose ckpt from; a damaged file then also names
     the newest checkpoint saved before ckpt and the override that continues from it."""
     counter = {"bytes_read": 0} if counter is None else counter

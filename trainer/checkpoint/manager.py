@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import asdict, dataclass
-from typing import Any, Optional, Protocol
+from typing import Any, Callable, Optional, Protocol
 
 import torch
 
@@ -183,15 +183,17 @@ class CheckpointManager:
             self._resume_path, self._resolved = resolve(self.comm, self.c.checkpoint.resume, self.root), True
         return self._resume_path
 
-    def resume(self, run: Checkpointed) -> int:
+    def resume(self, run: Checkpointed, interrupt: Optional[Callable[[], bool]] = None) -> int:
         """Load checkpoint.resume (if any) into the run; returns the step to continue from (0: a
-        fresh start). Collective."""
+        fresh start). Collective. interrupt: asked before each read of the load; a stop request
+        there ends the load on every rank (StopRequested: nothing trained, the checkpoint intact)."""
         with phase(self.comm, "other"):
             path = self.resume_path()
             if path is None:
                 return 0
             state = load(self.comm, path, run.emb.store, self.schema(run),
-                         auto_root=self.root if self.c.checkpoint.resume == "auto" else None)
+                         auto_root=self.root if self.c.checkpoint.resume == "auto" else None,
+                         counter={"bytes_read": 0, "interrupt": interrupt})
             if run.emb.replica is not None:
                 run.emb.replica.load_from_owners(self.comm, run.emb.store)
         step = int(state["step"])

@@ -41,6 +41,7 @@ from typing import Any, Callable, Iterator
 import numpy as np
 import torch
 
+from ..core.errors import StopRequested
 from ..embedding.sharding import rows_on_rank
 from ..embedding.store import ShardStore
 from .manifest import CheckpointDamaged, CheckpointError
@@ -291,9 +292,11 @@ def write_shard(directory: str, store: ShardStore,
 
 class _VerifiedFile:
     """A field file of a saved shard, read by byte ranges whose blocks are checked against its
-    block index (itself checked against the manifest) the first time they are read."""
+    block index (itself checked against the manifest) the first time they are read. counter: the
+    load's context, shared by its files: "bytes_read" (added to), and optionally "interrupt", asked
+    before each read: True raises StopRequested (a stop signal during a resume's load)."""
 
-    def __init__(self, path: str, info: dict[str, Any], counter: dict[str, int]) -> None:
+    def __init__(self, path: str, info: dict[str, Any], counter: dict[str, Any]) -> None:
         self.path, self.info, self.counter = path, info, counter
         try:
             with open(path + ".sha256", "rb") as f:
@@ -310,6 +313,9 @@ class _VerifiedFile:
     def read(self, lo: int, hi: int) -> memoryview:
         """Bytes [lo, hi) of the file (a view of a new writable buffer: no further copy), every
         block they touch verified."""
+        interrupt = self.counter.get("interrupt")
+        if interrupt is not None and interrupt():
+            raise StopRequested("the resume's load")
         b0, b1 = lo // BLOCK, -(-hi // BLOCK)
         start = b0 * BLOCK
         buf = bytearray(min(b1 * BLOCK, self.size) - start)

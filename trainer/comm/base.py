@@ -217,12 +217,17 @@ class Collectives(abc.ABC):
             out = run()
         except Exception as exc:  # noqa: BLE001 - any local failure must reach every rank
             err = exc
-        flags = self.allgather(torch.tensor([0 if err is None else 1]), kind="meta")
+        stop = isinstance(err, StopRequested)  # a stop signal, not a failure: every rank stops (2)
+        flags = self.allgather(torch.tensor([0 if err is None else 2 if stop else 1]), kind="meta")
+        if stop and not bool((flags == 1).any()):
+            raise err  # type: ignore[misc]
+        if err is None and bool((flags == 2).any()) and not bool((flags == 1).any()):
+            raise StopRequested(f"{what} (a stop signal on another rank)")
         if isinstance(err, error):
             raise err
         if err is not None:
             raise error(f"{what} failed on rank {self.rank}: {err}") from err
-        bad = torch.nonzero(flags).flatten().tolist()
+        bad = torch.nonzero(flags == 1).flatten().tolist()
         if bad:
             raise error(f"{what} failed on rank(s) {bad}; see their error")
         return out  # type: ignore[return-value]
