@@ -32,7 +32,8 @@ import kernels
 
 from .evaluation.best import BestSnapshot, EarlyStopping, restore_best
 from .build import build_dense, build_sparse, device_of, sparse_lr
-from .core.errors import StopRequested, TrainingError, phase
+from .core.errors import TrainingError, phase
+from .core.stop import StopRequested
 from .checkpoint import CheckpointError, CheckpointManager
 from .comm import CollectiveError, Collectives, make_collectives
 from .config import Config, auto_threads, local_batch_size, validate_world

@@ -175,9 +175,9 @@ def test_signal_during_start_up_or_an_evaluation_stops_within_a_batch(tmp_path, 
     evaluation stops the trained run with its final checkpoint, saved once, unevaluated."""
     real_build, real_eval = runner.build_sparse, Evaluator.evaluate
 
-    def build(*args):
+    def build(*args, **kwargs):
         os.kill(os.getpid(), signal.SIGTERM)
-        return real_build(*args)
+        return real_build(*args, **kwargs)
 
     monkeypatch.setattr(runner, "build_sparse", build)
     got = run(make_cfg(BASE + ["comm=local"]), out_dir=str(tmp_path / "a"))
@@ -261,8 +261,9 @@ def test_a_signal_during_the_placement_profile_stops_before_training(tmp_path, c
         s = r["summary"]["stopped"]
         assert s["during"] == "placement profiling" and s["step"] is None and s["checkpoint"] is None, s
         assert s["exit_status"] == 143 and r["losses"] == []
-    err = capfd.readouterr().err
-    assert err.count("stopped: SIGTERM received during start-up (placement profiling): nothing was trained") == 1
+    if world == 1:  # (spawned workers may be a forkserver's, started under another test's capture)
+        err = capfd.readouterr().err
+        assert err.count("stopped: SIGTERM received during start-up (placement profiling): nothing was trained") == 1
     assert not os.path.exists(os.path.join(out, "checkpoints", ckpt.LOCK)) and not os.path.exists(
         os.path.join(out, ckpt.LOCK))
 

@@ -41,7 +41,7 @@ from typing import Any, Callable, Iterator
 import numpy as np
 import torch
 
-from ..core.errors import StopRequested
+from ..core.stop import StopRequested
 from ..embedding.sharding import rows_on_rank
 from ..embedding.store import ShardStore
 from .manifest import CheckpointDamaged, CheckpointError

@@ -23,7 +23,7 @@ from typing import Any, Callable, Sequence, TypeVar
 
 import torch
 
-from ..core.errors import StopRequested
+from ..core.stop import StopRequested
 
 KINDS = ("ids", "versions", "rows", "grads", "replica", "dense", "meta")
 STOP = "stop requested"  # root_decides' verdict when root raised StopRequested

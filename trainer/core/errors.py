@@ -15,11 +15,6 @@ class TrainingError(RuntimeError):
     """Training cannot go on (non-finite loss, no device, ...); the message names the step."""
 
 
-class StopRequested(Exception):
-    """A stop signal ended start-up in a long phase (its name is the message: "placement
-    profiling"); nothing was trained, so nothing is saved (trainer/run/signals.py)."""
-
-
 @contextmanager
 def phase(comm: "Collectives", name: str) -> Iterator[None]:
     """Count the bytes sent inside the block under phase `name` (train / eval / other)."""
