@@ -29,7 +29,7 @@ from ..core.device import resident
 from .batch import Batch
 from .criteo import CriteoFormatError, check_block, from_block, raw_ids, read_meta
 from .ids import IdGuard
-from .order import BlockReader, Columns, RowReader, SequentialRows, TrainOrder
+from .order import BlockReader, Columns, RowReader, SequentialRows, TrainOrder, open_block
 from .segment import Segment
 from .vocab import Vocab, build_vocab
 
@@ -138,7 +138,7 @@ def _memmap_rows(segs: list[Segment], num_dense: int) -> Iterator[Columns]:
     of those rows): a row-sharded split's reader."""
     while True:
         for s in segs:
-            block = _open_block(s.file)
+            block = open_block(s.file)
             if block.shape[0] < s.hi:
                 raise CriteoFormatError(f"{s.file}: the reader gave {block.shape[0]} rows, expected >= {s.hi}")
             yield tuple(torch.from_numpy(x) for x in from_block(block[s.lo:s.hi], num_dense))
@@ -162,17 +162,8 @@ def memmap_reader(num_dense: int) -> BlockReader:
         lo, hi = shard_range(len(files), shard_id, num_shards)
         while True:
             for f in files[lo:hi]:
-                yield tuple(torch.from_numpy(x) for x in from_block(_open_block(f), num_dense))
+                yield tuple(torch.from_numpy(x) for x in from_block(open_block(f), num_dense))
     return read
-
-
-def _open_block(path: str) -> np.ndarray:
-    """A block file as a read-only memmap; one removed or cut short while training is an error
-    naming it."""
-    try:
-        return np.load(path, mmap_mode="r")
-    except (OSError, ValueError) as exc:
-        raise CriteoFormatError(f"block file {path} cannot be read: {exc}") from exc
 
 
 def check_blocks(segs: list[Segment], directory: str, width: int) -> None:

@@ -102,6 +102,15 @@ class TrainOrder:
         return seg, keys - self.starts[seg]
 
 
+def open_block(path: str) -> np.ndarray:
+    """A block file as a read-only memmap; one removed or cut short while training is an error
+    naming it."""
+    try:
+        return np.load(path, mmap_mode="r")
+    except (OSError, ValueError) as exc:
+        raise CriteoFormatError(f"block file {path} cannot be read: {exc}") from exc
+
+
 class RowReader:
     """Rows of the training segments by key, from the blocks' memory maps (random access)."""
 
@@ -111,21 +120,18 @@ class RowReader:
 
     def _block(self, path: str) -> np.ndarray:
         if path not in self._maps:
-            try:
-                self._maps[path] = np.load(path, mmap_mode="r")
-            except (OSError, ValueError) as exc:
-                raise CriteoFormatError(f"block file {path} cannot be read: {exc}") from exc
+            self._maps[path] = open_block(path)
             if len(self._maps) > OPEN_BLOCKS:
                 self._maps.popitem(last=False)
         else:
             self._maps.move_to_end(path)
         return self._maps[path]
 
-    def raw(self, keys: np.ndarray) -> np.ndarray:
-        """The stored int32 rows [n, 1 + F + T] of keys, in the order given."""
+    def raw(self, keys: np.ndarray, width: int) -> np.ndarray:
+        """The stored int32 rows [n, width = 1 + F + T] of keys, in the order given."""
         keys = np.asarray(keys, np.int64)
         seg, row = self.order.segment_of(keys)
-        out: np.ndarray | None = None
+        out = np.empty((keys.size, width), np.int32)
         for s in np.unique(seg):
             at = np.flatnonzero(seg == s)
             segment = self.order.segs[int(s)]
@@ -134,17 +140,11 @@ class RowReader:
                 raise CriteoFormatError(f"{segment.file}: the block holds {block.shape[0]} rows, expected >= {segment.hi}")
             local = row[at]
             sort = np.argsort(local, kind="stable")
-            rows = np.asarray(block[segment.lo + local[sort]])
-            if out is None:
-                out = np.empty((keys.size, block.shape[1]), block.dtype)
-            out[at[sort]] = rows
-        return out if out is not None else np.zeros((0, 0), np.int32)
+            out[at[sort]] = block[segment.lo + local[sort]]
+        return out
 
     def columns(self, keys: np.ndarray, width: int) -> Columns:
-        raw = self.raw(keys)
-        if raw.size == 0:
-            raw = np.zeros((0, width), np.int32)
-        return tuple(torch.from_numpy(np.ascontiguousarray(x)) for x in from_block(raw, self.F))
+        return tuple(torch.from_numpy(np.ascontiguousarray(x)) for x in from_block(self.raw(keys, width), self.F))
 
 
 
