@@ -147,7 +147,7 @@ class Trainer:
         self.memory = check_memory(c, comm, self.device)  # before the sparse side allocates
         resuming = self.checkpoints.resume_path() is not None  # collective: rank 0 decides
         self.sparse = build_sparse(c, comm, self.data, self.global_batch, self.device, resuming,
-                                   interrupt=lambda: SIGNALS.received is not None)
+                                   interrupt=SIGNALS.requested)
         self.emb, self.feed = self.sparse.emb, self.sparse.feed
         self.model, self.params, self.opt = build_dense(c, comm, self.sparse.sharding.num_tables, self.device)
         self.precision = DensePrecision(c, self.device)  # train.precision: autocast, fp16's loss scaler
@@ -160,10 +160,10 @@ class Trainer:
         self.evals: list[dict[str, Any]] = []
         self.val_rows = int(getattr(self.data, "val_rows", 0))  # validation split (0: none)
         self.evaluator = Evaluator(comm, self.model, self.emb, self.data, self.device, self.precision.autocast)
-        self.evaluator.interrupt = lambda: SIGNALS.received is not None  # a stop request ends an evaluation
+        self.evaluator.interrupt = SIGNALS.requested  # a stop request ends an evaluation
         self.early = EarlyStopping(c.train.early_stop.patience, c.train.early_stop.min_delta,
                                    c.train.early_stop.min_evals)
-        self.start_step = self.checkpoints.resume(self, interrupt=lambda: SIGNALS.received is not None)
+        self.start_step = self.checkpoints.resume(self, interrupt=SIGNALS.requested)
         self.best = (BestSnapshot(self.model, self.emb, fresh=self.checkpoints.resumed_from is None,
                                   mode=c.train.early_stop.snapshot, directory=self.out_dir)
                      if self.val_rows and c.train.early_stop.restore_best else None)

@@ -84,6 +84,11 @@ class SignalWatch:
                 self._previous = {}
                 self.received, self.agreed = None, False
 
+    def requested(self) -> bool:
+        """Whether this process has received a stop signal (what a long phase asks between its
+        pieces: an evaluation batch, a profile's chunk, a resume's read)."""
+        return self.received is not None
+
     @contextmanager
     def saving(self) -> Iterator[None]:
         """A checkpoint is being written in this block: a second signal lets it finish."""
@@ -148,7 +153,7 @@ class Stop:
     signal: str  # its name, e.g. SIGTERM: the signal of the lowest rank that received one
     rank: int  # that rank
     ranks: list[int]  # every rank that had received one
-    step: int
+    step: Optional[int]  # None: stopped during start-up (stopped_at_start), nothing trained
     checkpoint: Optional[str] = None  # saved at the stop (none: train.on_signal=stop, no checkpoints)
     continue_from: Optional[str] = None  # the newest complete checkpoint of the run
     why_none: Optional[str] = None  # why no checkpoint was saved at the stop
@@ -172,15 +177,12 @@ def stopped_at_start(comm: Collectives, watch: SignalWatch, during: str, out_dir
     """A stop signal ended start-up in `during` (a long phase: StopRequested): nothing was trained,
     so nothing is saved; rank 0 says so in one line. The run's summary (not written to disk: there
     is nothing to report but this) with `stopped`; the process exits with 128 + the signal."""
-    signum = watch.received or int(signal.SIGTERM)
-    name = signal.Signals(signum).name
+    stop = Stop(signal.Signals(watch.received or signal.SIGTERM).name, comm.rank, [comm.rank], None,
+                why_none=f"stopped during start-up ({during}): nothing trained")
     if comm.rank == 0:
-        print(f"stopped: {name} received during start-up ({during}): nothing was trained, so nothing was saved; "
-              f"the same command starts it again (exit status {128 + signum})", file=sys.stderr, flush=True)
-    stop = {"reason": "signal", "signal": name, "rank": comm.rank, "ranks": [comm.rank], "step": None,
-            "during": during, "checkpoint": None, "continue_from": None,
-            "no_checkpoint": f"stopped during start-up ({during}): nothing trained", "exit_status": 128 + signum}
-    return {"stopped": stop, "output_dir": out_dir}
+        print(f"stopped: {stop.signal} received during start-up ({during}): nothing was trained, so nothing was "
+              f"saved; the same command starts it again (exit status {stop.exit_status})", file=sys.stderr, flush=True)
+    return {"stopped": {**stop.record(), "during": during}, "output_dir": out_dir}
 
 
 def why_not_saved(c: Config, enabled: bool) -> Optional[str]:
