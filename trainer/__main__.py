@@ -36,12 +36,12 @@ from omegaconf import DictConfig
 
 from .checkpoint import CheckpointError
 from .comm import CollectiveError
-from .config import CONF_DIR, ConfigError, renamed_overrides
+from .config import CONF_DIR, ConfigError, launcher_rank, renamed_overrides
 from .core.errors import error_line
 from .data import IdRangeError
 from .data.criteo import CriteoFormatError
 from .run.job import record_exit
-from .run.multirun import SWEEP, describe, launcher_rank
+from .run.multirun import SWEEP, describe
 from .run.outdir import RECORD_DIR, hold_sweep_dir, hydra_record, literal_sweep_dir
 from .run.signals import STOP_SIGNALS
 from .runner import TrainingError, run

@@ -115,15 +115,16 @@ def _subtree(tree: dict, dotted: str, create: bool = False):
 
 
 def _warn(old: str, new: str, moved: str) -> None:
-    if _launcher_rank() == 0:
+    if launcher_rank() == 0:
         print(f"[trainer] warning: {old} is deprecated, use {new} ({moved}); {old} will be removed in the "
               "next release", file=sys.stderr)
 
 
-def _launcher_rank() -> int:
-    """This process's rank as its launcher set it (torchrun: RANK, horovodrun: HOROVOD_RANK, mpirun:
-    OMPI_COMM_WORLD_RANK / PMI_RANK); 0 when started alone."""
-    for key in ("RANK", "HOROVOD_RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK"):
+def launcher_rank() -> int:
+    """This process's rank as its launcher set it (horovodrun: HOROVOD_RANK, torchrun: RANK, mpirun:
+    OMPI_COMM_WORLD_RANK / PMI_RANK), 0 alone: known before (and without) a process group, so a
+    config's warnings come once and a job that failed to start can be reported."""
+    for key in ("HOROVOD_RANK", "RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK"):
         if os.environ.get(key, "").strip().isdigit():
             return int(os.environ[key])
     return 0

@@ -101,14 +101,4 @@ def swept_keys(sweep_dir: str) -> set[str]:
         return set()
 
 
-def launcher_rank() -> int:
-    """This process's rank as the launcher set it (torchrun RANK, horovodrun HOROVOD_RANK), 0 alone:
-    known before (and without) a process group, so a job that failed to start can be reported."""
-    for key in ("HOROVOD_RANK", "RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK"):
-        value = os.environ.get(key)
-        if value is not None and value.isdigit():
-            return int(value)
-    return 0
-
-
 SWEEP = SweepLog()  # this process's sweep (one per `python -m trainer -m` process)
