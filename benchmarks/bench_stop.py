@@ -50,7 +50,8 @@ def _command(world: int, args: list[str]) -> list[str]:
             "--standalone", "--nproc_per_node", str(world), "-m", "trainer", "comm=torch", *args]
 
 
-def _steps(out: str) -> int:
+def trained_steps(out: str) -> int:
+    """Steps the run in output dir `out` has written to metrics.jsonl so far (0: none yet)."""
     try:
         with open(os.path.join(out, "metrics.jsonl")) as f:
             return sum(1 for line in f if '"loss"' in line)
@@ -81,12 +82,12 @@ def measure(phase: str, world: int, extra: list[str], work: str, timeout: float)
         args += ["checkpoint.resume=auto"]
     if phase == "eval":
         args += ["train.eval_every=5"]
-        ready = lambda: _steps(out) >= 5  # noqa: E731 - the evaluation follows step 5's line
+        ready = lambda: trained_steps(out) >= 5  # noqa: E731 - the evaluation follows step 5's line
     elif phase == "save":
         args += ["checkpoint.every=5"]
         ready = lambda: _saving(root)  # noqa: E731
     elif phase == "step":
-        ready = lambda: _steps(out) >= 3  # noqa: E731
+        ready = lambda: trained_steps(out) >= 3  # noqa: E731
     else:  # startup, resume: a line the trainer prints as the phase begins
         marker = "resuming from" if phase == "resume" else "memory plan"
         ready = lambda: any(marker in line for line in lines)  # noqa: E731

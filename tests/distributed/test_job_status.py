@@ -16,6 +16,7 @@ import time
 import pytest
 from hvd_launch import HOROVODRUN, TORCHRUN, env, require_horovod
 
+from benchmarks.bench_stop import trained_steps
 from trainer.run.job import LauncherFilter, job_status
 
 JOB = [sys.executable, "-m", "trainer.run.job", "--"]
@@ -68,20 +69,12 @@ def test_the_filter_holds_the_launchers_lines_back():
     assert sorted(shown.getvalue().splitlines()) == sorted(TORCHRUN_FAILURE.splitlines())
 
 
-def _steps(out: str) -> int:
-    try:
-        with open(os.path.join(out, "metrics.jsonl")) as f:
-            return sum(1 for line in f if '"loss"' in line)
-    except OSError:
-        return 0
-
-
 def _signalled_job(cmd: list[str], out: str, cwd: str) -> subprocess.CompletedProcess:
     """Start the job through the wrapper, SIGTERM the wrapper (as a scheduler does) once a few steps
     ran, and wait for it."""
     proc = subprocess.Popen(JOB + cmd, cwd=cwd, env=env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     t0 = time.monotonic()
-    while _steps(out) < 3:
+    while trained_steps(out) < 3:
         assert proc.poll() is None and time.monotonic() - t0 < 180, proc.communicate()[1][-3000:]
         time.sleep(0.05)
     proc.send_signal(signal.SIGTERM)
