@@ -531,11 +531,15 @@ class NetCluster:
             # Inside host k, the machine's hostname resolves to host k's own address and h0, h1, ...
             # to the hosts: code that finds its address from the hostname (Gloo without an
             # interface name, e.g. Horovod 0.28's process-set contexts) then uses veth0, not lo.
+            # The host's own name comes first on its line, so the reverse lookup of its address
+            # (socket.getfqdn(): what torchrun's elastic agent tells the other nodes to reach it
+            # at) gives a name every host resolves, not the machine's.
             etc = os.path.join(NETNS_ETC, h.ns)
             os.makedirs(etc, exist_ok=True)
             with open(os.path.join(etc, "hosts"), "w") as f:
+                own = f"{self.names[h.index]} h{h.index}" if self.names else f"h{h.index}"
                 f.write(f"# netcluster {self.tag}, host {h.index}\n127.0.0.1 localhost\n"
-                        f"{h.addr} {machine}\n{names}")
+                        f"{h.addr} {own} {machine}\n{names}")
             # both ends are created directly inside their namespaces: nothing appears in the root one
             _run(["ip", "link", "add", IFACE, "netns", h.ns, "type", "veth", "peer", "name", port,
                   "netns", br])

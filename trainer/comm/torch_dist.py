@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import datetime as _dt
 import os
-from typing import Any
+from typing import Any, Mapping
 
 import torch
 import torch._dynamo  # noqa: F401  (must precede init_process_group: see below)
@@ -44,11 +44,20 @@ def _rendezvous(timeout: _dt.timedelta) -> dict[str, Any]:
     early could reach rank 0's previous server and wait for a rendezvous that never came ("1/2
     clients joined"). With one store and a fresh prefix a rank that comes early waits under the new
     prefix. Every rank opens its groups in the same order, so the n-th group has the same prefix on
-    every rank; torchrun's restart count is part of it (a restarted worker counts from 1 again)."""
+    every rank.
+
+    Restarts (torchrun --max-restarts): the agent's store outlives the workers, so a restarted
+    worker (which counts its groups from 1 again) would meet the keys of the incarnation before it;
+    the restart count is then part of the prefix. That count is each agent's own, and agents of
+    several nodes disagree on it as soon as one node restarts for a failure and another for the
+    membership change (the count moves only for a failure): ranks would wait under different
+    prefixes until the timeout. So across nodes with restarts the agent's store is refused
+    (agent_store_refusal); with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 every rendezvous round gives
+    the workers a fresh store on a new port, served by rank 0, and no restart count is needed."""
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     addr, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
     agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
-    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") if agent else "0"
     key = f"{addr}:{port}/{rank}/{world}/{restart}"
     if _STORE.get("key") != key:
         # joining waits for the slowest rank to start (imports, a loaded host): at least
@@ -59,6 +68,20 @@ def _rendezvous(timeout: _dt.timedelta) -> dict[str, Any]:
     _STORE["groups"] += 1
     prefix = f"trainer/restart{restart}/group{_STORE['groups']}/"
     return {"store": dist.PrefixStore(prefix, _STORE["store"]), "rank": rank, "world_size": world}
+
+
+def agent_store_refusal(env: Mapping[str, str] | None = None) -> str | None:
+    """Why this torchrun worker cannot rendezvous safely, or None: restarts allowed
+    (TORCHELASTIC_MAX_RESTARTS > 0) with the agent's shared store and more than one node
+    (GROUP_WORLD_SIZE > 1); see _rendezvous. A node that joins later is also never given the
+    master's address by torchrun's shared store (its rendezvous waits for it forever)."""
+    env = os.environ if env is None else env
+    if (env.get("TORCHELASTIC_USE_AGENT_STORE") == "True" and int(env.get("TORCHELASTIC_MAX_RESTARTS", "0")) > 0
+            and int(env.get("GROUP_WORLD_SIZE", "1")) > 1):
+        return ("torchrun --max-restarts across several nodes needs TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 in "
+                "every node's environment (a fresh store per restart; with torchrun's shared store the "
+                "nodes' restart counts disagree, and a node that rejoins never gets the master's address)")
+    return None
 
 
 def pick_backend(dist_backend: str, device: str) -> str:
@@ -96,6 +119,9 @@ class TorchCollectives(Collectives):
             if any(v not in os.environ for v in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")):
                 raise RuntimeError("comm.backend=torch needs RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT "
                                    "in the environment (launch with torchrun)")
+            why = agent_store_refusal()
+            if why:
+                raise ValueError(why)
             dist.init_process_group(backend=backend, timeout=timeout, **_rendezvous(timeout))
         local = os.environ.get("LOCAL_WORLD_SIZE")  # torchrun: the ranks it started on this host
         super().__init__(dist.get_rank(), dist.get_world_size(), timeout_s,
