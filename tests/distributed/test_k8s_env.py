@@ -72,7 +72,7 @@ def _pod_spec(job: dict, rtype: str) -> dict:
 def test_the_manifests_fields():
     """Kinds and API versions the operators serve, the image, the volume at /runs holding the run and
     its checkpoints (resume=auto), the grace, GPUs, shared memory, and the restart policies."""
-    pvc = _job_of_the_docs("kubectl apply -f deploy/k8s/pvc.yaml")
+    pvc = _job_of_the_docs(documented("kubectl apply -f deploy/k8s/pvc.yaml"))
     assert (pvc["apiVersion"], pvc["kind"]) == ("v1", "PersistentVolumeClaim")
     assert pvc["spec"]["accessModes"] == ["ReadWriteMany"]  # every pod writes its shard there
     claim = pvc["metadata"]["name"]
@@ -213,9 +213,8 @@ def reference(tmp_path_factory) -> str:
     return out
 
 
-def _job_of_the_docs(text: str) -> dict:
-    """The manifest that `kubectl apply -f FILE`, as the docs print it, submits."""
-    argv = documented(text)
+def _job_of_the_docs(argv: list[str]) -> dict:
+    """The manifest that `kubectl apply -f FILE` (documented(): as the docs print it) submits."""
     assert argv[:3] == ["kubectl", "apply", "-f"] and len(argv) == 4, argv
     return manifest(os.path.relpath(os.path.join(ROOT, argv[3]), K8S))
 
@@ -223,7 +222,7 @@ def _job_of_the_docs(text: str) -> dict:
 def test_pytorchjob_pods_train_as_torchrun(reference, tmp_path):
     """One process per pod: the Master and the Worker, with only the operator's variables (and the
     manifest's own), train what torchrun --standalone --nproc_per_node 2 trains."""
-    job = _job_of_the_docs("kubectl apply -f deploy/k8s/pytorchjob.yaml")
+    job = _job_of_the_docs(documented("kubectl apply -f deploy/k8s/pytorchjob.yaml"))
     runs = tmp_path / "runs"
     _ok(Pods(job, str(runs), str(tmp_path)).wait())
     out = pod_command(_container(_pod_spec(job, "Master")), str(runs))
@@ -235,7 +234,7 @@ def test_pytorchjob_pods_train_as_torchrun(reference, tmp_path):
 def test_pytorchjob_with_nproc_per_node_runs_torchrun_from_pet_variables(reference, tmp_path):
     """nprocPerNode: torchrun in each pod takes --nnodes, --node_rank, --nproc_per_node and the master
     from PET_*; two pods of one process each (nprocPerNode 8 shrunk to 1) equal the reference."""
-    job = _job_of_the_docs("kubectl apply -f deploy/k8s/pytorchjob-torchrun.yaml")
+    job = _job_of_the_docs(documented("kubectl apply -f deploy/k8s/pytorchjob-torchrun.yaml"))
     assert job["spec"]["nprocPerNode"] == "8"
     runs = tmp_path / "runs"
     _ok(Pods(job, str(runs), str(tmp_path), nproc="1").wait())
@@ -248,7 +247,7 @@ def test_mpijob_launcher_runs_horovodrun_on_the_operators_hostfile(tmp_path):
     """The launcher's command with the operator's hostfile (`HOST slots=N`, here one host of two
     slots) and its OMPI_MCA_* variables equals horovodrun -H localhost:2."""
     require_horovod()
-    job = _job_of_the_docs("kubectl apply -f deploy/k8s/mpijob.yaml")
+    job = _job_of_the_docs(documented("kubectl apply -f deploy/k8s/mpijob.yaml"))
     launcher = _container(_pod_spec(job, "Launcher"))
     hostfile = tmp_path / "hostfile"
     hostfile.write_text("localhost slots=2\n")
