@@ -217,6 +217,15 @@ REGISTRY: dict[str, Entry] = {
     ".venv/bin/torchrun --nnodes 2 --node_rank 1 --master_addr host1 --master_port 29500 --nproc_per_node 8 -m trainer comm=torch":
         Entry(host=1, marks=("netns",), shrink=(("--nproc_per_node 8", "--nproc_per_node 1"),), add=W2),
     "docker build -t hybrid-trainer .": Entry(marks=("docker",), in_checkout=True, timeout=3600),
+    # docs/running.md, On Kubernetes: no cluster here; each test takes the manifest `kubectl apply -f` names
+    # and runs its pods' commands with the environment the operator gives them
+    "kubectl apply -f deploy/k8s/pvc.yaml": Entry(elsewhere="tests/distributed/test_k8s_env.py::test_the_manifests_fields"),
+    "kubectl apply -f deploy/k8s/pytorchjob.yaml":
+        Entry(elsewhere="tests/distributed/test_k8s_env.py::test_pytorchjob_pods_train_as_torchrun"),
+    "kubectl apply -f deploy/k8s/pytorchjob-torchrun.yaml":
+        Entry(elsewhere="tests/distributed/test_k8s_env.py::test_pytorchjob_with_nproc_per_node_runs_torchrun_from_pet_variables"),
+    "kubectl apply -f deploy/k8s/mpijob.yaml":
+        Entry(elsewhere="tests/distributed/test_k8s_env.py::test_mpijob_launcher_runs_horovodrun_on_the_operators_hostfile"),
     # README (In a container) and docs/running.md: the cpu image (cached: a build with nothing
     # changed takes seconds; tests/tools/test_image.py builds it first in a full run)
     "bash scripts/build_image.sh cpu": Entry(marks=("docker",), in_checkout=True, timeout=3600,
@@ -463,6 +472,8 @@ def abbreviated(text: str) -> bool:
 INLINE_NOT_RUN = {
     "python -m trainer.run.job --": "the job wrapper's name before a launcher's command "
                                     "(tests/distributed/test_job_status.py runs it under torchrun and horovodrun)",
+    "python -m trainer.run.job --lost-worker-exit 203 --": "the start of deploy/k8s/'s pod commands "
+                                                          "(tests/distributed/test_k8s_env.py runs them from the manifests)",
     "docker info": "the check that a container engine is there (the docker marker's own test)",
     "podman info": "the check that a container engine is there (the docker marker's own test)",
     "podman import": "names a step of scripts/build_image.sh (tests/tools/test_image.py builds the image)",

@@ -118,3 +118,21 @@ def test_horovodrun_preempted_exits_143_then_resumes(tmp_path):
     cmd = [sys.executable, HOROVODRUN, "-np", "2", "-H", "localhost:2", "--gloo", sys.executable, "-m", "trainer",
            "comm=horovod", *ARGS, "train.steps=400", f"hydra.run.dir={out}"]
     _check_preempted_then_requeued(cmd, out, str(tmp_path))
+
+
+def test_a_lost_worker_exits_as_asked_for_kubeflows_exit_code_policy(tmp_path):
+    """`--lost-worker-exit 203`: a lost worker (a process's status 3) makes the job exit 203, which
+    Kubeflow's restartPolicy ExitCode retries; the other statuses stay, a bad value is refused."""
+    def job(opts: list[str], status: int) -> subprocess.CompletedProcess:
+        child = ("import sys; from trainer.run.job import record_exit; "
+                 f"record_exit({status}); sys.exit({status})")
+        return subprocess.run(JOB[:3] + opts + ["--", sys.executable, "-c", child], cwd=tmp_path, env=env(),
+                              capture_output=True, text=True, timeout=60)
+    lost = job(["--lost-worker-exit", "203"], 3)
+    assert lost.returncode == 203, lost.stderr
+    assert lost.stderr.strip().splitlines()[-1].startswith("[job] a worker was lost (exit 203; 1 trainer process(es) "
+                                                           "ended: 3;")
+    assert job(["--lost-worker-exit=203"], 2).returncode == 2 and job(["--lost-worker-exit=203"], 143).returncode == 143
+    assert job([], 3).returncode == 3
+    bad = job(["--lost-worker-exit", "143"], 3)
+    assert bad.returncode == 2 and "error: --lost-worker-exit 143: must be" in bad.stderr

@@ -16,6 +16,10 @@ job's:
     3    a worker was lost (the survivors printed the newest checkpoint and the relaunch command)
     1    any other failure (the launcher's own output is shown in full)
 
+`--lost-worker-exit N` (before the `--`) exits N instead of 3 for a lost worker: Kubeflow's
+`restartPolicy: ExitCode` restarts a pod that exits 128-255 and fails the job for 1-127, and a lost
+worker is worth a restart (deploy/k8s/ uses 203: 200 + 3, no signal's number).
+
 The signals the wrapper receives (TERM, INT, USR1) go to COMMAND. The launcher's own tracebacks and
 failure tables are held back and shown only for status 1; the trainer's lines pass through as they
 come. A process on another host writes into that host's TRAINER_EXIT_DIR (the same path, if it
@@ -124,6 +128,14 @@ class LauncherFilter:
 
 def main(argv: Optional[list[str]] = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
+    lost_worker = 3
+    if args[:1] and args[0].split("=", 1)[0] == "--lost-worker-exit":
+        opt = args.pop(0)
+        value = opt.split("=", 1)[1] if "=" in opt else (args.pop(0) if args else "")
+        if not value.isdigit() or not 3 <= int(value) <= 255 or int(value) == PREEMPTED:
+            print(f"error: --lost-worker-exit {value}: must be an exit status from 3 to 255, not 143", file=sys.stderr)
+            return 2
+        lost_worker = int(value)
     if args[:1] == ["--"]:
         args = args[1:]
     if not args or args[0] in ("-h", "--help"):
@@ -151,12 +163,13 @@ def main(argv: Optional[list[str]] = None) -> int:
                 pass
     status = job_status(statuses, launcher)
     filt.close(show_held=status == 1)
+    code = lost_worker if status == 3 else status
     what = OUTCOMES[status] if status in OUTCOMES else "failed"
     then = {PREEMPTED: "; resumable: run the same command with checkpoint.resume=auto",
             3: "; resumable: see the relaunch command above"}.get(status, "")
-    print(f"[job] {what} (exit {status}; {len(statuses)} trainer process(es) ended: "
+    print(f"[job] {what} (exit {code}; {len(statuses)} trainer process(es) ended: "
           f"{', '.join(str(s) for s in sorted(statuses)) or 'none'}; launcher {launcher}){then}", file=sys.stderr)
-    return status
+    return code
 
 
 if __name__ == "__main__":
