@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -126,10 +127,39 @@ def test_the_manifests_fields():
     assert 30 < int(shutdown["TORCH_ELASTIC_SHUTDOWN_TIMEOUT"]) < grace  # torchrun waits for the save, then the pod ends
 
 
+KV_VERSION = "1.37.0"  # kubernetes-validate: the schemas of Kubernetes 1.x releases, offline (72 MB installed)
+
+
+def kubernetes_validate():
+    """The kubernetes_validate module: the venv's, else installed once (with its dependencies) into
+    ~/.cache/hybrid-trainer/kubernetes-validate-VERSION by pip --target; kept out of the test extra
+    (and so out of the image) for its size. Skips, saying why, only where pip cannot reach it."""
+    try:
+        import kubernetes_validate as kv
+        return kv
+    except ImportError:
+        pass
+    import importlib
+    target = os.path.join(os.path.expanduser("~"), ".cache", "hybrid-trainer", f"kubernetes-validate-{KV_VERSION}")
+    if not os.path.exists(os.path.join(target, ".complete")):
+        shutil.rmtree(target + ".tmp", ignore_errors=True)
+        r = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--target", target + ".tmp",
+                            f"kubernetes-validate=={KV_VERSION}"], capture_output=True, text=True, timeout=600)
+        if r.returncode:
+            pytest.skip(f"kubernetes-validate=={KV_VERSION} could not be installed: {r.stderr.strip()[-300:]}")
+        shutil.rmtree(target, ignore_errors=True)
+        os.rename(target + ".tmp", target)
+        open(os.path.join(target, ".complete"), "w").close()
+    sys.path.append(target)  # after the venv's own packages: only what the venv lacks comes from there
+    importlib.invalidate_caches()
+    import kubernetes_validate as kv
+    return kv
+
+
 def test_the_pod_templates_are_valid_core_v1():
     """Each pod template validates as a Kubernetes PodTemplateSpec (kubernetes-validate's offline
     schemas; the Kubeflow kinds themselves are CRDs it does not know)."""
-    kv = pytest.importorskip("kubernetes_validate", reason="kubernetes-validate is not installed")
+    kv = kubernetes_validate()
     for name in ("pytorchjob.yaml", "pytorchjob-torchrun.yaml", "mpijob.yaml"):
         job = manifest(name)
         key = "pytorchReplicaSpecs" if job["kind"] == "PyTorchJob" else "mpiReplicaSpecs"
