@@ -20,11 +20,14 @@ DOCS = ["README.md", *sorted(os.path.relpath(p, ROOT) for p in glob.glob(str(ROO
 LINKS = ("scripts", "benchmarks", "dev", "conf", "trainer", "kernels", "tests", "Dockerfile",
          "pyproject.toml")
 SETUP = "bash scripts/setup.sh && "
+ELASTIC = ("TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 .venv/bin/torchrun --nnodes 1:2 --nproc_per_node 8 --max-restarts 100 "
+           "--rdzv-backend c10d --rdzv-endpoint host1:29400 --rdzv-id run1 --rdzv-conf last_call_timeout=10 -m trainer "
+           "comm=torch data.global_batch_size=16384 checkpoint.every=500 checkpoint.resume=auto hydra.run.dir=DIR/run1")
 
 # Keys an entry may lower (Hydra overrides and tool flags: steps, rows, repeats, eval samples,
 # processes per host, the sizes a benchmark sweeps); a list value may only lose members.
 SHRINK_KEYS = {
-    "train.steps", "data.test_samples", "data.train_samples", "data.epochs", "data.max_table_rows",
+    "train.steps", "data.test_samples", "data.global_batch_size", "data.train_samples", "data.epochs", "data.max_table_rows",
     "data.batch_size", "checkpoint.every", "--steps", "--repeat", "--warmup", "--sample-every",
     "--splits", "--measure-steps", "--herald-steps", "--plan-steps", "--sizes", "--budget",
     "--jobs", "--slices", "placement.plan_steps", "--batch-sizes", "--nproc_per_node", "--rows",
@@ -211,6 +214,10 @@ REGISTRY: dict[str, Entry] = {
         Entry(add=("data.epochs=1",), check=_recipe_and_test_split, **TRAINER),
     ".venv/bin/python scripts/baseline_lr.py DIR": Entry(json_keys=("eval_auc", "eval_logloss", "C")),
     # docs/running.md: both lines at once, each in its emulated host (named host1, host2)
+    # docs/running.md's elastic recipe: one line on every node (a lost node killed, then back)
+    ELASTIC: Entry(shrink=(("--nproc_per_node 8", "--nproc_per_node 1"), ("data.global_batch_size=16384", "data.global_batch_size=64"),
+                           ("checkpoint.every=500", "checkpoint.every=20")),
+                   elsewhere="tests/distributed/test_elastic.py::test_a_lost_node_restarts_the_job_at_w1_and_its_return_at_w2"),
     ".venv/bin/torchrun --nnodes 2 --node_rank 0 --master_addr host1 --master_port 29500 --nproc_per_node 8 -m trainer comm=torch":
         Entry(host=0, marks=("netns",), shrink=(("--nproc_per_node 8", "--nproc_per_node 1"),), add=W2,
               json_values=(("world_size", 2),), **TRAINER),
@@ -594,8 +601,9 @@ def documented(text: str, bin_dir: Optional[str] = None) -> list[str]:
     `bin_dir` (default: this environment's); a shell's redirections and `&&` are not allowed here."""
     line = command_line(text, entry(text))
     assert not re.search(r"[|&;<>]", line), f"{text}: run it in a block, not through documented()"
-    argv = shlex.split(line)
+    settings = re.match(ENV_SETTINGS, line).group(0)  # `NAME=VALUE ... prog`: run as `env NAME=VALUE ... prog`
+    argv = shlex.split(line[len(settings):])
     prog = re.sub(r"^\.venv/bin/", "", argv[0])
     if argv[0].startswith(".venv/bin/") or (re.fullmatch(PROGRAMS, prog) and prog not in ("bash", "docker", "podman")):
         argv[0] = os.path.join(bin_dir or os.path.join(sys.prefix, "bin"), prog)
-    return argv
+    return ["env", *shlex.split(settings), *argv] if settings else argv

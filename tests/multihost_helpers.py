@@ -68,11 +68,15 @@ def assert_same_training(local_dir: str, net_dir: str, steps: int = 12) -> dict:
     return s_net
 
 
-def assert_same_model(local_dir: str, net_dir: str, steps: int = 12) -> None:
+def assert_same_model(local_dir: str, net_dir: str, steps: int = 12, rtol: float = 1e-6, atol: float = 0.0,
+                      fewer_pushes: bool = False) -> None:
     """Every step's loss (metrics.jsonl: each step once, also after a resume), the final checkpoint's
-    parameters, rows and optimizer state equal."""
+    parameters, rows and optimizer state equal (to rtol / atol: the parity suite's 1e-5 / 1e-6 where
+    part of a run trained at another W, whose sums round in another order). fewer_pushes: net_dir's
+    run trained some steps at a smaller W, so its row versions (the pushes folded into a row: one
+    per rank that read it in a step) may be lower, never higher."""
     torch.testing.assert_close(torch.tensor(_losses(net_dir, steps), dtype=torch.float64),
-                               torch.tensor(_losses(local_dir, steps), dtype=torch.float64), rtol=1e-6, atol=0)
+                               torch.tensor(_losses(local_dir, steps), dtype=torch.float64), rtol=rtol, atol=atol)
     a, b = _final_checkpoint(local_dir), _final_checkpoint(net_dir)
     files = sorted(f for f in os.listdir(a) if f.endswith(".pt"))
     assert files == sorted(f for f in os.listdir(b) if f.endswith(".pt")) == ["trainer.pt"]
@@ -82,7 +86,11 @@ def assert_same_model(local_dir: str, net_dir: str, steps: int = 12) -> None:
     for shard, info in shards.items():  # every field's raw array (checkpoint format 2), as saved
         for field, meta in info["fields"].items():
             va, vb = (np.fromfile(os.path.join(d, shard, f"{field}.bin"), dtype=meta["dtype"]) for d in (a, b))
-            np.testing.assert_allclose(vb, va, rtol=1e-6, atol=0, err_msg=f"{shard}/{field}")
+            if fewer_pushes and field == "version":
+                assert (vb <= va).all() and (vb > 0).sum() == (va > 0).sum(), f"{shard}/{field}"
+                compared += va.size
+                continue
+            np.testing.assert_allclose(vb, va, rtol=rtol, atol=atol, err_msg=f"{shard}/{field}")
             compared += va.size
     for name in files:
         fa = _flatten(torch.load(os.path.join(a, name), weights_only=False))
@@ -93,10 +101,11 @@ def assert_same_model(local_dir: str, net_dir: str, steps: int = 12) -> None:
                 continue  # global Python / NumPy RNGs: saved for resume, never drawn from in training
             vb = fb[key]
             if isinstance(va, torch.Tensor):
-                torch.testing.assert_close(vb, va, rtol=1e-6, atol=0, msg=lambda m: f"{name}{key}: {m}")
+                torch.testing.assert_close(vb, va, rtol=rtol, atol=atol, msg=lambda m: f"{name}{key}: {m}")
                 compared += va.numel()
             else:
-                assert vb == pytest.approx(va, rel=1e-6) if isinstance(va, float) else vb == va, f"{name}{key}"
+                close = isinstance(va, float) or (isinstance(va, (list, tuple)) and any(isinstance(x, float) for x in va))
+                assert vb == pytest.approx(va, rel=rtol, abs=atol) if close else vb == va, f"{name}{key}"
     assert compared > 10_000  # every row, its version and accumulator, and the dense model
 
 

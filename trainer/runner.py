@@ -225,7 +225,7 @@ class Trainer:
     # ---- the loop --------------------------------------------------------------------------
     def fit(self, return_state: bool = False) -> RunResult:
         c, report, k = self.c, self.report, self.checkpoints
-        report.start(self.start_step, k.resumed_from)
+        report.start(self.start_step, k.resumed_from, k.resumed_world)
         train_time, window_t, window_start = 0.0, time.perf_counter(), self.start_step
         end = self.early.stopped_at if self.early.stop else c.train.steps  # the step training stops at
         try:

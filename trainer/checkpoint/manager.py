@@ -27,7 +27,7 @@ from ..comm import CollectiveError, Collectives
 from ..config import Config
 from ..embedding import HybridEmbedding
 from .loader import load, resolve
-from .manifest import CheckpointError, step_dir
+from .manifest import CheckpointError, read_manifest, step_dir
 from .saver import Checkpointer
 from .state import rng_state, set_rng_state
 
@@ -98,6 +98,7 @@ class CheckpointManager:
         self.last: Optional[str] = None  # this run's newest complete save
         self.last_step: Optional[int] = None  # ... and its step
         self.resumed_from: Optional[str] = None  # the checkpoint this run started from
+        self.resumed_world: Optional[int] = None  # the W that saved it
         self._resume_path: Optional[str] = None  # resume_path(), once decided
         self._resolved = False
 
@@ -211,4 +212,5 @@ class CheckpointManager:
         run.precision.load_state_dict(state.get("precision"))  # fp16's loss scale goes on (else a fresh one)
         run.emb.step = step - 1  # the last step trained (a flush before the next lookup records it)
         self.resumed_from = path
+        self.resumed_world = int(read_manifest(path)["world_size"])
         return step

@@ -21,7 +21,7 @@ import torch
 import torch._dynamo  # noqa: F401  (must precede init_process_group: see below)
 import torch.distributed as dist
 
-from ..config import dist_transport, resolve_device
+from ..config import ConfigError, dist_transport, resolve_device
 from .base import Collectives, flatten, unflatten
 
 
@@ -121,7 +121,7 @@ class TorchCollectives(Collectives):
                                    "in the environment (launch with torchrun)")
             why = agent_store_refusal()
             if why:
-                raise ValueError(why)
+                raise ConfigError(why)
             dist.init_process_group(backend=backend, timeout=timeout, **_rendezvous(timeout))
         local = os.environ.get("LOCAL_WORLD_SIZE")  # torchrun: the ranks it started on this host
         super().__init__(dist.get_rank(), dist.get_world_size(), timeout_s,

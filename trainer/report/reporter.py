@@ -42,17 +42,19 @@ class Reporter:
         self.bar = None
 
     # ---- lines during the run -----------------------------------------------------------
-    def start(self, start_step: int, resumed_from: Optional[str] = None) -> None:
+    def start(self, start_step: int, resumed_from: Optional[str] = None, saved_world: Optional[int] = None) -> None:
         """Open metrics.jsonl (appended to), TensorBoard and the progress bar (rank 0). After a
         resume, metrics.jsonl first loses the records after the resumed step (the interrupted
-        run's steps that are trained again) and gains a resume line."""
+        run's steps that are trained again) and gains a resume line: the checkpoint, its step, the
+        W that saved it and this run's (an elastic restart changes W)."""
         if self.out_dir is not None and self.comm.rank == 0:
             path = os.path.join(self.out_dir, "metrics.jsonl")
             if resumed_from is not None:
                 keep_records_until(path, start_step)
             self.metrics = JsonlWriter(path)
             if resumed_from is not None:
-                self.metrics.write({"event": "resume", "from": resumed_from, "step": start_step})
+                self.metrics.write({"event": "resume", "from": resumed_from, "step": start_step,
+                                    "saved_world_size": saved_world, "world_size": self.comm.size})
             if self.c.train.tensorboard:
                 self.tb = TensorBoardWriter(os.path.join(self.out_dir, "tensorboard"))
         mode = self.c.train.progress
