@@ -29,7 +29,7 @@ from benchmarks.bench_stop import trained_steps
 from docs_registry import documented
 from helpers import free_port
 from hvd_launch import ROOT, tail, torchrun
-from multihost_helpers import _losses, assert_same_model, assert_same_training
+from multihost_helpers import assert_same_model, assert_same_training
 from slurm_helpers import SlurmCluster, require_slurm
 
 pytestmark = [pytest.mark.dist, pytest.mark.xdist_group("slurm")]
@@ -60,9 +60,10 @@ def _submit(cluster, argv: list[str], cwd: str, env: dict) -> str:
     return p.stdout.strip().split(";")[0]
 
 
-def _metrics_steps(out: str) -> list[int]:
+def _losses(out: str) -> dict[int, float]:
+    """Step -> loss of metrics.jsonl (every train.log_every-th step, and a stop's step)."""
     with open(os.path.join(out, "metrics.jsonl")) as f:
-        return [json.loads(x)["step"] for x in f if '"loss"' in x]
+        return {r["step"]: r["loss"] for r in map(json.loads, f) if "loss" in r}
 
 
 def test_srun_one_task_per_rank_equals_torchrun(cluster, tmp_path):
@@ -131,8 +132,9 @@ def test_a_preempted_job_saves_requeues_itself_and_resumes(cluster, tmp_path):
     r = torchrun(["-m", "trainer", "comm=torch", *argv[argv.index("hydra.run.dir=runs/slurm") + 1:],
                   f"hydra.run.dir={ref}"], timeout=300)
     assert r.returncode == 0, tail(r)
-    logged = list(range(10, 201, 10))
-    assert _losses(out, logged) == pytest.approx(_losses(ref, logged), rel=1e-6)
+    got, want = _losses(out), _losses(ref)
+    assert sorted(want) == list(range(10, 201, 10)) and sorted(got) == sorted([*want, first["step"], second["step"]])
+    assert [got[k] for k in sorted(want)] == pytest.approx([want[k] for k in sorted(want)], rel=1e-6)
     assert_same_model(ref, out)
 
 
