@@ -65,7 +65,7 @@ REAL_RUNS = {
     "dev/recipe_study/paired_splits.py": "tools/test_paired_splits.py::test_paired_differences_against_a_plain_computation",
     "dev/recipe_study/val_rotations.py": "tools/test_val_rotations.py::test_one_run_per_slice_against_one_baseline",
 }
-SHELL = [s for s in REAL_RUNS if s.endswith(".sh")]
+SHELL = [s for s in REAL_RUNS if s.endswith((".sh", ".sbatch"))]
 PYTHON_SCRIPTS = [s for s in REAL_RUNS if s.endswith(".py")]
 MODULES = [s for s in PYTHON_SCRIPTS if not s.startswith("scripts/")]  # benchmarks/ and dev/: run with -m
 
@@ -191,6 +191,8 @@ HELP_SAYS = {  # a phrase of each script's own help text (not argparse's), so th
     "scripts/install_horovod.sh": "C++17",
     "scripts/install_podman.sh": "runc",
     "scripts/install_slurm.sh": "munge",
+    "scripts/slurm/train.sbatch": "requeues itself",
+    "scripts/slurm/sweep.sbatch": "job array",
     "scripts/build_image.sh": "mmdebstrap",
     "scripts/setup.sh": "--check",
 }
