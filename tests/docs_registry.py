@@ -200,6 +200,20 @@ REGISTRY: dict[str, Entry] = {
     "bash scripts/setup.sh && .venv/bin/python -m trainer":
         Entry(ci="setup+run", add=("train.steps=4", "data.test_samples=512"), **TRAINER),
     "bash scripts/setup.sh && .venv/bin/python -m pytest -q": Entry(ci="setup+ci"),
+    # docs/running.md: On Slurm (a real Slurm on this host: tests/slurm_helpers.py)
+    "sbatch scripts/slurm/train.sbatch hydra.run.dir=runs/slurm":
+        Entry(elsewhere="tests/distributed/test_slurm.py::test_a_preempted_job_saves_requeues_itself_and_resumes",
+              add=("train.steps=200", "data.test_samples=512", "train.progress=off")),
+    "scancel --signal=TERM JOBID":
+        Entry(elsewhere="tests/distributed/test_slurm.py::test_a_preempted_job_saves_requeues_itself_and_resumes"),
+    "srun --nodes=2 --ntasks-per-node=1 .venv/bin/python -m trainer comm=torch hydra.run.dir=runs/srun":
+        Entry(elsewhere="tests/distributed/test_slurm.py::test_srun_one_task_per_rank_equals_torchrun",
+              add=("train.steps=12", "data.test_samples=512", "train.progress=off")),
+    "sbatch --array=0-1 scripts/slurm/sweep.sbatch consistency.pull_bound=0,4 cache=lfu hydra.sweep.dir=multirun/stale-slurm":
+        Entry(elsewhere="tests/distributed/test_slurm.py::test_an_array_job_sweeps_the_staleness_bound_and_plot_sweep_plots_it",
+              add=("train.steps=12", "data.test_samples=512", "train.progress=off")),
+    ".venv/bin/python scripts/plot_sweep.py multirun/stale-slurm --out stale-slurm.png":
+        Entry(elsewhere="tests/distributed/test_slurm.py::test_an_array_job_sweeps_the_staleness_bound_and_plot_sweep_plots_it"),
     # README: Running
     ".venv/bin/python -m trainer model=dcn optim=adam train.steps=600 hydra.run.dir=runs/dcn":
         Entry(shrink=(("train.steps=600", "train.steps=4"),), add=("data.test_samples=512",),
@@ -604,6 +618,6 @@ def documented(text: str, bin_dir: Optional[str] = None) -> list[str]:
     settings = re.match(ENV_SETTINGS, line).group(0)  # `NAME=VALUE ... prog`: run as `env NAME=VALUE ... prog`
     argv = shlex.split(line[len(settings):])
     prog = re.sub(r"^\.venv/bin/", "", argv[0])
-    if argv[0].startswith(".venv/bin/") or (re.fullmatch(PROGRAMS, prog) and prog not in ("bash", "docker", "podman")):
+    if argv[0].startswith(".venv/bin/") or (re.fullmatch(PROGRAMS, prog) and prog not in ("bash", "docker", "podman", "srun", "sbatch")):
         argv[0] = os.path.join(bin_dir or os.path.join(sys.prefix, "bin"), prog)
     return ["env", *shlex.split(settings), *argv] if settings else argv

@@ -36,7 +36,7 @@ from omegaconf import DictConfig
 
 from .checkpoint import CheckpointError
 from .comm import CollectiveError
-from .config import CONF_DIR, ConfigError, launcher_rank, renamed_overrides
+from .config import CONF_DIR, ConfigError, adopt_slurm, launcher_rank, renamed_overrides
 from .core.errors import error_line
 from .data import IdRangeError
 from .data.criteo import CriteoFormatError
@@ -174,7 +174,10 @@ def _key(arg: str) -> str:
 
 
 def cli() -> None:
-    """The command (see _cli); its exit status is also noted for a job wrapper (trainer/run/job.py)."""
+    """The command (see _cli); its exit status is also noted for a job wrapper (trainer/run/job.py).
+    A task of `srun` (one per rank, no launcher) first gets torchrun's variables from Slurm's
+    (config.adopt_slurm): everything after reads RANK / WORLD_SIZE / LOCAL_RANK as under torchrun."""
+    adopt_slurm()
     status = 1
     try:
         _cli()

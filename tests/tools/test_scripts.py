@@ -35,6 +35,10 @@ REAL_RUNS = {
     "scripts/gpu_check.sh": "tools/test_gpu_check.py::test_gpu_check_runs_every_stage_in_cpu_mode",
     "scripts/install_horovod.sh": "",
     "scripts/install_podman.sh": "",
+    "scripts/install_slurm.sh": "",
+    "scripts/slurm/train.sbatch": "distributed/test_slurm.py::test_a_preempted_job_saves_requeues_itself_and_resumes",
+    "scripts/slurm/sweep.sbatch":
+        "distributed/test_slurm.py::test_an_array_job_sweeps_the_staleness_bound_and_plot_sweep_plots_it",
     "scripts/plan.py": "distributed/test_sca.py::test_plan_script_prints_json_and_rejects_bad_input",
     "scripts/plot_sweep.py": "distributed/test_horovod.py::test_staleness_sweep_under_horovodrun_and_plot",
     "scripts/prepare_criteo.py": "unit/test_criteo_prep.py::test_bad_rows_counted_with_line_numbers_and_round_trip",
@@ -61,7 +65,7 @@ REAL_RUNS = {
     "dev/recipe_study/paired_splits.py": "tools/test_paired_splits.py::test_paired_differences_against_a_plain_computation",
     "dev/recipe_study/val_rotations.py": "tools/test_val_rotations.py::test_one_run_per_slice_against_one_baseline",
 }
-SHELL = [s for s in REAL_RUNS if s.endswith(".sh")]
+SHELL = [s for s in REAL_RUNS if s.endswith((".sh", ".sbatch"))]
 PYTHON_SCRIPTS = [s for s in REAL_RUNS if s.endswith(".py")]
 MODULES = [s for s in PYTHON_SCRIPTS if not s.startswith("scripts/")]  # benchmarks/ and dev/: run with -m
 
@@ -93,13 +97,13 @@ def run_many(cases: list[dict], pythonpath: bool = True) -> list[dict]:
 
 
 def _scripts_on_disk() -> list[str]:
-    """The command-line scripts of the three folders: shell scripts and Python files with a
-    __main__ block (dev/recipe_study/'s modules have none)."""
+    """The command-line scripts of the three folders: shell scripts (Slurm's batch scripts too) and
+    Python files with a __main__ block (dev/recipe_study/'s modules have none)."""
     out = []
     for folder in ("scripts", "benchmarks", "dev"):
         for path in sorted(glob.glob(os.path.join(ROOT, folder, "**", "*"), recursive=True)):
             rel = os.path.relpath(path, ROOT)
-            if path.endswith(".sh") or (path.endswith(".py") and 'if __name__ == "__main__"' in open(path).read()):
+            if path.endswith((".sh", ".sbatch")) or (path.endswith(".py") and 'if __name__ == "__main__"' in open(path).read()):
                 out.append(rel)
     return out
 
@@ -147,6 +151,7 @@ def _local_test(script: str) -> str:
     """This file's shrunk real run of `script` (REAL_RUNS "")."""
     return {"scripts/install_horovod.sh": "test_install_horovod_has_nothing_to_do_in_this_venv",
             "scripts/install_podman.sh": "test_install_podman_ends_with_a_running_engine",
+            "scripts/install_slurm.sh": "test_install_slurm_ends_with_the_daemons_and_clients",
             "scripts/setup.sh": "test_setup_check_finds_everything_in_this_venv",
             "benchmarks/bench_comm.py": "test_bench_comm_all_launches_torchrun_and_horovodrun",
             "benchmarks/bench_data.py": "test_bench_data_measures_prepare_and_both_loaders",
@@ -185,6 +190,9 @@ HELP_SAYS = {  # a phrase of each script's own help text (not argparse's), so th
     "scripts/gpu_check.sh": "GPU checklist",
     "scripts/install_horovod.sh": "C++17",
     "scripts/install_podman.sh": "runc",
+    "scripts/install_slurm.sh": "munge",
+    "scripts/slurm/train.sbatch": "requeues itself",
+    "scripts/slurm/sweep.sbatch": "job array",
     "scripts/build_image.sh": "mmdebstrap",
     "scripts/setup.sh": "--check",
 }
@@ -464,5 +472,24 @@ def test_install_podman_ends_with_a_running_engine():
     assert p.returncode == 0, p.stdout + p.stderr
     assert "[install_podman] podman: runtime runc" in p.stdout, p.stdout
     r = subprocess.run(["bash", os.path.join(ROOT, "scripts", "install_podman.sh"), "nosuch"], capture_output=True,
+                       text=True, timeout=30)
+    assert r.returncode == 2 and r.stderr.startswith("error: nosuch: unknown argument"), r.stderr
+
+
+def test_install_slurm_ends_with_the_daemons_and_clients():
+    """install_slurm.sh (.ci/run runs it before the suite, for tests/distributed/test_slurm.py): as root
+    on Debian it installs what is missing (nothing, where CI already ran it; seconds), keeps an
+    existing munge key, starts nothing, and names the versions; the daemons and clients are there."""
+    import shutil
+
+    if os.geteuid() != 0 or shutil.which("dpkg") is None or shutil.which("apt-get") is None:
+        pytest.skip("install_slurm.sh needs root, dpkg and apt-get (Debian)")
+    p = subprocess.run(["bash", os.path.join(ROOT, "scripts", "install_slurm.sh")], capture_output=True,
+                       text=True, timeout=900)
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert re.search(r"^\[install_slurm\] slurm-wlm \d+\.\d+", p.stdout, re.M), p.stdout
+    assert "[install_slurm] keeping the existing /etc/munge/munge.key" in p.stdout, p.stdout
+    assert [c for c in ("slurmctld", "slurmd", "sbatch", "srun", "scontrol", "munged") if shutil.which(c) is None] == []
+    r = subprocess.run(["bash", os.path.join(ROOT, "scripts", "install_slurm.sh"), "nosuch"], capture_output=True,
                        text=True, timeout=30)
     assert r.returncode == 2 and r.stderr.startswith("error: nosuch: unknown argument"), r.stderr

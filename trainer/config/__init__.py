@@ -40,7 +40,7 @@ from .schema import (  # noqa: F401
     CheckpointConfig, Config,
 )
 from .load import (  # noqa: F401
-    CONF_DIR, compose, parse, RENAMED, renamed_overrides, get_key, launcher_rank,
+    CONF_DIR, compose, parse, RENAMED, renamed_overrides, get_key, launcher_rank, adopt_slurm,
 )
 from .derive import (  # noqa: F401
     epoch_steps, val_range, val_rows, needs_global_view, resolve_device, run_device, dist_transport,

@@ -120,14 +120,72 @@ def _warn(old: str, new: str, moved: str) -> None:
               "next release", file=sys.stderr)
 
 
+LAUNCHER_RANKS = ("HOROVOD_RANK", "RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK")  # set by a launcher, in this order
+
+
 def launcher_rank() -> int:
     """This process's rank as its launcher set it (horovodrun: HOROVOD_RANK, torchrun: RANK, mpirun:
-    OMPI_COMM_WORLD_RANK / PMI_RANK), 0 alone: known before (and without) a process group, so a
-    config's warnings come once and a job that failed to start can be reported."""
-    for key in ("HOROVOD_RANK", "RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK"):
+    OMPI_COMM_WORLD_RANK / PMI_RANK, srun: SLURM_PROCID), 0 alone: known before (and without) a
+    process group, so a config's warnings come once and a job that failed to start can be reported."""
+    for key in (*LAUNCHER_RANKS, "SLURM_PROCID"):
         if os.environ.get(key, "").strip().isdigit():
             return int(os.environ[key])
     return 0
+
+
+SLURM_PORT_BASE, SLURM_PORTS = 15000, 10000  # MASTER_PORT from the job id: 15000..24999 (below 29500 and ephemerals)
+
+
+def _first_host(nodelist: str) -> str:
+    """The first name of a Slurm host list ("n[07-09,12],gpu3" -> "n07"), as `scontrol show
+    hostnames` prints it first."""
+    head, depth = "", 0
+    for ch in nodelist.strip():
+        if ch == "," and depth == 0:
+            break
+        depth += (ch == "[") - (ch == "]")
+        head += ch
+    if "[" not in head:
+        return head
+    prefix, rest = head.split("[", 1)
+    ranges, suffix = rest.split("]", 1)
+    return prefix + ranges.split(",")[0].split("-")[0] + suffix
+
+
+def _tasks_here(per_node: str, node: int) -> int:
+    """The tasks on node `node` of a Slurm tasks-per-node list ("2(x3),1": 2, 2, 2, 1)."""
+    counts: list[int] = []
+    for part in per_node.split(","):
+        n, _, times = part.partition("(x")
+        counts += [int(n)] * (int(times.rstrip(")")) if times else 1)
+    return counts[node] if node < len(counts) else counts[-1]
+
+
+def adopt_slurm(env: "dict[str, str] | os._Environ[str]" = os.environ) -> dict[str, str]:
+    """A task that srun started (one per rank) gets torchrun's variables from Slurm's, when no launcher
+    set its rank: RANK <- SLURM_PROCID, WORLD_SIZE <- SLURM_NTASKS, LOCAL_RANK <- SLURM_LOCALID,
+    LOCAL_WORLD_SIZE <- this node's tasks (SLURM_STEP_TASKS_PER_NODE at SLURM_NODEID), and, unless
+    the batch script exported them, MASTER_ADDR <- the first host of SLURM_JOB_NODELIST and MASTER_PORT
+    <- 15000 + SLURM_JOB_ID % 10000. Only for a step of more than one task (SLURM_STEP_ID set: not the
+    batch shell); a launcher's variables (torchrun, horovodrun, mpirun: LAUNCHER_RANKS, WORLD_SIZE) win,
+    except srun's own PMI_RANK (the same rank). Sets them in `env` and returns what it set."""
+    if "SLURM_STEP_ID" not in env or not env.get("SLURM_PROCID", "").isdigit():
+        return {}
+    world = int(env.get("SLURM_STEP_NUM_TASKS") or env.get("SLURM_NTASKS") or "1")
+    launched = [k for k in (*LAUNCHER_RANKS, "WORLD_SIZE") if k in env
+                and not (k == "PMI_RANK" and env[k] == env["SLURM_PROCID"])]
+    if world <= 1 or launched:
+        return {}
+    node = int(env.get("SLURM_NODEID", "0"))
+    per_node = env.get("SLURM_STEP_TASKS_PER_NODE") or env.get("SLURM_TASKS_PER_NODE") or str(world)
+    got = {"RANK": env["SLURM_PROCID"], "WORLD_SIZE": str(world), "LOCAL_RANK": env.get("SLURM_LOCALID", "0"),
+           "LOCAL_WORLD_SIZE": str(_tasks_here(per_node, node))}
+    if "MASTER_ADDR" not in env:
+        got["MASTER_ADDR"] = _first_host(env.get("SLURM_STEP_NODELIST") or env["SLURM_JOB_NODELIST"])
+    if "MASTER_PORT" not in env:
+        got["MASTER_PORT"] = str(SLURM_PORT_BASE + int(env.get("SLURM_JOB_ID", "0")) % SLURM_PORTS)
+    env.update(got)
+    return got
 
 
 def get_key(c: Config, key: str) -> Any:
