@@ -437,12 +437,14 @@ class NetCluster:
     """
 
     def __init__(self, hosts: int = 2, rate: Any = None, delay_ms: float = 0.0, ssh: bool = False,
-                 install_sshd: bool = True, verbose: bool = False, names: Sequence[str] = ()) -> None:
+                 install_sshd: bool = True, verbose: bool = False, names: Sequence[str] = (),
+                 held: bool = False) -> None:
         if not 1 <= int(hosts) <= MAX_HOSTS:
             raise NetClusterError(f"hosts={hosts}: must be 1..{MAX_HOSTS}")
         if names and len(names) != int(hosts):
             raise NetClusterError(f"names={list(names)}: one per host ({hosts})")
         self.names = tuple(names)
+        self.held = held  # made by the command line's `up` (its holder): what run / torchrun / down act on
         if delay_ms < 0:
             raise NetClusterError(f"delay_ms={delay_ms}: must be >= 0")
         self.n = int(hosts)
@@ -777,7 +779,7 @@ class NetCluster:
                  "ready": self._ready, "hosts": [h.__dict__ for h in self.hosts], "bridge_ns": self.bridge_ns,
                  "iface": IFACE, "rate_bits": self.rate_bits, "delay_ms": self.delay_ms,
                  "delay_applied": self.delay_applied, "netem": self.netem, "ssh": self.ssh,
-                 "tmpdir": self.tmpdir, "sshd_pids": self._sshd_pids}
+                 "tmpdir": self.tmpdir, "sshd_pids": self._sshd_pids, "held": self.held}
         path = os.path.join(self.tmpdir, "state.json")
         with open(path + ".tmp", "w") as f:
             json.dump(state, f, indent=1)
@@ -814,7 +816,7 @@ def _clusters() -> list[dict]:
 
 
 def _find(tag: str | None) -> dict:
-    live = _clusters()
+    live = [c for c in _clusters() if c.get("held")]  # not a cluster a program made for itself (a test's)
     if tag:
         live = [c for c in live if c["tag"] == tag]
     if not live:
@@ -827,7 +829,7 @@ def _find(tag: str | None) -> dict:
 
 def _hold(a: argparse.Namespace) -> int:
     """The `up` holder: owns the cluster until SIGTERM (`down`) or the ttl."""
-    with NetCluster(a.hosts, a.rate, a.delay_ms, a.ssh, verbose=False) as c:
+    with NetCluster(a.hosts, a.rate, a.delay_ms, a.ssh, verbose=False, held=True) as c:
         deadline = time.monotonic() + a.ttl
         while time.monotonic() < deadline:
             time.sleep(0.5)

@@ -20,9 +20,6 @@ DOCS = ["README.md", *sorted(os.path.relpath(p, ROOT) for p in glob.glob(str(ROO
 LINKS = ("scripts", "benchmarks", "dev", "conf", "trainer", "kernels", "tests", "Dockerfile",
          "pyproject.toml")
 SETUP = "bash scripts/setup.sh && "
-ELASTIC = ("TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 .venv/bin/torchrun --nnodes 1:2 --nproc_per_node 8 --max-restarts 100 "
-           "--rdzv-backend c10d --rdzv-endpoint host1:29400 --rdzv-id run1 --rdzv-conf last_call_timeout=10 -m trainer "
-           "comm=torch data.global_batch_size=16384 checkpoint.every=500 checkpoint.resume=auto hydra.run.dir=DIR/run1")
 
 # Keys an entry may lower (Hydra overrides and tool flags: steps, rows, repeats, eval samples,
 # processes per host, the sizes a benchmark sweeps); a list value may only lose members.
@@ -229,7 +226,8 @@ REGISTRY: dict[str, Entry] = {
     ".venv/bin/python scripts/baseline_lr.py DIR": Entry(json_keys=("eval_auc", "eval_logloss", "C")),
     # docs/running.md: both lines at once, each in its emulated host (named host1, host2)
     # docs/running.md's elastic recipe: one line on every node (a lost node killed, then back)
-    ELASTIC: Entry(shrink=(("--nproc_per_node 8", "--nproc_per_node 1"), ("data.global_batch_size=16384", "data.global_batch_size=64"),
+    "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 .venv/bin/torchrun --nnodes 1:2 --nproc_per_node 8 --max-restarts 100 --rdzv-backend c10d --rdzv-endpoint host1:29400 --rdzv-id run1 --rdzv-conf last_call_timeout=10 -m trainer comm=torch data.global_batch_size=16384 checkpoint.every=500 checkpoint.resume=auto hydra.run.dir=DIR/run1":
+        Entry(shrink=(("--nproc_per_node 8", "--nproc_per_node 1"), ("data.global_batch_size=16384", "data.global_batch_size=64"),
                            ("checkpoint.every=500", "checkpoint.every=20")),
                    elsewhere="tests/distributed/test_elastic.py::test_a_lost_node_restarts_the_job_at_w1_and_its_return_at_w2"),
     ".venv/bin/torchrun --nnodes 2 --node_rank 0 --master_addr host1 --master_port 29500 --nproc_per_node 8 -m trainer comm=torch":

@@ -20,7 +20,7 @@ import time
 
 import pytest
 
-from docs_registry import ELASTIC, documented
+from docs_registry import documented
 from hvd_launch import ROOT, require_netns, tail, torchrun
 from multihost_helpers import CFG, assert_same_model
 from dev.netcluster import NetCluster, _descendants, _stop
@@ -83,8 +83,11 @@ def _worker(launcher: subprocess.Popen) -> int:
 
 def test_a_lost_node_restarts_the_job_at_w1_and_its_return_at_w2(tmp_path):
     require_netns()
-    ref, out = str(tmp_path / "ref"), str(tmp_path / "shared" / "run1")
-    argv = [a.replace("DIR/", str(tmp_path / "shared") + "/") for a in documented(ELASTIC)] + ARGS
+    ref, out = str(tmp_path / "ref"), str(tmp_path / "nfs" / "run1")
+    argv = [a.replace("DIR/", str(tmp_path / "nfs") + "/") for a in documented(
+        "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 .venv/bin/torchrun --nnodes 1:2 --nproc_per_node 8 --max-restarts 100 "
+        "--rdzv-backend c10d --rdzv-endpoint host1:29400 --rdzv-id run1 --rdzv-conf last_call_timeout=10 -m trainer "
+        "comm=torch data.global_batch_size=16384 checkpoint.every=500 checkpoint.resume=auto hydra.run.dir=DIR/run1")] + ARGS
     assert argv[:2] == ["env", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1"] and f"checkpoint.every={EVERY}" in argv
     assert "data.global_batch_size=64" in argv  # the same batches at W = 1 and W = 2
     r = torchrun(["-m", "trainer", "comm=torch", f"hydra.run.dir={ref}", *ARGS, "data.global_batch_size=64",

@@ -178,7 +178,7 @@ def test_metrics_after_a_resume_hold_each_step_once(tmp_path):
     assert steps == list(range(1, 31))
     evals = [r["step"] for r in recs if r.get("event") == "eval"]
     assert evals == [5, 10, 15, 20, 25, 30]
-    at = recs.index({"event": "resume", "from": path, "step": 20})
+    at = recs.index({"event": "resume", "from": path, "step": 20, "saved_world_size": 1, "world_size": 1})
     assert [r.get("step") for r in recs[at - 2:at + 2]] == [20, 20, 20, 21]  # step 20, its eval, resume, 21
     assert not [n for n in os.listdir(out) if n.startswith("metrics.jsonl.")]  # no temporary file left
 
@@ -205,7 +205,7 @@ def test_metrics_rewrite_that_fails_keeps_the_log_and_marks_the_resume(tmp_path,
     after = open(os.path.join(out, "metrics.jsonl")).read()
     assert after.startswith(before)
     recs = [json.loads(x) for x in after[len(before):].splitlines()]
-    assert recs[0] == {"event": "resume", "from": ckpt.step_dir(root, 3), "step": 3}
+    assert recs[0] == {"event": "resume", "from": ckpt.step_dir(root, 3), "step": 3, "saved_world_size": 1, "world_size": 1}
     assert [r["step"] for r in recs[1:] if "loss" in r] == [4, 5, 6]
     assert not [n for n in os.listdir(out) if n.startswith("metrics.jsonl.")]
 

@@ -134,7 +134,8 @@ def test_killed_worker_stops_the_others_then_the_printed_command_finishes(launch
     recs = [json.loads(x) for x in open(os.path.join(out, "metrics.jsonl"))]
     steps = [r["step"] for r in recs if "loss" in r]
     assert steps == sorted(set(steps)) and steps[-1] == STEPS  # each step once, up to the end
-    assert [r for r in recs if r.get("event") == "resume"] == [{"event": "resume", "from": path, "step": step}]
+    assert [r for r in recs if r.get("event") == "resume"] == [{"event": "resume", "from": path, "step": step,
+                                                                        "saved_world_size": 2, "world_size": 2}]
     assert ckpt.complete_checkpoints(root)[-1][0] == STEPS
 
 
