@@ -11,7 +11,9 @@ Nothing here runs a training step; runner.py's loop only uses what these functio
 """
 from __future__ import annotations
 
+import os
 import sys
+import tempfile
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
@@ -32,8 +34,10 @@ from .embedding.remote import Audit, CacheStats, HeraldRemote, HetRemote, HetWir
 from .embedding.replica import Replica
 from .embedding.sharding import HashSharding, Sharding
 from .embedding.store import row_dtype
+from .embedding.tier import DiskTier
 from .models import build_model
 from .placement import Plan, plan_run
+from .plan.memplan import available_memory, fmt_bytes, row_parts, store_cache_bytes
 from .schedule import Feed
 from .schedule.feed import make_order
 from .schedule.herald import HeraldPlanner, IdSpace
@@ -129,7 +133,34 @@ def _make_store(c: Config, comm: Collectives, device: torch.device, resuming: bo
         sharding = HashSharding(len(table_rows(c)), e.capacity, comm.size, comm.rank)
         return DynamicStore(sharding, *args, admit_after=e.admit_after, eviction=e.eviction,
                             lfu_half_life=e.lfu_half_life, ttl_steps=e.ttl_steps, counting=Counting.of(e))
-    return ShardStore(RowSharding(table_rows(c), comm.size, comm.rank), *args, initialise=not resuming)
+    sharding = RowSharding(table_rows(c), comm.size, comm.rank)
+    tier = make_tier(c, comm, device, sharding.local_rows) if e.store == "disk" else None
+    try:
+        return ShardStore(sharding, *args, initialise=not resuming, tier=tier)
+    except BaseException:
+        if tier is not None:
+            tier.close()
+        raise
+
+
+def make_tier(c: Config, comm: Collectives, device: torch.device, local_rows: int) -> DiskTier:
+    """embedding.store=disk: this rank's files under embedding.store_dir, refused in one line when
+    the run trains on a GPU or the directory's free space cannot hold them; the RAM cache is
+    embedding.store_cache_bytes, or a quarter of the memory this rank may have."""
+    e = c.embedding
+    if device.type != "cpu":
+        raise ConfigError(f"embedding.store=disk maps the shard into host memory: the run trains on {device} "
+                          "(train.device=cpu, or embedding.store=memory)")
+    need = local_rows * sum(row_parts(c, device, local_rows).values())
+    where = e.store_dir or tempfile.gettempdir()
+    os.makedirs(where, exist_ok=True)
+    st = os.statvfs(where)
+    free = st.f_bavail * st.f_frsize // max(comm.local_size or 1, 1)
+    if need > free:
+        raise ConfigError(f"embedding.store=disk: rank {comm.rank}'s shard needs {fmt_bytes(need)} on disk, "
+                          f"{where} has {fmt_bytes(free)} free for it (embedding.store_dir elsewhere, or more workers)")
+    room = None if e.store_cache_bytes else available_memory(device, comm.local_size)[0]
+    return DiskTier(e.store_dir, comm.rank, store_cache_bytes(c, room, need))
 
 
 def _make_plan(c: Config, comm: Collectives, data: Any, interrupt: Optional[Callable[[], bool]] = None) -> Plan:

@@ -164,6 +164,7 @@ class Trainer:
         self.early = EarlyStopping(c.train.early_stop.patience, c.train.early_stop.min_delta,
                                    c.train.early_stop.min_evals)
         self.start_step = self.checkpoints.resume(self, interrupt=SIGNALS.requested)
+        self.emb.store.release()
         self.best = (BestSnapshot(self.model, self.emb, fresh=self.checkpoints.resumed_from is None,
                                   mode=c.train.early_stop.snapshot, directory=self.out_dir)
                      if self.val_rows and c.train.early_stop.restore_best else None)
@@ -180,6 +181,9 @@ class Trainer:
         self.checkpoints.close()
         if getattr(self, "best", None) is not None:
             self.best.close()
+        sparse = getattr(self, "sparse", None)
+        if sparse is not None and sparse.emb.store.tier is not None:  # embedding.store=disk: the run's files
+            sparse.emb.store.tier.close()
 
     def position(self) -> Position:
         """Where this run stands (the advice after a lost worker, relaunch.failure_hint)."""
@@ -206,6 +210,7 @@ class Trainer:
     def _eval_now(self, step: int, split: str = "test") -> dict[str, Any]:
         """An evaluation after `step` steps, recorded (summary, metrics.jsonl). Collective."""
         ev = self.evaluator.evaluate(split)
+        self.emb.store.release()
         rec = {"step": step, **ev} if split == "test" else {"step": step, "split": split, **ev}
         self.evals.append(rec)
         self.report.eval(rec)
@@ -217,6 +222,7 @@ class Trainer:
         ev = self._eval_now(step, "val")
         if self.early.update(step, ev) and self.best is not None:
             self.best.take(step)
+            self.emb.store.release()
         if self.early.stop and self.rank == 0:
             print(f"[trainer] early stop after step {step}: validation AUC has not improved on "
                   f"{self.early.best_auc:.4f} (step {self.early.best_step}) for {self.early.since} "
@@ -283,7 +289,9 @@ class Trainer:
         return {"device": self.device.type, "transport": self.comm.transport,
                 "recipe": self.recipe.describe(self.c, self.world), "settled_rows": self.pipeline.settled,
                 "precision": self.precision.summary(),
-                "cuda_graph": self.pipeline.strategy.summary()}
+                "cuda_graph": self.pipeline.strategy.summary(),
+                "store": self.emb.store.tier.record() if self.emb.store.tier is not None else {"kind": "memory"},
+                "memory_plan": self.memory.record()}
 
     def _stop(self, done: int, train_time: float, return_state: bool) -> RunResult:
         """A rank received a stop signal and every rank learnt it in step `done` (trainer/run/signals.py):
@@ -327,6 +335,7 @@ class Trainer:
         try:
             with SIGNALS.saving():
                 self.checkpoints.save(step, self)
+            self.emb.store.release()
             return
         except CheckpointError as exc:
             self.pipeline.drop_prepared()

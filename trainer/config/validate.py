@@ -134,6 +134,7 @@ def validate(c: Config) -> None:
     _one_of("embedding.rounding", c.embedding.rounding, ROUNDINGS)
     _validate_cache(c)
     _validate_dynamic(c)
+    _validate_store(c)
     t = c.train
     _check(t.steps > 0, "train.steps", t.steps, "must be > 0")
     _check(t.log_every > 0, "train.log_every", t.log_every, "must be > 0")
@@ -244,6 +245,24 @@ def _validate_placement(c: Config) -> None:
                "consistency", c.consistency.name, "schedule=herald is exact (BSP): use consistency=bsp")
         _check(c.cache.policy in ("none", "lru"), "cache.policy", c.cache.policy,
                "schedule=herald holds lent rows in an LRU cache: use cache=lru (or cache=none)")
+
+
+STORES = ("memory", "disk")
+
+
+def _validate_store(c: Config) -> None:
+    """embedding.store=disk (embedding/tier.py) and what it does not support yet: one line each."""
+    e = c.embedding
+    _one_of("embedding.store", e.store, STORES)
+    _check(e.store_cache_bytes >= 0, "embedding.store_cache_bytes", e.store_cache_bytes,
+           "must be >= 0 (0 = a quarter of the memory a rank may have)")
+    if e.store == "memory":
+        return
+    _check(e.kind == "fixed", "embedding.store", e.store,
+           "keeps fixed tables on disk (a row's place in the file is its id): needs embedding.kind=fixed")
+    _check(c.train.device != "cuda", "embedding.store", e.store,
+           "maps the shard into host memory: needs train.device=cpu (or auto on a machine without a GPU)")
+    _check(not e.audit, "embedding.audit", e.audit, "keeps an array over every id: not with embedding.store=disk")
 
 
 def _validate_dynamic(c: Config) -> None:

@@ -117,7 +117,6 @@ class RowExchange:
         # (embedding.dtype): half rows sent as fp32 arrive exact, as their own half type exact and
         # at half the bytes, as the other half type rounded to nearest; readers get fp32 rows
         self.row_dtype = wire_float(precision)
-        self._mark: torch.Tensor | None = None  # [local rows] scratch of serve_settled (all False)
 
     def request(self, remote_ids: torch.Tensor, splits: list[int]) -> Pull:
         """Start sending remote_ids (grouped by owner as `splits` says) to their owners."""
@@ -134,13 +133,8 @@ class RowExchange:
         if p.rows is not None or p.early is not None:
             return
         served, served_splits = p.requests()
-        local = self.store.sharding.local_index
-        if self._mark is None:
-            self._mark = torch.zeros(self.store.weight.shape[0], dtype=torch.bool, device=served.device)
-        at = local(touched)
-        self._mark.index_fill_(0, at, True)
-        settled = ~self._mark.index_select(0, local(served))
-        self._mark.index_fill_(0, at, False)
+        self.store.prefetch(served)
+        settled = ~torch.isin(served, touched)  # O(batch): no scratch over the shard's rows
         flags, _ = self.comm.alltoall(settled.to(torch.uint8), served_splits, kind="ids",
                                       recv_splits=p.splits)
         came = flags.bool()
@@ -159,6 +153,7 @@ class RowExchange:
         served, served_splits = p.requests()
         if p.admits and self.store.dynamic:
             self.store.admit(served)
+        self.store.prefetch(served)
         e = p.early
         if e is None:
             rows = self.store.rows(served).to(self.row_dtype)

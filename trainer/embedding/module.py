@@ -127,6 +127,8 @@ class HybridEmbedding:
         lookup. Collective."""
         flight.plan = self.plan(flight.batch)
         flight.token = None if flight.info.hot else self.remote.begin(flight.plan)
+        self.store.tick(flight.step)
+        self.store.prefetch(flight.plan.owned_ids)  # embedding.store=disk: its own rows start coming
         return flight
 
     def serve(self, flight: InFlightStep) -> None:

@@ -29,6 +29,7 @@ from kernels.rounding import HALF_DTYPES
 ROUNDINGS = ("stochastic", "nearest")  # embedding.rounding
 
 RowKeys = Callable[[torch.Tensor], torch.Tensor]  # storage rows [n] -> their flat ids [n]
+Alloc = Callable[[tuple, torch.dtype, float], torch.Tensor]  # (shape, dtype, fill) -> a tensor of the state
 
 
 class Rounding:
@@ -59,7 +60,9 @@ class SparseOptimizer:
 
     def __init__(self, name: str, weight: torch.Tensor, lr: float, eps: float,
                  init: float = 0.0, weight_decay: float = 0.0, row_keys: Optional[RowKeys] = None,
-                 rounding: Optional[Rounding] = None) -> None:
+                 rounding: Optional[Rounding] = None, alloc: Optional[Alloc] = None) -> None:
+        """alloc(shape, dtype, fill): where the state lives (default: torch.full in the weight's
+        memory; embedding.store=disk: a file of the shard's, embedding/tier.py)."""
         if name not in OPTIMIZERS:
             raise ValueError(f"optim.sparse={name!r} is not one of {sorted(OPTIMIZERS)}")
         self.name, self.weight, self.lr, self.eps, self.init = name, weight, lr, eps, init
@@ -70,10 +73,11 @@ class SparseOptimizer:
         self.row_keys, self.rounding = row_keys, rounding
         state_dtype = kernels.reference.accumulation_dtype(weight.dtype)  # fp32 (fp64 stays fp64)
         self.state: torch.Tensor | None = None
+        full = alloc or (lambda shape, dtype, fill: torch.full(shape, fill, dtype=dtype, device=weight.device))
         if name == "adagrad":
-            self.state = torch.full(tuple(weight.shape), init, dtype=state_dtype, device=weight.device)
+            self.state = full(tuple(weight.shape), state_dtype, init)
         elif name == "rowwise_adagrad":
-            self.state = torch.full((weight.shape[0],), init, dtype=state_dtype, device=weight.device)
+            self.state = full((weight.shape[0],), state_dtype, init)
 
     def step(self, idx: torch.Tensor, grad: torch.Tensor, unique: bool = False,
              mask: Optional[torch.Tensor] = None) -> None:
@@ -102,5 +106,5 @@ class SparseOptimizer:
 def make_sparse_optimizer(name: str, weight: torch.Tensor, lr: float, eps: float,
                           init: float = 0.0, weight_decay: float = 0.0,
                           row_keys: Optional[RowKeys] = None,
-                          rounding: Optional[Rounding] = None) -> SparseOptimizer:
-    return SparseOptimizer(name, weight, lr, eps, init, weight_decay, row_keys, rounding)
+                          rounding: Optional[Rounding] = None, alloc: Optional[Alloc] = None) -> SparseOptimizer:
+    return SparseOptimizer(name, weight, lr, eps, init, weight_decay, row_keys, rounding, alloc)

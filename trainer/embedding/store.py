@@ -17,6 +17,8 @@ and puts a row it never saw back to its initial value, recomputed from (seed, ta
 """
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import numpy as np
 import torch
 
@@ -24,6 +26,9 @@ import kernels
 from ..data import rng
 from .optim import Rounding, SparseOptimizer, make_sparse_optimizer
 from .sharding import Sharding
+
+if TYPE_CHECKING:
+    from .tier import DiskTier
 
 _S_INIT = 77
 ROW_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}  # embedding.dtype
@@ -69,24 +74,61 @@ class ShardStore:
                  optimizer: str, lr: float, eps: float, device: torch.device,
                  accumulator_init: float = 0.0, weight_decay: float = 0.0,
                  dtype: torch.dtype = torch.float32, rounding: Rounding | None = None,
-                 initialise: bool = True) -> None:
+                 initialise: bool = True, tier: "DiskTier | None" = None) -> None:
         """dtype: the rows' (float32, float16, bfloat16); rounding: how updated half rows are
         written back (default: stochastic, seeded by `seed`). initialise=False: zeros instead of
         the initial rows, for a run about to load every row from a checkpoint (the loader checks
-        that it wrote every row this rank owns); hashing the initial rows was half a resume's time."""
+        that it wrote every row this rank owns); hashing the initial rows was half a resume's time.
+        tier: embedding.store=disk, the files every array of the shard lives in (tier.py)."""
         self.sharding, self.dim = sharding, dim
         self.seed, self.init_scale = seed, init_scale
-        weight = (torch.empty if initialise else torch.zeros)(sharding.local_rows, dim, dtype=dtype, device=device)
-        for lo in range(0, sharding.local_rows if initialise else 0, _INIT_CHUNK_ROWS):  # one chunk at a time
-            idx = torch.arange(lo, min(lo + _INIT_CHUNK_ROWS, sharding.local_rows), dtype=torch.int64)
+        self.tier = tier
+        rows = sharding.local_rows
+        if tier is not None:
+            weight = tier.alloc("weight", (rows, dim), dtype)  # zeros: a sparse file
+        else:
+            weight = (torch.empty if initialise else torch.zeros)(rows, dim, dtype=dtype, device=device)
+        for lo in range(0, rows if initialise else 0, _INIT_CHUNK_ROWS):  # one chunk at a time
+            idx = torch.arange(lo, min(lo + _INIT_CHUNK_ROWS, rows), dtype=torch.int64)
             weight[lo:lo + idx.numel()] = self._initial(idx).to(device, dtype)
+            self.release()
         self.weight = weight
-        self.version = torch.zeros(sharding.local_rows, dtype=torch.int64, device=device)  # updates applied
-        self.touched = torch.zeros(sharding.local_rows, dtype=torch.bool, device=device)  # written since cleared
+        zeros = (lambda name, dt: tier.alloc(name, (rows,), dt)) if tier is not None else \
+            (lambda name, dt: torch.zeros(rows, dtype=dt, device=device))
+        self.version = zeros("version", torch.int64)  # updates applied
+        self.touched = zeros("touched", torch.bool)  # written since cleared
         self.rounding = rounding if rounding is not None else Rounding("stochastic", seed)
+        alloc = (lambda shape, dt, fill: tier.alloc("state", shape, dt, fill)) if tier is not None else None
         self.optimizer: SparseOptimizer = make_sparse_optimizer(optimizer, self.weight, lr, eps,
                                                                  accumulator_init, weight_decay,
-                                                                 self.row_keys, self.rounding)
+                                                                 self.row_keys, self.rounding, alloc)
+
+    # ---- embedding.store=disk: the tier's hooks (no-ops in memory) -------------------------
+    def tick(self, step: int) -> None:
+        """A training step begins (the RAM cache's clock)."""
+        if self.tier is not None:
+            self.tier.tick(step)
+
+    def prefetch(self, gids: torch.Tensor) -> None:
+        """Owned gids a coming step reads or updates: their rows start coming from the disk."""
+        if self.tier is not None and gids.numel():
+            self.tier.prefetch(self.sharding.local_index(gids))
+
+    def prefetch_local(self, local_idx: torch.Tensor) -> None:
+        """prefetch, of storage rows local_idx."""
+        if self.tier is not None and local_idx.numel():
+            self.tier.prefetch(local_idx)
+
+    def ready(self) -> None:
+        """The step is about to read the shard: wait for its prefetches."""
+        if self.tier is not None:
+            self.tier.ready()
+
+    def release(self) -> None:
+        """After a phase that touched the shard outside the steps (init, a checkpoint, an
+        evaluation, a snapshot): what it mapped leaves this process (tier.release)."""
+        if self.tier is not None:
+            self.tier.release()
 
     @property
     def compute_dtype(self) -> torch.dtype:
@@ -129,6 +171,7 @@ class ShardStore:
 
     def rows(self, gids: torch.Tensor) -> torch.Tensor:
         """[n, d] current rows of owned gids, as stored (embedding.dtype)."""
+        self.ready()
         return self.weight.index_select(0, self.sharding.local_index(gids))
 
     def versions(self, local_idx: torch.Tensor) -> torch.Tensor:
@@ -143,6 +186,7 @@ class ShardStore:
         lives: the pushes' lives (Pushes.lives): a fixed row has one life, so they are not read."""
         if gids.numel() == 0:
             return
+        self.ready()
         idx = self.sharding.local_index(gids)
         self.optimizer.step(idx, grads, unique=unique)
         self.version.index_add_(0, idx, torch.ones_like(idx) if counts is None else counts)

@@ -71,6 +71,7 @@ class MemoryPlan:
     parts: dict[str, int] = field(default_factory=dict)  # bytes, by part (rows first)
     available: int | None = None
     source: str = ""
+    disk: int = 0  # embedding.store=disk: the shard's bytes in files (the rows part is then its RAM cache)
 
     @property
     def bytes_per_row(self) -> int:
@@ -85,13 +86,16 @@ class MemoryPlan:
         rest = ", ".join(f"{k} {fmt_bytes(v)}" for k, v in self.parts.items() if k != "rows" and v)
         avail = (f" of {fmt_bytes(self.available)} available ({self.source})" if self.available is not None
                  else f" ({self.source})")
-        return (f"memory plan, rank {self.rank}/{self.world}: rows {self.local_rows:,} x {self.bytes_per_row} B "
-                f"({per}) = {fmt_bytes(self.parts['rows'])}" + (f", {rest}" if rest else "")
+        rows = (f"rows {self.local_rows:,} x {self.bytes_per_row} B ({per}) = {fmt_bytes(self.disk)} on disk, "
+                f"RAM cache {fmt_bytes(self.parts['rows'])}" if self.disk else
+                f"rows {self.local_rows:,} x {self.bytes_per_row} B ({per}) = {fmt_bytes(self.parts['rows'])}")
+        return (f"memory plan, rank {self.rank}/{self.world}: {rows}" + (f", {rest}" if rest else "")
                 + f"; total {fmt_bytes(self.total)}{avail}")
 
     def record(self) -> dict[str, Any]:
         return {"local_rows": self.local_rows, "bytes_per_row": self.bytes_per_row, "row_parts": self.row_parts,
-                "parts": self.parts, "total": self.total, "available": self.available, "source": self.source}
+                "parts": self.parts, "total": self.total, "available": self.available, "source": self.source,
+                "disk": self.disk}
 
 
 def fmt_bytes(n: float) -> str:
@@ -136,6 +140,9 @@ def plan_memory(c: Config, world: int, rank: int, device: torch.device = torch.d
     local = len(rows) * c.embedding.capacity if dynamic else RowSharding(rows, world, rank).local_rows
     plan = MemoryPlan(rank, world, local, row_parts(c, device, local))
     plan.parts["rows"] = local * plan.bytes_per_row
+    if c.embedding.store == "disk":  # the rows in files; in RAM, the cache (check_memory sizes the default)
+        plan.disk = plan.parts["rows"]
+        plan.parts["rows"] = min(c.embedding.store_cache_bytes, plan.disk)
     slots = sum(cache_capacities(c))
     if slots:
         plan.parts["cache"] = slots * slot_bytes(d)
@@ -158,6 +165,13 @@ def plan_memory(c: Config, world: int, rank: int, device: torch.device = torch.d
         slots = unique_capacity(local_batch_size(c, world), max(c.data.max_bag, 1), rows, c.train.unique_capacity)
         plan.parts["padded step"] = slots * (4 * d * 4 + PLAN_SLOT_BYTES)
     return plan
+
+
+def store_cache_bytes(c: Config, available: int | None, disk: int) -> int:
+    """embedding.store=disk: the RAM cache of a shard of `disk` bytes: embedding.store_cache_bytes,
+    or a quarter of the memory the rank may have (1 GiB's quarter when that is unknown); never more
+    than the shard."""
+    return min(c.embedding.store_cache_bytes or (available or 1 << 30) // 4, max(disk, 1))
 
 
 def available_memory(device: torch.device, local_ranks: int | None) -> tuple[int | None, str]:
@@ -204,6 +218,8 @@ def check_memory(c: Config, comm: Any, device: torch.device) -> MemoryPlan:
     Collective."""
     plan = plan_memory(c, comm.size, comm.rank, device)
     plan.available, plan.source = available_memory(device, comm.local_size)
+    if plan.disk and not c.embedding.store_cache_bytes:
+        plan.parts["rows"] = store_cache_bytes(c, plan.available, plan.disk)
 
     def fits() -> MemoryPlan:
         if plan.available is not None and plan.total > plan.available:

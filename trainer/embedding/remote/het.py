@@ -128,6 +128,8 @@ class HetWire:
         if self.dynamic:  # a training read: the owner admits first (idx are gids)
             now, table = self.store.check_versions(idx)
         else:
+            self.store.prefetch_local(idx)  # embedding.store=disk: their versions and rows
+            self.store.ready()
             now, table = self.store.versions(idx), self.sh.local_table_of(idx)
         send, gap = serve_check(ver, now, chk.pull_bound[table])  # bounds live on the store's device
         self.staleness.record(gap, table)

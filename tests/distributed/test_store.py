@@ -1,0 +1,121 @@
+"""embedding.store=disk (trainer/embedding/tier.py): the shard in files, a RAM cache in front. The
+tier is storage, not a policy: a run with `disk` equals the same run with `memory` bit for bit, at
+W = 1 and on gloo workers, for every optimizer, the HET cache's bounded staleness, FAE, Herald,
+half-precision rows and the pipelined step, with a cache of a few chunks so that rows really come
+and go (evictions, prefetches); a checkpoint saved with `disk` resumes at another W as the memory
+one does; the files are gone after the run; what it refuses, it refuses in one line.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from helpers import run_single, run_world, tmpfs
+from parity_helpers import BASE
+from hvd_launch import ROOT, tail
+
+from trainer.embedding.tier import CHUNK
+
+# tables of ~3.6 MB of rows at d = 16 (56 chunks of weight alone) and a cache of 4 chunks
+WIDE = [a for a in BASE if not a.startswith("data.test_samples")] + [
+    "data.table_rows=[20011,30011,5003,1250]", "data.test_samples=96"]
+SMALL_CACHE = [f"embedding.store_cache_bytes={4 * CHUNK}"]
+
+CASES = {
+    "w1-adagrad": (1, ["optim=adagrad"]),
+    "w2-sgd": (2, ["optim=sgd"]),
+    "w2-rowwise-fp16": (2, ["optim=adam", "embedding.dtype=fp16"]),
+    "w2-het-ssp": (2, ["cache=lru", "cache.capacity_fraction=0.05", "consistency=ssp"]),
+    "w2-fae": (2, ["placement=fae", "placement.budget_bytes=40000"]),
+    "w2-herald": (2, ["schedule=herald", "cache=lru", "cache.capacity_fraction=0.05"]),
+    "w2-pipeline-ids": (2, ["optim=adagrad", "train.pipeline=ids"]),
+}
+
+
+def _runs(world: int, overrides: list[str]):
+    return [run_single(overrides)] if world == 1 else run_world(world, overrides)
+
+
+def assert_identical(a, b) -> None:
+    """Two runs' losses, dense parameters, every table row and every eval logit: the same bits."""
+    assert a.losses == b.losses
+    for name, value in a.state["dense"].items():
+        assert torch.equal(b.state["dense"][name], value), name
+    for t, (x, y) in enumerate(zip(a.state["tables"], b.state["tables"])):
+        assert torch.equal(x, y), f"table {t}"
+    assert a.summary["eval_logloss"] == b.summary["eval_logloss"]
+    assert np.array_equal(a.state["eval_rows"], b.state["eval_rows"])  # every (logit, label), in order
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_disk_equals_memory_bit_for_bit(case, tmp_path):
+    world, extra = CASES[case]
+    store = tmp_path / "store"
+    mem = _runs(world, WIDE + extra)
+    disk = _runs(world, WIDE + extra + ["embedding.store=disk", f"embedding.store_dir={store}", *SMALL_CACHE])
+    for m, d in zip(mem, disk):
+        assert_identical(m, d)
+    s = disk[0].summary["store"]
+    assert s["kind"] == "disk" and s["cache_bytes"] == 4 * CHUNK and s["disk_bytes"] > 4 * s["cache_bytes"]
+    assert s["evicted_chunks"] > 0 and s["chunks_read_per_step"] > 0 and 0 < s["hit_rate"] < 1, s
+    assert mem[0].summary["store"] == {"kind": "memory"}
+    assert os.listdir(store) == []  # every rank's files removed at the end
+
+
+@pytest.mark.dist
+def test_a_disk_checkpoint_resumes_at_another_w_as_memory_does(tmp_path):
+    """Saved at step 12 on W = 2, resumed at W = 1 to step 24: the same bits as the memory store's."""
+    out = {}
+    for kind in ("memory", "disk"):
+        ck = tmp_path / kind / "ck"
+        store = ["embedding.store=disk", f"embedding.store_dir={tmp_path / 'store'}", *SMALL_CACHE] \
+            if kind == "disk" else []
+        first = WIDE + ["optim=adagrad", f"checkpoint.dir={ck}", "checkpoint.every=12", *store]
+        run_world(2, [a for a in first if not a.startswith("train.steps")] + ["train.steps=12"], return_state=False)
+        out[kind] = run_single(first + ["checkpoint.resume=auto"])
+    assert out["memory"].summary["start_step"] == out["disk"].summary["start_step"] == 12
+    assert_identical(out["memory"], out["disk"])
+
+
+def _cli(args: list[str], tmp_path) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "trainer", *args, f"hydra.run.dir={tmp_path / 'out'}"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)
+
+
+@pytest.mark.parametrize("args, says", [
+    (["embedding.kind=dynamic", "embedding.capacity=100"], "needs embedding.kind=fixed"),
+    (["train.device=cuda"], "needs train.device=cpu"),
+    (["embedding.store=ssd"], "embedding.store"),
+    (["embedding.store_cache_bytes=-1"], "must be >= 0"),
+])
+def test_what_the_disk_store_refuses(args, says, tmp_path):
+    r = _cli(["data=tiny", "embedding.store=disk", *args], tmp_path)
+    assert r.returncode == 2 and "Traceback" not in r.stderr, tail(r)
+    assert r.stderr.strip().splitlines()[-1].startswith("error: ") and says in r.stderr, tail(r)
+
+
+def test_a_disk_too_small_is_refused_before_anything_is_written(tmp_path):
+    """A 1 MiB tmpfs for a 3.6 MB shard: one line naming both sizes, and nothing left in it."""
+    with tmpfs(tmp_path / "small", size="1m") as small:
+        r = _cli(WIDE + ["embedding.store=disk", f"embedding.store_dir={small}", "train.steps=2"], tmp_path)
+        assert r.returncode == 2 and "Traceback" not in r.stderr, tail(r)
+        last = r.stderr.strip().splitlines()[-1]
+        assert last.startswith("error: embedding.store=disk: rank 0's shard needs") and "free for it" in last, last
+        assert os.listdir(small) == []
+
+
+def test_the_memory_plan_counts_the_disk_and_the_cache(tmp_path):
+    r = _cli(WIDE + ["embedding.store=disk", f"embedding.store_dir={tmp_path / 'store'}", "train.steps=2",
+                     "embedding.store_cache_bytes=1000000"], tmp_path)
+    assert r.returncode == 0, tail(r)
+    line = next(x for x in r.stderr.splitlines() if "memory plan" in x)
+    assert "on disk, RAM cache 1.0 MB" in line, line
+    summary = json.loads((tmp_path / "out" / "summary.json").read_text())
+    assert summary["memory_plan"]["disk"] > summary["memory_plan"]["parts"]["rows"] == 1_000_000

@@ -1,0 +1,307 @@
+"""embedding.store=disk: an owner's shard (rows, optimizer state, versions, touched marks) in files,
+mapped into memory, with a RAM cache of a set size in front of the disk.
+
+Why mapped files: every path that reads or writes the shard (the lookups, the owner's update, the
+HET cache's version checks, Herald's lent rows, replicas, checkpoints, the best-model snapshot)
+indexes the same four arrays; mapped, they are still tensors, so every path runs the very same
+arithmetic on them and `disk` equals `memory` bit for bit by construction. A fixed table's row r
+sits at byte r x row bytes of each file: no per-row index in RAM.
+
+Three levels:
+- the **RAM cache**: the parts of the files mapped into this process, in 64 KiB chunks. Its size is
+  ours (embedding.store_cache_bytes): each chunk remembers the step it was last used in (4 B per
+  chunk: 1/16,000 of the 64 KiB it stands for), and once the mapped chunks pass the budget the least
+  recently used ones are unmapped (madvise DONTNEED) down to 90% of it. Unmapping a dirty page does
+  not lose it: the page cache keeps it until the kernel has written it back.
+- the **page cache**: what the kernel keeps of the files in the memory left over (in a memory cgroup,
+  at most the cgroup's limit: a process cannot keep its files there beyond it).
+- the **disk**.
+Reads a step ahead: the ids a step will read are known once its batch is planned (a step early with
+train.pipeline); `prefetch` hands their chunks that are not mapped to a pool of threads that map them
+(madvise POPULATE_READ: the kernel reads each chunk as one request; one request in flight per
+thread, `threads` at once), and the step's first read of the shard waits for them (`ready`, the
+time counted as the step's wait on the disk). A chunk never prefetched is read when touched, by a
+page fault on the step's own thread (counted: `sync_faults`).
+Writes: the kernel writes dirty pages back in the background, in file order per file (the
+writeback's own sorting and merging), throttled by its dirty limits (and the cgroup's).
+The files are scratch: created empty (sparse: unwritten rows read zeros) for each run, removed at
+exit; a checkpoint is the only copy of the model that outlives the run.
+"""
+from __future__ import annotations
+
+import ctypes
+import mmap
+import os
+import resource
+import shutil
+import tempfile
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import numpy as np
+import torch
+
+CHUNK = 64 << 10  # bytes: the unit the RAM cache maps, evicts and prefetches (16 pages)
+MADV_DONTNEED = 4
+MADV_POPULATE_READ = 22  # Linux >= 5.14: fault the range in, reading what is not cached
+MADV_WILLNEED = 3
+EVICT_TO = 0.9  # an eviction brings the mapped bytes down to this share of the budget
+LATENCY_SAMPLES = 4096  # prefetch latencies kept for the percentiles (a ring)
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+_libc.madvise.restype = ctypes.c_int
+
+
+def _madvise(addr: int, length: int, advice: int) -> int:
+    """0, or the errno of madvise(addr, length, advice)."""
+    if _libc.madvise(addr, length, advice) == 0:
+        return 0
+    return ctypes.get_errno()
+
+
+def _np_dtype(dtype: torch.dtype) -> np.dtype:
+    return np.dtype(np.uint16) if dtype == torch.bfloat16 else torch.empty(0, dtype=dtype).numpy().dtype
+
+
+@dataclass
+class TierFile:
+    """One array of the shard in its file: the mapping, the tensor over it, its chunks' state."""
+    name: str
+    path: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    row_bytes: int
+    nbytes: int
+    array: Any  # the np.memmap (kept alive: the tensor shares its memory)
+    tensor: torch.Tensor
+    addr: int
+    last_use: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))  # step of each chunk's last use
+    mapped: np.ndarray = field(default_factory=lambda: np.zeros(0, bool))  # chunks we hold mapped
+
+    def chunks_of(self, rows: np.ndarray) -> np.ndarray:
+        """Sorted distinct chunks holding rows (a row may straddle two)."""
+        first = rows * self.row_bytes // CHUNK
+        last = (rows * self.row_bytes + self.row_bytes - 1) // CHUNK
+        both = first if self.row_bytes <= 0 or (CHUNK % self.row_bytes == 0) else np.concatenate([first, last])
+        return np.unique(both)
+
+
+@dataclass
+class TierStats:
+    """What the tier did, summed over the run (summary.json's `store` block)."""
+    steps: int = 0
+    chunks_used: int = 0  # distinct chunks the steps touched
+    chunks_hit: int = 0  # ... already mapped when the step's rows were known
+    chunks_read: int = 0  # ... mapped by the prefetch threads (read from the page cache or the disk)
+    evicted: int = 0  # chunks unmapped to keep the budget
+    wait_s: float = 0.0  # time the steps waited for their prefetch
+    sync_faults: int = 0  # major page faults on the training thread (reads it waited for itself)
+    latencies: list = field(default_factory=list)  # seconds per prefetched run of chunks (a ring)
+
+
+class DiskTier:
+    """The shard's files of one rank, their RAM cache and their prefetch threads."""
+
+    def __init__(self, directory: Optional[str], rank: int, cache_bytes: int, threads: int = 16) -> None:
+        base = directory or tempfile.gettempdir()
+        os.makedirs(base, exist_ok=True)
+        self.dir = tempfile.mkdtemp(prefix=f"ht-store-rank{rank}-", dir=base)
+        self.cache_bytes = int(cache_bytes)
+        self.files: dict[str, TierFile] = {}
+        self.clock = 0
+        self.mapped_bytes = 0
+        self.stats = TierStats()
+        self._pool = ThreadPoolExecutor(max_workers=max(1, threads), thread_name_prefix="ht-store")
+        self._pending: list[Future] = []
+        self._lock = threading.Lock()
+        self._io0 = _proc_io()
+        self._faults0 = _thread_major_faults()
+        self._closed = False
+
+    # ---- the files -------------------------------------------------------------------------
+    def alloc(self, name: str, shape: tuple[int, ...], dtype: torch.dtype, fill: float = 0.0) -> torch.Tensor:
+        """A tensor of `shape` backed by file `name` of the shard, every element `fill` (0: the file
+        is sparse, nothing written; else written in bounded pieces, each unmapped after)."""
+        rows = shape[0]
+        row_bytes = int(np.prod(shape[1:], dtype=np.int64)) * torch.empty(0, dtype=dtype).element_size()
+        nbytes = max(rows * row_bytes, 1)
+        path = os.path.join(self.dir, f"{name}.bin")
+        with open(path, "wb") as f:
+            f.truncate(nbytes)
+        array = np.memmap(path, dtype=np.uint8, mode="r+", shape=(nbytes,))
+        flat = torch.from_numpy(array)[:rows * row_bytes]
+        tensor = flat.view(dtype).reshape(shape) if rows * row_bytes else torch.empty(shape, dtype=dtype)
+        nchunks = -(-nbytes // CHUNK)
+        tf = TierFile(name, path, tuple(shape), dtype, row_bytes, nbytes, array, tensor,
+                      array.ctypes.data, np.full(nchunks, -1, np.int32), np.zeros(nchunks, bool))
+        self.files[name] = tf
+        if fill:
+            step = max(1, (64 << 20) // max(row_bytes, 1))
+            for lo in range(0, rows, step):
+                tensor[lo:lo + step] = fill
+                self.release(name)
+        return tensor
+
+    def disk_bytes(self) -> int:
+        return sum(f.nbytes for f in self.files.values())
+
+    # ---- the RAM cache ---------------------------------------------------------------------
+    def tick(self, step: int) -> None:
+        """A new step: the clock the chunks' last use is counted in."""
+        self.clock = step
+        self.stats.steps += 1
+
+    def prefetch(self, local_rows: torch.Tensor) -> None:
+        """The rows (storage rows of this shard) a coming step reads and updates: their chunks that
+        are not mapped go to the prefetch threads now; all of them count as used at this step."""
+        rows = local_rows.detach().cpu().numpy().astype(np.int64, copy=False)
+        if rows.size == 0:
+            return
+        for f in self.files.values():
+            if f.row_bytes == 0:
+                continue
+            chunks = f.chunks_of(rows)
+            cold = chunks[~f.mapped[chunks]]
+            self.stats.chunks_used += chunks.size
+            self.stats.chunks_hit += chunks.size - cold.size
+            f.last_use[chunks] = self.clock
+            if cold.size:
+                f.mapped[cold] = True
+                self.mapped_bytes += cold.size * CHUNK
+                self.stats.chunks_read += cold.size
+                for a, b in _runs(cold):
+                    self._pending.append(self._pool.submit(self._populate, f, a, b))
+        if self.mapped_bytes > self.cache_bytes:
+            self._evict()
+
+    def ready(self) -> None:
+        """Wait for the prefetches in flight (the step is about to read the shard)."""
+        if not self._pending:
+            return
+        t0 = time.perf_counter()
+        pending, self._pending = self._pending, []
+        for fut in pending:
+            fut.result()
+        self.stats.wait_s += time.perf_counter() - t0
+
+    def _populate(self, f: TierFile, a: int, b: int) -> None:
+        lo, hi = a * CHUNK, min(b * CHUNK, f.nbytes)
+        t0 = time.perf_counter()
+        if _madvise(f.addr + lo, hi - lo, MADV_POPULATE_READ):  # an older kernel: read ahead, then touch
+            _madvise(f.addr + lo, hi - lo, MADV_WILLNEED)
+            int(f.array[lo:hi:mmap.PAGESIZE].sum())
+        took = time.perf_counter() - t0
+        with self._lock:
+            lat = self.stats.latencies
+            if len(lat) < LATENCY_SAMPLES:
+                lat.append(took)
+            else:
+                lat[(self.stats.chunks_read + len(self._pending)) % LATENCY_SAMPLES] = took
+
+    def _evict(self) -> None:
+        """Unmap the least recently used chunks down to EVICT_TO of the budget (never this step's)."""
+        self.ready()  # a chunk being populated is not unmapped under its thread
+        target = int(self.cache_bytes * EVICT_TO)
+        cand = [(f, np.flatnonzero(f.mapped)) for f in self.files.values()]
+        ages = np.concatenate([f.last_use[idx] for f, idx in cand]) if cand else np.zeros(0, np.int32)
+        excess = -(-(self.mapped_bytes - target) // CHUNK)
+        if excess <= 0 or ages.size == 0:
+            return
+        excess = min(excess, int((ages < self.clock).sum()))
+        if excess <= 0:
+            return
+        cut = np.partition(ages, excess - 1)[excess - 1]
+        left = excess
+        for f, idx in cand:  # the oldest first: strictly older than the cut, then ties up to `excess`
+            old = idx[f.last_use[idx] < cut]
+            tie = idx[f.last_use[idx] == cut]
+            take = np.concatenate([old, tie[:max(0, left - old.size)]])[:left]
+            if take.size:
+                self._unmap(f, np.sort(take))
+                left -= take.size
+            if left <= 0:
+                break
+
+    def _unmap(self, f: TierFile, chunks: np.ndarray) -> None:
+        for a, b in _runs(chunks):
+            lo, hi = a * CHUNK, min(b * CHUNK, f.nbytes)
+            _madvise(f.addr + lo, hi - lo, MADV_DONTNEED)
+        f.mapped[chunks] = False
+        self.mapped_bytes -= chunks.size * CHUNK
+        self.stats.evicted += chunks.size
+
+    def release(self, name: Optional[str] = None) -> None:
+        """Unmap everything of file `name` (every file: None) that the cache does not hold: after a
+        phase that reads or writes the shard through other paths (its initial rows, a
+        checkpoint's load or save, an evaluation), so that the pages it touched leave this
+        process (dirty ones stay in the page cache until written back)."""
+        self.ready()
+        for f in ([self.files[name]] if name else self.files.values()):
+            for a, b in _runs(np.flatnonzero(~f.mapped)):
+                lo, hi = a * CHUNK, min(b * CHUNK, f.nbytes)
+                _madvise(f.addr + lo, hi - lo, MADV_DONTNEED)
+
+    # ---- reporting -------------------------------------------------------------------------
+    def record(self) -> dict[str, Any]:
+        """summary.json's `store` block (this rank's)."""
+        s = self.stats
+        io = _proc_io()
+        lat = np.sort(np.asarray(s.latencies)) * 1e6 if s.latencies else np.zeros(0)
+        pct = {f"p{q}_us": (round(float(np.percentile(lat, q)), 1) if lat.size else None) for q in (50, 90, 99)}
+        steps = max(s.steps, 1)
+        return {"kind": "disk", "dir": self.dir, "disk_bytes": self.disk_bytes(), "cache_bytes": self.cache_bytes,
+                "chunk_bytes": CHUNK, "steps": s.steps,
+                "hit_rate": round(s.chunks_hit / s.chunks_used, 4) if s.chunks_used else None,
+                "chunks_read_per_step": s.chunks_read / steps, "chunks_used_per_step": s.chunks_used / steps,
+                "evicted_chunks": s.evicted,
+                "bytes_read": io.get("read_bytes", 0) - self._io0.get("read_bytes", 0),
+                "bytes_written": io.get("write_bytes", 0) - self._io0.get("write_bytes", 0),
+                "read_latency": pct, "wait_s": round(s.wait_s, 4),
+                "sync_faults": _thread_major_faults() - self._faults0}
+
+    def close(self) -> None:
+        """Stop the threads, drop the mappings, remove the files (the run's scratch)."""
+        if self._closed:
+            return
+        self._closed = True
+        for fut in self._pending:
+            fut.cancel()
+        self._pool.shutdown(wait=True, cancel_futures=True)
+        self._pending = []
+        for f in self.files.values():
+            f.tensor = torch.empty(0)
+            mm = getattr(f.array, "_mmap", None)
+            f.array = None
+            if mm is not None:
+                try:
+                    mm.close()
+                except (BufferError, ValueError):
+                    pass  # a tensor still shares it: the mapping goes with the process
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+def _runs(chunks: np.ndarray) -> list[tuple[int, int]]:
+    """[(first, end)) runs of consecutive chunk numbers in sorted `chunks`."""
+    if chunks.size == 0:
+        return []
+    breaks = np.flatnonzero(np.diff(chunks) != 1) + 1
+    starts = np.concatenate([[0], breaks])
+    ends = np.concatenate([breaks, [chunks.size]])
+    return [(int(chunks[s]), int(chunks[e - 1]) + 1) for s, e in zip(starts, ends)]
+
+
+def _proc_io() -> dict[str, int]:
+    """/proc/self/io: bytes this process had read from and written to the storage layer."""
+    try:
+        with open("/proc/self/io") as f:
+            return {k: int(v) for k, v in (line.split(": ") for line in f if ": " in line)}
+    except (OSError, ValueError):
+        return {}
+
+
+def _thread_major_faults() -> int:
+    return resource.getrusage(resource.RUSAGE_THREAD).ru_majflt
