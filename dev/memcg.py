@@ -454,6 +454,12 @@ def cleanup_stale(prefix: str = PREFIX, verbose: bool = False) -> list[str]:
 
 
 # ------------------------------------------------------------------ command line
+def _bad(message: str) -> int:
+    """Bad input: one `error: ...` line on stderr, exit status 2 (no usage text, no traceback)."""
+    print(f"error: {message}", file=sys.stderr)
+    return 2
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(
         prog="python -m dev.memcg",
@@ -471,17 +477,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         limit = parse_size(args.limit)
     except ValueError as exc:
-        ap.error(f"--limit {args.limit}: {exc}")
+        return _bad(f"--limit {args.limit}: {exc}")
     if limit <= 0:
-        ap.error(f"--limit {args.limit}: must be > 0")
+        return _bad(f"--limit {args.limit}: must be > 0")
     if args.timeout is not None and args.timeout <= 0:
-        ap.error(f"--timeout {args.timeout:g}: must be > 0")
+        return _bad(f"--timeout {args.timeout:g}: must be > 0")
     if args.cleanup_stale:
         for path in cleanup_stale(verbose=True):
             print(path)
         return 0
     if not cmd:
-        ap.error("no command: python -m dev.memcg --limit SIZE -- CMD ...")
+        return _bad("no command: python -m dev.memcg --limit SIZE -- CMD ...")
     ok, why = availability()
     if not ok:
         print(f"error: {why}", file=sys.stderr)
