@@ -15,7 +15,8 @@ a directory does by itself, so the store's rows/s can be read against it. A file
 - `fill`: the initial buffered write of the file plus its fsync.
 
 Keys: kind, threads, iops, mb_s, p50_us, p90_us, p99_us (per-operation latency), seconds, ops,
-block_bytes, file_bytes, dir, direct. Where the filesystem refuses O_DIRECT (EINVAL), one line on
+cpu_s (this process's CPU seconds in the point: near seconds x cores, the CPU is the bound, not the
+drive), block_bytes, file_bytes, dir, direct. Where the filesystem refuses O_DIRECT (EINVAL), one line on
 stderr says so and the reads fall back to plain reads after posix_fadvise(DONTNEED) of the whole
 file before each point ("direct": false; on tmpfs that drops nothing: the figures are RAM's);
 `--buffered` takes that path on purpose.
@@ -163,12 +164,12 @@ def run_point(path: str, kind: str, threads: int, seconds: float, file_bytes: in
     pool = [threading.Thread(target=worker, args=(k,), daemon=True) for k in range(threads)]
     for th in pool:
         th.start()
-    t0 = time.perf_counter()
+    t0, cpu0 = time.perf_counter(), time.process_time()
     deadline[0] = time.perf_counter_ns() + int(seconds * 1e9)
     start.wait()
     for th in pool:
         th.join()
-    wall = time.perf_counter() - t0
+    wall, cpu = time.perf_counter() - t0, time.process_time() - cpu0
     if errors:
         raise errors[0]
     all_lat = sorted(x for one in lat for x in one)
@@ -176,7 +177,7 @@ def run_point(path: str, kind: str, threads: int, seconds: float, file_bytes: in
     return {"kind": kind, "threads": threads, "iops": round(ops / wall, 1), "mb_s": round(ops * block / wall / 1e6, 2),
             "p50_us": round(percentile(all_lat, 0.50) / 1e3, 1), "p90_us": round(percentile(all_lat, 0.90) / 1e3, 1),
             "p99_us": round(percentile(all_lat, 0.99) / 1e3, 1), "seconds": round(wall, 3), "ops": ops,
-            "block_bytes": block, "file_bytes": file_bytes, "direct": direct}
+            "cpu_s": round(cpu, 3), "block_bytes": block, "file_bytes": file_bytes, "direct": direct}
 
 
 def probe(directory: str, size: int, seconds: float, threads: Sequence[int], buffered: bool = False,

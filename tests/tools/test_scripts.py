@@ -449,6 +449,7 @@ def test_disk_probe_a_line_per_point_and_the_file_deleted(tmp_path):
         assert x["ops"] > 0 and x["iops"] == pytest.approx(x["ops"] / x["seconds"], rel=0.02), x
         assert x["mb_s"] == pytest.approx(x["iops"] * x["block_bytes"] / 1e6, rel=0.02), x
         assert 0 < x["p50_us"] <= x["p90_us"] <= x["p99_us"], x
+        assert 0 < x["cpu_s"] <= x["seconds"] * (os.cpu_count() or 1) + 0.1, x
         assert x["block_bytes"] == (1 << 20 if x["kind"] == "seq_read" else 4096)
     # O_DIRECT where the filesystem takes it (ext4, xfs; tmpfs since Linux 6.6), the refusal line otherwise
     assert all(x["direct"] for x in lines[1:]) or "O_DIRECT refused" in proc.stderr, proc.stderr
