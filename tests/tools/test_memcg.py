@@ -14,15 +14,16 @@ import pytest
 
 from dev import memcg
 
-pytestmark = pytest.mark.memcg
 MIB = 1 << 20
 
 
-@pytest.fixture(autouse=True)
-def _require_memcg():
+@pytest.fixture
+def require_memcg():
     ok, why = memcg.availability()
     if not ok:
         pytest.skip(f"memory cgroups unavailable: {why}")
+
+
 
 
 def _fstype(path: str) -> str:
@@ -44,6 +45,35 @@ def _enter(cgroup: str) -> None:
     os.close(fd)
 
 
+def test_v2_layout_and_files_as_the_kernel_writes_them(tmp_path, monkeypatch):
+    """cgroup v2 has no machine here: the detection (cgroup.controllers at the root), the parent
+    from /proc/self/cgroup's `0::` line under a mount of a subtree, and the files read for the limit,
+    peak and OOM kills, against a made-up tree."""
+    root = tmp_path / "cgroup"
+    (root / "job" / "me").mkdir(parents=True)
+    (root / "cgroup.controllers").write_text("cpuset cpu io memory pids\n")
+    monkeypatch.setattr(memcg, "CGROUP_ROOT", str(root))
+    monkeypatch.setattr(memcg, "_mounts", lambda: [("/outer", str(root), "cgroup2", "rw")])
+    monkeypatch.setattr(memcg, "_own_path", lambda version: {2: "/outer/job/me", 1: None}[version])
+    assert memcg.hierarchy() == memcg.Hierarchy(2, str(root), str(root / "job" / "me"))
+    assert memcg._join("/m", "/", "/a/b") == "/m/a/b" and memcg._join("/m", "/a", "/a") == "/m"
+    cg = memcg.MemoryCgroup(64 * MIB)
+    cg.path, cg.version = str(root / "job" / "me"), 2
+    d = root / "job" / "me"
+    (d / "memory.current").write_text("1000\n")
+    (d / "memory.events").write_text("low 0\nhigh 0\nmax 12\noom 2\noom_kill 1\noom_group_kill 0\n")
+    assert cg.usage_bytes() == 1000 and cg.oom_kills() == 1
+    cg._sampled_peak = 5000
+    assert cg.peak_bytes() == 5000  # no memory.peak (kernels before 5.19): the sampled maximum
+    (d / "memory.peak").write_text("7000\n")
+    assert cg.peak_bytes() == 7000
+    cg.version = 1  # v1's files, for the kernels that lack oom_kill
+    (d / "memory.oom_control").write_text("oom_kill_disable 0\nunder_oom 0\n")
+    (d / "memory.failcnt").write_text("3\n")
+    assert cg.oom_kills() == 3
+    cg.path = None  # nothing to remove: it was never created
+
+
 def test_parse_size():
     assert [memcg.parse_size(x) for x in ("4096", "64M", "64MiB", "2G", "1.5g", "512k")] == [
         4096, 64 * MIB, 64 * MIB, 2 << 30, 3 << 29, 512 << 10]
@@ -52,6 +82,8 @@ def test_parse_size():
             memcg.parse_size(bad)
 
 
+@pytest.mark.memcg
+@pytest.mark.usefixtures("require_memcg")
 def test_the_cgroup_nests_in_this_process_own_and_is_removed():
     h = memcg.hierarchy()
     own = open("/proc/self/cgroup").read()
@@ -70,6 +102,8 @@ def test_the_cgroup_nests_in_this_process_own_and_is_removed():
     assert not os.path.exists(path)
 
 
+@pytest.mark.memcg
+@pytest.mark.usefixtures("require_memcg")
 def test_page_cache_is_charged_a_file_3x_the_limit_reads_back_without_oom(tmp_path):
     """The point of the tool: under a 64 MiB limit a 192 MiB file written and read back at random
     offsets stays correct, nothing is OOM-killed, and the cgroup's peak is at the limit (the page
@@ -105,6 +139,8 @@ def test_page_cache_is_charged_a_file_3x_the_limit_reads_back_without_oom(tmp_pa
     assert limit // 2 < peak <= limit, (peak, limit)
 
 
+@pytest.mark.memcg
+@pytest.mark.usefixtures("require_memcg")
 def test_anonymous_memory_past_the_limit_is_oom_killed():
     child = "b = bytearray(128 << 20)\nb[::4096] = b'x' * len(b[::4096])\nprint('survived')"
     with memcg.MemoryCgroup(64 * MIB) as cg:
@@ -119,6 +155,8 @@ def test_anonymous_memory_past_the_limit_is_oom_killed():
         assert cg.peak_bytes() > 128 * MIB
 
 
+@pytest.mark.memcg
+@pytest.mark.usefixtures("require_memcg")
 def test_children_are_inside_and_killed_on_timeout_and_on_an_exception():
     # a grandchild in its own session escapes the process group, not the cgroup
     with memcg.MemoryCgroup(64 * MIB) as cg:
@@ -134,6 +172,8 @@ def test_children_are_inside_and_killed_on_timeout_and_on_an_exception():
     assert path is not None and not os.path.exists(path)
 
 
+@pytest.mark.memcg
+@pytest.mark.usefixtures("require_memcg")
 def test_cleanup_stale_removes_dead_owners_cgroups_only():
     """Its own prefix, so another test process's cleanup (every MemoryCgroup runs one, for the
     default prefix) cannot take this test's stale cgroup first."""
