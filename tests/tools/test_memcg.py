@@ -24,8 +24,6 @@ def require_memcg():
         pytest.skip(f"memory cgroups unavailable: {why}")
 
 
-
-
 def _fstype(path: str) -> str:
     """The filesystem type of the mount holding path (/proc/self/mounts, longest prefix)."""
     best, fstype = "", ""
