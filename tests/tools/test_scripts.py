@@ -52,6 +52,7 @@ REAL_RUNS = {
     "benchmarks/bench_kernels.py": "tools/test_bench_kernels.py::test_bench_kernels_quick_cpu",
     "benchmarks/bench_net.py": "tools/test_bench_net.py::test_repeat_interleaves_rounds_and_phases_time_every_rank_step_by_step",
     "benchmarks/bench_placement.py": "",
+    "benchmarks/disk_probe.py": "",
     "benchmarks/bench_scale.py": "tools/test_bench_scale.py::test_every_phase_of_a_train_and_a_resume_at_2w",
     "benchmarks/bench_train.py": "tools/test_gpu_check.py::test_gpu_check_runs_every_stage_in_cpu_mode",
     "benchmarks/scale_probe.py": "tools/test_bench_scale.py::test_every_phase_of_a_train_and_a_resume_at_2w",
@@ -60,6 +61,7 @@ REAL_RUNS = {
     "dev/criteo_file.py": "tools/test_criteo_file.py::test_the_command_writes_a_file_prepare_criteo_reads",
     "dev/gpu_parity.py": "unit/test_gpu_paths.py::test_harness_on_cpu",
     "dev/gpu_dense_probe.py": "tools/test_gpu_check.py::test_gpu_check_step_study_in_cpu_mode",
+    "dev/memcg.py": "",
     "dev/netcluster.py": "",
     "dev/recipe_study/compare_splits.py": "tools/test_compare_splits.py::test_each_split_against_its_own_baseline",
     "dev/recipe_study/paired_splits.py": "tools/test_paired_splits.py::test_paired_differences_against_a_plain_computation",
@@ -156,6 +158,8 @@ def _local_test(script: str) -> str:
             "benchmarks/bench_comm.py": "test_bench_comm_all_launches_torchrun_and_horovodrun",
             "benchmarks/bench_data.py": "test_bench_data_measures_prepare_and_both_loaders",
             "benchmarks/bench_placement.py": "test_bench_placement_simulated",
+            "benchmarks/disk_probe.py": "test_disk_probe_a_line_per_point_and_the_file_deleted",
+            "dev/memcg.py": "test_memcg_command_line_runs_under_the_limit",
             "dev/netcluster.py": "test_netcluster_command_line_up_run_down"}[script]
 
 
@@ -180,9 +184,11 @@ HELP_SAYS = {  # a phrase of each script's own help text (not argparse's), so th
     "benchmarks/bench_train.py": "Training throughput",
     "benchmarks/phases.py": "STEP_PHASES_DIR",
     "benchmarks/soak.py": "Soak test",
+    "benchmarks/disk_probe.py": "random-read limit",
     "dev/criteo_file.py": "stand-in for",
     "dev/gpu_parity.py": "CPU reference",
     "dev/gpu_dense_probe.py": "eager against one CUDA graph",
+    "dev/memcg.py": "memory cgroup limit",
     "dev/netcluster.py": "Emulated multi-host cluster",
     "dev/recipe_study/compare_splits.py": "logistic regression",
     "dev/recipe_study/paired_splits.py": "split by split",
@@ -259,6 +265,10 @@ BAD_INPUT = [
     (["dev/gpu_parity.py", "--device", "cpu", "--criteo", MISSING], f"data.dir='{MISSING}'"),
     (["dev/gpu_parity.py", "--device", "nosuch"], "--device nosuch"),
     (["dev/netcluster.py", "down", "--tag", "htnet0-nosuch"], "error"),
+    (["dev/memcg.py", "--limit", "0", "--", "true"], "--limit 0: must be > 0"),
+    (["dev/memcg.py", "--limit", "2X", "--", "true"], "--limit 2X: size '2X'"),
+    (["benchmarks/disk_probe.py", "--dir", MISSING], f"--dir {MISSING}: no such directory"),
+    (["benchmarks/disk_probe.py", "--size", "64k"], "--size 64k: must be at least 1M"),
     (["dev/recipe_study/compare_splits.py", MISSING, "--splits", "1"], MISSING),
     (["dev/recipe_study/paired_splits.py", MISSING, MISSING], MISSING),
     (["dev/recipe_study/val_rotations.py", MISSING, "--models", "dlrm"], f"data.dir='{MISSING}'"),
@@ -403,6 +413,66 @@ def test_netcluster_command_line_up_run_down():
                               timeout=120)
     assert down.returncode == 0, down.stderr
     assert not [ns for ns in netcluster._namespaces() if ns.startswith(tag + "-")]
+
+
+@pytest.mark.memcg
+def test_memcg_command_line_runs_under_the_limit():
+    """python -m dev.memcg --limit 64M -- CMD: CMD's output passes through, its exit status is the
+    tool's, and one JSON line on stderr ends it; past the limit CMD is OOM-killed (137)."""
+    from dev import memcg
+
+    ok, why = memcg.availability()
+    if not ok:
+        pytest.skip(f"memory cgroups unavailable: {why}")
+    mc = [PY, "-m", "dev.memcg", "--limit", "64M", "--"]
+    r = subprocess.run([*mc, "sh", "-c", "grep memory /proc/self/cgroup; exit 3"], capture_output=True, text=True,
+                       env=env(), cwd=ROOT, timeout=60)
+    assert r.returncode == 3 and "/ht-memcg-" in r.stdout, r
+    line = json.loads(r.stderr.strip().splitlines()[-1])
+    assert (line["rc"], line["limit_bytes"], line["oom_kills"], line["timed_out"]) == (3, 64 << 20, 0, False), line
+    assert 0 < line["peak_bytes"] <= 64 << 20
+    big = subprocess.run([*mc, PY, "-c", "b = bytearray(256 << 20); b[::4096] = bytes(len(b[::4096]))"],
+                         capture_output=True, text=True, env=env(), cwd=ROOT, timeout=60)
+    line = json.loads(big.stderr.strip().splitlines()[-1])
+    assert big.returncode == 137 and line["rc"] == -9 and line["oom_kills"] >= 1, big
+
+
+def test_disk_probe_a_line_per_point_and_the_file_deleted(tmp_path):
+    proc = subprocess.run([PY, "-m", "benchmarks.disk_probe", "--dir", str(tmp_path), "--size", "2M",
+                           "--seconds", "0.2", "--threads", "1", "3"],
+                          capture_output=True, text=True, env=env(), cwd=ROOT, timeout=120)
+    lines = _json_lines(proc)
+    assert [(x["kind"], x["threads"]) for x in lines] == [
+        ("fill", 1), ("rand_read", 1), ("rand_read", 3), ("seq_read", 1), ("rand_write", 1), ("rand_write", 3)]
+    for x in lines[1:]:
+        assert x["file_bytes"] == 2 << 20 and x["dir"] == str(tmp_path) and x["seconds"] >= 0.2, x
+        assert x["ops"] > 0 and x["iops"] == pytest.approx(x["ops"] / x["seconds"], rel=0.02), x
+        assert x["mb_s"] == pytest.approx(x["iops"] * x["block_bytes"] / 1e6, rel=0.02), x
+        assert 0 < x["p50_us"] <= x["p90_us"] <= x["p99_us"], x
+        assert 0 < x["cpu_s"] <= x["seconds"] * (os.cpu_count() or 1) + 0.1, x
+        assert x["block_bytes"] == (1 << 20 if x["kind"] == "seq_read" else 4096)
+    # O_DIRECT where the filesystem takes it (ext4, xfs; tmpfs since Linux 6.6), the refusal line otherwise
+    assert all(x["direct"] for x in lines[1:]) or "O_DIRECT refused" in proc.stderr, proc.stderr
+    assert os.listdir(tmp_path) == []
+
+
+def test_disk_probe_falls_back_where_o_direct_is_refused(tmp_path, monkeypatch, capsys):
+    import errno
+
+    from benchmarks import disk_probe
+
+    def refuse(path, flags):
+        raise OSError(errno.EINVAL, "Invalid argument")
+
+    monkeypatch.setattr(disk_probe, "_open_direct", refuse)
+    assert disk_probe.main(["--dir", str(tmp_path), "--size", "1M", "--seconds", "0.05", "--threads", "2"]) == 0
+    out, err = capsys.readouterr()
+    lines = [json.loads(x) for x in out.splitlines()]
+    assert [(x["kind"], x["direct"]) for x in lines] == [
+        ("fill", False), ("rand_read", False), ("seq_read", False), ("rand_write", False)]
+    assert err.count("O_DIRECT refused by the filesystem") == 1 and "EINVAL" in err, err
+    assert all(x["ops"] > 0 for x in lines) and os.listdir(tmp_path) == []
+    assert disk_probe.percentile([1.0, 2.0, 3.0, 4.0, 5.0], 0.5) == 3.0 and disk_probe.percentile([], 0.9) == 0.0
 
 
 def test_setup_check_finds_everything_in_this_venv():
