@@ -82,6 +82,10 @@ def test_a_disk_checkpoint_resumes_at_another_w_as_memory_does(tmp_path):
         out[kind] = run_single(first + ["checkpoint.resume=auto"])
     assert out["memory"].summary["start_step"] == out["disk"].summary["start_step"] == 12
     assert_identical(out["memory"], out["disk"])
+    for step in ("step_00000012", "step_00000024"):  # the saves themselves: the same bytes, block for block
+        shards = [json.loads((tmp_path / kind / "ck" / step / "manifest.json").read_text())["shards"]
+                  for kind in ("memory", "disk")]
+        assert shards[0] == shards[1] and len(shards[0]) == (2 if step.endswith("12") else 1)
 
 
 def _cli(args: list[str], tmp_path) -> subprocess.CompletedProcess:

@@ -44,6 +44,7 @@ import torch
 from ..core.stop import StopRequested
 from ..embedding.sharding import rows_on_rank
 from ..embedding.store import ShardStore
+from .buckets import BucketedLoad, bucketed_write
 from .manifest import CheckpointDamaged, CheckpointError
 
 BLOCK = 1 << 20  # bytes per checksummed block
@@ -189,6 +190,14 @@ def saved_dtype(meta: dict[str, Any]) -> torch.dtype:
     return _FROM_FILE.get(meta["dtype"], torch.bfloat16 if meta["dtype"] == "<u2" else torch.float32)
 
 
+def piece_bytes(store: ShardStore) -> int:
+    """Bytes of one field a save or a load holds at a time: PIECE_BYTES, or with the shard on disk
+    an eighth of its RAM cache (at least 1 MiB), which is all the memory that run has for rows."""
+    if store.tier is None:
+        return PIECE_BYTES
+    return max(1 << 20, min(PIECE_BYTES, store.tier.cache_bytes // 8))
+
+
 def _segments(store: ShardStore) -> Iterator[tuple[int, int, int]]:
     """(table, first storage slot, real rows n_t) of this rank's segment of every table."""
     s = store.sharding
@@ -266,8 +275,20 @@ def write_shard(directory: str, store: ShardStore,
     out: dict[str, Any] = {"rows": total, "fields": {}}
     parts = [(field, tensor.reshape(tensor.shape[0], -1) if tensor.dim() > 1 else tensor.reshape(-1, 1),
               _HashedWriter(os.path.join(directory, f"{field.name}.bin"))) for field, tensor in fields(store)]
-    rows_per_piece = max(PIECE_BYTES // max(sum(f.row_bytes for f, _, _ in parts), 1), 1)
+    rows_per_piece = max(piece_bytes(store) // max(sum(f.row_bytes for f, _, _ in parts), 1), 1)
+    writers = {field.name: writer for field, _, writer in parts}
+
+    def emit(name: str, values: np.ndarray) -> None:
+        if on_piece is not None:
+            on_piece(name, values.nbytes)
+        writers[name].write(values)
     try:
+        if store.tier is not None:  # the shard on disk: in order, through buckets (buckets.py)
+            for _, first, n in segments:
+                bits = order_bits(n)
+                bucketed_write(first, n, rows_per_piece, bits, lambda p: _first_j(n, bits, p), bit_reverse,
+                               {field.name: flat for field, flat, _ in parts}, store.tier.dir, emit, store.release)
+            segments = []
         for _, first, n in segments:
             for start in range(0, n, rows_per_piece):
                 q = q_in_order(n, start, min(rows_per_piece, n - start))
@@ -357,6 +378,24 @@ def read_shards(ckpt: str, manifest: dict[str, Any], store: ShardStore, counter:
     s = store.sharding
     loaded = 0
     want = {f.name: t for f, t in fields(store)}
+    sink = None
+    if store.tier is not None:  # the shard on disk: every region written once, through buckets (buckets.py)
+        per_row = sum(t.element_size() * max(t[:1].numel(), 1) for t in want.values())
+        sink = BucketedLoad(store.tier.dir, s.local_rows, max(piece_bytes(store) // per_row, 1), want, store.release)
+    try:
+        loaded = _read_shards(ckpt, manifest, store, counter, want, sink, saved_world, table_rows)
+        if sink is not None:
+            sink.finish()
+    finally:
+        if sink is not None:
+            sink.close()
+    return loaded
+
+
+def _read_shards(ckpt: str, manifest: dict[str, Any], store: ShardStore, counter: dict[str, int],
+                 want: dict[str, torch.Tensor], sink: BucketedLoad | None, saved_world: int, table_rows: list[int]) -> int:
+    s = store.sharding
+    loaded = 0
     for r, m, c in _plan(saved_world, s.rank, s.world):
         name = shard_dir(r, saved_world)
         info = manifest["shards"].get(name)
@@ -367,7 +406,7 @@ def read_shards(ckpt: str, manifest: dict[str, Any], store: ShardStore, counter:
                                   f"match this run's {sorted(want)} (another sparse optimizer?)")
         files = {k: _VerifiedFile(os.path.join(ckpt, name, f"{k}.bin"), v, counter) for k, v in info["fields"].items()}
         try:
-            loaded += _read_one(files, info, table_rows, saved_world, r, m, c, store, want)
+            loaded += _read_one(files, info, table_rows, saved_world, r, m, c, store, want, sink)
         finally:
             for f in files.values():
                 f.close()
@@ -404,14 +443,15 @@ _read_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shard-read")
 
 
 def _read_one(files: dict[str, _VerifiedFile], info: dict[str, Any], table_rows: list[int], saved_world: int,
-              r: int, m: int, c: int, store: ShardStore, want: dict[str, torch.Tensor]) -> int:
+              r: int, m: int, c: int, store: ShardStore, want: dict[str, torch.Tensor],
+              sink: BucketedLoad | None = None) -> int:
     """The rows of shard r this rank takes. The next piece is read and verified in a thread (file
     reads and sha256 release the GIL) while this one is scattered: two pieces of rows in memory at
     most, each at most PIECE_BYTES per field."""
     s = store.sharding
     loaded = 0
     widest = max(np.dtype(v["dtype"]).itemsize * v["width"] for v in info["fields"].values())
-    pieces = list(_pieces(table_rows, saved_world, r, m, c, max(PIECE_BYTES // widest, 1)))
+    pieces = list(_pieces(table_rows, saved_world, r, m, c, max(piece_bytes(store) // widest, 1)))
     pending: Future | None = None
     try:
         for k, (t, n, seg_start, start, count) in enumerate(pieces):
@@ -431,6 +471,9 @@ def _read_one(files: dict[str, _VerifiedFile], info: dict[str, Any], table_rows:
                     values = values[keep]
                 dest = want[name]
                 values = _converted(values, dest.dtype, files[name].path)
+                if sink is not None:
+                    sink.add(name, idx, values)
+                    continue
                 with torch.no_grad():
                     flat = dest.reshape(dest.shape[0], -1) if dest.dim() > 1 else dest
                     flat.index_copy_(0, idx.to(dest.device), values.reshape((-1,) + tuple(flat.shape[1:])).to(dest.device))

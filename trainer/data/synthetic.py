@@ -30,6 +30,7 @@ TRAIN, EVAL = 0, 1
 _S_LEN, _S_ID, _S_DENSE, _S_LABEL = 1, 2, 3, 4
 _S_WEIGHT, _S_DENSE_W = 90, 91
 _PLANTED_TABLE_MAX_ROWS = 20_000_000
+_PLANTED_CHUNK = 1 << 20  # ids hashed at once for the planted weights' table
 _CHUNK_MIN_SAMPLES = 4096  # data.loader_threads splits a batch into chunks of at least this many
 
 
@@ -82,9 +83,14 @@ class SyntheticData:
         self._w_table = None
         self._drift = float(cfg.drift)
         if sum(rows) <= _PLANTED_TABLE_MAX_ROWS and not self._drift:  # drifting ids pass any row count
-            t = np.repeat(np.arange(self.T), rows)
-            i = np.arange(sum(rows)) - self._w_start[t]
-            self._w_table = self._planted(t, i).astype(np.float32)
+            # 4 B per row, made a chunk of ids at a time: the hashing's int64 / float64 temporaries
+            # stay at a chunk's (whole, 14M rows peaked at 1 GB for a 56 MB table)
+            self._w_table = np.empty(sum(rows), dtype=np.float32)
+            for t, n in enumerate(rows):
+                for lo in range(0, n, _PLANTED_CHUNK):
+                    i = np.arange(lo, min(lo + _PLANTED_CHUNK, n), dtype=np.int64)
+                    start = self._w_start[t] + lo
+                    self._w_table[start:start + i.size] = self._planted(np.full(i.size, t, np.int64), i)
         # data.loader_threads > 1: a batch's samples are made in row chunks on a thread pool (numpy
         # releases the GIL in its array loops); every value is a function of its sample's index
         # alone, so the chunks give bit-identical batches (tests/unit/test_data_sharding.py)
