@@ -149,6 +149,7 @@ COPY scripts/ scripts/
 COPY benchmarks/ benchmarks/
 COPY dev/ dev/
 COPY docs/ docs/
+COPY deploy/ deploy/
 COPY tests/ tests/
 RUN --mount=type=bind,source=wheelhouse,target=/wheelhouse \
     pip install --no-deps -e . \

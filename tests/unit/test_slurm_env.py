@@ -20,6 +20,8 @@ def test_an_srun_task_gets_the_torch_variables():
     assert got == {"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2",
                    "MASTER_ADDR": "gpu07", "MASTER_PORT": str(15000 + 123456 % 10000)}
     assert {k: env[k] for k in got} == got
+    requeued = {**STEP, "SLURM_RESTART_COUNT": "1"}  # a requeued run: another port than the run before it
+    assert adopt_slurm(requeued)["MASTER_PORT"] == str(15000 + (123456 + 997) % 10000) != got["MASTER_PORT"]
 
 
 def test_the_batch_scripts_master_and_a_launchers_variables_win(monkeypatch):

@@ -161,12 +161,19 @@ def _tasks_here(per_node: str, node: int) -> int:
     return counts[node] if node < len(counts) else counts[-1]
 
 
+def slurm_port(job_id: int, restart: int = 0) -> int:
+    """A Slurm job's MASTER_PORT: 15000 + (job id + 997 x SLURM_RESTART_COUNT) mod 10000, so a requeued
+    job does not ask for the port its previous run's rank 0 may still hold while it exits
+    (scripts/slurm/train.sbatch computes the same)."""
+    return SLURM_PORT_BASE + (job_id + 997 * restart) % SLURM_PORTS
+
+
 def adopt_slurm(env: "dict[str, str] | os._Environ[str]" = os.environ) -> dict[str, str]:
     """A task that srun started (one per rank) gets torchrun's variables from Slurm's, when no launcher
     set its rank: RANK <- SLURM_PROCID, WORLD_SIZE <- SLURM_NTASKS, LOCAL_RANK <- SLURM_LOCALID,
     LOCAL_WORLD_SIZE <- this node's tasks (SLURM_STEP_TASKS_PER_NODE at SLURM_NODEID), and, unless
     the batch script exported them, MASTER_ADDR <- the first host of SLURM_JOB_NODELIST and MASTER_PORT
-    <- 15000 + SLURM_JOB_ID % 10000. Only for a step of more than one task (SLURM_STEP_ID set: not the
+    <- slurm_port (job id and restart count). Only for a step of more than one task (SLURM_STEP_ID set: not the
     batch shell); a launcher's variables (torchrun, horovodrun, mpirun: LAUNCHER_RANKS, WORLD_SIZE) win,
     except srun's own PMI_RANK (the same rank). Sets them in `env` and returns what it set."""
     if "SLURM_STEP_ID" not in env or not env.get("SLURM_PROCID", "").isdigit():
@@ -183,7 +190,7 @@ def adopt_slurm(env: "dict[str, str] | os._Environ[str]" = os.environ) -> dict[s
     if "MASTER_ADDR" not in env:
         got["MASTER_ADDR"] = _first_host(env.get("SLURM_STEP_NODELIST") or env["SLURM_JOB_NODELIST"])
     if "MASTER_PORT" not in env:
-        got["MASTER_PORT"] = str(SLURM_PORT_BASE + int(env.get("SLURM_JOB_ID", "0")) % SLURM_PORTS)
+        got["MASTER_PORT"] = str(slurm_port(int(env.get("SLURM_JOB_ID", "0")), int(env.get("SLURM_RESTART_COUNT") or 0)))
     env.update(got)
     return got
 
