@@ -12,18 +12,20 @@ Per `--alphas` (1.1: the bench preset's skew; 0: uniform ids, the worst case) th
   costs only.
 Each line: the steady rate (samples/s over the steps after `--warmup`, from metrics.jsonl), its
 ratio to the memory point's, the unique rows a step reads, and the store block of summary.json:
-hit rate, chunks read per step, bytes read per step and as rows (bytes / row bytes) and their share
-of the step's unique rows, read latency percentiles, the wait per step, the training thread's own
+hit rate, pages read per step, bytes read and written per step, the pages read from the disk per
+step (bytes read / page) as a share of the step's unique rows (a page serves one row or more), read latency percentiles, the wait per step, the training thread's own
 page faults per step; the cgroup's peak. The points run one after another (never two at once).
 
     python -m benchmarks.bench_store [--rows 1000000] [--steps 300] [--warmup 100]
-        [--alphas 1.1 0] [--cache-shares 0.25 0.5] [--headroom 1.5G] [--dir DIR] [-- overrides]
+        [--alphas 1.1 0] [--cache-shares 0.25 0.5] [--headroom 1.5G] [--cgroup on|off] [--dir DIR]
+        [-- overrides]
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import shutil
 import sys
 import tempfile
 
@@ -63,11 +65,11 @@ def point(kind: str, alpha: float, share: float | None, args: argparse.Namespace
         cache = int(disk * share)
         over += ["embedding.store=disk", f"embedding.store_dir={args.dir}", f"embedding.store_cache_bytes={cache}"]
     argv = trainer_command(1, over)
-    if kind == "disk" and memcg.availability()[0]:
+    if kind == "disk" and args.cgroup == "on" and memcg.availability()[0]:
         limit = cache + memcg.parse_size(args.headroom)
         with memcg.MemoryCgroup(limit) as cg:
             r = cg.run(argv, timeout=args.timeout, cwd=ROOT)
-            peak, cgroup = cg.peak_bytes(), memcg.hierarchy().version
+            peak, cgroup = cg.peak_bytes(), cg.version
         if r.returncode != 0:
             raise RuntimeError(f"the disk point failed (exit {r.returncode}, cgroup {limit} B): "
                                f"{' '.join(argv)}\n{r.stderr[-3000:]}")
@@ -76,6 +78,7 @@ def point(kind: str, alpha: float, share: float | None, args: argparse.Namespace
     else:
         summary = run_trainer(argv, out, cwd=ROOT)
     rate, uniq = steady(out, args.warmup)
+    shutil.rmtree(out, ignore_errors=True)  # the run's outputs: what matters is in the line
     plan = summary["memory_plan"]
     row_bytes = plan["bytes_per_row"]
     line = {"kind": kind, "alpha": alpha, "cache_share": share, "rows_per_table": args.rows,
@@ -86,13 +89,13 @@ def point(kind: str, alpha: float, share: float | None, args: argparse.Namespace
     store = summary.get("store", {})
     if kind == "disk":
         steps = max(store.get("steps", 0), 1)
-        read_rows = store["bytes_read"] / steps / row_bytes
+        read_pages = store["bytes_read"] / steps / store["chunk_bytes"]  # the tier reads pages
         line.update(ratio_to_memory=(rate / base["samples_per_sec"]) if rate and base["samples_per_sec"] else None,
                     cache_bytes=store["cache_bytes"], hit_rate=store["hit_rate"],
                     chunks_used_per_step=store["chunks_used_per_step"],
                     chunks_read_per_step=store["chunks_read_per_step"],
                     bytes_read_per_step=store["bytes_read"] / steps, bytes_written_per_step=store["bytes_written"] / steps,
-                    rows_read_per_step=read_rows, read_share_of_unique=(read_rows / uniq) if uniq else None,
+                    pages_read_per_step=read_pages, read_share_of_unique=(read_pages / uniq) if uniq else None,
                     read_latency=store["read_latency"], wait_ms_per_step=1e3 * store["wait_s"] / steps,
                     sync_faults_per_step=store["sync_faults"] / steps)
     else:
@@ -109,6 +112,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--alphas", type=float, nargs="+", default=[1.1, 0.0], help="Zipf skews (0: uniform)")
     ap.add_argument("--cache-shares", type=float, nargs="+", default=[0.25, 0.5], metavar="S")
     ap.add_argument("--headroom", default="1.5G", help="the cgroup's memory beside the cache")
+    ap.add_argument("--cgroup", choices=["on", "off"], default="on",
+                    help="off: the disk points without a memory cgroup (the page cache may hold the files: "
+                         "the tier's own costs)")
     ap.add_argument("--optimizer", default="rowwise_adagrad", choices=["sgd", "adagrad", "rowwise_adagrad"])
     ap.add_argument("--dir", default=None, help="where the shard files and outputs go (default: the temp dir)")
     ap.add_argument("--timeout", type=float, default=3600)
@@ -118,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
         return bad_input("--steps must exceed --warmup, --rows be >= 1 and each --cache-shares in (0, 1]")
     args.dir = args.dir or tempfile.gettempdir()
     os.makedirs(args.dir, exist_ok=True)
-    if not memcg.availability()[0]:
+    if args.cgroup == "on" and not memcg.availability()[0]:
         print(f"[bench_store] no memory cgroup ({memcg.availability()[1]}): the disk points run without a limit",
               file=sys.stderr)
     for alpha in args.alphas:

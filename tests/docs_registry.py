@@ -29,7 +29,7 @@ SHRINK_KEYS = {
     "--splits", "--measure-steps", "--herald-steps", "--plan-steps", "--sizes", "--budget",
     "--jobs", "--slices", "placement.plan_steps", "--batch-sizes", "--nproc_per_node", "--rows",
     "--tables", "--dim", "--batch", "--eval-samples", "--resume-worlds", "--workers", "--np",
-    "--models", "--hash-rows",
+    "--models", "--hash-rows", "--alphas", "--cache-shares",
 }
 # Switches an entry may add where the text beside the command does not need what they turn off.
 OFF_SWITCHES = {"checkpoint.enabled=false", "train.tensorboard=false", "--quick", "train.progress=off",
@@ -549,6 +549,11 @@ def inline_commands(rel: str) -> list[tuple[int, str]]:
 # Inline commands that run: like a block command of their own (in a scratch directory), or by the
 # test they name (`elsewhere`), which takes the command line from `documented`.
 INLINE: dict[str, Entry] = {
+    # README's performance table: the SSD tier's benchmark
+    "python -m benchmarks.bench_store --rows 200000 --steps 200 --warmup 60 --headroom 600M":
+        Entry(elsewhere="tests/tools/test_scripts.py::test_bench_store_a_memory_point_then_disk_points_under_a_cgroup",
+              shrink=(("--rows 200000", "--rows 3000"), ("--steps 200", "--steps 14"), ("--warmup 60", "--warmup 4")),
+              add=("--alphas", "1.1", "--cache-shares", "0.5")),
     # README: as a package (tests/tools/test_install.py: a copy of the checkout, a fresh environment)
     "pip wheel --no-deps .": Entry(elsewhere="tests/tools/test_install.py::installed"),
     "pip install .": Entry(elsewhere="tests/tools/test_install.py::installed"),

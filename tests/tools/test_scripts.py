@@ -53,6 +53,7 @@ REAL_RUNS = {
     "benchmarks/bench_net.py": "tools/test_bench_net.py::test_repeat_interleaves_rounds_and_phases_time_every_rank_step_by_step",
     "benchmarks/bench_placement.py": "",
     "benchmarks/disk_probe.py": "",
+    "benchmarks/bench_store.py": "",
     "benchmarks/bench_scale.py": "tools/test_bench_scale.py::test_every_phase_of_a_train_and_a_resume_at_2w",
     "benchmarks/bench_train.py": "tools/test_gpu_check.py::test_gpu_check_runs_every_stage_in_cpu_mode",
     "benchmarks/scale_probe.py": "tools/test_bench_scale.py::test_every_phase_of_a_train_and_a_resume_at_2w",
@@ -159,6 +160,7 @@ def _local_test(script: str) -> str:
             "benchmarks/bench_data.py": "test_bench_data_measures_prepare_and_both_loaders",
             "benchmarks/bench_placement.py": "test_bench_placement_simulated",
             "benchmarks/disk_probe.py": "test_disk_probe_a_line_per_point_and_the_file_deleted",
+            "benchmarks/bench_store.py": "test_bench_store_a_memory_point_then_disk_points_under_a_cgroup",
             "dev/memcg.py": "test_memcg_command_line_runs_under_the_limit",
             "dev/netcluster.py": "test_netcluster_command_line_up_run_down"}[script]
 
@@ -185,6 +187,7 @@ HELP_SAYS = {  # a phrase of each script's own help text (not argparse's), so th
     "benchmarks/phases.py": "STEP_PHASES_DIR",
     "benchmarks/soak.py": "Soak test",
     "benchmarks/disk_probe.py": "random-read limit",
+    "benchmarks/bench_store.py": "The SSD tier",
     "dev/criteo_file.py": "stand-in for",
     "dev/gpu_parity.py": "CPU reference",
     "dev/gpu_dense_probe.py": "eager against one CUDA graph",
@@ -269,6 +272,7 @@ BAD_INPUT = [
     (["dev/memcg.py", "--limit", "2X", "--", "true"], "--limit 2X: size '2X'"),
     (["benchmarks/disk_probe.py", "--dir", MISSING], f"--dir {MISSING}: no such directory"),
     (["benchmarks/disk_probe.py", "--size", "64k"], "--size 64k: must be at least 1M"),
+    (["benchmarks/bench_store.py", "--steps", "5", "--warmup", "10"], "--steps must exceed --warmup"),
     (["dev/recipe_study/compare_splits.py", MISSING, "--splits", "1"], MISSING),
     (["dev/recipe_study/paired_splits.py", MISSING, MISSING], MISSING),
     (["dev/recipe_study/val_rotations.py", MISSING, "--models", "dlrm"], f"data.dir='{MISSING}'"),
@@ -563,3 +567,21 @@ def test_install_slurm_ends_with_the_daemons_and_clients():
     r = subprocess.run(["bash", os.path.join(ROOT, "scripts", "install_slurm.sh"), "nosuch"], capture_output=True,
                        text=True, timeout=30)
     assert r.returncode == 2 and r.stderr.startswith("error: nosuch: unknown argument"), r.stderr
+
+
+def test_bench_store_a_memory_point_then_disk_points_under_a_cgroup(tmp_path):
+    """A shrunk run: the memory point, then a disk point whose cache is half the shard, run under a
+    memory cgroup where the machine has one; its outputs and the shard's files are gone after."""
+    from dev import memcg
+    argv = documented("python -m benchmarks.bench_store --rows 200000 --steps 200 --warmup 60 --headroom 600M")
+    proc = subprocess.run([*argv, "--dir", str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    mem, disk = [json.loads(x) for x in proc.stdout.splitlines()]
+    assert mem["kind"] == "memory" and disk["kind"] == "disk" and disk["cache_share"] == 0.5
+    assert mem["samples_per_sec"] > 0 and 0 < disk["ratio_to_memory"] < 10 and 0 <= disk["hit_rate"] <= 1
+    assert disk["cache_bytes"] == int(mem["disk_bytes"] * 0.5) and disk["chunks_used_per_step"] > 0
+    assert disk["cgroup"] == (memcg.hierarchy().version if memcg.availability()[0] else None)
+    if disk["cgroup"]:
+        assert 0 < disk["peak_bytes"] <= disk["limit_bytes"]
+    assert os.listdir(tmp_path) == []
+

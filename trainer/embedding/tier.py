@@ -8,20 +8,24 @@ arithmetic on them and `disk` equals `memory` bit for bit by construction. A fix
 sits at byte r x row bytes of each file: no per-row index in RAM.
 
 Three levels:
-- the **RAM cache**: the parts of the files mapped into this process, in 64 KiB chunks. Its size is
-  ours (embedding.store_cache_bytes): each chunk remembers the step it was last used in (4 B per
-  chunk: 1/16,000 of the 64 KiB it stands for), and once the mapped chunks pass the budget the least
-  recently used ones are unmapped (madvise DONTNEED) down to 90% of it. Unmapping a dirty page does
-  not lose it: the page cache keeps it until the kernel has written it back.
+- the **RAM cache**: the pages of the files mapped into this process. Its size is ours
+  (embedding.store_cache_bytes): each page remembers the step it was last used in (5 B per 4 KiB
+  page: 1/800 of what it stands for), and once the mapped pages pass the budget the least recently
+  used ones are unmapped (madvise DONTNEED) down to 90% of it. Unmapping a dirty page does not lose
+  it: the page cache keeps it until the kernel has written it back.
 - the **page cache**: what the kernel keeps of the files in the memory left over (in a memory cgroup,
   at most the cgroup's limit: a process cannot keep its files there beyond it).
 - the **disk**.
-Reads a step ahead: the ids a step will read are known once its batch is planned (a step early with
-train.pipeline); `prefetch` hands their chunks that are not mapped to a pool of threads that map them
-(madvise POPULATE_READ: the kernel reads each chunk as one request; one request in flight per
-thread, `threads` at once), and the step's first read of the shard waits for them (`ready`, the
-time counted as the step's wait on the disk). A chunk never prefetched is read when touched, by a
-page fault on the step's own thread (counted: `sync_faults`).
+Why pages, not bigger chunks: hot ids are spread over a table (hashed vocabularies; the synthetic
+presets too), so a step's rows fall into as many pages as rows: a 64 KiB unit made every step read
+the whole file. The mappings are MADV_RANDOM for the same reason: a fault reads its page only, not
+the kernel's read-around window.
+Reads ahead: the ids a step will read are known once its batch is planned (a step early with
+train.pipeline); `prefetch` deals the runs of their pages that are not mapped to a pool of threads,
+each mapping its runs one request at a time (madvise POPULATE_READ), so `threads` requests are in
+flight; the step's first read of the shard waits for them (`ready`, the time counted as the step's
+wait on the disk). A page never prefetched is read when touched, by a page fault on the step's own
+thread (counted: `sync_faults`).
 Writes: the kernel writes dirty pages back in the background, in file order per file (the
 writeback's own sorting and merging), throttled by its dirty limits (and the cgroup's).
 The files are scratch: created empty (sparse: unwritten rows read zeros) for each run, removed at
@@ -44,7 +48,8 @@ from typing import Any, Optional
 import numpy as np
 import torch
 
-CHUNK = 64 << 10  # bytes: the unit the RAM cache maps, evicts and prefetches (16 pages)
+CHUNK = mmap.PAGESIZE  # bytes: the unit the RAM cache maps, evicts and prefetches (a page)
+MADV_RANDOM = 1  # a fault reads its page only (not the kernel's read-around window, 128 KiB)
 MADV_DONTNEED = 4
 MADV_POPULATE_READ = 22  # Linux >= 5.14: fault the range in, reading what is not cached
 MADV_WILLNEED = 3
@@ -79,8 +84,8 @@ class TierFile:
     array: Any  # the np.memmap (kept alive: the tensor shares its memory)
     tensor: torch.Tensor
     addr: int
-    last_use: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))  # step of each chunk's last use
-    mapped: np.ndarray = field(default_factory=lambda: np.zeros(0, bool))  # chunks we hold mapped
+    last_use: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))  # step of each page's last use
+    mapped: np.ndarray = field(default_factory=lambda: np.zeros(0, bool))  # pages we hold mapped
 
     def chunks_of(self, rows: np.ndarray) -> np.ndarray:
         """Sorted distinct chunks holding rows (a row may straddle two)."""
@@ -115,9 +120,11 @@ class DiskTier:
         self.clock = 0
         self.mapped_bytes = 0
         self.stats = TierStats()
-        self._pool = ThreadPoolExecutor(max_workers=max(1, threads), thread_name_prefix="ht-store")
+        self.threads = max(1, threads)
+        self._pool = ThreadPoolExecutor(max_workers=self.threads, thread_name_prefix="ht-store")
         self._pending: list[Future] = []
         self._lock = threading.Lock()
+        self._lat_n = 0
         self._io0 = _proc_io()
         self._faults0 = _thread_major_faults()
         self._closed = False
@@ -139,6 +146,7 @@ class DiskTier:
         tf = TierFile(name, path, tuple(shape), dtype, row_bytes, nbytes, array, tensor,
                       array.ctypes.data, np.full(nchunks, -1, np.int32), np.zeros(nchunks, bool))
         self.files[name] = tf
+        _madvise(tf.addr, nbytes, MADV_RANDOM)  # rows are read one by one: no read-around
         if fill:
             step = max(1, (64 << 20) // max(row_bytes, 1))
             for lo in range(0, rows, step):
@@ -173,8 +181,9 @@ class DiskTier:
                 f.mapped[cold] = True
                 self.mapped_bytes += cold.size * CHUNK
                 self.stats.chunks_read += cold.size
-                for a, b in _runs(cold):
-                    self._pending.append(self._pool.submit(self._populate, f, a, b))
+                runs = _runs(cold)  # one request per run of pages; the runs dealt to the threads in turn
+                for k in range(min(self.threads, len(runs))):
+                    self._pending.append(self._pool.submit(self._populate, f, runs[k::self.threads]))
         if self.mapped_bytes > self.cache_bytes:
             self._evict()
 
@@ -188,19 +197,24 @@ class DiskTier:
             fut.result()
         self.stats.wait_s += time.perf_counter() - t0
 
-    def _populate(self, f: TierFile, a: int, b: int) -> None:
-        lo, hi = a * CHUNK, min(b * CHUNK, f.nbytes)
-        t0 = time.perf_counter()
-        if _madvise(f.addr + lo, hi - lo, MADV_POPULATE_READ):  # an older kernel: read ahead, then touch
-            _madvise(f.addr + lo, hi - lo, MADV_WILLNEED)
-            int(f.array[lo:hi:mmap.PAGESIZE].sum())
-        took = time.perf_counter() - t0
+    def _populate(self, f: TierFile, runs: list[tuple[int, int]]) -> None:
+        """Map runs of pages, one request each (a thread of the pool: ctypes releases the GIL)."""
+        took = []
+        for a, b in runs:
+            lo, hi = a * CHUNK, min(b * CHUNK, f.nbytes)
+            t0 = time.perf_counter()
+            if _madvise(f.addr + lo, hi - lo, MADV_POPULATE_READ):  # an older kernel: read ahead, then touch
+                _madvise(f.addr + lo, hi - lo, MADV_WILLNEED)
+                int(f.array[lo:hi:mmap.PAGESIZE].sum())
+            took.append(time.perf_counter() - t0)
         with self._lock:
             lat = self.stats.latencies
-            if len(lat) < LATENCY_SAMPLES:
-                lat.append(took)
-            else:
-                lat[(self.stats.chunks_read + len(self._pending)) % LATENCY_SAMPLES] = took
+            for t in took:
+                if len(lat) < LATENCY_SAMPLES:
+                    lat.append(t)
+                else:
+                    lat[self._lat_n % LATENCY_SAMPLES] = t
+                self._lat_n += 1
 
     def _evict(self) -> None:
         """Unmap the least recently used chunks down to EVICT_TO of the budget (never this step's)."""
