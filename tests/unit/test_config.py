@@ -164,6 +164,8 @@ BAD = [
     ("embedding.count_min_depth=0", "embedding.count_min_depth"),
     ("embedding.count_min_halve_steps=-1", "embedding.count_min_halve_steps"),
     ("embedding.eviction=fifo", "embedding.eviction"),
+    ("embedding.store=ssd", "embedding.store"),
+    ("embedding.store_cache_bytes=-1", "embedding.store_cache_bytes"),
     ("data.scramble_ids=true", "data.scramble_ids"),  # needs embedding.kind=dynamic
     ("data.drift=-1", "data.drift"),
     ("data.drift=0.1", "data.drift"),  # needs embedding.kind=dynamic
@@ -171,7 +173,7 @@ BAD = [
     ("data.drift_eval_at=-1", "data.drift_eval_at"),
 ]
 # keys with no range to check: free text (informational names, paths) and booleans
-NO_RANGE = {"data.preset", "data.dir", "data.shuffle", "optim.name", "embedding.audit", "checkpoint.enabled",
+NO_RANGE = {"data.preset", "data.dir", "embedding.store_dir", "data.shuffle", "optim.name", "embedding.audit", "checkpoint.enabled",
             "placement.hot_batches", "schedule.on_demand_sync", "schedule.cache_aware",
             "train.early_stop.restore_best", "train.tensorboard", "train.memory_check"}
 
