@@ -34,10 +34,11 @@ from .embedding.remote import Audit, CacheStats, HeraldRemote, HetRemote, HetWir
 from .embedding.replica import Replica
 from .embedding.sharding import HashSharding, Sharding
 from .embedding.store import row_dtype
+from .embedding.tiered import TieredStore
 from .embedding.tier import DiskTier
 from .models import build_model
 from .placement import Plan, plan_run
-from .plan.memplan import available_memory, fmt_bytes, row_parts, store_cache_bytes
+from .plan.memplan import available_memory, fmt_bytes, row_parts, store_cache_bytes, tier_page_bytes
 from .schedule import Feed
 from .schedule.feed import make_order
 from .schedule.herald import HeraldPlanner, IdSpace
@@ -134,19 +135,22 @@ def _make_store(c: Config, comm: Collectives, device: torch.device, resuming: bo
         return DynamicStore(sharding, *args, admit_after=e.admit_after, eviction=e.eviction,
                             lfu_half_life=e.lfu_half_life, ttl_steps=e.ttl_steps, counting=Counting.of(e))
     sharding = RowSharding(table_rows(c), comm.size, comm.rank)
-    tier = make_tier(c, comm, device, sharding.local_rows) if e.store == "disk" else None
+    if e.store != "disk":
+        return ShardStore(sharding, *args, initialise=not resuming)
+    tier, rows_bytes = make_tier(c, comm, device, sharding.local_rows)
     try:
-        return ShardStore(sharding, *args, initialise=not resuming, tier=tier)
+        return TieredStore(sharding, *args, initialise=not resuming, tier=tier, cache_bytes=rows_bytes)
     except BaseException:
         if tier is not None:
             tier.close()
         raise
 
 
-def make_tier(c: Config, comm: Collectives, device: torch.device, local_rows: int) -> DiskTier:
+def make_tier(c: Config, comm: Collectives, device: torch.device, local_rows: int) -> tuple[DiskTier, int]:
     """embedding.store=disk: this rank's files under embedding.store_dir, refused in one line when
-    the run trains on a GPU or the directory's free space cannot hold them; the RAM cache is
-    embedding.store_cache_bytes, or a quarter of the memory this rank may have."""
+    the run trains on a GPU or the directory's free space cannot hold them, and the bytes of its
+    row cache. The RAM cache (embedding.store_cache_bytes, or a quarter of the memory this rank
+    may have) is shared: the pages being read or written back (tier_page_bytes), the rows."""
     e = c.embedding
     if device.type != "cpu":
         raise ConfigError(f"embedding.store=disk maps the shard into host memory: the run trains on {device} "
@@ -160,7 +164,9 @@ def make_tier(c: Config, comm: Collectives, device: torch.device, local_rows: in
         raise ConfigError(f"embedding.store=disk: rank {comm.rank}'s shard needs {fmt_bytes(need)} on disk, "
                           f"{where} has {fmt_bytes(free)} free for it (embedding.store_dir elsewhere, or more workers)")
     room = None if e.store_cache_bytes else available_memory(device, comm.local_size)[0]
-    return DiskTier(e.store_dir, comm.rank, store_cache_bytes(c, room, need))
+    total = store_cache_bytes(c, room, need)
+    pages = tier_page_bytes(total)
+    return DiskTier(e.store_dir, comm.rank, pages, total), total - pages
 
 
 def _make_plan(c: Config, comm: Collectives, data: Any, interrupt: Optional[Callable[[], bool]] = None) -> Plan:
@@ -201,8 +207,8 @@ def _make_remote(c: Config, comm: Collectives, store: ShardStore, plan: Plan,
     sh = store.sharding
     cache = RowCache(_cache_rows(c, plan), c.model.embedding_dim,
                      make_policy(c.cache.policy, c.cache.pin_threshold), sh.n_ids, sparse_lr(c),
-                     store.weight.device)
-    return HetRemote(HetWire(comm, store, c.comm.wire_precision), sh, cache, bounds, CacheStats(sh.num_tables, store.weight.device),
+                     store.device)
+    return HetRemote(HetWire(comm, store, c.comm.wire_precision), sh, cache, bounds, CacheStats(sh.num_tables, store.device),
                      audit)
 
 

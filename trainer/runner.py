@@ -290,7 +290,7 @@ class Trainer:
                 "recipe": self.recipe.describe(self.c, self.world), "settled_rows": self.pipeline.settled,
                 "precision": self.precision.summary(),
                 "cuda_graph": self.pipeline.strategy.summary(),
-                "store": self.emb.store.tier.record() if self.emb.store.tier is not None else {"kind": "memory"},
+                "store": self.emb.store.store_record(),
                 "memory_plan": self.memory.record()}
 
     def _stop(self, done: int, train_time: float, return_state: bool) -> RunResult:

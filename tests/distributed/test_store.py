@@ -1,8 +1,9 @@
-"""embedding.store=disk (trainer/embedding/tier.py): the shard in files, a RAM cache in front. The
-tier is storage, not a policy: a run with `disk` equals the same run with `memory` bit for bit, at
-W = 1 and on gloo workers, for every optimizer, the HET cache's bounded staleness, FAE, Herald,
-half-precision rows and the pipelined step, with a cache of a few chunks so that rows really come
-and go (evictions, prefetches); a checkpoint saved with `disk` resumes at another W as the memory
+"""embedding.store=disk (trainer/embedding/tier.py, tiered.py): the shard in files, a row cache in
+RAM in front. The tier is storage, not a policy: a run with `disk` equals the same run with `memory`
+bit for bit, at W = 1 and on gloo workers, for every optimizer, the HET cache's bounded staleness,
+FAE, Herald, half-precision rows and the pipelined step, with a cache of ~150 rows so that rows
+really come and go (evictions, prefetches, and calls wanting more rows than the cache holds, which
+the files serve directly); a checkpoint saved with `disk` resumes at another W as the memory
 one does; the files are gone after the run; what it refuses, it refuses in one line.
 """
 from __future__ import annotations
@@ -22,10 +23,10 @@ from hvd_launch import ROOT, tail
 
 from trainer.embedding.tier import CHUNK
 
-# tables of ~3.6 MB of rows at d = 16 (56 chunks of weight alone) and a cache of 4 chunks
+# tables of ~3.6 MB of rows at d = 16 (56k rows) and a cache of 64 KiB: 32 KiB of pages, ~150 rows
 WIDE = [a for a in BASE if not a.startswith("data.test_samples")] + [
     "data.table_rows=[20011,30011,5003,1250]", "data.test_samples=96"]
-SMALL_CACHE = [f"embedding.store_cache_bytes={4 * CHUNK}"]
+SMALL_CACHE = [f"embedding.store_cache_bytes={16 * CHUNK}"]
 
 CASES = {
     "w1-adagrad": (1, ["optim=adagrad"]),
@@ -63,8 +64,9 @@ def test_disk_equals_memory_bit_for_bit(case, tmp_path):
     for m, d in zip(mem, disk):
         assert_identical(m, d)
     s = disk[0].summary["store"]
-    assert s["kind"] == "disk" and s["cache_bytes"] == 4 * CHUNK and s["disk_bytes"] > 4 * s["cache_bytes"]
-    assert s["evicted_chunks"] > 0 and s["chunks_read_per_step"] > 0 and 0 < s["hit_rate"] < 1, s
+    assert s["kind"] == "disk" and s["cache_bytes"] == 16 * CHUNK and s["disk_bytes"] > 16 * s["cache_bytes"]
+    assert s["rows_evicted"] > 0 and s["rows_read_per_step"] > 0 and 0 < s["row_hit_rate"] < 1, s
+    assert s["cache_emptied"] == 0, s  # no step read the files' arrays behind the cache's back
     assert mem[0].summary["store"] == {"kind": "memory"}
     assert os.listdir(store) == []  # every rank's files removed at the end
 

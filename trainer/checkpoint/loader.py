@@ -120,15 +120,16 @@ def _load_local(ckpt: str, store: ShardStore, schema: dict[str, Any], counter: d
     check_schema(ckpt, manifest, schema)
     check_stream_world(ckpt, manifest, store.sharding.world)
     state = read_file(ckpt, TRAINER_FILE, manifest)
-    if int(manifest.get("format_version", 1)) >= 2:
-        _say_conversion(ckpt, manifest, store)
-        read = read_pool_shard if store.dynamic else read_shards  # dynamic tables: pool_io.py
-        loaded = read(ckpt, manifest, store, counter)
-    else:
-        loaded = 0
-        for r in range(int(manifest["world_size"])):  # one saved shard in memory at a time
-            name = shard_file(r, int(manifest["world_size"]))
-            loaded += load_shard_rows(store, read_file(ckpt, name, manifest), os.path.join(ckpt, name))
+    with store.raw(write=True):
+        if int(manifest.get("format_version", 1)) >= 2:
+            _say_conversion(ckpt, manifest, store)
+            read = read_pool_shard if store.dynamic else read_shards  # dynamic tables: pool_io.py
+            loaded = read(ckpt, manifest, store, counter)
+        else:
+            loaded = 0
+            for r in range(int(manifest["world_size"])):  # one saved shard in memory at a time
+                name = shard_file(r, int(manifest["world_size"]))
+                loaded += load_shard_rows(store, read_file(ckpt, name, manifest), os.path.join(ckpt, name))
     s = store.sharding
     owned = s.real_rows()  # closed form: a per-row array here was 1.9 GB at 26 x 2M rows
     if loaded != owned:

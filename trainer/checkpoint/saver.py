@@ -113,7 +113,8 @@ class Checkpointer:
     def _write_shard(self, tmp: str, store: ShardStore) -> dict[str, Any]:
         """Write this rank's shard into tmp (shard_io.write_shard); its manifest entry."""
         write = write_pool_shard if store.dynamic else write_shard  # dynamic tables: pool_io.py
-        return write(os.path.join(tmp, shard_dir(self.comm.rank, self.comm.size)), store)
+        with store.raw(write=False):
+            return write(os.path.join(tmp, shard_dir(self.comm.rank, self.comm.size)), store)
 
     def _finish(self, tmp: str, step: int, trainer_state: dict[str, Any] | None,
                 schema: dict[str, Any], shards: list[dict[str, Any]]) -> None:

@@ -195,7 +195,7 @@ def piece_bytes(store: ShardStore) -> int:
     an eighth of its RAM cache (at least 1 MiB), which is all the memory that run has for rows."""
     if store.tier is None:
         return PIECE_BYTES
-    return max(1 << 20, min(PIECE_BYTES, store.tier.cache_bytes // 8))
+    return max(1 << 20, min(PIECE_BYTES, store.tier.total_bytes // 8))
 
 
 def _segments(store: ShardStore) -> Iterator[tuple[int, int, int]]:

@@ -21,7 +21,7 @@ def load_shard_rows(store: ShardStore, saved: dict[str, Any], name: str) -> int:
     s = store.sharding
     gids = s.global_ids(saved["id"], saved["table"])
     mine = s.owner(gids) == s.rank
-    idx = s.local_index(gids[mine]).to(store.weight.device)
+    idx = s.local_index(gids[mine]).to(store.device)
     state = store.optimizer.state_tensors()
     if set(state) != set(saved["optim"]):
         raise CheckpointError(f"{name}: sparse optimizer state {sorted(saved['optim'])} does not match "

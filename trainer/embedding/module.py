@@ -188,7 +188,7 @@ class HybridEmbedding:
 
     def _workspace(self, plan: LookupPlan) -> torch.Tensor:
         return torch.empty(plan.uniq.numel(), self.dim, dtype=self.store.compute_dtype,
-                           device=self.store.weight.device)
+                           device=self.store.device)
 
     def _local_rows(self, plan: LookupPlan, ws: torch.Tensor) -> None:
         """The owned and replicated rows into the workspace (owned rows after the protocol's read:
@@ -298,7 +298,7 @@ class HybridEmbedding:
         received = self.remote.flush()
         if received is None:
             return 0
-        self._apply(Pushes.empty(self.dim, self.store.weight.device), received)
+        self._apply(Pushes.empty(self.dim, self.store.device), received)
         return len(received)
 
     def dynamic_tables(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
@@ -312,7 +312,8 @@ class HybridEmbedding:
         """Every table, whole ([rows_t, d] each, as stored), assembled from all shards. Collective."""
         if self.replica is not None:
             self.replica.write_to_owner(self.store)
-        shards = self.comm.allgather(self.store.weight.detach().cpu(), kind="meta")
+        with self.store.raw(write=False):
+            shards = self.comm.allgather(self.store.weight.detach().cpu(), kind="meta")
         sh = self.sharding
         by_gid = torch.empty(sh.n_ids, self.dim, dtype=shards.dtype)
         for r in range(sh.world):

@@ -51,12 +51,12 @@ class Replica:
 
     def __init__(self, gids: torch.Tensor, store: ShardStore) -> None:
         opt = store.optimizer
-        self.gids = torch.as_tensor(gids, dtype=torch.int64).to(store.weight.device)
+        self.gids = torch.as_tensor(gids, dtype=torch.int64).to(store.device)
         if self.gids.numel() > 1 and not bool((self.gids[1:] > self.gids[:-1]).all()):
             raise ValueError("replicated ids must be sorted and distinct")
         self.sharding, self.dim = store.sharding, store.dim
-        self.weight = torch.zeros(self.gids.numel(), store.dim, dtype=store.weight.dtype,
-                                  device=store.weight.device)
+        self.weight = torch.zeros(self.gids.numel(), store.dim, dtype=store.dtype,
+                                  device=store.device)
         self.optimizer = opt.like(self.weight, lambda slots: self.sharding.to_flat(self.gids[slots]))
         self.dynamic = store.dynamic
         # dynamic tables: the life of each replicated row (0: not admitted yet; fixed tables: 1)

@@ -17,7 +17,8 @@ and puts a row it never saw back to its initial value, recomputed from (seed, ta
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+import contextlib
+from typing import TYPE_CHECKING, Iterator
 
 import numpy as np
 import torch
@@ -83,6 +84,7 @@ class ShardStore:
         self.sharding, self.dim = sharding, dim
         self.seed, self.init_scale = seed, init_scale
         self.tier = tier
+        self.dtype, self.device = dtype, torch.device(device)  # the rows' (what `weight` holds, where)
         rows = sharding.local_rows
         if tier is not None:
             weight = tier.alloc("weight", (rows, dim), dtype)  # zeros: a sparse file
@@ -130,11 +132,24 @@ class ShardStore:
         if self.tier is not None:
             self.tier.release()
 
+    def store_record(self) -> dict:
+        """summary.json's `store` block (this rank's)."""
+        return {"kind": "memory"} if self.tier is None else self.tier.record()
+
+    @contextlib.contextmanager
+    def raw(self, write: bool) -> Iterator[None]:
+        """A phase that reads (write=False: a save, a gather of the shard) or also writes (a load,
+        a snapshot's restore) `weight`, `version`, `touched` and the optimizer's state directly,
+        not through rows/apply/put. In memory there is nothing to do; a store with a row cache in
+        front of them (tiered.py) writes its changed rows back first, and after a write forgets
+        what it holds."""
+        yield
+
     @property
     def compute_dtype(self) -> torch.dtype:
         """What rows are read into for computing (the workspace, a cached copy): float32 for half
         rows, which it holds exactly; float64 stays float64."""
-        return kernels.reference.accumulation_dtype(self.weight.dtype)
+        return kernels.reference.accumulation_dtype(self.dtype)
 
     def row_keys(self, local_idx: torch.Tensor) -> torch.Tensor:
         """[n] flat ids of storage rows local_idx: their identity at any W (the rounding's key)."""
@@ -145,14 +160,14 @@ class ShardStore:
         """What one row costs its owner, by part: the row itself (dim x its element size), the
         optimizer state (float32 values: 0 for SGD, 1 for row-wise Adagrad, dim for Adagrad),
         its version (int64); and the total."""
-        row = self.dim * self.weight.element_size()
+        row = self.dim * torch.empty(0, dtype=self.dtype).element_size()
         st = self.optimizer.state
         state = 0 if st is None else (st[0].numel() if st.dim() > 1 else 1) * st.element_size()
         return {"row": row, "state": state, "version": VERSION_BYTES, "total": row + state + VERSION_BYTES}
 
     def initial_rows(self, local_idx: torch.Tensor) -> torch.Tensor:
         """[n, d] initial values of storage rows local_idx (real rows; padding rows are zeros)."""
-        return self._initial(local_idx.cpu()).to(self.weight.device, self.weight.dtype)
+        return self._initial(local_idx.cpu()).to(self.device, self.dtype)
 
     def _initial(self, local_idx: torch.Tensor) -> torch.Tensor:
         """[n, d] float32 on the CPU: initial rows of storage rows local_idx (CPU int64), zeros for
@@ -171,8 +186,12 @@ class ShardStore:
 
     def rows(self, gids: torch.Tensor) -> torch.Tensor:
         """[n, d] current rows of owned gids, as stored (embedding.dtype)."""
+        return self.local_rows(self.sharding.local_index(gids))
+
+    def local_rows(self, local_idx: torch.Tensor) -> torch.Tensor:
+        """[n, d] current rows of storage rows local_idx, as stored."""
         self.ready()
-        return self.weight.index_select(0, self.sharding.local_index(gids))
+        return self.weight.index_select(0, local_idx)
 
     def versions(self, local_idx: torch.Tensor) -> torch.Tensor:
         """[n] current versions (updates applied) of storage rows local_idx."""
@@ -188,9 +207,8 @@ class ShardStore:
             return
         self.ready()
         idx = self.sharding.local_index(gids)
-        self.optimizer.step(idx, grads, unique=unique)
-        self.version.index_add_(0, idx, torch.ones_like(idx) if counts is None else counts)
-        self.touched.index_fill_(0, idx, True)
+        _update(self.optimizer, self.version, self.touched, idx, grads, unique,
+                torch.ones_like(idx) if counts is None else counts)
 
     def apply_masked(self, idx: torch.Tensor, grads: torch.Tensor, mask: torch.Tensor,
                      zero_outside: bool = False) -> None:
@@ -200,11 +218,7 @@ class ShardStore:
         masked rows; no size depends on the mask. zero_outside: grads are exactly zero where mask
         is False (a padded plan's workspace gradient); when a zero step leaves a row as it is
         (kernels.reference.zero_step_is_identity) the optimizer then runs unmasked: no select."""
-        opt = self.optimizer
-        plain = zero_outside and kernels.reference.zero_step_is_identity(opt.name, opt.lr, opt.eps, opt.weight_decay)
-        opt.step(idx, grads, unique=True, mask=None if plain else mask)
-        self.version.index_add_(0, idx, mask.long())
-        self.touched.index_copy_(0, idx, self.touched.index_select(0, idx) | mask)
+        _update_masked(self.optimizer, self.version, self.touched, idx, grads, mask, zero_outside)
 
     # ---- whole rows with their optimizer state (replicas and lent rows come and go) ---------
     @property
@@ -218,7 +232,7 @@ class ShardStore:
         s = self.optimizer.state
         idx = self.slots(gids)
         if s is None:
-            return torch.zeros(idx.numel(), 0, dtype=self.compute_dtype, device=self.weight.device)
+            return torch.zeros(idx.numel(), 0, dtype=self.compute_dtype, device=self.device)
         return s.index_select(0, idx).reshape(idx.numel(), self.state_width)
 
     def put(self, gids: torch.Tensor, rows: torch.Tensor, state: torch.Tensor | None = None,
@@ -226,11 +240,34 @@ class ShardStore:
         """Take owned rows back from a holder: values [n, d] (any float type holding values of the
         rows' type: a copy), optimizer state [n, state_width] (None: keep), and advance versions
         by the updates [n] the holder applied (None: 0)."""
-        idx = self.slots(gids)
-        self.weight.index_copy_(0, idx, rows.to(self.weight.dtype))
-        self.touched.index_fill_(0, idx, True)
-        s = self.optimizer.state
-        if state is not None and s is not None:
-            s.index_copy_(0, idx, state.reshape((-1,) + tuple(s.shape[1:])).to(s.dtype))
-        if updates is not None:
-            self.version.index_add_(0, idx, updates)
+        _put(self.weight, self.optimizer.state, self.version, self.touched, self.slots(gids), rows, state, updates)
+
+
+# ---- a shard's arithmetic on its arrays (the same on a row cache's: tiered.py) ------------------
+def _update(opt: SparseOptimizer, version: torch.Tensor, touched: torch.Tensor, idx: torch.Tensor,
+            grads: torch.Tensor, unique: bool, counts: torch.Tensor) -> None:
+    """opt's rows idx take grads (summed per row unless unique); versions += counts; touched."""
+    opt.step(idx, grads, unique=unique)
+    version.index_add_(0, idx, counts)
+    touched.index_fill_(0, idx, True)
+
+
+def _update_masked(opt: SparseOptimizer, version: torch.Tensor, touched: torch.Tensor, idx: torch.Tensor,
+                   grads: torch.Tensor, mask: torch.Tensor, zero_outside: bool) -> None:
+    """ShardStore.apply_masked's arithmetic on opt's rows."""
+    plain = zero_outside and kernels.reference.zero_step_is_identity(opt.name, opt.lr, opt.eps, opt.weight_decay)
+    opt.step(idx, grads, unique=True, mask=None if plain else mask)
+    version.index_add_(0, idx, mask.long())
+    touched.index_copy_(0, idx, touched.index_select(0, idx) | mask)
+
+
+def _put(weight: torch.Tensor, state: torch.Tensor | None, version: torch.Tensor, touched: torch.Tensor,
+         idx: torch.Tensor, rows: torch.Tensor, got_state: torch.Tensor | None,
+         updates: torch.Tensor | None) -> None:
+    """ShardStore.put's copy into rows idx of these arrays."""
+    weight.index_copy_(0, idx, rows.to(weight.dtype))
+    touched.index_fill_(0, idx, True)
+    if got_state is not None and state is not None:
+        state.index_copy_(0, idx, got_state.reshape((-1,) + tuple(state.shape[1:])).to(state.dtype))
+    if updates is not None:
+        version.index_add_(0, idx, updates)

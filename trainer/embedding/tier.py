@@ -111,12 +111,17 @@ class TierStats:
 class DiskTier:
     """The shard's files of one rank, their RAM cache and their prefetch threads."""
 
-    def __init__(self, directory: Optional[str], rank: int, cache_bytes: int, threads: int = 16) -> None:
+    def __init__(self, directory: Optional[str], rank: int, cache_bytes: int, total_bytes: int = 0,
+                 threads: int = 16) -> None:
+        """cache_bytes: the pages this process may hold mapped; total_bytes: the whole RAM cache of
+        the store (those pages and its rows: what a checkpoint's pieces are sized by)."""
         base = directory or tempfile.gettempdir()
         os.makedirs(base, exist_ok=True)
         self.dir = tempfile.mkdtemp(prefix=f"ht-store-rank{rank}-", dir=base)
         self.cache_bytes = int(cache_bytes)
+        self.total_bytes = int(total_bytes or cache_bytes)
         self.files: dict[str, TierFile] = {}
+        self._fields: dict[str, tuple[int, int, torch.dtype]] = {}  # name -> (offset, bytes, dtype) in a record
         self.clock = 0
         self.mapped_bytes = 0
         self.stats = TierStats()
@@ -130,11 +135,50 @@ class DiskTier:
         self._closed = False
 
     # ---- the files -------------------------------------------------------------------------
+    def define(self, rows: int, fields: list[tuple[str, tuple[int, ...], torch.dtype]]) -> None:
+        """The shard's arrays as fields of one record per row, in one file (`rows.bin`): a row's
+        values, optimizer state, version and touched mark side by side, so reading a row or writing
+        one back touches one page, not one page of each array. Each field sits at an offset aligned
+        to its element size, the record padded to the largest one; alloc(name) then returns the
+        field's strided view. fields: (name, shape of one row's part, dtype); empty parts skipped."""
+        off, align, layout = 0, 1, {}
+        for name, tail, dtype in fields:
+            size = torch.empty(0, dtype=dtype).element_size()
+            nbytes = int(np.prod(tail, dtype=np.int64)) * size
+            if nbytes == 0:
+                continue
+            off = -(-off // size) * size
+            layout[name] = (off, nbytes, dtype)
+            off, align = off + nbytes, max(align, size)
+        record = max(-(-off // align) * align, 1)
+        path = os.path.join(self.dir, "rows.bin")
+        nbytes = max(rows * record, 1)
+        with open(path, "wb") as f:
+            f.truncate(nbytes)
+        array = np.memmap(path, dtype=np.uint8, mode="r+", shape=(nbytes,))
+        records = torch.from_numpy(array)[:rows * record].view(rows, record)
+        nchunks = -(-nbytes // CHUNK)
+        self.files["rows"] = TierFile("rows", path, (rows, record), torch.uint8, record, nbytes, array, records,
+                                      array.ctypes.data, np.full(nchunks, -1, np.int32), np.zeros(nchunks, bool))
+        _madvise(array.ctypes.data, nbytes, MADV_RANDOM)
+        self._fields = layout
+
+    def record_bytes(self) -> int:
+        """Bytes of one row's record (define), 0 before it."""
+        f = self.files.get("rows")
+        return f.row_bytes if f is not None else 0
+
     def alloc(self, name: str, shape: tuple[int, ...], dtype: torch.dtype, fill: float = 0.0) -> torch.Tensor:
         """A tensor of `shape` backed by file `name` of the shard, every element `fill` (0: the file
         is sparse, nothing written; else written in bounded pieces, each unmapped after)."""
         rows = shape[0]
         row_bytes = int(np.prod(shape[1:], dtype=np.int64)) * torch.empty(0, dtype=dtype).element_size()
+        if name in self._fields:  # a field of the rows' records (define)
+            off, nbytes, fdtype = self._fields[name]
+            if nbytes != row_bytes or fdtype != dtype or rows != self.files["rows"].shape[0]:
+                raise ValueError(f"tier: {name} {tuple(shape)} {dtype} is not its record field ({nbytes} B {fdtype})")
+            tensor = self.files["rows"].tensor[:, off:off + nbytes].view(dtype).view(shape)
+            return self._fill(name, tensor, fill)
         nbytes = max(rows * row_bytes, 1)
         path = os.path.join(self.dir, f"{name}.bin")
         with open(path, "wb") as f:
@@ -147,11 +191,17 @@ class DiskTier:
                       array.ctypes.data, np.full(nchunks, -1, np.int32), np.zeros(nchunks, bool))
         self.files[name] = tf
         _madvise(tf.addr, nbytes, MADV_RANDOM)  # rows are read one by one: no read-around
+        return self._fill(name, tensor, fill)
+
+    def _fill(self, name: str, tensor: torch.Tensor, fill: float) -> torch.Tensor:
+        """tensor, every element set to fill (0: left as the sparse file reads, zeros) in bounded
+        pieces, each unmapped after."""
         if fill:
-            step = max(1, (64 << 20) // max(row_bytes, 1))
-            for lo in range(0, rows, step):
+            row_bytes = max(tensor[0:1].numel() * tensor.element_size(), 1) if tensor.shape[0] else 1
+            step = max(1, (64 << 20) // row_bytes)
+            for lo in range(0, tensor.shape[0], step):
                 tensor[lo:lo + step] = fill
-                self.release(name)
+                self.release()
         return tensor
 
     def disk_bytes(self) -> int:
@@ -267,7 +317,7 @@ class DiskTier:
         lat = np.sort(np.asarray(s.latencies)) * 1e6 if s.latencies else np.zeros(0)
         pct = {f"p{q}_us": (round(float(np.percentile(lat, q)), 1) if lat.size else None) for q in (50, 90, 99)}
         steps = max(s.steps, 1)
-        return {"kind": "disk", "dir": self.dir, "disk_bytes": self.disk_bytes(), "cache_bytes": self.cache_bytes,
+        return {"kind": "disk", "dir": self.dir, "disk_bytes": self.disk_bytes(), "cache_bytes": self.total_bytes, "page_bytes": self.cache_bytes,
                 "chunk_bytes": CHUNK, "steps": s.steps,
                 "hit_rate": round(s.chunks_hit / s.chunks_used, 4) if s.chunks_used else None,
                 "chunks_read_per_step": s.chunks_read / steps, "chunks_used_per_step": s.chunks_used / steps,

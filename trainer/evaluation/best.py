@@ -96,19 +96,21 @@ class BestSnapshot:
         self.model, self.emb, self.store = model, emb, emb.store
         self.step: Optional[int] = None
         self.dense: Optional[dict[str, torch.Tensor]] = None
-        w = self.store.weight
-        self.kept = SnapshotRows(w, in_memory(mode, w.shape[0], w.shape[1] * w.element_size()), directory)
-        self.slots = SnapshotSlots(self.store.pool.slot_gid) if self.store.dynamic else None
-        # from here on, touched = written since the last snapshot (all rows: not at their init)
-        self.store.touched.fill_(not fresh)
+        with self.store.raw(write=True):
+            w = self.store.weight
+            self.kept = SnapshotRows(w, in_memory(mode, w.shape[0], w.shape[1] * w.element_size()), directory)
+            self.slots = SnapshotSlots(self.store.pool.slot_gid) if self.store.dynamic else None
+            # from here on, touched = written since the last snapshot (all rows: not at their init)
+            self.store.touched.fill_(not fresh)
 
     def take(self, step: int) -> None:
         """Snapshot the model as it is now (caches must be flushed: evaluate() does it)."""
         self.dense = {k: v.detach().clone() for k, v in self.model.state_dict().items()}
-        if self.slots is not None:
-            self.slots.put(self.store.pool.slot_gid, self.store.version, self.store.touched, self.kept.windows())
-        self.kept.put(self.store.weight, self.store.touched)
-        self.store.touched.zero_()
+        with self.store.raw(write=True):  # touched is cleared
+            if self.slots is not None:
+                self.slots.put(self.store.pool.slot_gid, self.store.version, self.store.touched, self.kept.windows())
+            self.kept.put(self.store.weight, self.store.touched)
+            self.store.touched.zero_()
         self.step = step
 
     @property
@@ -121,6 +123,13 @@ class BestSnapshot:
         if self.dense is None:
             raise RuntimeError("no snapshot to restore")
         self.model.load_state_dict(self.dense)
+        with self.store.raw(write=True):
+            n = self._restore_rows()
+        if self.emb.replica is not None:  # the replica follows its owners again
+            self.emb.replica.load_from_owners(comm, self.store)
+        return n
+
+    def _restore_rows(self) -> int:
         store, n = self.store, 0
         for a, b in self.kept.windows():  # temporaries: one window of rows
             changed = torch.nonzero(store.touched[a:b]).squeeze(1) + a
@@ -129,7 +138,7 @@ class BestSnapshot:
             seen = self.kept.held[changed]
             if self.slots is not None:  # ids first: a slot's initial row is its id's (free: zeros)
                 self.slots.restore(store.pool.slot_gid, store.version, changed, seen)
-            values = torch.empty(changed.numel(), store.dim, dtype=store.weight.dtype, device=store.weight.device)
+            values = torch.empty(changed.numel(), store.dim, dtype=store.dtype, device=store.device)
             if bool(seen.any()):
                 values[seen] = self.kept.values(changed[seen])
             if bool((~seen).any()):
@@ -139,8 +148,6 @@ class BestSnapshot:
         store.touched.zero_()
         if self.slots is not None:
             store.pool.reindex()  # the id -> slot map and free slots of the restored ids
-        if self.emb.replica is not None:  # the replica follows its owners again
-            self.emb.replica.load_from_owners(comm, store)
         return n
 
     def close(self) -> None:

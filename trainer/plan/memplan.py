@@ -174,6 +174,13 @@ def store_cache_bytes(c: Config, available: int | None, disk: int) -> int:
     return min(c.embedding.store_cache_bytes or (available or 1 << 30) // 4, max(disk, 1))
 
 
+def tier_page_bytes(cache: int) -> int:
+    """embedding.store=disk: the part of a RAM cache of `cache` bytes that holds the files' pages
+    being read into the row cache or written back from it (tier.py); the rest holds rows
+    (tiered.py). An eighth, at least 16 MiB (a step's misses and write-backs), at most half."""
+    return max(min(16 << 20, cache // 2), cache // 8)
+
+
 def available_memory(device: torch.device, local_ranks: int | None) -> tuple[int | None, str]:
     """(bytes this rank may use, where the figure comes from)."""
     if device.type == "cuda":

@@ -143,7 +143,7 @@ class WholeStep(StepStrategy):
         ids = Batch(dense, values, lengths, labels)
         plan = padded_plan(self.sharding, self.sharding.global_ids(values, ids.table_index()),
                            self.capacity, self.sentinel)
-        ws = self.store.weight.index_select(0, plan.rows).to(self.store.compute_dtype).requires_grad_()
+        ws = self.store.local_rows(plan.rows).to(self.store.compute_dtype).requires_grad_()
         pooled = kernels.pooled_gather(ws, plan.inverse, ids.offsets(), ids.num_tables, mode=self.emb.pooling)
         if self.ragged:
             pooled = pooled[:labels.shape[0]]  # the padding's extra sample

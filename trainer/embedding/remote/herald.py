@@ -49,7 +49,7 @@ class HeraldRemote(RemoteRows):
     def __init__(self, comm: Collectives, store: ShardStore, planner: Any) -> None:
         self.comm, self.store, self.sh, self.planner = comm, store, store.sharding, planner
         self.lent = LentRows(planner.capacity, store, int(self.sh.table_offsets[-1]))
-        self.dev = store.weight.device
+        self.dev = store.device
         self.dynamic = store.dynamic
         self.absent_out = np.zeros(0, np.int64)  # dynamic: my ids lent without a row (sorted)
         if self.dynamic:
@@ -131,7 +131,7 @@ class HeraldRemote(RemoteRows):
         r = self.sh.rank
         mine = want[r]
         if sum(x.size for x in sync.pull + (sync.local if self.dynamic else [])) == 0:  # known to all
-            return (torch.zeros(0, self.store.dim, dtype=self.store.weight.dtype, device=self.dev),
+            return (torch.zeros(0, self.store.dim, dtype=self.store.dtype, device=self.dev),
                     self.lent.state(self._t(mine[:0])), self._t(mine[:0]) if self.dynamic else None)
         serve, send = self._to_me(want)
         rows, _ = self.comm.alltoall(self.store.rows(self._t(serve)), send, kind="rows",

@@ -91,7 +91,7 @@ class HetWire:
         self.comm, self.store, self.sh = comm, store, store.sharding
         self.dynamic = store.dynamic  # ids travel as gids, versions carry an admission step
         self.row_dtype = wire_float(precision)  # rows and gradients on the wire (exchange.RowExchange)
-        self.staleness = StalenessStats(self.sh.num_tables, store.weight.device)
+        self.staleness = StalenessStats(self.sh.num_tables, store.device)
 
     @property
     def wire_dtype(self) -> torch.dtype:
@@ -143,7 +143,7 @@ class HetWire:
         counts = torch.cat(parts + ([chk.counts] if chk.counts is not None else [])).tolist()
         send_splits, recv_splits, chk.counted = counts[:w], counts[w:2 * w], counts[2 * w:]
         sent = select(idx, send, sum(send_splits))
-        rows = self.store.rows(sent) if self.dynamic else self.store.weight.index_select(0, sent)
+        rows = self.store.rows(sent) if self.dynamic else self.store.local_rows(sent)
         chk.rows = self.comm.alltoall_async(rows.to(self.row_dtype), send_splits, kind="rows",
                                             recv_splits=recv_splits)
 

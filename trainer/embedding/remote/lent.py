@@ -18,8 +18,8 @@ class LentRows:
     """Rows lent to this worker: value, optimizer state, local update count and life per slot."""
 
     def __init__(self, capacity: int, store: ShardStore, n_ids: int) -> None:
-        dev, opt = store.weight.device, store.optimizer
-        self.weight = torch.zeros(capacity, store.dim, dtype=store.weight.dtype, device=dev)
+        dev, opt = store.device, store.optimizer
+        self.weight = torch.zeros(capacity, store.dim, dtype=store.dtype, device=dev)
         self.gid = torch.full((capacity,), -1, dtype=torch.int64, device=dev)  # the row in each slot
         self.optimizer = opt.like(self.weight, lambda slots: store.sharding.to_flat(self.gid[slots]))
         self.compute_dtype = store.compute_dtype

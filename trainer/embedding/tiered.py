@@ -1,0 +1,317 @@
+"""embedding.store=disk: the owner's shard in files (tier.py) with a row cache in RAM in front.
+
+Why a row cache: hot ids are scattered over a table, so caching the files' pages keeps ~50 cold
+neighbours in RAM with every hot row and writes back 4 KiB for every 80 B row updated (measured:
+0.05 of the in-memory step rate). Here the RAM holds whole rows, by id, in slots (FBGEMM's and
+HierarchicalKV's design): a row's values, optimizer state, version and touched mark.
+
+- **One copy of each row.** A row is in a slot or in the file, never both as writable copies:
+  a slot is loaded from the file when the row is first used (read or written), written back to
+  the file (when changed) as it is evicted. Every read and update goes through the slot when
+  there is one and through the file otherwise (when a single call wants more rows than the cache
+  can give it), with the very same arithmetic (store.py's _update, _update_masked, _put): a row's
+  updates are elementwise and its duplicate gradients are summed in the same order, so `disk`
+  equals `memory` bit for bit.
+- **Eviction**: least recently used (a counter per call), never a row of the call being served,
+  in batches of 1/32 of the slots at once: the batch's changed rows are written back sorted by
+  row (the file in order), and one O(slots) selection serves many steps.
+- **Reads ahead**: `prefetch` gets the coming step's rows that no slot holds; their pages are
+  mapped by the tier's threads (tier.py), so loading them into slots later reads RAM.
+- **Direct access** (`weight`, `version`, `touched` and the optimizer's state, as checkpoints and
+  snapshots use them): inside `raw(write)` the changed rows are written back first, and after a
+  write phase the slots are forgotten; outside it, any access to those attributes empties the
+  cache first (always correct, only slower).
+- **Cost per slot**: the row's bytes (values + state + 8 B version + 1 B mark) + 17 B (row, last
+  use, changed) + the id -> slot map (slotmap.py: 4 B per row of the shard while that stays within
+  16 ids per slot, else hash cells of ~64 B per slot).
+"""
+from __future__ import annotations
+
+import contextlib
+import inspect
+from typing import Iterator
+
+import numpy as np
+import torch
+
+import kernels
+from .optim import SparseOptimizer
+from .slotmap import id_slot_map, uses_direct_map
+from .store import ShardStore, _put, _update, _update_masked
+from .tier import DiskTier
+
+EVICT_BATCH = 32  # an eviction frees at least 1/EVICT_BATCH of the slots
+SLOT_BOOK_BYTES = 8 + 8 + 1  # per slot: its row, its last use, changed
+HASH_BYTES_PER_SLOT = 64  # the hash map's cells per slot (slotmap.py: 16 B cells, <= 4 per slot)
+
+
+def record_fields(dim: int, dtype: torch.dtype, optimizer: str) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
+    """The parts of a row's record in the tier's file (DiskTier.define)."""
+    acc = kernels.reference.accumulation_dtype(dtype)
+    state = {"adagrad": (dim,), "rowwise_adagrad": ()}.get(optimizer)
+    return [("weight", (dim,), dtype)] + ([("state", state, acc)] if state is not None else []) + \
+        [("version", (), torch.int64), ("touched", (), torch.bool)]
+
+
+def cache_slots(budget: int, row_bytes: int, local_rows: int) -> int:
+    """Slots a row cache of `budget` bytes holds for a shard of local_rows rows of row_bytes each
+    (the record's parts), its bookkeeping and id map counted; never more than the rows."""
+    per = row_bytes + SLOT_BOOK_BYTES
+    direct = (budget - 4 * local_rows) // per
+    if direct > 0 and uses_direct_map(local_rows, direct, "cpu"):
+        return int(min(direct, local_rows))
+    return int(max(1, min(budget // (per + HASH_BYTES_PER_SLOT), local_rows)))
+
+
+class TieredStore(ShardStore):
+    """A ShardStore whose arrays are the tier's files, with `cache_bytes` of rows in RAM in front."""
+
+    def __init__(self, *args, tier: DiskTier, cache_bytes: int, **kw) -> None:
+        self._slots_n = 0  # no cache until it is built (ShardStore's init writes the files)
+        a = inspect.signature(ShardStore.__init__).bind(self, *args, **kw)
+        a.apply_defaults()
+        p = a.arguments
+        tier.define(p["sharding"].local_rows, record_fields(p["dim"], p["dtype"], p["optimizer"]))
+        super().__init__(*args, tier=tier, **kw)
+        parts = self.bytes_per_row()
+        self._build(cache_slots(cache_bytes, parts["total"] + 1, self.sharding.local_rows))
+
+    def _build(self, n: int) -> None:
+        self._slots_n = n
+        opt = self.optimizer
+        self._w = torch.zeros(n, self.dim, dtype=self.dtype)
+        self._opt = SparseOptimizer(opt.name, self._w, opt.lr, opt.eps, opt.init, opt.weight_decay,
+                                    lambda s: self.row_keys(self._rid.index_select(0, s)), self.rounding)
+        self._v = torch.zeros(n, dtype=torch.int64)
+        self._t = torch.zeros(n, dtype=torch.bool)
+        self._rid = torch.full((n,), -1, dtype=torch.int64)  # the storage row in each slot (-1: free)
+        self._last = torch.zeros(n, dtype=torch.int64)  # the call each slot was last used in
+        self._dirty = torch.zeros(n, dtype=torch.bool)
+        self._free = torch.arange(n - 1, -1, -1, dtype=torch.int64)  # a stack: [:_nfree] are free
+        self._nfree = n
+        self._map = id_slot_map(self.sharding.local_rows, n, "cpu")
+        self._use = 0
+        self._in_raw = False
+        self.counts = {"used": 0, "hit": 0, "loaded": 0, "written": 0, "evicted": 0, "bypassed": 0, "emptied": 0}
+
+    # ---- direct access to the files' arrays --------------------------------------------------
+    def _direct(name: str):  # noqa: N805 (a property factory for the class body)
+        def get(self):
+            if self._slots_n and not self._in_raw:
+                self._empty()
+            return self.__dict__["_" + name]
+
+        def put(self, value):
+            self.__dict__["_" + name] = value
+        return property(get, put)
+
+    weight = _direct("weight")
+    version = _direct("version")
+    touched = _direct("touched")
+    del _direct
+
+    @contextlib.contextmanager
+    def raw(self, write: bool) -> Iterator[None]:
+        self._write_back(torch.nonzero(self._dirty).squeeze(1))
+        self._in_raw = True
+        try:
+            yield
+        finally:
+            self._in_raw = False
+            if write:
+                self._forget()
+
+    def _empty(self) -> None:
+        """Write every changed row back and forget every slot (the files are then the shard)."""
+        if self._nfree == self._slots_n:
+            return
+        self._write_back(torch.nonzero(self._dirty).squeeze(1))
+        self._forget()
+        self.counts["emptied"] += 1
+
+    def _forget(self) -> None:
+        if self._nfree == self._slots_n:
+            return
+        held = self._rid >= 0
+        if held.any():
+            self._map.erase(self._rid[held])
+        self._rid.fill_(-1)
+        self._dirty.zero_()
+        self._free = torch.arange(self._slots_n - 1, -1, -1, dtype=torch.int64)
+        self._nfree = self._slots_n
+
+    # ---- the slots -------------------------------------------------------------------------
+    def _at(self, idx: torch.Tensor) -> torch.Tensor:
+        """[n] slots of storage rows idx, loading the rows no slot holds (evicting the least
+        recently used); -1 for those the cache cannot take in this call (more than it holds)."""
+        self._use += 1
+        uniq, inv = torch.unique(idx, return_inverse=True)
+        slots, miss = self._map.lookup(uniq)
+        slots = slots.clone()
+        self._last.index_fill_(0, slots[~miss], self._use)
+        gone = torch.nonzero(miss).squeeze(1)
+        self.counts["used"] += uniq.numel()
+        self.counts["hit"] += uniq.numel() - gone.numel()
+        if gone.numel():
+            got = self._take(gone.numel())
+            k = got.numel()
+            if k:
+                self._load(uniq.index_select(0, gone[:k]), got)
+                slots.index_copy_(0, gone[:k], got)
+            self.counts["bypassed"] += gone.numel() - k
+        return slots.index_select(0, inv)
+
+    def _take(self, n: int) -> torch.Tensor:
+        """Up to n free slots, evicting first when fewer are free."""
+        if self._nfree < n:
+            self._evict(max(n - self._nfree, self._slots_n // EVICT_BATCH))
+        k = min(n, self._nfree)
+        got = self._free[self._nfree - k:self._nfree].clone()
+        self._nfree -= k
+        return got
+
+    def _evict(self, n: int) -> None:
+        """Free the n least recently used slots held (never one used in this call)."""
+        last = self._last.numpy()
+        cand = np.flatnonzero((self._rid.numpy() >= 0) & (last < self._use))
+        if cand.size > n:
+            cand = cand[np.argpartition(last[cand], n - 1)[:n]]
+        if cand.size == 0:
+            return
+        victims = torch.from_numpy(cand)
+        self._write_back(victims[self._dirty.index_select(0, victims)])
+        self._map.erase(self._rid.index_select(0, victims))
+        self._rid.index_fill_(0, victims, -1)
+        self._free[self._nfree:self._nfree + victims.numel()] = victims
+        self._nfree += victims.numel()
+        self.counts["evicted"] += victims.numel()
+
+    def _write_back(self, slots: torch.Tensor) -> None:
+        """Changed slots' rows into the files, in row order (their pages read first by the tier's
+        threads: a row is part of a page)."""
+        if slots.numel() == 0:
+            return
+        rows, order = torch.sort(self._rid.index_select(0, slots))
+        slots = slots.index_select(0, order)
+        self.tier.prefetch(rows)
+        self.tier.ready()
+        d = self.__dict__
+        d["_weight"].index_copy_(0, rows, self._w.index_select(0, slots))
+        d["_version"].index_copy_(0, rows, self._v.index_select(0, slots))
+        d["_touched"].index_copy_(0, rows, self._t.index_select(0, slots))
+        if self._opt.state is not None:
+            self.optimizer.state.index_copy_(0, rows, self._opt.state.index_select(0, slots))
+        self._dirty.index_fill_(0, slots, False)
+        self.counts["written"] += slots.numel()
+
+    def _load(self, rows: torch.Tensor, slots: torch.Tensor) -> None:
+        """Storage rows into free slots (their pages prefetched when the step was planned)."""
+        rows, order = torch.sort(rows)
+        slots = slots.index_select(0, order)
+        self.tier.ready()
+        d = self.__dict__
+        self._w.index_copy_(0, slots, d["_weight"].index_select(0, rows))
+        self._v.index_copy_(0, slots, d["_version"].index_select(0, rows))
+        self._t.index_copy_(0, slots, d["_touched"].index_select(0, rows))
+        if self._opt.state is not None:
+            self._opt.state.index_copy_(0, slots, self.optimizer.state.index_select(0, rows))
+        self._rid.index_copy_(0, slots, rows)
+        self._map.insert(rows, slots)
+        self._last.index_fill_(0, slots, self._use)
+        self._dirty.index_fill_(0, slots, False)
+        self.counts["loaded"] += rows.numel()
+
+    def _split(self, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(slots, positions held by a slot, positions the files serve) of storage rows idx."""
+        slots = self._at(idx)
+        held = slots >= 0
+        return slots, torch.nonzero(held).squeeze(1), torch.nonzero(~held).squeeze(1)
+
+    def _sync_rate(self) -> SparseOptimizer:
+        self._opt.lr, self._opt.lr_on_device = self.optimizer.lr, self.optimizer.lr_on_device
+        return self._opt
+
+    # ---- the shard's interface -------------------------------------------------------------
+    def prefetch(self, gids: torch.Tensor) -> None:
+        if gids.numel():
+            self.prefetch_local(self.sharding.local_index(gids))
+
+    def prefetch_local(self, local_idx: torch.Tensor) -> None:
+        if local_idx.numel():
+            uniq = torch.unique(local_idx)
+            _, miss = self._map.lookup(uniq)
+            if miss.any():
+                self.tier.prefetch(uniq[miss])
+
+    def _gather(self, idx: torch.Tensor, cached: torch.Tensor, name: str) -> torch.Tensor:
+        """Values of storage rows idx from the slots' `cached` array or the file's array `name`."""
+        slots, held, cold = self._split(idx)
+        out = torch.empty((idx.numel(),) + tuple(cached.shape[1:]), dtype=cached.dtype)
+        out.index_copy_(0, held, cached.index_select(0, slots.index_select(0, held)))
+        if cold.numel():
+            self.tier.ready()
+            src = self.optimizer.state if name == "state" else self.__dict__["_" + name]
+            out.index_copy_(0, cold, src.index_select(0, idx.index_select(0, cold)))
+        return out
+
+    def local_rows(self, local_idx: torch.Tensor) -> torch.Tensor:
+        return self._gather(local_idx, self._w, "weight")
+
+    def versions(self, local_idx: torch.Tensor) -> torch.Tensor:
+        return self._gather(local_idx, self._v, "version")
+
+    def state_rows(self, gids: torch.Tensor) -> torch.Tensor:
+        if self._opt.state is None:
+            return super().state_rows(gids)
+        return self._gather(self.slots(gids), self._opt.state, "state").reshape(gids.numel(), self.state_width)
+
+    def apply(self, gids: torch.Tensor, grads: torch.Tensor, unique: bool = False,
+              counts: torch.Tensor | None = None, lives: torch.Tensor | None = None) -> None:
+        if gids.numel() == 0:
+            return
+        idx = self.sharding.local_index(gids)
+        counts = torch.ones_like(idx) if counts is None else counts
+        slots, held, cold = self._split(idx)
+        s = slots.index_select(0, held)
+        _update(self._sync_rate(), self._v, self._t, s, grads.index_select(0, held), unique, counts.index_select(0, held))
+        self._dirty.index_fill_(0, s, True)
+        if cold.numel():
+            self.tier.ready()
+            c, d = idx.index_select(0, cold), self.__dict__
+            _update(self.optimizer, d["_version"], d["_touched"], c, grads.index_select(0, cold), unique,
+                    counts.index_select(0, cold))
+
+    def apply_masked(self, idx: torch.Tensor, grads: torch.Tensor, mask: torch.Tensor,
+                     zero_outside: bool = False) -> None:
+        slots, held, cold = self._split(idx)
+        s = slots.index_select(0, held)
+        _update_masked(self._sync_rate(), self._v, self._t, s, grads.index_select(0, held), mask.index_select(0, held),
+                       zero_outside)
+        self._dirty.index_fill_(0, s, True)
+        if cold.numel():
+            self.tier.ready()
+            d = self.__dict__
+            _update_masked(self.optimizer, d["_version"], d["_touched"], idx.index_select(0, cold),
+                           grads.index_select(0, cold), mask.index_select(0, cold), zero_outside)
+
+    def put(self, gids: torch.Tensor, rows: torch.Tensor, state: torch.Tensor | None = None,
+            updates: torch.Tensor | None = None) -> None:
+        idx = self.slots(gids)
+        slots, held, cold = self._split(idx)
+        pick = (lambda t, at: None if t is None else t.index_select(0, at))
+        s = slots.index_select(0, held)
+        _put(self._w, self._opt.state, self._v, self._t, s, rows.index_select(0, held), pick(state, held),
+             pick(updates, held))
+        self._dirty.index_fill_(0, s, True)
+        if cold.numel():
+            self.tier.ready()
+            d = self.__dict__
+            _put(d["_weight"], self.optimizer.state, d["_version"], d["_touched"], idx.index_select(0, cold),
+                 rows.index_select(0, cold), pick(state, cold), pick(updates, cold))
+
+    def store_record(self) -> dict:
+        c, steps = self.counts, max(self.tier.stats.steps, 1)
+        return {**self.tier.record(), "cache_slots": self._slots_n, "row_hit_rate": round(c["hit"] / c["used"], 4) if c["used"] else None,
+                "rows_used_per_step": c["used"] / steps, "rows_read_per_step": c["loaded"] / steps,
+                "rows_written_per_step": c["written"] / steps, "rows_evicted": c["evicted"],
+                "rows_bypassed": c["bypassed"], "cache_emptied": c["emptied"]}
