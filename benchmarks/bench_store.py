@@ -12,9 +12,10 @@ Per `--alphas` (1.1: the bench preset's skew; 0: uniform ids, the worst case) th
   costs only.
 Each line: the steady rate (samples/s over the steps after `--warmup`, from metrics.jsonl), its
 ratio to the memory point's, the unique rows a step reads, and the store block of summary.json:
-hit rate, pages read per step, bytes read and written per step, the pages read from the disk per
-step (bytes read / page) as a share of the step's unique rows (a page serves one row or more), read latency percentiles, the wait per step, the training thread's own
-page faults per step; the cgroup's peak. The points run one after another (never two at once).
+the row cache's hit rate, the rows it loads and writes back per step (loads as a share of the
+step's unique rows), the pages mapped per step, bytes read and written per step, the pages read
+from the disk per step (bytes read / page) as a share of the step's unique rows, read latency
+percentiles, the wait per step, the training thread's own page faults per step; the cgroup's peak. The points run one after another (never two at once).
 
     python -m benchmarks.bench_store [--rows 1000000] [--steps 300] [--warmup 100]
         [--alphas 1.1 0] [--cache-shares 0.25 0.5] [--headroom 1.5G] [--cgroup on|off] [--dir DIR]
@@ -91,9 +92,12 @@ def point(kind: str, alpha: float, share: float | None, args: argparse.Namespace
         steps = max(store.get("steps", 0), 1)
         read_pages = store["bytes_read"] / steps / store["chunk_bytes"]  # the tier reads pages
         line.update(ratio_to_memory=(rate / base["samples_per_sec"]) if rate and base["samples_per_sec"] else None,
-                    cache_bytes=store["cache_bytes"], hit_rate=store["hit_rate"],
-                    chunks_used_per_step=store["chunks_used_per_step"],
-                    chunks_read_per_step=store["chunks_read_per_step"],
+                    cache_bytes=store["cache_bytes"], cache_slots=store["cache_slots"],
+                    row_hit_rate=store["row_hit_rate"], rows_loaded_per_step=store["rows_read_per_step"],
+                    rows_written_back_per_step=store["rows_written_per_step"],
+                    loaded_share_of_unique=(store["rows_read_per_step"] / uniq) if uniq else None,
+                    rows_bypassed=store["rows_bypassed"], cache_emptied=store["cache_emptied"],
+                    page_hit_rate=store["hit_rate"], pages_mapped_per_step=store["chunks_read_per_step"],
                     bytes_read_per_step=store["bytes_read"] / steps, bytes_written_per_step=store["bytes_written"] / steps,
                     pages_read_per_step=read_pages, read_share_of_unique=(read_pages / uniq) if uniq else None,
                     read_latency=store["read_latency"], wait_ms_per_step=1e3 * store["wait_s"] / steps,

@@ -578,8 +578,9 @@ def test_bench_store_a_memory_point_then_disk_points_under_a_cgroup(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     mem, disk = [json.loads(x) for x in proc.stdout.splitlines()]
     assert mem["kind"] == "memory" and disk["kind"] == "disk" and disk["cache_share"] == 0.5
-    assert mem["samples_per_sec"] > 0 and 0 < disk["ratio_to_memory"] < 10 and 0 <= disk["hit_rate"] <= 1
-    assert disk["cache_bytes"] == int(mem["disk_bytes"] * 0.5) and disk["chunks_used_per_step"] > 0
+    assert mem["samples_per_sec"] > 0 and 0 < disk["ratio_to_memory"] < 10 and 0 < disk["row_hit_rate"] < 1
+    assert disk["cache_bytes"] == int(mem["disk_bytes"] * 0.5) and disk["rows_loaded_per_step"] > 0
+    assert disk["cache_emptied"] == 0 and 0 < disk["loaded_share_of_unique"] < 1
     assert disk["cgroup"] == (memcg.hierarchy().version if memcg.availability()[0] else None)
     if disk["cgroup"]:
         assert 0 < disk["peak_bytes"] <= disk["limit_bytes"]

@@ -51,9 +51,6 @@ import torch
 CHUNK = mmap.PAGESIZE  # bytes: the unit the RAM cache maps, evicts and prefetches (a page)
 MADV_RANDOM = 1  # a fault reads its page only (not the kernel's read-around window, 128 KiB)
 MADV_DONTNEED = 4
-MADV_POPULATE_READ = 22  # Linux >= 5.14: fault the range in, reading what is not cached
-MADV_WILLNEED = 3
-EVICT_TO = 0.9  # an eviction brings the mapped bytes down to this share of the budget
 LATENCY_SAMPLES = 4096  # prefetch latencies kept for the percentiles (a ring)
 
 _libc = ctypes.CDLL(None, use_errno=True)
@@ -84,7 +81,6 @@ class TierFile:
     array: Any  # the np.memmap (kept alive: the tensor shares its memory)
     tensor: torch.Tensor
     addr: int
-    last_use: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))  # step of each page's last use
     mapped: np.ndarray = field(default_factory=lambda: np.zeros(0, bool))  # pages we hold mapped
 
     def chunks_of(self, rows: np.ndarray) -> np.ndarray:
@@ -159,7 +155,7 @@ class DiskTier:
         records = torch.from_numpy(array)[:rows * record].view(rows, record)
         nchunks = -(-nbytes // CHUNK)
         self.files["rows"] = TierFile("rows", path, (rows, record), torch.uint8, record, nbytes, array, records,
-                                      array.ctypes.data, np.full(nchunks, -1, np.int32), np.zeros(nchunks, bool))
+                                      array.ctypes.data, np.zeros(nchunks, bool))
         _madvise(array.ctypes.data, nbytes, MADV_RANDOM)
         self._fields = layout
 
@@ -188,7 +184,7 @@ class DiskTier:
         tensor = flat.view(dtype).reshape(shape) if rows * row_bytes else torch.empty(shape, dtype=dtype)
         nchunks = -(-nbytes // CHUNK)
         tf = TierFile(name, path, tuple(shape), dtype, row_bytes, nbytes, array, tensor,
-                      array.ctypes.data, np.full(nchunks, -1, np.int32), np.zeros(nchunks, bool))
+                      array.ctypes.data, np.zeros(nchunks, bool))
         self.files[name] = tf
         _madvise(tf.addr, nbytes, MADV_RANDOM)  # rows are read one by one: no read-around
         return self._fill(name, tensor, fill)
@@ -214,11 +210,15 @@ class DiskTier:
         self.stats.steps += 1
 
     def prefetch(self, local_rows: torch.Tensor) -> None:
-        """The rows (storage rows of this shard) a coming step reads and updates: their chunks that
-        are not mapped go to the prefetch threads now; all of them count as used at this step."""
+        """Storage rows of this shard a coming step reads or writes back: the threads read them
+        now (each thread one share of the rows, read with one torch gather, which faults the
+        rows' pages in with the GIL released: `threads` reads in flight), so that the step's own
+        copy finds them in RAM."""
         rows = local_rows.detach().cpu().numpy().astype(np.int64, copy=False)
         if rows.size == 0:
             return
+        if self.mapped_bytes > self.cache_bytes:  # before this call's reads start: they are not waited for
+            self._evict()
         for f in self.files.values():
             if f.row_bytes == 0:
                 continue
@@ -226,19 +226,16 @@ class DiskTier:
             cold = chunks[~f.mapped[chunks]]
             self.stats.chunks_used += chunks.size
             self.stats.chunks_hit += chunks.size - cold.size
-            f.last_use[chunks] = self.clock
             if cold.size:
                 f.mapped[cold] = True
                 self.mapped_bytes += cold.size * CHUNK
                 self.stats.chunks_read += cold.size
-                runs = _runs(cold)  # one request per run of pages; the runs dealt to the threads in turn
-                for k in range(min(self.threads, len(runs))):
-                    self._pending.append(self._pool.submit(self._populate, f, runs[k::self.threads]))
-        if self.mapped_bytes > self.cache_bytes:
-            self._evict()
+                part = -(-rows.size // self.threads)
+                for lo in range(0, rows.size, part):
+                    self._pending.append(self._pool.submit(self._touch, f, torch.from_numpy(rows[lo:lo + part])))
 
     def ready(self) -> None:
-        """Wait for the prefetches in flight (the step is about to read the shard)."""
+        """Wait for the reads in flight (the step is about to copy the rows)."""
         if not self._pending:
             return
         t0 = time.perf_counter()
@@ -247,67 +244,33 @@ class DiskTier:
             fut.result()
         self.stats.wait_s += time.perf_counter() - t0
 
-    def _populate(self, f: TierFile, runs: list[tuple[int, int]]) -> None:
-        """Map runs of pages, one request each (a thread of the pool: ctypes releases the GIL)."""
-        took = []
-        for a, b in runs:
-            lo, hi = a * CHUNK, min(b * CHUNK, f.nbytes)
-            t0 = time.perf_counter()
-            if _madvise(f.addr + lo, hi - lo, MADV_POPULATE_READ):  # an older kernel: read ahead, then touch
-                _madvise(f.addr + lo, hi - lo, MADV_WILLNEED)
-                int(f.array[lo:hi:mmap.PAGESIZE].sum())
-            took.append(time.perf_counter() - t0)
+    def _touch(self, f: TierFile, rows: torch.Tensor) -> None:
+        """Read rows of f (a thread of the pool), timing the read."""
+        t0 = time.perf_counter()
+        f.tensor.index_select(0, rows)
+        took = time.perf_counter() - t0
         with self._lock:
-            lat = self.stats.latencies
-            for t in took:
-                if len(lat) < LATENCY_SAMPLES:
-                    lat.append(t)
-                else:
-                    lat[self._lat_n % LATENCY_SAMPLES] = t
-                self._lat_n += 1
+            if len(self.stats.latencies) < LATENCY_SAMPLES:
+                self.stats.latencies.append(took)
+            else:
+                self.stats.latencies[self._lat_n % LATENCY_SAMPLES] = took
+            self._lat_n += 1
 
     def _evict(self) -> None:
-        """Unmap the least recently used chunks down to EVICT_TO of the budget (never this step's)."""
-        self.ready()  # a chunk being populated is not unmapped under its thread
-        target = int(self.cache_bytes * EVICT_TO)
-        cand = [(f, np.flatnonzero(f.mapped)) for f in self.files.values()]
-        ages = np.concatenate([f.last_use[idx] for f, idx in cand]) if cand else np.zeros(0, np.int32)
-        excess = -(-(self.mapped_bytes - target) // CHUNK)
-        if excess <= 0 or ages.size == 0:
-            return
-        excess = min(excess, int((ages < self.clock).sum()))
-        if excess <= 0:
-            return
-        cut = np.partition(ages, excess - 1)[excess - 1]
-        left = excess
-        for f, idx in cand:  # the oldest first: strictly older than the cut, then ties up to `excess`
-            old = idx[f.last_use[idx] < cut]
-            tie = idx[f.last_use[idx] == cut]
-            take = np.concatenate([old, tie[:max(0, left - old.size)]])[:left]
-            if take.size:
-                self._unmap(f, np.sort(take))
-                left -= take.size
-            if left <= 0:
-                break
-
-    def _unmap(self, f: TierFile, chunks: np.ndarray) -> None:
-        for a, b in _runs(chunks):
-            lo, hi = a * CHUNK, min(b * CHUNK, f.nbytes)
-            _madvise(f.addr + lo, hi - lo, MADV_DONTNEED)
-        f.mapped[chunks] = False
-        self.mapped_bytes -= chunks.size * CHUNK
-        self.stats.evicted += chunks.size
+        """Past the budget, unmap every page (one madvise per file): the row cache holds what the
+        steps use, and a page is only needed while its rows are copied in or written back."""
+        self.ready()  # no page is unmapped under a reading thread
+        for f in self.files.values():
+            _madvise(f.addr, f.nbytes, MADV_DONTNEED)
+            self.stats.evicted += int(f.mapped.sum())
+            f.mapped[:] = False
+        self.mapped_bytes = 0
 
     def release(self, name: Optional[str] = None) -> None:
-        """Unmap everything of file `name` (every file: None) that the cache does not hold: after a
-        phase that reads or writes the shard through other paths (its initial rows, a
-        checkpoint's load or save, an evaluation), so that the pages it touched leave this
-        process (dirty ones stay in the page cache until written back)."""
-        self.ready()
-        for f in ([self.files[name]] if name else self.files.values()):
-            for a, b in _runs(np.flatnonzero(~f.mapped)):
-                lo, hi = a * CHUNK, min(b * CHUNK, f.nbytes)
-                _madvise(f.addr + lo, hi - lo, MADV_DONTNEED)
+        """Unmap everything (after a phase that read or wrote the shard through other paths: its
+        initial rows, a checkpoint's load or save, an evaluation), so that the pages it touched
+        leave this process (dirty ones stay in the page cache until written back)."""
+        self._evict()
 
     # ---- reporting -------------------------------------------------------------------------
     def record(self) -> dict[str, Any]:
@@ -346,16 +309,6 @@ class DiskTier:
                 except (BufferError, ValueError):
                     pass  # a tensor still shares it: the mapping goes with the process
         shutil.rmtree(self.dir, ignore_errors=True)
-
-
-def _runs(chunks: np.ndarray) -> list[tuple[int, int]]:
-    """[(first, end)) runs of consecutive chunk numbers in sorted `chunks`."""
-    if chunks.size == 0:
-        return []
-    breaks = np.flatnonzero(np.diff(chunks) != 1) + 1
-    starts = np.concatenate([[0], breaks])
-    ends = np.concatenate([breaks, [chunks.size]])
-    return [(int(chunks[s]), int(chunks[e - 1]) + 1) for s, e in zip(starts, ends)]
 
 
 def _proc_io() -> dict[str, int]:
