@@ -208,8 +208,6 @@ class DiskTier:
         """A new step: the clock the chunks' last use is counted in."""
         self.clock = step
         self.stats.steps += 1
-        if self.mapped_bytes > self.cache_bytes:  # between steps: no page of a step's rows is unmapped under it
-            self._evict()
 
     def prefetch(self, local_rows: torch.Tensor) -> None:
         """Storage rows of this shard a coming step reads or writes back: the threads read them
@@ -219,6 +217,8 @@ class DiskTier:
         rows = local_rows.detach().cpu().numpy().astype(np.int64, copy=False)
         if rows.size == 0:
             return
+        if self.mapped_bytes > self.cache_bytes:
+            self._evict()
         for f in self.files.values():
             if f.row_bytes == 0:
                 continue
