@@ -8,23 +8,9 @@
 # /etc/containers/containers.conf is written only when it does not exist (an existing one is kept
 # and reported).
 set -euo pipefail
-case "${1:-}" in
-  -h|--help) sed -n '2,/^set /{/^#/s/^# \{0,1\}//p}' "$0"; exit 0 ;;
-  "") ;;
-  *) echo "error: $1: unknown argument (install_podman.sh takes none)" >&2; exit 2 ;;
-esac
-TAG="[install_podman]"
-PKGS=(podman runc mmdebstrap uidmap fuse-overlayfs containernetworking-plugins)
-[ "$(id -u)" = 0 ] || { echo "$TAG error: run as root (apt-get, /etc/containers)" >&2; exit 1; }
-command -v apt-get >/dev/null || { echo "$TAG error: needs apt-get (Debian/Ubuntu)" >&2; exit 1; }
-missing=()
-for p in "${PKGS[@]}"; do dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p"); done
-if ((${#missing[@]})); then
-  echo "$TAG apt-get install ${missing[*]}"
-  export DEBIAN_FRONTEND=noninteractive
-  apt-get install -y -q "${missing[@]}" >/dev/null 2>&1 \
-    || { apt-get update -q >/dev/null && apt-get install -y -q "${missing[@]}" >/dev/null; }
-fi
+. "$(dirname "$0")/lib/apt.bash"
+apt_prelude install_podman "apt-get, /etc/containers" "$@"
+apt_missing podman runc mmdebstrap uidmap fuse-overlayfs containernetworking-plugins
 CONF=/etc/containers/containers.conf
 if [ -e "$CONF" ]; then
   echo "$TAG keeping the existing $CONF"

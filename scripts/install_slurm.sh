@@ -9,23 +9,9 @@
 # The package's munge key (/etc/munge/munge.key) is made only when it does not exist (an existing one is
 # kept and reported); no service is started or enabled.
 set -euo pipefail
-case "${1:-}" in
-  -h|--help) sed -n '2,/^set /{/^#/s/^# \{0,1\}//p}' "$0"; exit 0 ;;
-  "") ;;
-  *) echo "error: $1: unknown argument (install_slurm.sh takes none)" >&2; exit 2 ;;
-esac
-TAG="[install_slurm]"
-PKGS=(slurmctld slurmd slurm-client munge)
-[ "$(id -u)" = 0 ] || { echo "$TAG error: run as root (apt-get, /etc/munge)" >&2; exit 1; }
-command -v apt-get >/dev/null || { echo "$TAG error: needs apt-get (Debian/Ubuntu)" >&2; exit 1; }
-missing=()
-for p in "${PKGS[@]}"; do dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p"); done
-if ((${#missing[@]})); then
-  echo "$TAG apt-get install ${missing[*]}"
-  export DEBIAN_FRONTEND=noninteractive
-  apt-get install -y -q --no-install-recommends "${missing[@]}" >/dev/null 2>&1 \
-    || { apt-get update -q >/dev/null && apt-get install -y -q --no-install-recommends "${missing[@]}" >/dev/null; }
-fi
+. "$(dirname "$0")/lib/apt.bash"
+apt_prelude install_slurm "apt-get, /etc/munge" "$@"
+apt_missing --no-install-recommends -- slurmctld slurmd slurm-client munge
 KEY=/etc/munge/munge.key
 if [ -e "$KEY" ]; then
   echo "$TAG keeping the existing $KEY"

@@ -34,11 +34,11 @@ from .embedding.remote import Audit, CacheStats, HeraldRemote, HetRemote, HetWir
 from .embedding.replica import Replica
 from .embedding.sharding import HashSharding, Sharding
 from .embedding.store import row_dtype
-from .embedding.tiered import TieredStore
-from .embedding.tier import DiskTier
+from .embedding.tiered import TieredStore, record_fields
+from .embedding.tier import DiskTier, record_layout
 from .models import build_model
 from .placement import Plan, plan_run
-from .plan.memplan import available_memory, fmt_bytes, row_parts, store_cache_bytes, tier_page_bytes
+from .plan.memplan import available_memory, fmt_bytes, store_cache_bytes, tier_page_bytes
 from .schedule import Feed
 from .schedule.feed import make_order
 from .schedule.herald import HeraldPlanner, IdSpace
@@ -155,7 +155,7 @@ def make_tier(c: Config, comm: Collectives, device: torch.device, local_rows: in
     if device.type != "cpu":
         raise ConfigError(f"embedding.store=disk maps the shard into host memory: the run trains on {device} "
                           "(train.device=cpu, or embedding.store=memory)")
-    need = local_rows * sum(row_parts(c, device, local_rows).values())
+    need = local_rows * record_layout(record_fields(c.model.embedding_dim, row_dtype(e.dtype), c.optim.sparse))[1]
     where = e.store_dir or tempfile.gettempdir()
     os.makedirs(where, exist_ok=True)
     st = os.statvfs(where)

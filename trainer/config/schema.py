@@ -150,9 +150,9 @@ class EmbeddingConfig:
     count_min_bytes: int = 16 << 20  # count_min: the sketch's bytes per owner, count_min_depth rows of int16 counters (16 MiB: 4 x 2M counters, about 2% of 1M ids seen once admitted at once with admit_after=2)
     count_min_depth: int = 4  # count_min: rows of the sketch (hashes per id)
     count_min_halve_steps: int = 0  # count_min: halve every counter each time the step passes a multiple of this (old sightings fade); 0 = never
-    store: str = "memory"  # where each owner keeps its shard (rows, optimizer state, versions): memory | disk (files under store_dir, mapped, with a RAM cache of store_cache_bytes: tables larger than memory; docs/store.md)
+    store: str = "memory"  # where each owner keeps its shard (rows, optimizer state, versions): memory | disk (a file under store_dir, with a row cache in RAM of store_cache_bytes: tables larger than memory; docs/store.md)
     store_dir: Optional[str] = None  # disk: a local directory for the shard files (one folder per rank and run, removed at exit); null = the system's temp dir
-    store_cache_bytes: int = 0  # disk: the RAM each owner keeps its shard's rows mapped in (the rest stays on disk, read a step ahead); 0 = a quarter of the memory it may have
+    store_cache_bytes: int = 0  # disk: the RAM of each owner's row cache (an eighth of it for the file's pages; the rest of the rows stays on disk, read a step ahead); 0 = a quarter of the memory it may have
 
 
 @dataclass

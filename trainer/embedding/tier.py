@@ -1,34 +1,25 @@
-"""embedding.store=disk: an owner's shard (rows, optimizer state, versions, touched marks) in files,
-mapped into memory, with a RAM cache of a set size in front of the disk.
+"""embedding.store=disk: an owner's shard (rows, optimizer state, versions, touched marks) in a
+file, mapped into memory; the row cache in front of it is tiered.py's.
 
-Why mapped files: every path that reads or writes the shard (the lookups, the owner's update, the
-HET cache's version checks, Herald's lent rows, replicas, checkpoints, the best-model snapshot)
-indexes the same four arrays; mapped, they are still tensors, so every path runs the very same
-arithmetic on them and `disk` equals `memory` bit for bit by construction. A fixed table's row r
-sits at byte r x row bytes of each file: no per-row index in RAM.
+Why a mapped file: every path that reads or writes the shard directly (checkpoints, the best-model
+snapshot, gathers of whole tables) indexes the same arrays as in memory; mapped, they are still
+tensors, so those paths run the very same code. A row's parts are one record (`define`): its
+values, state, version and mark side by side, so reading or writing back a row touches one page.
+A fixed table's row r is record r: no per-row index in RAM.
 
-Three levels:
-- the **RAM cache**: the pages of the files mapped into this process. Its size is ours
-  (embedding.store_cache_bytes): each page remembers the step it was last used in (5 B per 4 KiB
-  page: 1/800 of what it stands for), and once the mapped pages pass the budget the least recently
-  used ones are unmapped (madvise DONTNEED) down to 90% of it. Unmapping a dirty page does not lose
-  it: the page cache keeps it until the kernel has written it back.
-- the **page cache**: what the kernel keeps of the files in the memory left over (in a memory cgroup,
-  at most the cgroup's limit: a process cannot keep its files there beyond it).
-- the **disk**.
-Why pages, not bigger chunks: hot ids are spread over a table (hashed vocabularies; the synthetic
-presets too), so a step's rows fall into as many pages as rows: a 64 KiB unit made every step read
-the whole file. The mappings are MADV_RANDOM for the same reason: a fault reads its page only, not
-the kernel's read-around window.
-Reads ahead: the ids a step will read are known once its batch is planned (a step early with
-train.pipeline); `prefetch` deals the runs of their pages that are not mapped to a pool of threads,
-each mapping its runs one request at a time (madvise POPULATE_READ), so `threads` requests are in
-flight; the step's first read of the shard waits for them (`ready`, the time counted as the step's
-wait on the disk). A page never prefetched is read when touched, by a page fault on the step's own
-thread (counted: `sync_faults`).
-Writes: the kernel writes dirty pages back in the background, in file order per file (the
-writeback's own sorting and merging), throttled by its dirty limits (and the cgroup's).
-The files are scratch: created empty (sparse: unwritten rows read zeros) for each run, removed at
+Pages: the RAM this process holds of the file is the pages it has mapped, at most `cache_bytes`
+(the share of embedding.store_cache_bytes that is not rows); when a read-ahead finds that passed,
+every page is unmapped at once (madvise DONTNEED, one call per file): the row cache holds what the
+steps use, a page is only needed while its rows are copied in or written back, and a dirty page
+unmapped is not lost (the page cache keeps it until the kernel writes it back). The mapping is
+MADV_RANDOM: a fault reads its page only, not the kernel's read-around window (hot ids are spread
+over a table, so neighbours are rarely wanted).
+Reads ahead: `prefetch` gets the rows a coming step (or a write-back) will touch; a pool of
+threads reads them, each its share with one torch gather (which faults the pages in with the GIL
+released), so `threads` reads are in flight; `ready` waits for them (the time counted as the
+step's wait on the disk). A page never read ahead is read by a fault on the step's own thread
+(counted: `sync_faults`).
+The file is scratch: created empty (sparse: unwritten rows read zeros) for each run, removed at
 exit; a checkpoint is the only copy of the model that outlives the run.
 """
 from __future__ import annotations
@@ -48,7 +39,7 @@ from typing import Any, Optional
 import numpy as np
 import torch
 
-CHUNK = mmap.PAGESIZE  # bytes: the unit the RAM cache maps, evicts and prefetches (a page)
+CHUNK = mmap.PAGESIZE  # bytes: the unit the file is mapped, read and unmapped in (a page)
 MADV_RANDOM = 1  # a fault reads its page only (not the kernel's read-around window, 128 KiB)
 MADV_DONTNEED = 4
 LATENCY_SAMPLES = 4096  # prefetch latencies kept for the percentiles (a ring)
@@ -118,7 +109,6 @@ class DiskTier:
         self.total_bytes = int(total_bytes or cache_bytes)
         self.files: dict[str, TierFile] = {}
         self._fields: dict[str, tuple[int, int, torch.dtype]] = {}  # name -> (offset, bytes, dtype) in a record
-        self.clock = 0
         self.mapped_bytes = 0
         self.stats = TierStats()
         self.threads = max(1, threads)
@@ -137,16 +127,7 @@ class DiskTier:
         one back touches one page, not one page of each array. Each field sits at an offset aligned
         to its element size, the record padded to the largest one; alloc(name) then returns the
         field's strided view. fields: (name, shape of one row's part, dtype); empty parts skipped."""
-        off, align, layout = 0, 1, {}
-        for name, tail, dtype in fields:
-            size = torch.empty(0, dtype=dtype).element_size()
-            nbytes = int(np.prod(tail, dtype=np.int64)) * size
-            if nbytes == 0:
-                continue
-            off = -(-off // size) * size
-            layout[name] = (off, nbytes, dtype)
-            off, align = off + nbytes, max(align, size)
-        record = max(-(-off // align) * align, 1)
+        layout, record = record_layout(fields)
         path = os.path.join(self.dir, "rows.bin")
         nbytes = max(rows * record, 1)
         with open(path, "wb") as f:
@@ -205,8 +186,7 @@ class DiskTier:
 
     # ---- the RAM cache ---------------------------------------------------------------------
     def tick(self, step: int) -> None:
-        """A new step: the clock the chunks' last use is counted in."""
-        self.clock = step
+        """A new step (its count is the per-step figures' denominator)."""
         self.stats.steps += 1
 
     def prefetch(self, local_rows: torch.Tensor) -> None:
@@ -309,6 +289,21 @@ class DiskTier:
                 except (BufferError, ValueError):
                     pass  # a tensor still shares it: the mapping goes with the process
         shutil.rmtree(self.dir, ignore_errors=True)
+
+
+def record_layout(fields: list[tuple[str, tuple[int, ...], torch.dtype]]) -> tuple[dict[str, tuple[int, int, torch.dtype]], int]:
+    """({name: (offset, bytes, dtype)}, record bytes) of DiskTier.define's record: each field at an
+    offset aligned to its element size, the record padded to the largest; empty fields left out."""
+    off, align, layout = 0, 1, {}
+    for name, tail, dtype in fields:
+        size = torch.empty(0, dtype=dtype).element_size()
+        nbytes = int(np.prod(tail, dtype=np.int64)) * size
+        if nbytes == 0:
+            continue
+        off = -(-off // size) * size
+        layout[name] = (off, nbytes, dtype)
+        off, align = off + nbytes, max(align, size)
+    return layout, max(-(-off // align) * align, 1)
 
 
 def _proc_io() -> dict[str, int]:
