@@ -1,0 +1,97 @@
+"""TieredStore (trainer/embedding/tiered.py) against ShardStore, call for call: the same random
+sequence of reads, updates (repeated rows, masked, put back) and direct phases on both, with a row
+cache of a few slots, so that every path runs: hits, loads, batched evictions with write-back,
+calls wanting more rows than the cache holds (served by the file), a direct read (the cache
+writes back and keeps its rows) and a direct write (it forgets them). Every result and, at the
+end, every array: the same bits.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from trainer.embedding.optim import Rounding
+from trainer.embedding.sharding import RowSharding
+from trainer.embedding.store import ShardStore
+from trainer.embedding.tier import DiskTier
+from trainer.embedding.tiered import TieredStore, cache_slots
+
+ROWS = [300, 157, 41]
+DIM = 8
+
+
+def _stores(tmp_path, optimizer: str, dtype: torch.dtype, slots_bytes: int):
+    args = (RowSharding(ROWS, 1, 0), DIM, 3, None, optimizer, 0.05, 1e-8, torch.device("cpu"), 0.1, 0.01, dtype,
+            Rounding("stochastic", 3))
+    mem = ShardStore(*args)
+    tier = DiskTier(str(tmp_path), 0, 1 << 16)
+    disk = TieredStore(*args, tier=tier, cache_bytes=slots_bytes)
+    return mem, disk, tier
+
+
+@pytest.mark.parametrize("optimizer, dtype", [("adagrad", torch.float32), ("rowwise_adagrad", torch.float16),
+                                              ("sgd", torch.bfloat16)])
+def test_every_call_equals_the_store_in_memory(tmp_path, optimizer, dtype):
+    mem, disk, tier = _stores(tmp_path, optimizer, dtype, 2000)
+    try:
+        assert 4 <= disk._slots_n < 40  # a few slots: most calls evict, some overflow
+        g = torch.Generator().manual_seed(0)
+        n_ids = sum(ROWS)
+        for step in range(60):
+            mem.rounding.step = disk.rounding.step = step
+            for s in (mem, disk):
+                s.optimizer.lr = 0.05 / (1 + step)
+            ids = torch.randint(0, n_ids, (int(torch.randint(1, 70, (1,), generator=g)),), generator=g)
+            ids = torch.where(torch.rand(ids.shape, generator=g) < 0.5, ids % 20, ids)  # hot rows repeat
+            disk.prefetch(ids)
+            assert torch.equal(mem.rows(ids), disk.rows(ids))
+            idx = mem.sharding.local_index(ids)
+            assert torch.equal(mem.versions(idx), disk.versions(idx))
+            grads = torch.randn(ids.numel(), DIM, generator=g)
+            counts = torch.randint(1, 3, (ids.numel(),), generator=g)
+            for s in (mem, disk):
+                s.apply(ids, grads, unique=False, counts=counts)
+            uniq = torch.unique(ids)
+            if step % 3 == 0:  # the fixed-size update: distinct rows, some masked out
+                mask = torch.rand(uniq.shape, generator=g) < 0.6
+                g2 = torch.randn(uniq.numel(), DIM, generator=g) * mask[:, None]
+                for s in (mem, disk):
+                    s.apply_masked(s.sharding.local_index(uniq), g2, mask, zero_outside=True)
+            if step % 5 == 0:  # rows put back by a holder, with state and updates
+                rows = torch.randn(uniq.numel(), DIM, generator=g).to(dtype)
+                state = torch.rand(uniq.numel(), mem.state_width, generator=g) if mem.state_width else None
+                for s in (mem, disk):
+                    s.put(uniq, rows, state, torch.ones_like(uniq))
+                if mem.state_width:
+                    assert torch.equal(mem.state_rows(uniq), disk.state_rows(uniq))
+            if step == 20:  # a direct read (a save): the changed rows written back, the slots kept
+                held = disk._slots_n - disk._nfree
+                with disk.raw(write=False):
+                    assert torch.equal(mem.weight, disk.weight)
+                assert disk._slots_n - disk._nfree == held and not disk._dirty.any()
+            if step == 40:  # a direct write (a load): the slots forgotten, the file is the truth
+                for s in (mem, disk):
+                    with s.raw(write=True):
+                        s.weight[5:9] = 0.25
+                        s.version[5:9] += 7
+                assert disk._nfree == disk._slots_n
+        c = disk.counts
+        assert c["evicted"] > 0 and c["written"] > 0 and c["bypassed"] > 0 and 0 < c["hit"] < c["used"], c
+        assert c["emptied"] == 0  # no call above read the arrays behind the cache's back
+        with disk.raw(write=False):
+            assert torch.equal(mem.weight, disk.weight)
+            assert torch.equal(mem.version, disk.version)
+            assert torch.equal(mem.touched, disk.touched)
+            if mem.optimizer.state is not None:
+                assert torch.equal(mem.optimizer.state, disk.optimizer.state)
+        assert disk.weight.dtype == dtype and disk.counts["emptied"] == 1  # outside raw(): emptied first
+    finally:
+        tier.close()
+
+
+def test_the_cache_is_sized_by_its_bytes_and_its_map():
+    """Direct map (4 B per row of the shard) while it fits 16 rows a slot, else hash cells."""
+    assert cache_slots(10_000_000, 77, 1_000_000) == (10_000_000 - 4_000_000) // (77 + 17)
+    small = cache_slots(100_000, 77, 1_000_000)  # 4 MB of direct map does not fit: hash cells
+    assert small == 100_000 // (77 + 17 + 64)
+    assert cache_slots(1 << 40, 77, 1000) == 1000  # never more slots than rows
