@@ -113,11 +113,11 @@ class TieredStore(ShardStore):
     @contextlib.contextmanager
     def raw(self, write: bool) -> Iterator[None]:
         self._write_back(torch.nonzero(self._dirty).squeeze(1))
-        self._in_raw = True
+        outer, self._in_raw = self._in_raw, True  # phases may nest
         try:
             yield
         finally:
-            self._in_raw = False
+            self._in_raw = outer
             if write:
                 self._forget()
 
