@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from helpers import run_single, run_world, tmpfs
-from parity_helpers import BASE
+from parity_helpers import BASE, ES
 from hvd_launch import ROOT, tail
 
 from trainer.embedding.tier import CHUNK
@@ -88,6 +88,19 @@ def test_a_disk_checkpoint_resumes_at_another_w_as_memory_does(tmp_path):
         shards = [json.loads((tmp_path / kind / "ck" / step / "manifest.json").read_text())["shards"]
                   for kind in ("memory", "disk")]
         assert shards[0] == shards[1] and len(shards[0]) == (2 if step.endswith("12") else 1)
+
+
+def test_the_best_snapshot_and_its_restore_as_memory_does(tmp_path):
+    """Early stopping on validation AUC: snapshots of the touched rows after each better
+    evaluation, the best step restored at the end; the same bits as memory. No snapshot empties
+    the row cache (it reads the file and clears the marks in both): the restore, which writes
+    the file, is the one phase that makes it forget its rows."""
+    mem = run_single(ES)
+    disk = run_single(ES + ["embedding.store=disk", f"embedding.store_dir={tmp_path / 'store'}", *SMALL_CACHE])
+    assert mem.summary["early_stop"]["restored"] and disk.summary["early_stop"]["restored"]
+    assert_identical(mem, disk)
+    store = disk.summary["store"]
+    assert store["cache_emptied"] == 0 and store["cache_forgotten"] == 1, store
 
 
 def _cli(args: list[str], tmp_path) -> subprocess.CompletedProcess:

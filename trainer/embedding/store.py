@@ -105,36 +105,30 @@ class ShardStore:
                                                                  accumulator_init, weight_decay,
                                                                  self.row_keys, self.rounding, alloc)
 
-    # ---- embedding.store=disk: the tier's hooks (no-ops in memory) -------------------------
+    # ---- embedding.store=disk's hooks: no-ops in memory (tiered.TieredStore has them) -------
     def tick(self, step: int) -> None:
-        """A training step begins (the RAM cache's clock)."""
-        if self.tier is not None:
-            self.tier.tick(step)
+        """A training step begins."""
 
     def prefetch(self, gids: torch.Tensor) -> None:
-        """Owned gids a coming step reads or updates: their rows start coming from the disk."""
-        if self.tier is not None and gids.numel():
-            self.tier.prefetch(self.sharding.local_index(gids))
+        """Owned gids a coming step reads or updates: their rows may start coming from the disk."""
 
     def prefetch_local(self, local_idx: torch.Tensor) -> None:
         """prefetch, of storage rows local_idx."""
-        if self.tier is not None and local_idx.numel():
-            self.tier.prefetch(local_idx)
 
     def ready(self) -> None:
-        """The step is about to read the shard: wait for its prefetches."""
-        if self.tier is not None:
-            self.tier.ready()
+        """The step is about to read the shard: wait for what was read ahead."""
 
     def release(self) -> None:
         """After a phase that touched the shard outside the steps (init, a checkpoint, an
-        evaluation, a snapshot): what it mapped leaves this process (tier.release)."""
-        if self.tier is not None:
-            self.tier.release()
+        evaluation, a snapshot): what it brought into this process's memory may leave."""
 
     def store_record(self) -> dict:
         """summary.json's `store` block (this rank's)."""
-        return {"kind": "memory"} if self.tier is None else self.tier.record()
+        return {"kind": "memory"}
+
+    def mark_all_touched(self, value: bool) -> None:
+        """Set every row's touched mark (the best-model snapshot clears them after each copy)."""
+        self.touched.fill_(value)
 
     @contextlib.contextmanager
     def raw(self, write: bool) -> Iterator[None]:
@@ -190,7 +184,6 @@ class ShardStore:
 
     def local_rows(self, local_idx: torch.Tensor) -> torch.Tensor:
         """[n, d] current rows of storage rows local_idx, as stored."""
-        self.ready()
         return self.weight.index_select(0, local_idx)
 
     def versions(self, local_idx: torch.Tensor) -> torch.Tensor:
@@ -205,7 +198,6 @@ class ShardStore:
         lives: the pushes' lives (Pushes.lives): a fixed row has one life, so they are not read."""
         if gids.numel() == 0:
             return
-        self.ready()
         idx = self.sharding.local_index(gids)
         _update(self.optimizer, self.version, self.touched, idx, grads, unique,
                 torch.ones_like(idx) if counts is None else counts)

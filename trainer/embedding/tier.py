@@ -56,17 +56,9 @@ def _madvise(addr: int, length: int, advice: int) -> int:
     return ctypes.get_errno()
 
 
-def _np_dtype(dtype: torch.dtype) -> np.dtype:
-    return np.dtype(np.uint16) if dtype == torch.bfloat16 else torch.empty(0, dtype=dtype).numpy().dtype
-
-
 @dataclass
 class TierFile:
-    """One array of the shard in its file: the mapping, the tensor over it, its chunks' state."""
-    name: str
-    path: str
-    shape: tuple[int, ...]
-    dtype: torch.dtype
+    """The shard's file: the mapping, the [rows, record bytes] tensor over it, its pages' state."""
     row_bytes: int
     nbytes: int
     array: Any  # the np.memmap (kept alive: the tensor shares its memory)
@@ -78,7 +70,7 @@ class TierFile:
         """Sorted distinct chunks holding rows (a row may straddle two)."""
         first = rows * self.row_bytes // CHUNK
         last = (rows * self.row_bytes + self.row_bytes - 1) // CHUNK
-        both = first if self.row_bytes <= 0 or (CHUNK % self.row_bytes == 0) else np.concatenate([first, last])
+        both = first if CHUNK % self.row_bytes == 0 else np.concatenate([first, last])
         return np.unique(both)
 
 
@@ -96,7 +88,7 @@ class TierStats:
 
 
 class DiskTier:
-    """The shard's files of one rank, their RAM cache and their prefetch threads."""
+    """The shard's file of one rank, the pages of it held in RAM and the threads reading ahead."""
 
     def __init__(self, directory: Optional[str], rank: int, cache_bytes: int, total_bytes: int = 0,
                  threads: int = 16) -> None:
@@ -107,7 +99,7 @@ class DiskTier:
         self.dir = tempfile.mkdtemp(prefix=f"ht-store-rank{rank}-", dir=base)
         self.cache_bytes = int(cache_bytes)
         self.total_bytes = int(total_bytes or cache_bytes)
-        self.files: dict[str, TierFile] = {}
+        self.file: Optional[TierFile] = None  # define() makes it
         self._fields: dict[str, tuple[int, int, torch.dtype]] = {}  # name -> (offset, bytes, dtype) in a record
         self.mapped_bytes = 0
         self.stats = TierStats()
@@ -135,54 +127,31 @@ class DiskTier:
         array = np.memmap(path, dtype=np.uint8, mode="r+", shape=(nbytes,))
         records = torch.from_numpy(array)[:rows * record].view(rows, record)
         nchunks = -(-nbytes // CHUNK)
-        self.files["rows"] = TierFile("rows", path, (rows, record), torch.uint8, record, nbytes, array, records,
-                                      array.ctypes.data, np.zeros(nchunks, bool))
+        self.file = TierFile(record, nbytes, array, records, array.ctypes.data, np.zeros(nchunks, bool))
         _madvise(array.ctypes.data, nbytes, MADV_RANDOM)
         self._fields = layout
 
-    def record_bytes(self) -> int:
-        """Bytes of one row's record (define), 0 before it."""
-        f = self.files.get("rows")
-        return f.row_bytes if f is not None else 0
-
     def alloc(self, name: str, shape: tuple[int, ...], dtype: torch.dtype, fill: float = 0.0) -> torch.Tensor:
-        """A tensor of `shape` backed by file `name` of the shard, every element `fill` (0: the file
-        is sparse, nothing written; else written in bounded pieces, each unmapped after)."""
-        rows = shape[0]
+        """The view of field `name` of the records (define) as a tensor of `shape`, every element
+        `fill` (0: the sparse file reads zeros, nothing written; else written in bounded pieces,
+        each unmapped after)."""
         row_bytes = int(np.prod(shape[1:], dtype=np.int64)) * torch.empty(0, dtype=dtype).element_size()
-        if name in self._fields:  # a field of the rows' records (define)
-            off, nbytes, fdtype = self._fields[name]
-            if nbytes != row_bytes or fdtype != dtype or rows != self.files["rows"].shape[0]:
-                raise ValueError(f"tier: {name} {tuple(shape)} {dtype} is not its record field ({nbytes} B {fdtype})")
-            tensor = self.files["rows"].tensor[:, off:off + nbytes].view(dtype).view(shape)
-            return self._fill(name, tensor, fill)
-        nbytes = max(rows * row_bytes, 1)
-        path = os.path.join(self.dir, f"{name}.bin")
-        with open(path, "wb") as f:
-            f.truncate(nbytes)
-        array = np.memmap(path, dtype=np.uint8, mode="r+", shape=(nbytes,))
-        flat = torch.from_numpy(array)[:rows * row_bytes]
-        tensor = flat.view(dtype).reshape(shape) if rows * row_bytes else torch.empty(shape, dtype=dtype)
-        nchunks = -(-nbytes // CHUNK)
-        tf = TierFile(name, path, tuple(shape), dtype, row_bytes, nbytes, array, tensor,
-                      array.ctypes.data, np.zeros(nchunks, bool))
-        self.files[name] = tf
-        _madvise(tf.addr, nbytes, MADV_RANDOM)  # rows are read one by one: no read-around
-        return self._fill(name, tensor, fill)
-
-    def _fill(self, name: str, tensor: torch.Tensor, fill: float) -> torch.Tensor:
-        """tensor, every element set to fill (0: left as the sparse file reads, zeros) in bounded
-        pieces, each unmapped after."""
+        if name not in self._fields:
+            raise ValueError(f"tier: {name} is not a field of the records (define: {sorted(self._fields)})")
+        off, nbytes, fdtype = self._fields[name]
+        records = self.file.tensor
+        if nbytes != row_bytes or fdtype != dtype or shape[0] != records.shape[0]:
+            raise ValueError(f"tier: {name} {tuple(shape)} {dtype} is not its record field ({nbytes} B {fdtype})")
+        tensor = records[:, off:off + nbytes].view(dtype).view(shape)
         if fill:
-            row_bytes = max(tensor[0:1].numel() * tensor.element_size(), 1) if tensor.shape[0] else 1
             step = max(1, (64 << 20) // row_bytes)
-            for lo in range(0, tensor.shape[0], step):
+            for lo in range(0, shape[0], step):
                 tensor[lo:lo + step] = fill
                 self.release()
         return tensor
 
     def disk_bytes(self) -> int:
-        return sum(f.nbytes for f in self.files.values())
+        return self.file.nbytes if self.file is not None else 0
 
     # ---- the RAM cache ---------------------------------------------------------------------
     def tick(self, step: int) -> None:
@@ -199,20 +168,18 @@ class DiskTier:
             return
         if self.mapped_bytes > self.cache_bytes:
             self._evict()
-        for f in self.files.values():
-            if f.row_bytes == 0:
-                continue
-            chunks = f.chunks_of(rows)
-            cold = chunks[~f.mapped[chunks]]
-            self.stats.chunks_used += chunks.size
-            self.stats.chunks_hit += chunks.size - cold.size
-            if cold.size:
-                f.mapped[cold] = True
-                self.mapped_bytes += cold.size * CHUNK
-                self.stats.chunks_read += cold.size
-                part = -(-rows.size // self.threads)
-                for lo in range(0, rows.size, part):
-                    self._pending.append(self._pool.submit(self._touch, f, torch.from_numpy(rows[lo:lo + part])))
+        f = self.file
+        chunks = f.chunks_of(rows)
+        cold = chunks[~f.mapped[chunks]]
+        self.stats.chunks_used += chunks.size
+        self.stats.chunks_hit += chunks.size - cold.size
+        if cold.size:
+            f.mapped[cold] = True
+            self.mapped_bytes += cold.size * CHUNK
+            self.stats.chunks_read += cold.size
+            part = -(-rows.size // self.threads)
+            for lo in range(0, rows.size, part):
+                self._pending.append(self._pool.submit(self._touch, torch.from_numpy(rows[lo:lo + part])))
 
     def ready(self) -> None:
         """Wait for the reads in flight (the step is about to copy the rows)."""
@@ -224,10 +191,10 @@ class DiskTier:
             fut.result()
         self.stats.wait_s += time.perf_counter() - t0
 
-    def _touch(self, f: TierFile, rows: torch.Tensor) -> None:
-        """Read rows of f (a thread of the pool), timing the read."""
+    def _touch(self, rows: torch.Tensor) -> None:
+        """Read records `rows` (a thread of the pool), timing the read."""
         t0 = time.perf_counter()
-        f.tensor.index_select(0, rows)
+        self.file.tensor.index_select(0, rows)
         took = time.perf_counter() - t0
         with self._lock:
             if len(self.stats.latencies) < LATENCY_SAMPLES:
@@ -237,16 +204,17 @@ class DiskTier:
             self._lat_n += 1
 
     def _evict(self) -> None:
-        """Past the budget, unmap every page (one madvise per file): the row cache holds what the
-        steps use, and a page is only needed while its rows are copied in or written back."""
+        """Past the budget, unmap every page (one madvise): the row cache holds what the steps use,
+        and a page is only needed while its rows are copied in or written back."""
         self.ready()  # no page is unmapped under a reading thread
-        for f in self.files.values():
+        f = self.file
+        if f is not None:
             _madvise(f.addr, f.nbytes, MADV_DONTNEED)
             self.stats.evicted += int(f.mapped.sum())
             f.mapped[:] = False
         self.mapped_bytes = 0
 
-    def release(self, name: Optional[str] = None) -> None:
+    def release(self) -> None:
         """Unmap everything (after a phase that read or wrote the shard through other paths: its
         initial rows, a checkpoint's load or save, an evaluation), so that the pages it touched
         leave this process (dirty ones stay in the page cache until written back)."""
@@ -279,7 +247,8 @@ class DiskTier:
             fut.cancel()
         self._pool.shutdown(wait=True, cancel_futures=True)
         self._pending = []
-        for f in self.files.values():
+        f, self.file = self.file, None
+        if f is not None:
             f.tensor = torch.empty(0)
             mm = getattr(f.array, "_mmap", None)
             f.array = None

@@ -92,7 +92,8 @@ class TieredStore(ShardStore):
         self._map = id_slot_map(self.sharding.local_rows, n, "cpu")
         self._use = 0
         self._in_raw = False
-        self.counts = {"used": 0, "hit": 0, "loaded": 0, "written": 0, "evicted": 0, "bypassed": 0, "emptied": 0}
+        self.counts = {"used": 0, "hit": 0, "loaded": 0, "written": 0, "evicted": 0, "bypassed": 0, "emptied": 0,
+                       "forgotten": 0}
 
     # ---- direct access to the files' arrays --------------------------------------------------
     def _direct(name: str):  # noqa: N805 (a property factory for the class body)
@@ -118,8 +119,9 @@ class TieredStore(ShardStore):
             yield
         finally:
             self._in_raw = outer
-            if write:
+            if write and self._nfree < self._slots_n:
                 self._forget()
+                self.counts["forgotten"] += 1
 
     def _empty(self) -> None:
         """Write every changed row back and forget every slot (the files are then the shard)."""
@@ -130,11 +132,8 @@ class TieredStore(ShardStore):
         self.counts["emptied"] += 1
 
     def _forget(self) -> None:
-        if self._nfree == self._slots_n:
-            return
-        held = self._rid >= 0
-        if held.any():
-            self._map.erase(self._rid[held])
+        """Free every slot (some are held; their changes are in the file)."""
+        self._map.erase(self._rid[self._rid >= 0])
         self._rid.fill_(-1)
         self._dirty.zero_()
         self._free = torch.arange(self._slots_n - 1, -1, -1, dtype=torch.int64)
@@ -195,31 +194,33 @@ class TieredStore(ShardStore):
         slots = slots.index_select(0, order)
         self.tier.prefetch(rows)
         self.tier.ready()
-        d = self.__dict__
-        d["_weight"].index_copy_(0, rows, self._w.index_select(0, slots))
-        d["_version"].index_copy_(0, rows, self._v.index_select(0, slots))
-        d["_touched"].index_copy_(0, rows, self._t.index_select(0, slots))
-        if self._opt.state is not None:
-            self.optimizer.state.index_copy_(0, rows, self._opt.state.index_select(0, slots))
+        for cached, file in zip(self._cached(), self._files()):
+            if file is not None:
+                file.index_copy_(0, rows, cached.index_select(0, slots))
         self._dirty.index_fill_(0, slots, False)
         self.counts["written"] += slots.numel()
 
     def _load(self, rows: torch.Tensor, slots: torch.Tensor) -> None:
-        """Storage rows into free slots (their pages prefetched when the step was planned)."""
-        rows, order = torch.sort(rows)
-        slots = slots.index_select(0, order)
+        """Sorted storage rows (the file in order) into free slots (their pages read ahead when
+        the step was planned)."""
         self.tier.ready()
-        d = self.__dict__
-        self._w.index_copy_(0, slots, d["_weight"].index_select(0, rows))
-        self._v.index_copy_(0, slots, d["_version"].index_select(0, rows))
-        self._t.index_copy_(0, slots, d["_touched"].index_select(0, rows))
-        if self._opt.state is not None:
-            self._opt.state.index_copy_(0, slots, self.optimizer.state.index_select(0, rows))
+        for cached, file in zip(self._cached(), self._files()):
+            if file is not None:
+                cached.index_copy_(0, slots, file.index_select(0, rows))
         self._rid.index_copy_(0, slots, rows)
         self._map.insert(rows, slots)
         self._last.index_fill_(0, slots, self._use)
         self._dirty.index_fill_(0, slots, False)
         self.counts["loaded"] += rows.numel()
+
+    def _cached(self) -> tuple:
+        """The slots' arrays: values, optimizer state (None for SGD), versions, touched marks."""
+        return self._w, self._opt.state, self._v, self._t
+
+    def _files(self) -> tuple:
+        """The file's arrays, in _cached's order (not the properties: no emptying)."""
+        d = self.__dict__
+        return d["_weight"], self.optimizer.state, d["_version"], d["_touched"]
 
     def _split(self, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(slots, positions held by a slot, positions the files serve) of storage rows idx."""
@@ -232,6 +233,15 @@ class TieredStore(ShardStore):
         return self._opt
 
     # ---- the shard's interface -------------------------------------------------------------
+    def tick(self, step: int) -> None:
+        self.tier.tick(step)
+
+    def ready(self) -> None:
+        self.tier.ready()
+
+    def release(self) -> None:
+        self.tier.release()
+
     def prefetch(self, gids: torch.Tensor) -> None:
         if gids.numel():
             self.prefetch_local(self.sharding.local_index(gids))
@@ -243,27 +253,27 @@ class TieredStore(ShardStore):
             if miss.any():
                 self.tier.prefetch(uniq[miss])
 
-    def _gather(self, idx: torch.Tensor, cached: torch.Tensor, name: str) -> torch.Tensor:
-        """Values of storage rows idx from the slots' `cached` array or the file's array `name`."""
+    def _gather(self, idx: torch.Tensor, part: int) -> torch.Tensor:
+        """Values of storage rows idx of one part (_cached's order) from the slots or the file."""
+        cached, file = self._cached()[part], self._files()[part]
         slots, held, cold = self._split(idx)
         out = torch.empty((idx.numel(),) + tuple(cached.shape[1:]), dtype=cached.dtype)
         out.index_copy_(0, held, cached.index_select(0, slots.index_select(0, held)))
         if cold.numel():
             self.tier.ready()
-            src = self.optimizer.state if name == "state" else self.__dict__["_" + name]
-            out.index_copy_(0, cold, src.index_select(0, idx.index_select(0, cold)))
+            out.index_copy_(0, cold, file.index_select(0, idx.index_select(0, cold)))
         return out
 
     def local_rows(self, local_idx: torch.Tensor) -> torch.Tensor:
-        return self._gather(local_idx, self._w, "weight")
+        return self._gather(local_idx, 0)
 
     def versions(self, local_idx: torch.Tensor) -> torch.Tensor:
-        return self._gather(local_idx, self._v, "version")
+        return self._gather(local_idx, 2)
 
     def state_rows(self, gids: torch.Tensor) -> torch.Tensor:
         if self._opt.state is None:
             return super().state_rows(gids)
-        return self._gather(self.slots(gids), self._opt.state, "state").reshape(gids.numel(), self.state_width)
+        return self._gather(self.slots(gids), 1).reshape(gids.numel(), self.state_width)
 
     def apply(self, gids: torch.Tensor, grads: torch.Tensor, unique: bool = False,
               counts: torch.Tensor | None = None, lives: torch.Tensor | None = None) -> None:
@@ -277,8 +287,8 @@ class TieredStore(ShardStore):
         self._dirty.index_fill_(0, s, True)
         if cold.numel():
             self.tier.ready()
-            c, d = idx.index_select(0, cold), self.__dict__
-            _update(self.optimizer, d["_version"], d["_touched"], c, grads.index_select(0, cold), unique,
+            _, _, version, touched = self._files()
+            _update(self.optimizer, version, touched, idx.index_select(0, cold), grads.index_select(0, cold), unique,
                     counts.index_select(0, cold))
 
     def apply_masked(self, idx: torch.Tensor, grads: torch.Tensor, mask: torch.Tensor,
@@ -290,8 +300,8 @@ class TieredStore(ShardStore):
         self._dirty.index_fill_(0, s, True)
         if cold.numel():
             self.tier.ready()
-            d = self.__dict__
-            _update_masked(self.optimizer, d["_version"], d["_touched"], idx.index_select(0, cold),
+            _, _, version, touched = self._files()
+            _update_masked(self.optimizer, version, touched, idx.index_select(0, cold),
                            grads.index_select(0, cold), mask.index_select(0, cold), zero_outside)
 
     def put(self, gids: torch.Tensor, rows: torch.Tensor, state: torch.Tensor | None = None,
@@ -300,18 +310,22 @@ class TieredStore(ShardStore):
         slots, held, cold = self._split(idx)
         pick = (lambda t, at: None if t is None else t.index_select(0, at))
         s = slots.index_select(0, held)
-        _put(self._w, self._opt.state, self._v, self._t, s, rows.index_select(0, held), pick(state, held),
-             pick(updates, held))
+        _put(*self._cached(), s, rows.index_select(0, held), pick(state, held), pick(updates, held))
         self._dirty.index_fill_(0, s, True)
         if cold.numel():
             self.tier.ready()
-            d = self.__dict__
-            _put(d["_weight"], self.optimizer.state, d["_version"], d["_touched"], idx.index_select(0, cold),
-                 rows.index_select(0, cold), pick(state, cold), pick(updates, cold))
+            _put(*self._files(), idx.index_select(0, cold), rows.index_select(0, cold), pick(state, cold),
+                 pick(updates, cold))
+
+    def mark_all_touched(self, value: bool) -> None:
+        """The slots' marks and the file's alike: nothing to write back, nothing forgotten."""
+        self._t.fill_(value)
+        self._files()[3].fill_(value)
 
     def store_record(self) -> dict:
         c, steps = self.counts, max(self.tier.stats.steps, 1)
         return {**self.tier.record(), "cache_slots": self._slots_n, "row_hit_rate": round(c["hit"] / c["used"], 4) if c["used"] else None,
                 "rows_used_per_step": c["used"] / steps, "rows_read_per_step": c["loaded"] / steps,
                 "rows_written_per_step": c["written"] / steps, "rows_evicted": c["evicted"],
-                "rows_bypassed": c["bypassed"], "cache_emptied": c["emptied"]}
+                "rows_bypassed": c["bypassed"], "cache_emptied": c["emptied"],
+                "cache_forgotten": c["forgotten"]}

@@ -96,21 +96,21 @@ class BestSnapshot:
         self.model, self.emb, self.store = model, emb, emb.store
         self.step: Optional[int] = None
         self.dense: Optional[dict[str, torch.Tensor]] = None
-        with self.store.raw(write=True):
+        with self.store.raw(write=False):
             w = self.store.weight
             self.kept = SnapshotRows(w, in_memory(mode, w.shape[0], w.shape[1] * w.element_size()), directory)
             self.slots = SnapshotSlots(self.store.pool.slot_gid) if self.store.dynamic else None
-            # from here on, touched = written since the last snapshot (all rows: not at their init)
-            self.store.touched.fill_(not fresh)
+        # from here on, touched = written since the last snapshot (all rows: not at their init)
+        self.store.mark_all_touched(not fresh)
 
     def take(self, step: int) -> None:
         """Snapshot the model as it is now (caches must be flushed: evaluate() does it)."""
         self.dense = {k: v.detach().clone() for k, v in self.model.state_dict().items()}
-        with self.store.raw(write=True):  # touched is cleared
+        with self.store.raw(write=False):
             if self.slots is not None:
                 self.slots.put(self.store.pool.slot_gid, self.store.version, self.store.touched, self.kept.windows())
             self.kept.put(self.store.weight, self.store.touched)
-            self.store.touched.zero_()
+        self.store.mark_all_touched(False)
         self.step = step
 
     @property
