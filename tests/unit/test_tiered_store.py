@@ -14,7 +14,8 @@ from trainer.embedding.optim import Rounding
 from trainer.embedding.sharding import RowSharding
 from trainer.embedding.store import ShardStore
 from trainer.embedding.tier import DiskTier
-from trainer.embedding.tiered import TieredStore, cache_slots
+from trainer.embedding.slotmap import map_bytes
+from trainer.embedding.tiered import TieredStore, cache_slots, log_rows
 
 ROWS = [300, 157, 41]
 DIM = 8
@@ -32,16 +33,16 @@ def _stores(tmp_path, optimizer: str, dtype: torch.dtype, slots_bytes: int):
 @pytest.mark.parametrize("optimizer, dtype", [("adagrad", torch.float32), ("rowwise_adagrad", torch.float16),
                                               ("sgd", torch.bfloat16)])
 def test_every_call_equals_the_store_in_memory(tmp_path, optimizer, dtype):
-    mem, disk, tier = _stores(tmp_path, optimizer, dtype, 2000)
+    mem, disk, tier = _stores(tmp_path, optimizer, dtype, 8000)
     try:
-        assert 4 <= disk._slots_n < 40  # a few slots: most calls evict, some overflow
+        assert 40 <= disk._slots_n < 100 and disk._log_cap == 63  # few slots: most calls evict, some overflow
         g = torch.Generator().manual_seed(0)
         n_ids = sum(ROWS)
         for step in range(60):
             mem.rounding.step = disk.rounding.step = step
             for s in (mem, disk):
                 s.optimizer.lr = 0.05 / (1 + step)
-            ids = torch.randint(0, n_ids, (int(torch.randint(1, 70, (1,), generator=g)),), generator=g)
+            ids = torch.randint(0, n_ids, (int(torch.randint(1, 200, (1,), generator=g)),), generator=g)
             ids = torch.where(torch.rand(ids.shape, generator=g) < 0.5, ids % 20, ids)  # hot rows repeat
             disk.prefetch(ids)
             assert torch.equal(mem.rows(ids), disk.rows(ids))
@@ -80,6 +81,7 @@ def test_every_call_equals_the_store_in_memory(tmp_path, optimizer, dtype):
                 assert disk._nfree == disk._slots_n
         c = disk.counts
         assert c["evicted"] > 0 and c["written"] > 0 and c["bypassed"] > 0 and 0 < c["hit"] < c["used"], c
+        assert c["from_log"] > 0 and c["merges"] > 2 and c["merged"] > 0, c  # rows came back from the log
         assert c["emptied"] == 0  # no call above read the arrays behind the cache's back
         with disk.raw(write=False):
             assert torch.equal(mem.weight, disk.weight)
@@ -92,9 +94,16 @@ def test_every_call_equals_the_store_in_memory(tmp_path, optimizer, dtype):
         tier.close()
 
 
-def test_the_cache_is_sized_by_its_bytes_and_its_map():
-    """Direct map (4 B per row of the shard) while it fits 16 rows a slot, else hash cells."""
-    assert cache_slots(10_000_000, 77, 1_000_000) == (10_000_000 - 4_000_000) // (77 + 17)
-    small = cache_slots(100_000, 77, 1_000_000)  # 4 MB of direct map does not fit: hash cells
-    assert small == 100_000 // (77 + 17 + 64)
+def test_the_cache_is_sized_by_its_bytes_and_its_maps():
+    """The log's index (4 B per row of the shard: 1/8 of the rows are logged, so it is direct) and
+    the slots' map (direct, 4 B per row, while that fits 16 rows a slot, else hash cells) come out
+    of the budget first."""
+    assert log_rows(1_000_000, 16_000_000) == 125_000 and map_bytes(1_000_000, 125_000, "cpu") == 4_000_000
+    small = log_rows(1_000_000, 10_000_000)  # 4 MB is more than a quarter: a hash index of <= 2.5 MB
+    assert 1 < small < 62_500 and map_bytes(1_000_000, small, "cpu") <= 2_500_000 < map_bytes(1_000_000, small + 1, "cpu")
+    assert cache_slots(30_000_000, 77, 1_000_000) == (30_000_000 - 8_000_000) // (77 + 17)
+    n = cache_slots(16_000_000, 77, 1_000_000)  # 4 MB more of direct map would leave < 1/16 slot a row
+    room = 16_000_000 - 4_000_000
+    assert n * 94 + map_bytes(1_000_000, n, "cpu") <= room < (n + 1) * 94 + map_bytes(1_000_000, n + 1, "cpu")
     assert cache_slots(1 << 40, 77, 1000) == 1000  # never more slots than rows
+    assert cache_slots(100, 77, 1000) == 1  # at least one

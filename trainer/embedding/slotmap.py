@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 
 import kernels
+from kernels.id_slot_map_reference import cells_bound
 from kernels.id_slot_map_triton import IdSlotMap
 
 DIRECT_MAP_MAX_IDS = 1 << 27  # CPU: a direct id -> slot array up to this many ids (512 MiB int32)
@@ -59,6 +60,14 @@ class DirectSlotMap(IdSlotMap):
         self._slot.index_fill_(0, ids, -1)
         self._live -= int(found.sum())
         return found
+
+
+def map_bytes(n_ids: int, slots: int, device: torch.device | str) -> int:
+    """Bytes id_slot_map(n_ids, slots, device) holds at most: 4 per id when direct, else the
+    hash map's 16 B cells (kernels.id_slot_map_reference.cells_bound)."""
+    if uses_direct_map(n_ids, slots, device):
+        return 4 * n_ids
+    return 16 * cells_bound(max(slots, 1))
 
 
 def id_slot_map(n_ids: int, slots: int, device: torch.device | str) -> IdSlotMap:

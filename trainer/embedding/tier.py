@@ -65,6 +65,7 @@ class TierFile:
     tensor: torch.Tensor
     addr: int
     mapped: np.ndarray = field(default_factory=lambda: np.zeros(0, bool))  # pages we hold mapped
+    path: str = ""
 
     def chunks_of(self, rows: np.ndarray) -> np.ndarray:
         """Sorted distinct chunks holding rows (a row may straddle two)."""
@@ -100,6 +101,7 @@ class DiskTier:
         self.cache_bytes = int(cache_bytes)
         self.total_bytes = int(total_bytes or cache_bytes)
         self.file: Optional[TierFile] = None  # define() makes it
+        self.log: Optional[TierFile] = None  # the write-back log (define's log_rows records)
         self._fields: dict[str, tuple[int, int, torch.dtype]] = {}  # name -> (offset, bytes, dtype) in a record
         self.mapped_bytes = 0
         self.stats = TierStats()
@@ -113,23 +115,29 @@ class DiskTier:
         self._closed = False
 
     # ---- the files -------------------------------------------------------------------------
-    def define(self, rows: int, fields: list[tuple[str, tuple[int, ...], torch.dtype]]) -> None:
+    def define(self, rows: int, fields: list[tuple[str, tuple[int, ...], torch.dtype]], log_rows: int = 0) -> None:
         """The shard's arrays as fields of one record per row, in one file (`rows.bin`): a row's
         values, optimizer state, version and touched mark side by side, so reading a row or writing
         one back touches one page, not one page of each array. Each field sits at an offset aligned
         to its element size, the record padded to the largest one; alloc(name) then returns the
-        field's strided view. fields: (name, shape of one row's part, dtype); empty parts skipped."""
+        field's strided view. fields: (name, shape of one row's part, dtype); empty parts skipped.
+        log_rows: records of the write-back log (`log.bin`, the same layout; log_view)."""
         layout, record = record_layout(fields)
-        path = os.path.join(self.dir, "rows.bin")
+        self._fields = layout
+        self.file = self._open("rows.bin", rows, record)
+        if log_rows:
+            self.log = self._open("log.bin", log_rows, record)
+
+    def _open(self, name: str, rows: int, record: int) -> TierFile:
+        """A new sparse file of `rows` records, mapped (MADV_RANDOM)."""
+        path = os.path.join(self.dir, name)
         nbytes = max(rows * record, 1)
         with open(path, "wb") as f:
             f.truncate(nbytes)
         array = np.memmap(path, dtype=np.uint8, mode="r+", shape=(nbytes,))
         records = torch.from_numpy(array)[:rows * record].view(rows, record)
-        nchunks = -(-nbytes // CHUNK)
-        self.file = TierFile(record, nbytes, array, records, array.ctypes.data, np.zeros(nchunks, bool))
         _madvise(array.ctypes.data, nbytes, MADV_RANDOM)
-        self._fields = layout
+        return TierFile(record, nbytes, array, records, array.ctypes.data, np.zeros(-(-nbytes // CHUNK), bool), path)
 
     def alloc(self, name: str, shape: tuple[int, ...], dtype: torch.dtype, fill: float = 0.0) -> torch.Tensor:
         """The view of field `name` of the records (define) as a tensor of `shape`, every element
@@ -142,7 +150,7 @@ class DiskTier:
         records = self.file.tensor
         if nbytes != row_bytes or fdtype != dtype or shape[0] != records.shape[0]:
             raise ValueError(f"tier: {name} {tuple(shape)} {dtype} is not its record field ({nbytes} B {fdtype})")
-        tensor = records[:, off:off + nbytes].view(dtype).view(shape)
+        tensor = _field(records, off, nbytes, dtype, shape)
         if fill:
             step = max(1, (64 << 20) // row_bytes)
             for lo in range(0, shape[0], step):
@@ -150,25 +158,49 @@ class DiskTier:
                 self.release()
         return tensor
 
+    def log_view(self, name: str, like: torch.Tensor) -> torch.Tensor:
+        """Field `name` of the log's records, shaped as `like` (alloc's view of it) per row."""
+        off, nbytes, dtype = self._fields[name]
+        return _field(self.log.tensor, off, nbytes, dtype, (self.log.tensor.shape[0],) + tuple(like.shape[1:]))
+
+    def logged(self, lo: int, hi: int) -> None:
+        """Log records [lo, hi) were just written (appended): their pages are mapped now."""
+        f = self.log
+        pages = np.arange(lo * f.row_bytes // CHUNK, -(-hi * f.row_bytes // CHUNK))
+        fresh = pages[~f.mapped[pages]]
+        f.mapped[fresh] = True
+        self.mapped_bytes += fresh.size * CHUNK
+
+    def reset_log(self) -> None:
+        """Empty the log (its records merged into the file or no longer wanted): the file is cut
+        to nothing and extended again, so its pages leave the page cache unwritten and the next
+        appends fill holes (no page read back)."""
+        self.ready()
+        f = self.log
+        os.truncate(f.path, 0)
+        os.truncate(f.path, f.nbytes)
+        self.mapped_bytes -= int(f.mapped.sum()) * CHUNK
+        f.mapped[:] = False
+
     def disk_bytes(self) -> int:
-        return self.file.nbytes if self.file is not None else 0
+        return sum(f.nbytes for f in (self.file, self.log) if f is not None)
 
     # ---- the RAM cache ---------------------------------------------------------------------
     def tick(self, step: int) -> None:
         """A new step (its count is the per-step figures' denominator)."""
         self.stats.steps += 1
 
-    def prefetch(self, local_rows: torch.Tensor) -> None:
-        """Storage rows of this shard a coming step reads or writes back: the threads read them
-        now (each thread one share of the rows, read with one torch gather, which faults the
-        rows' pages in with the GIL released: `threads` reads in flight), so that the step's own
-        copy finds them in RAM."""
+    def prefetch(self, local_rows: torch.Tensor, log: bool = False) -> None:
+        """Records of this shard's file (of the log: `log`) a coming step reads or writes back:
+        the threads read them now (each thread one share of the records, read with one torch
+        gather, which faults their pages in with the GIL released: `threads` reads in flight),
+        so that the step's own copy finds them in RAM."""
         rows = local_rows.detach().cpu().numpy().astype(np.int64, copy=False)
         if rows.size == 0:
             return
         if self.mapped_bytes > self.cache_bytes:
             self._evict()
-        f = self.file
+        f = self.log if log else self.file
         chunks = f.chunks_of(rows)
         cold = chunks[~f.mapped[chunks]]
         self.stats.chunks_used += chunks.size
@@ -179,7 +211,7 @@ class DiskTier:
             self.stats.chunks_read += cold.size
             part = -(-rows.size // self.threads)
             for lo in range(0, rows.size, part):
-                self._pending.append(self._pool.submit(self._touch, torch.from_numpy(rows[lo:lo + part])))
+                self._pending.append(self._pool.submit(self._touch, f.tensor, torch.from_numpy(rows[lo:lo + part])))
 
     def ready(self) -> None:
         """Wait for the reads in flight (the step is about to copy the rows)."""
@@ -191,10 +223,10 @@ class DiskTier:
             fut.result()
         self.stats.wait_s += time.perf_counter() - t0
 
-    def _touch(self, rows: torch.Tensor) -> None:
-        """Read records `rows` (a thread of the pool), timing the read."""
+    def _touch(self, records: torch.Tensor, rows: torch.Tensor) -> None:
+        """Read `records[rows]` (a thread of the pool), timing the read."""
         t0 = time.perf_counter()
-        self.file.tensor.index_select(0, rows)
+        records.index_select(0, rows)
         took = time.perf_counter() - t0
         with self._lock:
             if len(self.stats.latencies) < LATENCY_SAMPLES:
@@ -207,11 +239,11 @@ class DiskTier:
         """Past the budget, unmap every page (one madvise): the row cache holds what the steps use,
         and a page is only needed while its rows are copied in or written back."""
         self.ready()  # no page is unmapped under a reading thread
-        f = self.file
-        if f is not None:
-            _madvise(f.addr, f.nbytes, MADV_DONTNEED)
-            self.stats.evicted += int(f.mapped.sum())
-            f.mapped[:] = False
+        for f in (self.file, self.log):
+            if f is not None:
+                _madvise(f.addr, f.nbytes, MADV_DONTNEED)
+                self.stats.evicted += int(f.mapped.sum())
+                f.mapped[:] = False
         self.mapped_bytes = 0
 
     def release(self) -> None:
@@ -247,8 +279,10 @@ class DiskTier:
             fut.cancel()
         self._pool.shutdown(wait=True, cancel_futures=True)
         self._pending = []
-        f, self.file = self.file, None
-        if f is not None:
+        files, self.file, self.log = (self.file, self.log), None, None
+        for f in files:
+            if f is None:
+                continue
             f.tensor = torch.empty(0)
             mm = getattr(f.array, "_mmap", None)
             f.array = None
@@ -273,6 +307,11 @@ def record_layout(fields: list[tuple[str, tuple[int, ...], torch.dtype]]) -> tup
         layout[name] = (off, nbytes, dtype)
         off, align = off + nbytes, max(align, size)
     return layout, max(-(-off // align) * align, 1)
+
+
+def _field(records: torch.Tensor, off: int, nbytes: int, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+    """The strided view of one field (offset, bytes, dtype) of [rows, record bytes] `records`."""
+    return records[:, off:off + nbytes].view(dtype).view(shape)
 
 
 def _proc_io() -> dict[str, int]:

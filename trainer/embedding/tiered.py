@@ -36,13 +36,14 @@ import torch
 
 import kernels
 from .optim import SparseOptimizer
-from .slotmap import id_slot_map, uses_direct_map
+from .slotmap import DIRECT_IDS_PER_SLOT, id_slot_map, map_bytes, uses_direct_map
 from .store import ShardStore, _put, _update, _update_masked
-from .tier import DiskTier
+from .tier import CHUNK, DiskTier
 
 EVICT_BATCH = 32  # an eviction frees at least 1/EVICT_BATCH of the slots
 SLOT_BOOK_BYTES = 8 + 8 + 1  # per slot: its row, its last use, changed
-HASH_BYTES_PER_SLOT = 64  # the hash map's cells per slot (slotmap.py: 16 B cells, <= 4 per slot)
+LOG_SHARE = 8  # the write-back log holds at most 1/LOG_SHARE of the shard's rows (on disk)
+LOG_INDEX_SHARE = 4  # ... and its index at most 1/LOG_INDEX_SHARE of the row cache's bytes
 
 
 def record_fields(dim: int, dtype: torch.dtype, optimizer: str) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
@@ -53,14 +54,35 @@ def record_fields(dim: int, dtype: torch.dtype, optimizer: str) -> list[tuple[st
         [("version", (), torch.int64), ("touched", (), torch.bool)]
 
 
+def log_rows(local_rows: int, budget: int) -> int:
+    """Records of the write-back log of a shard of local_rows rows behind a row cache of `budget`
+    bytes: 1/LOG_SHARE of the rows when their index, a direct map (4 B per row), fits in
+    1/LOG_INDEX_SHARE of the budget; else as many as a hash index of that size holds (at least
+    one)."""
+    room, most = budget // LOG_INDEX_SHARE, max(1, -(-local_rows // LOG_SHARE))
+    if map_bytes(local_rows, most, "cpu") <= room:
+        return most
+    lo, hi = 1, max(1, -(-local_rows // DIRECT_IDS_PER_SLOT) - 1)  # the hash map's range
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if map_bytes(local_rows, mid, "cpu") <= room else (lo, mid - 1)
+    return lo
+
+
 def cache_slots(budget: int, row_bytes: int, local_rows: int) -> int:
     """Slots a row cache of `budget` bytes holds for a shard of local_rows rows of row_bytes each
-    (the record's parts), its bookkeeping and id map counted; never more than the rows."""
+    (the record's parts), its bookkeeping, its id map and the log's index counted; never more
+    than the rows (at least one)."""
     per = row_bytes + SLOT_BOOK_BYTES
-    direct = (budget - 4 * local_rows) // per
+    room = budget - map_bytes(local_rows, log_rows(local_rows, budget), "cpu")
+    direct = (room - 4 * local_rows) // per
     if direct > 0 and uses_direct_map(local_rows, direct, "cpu"):
         return int(min(direct, local_rows))
-    return int(max(1, min(budget // (per + HASH_BYTES_PER_SLOT), local_rows)))
+    lo, hi = 1, max(1, min(room // per, local_rows))  # the most slots whose hash cells fit too
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if mid * per + map_bytes(local_rows, mid, "cpu") <= room else (lo, mid - 1)
+    return int(lo)
 
 
 class TieredStore(ShardStore):
@@ -71,7 +93,8 @@ class TieredStore(ShardStore):
         a = inspect.signature(ShardStore.__init__).bind(self, *args, **kw)
         a.apply_defaults()
         p = a.arguments
-        tier.define(p["sharding"].local_rows, record_fields(p["dim"], p["dtype"], p["optimizer"]))
+        local = p["sharding"].local_rows
+        tier.define(local, record_fields(p["dim"], p["dtype"], p["optimizer"]), log_rows(local, cache_bytes))
         super().__init__(*args, tier=tier, **kw)
         parts = self.bytes_per_row()
         self._build(cache_slots(cache_bytes, parts["total"] + 1, self.sharding.local_rows))
@@ -90,10 +113,13 @@ class TieredStore(ShardStore):
         self._free = torch.arange(n - 1, -1, -1, dtype=torch.int64)  # a stack: [:_nfree] are free
         self._nfree = n
         self._map = id_slot_map(self.sharding.local_rows, n, "cpu")
+        self._log_cap = self.tier.log.tensor.shape[0]
+        self._log_at = id_slot_map(self.sharding.local_rows, self._log_cap, "cpu")  # row -> its newest record in the log
+        self._log_n = 0  # records appended to the log since it was last merged
         self._use = 0
         self._in_raw = False
-        self.counts = {"used": 0, "hit": 0, "loaded": 0, "written": 0, "evicted": 0, "bypassed": 0, "emptied": 0,
-                       "forgotten": 0}
+        self.counts = {"used": 0, "hit": 0, "loaded": 0, "from_log": 0, "written": 0, "evicted": 0, "bypassed": 0,
+                       "emptied": 0, "forgotten": 0, "merges": 0, "merged": 0}
 
     # ---- direct access to the files' arrays --------------------------------------------------
     def _direct(name: str):  # noqa: N805 (a property factory for the class body)
@@ -113,7 +139,7 @@ class TieredStore(ShardStore):
 
     @contextlib.contextmanager
     def raw(self, write: bool) -> Iterator[None]:
-        self._write_back(torch.nonzero(self._dirty).squeeze(1))
+        self._flush()
         outer, self._in_raw = self._in_raw, True  # phases may nest
         try:
             yield
@@ -125,19 +151,59 @@ class TieredStore(ShardStore):
 
     def _empty(self) -> None:
         """Write every changed row back and forget every slot (the files are then the shard)."""
-        if self._nfree == self._slots_n:
+        if self._nfree == self._slots_n and self._log_n == 0:
             return
-        self._write_back(torch.nonzero(self._dirty).squeeze(1))
+        self._flush()
         self._forget()
         self.counts["emptied"] += 1
 
+    def _flush(self) -> None:
+        """Make the file the shard: changed rows written back, the log merged into the file."""
+        self._write_back(torch.nonzero(self._dirty).squeeze(1))
+        self._merge()
+
     def _forget(self) -> None:
-        """Free every slot (some are held; their changes are in the file)."""
+        """Free every slot (some are held; their changes are in the file) and drop the log (merged
+        already, or older than what was just written into the file)."""
         self._map.erase(self._rid[self._rid >= 0])
         self._rid.fill_(-1)
         self._dirty.zero_()
         self._free = torch.arange(self._slots_n - 1, -1, -1, dtype=torch.int64)
         self._nfree = self._slots_n
+        self._drop_log()
+
+    # ---- the write-back log ------------------------------------------------------------------
+    def _drop_log(self) -> None:
+        if self._log_n:
+            self._log_at.erase(self._log_at.items()[0])
+            self._log_n = 0
+            self.tier.reset_log()
+
+    def _logs(self) -> tuple:
+        """The log's arrays, in _cached's order (None where the file has none)."""
+        return tuple(None if f is None else self.tier.log_view(n, f)
+                     for n, f in zip(("weight", "state", "version", "touched"), self._files()))
+
+    def _merge(self) -> None:
+        """The log's newest record of each row into the file, by row (the file in order), in
+        pieces whose pages fit the tier's page budget (read ahead by its threads); then the log
+        is emptied."""
+        if self._log_n == 0:
+            return
+        rows, at = self._log_at.items()
+        rows, order = torch.sort(rows)
+        at = at.index_select(0, order)
+        step = max(1, self.tier.cache_bytes // (2 * CHUNK))  # a piece: <= step file pages + step log pages
+        file, log = self.tier.file.tensor, self.tier.log.tensor
+        for lo in range(0, rows.numel(), step):
+            r, a = rows[lo:lo + step], at[lo:lo + step]
+            self.tier.prefetch(r)
+            self.tier.prefetch(a, log=True)
+            self.tier.ready()
+            file.index_copy_(0, r, log.index_select(0, a))
+        self.counts["merges"] += 1
+        self.counts["merged"] += rows.numel()
+        self._drop_log()
 
     # ---- the slots -------------------------------------------------------------------------
     def _at(self, idx: torch.Tensor) -> torch.Tensor:
@@ -186,27 +252,40 @@ class TieredStore(ShardStore):
         self.counts["evicted"] += victims.numel()
 
     def _write_back(self, slots: torch.Tensor) -> None:
-        """Changed slots' rows into the files, in row order (their pages read first by the tier's
-        threads: a row is part of a page)."""
-        if slots.numel() == 0:
-            return
-        rows, order = torch.sort(self._rid.index_select(0, slots))
-        slots = slots.index_select(0, order)
-        self.tier.prefetch(rows)
-        self.tier.ready()
-        for cached, file in zip(self._cached(), self._files()):
-            if file is not None:
-                file.index_copy_(0, rows, cached.index_select(0, slots))
-        self._dirty.index_fill_(0, slots, False)
-        self.counts["written"] += slots.numel()
+        """Changed slots' rows appended to the log (whole new pages: nothing read first, written
+        by the kernel in order), merged into the file whenever the log is full."""
+        for lo in range(0, slots.numel(), self._log_cap):
+            part = slots[lo:lo + self._log_cap]
+            if self._log_n + part.numel() > self._log_cap:
+                self._merge()
+            a, b = self._log_n, self._log_n + part.numel()
+            for cached, log in zip(self._cached(), self._logs()):
+                if log is not None:
+                    log[a:b] = cached.index_select(0, part)
+            self.tier.logged(a, b)
+            self._log_at.insert(self._rid.index_select(0, part), torch.arange(a, b))
+            self._log_n = b
+            self._dirty.index_fill_(0, part, False)
+            self.counts["written"] += part.numel()
 
     def _load(self, rows: torch.Tensor, slots: torch.Tensor) -> None:
-        """Sorted storage rows (the file in order) into free slots (their pages read ahead when
-        the step was planned)."""
+        """Sorted storage rows (the file in order) into free slots, each from its newest record:
+        the log's when it has one, else the file's (their pages read ahead when the step was
+        planned)."""
         self.tier.ready()
-        for cached, file in zip(self._cached(), self._files()):
-            if file is not None:
-                cached.index_copy_(0, slots, file.index_select(0, rows))
+        at, old = self._log_at.lookup(rows) if self._log_n else (None, torch.ones_like(rows, dtype=torch.bool))
+        new = torch.nonzero(~old).squeeze(1)
+        if new.numel():
+            old_i = torch.nonzero(old).squeeze(1)
+            for cached, file, log in zip(self._cached(), self._files(), self._logs()):
+                if file is not None:
+                    cached.index_copy_(0, slots.index_select(0, old_i), file.index_select(0, rows.index_select(0, old_i)))
+                    cached.index_copy_(0, slots.index_select(0, new), log.index_select(0, at.index_select(0, new)))
+            self.counts["from_log"] += new.numel()
+        else:
+            for cached, file in zip(self._cached(), self._files()):
+                if file is not None:
+                    cached.index_copy_(0, slots, file.index_select(0, rows))
         self._rid.index_copy_(0, slots, rows)
         self._map.insert(rows, slots)
         self._last.index_fill_(0, slots, self._use)
@@ -226,7 +305,10 @@ class TieredStore(ShardStore):
         """(slots, positions held by a slot, positions the files serve) of storage rows idx."""
         slots = self._at(idx)
         held = slots >= 0
-        return slots, torch.nonzero(held).squeeze(1), torch.nonzero(~held).squeeze(1)
+        cold = torch.nonzero(~held).squeeze(1)
+        if cold.numel():
+            self._merge()  # the file serves these rows: it must hold their newest records
+        return slots, torch.nonzero(held).squeeze(1), cold
 
     def _sync_rate(self) -> SparseOptimizer:
         self._opt.lr, self._opt.lr_on_device = self.optimizer.lr, self.optimizer.lr_on_device
@@ -251,7 +333,12 @@ class TieredStore(ShardStore):
             uniq = torch.unique(local_idx)
             _, miss = self._map.lookup(uniq)
             if miss.any():
-                self.tier.prefetch(uniq[miss])
+                uniq = uniq[miss]
+                if self._log_n:
+                    at, old = self._log_at.lookup(uniq)
+                    self.tier.prefetch(at[~old], log=True)
+                    uniq = uniq[old]
+                self.tier.prefetch(uniq)
 
     def _gather(self, idx: torch.Tensor, part: int) -> torch.Tensor:
         """Values of storage rows idx of one part (_cached's order) from the slots or the file."""
@@ -321,11 +408,13 @@ class TieredStore(ShardStore):
         """The slots' marks and the file's alike: nothing to write back, nothing forgotten."""
         self._t.fill_(value)
         self._files()[3].fill_(value)
+        self._logs()[3][:self._log_n].fill_(value)
 
     def store_record(self) -> dict:
         c, steps = self.counts, max(self.tier.stats.steps, 1)
         return {**self.tier.record(), "cache_slots": self._slots_n, "row_hit_rate": round(c["hit"] / c["used"], 4) if c["used"] else None,
                 "rows_used_per_step": c["used"] / steps, "rows_read_per_step": c["loaded"] / steps,
-                "rows_written_per_step": c["written"] / steps, "rows_evicted": c["evicted"],
-                "rows_bypassed": c["bypassed"], "cache_emptied": c["emptied"],
-                "cache_forgotten": c["forgotten"]}
+                "rows_written_per_step": c["written"] / steps, "rows_read_from_log_per_step": c["from_log"] / steps,
+                "rows_evicted": c["evicted"], "rows_bypassed": c["bypassed"], "cache_emptied": c["emptied"],
+                "cache_forgotten": c["forgotten"], "log_rows": self._log_cap, "log_merges": c["merges"],
+                "rows_merged": c["merged"]}

@@ -38,7 +38,7 @@ from ..embedding.admission import Counting
 from ..embedding.padded import PLAN_SLOT_BYTES, unique_capacity
 from ..embedding.pool import pool_slot_bytes
 from ..embedding.sharding import RowSharding
-from ..embedding.slotmap import uses_direct_map
+from ..embedding.slotmap import map_bytes
 from ..embedding.store import VERSION_BYTES, row_dtype
 from ..placement.plan import row_bytes
 from ..placement.sca import slot_bytes
@@ -147,8 +147,8 @@ def plan_memory(c: Config, world: int, rank: int, device: torch.device = torch.d
     if slots:
         plan.parts["cache"] = slots * slot_bytes(d)
         n_ids = sum(-(-n // world) * world for n in rows)
-        direct = not dynamic and uses_direct_map(n_ids, slots, device)  # dynamic: the hash map (ids of 2^56)
-        plan.parts["cache map"] = 4 * n_ids if direct else 16 * cells_bound(slots)  # hash-map cells
+        # dynamic tables: the hash map (ids of 2^56)
+        plan.parts["cache map"] = 16 * cells_bound(slots) if dynamic else map_bytes(n_ids, slots, device)
     if c.placement.name in ("fae", "sca"):
         plan.parts["replica"] = int(c.placement.budget_bytes)
     sketch = Counting.of(c.embedding).sketch_bytes_held() if dynamic and c.embedding.admit_after > 1 else 0
