@@ -107,3 +107,34 @@ def test_the_cache_is_sized_by_its_bytes_and_its_maps():
     assert n * 94 + map_bytes(1_000_000, n, "cpu") <= room < (n + 1) * 94 + map_bytes(1_000_000, n + 1, "cpu")
     assert cache_slots(1 << 40, 77, 1000) == 1000  # never more slots than rows
     assert cache_slots(100, 77, 1000) == 1  # at least one
+
+
+@pytest.mark.parametrize("rows_of", [lambda n: torch.arange(0, n, 9973),  # sparse: through the mapping
+                                     lambda n: torch.arange(3000, 9000, 2),  # dense: sequential pieces
+                                     lambda n: torch.unique(torch.randint(0, n, (4000,), generator=torch.Generator().manual_seed(1)))])
+def test_the_log_is_appended_and_merged_into_the_file(tmp_path, rows_of):
+    """The tier's log: appends in pieces that start inside a page (the page's earlier records
+    written again), then a merge of chosen rows into the file; every other record untouched."""
+    n = 100_003
+    tier = DiskTier(str(tmp_path), 0, 1 << 16)
+    try:
+        tier.define(n, [("weight", (5,), torch.float32), ("version", (), torch.int64), ("touched", (), torch.bool)],
+                    log_rows=9_000)
+        weight = tier.alloc("weight", (n, 5), torch.float32)
+        weight[:] = torch.arange(n, dtype=torch.float32)[:, None]
+        rows = rows_of(n)
+        vals = torch.randn(rows.numel(), 5)
+        first = [tier.append({"weight": vals[lo:lo + 333], "version": torch.full((vals[lo:lo + 333].shape[0],), 7)})
+                 for lo in range(0, rows.numel(), 333)]
+        assert first == list(range(0, rows.numel(), 333)) and tier.log_end == rows.numel()
+        assert torch.equal(tier.log_view("weight", weight)[:rows.numel()], vals)
+        at = torch.randperm(rows.numel())  # the newest record of row rows[i] is log record at[i]
+        tier.merge(rows, at)
+        want = torch.arange(n, dtype=torch.float32)[:, None].repeat(1, 5)
+        want[rows] = vals[at]
+        assert torch.equal(weight, want)
+        assert torch.equal(tier.alloc("version", (n,), torch.int64)[rows], torch.full((rows.numel(),), 7))
+        tier.reset_log()
+        assert tier.log_end == 0 and not tier.log_view("weight", weight).any()
+    finally:
+        tier.close()

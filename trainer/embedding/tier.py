@@ -25,6 +25,7 @@ exit; a checkpoint is the only copy of the model that outlives the run.
 from __future__ import annotations
 
 import ctypes
+import math
 import mmap
 import os
 import resource
@@ -42,6 +43,7 @@ import torch
 CHUNK = mmap.PAGESIZE  # bytes: the unit the file is mapped, read and unmapped in (a page)
 MADV_RANDOM = 1  # a fault reads its page only (not the kernel's read-around window, 128 KiB)
 MADV_DONTNEED = 4
+APPEND_BYTES = 4 << 20  # the log is appended in writes of at most this (its aligned buffer)
 LATENCY_SAMPLES = 4096  # prefetch latencies kept for the percentiles (a ring)
 
 _libc = ctypes.CDLL(None, use_errno=True)
@@ -102,6 +104,11 @@ class DiskTier:
         self.total_bytes = int(total_bytes or cache_bytes)
         self.file: Optional[TierFile] = None  # define() makes it
         self.log: Optional[TierFile] = None  # the write-back log (define's log_rows records)
+        self.log_end = 0  # records appended to the log since it was emptied
+        self._log_fd = -1  # the log opened for appends (O_DIRECT where the file system has it)
+        self._file_fd = -1  # the file opened for merges (the same)
+        self._buf: Optional[mmap.mmap] = None  # the appends' page-aligned buffer
+        self._tail = b""  # the log's last page as far as it is written (a page-aligned write rewrites it)
         self._fields: dict[str, tuple[int, int, torch.dtype]] = {}  # name -> (offset, bytes, dtype) in a record
         self.mapped_bytes = 0
         self.stats = TierStats()
@@ -127,11 +134,13 @@ class DiskTier:
         self.file = self._open("rows.bin", rows, record)
         if log_rows:
             self.log = self._open("log.bin", log_rows, record)
+            self._log_fd, self._file_fd = _open_direct(self.log.path), _open_direct(self.file.path)
+            self._buf = mmap.mmap(-1, APPEND_BYTES + CHUNK + -(-record // CHUNK) * CHUNK)
 
     def _open(self, name: str, rows: int, record: int) -> TierFile:
         """A new sparse file of `rows` records, mapped (MADV_RANDOM)."""
         path = os.path.join(self.dir, name)
-        nbytes = max(rows * record, 1)
+        nbytes = -(-max(rows * record, 1) // CHUNK) * CHUNK  # whole pages (the log's last one is written whole)
         with open(path, "wb") as f:
             f.truncate(nbytes)
         array = np.memmap(path, dtype=np.uint8, mode="r+", shape=(nbytes,))
@@ -163,13 +172,68 @@ class DiskTier:
         off, nbytes, dtype = self._fields[name]
         return _field(self.log.tensor, off, nbytes, dtype, (self.log.tensor.shape[0],) + tuple(like.shape[1:]))
 
-    def logged(self, lo: int, hi: int) -> None:
-        """Log records [lo, hi) were just written (appended): their pages are mapped now."""
-        f = self.log
-        pages = np.arange(lo * f.row_bytes // CHUNK, -(-hi * f.row_bytes // CHUNK))
-        fresh = pages[~f.mapped[pages]]
-        f.mapped[fresh] = True
-        self.mapped_bytes += fresh.size * CHUNK
+    def append(self, parts: dict[str, torch.Tensor]) -> int:
+        """Append n records to the log from `parts` ({field: [n, ...] values}); returns the first
+        one's index. Every write covers whole pages (the last page's records already written are
+        kept in RAM and written again with it), so it goes straight to the disk (O_DIRECT):
+        nothing is read first and no page stays in RAM. In pieces of APPEND_BYTES."""
+        f, buf = self.log, self._buf
+        n = next(iter(parts.values())).shape[0]
+        if self.log_end + n > f.tensor.shape[0]:
+            raise ValueError(f"tier: {n} records do not fit in the log ({self.log_end} of {f.tensor.shape[0]} used)")
+        first, rec = self.log_end, f.row_bytes
+        room = torch.frombuffer(buf, dtype=torch.uint8)
+        step = max(1, APPEND_BYTES // rec)
+        staged = torch.empty(min(step, n), rec, dtype=torch.uint8)
+        for lo in range(0, n, step):
+            k = min(step, n - lo)
+            for name, values in parts.items():
+                off, nbytes, dtype = self._fields[name]
+                _field(staged[:k], off, nbytes, dtype, (k,) + tuple(values.shape[1:])).copy_(values[lo:lo + k])
+            start = self.log_end * rec
+            page = start // CHUNK * CHUNK
+            head = start - page  # the last page's bytes already in the log
+            buf[:head] = self._tail
+            end = head + k * rec
+            room[head:end] = staged[:k].view(-1)
+            size = -(-end // CHUNK) * CHUNK
+            _io(os.pwritev, self._log_fd, memoryview(buf)[:size], page, f.path)
+            self._tail = bytes(buf[end // CHUNK * CHUNK:end])
+            self.log_end += k
+        return first
+
+    def merge(self, rows: torch.Tensor, at: torch.Tensor) -> None:
+        """file[rows] = log[at], rows sorted and distinct: the file is read and written in
+        pieces of up to APPEND_BYTES, each one sequential read and one sequential write straight
+        to the disk (O_DIRECT), the piece's log records read by the threads meanwhile. A piece
+        whose rows are sparse (under 1 per 16 pages) is written through the mapping instead, its
+        pages read by the threads first."""
+        f, buf = self.file, self._buf
+        self._evict()  # none of the file's pages stay mapped while it is written around the mapping
+        rec = f.row_bytes
+        unit = rec * CHUNK // math.gcd(rec, CHUNK)  # a piece starts on a page and on a record
+        size = APPEND_BYTES // unit * unit
+        start = rows.numpy() * rec
+        lo, n = 0, rows.numel()
+        while lo < n:
+            base = int(start[lo]) // unit * unit
+            hi = max(lo + 1, int(np.searchsorted(start + rec, base + size, side="right"))) if size else lo + 1
+            end = -(-(int(start[hi - 1]) + rec) // CHUNK) * CHUNK
+            r, a = rows[lo:hi], at[lo:hi]
+            self.prefetch(a, log=True)
+            if not size or end - base > len(buf) or (hi - lo) * 16 < (end - base) // CHUNK:
+                self.prefetch(r)
+                self.ready()
+                f.tensor.index_copy_(0, r, self.log.tensor.index_select(0, a))
+            else:
+                span = memoryview(buf)[:end - base]
+                _io(os.preadv, self._file_fd, span, base, f.path)
+                self.ready()
+                room = torch.frombuffer(buf, dtype=torch.uint8)[:(end - base) // rec * rec].view(-1, rec)
+                room.index_copy_(0, r - base // rec, self.log.tensor.index_select(0, a))
+                _io(os.pwritev, self._file_fd, span, base, f.path)
+            lo = hi
+        self._evict()
 
     def reset_log(self) -> None:
         """Empty the log (its records merged into the file or no longer wanted): the file is cut
@@ -177,6 +241,7 @@ class DiskTier:
         appends fill holes (no page read back)."""
         self.ready()
         f = self.log
+        self.log_end, self._tail = 0, b""
         os.truncate(f.path, 0)
         os.truncate(f.path, f.nbytes)
         self.mapped_bytes -= int(f.mapped.sum()) * CHUNK
@@ -279,6 +344,10 @@ class DiskTier:
             fut.cancel()
         self._pool.shutdown(wait=True, cancel_futures=True)
         self._pending = []
+        for fd in (self._log_fd, self._file_fd):
+            if fd >= 0:
+                os.close(fd)
+        self._log_fd = self._file_fd = -1
         files, self.file, self.log = (self.file, self.log), None, None
         for f in files:
             if f is None:
@@ -307,6 +376,22 @@ def record_layout(fields: list[tuple[str, tuple[int, ...], torch.dtype]]) -> tup
         layout[name] = (off, nbytes, dtype)
         off, align = off + nbytes, max(align, size)
     return layout, max(-(-off // align) * align, 1)
+
+
+def _open_direct(path: str) -> int:
+    """path opened for reading and writing with O_DIRECT, or without it where the file system
+    refuses it (tmpfs): then through the page cache, with the same results."""
+    try:
+        return os.open(path, os.O_RDWR | getattr(os, "O_DIRECT", 0))
+    except OSError:
+        return os.open(path, os.O_RDWR)
+
+
+def _io(call, fd: int, view: memoryview, offset: int, path: str) -> None:
+    """os.preadv / os.pwritev of all of `view` at `offset`, or OSError."""
+    done = call(fd, [view], offset)
+    if done != len(view):
+        raise OSError(f"tier: {call.__name__} moved {done} of {len(view)} bytes at {offset} of {path}")
 
 
 def _field(records: torch.Tensor, off: int, nbytes: int, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:

@@ -38,7 +38,7 @@ import kernels
 from .optim import SparseOptimizer
 from .slotmap import DIRECT_IDS_PER_SLOT, id_slot_map, map_bytes, uses_direct_map
 from .store import ShardStore, _put, _update, _update_masked
-from .tier import CHUNK, DiskTier
+from .tier import DiskTier
 
 EVICT_BATCH = 32  # an eviction frees at least 1/EVICT_BATCH of the slots
 SLOT_BOOK_BYTES = 8 + 8 + 1  # per slot: its row, its last use, changed
@@ -185,22 +185,13 @@ class TieredStore(ShardStore):
                      for n, f in zip(("weight", "state", "version", "touched"), self._files()))
 
     def _merge(self) -> None:
-        """The log's newest record of each row into the file, by row (the file in order), in
-        pieces whose pages fit the tier's page budget (read ahead by its threads); then the log
-        is emptied."""
+        """The log's newest record of each row into the file, by row (the file in order: the
+        tier's merge), then the log emptied."""
         if self._log_n == 0:
             return
         rows, at = self._log_at.items()
         rows, order = torch.sort(rows)
-        at = at.index_select(0, order)
-        step = max(1, self.tier.cache_bytes // (2 * CHUNK))  # a piece: <= step file pages + step log pages
-        file, log = self.tier.file.tensor, self.tier.log.tensor
-        for lo in range(0, rows.numel(), step):
-            r, a = rows[lo:lo + step], at[lo:lo + step]
-            self.tier.prefetch(r)
-            self.tier.prefetch(a, log=True)
-            self.tier.ready()
-            file.index_copy_(0, r, log.index_select(0, a))
+        self.tier.merge(rows, at.index_select(0, order))
         self.counts["merges"] += 1
         self.counts["merged"] += rows.numel()
         self._drop_log()
@@ -252,17 +243,16 @@ class TieredStore(ShardStore):
         self.counts["evicted"] += victims.numel()
 
     def _write_back(self, slots: torch.Tensor) -> None:
-        """Changed slots' rows appended to the log (whole new pages: nothing read first, written
-        by the kernel in order), merged into the file whenever the log is full."""
+        """Changed slots' rows appended to the log (whole pages, straight to the disk: nothing
+        read first), merged into the file whenever the log is full."""
         for lo in range(0, slots.numel(), self._log_cap):
             part = slots[lo:lo + self._log_cap]
             if self._log_n + part.numel() > self._log_cap:
                 self._merge()
-            a, b = self._log_n, self._log_n + part.numel()
-            for cached, log in zip(self._cached(), self._logs()):
-                if log is not None:
-                    log[a:b] = cached.index_select(0, part)
-            self.tier.logged(a, b)
+            a = self.tier.append({n: c.index_select(0, part) for n, c, f in
+                                  zip(("weight", "state", "version", "touched"), self._cached(), self._files())
+                                  if f is not None})
+            b = a + part.numel()
             self._log_at.insert(self._rid.index_select(0, part), torch.arange(a, b))
             self._log_n = b
             self._dirty.index_fill_(0, part, False)
