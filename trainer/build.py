@@ -34,7 +34,7 @@ from .embedding.remote import Audit, CacheStats, HeraldRemote, HetRemote, HetWir
 from .embedding.replica import Replica
 from .embedding.sharding import HashSharding, Sharding
 from .embedding.store import row_dtype
-from .embedding.tiered import TieredStore, record_fields
+from .embedding.tiered import TieredStore, log_rows, record_fields
 from .embedding.tier import DiskTier, record_layout
 from .models import build_model
 from .placement import Plan, plan_run
@@ -155,7 +155,11 @@ def make_tier(c: Config, comm: Collectives, device: torch.device, local_rows: in
     if device.type != "cpu":
         raise ConfigError(f"embedding.store=disk maps the shard into host memory: the run trains on {device} "
                           "(train.device=cpu, or embedding.store=memory)")
-    need = local_rows * record_layout(record_fields(c.model.embedding_dim, row_dtype(e.dtype), c.optim.sparse))[1]
+    record = record_layout(record_fields(c.model.embedding_dim, row_dtype(e.dtype), c.optim.sparse))[1]
+    room = None if e.store_cache_bytes else available_memory(device, comm.local_size)[0]
+    total = store_cache_bytes(c, room, local_rows * record)
+    pages = tier_page_bytes(total)
+    need = (local_rows + log_rows(local_rows, total - pages)) * record  # the file and its write-back log
     where = e.store_dir or tempfile.gettempdir()
     os.makedirs(where, exist_ok=True)
     st = os.statvfs(where)
@@ -163,9 +167,6 @@ def make_tier(c: Config, comm: Collectives, device: torch.device, local_rows: in
     if need > free:
         raise ConfigError(f"embedding.store=disk: rank {comm.rank}'s shard needs {fmt_bytes(need)} on disk, "
                           f"{where} has {fmt_bytes(free)} free for it (embedding.store_dir elsewhere, or more workers)")
-    room = None if e.store_cache_bytes else available_memory(device, comm.local_size)[0]
-    total = store_cache_bytes(c, room, need)
-    pages = tier_page_bytes(total)
     return DiskTier(e.store_dir, comm.rank, pages, total), total - pages
 
 

@@ -19,7 +19,10 @@ threads reads them, each its share with one torch gather (which faults the pages
 released), so `threads` reads are in flight; `ready` waits for them (the time counted as the
 step's wait on the disk). A page never read ahead is read by a fault on the step's own thread
 (counted: `sync_faults`).
-The file is scratch: created empty (sparse: unwritten rows read zeros) for each run, removed at
+The log (`log.bin`, the same records): the row cache's changed rows appended in whole-page writes
+with O_DIRECT (nothing read first, no page kept), then merged into `rows.bin` in sequential pieces
+read and written the same way (`append`, `merge`, `reset_log`).
+The files are scratch: created empty (sparse: unwritten rows read zeros) for each run, removed at
 exit; a checkpoint is the only copy of the model that outlives the run.
 """
 from __future__ import annotations

@@ -13,8 +13,12 @@ HierarchicalKV's design): a row's values, optimizer state, version and touched m
   updates are elementwise and its duplicate gradients are summed in the same order, so `disk`
   equals `memory` bit for bit.
 - **Eviction**: least recently used (a counter per call), never a row of the call being served,
-  in batches of 1/32 of the slots at once: the batch's changed rows are written back sorted by
-  row (the file in order), and one O(slots) selection serves many steps.
+  in batches of 1/32 of the slots at once (one O(slots) selection serves many steps).
+- **Write-back through a log**: an evicted row that changed is appended to the tier's log (whole
+  pages straight to the disk, nothing read first) instead of being written in place (a random
+  page read and write per 80 B row: that capped the rate near 0.3 of memory). `_log_at` maps a
+  row to its newest log record; a load reads that record. The log is merged into the file (rows
+  sorted, sequential pieces) when full, before a call the file serves, and before a direct phase.
 - **Reads ahead**: `prefetch` gets the coming step's rows that no slot holds; their pages are
   mapped by the tier's threads (tier.py), so loading them into slots later reads RAM.
 - **Direct access** (`weight`, `version`, `touched` and the optimizer's state, as checkpoints and
@@ -23,7 +27,8 @@ HierarchicalKV's design): a row's values, optimizer state, version and touched m
   cache first (always correct, only slower).
 - **Cost per slot**: the row's bytes (values + state + 8 B version + 1 B mark) + 17 B (row, last
   use, changed) + the id -> slot map (slotmap.py: 4 B per row of the shard while that stays within
-  16 ids per slot, else hash cells of ~64 B per slot).
+  16 ids per slot, else hash cells); the log's index (4 B per row of the shard, or hash cells)
+  comes out of the same bytes first (cache_slots, log_rows).
 """
 from __future__ import annotations
 
