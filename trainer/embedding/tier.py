@@ -71,6 +71,7 @@ class TierFile:
     addr: int
     mapped: np.ndarray = field(default_factory=lambda: np.zeros(0, bool))  # pages we hold mapped
     path: str = ""
+    fd: int = -1  # the file opened for whole-page reads and writes (O_DIRECT where the file system has it)
 
     def chunks_of(self, rows: np.ndarray) -> np.ndarray:
         """Sorted distinct chunks holding rows (a row may straddle two)."""
@@ -108,8 +109,6 @@ class DiskTier:
         self.file: Optional[TierFile] = None  # define() makes it
         self.log: Optional[TierFile] = None  # the write-back log (define's log_rows records)
         self.log_end = 0  # records appended to the log since it was emptied
-        self._log_fd = -1  # the log opened for appends (O_DIRECT where the file system has it)
-        self._file_fd = -1  # the file opened for merges (the same)
         self._buf: Optional[mmap.mmap] = None  # the appends' page-aligned buffer
         self._tail = b""  # the log's last page as far as it is written (a page-aligned write rewrites it)
         self._fields: dict[str, tuple[int, int, torch.dtype]] = {}  # name -> (offset, bytes, dtype) in a record
@@ -137,7 +136,6 @@ class DiskTier:
         self.file = self._open("rows.bin", rows, record)
         if log_rows:
             self.log = self._open("log.bin", log_rows, record)
-            self._log_fd, self._file_fd = _open_direct(self.log.path), _open_direct(self.file.path)
             self._buf = mmap.mmap(-1, APPEND_BYTES + CHUNK + -(-record // CHUNK) * CHUNK)
 
     def _open(self, name: str, rows: int, record: int) -> TierFile:
@@ -149,7 +147,8 @@ class DiskTier:
         array = np.memmap(path, dtype=np.uint8, mode="r+", shape=(nbytes,))
         records = torch.from_numpy(array)[:rows * record].view(rows, record)
         _madvise(array.ctypes.data, nbytes, MADV_RANDOM)
-        return TierFile(record, nbytes, array, records, array.ctypes.data, np.zeros(-(-nbytes // CHUNK), bool), path)
+        return TierFile(record, nbytes, array, records, array.ctypes.data, np.zeros(-(-nbytes // CHUNK), bool), path,
+                        _open_direct(path))
 
     def alloc(self, name: str, shape: tuple[int, ...], dtype: torch.dtype, fill: float = 0.0) -> torch.Tensor:
         """The view of field `name` of the records (define) as a tensor of `shape`, every element
@@ -200,7 +199,7 @@ class DiskTier:
             end = head + k * rec
             room[head:end] = staged[:k].view(-1)
             size = -(-end // CHUNK) * CHUNK
-            _io(os.pwritev, self._log_fd, memoryview(buf)[:size], page, f.path)
+            _io(os.pwritev, f.fd, memoryview(buf)[:size], page, f.path)
             self._tail = bytes(buf[end // CHUNK * CHUNK:end])
             self.log_end += k
         return first
@@ -230,11 +229,11 @@ class DiskTier:
                 f.tensor.index_copy_(0, r, self.log.tensor.index_select(0, a))
             else:
                 span = memoryview(buf)[:end - base]
-                _io(os.preadv, self._file_fd, span, base, f.path)
+                _io(os.preadv, f.fd, span, base, f.path)
                 self.ready()
                 room = torch.frombuffer(buf, dtype=torch.uint8)[:(end - base) // rec * rec].view(-1, rec)
                 room.index_copy_(0, r - base // rec, self.log.tensor.index_select(0, a))
-                _io(os.pwritev, self._file_fd, span, base, f.path)
+                _io(os.pwritev, f.fd, span, base, f.path)
             lo = hi
         self._evict()
 
@@ -347,14 +346,11 @@ class DiskTier:
             fut.cancel()
         self._pool.shutdown(wait=True, cancel_futures=True)
         self._pending = []
-        for fd in (self._log_fd, self._file_fd):
-            if fd >= 0:
-                os.close(fd)
-        self._log_fd = self._file_fd = -1
         files, self.file, self.log = (self.file, self.log), None, None
         for f in files:
             if f is None:
                 continue
+            os.close(f.fd)
             f.tensor = torch.empty(0)
             mm = getattr(f.array, "_mmap", None)
             f.array = None
