@@ -28,7 +28,9 @@ def uses_direct_map(n_ids: int, slots: int, device: torch.device | str) -> bool:
 
 
 class DirectSlotMap(IdSlotMap):
-    """id -> slot as a dense int32 array over the whole id space [0, n_ids) (CPU fast path)."""
+    """id -> slot as a dense int32 array over the whole id space [0, n_ids) (CPU fast path). -1
+    marks an absent id; any other value is held, negative ones too (tiered.py keeps codes of its
+    log's records there)."""
 
     def __init__(self, n_ids: int, device: torch.device | str = "cpu") -> None:
         self._slot = torch.full((n_ids,), -1, dtype=torch.int32, device=device)
@@ -43,20 +45,20 @@ class DirectSlotMap(IdSlotMap):
 
     def lookup(self, ids):
         slots = self._slot.index_select(0, ids).long()
-        return slots, slots < 0
+        return slots, slots == -1
 
     def insert(self, ids, slots):
-        new = self._slot.index_select(0, ids) < 0
+        new = self._slot.index_select(0, ids) == -1
         self._slot.index_copy_(0, ids, slots.to(torch.int32))
         self._live += int(new.sum())
         return new
 
     def items(self):
-        ids = torch.nonzero(self._slot >= 0).squeeze(1)
+        ids = torch.nonzero(self._slot != -1).squeeze(1)
         return ids, self._slot.index_select(0, ids).long()
 
     def erase(self, ids):
-        found = self._slot.index_select(0, ids) >= 0
+        found = self._slot.index_select(0, ids) != -1
         self._slot.index_fill_(0, ids, -1)
         self._live -= int(found.sum())
         return found

@@ -76,18 +76,19 @@ def log_rows(local_rows: int, budget: int) -> int:
 
 def cache_slots(budget: int, row_bytes: int, local_rows: int) -> int:
     """Slots a row cache of `budget` bytes holds for a shard of local_rows rows of row_bytes each
-    (the record's parts), its bookkeeping, its id map and the log's index counted; never more
-    than the rows (at least one)."""
-    per = row_bytes + SLOT_BOOK_BYTES
-    room = budget - map_bytes(local_rows, log_rows(local_rows, budget), "cpu")
-    direct = (room - 4 * local_rows) // per
-    if direct > 0 and uses_direct_map(local_rows, direct, "cpu"):
-        return int(min(direct, local_rows))
-    lo, hi = 1, max(1, min(room // per, local_rows))  # the most slots whose hash cells fit too
+    (the record's parts): with their bookkeeping and the one map of slots and log records
+    (log_rows) counted; never more than the rows, at least one."""
+    per, log = row_bytes + SLOT_BOOK_BYTES, log_rows(local_rows, budget)
+    lo, hi = 1, max(1, min(budget // per, local_rows))  # the most slots whose map fits too
     while lo < hi:
         mid = (lo + hi + 1) // 2
-        lo, hi = (mid, hi) if mid * per + map_bytes(local_rows, mid, "cpu") <= room else (lo, mid - 1)
+        lo, hi = (mid, hi) if mid * per + map_bytes(local_rows, mid + log, "cpu") <= budget else (lo, mid - 1)
     return int(lo)
+
+
+def _code(v: torch.Tensor) -> torch.Tensor:
+    """Log record r <-> its code in the map (-2 - r): below every slot and below -1 (absent)."""
+    return -2 - v
 
 
 class TieredStore(ShardStore):
@@ -117,9 +118,8 @@ class TieredStore(ShardStore):
         self._dirty = torch.zeros(n, dtype=torch.bool)
         self._free = torch.arange(n - 1, -1, -1, dtype=torch.int64)  # a stack: [:_nfree] are free
         self._nfree = n
-        self._map = id_slot_map(self.sharding.local_rows, n, "cpu")
         self._log_cap = self.tier.log.tensor.shape[0]
-        self._log_at = id_slot_map(self.sharding.local_rows, self._log_cap, "cpu")  # row -> its newest record in the log
+        self._map = id_slot_map(self.sharding.local_rows, n + self._log_cap, "cpu")  # row -> slot, or log record (_code)
         self._log_n = 0  # records appended to the log since it was last merged
         self._use = 0
         self._in_raw = False
@@ -163,9 +163,20 @@ class TieredStore(ShardStore):
         self.counts["emptied"] += 1
 
     def _flush(self) -> None:
-        """Make the file the shard: changed rows written back, the log merged into the file."""
-        self._write_back(torch.nonzero(self._dirty).squeeze(1))
+        """Make the file the shard: the log merged into it, then the changed slots written in
+        place (sorted by row, their pages read ahead); the slots stay, unchanged now."""
         self._merge()
+        slots = torch.nonzero(self._dirty).squeeze(1)
+        if slots.numel():
+            rows, order = torch.sort(self._rid.index_select(0, slots))
+            slots = slots.index_select(0, order)
+            self.tier.prefetch(rows)
+            self.tier.ready()
+            for cached, file in zip(self._cached(), self._files()):
+                if file is not None:
+                    file.index_copy_(0, rows, cached.index_select(0, slots))
+            self._dirty.zero_()
+            self.counts["written"] += slots.numel()
 
     def _forget(self) -> None:
         """Free every slot (some are held; their changes are in the file) and drop the log (merged
@@ -178,9 +189,15 @@ class TieredStore(ShardStore):
         self._drop_log()
 
     # ---- the write-back log ------------------------------------------------------------------
+    def _logged(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(rows, their newest log records) of every row whose newest copy is in the log."""
+        rows, v = self._map.items()
+        inlog = v <= -2
+        return rows[inlog], _code(v[inlog])
+
     def _drop_log(self) -> None:
         if self._log_n:
-            self._log_at.erase(self._log_at.items()[0])
+            self._map.erase(self._logged()[0])
             self._log_n = 0
             self.tier.reset_log()
 
@@ -194,7 +211,7 @@ class TieredStore(ShardStore):
         tier's merge), then the log emptied."""
         if self._log_n == 0:
             return
-        rows, at = self._log_at.items()
+        rows, at = self._logged()
         rows, order = torch.sort(rows)
         self.tier.merge(rows, at.index_select(0, order))
         self.counts["merges"] += 1
@@ -207,17 +224,19 @@ class TieredStore(ShardStore):
         recently used); -1 for those the cache cannot take in this call (more than it holds)."""
         self._use += 1
         uniq, inv = torch.unique(idx, return_inverse=True)
-        slots, miss = self._map.lookup(uniq)
-        slots = slots.clone()
-        self._last.index_fill_(0, slots[~miss], self._use)
-        gone = torch.nonzero(miss).squeeze(1)
+        where, _ = self._map.lookup(uniq)  # a slot, a log record's code, or -1: the file
+        held = where >= 0
+        slots = torch.where(held, where, -1)
+        self._last.index_fill_(0, where[held], self._use)
+        gone = torch.nonzero(~held).squeeze(1)
         self.counts["used"] += uniq.numel()
         self.counts["hit"] += uniq.numel() - gone.numel()
         if gone.numel():
             got = self._take(gone.numel())
             k = got.numel()
-            if k:
-                self._load(uniq.index_select(0, gone[:k]), got)
+            if k:  # where again: the evictions may have merged the log
+                rows = uniq.index_select(0, gone[:k])
+                self._load(rows, got, self._map.lookup(rows)[0])
                 slots.index_copy_(0, gone[:k], got)
             self.counts["bypassed"] += gone.numel() - k
         return slots.index_select(0, inv)
@@ -240,16 +259,18 @@ class TieredStore(ShardStore):
         if cand.size == 0:
             return
         victims = torch.from_numpy(cand)
-        self._write_back(victims[self._dirty.index_select(0, victims)])
-        self._map.erase(self._rid.index_select(0, victims))
+        changed = self._dirty.index_select(0, victims)
+        self._map.erase(self._rid.index_select(0, victims[~changed]))  # the file has them
+        self._append(victims[changed])  # the log will
         self._rid.index_fill_(0, victims, -1)
         self._free[self._nfree:self._nfree + victims.numel()] = victims
         self._nfree += victims.numel()
         self.counts["evicted"] += victims.numel()
 
-    def _write_back(self, slots: torch.Tensor) -> None:
-        """Changed slots' rows appended to the log (whole pages, straight to the disk: nothing
-        read first), merged into the file whenever the log is full."""
+    def _append(self, slots: torch.Tensor) -> None:
+        """Changed slots' rows, evicted, appended to the log (whole pages, straight to the disk:
+        nothing read first), the map pointing at their records; the log merged into the file
+        whenever it is full."""
         for lo in range(0, slots.numel(), self._log_cap):
             part = slots[lo:lo + self._log_cap]
             if self._log_n + part.numel() > self._log_cap:
@@ -258,24 +279,25 @@ class TieredStore(ShardStore):
                                   zip(("weight", "state", "version", "touched"), self._cached(), self._files())
                                   if f is not None})
             b = a + part.numel()
-            self._log_at.insert(self._rid.index_select(0, part), torch.arange(a, b))
+            self._map.insert(self._rid.index_select(0, part), _code(torch.arange(a, b)))
             self._log_n = b
             self._dirty.index_fill_(0, part, False)
             self.counts["written"] += part.numel()
 
-    def _load(self, rows: torch.Tensor, slots: torch.Tensor) -> None:
+    def _load(self, rows: torch.Tensor, slots: torch.Tensor, where: torch.Tensor) -> None:
         """Sorted storage rows (the file in order) into free slots, each from its newest record:
-        the log's when it has one, else the file's (their pages read ahead when the step was
-        planned)."""
+        the log's (where: its code) or the file's (where: -1); their pages read ahead when the
+        step was planned. A row read from the log is marked changed: it goes back to the log when
+        evicted (its record there is about to be forgotten)."""
         self.tier.ready()
-        at, old = self._log_at.lookup(rows) if self._log_n else (None, torch.ones_like(rows, dtype=torch.bool))
-        new = torch.nonzero(~old).squeeze(1)
+        new = torch.nonzero(where <= -2).squeeze(1)
         if new.numel():
-            old_i = torch.nonzero(old).squeeze(1)
+            old = torch.nonzero(where == -1).squeeze(1)
+            at = _code(where.index_select(0, new))
             for cached, file, log in zip(self._cached(), self._files(), self._logs()):
                 if file is not None:
-                    cached.index_copy_(0, slots.index_select(0, old_i), file.index_select(0, rows.index_select(0, old_i)))
-                    cached.index_copy_(0, slots.index_select(0, new), log.index_select(0, at.index_select(0, new)))
+                    cached.index_copy_(0, slots.index_select(0, old), file.index_select(0, rows.index_select(0, old)))
+                    cached.index_copy_(0, slots.index_select(0, new), log.index_select(0, at))
             self.counts["from_log"] += new.numel()
         else:
             for cached, file in zip(self._cached(), self._files()):
@@ -285,6 +307,7 @@ class TieredStore(ShardStore):
         self._map.insert(rows, slots)
         self._last.index_fill_(0, slots, self._use)
         self._dirty.index_fill_(0, slots, False)
+        self._dirty.index_fill_(0, slots.index_select(0, new), True)
         self.counts["loaded"] += rows.numel()
 
     def _cached(self) -> tuple:
@@ -326,14 +349,9 @@ class TieredStore(ShardStore):
     def prefetch_local(self, local_idx: torch.Tensor) -> None:
         if local_idx.numel():
             uniq = torch.unique(local_idx)
-            _, miss = self._map.lookup(uniq)
-            if miss.any():
-                uniq = uniq[miss]
-                if self._log_n:
-                    at, old = self._log_at.lookup(uniq)
-                    self.tier.prefetch(at[~old], log=True)
-                    uniq = uniq[old]
-                self.tier.prefetch(uniq)
+            where, _ = self._map.lookup(uniq)
+            self.tier.prefetch(_code(where[where <= -2]), log=True)
+            self.tier.prefetch(uniq[where == -1])
 
     def _gather(self, idx: torch.Tensor, part: int) -> torch.Tensor:
         """Values of storage rows idx of one part (_cached's order) from the slots or the file."""
