@@ -171,8 +171,13 @@ class DiskTier:
 
     def log_view(self, name: str, like: torch.Tensor) -> torch.Tensor:
         """Field `name` of the log's records, shaped as `like` (alloc's view of it) per row."""
+        return self.view(self.log.tensor, name, like)
+
+    def view(self, records: torch.Tensor, name: str, like: torch.Tensor) -> torch.Tensor:
+        """Field `name` of [n, record bytes] `records` (the file's, the log's, or copies of
+        them), shaped as `like` (alloc's view of it) per row."""
         off, nbytes, dtype = self._fields[name]
-        return _field(self.log.tensor, off, nbytes, dtype, (self.log.tensor.shape[0],) + tuple(like.shape[1:]))
+        return _field(records, off, nbytes, dtype, (records.shape[0],) + tuple(like.shape[1:]))
 
     def append(self, parts: dict[str, torch.Tensor]) -> int:
         """Append n records to the log from `parts` ({field: [n, ...] values}); returns the first
@@ -257,14 +262,16 @@ class DiskTier:
         """A new step (its count is the per-step figures' denominator)."""
         self.stats.steps += 1
 
-    def prefetch(self, local_rows: torch.Tensor, log: bool = False) -> None:
+    def prefetch(self, local_rows: torch.Tensor, log: bool = False, keep: bool = False) -> list[Future]:
         """Records of this shard's file (of the log: `log`) a coming step reads or writes back:
         the threads read them now (each thread one share of the records, read with one torch
         gather, which faults their pages in with the GIL released: `threads` reads in flight),
-        so that the step's own copy finds them in RAM."""
+        so that the step's own copy finds them in RAM. keep: every record is read (not only those
+        on pages not mapped yet) and the futures returned give the copies, in the rows' order
+        (pages read ahead may be reclaimed before they are used; copies are not)."""
         rows = local_rows.detach().cpu().numpy().astype(np.int64, copy=False)
         if rows.size == 0:
-            return
+            return []
         if self.mapped_bytes > self.cache_bytes:
             self._evict()
         f = self.log if log else self.file
@@ -276,9 +283,13 @@ class DiskTier:
             f.mapped[cold] = True
             self.mapped_bytes += cold.size * CHUNK
             self.stats.chunks_read += cold.size
-            part = -(-rows.size // self.threads)
-            for lo in range(0, rows.size, part):
-                self._pending.append(self._pool.submit(self._touch, f.tensor, torch.from_numpy(rows[lo:lo + part])))
+        elif not keep:
+            return []
+        part = -(-rows.size // self.threads)
+        futures = [self._pool.submit(self._touch, f.tensor, torch.from_numpy(rows[lo:lo + part]))
+                   for lo in range(0, rows.size, part)]
+        self._pending.extend(futures)
+        return futures if keep else []
 
     def ready(self) -> None:
         """Wait for the reads in flight (the step is about to copy the rows)."""
@@ -290,10 +301,10 @@ class DiskTier:
             fut.result()
         self.stats.wait_s += time.perf_counter() - t0
 
-    def _touch(self, records: torch.Tensor, rows: torch.Tensor) -> None:
-        """Read `records[rows]` (a thread of the pool), timing the read."""
+    def _touch(self, records: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """Read `records[rows]` (a thread of the pool), timing the read; the copy."""
         t0 = time.perf_counter()
-        records.index_select(0, rows)
+        got = records.index_select(0, rows)
         took = time.perf_counter() - t0
         with self._lock:
             if len(self.stats.latencies) < LATENCY_SAMPLES:
@@ -301,6 +312,7 @@ class DiskTier:
             else:
                 self.stats.latencies[self._lat_n % LATENCY_SAMPLES] = took
             self._lat_n += 1
+        return got
 
     def _evict(self) -> None:
         """Past the budget, unmap every page (one madvise): the row cache holds what the steps use,

@@ -16,9 +16,12 @@ HierarchicalKV's design): a row's values, optimizer state, version and touched m
   in batches of 1/32 of the slots at once (one O(slots) selection serves many steps).
 - **Write-back through a log**: an evicted row that changed is appended to the tier's log (whole
   pages straight to the disk, nothing read first) instead of being written in place (a random
-  page read and write per 80 B row: that capped the rate near 0.3 of memory). `_log_at` maps a
-  row to its newest log record; a load reads that record. The log is merged into the file (rows
-  sorted, sequential pieces) when full, before a call the file serves, and before a direct phase.
+  page read and write per 80 B row: that capped the rate near 0.3 of memory). The one map
+  `_map` says where a row's newest copy is: its slot (>= 0), its log record r (-2 - r, `_code`),
+  or the file (absent); a load reads the log's record (and marks the slot changed: the record is
+  forgotten at the next merge). The log is merged into the file (rows sorted, sequential pieces)
+  when full, before a call the file serves, and before a direct phase, which then writes the
+  changed slots in place.
 - **Reads ahead**: `prefetch` gets the coming step's rows that no slot holds; their pages are
   mapped by the tier's threads (tier.py), so loading them into slots later reads RAM.
 - **Direct access** (`weight`, `version`, `touched` and the optimizer's state, as checkpoints and
@@ -26,12 +29,12 @@ HierarchicalKV's design): a row's values, optimizer state, version and touched m
   write phase the slots are forgotten; outside it, any access to those attributes empties the
   cache first (always correct, only slower).
 - **Cost per slot**: the row's bytes (values + state + 8 B version + 1 B mark) + 17 B (row, last
-  use, changed) + the id -> slot map (slotmap.py: 4 B per row of the shard while that stays within
-  16 ids per slot, else hash cells); the log's index (4 B per row of the shard, or hash cells)
-  comes out of the same bytes first (cache_slots, log_rows).
+  use, changed) + the map (slotmap.py: 4 B per row of the shard when the log holds 1/8 of the
+  rows, else hash cells for the slots and the log's records; cache_slots, log_rows).
 """
 from __future__ import annotations
 
+import collections
 import contextlib
 import inspect
 from typing import Iterator
@@ -48,6 +51,7 @@ from .tier import DiskTier
 EVICT_BATCH = 32  # an eviction frees at least 1/EVICT_BATCH of the slots
 SLOT_BOOK_BYTES = 8 + 8 + 1  # per slot: its row, its last use, changed
 LOG_SHARE = 8  # the write-back log holds at most 1/LOG_SHARE of the shard's rows (on disk)
+STAGED_CALLS = 2  # the copies of the reads ahead of the last two prefetches are kept
 LOG_INDEX_SHARE = 4  # ... and its index at most 1/LOG_INDEX_SHARE of the row cache's bytes
 
 
@@ -86,6 +90,9 @@ def cache_slots(budget: int, row_bytes: int, local_rows: int) -> int:
     return int(lo)
 
 
+PARTS = ("weight", "state", "version", "touched")  # a record's fields, in _cached's order
+
+
 def _code(v: torch.Tensor) -> torch.Tensor:
     """Log record r <-> its code in the map (-2 - r): below every slot and below -1 (absent)."""
     return -2 - v
@@ -121,9 +128,12 @@ class TieredStore(ShardStore):
         self._log_cap = self.tier.log.tensor.shape[0]
         self._map = id_slot_map(self.sharding.local_rows, n + self._log_cap, "cpu")  # row -> slot, or log record (_code)
         self._log_n = 0  # records appended to the log since it was last merged
+        self._staged: collections.deque = collections.deque(maxlen=STAGED_CALLS)  # reads ahead: (epoch, rows, where, futures)
+        self._stage = None  # their copies, sorted by row (_staged_rows)
+        self._epoch = 0  # bumped whenever a record of the file or the log may change in place
         self._use = 0
         self._in_raw = False
-        self.counts = {"used": 0, "hit": 0, "loaded": 0, "from_log": 0, "written": 0, "evicted": 0, "bypassed": 0,
+        self.counts = {"used": 0, "hit": 0, "loaded": 0, "staged": 0, "from_log": 0, "written": 0, "evicted": 0, "bypassed": 0,
                        "emptied": 0, "forgotten": 0, "merges": 0, "merged": 0}
 
     # ---- direct access to the files' arrays --------------------------------------------------
@@ -145,6 +155,7 @@ class TieredStore(ShardStore):
     @contextlib.contextmanager
     def raw(self, write: bool) -> Iterator[None]:
         self._flush()
+        self._changed()
         outer, self._in_raw = self._in_raw, True  # phases may nest
         try:
             yield
@@ -181,6 +192,7 @@ class TieredStore(ShardStore):
     def _forget(self) -> None:
         """Free every slot (some are held; their changes are in the file) and drop the log (merged
         already, or older than what was just written into the file)."""
+        self._changed()
         self._map.erase(self._rid[self._rid >= 0])
         self._rid.fill_(-1)
         self._dirty.zero_()
@@ -189,6 +201,11 @@ class TieredStore(ShardStore):
         self._drop_log()
 
     # ---- the write-back log ------------------------------------------------------------------
+    def _changed(self) -> None:
+        """Records of the file or the log may change in place: the reads ahead's copies are stale."""
+        self._epoch += 1
+        self._staged.clear()
+
     def _logged(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(rows, their newest log records) of every row whose newest copy is in the log."""
         rows, v = self._map.items()
@@ -197,20 +214,21 @@ class TieredStore(ShardStore):
 
     def _drop_log(self) -> None:
         if self._log_n:
+            self._changed()
             self._map.erase(self._logged()[0])
             self._log_n = 0
             self.tier.reset_log()
 
     def _logs(self) -> tuple:
         """The log's arrays, in _cached's order (None where the file has none)."""
-        return tuple(None if f is None else self.tier.log_view(n, f)
-                     for n, f in zip(("weight", "state", "version", "touched"), self._files()))
+        return tuple(None if f is None else self.tier.log_view(n, f) for n, f in zip(PARTS, self._files()))
 
     def _merge(self) -> None:
         """The log's newest record of each row into the file, by row (the file in order: the
         tier's merge), then the log emptied."""
         if self._log_n == 0:
             return
+        self._changed()
         rows, at = self._logged()
         rows, order = torch.sort(rows)
         self.tier.merge(rows, at.index_select(0, order))
@@ -275,8 +293,7 @@ class TieredStore(ShardStore):
             part = slots[lo:lo + self._log_cap]
             if self._log_n + part.numel() > self._log_cap:
                 self._merge()
-            a = self.tier.append({n: c.index_select(0, part) for n, c, f in
-                                  zip(("weight", "state", "version", "touched"), self._cached(), self._files())
+            a = self.tier.append({n: c.index_select(0, part) for n, c, f in zip(PARTS, self._cached(), self._files())
                                   if f is not None})
             b = a + part.numel()
             self._map.insert(self._rid.index_select(0, part), _code(torch.arange(a, b)))
@@ -286,29 +303,50 @@ class TieredStore(ShardStore):
 
     def _load(self, rows: torch.Tensor, slots: torch.Tensor, where: torch.Tensor) -> None:
         """Sorted storage rows (the file in order) into free slots, each from its newest record:
-        the log's (where: its code) or the file's (where: -1); their pages read ahead when the
-        step was planned. A row read from the log is marked changed: it goes back to the log when
-        evicted (its record there is about to be forgotten)."""
+        the log's (where: its code) or the file's (where: -1): the copy a read ahead made of it
+        when there is one still valid, else the record itself. A row read from the log is marked
+        changed: it goes back to the log when evicted (its record there is about to be forgotten)."""
         self.tier.ready()
-        new = torch.nonzero(where <= -2).squeeze(1)
-        if new.numel():
-            old = torch.nonzero(where == -1).squeeze(1)
-            at = _code(where.index_select(0, new))
-            for cached, file, log in zip(self._cached(), self._files(), self._logs()):
-                if file is not None:
-                    cached.index_copy_(0, slots.index_select(0, old), file.index_select(0, rows.index_select(0, old)))
-                    cached.index_copy_(0, slots.index_select(0, new), log.index_select(0, at))
-            self.counts["from_log"] += new.numel()
-        else:
-            for cached, file in zip(self._cached(), self._files()):
-                if file is not None:
-                    cached.index_copy_(0, slots, file.index_select(0, rows))
+        recs = torch.empty(rows.numel(), self.tier.file.row_bytes, dtype=torch.uint8)
+        todo = torch.ones(rows.numel(), dtype=torch.bool)
+        srows, swhere, srecs = self._staged_rows()
+        if srows.numel():
+            pos = torch.searchsorted(srows, rows).clamp_(max=srows.numel() - 1)
+            ok = (srows.index_select(0, pos) == rows) & (swhere.index_select(0, pos) == where)
+            got = torch.nonzero(ok).squeeze(1)
+            recs.index_copy_(0, got, srecs.index_select(0, pos.index_select(0, got)))
+            todo.index_fill_(0, got, False)
+            self.counts["staged"] += got.numel()
+        new = where <= -2
+        for sel, records, at in ((todo & ~new, self.tier.file.tensor, rows), (todo & new, None, _code(where))):
+            i = torch.nonzero(sel).squeeze(1)
+            if i.numel():
+                records = self.tier.log.tensor if records is None else records
+                recs.index_copy_(0, i, records.index_select(0, at.index_select(0, i)))
+        for name, cached, file in zip(PARTS, self._cached(), self._files()):
+            if file is not None:
+                cached.index_copy_(0, slots, self.tier.view(recs, name, file))
         self._rid.index_copy_(0, slots, rows)
         self._map.insert(rows, slots)
         self._last.index_fill_(0, slots, self._use)
-        self._dirty.index_fill_(0, slots, False)
-        self._dirty.index_fill_(0, slots.index_select(0, new), True)
+        self._dirty.index_copy_(0, slots, new)
+        self.counts["from_log"] += int(new.sum())
         self.counts["loaded"] += rows.numel()
+
+    def _staged_rows(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(rows, where they were read from, the records' copies) the reads ahead made since the
+        files last changed in place, sorted by row (the threads are done: _load waited)."""
+        if self._stage is None or self._stage[0] != self._epoch:
+            groups = [(rows, where, torch.cat([f.result() for f in futures]))
+                      for epoch, rows, where, futures in self._staged if epoch == self._epoch]
+            if groups:
+                rows, order = torch.sort(torch.cat([g[0] for g in groups]))
+                stage = (rows, torch.cat([g[1] for g in groups]).index_select(0, order),
+                         torch.cat([g[2] for g in groups]).index_select(0, order))
+            else:
+                stage = (torch.zeros(0, dtype=torch.int64),) * 2 + (torch.zeros(0, 1, dtype=torch.uint8),)
+            self._stage = (self._epoch,) + stage
+        return self._stage[1:]
 
     def _cached(self) -> tuple:
         """The slots' arrays: values, optimizer state (None for SGD), versions, touched marks."""
@@ -326,6 +364,7 @@ class TieredStore(ShardStore):
         cold = torch.nonzero(~held).squeeze(1)
         if cold.numel():
             self._merge()  # the file serves these rows: it must hold their newest records
+            self._changed()  # ... and may change them in place
         return slots, torch.nonzero(held).squeeze(1), cold
 
     def _sync_rate(self) -> SparseOptimizer:
@@ -350,8 +389,13 @@ class TieredStore(ShardStore):
         if local_idx.numel():
             uniq = torch.unique(local_idx)
             where, _ = self._map.lookup(uniq)
-            self.tier.prefetch(_code(where[where <= -2]), log=True)
-            self.tier.prefetch(uniq[where == -1])
+            inlog, infile = where <= -2, where == -1
+            futures = self.tier.prefetch(_code(where[inlog]), log=True, keep=True) + \
+                self.tier.prefetch(uniq[infile], keep=True)
+            if futures:
+                self._staged.append((self._epoch, torch.cat([uniq[inlog], uniq[infile]]),
+                                     torch.cat([where[inlog], where[infile]]), futures))
+                self._stage = None
 
     def _gather(self, idx: torch.Tensor, part: int) -> torch.Tensor:
         """Values of storage rows idx of one part (_cached's order) from the slots or the file."""
@@ -419,6 +463,7 @@ class TieredStore(ShardStore):
 
     def mark_all_touched(self, value: bool) -> None:
         """The slots' marks and the file's alike: nothing to write back, nothing forgotten."""
+        self._changed()
         self._t.fill_(value)
         self._files()[3].fill_(value)
         self._logs()[3][:self._log_n].fill_(value)
@@ -428,6 +473,7 @@ class TieredStore(ShardStore):
         return {**self.tier.record(), "cache_slots": self._slots_n, "row_hit_rate": round(c["hit"] / c["used"], 4) if c["used"] else None,
                 "rows_used_per_step": c["used"] / steps, "rows_read_per_step": c["loaded"] / steps,
                 "rows_written_per_step": c["written"] / steps, "rows_read_from_log_per_step": c["from_log"] / steps,
+                "rows_copied_ahead_per_step": c["staged"] / steps,
                 "rows_evicted": c["evicted"], "rows_bypassed": c["bypassed"], "cache_emptied": c["emptied"],
                 "cache_forgotten": c["forgotten"], "log_rows": self._log_cap, "log_merges": c["merges"],
                 "rows_merged": c["merged"]}
