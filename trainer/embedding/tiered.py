@@ -22,8 +22,11 @@ HierarchicalKV's design): a row's values, optimizer state, version and touched m
   forgotten at the next merge). The log is merged into the file (rows sorted, sequential pieces)
   when full, before a call the file serves, and before a direct phase, which then writes the
   changed slots in place.
-- **Reads ahead**: `prefetch` gets the coming step's rows that no slot holds; their pages are
-  mapped by the tier's threads (tier.py), so loading them into slots later reads RAM.
+- **Reads ahead**: `prefetch` gets the coming step's rows that no slot holds; the tier's threads
+  gather their records (from the file or the log) and the copies are kept (`_staged`, the last
+  STAGED_CALLS reads ahead): a load takes a row's copy when it was read from where the row's
+  newest record still is and the files have not changed in place since (`_epoch`, bumped by
+  `_changed`), else reads the record itself.
 - **Direct access** (`weight`, `version`, `touched` and the optimizer's state, as checkpoints and
   snapshots use them): inside `raw(write)` the changed rows are written back first, and after a
   write phase the slots are forgotten; outside it, any access to those attributes empties the
