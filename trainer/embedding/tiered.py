@@ -17,16 +17,16 @@ HierarchicalKV's design): a row's values, optimizer state, version and touched m
 - **Write-back through a log**: an evicted row that changed is appended to the tier's log (whole
   pages straight to the disk, nothing read first) instead of being written in place (a random
   page read and write per 80 B row: that capped the rate near 0.3 of memory). The one map
-  `_map` says where a row's newest copy is: its slot (>= 0), its log record r (-2 - r, `_code`),
+  `_map` says where a row's newest copy is: its slot (>= 0), its log record r (-2 - r, `writelog.code`),
   or the file (absent); a load reads the log's record (and marks the slot changed: the record is
   forgotten at the next merge). The log is merged into the file (rows sorted, sequential pieces)
   when full, before a call the file serves, and before a direct phase, which then writes the
   changed slots in place.
 - **Reads ahead**: `prefetch` gets the coming step's rows that no slot holds; the tier's threads
-  gather their records (from the file or the log) and the copies are kept (`_staged`, the last
-  STAGED_CALLS reads ahead): a load takes a row's copy when it was read from where the row's
-  newest record still is and the files have not changed in place since (`_epoch`, bumped by
-  `_changed`), else reads the record itself.
+  gather their records (from the file or the log) and the copies are kept (readahead.py, the
+  last STAGED_CALLS reads ahead): a load takes a row's copy when it was read from where the row's
+  newest record still is and the files have not changed in place since (`_changed`), else reads
+  the record itself.
 - **Direct access** (`weight`, `version`, `touched` and the optimizer's state, as checkpoints and
   snapshots use them): inside `raw(write)` the changed rows are written back first, and after a
   write phase the slots are forgotten; outside it, any access to those attributes empties the
@@ -37,7 +37,6 @@ HierarchicalKV's design): a row's values, optimizer state, version and touched m
 """
 from __future__ import annotations
 
-import collections
 import contextlib
 import inspect
 from typing import Iterator
@@ -47,14 +46,16 @@ import torch
 
 import kernels
 from .optim import SparseOptimizer
+from .readahead import ReadAheadCopies
 from .slotmap import DIRECT_IDS_PER_SLOT, id_slot_map, map_bytes, uses_direct_map
 from .store import ShardStore, _put, _update, _update_masked
 from .tier import DiskTier
+from .writelog import WriteLog, code
 
 EVICT_BATCH = 32  # an eviction frees at least 1/EVICT_BATCH of the slots
 SLOT_BOOK_BYTES = 8 + 8 + 1  # per slot: its row, its last use, changed
 LOG_SHARE = 8  # the write-back log holds at most 1/LOG_SHARE of the shard's rows (on disk)
-STAGED_CALLS = 2  # the copies of the reads ahead of the last two prefetches are kept
+STAGED_CALLS = 2  # the copies of the last two reads ahead are kept (readahead.py)
 LOG_INDEX_SHARE = 4  # ... and its index at most 1/LOG_INDEX_SHARE of the row cache's bytes
 
 
@@ -96,11 +97,6 @@ def cache_slots(budget: int, row_bytes: int, local_rows: int) -> int:
 PARTS = ("weight", "state", "version", "touched")  # a record's fields, in _cached's order
 
 
-def _code(v: torch.Tensor) -> torch.Tensor:
-    """Log record r <-> its code in the map (-2 - r): below every slot and below -1 (absent)."""
-    return -2 - v
-
-
 class TieredStore(ShardStore):
     """A ShardStore whose arrays are the tier's files, with `cache_bytes` of rows in RAM in front."""
 
@@ -128,16 +124,14 @@ class TieredStore(ShardStore):
         self._dirty = torch.zeros(n, dtype=torch.bool)
         self._free = torch.arange(n - 1, -1, -1, dtype=torch.int64)  # a stack: [:_nfree] are free
         self._nfree = n
-        self._log_cap = self.tier.log.tensor.shape[0]
-        self._map = id_slot_map(self.sharding.local_rows, n + self._log_cap, "cpu")  # row -> slot, or log record (_code)
-        self._log_n = 0  # records appended to the log since it was last merged
-        self._staged: collections.deque = collections.deque(maxlen=STAGED_CALLS)  # reads ahead: (epoch, rows, where, futures)
-        self._stage = None  # their copies, sorted by row (_staged_rows)
-        self._epoch = 0  # bumped whenever a record of the file or the log may change in place
+        log = self.tier.log.tensor.shape[0]
+        self._map = id_slot_map(self.sharding.local_rows, n + log, "cpu")  # row -> slot, or log record (writelog.code)
+        self._log = WriteLog(self.tier, self._map, self._changed)
+        self._copies = ReadAheadCopies(self.tier.file.row_bytes, STAGED_CALLS)  # the reads ahead's records
         self._use = 0
         self._in_raw = False
         self.counts = {"used": 0, "hit": 0, "loaded": 0, "staged": 0, "from_log": 0, "written": 0, "evicted": 0, "bypassed": 0,
-                       "emptied": 0, "forgotten": 0, "merges": 0, "merged": 0}
+                       "emptied": 0, "forgotten": 0}
 
     # ---- direct access to the files' arrays --------------------------------------------------
     def _direct(name: str):  # noqa: N805 (a property factory for the class body)
@@ -164,13 +158,15 @@ class TieredStore(ShardStore):
             yield
         finally:
             self._in_raw = outer
-            if write and self._nfree < self._slots_n:
-                self._forget()
-                self.counts["forgotten"] += 1
+            if write:
+                self._changed()
+                if self._nfree < self._slots_n:
+                    self._forget()
+                    self.counts["forgotten"] += 1
 
     def _empty(self) -> None:
         """Write every changed row back and forget every slot (the files are then the shard)."""
-        if self._nfree == self._slots_n and self._log_n == 0:
+        if self._nfree == self._slots_n and self._log.used == 0:
             return
         self._flush()
         self._forget()
@@ -179,7 +175,7 @@ class TieredStore(ShardStore):
     def _flush(self) -> None:
         """Make the file the shard: the log merged into it, then the changed slots written in
         place (sorted by row, their pages read ahead); the slots stay, unchanged now."""
-        self._merge()
+        self._log.merge()
         slots = torch.nonzero(self._dirty).squeeze(1)
         if slots.numel():
             rows, order = torch.sort(self._rid.index_select(0, slots))
@@ -201,43 +197,16 @@ class TieredStore(ShardStore):
         self._dirty.zero_()
         self._free = torch.arange(self._slots_n - 1, -1, -1, dtype=torch.int64)
         self._nfree = self._slots_n
-        self._drop_log()
+        self._log.drop()
 
-    # ---- the write-back log ------------------------------------------------------------------
+    # ---- the files changing ------------------------------------------------------------------
     def _changed(self) -> None:
         """Records of the file or the log may change in place: the reads ahead's copies are stale."""
-        self._epoch += 1
-        self._staged.clear()
-
-    def _logged(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(rows, their newest log records) of every row whose newest copy is in the log."""
-        rows, v = self._map.items()
-        inlog = v <= -2
-        return rows[inlog], _code(v[inlog])
-
-    def _drop_log(self) -> None:
-        if self._log_n:
-            self._changed()
-            self._map.erase(self._logged()[0])
-            self._log_n = 0
-            self.tier.reset_log()
+        self._copies.changed()
 
     def _logs(self) -> tuple:
         """The log's arrays, in _cached's order (None where the file has none)."""
         return tuple(None if f is None else self.tier.log_view(n, f) for n, f in zip(PARTS, self._files()))
-
-    def _merge(self) -> None:
-        """The log's newest record of each row into the file, by row (the file in order: the
-        tier's merge), then the log emptied."""
-        if self._log_n == 0:
-            return
-        self._changed()
-        rows, at = self._logged()
-        rows, order = torch.sort(rows)
-        self.tier.merge(rows, at.index_select(0, order))
-        self.counts["merges"] += 1
-        self.counts["merged"] += rows.numel()
-        self._drop_log()
 
     # ---- the slots -------------------------------------------------------------------------
     def _at(self, idx: torch.Tensor) -> torch.Tensor:
@@ -289,20 +258,13 @@ class TieredStore(ShardStore):
         self.counts["evicted"] += victims.numel()
 
     def _append(self, slots: torch.Tensor) -> None:
-        """Changed slots' rows, evicted, appended to the log (whole pages, straight to the disk:
-        nothing read first), the map pointing at their records; the log merged into the file
-        whenever it is full."""
-        for lo in range(0, slots.numel(), self._log_cap):
-            part = slots[lo:lo + self._log_cap]
-            if self._log_n + part.numel() > self._log_cap:
-                self._merge()
-            a = self.tier.append({n: c.index_select(0, part) for n, c, f in zip(PARTS, self._cached(), self._files())
-                                  if f is not None})
-            b = a + part.numel()
-            self._map.insert(self._rid.index_select(0, part), _code(torch.arange(a, b)))
-            self._log_n = b
-            self._dirty.index_fill_(0, part, False)
-            self.counts["written"] += part.numel()
+        """Changed slots' rows, evicted, appended to the write-back log (writelog.py)."""
+        if slots.numel():
+            self._log.append(self._rid.index_select(0, slots),
+                             {n: c.index_select(0, slots) for n, c, f in zip(PARTS, self._cached(), self._files())
+                              if f is not None})
+            self._dirty.index_fill_(0, slots, False)
+            self.counts["written"] += slots.numel()
 
     def _load(self, rows: torch.Tensor, slots: torch.Tensor, where: torch.Tensor) -> None:
         """Sorted storage rows (the file in order) into free slots, each from its newest record:
@@ -312,16 +274,12 @@ class TieredStore(ShardStore):
         self.tier.ready()
         recs = torch.empty(rows.numel(), self.tier.file.row_bytes, dtype=torch.uint8)
         todo = torch.ones(rows.numel(), dtype=torch.bool)
-        srows, swhere, srecs = self._staged_rows()
-        if srows.numel():
-            pos = torch.searchsorted(srows, rows).clamp_(max=srows.numel() - 1)
-            ok = (srows.index_select(0, pos) == rows) & (swhere.index_select(0, pos) == where)
-            got = torch.nonzero(ok).squeeze(1)
-            recs.index_copy_(0, got, srecs.index_select(0, pos.index_select(0, got)))
-            todo.index_fill_(0, got, False)
-            self.counts["staged"] += got.numel()
+        got, copies = self._copies.take(rows, where)
+        recs.index_copy_(0, got, copies)
+        todo.index_fill_(0, got, False)
+        self.counts["staged"] += got.numel()
         new = where <= -2
-        for sel, records, at in ((todo & ~new, self.tier.file.tensor, rows), (todo & new, None, _code(where))):
+        for sel, records, at in ((todo & ~new, self.tier.file.tensor, rows), (todo & new, None, code(where))):
             i = torch.nonzero(sel).squeeze(1)
             if i.numel():
                 records = self.tier.log.tensor if records is None else records
@@ -335,21 +293,6 @@ class TieredStore(ShardStore):
         self._dirty.index_copy_(0, slots, new)
         self.counts["from_log"] += int(new.sum())
         self.counts["loaded"] += rows.numel()
-
-    def _staged_rows(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(rows, where they were read from, the records' copies) the reads ahead made since the
-        files last changed in place, sorted by row (the threads are done: _load waited)."""
-        if self._stage is None or self._stage[0] != self._epoch:
-            groups = [(rows, where, torch.cat([f.result() for f in futures]))
-                      for epoch, rows, where, futures in self._staged if epoch == self._epoch]
-            if groups:
-                rows, order = torch.sort(torch.cat([g[0] for g in groups]))
-                stage = (rows, torch.cat([g[1] for g in groups]).index_select(0, order),
-                         torch.cat([g[2] for g in groups]).index_select(0, order))
-            else:
-                stage = (torch.zeros(0, dtype=torch.int64),) * 2 + (torch.zeros(0, 1, dtype=torch.uint8),)
-            self._stage = (self._epoch,) + stage
-        return self._stage[1:]
 
     def _cached(self) -> tuple:
         """The slots' arrays: values, optimizer state (None for SGD), versions, touched marks."""
@@ -366,7 +309,7 @@ class TieredStore(ShardStore):
         held = slots >= 0
         cold = torch.nonzero(~held).squeeze(1)
         if cold.numel():
-            self._merge()  # the file serves these rows: it must hold their newest records
+            self._log.merge()  # the file serves these rows: it must hold their newest records
             self._changed()  # ... and may change them in place
         return slots, torch.nonzero(held).squeeze(1), cold
 
@@ -393,12 +336,9 @@ class TieredStore(ShardStore):
             uniq = torch.unique(local_idx)
             where, _ = self._map.lookup(uniq)
             inlog, infile = where <= -2, where == -1
-            futures = self.tier.prefetch(_code(where[inlog]), log=True, keep=True) + \
+            futures = self.tier.prefetch(code(where[inlog]), log=True, keep=True) + \
                 self.tier.prefetch(uniq[infile], keep=True)
-            if futures:
-                self._staged.append((self._epoch, torch.cat([uniq[inlog], uniq[infile]]),
-                                     torch.cat([where[inlog], where[infile]]), futures))
-                self._stage = None
+            self._copies.add(torch.cat([uniq[inlog], uniq[infile]]), torch.cat([where[inlog], where[infile]]), futures)
 
     def _gather(self, idx: torch.Tensor, part: int) -> torch.Tensor:
         """Values of storage rows idx of one part (_cached's order) from the slots or the file."""
@@ -469,7 +409,7 @@ class TieredStore(ShardStore):
         self._changed()
         self._t.fill_(value)
         self._files()[3].fill_(value)
-        self._logs()[3][:self._log_n].fill_(value)
+        self._logs()[3][:self._log.used].fill_(value)
 
     def store_record(self) -> dict:
         c, steps = self.counts, max(self.tier.stats.steps, 1)
@@ -478,5 +418,5 @@ class TieredStore(ShardStore):
                 "rows_written_per_step": c["written"] / steps, "rows_read_from_log_per_step": c["from_log"] / steps,
                 "rows_copied_ahead_per_step": c["staged"] / steps,
                 "rows_evicted": c["evicted"], "rows_bypassed": c["bypassed"], "cache_emptied": c["emptied"],
-                "cache_forgotten": c["forgotten"], "log_rows": self._log_cap, "log_merges": c["merges"],
-                "rows_merged": c["merged"]}
+                "cache_forgotten": c["forgotten"], "log_rows": self._log.capacity,
+                "log_merges": self._log.counts["merges"], "rows_merged": self._log.counts["merged"]}
