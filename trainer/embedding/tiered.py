@@ -5,11 +5,11 @@ neighbours in RAM with every hot row and writes back 4 KiB for every 80 B row up
 0.05 of the in-memory step rate). Here the RAM holds whole rows, by id, in slots (FBGEMM's and
 HierarchicalKV's design): a row's values, optimizer state, version and touched mark.
 
-- **One copy of each row.** A row is in a slot or in the file, never both as writable copies:
-  a slot is loaded from the file when the row is first used (read or written), written back to
-  the file (when changed) as it is evicted. Every read and update goes through the slot when
-  there is one and through the file otherwise (when a single call wants more rows than the cache
-  can give it), with the very same arithmetic (store.py's _update, _update_masked, _put): a row's
+- **One writable copy of each row**, in a slot, else the newest log record, else the file: a
+  slot is loaded when the row is first used (read or written) and appended to the log (when
+  changed) as it is evicted. Every read and update goes through the slot when there is one and
+  through the file otherwise (when a single call wants more rows than the cache can give it; the
+  log merged first), with the very same arithmetic (store.py's _update, _update_masked, _put): a row's
   updates are elementwise and its duplicate gradients are summed in the same order, so `disk`
   equals `memory` bit for bit.
 - **Eviction**: least recently used (a counter per call), never a row of the call being served,
