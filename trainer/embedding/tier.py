@@ -209,6 +209,24 @@ class DiskTier:
             self.log_end += k
         return first
 
+    def write(self, rows: torch.Tensor, parts: dict[str, torch.Tensor]) -> None:
+        """Records `rows` (sorted, distinct) of the file set in place from `parts` ({field: [n, ...]}),
+        through the mapping, their pages read by the threads first (a record is part of a page)."""
+        self.prefetch(rows)
+        self.ready()
+        for name, values in parts.items():
+            self.view(self.file.tensor, name, values).index_copy_(0, rows, values)
+
+    def read(self, rows: torch.Tensor, at: torch.Tensor, logged: torch.Tensor) -> torch.Tensor:
+        """[n, record bytes] copies of records: the log's record at[i] where logged[i], else the
+        file's record rows[i]."""
+        out = torch.empty(rows.numel(), self.file.row_bytes, dtype=torch.uint8)
+        for sel, f, idx in ((~logged, self.file, rows), (logged, self.log, at)):
+            i = torch.nonzero(sel).squeeze(1)
+            if i.numel():
+                out.index_copy_(0, i, f.tensor.index_select(0, idx.index_select(0, i)))
+        return out
+
     def merge(self, rows: torch.Tensor, at: torch.Tensor) -> None:
         """file[rows] = log[at], rows sorted and distinct: the file is read and written in
         pieces of up to APPEND_BYTES, each one sequential read and one sequential write straight

@@ -47,7 +47,7 @@ import torch
 import kernels
 from .optim import SparseOptimizer
 from .readahead import ReadAheadCopies
-from .slotmap import DIRECT_IDS_PER_SLOT, id_slot_map, map_bytes, uses_direct_map
+from .slotmap import DIRECT_IDS_PER_SLOT, id_slot_map, map_bytes
 from .store import ShardStore, _put, _update, _update_masked
 from .tier import DiskTier
 from .writelog import WriteLog, code
@@ -56,7 +56,7 @@ EVICT_BATCH = 32  # an eviction frees at least 1/EVICT_BATCH of the slots
 SLOT_BOOK_BYTES = 8 + 8 + 1  # per slot: its row, its last use, changed
 LOG_SHARE = 8  # the write-back log holds at most 1/LOG_SHARE of the shard's rows (on disk)
 STAGED_CALLS = 2  # the copies of the last two reads ahead are kept (readahead.py)
-LOG_INDEX_SHARE = 4  # ... and its index at most 1/LOG_INDEX_SHARE of the row cache's bytes
+LOG_INDEX_SHARE = 4  # ... while a direct map for them fits in 1/LOG_INDEX_SHARE of the row cache's bytes
 
 
 def record_fields(dim: int, dtype: torch.dtype, optimizer: str) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
@@ -108,8 +108,7 @@ class TieredStore(ShardStore):
         local = p["sharding"].local_rows
         tier.define(local, record_fields(p["dim"], p["dtype"], p["optimizer"]), log_rows(local, cache_bytes))
         super().__init__(*args, tier=tier, **kw)
-        parts = self.bytes_per_row()
-        self._build(cache_slots(cache_bytes, parts["total"] + 1, self.sharding.local_rows))
+        self._build(cache_slots(cache_bytes, self.bytes_per_row()["total"] + 1, local))
 
     def _build(self, n: int) -> None:
         self._slots_n = n
@@ -124,8 +123,7 @@ class TieredStore(ShardStore):
         self._dirty = torch.zeros(n, dtype=torch.bool)
         self._free = torch.arange(n - 1, -1, -1, dtype=torch.int64)  # a stack: [:_nfree] are free
         self._nfree = n
-        log = self.tier.log.tensor.shape[0]
-        self._map = id_slot_map(self.sharding.local_rows, n + log, "cpu")  # row -> slot, or log record (writelog.code)
+        self._map = id_slot_map(self.sharding.local_rows, n + self.tier.log.tensor.shape[0], "cpu")  # slot, or writelog.code
         self._log = WriteLog(self.tier, self._map, self._changed)
         self._copies = ReadAheadCopies(self.tier.file.row_bytes, STAGED_CALLS)  # the reads ahead's records
         self._use = 0
@@ -152,7 +150,6 @@ class TieredStore(ShardStore):
     @contextlib.contextmanager
     def raw(self, write: bool) -> Iterator[None]:
         self._flush()
-        self._changed()
         outer, self._in_raw = self._in_raw, True  # phases may nest
         try:
             yield
@@ -176,15 +173,11 @@ class TieredStore(ShardStore):
         """Make the file the shard: the log merged into it, then the changed slots written in
         place (sorted by row, their pages read ahead); the slots stay, unchanged now."""
         self._log.merge()
+        self._changed()  # the file is written in place
         slots = torch.nonzero(self._dirty).squeeze(1)
         if slots.numel():
             rows, order = torch.sort(self._rid.index_select(0, slots))
-            slots = slots.index_select(0, order)
-            self.tier.prefetch(rows)
-            self.tier.ready()
-            for cached, file in zip(self._cached(), self._files()):
-                if file is not None:
-                    file.index_copy_(0, rows, cached.index_select(0, slots))
+            self.tier.write(rows, self._parts(slots.index_select(0, order)))
             self._dirty.zero_()
             self.counts["written"] += slots.numel()
 
@@ -203,10 +196,6 @@ class TieredStore(ShardStore):
     def _changed(self) -> None:
         """Records of the file or the log may change in place: the reads ahead's copies are stale."""
         self._copies.changed()
-
-    def _logs(self) -> tuple:
-        """The log's arrays, in _cached's order (None where the file has none)."""
-        return tuple(None if f is None else self.tier.log_view(n, f) for n, f in zip(PARTS, self._files()))
 
     # ---- the slots -------------------------------------------------------------------------
     def _at(self, idx: torch.Tensor) -> torch.Tensor:
@@ -260,9 +249,7 @@ class TieredStore(ShardStore):
     def _append(self, slots: torch.Tensor) -> None:
         """Changed slots' rows, evicted, appended to the write-back log (writelog.py)."""
         if slots.numel():
-            self._log.append(self._rid.index_select(0, slots),
-                             {n: c.index_select(0, slots) for n, c, f in zip(PARTS, self._cached(), self._files())
-                              if f is not None})
+            self._log.append(self._rid.index_select(0, slots), self._parts(slots))
             self._dirty.index_fill_(0, slots, False)
             self.counts["written"] += slots.numel()
 
@@ -272,18 +259,15 @@ class TieredStore(ShardStore):
         when there is one still valid, else the record itself. A row read from the log is marked
         changed: it goes back to the log when evicted (its record there is about to be forgotten)."""
         self.tier.ready()
-        recs = torch.empty(rows.numel(), self.tier.file.row_bytes, dtype=torch.uint8)
-        todo = torch.ones(rows.numel(), dtype=torch.bool)
-        got, copies = self._copies.take(rows, where)
-        recs.index_copy_(0, got, copies)
-        todo.index_fill_(0, got, False)
-        self.counts["staged"] += got.numel()
         new = where <= -2
-        for sel, records, at in ((todo & ~new, self.tier.file.tensor, rows), (todo & new, None, code(where))):
-            i = torch.nonzero(sel).squeeze(1)
-            if i.numel():
-                records = self.tier.log.tensor if records is None else records
-                recs.index_copy_(0, i, records.index_select(0, at.index_select(0, i)))
+        got, copies = self._copies.take(rows, where)
+        todo = torch.ones(rows.numel(), dtype=torch.bool).index_fill_(0, got, False)
+        recs = torch.empty(rows.numel(), self.tier.file.row_bytes, dtype=torch.uint8).index_copy_(0, got, copies)
+        if got.numel() < rows.numel():  # the rest from the records themselves
+            i = torch.nonzero(todo).squeeze(1)
+            recs.index_copy_(0, i, self.tier.read(rows.index_select(0, i), code(where.index_select(0, i)),
+                                                  new.index_select(0, i)))
+        self.counts["staged"] += got.numel()
         for name, cached, file in zip(PARTS, self._cached(), self._files()):
             if file is not None:
                 cached.index_copy_(0, slots, self.tier.view(recs, name, file))
@@ -293,6 +277,10 @@ class TieredStore(ShardStore):
         self._dirty.index_copy_(0, slots, new)
         self.counts["from_log"] += int(new.sum())
         self.counts["loaded"] += rows.numel()
+
+    def _parts(self, slots: torch.Tensor) -> dict[str, torch.Tensor]:
+        """{field: values} of slots' rows, the record's fields the shard has."""
+        return {n: c.index_select(0, slots) for n, c, f in zip(PARTS, self._cached(), self._files()) if f is not None}
 
     def _cached(self) -> tuple:
         """The slots' arrays: values, optimizer state (None for SGD), versions, touched marks."""
@@ -362,61 +350,50 @@ class TieredStore(ShardStore):
             return super().state_rows(gids)
         return self._gather(self.slots(gids), 1).reshape(gids.numel(), self.state_width)
 
+    def _change(self, idx: torch.Tensor, fn) -> None:
+        """fn(optimizer, arrays (_cached's order), rows of them, positions of idx) on the slots of
+        storage rows idx (marked changed), then on the file for the rows no slot can hold."""
+        slots, held, cold = self._split(idx)
+        s = slots.index_select(0, held)
+        fn(self._sync_rate(), self._cached(), s, held)
+        self._dirty.index_fill_(0, s, True)
+        if cold.numel():
+            self.tier.ready()
+            fn(self.optimizer, self._files(), idx.index_select(0, cold), cold)
+
     def apply(self, gids: torch.Tensor, grads: torch.Tensor, unique: bool = False,
               counts: torch.Tensor | None = None, lives: torch.Tensor | None = None) -> None:
         if gids.numel() == 0:
             return
         idx = self.sharding.local_index(gids)
         counts = torch.ones_like(idx) if counts is None else counts
-        slots, held, cold = self._split(idx)
-        s = slots.index_select(0, held)
-        _update(self._sync_rate(), self._v, self._t, s, grads.index_select(0, held), unique, counts.index_select(0, held))
-        self._dirty.index_fill_(0, s, True)
-        if cold.numel():
-            self.tier.ready()
-            _, _, version, touched = self._files()
-            _update(self.optimizer, version, touched, idx.index_select(0, cold), grads.index_select(0, cold), unique,
-                    counts.index_select(0, cold))
+        self._change(idx, lambda opt, a, at, i: _update(opt, a[2], a[3], at, grads.index_select(0, i), unique,
+                                                         counts.index_select(0, i)))
 
     def apply_masked(self, idx: torch.Tensor, grads: torch.Tensor, mask: torch.Tensor,
                      zero_outside: bool = False) -> None:
-        slots, held, cold = self._split(idx)
-        s = slots.index_select(0, held)
-        _update_masked(self._sync_rate(), self._v, self._t, s, grads.index_select(0, held), mask.index_select(0, held),
-                       zero_outside)
-        self._dirty.index_fill_(0, s, True)
-        if cold.numel():
-            self.tier.ready()
-            _, _, version, touched = self._files()
-            _update_masked(self.optimizer, version, touched, idx.index_select(0, cold),
-                           grads.index_select(0, cold), mask.index_select(0, cold), zero_outside)
+        self._change(idx, lambda opt, a, at, i: _update_masked(opt, a[2], a[3], at, grads.index_select(0, i),
+                                                                mask.index_select(0, i), zero_outside))
 
     def put(self, gids: torch.Tensor, rows: torch.Tensor, state: torch.Tensor | None = None,
             updates: torch.Tensor | None = None) -> None:
-        idx = self.slots(gids)
-        slots, held, cold = self._split(idx)
-        pick = (lambda t, at: None if t is None else t.index_select(0, at))
-        s = slots.index_select(0, held)
-        _put(*self._cached(), s, rows.index_select(0, held), pick(state, held), pick(updates, held))
-        self._dirty.index_fill_(0, s, True)
-        if cold.numel():
-            self.tier.ready()
-            _put(*self._files(), idx.index_select(0, cold), rows.index_select(0, cold), pick(state, cold),
-                 pick(updates, cold))
+        pick = (lambda t, i: None if t is None else t.index_select(0, i))
+        self._change(self.slots(gids), lambda opt, a, at, i: _put(*a, at, rows.index_select(0, i), pick(state, i),
+                                                                  pick(updates, i)))
 
     def mark_all_touched(self, value: bool) -> None:
         """The slots' marks and the file's alike: nothing to write back, nothing forgotten."""
         self._changed()
         self._t.fill_(value)
         self._files()[3].fill_(value)
-        self._logs()[3][:self._log.used].fill_(value)
+        self.tier.log_view("touched", self._files()[3])[:self._log.used].fill_(value)
 
     def store_record(self) -> dict:
-        c, steps = self.counts, max(self.tier.stats.steps, 1)
+        c, steps, log = self.counts, max(self.tier.stats.steps, 1), self._log
+        per_step = {"used": "rows_used", "loaded": "rows_read", "written": "rows_written", "from_log": "rows_read_from_log",
+                    "staged": "rows_copied_ahead"}
         return {**self.tier.record(), "cache_slots": self._slots_n, "row_hit_rate": round(c["hit"] / c["used"], 4) if c["used"] else None,
-                "rows_used_per_step": c["used"] / steps, "rows_read_per_step": c["loaded"] / steps,
-                "rows_written_per_step": c["written"] / steps, "rows_read_from_log_per_step": c["from_log"] / steps,
-                "rows_copied_ahead_per_step": c["staged"] / steps,
+                **{f"{name}_per_step": c[k] / steps for k, name in per_step.items()},
                 "rows_evicted": c["evicted"], "rows_bypassed": c["bypassed"], "cache_emptied": c["emptied"],
-                "cache_forgotten": c["forgotten"], "log_rows": self._log.capacity,
-                "log_merges": self._log.counts["merges"], "rows_merged": self._log.counts["merged"]}
+                "cache_forgotten": c["forgotten"], "log_rows": log.capacity, "log_merges": log.counts["merges"],
+                "rows_merged": log.counts["merged"]}
