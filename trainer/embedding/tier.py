@@ -195,8 +195,7 @@ class DiskTier:
         for lo in range(0, n, step):
             k = min(step, n - lo)
             for name, values in parts.items():
-                off, nbytes, dtype = self._fields[name]
-                _field(staged[:k], off, nbytes, dtype, (k,) + tuple(values.shape[1:])).copy_(values[lo:lo + k])
+                self.view(staged[:k], name, values).copy_(values[lo:lo + k])
             start = self.log_end * rec
             page = start // CHUNK * CHUNK
             head = start - page  # the last page's bytes already in the log
@@ -230,7 +229,7 @@ class DiskTier:
     def merge(self, rows: torch.Tensor, at: torch.Tensor) -> None:
         """file[rows] = log[at], rows sorted and distinct: the file is read and written in
         pieces of up to APPEND_BYTES, each one sequential read and one sequential write straight
-        to the disk (O_DIRECT), the piece's log records read by the threads meanwhile. A piece
+        to the disk (O_DIRECT), the piece's log records copied by the threads meanwhile. A piece
         whose rows are sparse (under 1 per 16 pages) is written through the mapping instead, its
         pages read by the threads first."""
         f, buf = self.file, self._buf
@@ -244,18 +243,18 @@ class DiskTier:
             base = int(start[lo]) // unit * unit
             hi = max(lo + 1, int(np.searchsorted(start + rec, base + size, side="right"))) if size else lo + 1
             end = -(-(int(start[hi - 1]) + rec) // CHUNK) * CHUNK
-            r, a = rows[lo:hi], at[lo:hi]
-            self.prefetch(a, log=True)
+            r = rows[lo:hi]
+            logged = self.prefetch(at[lo:hi], log=True, keep=True)  # the piece's log records, copied by the threads
             if not size or end - base > len(buf) or (hi - lo) * 16 < (end - base) // CHUNK:
                 self.prefetch(r)
                 self.ready()
-                f.tensor.index_copy_(0, r, self.log.tensor.index_select(0, a))
+                f.tensor.index_copy_(0, r, torch.cat([g.result() for g in logged]))
             else:
                 span = memoryview(buf)[:end - base]
                 _io(os.preadv, f.fd, span, base, f.path)
                 self.ready()
                 room = torch.frombuffer(buf, dtype=torch.uint8)[:(end - base) // rec * rec].view(-1, rec)
-                room.index_copy_(0, r - base // rec, self.log.tensor.index_select(0, a))
+                room.index_copy_(0, r - base // rec, torch.cat([g.result() for g in logged]))
                 _io(os.pwritev, f.fd, span, base, f.path)
             lo = hi
         self._evict()
