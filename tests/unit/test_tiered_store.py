@@ -15,6 +15,7 @@ from trainer.embedding.sharding import RowSharding
 from trainer.embedding.store import ShardStore
 from trainer.embedding.tier import DiskTier
 from trainer.embedding.slotmap import map_bytes
+from trainer.embedding import tiered
 from trainer.embedding.tiered import TieredStore, cache_slots, log_rows
 
 ROWS = [300, 157, 41]
@@ -32,7 +33,8 @@ def _stores(tmp_path, optimizer: str, dtype: torch.dtype, slots_bytes: int):
 
 @pytest.mark.parametrize("optimizer, dtype", [("adagrad", torch.float32), ("rowwise_adagrad", torch.float16),
                                               ("sgd", torch.bfloat16)])
-def test_every_call_equals_the_store_in_memory(tmp_path, optimizer, dtype):
+def test_every_call_equals_the_store_in_memory(tmp_path, monkeypatch, optimizer, dtype):
+    monkeypatch.setattr(tiered, "LOG_SHARE", 8)  # a small log: merges often, some between a read ahead and its load
     mem, disk, tier = _stores(tmp_path, optimizer, dtype, 8000)
     try:
         assert 40 <= disk._slots_n < 200 and disk._log.capacity == 63  # few slots: most calls evict, some overflow
@@ -101,9 +103,9 @@ def test_every_call_equals_the_store_in_memory(tmp_path, optimizer, dtype):
 
 def test_the_cache_is_sized_by_its_bytes_and_its_map():
     """One map holds both the slots and the log's records: direct (4 B per row of the shard) when
-    the log holds 1/8 of the rows, which it does while 4 B per row fits in a quarter of the
+    the log holds 1/4 of the rows, which it does while 4 B per row fits in a quarter of the
     budget; else hash cells for the slots and a log sized to a quarter of the budget."""
-    assert log_rows(1_000_000, 16_000_000) == 125_000 and map_bytes(1_000_000, 125_000, "cpu") == 4_000_000
+    assert log_rows(1_000_000, 16_000_000) == 250_000 and map_bytes(1_000_000, 250_000, "cpu") == 4_000_000
     assert cache_slots(30_000_000, 77, 1_000_000) == (30_000_000 - 4_000_000) // (77 + 17)
     log = log_rows(1_000_000, 10_000_000)  # 4 MB is more than a quarter: a log of <= 2.5 MB of cells
     assert 1 < log < 62_500 and map_bytes(1_000_000, log, "cpu") <= 2_500_000 < map_bytes(1_000_000, log + 1, "cpu")
@@ -140,5 +142,31 @@ def test_the_log_is_appended_and_merged_into_the_file(tmp_path, rows_of):
         assert torch.equal(tier.alloc("version", (n,), torch.int64)[rows], torch.full((rows.numel(),), 7))
         tier.reset_log()
         assert tier.log_end == 0 and not tier.log_view("weight", weight).any()
+    finally:
+        tier.close()
+
+
+def test_the_tier_unmaps_beside_the_step(tmp_path):
+    """Past its page budget a read ahead leaves the unmapping to the tier's own thread (the step
+    goes on) and the records read are still right; a direct phase (release) waits for it."""
+    n = 50_000
+    tier = DiskTier(str(tmp_path), 0, 16 * 4096)
+    try:
+        tier.define(n, [("weight", (5,), torch.float32), ("version", (), torch.int64)])
+        weight = tier.alloc("weight", (n, 5), torch.float32, fill=1.0)
+        weight[::7] = 3.0
+        tier.release()
+        rows = torch.arange(0, n, 97)
+        got = []
+        for lo in (0, 100, 200, 300):  # each read ahead maps ~100 pages: past the budget of 16
+            got += tier.prefetch(rows[lo:lo + 100], keep=True)
+            assert tier._unmapping is not None or lo == 0
+        tier.ready()
+        records = torch.cat([f.result() for f in got])
+        want = torch.where((rows[:records.shape[0]] % 7 == 0)[:, None], 3.0, 1.0).repeat(1, 5)
+        assert torch.equal(tier.view(records, "weight", weight), want)
+        assert tier.stats.evicted > 0
+        tier.release()
+        assert tier._unmapping is None and tier.mapped_bytes == 0 and not tier.file.mapped.any()
     finally:
         tier.close()

@@ -28,18 +28,14 @@ HierarchicalKV's design): a row's values, optimizer state, version and touched m
   newest record still is and the files have not changed in place since (`_changed`), else reads
   the record itself.
 - **Direct access** (`weight`, `version`, `touched` and the optimizer's state, as checkpoints and
-  snapshots use them): inside `raw(write)` the changed rows are written back first, and after a
-  write phase the slots are forgotten; outside it, any access to those attributes empties the
-  cache first (always correct, only slower).
+  snapshots use them): tiered_phases.py.
 - **Cost per slot**: the row's bytes (values + state + 8 B version + 1 B mark) + 17 B (row, last
-  use, changed) + the map (slotmap.py: 4 B per row of the shard when the log holds 1/8 of the
+  use, changed) + the map (slotmap.py: 4 B per row of the shard when the log holds 1/4 of the
   rows, else hash cells for the slots and the log's records; cache_slots, log_rows).
 """
 from __future__ import annotations
 
-import contextlib
 import inspect
-from typing import Iterator
 
 import numpy as np
 import torch
@@ -47,6 +43,7 @@ import torch
 import kernels
 from .optim import SparseOptimizer
 from .readahead import ReadAheadCopies
+from .tiered_phases import DirectPhases
 from .slotmap import DIRECT_IDS_PER_SLOT, id_slot_map, map_bytes
 from .store import ShardStore, _put, _update, _update_masked
 from .tier import DiskTier
@@ -54,7 +51,7 @@ from .writelog import WriteLog, code
 
 EVICT_BATCH = 32  # an eviction frees at least 1/EVICT_BATCH of the slots
 SLOT_BOOK_BYTES = 8 + 8 + 1  # per slot: its row, its last use, changed
-LOG_SHARE = 8  # the write-back log holds at most 1/LOG_SHARE of the shard's rows (on disk)
+LOG_SHARE = 4  # the write-back log holds at most 1/LOG_SHARE of the shard's rows (on disk)
 STAGED_CALLS = 2  # the copies of the last two reads ahead are kept (readahead.py)
 LOG_INDEX_SHARE = 4  # ... while a direct map for them fits in 1/LOG_INDEX_SHARE of the row cache's bytes
 
@@ -97,7 +94,7 @@ def cache_slots(budget: int, row_bytes: int, local_rows: int) -> int:
 PARTS = ("weight", "state", "version", "touched")  # a record's fields, in _cached's order
 
 
-class TieredStore(ShardStore):
+class TieredStore(DirectPhases, ShardStore):
     """A ShardStore whose arrays are the tier's files, with `cache_bytes` of rows in RAM in front."""
 
     def __init__(self, *args, tier: DiskTier, cache_bytes: int, **kw) -> None:
@@ -130,67 +127,6 @@ class TieredStore(ShardStore):
         self._in_raw = False
         self.counts = {"used": 0, "hit": 0, "loaded": 0, "staged": 0, "from_log": 0, "written": 0, "evicted": 0, "bypassed": 0,
                        "emptied": 0, "forgotten": 0}
-
-    # ---- direct access to the files' arrays --------------------------------------------------
-    def _direct(name: str):  # noqa: N805 (a property factory for the class body)
-        def get(self):
-            if self._slots_n and not self._in_raw:
-                self._empty()
-            return self.__dict__["_" + name]
-
-        def put(self, value):
-            self.__dict__["_" + name] = value
-        return property(get, put)
-
-    weight = _direct("weight")
-    version = _direct("version")
-    touched = _direct("touched")
-    del _direct
-
-    @contextlib.contextmanager
-    def raw(self, write: bool) -> Iterator[None]:
-        self._flush()
-        outer, self._in_raw = self._in_raw, True  # phases may nest
-        try:
-            yield
-        finally:
-            self._in_raw = outer
-            if write:
-                self._changed()
-                if self._nfree < self._slots_n:
-                    self._forget()
-                    self.counts["forgotten"] += 1
-
-    def _empty(self) -> None:
-        """Write every changed row back and forget every slot (the files are then the shard)."""
-        if self._nfree == self._slots_n and self._log.used == 0:
-            return
-        self._flush()
-        self._forget()
-        self.counts["emptied"] += 1
-
-    def _flush(self) -> None:
-        """Make the file the shard: the log merged into it, then the changed slots written in
-        place (sorted by row, their pages read ahead); the slots stay, unchanged now."""
-        self._log.merge()
-        self._changed()  # the file is written in place
-        slots = torch.nonzero(self._dirty).squeeze(1)
-        if slots.numel():
-            rows, order = torch.sort(self._rid.index_select(0, slots))
-            self.tier.write(rows, self._parts(slots.index_select(0, order)))
-            self._dirty.zero_()
-            self.counts["written"] += slots.numel()
-
-    def _forget(self) -> None:
-        """Free every slot (some are held; their changes are in the file) and drop the log (merged
-        already, or older than what was just written into the file)."""
-        self._changed()
-        self._map.erase(self._rid[self._rid >= 0])
-        self._rid.fill_(-1)
-        self._dirty.zero_()
-        self._free = torch.arange(self._slots_n - 1, -1, -1, dtype=torch.int64)
-        self._nfree = self._slots_n
-        self._log.drop()
 
     # ---- the files changing ------------------------------------------------------------------
     def _changed(self) -> None:
