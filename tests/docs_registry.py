@@ -550,9 +550,9 @@ def inline_commands(rel: str) -> list[tuple[int, str]]:
 # test they name (`elsewhere`), which takes the command line from `documented`.
 INLINE: dict[str, Entry] = {
     # README's performance table: the SSD tier's benchmark
-    "python -m benchmarks.bench_store --rows 200000 --steps 200 --warmup 60 --headroom 600M":
+    "python -m benchmarks.bench_store --rows 200000 --steps 300 --warmup 100 --headroom 600M":
         Entry(elsewhere="tests/tools/test_scripts.py::test_bench_store_a_memory_point_then_disk_points_under_a_cgroup",
-              shrink=(("--rows 200000", "--rows 3000"), ("--steps 200", "--steps 14"), ("--warmup 60", "--warmup 4")),
+              shrink=(("--rows 200000", "--rows 3000"), ("--steps 300", "--steps 14"), ("--warmup 100", "--warmup 4")),
               add=("--alphas", "1.1", "--cache-shares", "0.5")),
     # README: as a package (tests/tools/test_install.py: a copy of the checkout, a fresh environment)
     "pip wheel --no-deps .": Entry(elsewhere="tests/tools/test_install.py::installed"),

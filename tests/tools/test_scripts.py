@@ -573,7 +573,7 @@ def test_bench_store_a_memory_point_then_disk_points_under_a_cgroup(tmp_path):
     """A shrunk run: the memory point, then a disk point whose cache is half the shard, run under a
     memory cgroup where the machine has one; its outputs and the shard's files are gone after."""
     from dev import memcg
-    argv = documented("python -m benchmarks.bench_store --rows 200000 --steps 200 --warmup 60 --headroom 600M")
+    argv = documented("python -m benchmarks.bench_store --rows 200000 --steps 300 --warmup 100 --headroom 600M")
     proc = subprocess.run([*argv, "--dir", str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     mem, disk = [json.loads(x) for x in proc.stdout.splitlines()]
