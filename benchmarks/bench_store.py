@@ -91,7 +91,7 @@ def point(kind: str, alpha: float, share: float | None, args: argparse.Namespace
     if kind == "disk":
         steps = max(store.get("steps", 0), 1)
         read_pages = store["bytes_read"] / steps / store["chunk_bytes"]  # the tier reads pages
-        line.update(ratio_to_memory=(rate / base["samples_per_sec"]) if rate and base["samples_per_sec"] else None,
+        line.update(reader=store.get("reader"), ratio_to_memory=(rate / base["samples_per_sec"]) if rate and base["samples_per_sec"] else None,
                     cache_bytes=store["cache_bytes"], cache_slots=store["cache_slots"],
                     row_hit_rate=store["row_hit_rate"], rows_loaded_per_step=store["rows_read_per_step"],
                     rows_written_back_per_step=store["rows_written_per_step"],

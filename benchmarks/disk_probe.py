@@ -12,7 +12,11 @@ a directory does by itself, so the store's rows/s can be read against it. A file
 - `seq_read`: sequential 1 MiB O_DIRECT reads, one thread;
 - `rand_write`: random 4 KiB O_DIRECT writes (no O_DSYNC: the drive's write cache may absorb them),
   for each `--threads` count;
-- `fill`: the initial buffered write of the file plus its fsync.
+- `fill`: the initial buffered write of the file plus its fsync;
+- `ring_read` (with `--ring-depths`): random 4 KiB reads through io_uring (trainer/embedding/uring.py,
+  the SSD tier's reader), `queue_depth` in flight from one thread, with O_DIRECT where the
+  filesystem takes it; no per-read latency (p50 .. p99 are null). Where the kernel refuses
+  io_uring, one line on stderr says so and these points are left out.
 
 Keys: kind, threads, iops, mb_s, p50_us, p90_us, p99_us (per-operation latency), seconds, ops,
 cpu_s (this process's CPU seconds in the point: near seconds x cores, the CPU is the bound, not the
@@ -38,6 +42,10 @@ import tempfile
 import threading
 import time
 from typing import Callable, Sequence
+
+import numpy as np
+
+from trainer.embedding.uring import open_ring
 
 BLOCK = 4096
 SEQ_BLOCK = 1 << 20
@@ -180,8 +188,40 @@ def run_point(path: str, kind: str, threads: int, seconds: float, file_bytes: in
             "cpu_s": round(cpu, 3), "block_bytes": block, "file_bytes": file_bytes, "direct": direct}
 
 
+def ring_point(path: str, depth: int, seconds: float, file_bytes: int, direct: bool) -> dict | None:
+    """Random BLOCK reads through an io_uring of `depth` entries, batches of 4 x depth, until
+    `seconds` have passed; None where io_uring is refused here."""
+    ring = open_ring(depth)
+    if ring is None:
+        return None
+    fd = _open_direct(path, os.O_RDONLY) if direct else os.open(path, os.O_RDONLY)
+    if not direct:
+        drop_cache(path)
+    batch, nblocks = 4 * depth, file_bytes // BLOCK
+    buf = mmap.mmap(-1, batch * BLOCK)  # page-aligned, as O_DIRECT needs
+    view = np.frombuffer(buf, np.uint8)
+    rng = np.random.default_rng(depth)
+    ops = 0
+    try:
+        t0, cpu0 = time.perf_counter(), time.process_time()
+        while time.perf_counter() - t0 < seconds:
+            ring.read(fd, rng.integers(0, nblocks, batch, dtype=np.int64) * BLOCK, BLOCK, view.ctypes.data, path)
+            ops += batch
+        wall, cpu = time.perf_counter() - t0, time.process_time() - cpu0
+    finally:
+        del view
+        os.close(fd)
+        ring.close()
+        buf.close()
+    return {"kind": "ring_read", "threads": 1, "queue_depth": depth, "iops": round(ops / wall, 1),
+            "mb_s": round(ops * BLOCK / wall / 1e6, 2), "p50_us": None, "p90_us": None, "p99_us": None,
+            "seconds": round(wall, 3), "ops": ops, "cpu_s": round(cpu, 3), "block_bytes": BLOCK,
+            "file_bytes": file_bytes, "direct": direct}
+
+
 def probe(directory: str, size: int, seconds: float, threads: Sequence[int], buffered: bool = False,
-          emit: Callable[[dict], None] = lambda line: print(json.dumps(line), flush=True)) -> list[dict]:
+          emit: Callable[[dict], None] = lambda line: print(json.dumps(line), flush=True),
+          ring_depths: Sequence[int] = ()) -> list[dict]:
     """Every point on a file of `size` bytes made in `directory` (deleted at the end); each line is
     passed to emit as it is measured."""
     fd, path = tempfile.mkstemp(prefix="disk_probe-", suffix=".bin", dir=directory)
@@ -208,6 +248,13 @@ def probe(directory: str, size: int, seconds: float, threads: Sequence[int], buf
              "block_bytes": FILL_CHUNK, "file_bytes": size, "direct": False})
         for n in threads:
             put(run_point(path, "rand_read", n, seconds, size, direct))
+        for depth in ring_depths:
+            line = ring_point(path, depth, seconds, size, direct)
+            if line is None:
+                print("disk_probe: io_uring is refused here (the kernel, seccomp or kernel.io_uring_disabled): "
+                      "no ring_read points", file=sys.stderr, flush=True)
+                break
+            put(line)
         put(run_point(path, "seq_read", 1, seconds, size, direct))
         for n in threads:
             put(run_point(path, "rand_write", n, seconds, size, direct))
@@ -233,6 +280,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--size", default="1G", help="file size: 4G, 512M, ... (larger than the drive's cache)")
     ap.add_argument("--seconds", type=float, default=3.0, help="seconds per point")
     ap.add_argument("--threads", type=int, nargs="+", default=[1, 4, 16, 64], help="thread counts (queue depths)")
+    ap.add_argument("--ring-depths", type=int, nargs="*", default=[], metavar="N",
+                    help="also random reads through io_uring with N in flight from one thread (the SSD tier's reader)")
     ap.add_argument("--buffered", action="store_true",
                     help="no O_DIRECT: plain reads after posix_fadvise(DONTNEED) (what the fallback does)")
     args = ap.parse_args(argv)
@@ -247,13 +296,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _bad(f"--seconds {args.seconds:g}: must be > 0")
     if any(n <= 0 for n in args.threads):
         return _bad(f"--threads {' '.join(map(str, args.threads))}: each must be > 0")
+    if any(not 0 < n <= 4096 for n in args.ring_depths):
+        return _bad(f"--ring-depths {' '.join(map(str, args.ring_depths))}: each must be in 1..4096")
     if not os.path.isdir(args.dir):
         return _bad(f"--dir {args.dir}: no such directory")
     free = shutil.disk_usage(args.dir).free
     if size > free:
         return _bad(f"--size {args.size}: only {free / 2**30:.1f} GiB free in {args.dir}")
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # the file is deleted on the way out
-    probe(os.path.abspath(args.dir), size, args.seconds, args.threads, args.buffered)
+    probe(os.path.abspath(args.dir), size, args.seconds, args.threads, args.buffered, ring_depths=args.ring_depths)
     return 0
 
 

@@ -21,6 +21,7 @@ from helpers import run_single, run_world, tmpfs
 from parity_helpers import BASE, ES
 from hvd_launch import ROOT, tail
 
+from trainer.embedding import uring
 from trainer.embedding.tier import CHUNK
 
 # tables of ~3.6 MB of rows at d = 16 (56k rows) and a cache of 64 KiB: 32 KiB of pages, ~150 rows
@@ -67,8 +68,17 @@ def test_disk_equals_memory_bit_for_bit(case, tmp_path):
     assert s["kind"] == "disk" and s["cache_bytes"] == 16 * CHUNK and s["disk_bytes"] > 16 * s["cache_bytes"]
     assert s["rows_evicted"] > 0 and s["rows_read_per_step"] > 0 and 0 < s["row_hit_rate"] < 1, s
     assert s["cache_emptied"] == 0, s  # no step read the files' arrays behind the cache's back
+    assert s["reader"] == _reader_here(), s  # the reads ahead through io_uring wherever the kernel allows it
     assert mem[0].summary["store"] == {"kind": "memory"}
     assert os.listdir(store) == []  # every rank's files removed at the end
+
+
+def _reader_here() -> str:
+    ring = uring.open_ring(8)
+    if ring is None:
+        return "threads"
+    ring.close()
+    return "io_uring"
 
 
 @pytest.mark.dist

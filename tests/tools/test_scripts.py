@@ -460,6 +460,29 @@ def test_disk_probe_a_line_per_point_and_the_file_deleted(tmp_path):
     assert os.listdir(tmp_path) == []
 
 
+def test_disk_probe_reads_through_io_uring_at_each_depth(tmp_path):
+    """--ring-depths: the SSD tier's reader against the same file, a line per depth (or the one
+    line saying io_uring is refused here)."""
+    from trainer.embedding import uring
+    proc = subprocess.run([PY, "-m", "benchmarks.disk_probe", "--dir", str(tmp_path), "--size", "2M",
+                           "--seconds", "0.2", "--threads", "1", "--ring-depths", "4", "64"],
+                          capture_output=True, text=True, env=env(), cwd=ROOT, timeout=120)
+    lines = [x for x in _json_lines(proc) if x["kind"] == "ring_read"]
+    ring = uring.open_ring(4)
+    if ring is None:
+        assert lines == [] and "io_uring is refused here" in proc.stderr, proc.stderr
+        return
+    ring.close()
+    assert [x["queue_depth"] for x in lines] == [4, 64]
+    for x in lines:
+        assert x["ops"] > 0 and x["iops"] == pytest.approx(x["ops"] / x["seconds"], rel=0.02) and x["seconds"] >= 0.2, x
+        assert x["block_bytes"] == 4096 and x["p50_us"] is None and 0 < x["cpu_s"], x
+    bad = subprocess.run([PY, "-m", "benchmarks.disk_probe", "--dir", str(tmp_path), "--ring-depths", "0"],
+                         capture_output=True, text=True, env=env(), cwd=ROOT, timeout=60)
+    assert bad.returncode == 2 and "--ring-depths 0: each must be in 1..4096" in bad.stderr
+    assert os.listdir(tmp_path) == []
+
+
 def test_disk_probe_falls_back_where_o_direct_is_refused(tmp_path, monkeypatch, capsys):
     import errno
 

@@ -7,12 +7,16 @@ end, every array: the same bits.
 """
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
 from trainer.embedding.optim import Rounding
 from trainer.embedding.sharding import RowSharding
 from trainer.embedding.store import ShardStore
+from trainer.embedding import tier as tier_module
+from trainer.embedding import uring
 from trainer.embedding.tier import DiskTier
 from trainer.embedding.slotmap import map_bytes
 from trainer.embedding import tiered
@@ -20,6 +24,13 @@ from trainer.embedding.tiered import TieredStore, cache_slots, log_rows
 
 ROWS = [300, 157, 41]
 DIM = 8
+
+
+def _reader(monkeypatch, reader: str) -> None:
+    if reader == "threads":
+        monkeypatch.setattr(tier_module, "open_ring", lambda: None)
+    elif uring.open_ring() is None:
+        pytest.skip("io_uring is refused here (the kernel, seccomp or kernel.io_uring_disabled): the threads read")
 
 
 def _stores(tmp_path, optimizer: str, dtype: torch.dtype, slots_bytes: int):
@@ -31,11 +42,15 @@ def _stores(tmp_path, optimizer: str, dtype: torch.dtype, slots_bytes: int):
     return mem, disk, tier
 
 
-@pytest.mark.parametrize("optimizer, dtype", [("adagrad", torch.float32), ("rowwise_adagrad", torch.float16),
-                                              ("sgd", torch.bfloat16)])
-def test_every_call_equals_the_store_in_memory(tmp_path, monkeypatch, optimizer, dtype):
+@pytest.mark.parametrize("optimizer, dtype, reader", [("adagrad", torch.float32, "ring"), ("rowwise_adagrad", torch.float16, "ring"),
+                                                      ("sgd", torch.bfloat16, "ring"), ("adagrad", torch.float32, "threads")])
+def test_every_call_equals_the_store_in_memory(tmp_path, monkeypatch, optimizer, dtype, reader):
+    """reader: the reads ahead's copies through io_uring where the kernel has it, or the threads'
+    gathers through the mapping."""
     monkeypatch.setattr(tiered, "LOG_SHARE", 8)  # a small log: merges often, some between a read ahead and its load
+    _reader(monkeypatch, reader)
     mem, disk, tier = _stores(tmp_path, optimizer, dtype, 8000)
+    assert (tier._ring is not None) == (reader == "ring")
     try:
         assert 40 <= disk._slots_n < 200 and disk._log.capacity == 63  # few slots: most calls evict, some overflow
         g = torch.Generator().manual_seed(0)
@@ -146,9 +161,11 @@ def test_the_log_is_appended_and_merged_into_the_file(tmp_path, rows_of):
         tier.close()
 
 
-def test_the_tier_unmaps_beside_the_step(tmp_path):
+def test_the_tier_unmaps_beside_the_step(tmp_path, monkeypatch):
     """Past its page budget a read ahead leaves the unmapping to the tier's own thread (the step
-    goes on) and the records read are still right; a direct phase (release) waits for it."""
+    goes on) and the records read are still right; a direct phase (release) waits for it. (The
+    threads' reads: the ring maps no page.)"""
+    _reader(monkeypatch, "threads")
     n = 50_000
     tier = DiskTier(str(tmp_path), 0, 16 * 4096)
     try:
@@ -170,3 +187,27 @@ def test_the_tier_unmaps_beside_the_step(tmp_path):
         assert tier._unmapping is None and tier.mapped_bytes == 0 and not tier.file.mapped.any()
     finally:
         tier.close()
+
+
+def test_the_ring_reads_records_as_the_mapping_holds_them(tmp_path):
+    """uring.Ring: thousands of records at random places, more than the ring holds in flight, equal
+    the file's; a read past the end is an error, not zeros."""
+    ring = uring.open_ring(64)
+    if ring is None:
+        pytest.skip("io_uring is refused here (the kernel, seccomp or kernel.io_uring_disabled): the threads read")
+    try:
+        data = torch.randint(0, 256, (20_000, 80), dtype=torch.uint8, generator=torch.Generator().manual_seed(2))
+        path = tmp_path / "records.bin"
+        path.write_bytes(data.numpy().tobytes())
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            rows = torch.randint(0, 20_000, (3_000,), generator=torch.Generator().manual_seed(3)).numpy()
+            out = torch.empty(rows.size, 80, dtype=torch.uint8)
+            ring.read(fd, rows * 80, 80, out.data_ptr())
+            assert torch.equal(out, data[torch.from_numpy(rows)])
+            with pytest.raises(OSError, match="0 of 80 bytes"):
+                ring.read(fd, rows[:5] * 0 + 20_000 * 80, 80, out.data_ptr(), str(path))
+        finally:
+            os.close(fd)
+    finally:
+        ring.close()

@@ -14,9 +14,12 @@ steps use, a page is only needed while its rows are copied in or written back, a
 unmapped is not lost (the page cache keeps it until the kernel writes it back). The mapping is
 MADV_RANDOM: a fault reads its page only, not the kernel's read-around window (hot ids are spread
 over a table, so neighbours are rarely wanted).
-Reads ahead: `prefetch` gets the rows a coming step (or a write-back) will touch; a pool of
-threads reads them, each its share with one torch gather (which faults the pages in with the GIL
-released), so `threads` reads are in flight; `ready` waits for them (the time counted as the
+Reads ahead: `prefetch` gets the rows a coming step (or a write-back) will touch. The copies the
+row cache asks for (keep=True) are read through io_uring where the kernel allows it (uring.py):
+each record straight into the copy, up to 1,024 in flight, by one thread that waits with the GIL
+released, and no page mapped. Otherwise (and for the pages a write-back needs) a pool of threads
+reads them, each its share with one torch gather (which faults the pages in with the GIL
+released), so `threads` reads are in flight. `ready` waits for them (the time counted as the
 step's wait on the disk). A page never read ahead is read by a fault on the step's own thread
 (counted: `sync_faults`).
 The log (`log.bin`, the same records): the row cache's changed rows appended in whole-page writes
@@ -42,6 +45,8 @@ from typing import Any, Optional
 
 import numpy as np
 import torch
+
+from .uring import open_ring
 
 CHUNK = mmap.PAGESIZE  # bytes: the unit the file is mapped, read and unmapped in (a page)
 MADV_RANDOM = 1  # a fault reads its page only (not the kernel's read-around window, 128 KiB)
@@ -72,6 +77,7 @@ class TierFile:
     mapped: np.ndarray = field(default_factory=lambda: np.zeros(0, bool))  # pages we hold mapped
     path: str = ""
     fd: int = -1  # the file opened for whole-page reads and writes (O_DIRECT where the file system has it)
+    read_fd: int = -1  # ... opened for the ring's reads of single records (through the page cache)
 
     def chunks_of(self, rows: np.ndarray) -> np.ndarray:
         """Sorted distinct chunks holding rows (a row may straddle two)."""
@@ -123,6 +129,9 @@ class DiskTier:
         self._lat_n = 0
         self._io0 = _proc_io()
         self._faults0 = _thread_major_faults()
+        self._ring = open_ring()  # the reads ahead's copies through io_uring (uring.py); None: the threads read them
+        self._ringer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ht-store-ring") if self._ring else None
+        self.reader = "io_uring" if self._ring is not None else "threads"
         self._closed = False
 
     # ---- the files -------------------------------------------------------------------------
@@ -150,7 +159,7 @@ class DiskTier:
         records = torch.from_numpy(array)[:rows * record].view(rows, record)
         _madvise(array.ctypes.data, nbytes, MADV_RANDOM)
         return TierFile(record, nbytes, array, records, array.ctypes.data, np.zeros(-(-nbytes // CHUNK), bool), path,
-                        _open_direct(path))
+                        _open_direct(path), _open_random(path))
 
     def alloc(self, name: str, shape: tuple[int, ...], dtype: torch.dtype, fill: float = 0.0) -> torch.Tensor:
         """The view of field `name` of the records (define) as a tensor of `shape`, every element
@@ -291,6 +300,8 @@ class DiskTier:
         rows = local_rows.detach().cpu().numpy().astype(np.int64, copy=False)
         if rows.size == 0:
             return []
+        if keep and self._ring is not None:
+            return [self._ring_read(self.log if log else self.file, rows)]
         if self.mapped_bytes > self.cache_bytes:
             self._evict(wait=False)
         f = self.log if log else self.file
@@ -310,6 +321,20 @@ class DiskTier:
         self._pending.extend(futures)
         return futures if keep else []
 
+    def _ring_read(self, f: TierFile, rows: np.ndarray) -> Future:
+        """[n, record bytes] copies of records `rows` of f read through the ring by its thread (no
+        page mapped: nothing to unmap, nothing counted against the page budget)."""
+        out = torch.empty(rows.size, f.row_bytes, dtype=torch.uint8)
+
+        def read() -> torch.Tensor:
+            t0 = time.perf_counter()
+            self._ring.read(f.read_fd, rows * f.row_bytes, f.row_bytes, out.data_ptr(), f.path)
+            self._latency(time.perf_counter() - t0)
+            return out
+        fut = self._ringer.submit(read)
+        self._pending.append(fut)
+        return fut
+
     def ready(self) -> None:
         """Wait for the reads in flight (the step is about to copy the rows)."""
         if not self._pending:
@@ -324,14 +349,16 @@ class DiskTier:
         """Read `records[rows]` (a thread of the pool), timing the read; the copy."""
         t0 = time.perf_counter()
         got = records.index_select(0, rows)
-        took = time.perf_counter() - t0
+        self._latency(time.perf_counter() - t0)
+        return got
+
+    def _latency(self, took: float) -> None:
         with self._lock:
             if len(self.stats.latencies) < LATENCY_SAMPLES:
                 self.stats.latencies.append(took)
             else:
                 self.stats.latencies[self._lat_n % LATENCY_SAMPLES] = took
             self._lat_n += 1
-        return got
 
     def _evict(self, wait: bool = True) -> None:
         """Past the budget, unmap every page (one madvise per file): the row cache holds what the
@@ -380,7 +407,7 @@ class DiskTier:
         lat = np.sort(np.asarray(s.latencies)) * 1e6 if s.latencies else np.zeros(0)
         pct = {f"p{q}_us": (round(float(np.percentile(lat, q)), 1) if lat.size else None) for q in (50, 90, 99)}
         steps = max(s.steps, 1)
-        return {"kind": "disk", "dir": self.dir, "disk_bytes": self.disk_bytes(), "cache_bytes": self.total_bytes, "page_bytes": self.cache_bytes,
+        return {"kind": "disk", "reader": self.reader, "dir": self.dir, "disk_bytes": self.disk_bytes(), "cache_bytes": self.total_bytes, "page_bytes": self.cache_bytes,
                 "chunk_bytes": CHUNK, "steps": s.steps,
                 "hit_rate": round(s.chunks_hit / s.chunks_used, 4) if s.chunks_used else None,
                 "chunks_read_per_step": s.chunks_read / steps, "chunks_used_per_step": s.chunks_used / steps,
@@ -399,6 +426,10 @@ class DiskTier:
             fut.cancel()
         self._pool.shutdown(wait=True, cancel_futures=True)
         self._zapper.shutdown(wait=True)
+        if self._ringer is not None:
+            self._ringer.shutdown(wait=True, cancel_futures=True)
+            self._ring.close()
+            self._ring = None
         self._unmapping = None
         self._pending = []
         files, self.file, self.log = (self.file, self.log), None, None
@@ -406,6 +437,7 @@ class DiskTier:
             if f is None:
                 continue
             os.close(f.fd)
+            os.close(f.read_fd)
             f.tensor = torch.empty(0)
             mm = getattr(f.array, "_mmap", None)
             f.array = None
@@ -439,6 +471,16 @@ def _open_direct(path: str) -> int:
         return os.open(path, os.O_RDWR | getattr(os, "O_DIRECT", 0))
     except OSError:
         return os.open(path, os.O_RDWR)
+
+
+def _open_random(path: str) -> int:
+    """path opened for reading single records through the page cache, its read-ahead window off
+    (POSIX_FADV_RANDOM: a read brings its page only, as MADV_RANDOM does for the mapping; without
+    it the ring's reads read ~1.8x the pages)."""
+    fd = os.open(path, os.O_RDONLY)
+    if hasattr(os, "posix_fadvise"):
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
+    return fd
 
 
 def _io(call, fd: int, view: memoryview, offset: int, path: str) -> None:
