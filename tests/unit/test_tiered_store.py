@@ -205,8 +205,12 @@ def test_the_ring_reads_records_as_the_mapping_holds_them(tmp_path):
             out = torch.empty(rows.size, 80, dtype=torch.uint8)
             ring.read(fd, rows * 80, 80, out.data_ptr())
             assert torch.equal(out, data[torch.from_numpy(rows)])
+            past = rows[:200] * 80
+            past[7] = 20_000 * 80  # one read past the end among many: the error, once the others are done
             with pytest.raises(OSError, match="0 of 80 bytes"):
-                ring.read(fd, rows[:5] * 0 + 20_000 * 80, 80, out.data_ptr(), str(path))
+                ring.read(fd, past, 80, out.data_ptr(), str(path))
+            ring.read(fd, rows * 80, 80, out.data_ptr())  # the ring is whole after it
+            assert torch.equal(out, data[torch.from_numpy(rows)])
         finally:
             os.close(fd)
     finally:

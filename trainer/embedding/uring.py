@@ -99,8 +99,9 @@ class Ring:
         """Read `length` bytes at each offset (int64) of file fd into addr + i * length (a buffer
         the caller keeps alive); `entries` in flight at most. OSError on an error or a short read."""
         n, sent, done = int(offsets.size), 0, 0
-        while done < n:
-            k = min(self.entries - (sent - done), n - sent)
+        error: Optional[OSError] = None
+        while done < (sent if error else n):  # after an error, only the reads in flight (they write into addr)
+            k = 0 if error else min(self.entries - (sent - done), n - sent)
             if k:
                 t = int(self._sq_tail[0])
                 e = self._sqes[(t + np.arange(k, dtype=np.int64)) & self._sq_mask]
@@ -116,13 +117,14 @@ class Ring:
             h, tail = int(self._cq_head[0]), int(self._cq_tail[0])
             c = self._cqes[(h + np.arange((tail - h) & 0xFFFFFFFF, dtype=np.int64)) & self._cq_mask]
             bad = c["res"] != length
-            if bad.any():
+            if bad.any() and error is None:
                 res = int(c["res"][bad][0])
-                self._cq_head[0] = tail
-                raise OSError(-res if res < 0 else 5, f"io_uring read of {path or fd}: "
-                              f"{os.strerror(-res) if res < 0 else f'{res} of {length} bytes'}")
+                error = OSError(-res if res < 0 else 5, f"io_uring read of {path or fd}: "
+                                f"{os.strerror(-res) if res < 0 else f'{res} of {length} bytes'}")
             self._cq_head[0] = tail
             done += c.size
+        if error is not None:
+            raise error
 
     def close(self) -> None:
         for m in self._maps:
