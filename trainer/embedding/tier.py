@@ -24,14 +24,13 @@ step's wait on the disk). A page never read ahead is read by a fault on the step
 (counted: `sync_faults`).
 The log (`log.bin`, the same records): the row cache's changed rows appended in whole-page writes
 with O_DIRECT (nothing read first, no page kept), then merged into `rows.bin` in sequential pieces
-read and written the same way (`append`, `merge`, `reset_log`).
+read and written the same way (tier_log.py: `append`, `merge`, `reset_log`).
 The files are scratch: created empty (sparse: unwritten rows read zeros) for each run, removed at
 exit; a checkpoint is the only copy of the model that outlives the run.
 """
 from __future__ import annotations
 
 import ctypes
-import math
 import mmap
 import os
 import resource
@@ -46,12 +45,11 @@ from typing import Any, Optional
 import numpy as np
 import torch
 
+from .tier_log import APPEND_BYTES, CHUNK, TierLog
 from .uring import open_ring
 
-CHUNK = mmap.PAGESIZE  # bytes: the unit the file is mapped, read and unmapped in (a page)
 MADV_RANDOM = 1  # a fault reads its page only (not the kernel's read-around window, 128 KiB)
 MADV_DONTNEED = 4
-APPEND_BYTES = 4 << 20  # the log is appended in writes of at most this (its aligned buffer)
 LATENCY_SAMPLES = 4096  # prefetch latencies kept for the percentiles (a ring)
 
 _libc = ctypes.CDLL(None, use_errno=True)
@@ -100,7 +98,7 @@ class TierStats:
     latencies: list = field(default_factory=list)  # seconds per prefetched run of chunks (a ring)
 
 
-class DiskTier:
+class DiskTier(TierLog):
     """The shard's file of one rank, the pages of it held in RAM and the threads reading ahead."""
 
     def __init__(self, directory: Optional[str], rank: int, cache_bytes: int, total_bytes: int = 0,
@@ -180,44 +178,11 @@ class DiskTier:
                 self.release()
         return tensor
 
-    def log_view(self, name: str, like: torch.Tensor) -> torch.Tensor:
-        """Field `name` of the log's records, shaped as `like` (alloc's view of it) per row."""
-        return self.view(self.log.tensor, name, like)
-
     def view(self, records: torch.Tensor, name: str, like: torch.Tensor) -> torch.Tensor:
         """Field `name` of [n, record bytes] `records` (the file's, the log's, or copies of
         them), shaped as `like` (alloc's view of it) per row."""
         off, nbytes, dtype = self._fields[name]
         return _field(records, off, nbytes, dtype, (records.shape[0],) + tuple(like.shape[1:]))
-
-    def append(self, parts: dict[str, torch.Tensor]) -> int:
-        """Append n records to the log from `parts` ({field: [n, ...] values}); returns the first
-        one's index. Every write covers whole pages (the last page's records already written are
-        kept in RAM and written again with it), so it goes straight to the disk (O_DIRECT):
-        nothing is read first and no page stays in RAM. In pieces of APPEND_BYTES."""
-        f, buf = self.log, self._buf
-        n = next(iter(parts.values())).shape[0]
-        if self.log_end + n > f.tensor.shape[0]:
-            raise ValueError(f"tier: {n} records do not fit in the log ({self.log_end} of {f.tensor.shape[0]} used)")
-        first, rec = self.log_end, f.row_bytes
-        room = torch.frombuffer(buf, dtype=torch.uint8)
-        step = max(1, APPEND_BYTES // rec)
-        staged = torch.empty(min(step, n), rec, dtype=torch.uint8)
-        for lo in range(0, n, step):
-            k = min(step, n - lo)
-            for name, values in parts.items():
-                self.view(staged[:k], name, values).copy_(values[lo:lo + k])
-            start = self.log_end * rec
-            page = start // CHUNK * CHUNK
-            head = start - page  # the last page's bytes already in the log
-            buf[:head] = self._tail
-            end = head + k * rec
-            room[head:end] = staged[:k].view(-1)
-            size = -(-end // CHUNK) * CHUNK
-            _io(os.pwritev, f.fd, memoryview(buf)[:size], page, f.path)
-            self._tail = bytes(buf[end // CHUNK * CHUNK:end])
-            self.log_end += k
-        return first
 
     def write(self, rows: torch.Tensor, parts: dict[str, torch.Tensor]) -> None:
         """Records `rows` (sorted, distinct) of the file set in place from `parts` ({field: [n, ...]}),
@@ -236,51 +201,6 @@ class DiskTier:
             if i.numel():
                 out.index_copy_(0, i, f.tensor.index_select(0, idx.index_select(0, i)))
         return out
-
-    def merge(self, rows: torch.Tensor, at: torch.Tensor) -> None:
-        """file[rows] = log[at], rows sorted and distinct: the file is read and written in
-        pieces of up to APPEND_BYTES, each one sequential read and one sequential write straight
-        to the disk (O_DIRECT), the piece's log records copied by the threads meanwhile. A piece
-        whose rows are sparse (under 1 per 16 pages) is written through the mapping instead, its
-        pages read by the threads first."""
-        f, buf = self.file, self._buf
-        self._evict()  # none of the file's pages stay mapped while it is written around the mapping
-        rec = f.row_bytes
-        unit = rec * CHUNK // math.gcd(rec, CHUNK)  # a piece starts on a page and on a record
-        size = APPEND_BYTES // unit * unit
-        start = rows.numpy() * rec
-        lo, n = 0, rows.numel()
-        while lo < n:
-            base = int(start[lo]) // unit * unit
-            hi = max(lo + 1, int(np.searchsorted(start + rec, base + size, side="right"))) if size else lo + 1
-            end = -(-(int(start[hi - 1]) + rec) // CHUNK) * CHUNK
-            r = rows[lo:hi]
-            logged = self.prefetch(at[lo:hi], log=True, keep=True)  # the piece's log records, copied by the threads
-            if not size or end - base > len(buf) or (hi - lo) * 16 < (end - base) // CHUNK:
-                self.prefetch(r)
-                self.ready()
-                f.tensor.index_copy_(0, r, torch.cat([g.result() for g in logged]))
-            else:
-                span = memoryview(buf)[:end - base]
-                _io(os.preadv, f.fd, span, base, f.path)
-                self.ready()
-                room = torch.frombuffer(buf, dtype=torch.uint8)[:(end - base) // rec * rec].view(-1, rec)
-                room.index_copy_(0, r - base // rec, torch.cat([g.result() for g in logged]))
-                _io(os.pwritev, f.fd, span, base, f.path)
-            lo = hi
-        self._evict()
-
-    def reset_log(self) -> None:
-        """Empty the log (its records merged into the file or no longer wanted): the file is cut
-        to nothing and extended again, so its pages leave the page cache unwritten and the next
-        appends fill holes (no page read back)."""
-        self.ready()
-        f = self.log
-        self.log_end, self._tail = 0, b""
-        os.truncate(f.path, 0)
-        os.truncate(f.path, f.nbytes)
-        self.mapped_bytes -= int(f.mapped.sum()) * CHUNK
-        f.mapped[:] = False
 
     def disk_bytes(self) -> int:
         return sum(f.nbytes for f in (self.file, self.log) if f is not None)
@@ -481,13 +401,6 @@ def _open_random(path: str) -> int:
     if hasattr(os, "posix_fadvise"):
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
     return fd
-
-
-def _io(call, fd: int, view: memoryview, offset: int, path: str) -> None:
-    """os.preadv / os.pwritev of all of `view` at `offset`, or OSError."""
-    done = call(fd, [view], offset)
-    if done != len(view):
-        raise OSError(f"tier: {call.__name__} moved {done} of {len(view)} bytes at {offset} of {path}")
 
 
 def _field(records: torch.Tensor, off: int, nbytes: int, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
