@@ -245,10 +245,11 @@ class DiskTier(TierLog):
         """[n, record bytes] copies of records `rows` of f read through the ring by its thread (no
         page mapped: nothing to unmap, nothing counted against the page budget)."""
         out = torch.empty(rows.size, f.row_bytes, dtype=torch.uint8)
+        offsets = rows * f.row_bytes  # a new array: the caller's ids may change once this returns
 
         def read() -> torch.Tensor:
             t0 = time.perf_counter()
-            self._ring.read(f.read_fd, rows * f.row_bytes, f.row_bytes, out.data_ptr(), f.path)
+            self._ring.read(f.read_fd, offsets, f.row_bytes, out.data_ptr(), f.path)
             self._latency(time.perf_counter() - t0)
             return out
         fut = self._ringer.submit(read)

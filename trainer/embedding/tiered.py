@@ -43,10 +43,10 @@ import torch
 import kernels
 from .optim import SparseOptimizer
 from .readahead import ReadAheadCopies
-from .tiered_phases import DirectPhases
 from .slotmap import DIRECT_IDS_PER_SLOT, id_slot_map, map_bytes
 from .store import ShardStore, _put, _update, _update_masked
 from .tier import DiskTier
+from .tiered_phases import DirectPhases
 from .writelog import WriteLog, code
 
 EVICT_BATCH = 32  # an eviction frees at least 1/EVICT_BATCH of the slots
