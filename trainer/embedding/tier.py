@@ -216,7 +216,8 @@ class DiskTier(TierLog):
         gather, which faults their pages in with the GIL released: `threads` reads in flight),
         so that the step's own copy finds them in RAM. keep: every record is read (not only those
         on pages not mapped yet) and the futures returned give the copies, in the rows' order
-        (pages read ahead may be reclaimed before they are used; copies are not)."""
+        (pages read ahead may be reclaimed before they are used; copies are not); where the
+        kernel has io_uring, one future, read through the ring with no page mapped (_ring_read)."""
         rows = local_rows.detach().cpu().numpy().astype(np.int64, copy=False)
         if rows.size == 0:
             return []
