@@ -28,7 +28,7 @@ HierarchicalKV's design): a row's values, optimizer state, version and touched m
   newest record still is and the files have not changed in place since (`_changed`), else reads
   the record itself.
 - **Direct access** (`weight`, `version`, `touched` and the optimizer's state, as checkpoints and
-  snapshots use them): tiered_phases.py.
+  snapshots use them): tiered_direct.py.
 - **Cost per slot**: the row's bytes (values + state + 8 B version + 1 B mark) + 17 B (row, last
   use, changed) + the map (slotmap.py: 4 B per row of the shard when the log holds 1/4 of the
   rows, else hash cells for the slots and the log's records; cache_slots, log_rows).
@@ -46,7 +46,7 @@ from .readahead import ReadAheadCopies
 from .slotmap import DIRECT_IDS_PER_SLOT, id_slot_map, map_bytes
 from .store import ShardStore, _put, _update, _update_masked
 from .tier import DiskTier
-from .tiered_phases import DirectPhases
+from .tiered_direct import DirectPhases
 from .writelog import WriteLog, code
 
 EVICT_BATCH = 32  # an eviction frees at least 1/EVICT_BATCH of the slots
