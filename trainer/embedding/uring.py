@@ -104,13 +104,14 @@ class Ring:
             k = 0 if error else min(self.entries - (sent - done), n - sent)
             if k:
                 t = int(self._sq_tail[0])
-                e = self._sqes[(t + np.arange(k, dtype=np.int64)) & self._sq_mask]
+                slots = (t + np.arange(k, dtype=np.int64)) & self._sq_mask
+                e = self._sqes[slots]
                 e["fd"] = fd
                 e["off"] = offsets[sent:sent + k]
                 e["addr"] = addr + np.arange(sent, sent + k, dtype=np.uint64) * np.uint64(length)
                 e["len"] = length
                 e["user_data"] = np.arange(sent, sent + k, dtype=np.uint64)
-                self._sqes[(t + np.arange(k, dtype=np.int64)) & self._sq_mask] = e
+                self._sqes[slots] = e
                 self._sq_tail[0] = (t + k) & 0xFFFFFFFF  # published after the entries (x86-64/arm64 stores: the syscall orders them)
                 sent += k
             self._enter(k, 1)
