@@ -36,6 +36,7 @@ from .embedding.sharding import HashSharding, Sharding
 from .embedding.store import row_dtype
 from .embedding.tiered import TieredStore, log_rows, record_fields
 from .embedding.tier import DiskTier, record_layout
+from .embedding.tier_log import log_records
 from .models import build_model
 from .placement import Plan, plan_run
 from .plan.memplan import available_memory, fmt_bytes, store_cache_bytes, tier_page_bytes
@@ -159,7 +160,7 @@ def make_tier(c: Config, comm: Collectives, device: torch.device, local_rows: in
     room = None if e.store_cache_bytes else available_memory(device, comm.local_size)[0]
     total = store_cache_bytes(c, room, local_rows * record)
     pages = tier_page_bytes(total)
-    need = (local_rows + log_rows(local_rows, total - pages)) * record  # the file and its write-back log
+    need = (local_rows + log_records(log_rows(local_rows, total - pages), record)) * record  # the file and its log
     where = e.store_dir or tempfile.gettempdir()
     os.makedirs(where, exist_ok=True)
     st = os.statvfs(where)

@@ -28,7 +28,7 @@ DIM = 8
 
 def _reader(monkeypatch, reader: str) -> None:
     if reader == "threads":
-        monkeypatch.setattr(tier_module, "open_ring", lambda: None)
+        monkeypatch.setattr(tier_module, "open_ring", lambda *a: None)
     elif uring.open_ring() is None:
         pytest.skip("io_uring is refused here (the kernel, seccomp or kernel.io_uring_disabled): the threads read")
 
@@ -63,6 +63,9 @@ def test_every_call_equals_the_store_in_memory(tmp_path, monkeypatch, optimizer,
             ids = torch.randint(0, n_ids, (int(torch.randint(1, 320, (1,), generator=g)),), generator=g)
             ids = torch.where(torch.rand(ids.shape, generator=g) < 0.5, ids % 20, ids)  # hot rows repeat
             disk.prefetch(ids)
+            if step == 30:  # the best snapshot's clearing of the marks, slots and file alike, with a read ahead in flight
+                for s in (mem, disk):
+                    s.mark_all_touched(False)
             assert torch.equal(mem.rows(ids), disk.rows(ids))
             idx = mem.sharding.local_index(ids)
             assert torch.equal(mem.versions(idx), disk.versions(idx))
@@ -90,9 +93,6 @@ def test_every_call_equals_the_store_in_memory(tmp_path, monkeypatch, optimizer,
                 with disk.raw(write=False):
                     assert torch.equal(mem.weight, disk.weight)
                 assert disk._slots_n - disk._nfree == held and not disk._dirty.any()
-            if step == 30:  # the best snapshot's clearing of the marks: slots and file alike
-                for s in (mem, disk):
-                    s.mark_all_touched(False)
             if step == 40:  # a direct write (a load): the slots forgotten, the file is the truth
                 for s in (mem, disk):
                     with s.raw(write=True):
@@ -103,7 +103,8 @@ def test_every_call_equals_the_store_in_memory(tmp_path, monkeypatch, optimizer,
         assert c["evicted"] > 0 and c["written"] > 0 and c["bypassed"] > 0 and 0 < c["hit"] < c["used"], c
         logc = disk._log.counts
         assert c["from_log"] > 0 and logc["merges"] > 2 and logc["merged"] > 0, (c, logc)  # rows came back from the log
-        assert 0 < c["staged"] < c["loaded"], c  # ... and from the reads ahead's copies
+        assert (logc["beside"] > 2) == (reader == "ring"), logc  # the merges ran beside the calls where the ring reads
+        assert 0 < c["staged"] < c["loaded"], c  # ... and from the reads ahead's copies, but for the stale ones
         assert c["emptied"] == 0  # no call above read the arrays behind the cache's back
         with disk.raw(write=False):
             assert torch.equal(mem.weight, disk.weight)
@@ -123,9 +124,9 @@ def test_the_cache_is_sized_by_its_bytes_and_its_map():
     assert log_rows(1_000_000, 16_000_000) == 250_000 and map_bytes(1_000_000, 250_000, "cpu") == 4_000_000
     assert cache_slots(30_000_000, 77, 1_000_000) == (30_000_000 - 4_000_000) // (77 + 17)
     log = log_rows(1_000_000, 10_000_000)  # 4 MB is more than a quarter: a log of <= 2.5 MB of cells
-    assert 1 < log < 62_500 and map_bytes(1_000_000, log, "cpu") <= 2_500_000 < map_bytes(1_000_000, log + 1, "cpu")
-    n = cache_slots(10_000_000, 77, 1_000_000)
-    assert n * 94 + map_bytes(1_000_000, n + log, "cpu") <= 10_000_000 < (n + 1) * 94 + map_bytes(1_000_000, n + 1 + log, "cpu")
+    assert 1 < log < 62_500 and map_bytes(1_000_000, 2 * log, "cpu") <= 2_500_000 < map_bytes(1_000_000, 2 * log + 2, "cpu")
+    n = cache_slots(10_000_000, 77, 1_000_000)  # the map indexes the slots and both halves of the log
+    assert n * 94 + map_bytes(1_000_000, n + 2 * log, "cpu") <= 10_000_000 < (n + 1) * 94 + map_bytes(1_000_000, n + 1 + 2 * log, "cpu")
     assert cache_slots(1 << 40, 77, 1000) == 1000  # never more slots than rows
     assert cache_slots(100, 77, 1000) == 1  # at least one
 
@@ -215,3 +216,28 @@ def test_the_ring_reads_records_as_the_mapping_holds_them(tmp_path):
             os.close(fd)
     finally:
         ring.close()
+
+
+def test_a_merge_keeps_the_copies_it_leaves_good():
+    """ReadAheadCopies.merged: a copy of the record a merge wrote into the file is the file's now;
+    copies of other records of merged rows, and copies read from the half merged (emptied), never
+    match; copies read from the other half stay."""
+    from concurrent.futures import Future
+
+    from trainer.embedding.readahead import ReadAheadCopies
+    from trainer.embedding.writelog import code
+
+    done = Future()
+    done.set_result(torch.arange(24, dtype=torch.uint8).view(6, 4))
+    copies = ReadAheadCopies(4)
+    rows = torch.tensor([1, 2, 3, 4, 5, 6])
+    # 1: the file's (not merged); 2: the half's newest (merged); 3: an older record (merged from a
+    # newer one); 4: the file's, the row appended since (merged); 5: the half's, its row now in a
+    # slot; 6: the other half's (records 10..19)
+    where = torch.tensor([-1, *code(torch.tensor([0, 1])).tolist(), -1, *code(torch.tensor([2, 14])).tolist()])
+    copies.add(rows, where, [done])
+    copies.merged(torch.tensor([2, 3, 4]), code(torch.tensor([0, 7, 9])), (0, 10))
+    got, recs = copies.take(rows, torch.tensor([-1, -1, -1, -1, -1, int(code(torch.tensor(14)))]))
+    assert got.tolist() == [0, 1, 5] and torch.equal(recs, done.result()[[0, 1, 5]])
+    got, _ = copies.take(rows, where)  # the half's records are reused after a merge; 4's file record changed
+    assert got.tolist() == [0, 5]

@@ -9,10 +9,13 @@ last `calls` reads ahead (O(batch)).
 
 When a copy may be used: only for the row's newest record as it was when read (`where`: -1 for the
 file, a log record's code for the log), and only while no record of the file or the log has
-changed in place since (`changed()`: a merge, a direct phase, a call the file serves, the marks'
-clearing). Appending to the log and loading or evicting slots change no record in place, so
-copies survive them; a row whose newest copy moved since (into a slot, to another log record)
-no longer matches its `where`.
+changed in place since (`changed()`: a direct phase, a call the file serves, the marks' clearing).
+Appending to the log and loading or evicting slots change no record in place, so copies survive
+them; a row whose newest copy moved since (into a slot, to another log record) no longer matches
+its `where`. A merge of a half of the log (`merged()`) keeps them too: a copy of the record the
+merge wrote into the file is now the file's (its `where` becomes -1); a copy of the file's record
+of a merged row, and every other copy read from that half (its records are reused), can never
+match again.
 """
 from __future__ import annotations
 
@@ -20,6 +23,10 @@ import collections
 from concurrent.futures import Future
 
 import torch
+
+from .writelog import code
+
+STALE = torch.iinfo(torch.int64).min  # a `where` no row's newest record ever has
 
 
 class ReadAheadCopies:
@@ -39,6 +46,22 @@ class ReadAheadCopies:
     def changed(self) -> None:
         """Records may change in place: every copy is stale."""
         self._groups.clear()
+        self._sorted = None
+
+    def merged(self, rows: torch.Tensor, codes: torch.Tensor, records: tuple[int, int]) -> None:
+        """A half of the log merged into the file: rows (sorted, distinct) now hold there the
+        records whose codes were `codes`, and the log's records [records) are forgotten (module
+        docstring); copies of the log's other records stay as they are."""
+        lo, hi = code(torch.tensor(records[1] - 1)), code(torch.tensor(records[0]))
+        for i, (grows, gwhere, futures) in enumerate(self._groups):
+            merged = was = torch.zeros(grows.shape, dtype=torch.bool)
+            if rows.numel():
+                pos = torch.searchsorted(rows, grows).clamp_(max=rows.numel() - 1)
+                merged = rows.index_select(0, pos) == grows
+                was = codes.index_select(0, pos) == gwhere
+            gone = ((gwhere >= lo) & (gwhere <= hi)) | (merged & (gwhere == -1))
+            where = torch.where(gone, STALE, gwhere)
+            self._groups[i] = (grows, torch.where(merged & was, -1, where), futures)
         self._sorted = None
 
     def take(self, rows: torch.Tensor, where: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -22,9 +22,9 @@ reads them, each its share with one torch gather (which faults the pages in with
 released), so `threads` reads are in flight. `ready` waits for them (the time counted as the
 step's wait on the disk). A page never read ahead is read by a fault on the step's own thread
 (counted: `sync_faults`).
-The log (`log.bin`, the same records): the row cache's changed rows appended in whole-page writes
-with O_DIRECT (nothing read first, no page kept), then merged into `rows.bin` in sequential pieces
-read and written the same way (tier_log.py: `append`, `merge`, `reset_log`).
+The log (`log.bin`, the same records, two halves): the row cache's changed rows appended in
+whole-page writes with O_DIRECT (nothing read first, no page kept), then merged into `rows.bin` in
+sequential pieces read and written the same way, beside the steps where the ring reads (tier_log.py).
 The files are scratch: created empty (sparse: unwritten rows read zeros) for each run, removed at
 exit; a checkpoint is the only copy of the model that outlives the run.
 """
@@ -45,7 +45,7 @@ from typing import Any, Optional
 import numpy as np
 import torch
 
-from .tier_log import APPEND_BYTES, CHUNK, TierLog
+from .tier_log import APPEND_BYTES, CHUNK, TierLog, log_records, record_unit
 from .uring import open_ring
 
 MADV_RANDOM = 1  # a fault reads its page only (not the kernel's read-around window, 128 KiB)
@@ -112,8 +112,10 @@ class DiskTier(TierLog):
         self.total_bytes = int(total_bytes or cache_bytes)
         self.file: Optional[TierFile] = None  # define() makes it
         self.log: Optional[TierFile] = None  # the write-back log (define's log_rows records)
-        self.log_end = 0  # records appended to the log since it was emptied
+        self.log_half, self.log_starts = 0, (0, 0)  # records of each half of the log, the halves' first records
+        self.log_end = self.log_limit = 0  # the next record appended, the end of its half
         self._buf: Optional[mmap.mmap] = None  # the appends' page-aligned buffer
+        self._merge_buf: Optional[mmap.mmap] = None  # the merges' (tier_log.py)
         self._tail = b""  # the log's last page as far as it is written (a page-aligned write rewrites it)
         self._fields: dict[str, tuple[int, int, torch.dtype]] = {}  # name -> (offset, bytes, dtype) in a record
         self.mapped_bytes = 0
@@ -130,6 +132,8 @@ class DiskTier(TierLog):
         self._ring = open_ring()  # the reads ahead's copies through io_uring (uring.py); None: the threads read them
         self._ringer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ht-store-ring") if self._ring else None
         self.reader = "io_uring" if self._ring is not None else "threads"
+        self._merge_ring = open_ring(256) if self._ring is not None else None  # the merging thread's (merge_beside)
+        self._merger = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ht-store-merge") if self._merge_ring else None
         self._closed = False
 
     # ---- the files -------------------------------------------------------------------------
@@ -139,13 +143,17 @@ class DiskTier(TierLog):
         one back touches one page, not one page of each array. Each field sits at an offset aligned
         to its element size, the record padded to the largest one; alloc(name) then returns the
         field's strided view. fields: (name, shape of one row's part, dtype); empty parts skipped.
-        log_rows: records of the write-back log (`log.bin`, the same layout; log_view)."""
+        log_rows: records of each half of the write-back log (`log.bin`, the same layout;
+        tier_log.py)."""
         layout, record = record_layout(fields)
         self._fields = layout
         self.file = self._open("rows.bin", rows, record)
         if log_rows:
-            self.log = self._open("log.bin", log_rows, record)
+            self.log = self._open("log.bin", log_records(log_rows, record), record)
+            self.log_half, self.log_starts = log_rows, (0, log_records(log_rows, record) - log_rows)
+            self.rotate(0)
             self._buf = mmap.mmap(-1, APPEND_BYTES + CHUNK + -(-record // CHUNK) * CHUNK)
+            self._merge_buf = mmap.mmap(-1, max(1, APPEND_BYTES // record_unit(record)) * record_unit(record))
 
     def _open(self, name: str, rows: int, record: int) -> TierFile:
         """A new sparse file of `rows` records, mapped (MADV_RANDOM)."""
@@ -348,6 +356,10 @@ class DiskTier(TierLog):
             fut.cancel()
         self._pool.shutdown(wait=True, cancel_futures=True)
         self._zapper.shutdown(wait=True)
+        if self._merger is not None:
+            self._merger.shutdown(wait=True, cancel_futures=True)
+            self._merge_ring.close()
+            self._merge_ring = None
         if self._ringer is not None:
             self._ringer.shutdown(wait=True, cancel_futures=True)
             self._ring.close()

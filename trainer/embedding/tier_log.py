@@ -1,36 +1,66 @@
 """The write-back log's file operations of embedding.store=disk's tier (tier.py's DiskTier): the
 row cache's changed rows appended to `log.bin` in whole-page O_DIRECT writes (nothing read first, no
 page kept in RAM), then merged into `rows.bin` in sequential pieces read and written the same way.
+
+The log has two halves of `log_half` records (the second starts on a page): the row cache appends
+to one while the other, full, is merged into the file, beside the steps where the tier reads
+through io_uring (`merge_beside`, on the tier's merging thread with a ring of its own), else on the
+step's thread (`merge`). writelog.py says when.
 """
 from __future__ import annotations
 
+import ctypes
 import math
 import mmap
 import os
+from concurrent.futures import Future
+from typing import Callable
 
 import numpy as np
 import torch
 
 CHUNK = mmap.PAGESIZE  # bytes: the unit the file is mapped, read and unmapped in (a page)
-APPEND_BYTES = 4 << 20  # the log is appended in writes of at most this (its aligned buffer)
+APPEND_BYTES = 4 << 20  # the log is appended, and the file merged, in I/Os of at most this (or one record unit)
+FALLOC_PUNCH_HOLE = 0x01 | 0x02  # FALLOC_FL_KEEP_SIZE | FALLOC_FL_PUNCH_HOLE
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_long, ctypes.c_long]
+
+
+def record_unit(record: int) -> int:
+    """Bytes of the smallest run of whole records that starts and ends on a page."""
+    return record * CHUNK // math.gcd(record, CHUNK)
+
+
+def log_records(half: int, record: int) -> int:
+    """Records of a log file of two halves of `half` records each, the second starting on a page."""
+    per = record_unit(record) // record
+    return -(-half // per) * per + half
 
 
 class TierLog:
-    """DiskTier's log (a mixin: the files, the buffer and the reads ahead are DiskTier's)."""
+    """DiskTier's log (a mixin: the files, the buffers and the reads ahead are DiskTier's)."""
 
     def log_view(self, name: str, like: torch.Tensor) -> torch.Tensor:
         """Field `name` of the log's records, shaped as `like` (alloc's view of it) per row."""
         return self.view(self.log.tensor, name, like)
 
+    def rotate(self, half: int) -> None:
+        """Appends go to the start of `half` (0 or 1) from now on (empty: reset_half)."""
+        self.log_end = self.log_starts[half]
+        self.log_limit = self.log_end + self.log_half
+        self._tail = b""
+
     def append(self, parts: dict[str, torch.Tensor]) -> int:
-        """Append n records to the log from `parts` ({field: [n, ...] values}); returns the first
-        one's index. Every write covers whole pages (the last page's records already written are
-        kept in RAM and written again with it), so it goes straight to the disk (O_DIRECT):
-        nothing is read first and no page stays in RAM. In pieces of APPEND_BYTES."""
+        """Append n records to the log's current half from `parts` ({field: [n, ...] values});
+        returns the first one's index. Every write covers whole pages (the last page's records
+        already written are kept in RAM and written again with it), so it goes straight to the
+        disk (O_DIRECT): nothing is read first and no page stays in RAM. In pieces of APPEND_BYTES."""
         f, buf = self.log, self._buf
         n = next(iter(parts.values())).shape[0]
-        if self.log_end + n > f.tensor.shape[0]:
-            raise ValueError(f"tier: {n} records do not fit in the log ({self.log_end} of {f.tensor.shape[0]} used)")
+        if self.log_end + n > self.log_limit:
+            raise ValueError(f"tier: {n} records do not fit in the log's half ({self.log_limit - self.log_end} "
+                             f"of {self.log_half} free)")
         first, rec = self.log_end, f.row_bytes
         room = torch.frombuffer(buf, dtype=torch.uint8)
         step = max(1, APPEND_BYTES // rec)
@@ -52,49 +82,76 @@ class TierLog:
         return first
 
     def merge(self, rows: torch.Tensor, at: torch.Tensor) -> None:
-        """file[rows] = log[at], rows sorted and distinct: the file is read and written in
-        pieces of up to APPEND_BYTES, each one sequential read and one sequential write straight
-        to the disk (O_DIRECT), the piece's log records copied by the threads meanwhile. A piece
-        whose rows are sparse (under 1 per 16 pages) is written through the mapping instead, its
-        pages read by the threads first."""
-        f, buf = self.file, self._buf
+        """file[rows] = log[at], rows sorted and distinct, on this (the step's) thread: _merge's
+        pieces, each piece's log records read ahead (the tier's ring or threads) while the piece
+        is read."""
         self._evict()  # none of the file's pages stay mapped while it is written around the mapping
+
+        def begin(at_piece: torch.Tensor) -> Callable[[], torch.Tensor]:
+            futures = self.prefetch(at_piece, log=True, keep=True)
+            return lambda: (self.ready(), torch.cat([g.result() for g in futures]))[1]
+        self._merge(rows, at, begin)
+        self._evict()
+
+    def merge_beside(self, rows: torch.Tensor, at: torch.Tensor) -> Future:
+        """merge, on the tier's merging thread (the steps go on): the log's records read through
+        its own ring, nothing of the step's reads or mappings touched. Only while neither the
+        file's records `rows` nor the log's records `at` are written otherwise (writelog.py)."""
+        rec, log = self.log.row_bytes, self.log
+
+        def begin(at_piece: torch.Tensor) -> Callable[[], torch.Tensor]:
+            def read() -> torch.Tensor:
+                out = torch.empty(at_piece.numel(), rec, dtype=torch.uint8)
+                self._merge_ring.read(log.read_fd, at_piece.numpy() * rec, rec, out.data_ptr(), log.path)
+                return out
+            return read
+        return self._merger.submit(self._merge, rows, at, begin)
+
+    def _merge(self, rows: torch.Tensor, at: torch.Tensor, begin) -> None:
+        """file[rows] = log[at] in pieces of up to APPEND_BYTES (at least one record unit), each
+        one sequential read and one sequential write straight to the disk (O_DIRECT), into the
+        merging buffer; begin(at of a piece)() gives the piece's log records."""
+        f, buf = self.file, self._merge_buf
         rec = f.row_bytes
-        unit = rec * CHUNK // math.gcd(rec, CHUNK)  # a piece starts on a page and on a record
-        size = APPEND_BYTES // unit * unit
+        unit = record_unit(rec)
+        size = max(1, APPEND_BYTES // unit) * unit  # a piece starts on a page and on a record
         start = rows.numpy() * rec
         lo, n = 0, rows.numel()
         while lo < n:
             base = int(start[lo]) // unit * unit
-            hi = max(lo + 1, int(np.searchsorted(start + rec, base + size, side="right"))) if size else lo + 1
+            hi = max(lo + 1, int(np.searchsorted(start + rec, base + size, side="right")))
             end = -(-(int(start[hi - 1]) + rec) // CHUNK) * CHUNK
-            r = rows[lo:hi]
-            logged = self.prefetch(at[lo:hi], log=True, keep=True)  # the piece's log records, copied by the threads
-            if not size or end - base > len(buf) or (hi - lo) * 16 < (end - base) // CHUNK:
-                self.prefetch(r)
-                self.ready()
-                f.tensor.index_copy_(0, r, torch.cat([g.result() for g in logged]))
-            else:
-                span = memoryview(buf)[:end - base]
-                full_io(os.preadv, f.fd, span, base, f.path)
-                self.ready()
-                room = torch.frombuffer(buf, dtype=torch.uint8)[:(end - base) // rec * rec].view(-1, rec)
-                room.index_copy_(0, r - base // rec, torch.cat([g.result() for g in logged]))
-                full_io(os.pwritev, f.fd, span, base, f.path)
+            records = begin(at[lo:hi])
+            span = memoryview(buf)[:end - base]
+            full_io(os.preadv, f.fd, span, base, f.path)
+            room = torch.frombuffer(buf, dtype=torch.uint8)[:(end - base) // rec * rec].view(-1, rec)
+            room.index_copy_(0, rows[lo:hi] - base // rec, records())
+            full_io(os.pwritev, f.fd, span, base, f.path)
             lo = hi
-        self._evict()
+
+    def reset_half(self, half: int) -> None:
+        """Forget the records of the log's `half` (merged into the file): its pages are given back
+        (a hole punched: they leave the page cache unwritten and the next appends read nothing
+        back); the reads in flight finish first (they may be reading it)."""
+        self.ready()
+        f, lo = self.log, self.log_starts[half] * self.log.row_bytes
+        hi = self.log_starts[1] * f.row_bytes if half == 0 else f.nbytes
+        _libc.fallocate(f.fd, FALLOC_PUNCH_HOLE, lo, hi - lo)  # where refused, the records stay (never read again)
+        pages = slice(lo // CHUNK, -(-hi // CHUNK))
+        self.mapped_bytes -= int(f.mapped[pages].sum()) * CHUNK
+        f.mapped[pages] = False
 
     def reset_log(self) -> None:
-        """Empty the log (its records merged into the file or no longer wanted): the file is cut
-        to nothing and extended again, so its pages leave the page cache unwritten and the next
-        appends fill holes (no page read back)."""
+        """Empty the log (both halves; appends go to the first): the file is cut to nothing and
+        extended again, so its pages leave the page cache unwritten and the next appends fill holes
+        (no page read back)."""
         self.ready()
         f = self.log
-        self.log_end, self._tail = 0, b""
         os.truncate(f.path, 0)
         os.truncate(f.path, f.nbytes)
         self.mapped_bytes -= int(f.mapped.sum()) * CHUNK
         f.mapped[:] = False
+        self.rotate(0)
 
 
 def full_io(call, fd: int, view: memoryview, offset: int, path: str) -> None:

@@ -51,7 +51,7 @@ from .writelog import WriteLog, code
 
 EVICT_BATCH = 32  # an eviction frees at least 1/EVICT_BATCH of the slots
 SLOT_BOOK_BYTES = 8 + 8 + 1  # per slot: its row, its last use, changed
-LOG_SHARE = 4  # the write-back log holds at most 1/LOG_SHARE of the shard's rows (on disk)
+LOG_SHARE = 4  # each half of the write-back log holds at most 1/LOG_SHARE of the shard's rows (on disk)
 STAGED_CALLS = 2  # the copies of the last two reads ahead are kept (readahead.py)
 LOG_INDEX_SHARE = 4  # ... while a direct map for them fits in 1/LOG_INDEX_SHARE of the row cache's bytes
 
@@ -65,17 +65,17 @@ def record_fields(dim: int, dtype: torch.dtype, optimizer: str) -> list[tuple[st
 
 
 def log_rows(local_rows: int, budget: int) -> int:
-    """Records of the write-back log of a shard of local_rows rows behind a row cache of `budget`
-    bytes: 1/LOG_SHARE of the rows when their index, a direct map (4 B per row), fits in
-    1/LOG_INDEX_SHARE of the budget; else as many as a hash index of that size holds (at least
-    one)."""
+    """Records of each half of the write-back log of a shard of local_rows rows behind a row cache
+    of `budget` bytes: 1/LOG_SHARE of the rows when their index, a direct map (4 B per row), fits in
+    1/LOG_INDEX_SHARE of the budget; else as many as a hash index of that size holds for both
+    halves (at least one)."""
     room, most = budget // LOG_INDEX_SHARE, max(1, -(-local_rows // LOG_SHARE))
-    if map_bytes(local_rows, most, "cpu") <= room:
+    if map_bytes(local_rows, 2 * most, "cpu") <= room:
         return most
-    lo, hi = 1, max(1, -(-local_rows // DIRECT_IDS_PER_SLOT) - 1)  # the hash map's range
+    lo, hi = 1, max(1, (-(-local_rows // DIRECT_IDS_PER_SLOT) - 1) // 2)  # the hash map's range
     while lo < hi:
         mid = (lo + hi + 1) // 2
-        lo, hi = (mid, hi) if map_bytes(local_rows, mid, "cpu") <= room else (lo, mid - 1)
+        lo, hi = (mid, hi) if map_bytes(local_rows, 2 * mid, "cpu") <= room else (lo, mid - 1)
     return lo
 
 
@@ -87,7 +87,7 @@ def cache_slots(budget: int, row_bytes: int, local_rows: int) -> int:
     lo, hi = 1, max(1, min(budget // per, local_rows))  # the most slots whose map fits too
     while lo < hi:
         mid = (lo + hi + 1) // 2
-        lo, hi = (mid, hi) if mid * per + map_bytes(local_rows, mid + log, "cpu") <= budget else (lo, mid - 1)
+        lo, hi = (mid, hi) if mid * per + map_bytes(local_rows, mid + 2 * log, "cpu") <= budget else (lo, mid - 1)
     return int(lo)
 
 
@@ -120,9 +120,9 @@ class TieredStore(DirectPhases, ShardStore):
         self._dirty = torch.zeros(n, dtype=torch.bool)
         self._free = torch.arange(n - 1, -1, -1, dtype=torch.int64)  # a stack: [:_nfree] are free
         self._nfree = n
-        self._map = id_slot_map(self.sharding.local_rows, n + self.tier.log.tensor.shape[0], "cpu")  # slot, or writelog.code
-        self._log = WriteLog(self.tier, self._map, self._changed)
+        self._map = id_slot_map(self.sharding.local_rows, n + 2 * self.tier.log_half, "cpu")  # slot, or writelog.code
         self._copies = ReadAheadCopies(self.tier.file.row_bytes, STAGED_CALLS)  # the reads ahead's records
+        self._log = WriteLog(self.tier, self._map, self._changed, self._copies.merged)
         self._use = 0
         self._in_raw = False
         self.counts = {"used": 0, "hit": 0, "loaded": 0, "staged": 0, "from_log": 0, "written": 0, "evicted": 0, "bypassed": 0,
@@ -243,6 +243,7 @@ class TieredStore(DirectPhases, ShardStore):
 
     # ---- the shard's interface -------------------------------------------------------------
     def tick(self, step: int) -> None:
+        self._log.poll()
         self.tier.tick(step)
 
     def ready(self) -> None:
@@ -319,10 +320,12 @@ class TieredStore(DirectPhases, ShardStore):
 
     def mark_all_touched(self, value: bool) -> None:
         """The slots' marks and the file's alike: nothing to write back, nothing forgotten."""
+        self._log.settle()  # no merge writes the file meanwhile
         self._changed()
         self._t.fill_(value)
         self._files()[3].fill_(value)
-        self.tier.log_view("touched", self._files()[3])[:self._log.used].fill_(value)
+        first = self.tier.log_starts[self._log.half]
+        self.tier.log_view("touched", self._files()[3])[first:first + self._log.used].fill_(value)
 
     def store_record(self) -> dict:
         c, steps, log = self.counts, max(self.tier.stats.steps, 1), self._log
@@ -332,4 +335,5 @@ class TieredStore(DirectPhases, ShardStore):
                 **{f"{name}_per_step": c[k] / steps for k, name in per_step.items()},
                 "rows_evicted": c["evicted"], "rows_bypassed": c["bypassed"], "cache_emptied": c["emptied"],
                 "cache_forgotten": c["forgotten"], "log_rows": log.capacity, "log_merges": log.counts["merges"],
+                "log_merges_beside": log.counts["beside"], "log_merge_wait_s": round(log.counts["wait_s"], 4),
                 "rows_merged": log.counts["merged"]}

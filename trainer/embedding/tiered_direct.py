@@ -51,7 +51,7 @@ class DirectPhases:
 
     def _empty(self) -> None:
         """Write every changed row back and forget every slot (the files are then the shard)."""
-        if self._nfree == self._slots_n and self._log.used == 0:
+        if self._nfree == self._slots_n and self._log.empty:
             return
         self._flush()
         self._forget()
