@@ -19,9 +19,10 @@ HierarchicalKV's design): a row's values, optimizer state, version and touched m
   page read and write per 80 B row: that capped the rate near 0.3 of memory). The one map
   `_map` says where a row's newest copy is: its slot (>= 0), its log record r (-2 - r, `writelog.code`),
   or the file (absent); a load reads the log's record (and marks the slot changed: the record is
-  forgotten at the next merge). The log is merged into the file (rows sorted, sequential pieces)
-  when full, before a call the file serves, and before a direct phase, which then writes the
-  changed slots in place.
+  forgotten at the next merge). Each half of the log is merged into the file (rows sorted,
+  sequential pieces) when full, beside the steps where the tier can (writelog.py); the whole log
+  before a call the file serves and before a direct phase, which then writes the changed slots in
+  place.
 - **Reads ahead**: `prefetch` gets the coming step's rows that no slot holds; the tier's threads
   gather their records (from the file or the log) and the copies are kept (readahead.py, the
   last STAGED_CALLS reads ahead): a load takes a row's copy when it was read from where the row's
