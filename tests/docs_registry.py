@@ -29,7 +29,7 @@ SHRINK_KEYS = {
     "--splits", "--measure-steps", "--herald-steps", "--plan-steps", "--sizes", "--budget",
     "--jobs", "--slices", "placement.plan_steps", "--batch-sizes", "--nproc_per_node", "--rows",
     "--tables", "--dim", "--batch", "--eval-samples", "--resume-worlds", "--workers", "--np",
-    "--models", "--hash-rows", "--alphas", "--cache-shares",
+    "--models", "--hash-rows", "--alphas", "--cache-shares", "--model", "--limit", "--cache", "--resume-steps",
 }
 # Switches an entry may add where the text beside the command does not need what they turn off.
 OFF_SWITCHES = {"checkpoint.enabled=false", "train.tensorboard=false", "--quick", "train.progress=off",
@@ -554,6 +554,11 @@ INLINE: dict[str, Entry] = {
         Entry(elsewhere="tests/tools/test_scripts.py::test_bench_store_a_memory_point_then_disk_points_under_a_cgroup",
               shrink=(("--rows 200000", "--rows 3000"), ("--steps 300", "--steps 14"), ("--warmup 100", "--warmup 4")),
               add=("--alphas", "1.1", "--cache-shares", "0.5")),
+    # benchmarks/README.md: the SSD tier at scale
+    "python -m benchmarks.store_scale --model 20G --limit 8G --cache 6G --steps 300 --resume-steps 60":
+        Entry(elsewhere="tests/tools/test_scripts.py::test_store_scale_trains_saves_and_resumes_at_2w_under_cgroups",
+              shrink=(("--model 20G", "--model 80M"), ("--limit 8G", "--limit 700M"), ("--cache 6G", "--cache 16M"),
+                      ("--steps 300", "--steps 20"), ("--resume-steps 60", "--resume-steps 10"))),
     # README: as a package (tests/tools/test_install.py: a copy of the checkout, a fresh environment)
     "pip wheel --no-deps .": Entry(elsewhere="tests/tools/test_install.py::installed"),
     "pip install .": Entry(elsewhere="tests/tools/test_install.py::installed"),

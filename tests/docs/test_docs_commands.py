@@ -48,6 +48,7 @@ from typing import Any, Callable, Optional
 
 import pytest
 
+from dev.memcg import parse_size
 from docs_registry import (DOCS, FILE_ROWS, INLINE, INLINE_NOT_RUN, LINKS, OFF_SWITCHES, REGISTRY,
                            ROOT, SETUP, SHRINK_KEYS, SUMMARY_RE, Command, Entry, _normal, abbreviated, all_blocks,
                            all_commands, command_line, inline_commands, parse_blocks)
@@ -105,6 +106,10 @@ def _lower(old: str, new: str) -> bool:
         return set(new.split(",")) <= set(old.split(","))
     try:
         return float(new) <= float(old)
+    except ValueError:
+        pass
+    try:  # sizes: 20G, 600M
+        return parse_size(new) <= parse_size(old)
     except ValueError:
         return False
 

@@ -54,6 +54,7 @@ REAL_RUNS = {
     "benchmarks/bench_placement.py": "",
     "benchmarks/disk_probe.py": "",
     "benchmarks/bench_store.py": "",
+    "benchmarks/store_scale.py": "",
     "benchmarks/bench_scale.py": "tools/test_bench_scale.py::test_every_phase_of_a_train_and_a_resume_at_2w",
     "benchmarks/bench_train.py": "tools/test_gpu_check.py::test_gpu_check_runs_every_stage_in_cpu_mode",
     "benchmarks/scale_probe.py": "tools/test_bench_scale.py::test_every_phase_of_a_train_and_a_resume_at_2w",
@@ -161,6 +162,7 @@ def _local_test(script: str) -> str:
             "benchmarks/bench_placement.py": "test_bench_placement_simulated",
             "benchmarks/disk_probe.py": "test_disk_probe_a_line_per_point_and_the_file_deleted",
             "benchmarks/bench_store.py": "test_bench_store_a_memory_point_then_disk_points_under_a_cgroup",
+            "benchmarks/store_scale.py": "test_store_scale_trains_saves_and_resumes_at_2w_under_cgroups",
             "dev/memcg.py": "test_memcg_command_line_runs_under_the_limit",
             "dev/netcluster.py": "test_netcluster_command_line_up_run_down"}[script]
 
@@ -188,6 +190,7 @@ HELP_SAYS = {  # a phrase of each script's own help text (not argparse's), so th
     "benchmarks/soak.py": "Soak test",
     "benchmarks/disk_probe.py": "random-read limit",
     "benchmarks/bench_store.py": "The SSD tier",
+    "benchmarks/store_scale.py": "at scale",
     "dev/criteo_file.py": "stand-in for",
     "dev/gpu_parity.py": "CPU reference",
     "dev/gpu_dense_probe.py": "eager against one CUDA graph",
@@ -273,6 +276,8 @@ BAD_INPUT = [
     (["benchmarks/disk_probe.py", "--dir", MISSING], f"--dir {MISSING}: no such directory"),
     (["benchmarks/disk_probe.py", "--size", "64k"], "--size 64k: must be at least 1M"),
     (["benchmarks/bench_store.py", "--steps", "5", "--warmup", "10"], "--steps must exceed --warmup"),
+    (["benchmarks/store_scale.py", "--model", "1G", "--limit", "1G", "--cache", "2G"], "must be in (0, --limit)"),
+    (["benchmarks/store_scale.py", "--model", "1x", "--limit", "1G"], "1x"),
     (["dev/recipe_study/compare_splits.py", MISSING, "--splits", "1"], MISSING),
     (["dev/recipe_study/paired_splits.py", MISSING, MISSING], MISSING),
     (["dev/recipe_study/val_rotations.py", MISSING, "--models", "dlrm"], f"data.dir='{MISSING}'"),
@@ -609,3 +614,25 @@ def test_bench_store_a_memory_point_then_disk_points_under_a_cgroup(tmp_path):
         assert 0 < disk["peak_bytes"] <= disk["limit_bytes"]
     assert os.listdir(tmp_path) == []
 
+
+
+def test_store_scale_trains_saves_and_resumes_at_2w_under_cgroups(tmp_path):
+    """A shrunk run: W = 1 trains and saves, W = 2 resumes from it, each rank under its memory
+    cgroup; a line per phase, nothing killed, each cgroup's peak under its limit, and nothing left
+    behind."""
+    from dev import memcg
+    ok, why = memcg.availability()
+    if not ok:
+        pytest.skip(f"needs a memory cgroup: {why}")
+    argv = documented("python -m benchmarks.store_scale --model 20G --limit 8G --cache 6G --steps 300 --resume-steps 60")
+    proc = subprocess.run([*argv, "--dir", str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    train, resume = [json.loads(x) for x in proc.stdout.splitlines()]
+    assert (train["phase"], train["world"], train["from_step"]) == ("train", 1, 0)
+    assert (resume["phase"], resume["world"], resume["from_step"], resume["to_step"]) == ("resume", 2, 20, 30)
+    for p in (train, resume):
+        assert p["oom_kills"] == 0 and p["samples_per_sec"] > 0 and p["rank0_rows_read_per_step"] > 0
+        assert p["peak_rss_bytes"] > 0 and 0 < p["cgroup_peak_bytes"] <= p["limit_bytes"]
+    assert train["model_bytes"] > 3 * train["cache_bytes"] and train["checkpoint_bytes"] > 0
+    assert 0 < resume["rank0_disk_bytes"] < train["rank0_disk_bytes"]  # each rank holds its half
+    assert os.listdir(tmp_path) == []

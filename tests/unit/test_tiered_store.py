@@ -241,3 +241,20 @@ def test_a_merge_keeps_the_copies_it_leaves_good():
     assert got.tolist() == [0, 1, 5] and torch.equal(recs, done.result()[[0, 1, 5]])
     got, _ = copies.take(rows, where)  # the half's records are reused after a merge; 4's file record changed
     assert got.tolist() == [0, 5]
+
+
+def test_the_eviction_keeps_rows_used_in_two_steps(tmp_path, monkeypatch):
+    """LRU-2: rows read in one step only since they were loaded go before rows read in two, even
+    when the latter were read less recently (plain LRU would evict those first)."""
+    _reader(monkeypatch, "threads")
+    mem, disk, tier = _stores(tmp_path, "sgd", torch.float32, 6000)
+    try:
+        s = disk._slots_n
+        twice, once = torch.arange(0, 16), torch.arange(100, 116)
+        fresh = torch.arange(200, 200 + s - 32 + 8)  # 8 rows more than the free slots
+        for rows in (twice, twice, once, fresh):  # each a step's read
+            assert torch.equal(disk.local_rows(rows), mem.local_rows(rows))
+        held = lambda rows: (disk._map.lookup(rows)[0] >= 0)
+        assert held(twice).all() and held(fresh).all() and int(held(once).sum()) == 8, (s, held(once))
+    finally:
+        tier.close()
