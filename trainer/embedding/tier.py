@@ -45,7 +45,7 @@ from typing import Any, Optional
 import numpy as np
 import torch
 
-from .tier_log import APPEND_BYTES, CHUNK, TierLog, full_io, log_records, record_unit
+from .tier_log import APPEND_BYTES, CHUNK, TierLog, log_records, record_unit
 from .uring import open_ring
 
 MADV_RANDOM = 1  # a fault reads its page only (not the kernel's read-around window, 128 KiB)
@@ -182,31 +182,6 @@ class DiskTier(TierLog):
         if fill:
             self._fill(off, nbytes, dtype, fill)
         return tensor
-
-    def _fill(self, off: int, nbytes: int, dtype: torch.dtype, fill: float) -> None:
-        """Every record's field (off, nbytes, dtype) set to `fill`: the file read and written back in
-        sequential pieces (O_DIRECT where it can), not through the mapping, whose faults would read
-        the pages the rows' initial values were written to one 4 KiB read at a time (MADV_RANDOM;
-        in a memory cgroup they are no longer in RAM: ~45 MB/s here, against ~1 GB/s)."""
-        self.release()  # nothing mapped while the file is written around the mapping
-        f = self.file
-        rec, rows = f.row_bytes, f.tensor.shape[0]
-        unit = record_unit(rec)
-        size = max(1, (16 << 20) // unit) * unit  # a piece starts on a page and on a record
-        buf = mmap.mmap(-1, size)  # page-aligned, for O_DIRECT
-        room = torch.frombuffer(buf, dtype=torch.uint8)
-        try:
-            for base in range(0, rows * rec, size):
-                end = min(base + size, f.nbytes)
-                span = memoryview(buf)[:end - base]
-                full_io(os.preadv, f.fd, span, base, f.path)
-                k = min(rows - base // rec, (end - base) // rec)
-                _field(room[:k * rec].view(k, rec), off, nbytes, dtype, (k, nbytes // dtype.itemsize)).fill_(fill)
-                full_io(os.pwritev, f.fd, span, base, f.path)
-                del span
-        finally:
-            del room
-            buf.close()
 
     def view(self, records: torch.Tensor, name: str, like: torch.Tensor) -> torch.Tensor:
         """Field `name` of [n, record bytes] `records` (the file's, the log's, or copies of
