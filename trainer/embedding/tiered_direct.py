@@ -39,10 +39,12 @@ class DirectPhases:
     def raw(self, write: bool) -> Iterator[None]:
         self._flush()
         outer, self._in_raw = self._in_raw, True  # phases may nest
+        self.tier.sequential(True)  # a phase reads or writes the shard in order
         try:
             yield
         finally:
             self._in_raw = outer
+            self.tier.sequential(outer)
             if write:
                 self._changed()
                 if self._nfree < self._slots_n:
