@@ -131,12 +131,13 @@ def test_the_cache_is_sized_by_its_bytes_and_its_map():
     assert cache_slots(100, 77, 1000) == 1  # at least one
 
 
-@pytest.mark.parametrize("rows_of", [lambda n: torch.arange(0, n, 9973),  # sparse: through the mapping
+@pytest.mark.parametrize("rows_of", [lambda n: torch.arange(0, n, 9973),  # sparse: a piece a row
                                      lambda n: torch.arange(3000, 9000, 2),  # dense: sequential pieces
                                      lambda n: torch.unique(torch.randint(0, n, (4000,), generator=torch.Generator().manual_seed(1)))])
 def test_the_log_is_appended_and_merged_into_the_file(tmp_path, rows_of):
     """The tier's log: appends in pieces that start inside a page (the page's earlier records
-    written again), then a merge of chosen rows into the file; every other record untouched."""
+    written again), then a merge of chosen rows into the file (every other record untouched),
+    then the half emptied."""
     n = 100_003
     tier = DiskTier(str(tmp_path), 0, 1 << 16)
     try:
@@ -156,7 +157,8 @@ def test_the_log_is_appended_and_merged_into_the_file(tmp_path, rows_of):
         want[rows] = vals[at]
         assert torch.equal(weight, want)
         assert torch.equal(tier.alloc("version", (n,), torch.int64)[rows], torch.full((rows.numel(),), 7))
-        tier.reset_log()
+        tier.reset_half(0)
+        tier.rotate(0)
         assert tier.log_end == 0 and not tier.log_view("weight", weight).any()
     finally:
         tier.close()

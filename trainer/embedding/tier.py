@@ -116,7 +116,7 @@ class DiskTier(TierLog):
         self.log_half, self.log_starts = 0, (0, 0)  # records of each half of the log, the halves' first records
         self.log_end = self.log_limit = 0  # the next record appended, the end of its half
         self._buf: Optional[mmap.mmap] = None  # the appends' page-aligned buffer
-        self._merge_buf: Optional[mmap.mmap] = None  # the merges' (tier_log.py)
+        self._merge_buf: Optional[mmap.mmap] = None  # the merges' and fills' pieces (tier_log.py: a record unit, page-aligned)
         self._tail = b""  # the log's last page as far as it is written (a page-aligned write rewrites it)
         self._fields: dict[str, tuple[int, int, torch.dtype]] = {}  # name -> (offset, bytes, dtype) in a record
         self.mapped_bytes = 0
@@ -154,7 +154,7 @@ class DiskTier(TierLog):
             self.log_half, self.log_starts = log_rows, (0, log_records(log_rows, record) - log_rows)
             self.rotate(0)
             self._buf = mmap.mmap(-1, APPEND_BYTES + CHUNK + -(-record // CHUNK) * CHUNK)
-            self._merge_buf = mmap.mmap(-1, max(1, APPEND_BYTES // record_unit(record)) * record_unit(record))
+        self._merge_buf = mmap.mmap(-1, max(1, APPEND_BYTES // record_unit(record)) * record_unit(record))
 
     def _open(self, name: str, rows: int, record: int) -> TierFile:
         """A new sparse file of `rows` records, mapped (MADV_RANDOM)."""

@@ -110,8 +110,8 @@ class TierLog:
 
     def _merge(self, rows: torch.Tensor, at: torch.Tensor, begin) -> None:
         """file[rows] = log[at] in pieces of up to APPEND_BYTES (at least one record unit), each
-        one sequential read and one sequential write straight to the disk (O_DIRECT), into the
-        merging buffer; begin(at of a piece)() gives the piece's log records."""
+        rewritten in the merging buffer (_rewrite); begin(at of a piece)() gives the piece's log
+        records."""
         f, buf = self.file, self._merge_buf
         rec = f.row_bytes
         unit = record_unit(rec)
@@ -122,38 +122,31 @@ class TierLog:
             base = int(start[lo]) // unit * unit
             hi = max(lo + 1, int(np.searchsorted(start + rec, base + size, side="right")))
             end = -(-(int(start[hi - 1]) + rec) // CHUNK) * CHUNK
-            records = begin(at[lo:hi])
-            span = memoryview(buf)[:end - base]
-            full_io(os.preadv, f.fd, span, base, f.path)
-            room = torch.frombuffer(buf, dtype=torch.uint8)[:(end - base) // rec * rec].view(-1, rec)
-            room.index_copy_(0, rows[lo:hi] - base // rec, records())
-            full_io(os.pwritev, f.fd, span, base, f.path)
+            records, at_rows = begin(at[lo:hi]), rows[lo:hi] - base // rec
+            self._rewrite(buf, base, end, lambda room: room.index_copy_(0, at_rows, records()))
             lo = hi
+
+    def _rewrite(self, buf: mmap.mmap, base: int, end: int, change: Callable[[torch.Tensor], object]) -> None:
+        """Bytes [base, end) of the file (pages, starting on a record) read into buf, change(their
+        whole records [k, record bytes]) and written back: one sequential read and one write,
+        straight to the disk (O_DIRECT) where the file system allows it."""
+        f = self.file
+        span = memoryview(buf)[:end - base]
+        full_io(os.preadv, f.fd, span, base, f.path)
+        k = min(f.tensor.shape[0] - base // f.row_bytes, (end - base) // f.row_bytes)
+        change(torch.frombuffer(buf, dtype=torch.uint8)[:k * f.row_bytes].view(k, f.row_bytes))
+        full_io(os.pwritev, f.fd, span, base, f.path)
 
     def _fill(self, off: int, nbytes: int, dtype: torch.dtype, fill: float) -> None:
         """Every record's field (off, nbytes, dtype) set to `fill`: the file read and written back in
-        sequential pieces (O_DIRECT where it can), not through the mapping, whose faults would read
+        sequential pieces (_rewrite), not through the mapping, whose faults would read
         the pages the rows' initial values were written to one 4 KiB read at a time (MADV_RANDOM;
         in a memory cgroup they are no longer in RAM: ~45 MB/s here, against ~1 GB/s)."""
         self.release()  # nothing mapped while the file is written around the mapping
-        f = self.file
-        rec, rows = f.row_bytes, f.tensor.shape[0]
-        unit = record_unit(rec)
-        size = max(1, (16 << 20) // unit) * unit  # a piece starts on a page and on a record
-        buf = mmap.mmap(-1, size)  # page-aligned, for O_DIRECT
-        room = torch.frombuffer(buf, dtype=torch.uint8)
-        try:
-            for base in range(0, rows * rec, size):
-                end = min(base + size, f.nbytes)
-                span = memoryview(buf)[:end - base]
-                full_io(os.preadv, f.fd, span, base, f.path)
-                k = min(rows - base // rec, (end - base) // rec)
-                room[:k * rec].view(k, rec)[:, off:off + nbytes].view(dtype).fill_(fill)
-                full_io(os.pwritev, f.fd, span, base, f.path)
-                del span
-        finally:
-            del room
-            buf.close()
+        f, buf = self.file, self._merge_buf
+        for base in range(0, f.tensor.shape[0] * f.row_bytes, len(buf)):
+            self._rewrite(buf, base, min(base + len(buf), f.nbytes),
+                          lambda room: room[:, off:off + nbytes].view(dtype).fill_(fill))
 
     def reset_half(self, half: int) -> None:
         """Forget the records of the log's `half` (merged into the file): its pages are given back
@@ -166,18 +159,6 @@ class TierLog:
         pages = slice(lo // CHUNK, -(-hi // CHUNK))
         self.mapped_bytes -= int(f.mapped[pages].sum()) * CHUNK
         f.mapped[pages] = False
-
-    def reset_log(self) -> None:
-        """Empty the log (both halves; appends go to the first): the file is cut to nothing and
-        extended again, so its pages leave the page cache unwritten and the next appends fill holes
-        (no page read back)."""
-        self.ready()
-        f = self.log
-        os.truncate(f.path, 0)
-        os.truncate(f.path, f.nbytes)
-        self.mapped_bytes -= int(f.mapped.sum()) * CHUNK
-        f.mapped[:] = False
-        self.rotate(0)
 
 
 def full_io(call, fd: int, view: memoryview, offset: int, path: str) -> None:
