@@ -74,17 +74,21 @@ def phase(name: str, world: int, steps: int, args: argparse.Namespace, rows: int
         with memcg.MemoryCgroup(args.limit) as cg:
             res = cg.run([sys.executable, "-c", WRAP, rss, sys.executable, "-m", "trainer", *comm, *over],
                          timeout=args.timeout, cwd=ROOT, env=env)
-            with open(rss) as f:
-                results[r] = (res, cg.peak_bytes(), cg.oom_kills(), json.load(f)["maxrss"])
-            os.remove(rss)
+            maxrss = None  # the wrapper wrote none: it was killed
+            if os.path.exists(rss):
+                with open(rss) as f:
+                    maxrss = json.load(f)["maxrss"]
+                os.remove(rss)
+            results[r] = (res, cg.peak_bytes(), cg.oom_kills(), maxrss)
     threads = [threading.Thread(target=rank, args=(r,)) for r in range(world)]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
     for r, got in enumerate(results):
-        if got is None or got[0].returncode != 0:
-            raise RuntimeError(f"the {name} phase failed on rank {r}: {got[0].stderr[-3000:] if got else 'no result'}")
+        if got is None or got[0].returncode != 0 or got[3] is None:
+            why = f"exit {got[0].returncode}, {got[2]} OOM kills: {got[0].stderr[-3000:]}" if got else "no result"
+            raise RuntimeError(f"the {name} phase failed on rank {r}: {why}")
     with open(os.path.join(out, "summary.json")) as f:
         summary = json.load(f)
     first = summary.get("start_step", 0)
