@@ -55,10 +55,14 @@ class WriteLog:
         self.tier, self.where, self._changed, self._merged = tier, where, changed, merged
         self.capacity = tier.log_half
         self.half = 0  # the half appended to
-        self.used = 0  # records appended to it since it was last emptied
         self.beside = tier.reader == "io_uring"  # merges beside the steps (module docstring)
         self._merging: Optional[tuple] = None  # (future, rows, codes, half) of the merge running beside
         self.counts = {"appended": 0, "merges": 0, "merged": 0, "beside": 0, "wait_s": 0.0}
+
+    @property
+    def used(self) -> int:
+        """Records appended to the current half since it was last emptied (the tier's append point)."""
+        return self.tier.log_end - self.tier.log_starts[self.half]
 
     @property
     def empty(self) -> bool:
@@ -75,7 +79,6 @@ class WriteLog:
                 self._rotate()
             first = self.tier.append({name: p[lo:lo + k] for name, p in parts.items()})
             self.where.insert(rows[lo:lo + k], code(torch.arange(first, first + k)))
-            self.used += k
             self.counts["appended"] += k
 
     def _records(self, half: int) -> tuple[int, int]:
@@ -100,7 +103,7 @@ class WriteLog:
         rows, at = self._snapshot(self.half)
         self._merging = (self.tier.merge_beside(rows, at), rows, code(at), self.half)
         self.counts["beside"] += 1
-        self.half, self.used = 1 - self.half, 0
+        self.half = 1 - self.half
         self.tier.rotate(self.half)
 
     def poll(self) -> None:
@@ -143,7 +146,6 @@ class WriteLog:
                 self._changed()
                 raise
         self._finish(rows, code(at), self.half)
-        self.used = 0
         self.tier.rotate(self.half)
 
     def merge(self) -> None:
@@ -159,6 +161,5 @@ class WriteLog:
         if self.used:
             self._changed()
             self.where.erase(self._snapshot(self.half)[0])
-            self.used = 0
             self.tier.reset_half(self.half)
             self.tier.rotate(self.half)
