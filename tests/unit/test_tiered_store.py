@@ -150,7 +150,7 @@ def test_the_log_is_appended_and_merged_into_the_file(tmp_path, rows_of):
         first = [tier.append({"weight": vals[lo:lo + 333], "version": torch.full((vals[lo:lo + 333].shape[0],), 7)})
                  for lo in range(0, rows.numel(), 333)]
         assert first == list(range(0, rows.numel(), 333)) and tier.log_end == rows.numel()
-        assert torch.equal(tier.log_view("weight", weight)[:rows.numel()], vals)
+        assert torch.equal(tier.view(tier.log.tensor, "weight", weight)[:rows.numel()], vals)
         at = torch.randperm(rows.numel())  # the newest record of row rows[i] is log record at[i]
         tier.merge(rows, at)
         want = torch.arange(n, dtype=torch.float32)[:, None].repeat(1, 5)
@@ -159,7 +159,7 @@ def test_the_log_is_appended_and_merged_into_the_file(tmp_path, rows_of):
         assert torch.equal(tier.alloc("version", (n,), torch.int64)[rows], torch.full((rows.numel(),), 7))
         tier.reset_half(0)
         tier.rotate(0)
-        assert tier.log_end == 0 and not tier.log_view("weight", weight).any()
+        assert tier.log_end == 0 and not tier.view(tier.log.tensor, "weight", weight).any()
     finally:
         tier.close()
 

@@ -12,19 +12,24 @@ So a save or a load through the disk tier permutes by buckets, an external sort 
 - a load appends each row it reads from the checkpoint, with its storage row, to the bucket of the
   shard's piece that holds that row; then it applies the buckets one by one, each to one region of
   the shard.
-I/O: the shard read (or written) once in order, the buckets written and read once. Memory: one
-piece, plus one bucket's rows (a piece's, give or take the rounding). The buckets are scratch files
-in the tier's directory (a local disk), removed when done.
+I/O: the shard read (or written) once in order, the buckets written and read once. The shard's
+pieces are read and written around its mapping, a record (all of a row's fields) at a time, in
+sequential pieces (the tier's read_records and write: tier_io.py), not through the mapping field
+by field. Memory: one piece, plus one bucket's rows (a piece's, give or take the rounding). The
+buckets are scratch files in the tier's directory (a local disk), removed when done.
 """
 from __future__ import annotations
 
 import os
 import shutil
 import tempfile
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import numpy as np
 import torch
+
+if TYPE_CHECKING:
+    from ..embedding.tier import DiskTier
 
 INDEX = np.dtype("<i8")  # a row's position (save) or storage row (load) in a bucket
 
@@ -96,21 +101,23 @@ def from_raw(arr: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
 
 def bucketed_write(first: int, n: int, rows_per_piece: int, bits: int, first_j: Callable[[int], int],
                    bit_reverse: Callable[[np.ndarray, int], np.ndarray], tensors: dict[str, torch.Tensor],
-                   directory: str, emit: Callable[[str, np.ndarray], None], release: Callable[[], None]) -> None:
+                   tier: "DiskTier", emit: Callable[[str, np.ndarray], None]) -> None:
     """One table segment's rows (storage rows first..first+n) in the checkpoint's file order,
-    emitted piece by piece: emit(field, raw values) per field and piece, in file order. first_j(p):
-    the j (bit-reversed position) of file row p; a row q's j is rev_bits(q)."""
+    emitted piece by piece: emit(field, raw values) per field and piece, in file order. tensors:
+    the fields saved, the tier's views of its records; first_j(p): the j (bit-reversed position) of
+    file row p; a row q's j is rev_bits(q)."""
     k = -(-n // rows_per_piece)
     bounds = np.array([first_j(p * rows_per_piece) for p in range(k)] + [1 << bits], dtype=np.int64)
     flats = {name: as_2d(t) for name, t in tensors.items()}
-    buckets = Buckets(directory, k, list(flats))
+    fields = {name: tier.name_of(t) for name, t in flats.items()}
+    buckets = Buckets(tier.dir, k, list(flats))
     try:
         for lo in range(0, n, rows_per_piece):  # the shard in order, a piece of rows at a time
             q = np.arange(lo, min(lo + rows_per_piece, n), dtype=np.int64)
             j = bit_reverse(q, bits) if bits else q
             bucket = np.searchsorted(bounds, j, side="right") - 1
-            buckets.add(bucket, j, {name: raw(f[first + lo:first + lo + q.size]) for name, f in flats.items()})
-            release()
+            records = tier.read_records(first + lo, first + lo + q.size)
+            buckets.add(bucket, j, {name: raw(tier.view(records, fields[name], f)) for name, f in flats.items()})
         dtypes = {name: raw(f[:0]).dtype for name, f in flats.items()}
         widths = {name: f.shape[1] for name, f in flats.items()}
         for b in range(k):
@@ -123,13 +130,14 @@ def bucketed_write(first: int, n: int, rows_per_piece: int, bits: int, first_j: 
 
 class BucketedLoad:
     """A load's rows gathered by the shard's piece they land in (add), then applied piece by piece
-    (finish): every region of the shard written once, in order."""
+    (finish): every region of the shard written once, in order, around its mapping (the tier's
+    write: each piece's records read, changed and written back)."""
 
-    def __init__(self, directory: str, local_rows: int, rows_per_piece: int, dests: dict[str, torch.Tensor],
-                 release: Callable[[], None]) -> None:
-        self.rows_per_piece, self.release = rows_per_piece, release
+    def __init__(self, tier: "DiskTier", local_rows: int, rows_per_piece: int, dests: dict[str, torch.Tensor]) -> None:
+        self.tier, self.rows_per_piece = tier, rows_per_piece
         self.flats = {name: as_2d(t) for name, t in dests.items()}
-        self.buckets = Buckets(directory, max(-(-local_rows // rows_per_piece), 1), list(self.flats))
+        self.fields = {name: tier.name_of(t) for name, t in self.flats.items()}
+        self.buckets = Buckets(tier.dir, max(-(-local_rows // rows_per_piece), 1), list(self.flats))
         self.pending: dict[str, torch.Tensor] = {}
 
     def add(self, name: str, idx: torch.Tensor, values: torch.Tensor) -> None:
@@ -150,11 +158,8 @@ class BucketedLoad:
             for b in range(self.buckets.k):
                 key, values = self.buckets.take(b, dtypes, widths)
                 if key.size:
-                    idx = torch.from_numpy(key)
-                    with torch.no_grad():
-                        for name, f in self.flats.items():
-                            f.index_copy_(0, idx, from_raw(values[name], f.dtype))
-                self.release()
+                    self.tier.write(torch.from_numpy(key), {self.fields[name]: from_raw(values[name], f.dtype)
+                                                            for name, f in self.flats.items()})
         finally:
             self.buckets.close()
 

@@ -287,7 +287,7 @@ def write_shard(directory: str, store: ShardStore,
             for _, first, n in segments:
                 bits = order_bits(n)
                 bucketed_write(first, n, rows_per_piece, bits, lambda p: _first_j(n, bits, p), bit_reverse,
-                               {field.name: flat for field, flat, _ in parts}, store.tier.dir, emit, store.release)
+                               {field.name: flat for field, flat, _ in parts}, store.tier, emit)
             segments = []
         for _, first, n in segments:
             for start in range(0, n, rows_per_piece):
@@ -381,7 +381,7 @@ def read_shards(ckpt: str, manifest: dict[str, Any], store: ShardStore, counter:
     sink = None
     if store.tier is not None:  # the shard on disk: every region written once, through buckets (buckets.py)
         per_row = sum(t.element_size() * max(t[:1].numel(), 1) for t in want.values())
-        sink = BucketedLoad(store.tier.dir, s.local_rows, max(piece_bytes(store) // per_row, 1), want, store.release)
+        sink = BucketedLoad(store.tier, s.local_rows, max(piece_bytes(store) // per_row, 1), want)
     try:
         loaded = _read_shards(ckpt, manifest, store, counter, want, sink, saved_world, table_rows)
         if sink is not None:

@@ -92,7 +92,10 @@ class ShardStore:
             weight = (torch.empty if initialise else torch.zeros)(rows, dim, dtype=dtype, device=device)
         for lo in range(0, rows if initialise else 0, _INIT_CHUNK_ROWS):  # one chunk at a time
             idx = torch.arange(lo, min(lo + _INIT_CHUNK_ROWS, rows), dtype=torch.int64)
-            weight[lo:lo + idx.numel()] = self._initial(idx).to(device, dtype)
+            if tier is not None:  # in sequential pieces, around the file's mapping (tier_io.py)
+                tier.write(idx, {"weight": self._initial(idx).to(dtype)})
+            else:
+                weight[lo:lo + idx.numel()] = self._initial(idx).to(device, dtype)
             self.release()
         self.weight = weight
         zeros = (lambda name, dt: tier.alloc(name, (rows,), dt)) if tier is not None else \

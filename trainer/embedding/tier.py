@@ -14,10 +14,10 @@ steps use, a page is only needed while its rows are copied in or written back, a
 unmapped is not lost (the page cache keeps it until the kernel writes it back). The mapping is
 MADV_RANDOM: a fault reads its page only, not the kernel's read-around window (hot ids are spread
 over a table, so neighbours are rarely wanted).
-Reads ahead: `prefetch` gets the rows a coming step (or a write-back) will touch. The copies the
+Reads ahead: `prefetch` gets the rows a coming step will touch. The copies the
 row cache asks for (keep=True) are read through io_uring where the kernel allows it (uring.py):
 each record straight into the copy, up to 1,024 in flight, by one thread that waits with the GIL
-released, and no page mapped. Otherwise (and for the pages a write-back needs) a pool of threads
+released, and no page mapped. Otherwise a pool of threads
 reads them, each its share with one torch gather (which faults the pages in with the GIL
 released), so `threads` reads are in flight. `ready` waits for them (the time counted as the
 step's wait on the disk). A page never read ahead is read by a fault on the step's own thread
@@ -25,6 +25,9 @@ step's wait on the disk). A page never read ahead is read by a fault on the step
 The log (`log.bin`, the same records, two halves): the row cache's changed rows appended in
 whole-page writes with O_DIRECT (nothing read first, no page kept), then merged into `rows.bin` in
 sequential pieces read and written the same way, beside the steps where the ring reads (tier_log.py).
+Whatever reads or writes much of the file at once (the initial rows and state, the changed slots
+written back before a direct phase, a checkpoint's save and load, the snapshot's marks) goes around
+the mapping too, in sequential pieces (tier_io.py).
 The files are scratch: created empty (sparse: unwritten rows read zeros) for each run, removed at
 exit; a checkpoint is the only copy of the model that outlives the run.
 """
@@ -45,7 +48,8 @@ from typing import Any, Optional
 import numpy as np
 import torch
 
-from .tier_log import APPEND_BYTES, CHUNK, TierLog, log_records, record_unit
+from .tier_io import APPEND_BYTES, CHUNK, TierIO, piece_buffer
+from .tier_log import TierLog, log_records
 from .uring import open_ring
 
 MADV_RANDOM = 1  # a fault reads its page only (not the kernel's read-around window, 128 KiB)
@@ -99,7 +103,7 @@ class TierStats:
     latencies: list = field(default_factory=list)  # seconds per prefetched run of chunks (a ring)
 
 
-class DiskTier(TierLog):
+class DiskTier(TierIO, TierLog):
     """The shard's file of one rank, the pages of it held in RAM and the threads reading ahead."""
 
     def __init__(self, directory: Optional[str], rank: int, cache_bytes: int, total_bytes: int = 0,
@@ -116,7 +120,8 @@ class DiskTier(TierLog):
         self.log_half, self.log_starts = 0, (0, 0)  # records of each half of the log, the halves' first records
         self.log_end = self.log_limit = 0  # the next record appended, the end of its half
         self._buf: Optional[mmap.mmap] = None  # the appends' page-aligned buffer
-        self._merge_buf: Optional[mmap.mmap] = None  # the merges' and fills' pieces (tier_log.py: a record unit, page-aligned)
+        self._merge_buf: Optional[mmap.mmap] = None  # the merges' pieces (tier_log.py; tier_io.piece_buffer)
+        self._io_buf: Optional[mmap.mmap] = None  # the other sequential pieces' (tier_io.py)
         self._tail = b""  # the log's last page as far as it is written (a page-aligned write rewrites it)
         self._fields: dict[str, tuple[int, int, torch.dtype]] = {}  # name -> (offset, bytes, dtype) in a record
         self.mapped_bytes = 0
@@ -154,7 +159,7 @@ class DiskTier(TierLog):
             self.log_half, self.log_starts = log_rows, (0, log_records(log_rows, record) - log_rows)
             self.rotate(0)
             self._buf = mmap.mmap(-1, APPEND_BYTES + CHUNK + -(-record // CHUNK) * CHUNK)
-        self._merge_buf = mmap.mmap(-1, max(1, APPEND_BYTES // record_unit(record)) * record_unit(record))
+        self._merge_buf, self._io_buf = piece_buffer(record), piece_buffer(record)
 
     def _open(self, name: str, rows: int, record: int) -> TierFile:
         """A new sparse file of `rows` records, mapped (MADV_RANDOM)."""
@@ -170,8 +175,8 @@ class DiskTier(TierLog):
 
     def alloc(self, name: str, shape: tuple[int, ...], dtype: torch.dtype, fill: float = 0.0) -> torch.Tensor:
         """The view of field `name` of the records (define) as a tensor of `shape`, every element
-        `fill` (0: the sparse file reads zeros, nothing written; else written in bounded pieces:
-        _fill)."""
+        `fill` (0: the sparse file reads zeros, nothing written; else written in sequential pieces:
+        tier_io's fill)."""
         row_bytes = int(np.prod(shape[1:], dtype=np.int64)) * torch.empty(0, dtype=dtype).element_size()
         if name not in self._fields:
             raise ValueError(f"tier: {name} is not a field of the records (define: {sorted(self._fields)})")
@@ -181,7 +186,7 @@ class DiskTier(TierLog):
             raise ValueError(f"tier: {name} {tuple(shape)} {dtype} is not its record field ({nbytes} B {fdtype})")
         tensor = _field(records, off, nbytes, dtype, shape)
         if fill:
-            self._fill(off, nbytes, dtype, fill)
+            self.fill(name, fill)
         return tensor
 
     def view(self, records: torch.Tensor, name: str, like: torch.Tensor) -> torch.Tensor:
@@ -189,14 +194,6 @@ class DiskTier(TierLog):
         them), shaped as `like` (alloc's view of it) per row."""
         off, nbytes, dtype = self._fields[name]
         return _field(records, off, nbytes, dtype, (records.shape[0],) + tuple(like.shape[1:]))
-
-    def write(self, rows: torch.Tensor, parts: dict[str, torch.Tensor]) -> None:
-        """Records `rows` (sorted, distinct) of the file set in place from `parts` ({field: [n, ...]}),
-        through the mapping, their pages read by the threads first (a record is part of a page)."""
-        self.prefetch(rows)
-        self.ready()
-        for name, values in parts.items():
-            self.view(self.file.tensor, name, values).index_copy_(0, rows, values)
 
     def read(self, rows: torch.Tensor, at: torch.Tensor, logged: torch.Tensor) -> torch.Tensor:
         """[n, record bytes] copies of records: the log's record at[i] where logged[i], else the

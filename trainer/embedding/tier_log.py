@@ -1,7 +1,7 @@
-"""The file operations of embedding.store=disk's tier (tier.py's DiskTier) that go around the
+"""The write-back log of embedding.store=disk's tier (tier.py's DiskTier), written around the
 mapping: the row cache's changed rows appended to `log.bin` in whole-page O_DIRECT writes (nothing
 read first, no page kept in RAM), then merged into `rows.bin` in sequential pieces read and written
-the same way; a field of every record set the same way (`_fill`).
+the same way (tier_io.py).
 
 The log has two halves of `log_half` records (the second starts on a page): the row cache appends
 to one while the other, full, is merged into the file, beside the steps where the tier reads
@@ -11,26 +11,18 @@ step's thread (`merge`). writelog.py says when.
 from __future__ import annotations
 
 import ctypes
-import math
-import mmap
 import os
 from concurrent.futures import Future
 from typing import Callable
 
-import numpy as np
 import torch
 
-CHUNK = mmap.PAGESIZE  # bytes: the unit the file is mapped, read and unmapped in (a page)
-APPEND_BYTES = 4 << 20  # the log is appended, and the file merged, in I/Os of at most this (or one record unit)
+from .tier_io import APPEND_BYTES, CHUNK, full_io, record_unit
+
 FALLOC_PUNCH_HOLE = 0x01 | 0x02  # FALLOC_FL_KEEP_SIZE | FALLOC_FL_PUNCH_HOLE
 
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_long, ctypes.c_long]
-
-
-def record_unit(record: int) -> int:
-    """Bytes of the smallest run of whole records that starts and ends on a page."""
-    return record * CHUNK // math.gcd(record, CHUNK)
 
 
 def log_records(half: int, record: int) -> int:
@@ -41,10 +33,6 @@ def log_records(half: int, record: int) -> int:
 
 class TierLog:
     """DiskTier's log (a mixin: the files, the buffers and the reads ahead are DiskTier's)."""
-
-    def log_view(self, name: str, like: torch.Tensor) -> torch.Tensor:
-        """Field `name` of the log's records, shaped as `like` (alloc's view of it) per row."""
-        return self.view(self.log.tensor, name, like)
 
     def rotate(self, half: int) -> None:
         """Appends go to the start of `half` (0 or 1) from now on (empty: reset_half)."""
@@ -110,43 +98,12 @@ class TierLog:
 
     def _merge(self, rows: torch.Tensor, at: torch.Tensor, begin) -> None:
         """file[rows] = log[at] in pieces of up to APPEND_BYTES (at least one record unit), each
-        rewritten in the merging buffer (_rewrite); begin(at of a piece)() gives the piece's log
-        records."""
-        f, buf = self.file, self._merge_buf
-        rec = f.row_bytes
-        unit = record_unit(rec)
-        size = max(1, APPEND_BYTES // unit) * unit  # a piece starts on a page and on a record
-        start = rows.numpy() * rec
-        lo, n = 0, rows.numel()
-        while lo < n:
-            base = int(start[lo]) // unit * unit
-            hi = max(lo + 1, int(np.searchsorted(start + rec, base + size, side="right")))
-            end = -(-(int(start[hi - 1]) + rec) // CHUNK) * CHUNK
-            records, at_rows = begin(at[lo:hi]), rows[lo:hi] - base // rec
-            self._rewrite(buf, base, end, lambda room: room.index_copy_(0, at_rows, records()))
-            lo = hi
-
-    def _rewrite(self, buf: mmap.mmap, base: int, end: int, change: Callable[[torch.Tensor], object]) -> None:
-        """Bytes [base, end) of the file (pages, starting on a record) read into buf, change(their
-        whole records [k, record bytes]) and written back: one sequential read and one write,
-        straight to the disk (O_DIRECT) where the file system allows it."""
+        rewritten in the merging buffer (tier_io's _rewrite); begin(at of a piece)() gives the
+        piece's log records."""
         f = self.file
-        span = memoryview(buf)[:end - base]
-        full_io(os.preadv, f.fd, span, base, f.path)
-        k = min(f.tensor.shape[0] - base // f.row_bytes, (end - base) // f.row_bytes)
-        change(torch.frombuffer(buf, dtype=torch.uint8)[:k * f.row_bytes].view(k, f.row_bytes))
-        full_io(os.pwritev, f.fd, span, base, f.path)
-
-    def _fill(self, off: int, nbytes: int, dtype: torch.dtype, fill: float) -> None:
-        """Every record's field (off, nbytes, dtype) set to `fill`: the file read and written back in
-        sequential pieces (_rewrite), not through the mapping, whose faults would read
-        the pages the rows' initial values were written to one 4 KiB read at a time (MADV_RANDOM;
-        in a memory cgroup they are no longer in RAM: ~45 MB/s here, against ~1 GB/s)."""
-        self.release()  # nothing mapped while the file is written around the mapping
-        f, buf = self.file, self._merge_buf
-        for base in range(0, f.tensor.shape[0] * f.row_bytes, len(buf)):
-            self._rewrite(buf, base, min(base + len(buf), f.nbytes),
-                          lambda room: room[:, off:off + nbytes].view(dtype).fill_(fill))
+        for lo, hi, base, end in self._spans(rows.numpy() * f.row_bytes):
+            records, at_rows = begin(at[lo:hi]), rows[lo:hi] - base // f.row_bytes
+            self._rewrite(f, self._merge_buf, base, end, lambda room: room.index_copy_(0, at_rows, records()))
 
     def reset_half(self, half: int) -> None:
         """Forget the records of the log's `half` (merged into the file): its pages are given back
@@ -160,9 +117,3 @@ class TierLog:
         self.mapped_bytes -= int(f.mapped[pages].sum()) * CHUNK
         f.mapped[pages] = False
 
-
-def full_io(call, fd: int, view: memoryview, offset: int, path: str) -> None:
-    """os.preadv / os.pwritev of all of `view` at `offset`, or OSError."""
-    done = call(fd, [view], offset)
-    if done != len(view):
-        raise OSError(f"tier: {call.__name__} moved {done} of {len(view)} bytes at {offset} of {path}")

@@ -339,9 +339,9 @@ class TieredStore(DirectPhases, ShardStore):
         self._log.settle()  # no merge writes the file meanwhile
         self._changed()
         self._t.fill_(value)
-        self._files()[3].fill_(value)
+        self.tier.fill("touched", value)  # in sequential pieces, around the mappings (tier_io.py)
         first = self.tier.log_starts[self._log.half]
-        self.tier.log_view("touched", self._files()[3])[first:first + self._log.used].fill_(value)
+        self.tier.fill("touched", value, log=True, lo=first, hi=first + self._log.used)
 
     def store_record(self) -> dict:
         c, steps, log = self.counts, max(self.tier.stats.steps, 1), self._log
