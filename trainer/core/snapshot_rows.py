@@ -70,11 +70,13 @@ class SnapshotRows:
     def held_rows(self) -> int:
         return int(self.held.sum())
 
-    def put(self, weight: torch.Tensor, touched: torch.Tensor) -> None:
-        """Keep the current values of the rows flagged in `touched` (they become held)."""
+    def put(self, weight: torch.Tensor, touched: torch.Tensor, release: Callable[[], None] = lambda: None) -> None:
+        """Keep the current values of the rows flagged in `touched` (they become held); release()
+        after each window (a shard on disk: its pages read leave the process)."""
         for a, b in self.windows():
             t = torch.nonzero(touched[a:b]).squeeze(1)
             if not t.numel():
+                release()
                 continue
             vals = weight[a:b] if t.numel() == b - a else weight.index_select(0, t + a)
             if self.memory:
@@ -84,6 +86,7 @@ class SnapshotRows:
             else:
                 self._write(a, b, t, vals)
             self.held[a:b] |= touched[a:b]
+            release()
 
     def values(self, rows: torch.Tensor) -> torch.Tensor:
         """[n, dim] kept values of held storage rows `rows` (ascending, within one window)."""

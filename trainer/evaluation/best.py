@@ -109,7 +109,7 @@ class BestSnapshot:
         with self.store.raw(write=False):
             if self.slots is not None:
                 self.slots.put(self.store.pool.slot_gid, self.store.version, self.store.touched, self.kept.windows())
-            self.kept.put(self.store.weight, self.store.touched)
+            self.kept.put(self.store.weight, self.store.touched, self.store.release)
         self.store.mark_all_touched(False)
         self.step = step
 
@@ -134,6 +134,7 @@ class BestSnapshot:
         for a, b in self.kept.windows():  # temporaries: one window of rows
             changed = torch.nonzero(store.touched[a:b]).squeeze(1) + a
             if not changed.numel():
+                store.release()
                 continue
             seen = self.kept.held[changed]
             if self.slots is not None:  # ids first: a slot's initial row is its id's (free: zeros)
@@ -145,7 +146,8 @@ class BestSnapshot:
                 values[~seen] = store.initial_rows(changed[~seen])
             store.weight.index_copy_(0, changed, values)
             n += int(changed.numel())
-        store.touched.zero_()
+            store.release()  # a shard on disk: the window's pages leave the process
+        store.mark_all_touched(False)
         if self.slots is not None:
             store.pool.reindex()  # the id -> slot map and free slots of the restored ids
         return n
