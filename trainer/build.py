@@ -156,18 +156,24 @@ def make_tier(c: Config, comm: Collectives, device: torch.device, local_rows: in
     if device.type != "cpu":
         raise ConfigError(f"embedding.store=disk maps the shard into host memory: the run trains on {device} "
                           "(train.device=cpu, or embedding.store=memory)")
-    record = record_layout(record_fields(c.model.embedding_dim, row_dtype(e.dtype), c.optim.sparse))[1]
+    layout, record = record_layout(record_fields(c.model.embedding_dim, row_dtype(e.dtype), c.optim.sparse))
     room = None if e.store_cache_bytes else available_memory(device, comm.local_size)[0]
     total = store_cache_bytes(c, room, local_rows * record)
     pages = tier_page_bytes(total)
-    need = (local_rows + log_records(log_rows(local_rows, total - pages), record)) * record  # the file and its log
+    files = (local_rows + log_records(log_rows(local_rows, total - pages), record)) * record  # the file and its log
+    # a checkpoint's save or load permutes the rows through bucket files beside them (checkpoint/buckets.py)
+    saved = sum(nbytes for name, (_, nbytes, _) in layout.items() if name != "touched")
+    scratch = local_rows * (saved + 8) if c.checkpoint.enabled or c.checkpoint.resume else 0
+    need = files + scratch
     where = e.store_dir or tempfile.gettempdir()
     os.makedirs(where, exist_ok=True)
     st = os.statvfs(where)
     free = st.f_bavail * st.f_frsize // max(comm.local_size or 1, 1)
     if need > free:
-        raise ConfigError(f"embedding.store=disk: rank {comm.rank}'s shard needs {fmt_bytes(need)} on disk, "
-                          f"{where} has {fmt_bytes(free)} free for it (embedding.store_dir elsewhere, or more workers)")
+        also = f" (its files {fmt_bytes(files)}, a checkpoint's save or load {fmt_bytes(scratch)} of scratch)" if scratch else ""
+        raise ConfigError(f"embedding.store=disk: rank {comm.rank}'s shard needs {fmt_bytes(need)} on disk{also}, "
+                          f"{where} has {fmt_bytes(free)} free for it (embedding.store_dir elsewhere, or more workers"
+                          f"{', or checkpoint.enabled=false' if scratch else ''})")
     return DiskTier(e.store_dir, comm.rank, pages, total), total - pages
 
 

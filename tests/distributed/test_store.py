@@ -140,6 +140,21 @@ def test_a_disk_too_small_is_refused_before_anything_is_written(tmp_path):
         assert os.listdir(small) == []
 
 
+def test_a_disk_without_room_for_a_checkpoints_scratch_is_refused_unless_none_is_written(tmp_path):
+    """Room for the files but not for a checkpoint's buckets beside them: refused in one line naming
+    both; with checkpoint.enabled=false (no save, no resume) the same disk trains."""
+    with tmpfs(tmp_path / "mid", size="10m") as mid:
+        args = WIDE + ["embedding.store=disk", f"embedding.store_dir={mid}", "train.steps=2"]
+        r = _cli(args, tmp_path)
+        assert r.returncode == 2 and "Traceback" not in r.stderr, tail(r)
+        last = r.stderr.strip().splitlines()[-1]
+        assert last.startswith("error: embedding.store=disk: rank 0's shard needs") and "of scratch" in last, last
+        assert "checkpoint.enabled=false" in last and os.listdir(mid) == []
+        r = _cli(args + ["checkpoint.enabled=false"], tmp_path)
+        assert r.returncode == 0, tail(r)
+        assert os.listdir(mid) == []
+
+
 def test_the_memory_plan_counts_the_disk_and_the_cache(tmp_path):
     r = _cli(WIDE + ["embedding.store=disk", f"embedding.store_dir={tmp_path / 'store'}", "train.steps=2",
                      "embedding.store_cache_bytes=1000000"], tmp_path)

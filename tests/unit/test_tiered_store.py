@@ -179,7 +179,7 @@ def test_the_tier_unmaps_beside_the_step(tmp_path, monkeypatch):
         rows = torch.arange(0, n, 97)
         got = []
         for lo in (0, 100, 200, 300):  # each read ahead maps ~100 pages: past the budget of 16
-            got += tier.prefetch(rows[lo:lo + 100], keep=True)
+            got += tier.prefetch(rows[lo:lo + 100])
             assert tier._unmapping is not None or lo == 0
         tier.ready()
         records = torch.cat([f.result() for f in got])

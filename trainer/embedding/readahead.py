@@ -1,5 +1,5 @@
-"""embedding.store=disk: the copies of records the tier reads ahead (tier.DiskTier.prefetch with
-keep=True: through io_uring, or by its threads), for TieredStore's loads.
+"""embedding.store=disk: the copies of records the tier reads ahead (tier.DiskTier.prefetch:
+through io_uring, or by its threads), for TieredStore's loads.
 
 Why keep them: a read ahead faults the records' pages into the page cache, and in a memory
 cgroup the cgroup may reclaim those pages before the step copies the rows into slots, so the step's

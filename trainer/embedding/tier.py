@@ -14,11 +14,10 @@ steps use, a page is only needed while its rows are copied in or written back, a
 unmapped is not lost (the page cache keeps it until the kernel writes it back). The mapping is
 MADV_RANDOM: a fault reads its page only, not the kernel's read-around window (hot ids are spread
 over a table, so neighbours are rarely wanted).
-Reads ahead: `prefetch` gets the rows a coming step will touch. The copies the
-row cache asks for (keep=True) are read through io_uring where the kernel allows it (uring.py):
-each record straight into the copy, up to 1,024 in flight, by one thread that waits with the GIL
-released, and no page mapped. Otherwise a pool of threads
-reads them, each its share with one torch gather (which faults the pages in with the GIL
+Reads ahead: `prefetch` copies the records a coming step will touch. They are read through
+io_uring where the kernel allows it (uring.py): each record straight into the copy, up to 1,024 in
+flight, by one thread that waits with the GIL released, and no page mapped. Otherwise a pool of
+threads reads them, each its share with one torch gather (which faults the pages in with the GIL
 released), so `threads` reads are in flight. `ready` waits for them (the time counted as the
 step's wait on the disk). A page never read ahead is read by a fault on the step's own thread
 (counted: `sync_faults`).
@@ -222,18 +221,17 @@ class DiskTier(TierIO, TierLog):
         """A new step (its count is the per-step figures' denominator)."""
         self.stats.steps += 1
 
-    def prefetch(self, local_rows: torch.Tensor, log: bool = False, keep: bool = False) -> list[Future]:
-        """Records of this shard's file (of the log: `log`) a coming step reads or writes back:
-        the threads read them now (each thread one share of the records, read with one torch
-        gather, which faults their pages in with the GIL released: `threads` reads in flight),
-        so that the step's own copy finds them in RAM. keep: every record is read (not only those
-        on pages not mapped yet) and the futures returned give the copies, in the rows' order
-        (pages read ahead may be reclaimed before they are used; copies are not); where the
-        kernel has io_uring, one future, read through the ring with no page mapped (_ring_read)."""
+    def prefetch(self, local_rows: torch.Tensor, log: bool = False) -> list[Future]:
+        """Copies of records of this shard's file (of the log: `log`) a coming step reads: the
+        futures returned give them, [n, record bytes] in the rows' order (a copy, not the page: a
+        page read ahead may be reclaimed before it is used). Where the kernel has io_uring, one
+        future, read through the ring with no page mapped (_ring_read); else the threads read them
+        (each thread one share, with one torch gather, which faults their pages in with the GIL
+        released: `threads` reads in flight)."""
         rows = local_rows.detach().cpu().numpy().astype(np.int64, copy=False)
         if rows.size == 0:
             return []
-        if keep and self._ring is not None:
+        if self._ring is not None:
             return [self._ring_read(self.log if log else self.file, rows)]
         if self.mapped_bytes > self.cache_bytes:
             self._evict(wait=False)
@@ -246,13 +244,11 @@ class DiskTier(TierIO, TierLog):
             f.mapped[cold] = True
             self.mapped_bytes += cold.size * CHUNK
             self.stats.chunks_read += cold.size
-        elif not keep:
-            return []
         part = -(-rows.size // self.threads)
         futures = [self._pool.submit(self._touch, f.tensor, torch.from_numpy(rows[lo:lo + part]))
                    for lo in range(0, rows.size, part)]
         self._pending.extend(futures)
-        return futures if keep else []
+        return futures
 
     def _ring_read(self, f: TierFile, rows: np.ndarray) -> Future:
         """[n, record bytes] copies of records `rows` of f read through the ring by its thread (no

@@ -77,7 +77,7 @@ class TierLog:
         self._evict()  # none of the file's pages stay mapped while it is written around the mapping
 
         def begin(at_piece: torch.Tensor) -> Callable[[], torch.Tensor]:
-            futures = self.prefetch(at_piece, log=True, keep=True)
+            futures = self.prefetch(at_piece, log=True)
             return lambda: (self.ready(), torch.cat([g.result() for g in futures]))[1]
         self._merge(rows, at, begin)
         self._evict()

@@ -276,8 +276,8 @@ class TieredStore(DirectPhases, ShardStore):
             uniq = torch.unique(local_idx)
             where, _ = self._map.lookup(uniq)
             inlog, infile = where <= -2, where == -1
-            futures = self.tier.prefetch(code(where[inlog]), log=True, keep=True) + \
-                self.tier.prefetch(uniq[infile], keep=True)
+            futures = self.tier.prefetch(code(where[inlog]), log=True) + \
+                self.tier.prefetch(uniq[infile])
             self._copies.add(torch.cat([uniq[inlog], uniq[infile]]), torch.cat([where[inlog], where[infile]]), futures)
 
     def _gather(self, idx: torch.Tensor, part: int) -> torch.Tensor:
