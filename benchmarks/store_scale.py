@@ -7,13 +7,15 @@ Adagrad, one torch thread, the tables sized so that the shard files hold `--mode
 record: 80 B). Each rank runs in a memory cgroup (dev/memcg.py) of `--limit` bytes, which charges
 the page cache too, so the files cannot stay in RAM; its row cache is `--cache` bytes. Each line:
 the phase (`train`: W = 1 from nothing, its end saved; `resume`: W = 2 from that checkpoint, not
-saved again), its
-wall time, the steady rate (samples/s over the logged windows after the first fifth of the
+saved again), its wall time and the parts of it the trainer timed (`setup_s`: the shard's files
+set up, its initial rows written; `save_s`; `load_s`; each as the trainer says it for work of 10 s
+or more, else null), the steady rate (samples/s over the logged windows after the first fifth of the
 phase's steps), the peak RSS of its processes (getrusage of each rank: what the process itself
 held mapped, torch's libraries included, the page cache not) and the cgroup's peak (the page cache
 counted; pages of files another cgroup read first, such as torch's libraries, are not), OOM kills, the
-shard files' and the checkpoint's bytes. The machine needs the files plus a checkpoint on disk
-(checked first); a model twice this machine's RAM needs twice that.
+shard files' and the checkpoint's bytes. The machine needs ~3.5x the model on disk (checked
+first): at the resume's peak, the files (the shard and its log), the checkpoint and the load's
+scratch; a model twice this machine's RAM needs 7x the RAM.
 
     python -m benchmarks.store_scale --model 20G --limit 8G [--cache 6G] [--steps 300]
         [--resume-steps 60] [--dir DIR] [-- overrides]
@@ -23,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shutil
 import sys
 import tempfile
@@ -50,6 +53,20 @@ WRAP = ("import json, resource, subprocess, sys\n"
 
 def record_bytes() -> int:
     return record_layout(record_fields(16, torch.float32, "rowwise_adagrad"))[1]
+
+
+# the trainer's lines for long work (trainer/core/progress.py: said when it took >= 10 s)
+TIMED = {"setup_s": r"shard, [\d,]+ rows .* set up in (\d+) s", "save_s": r"of shards saved in (\d+) s",
+         "load_s": r"loaded its rows in (\d+) s"}
+
+
+def timed(stderrs: list[str]) -> dict[str, int | None]:
+    """{setup_s, save_s, load_s}: the longest each rank said it took (None: none said, under 10 s)."""
+    out = {}
+    for key, pattern in TIMED.items():
+        took = [int(m) for err in stderrs for m in re.findall(pattern, err)]
+        out[key] = max(took) if took else None
+    return out
 
 
 def du(path: str) -> int:
@@ -96,7 +113,8 @@ def phase(name: str, world: int, steps: int, args: argparse.Namespace, rows: int
     store = summary["store"]
     return {"phase": name, "world": world, "model_bytes": rows * TABLES * record_bytes(), "rows": rows * TABLES,
             "limit_bytes": args.limit, "cache_bytes": args.cache, "from_step": first, "to_step": steps,
-            "wall_s": round(max(g[0].wall_s for g in results), 1), "samples_per_sec": rate,
+            "wall_s": round(max(g[0].wall_s for g in results), 1), **timed([g[0].stderr for g in results]),
+            "samples_per_sec": rate,
             "peak_rss_bytes": max(g[3] for g in results), "cgroup_peak_bytes": max(g[1] for g in results),
             "rss_over_cache_bytes": max(g[3] for g in results) - args.cache, "oom_kills": sum(g[2] for g in results),
             "reader": store.get("reader"), "rank0_disk_bytes": store["disk_bytes"],
@@ -137,9 +155,11 @@ def main(argv: list[str] | None = None) -> int:
     os.makedirs(args.dir, exist_ok=True)
     rows = max(1, model // (TABLES * record_bytes()))
     free = shutil.disk_usage(args.dir).free
-    need = 2 * rows * TABLES * record_bytes() + (1 << 30)  # the files and a checkpoint (and the log's pages)
+    # the resume's peak: the files (the shard and its log, up to half of it), a checkpoint, and the
+    # load's bucket scratch (checkpoint/buckets.py), each about the shard's bytes
+    need = int(3.5 * rows * TABLES * record_bytes()) + (1 << 30)
     if need > free:
-        return bad_input(f"--model {args.model}: the files and a checkpoint need ~{need / 1e9:.1f} GB, "
+        return bad_input(f"--model {args.model}: the files, a checkpoint and a load's scratch need ~{need / 1e9:.1f} GB, "
                          f"{args.dir} has {free / 1e9:.1f} GB free")
     out = tempfile.mkdtemp(prefix="store-scale-", dir=args.dir)
     try:

@@ -39,7 +39,8 @@ from .embedding.tier import DiskTier, record_layout
 from .embedding.tier_log import log_records
 from .models import build_model
 from .placement import Plan, plan_run
-from .plan.memplan import available_memory, fmt_bytes, store_cache_bytes, tier_page_bytes
+from .core.progress import fmt_bytes
+from .plan.memplan import available_memory, store_cache_bytes, tier_page_bytes
 from .schedule import Feed
 from .schedule.feed import make_order
 from .schedule.herald import HeraldPlanner, IdSpace

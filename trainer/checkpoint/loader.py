@@ -16,9 +16,11 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 from typing import Any
 
 from ..comm import Collectives
+from ..core.progress import fmt_bytes, say_if_slow
 from ..embedding.store import ShardStore
 from .manifest import (TRAINER_FILE, CheckpointDamaged, CheckpointError, check_schema, check_stream_world,
                        complete_checkpoints, latest, read_file, read_manifest, shard_file, unseen_damage)
@@ -79,6 +81,7 @@ def load(comm: Collectives, ckpt: str, store: ShardStore, schema: dict[str, Any]
     auto_root: the checkpoint.dir that resume=auto chose ckpt from; a damaged file then also names
     the newest checkpoint saved before ckpt and the override that continues from it."""
     counter = {"bytes_read": 0} if counter is None else counter
+    t0 = time.monotonic()
 
     def local() -> dict[str, Any]:
         try:
@@ -87,7 +90,10 @@ def load(comm: Collectives, ckpt: str, store: ShardStore, schema: dict[str, Any]
             if auto_root is None:
                 raise
             raise CheckpointDamaged(f"{exc}. {_older(auto_root, ckpt)}") from exc
-    return comm.all_succeed(f"loading checkpoint {ckpt}", local, CheckpointError)
+    state = comm.all_succeed(f"loading checkpoint {ckpt}", local, CheckpointError)
+    say_if_slow(t0, lambda took: f"{ckpt}: rank 0 read {fmt_bytes(counter['bytes_read'])} and loaded its rows "
+                                 f"in {took:.0f} s", comm.rank == 0)
+    return state
 
 
 def _older(root: str, ckpt: str) -> str:

@@ -24,6 +24,7 @@ from typing import Any
 
 
 from ..comm import CollectiveError, Collectives
+from ..core.progress import fmt_bytes, say_if_slow
 from ..embedding.store import ShardStore
 from .lock import LEASE_S, DirLock
 from .manifest import (FORMAT_VERSION, TRAINER_FILE, WORK_DIR, CheckpointError,
@@ -80,6 +81,7 @@ class Checkpointer:
     def _save(self, step: int, store: ShardStore, trainer_state: dict[str, Any] | None,
               schema: dict[str, Any]) -> str:
         tmp = self._tmp_dir(step)
+        t0 = time.monotonic()
         try:
             mine = self.comm.all_succeed(f"checkpoint save of step {step} into {self.root}",
                                          lambda: self._write_shard(tmp, store), CheckpointError)
@@ -91,6 +93,9 @@ class Checkpointer:
         def finish() -> None:  # rank 0
             self._finish(tmp, step, trainer_state, schema, shards)
             self.completed = step_dir(self.root, step)
+            total = sum(f["bytes"] for shard in shards for f in shard.get("fields", {}).values())
+            say_if_slow(t0, lambda took: f"checkpoint of step {step}: {fmt_bytes(total)} of shards saved in "
+                                         f"{took:.0f} s ({self.completed})")
         self.comm.root_decides(finish, CheckpointError)
         return step_dir(self.root, step)
 

@@ -40,11 +40,13 @@ HierarchicalKV's design): a row's values, optimizer state, version and touched m
 from __future__ import annotations
 
 import inspect
+import time
 
 import numpy as np
 import torch
 
 import kernels
+from ..core.progress import fmt_bytes, say_if_slow
 from .optim import SparseOptimizer
 from .readahead import ReadAheadCopies
 from .slotmap import DIRECT_IDS_PER_SLOT, id_slot_map, map_bytes
@@ -107,8 +109,11 @@ class TieredStore(DirectPhases, ShardStore):
         a.apply_defaults()
         p = a.arguments
         local = p["sharding"].local_rows
+        t0 = time.monotonic()
         tier.define(local, record_fields(p["dim"], p["dtype"], p["optimizer"]), log_rows(local, cache_bytes))
         super().__init__(*args, tier=tier, **kw)
+        say_if_slow(t0, lambda took: f"embedding.store=disk: rank {p['sharding'].rank}'s shard, {local:,} rows "
+                                     f"({fmt_bytes(tier.disk_bytes())} of files in {tier.dir}), set up in {took:.0f} s")
         self._build(cache_slots(cache_bytes, self.bytes_per_row()["total"] + 1, local))
 
     def _build(self, n: int) -> None:

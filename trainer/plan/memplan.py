@@ -42,6 +42,7 @@ from ..embedding.slotmap import map_bytes
 from ..embedding.store import VERSION_BYTES, row_dtype
 from ..placement.plan import row_bytes
 from ..placement.sca import slot_bytes
+from ..core.progress import fmt_bytes
 from ..core.snapshot_rows import SNAPSHOT_SLOT_BYTES, in_memory
 
 ADVICE = {"rows": "more workers, embedding.dtype=fp16 or bf16 (half the weight bytes), smaller data.table_rows",
@@ -96,13 +97,6 @@ class MemoryPlan:
         return {"local_rows": self.local_rows, "bytes_per_row": self.bytes_per_row, "row_parts": self.row_parts,
                 "parts": self.parts, "total": self.total, "available": self.available, "source": self.source,
                 "disk": self.disk}
-
-
-def fmt_bytes(n: float) -> str:
-    for unit, size in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
-        if abs(n) >= size:
-            return f"{n / size:.1f} {unit}"
-    return f"{int(n)} B"
 
 
 def row_parts(c: Config, device: torch.device, local: int) -> dict[str, int]:
