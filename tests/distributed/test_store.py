@@ -82,14 +82,16 @@ def _reader_here() -> str:
 
 
 @pytest.mark.dist
-def test_a_disk_checkpoint_resumes_at_another_w_as_memory_does(tmp_path):
-    """Saved at step 12 on W = 2, resumed at W = 1 to step 24: the same bits as the memory store's."""
+@pytest.mark.parametrize("rows", [["optim=adagrad"], ["optim=adam", "embedding.dtype=bf16"]], ids=["fp32", "bf16"])
+def test_a_disk_checkpoint_resumes_at_another_w_as_memory_does(rows, tmp_path):
+    """Saved at step 12 on W = 2, resumed at W = 1 to step 24: the same bits as the memory store's
+    (fp32 rows with Adagrad's state; bf16 rows, saved as their raw 2 bytes, with row-wise state)."""
     out = {}
     for kind in ("memory", "disk"):
         ck = tmp_path / kind / "ck"
         store = ["embedding.store=disk", f"embedding.store_dir={tmp_path / 'store'}", *SMALL_CACHE] \
             if kind == "disk" else []
-        first = WIDE + ["optim=adagrad", f"checkpoint.dir={ck}", "checkpoint.every=12", *store]
+        first = WIDE + [*rows, f"checkpoint.dir={ck}", "checkpoint.every=12", *store]
         run_world(2, [a for a in first if not a.startswith("train.steps")] + ["train.steps=12"], return_state=False)
         out[kind] = run_single(first + ["checkpoint.resume=auto"])
     assert out["memory"].summary["start_step"] == out["disk"].summary["start_step"] == 12

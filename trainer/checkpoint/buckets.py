@@ -52,16 +52,16 @@ class Buckets:
         cuts = np.flatnonzero(np.diff(bucket)) + 1
         starts = np.concatenate([[0], cuts])
         ends = np.concatenate([cuts, [bucket.size]])
-        sorted_values = {n: v[order] for n, v in values.items()}
+        sorted_values = {n: _gather(v, order) for n, v in values.items()}
         for s, e in zip(starts.tolist(), ends.tolist()):
             if s == e:
                 continue
             b = int(bucket[s])
             with open(self._path(b, "key"), "ab") as f:
-                f.write(np.ascontiguousarray(key[s:e], dtype=INDEX).tobytes())
+                f.write(memoryview(np.ascontiguousarray(key[s:e], dtype=INDEX)).cast("B"))
             for n in self.names:
                 with open(self._path(b, n), "ab") as f:
-                    f.write(np.ascontiguousarray(sorted_values[n][s:e]).tobytes())
+                    f.write(memoryview(np.ascontiguousarray(sorted_values[n][s:e])).cast("B"))
             self.rows[b] += e - s
 
     def take(self, b: int, dtypes: dict[str, np.dtype], widths: dict[str, int]) -> tuple[np.ndarray, dict[str, np.ndarray]]:
@@ -74,13 +74,22 @@ class Buckets:
         out = {}
         for name in self.names:
             arr = np.fromfile(self._path(b, name), dtype=dtypes[name]).reshape(n, widths[name])
-            out[name] = arr[order]
+            out[name] = _gather(arr, order)
             os.remove(self._path(b, name))
         os.remove(self._path(b, "key"))
         return key[order], out
 
     def close(self) -> None:
         shutil.rmtree(self.dir, ignore_errors=True)
+
+
+def _gather(arr: np.ndarray, order: np.ndarray) -> np.ndarray:
+    """arr[order] for [n, width] arrays: rows of bytes gathered by torch (one memcpy a row, where
+    numpy's fancy indexing copies element by element)."""
+    if arr.ndim != 2 or arr.shape[0] == 0:
+        return arr[order]
+    rows = torch.from_numpy(np.ascontiguousarray(arr)).view(torch.uint8)
+    return rows.index_select(0, torch.from_numpy(order)).numpy().view(arr.dtype)
 
 
 def as_2d(t: torch.Tensor) -> torch.Tensor:
@@ -105,25 +114,25 @@ def bucketed_write(first: int, n: int, rows_per_piece: int, bits: int, first_j: 
     """One table segment's rows (storage rows first..first+n) in the checkpoint's file order,
     emitted piece by piece: emit(field, raw values) per field and piece, in file order. tensors:
     the fields saved, the tier's views of its records; first_j(p): the j (bit-reversed position) of
-    file row p; a row q's j is rev_bits(q)."""
+    file row p; a row q's j is rev_bits(q). The buckets hold whole records (one file and one
+    gather per piece, not one per field); each field is taken from them as the bucket is emitted."""
     k = -(-n // rows_per_piece)
     bounds = np.array([first_j(p * rows_per_piece) for p in range(k)] + [1 << bits], dtype=np.int64)
     flats = {name: as_2d(t) for name, t in tensors.items()}
     fields = {name: tier.name_of(t) for name, t in flats.items()}
-    buckets = Buckets(tier.dir, k, list(flats))
+    rec = tier.file.row_bytes
+    buckets = Buckets(tier.dir, k, ["records"])
     try:
         for lo in range(0, n, rows_per_piece):  # the shard in order, a piece of rows at a time
             q = np.arange(lo, min(lo + rows_per_piece, n), dtype=np.int64)
             j = bit_reverse(q, bits) if bits else q
             bucket = np.searchsorted(bounds, j, side="right") - 1
-            records = tier.read_records(first + lo, first + lo + q.size)
-            buckets.add(bucket, j, {name: raw(tier.view(records, fields[name], f)) for name, f in flats.items()})
-        dtypes = {name: raw(f[:0]).dtype for name, f in flats.items()}
-        widths = {name: f.shape[1] for name, f in flats.items()}
+            buckets.add(bucket, j, {"records": tier.read_records(first + lo, first + lo + q.size).numpy()})
         for b in range(k):
-            _, values = buckets.take(b, dtypes, widths)
-            for name in flats:
-                emit(name, values[name])
+            _, got = buckets.take(b, {"records": np.dtype(np.uint8)}, {"records": rec})
+            records = torch.from_numpy(got["records"])
+            for name, f in flats.items():
+                emit(name, np.ascontiguousarray(raw(tier.view(records, fields[name], f))))
     finally:
         buckets.close()
 
