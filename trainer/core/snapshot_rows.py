@@ -75,18 +75,19 @@ class SnapshotRows:
         after each window (a shard on disk: its pages read leave the process)."""
         for a, b in self.windows():
             t = torch.nonzero(touched[a:b]).squeeze(1)
-            if not t.numel():
-                release()
-                continue
-            vals = weight[a:b] if t.numel() == b - a else weight.index_select(0, t + a)
-            if self.memory:
-                if self._mem is None:
-                    self._mem = torch.empty(self.rows, self.dim, dtype=self.dtype, device=self.device)
-                self._mem.index_copy_(0, t + a, vals)
-            else:
-                self._write(a, b, t, vals)
-            self.held[a:b] |= touched[a:b]
+            if t.numel():
+                self._put(a, b, t, weight[a:b] if t.numel() == b - a else weight.index_select(0, t + a))
+                self.held[a:b] |= touched[a:b]
             release()
+
+    def _put(self, a: int, b: int, t: torch.Tensor, vals: torch.Tensor) -> None:
+        """Keep vals, the values of rows a + t of window [a, b)."""
+        if not self.memory:
+            self._write(a, b, t, vals)
+            return
+        if self._mem is None:
+            self._mem = torch.empty(self.rows, self.dim, dtype=self.dtype, device=self.device)
+        self._mem.index_copy_(0, t + a, vals)
 
     def values(self, rows: torch.Tensor) -> torch.Tensor:
         """[n, dim] kept values of held storage rows `rows` (ascending, within one window)."""

@@ -133,24 +133,28 @@ class BestSnapshot:
         store, n = self.store, 0
         for a, b in self.kept.windows():  # temporaries: one window of rows
             changed = torch.nonzero(store.touched[a:b]).squeeze(1) + a
-            if not changed.numel():
-                store.release()
-                continue
-            seen = self.kept.held[changed]
-            if self.slots is not None:  # ids first: a slot's initial row is its id's (free: zeros)
-                self.slots.restore(store.pool.slot_gid, store.version, changed, seen)
-            values = torch.empty(changed.numel(), store.dim, dtype=store.dtype, device=store.device)
-            if bool(seen.any()):
-                values[seen] = self.kept.values(changed[seen])
-            if bool((~seen).any()):
-                values[~seen] = store.initial_rows(changed[~seen])
-            store.weight.index_copy_(0, changed, values)
-            n += int(changed.numel())
+            if changed.numel():
+                self._restore_window(changed)
+                n += int(changed.numel())
             store.release()  # a shard on disk: the window's pages leave the process
         store.mark_all_touched(False)
         if self.slots is not None:
             store.pool.reindex()  # the id -> slot map and free slots of the restored ids
         return n
+
+    def _restore_window(self, changed: torch.Tensor) -> None:
+        """Rows `changed` (of one window) back to their snapshot values, or their initial ones
+        where the snapshot held none."""
+        store = self.store
+        seen = self.kept.held[changed]
+        if self.slots is not None:  # ids first: a slot's initial row is its id's (free: zeros)
+            self.slots.restore(store.pool.slot_gid, store.version, changed, seen)
+        values = torch.empty(changed.numel(), store.dim, dtype=store.dtype, device=store.device)
+        if bool(seen.any()):
+            values[seen] = self.kept.values(changed[seen])
+        if bool((~seen).any()):
+            values[~seen] = store.initial_rows(changed[~seen])
+        store.weight.index_copy_(0, changed, values)
 
     def close(self) -> None:
         """Free the kept rows (the disk file goes)."""
