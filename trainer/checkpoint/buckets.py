@@ -6,9 +6,10 @@ in another page of the shard. With the shard in memory that costs nothing; with 
 and a page cache smaller than it, every piece reads (a save) or rewrites (a load) the whole shard.
 
 So a save or a load through the disk tier permutes by buckets, an external sort in two passes:
-- a save sweeps the shard in order, one piece of rows at a time, and appends each row, with its
-  position in the file, to the bucket file of the file piece it belongs to; then it reads the
-  buckets one by one, sorts each by position and writes it as that piece (hashed as always);
+- a save sweeps the shard in order, one piece of rows at a time, and appends each row's record
+  (all its fields), with its position in the file, to the bucket file of the file piece it
+  belongs to; then it reads the buckets one by one, sorts each by position and writes each field
+  of it as that piece (hashed as always);
 - a load appends each row it reads from the checkpoint, with its storage row, to the bucket of the
   shard's piece that holds that row; then it applies the buckets one by one, each to one region of
   the shard.
