@@ -157,14 +157,14 @@ def make_tier(c: Config, comm: Collectives, device: torch.device, local_rows: in
     if device.type != "cpu":
         raise ConfigError(f"embedding.store=disk maps the shard into host memory: the run trains on {device} "
                           "(train.device=cpu, or embedding.store=memory)")
-    layout, record = record_layout(record_fields(c.model.embedding_dim, row_dtype(e.dtype), c.optim.sparse))
+    record = record_layout(record_fields(c.model.embedding_dim, row_dtype(e.dtype), c.optim.sparse))[1]
     room = None if e.store_cache_bytes else available_memory(device, comm.local_size)[0]
     total = store_cache_bytes(c, room, local_rows * record)
     pages = tier_page_bytes(total)
     files = (local_rows + log_records(log_rows(local_rows, total - pages), record)) * record  # the file and its log
-    # a checkpoint's save or load permutes the rows through bucket files beside them (checkpoint/buckets.py)
-    saved = sum(nbytes for name, (_, nbytes, _) in layout.items() if name != "touched")
-    scratch = local_rows * (saved + 8) if c.checkpoint.enabled or c.checkpoint.resume else 0
+    # a checkpoint's save or load permutes the rows through bucket files beside them (checkpoint/buckets.py:
+    # at most a record and an 8 B key a row)
+    scratch = local_rows * (record + 8) if c.checkpoint.enabled or c.checkpoint.resume else 0
     need = files + scratch
     where = e.store_dir or tempfile.gettempdir()
     os.makedirs(where, exist_ok=True)

@@ -34,10 +34,15 @@ def record_unit(record: int) -> int:
     return record * CHUNK // math.gcd(record, CHUNK)
 
 
-def piece_buffer(record: int) -> mmap.mmap:
-    """A page-aligned buffer of whole record units, about APPEND_BYTES (at least one unit)."""
+def piece_size(record: int) -> int:
+    """Bytes of a piece: whole record units, about APPEND_BYTES (at least one unit)."""
     unit = record_unit(record)
-    return mmap.mmap(-1, max(1, APPEND_BYTES // unit) * unit)
+    return max(1, APPEND_BYTES // unit) * unit
+
+
+def piece_buffer(record: int) -> mmap.mmap:
+    """A page-aligned buffer of one piece."""
+    return mmap.mmap(-1, piece_size(record))
 
 
 class TierIO:
@@ -117,8 +122,7 @@ class TierIO:
         bytes [base, end), a piece that starts on a record unit, holds at most the piece buffer and
         ends on the page after its last record (scattered rows: a few small pieces)."""
         rec = self.file.row_bytes
-        unit = record_unit(rec)
-        size = max(1, APPEND_BYTES // unit) * unit
+        unit, size = record_unit(rec), piece_size(rec)
         lo, n = 0, starts.size
         while lo < n:
             base = int(starts[lo]) // unit * unit
@@ -129,8 +133,7 @@ class TierIO:
     def _range(self, lo: int, hi: int) -> Iterator[tuple[int, int]]:
         """[base, end) byte ranges of the pieces covering every record lo..hi-1 (hi > lo), in order."""
         rec = self.file.row_bytes
-        unit = record_unit(rec)
-        size = max(1, APPEND_BYTES // unit) * unit
+        unit, size = record_unit(rec), piece_size(rec)
         last = hi * rec
         for base in range(lo * rec // unit * unit, last, size):
             yield base, min(-(-last // CHUNK) * CHUNK, base + size)
