@@ -196,12 +196,19 @@ class DiskTier(TierIO, TierLog):
 
     def read(self, rows: torch.Tensor, at: torch.Tensor, logged: torch.Tensor) -> torch.Tensor:
         """[n, record bytes] copies of records: the log's record at[i] where logged[i], else the
-        file's record rows[i]."""
+        file's record rows[i]; read now as the reads ahead are (prefetch: through the ring with no
+        page mapped, or by the threads with their pages counted against the budget), not by
+        faults on this thread, whose pages nothing would unmap (an evaluation reads every row it
+        misses this way: its RSS grew by the pages it read)."""
         out = torch.empty(rows.numel(), self.file.row_bytes, dtype=torch.uint8)
-        for sel, f, idx in ((~logged, self.file, rows), (logged, self.log, at)):
+        parts = []
+        for sel, log, idx in ((~logged, False, rows), (logged, True, at)):
             i = torch.nonzero(sel).squeeze(1)
             if i.numel():
-                out.index_copy_(0, i, f.tensor.index_select(0, idx.index_select(0, i)))
+                parts.append((i, self.prefetch(idx.index_select(0, i), log=log)))
+        self.ready()
+        for i, futures in parts:
+            out.index_copy_(0, i, torch.cat([f.result() for f in futures]))
         return out
 
     def disk_bytes(self) -> int:

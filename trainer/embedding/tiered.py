@@ -291,9 +291,10 @@ class TieredStore(DirectPhases, ShardStore):
         slots, held, cold = self._split(idx)
         out = torch.empty((idx.numel(),) + tuple(cached.shape[1:]), dtype=cached.dtype)
         out.index_copy_(0, held, cached.index_select(0, slots.index_select(0, held)))
-        if cold.numel():
-            self.tier.ready()
-            out.index_copy_(0, cold, file.index_select(0, idx.index_select(0, cold)))
+        if cold.numel():  # their records read as copies (tier.read), not faulted in here
+            rows = idx.index_select(0, cold)
+            records = self.tier.read(rows, rows, torch.zeros(rows.numel(), dtype=torch.bool))
+            out.index_copy_(0, cold, self.tier.view(records, PARTS[part], file))
         return out
 
     def local_rows(self, local_idx: torch.Tensor) -> torch.Tensor:
@@ -318,6 +319,7 @@ class TieredStore(DirectPhases, ShardStore):
         if cold.numel():
             self.tier.ready()
             fn(self.optimizer, self._files(), idx.index_select(0, cold), cold)
+            self.tier.release()  # the pages the update faulted in leave the process (such calls are rare)
 
     def apply(self, gids: torch.Tensor, grads: torch.Tensor, unique: bool = False,
               counts: torch.Tensor | None = None, lives: torch.Tensor | None = None) -> None:
