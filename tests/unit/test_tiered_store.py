@@ -260,3 +260,34 @@ def test_the_eviction_keeps_rows_used_in_two_steps(tmp_path, monkeypatch):
         assert held(twice).all() and held(fresh).all() and int(held(once).sum()) == 8, (s, held(once))
     finally:
         tier.close()
+
+
+def _rss_file() -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("RssFile"))
+
+
+def test_rows_read_without_a_read_ahead_leave_no_pages_in_the_process(tmp_path, monkeypatch):
+    """An evaluation reads rows no read ahead asked for: they are read as copies through the ring,
+    so the pages of a 16 MB file do not pile up in the process (they were faulted in on the
+    caller's thread, and nothing unmapped them: the RSS grew by the whole file). (The threads'
+    reads map pages, within the page budget and the kernel's fault-around: not measured here.)"""
+    _reader(monkeypatch, "ring")
+    args = (RowSharding([100_000, 100_000], 1, 0), 16, 3, None, "rowwise_adagrad", 0.05, 1e-8, torch.device("cpu"),
+            0.1, 0.0, torch.float32, Rounding("stochastic", 3))
+    tier = DiskTier(str(tmp_path), 0, 1 << 16)
+    disk = TieredStore(*args, tier=tier, cache_bytes=1 << 20)
+    mem = ShardStore(*args)
+    try:
+        assert tier.file.nbytes >= 16_000_000
+        g = torch.Generator().manual_seed(0)
+        for _ in range(3):  # the code these calls run is mapped in too: first
+            disk.local_rows(torch.randint(0, 200_000, (500,), generator=g))
+        before = _rss_file()
+        for _ in range(40):
+            idx = torch.randint(0, 200_000, (500,), generator=g)
+            assert torch.equal(disk.local_rows(idx), mem.local_rows(idx))
+        grown = _rss_file() - before
+        assert grown < 4 << 20, f"the process holds {grown / 1e6:.1f} MB more of files after reading rows"
+    finally:
+        tier.close()
