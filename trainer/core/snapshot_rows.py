@@ -68,7 +68,7 @@ class SnapshotRows:
 
     @property
     def held_rows(self) -> int:
-        return int(self.held.sum())
+        return int(torch.count_nonzero(self.held))  # a bool's sum() copies it as int64: 8 B a row
 
     def put(self, weight: torch.Tensor, touched: torch.Tensor, release: Callable[[], None] = lambda: None) -> None:
         """Keep the current values of the rows flagged in `touched` (they become held); release()

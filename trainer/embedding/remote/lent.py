@@ -31,7 +31,7 @@ class LentRows:
         self.dynamic = store.dynamic
 
     def __len__(self) -> int:
-        return int(self.used.sum())
+        return int(torch.count_nonzero(self.used))
 
     def find(self, gids: torch.Tensor) -> torch.Tensor:
         """[n] slots of lent rows gids (all lent here: the plan says so; checked without a read of
