@@ -15,10 +15,12 @@ held mapped, torch's libraries included, the page cache not) and the cgroup's pe
 counted; pages of files another cgroup read first, such as torch's libraries, are not), OOM kills, the
 shard files' and the checkpoint's bytes. The machine needs ~3.5x the model on disk (checked
 first): at the resume's peak, the files (the shard and its log), the checkpoint and the load's
-scratch; a model twice this machine's RAM needs 7x the RAM.
+scratch; a model twice this machine's RAM needs 7x the RAM. `--train-only`: the W = 1 phase alone,
+not saved (checkpoint.enabled=false), its files alone on disk (~1.5x the model: the shard and its
+log), for a model too big for the disk to also hold a checkpoint and a load's scratch.
 
     python -m benchmarks.store_scale --model 20G --limit 8G [--cache 6G] [--steps 300]
-        [--resume-steps 60] [--dir DIR] [-- overrides]
+        [--resume-steps 60 | --train-only] [--dir DIR] [-- overrides]
 """
 from __future__ import annotations
 
@@ -77,7 +79,7 @@ def phase(name: str, world: int, steps: int, args: argparse.Namespace, rows: int
     """One phase: `world` ranks, each in its own cgroup of --limit, to step `steps`."""
     over = [*COMMON, f"data.table_rows=[{','.join([str(rows)] * TABLES)}]", f"train.steps={steps}",
             "embedding.store=disk", f"embedding.store_dir={os.path.join(args.dir, 'store')}",
-            f"embedding.store_cache_bytes={args.cache}", "checkpoint.resume=auto", f"hydra.run.dir={out}",
+            f"embedding.store_cache_bytes={args.cache}", f"hydra.run.dir={out}",
             *extra, *args.overrides]
     port, results = _free_port(), [None] * world
 
@@ -137,6 +139,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cache", default=None, help="each rank's row cache (default: the limit less 1.5G)")
     ap.add_argument("--steps", type=int, default=300, help="the W = 1 phase's steps")
     ap.add_argument("--resume-steps", type=int, default=60, help="the W = 2 phase's steps")
+    ap.add_argument("--train-only", action="store_true",
+                    help="the W = 1 phase alone, not saved: the files alone on disk (~1.5x the model)")
     ap.add_argument("--dir", default=None, help="the files, the checkpoint and the outputs (default: the temp dir)")
     ap.add_argument("--timeout", type=float, default=7200, help="seconds per phase")
     ap.add_argument("overrides", nargs="*", help="trainer overrides after --")
@@ -148,24 +152,28 @@ def main(argv: list[str] | None = None) -> int:
         return bad_input(str(e))
     if args.cache <= 0 or args.cache >= args.limit or args.steps < 5 or args.resume_steps < 5:
         return bad_input(f"--cache ({args.cache} B) must be in (0, --limit), --steps and --resume-steps >= 5")
-    ok, why = memcg.availability()
-    if not ok:
-        return bad_input(f"needs a memory cgroup (root, cgroup v1 or v2): {why}")
     args.dir = args.dir or tempfile.gettempdir()
     os.makedirs(args.dir, exist_ok=True)
     rows = max(1, model // (TABLES * record_bytes()))
     free = shutil.disk_usage(args.dir).free
     # the resume's peak: the files (the shard and its log, up to half of it), a checkpoint, and the
-    # load's bucket scratch (checkpoint/buckets.py), each about the shard's bytes
-    need = int(3.5 * rows * TABLES * record_bytes()) + (1 << 30)
+    # load's bucket scratch (checkpoint/buckets.py), each about the shard's bytes; --train-only: the files
+    need = int((1.5 if args.train_only else 3.5) * rows * TABLES * record_bytes()) + (1 << 30)
     if need > free:
-        return bad_input(f"--model {args.model}: the files, a checkpoint and a load's scratch need ~{need / 1e9:.1f} GB, "
-                         f"{args.dir} has {free / 1e9:.1f} GB free")
+        what = "the files (the shard and its log)" if args.train_only else "the files, a checkpoint and a load's scratch"
+        return bad_input(f"--model {args.model}: {what} need ~{need / 1e9:.1f} GB, {args.dir} has {free / 1e9:.1f} GB free")
+    ok, why = memcg.availability()
+    if not ok:
+        return bad_input(f"needs a memory cgroup (root, cgroup v1 or v2): {why}")
     out = tempfile.mkdtemp(prefix="store-scale-", dir=args.dir)
     try:
-        print(json.dumps(phase("train", 1, args.steps, args, rows, out, [])), flush=True)  # saved at its end
+        print(json.dumps(phase("train", 1, args.steps, args, rows, out,
+                               ["checkpoint.enabled=false"] if args.train_only else [])), flush=True)  # saved at its end
+        if args.train_only:
+            return 0
         # resumed from it; no save (a second checkpoint would need the model's bytes again on disk)
-        print(json.dumps(phase("resume", 2, args.steps + args.resume_steps, args, rows, out, ["checkpoint.enabled=false"])),
+        print(json.dumps(phase("resume", 2, args.steps + args.resume_steps, args, rows, out,
+                               ["checkpoint.resume=auto", "checkpoint.enabled=false"])),
               flush=True)
     finally:
         shutil.rmtree(out, ignore_errors=True)

@@ -278,6 +278,8 @@ BAD_INPUT = [
     (["benchmarks/bench_store.py", "--steps", "5", "--warmup", "10"], "--steps must exceed --warmup"),
     (["benchmarks/store_scale.py", "--model", "1G", "--limit", "1G", "--cache", "2G"], "must be in (0, --limit)"),
     (["benchmarks/store_scale.py", "--model", "1x", "--limit", "1G"], "1x"),
+    (["benchmarks/store_scale.py", "--model", "1000T", "--limit", "2G", "--train-only", "--dir", "{tmp}"],
+     "the files (the shard and its log) need"),
     (["dev/recipe_study/compare_splits.py", MISSING, "--splits", "1"], MISSING),
     (["dev/recipe_study/paired_splits.py", MISSING, MISSING], MISSING),
     (["dev/recipe_study/val_rotations.py", MISSING, "--models", "dlrm"], f"data.dir='{MISSING}'"),
@@ -635,4 +637,21 @@ def test_store_scale_trains_saves_and_resumes_at_2w_under_cgroups(tmp_path):
         assert p["peak_rss_bytes"] > 0 and 0 < p["cgroup_peak_bytes"] <= p["limit_bytes"]
     assert train["model_bytes"] > 3 * train["cache_bytes"] and train["checkpoint_bytes"] > 0
     assert 0 < resume["rank0_disk_bytes"] < train["rank0_disk_bytes"]  # each rank holds its half
+    assert os.listdir(tmp_path) == []
+
+
+def test_store_scale_train_only_trains_without_a_checkpoint(tmp_path):
+    """--train-only: the W = 1 phase alone, not saved (a model too big for the disk to also hold a
+    checkpoint): one line, no checkpoint written, nothing left behind."""
+    from dev import memcg
+    ok, why = memcg.availability()
+    if not ok:
+        pytest.skip(f"needs a memory cgroup: {why}")
+    argv = [sys.executable, *argv_of("benchmarks/store_scale.py"), "--model", "40M", "--limit", "600M", "--cache", "16M",
+            "--steps", "12", "--train-only", "--dir", str(tmp_path)]
+    proc = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    [train] = [json.loads(x) for x in proc.stdout.splitlines()]
+    assert (train["phase"], train["world"], train["to_step"], train["oom_kills"]) == ("train", 1, 12, 0)
+    assert train["checkpoint_bytes"] == 0 and train["rank0_rows_read_per_step"] > 0
     assert os.listdir(tmp_path) == []
