@@ -13,7 +13,8 @@ or more, else null), the steady rate (samples/s over the logged windows after th
 phase's steps), the peak RSS of its processes (getrusage of each rank: what the process itself
 held mapped, torch's libraries included, the page cache not) and the cgroup's peak (the page cache
 counted; pages of files another cgroup read first, such as torch's libraries, are not), OOM kills, the
-shard files' and the checkpoint's bytes. The machine needs ~3.5x the model on disk (checked
+shard files' and the checkpoint's bytes, rank 0's rows read a step, its wait on the reads, and its
+write-back log's merges and the time the steps waited on them. The machine needs ~3.5x the model on disk (checked
 first): at the resume's peak, the files (the shard and its log), the checkpoint and the load's
 scratch; a model twice this machine's RAM needs 7x the RAM. `--train-only`: the W = 1 phase alone,
 not saved (checkpoint.enabled=false), its files alone on disk (~1.5x the model: the shard and its
@@ -121,6 +122,7 @@ def phase(name: str, world: int, steps: int, args: argparse.Namespace, rows: int
             "rss_over_cache_bytes": max(g[3] for g in results) - args.cache, "oom_kills": sum(g[2] for g in results),
             "reader": store.get("reader"), "rank0_disk_bytes": store["disk_bytes"],
             "rank0_rows_read_per_step": store["rows_read_per_step"], "rank0_wait_s": store["wait_s"],
+            "rank0_log_merges": store["log_merges"], "rank0_log_merge_wait_s": store["log_merge_wait_s"],
             "checkpoint_bytes": du(os.path.join(out, "checkpoints"))}
 
 

@@ -654,4 +654,5 @@ def test_store_scale_train_only_trains_without_a_checkpoint(tmp_path):
     [train] = [json.loads(x) for x in proc.stdout.splitlines()]
     assert (train["phase"], train["world"], train["to_step"], train["oom_kills"]) == ("train", 1, 12, 0)
     assert train["checkpoint_bytes"] == 0 and train["rank0_rows_read_per_step"] > 0
+    assert train["rank0_log_merges"] >= 0 and train["rank0_log_merge_wait_s"] >= 0
     assert os.listdir(tmp_path) == []
