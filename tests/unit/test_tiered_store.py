@@ -16,6 +16,7 @@ from trainer.embedding.optim import Rounding
 from trainer.embedding.sharding import RowSharding
 from trainer.embedding.store import ShardStore
 from trainer.embedding import tier as tier_module
+from trainer.embedding import tier_log
 from trainer.embedding import uring
 from trainer.embedding.tier import DiskTier
 from trainer.embedding.slotmap import map_bytes
@@ -43,14 +44,18 @@ def _stores(tmp_path, optimizer: str, dtype: torch.dtype, slots_bytes: int):
 
 
 @pytest.mark.parametrize("optimizer, dtype, reader", [("adagrad", torch.float32, "ring"), ("rowwise_adagrad", torch.float16, "ring"),
-                                                      ("sgd", torch.bfloat16, "ring"), ("adagrad", torch.float32, "threads")])
+                                                      ("sgd", torch.bfloat16, "ring"), ("adagrad", torch.float32, "threads"),
+                                                      ("rowwise_adagrad", torch.float32, "ring, merges by pages")])
 def test_every_call_equals_the_store_in_memory(tmp_path, monkeypatch, optimizer, dtype, reader):
-    """reader: the reads ahead's copies through io_uring where the kernel has it, or the threads'
-    gathers through the mapping."""
+    """reader: the reads ahead's copies through io_uring where the kernel has it (every merge
+    through the pages of its rows alone: `merges by pages`), or the threads' gathers through the
+    mapping."""
     monkeypatch.setattr(tiered, "LOG_SHARE", 8)  # a small log: merges often, some between a read ahead and its load
-    _reader(monkeypatch, reader)
+    if reader.endswith("by pages"):
+        monkeypatch.setattr(tier_log, "SCATTERED_PAGE_COST", 0)
+    _reader(monkeypatch, reader.split(",")[0])
     mem, disk, tier = _stores(tmp_path, optimizer, dtype, 8000)
-    assert (tier._ring is not None) == (reader == "ring")
+    assert (tier._ring is not None) == reader.startswith("ring")
     try:
         assert 40 <= disk._slots_n < 200 and disk._log.capacity == 63  # few slots: most calls evict, some overflow
         g = torch.Generator().manual_seed(0)
@@ -103,7 +108,7 @@ def test_every_call_equals_the_store_in_memory(tmp_path, monkeypatch, optimizer,
         assert c["evicted"] > 0 and c["written"] > 0 and c["bypassed"] > 0 and 0 < c["hit"] < c["used"], c
         logc = disk._log.counts
         assert c["from_log"] > 0 and logc["merges"] > 2 and logc["merged"] > 0, (c, logc)  # rows came back from the log
-        assert (logc["beside"] > 2) == (reader == "ring"), logc  # the merges ran beside the calls where the ring reads
+        assert (logc["beside"] > 2) == reader.startswith("ring"), logc  # the merges ran beside the calls where the ring reads
         assert 0 < c["staged"] < c["loaded"], c  # ... and from the reads ahead's copies, but for the stale ones
         assert c["emptied"] == 0  # no call above read the arrays behind the cache's back
         with disk.raw(write=False):
@@ -133,11 +138,21 @@ def test_the_cache_is_sized_by_its_bytes_and_its_map():
 
 @pytest.mark.parametrize("rows_of", [lambda n: torch.arange(0, n, 9973),  # sparse: a piece a row
                                      lambda n: torch.arange(3000, 9000, 2),  # dense: sequential pieces
-                                     lambda n: torch.unique(torch.randint(0, n, (4000,), generator=torch.Generator().manual_seed(1)))])
-def test_the_log_is_appended_and_merged_into_the_file(tmp_path, rows_of):
+                                     lambda n: torch.unique(torch.randint(0, n, (4000,), generator=torch.Generator().manual_seed(1))),
+                                     lambda n: torch.arange(7, n, 173)])  # one row in ~2 pages: pages, or pieces
+@pytest.mark.parametrize("pages", ["by cost", "always", "never"])
+def test_the_log_is_appended_and_merged_into_the_file(tmp_path, monkeypatch, rows_of, pages):
     """The tier's log: appends in pieces that start inside a page (the page's earlier records
     written again), then a merge of chosen rows into the file (every other record untouched),
-    then the half emptied."""
+    then the half emptied. pages: a piece's rows merged through their pages alone (the merge's
+    ring) where they are scattered enough, always, or never (the whole piece read and written)."""
+    if pages != "by cost" and uring.open_ring() is None:
+        pytest.skip("io_uring is refused here (the kernel, seccomp or kernel.io_uring_disabled): no merge by pages")
+    monkeypatch.setattr(tier_log, "SCATTERED_PAGE_COST", {"by cost": tier_log.SCATTERED_PAGE_COST, "always": 0,
+                                                         "never": 1 << 30}[pages])
+    patched = []
+    patch = tier_log.TierLog._patch_pages
+    monkeypatch.setattr(tier_log.TierLog, "_patch_pages", lambda t, f, s, p, r: patched.append(p.size) or patch(t, f, s, p, r))
     n = 100_003
     tier = DiskTier(str(tmp_path), 0, 1 << 16)
     try:
@@ -157,9 +172,39 @@ def test_the_log_is_appended_and_merged_into_the_file(tmp_path, rows_of):
         want[rows] = vals[at]
         assert torch.equal(weight, want)
         assert torch.equal(tier.alloc("version", (n,), torch.int64)[rows], torch.full((rows.numel(),), 7))
+        if pages == "always":
+            assert patched and max(patched) <= len(tier._merge_buf) // tier_log.CHUNK
+        elif pages == "never" or tier._merge_ring is None:
+            assert not patched
         tier.reset_half(0)
         tier.rotate(0)
         assert tier.log_end == 0 and not tier.view(tier.log.tensor, "weight", weight).any()
+    finally:
+        tier.close()
+
+
+def test_a_merge_writes_scattered_rows_by_their_pages_and_dense_ones_by_pieces(tmp_path, monkeypatch):
+    """By cost: one row in ~25 pages is merged through its pages alone; rows two records apart
+    through whole pieces (the same bits either way: the test above)."""
+    if uring.open_ring() is None:
+        pytest.skip("io_uring is refused here (the kernel, seccomp or kernel.io_uring_disabled): no merge by pages")
+    patched = []
+    patch = tier_log.TierLog._patch_pages
+    monkeypatch.setattr(tier_log.TierLog, "_patch_pages", lambda t, f, s, p, r: patched.append(p.size) or patch(t, f, s, p, r))
+    n = 100_003
+    tier = DiskTier(str(tmp_path), 0, 1 << 16)
+    try:
+        tier.define(n, [("weight", (5,), torch.float32), ("version", (), torch.int64)], log_rows=9_000)
+        weight = tier.alloc("weight", (n, 5), torch.float32)
+        for rows, scattered in ((torch.arange(5, n, 2500), True), (torch.arange(3000, 9000, 2), False)):
+            patched.clear()
+            tier.rotate(0)
+            vals = torch.randn(rows.numel(), 5)
+            tier.append({"weight": vals, "version": torch.zeros(rows.numel(), dtype=torch.int64)})
+            tier.merge(rows, torch.arange(rows.numel()))
+            assert torch.equal(weight[rows], vals)
+            assert bool(patched) == scattered and sum(patched) <= 2 * rows.numel()
+            tier.reset_half(0)
     finally:
         tier.close()
 

@@ -1,4 +1,5 @@
-"""Reads of many fixed-size records through io_uring (Linux 5.6+), with ctypes and numpy only.
+"""Reads (and writes) of many fixed-size records or pages through io_uring (Linux 5.6+), with
+ctypes and numpy only. The writes are the log's merges of scattered pages (tier_log.py).
 
 The SSD tier's reads ahead (tier.py) want thousands of 80 B records a step from random places of
 a file. Through the mapping each one is a page fault on a reading thread (~10 µs of CPU per row
@@ -27,7 +28,7 @@ import numpy as np
 _u32 = ctypes.c_uint32
 NR = {"x86_64": (425, 426), "aarch64": (425, 426)}  # io_uring_setup, io_uring_enter (the same on both)
 OFF_SQ_RING, OFF_CQ_RING, OFF_SQES = 0, 0x8000000, 0x10000000
-OP_READ = 22  # IORING_OP_READ (5.6)
+OP_READ, OP_WRITE = 22, 23  # IORING_OP_READ, IORING_OP_WRITE (5.6)
 ENTER_GETEVENTS = 1
 SQE = np.dtype([("opcode", "u1"), ("flags", "u1"), ("ioprio", "<u2"), ("fd", "<i4"), ("off", "<u8"), ("addr", "<u8"),
                 ("len", "<u4"), ("rw_flags", "<u4"), ("user_data", "<u8"), ("buf_index", "<u2"), ("personality", "<u2"),
@@ -56,7 +57,8 @@ _libc.syscall.restype = ctypes.c_long
 
 
 class Ring:
-    """One io_uring instance: `read` fills a buffer with records from a file."""
+    """One io_uring instance: `read` fills a buffer with records from a file, `write` writes
+    pieces of one back."""
 
     def __init__(self, entries: int = 1024) -> None:
         setup, self._enter_nr = NR[platform.machine()]
@@ -83,7 +85,6 @@ class Ring:
         self._cqes = np.frombuffer(cq, CQE, p.cq_entries, co.cqes)
         self._sqes = np.frombuffer(sqes, SQE, p.sq_entries)
         self._sqes[:] = np.zeros(1, SQE)
-        self._sqes["opcode"] = OP_READ
         self.entries = int(p.sq_entries)
 
     def _enter(self, submit: int, wait: int) -> None:
@@ -98,14 +99,23 @@ class Ring:
     def read(self, fd: int, offsets: np.ndarray, length: int, addr: int, path: str = "") -> None:
         """Read `length` bytes at each offset (int64) of file fd into addr + i * length (a buffer
         the caller keeps alive); `entries` in flight at most. OSError on an error or a short read."""
+        self._transfer(OP_READ, fd, offsets, length, addr, path)
+
+    def write(self, fd: int, offsets: np.ndarray, length: int, addr: int, path: str = "") -> None:
+        """Write `length` bytes from addr + i * length at each offset (int64) of file fd, as read
+        does (in no particular order: the offsets must not overlap)."""
+        self._transfer(OP_WRITE, fd, offsets, length, addr, path)
+
+    def _transfer(self, op: int, fd: int, offsets: np.ndarray, length: int, addr: int, path: str) -> None:
         n, sent, done = int(offsets.size), 0, 0
         error: Optional[OSError] = None
-        while done < (sent if error else n):  # after an error, only the reads in flight (they write into addr)
+        while done < (sent if error else n):  # after an error, only the transfers in flight (they use addr)
             k = 0 if error else min(self.entries - (sent - done), n - sent)
             if k:
                 t = int(self._sq_tail[0])
                 slots = (t + np.arange(k, dtype=np.int64)) & self._sq_mask
                 e = self._sqes[slots]
+                e["opcode"] = op
                 e["fd"] = fd
                 e["off"] = offsets[sent:sent + k]
                 e["addr"] = addr + np.arange(sent, sent + k, dtype=np.uint64) * np.uint64(length)
@@ -120,7 +130,7 @@ class Ring:
             bad = c["res"] != length
             if bad.any() and error is None:
                 res = int(c["res"][bad][0])
-                error = OSError(-res if res < 0 else 5, f"io_uring read of {path or fd}: "
+                error = OSError(-res if res < 0 else 5, f"io_uring {'read' if op == OP_READ else 'write'} of {path or fd}: "
                                 f"{os.strerror(-res) if res < 0 else f'{res} of {length} bytes'}")
             self._cq_head[0] = tail
             done += c.size
