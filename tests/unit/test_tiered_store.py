@@ -136,6 +136,19 @@ def test_the_cache_is_sized_by_its_bytes_and_its_map():
     assert cache_slots(100, 77, 1000) == 1  # at least one
 
 
+def _needs_ring() -> None:
+    if uring.open_ring() is None:
+        pytest.skip("io_uring is refused here (the kernel, seccomp or kernel.io_uring_disabled): no merge by pages")
+
+
+def _pages_patched(monkeypatch) -> list[int]:
+    """The pages of each piece a merge patches through its pages alone (TierLog._patch_pages), as it goes."""
+    patched: list[int] = []
+    patch = tier_log.TierLog._patch_pages
+    monkeypatch.setattr(tier_log.TierLog, "_patch_pages", lambda t, f, s, p, r: patched.append(p.size) or patch(t, f, s, p, r))
+    return patched
+
+
 @pytest.mark.parametrize("rows_of", [lambda n: torch.arange(0, n, 9973),  # sparse: a piece a row
                                      lambda n: torch.arange(3000, 9000, 2),  # dense: sequential pieces
                                      lambda n: torch.unique(torch.randint(0, n, (4000,), generator=torch.Generator().manual_seed(1))),
@@ -146,13 +159,11 @@ def test_the_log_is_appended_and_merged_into_the_file(tmp_path, monkeypatch, row
     written again), then a merge of chosen rows into the file (every other record untouched),
     then the half emptied. pages: a piece's rows merged through their pages alone (the merge's
     ring) where they are scattered enough, always, or never (the whole piece read and written)."""
-    if pages != "by cost" and uring.open_ring() is None:
-        pytest.skip("io_uring is refused here (the kernel, seccomp or kernel.io_uring_disabled): no merge by pages")
+    if pages != "by cost":
+        _needs_ring()
     monkeypatch.setattr(tier_log, "SCATTERED_PAGE_COST", {"by cost": tier_log.SCATTERED_PAGE_COST, "always": 0,
                                                          "never": 1 << 30}[pages])
-    patched = []
-    patch = tier_log.TierLog._patch_pages
-    monkeypatch.setattr(tier_log.TierLog, "_patch_pages", lambda t, f, s, p, r: patched.append(p.size) or patch(t, f, s, p, r))
+    patched = _pages_patched(monkeypatch)
     n = 100_003
     tier = DiskTier(str(tmp_path), 0, 1 << 16)
     try:
@@ -186,11 +197,8 @@ def test_the_log_is_appended_and_merged_into_the_file(tmp_path, monkeypatch, row
 def test_a_merge_writes_scattered_rows_by_their_pages_and_dense_ones_by_pieces(tmp_path, monkeypatch):
     """By cost: one row in ~25 pages is merged through its pages alone; rows two records apart
     through whole pieces (the same bits either way: the test above)."""
-    if uring.open_ring() is None:
-        pytest.skip("io_uring is refused here (the kernel, seccomp or kernel.io_uring_disabled): no merge by pages")
-    patched = []
-    patch = tier_log.TierLog._patch_pages
-    monkeypatch.setattr(tier_log.TierLog, "_patch_pages", lambda t, f, s, p, r: patched.append(p.size) or patch(t, f, s, p, r))
+    _needs_ring()
+    patched = _pages_patched(monkeypatch)
     n = 100_003
     tier = DiskTier(str(tmp_path), 0, 1 << 16)
     try:
