@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 
+import numpy as np
 import pytest
 import torch
 
@@ -21,7 +22,7 @@ from trainer.embedding import uring
 from trainer.embedding.tier import DiskTier
 from trainer.embedding.slotmap import map_bytes
 from trainer.embedding import tiered
-from trainer.embedding.tiered import TieredStore, cache_slots, log_rows
+from trainer.embedding.tiered import SLOT_BOOK_BYTES, TieredStore, cache_slots, log_rows
 
 ROWS = [300, 157, 41]
 DIM = 8
@@ -127,11 +128,12 @@ def test_the_cache_is_sized_by_its_bytes_and_its_map():
     the log holds 1/4 of the rows, which it does while 4 B per row fits in a quarter of the
     budget; else hash cells for the slots and a log sized to a quarter of the budget."""
     assert log_rows(1_000_000, 16_000_000) == 250_000 and map_bytes(1_000_000, 250_000, "cpu") == 4_000_000
-    assert cache_slots(30_000_000, 77, 1_000_000) == (30_000_000 - 4_000_000) // (77 + 17)
+    assert cache_slots(30_000_000, 77, 1_000_000) == (30_000_000 - 4_000_000) // (77 + SLOT_BOOK_BYTES)
     log = log_rows(1_000_000, 10_000_000)  # 4 MB is more than a quarter: a log of <= 2.5 MB of cells
     assert 1 < log < 62_500 and map_bytes(1_000_000, 2 * log, "cpu") <= 2_500_000 < map_bytes(1_000_000, 2 * log + 2, "cpu")
     n = cache_slots(10_000_000, 77, 1_000_000)  # the map indexes the slots and both halves of the log
-    assert n * 94 + map_bytes(1_000_000, n + 2 * log, "cpu") <= 10_000_000 < (n + 1) * 94 + map_bytes(1_000_000, n + 1 + 2 * log, "cpu")
+    per = 77 + SLOT_BOOK_BYTES
+    assert n * per + map_bytes(1_000_000, n + 2 * log, "cpu") <= 10_000_000 < (n + 1) * per + map_bytes(1_000_000, n + 1 + 2 * log, "cpu")
     assert cache_slots(1 << 40, 77, 1000) == 1000  # never more slots than rows
     assert cache_slots(100, 77, 1000) == 1  # at least one
 
@@ -247,7 +249,8 @@ def test_the_tier_unmaps_beside_the_step(tmp_path, monkeypatch):
 
 def test_the_ring_reads_records_as_the_mapping_holds_them(tmp_path):
     """uring.Ring: thousands of records at random places, more than the ring holds in flight, equal
-    the file's; a read past the end is an error, not zeros."""
+    the file's, from one file or from two in one stream; a read past the end is an error, not
+    zeros."""
     ring = uring.open_ring(64)
     if ring is None:
         pytest.skip("io_uring is refused here (the kernel, seccomp or kernel.io_uring_disabled): the threads read")
@@ -267,6 +270,17 @@ def test_the_ring_reads_records_as_the_mapping_holds_them(tmp_path):
                 ring.read(fd, past, 80, out.data_ptr(), str(path))
             ring.read(fd, rows * 80, 80, out.data_ptr())  # the ring is whole after it
             assert torch.equal(out, data[torch.from_numpy(rows)])
+            other = tmp_path / "other.bin"  # one stream of reads from two files (tier.prefetch_both)
+            other.write_bytes(data.flip(0).numpy().tobytes())
+            fd2 = os.open(other, os.O_RDONLY)
+            try:
+                fds = np.where(np.arange(rows.size) % 3 == 0, fd2, fd).astype(np.int32)
+                ring.read(fds, rows * 80, 80, out.data_ptr())
+                want = torch.where(torch.from_numpy(fds == fd2)[:, None], data.flip(0)[torch.from_numpy(rows)],
+                                   data[torch.from_numpy(rows)])
+                assert torch.equal(out, want)
+            finally:
+                os.close(fd2)
         finally:
             os.close(fd)
     finally:

@@ -201,14 +201,11 @@ class DiskTier(TierIO, TierLog):
         faults on this thread, whose pages nothing would unmap (an evaluation reads every row it
         misses this way: its RSS grew by the pages it read)."""
         out = torch.empty(rows.numel(), self.file.row_bytes, dtype=torch.uint8)
-        parts = []
-        for sel, log, idx in ((~logged, False, rows), (logged, True, at)):
-            i = torch.nonzero(sel).squeeze(1)
-            if i.numel():
-                parts.append((i, self.prefetch(idx.index_select(0, i), log=log)))
+        lg, fl = torch.nonzero(logged).squeeze(1), torch.nonzero(~logged).squeeze(1)
+        futures = self.prefetch_both(at.index_select(0, lg), rows.index_select(0, fl))
         self.ready()
-        for i, futures in parts:
-            out.index_copy_(0, i, torch.cat([f.result() for f in futures]))
+        if futures:
+            out.index_copy_(0, torch.cat([lg, fl]), torch.cat([f.result() for f in futures]))
         return out
 
     def disk_bytes(self) -> int:
@@ -239,7 +236,7 @@ class DiskTier(TierIO, TierLog):
         if rows.size == 0:
             return []
         if self._ring is not None:
-            return [self._ring_read(self.log if log else self.file, rows)]
+            return [self._ring_read([(self.log if log else self.file, rows)])]
         if self.mapped_bytes > self.cache_bytes:
             self._evict(wait=False)
         f = self.log if log else self.file
@@ -257,15 +254,30 @@ class DiskTier(TierIO, TierLog):
         self._pending.extend(futures)
         return futures
 
-    def _ring_read(self, f: TierFile, rows: np.ndarray) -> Future:
-        """[n, record bytes] copies of records `rows` of f read through the ring by its thread (no
-        page mapped: nothing to unmap, nothing counted against the page budget)."""
-        out = torch.empty(rows.size, f.row_bytes, dtype=torch.uint8)
-        offsets = rows * f.row_bytes  # a new array: the caller's ids may change once this returns
+    def prefetch_both(self, log_records: torch.Tensor, file_rows: torch.Tensor) -> list[Future]:
+        """prefetch of records of the log, then of the file: the futures give them in that order.
+        Through the ring, one stream of reads (a batch's last reads, few in flight, then overlap
+        the next's first: no lull of the device between the two)."""
+        if self._ring is None:
+            return self.prefetch(log_records, log=True) + self.prefetch(file_rows)
+        parts = [(f, r.detach().cpu().numpy().astype(np.int64, copy=False)) for f, r in
+                 ((self.log, log_records), (self.file, file_rows)) if r.numel()]
+        return [self._ring_read(parts)] if parts else []
+
+    def _ring_read(self, parts: list[tuple[TierFile, np.ndarray]]) -> Future:
+        """[n, record bytes] copies of records `rows` of each (f, rows) of parts (files of the same
+        records), one after the other, read through the ring by its thread (no page mapped:
+        nothing to unmap, nothing counted against the page budget)."""
+        rec = parts[0][0].row_bytes
+        out = torch.empty(sum(rows.size for _, rows in parts), rec, dtype=torch.uint8)
+        offsets = np.concatenate([rows * rec for _, rows in parts])  # new: the caller's ids may change once this returns
+        fds = parts[0][0].read_fd if len(parts) == 1 else \
+            np.repeat(np.array([f.read_fd for f, _ in parts], dtype=np.int32), [rows.size for _, rows in parts])
+        path = " and ".join(f.path for f, _ in parts)
 
         def read() -> torch.Tensor:
             t0 = time.perf_counter()
-            self._ring.read(f.read_fd, offsets, f.row_bytes, out.data_ptr(), f.path)
+            self._ring.read(fds, offsets, rec, out.data_ptr(), path)
             self._latency(time.perf_counter() - t0)
             return out
         fut = self._ringer.submit(read)

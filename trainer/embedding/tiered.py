@@ -14,8 +14,9 @@ HierarchicalKV's design): a row's values, optimizer state, version and touched m
   equals `memory` bit for bit.
 - **Eviction**: LRU-2: the rows whose use before their last, in an earlier step, is the oldest go
   first (a row used in one step only since it was loaded, first of all), then the least recently
-  used; never a row of the call being served; in batches of 1/32 of the slots at once (one
-  O(slots) selection serves many steps). At Zipf 1.1 and a cache of 13% of the rows, a simulation
+  used; never a row of the call being served; in batches of 1/32 of the slots at once. A
+  selection over all slots keeps the smallest keys it saw, and the next evictions choose among
+  those and the rows loaded since while that is exact (lru2.py). At Zipf 1.1 and a cache of 13% of the rows, a simulation
   of the bench workload loads 0.25 of a step's distinct rows with it, 0.29 with LRU.
 - **Write-back through a log**: an evicted row that changed is appended to the tier's log (whole
   pages straight to the disk, nothing read first) instead of being written in place (a random
@@ -33,8 +34,8 @@ HierarchicalKV's design): a row's values, optimizer state, version and touched m
   the record itself.
 - **Direct access** (`weight`, `version`, `touched` and the optimizer's state, as checkpoints and
   snapshots use them): tiered_direct.py.
-- **Cost per slot**: the row's bytes (values + state + 8 B version + 1 B mark) + 17 B (row, last
-  two uses, changed) + the map (slotmap.py: 4 B per row of the shard when the log holds 1/4 of the
+- **Cost per slot**: the row's bytes (values + state + 8 B version + 1 B mark) + 19 B (row, last
+  two uses, changed, ~1.25 B of LRU-2's kept slots) + the map (slotmap.py: 4 B per row of the shard when the log holds 1/4 of the
   rows, else hash cells for the slots and the log's records; cache_slots, log_rows).
 """
 from __future__ import annotations
@@ -42,12 +43,12 @@ from __future__ import annotations
 import inspect
 import time
 
-import numpy as np
 import torch
 
 import kernels
 from ..core.progress import fmt_bytes, say_if_slow
 from .optim import SparseOptimizer
+from .lru2 import SlotUses
 from .readahead import ReadAheadCopies
 from .slotmap import DIRECT_IDS_PER_SLOT, id_slot_map, map_bytes
 from .store import ShardStore, _put, _update, _update_masked
@@ -56,7 +57,7 @@ from .tiered_direct import DirectPhases
 from .writelog import WriteLog, code
 
 EVICT_BATCH = 32  # an eviction frees at least 1/EVICT_BATCH of the slots
-SLOT_BOOK_BYTES = 8 + 4 + 4 + 1  # per slot: its row, its last use and the one before, changed
+SLOT_BOOK_BYTES = 8 + 4 + 4 + 1 + 2  # per slot: its row, its last use and the one before, changed, LRU-2's kept slots (lru2.py)
 LOG_SHARE = 4  # each half of the write-back log holds at most 1/LOG_SHARE of the shard's rows (on disk)
 STAGED_CALLS = 2  # the copies of the last two reads ahead are kept (readahead.py)
 LOG_INDEX_SHARE = 4  # ... while a direct map for them fits in 1/LOG_INDEX_SHARE of the row cache's bytes
@@ -100,6 +101,19 @@ def cache_slots(budget: int, row_bytes: int, local_rows: int) -> int:
 PARTS = ("weight", "state", "version", "touched")  # a record's fields, in _cached's order
 
 
+def _pick(t: torch.Tensor | None, at: torch.Tensor | None) -> torch.Tensor | None:
+    """t's rows at positions `at` (None: all of them, as they are)."""
+    return t if t is None or at is None else t.index_select(0, at)
+
+
+def _distinct(idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(sorted distinct rows, the inverse: None where idx is them already, as a step's owned rows
+    are: one comparison instead of a sort)."""
+    if idx.numel() < 2 or bool((idx[1:] > idx[:-1]).all()):
+        return idx, None
+    return torch.unique(idx, return_inverse=True)
+
+
 class TieredStore(DirectPhases, ShardStore):
     """A ShardStore whose arrays are the tier's files, with `cache_bytes` of rows in RAM in front."""
 
@@ -125,16 +139,14 @@ class TieredStore(DirectPhases, ShardStore):
         self._v = torch.zeros(n, dtype=torch.int64)
         self._t = torch.zeros(n, dtype=torch.bool)
         self._rid = torch.full((n,), -1, dtype=torch.int64)  # the storage row in each slot (-1: free)
-        self._last = torch.zeros(n, dtype=torch.int32)  # the call each slot was last used in (2^31 calls)
-        self._last2 = torch.full((n,), -1, dtype=torch.int32)  # ... the one before, in an earlier step (-1: none)
+        self._uses = SlotUses(n)  # LRU-2 (lru2.py)
         self._dirty = torch.zeros(n, dtype=torch.bool)
         self._free = torch.arange(n - 1, -1, -1, dtype=torch.int64)  # a stack: [:_nfree] are free
         self._nfree = n
         self._map = id_slot_map(self.sharding.local_rows, n + 2 * self.tier.log_half, "cpu")  # slot, or writelog.code
         self._copies = ReadAheadCopies(self.tier.file.row_bytes, STAGED_CALLS)  # the reads ahead's records
         self._log = WriteLog(self.tier, self._map, self._changed, self._copies.merged)
-        self._use = 0
-        self._step_use = 0  # the last call before the latest read of rows (local_rows: a step's first call)
+        self._memo = None  # (call, its rows, their slots, distinct rows) of the last call that loaded them all
         self._in_raw = False
         self.counts = {"used": 0, "hit": 0, "loaded": 0, "staged": 0, "from_log": 0, "written": 0, "evicted": 0, "bypassed": 0,
                        "emptied": 0, "forgotten": 0}
@@ -148,15 +160,18 @@ class TieredStore(DirectPhases, ShardStore):
     def _at(self, idx: torch.Tensor) -> torch.Tensor:
         """[n] slots of storage rows idx, loading the rows no slot holds (evicting the least
         recently used); -1 for those the cache cannot take in this call (more than it holds)."""
-        self._use += 1
-        uniq, inv = torch.unique(idx, return_inverse=True)
+        call = self._uses.new_call()
+        if self._same_rows(idx, call):
+            return self._memo[2]
+        uniq, inv = _distinct(idx)
         where, _ = self._map.lookup(uniq)  # a slot, a log record's code, or -1: the file
         held = where >= 0
         slots = torch.where(held, where, -1)
-        self._touch(where[held])
+        self._uses.touch(where[held])
         gone = torch.nonzero(~held).squeeze(1)
         self.counts["used"] += uniq.numel()
         self.counts["hit"] += uniq.numel() - gone.numel()
+        k = 0
         if gone.numel():
             got = self._take(gone.numel())
             k = got.numel()
@@ -165,14 +180,23 @@ class TieredStore(DirectPhases, ShardStore):
                 self._load(rows, got, self._map.lookup(rows)[0])
                 slots.index_copy_(0, gone[:k], got)
             self.counts["bypassed"] += gone.numel() - k
-        return slots.index_select(0, inv)
+        slots = slots if inv is None else slots.index_select(0, inv)
+        self._memo = (call, idx.clone(), slots, uniq.numel()) if k == gone.numel() else None
+        return slots
 
-    def _touch(self, slots: torch.Tensor) -> None:
-        """Slots used by this call: a last use in an earlier step becomes the use before (LRU-2)."""
-        last = self._last.index_select(0, slots)
-        earlier = last <= self._step_use
-        self._last2.index_copy_(0, slots[earlier], last[earlier])
-        self._last.index_fill_(0, slots, self._use)
+    def _same_rows(self, idx: torch.Tensor, call: int) -> bool:
+        """Whether idx are the rows of the call just before, which left every one in a slot (a
+        step's update after its lookup): that call's slots still hold them (only a call loads or
+        evicts), and they need no touch: no other slot was used in between, so the order of all
+        the slots' uses is what the touch would leave. Counted as the hits they are."""
+        memo = self._memo
+        if memo is None or memo[0] != call - 1 or memo[0] <= self._uses.step_call or memo[1].shape != idx.shape \
+                or not torch.equal(memo[1], idx):
+            return False  # (a call of a later step touches the slots: their uses become the uses before)
+        self._memo = (call,) + memo[1:]
+        self.counts["used"] += memo[3]
+        self.counts["hit"] += memo[3]
+        return True
 
     def _take(self, n: int) -> torch.Tensor:
         """Up to n free slots, evicting first when fewer are free."""
@@ -184,12 +208,8 @@ class TieredStore(DirectPhases, ShardStore):
         return got
 
     def _evict(self, n: int) -> None:
-        """Free n slots held, by LRU-2 (the module docstring; never one used in this call)."""
-        last = self._last.numpy()
-        cand = np.flatnonzero((self._rid.numpy() >= 0) & (last < self._use))
-        if cand.size > n:
-            key = (self._last2.numpy()[cand].astype(np.int64) << 32) | last[cand]  # by the use before, then the last
-            cand = cand[np.argpartition(key, n - 1)[:n]]
+        """Free n slots held, by LRU-2 (lru2.py; never one used in this call)."""
+        cand = self._uses.victims(self._rid.numpy(), n)
         if cand.size == 0:
             return
         victims = torch.from_numpy(cand)
@@ -228,8 +248,7 @@ class TieredStore(DirectPhases, ShardStore):
                 cached.index_copy_(0, slots, self.tier.view(recs, name, file))
         self._rid.index_copy_(0, slots, rows)
         self._map.insert(rows, slots)
-        self._last.index_fill_(0, slots, self._use)
-        self._last2.index_fill_(0, slots, -1)
+        self._uses.loaded(slots)
         self._dirty.index_copy_(0, slots, new)
         self.counts["from_log"] += int(new.sum())
         self.counts["loaded"] += rows.numel()
@@ -247,14 +266,16 @@ class TieredStore(DirectPhases, ShardStore):
         d = self.__dict__
         return d["_weight"], self.optimizer.state, d["_version"], d["_touched"]
 
-    def _split(self, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(slots, positions held by a slot, positions the files serve) of storage rows idx."""
+    def _split(self, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+        """(slots, positions held by a slot (None: all), positions the files serve) of storage
+        rows idx."""
         slots = self._at(idx)
         held = slots >= 0
         cold = torch.nonzero(~held).squeeze(1)
-        if cold.numel():
-            self._log.merge()  # the file serves these rows: it must hold their newest records
-            self._changed()  # ... and may change them in place
+        if cold.numel() == 0:
+            return slots, None, cold
+        self._log.merge()  # the file serves these rows: it must hold their newest records
+        self._changed()  # ... and may change them in place
         return slots, torch.nonzero(held).squeeze(1), cold
 
     def _sync_rate(self) -> SparseOptimizer:
@@ -278,17 +299,18 @@ class TieredStore(DirectPhases, ShardStore):
 
     def prefetch_local(self, local_idx: torch.Tensor) -> None:
         if local_idx.numel():
-            uniq = torch.unique(local_idx)
+            uniq = _distinct(local_idx)[0]
             where, _ = self._map.lookup(uniq)
             inlog, infile = where <= -2, where == -1
-            futures = self.tier.prefetch(code(where[inlog]), log=True) + \
-                self.tier.prefetch(uniq[infile])
+            futures = self.tier.prefetch_both(code(where[inlog]), uniq[infile])
             self._copies.add(torch.cat([uniq[inlog], uniq[infile]]), torch.cat([where[inlog], where[infile]]), futures)
 
     def _gather(self, idx: torch.Tensor, part: int) -> torch.Tensor:
         """Values of storage rows idx of one part (_cached's order) from the slots or the file."""
         cached, file = self._cached()[part], self._files()[part]
         slots, held, cold = self._split(idx)
+        if held is None:
+            return cached.index_select(0, slots)
         out = torch.empty((idx.numel(),) + tuple(cached.shape[1:]), dtype=cached.dtype)
         out.index_copy_(0, held, cached.index_select(0, slots.index_select(0, held)))
         if cold.numel():  # their records read as copies (tier.read), not faulted in here
@@ -298,7 +320,7 @@ class TieredStore(DirectPhases, ShardStore):
         return out
 
     def local_rows(self, local_idx: torch.Tensor) -> torch.Tensor:
-        self._step_use = self._use  # a step's lookup: the calls before it were earlier steps' (LRU-2)
+        self._uses.new_step()  # a step's lookup: the calls before it were earlier steps' (LRU-2)
         return self._gather(local_idx, 0)
 
     def versions(self, local_idx: torch.Tensor) -> torch.Tensor:
@@ -313,7 +335,7 @@ class TieredStore(DirectPhases, ShardStore):
         """fn(optimizer, arrays (_cached's order), rows of them, positions of idx) on the slots of
         storage rows idx (marked changed), then on the file for the rows no slot can hold."""
         slots, held, cold = self._split(idx)
-        s = slots.index_select(0, held)
+        s = slots if held is None else slots.index_select(0, held)
         fn(self._sync_rate(), self._cached(), s, held)
         self._dirty.index_fill_(0, s, True)
         if cold.numel():
@@ -327,19 +349,18 @@ class TieredStore(DirectPhases, ShardStore):
             return
         idx = self.sharding.local_index(gids)
         counts = torch.ones_like(idx) if counts is None else counts
-        self._change(idx, lambda opt, a, at, i: _update(opt, a[2], a[3], at, grads.index_select(0, i), unique,
-                                                         counts.index_select(0, i)))
+        self._change(idx, lambda opt, a, at, i: _update(opt, a[2], a[3], at, _pick(grads, i), unique,
+                                                         _pick(counts, i)))
 
     def apply_masked(self, idx: torch.Tensor, grads: torch.Tensor, mask: torch.Tensor,
                      zero_outside: bool = False) -> None:
-        self._change(idx, lambda opt, a, at, i: _update_masked(opt, a[2], a[3], at, grads.index_select(0, i),
-                                                                mask.index_select(0, i), zero_outside))
+        self._change(idx, lambda opt, a, at, i: _update_masked(opt, a[2], a[3], at, _pick(grads, i),
+                                                                _pick(mask, i), zero_outside))
 
     def put(self, gids: torch.Tensor, rows: torch.Tensor, state: torch.Tensor | None = None,
             updates: torch.Tensor | None = None) -> None:
-        pick = (lambda t, i: None if t is None else t.index_select(0, i))
-        self._change(self.slots(gids), lambda opt, a, at, i: _put(*a, at, rows.index_select(0, i), pick(state, i),
-                                                                  pick(updates, i)))
+        self._change(self.slots(gids), lambda opt, a, at, i: _put(*a, at, _pick(rows, i), _pick(state, i),
+                                                                  _pick(updates, i)))
 
     def mark_all_touched(self, value: bool) -> None:
         """The slots' marks and the file's alike: nothing to write back, nothing forgotten."""

@@ -80,6 +80,8 @@ class DirectPhases:
         """Free every slot (some are held; their changes are in the file) and drop the log (merged
         already, or older than what was just written into the file)."""
         self._changed()
+        self._memo = None
+        self._uses.forget()
         self._map.erase(self._rid[self._rid >= 0])
         self._rid.fill_(-1)
         self._dirty.zero_()

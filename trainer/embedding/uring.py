@@ -96,9 +96,10 @@ class Ring:
                 return
             raise OSError(e, f"io_uring_enter: {os.strerror(e)}")
 
-    def read(self, fd: int, offsets: np.ndarray, length: int, addr: int, path: str = "") -> None:
-        """Read `length` bytes at each offset (int64) of file fd into addr + i * length (a buffer
-        the caller keeps alive); `entries` in flight at most. OSError on an error or a short read."""
+    def read(self, fd: int | np.ndarray, offsets: np.ndarray, length: int, addr: int, path: str = "") -> None:
+        """Read `length` bytes at each offset (int64) of file fd (or of fd[i], int32, each its
+        own) into addr + i * length (a buffer the caller keeps alive); `entries` in flight at most.
+        OSError on an error or a short read."""
         self._transfer(OP_READ, fd, offsets, length, addr, path)
 
     def write(self, fd: int, offsets: np.ndarray, length: int, addr: int, path: str = "") -> None:
@@ -106,7 +107,7 @@ class Ring:
         does (in no particular order: the offsets must not overlap)."""
         self._transfer(OP_WRITE, fd, offsets, length, addr, path)
 
-    def _transfer(self, op: int, fd: int, offsets: np.ndarray, length: int, addr: int, path: str) -> None:
+    def _transfer(self, op: int, fd: int | np.ndarray, offsets: np.ndarray, length: int, addr: int, path: str) -> None:
         n, sent, done = int(offsets.size), 0, 0
         error: Optional[OSError] = None
         while done < (sent if error else n):  # after an error, only the transfers in flight (they use addr)
@@ -116,7 +117,7 @@ class Ring:
                 slots = (t + np.arange(k, dtype=np.int64)) & self._sq_mask
                 e = self._sqes[slots]
                 e["opcode"] = op
-                e["fd"] = fd
+                e["fd"] = fd if isinstance(fd, int) else fd[sent:sent + k]
                 e["off"] = offsets[sent:sent + k]
                 e["addr"] = addr + np.arange(sent, sent + k, dtype=np.uint64) * np.uint64(length)
                 e["len"] = length
