@@ -119,7 +119,10 @@ class TierLog:
         starts = rows.numpy() * f.row_bytes
         for lo, hi, base, end in self._spans(starts):
             records, at_rows = begin(at[lo:hi]), rows[lo:hi] - base // f.row_bytes
-            pages = _pages_of(starts[lo:hi], f.row_bytes) if self._merge_ring is not None else None
+            # n records hold at least n x record / page pages: no count needed where that is dense already
+            sparse = self._merge_ring is not None and \
+                (hi - lo) * f.row_bytes // CHUNK * SCATTERED_PAGE_COST < (end - base) // CHUNK
+            pages = _pages_of(starts[lo:hi], f.row_bytes) if sparse else None
             if pages is not None and pages.size * SCATTERED_PAGE_COST < (end - base) // CHUNK:
                 self._patch_pages(f, starts[lo:hi], pages, records)
             else:
