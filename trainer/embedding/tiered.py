@@ -190,8 +190,7 @@ class TieredStore(DirectPhases, ShardStore):
         evicts), and they need no touch: no other slot was used in between, so the order of all
         the slots' uses is what the touch would leave. Counted as the hits they are."""
         memo = self._memo
-        if memo is None or memo[0] != call - 1 or memo[0] <= self._uses.step_call or memo[1].shape != idx.shape \
-                or not torch.equal(memo[1], idx):
+        if memo is None or memo[0] != call - 1 or memo[0] <= self._uses.step_call or not torch.equal(memo[1], idx):
             return False  # (a call of a later step touches the slots: their uses become the uses before)
         self._memo = (call,) + memo[1:]
         self.counts["used"] += memo[3]
