@@ -21,7 +21,11 @@ def _run(args: list[str]) -> list[dict]:
 
 @pytest.mark.dist
 def test_every_phase_stops_with_the_preempted_status_and_its_checkpoint():
-    lines = _run([])
+    # tiny's evaluation (4,096 samples) can end before the signal reaches the workers (torchrun
+    # relays it): then step 6 runs and the stop comes after it. 200,000 samples keep the
+    # evaluation going for the signal (about a second).
+    long_eval = ["--", "data.test_samples=200000"]
+    lines = _run(long_eval)
     assert [x["phase"] for x in lines] == ["startup", "resume", "step", "eval", "save"]
     for x in lines:
         assert x["exit_status"] == 143 and 0 < x["signal_to_exit_s"] < 120, x
@@ -31,5 +35,5 @@ def test_every_phase_stops_with_the_preempted_status_and_its_checkpoint():
     assert [x["stopped_at"] for x in lines if x["phase"] in ("eval", "save")] == [5, 6]
     (fae,) = _run(["--phases", "startup", "--", "placement=fae", "placement.profile_fraction=1.0"])
     assert fae["exit_status"] == 143 and fae["stopped_at"] is None and not fae["checkpoint_complete"]
-    (w2,) = _run(["--world", "2", "--phases", "eval"])
+    (w2,) = _run(["--world", "2", "--phases", "eval", *long_eval])
     assert w2["exit_status"] == 143 and w2["stopped_at"] == 5 and w2["checkpoint_complete"]
