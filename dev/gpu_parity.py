@@ -64,6 +64,8 @@ PATHS: dict[str, tuple[int, list[str]]] = {
     "w2-het-skip-adam": (2, ["cache=lru", "consistency=ssp", "placement=fae", "optim=adam",
                              "train.nonfinite=skip"]),
     "w2-fp16-wire": (2, ["comm.wire_precision=fp16", "cache=lfu", "consistency=ssp"]),
+    # train.cuda_graph=on at W = 2: the alltoalls padded to fixed blocks (trainer/train/padded_step.py)
+    "w2-padded": (2, ["train.cuda_graph=on", "optim=adagrad"]),
     # dynamic tables: the pool's map is the Triton hash table on CUDA; small pools evict (LFU with
     # decay, admission after 2 sightings, expiry), the HET cache at a bound, FAE's pinned hot rows
     "dynamic": (1, ["embedding.kind=dynamic", "embedding.capacity=30", "embedding.admit_after=2",

@@ -63,15 +63,19 @@ def _child(rank: int, world: int, port: int, fn: Callable[..., Any], args: tuple
     torch.save(out, path)
 
 
-def spawn(world: int, fn: Callable[..., Any], *args: Any, timeout: float = 240.0) -> list[Any]:
+def spawn(world: int, fn: Callable[..., Any], *args: Any, timeout: float = 240.0,
+          fresh: bool = False) -> list[Any]:
     """Run fn(rank, world, *args) in `world` processes with torchrun-like env; return the values.
 
     fn must be importable (module level). Raises if any rank fails, dies or exceeds timeout.
+    fresh: start each rank in a new interpreter, for a test whose environment must reach imports
+    (TRITON_INTERPRET): the forkserver imported them with the environment it started under.
     """
+    ctx = mp.get_context("spawn") if fresh else _CTX
     port = free_port()
     with tempfile.TemporaryDirectory() as tmp:
         paths = [os.path.join(tmp, f"rank{r}.pt") for r in range(world)]
-        procs = [_CTX.Process(target=_child, args=(r, world, port, fn, args, paths[r], dict(os.environ), os.getcwd()))
+        procs = [ctx.Process(target=_child, args=(r, world, port, fn, args, paths[r], dict(os.environ), os.getcwd()))
                  for r in range(world)]
         for p in procs:
             p.start()

@@ -37,6 +37,9 @@ CASES = {
     "w2-fae": (2, ["placement=fae", "placement.budget_bytes=40000"]),
     "w2-herald": (2, ["schedule=herald", "cache=lru", "cache.capacity_fraction=0.05"]),
     "w2-pipeline-ids": (2, ["optim=adagrad", "train.pipeline=ids"]),
+    # fixed shapes (train.cuda_graph=on): the whole step at W = 1, the padded exchange at W = 2
+    "w1-whole-step": (1, ["optim=adagrad", "train.cuda_graph=on"]),
+    "w2-padded-step": (2, ["optim=adagrad", "train.cuda_graph=on"]),
 }
 
 

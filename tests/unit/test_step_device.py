@@ -309,14 +309,16 @@ def test_one_step_w1_whole_graph(precision: str):
 FIXED_BAGS = ["data.min_bag=2", "data.max_bag=2", "optim=adagrad", "data.zipf_alpha=1.3"]
 
 
-def sizes_of_two_steps(overrides: list[str]) -> tuple[list, list, list[int]]:
+def sizes_of_two_steps(overrides: list[str], rank: int = 0, world: int = 1) -> tuple[list, list, list[int]]:
     """Every op's output sizes (device_audit's `sizes`) in two consecutive steps, and the unique
-    ids of each step's batch (they must differ, or the comparison proves nothing)."""
+    ids of each step's batch (they must differ, or the comparison proves nothing). Module level:
+    the W > 1 runs call it in spawned ranks."""
     from trainer.comm import make_collectives
     from trainer.plan.configure import load_config as to_config
     from trainer.runner import Trainer
 
-    c = to_config(make_cfg(TINY + ["train.steps=5"] + list(overrides) + ["comm=local"]))
+    comm_key = ["comm=torch"] if world > 1 else ["comm=local"]
+    c = to_config(make_cfg(TINY + ["train.steps=5"] + list(overrides) + comm_key))
     comm = make_collectives(c.comm.backend, c.comm.timeout_s, c.comm.dist_backend)
     audit, steps, unique = StepAudit(), [], []
     try:
@@ -349,6 +351,35 @@ def test_whole_step_makes_no_tensor_sized_by_the_data():
     assert first == second, "a size depends on the data: " + _first_difference(first, second)
     first, second, unique = sizes_of_two_steps(FIXED_BAGS)
     assert unique[0] != unique[1] and first != second, "the eager step's sizes did not follow the data"
+
+
+def _sizes_worker(rank: int, world: int, overrides: list[str]) -> tuple[list, list, list[int]]:
+    return sizes_of_two_steps(overrides, rank, world)
+
+
+@pytest.mark.dist
+def test_padded_step_makes_no_tensor_sized_by_the_data_at_w2():
+    """train.cuda_graph=on at W = 2 (trainer/train/padded_step.py): on both ranks two steps whose
+    batches hold different numbers of unique ids make the same tensors, op for op, size for size,
+    the alltoalls included (their split sizes are the config's). The eager W = 2 step fails the
+    same comparison."""
+    for rank, (first, second, unique) in enumerate(spawn(2, _sizes_worker, FIXED_BAGS + ["train.cuda_graph=on"])):
+        assert unique[0] != unique[1], f"rank {rank}: both batches hold {unique[0]} unique ids: nothing is compared"
+        assert first == second, f"rank {rank}: a size depends on the data: " + _first_difference(first, second)
+    first, second, unique = spawn(2, _sizes_worker, FIXED_BAGS)[0]
+    assert unique[0] != unique[1] and first != second, "the eager step's sizes did not follow the data"
+
+
+@pytest.mark.dist
+def test_one_step_w2_padded():
+    """train.cuda_graph=on at W = 2: one host sync per step (the loss), and the padded step's own
+    code (the request, the owners' reads and sums, the update) makes nothing on the host, reads
+    nothing back and makes no tensor whose size depends on device values."""
+    for rank, (records, plans) in enumerate(spawn(2, audit_worker, ["train.cuda_graph=on", "optim=adagrad"], False)):
+        _check((records, plans), f"W=2 cuda_graph=on rank {rank}", most_syncs=1)
+        inside = [r for r in records if r.file.startswith(CAPTURED + ("trainer/train/padded_step.py",))]
+        assert not inside, "the padded step must be free of host work:\n" + "\n".join(map(str, inside))
+        assert not [r for r in records if r.kind == "shape"], "a tensor sized by device values"
 
 
 W2_CONFIGS = {
@@ -387,11 +418,12 @@ def test_positions_checks_its_count_on_both_paths(shortcut: bool, monkeypatch: p
 @pytest.mark.parametrize("name", list(W2_CONFIGS))
 def test_one_step_w2(name: str, monkeypatch: pytest.MonkeyPatch):
     """W = 2 gloo ranks (remote rows: the exchange, the cache, replicas, Herald)."""
-    if name == "plain-triton":  # the spawned ranks import triton fresh, in the interpreter
+    fresh = name == "plain-triton"  # the ranks import triton fresh, in the interpreter (not the forkserver's)
+    if fresh:
         monkeypatch.setenv("TRAINER_KERNELS", "triton")
         if not torch.cuda.is_available():
             monkeypatch.setenv("TRITON_INTERPRET", "1")
-    for rank, result in enumerate(spawn(2, audit_worker, W2_CONFIGS[name])):
+    for rank, result in enumerate(spawn(2, audit_worker, W2_CONFIGS[name], fresh=fresh)):
         _check(result, f"W=2 {name} rank {rank}", most_syncs=SYNCS_AT_MOST.get(name))
 
 

@@ -90,7 +90,7 @@ def test_what_cannot_be_padded_yet_is_refused_at_w1(override, key):
     with pytest.raises(ConfigError, match=f"^{key}=.*train.cuda_graph=on at W = 1") as err:
         validate_world(c, 1)
     assert "\n" not in str(err.value)
-    validate_world(c, 2)  # W > 1: the dense half only (trainer/train/dense_step.py), as before
+    validate_world(load_config(make_cfg(["data=tiny", "train.cuda_graph=dense", override] + extra)), 1)  # the dense half only
     validate_world(load_config(make_cfg(["data=tiny", override] + extra)), 1)  # and off: no refusal
 
 
@@ -129,13 +129,16 @@ def test_memory_plan_counts_the_padded_step():
     update's rows before and after) and its plan, C being the step's own capacity: per table the
     fewer of its ids in a batch (48 samples x 3 ids) and its rows."""
     import trainer.plan.memplan as memplan
-    from trainer.embedding.padded import PLAN_SLOT_BYTES
+    from trainer.embedding.padded import PLAN_SLOT_BYTES, REQUEST_SLOT_BYTES
     c = load_config(make_cfg(BASE + ["train.cuda_graph=on"]))
     slots = unique_capacity(48, 3, [97, 1001, 13, 250])
     assert slots == 97 + 144 + 13 + 144
     d = c.model.embedding_dim
     assert memplan.plan_memory(c, 1, 0).parts["padded step"] == slots * (4 * d * 4 + PLAN_SLOT_BYTES)
-    assert "padded step" not in memplan.plan_memory(c, 2, 0).parts  # W > 1: the dense half only
+    # W > 1 (trainer/train/padded_step.py): 2 blocks of the slots rank 0 may ask one owner for
+    block = unique_capacity(24, 3, [49, 501, 7, 125])
+    assert memplan.plan_memory(c, 2, 0).parts["padded step"] == 2 * block * (8 * d * 4 + REQUEST_SLOT_BYTES)
+    assert "padded step" not in memplan.plan_memory(load_config(make_cfg(BASE + ["train.cuda_graph=dense"])), 1, 0).parts
     got = run_single(BASE + ["train.cuda_graph=on", "train.steps=1"], return_state=False)
     assert got.summary["cuda_graph"]["unique_capacity"] == slots
 
@@ -151,6 +154,6 @@ def test_a_smaller_capacity_is_exact_and_stops_the_run_when_exceeded():
     assert got.summary["cuda_graph"]["unique_capacity"] == 300
     assert got.losses == ref.losses
     assert_same_run(ref, got, rtol=0, atol=0)
-    with pytest.raises(TrainingError, match=r"^step 0: the batch holds \d+ unique ids, more than "
-                                            r"train.unique_capacity=50; raise it"):
+    with pytest.raises(TrainingError, match=r"^step 0: the batch holds \d+ unique ids more than "
+                                            r"train.unique_capacity=50 slots \(per owner at W > 1\); raise it"):
         run_single(BASE + extra + ["train.cuda_graph=on", "train.unique_capacity=50"])

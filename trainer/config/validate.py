@@ -171,8 +171,8 @@ def _validate_precision(c: Config) -> None:
     _finite("train.loss_scale.growth_factor", s.growth_factor)
     _check(0 < s.backoff_factor < 1, "train.loss_scale.backoff_factor", s.backoff_factor, "must be in (0, 1)")
     _check(s.growth_interval > 0, "train.loss_scale.growth_interval", s.growth_interval, "must be > 0")
-    _one_of("train.cuda_graph", t.cuda_graph, ("off", "on"))
-    _check(not (t.cuda_graph == "on" and t.precision == "fp16"), "train.cuda_graph", t.cuda_graph,
+    _one_of("train.cuda_graph", t.cuda_graph, ("off", "dense", "on"))
+    _check(not (t.cuda_graph != "off" and t.precision == "fp16"), "train.cuda_graph", t.cuda_graph,
            "is not available with train.precision=fp16 (its loss scale changes between steps): use bf16")
     if t.precision == "fp16":  # the scaler skips a step whose gradients overflow: it must be undoable
         _check(t.pipeline != "rows", "train.precision", t.precision,
@@ -411,14 +411,18 @@ def validate_world(c: Config, world: int) -> None:
     for i, n in enumerate(table_rows(c)):
         _check(n >= world, f"data.table_rows[{i}]", n,
                f"has fewer rows than the {world} workers; every worker must own at least one row")
-    if c.train.cuda_graph == "on" and world == 1:
-        _validate_whole_step(c)
+    if c.train.cuda_graph == "on":
+        _validate_padded_step(c, world)
 
 
-def _validate_whole_step(c: Config) -> None:
-    """train.cuda_graph=on at W = 1 runs the whole step with a padded plan (trainer/train/whole_step.py):
+def _validate_padded_step(c: Config, world: int) -> None:
+    """train.cuda_graph=on pads the step's lookups to fixed shapes (at W = 1 the whole step,
+    trainer/train/whole_step.py; at W > 1 between the collectives, trainer/train/padded_step.py):
     what it cannot pad yet is refused, naming the key."""
-    e, why = c.embedding, "train.cuda_graph=on at W = 1 runs the whole step padded, which "
+    e = c.embedding
+    why = ("train.cuda_graph=on at W = 1 runs the whole step padded, which " if world == 1 else
+           "train.cuda_graph=on at W > 1 pads the step between its collectives, which ")
+    fallback = "; use train.cuda_graph=off" if world == 1 else "; use train.cuda_graph=dense (the dense half only) or off"
     for key, value, ok, what in (
             ("embedding.kind", e.kind, e.kind == "fixed", "supports fixed tables only"),
             ("cache.policy", c.cache.policy, c.cache.policy == "none", "supports no cache"),
@@ -428,4 +432,4 @@ def _validate_whole_step(c: Config) -> None:
             ("embedding.rounding", e.rounding, e.dtype == "fp32" or e.rounding == "nearest",
              f"supports half rows (embedding.dtype={e.dtype}) rounded to nearest only (the stochastic key changes every step)"),
             ("embedding.audit", e.audit, not e.audit, "does not record the audit")):
-        _check(ok, key, value, why + what + "; use train.cuda_graph=off")
+        _check(ok, key, value, why + what + fallback)

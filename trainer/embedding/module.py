@@ -60,25 +60,28 @@ class LookupStats:
     unique: int = 0
     remote: int = 0
     totals: dict[str, int] = field(default_factory=lambda: {"ids": 0, "unique": 0, "remote": 0})
-    pending: torch.Tensor | None = None  # [2] int64 on the device: last unique count, sum unsettled
+    pending: torch.Tensor | None = None  # [4] int64 on the device: last unique and remote counts, their sums unsettled
 
     def record(self, ids: int, unique: int, remote: int) -> None:
         self.ids, self.unique, self.remote = ids, unique, remote
         for k, v in (("ids", ids), ("unique", unique), ("remote", remote)):
             self.totals[k] += v
 
-    def record_on_device(self, ids: int, unique: torch.Tensor) -> None:
-        """A step with no remote ids whose unique count [] stays on the device (no read)."""
-        self.ids, self.remote = ids, 0
+    def record_on_device(self, ids: int, unique: torch.Tensor, remote: torch.Tensor | None = None) -> None:
+        """A step whose unique and remote counts [] stay on the device (no read; remote None: 0)."""
+        self.ids = ids
         self.totals["ids"] += ids
-        last = unique.reshape(1)
-        self.pending = torch.cat([last, last if self.pending is None else self.pending[1:] + last])
+        last = torch.stack([unique.reshape(()), torch.zeros_like(unique.reshape(())) if remote is None
+                            else remote.reshape(())])
+        summed = last if self.pending is None else self.pending[2:] + last
+        self.pending = torch.cat([last, summed])
 
     def settle(self) -> None:
         """Read the counts kept on the device (one read; a no-op when there are none)."""
         if self.pending is not None:
-            self.unique, unsettled = self.pending.tolist()
-            self.totals["unique"] += unsettled
+            self.unique, self.remote, unique, remote = self.pending.tolist()
+            self.totals["unique"] += unique
+            self.totals["remote"] += remote
             self.pending = None
 
 

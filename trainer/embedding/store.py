@@ -206,14 +206,16 @@ class ShardStore:
                 torch.ones_like(idx) if counts is None else counts)
 
     def apply_masked(self, idx: torch.Tensor, grads: torch.Tensor, mask: torch.Tensor,
-                     zero_outside: bool = False) -> None:
+                     zero_outside: bool = False, counts: torch.Tensor | None = None) -> None:
         """The fixed-size owner update of a padded plan (padded.py): distinct storage rows idx [C]
         take grads [C, d] where mask [C] is True; the others (padding) keep their row, state,
         version and touched mark exactly. The same arithmetic as apply(unique=True) on the
         masked rows; no size depends on the mask. zero_outside: grads are exactly zero where mask
         is False (a padded plan's workspace gradient); when a zero step leaves a row as it is
-        (kernels.reference.zero_step_is_identity) the optimizer then runs unmasked: no select."""
-        _update_masked(self.optimizer, self.version, self.touched, idx, grads, mask, zero_outside)
+        (kernels.reference.zero_step_is_identity) the optimizer then runs unmasked: no select.
+        counts [C]: the updates folded into each row, its version's advance (default: the mask);
+        zero where the mask is False."""
+        _update_masked(self.optimizer, self.version, self.touched, idx, grads, mask, zero_outside, counts)
 
     # ---- whole rows with their optimizer state (replicas and lent rows come and go) ---------
     @property
@@ -248,11 +250,12 @@ def _update(opt: SparseOptimizer, version: torch.Tensor, touched: torch.Tensor, 
 
 
 def _update_masked(opt: SparseOptimizer, version: torch.Tensor, touched: torch.Tensor, idx: torch.Tensor,
-                   grads: torch.Tensor, mask: torch.Tensor, zero_outside: bool) -> None:
+                   grads: torch.Tensor, mask: torch.Tensor, zero_outside: bool,
+                   counts: torch.Tensor | None = None) -> None:
     """ShardStore.apply_masked's arithmetic on opt's rows."""
     plain = zero_outside and kernels.reference.zero_step_is_identity(opt.name, opt.lr, opt.eps, opt.weight_decay)
     opt.step(idx, grads, unique=True, mask=None if plain else mask)
-    version.index_add_(0, idx, mask.long())
+    version.index_add_(0, idx, mask.long() if counts is None else counts)
     touched.index_copy_(0, idx, touched.index_select(0, idx) | mask)
 
 

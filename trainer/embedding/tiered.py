@@ -352,9 +352,9 @@ class TieredStore(DirectPhases, ShardStore):
                                                          _pick(counts, i)))
 
     def apply_masked(self, idx: torch.Tensor, grads: torch.Tensor, mask: torch.Tensor,
-                     zero_outside: bool = False) -> None:
+                     zero_outside: bool = False, counts: torch.Tensor | None = None) -> None:
         self._change(idx, lambda opt, a, at, i: _update_masked(opt, a[2], a[3], at, _pick(grads, i),
-                                                                _pick(mask, i), zero_outside))
+                                                                _pick(mask, i), zero_outside, _pick(counts, i)))
 
     def put(self, gids: torch.Tensor, rows: torch.Tensor, state: torch.Tensor | None = None,
             updates: torch.Tensor | None = None) -> None:

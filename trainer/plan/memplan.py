@@ -20,7 +20,9 @@ What is counted, per rank (docs/design.md, "bytes per row"):
 - the batch and the dense model's activations: an estimate (local batch x the widths of the MLPs);
 - the padded step (train.cuda_graph=on at W = 1, trainer/train/whole_step.py): per slot of its padded
   plan, the workspace, its gradient and the update's rows before and after (4 x d float32) and
-  the plan (17 B), held between steps by a CUDA graph's pool.
+  the plan (17 B), held between steps by a CUDA graph's pool; at W > 1 (trainer/train/padded_step.py)
+  per slot of its W blocks, the rows and gradients out and in, the workspace, its gradient, the
+  owner's ordered gradients and sums (8 x d float32) and the request's integers (48 B).
 Available: MemAvailable (and the cgroup's limit, when lower) shared by the ranks on this host; on
 a GPU, the device's free memory.
 """
@@ -35,7 +37,7 @@ import torch
 from ..config import Config, ConfigError, cache_capacities, local_batch_size, table_rows
 from kernels.id_slot_map_reference import cells_bound
 from ..embedding.admission import Counting
-from ..embedding.padded import PLAN_SLOT_BYTES, unique_capacity
+from ..embedding.padded import PLAN_SLOT_BYTES, REQUEST_SLOT_BYTES, unique_capacity
 from ..embedding.pool import pool_slot_bytes
 from ..embedding.sharding import RowSharding
 from ..embedding.slotmap import map_bytes
@@ -155,9 +157,11 @@ def plan_memory(c: Config, world: int, rank: int, device: torch.device = torch.d
     widths = [c.data.num_dense] + list(c.model.bottom_mlp) + list(c.model.top_mlp or []) + [d * len(rows)]
     ids_per_sample = len(rows) * max(c.data.max_bag, 1)
     plan.parts["batch"] = local_batch_size(c, world) * (sum(widths) * 4 * 4 + ids_per_sample * 8 * 4)
-    if c.train.cuda_graph == "on" and world == 1:
-        slots = unique_capacity(local_batch_size(c, world), max(c.data.max_bag, 1), rows, c.train.unique_capacity)
-        plan.parts["padded step"] = slots * (4 * d * 4 + PLAN_SLOT_BYTES)
+    if c.train.cuda_graph == "on":
+        slots = unique_capacity(local_batch_size(c, world), max(c.data.max_bag, 1), rows, c.train.unique_capacity,
+                                world)
+        plan.parts["padded step"] = (slots * (4 * d * 4 + PLAN_SLOT_BYTES) if world == 1 else
+                                     world * slots * (8 * d * 4 + REQUEST_SLOT_BYTES))
     return plan
 
 

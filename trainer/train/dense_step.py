@@ -1,4 +1,5 @@
-"""DenseStep: the dense half of a training step, replayed from one CUDA graph (train.cuda_graph=on).
+"""DenseStep: the dense half of a training step, replayed from one CUDA graph (train.cuda_graph=dense;
+PaddedStep, train.cuda_graph=on at W > 1, builds on it).
 
 Why: at small batches the GPU step is launch-bound (benchmarks/reports/2026-11-26-gpu-step.md:
 ~1,000 aten ops for ~1 ms of GPU work at 2,048 samples). The dense half (the model's forward under
@@ -43,7 +44,7 @@ _WARMUP = 2  # side-stream runs before the capture (cuBLAS handles, autocast, al
 
 
 class DenseStep(EagerStep):
-    """The strategy of train.cuda_graph=on at W > 1: EagerStep whose forward is
+    """The strategy of train.cuda_graph=dense: EagerStep whose forward is
     forward_backward(dense, pooled, labels) -> (loss, dense grads, pooled rows' grad) and whose
     backward is rows_backward (see the module docstring). Captured on CUDA; eager elsewhere."""
 
@@ -111,4 +112,5 @@ class DenseStep(EagerStep):
             self.static_out = self._compute(*self.static_in, cache=False)
 
     def summary(self) -> dict[str, Any]:
-        return {"captured": self.graph is not None, "replays": self.replays, "eager_steps": self.eager_steps}
+        return {"captured": self.graph is not None, "replays": self.replays, "eager_steps": self.eager_steps,
+                "scope": "dense"}

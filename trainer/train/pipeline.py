@@ -51,6 +51,7 @@ from ..embedding import InFlightStep
 from ..run.signals import SIGNALS
 from .dense_step import DenseStep
 from .lr import LrSchedule
+from .padded_step import PaddedStep
 from .precision import DensePrecision
 from .step import EagerStep, StepContext, StepStrategy
 from .whole_step import WholeStep
@@ -91,12 +92,17 @@ class TrainPipeline:
         self._calls_at_start = 0
 
     def _choose(self, model: torch.nn.Module, global_batch: int) -> StepStrategy:
-        """train.cuda_graph=on: at W = 1 the whole step (whole_step.py), at W > 1 the dense half
-        (dense_step.py) from one graph; off: the eager step (step.py)."""
-        if self.c.train.cuda_graph == "on" and self.comm.size == 1:
+        """train.cuda_graph=on: at W = 1 the whole step (whole_step.py), at W > 1 the step with
+        fixed shapes between its collectives (padded_step.py); dense: the dense half from one
+        graph (dense_step.py); off: the eager step (step.py)."""
+        graph = self.c.train.cuda_graph
+        if graph == "on" and self.comm.size == 1:
             return WholeStep(self.c, self.comm, self.emb, model, self.params, self.precision.autocast,
                              global_batch, self.device)
-        if self.c.train.cuda_graph == "on":
+        if graph == "on":
+            return PaddedStep(self.c, self.comm, self.emb, model, self.params, self.opt, self.precision,
+                              global_batch, self.device)
+        if graph == "dense":
             return DenseStep(self.emb, model, self.params, self.opt, self.precision, global_batch, self.device)
         return EagerStep(self.emb, model, self.params, self.opt, self.precision, global_batch)
 

@@ -16,10 +16,12 @@ computes the stages the pipeline calls, in this order, on the step's StepContext
 The strategies (train.cuda_graph and W choose one, TrainPipeline._choose):
 - EagerStep (here; cuda_graph=off): HybridEmbedding's lookup, the model's forward under
   train.precision, loss.backward(), HybridEmbedding's update, op by op;
-- DenseStep (dense_step.py; cuda_graph=on at W > 1): EagerStep with the dense half (forward, loss,
+- DenseStep (dense_step.py; cuda_graph=dense): EagerStep with the dense half (forward, loss,
   backward to the parameters and the pooled rows) as one function, replayed from a CUDA graph;
 - WholeStep (whole_step.py; cuda_graph=on at W = 1): the whole step, from the ids to the updated
-  rows, as one function of fixed shapes, replayed from a CUDA graph.
+  rows, as one function of fixed shapes, replayed from a CUDA graph;
+- PaddedStep (padded_step.py; cuda_graph=on at W > 1): DenseStep whose sparse half has fixed shapes
+  too, the alltoalls padded to blocks per owner.
 On a CPU the graphs' functions run eagerly and equal EagerStep bit for bit.
 """
 from __future__ import annotations

@@ -53,15 +53,40 @@ from ..config import Config
 from ..data.batch import Batch
 from .dense_step import _WARMUP
 from ..embedding import HybridEmbedding
-from ..embedding.padded import padded_plan, unique_capacity
+from ..embedding.padded import BagPadding, padded_plan, unique_capacity
 from .step import StepContext, StepStrategy, dense_loss
 
-__all__ = ["WholeStep"]
+__all__ = ["CapacityCheck", "WholeStep"]
 
 Inputs = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
 
 
-class WholeStep(StepStrategy):
+class CapacityCheck(StepStrategy):
+    """The end of a step padded to a capacity (WholeStep, PaddedStep): the unique ids past it
+    (excess(ctx), on the device) ride the loss's read, summed over the ranks, and stop the run."""
+
+    capacity: int  # the slots chosen (train.unique_capacity, or the bound)
+    bound: int  # the slots no batch exceeds
+
+    def excess(self, ctx: StepContext) -> torch.Tensor:
+        raise NotImplementedError
+
+    def carry(self, ctx: StepContext, carry: torch.Tensor) -> torch.Tensor:
+        """The unique ids past the capacity ride the loss's read."""
+        if self.capacity < self.bound:
+            carry = torch.cat([carry, self.excess(ctx).to(carry.dtype).reshape(1)])
+        return carry
+
+    def check(self, ctx: StepContext, values: list[float]) -> None:
+        """A batch past train.unique_capacity stops the run (its plan dropped ids: the step is
+        wrong, and nothing is saved after it)."""
+        if values and values[0] > 0:
+            raise TrainingError(f"step {ctx.step}: the batch holds {int(values[0])} unique ids more than "
+                                f"train.unique_capacity={self.capacity} slots (per owner at W > 1); raise it "
+                                f"(0: the bound, {self.bound}, is never exceeded)")
+
+
+class WholeStep(CapacityCheck):
     """The strategy of train.cuda_graph=on at W = 1: one step's function of fixed shapes (see the
     module docstring); the step prepared ahead is its batch only (no plan: this step pads its own)."""
 
@@ -73,15 +98,10 @@ class WholeStep(StepStrategy):
         self.emb, self.store, self.sharding = emb, emb.store, emb.sharding
         self.model, self.params, self.autocast = model, params, autocast
         self.global_batch = global_batch
-        self.max_bag = c.data.max_bag
-        self.ragged = c.data.min_bag != c.data.max_bag
-        offsets = self.sharding.table_offsets  # [T + 1], host
-        # padding entries' global id (past every table), and the id that makes it in the last table
-        self.sentinel = int(offsets[-1]) if self.ragged else None
-        self.pad_id = int(offsets[-1] - offsets[-2])
+        self.padding = BagPadding(self.sharding, c.data.min_bag, c.data.max_bag)
         local, rows = global_batch // comm.size, self.sharding.table_rows
-        self.bound = unique_capacity(local, self.max_bag, rows)  # never exceeded
-        self.capacity = unique_capacity(local, self.max_bag, rows, c.train.unique_capacity)
+        self.bound = unique_capacity(local, c.data.max_bag, rows)  # never exceeded
+        self.capacity = unique_capacity(local, c.data.max_bag, rows, c.train.unique_capacity)
         self.skip = c.train.nonfinite == "skip"
         self.capture = device.type == "cuda"
         # the rate read on the device (Triton's update kernel): one graph for every rate
@@ -100,40 +120,15 @@ class WholeStep(StepStrategy):
     def lookup(self, ctx: StepContext) -> None:
         """The padded inputs of the step's function (the lookup is inside it)."""
         self.store.rounding.step = ctx.step
-        ctx.inputs = self.inputs(ctx.flight.batch)
+        ctx.inputs = self.padding.inputs(ctx.flight.batch)
 
     def forward(self, ctx: StepContext) -> None:
         """The step's function: the loss, the dense gradients, the rows updated (masked)."""
         ctx.loss, ctx.grads, ctx.count = self._run(ctx.inputs)
         self.emb.stats.record_on_device(int(ctx.flight.batch.values.numel()), ctx.count)
 
-    def carry(self, ctx: StepContext, carry: torch.Tensor) -> torch.Tensor:
-        """The unique ids past the capacity ride the loss's read."""
-        if self.capacity < self.bound:
-            carry = torch.cat([carry, (ctx.count - self.capacity).clamp(min=0).to(carry.dtype).reshape(1)])
-        return carry
-
-    def check(self, ctx: StepContext, values: list[float]) -> None:
-        """A batch past train.unique_capacity stops the run (its plan dropped ids: the step is
-        wrong, and nothing is saved after it)."""
-        if values and values[0] > 0:
-            raise TrainingError(f"step {ctx.step}: the batch holds {self.capacity + int(values[0])} unique ids, "
-                                f"more than train.unique_capacity={self.capacity}; raise it (0: the bound, "
-                                f"{self.bound}, is never exceeded)")
-
-    def inputs(self, batch: Batch) -> Inputs:
-        """(dense, ids, lengths, labels) of a batch; ragged bags padded to the config's
-        length: ids [B x T x max bag], lengths [B + 1, T] (the padding in the extra sample's last
-        bag). Sizes from the batch's shape (host integers), nothing read from the device."""
-        values, lengths = batch.values, batch.lengths
-        if self.ragged:
-            n, cap = values.numel(), batch.batch_size * batch.num_tables * self.max_bag
-            padded = values.new_full((cap,), self.pad_id)
-            padded[:n] = values
-            extra = lengths.new_zeros(1, batch.num_tables)
-            extra[0, -1] = cap - n
-            values, lengths = padded, torch.cat([lengths, extra])
-        return batch.dense, values, lengths, batch.labels
+    def excess(self, ctx: StepContext) -> torch.Tensor:
+        return (ctx.count - self.capacity).clamp(min=0)
 
     def _compute(self, dense: torch.Tensor, values: torch.Tensor, lengths: torch.Tensor,
                  labels: torch.Tensor, cache: bool = True, warm: bool = False
@@ -142,10 +137,10 @@ class WholeStep(StepStrategy):
         (warm: a warm-up before the capture, whose update masks every row)."""
         ids = Batch(dense, values, lengths, labels)
         plan = padded_plan(self.sharding, self.sharding.global_ids(values, ids.table_index()),
-                           self.capacity, self.sentinel)
+                           self.capacity, self.padding.sentinel)
         ws = self.store.local_rows(plan.rows).to(self.store.compute_dtype).requires_grad_()
         pooled = kernels.pooled_gather(ws, plan.inverse, ids.offsets(), ids.num_tables, mode=self.emb.pooling)
-        if self.ragged:
+        if self.padding.ragged:
             pooled = pooled[:labels.shape[0]]  # the padding's extra sample
         loss = dense_loss(self.model, self.autocast(cache=cache), dense, pooled, labels, self.global_batch)
         got = torch.autograd.grad(loss, [*self.params, ws], allow_unused=True)

@@ -1,0 +1,165 @@
+"""train.cuda_graph=on at W > 1 (trainer/train/padded_step.py): every tensor between the step's
+collectives at a shape fixed by the config, the alltoalls padded to blocks of C slots per owner.
+
+On a CPU it runs eagerly and must equal train.cuda_graph=off at the same W bit for bit (the same
+rows, the same sums in the same order, the same optimizer arithmetic): every loss, dense parameter,
+table row and evaluation logit; and so the single-process reference within the parity tolerance.
+The padded request and the owner's sum are checked against plan_lookup and the eager sum
+directly (tests/unit/test_whole_step.py has the W = 1 plan's)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from helpers import assert_same_eval, make_cfg, run_single, run_world
+from kernels.reference import first_and_sums
+from parity_helpers import BASE, assert_same_run
+from trainer.config import ConfigError, validate_world
+from trainer.embedding.exchange import plan_lookup
+from trainer.embedding.padded import padded_combine, padded_request, unique_capacity
+from trainer.embedding.sharding import RowSharding
+from trainer.plan.configure import load_config
+
+SHORT = BASE + ["train.steps=10"]
+
+CASES = {
+    "w2-adagrad": (2, ["optim=adagrad"]),
+    "w3-sgd-ragged-emptybags": (3, ["optim=sgd", "data.min_bag=0", "data.max_bag=4"]),
+    "w2-adam-mean-bf16-compute": (2, ["optim=adam", "model.pooling=mean", "train.precision=bf16"]),
+    "w2-rowwise-bf16-rows-fp16-wire": (2, ["optim=adagrad", "optim.sparse=rowwise_adagrad", "embedding.dtype=bf16",
+                                           "embedding.rounding=nearest", "comm.wire_precision=fp16"]),
+    "w2-pipeline-off-wd": (2, ["optim=adagrad", "train.pipeline=off", "optim.weight_decay=0.01"]),
+    # four contributions to a row of the 13-row table: the owner's sum order shows (its own first)
+    "w4-sgd": (4, ["optim=sgd"]),
+}
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_padded_step_equals_the_eager_step_bit_for_bit(case):
+    world, extra = CASES[case]
+    off = run_world(world, SHORT + extra)
+    on = run_world(world, SHORT + extra + ["train.cuda_graph=on"])
+    for a, b in zip(off, on):
+        assert b.losses == a.losses
+        assert_same_run(a, b, rtol=0, atol=0)
+        assert_same_eval(a, b)
+        assert b.summary["eval_logloss"] == a.summary["eval_logloss"]
+    graph = on[0].summary["cuda_graph"]
+    assert graph["scope"] == "step" and graph["eager_steps"] == 10 and not graph["captured"]
+    # the same rows were asked for (counted on the device), and the wire carried the padded blocks
+    assert on[0].summary["embedding"]["remote_per_step"] == off[0].summary["embedding"]["remote_per_step"] > 0
+    assert on[0].summary["bytes"]["rows"] > off[0].summary["bytes"]["rows"]
+
+
+@pytest.mark.dist
+def test_padded_step_equals_one_process():
+    """Against the single process within the parity tolerance (a dropped step under
+    train.nonfinite=skip: tests/unit/test_nonfinite.py's padded case)."""
+    extra = ["optim=adagrad", "data.min_bag=0", "data.max_bag=3"]
+    ref = run_single(SHORT + extra)
+    for res in run_world(3, SHORT + extra + ["train.cuda_graph=on"]):
+        assert_same_run(ref, res)
+        assert_same_eval(ref, res)
+
+
+@pytest.mark.dist
+def test_a_smaller_block_is_exact_and_stops_the_run_when_exceeded():
+    extra = ["optim=adagrad", "data.min_bag=1", "data.max_bag=3"]
+    off = run_world(2, SHORT + extra)
+    on = run_world(2, SHORT + extra + ["train.cuda_graph=on", "train.unique_capacity=120"])
+    assert on[0].summary["cuda_graph"]["unique_capacity"] == 120
+    for a, b in zip(off, on):
+        assert_same_run(a, b, rtol=0, atol=0)
+    with pytest.raises(RuntimeError, match=r"unique ids more than train.unique_capacity=20 slots"):
+        run_world(2, SHORT + extra + ["train.cuda_graph=on", "train.unique_capacity=20"])
+
+
+def test_the_padded_request_is_the_eager_plan_in_fixed_blocks():
+    """Block w holds plan_lookup's ids for owner w, ascending (the order they travel in), then
+    padding; the inverse points every entry at its id's slot; padding entries join no slot."""
+    gen = torch.Generator().manual_seed(0)
+    for world in (2, 3, 4):
+        sh = RowSharding([97, 1001, 13, 250], world, world - 1)
+        for trial in range(40):
+            n = int(torch.randint(1, 300, (1,), generator=gen))
+            high = sh.n_ids if trial % 2 else 20
+            gids = torch.randint(0, high, (n,), generator=gen)
+            gids = gids[sh.valid(gids)]
+            n = gids.numel()
+            eager = plan_lookup(sh, gids)
+            cap = unique_capacity(n, 1, sh.table_rows, world=world)
+            for pad in (0, 7):
+                ids = torch.cat([gids, torch.full((pad,), sh.n_ids)])
+                req = padded_request(sh, ids, cap, sh.n_ids if pad else None)
+                assert int(req.count) == eager.uniq.numel() and int(req.excess) == 0
+                blocks = req.ids.reshape(world, cap)
+                valid = req.valid.reshape(world, cap)
+                for w in range(world):
+                    want = sh.local_index(eager.uniq[sh.owner(eager.uniq) == w])
+                    k = want.numel()
+                    assert valid[w].tolist() == [True] * k + [False] * (cap - k)
+                    assert torch.equal(blocks[w, :k], want) and (blocks[w, k:] == sh.local_rows).all()
+                # every entry's slot holds its id
+                slot_gid = sh.global_of(req.ids, torch.arange(world).repeat_interleave(cap))
+                assert torch.equal(slot_gid[req.inverse[:n]], gids)
+                assert (req.inverse[n:] == world * cap - 1).all()
+            small = padded_request(sh, gids, 3)
+            assert int(small.excess) == sum(max(int((sh.owner(eager.uniq) == w).sum()) - 3, 0) for w in range(world))
+
+
+def test_the_owner_sums_as_the_eager_update():
+    """padded_combine's slots and sums equal first_and_sums' (the eager owner's), bit for bit,
+    -0.0 included; padding entries reach no slot; the slots are distinct rows."""
+    gen = torch.Generator().manual_seed(1)
+    rows = 50
+    for trial in range(50):
+        m = int(torch.randint(1, 120, (1,), generator=gen))
+        idx = torch.randint(0, rows + 1, (m,), generator=gen)  # rows: a padding entry
+        grads = torch.randn(m, 3, generator=gen)
+        grads[torch.rand(m, generator=gen) < 0.2] = -0.0
+        comb = padded_combine(idx, rows)
+        real = idx < rows
+        keep, uniq, summed = first_and_sums(idx[real], grads[real], rows)
+        order = torch.argsort(uniq)
+        u = uniq.numel()
+        assert int(comb.valid.sum()) == u and comb.valid[:u].all()
+        assert torch.equal(comb.rows[:u], uniq[order])
+        got = comb.sums(grads)[:u]
+        assert torch.equal(got, summed[order]) and torch.equal(torch.signbit(got), torch.signbit(summed[order]))
+        assert torch.equal(comb.counts[:u], torch.bincount(idx[real], minlength=rows)[uniq[order]])
+        assert comb.rows.unique().numel() == comb.rows.numel() and int(comb.rows.max()) < rows
+        assert (comb.counts[u:] == 0).all()
+
+
+@pytest.mark.parametrize("override, key", [
+    ("embedding.kind=dynamic", "embedding.kind"), ("cache=lru", "cache.policy"),
+    ("placement=fae", "placement.name"), ("embedding.audit=true", "embedding.audit")])
+def test_what_cannot_be_padded_yet_is_refused_at_w2(override, key):
+    extra = ["embedding.capacity=64"] if "dynamic" in override else []
+    c = load_config(make_cfg(["data=tiny", "train.cuda_graph=on", override] + extra))
+    with pytest.raises(ConfigError, match=f"^{key}=.*train.cuda_graph=on at W > 1.*cuda_graph=dense") as err:
+        validate_world(c, 2)
+    assert "\n" not in str(err.value)
+    validate_world(load_config(make_cfg(["data=tiny", "train.cuda_graph=dense", override] + extra)), 2)
+
+
+
+MLPERF = ["data=mlperf", "model=dlrm_mlperf", "data.max_table_rows=2000", "data.global_batch_size=64",
+          "data.test_samples=256", "data.eval_batch_size=64", "train.steps=6", "train.threads=1",
+          "train.progress=off"]
+
+
+@pytest.mark.dist
+def test_the_mlperf_shape_at_w2_equals_one_process():
+    """The MLPerf shape (26 tables, d = 128, bottom 512-256-128, top 1024-1024-512-256-1) at W = 2
+    on the CPU, eager and padded, against the single process."""
+    ref = run_single(MLPERF)
+    off = run_world(2, MLPERF)
+    on = run_world(2, MLPERF + ["train.cuda_graph=on"])
+    assert len(ref.state["tables"]) == 26 and ref.state["tables"][0].shape == (2000, 128)
+    for a, b in zip(off, on):
+        assert_same_run(ref, a)
+        assert_same_run(a, b, rtol=0, atol=0)
+        assert_same_eval(ref, a)
+    assert on[0].summary["embedding"]["remote_per_step"] > 0
