@@ -47,6 +47,7 @@ def test_padded_step_equals_the_eager_step_bit_for_bit(case):
         assert b.summary["eval_logloss"] == a.summary["eval_logloss"]
     graph = on[0].summary["cuda_graph"]
     assert graph["scope"] == "step" and graph["eager_steps"] == 10 and not graph["captured"]
+    assert 0 < graph["most_slots_used"] <= graph["unique_capacity"] == graph["unique_bound"]
     # the same rows were asked for (counted on the device), and the wire carried the padded blocks
     assert on[0].summary["embedding"]["remote_per_step"] == off[0].summary["embedding"]["remote_per_step"] > 0
     assert on[0].summary["bytes"]["rows"] > off[0].summary["bytes"]["rows"]
@@ -64,15 +65,23 @@ def test_padded_step_equals_one_process():
 
 
 @pytest.mark.dist
-def test_a_smaller_block_is_exact_and_stops_the_run_when_exceeded():
+def test_a_block_of_the_most_slots_used_is_exact_and_one_less_stops_the_run():
+    """summary.json's most_slots_used (the most unique ids any rank asked one owner for, over the
+    ranks) is the smallest block the same run fits in: with it the run is the same bit for bit
+    (and the wire smaller); with one slot less it stops, naming train.unique_capacity."""
     extra = ["optim=adagrad", "data.min_bag=1", "data.max_bag=3"]
     off = run_world(2, SHORT + extra)
-    on = run_world(2, SHORT + extra + ["train.cuda_graph=on", "train.unique_capacity=120"])
-    assert on[0].summary["cuda_graph"]["unique_capacity"] == 120
-    for a, b in zip(off, on):
+    first = run_world(2, SHORT + extra + ["train.cuda_graph=on"])
+    most = first[0].summary["cuda_graph"]["most_slots_used"]
+    assert [r.summary["cuda_graph"]["most_slots_used"] for r in first] == [most, most]
+    assert 0 < most < first[0].summary["cuda_graph"]["unique_bound"]
+    fit = run_world(2, SHORT + extra + ["train.cuda_graph=on", f"train.unique_capacity={most}"])
+    assert fit[0].summary["cuda_graph"]["unique_capacity"] == most
+    assert fit[0].summary["bytes"]["rows"] < first[0].summary["bytes"]["rows"]
+    for a, b in zip(off, fit):
         assert_same_run(a, b, rtol=0, atol=0)
-    with pytest.raises(RuntimeError, match=r"unique ids more than train.unique_capacity=20 slots"):
-        run_world(2, SHORT + extra + ["train.cuda_graph=on", "train.unique_capacity=20"])
+    with pytest.raises(RuntimeError, match=rf"unique ids more than train.unique_capacity={most - 1} slots"):
+        run_world(2, SHORT + extra + ["train.cuda_graph=on", f"train.unique_capacity={most - 1}"])
 
 
 def test_the_padded_request_is_the_eager_plan_in_fixed_blocks():
@@ -93,6 +102,8 @@ def test_the_padded_request_is_the_eager_plan_in_fixed_blocks():
                 ids = torch.cat([gids, torch.full((pad,), sh.n_ids)])
                 req = padded_request(sh, ids, cap, sh.n_ids if pad else None)
                 assert int(req.count) == eager.uniq.numel() and int(req.excess) == 0
+                per_owner = [int((sh.owner(eager.uniq) == w).sum()) for w in range(world)]
+                assert int(req.largest) == max(per_owner)
                 blocks = req.ids.reshape(world, cap)
                 valid = req.valid.reshape(world, cap)
                 for w in range(world):

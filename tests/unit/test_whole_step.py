@@ -140,7 +140,8 @@ def test_memory_plan_counts_the_padded_step():
     assert memplan.plan_memory(c, 2, 0).parts["padded step"] == 2 * block * (8 * d * 4 + REQUEST_SLOT_BYTES)
     assert "padded step" not in memplan.plan_memory(load_config(make_cfg(BASE + ["train.cuda_graph=dense"])), 1, 0).parts
     got = run_single(BASE + ["train.cuda_graph=on", "train.steps=1"], return_state=False)
-    assert got.summary["cuda_graph"]["unique_capacity"] == slots
+    assert got.summary["cuda_graph"]["unique_capacity"] == got.summary["cuda_graph"]["unique_bound"] == slots
+    assert 0 < got.summary["cuda_graph"]["most_slots_used"] < slots  # one-hot-to-3 bags of 48 samples
 
 
 def test_a_smaller_capacity_is_exact_and_stops_the_run_when_exceeded():

@@ -153,13 +153,15 @@ class PaddedRequest:
     order plan_lookup sends them in), in its first slots, then `pad` (= local_rows: no row);
     inverse: [N] workspace slot (w x C + position) of every entry; valid: [W x C] slot holds one
     of the batch's ids; count: [] unique ids; excess: [] ids past a block's capacity, summed over
-    the blocks (> 0: the plan dropped ids, the caller stops the run). On the device, none read."""
+    the blocks (> 0: the plan dropped ids, the caller stops the run); largest: [] the most unique
+    ids asked of one owner. On the device, none read."""
 
     ids: torch.Tensor
     inverse: torch.Tensor
     valid: torch.Tensor
     count: torch.Tensor
     excess: torch.Tensor
+    largest: torch.Tensor
 
 
 def padded_request(sharding: Sharding, gids: torch.Tensor, capacity: int,
@@ -187,7 +189,7 @@ def padded_request(sharding: Sharding, gids: torch.Tensor, capacity: int,
     fill.scatter_(0, torch.where(first & (pos < c), slot, w * c), sharding.local_index(skey - owner * n_ids))
     valid = (torch.arange(c, device=dev).unsqueeze(0) < per.unsqueeze(1)).reshape(-1)
     inverse = torch.empty_like(slot).scatter_(0, perm, slot)
-    return PaddedRequest(fill[:w * c], inverse, valid, per.sum(), (per - c).clamp_(min=0).sum())
+    return PaddedRequest(fill[:w * c], inverse, valid, per.sum(), (per - c).clamp_(min=0).sum(), per.max())
 
 
 @dataclass

@@ -115,6 +115,7 @@ class PaddedStep(CapacityCheck, DenseStep):
         ctx.inputs = _Lookup(req, served, ws)
         own = req.valid[self.own].sum()
         self.emb.stats.record_on_device(int(ctx.flight.batch.values.numel()), req.count, req.count - own)
+        self.note_used(req.largest)
 
     def _read(self, idx: torch.Tensor) -> torch.Tensor:
         """Rows of storage rows idx, padding slots (local_rows) reading the last row."""
@@ -142,5 +143,11 @@ class PaddedStep(CapacityCheck, DenseStep):
         """Nothing changed before the update: the step's workspace is simply dropped."""
         ctx.inputs = None
 
+    def most_used(self) -> int:
+        """The most slots any rank's step asked one owner for (an allgather: summary() is called
+        by every rank)."""
+        mine = torch.tensor([CapacityCheck.most_used(self)], dtype=torch.int64)
+        return int(self.comm.allgather(mine, kind="meta").max())
+
     def summary(self) -> dict[str, Any]:
-        return {**DenseStep.summary(self), "scope": "step", "unique_capacity": self.capacity}
+        return {**DenseStep.summary(self), "scope": "step", **self.capacity_summary()}

@@ -67,9 +67,24 @@ class CapacityCheck(StepStrategy):
 
     capacity: int  # the slots chosen (train.unique_capacity, or the bound)
     bound: int  # the slots no batch exceeds
+    peak: Optional[torch.Tensor] = None  # the most slots a step has needed (on the device)
 
     def excess(self, ctx: StepContext) -> torch.Tensor:
         raise NotImplementedError
+
+    def note_used(self, used: torch.Tensor) -> None:
+        """A step needed `used` slots (a device value, outside any graph; read once, by summary)."""
+        used = used.reshape(())
+        self.peak = used.clone() if self.peak is None else torch.maximum(self.peak, used)
+
+    def capacity_summary(self) -> dict[str, int]:
+        """summary.json's view of the capacity: the slots chosen, the bound, and the most any step
+        needed (a short run's figure is what train.unique_capacity can be set to, with a margin)."""
+        return {"unique_capacity": self.capacity, "unique_bound": self.bound, "most_slots_used": self.most_used()}
+
+    def most_used(self) -> int:
+        """The most slots a step needed on this rank (one read)."""
+        return int(self.peak) if self.peak is not None else 0
 
     def carry(self, ctx: StepContext, carry: torch.Tensor) -> torch.Tensor:
         """The unique ids past the capacity ride the loss's read."""
@@ -83,7 +98,8 @@ class CapacityCheck(StepStrategy):
         if values and values[0] > 0:
             raise TrainingError(f"step {ctx.step}: the batch holds {int(values[0])} unique ids more than "
                                 f"train.unique_capacity={self.capacity} slots (per owner at W > 1); raise it "
-                                f"(0: the bound, {self.bound}, is never exceeded)")
+                                f"(0: the bound, {self.bound}, is never exceeded; a run at the bound reports the "
+                                f"most its batches need as summary.json's cuda_graph.most_slots_used)")
 
 
 class WholeStep(CapacityCheck):
@@ -126,6 +142,7 @@ class WholeStep(CapacityCheck):
         """The step's function: the loss, the dense gradients, the rows updated (masked)."""
         ctx.loss, ctx.grads, ctx.count = self._run(ctx.inputs)
         self.emb.stats.record_on_device(int(ctx.flight.batch.values.numel()), ctx.count)
+        self.note_used(ctx.count)
 
     def excess(self, ctx: StepContext) -> torch.Tensor:
         return (ctx.count - self.capacity).clamp(min=0)
@@ -195,4 +212,4 @@ class WholeStep(CapacityCheck):
 
     def summary(self) -> dict[str, Any]:
         return {"captured": self.graph is not None, "replays": self.replays, "eager_steps": self.eager_steps,
-                "scope": "step", "unique_capacity": self.capacity}
+                "scope": "step", **self.capacity_summary()}
