@@ -12,10 +12,12 @@ The phases (methods timed):
 - prefetch: preparing the next step during this one (TrainPipeline.prefetch: its batch, plan,
   requests);
 - lookup: the training step's embedding lookup (HybridEmbedding.lookup: replies, cache; the serial
-  step's plan and requests are made just before it, in TrainPipeline.start);
+  step's plan and requests are made just before it, in TrainPipeline.start; PaddedStep.lookup for
+  train.cuda_graph=on at W > 1: its request, exchanges and pooled gather);
 - backward: loss.backward();
 - apply: the row pushes and the owners' update (HybridEmbedding.begin_update and the function it
-  returns, one call; the pipelined step starts the dense allreduce between the two halves);
+  returns, one call; the pipelined step starts the dense allreduce between the two halves;
+  PaddedStep.update_rows likewise);
 - wait: waiting on collective handles (Handle.wait), inside the phases above and the dense
   allreduce.
 
@@ -53,10 +55,13 @@ PHASES = (  # (phase, module, class, method)
     ("prefetch", "trainer.train.pipeline", "TrainPipeline", "prefetch"),
     ("lookup", "trainer.embedding.module", "HybridEmbedding", "lookup"),
     ("apply", "trainer.embedding.module", "HybridEmbedding", "begin_update"),
+    # train.cuda_graph=on at W > 1 (its own padded lookup and update, not HybridEmbedding's)
+    ("lookup", "trainer.train.padded_step", "PaddedStep", "lookup"),
+    ("apply", "trainer.train.padded_step", "PaddedStep", "update_rows"),
     ("wait", "trainer.comm.base", "Handle", "wait"),
     ("backward", "torch", "Tensor", "backward"),
 )
-HALVES = {"begin_update"}  # methods that return their second half: it is timed in the same phase
+HALVES = {"begin_update", "update_rows"}  # methods that return their second half: it is timed in the same phase
 ENV = "STEP_PHASES_DIR"
 PROFILE_ENV = "STEP_PROFILE_STEPS"
 PROFILE_AFTER = 10  # steps before the profiled ones (warm-up: compilation, allocator, caches)
