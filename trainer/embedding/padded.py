@@ -46,8 +46,8 @@ from ..data.batch import Batch
 from .exchange import sorted_runs
 from .sharding import Sharding, rows_on_rank
 
-__all__ = ["PLAN_SLOT_BYTES", "REQUEST_SLOT_BYTES", "BagPadding", "PaddedCombine", "PaddedPlan", "PaddedRequest", "padded_combine", "padded_plan",
-           "padded_request", "unique_capacity"]
+__all__ = ["PLAN_SLOT_BYTES", "REQUEST_SLOT_BYTES", "BagPadding", "PaddedCombine", "PaddedPlan", "PaddedRequest",
+           "padded_combine", "padded_plan", "padded_request", "unique_capacity"]
 
 PLAN_SLOT_BYTES = 8 + 8 + 1  # a slot's row (int64), its gap count for the search (int64), valid (bool)
 # W > 1, a slot of a rank's W blocks: its request id and the id served (int64 each), the owner's
@@ -150,7 +150,7 @@ def _with_padding_rows(members: torch.Tensor, valid: torch.Tensor, count: torch.
 class PaddedRequest:
     """A batch's rows asked of every owner in blocks of C slots (W > 1; trainer/train/padded_step.py).
     ids: [W x C] storage rows, block w for owner w: the batch's unique ids w owns, ascending (the
-    order plan_lookup sends them in), in its first slots, then `pad` (= local_rows: no row);
+    order plan_lookup sends them in), in its first slots, then local_rows (no row: padding);
     inverse: [N] workspace slot (w x C + position) of every entry; valid: [W x C] slot holds one
     of the batch's ids; count: [] unique ids; excess: [] ids past a block's capacity, summed over
     the blocks (> 0: the plan dropped ids, the caller stops the run); largest: [] the most unique
