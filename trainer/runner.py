@@ -150,6 +150,7 @@ class Trainer:
                                    interrupt=SIGNALS.requested)
         self.emb, self.feed = self.sparse.emb, self.sparse.feed
         self.model, self.params, self.opt = build_dense(c, comm, self.sparse.sharding.num_tables, self.device)
+        self.checkpoints.check_space(self.emb, self.params)  # before hours of training, not at the first save
         self.precision = DensePrecision(c, self.device)  # train.precision: autocast, fp16's loss scaler
         self.lr = LrSchedule(c.optim, c.train.steps, self.opt, self.emb, sparse_lr(c))
         self.report = Reporter(c, comm, self.sparse, self.data, self.global_batch, self.out_dir)

@@ -112,8 +112,23 @@ def test_failed_save_on_a_full_disk_removes_its_partial_dir(tiny_fs):
     root = os.path.join(tiny_fs, "ck")
     for attempt in range(2):
         with pytest.raises(ckpt.CheckpointError, match=r"No space left on device"):
-            run_single(CLI_BASE + ["train.steps=2", f"checkpoint.dir={root}"])
+            run_single(CLI_BASE + ["train.steps=2", f"checkpoint.dir={root}", "checkpoint.space_check=false"])
         assert os.listdir(root) == [], (attempt, os.listdir(root))
+
+
+def test_a_checkpoint_dir_too_small_is_refused_at_start(tmp_path, tiny_fs):
+    """checkpoint.space_check (the default): a 64 KiB checkpoint.dir for a ~125 KB checkpoint stops
+    the run at start-up in one line naming both figures (exit 2), before any step and with nothing
+    written there; the tests above start anyway (checkpoint.space_check=false) to reach the save."""
+    root = os.path.join(tiny_fs, "ck")
+    out = tmp_path / "out"
+    proc = _cli(tmp_path, "train.steps=30", f"checkpoint.dir={root}", f"hydra.run.dir={out}")
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    err = proc.stderr.strip().splitlines()[-1]
+    assert err.startswith(f"error: checkpoint.dir {root}: rank 0's part of a checkpoint needs about "), err
+    assert "kB free" in err and "checkpoint.space_check=false starts anyway" in err, err
+    assert not os.path.exists(root) or os.listdir(root) in ([], ["lock.json"]), os.listdir(root)
+    assert not (out / "summary.json").exists()
 
 
 def test_failed_trainer_file_write_removes_the_partial_dir(tmp_path, monkeypatch):
@@ -174,7 +189,7 @@ def test_failed_save_mid_run_keeps_the_model(tmp_path, small_fs):
     root = os.path.join(small_fs, "ck")
     out = tmp_path / "out"
     proc = _cli(tmp_path, "train.steps=30", "checkpoint.every=10", "train.log_every=1",
-                f"checkpoint.dir={root}", f"hydra.run.dir={out}")
+                f"checkpoint.dir={root}", f"hydra.run.dir={out}", "checkpoint.space_check=false")
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
     fallback = ckpt.step_dir(str(out / "checkpoints"), 10)
     err = proc.stderr.strip().splitlines()[-1]
@@ -210,7 +225,8 @@ def test_failed_save_without_another_place_still_writes_the_summary(tmp_path):
     out = tmp_path / "out"
     with tmpfs(out / "checkpoints") as mnt:
         # train.pipeline=ids: step 9 is prepared (its reads begun) when the save fails: dropped
-        results = spawn(2, _failed_save, CLI_BASE + ["train.steps=16", "checkpoint.every=8", "train.pipeline=ids"],
+        results = spawn(2, _failed_save, CLI_BASE + ["train.steps=16", "checkpoint.every=8", "train.pipeline=ids",
+                                                     "checkpoint.space_check=false"],
                         str(out), timeout=180)
         for msg, _ in results:  # rank 0 names its own error; a rank whose shard was written names rank 0
             assert msg.startswith(f"checkpoint save of step 8 into {out / 'checkpoints'} failed on rank"), msg

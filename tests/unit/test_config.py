@@ -175,7 +175,8 @@ BAD = [
 # keys with no range to check: free text (informational names, paths) and booleans
 NO_RANGE = {"data.preset", "data.dir", "embedding.store_dir", "data.shuffle", "optim.name", "embedding.audit", "checkpoint.enabled",
             "placement.hot_batches", "schedule.on_demand_sync", "schedule.cache_aware",
-            "train.early_stop.restore_best", "train.tensorboard", "train.memory_check"}
+            "train.early_stop.restore_best", "train.tensorboard", "train.memory_check",
+            "checkpoint.space_check"}
 
 
 @pytest.mark.parametrize("override,key", BAD, ids=[b[0] for b in BAD])

@@ -24,7 +24,8 @@ import torch
 from ..evaluation.best import EarlyStopping
 from ..core.errors import phase
 from ..comm import CollectiveError, Collectives
-from ..config import Config
+from ..config import Config, ConfigError
+from ..core.progress import fmt_bytes
 from ..embedding import HybridEmbedding
 from .loader import load, resolve
 from .manifest import CheckpointError, read_manifest, step_dir
@@ -111,6 +112,35 @@ class CheckpointManager:
         """Release checkpoint.dir's lock (rank 0); the checkpoints stay. Idempotent."""
         if self.saver is not None:
             self.saver.close()
+
+    def check_space(self, emb: HybridEmbedding, params: list[torch.nn.Parameter]) -> None:
+        """checkpoint.space_check: a save needs room for one more checkpoint beside those kept (they
+        go only once it is complete): this rank's shard, and on rank 0 the dense model with its
+        optimizer; the ranks of a host share its disk. A directory that cannot hold it stops every
+        rank now with one line (exit 2), not at the first save hours later. Collective."""
+        if not (self.enabled and self.c.checkpoint.space_check):
+            return
+        store = emb.store
+        need = store.sharding.local_rows * store.bytes_per_row()["total"]  # rows, versions, optimizer state
+        if self.comm.rank == 0:  # the dense parameters and their optimizer's state (adam: 2 more copies)
+            o = self.c.optim
+            copies = 3 if o.dense == "adam" else 2 if o.dense == "adagrad" or o.momentum else 1
+            need += copies * sum(p.numel() * p.element_size() for p in params)
+
+        def room() -> None:
+            where = os.path.abspath(self.root)
+            while not os.path.isdir(where) and os.path.dirname(where) != where:  # not made yet: its disk
+                where = os.path.dirname(where)
+            st = os.statvfs(where)
+            share = max(self.comm.local_size or 1, 1)
+            free = st.f_bavail * st.f_frsize // share
+            if need > free:
+                of = f" (its disk's free space shared by this host's {share} ranks)" if share > 1 else ""
+                raise ConfigError(f"checkpoint.dir {self.root}: rank {self.comm.rank}'s part of a checkpoint "
+                                  f"needs about {fmt_bytes(need)}, it has {fmt_bytes(free)} free{of}; free space there, "
+                                  "set checkpoint.dir elsewhere or checkpoint.enabled=false "
+                                  "(checkpoint.space_check=false starts anyway)")
+        self.comm.all_succeed("checkpoint space", room, ConfigError)
 
     def due(self, done: int) -> bool:
         """Whether a periodic save follows `done` steps (checkpoint.every; the final one is fit's)."""
