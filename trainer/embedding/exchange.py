@@ -62,10 +62,15 @@ def sorted_runs(sharding: Sharding, gids: torch.Tensor) -> tuple[torch.Tensor, t
     # inverse, ~1.8x faster on the CPU; wider ones as they are (both conversions then no-ops)
     ids, perm = torch.sort(gids.to(wire_dtype(sharding.n_ids)))
     ids = ids.long()
-    first = torch.ones(ids.numel(), dtype=torch.bool, device=gids.device)
-    if ids.numel() > 1:
-        torch.ne(ids[1:], ids[:-1], out=first[1:])
-    return ids, perm, first
+    return ids, perm, run_starts(ids)
+
+
+def run_starts(values: torch.Tensor) -> torch.Tensor:
+    """[N] bool of sorted `values`: True at the first of each run of equal values (fixed-size)."""
+    first = torch.ones(values.numel(), dtype=torch.bool, device=values.device)
+    if values.numel() > 1:
+        torch.ne(values[1:], values[:-1], out=first[1:])
+    return first
 
 
 class Pull:

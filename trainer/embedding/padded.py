@@ -43,7 +43,7 @@ from typing import Optional
 import torch
 
 from ..data.batch import Batch
-from .exchange import sorted_runs
+from .exchange import run_starts, sorted_runs
 from .sharding import Sharding, rows_on_rank
 
 __all__ = ["PLAN_SLOT_BYTES", "REQUEST_SLOT_BYTES", "BagPadding", "PaddedCombine", "PaddedPlan", "PaddedRequest",
@@ -174,9 +174,7 @@ def padded_request(sharding: Sharding, gids: torch.Tensor, capacity: int,
     if sentinel is not None:
         key = torch.where(gids < sentinel, key, past)
     skey, perm = torch.sort(key)
-    first = torch.ones(skey.numel(), dtype=torch.bool, device=dev)
-    if skey.numel() > 1:
-        torch.ne(skey[1:], skey[:-1], out=first[1:])
+    first = run_starts(skey)
     real = skey < past
     first &= real
     owner = torch.div(skey, n_ids, rounding_mode="floor").clamp_(max=w - 1)
@@ -218,9 +216,7 @@ def padded_combine(idx: torch.Tensor, local_rows: int) -> PaddedCombine:
     m, dev = idx.numel(), idx.device
     k = min(m, local_rows)
     sidx, perm = torch.sort(idx.long())
-    first = torch.ones(m, dtype=torch.bool, device=dev)
-    if m > 1:
-        torch.ne(sidx[1:], sidx[:-1], out=first[1:])
+    first = run_starts(sidx)
     real = sidx < local_rows
     first &= real
     seg = torch.cumsum(first, 0) - 1
