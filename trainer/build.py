@@ -20,6 +20,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from .comm import Collectives
+from .core.disk import free_share
 from .core.errors import TrainingError, allocating, phase
 from .config import (Config, ConfigError, cache_capacities, needs_global_view, run_device, staleness_bounds,
                      table_rows)
@@ -168,8 +169,7 @@ def make_tier(c: Config, comm: Collectives, device: torch.device, local_rows: in
     need = files + scratch
     where = e.store_dir or tempfile.gettempdir()
     os.makedirs(where, exist_ok=True)
-    st = os.statvfs(where)
-    free = st.f_bavail * st.f_frsize // max(comm.local_size or 1, 1)
+    free = free_share(where, comm.local_size)
     if need > free:
         also = f" (its files {fmt_bytes(files)}, a checkpoint's save or load {fmt_bytes(scratch)} of scratch)" if scratch else ""
         raise ConfigError(f"embedding.store=disk: rank {comm.rank}'s shard needs {fmt_bytes(need)} on disk{also}, "

@@ -25,6 +25,7 @@ from ..evaluation.best import EarlyStopping
 from ..core.errors import phase
 from ..comm import CollectiveError, Collectives
 from ..config import Config, ConfigError
+from ..core.disk import free_share
 from ..core.progress import fmt_bytes
 from ..embedding import HybridEmbedding
 from .loader import load, resolve
@@ -128,12 +129,8 @@ class CheckpointManager:
             need += copies * sum(p.numel() * p.element_size() for p in params)
 
         def room() -> None:
-            where = os.path.abspath(self.root)
-            while not os.path.isdir(where) and os.path.dirname(where) != where:  # not made yet: its disk
-                where = os.path.dirname(where)
-            st = os.statvfs(where)
             share = max(self.comm.local_size or 1, 1)
-            free = st.f_bavail * st.f_frsize // share
+            free = free_share(self.root, share)
             if need > free:
                 of = f" (its disk's free space shared by this host's {share} ranks)" if share > 1 else ""
                 raise ConfigError(f"checkpoint.dir {self.root}: rank {self.comm.rank}'s part of a checkpoint "
