@@ -14,8 +14,8 @@ The step, in the stages of TrainPipeline (pipeline.py, step.py):
   lookup       the request [W x C] (ids the batch holds of owner w in block w, ascending, then
                padding) -> alltoall of ids -> each owner reads the [W x C] rows asked of it
                (padding: any row) -> alltoall of rows -> the workspace [W x C, d] (this rank's own
-               block read from its shard, unrounded by the wire, as the eager step does) -> the
-               pooled gather
+               block taken from its own read, unrounded by the wire, as the eager step does) ->
+               the pooled gather
   forward      the dense half (DenseStep's function: replayed from its CUDA graph on a GPU)
   backward     the pooled rows' gradient into the workspace
   update_rows  the workspace's gradient leaves ([W x C, d], alltoall); the function it returns
@@ -105,10 +105,10 @@ class PaddedStep(CapacityCheck, DenseStep):
                              self.padding.sentinel)
         served, _ = self.comm.alltoall(req.ids.to(self.id_dtype), self.splits, kind="ids", recv_splits=self.splits)
         served = served.long()
-        rows = self._read(served).to(self.row_dtype)
-        got, _ = self.comm.alltoall(rows, self.splits, kind="rows", recv_splits=self.splits)
+        stored = self._read(served)  # as stored; its own block is what this rank asked itself for
+        got, _ = self.comm.alltoall(stored.to(self.row_dtype), self.splits, kind="rows", recv_splits=self.splits)
         ws = got.to(self.store.compute_dtype)
-        ws[self.own] = self._read(req.ids[self.own]).to(ws.dtype)  # as the eager step: not through the wire
+        ws[self.own] = stored[self.own].to(ws.dtype)  # as the eager step: not through the wire
         ws.requires_grad_()
         pooled = kernels.pooled_gather(ws, req.inverse, ids.offsets(), ids.num_tables, mode=self.emb.pooling)
         ctx.pooled = pooled[:labels.shape[0]] if self.padding.ragged else pooled  # the padding's extra sample
