@@ -127,7 +127,8 @@ fi
 PYTEST_PID=
 if [ "$PART" != bench ] && [ "$DEVICE" = cuda ]; then
   stage pytest 200 "$OUT/pytest_gpu.log" "$PY" -m pytest -q -s -m gpu -p no:cacheprovider \
-    tests/kernels/test_kernel_*.py tests/unit/test_step_device.py tests/unit/test_dense_step.py tests/unit/test_whole_step.py &
+    tests/kernels/test_kernel_*.py tests/unit/test_step_device.py tests/unit/test_dense_step.py tests/unit/test_whole_step.py \
+    tests/unit/test_dense_update.py &
   PYTEST_PID=$!
 fi
 

@@ -290,7 +290,7 @@ class Trainer:
         return {"device": self.device.type, "transport": self.comm.transport,
                 "recipe": self.recipe.describe(self.c, self.world), "settled_rows": self.pipeline.settled,
                 "precision": self.precision.summary(),
-                "cuda_graph": self.pipeline.strategy.summary(),
+                "cuda_graph": self.pipeline.graph_summary(),
                 "store": self.emb.store.store_record(),
                 "memory_plan": self.memory.record()}
 

@@ -47,6 +47,7 @@ def test_padded_step_equals_the_eager_step_bit_for_bit(case):
         assert b.summary["eval_logloss"] == a.summary["eval_logloss"]
     graph = on[0].summary["cuda_graph"]
     assert graph["scope"] == "step" and graph["eager_steps"] == 10 and not graph["captured"]
+    assert graph["optimizer"] == {"captured": False, "replays": 0, "eager_steps": 10}
     assert 0 < graph["most_slots_used"] <= graph["unique_capacity"] == graph["unique_bound"]
     # the same rows were asked for (counted on the device), and the wire carried the padded blocks
     assert on[0].summary["embedding"]["remote_per_step"] == off[0].summary["embedding"]["remote_per_step"] > 0

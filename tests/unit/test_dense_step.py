@@ -23,6 +23,7 @@ def test_split_step_two_workers_equal_one_process():
     for res in run_world(2, overrides):
         assert_same_run(ref, res)
         assert res.summary["cuda_graph"]["scope"] == "dense" and res.summary["cuda_graph"]["eager_steps"] == 8
+        assert res.summary["cuda_graph"]["optimizer"]["eager_steps"] == 8  # trainer/train/dense_update.py
 
 
 def test_cuda_graph_config():

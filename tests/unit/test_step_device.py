@@ -67,9 +67,12 @@ CACHE_TODO = ("TODO(cache.py, being vectorised in another change: do not edit he
 HOST_OK: dict[tuple[str, str], str] = {
     ("trainer/train/pipeline.py", "_end"):
         f"{INHERENT}: the step's global loss (recorded every step, checked for NaN/inf; with "
-        "train.nonfinite=skip every rank needs it before updating). Also Adam's step counters "
-        "(.item() inside torch.optim: CPU tensors by torch's design unless fused/capturable, so no "
-        "device sync). Possible: read the loss one step late in stop mode",
+        "train.nonfinite=skip every rank needs it before updating). Possible: read the loss one "
+        "step late in stop mode",
+    ("trainer/train/pipeline.py", "_dense_step"):
+        "torch.optim's step counters (Adam's, Adagrad's .item() inside torch.optim: CPU tensors by "
+        "torch's design unless fused/capturable, so no device sync); with train.cuda_graph dense / "
+        "on the step is DenseUpdate's, which reads none",
     ("trainer/run/signals.py", "take_values"):
         f"{INHERENT}: the step's global loss read back (TrainPipeline._end's one read, with the stop "
         "signal's flag that rides the same reduction: no extra read or message per step; with "
@@ -287,7 +290,8 @@ def test_one_step_w1_mixed_precision(precision: str):
            most_syncs=SYNCS_AT_MOST["w1"])
 
 
-CAPTURED = ("trainer/train/whole_step.py", "trainer/train/dense_step.py", "trainer/embedding/padded.py", "trainer/models/")
+CAPTURED = ("trainer/train/whole_step.py", "trainer/train/dense_step.py", "trainer/train/dense_update.py",
+            "trainer/embedding/padded.py", "trainer/models/")
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])

@@ -20,7 +20,7 @@ from trainer.runner import RunResult
 
 SHORT = BASE + ["train.steps=8"]
 CASES = {
-    "dlrm-sgd": ["model=dlrm", "optim=sgd"],
+    "dlrm-sgd-momentum": ["model=dlrm", "optim=sgd", "optim.momentum=0.9"],
     "dlrm-adagrad-bf16": ["model=dlrm", "optim=adagrad", "train.precision=bf16"],
     "deepfm-adagrad-onehot": ["model=deepfm", "optim=adagrad", "data.min_bag=1", "data.max_bag=1"],
     "dcn-sgd-bf16-emptybags": ["model=dcn", "optim=sgd", "train.precision=bf16", "data.min_bag=0"],
@@ -38,6 +38,7 @@ def test_whole_step_equals_the_eager_step_bit_for_bit(case):
     assert_same_run(ref, got, rtol=0, atol=0)
     graph = got.summary["cuda_graph"]
     assert graph["scope"] == "step" and graph["eager_steps"] == 8 and not graph["captured"]
+    assert graph["optimizer"] == {"captured": False, "replays": 0, "eager_steps": 8}  # dense_update.py
     for key in ("ids_per_step", "unique_per_step", "remote_per_step"):  # counted on the device, read once
         assert got.summary["embedding"][key] == ref.summary["embedding"][key], key
 
@@ -121,6 +122,8 @@ def test_whole_step_replays_equal_the_eager_step_on_cuda(precision, schedule, ba
         assert graph["captured"] and graph["replays"] == 11 and graph["eager_steps"] == 1, graph
     else:  # every step of the warmup and the decay has its own rate
         assert not graph["captured"] and graph["eager_steps"] == 12, graph
+    # the dense optimizer's own graph: two eager steps, then one graph through every rate
+    assert graph["optimizer"] == {"captured": True, "replays": 10, "eager_steps": 2}, graph
     assert_same_run(ref, got, rtol=1e-5, atol=1e-6)
 
 

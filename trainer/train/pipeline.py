@@ -18,8 +18,8 @@ by train.cuda_graph and W: EagerStep, DenseStep, WholeStep):
      the backward (the strategy); fp16: one reduction tells every rank whether any gradient
      overflowed (with the loss in stop mode), and every rank drops the step (precision.py); the
      rows' update with the dense allreduce (train.pipeline != off: the allreduce starts behind the
-     row gradients and travels while the owners update); the dense optimizer's step; the loss
-     read and checked
+     row gradients and travels while the owners update); the dense optimizer's step (with
+     train.cuda_graph dense / on from its own graph: dense_update.py); the loss read and checked
   6. finish: the step's alltoalls counted
 
 Why the steps in flight are this object's too (TorchRec's pipeline owns the next batch's input
@@ -50,6 +50,7 @@ from ..core.errors import TrainingError
 from ..embedding import InFlightStep
 from ..run.signals import SIGNALS
 from .dense_step import DenseStep
+from .dense_update import DenseUpdate
 from .lr import LrSchedule
 from .padded_step import PaddedStep
 from .precision import DensePrecision
@@ -76,6 +77,8 @@ class TrainPipeline:
         self.saves_after = saves_after
         self.skip = c.train.nonfinite == "skip"
         self.strategy = self._choose(model, global_batch)
+        # the dense optimizer's step from its own graph (dense_update.py) where the step is graphed
+        self.dense = DenseUpdate(opt, params, device) if c.train.cuda_graph != "off" else None
         self.plans = self.strategy.plans_ahead  # False: the step prepared ahead is its batch only
         self.mode = c.train.pipeline  # off | ids | rows
         # Herald plans its sync step by step against its flushes: nothing is planned early
@@ -138,9 +141,7 @@ class TrainPipeline:
             if overflow:
                 return self._drop(ctx, value)
         reduced = self._update(ctx, ctx.grads + carry)
-        for p, g in zip(self.params, reduced):
-            p.grad = g
-        self.opt.step()
+        self._dense_step(reduced[:len(self.params)])
         if carry:
             value = self._take(reduced[-1], ctx)
             self._check_loss(value, ctx.step)
@@ -160,6 +161,23 @@ class TrainPipeline:
         pending = self.comm.grouped_allreduce_async(dense, op="sum", kind="dense")
         finish()
         return pending.wait()
+
+    def _dense_step(self, grads: list[torch.Tensor]) -> None:
+        """The dense optimizer's step on the reduced gradients: DenseUpdate's (train.cuda_graph
+        dense / on: torch.optim's arithmetic from one graph), else torch.optim's own."""
+        if self.dense is not None:
+            self.dense.step(grads)
+            return
+        for p, g in zip(self.params, grads):
+            p.grad = g
+        self.opt.step()
+
+    def graph_summary(self) -> Optional[dict[str, Any]]:
+        """summary.json's `cuda_graph`: the strategy's, with the dense optimizer's graph."""
+        out = self.strategy.summary()
+        if out is not None and self.dense is not None:
+            out["optimizer"] = self.dense.summary()
+        return out
 
     def _take(self, reduced: torch.Tensor, ctx: StepContext) -> float:
         """The global loss of a reduced carry, in one read with the stop signals' flag and the
