@@ -30,6 +30,11 @@ them), so checkpoints, resume and the optimizer's state_dict are unchanged. A st
 it (a checkpoint loaded into the optimizer) is noticed before the next step and the graph captured
 again over the new tensors.
 
+Why a graph of its own, not inside the step's: between the step's graph and this one lie the dense
+allreduce (gloo and Horovod cannot be captured) and the host's decisions that drop a step
+(train.nonfinite=skip, fp16's overflow); a step dropped never reaches this graph, so nothing in it
+needs a mask. Two replays a step instead of one.
+
 On CUDA: the first two steps run eagerly on a side stream (torch.cuda.graphs' warm-up; SGD's
 momentum buffers are made there, as torch makes them, from the first gradient); the third is
 captured over static gradient buffers and replayed, and every step after copies its gradients into
