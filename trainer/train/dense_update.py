@@ -148,19 +148,17 @@ class DenseUpdate:
             for p in self.params:
                 self.opt.state[p]["step"] += 1
         t = float(self.t)
-        rows = []
-        for g in self.opt.param_groups:  # torch.optim's single-tensor arithmetic, in Python doubles
+        for g, row in zip(self.opt.param_groups, self.scalars):  # torch.optim's arithmetic, in Python doubles
             lr = g["lr"]
             if self.kind == "adam":
                 beta1, beta2 = g["betas"]
-                rows.append([(1 - beta2 ** t) ** 0.5, -(lr / (1 - beta1 ** t))])
+                values = [(1 - beta2 ** t) ** 0.5, -(lr / (1 - beta1 ** t))]
             elif self.kind == "adagrad":
-                rows.append([-(lr / (1 + (t - 1) * g["lr_decay"]))])
+                values = [-(lr / (1 + (t - 1) * g["lr_decay"]))]
             else:
-                rows.append([-lr])
-        for gi, row in enumerate(rows):  # a fill per value: queued like a kernel, nothing waits
-            for k, v in enumerate(row):
-                self.scalars[gi, k].fill_(v)
+                values = [-lr]
+            for k, v in enumerate(values):  # a fill per number: queued like a kernel, nothing waits
+                row[k].fill_(v)
 
     def _first_momentum(self) -> bool:
         return self.kind == "sgd" and any(g["momentum"] != 0 and self.opt.state.get(self.params[i], {}).get(
