@@ -133,7 +133,8 @@ def test_a_preempted_job_saves_requeues_itself_and_resumes(cluster, tmp_path):
                   f"hydra.run.dir={ref}"], timeout=300)
     assert r.returncode == 0, tail(r)
     got, want = _losses(out), _losses(ref)
-    assert sorted(want) == list(range(10, 201, 10)) and sorted(got) == sorted([*want, first["step"], second["step"]])
+    # a stop's step is logged too; it may be a logged step already (a stop at step 30)
+    assert sorted(want) == list(range(10, 201, 10)) and sorted(got) == sorted({*want, first["step"], second["step"]})
     assert [got[k] for k in sorted(want)] == pytest.approx([want[k] for k in sorted(want)], rel=1e-6)
     assert_same_model(ref, out)
 
