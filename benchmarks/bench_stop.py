@@ -10,10 +10,12 @@ TORCH_ELASTIC_SHUTDOWN_TIMEOUT) must cover the time from its SIGTERM to the trai
     resume   as a run resuming a checkpoint of the same workload begins its load ("resuming from")
     step     after step 3 (the step boundary, then the stop's save)
     eval     as the evaluation after step 5 begins (train.eval_every=5): it ends within a batch
-    save     as the save after step 5 begins (checkpoint.every=5): the save finishes first
+    save     as a save begins (checkpoint.every=5; the one after step 5 unless it ended between two
+             looks): the save finishes first, the stop comes after the next step
 
 Each line: the phase, seconds from the signal to the process's exit, its exit status, the step it
-stopped at and whether that checkpoint is complete.
+stopped at and whether that checkpoint is complete; in the save phase also `save_step`, the step of
+the save the signal arrived in.
 
     python -m benchmarks.bench_stop                        # the bench workload, every phase
     python -m benchmarks.bench_stop --world 2 --phases step eval save
@@ -59,11 +61,14 @@ def trained_steps(out: str) -> int:
         return 0
 
 
-def _saving(root: str) -> bool:
+def _saving(root: str) -> int | None:
+    """The step of a save under way in checkpoint dir `root` (its `step_K.tmp-...` directory), or None."""
     try:
-        return any(".tmp-" in n for n in os.listdir(root))
+        names = os.listdir(root)
     except OSError:
-        return False
+        return None
+    steps = [n.split(".tmp-")[0] for n in names if ".tmp-" in n]
+    return int(steps[0].rsplit("_", 1)[-1]) if steps else None
 
 
 def measure(phase: str, world: int, extra: list[str], work: str, timeout: float) -> dict:
@@ -72,6 +77,7 @@ def measure(phase: str, world: int, extra: list[str], work: str, timeout: float)
     root = os.path.join(out, "checkpoints")
     args = BASE + ["train.steps=100000", f"hydra.run.dir={out}", f"checkpoint.dir={root}"]
     ready: Callable[[], bool]
+    saving: list[int | None] = [None]  # the save phase: the step of the save the signal arrives in
     if phase == "resume":
         log("resume: a first run saves step 3")
         first = subprocess.run(_command(world, BASE + ["train.steps=3", f"hydra.run.dir={out}-first",
@@ -85,7 +91,10 @@ def measure(phase: str, world: int, extra: list[str], work: str, timeout: float)
         ready = lambda: trained_steps(out) >= 5  # noqa: E731 - the evaluation follows step 5's line
     elif phase == "save":
         args += ["checkpoint.every=5"]
-        ready = lambda: _saving(root)  # noqa: E731
+
+        def ready() -> bool:
+            saving[0] = _saving(root)
+            return saving[0] is not None
     elif phase == "step":
         ready = lambda: trained_steps(out) >= 3  # noqa: E731
     else:  # startup, resume: a line the trainer prints as the phase begins
@@ -122,7 +131,8 @@ def measure(phase: str, world: int, extra: list[str], work: str, timeout: float)
     ckpt = stopped.get("checkpoint")
     return {"phase": phase, "world": world, "signal_to_exit_s": round(took, 2), "exit_status": proc.returncode,
             "stopped_at": stopped.get("step"), "checkpoint_complete": bool(ckpt and os.path.isfile(
-                os.path.join(ckpt, "manifest.json"))), "overrides": extra, "stderr_tail": err.strip()[-200:]
+                os.path.join(ckpt, "manifest.json"))), **({"save_step": saving[0]} if phase == "save" else {}),
+            "overrides": extra, "stderr_tail": err.strip()[-200:]
             if proc.returncode not in (143, 0) else None}
 
 
