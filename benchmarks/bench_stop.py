@@ -36,6 +36,8 @@ import threading
 import time
 from typing import Callable
 
+from trainer.checkpoint.manifest import WORK_DIR
+
 PHASES = ("startup", "resume", "step", "eval", "save")
 BASE = ["train.progress=off", "train.log_every=1", "train.tensorboard=false"]
 
@@ -67,8 +69,8 @@ def _saving(root: str) -> int | None:
         names = os.listdir(root)
     except OSError:
         return None
-    steps = [n.split(".tmp-")[0] for n in names if ".tmp-" in n]
-    return int(steps[0].rsplit("_", 1)[-1]) if steps else None
+    steps = [int(m["step"]) for m in map(WORK_DIR.match, names) if m and m["kind"] == "tmp"]
+    return steps[0] if steps else None
 
 
 def measure(phase: str, world: int, extra: list[str], work: str, timeout: float) -> dict:

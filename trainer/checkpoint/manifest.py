@@ -42,7 +42,7 @@ SCHEMA_KEYS = ("table_rows", "dim", "model", "optim_sparse", "optim_dense")  # m
 # the same at any W (trainer/data/order.py) and a save writes data_order_world = null
 WORLD_BOUND_DATA = ("criteo",)
 STEP_DIR = re.compile(r"^step_(\d+)$")
-WORK_DIR = re.compile(r"^step_\d+\.(tmp|old)-(?P<run>[0-9a-f]+)-[0-9a-f]+$")  # a save in progress
+WORK_DIR = re.compile(r"^step_(?P<step>\d+)\.(?P<kind>tmp|old)-(?P<run>[0-9a-f]+)-[0-9a-f]+$")  # a save in progress
 
 
 class CheckpointError(RuntimeError):
