@@ -22,7 +22,8 @@ Run the trainer's construction and a few steps under it, and it reports, for the
   ``.numpy()``, ``.cpu()``, ``torch.equal`` of a ``dev`` tensor: a device -> host copy that waits
   for the device;
 - ``copy``: a ``host`` tensor moved to the device (``.to``, ``.cuda``, ``.copy_`` into a ``dev``
-  tensor) or Python data made into a tensor with ``device=`` (``torch.tensor(list, device=d)``):
+  tensor, ``t[i] = 5`` or ``t[i] = host_tensor`` into a ``dev`` tensor) or Python data made into a
+  tensor with ``device=`` (``torch.tensor(list, device=d)``):
   a host -> device transfer made by the step. Op ``to`` / ``copy_`` / ``tensor(device=)`` is a
   blocking copy (from pageable memory CUDA waits for the stream: a host sync); ``to(non_blocking)``
   is the pinned, asynchronous copy of ``trainer/core/device.py``'s ``to_device``;
@@ -263,6 +264,12 @@ class StepAudit(TorchFunctionMode):
         elif func is torch.Tensor.copy_ and len(args) > 1 and source == DEV \
                 and isinstance(args[1], torch.Tensor) and self._of(args[1]) == HOST:
             self._add("copy", "copy_(non_blocking)" if _non_blocking(args, kwargs) else "copy_")
+        elif func is torch.Tensor.__setitem__ and source == DEV and len(args) > 2 and (
+                isinstance(args[2], (bool, int, float)) or (isinstance(args[2], torch.Tensor)
+                                                            and self._of(args[2]) == HOST)):
+            # t[i] = 5 on a CUDA tensor: torch makes the value a host tensor and copies it (a
+            # blocking copy, seen by set_sync_debug_mode on the H200); t[i].fill_(5) launches a fill
+            self._add("copy", "setitem(host value)")
         out = func(*args, **kwargs)
         label = self._result_label(func, args, kwargs, has_dev, labels)
         if func in MOVES and label == DEV and source == HOST:

@@ -357,7 +357,7 @@ class RowCache(CacheJournal):
             keys = [self._eviction_keys(b[t], b[t + 1], step) for t in tables]
         for t, key in zip(tables, keys):  # a region's free slots are its tail: never victims
             if free[t]:
-                key[key.numel() - free[t]:] = _NEVER
+                key[key.numel() - free[t]:].fill_(_NEVER)  # a fill (an assignment copies from the host)
         # live entries' keys are distinct (TICK_BITS), so the pick is the same on every device
         best = [torch.topk(key, min(short[t], key.numel()), largest=False, sorted=True)
                 for t, key in zip(tables, keys)]

@@ -90,7 +90,7 @@ class BagPadding:
             padded = values.new_full((cap,), self.pad_id)
             padded[:n] = values
             extra = lengths.new_zeros(1, batch.num_tables)
-            extra[0, -1] = cap - n
+            extra[0, -1].fill_(cap - n)  # a fill launched with the count (t[i] = x would copy x from the host)
             values, lengths = padded, torch.cat([lengths, extra])
         return batch.dense, values, lengths, batch.labels
 
