@@ -3,7 +3,7 @@
 The end-to-end benchmark (benchmarks/bench_net.py) moves by +-5% (+-2 ms of a ~40 ms step) from run
 to run on a shared machine, more than most changes to the cache's own work are worth; this one
 moves by a few tenths of a millisecond. It runs W simulated workers in one
-process through the simulator's in-process wire (trainer/sim/: the very HetRemote and RowCache of a
+process through the simulator's in-process wire (trainer/sparse/sim/: the very HetRemote and RowCache of a
 training run, rows of the run's width d, the owners answered at once from one version array) and
 times each worker's read (cache lookup, version check, install with evictions, the workspace
 fill, the push announcement) and write (local updates, due pushes). Batches are made before the
@@ -27,7 +27,7 @@ import sys
 
 import torch
 
-from trainer.sim import CacheSimulator
+from trainer.sparse.sim import CacheSimulator
 from trainer.tools import simulate as sim_tools
 from trainer.tools.cli import bad_input, input_errors
 

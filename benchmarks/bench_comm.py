@@ -1,7 +1,7 @@
 """Collective latency and bandwidth through the trainer's Collectives interface, one JSON line per point.
 
 Measures what the trainer pays: alltoall (even splits) and allreduce (sum) of float32 payloads over a
-size sweep, through `trainer.comm.make_collectives`, so the timeout polling and byte accounting of
+size sweep, through `trainer.base.comm.make_collectives`, so the timeout polling and byte accounting of
 each backend are included. Bandwidth uses the bytes the comm layer counts as sent by this rank
 (alltoall: the (W-1)/W off-rank share; allreduce: 2(W-1)/W of the payload, the ring traffic).
 
@@ -26,7 +26,7 @@ from dev.launch import ROOT, launch_command
 
 MODULE = "benchmarks.bench_comm"  # this file: what the driver's workers run (from ROOT, dev/launch.py)
 OPS = ("alltoall", "allreduce")
-BACKENDS = ("auto", "local", "torch", "horovod")  # trainer.comm.make_collectives
+BACKENDS = ("auto", "local", "torch", "horovod")  # trainer.base.comm.make_collectives
 
 DEFAULT_SIZES = "1KiB,16KiB,256KiB,1MiB,4MiB"
 UNITS = {"KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30, "B": 1}
@@ -100,7 +100,7 @@ def bench_point(comm, op: str, nbytes: int, budget: int, backend: str) -> dict:
 
 def worker(args: argparse.Namespace) -> int:
     import torch
-    from trainer.comm import make_collectives
+    from trainer.base.comm import make_collectives
     torch.set_num_threads(1)
     comm = make_collectives(args.backend, timeout_s=args.timeout)
     backend = type(comm).__name__.replace("Collectives", "").lower()

@@ -84,8 +84,8 @@ def prepare_input(a: argparse.Namespace, tmp: str) -> tuple[str, dict]:
         with open(os.path.join(a.prepared, "meta.json")) as f:
             meta = json.load(f)
         return a.prepared, {"source": "prepared", "prepared_dir_given": True, **_meta_facts(meta)}
-    from trainer.data.criteo import NUM_CAT
-    from trainer.data.prepare import PrepOptions, prepare
+    from trainer.workload.data.criteo import NUM_CAT
+    from trainer.workload.data.prepare import PrepOptions, prepare
 
     raw = os.path.join(tmp, "raw")
     os.makedirs(raw)
@@ -125,21 +125,21 @@ def base_overrides(prepared: str, a: argparse.Namespace, steps: int) -> list[str
 
 
 def compose(overrides: list[str], world: int | None = None):
-    from trainer.plan.configure import compose_config
+    from trainer.run.resolve.configure import compose_config
     return compose_config(overrides, world)
 
 
 def row_bytes_of(cfg) -> int:
     """Bytes of one row on the wire (a pulled row, a pushed gradient)."""
-    from trainer.placement.plan import ROW_ELEM
+    from trainer.sparse.placement.plan import ROW_ELEM
     return cfg.model.embedding_dim * ROW_ELEM[cfg.embedding.dtype]
 
 
 def stream_chunks(cfg, world: int, samples: int, chunk: int = 1 << 15):
     """[n, T] flat ids of the first `samples` positions of the run's training stream, chunk by
     chunk (Criteo's fields are one-hot: one id per table and sample)."""
-    from trainer.data import id_rows, make_data
-    from trainer.embedding.sharding import flat_ids
+    from trainer.workload.data import id_rows, make_data
+    from trainer.sparse.embedding.sharding import flat_ids
 
     data, rows = make_data(cfg, 0, world), id_rows(cfg)
     for lo in range(0, samples, chunk):
@@ -150,13 +150,13 @@ def stream_chunks(cfg, world: int, samples: int, chunk: int = 1 << 15):
 
 
 def train_rows(cfg) -> int:
-    from trainer.data import make_data
+    from trainer.workload.data import make_data
     return int(make_data(cfg, 0, 1).train_rows)
 
 
 # ------------------------------------------------------------------------------------------ parts
 def part_data(prepared: str, a: argparse.Namespace, facts: dict) -> int:
-    from trainer.data import id_rows
+    from trainer.workload.data import id_rows
 
     cfg = compose(base_overrides(prepared, a, 1))
     n = train_rows(cfg)
@@ -275,9 +275,9 @@ def _sim_bytes(overrides: list[str], world: int, steps: int) -> float:
 
 
 def part_fae(prepared: str, a: argparse.Namespace, tmp: str, plain: Plain) -> None:
-    from trainer.data import make_data
-    from trainer.placement import plan_run
-    from trainer.placement.plan import ROW_ELEM, row_bytes
+    from trainer.workload.data import make_data
+    from trainer.sparse.placement import plan_run
+    from trainer.sparse.placement.plan import ROW_ELEM, row_bytes
 
     base = base_overrides(prepared, a, a.train_steps)
     cfg0 = compose(base, 2)
@@ -322,9 +322,9 @@ def part_fae(prepared: str, a: argparse.Namespace, tmp: str, plain: Plain) -> No
 
 
 def part_sca(prepared: str, a: argparse.Namespace, tmp: str) -> None:
-    from trainer.config import cache_capacities
-    from trainer.placement.plan import ROW_ELEM, row_bytes
-    from trainer.placement.sca import slot_bytes
+    from trainer.base.config import cache_capacities
+    from trainer.sparse.placement.plan import ROW_ELEM, row_bytes
+    from trainer.sparse.placement.sca import slot_bytes
 
     cache = ["cache=lru", f"cache.capacity_fraction={a.sca_cache}"]
     base = base_overrides(prepared, a, a.train_steps) + cache

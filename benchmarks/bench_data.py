@@ -21,7 +21,7 @@ import tempfile
 import time
 
 from dev import criteo_file
-from trainer.data.criteo import CriteoFormatError
+from trainer.workload.data.criteo import CriteoFormatError
 from trainer.tools.cli import bad_input
 
 SAMPLE_ROWS = 1999
@@ -43,8 +43,8 @@ def make_input(tmp: str, repeat: int) -> str:
 
 
 def bench_prepare(src: str, tmp: str, workers: int, chunk_mb: float) -> tuple[dict, str]:
-    from trainer.data.criteo import NUM_CAT
-    from trainer.data.prepare import PrepOptions, prepare
+    from trainer.workload.data.criteo import NUM_CAT
+    from trainer.workload.data.prepare import PrepOptions, prepare
 
     out = os.path.join(tmp, f"prepared-{workers}")
     t0 = time.perf_counter()
@@ -58,8 +58,8 @@ def bench_prepare(src: str, tmp: str, workers: int, chunk_mb: float) -> tuple[di
 
 
 def bench_loader(directory: str, loader: str, batch: int, steps: int) -> dict:
-    from trainer.plan.configure import load_config
-    from trainer.data import make_data
+    from trainer.run.resolve.configure import load_config
+    from trainer.workload.data import make_data
 
     # train.recipe=none: the loader reads every training row as prepared (the data=criteo recipe
     # would carve a validation split out of them, drop rare ids and standardize the dense features)

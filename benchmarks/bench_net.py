@@ -103,7 +103,7 @@ def missing_keys(overrides: list[str]) -> list[str]:
     selections such as cache=lfu are composed first, so keys they bring count as present)."""
     from omegaconf import OmegaConf
 
-    from trainer.config import compose
+    from trainer.base.config import compose
     dotted = [o.split("=", 1)[0].lstrip("+~") for o in overrides if "." in o.split("=", 1)[0]]
     groups = [o for o in overrides if "." not in o.split("=", 1)[0]]
     cfg = compose(groups)

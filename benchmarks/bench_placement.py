@@ -24,8 +24,8 @@ import os
 import sys
 import time
 
-from trainer.config import cache_capacities
-from trainer.placement.sca import slot_bytes
+from trainer.base.config import cache_capacities
+from trainer.sparse.placement.sca import slot_bytes
 from trainer.tools import simulate as sim
 from trainer.tools.cli import bad_input, input_errors
 from dev.launch import ROOT, check_trainer, run_trainer, trainer_command

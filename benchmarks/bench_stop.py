@@ -36,7 +36,7 @@ import threading
 import time
 from typing import Callable
 
-from trainer.checkpoint.manifest import WORK_DIR
+from trainer.run.checkpoint.manifest import WORK_DIR
 
 PHASES = ("startup", "resume", "step", "eval", "save")
 BASE = ["train.progress=off", "train.log_every=1", "train.tensorboard=false"]

@@ -13,7 +13,7 @@ a directory does by itself, so the store's rows/s can be read against it. A file
 - `rand_write`: random 4 KiB O_DIRECT writes (no O_DSYNC: the drive's write cache may absorb them),
   for each `--threads` count;
 - `fill`: the initial buffered write of the file plus its fsync;
-- `ring_read` (with `--ring-depths`): random 4 KiB reads through io_uring (trainer/embedding/uring.py,
+- `ring_read` (with `--ring-depths`): random 4 KiB reads through io_uring (trainer/sparse/embedding/store/tier/uring.py,
   the SSD tier's reader), `queue_depth` in flight from one thread, with O_DIRECT where the
   filesystem takes it; no per-read latency (p50 .. p99 are null). Where the kernel refuses
   io_uring, one line on stderr says so and these points are left out.
@@ -45,7 +45,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from trainer.embedding.uring import open_ring
+from trainer.sparse.embedding.store.tier.uring import open_ring
 
 BLOCK = 4096
 SEQ_BLOCK = 1 << 20

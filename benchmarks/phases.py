@@ -50,15 +50,15 @@ import time
 from typing import Any, Callable
 
 PHASES = (  # (phase, module, class, method)
-    ("step", "trainer.runner", "Trainer", "train_step"),
-    ("batch", "trainer.train.pipeline", "TrainPipeline", "batch"),
-    ("prefetch", "trainer.train.pipeline", "TrainPipeline", "prefetch"),
-    ("lookup", "trainer.embedding.module", "HybridEmbedding", "lookup"),
-    ("apply", "trainer.embedding.module", "HybridEmbedding", "begin_update"),
+    ("step", "trainer.run.runner", "Trainer", "train_step"),
+    ("batch", "trainer.step.pipeline", "TrainPipeline", "batch"),
+    ("prefetch", "trainer.step.pipeline", "TrainPipeline", "prefetch"),
+    ("lookup", "trainer.sparse.embedding.module", "HybridEmbedding", "lookup"),
+    ("apply", "trainer.sparse.embedding.module", "HybridEmbedding", "begin_update"),
     # train.cuda_graph=on at W > 1 (its own padded lookup and update, not HybridEmbedding's)
-    ("lookup", "trainer.train.padded_step", "PaddedStep", "lookup"),
-    ("apply", "trainer.train.padded_step", "PaddedStep", "update_rows"),
-    ("wait", "trainer.comm.base", "Handle", "wait"),
+    ("lookup", "trainer.step.padded_step", "PaddedStep", "lookup"),
+    ("apply", "trainer.step.padded_step", "PaddedStep", "update_rows"),
+    ("wait", "trainer.base.comm.base", "Handle", "wait"),
     ("backward", "torch", "Tensor", "backward"),
 )
 HALVES = {"begin_update", "update_rows"}  # methods that return their second half: it is timed in the same phase

@@ -29,14 +29,14 @@ from typing import Any, Callable
 from benchmarks.phases import run_trainer_probed
 
 PHASES = (  # (phase, module, class, method)
-    ("init", "trainer.runner", "Trainer", "__init__"),
-    ("store_init", "trainer.embedding.store", "ShardStore", "__init__"),
-    ("resume", "trainer.checkpoint.manager", "CheckpointManager", "resume"),
-    ("train", "trainer.runner", "Trainer", "train_step"),
-    ("eval", "trainer.evaluation.evaluator", "Evaluator", "predict"),
-    ("save", "trainer.checkpoint.manager", "CheckpointManager", "save"),
-    ("snapshot", "trainer.evaluation.best", "BestSnapshot", "take"),
-    ("restore", "trainer.evaluation.best", "BestSnapshot", "restore"),
+    ("init", "trainer.run.runner", "Trainer", "__init__"),
+    ("store_init", "trainer.sparse.embedding.store.shard", "ShardStore", "__init__"),
+    ("resume", "trainer.run.checkpoint.manager", "CheckpointManager", "resume"),
+    ("train", "trainer.run.runner", "Trainer", "train_step"),
+    ("eval", "trainer.run.evaluation.evaluator", "Evaluator", "predict"),
+    ("save", "trainer.run.checkpoint.manager", "CheckpointManager", "save"),
+    ("snapshot", "trainer.run.evaluation.best", "BestSnapshot", "take"),
+    ("restore", "trainer.run.evaluation.best", "BestSnapshot", "restore"),
 )
 ENV = "SCALE_PROBE_DIR"
 IO_KEYS = ("rchar", "wchar", "read_bytes", "write_bytes")

@@ -56,7 +56,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
 
 def config(steps: int, overrides: list[str]):
     """The validated Config of the soak's run (bad overrides raise: trainer.tools.cli.input_errors)."""
-    from trainer.plan.configure import compose_config
+    from trainer.run.resolve.configure import compose_config
 
     return compose_config(["comm=local", "train.progress=off", "checkpoint.enabled=false", *overrides,
                            f"train.steps={steps}"])
@@ -65,8 +65,8 @@ def config(steps: int, overrides: list[str]):
 def soak(cfg, steps: int, sample_every: int) -> tuple[list[tuple[int, float, float]], float, list]:
     """Train `steps` steps of cfg; return ([(steps done, rss MiB, samples/s of the window)], wall
     seconds, losses)."""
-    from trainer.comm import LocalCollectives
-    from trainer.runner import Trainer
+    from trainer.base.comm import LocalCollectives
+    from trainer.run.runner import Trainer
 
     trainer = Trainer(cfg, LocalCollectives(cfg.comm.timeout_s), None)
     series = [(0, rss_mib(), float("nan"))]

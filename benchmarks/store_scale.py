@@ -39,8 +39,8 @@ import torch
 from benchmarks.bench_store import steady
 from dev import memcg
 from dev.launch import ROOT
-from trainer.embedding.tier import record_layout
-from trainer.embedding.tiered import record_fields
+from trainer.sparse.embedding.store.tier.disk import record_layout
+from trainer.sparse.embedding.store.tiered import record_fields
 from trainer.tools.cli import bad_input
 
 TABLES = 26
@@ -58,7 +58,7 @@ def record_bytes() -> int:
     return record_layout(record_fields(16, torch.float32, "rowwise_adagrad"))[1]
 
 
-# the trainer's lines for long work (trainer/core/progress.py: said when it took >= 10 s)
+# the trainer's lines for long work (trainer/base/core/progress.py: said when it took >= 10 s)
 TIMED = {"setup_s": r"shard, [\d,]+ rows .* set up in (\d+) s", "save_s": r"of shards saved in (\d+) s",
          "load_s": r"loaded its rows in (\d+) s"}
 

@@ -27,7 +27,7 @@ import sys
 
 import numpy as np
 
-from trainer.data.criteo import NUM_CAT, NUM_DENSE, splitmix64
+from trainer.workload.data.criteo import NUM_CAT, NUM_DENSE, splitmix64
 from trainer.tools.cli import bad_input
 
 # integer fields: (share empty, median of the count, spread of log(count)); I2 may be negative

@@ -4,7 +4,7 @@ step (issue: a GPU step that is not launch-bound) can reach, measured before bui
     python -m dev.gpu_dense_probe [--batch-sizes 2048 16384 65536] [--precisions fp32 bf16]
         [--model dlrm_mlperf] [--iters 30] [--device cuda]
 
-For each point: the trainer's model (conf/model/<model>.yaml, built by trainer.models) on random
+For each point: the trainer's model (conf/model/<model>.yaml, built by trainer.workload.models) on random
 dense features and random pooled rows [B, 26, d] that take a gradient (what the embedding side
 hands the model), forward under the trainer's autocast, BCE loss, backward, SGD step. `eager`:
 the step as PyTorch dispatches it; `graph`: the same step captured once in a torch.cuda.CUDAGraph
@@ -21,10 +21,10 @@ import time
 
 import torch
 
-from trainer.config import compose
-from trainer.plan.configure import load_config
-from trainer.models import build_model
-from trainer.train.precision import AUTOCAST_DTYPES
+from trainer.base.config import compose
+from trainer.run.resolve.configure import load_config
+from trainer.workload.models import build_model
+from trainer.step.precision import AUTOCAST_DTYPES
 
 
 def forward_macs(model: torch.nn.Module, tables: int, d: int) -> int:

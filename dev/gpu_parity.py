@@ -64,7 +64,7 @@ PATHS: dict[str, tuple[int, list[str]]] = {
     "w2-het-skip-adam": (2, ["cache=lru", "consistency=ssp", "placement=fae", "optim=adam",
                              "train.nonfinite=skip"]),
     "w2-fp16-wire": (2, ["comm.wire_precision=fp16", "cache=lfu", "consistency=ssp"]),
-    # train.cuda_graph=on at W = 2: the alltoalls padded to fixed blocks (trainer/train/padded_step.py)
+    # train.cuda_graph=on at W = 2: the alltoalls padded to fixed blocks (trainer/step/padded_step.py)
     "w2-padded": (2, ["train.cuda_graph=on", "optim=adagrad"]),
     # dynamic tables: the pool's map is the Triton hash table on CUDA; small pools evict (LFU with
     # decay, admission after 2 sightings, expiry), the HET cache at a bound, FAE's pinned hot rows
@@ -95,7 +95,7 @@ def train(world: int, overrides: list[str], out: str) -> dict[str, Any]:
 def device_loader() -> str:
     """The criteo path's loader on the device: DALI where it is installed; else the memmap reader
     (said in the path's JSON line), so the recipe still runs on the device without DALI."""
-    from trainer.data.dali import require_dali
+    from trainer.workload.data.dali import require_dali
     try:
         require_dali()
     except ImportError:

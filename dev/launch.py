@@ -100,8 +100,8 @@ def check_trainer(world: int, overrides: Sequence[str], launcher: str = "auto") 
     """Compose and validate the config the workers of trainer_command(world, overrides, launcher)
     would start from, without starting them: a bad override or value raises here (ConfigError,
     Hydra's errors: trainer.tools.cli.input_errors) instead of in every launched worker."""
-    from trainer.config import validate_world
-    from trainer.plan.configure import compose_config
+    from trainer.base.config import validate_world
+    from trainer.run.resolve.configure import compose_config
 
     if world < 1:
         raise ValueError(f"{world} workers: must be >= 1")

@@ -44,7 +44,7 @@ import time
 from dataclasses import dataclass
 from typing import Mapping, Sequence
 
-from trainer.core import procs  # /proc/PID/stat, parsed once (a leaf: the standard library only)
+from trainer.base.core import procs  # /proc/PID/stat, parsed once (a leaf: the standard library only)
 
 PREFIX = "ht-memcg"
 CGROUP_ROOT = "/sys/fs/cgroup"

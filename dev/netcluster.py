@@ -67,7 +67,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Iterable, Sequence
 
-from trainer.core import procs  # /proc/PID/stat, parsed once (a leaf: the standard library only)
+from trainer.base.core import procs  # /proc/PID/stat, parsed once (a leaf: the standard library only)
 from dev.launch import ROOT, horovodrun_path, launch_command
 
 PREFIX = "htnet"

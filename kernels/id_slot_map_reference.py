@@ -44,7 +44,7 @@ START_MAX_IDS = 1 << 20  # the table starts sized for at most this many ids (32 
 def splitmix_inplace(h: np.ndarray, t: np.ndarray) -> np.ndarray:
     """splitmix64's finaliser of uint64 array h, in h (t: scratch of h's shape; wrapping
     arithmetic, no temporaries). The probe hash here; the counter-based random numbers of the
-    trainer's data and initial rows (trainer/data/rng.py) too."""
+    trainer's data and initial rows (trainer/workload/data/rng.py) too."""
     for shift, mul in ((30, _MIX1), (27, _MIX2)):
         np.right_shift(h, np.uint64(shift), out=t)
         np.bitwise_xor(h, t, out=h)

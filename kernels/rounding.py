@@ -28,7 +28,7 @@ both in-kernel and writes the same bits as this reference on the same x.
 
 Why a hash and not a generator: the random number of an element is a pure function of (seed, step,
 row key, column). The trainer passes the training step and a row key that does not depend on the
-world size (the row's flat id, trainer/embedding/sharding.py), so a row is rounded the same way
+world size (the row's flat id, trainer/sparse/embedding/sharding.py), so a row is rounded the same way
 by its owner at any W, by a replica of it, by a worker it is lent to and by the single-process
 reference: runs stay reproducible and W-independent, and no generator state needs checkpointing.
 The hash is 32-bit integer arithmetic (Chris Wellons' lowbias32 finaliser) that torch emulates in

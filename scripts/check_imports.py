@@ -37,13 +37,12 @@ PACKAGES = ("trainer", "kernels")  # the repository's packages, checked by defau
 # The trainer's components from the bottom up (docs/design.md has the map): a module may import
 # its own component and those of lower layers, never a higher one. "" is the package's __init__.
 LAYERS: dict[str, list[tuple[str, ...]]] = {"trainer": [
-    ("config",),                                     # 0 the schema, loading, validation
-    ("core", "comm"),                                # 1 errors and phases, device helpers, hashing; collectives
-    ("data", "models"),                              # 2 batches from every source; the dense models
-    ("embedding", "sim", "schedule", "placement"),   # 3 the sparse side and its planners
-    ("evaluation", "plan", "report", "checkpoint"),  # 4 around a run: metrics, the derived config, writers, checkpoints
-    ("run", "train"),                                # 5 a run's life (out dir, signals, resume); the step
-    ("build", "runner", "tools", "__main__", ""),    # 6 assembling and driving everything
+    ("base",),                     # 0 the foundation: the config schema (config/), core helpers (core/), collectives (comm/)
+    ("workload",),                 # 1 what is trained: batches from every source (data/), the dense models (models/)
+    ("sparse",),                   # 2 the sparse side: embedding/, placement/ (FAE, SCA), schedule/ (Herald), sim/
+    ("step",),                     # 3 the step: its order, strategies, precision, the dense optimizer's graph
+    ("run",),                      # 4 a run: assembly (build), the Trainer, resolve/, checkpoint/, evaluation/, report/, its life
+    ("tools", "__main__", ""),     # 5 the entry points: the command line, the user tools
 ]}
 
 
@@ -205,7 +204,7 @@ def closed_path(graph: Graph, comp: list[str]) -> list[str]:
 
 
 def component(module: str) -> str:
-    """The component of a module: `trainer.report.x` -> "report", the package itself -> ""."""
+    """The component of a module: `trainer.run.report.x` -> "report", the package itself -> ""."""
     parts = module.split(".")
     return parts[1] if len(parts) > 1 else ""
 

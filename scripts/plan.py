@@ -8,7 +8,7 @@ plan summary as summary.json reports it), a readable table on stderr.
 Positional arguments are Hydra overrides of `python -m trainer` (placement=..., data=..., cache=...,
 consistency=...). The plan is the one a W-worker run of the same config makes (rank 0 profiles the
 run's stream and plans). placement=sca predicts by replaying its candidates through the cache
-simulator (trainer/placement/sca.py); --predict gives any other plan the same prediction.
+simulator (trainer/sparse/placement/sca.py); --predict gives any other plan the same prediction.
 """
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ import argparse
 import json
 import sys
 
-from trainer.config import ConfigError, needs_global_view
+from trainer.base.config import ConfigError, needs_global_view
 from trainer.tools.cli import exit_status
 
 
@@ -35,13 +35,13 @@ def main(argv: list[str] | None = None) -> int:
     def run() -> None:
         if a.workers <= 0:
             raise ConfigError(f"--workers {a.workers}: must be > 0")
-        from trainer.plan.configure import compose_config
+        from trainer.run.resolve.configure import compose_config
         cfg = compose_config(a.overrides, a.workers)  # data.epochs -> train.steps for W workers
         if not needs_global_view(cfg):
             raise ConfigError("placement=none: nothing to plan (use placement=fae or placement=sca)")
-        from trainer.data import make_data
-        from trainer.placement import plan_run
-        from trainer.placement.sca import predict_bytes
+        from trainer.workload.data import make_data
+        from trainer.sparse.placement import plan_run
+        from trainer.sparse.placement.sca import predict_bytes
         data = make_data(cfg, 0, a.workers)
         plan = plan_run(cfg, data, a.workers)
         if plan.predicted is None and a.predict:

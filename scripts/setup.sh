@@ -31,7 +31,7 @@ check() {
   SKIP_HOROVOD=${SKIP_HOROVOD:-0} "$VPY" - <<'PYEOF'
 import importlib.util, os, sys
 import torch, hydra, trainer, kernels  # noqa: F401,E401
-from trainer.data.movielens import locate
+from trainer.workload.data.movielens import locate
 print("[setup] torch", torch.__version__)
 locate(None)  # the MovieLens-100K files recbole brings
 if sys.platform == "linux" and not importlib.util.find_spec("nvidia.dali"):

@@ -14,8 +14,8 @@ import numpy as np
 
 from dev import criteo_file
 from helpers import make_cfg
-from trainer.data.prepare import PrepOptions, prepare
-from trainer.runner import run
+from trainer.workload.data.prepare import PrepOptions, prepare
+from trainer.run.runner import run
 
 # The real Criteo sample (1,999 rows of Criteo's Kaggle data in raw TSV), for the few tests whose
 # point is real Criteo statistics (a baseline's AUC, what a model learns from real rows), through

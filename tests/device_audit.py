@@ -26,7 +26,7 @@ Run the trainer's construction and a few steps under it, and it reports, for the
   tensor with ``device=`` (``torch.tensor(list, device=d)``):
   a host -> device transfer made by the step. Op ``to`` / ``copy_`` / ``tensor(device=)`` is a
   blocking copy (from pageable memory CUDA waits for the stream: a host sync); ``to(non_blocking)``
-  is the pinned, asynchronous copy of ``trainer/core/device.py``'s ``to_device``;
+  is the pinned, asynchronous copy of ``trainer/base/core/device.py``'s ``to_device``;
 - ``sizes`` (when set to a list): every op's output shapes in call order, with its site; two
   steps of a step that allocates nothing by the data's values give the same list (a
   data-dependent size that needs no device read, e.g. a size read from a host batch, shows
@@ -37,7 +37,7 @@ Run the trainer's construction and a few steps under it, and it reports, for the
   reports them, on a GPU).
 
 Each record names the innermost frame of this repository (trainer/, kernels/) and whether torch's
-own code (an optimizer, autograd) made the call. Frames of ``trainer/core/device.py`` (the host ->
+own code (an optimizer, autograd) made the call. Frames of ``trainer/base/core/device.py`` (the host ->
 device helpers) are skipped: a copy made through ``to_device`` is recorded at its caller. The
 autograd engine runs backward functions without the caller's function mode, so our own autograd
 Functions' ``backward`` (the pooled gathers) are wrapped to re-enter it while the audit is active.

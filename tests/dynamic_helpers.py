@@ -7,9 +7,9 @@ import torch
 
 from helpers import run_world
 from parity_helpers import assert_same_run
-from trainer.embedding.admission import Counting
-from trainer.embedding.dynamic import DynamicStore
-from trainer.embedding.sharding import ID_BITS, HashSharding
+from trainer.sparse.embedding.dynamic.admission import Counting
+from trainer.sparse.embedding.dynamic.shard import DynamicStore
+from trainer.sparse.embedding.sharding import ID_BITS, HashSharding
 
 # ---------------------------------------------------------------------------- without processes
 CPU = torch.device("cpu")
@@ -41,7 +41,7 @@ def resume_at_step_8_equals_uninterrupted(tmp_path, extra):
     """Train BASE + extra (16 steps) on W = 2 saving at steps 8 and 16, resume the step-8 checkpoint
     on W = 2 and check it against the uninterrupted run: every loss, dense parameter, admitted id
     and row, and the dynamic counters. Returns the uninterrupted run."""
-    import trainer.checkpoint as ckpt
+    import trainer.run.checkpoint as ckpt
     overrides = [o for o in BASE if o != "checkpoint.enabled=false"] + extra + ["checkpoint.every=8"]
     root = str(tmp_path / "full")
     full = run_world(2, overrides + [f"checkpoint.dir={root}"])

@@ -12,7 +12,7 @@ import time
 from typing import Callable
 
 
-import trainer.checkpoint as ckpt
+import trainer.run.checkpoint as ckpt
 
 
 def _records(path) -> list[dict]:

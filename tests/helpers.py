@@ -19,10 +19,10 @@ from typing import Any, Callable, Iterator
 import numpy as np
 import pytest
 import torch
-from trainer.comm.base import Collectives
-from trainer.config import compose
-from trainer.evaluation.metrics import auc_logloss
-from trainer.runner import RunResult, run
+from trainer.base.comm.base import Collectives
+from trainer.base.config import compose
+from trainer.run.evaluation.metrics import auc_logloss
+from trainer.run.runner import RunResult, run
 
 def make_cfg(overrides: list[str]):
     """The composed Hydra config of `python -m trainer <overrides>`."""
@@ -41,7 +41,7 @@ def free_port() -> int:
 # the first torch.optim optimizer imports it (~2.5 s; tests/distributed/test_dynamic_parity.py 76 s -> 41 s). A worker gets the
 # test's environment and working directory as they are at spawn() (a forked worker would otherwise
 # keep the server's). TEST_START_METHOD=spawn goes back to fresh interpreters.
-PRELOAD = ["torch", "torch._dynamo", "trainer.runner", "trainer.config", "trainer.comm"]
+PRELOAD = ["torch", "torch._dynamo", "trainer.run.runner", "trainer.base.config", "trainer.base.comm"]
 _CTX = mp.get_context(os.environ.get("TEST_START_METHOD", "forkserver"))
 if _CTX.get_start_method() == "forkserver":
     _CTX.set_forkserver_preload(PRELOAD)
@@ -221,8 +221,8 @@ def assert_same_eval(ref: RunResult, got: RunResult, rtol: float = 1e-5, atol: f
 def eval_label_counts(overrides: list[str], split: str = "test") -> tuple[int, int]:
     """(positives, negatives) of a config's test (or validation) split, read from its data source:
     assert_auc_close's counts for runs whose eval rows are not at hand (summary.json only)."""
-    from trainer.plan.configure import load_config
-    from trainer.data import make_data
+    from trainer.run.resolve.configure import load_config
+    from trainer.workload.data import make_data
     labels = torch.cat([b.labels for b in make_data(load_config(make_cfg(overrides)), 0, 1).eval_batches(split)])
     n_pos = int((labels > 0.5).sum())
     return n_pos, int(labels.numel()) - n_pos

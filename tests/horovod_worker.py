@@ -24,7 +24,7 @@ sys.path[:0] = [os.path.dirname(HERE), HERE]
 
 import torch  # noqa: E402
 
-from trainer.comm import CollectiveError, make_collectives  # noqa: E402
+from trainer.base.comm import CollectiveError, make_collectives  # noqa: E402
 
 TIMEOUT_S = 1.5  # the probes' collective timeout
 STALL_S = 4.0  # how long the stalling rank stays away (> TIMEOUT_S, then it joins and drains)
@@ -103,7 +103,7 @@ def mode_collectives(out_dir: str) -> dict:
     torch_env()
     hv = make_collectives("horovod", timeout_s=30)
     tc = make_collectives("torch", timeout_s=30, dist_backend="gloo")
-    res = {"rank": hv.rank, "size": hv.size, "backend_auto": __import__("trainer.comm").comm.detect_backend(),
+    res = {"rank": hv.rank, "size": hv.size, "backend_auto": __import__("trainer.base.comm").comm.detect_backend(),
            "horovod": sequence(hv), "torch": sequence(tc)}
     tc.close()
     res["timeouts"] = [timeout_probe("alltoall", stall_rank=hv.size - 1),
@@ -128,7 +128,7 @@ def mode_train(out_dir: str, args: list[str]) -> dict:
 
 def train_case(overrides: list[str]) -> dict:
     from helpers import make_cfg
-    from trainer.runner import run
+    from trainer.run.runner import run
     hv = run(make_cfg(overrides + ["comm=horovod"]), return_state=True)
     tc = run(make_cfg(overrides + ["comm=torch", "comm.dist_backend=gloo"]), return_state=True)
     keep = ("world_size", "backend", "bytes", "eval_bytes", "final_loss", "eval_auc", "eval_logloss",
@@ -142,7 +142,7 @@ def train_case(overrides: list[str]) -> dict:
 
 def mode_auto(out_dir: str) -> dict:
     """What comm=auto picks under this launcher (torchrun, horovodrun or none)."""
-    from trainer.comm import detect_backend
+    from trainer.base.comm import detect_backend
     comm = make_collectives("auto", timeout_s=30)
     try:
         total = comm.allreduce(torch.ones(1)).item()

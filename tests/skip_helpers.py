@@ -9,10 +9,10 @@ import math
 import torch
 
 from helpers import make_cfg
-from trainer.data.synthetic import SyntheticData
-from trainer.plan.configure import load_config
-from trainer.runner import RunResult, Trainer
-from trainer.schedule.feed import Feed
+from trainer.workload.data.synthetic import SyntheticData
+from trainer.run.resolve.configure import load_config
+from trainer.run.runner import RunResult, Trainer
+from trainer.sparse.schedule.feed import Feed
 
 
 # ---------------------------------------------------------------------------- a non-finite loss

@@ -34,17 +34,17 @@ from hydra.errors import HydraException
 from hydra.types import RunMode
 from omegaconf import DictConfig
 
-from .checkpoint import CheckpointError
-from .comm import CollectiveError
-from .config import CONF_DIR, ConfigError, adopt_slurm, launcher_rank, renamed_overrides
-from .core.errors import error_line
-from .data import IdRangeError
-from .data.criteo import CriteoFormatError
+from .run.checkpoint import CheckpointError
+from .base.comm import CollectiveError
+from .base.config import CONF_DIR, ConfigError, adopt_slurm, launcher_rank, renamed_overrides
+from .base.core.errors import error_line
+from .workload.data import IdRangeError
+from .workload.data.criteo import CriteoFormatError
 from .run.job import record_exit
 from .run.multirun import SWEEP, describe
 from .run.outdir import RECORD_DIR, hold_sweep_dir, hydra_record, literal_sweep_dir
 from .run.signals import STOP_SIGNALS
-from .runner import TrainingError, run
+from .run.runner import TrainingError, run
 
 _USER_ARGV: list[str] | None = None  # sys.argv as typed, while Hydra parses another one (cli)
 _SWEEP_SHOWN: str | None = None  # a non-zero rank's name for rank 0's sweep dir (its own is private)

@@ -7,7 +7,7 @@ recipe look better or worse than it is. This runs the same command once per vali
 spread over them) and compares every run with the logistic-regression baseline on the same test
 split (trainer/tools/baseline.py, fitted once: it uses every training row).
 
-Each run is the trainer's own (`trainer.runner.run`, one process, no output directory, no
+Each run is the trainer's own (`trainer.run.runner.run`, one process, no output directory, no
 checkpoint), one model (train.ensemble=1 unless the overrides say otherwise: the recipe's ensemble of 5 is
 these very runs, averaged). One JSON line per run and one per model with the mean and spread of the differences.
 """
@@ -21,7 +21,7 @@ from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
 
-from trainer.config import Config
+from trainer.base.config import Config
 from trainer.tools.baseline import compose, run_baseline
 
 QUIET = ["train.progress=off", "checkpoint.enabled=false", "train.tensorboard=false", "comm=local"]
@@ -32,7 +32,7 @@ def model_names(models: str, overrides: Sequence[str]) -> list[str]:
     every name a model (config.MODELS) and every override key=value (Hydra's +key=, ++key= and
     ~key forms too). `--models wdl deepfm` leaves "deepfm" among the overrides, which Hydra would
     only reject when the first run composes its config; the error names the fix."""
-    from trainer.config import MODELS
+    from trainer.base.config import MODELS
 
     names = [m for m in models.split(",") if m]
     if not names:
@@ -49,8 +49,8 @@ def model_names(models: str, overrides: Sequence[str]) -> list[str]:
 
 
 def slices(c: Config, count: int) -> list[int]:
-    """`count` data.val_slice values spread over the slices there are (trainer.data.val_slices)."""
-    from trainer.data import val_slices
+    """`count` data.val_slice values spread over the slices there are (trainer.workload.data.val_slices)."""
+    from trainer.workload.data import val_slices
 
     if not c.data.val_fraction:
         raise ValueError("the run has no validation split (data.val_fraction=0): nothing to rotate")
@@ -60,7 +60,7 @@ def slices(c: Config, count: int) -> list[int]:
 
 
 def _one(directory: str, model: str, j: int, overrides: Sequence[str]) -> dict[str, Any]:
-    from trainer.runner import run
+    from trainer.run.runner import run
 
     t0 = time.perf_counter()
     # one model per run (train.ensemble=1 unless overridden): the slice is what varies

@@ -63,7 +63,7 @@ def split_pairs(path: str, splits: int, test_rows: int, first: int = 1,
 def prepare_split(train: Sequence[str], test: Sequence[str], directory: str) -> str:
     """Write the split's two TSVs under `directory` and prepare them (1M hashed rows per table);
     returns the prepared directory."""
-    from trainer.data.prepare import PrepOptions, prepare
+    from trainer.workload.data.prepare import PrepOptions, prepare
 
     os.makedirs(directory, exist_ok=True)
     files = []
@@ -94,7 +94,7 @@ def compare(path: str, splits: int, test_rows: int, models: Sequence[str], overr
     """Every model's default command against LR on `splits` splits of the raw file `path`, splits
     first .. first + splits - 1 (split directories under `work`), or on the one split `path` /
     `test_path` (split_pairs); emit() each JSON record; returns them all."""
-    from trainer.runner import run
+    from trainer.run.runner import run
 
     log = log or (lambda msg: None)
     if splits < 1:

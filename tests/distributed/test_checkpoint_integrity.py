@@ -14,9 +14,9 @@ import pytest
 from failure_helpers import BASE, _dir, _step
 from helpers import make_cfg, run_single, run_world
 
-import trainer.checkpoint as ckpt
-from trainer.config import ConfigError
-from trainer.plan.configure import load_config
+import trainer.run.checkpoint as ckpt
+from trainer.base.config import ConfigError
+from trainer.run.resolve.configure import load_config
 
 
 def _copy(saved: str, tmp_path) -> str:

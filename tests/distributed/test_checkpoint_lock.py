@@ -17,10 +17,10 @@ import pytest
 from failure_helpers import CLI_BASE, _cli, _command, _env, _manifest, _popen, _wait_for
 from helpers import make_cfg, spawn
 
-import trainer.checkpoint as ckpt
-import trainer.core.procs as procs
-import trainer.runner as runner
-from trainer.runner import run
+import trainer.run.checkpoint as ckpt
+import trainer.base.core.procs as procs
+import trainer.run.runner as runner
+from trainer.run.runner import run
 
 
 def _lock(root: str) -> dict | None:
@@ -202,7 +202,7 @@ def test_lease_rules(tmp_path, monkeypatch):
     refused while it is fresh, naming its age and lease; taken over with one note once older than
     its lease, with the holder's unfinished saves. An empty or garbage lock (a run killed while
     writing it) is stale once a few seconds old, and a starting run's fresh one is waited for."""
-    import trainer.checkpoint.lock as lockmod
+    import trainer.run.checkpoint.lock as lockmod
     root = str(tmp_path / "d")
     path = _write_lock(root, pid=_dead_pid(), host="elsewhere.example", lease_s=30.0)
     with pytest.raises(ckpt.CheckpointError, match=r"on host elsewhere\.example.*refreshed its lock \d+ s ago: if it "

@@ -19,9 +19,9 @@ from failure_helpers import BASE, CLI_BASE, STEPS, K, _cli, _dir, _manifest, _st
 from helpers import make_cfg, run_single, run_world, spawn
 from parity_helpers import assert_same_run
 
-import trainer.checkpoint as ckpt
-from trainer.checkpoint.manifest import WORK_DIR
-from trainer.runner import run
+import trainer.run.checkpoint as ckpt
+from trainer.run.checkpoint.manifest import WORK_DIR
+from trainer.run.runner import run
 
 RESUME_CASES = {
     "lru-sgd": ["cache=lru", "optim=sgd"],
@@ -65,7 +65,7 @@ def test_a_run_killed_while_rotation_deletes_leaves_no_damaged_checkpoint(tmp_pa
     the middle of that delete (rmtree takes manifest.json out first here, then the process dies)
     leaves the run's own work directory, not a step_K without a manifest that resume=auto would
     have to stop at; the newest checkpoint stays the one to resume from."""
-    import trainer.checkpoint.saver as saver
+    import trainer.run.checkpoint.saver as saver
     real = shutil.rmtree
 
     class Killed(BaseException):
@@ -91,7 +91,7 @@ def test_a_run_killed_while_rotation_deletes_leaves_no_damaged_checkpoint(tmp_pa
 def test_no_output_dir_means_no_checkpoint_and_out_dir_default(tmp_path):
     res = run_single(BASE + ["train.steps=2"])
     assert res.summary["checkpoint"] is None
-    from trainer.runner import run
+    from trainer.run.runner import run
     out = _dir(tmp_path, "run")
     res = run(make_cfg(BASE + ["train.steps=2", "comm=local"]), out_dir=out)
     assert res.summary["checkpoint"] == _step(os.path.join(out, "checkpoints"), 2)
@@ -198,7 +198,7 @@ def test_resume_at_the_final_step_reports_null_rates(tmp_path):
 def test_a_resume_loads_every_row_without_computing_initial_rows(tmp_path, monkeypatch):
     """A run that resumes skips the rows' initial values (every row it owns comes from the
     checkpoint; hashing them was half of a big resume's time) and ends as the uninterrupted run."""
-    from trainer.embedding.store import ShardStore
+    from trainer.sparse.embedding.store.shard import ShardStore
     root = str(tmp_path / "ck")
     whole = run_single(CLI_BASE + ["train.steps=6", "checkpoint.enabled=false"])
     run_single(CLI_BASE + ["train.steps=6", "checkpoint.every=3", f"checkpoint.dir={root}"], return_state=False)

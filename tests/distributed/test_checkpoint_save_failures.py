@@ -16,10 +16,10 @@ from failure_helpers import BASE, CLI_BASE, STEPS, K, _cli, _dir, _records, _ste
 from helpers import make_cfg, run_single, run_world, spawn, tmpfs, train_worker
 from parity_helpers import assert_same_run
 
-import trainer.checkpoint as ckpt
-import trainer.core.procs as procs
-from trainer.checkpoint import saver
-from trainer.runner import run
+import trainer.run.checkpoint as ckpt
+import trainer.base.core.procs as procs
+from trainer.run.checkpoint import saver
+from trainer.run.runner import run
 
 
 def _failed_save(rank: int, world: int, overrides: list[str], out_dir: str):
@@ -154,8 +154,8 @@ def test_peer_lost_after_the_rename_still_names_that_checkpoint(tmp_path, monkey
     (seen in CI: the test of a killed worker killed it right when the checkpoint appeared). The
     checkpoint is complete on disk, so the failure message must offer to continue from it, not
     to start over."""
-    from trainer.comm import CollectiveError
-    from trainer.comm.local import LocalCollectives
+    from trainer.base.comm import CollectiveError
+    from trainer.base.comm.local import LocalCollectives
     root = str(tmp_path / "ck")
     real_finish, real_bcast = ckpt.Checkpointer._finish, LocalCollectives.broadcast_object
     lost = {"armed": False}

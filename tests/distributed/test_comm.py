@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from helpers import spawn
-from trainer.comm import CollectiveError, LocalCollectives, make_collectives
+from trainer.base.comm import CollectiveError, LocalCollectives, make_collectives
 
 
 def _alltoall_worker(rank: int, world: int) -> dict:

@@ -12,8 +12,8 @@ import sys
 import pytest
 
 from hvd_launch import WORKER, env, tail, torchrun, worker_results
-from trainer.comm import LocalCollectives, detect_backend, make_collectives
-from trainer.config import ConfigError
+from trainer.base.comm import LocalCollectives, detect_backend, make_collectives
+from trainer.base.config import ConfigError
 
 LAUNCHER_VARS = ("HOROVOD_RANK", "HOROVOD_SIZE", "RANK", "WORLD_SIZE", "OMPI_COMM_WORLD_SIZE",
                  "OMPI_COMM_WORLD_RANK", "PMI_SIZE", "PMI_RANK")
@@ -91,7 +91,7 @@ def gpus(monkeypatch):
     (1, "auto", "2", "gloo"),   # two ranks, one GPU: NCCL cannot put both on it
 ])
 def test_dist_backend_auto_follows_the_run_device(clean_env, gpus, n_gpus, device, local_world, want):
-    from trainer.comm.torch_dist import pick_backend
+    from trainer.base.comm.torch_dist import pick_backend
     gpus(n_gpus)
     for k, v in {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": local_world}.items():
         clean_env.setenv(k, v)
@@ -101,7 +101,7 @@ def test_dist_backend_auto_follows_the_run_device(clean_env, gpus, n_gpus, devic
 
 def test_dist_backend_auto_without_local_rank_is_gloo(clean_env, gpus):
     """Without LOCAL_RANK a rank cannot pick its GPU (every rank on the current one): gloo."""
-    from trainer.comm.torch_dist import pick_backend
+    from trainer.base.comm.torch_dist import pick_backend
     gpus(8)
     clean_env.delenv("LOCAL_RANK", raising=False)
     clean_env.setenv("WORLD_SIZE", "2")
@@ -123,7 +123,7 @@ class _FakeHvd:
 def test_horovod_on_gpu_follows_the_run_device(monkeypatch, gpus, device, on_gpu):
     """Horovod keeps tensors on the GPU (NCCL) only when the run trains there, not merely when a
     GPU is visible: train.device=cpu on a GPU host goes through Gloo and touches no GPU."""
-    import trainer.comm.horovod as hv
+    import trainer.base.comm.horovod as hv
     monkeypatch.setattr(hv, "hvd", _FakeHvd)
     calls = gpus(2)
     comm = hv.HorovodCollectives(30.0, device)

@@ -1,6 +1,6 @@
 """The seed systems on prepared Criteo, and a Criteo checkpoint at another W.
 
-The training rows of a prepared directory have one order at every W (trainer/data/order.py): a
+The training rows of a prepared directory have one order at every W (trainer/workload/data/order.py): a
 rank's batch of step k is its slice of global batch k, and any rank reads any row by its key. So
 placement=fae (its profile and hot batches), placement=sca and schedule=herald run on data=criteo
 and equal the single process at BSP, W = 2 and 3 (real gloo processes), with the memmap reader
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 
-import trainer.checkpoint as ckpt
+import trainer.run.checkpoint as ckpt
 from helpers import assert_same_eval, run_single, run_world
 from parity_helpers import assert_same_run
 

@@ -21,11 +21,11 @@ import torch
 from helpers import make_cfg, run_single, run_world
 from dynamic_helpers import BASE, NO_EVICTION, assert_same_ids, resume_at_step_8_equals_uninterrupted
 from parity_helpers import assert_same_run
-from trainer.plan.configure import load_config
-from trainer.data import make_data
-from trainer.embedding.dynamic import DynamicStore
-from trainer.embedding.sharding import HashSharding
-from trainer.placement import plan_run
+from trainer.run.resolve.configure import load_config
+from trainer.workload.data import make_data
+from trainer.sparse.embedding.dynamic.shard import DynamicStore
+from trainer.sparse.embedding.sharding import HashSharding
+from trainer.sparse.placement import plan_run
 
 FAE = ["placement=fae", "placement.budget_bytes=4000"]  # ~31 hot rows of the tiny preset (128 B each)
 HOT = ["placement=fae", "placement.budget_bytes=40000", "placement.profile_fraction=0.5", "placement.window_batches=8",
@@ -124,7 +124,7 @@ def test_replicated_and_lent_rows_resume_at_another_world_size(tmp_path):
     and the single process's checkpoint (neither) resumed on W = 3 (FAE + Herald), each equals the uninterrupted single process in every loss, dense parameter,
     admitted id and row, and counter (the save wrote the replica back and called the lent rows
     home; the resume rebuilt the replica from the new owners with each row's life)."""
-    import trainer.checkpoint as ckpt
+    import trainer.run.checkpoint as ckpt
     from dynamic_helpers import counts
     overrides = [o for o in BASE if o != "checkpoint.enabled=false"] + NO_EVICTION + [
         "optim=adagrad", "embedding.admit_after=2", "checkpoint.every=8"]
@@ -156,7 +156,7 @@ def test_replicated_and_lent_rows_resume_under_eviction_and_expiry(tmp_path):
     resumed on W = 3 with 20-row pools (over-full owners evict by score at the load) keeps the
     per-owner invariants: no id shares a row, rows in use <= W x capacity, admissions - evictions
     = rows in use, no stale writeback, every hot id is held again."""
-    import trainer.checkpoint as ckpt
+    import trainer.run.checkpoint as ckpt
     extra = ["embedding.admit_after=2", "optim=adagrad", "embedding.ttl_steps=3", *FAE, *HERALD]
     full = resume_at_step_8_equals_uninterrupted(tmp_path, extra + ["embedding.capacity=30"])
     d = full[0].summary["dynamic"]

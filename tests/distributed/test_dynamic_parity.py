@@ -111,7 +111,7 @@ def test_resume_at_another_world_size_moves_ids_to_their_new_owners(tmp_path):
     with pools large enough that nothing is evicted: every id moves to its new owner with its row,
     optimizer state, version and scores, and the run equals the uninterrupted single process (which
     equals any W): every loss, dense parameter and admitted row, the same ids, the same counters."""
-    import trainer.checkpoint as ckpt
+    import trainer.run.checkpoint as ckpt
     overrides = [o for o in BASE if o != "checkpoint.enabled=false"] + NO_EVICTION + [
         "embedding.admit_after=2", "optim=adagrad", "checkpoint.every=8"]
     ref = run_single(overrides + [f"checkpoint.dir={tmp_path / 'ref'}"])
@@ -135,7 +135,7 @@ def test_resume_on_fewer_owners_evicts_by_score_and_counts_it(tmp_path):
     capacity (no step run after it): the owners are over full, keep the best-scored ids and evict
     the rest; no id shares a row, and per table the ids kept plus the ids evicted are the ids saved,
     while admissions - evictions = rows in use still holds."""
-    import trainer.checkpoint as ckpt
+    import trainer.run.checkpoint as ckpt
     overrides = [o for o in BASE if o != "checkpoint.enabled=false"] + [
         "embedding.capacity=40", "optim=sgd", "checkpoint.every=8", "train.steps=8"]
     root = str(tmp_path / "w3")

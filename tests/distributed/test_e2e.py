@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from helpers import run_world
-from trainer.plan.configure import load_config
-from trainer.data import make_data
+from trainer.run.resolve.configure import load_config
+from trainer.workload.data import make_data
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 BIN = os.path.dirname(sys.executable)

@@ -24,7 +24,7 @@ from docs_registry import documented
 from hvd_launch import ROOT, require_netns, tail, torchrun
 from multihost_helpers import CFG, assert_same_model
 from dev.netcluster import NetCluster, _descendants, _stop
-from trainer.core import procs
+from trainer.base.core import procs
 
 pytestmark = [pytest.mark.dist, pytest.mark.netns]
 STEPS, EVERY = 200, 20
@@ -35,7 +35,7 @@ DEADLINE_S = 240
 def test_torchrun_restarts_across_nodes_need_a_fresh_store_per_round(tmp_path):
     # imported here: torch_dist imports torch._dynamo, which imports Triton, and Triton must not be
     # imported before the kernel tests set TRITON_INTERPRET (tests/kernel_helpers.py)
-    from trainer.comm.torch_dist import agent_store_refusal
+    from trainer.base.comm.torch_dist import agent_store_refusal
     agent = {"TORCHELASTIC_USE_AGENT_STORE": "True", "TORCHELASTIC_MAX_RESTARTS": "3", "GROUP_WORLD_SIZE": "2"}
     assert "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1" in agent_store_refusal(agent)
     assert agent_store_refusal({**agent, "TORCHELASTIC_USE_AGENT_STORE": "False"}) is None  # a fresh store each round

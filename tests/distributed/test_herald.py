@@ -18,13 +18,13 @@ import pytest
 
 from helpers import assert_same_eval, make_cfg, run_single, run_world
 from parity_helpers import assert_same_run
-from trainer.config import ConfigError, table_rows
-from trainer.plan.configure import load_config
-from trainer.data import SyntheticData
-from trainer.embedding.sharding import RowSharding
-from trainer.schedule.feed import Feed, StreamOrder
-from trainer.schedule.herald import HeraldPlanner, IdSpace, read_pairs
-from trainer.schedule.partition import HeraldPartition
+from trainer.base.config import ConfigError, table_rows
+from trainer.run.resolve.configure import load_config
+from trainer.workload.data import SyntheticData
+from trainer.sparse.embedding.sharding import RowSharding
+from trainer.sparse.schedule.feed import Feed, StreamOrder
+from trainer.sparse.schedule.herald import HeraldPlanner, IdSpace, read_pairs
+from trainer.sparse.schedule.partition import HeraldPartition
 
 BASE = ["data=tiny", "data.table_rows=[97,3001,13,1250]", "train.steps=24", "data.global_batch_size=48",
         "data.test_samples=480", "data.eval_batch_size=40", "train.threads=1", "train.progress=off"]

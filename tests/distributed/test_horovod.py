@@ -21,7 +21,7 @@ import torch
 from helpers import assert_same_eval, run_single
 from hvd_launch import ROOT, WORKER, env, horovodrun, tail, worker_results
 from parity_helpers import BASE, assert_same_run
-from trainer.runner import RunResult
+from trainer.run.runner import RunResult
 
 pytestmark = pytest.mark.dist
 W = 2

@@ -17,11 +17,11 @@ import pytest
 from failure_helpers import CLI_BASE, _cli, _env, _popen, _records, _wait_for
 from helpers import fill, make_cfg, spawn, tmpfs
 
-import trainer.checkpoint as ckpt
-import trainer.runner as runner
-from trainer.core.errors import TrainingError
+import trainer.run.checkpoint as ckpt
+import trainer.run.runner as runner
+from trainer.base.core.errors import TrainingError
 from trainer.run.outdir import OUTPUT_DIR
-from trainer.runner import run
+from trainer.run.runner import run
 
 
 def _start_error(rank: int, world: int, overrides: list[str], out_dir: str) -> str:
@@ -97,7 +97,7 @@ def test_output_disk_full_mid_run_command_ends_with_one_error_line(tmp_path, sma
     proc = _cli(tmp_path, "train.steps=60", "train.log_every=1", f"hydra.run.dir={out}", "hydra.output_subdir=null",
                 f"checkpoint.dir={root}")
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
-    plan, *lines = proc.stderr.strip().splitlines()  # the memory plan first (trainer/plan/memplan.py)
+    plan, *lines = proc.stderr.strip().splitlines()  # the memory plan first (trainer/run/resolve/memplan.py)
     assert plan.startswith("[trainer] memory plan, rank 0/1: "), proc.stderr
     assert lines[-1] == f"error: {out}/summary.json: No space left on device", proc.stderr
     assert sum("TensorBoard events in" in line for line in lines) == 1, proc.stderr
@@ -144,7 +144,7 @@ def test_full_disk_under_the_output_dir_does_not_stop_training(tmp_path, capfd):
 
 
 def test_metrics_failure_is_reported_in_the_summary(tmp_path, monkeypatch):
-    import trainer.report.writers as writers
+    import trainer.run.report.writers as writers
     real_open = open
 
     def failing_open(path, mode="r", *a, **k):
@@ -190,7 +190,7 @@ def test_metrics_rewrite_that_fails_keeps_the_log_and_marks_the_resume(tmp_path,
     args = CLI_BASE + ["comm=local", "train.steps=6", "train.log_every=1", "checkpoint.every=3", f"checkpoint.dir={root}"]
     run(make_cfg(args), out_dir=out)
     before = open(os.path.join(out, "metrics.jsonl")).read()
-    real = os.replace  # what trainer/core/atomic.py renames the rewritten log with
+    real = os.replace  # what trainer/base/core/atomic.py renames the rewritten log with
 
     def failing_replace(src, dst):
         if str(dst).endswith("metrics.jsonl"):

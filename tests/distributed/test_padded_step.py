@@ -1,4 +1,4 @@
-"""train.cuda_graph=on at W > 1 (trainer/train/padded_step.py): every tensor between the step's
+"""train.cuda_graph=on at W > 1 (trainer/step/padded_step.py): every tensor between the step's
 collectives at a shape fixed by the config, the alltoalls padded to blocks of C slots per owner.
 
 On a CPU it runs eagerly and must equal train.cuda_graph=off at the same W bit for bit (the same
@@ -14,11 +14,11 @@ import torch
 from helpers import assert_same_eval, make_cfg, run_single, run_world
 from kernels.reference import first_and_sums
 from parity_helpers import BASE, assert_same_run
-from trainer.config import ConfigError, validate_world
-from trainer.embedding.exchange import plan_lookup
-from trainer.embedding.padded import padded_combine, padded_request, unique_capacity
-from trainer.embedding.sharding import RowSharding
-from trainer.plan.configure import load_config
+from trainer.base.config import ConfigError, validate_world
+from trainer.sparse.embedding.exchange import plan_lookup
+from trainer.sparse.embedding.padded import padded_combine, padded_request, unique_capacity
+from trainer.sparse.embedding.sharding import RowSharding
+from trainer.run.resolve.configure import load_config
 
 SHORT = BASE + ["train.steps=10"]
 

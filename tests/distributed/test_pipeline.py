@@ -20,7 +20,7 @@ import torch
 
 from helpers import run_single, run_world, spawn, train_worker
 from parity_helpers import BASE, WIDE, assert_same_run, owner_version_at
-from trainer.comm import make_collectives
+from trainer.base.comm import make_collectives
 
 PARITY = {
     "w2-plain-sgd": (2, ["optim=sgd"]),

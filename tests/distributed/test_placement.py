@@ -15,11 +15,11 @@ import pytest
 
 from helpers import assert_same_eval, make_cfg, run_single, run_world
 from parity_helpers import assert_same_run
-from trainer.config import ConfigError
-from trainer.plan.configure import load_config
-from trainer.data import SyntheticData
-from trainer.placement import fae_plan, flat_ids, profile_stream, row_bytes
-from trainer.schedule import HotColdOrder
+from trainer.base.config import ConfigError
+from trainer.run.resolve.configure import load_config
+from trainer.workload.data import SyntheticData
+from trainer.sparse.placement import fae_plan, flat_ids, profile_stream, row_bytes
+from trainer.sparse.schedule import HotColdOrder
 
 BASE = ["data=tiny", "data.max_bag=1", "train.steps=24", "data.global_batch_size=48",
         "data.test_samples=480", "data.eval_batch_size=40", "train.threads=1", "train.progress=off",

@@ -19,11 +19,11 @@ import pytest
 
 from helpers import make_cfg, run_single, run_world
 from parity_helpers import assert_same_run
-from trainer.config import ConfigError, cache_capacities
-from trainer.plan.configure import load_config
-from trainer.data import SyntheticData
-from trainer.placement import fae_plan, profile_stream, row_bytes
-from trainer.placement.sca import analytic_costs, bucket_edges, predict_bytes, sca_plan, slot_bytes
+from trainer.base.config import ConfigError, cache_capacities
+from trainer.run.resolve.configure import load_config
+from trainer.workload.data import SyntheticData
+from trainer.sparse.placement import fae_plan, profile_stream, row_bytes
+from trainer.sparse.placement.sca import analytic_costs, bucket_edges, predict_bytes, sca_plan, slot_bytes
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 BASE = ["data=tiny", "data.max_bag=1", "train.steps=24", "data.global_batch_size=48",

@@ -24,12 +24,12 @@ from helpers import make_cfg, run_single
 from hvd_launch import finish, worker
 from parity_helpers import assert_same_run
 
-import trainer.checkpoint as ckpt
-from trainer.checkpoint import saver
-from trainer.evaluation.evaluator import Evaluator
-from trainer.train.lr import LrSchedule
-import trainer.runner as runner
-from trainer.runner import run
+import trainer.run.checkpoint as ckpt
+from trainer.run.checkpoint import saver
+from trainer.run.evaluation.evaluator import Evaluator
+from trainer.step.lr import LrSchedule
+import trainer.run.runner as runner
+from trainer.run.runner import run
 from trainer.run.signals import REPEAT_S, STOP_SIGNALS
 
 BASE = CLI_BASE + ["train.steps=12", "train.log_every=1"]
@@ -231,7 +231,7 @@ def test_a_signal_to_one_rank_during_an_evaluation_stops_every_rank_there(tmp_pa
 def _signalled_in_profile(rank: int, world: int, overrides: list[str], out: str) -> dict:
     """Spawned worker (or this process: rank 0 of 1): rank 0 receives SIGTERM as the sparse side
     is built, just before FAE's profile (which only rank 0 runs)."""
-    import trainer.build as build
+    import trainer.run.build as build
     real = build._make_store
 
     def store(*args, **kwargs):
@@ -271,7 +271,7 @@ def test_a_signal_during_the_placement_profile_stops_before_training(tmp_path, c
 def _signalled_in_load(rank: int, world: int, overrides: list[str], out: str, signalled: int) -> dict:
     """Spawned worker (or this process): rank `signalled` receives SIGTERM at its first read of the
     checkpoint it resumes (the next read sees it)."""
-    from trainer.checkpoint import shard_io
+    from trainer.run.checkpoint import shard_io
     real = shard_io._VerifiedFile.read
 
     def read(self, lo, hi):
@@ -374,7 +374,7 @@ def test_sigterm_to_the_command_exits_143_with_a_checkpoint_ends_the_sweep_and_r
 
 SLOW_SAVE = """
 import sys, time
-from trainer.checkpoint import Checkpointer
+from trainer.run.checkpoint import Checkpointer
 from trainer.run.signals import SIGNALS
 real = Checkpointer._write_shard
 DELAY = float(sys.argv.pop(1))  # seconds, the first argument
@@ -499,7 +499,7 @@ LOSE_RANK_1 = """
 import os
 if "RANK" in os.environ:  # a worker: rank 1 dies while the final checkpoint is written, rank 0 writes slowly
     import time
-    from trainer.checkpoint import Checkpointer
+    from trainer.run.checkpoint import Checkpointer
     real = Checkpointer._write_shard
 
     def write(self, tmp, store):

@@ -1,4 +1,4 @@
-"""embedding.store=disk (trainer/embedding/tier.py, tiered.py): the shard in files, a row cache in
+"""embedding.store=disk (trainer/sparse/embedding/store/tier/disk.py, tiered.py): the shard in files, a row cache in
 RAM in front. The tier is storage, not a policy: a run with `disk` equals the same run with `memory`
 bit for bit, at W = 1 and on gloo workers, for every optimizer, the HET cache's bounded staleness,
 FAE, Herald, half-precision rows and the pipelined step, with a cache of ~150 rows so that rows
@@ -21,8 +21,8 @@ from helpers import run_single, run_world, tmpfs
 from parity_helpers import BASE, ES
 from hvd_launch import ROOT, tail
 
-from trainer.embedding import uring
-from trainer.embedding.tier import CHUNK
+from trainer.sparse.embedding.store.tier import uring
+from trainer.sparse.embedding.store.tier.disk import CHUNK
 
 # tables of ~3.6 MB of rows at d = 16 (56k rows) and a cache of 64 KiB: 32 KiB of pages, ~150 rows
 WIDE = [a for a in BASE if not a.startswith("data.test_samples")] + [

@@ -24,7 +24,7 @@ import uuid
 import pytest
 from hvd_launch import HOROVODRUN, ROOT, env, finish, require_horovod, worker
 
-from trainer import checkpoint as ckpt
+from trainer.run import checkpoint as ckpt
 
 pytestmark = pytest.mark.dist
 TIMEOUT_S = 10  # comm.timeout_s of these runs

@@ -1,8 +1,8 @@
-"""Each config key is documented once (its field's comment in trainer/config/schema.py) and has one
+"""Each config key is documented once (its field's comment in trainer/base/config/schema.py) and has one
 default: the schema's, conf/'s and docs/config.md's reference agree, and a key or default that
 differs between them fails naming the key.
 
-What is checked: docs/config.md's generated part is what trainer/config/doc.py prints (the page is
+What is checked: docs/config.md's generated part is what trainer/base/config/doc.py prints (the page is
 regenerated, not edited); every key a YAML file of conf/ sets is a key of the schema, and the values
 of each group's default option (and of conf/config.yaml's blocks) are the schema's defaults; the
 page's reference lists every key with the schema's default; every key, group and option has its
@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from trainer.config import CONF_DIR, Config, doc
+from trainer.base.config import CONF_DIR, Config, doc
 
 ROOT = Path(__file__).resolve().parents[2]
 PAGE = ROOT / "docs" / "config.md"
@@ -29,8 +29,8 @@ PAGE = ROOT / "docs" / "config.md"
 
 def test_the_page_holds_the_generated_reference():
     assert doc.page_part(PAGE.read_text()) == doc.render(), (
-        "docs/config.md's reference differs from trainer/config/doc.py's output: regenerate it "
-        "(python -m trainer.config.doc --write) after changing a doc or default in the schema or conf/")
+        "docs/config.md's reference differs from trainer/base/config/doc.py's output: regenerate it "
+        "(python -m trainer.base.config.doc --write) after changing a doc or default in the schema or conf/")
 
 
 def test_schema_yaml_and_page_agree_on_every_key_and_default():
@@ -40,7 +40,7 @@ def test_schema_yaml_and_page_agree_on_every_key_and_default():
 
 def test_every_key_group_and_option_has_its_doc():
     undocumented = [k.name for k in doc.keys() if not k.doc]
-    assert not undocumented, f"keys without a doc comment in trainer/config/schema.py: {undocumented}"
+    assert not undocumented, f"keys without a doc comment in trainer/base/config/schema.py: {undocumented}"
     hints = __import__("typing").get_type_hints(Config)
     assert all(hints[g].__doc__ and not hints[g].__doc__.startswith(hints[g].__name__ + "(")
                for g in doc.groups()), "every group's dataclass needs a docstring"
@@ -60,13 +60,13 @@ def test_the_yaml_files_hold_values_not_docs():
                 in_hydra = line.startswith("hydra:")
             if not in_hydra and re.match(r"^\s*[\w-]+:.*\s#", line):
                 commented.append(f"{path.relative_to(CONF_DIR)}:{n}")
-    assert not commented, f"comments on key lines (document the key in trainer/config/schema.py): {commented}"
+    assert not commented, f"comments on key lines (document the key in trainer/base/config/schema.py): {commented}"
 
 
 def test_the_reference_lists_every_recipe_and_choice_the_schema_names():
     """The recipes (train.recipe) and the kinds of table, as examples of lists a comment once left
     out (conf/train/default.yaml's recipe comment had no `tiny`)."""
-    from trainer.config import RECIPES, TABLE_KINDS
+    from trainer.base.config import RECIPES, TABLE_KINDS
     docs = {k.name: k.doc for k in doc.keys()}
     assert all(r in docs["train.recipe"] for r in RECIPES), docs["train.recipe"]
     assert all(t in docs["embedding.kind"] for t in TABLE_KINDS), docs["embedding.kind"]
@@ -111,7 +111,7 @@ def test_a_page_default_or_key_that_differs_from_the_schema_is_named():
 def test_the_command_checks_and_rewrites_the_page(tmp_path):
     page = tmp_path / "config.md"
     page.write_text(f"# intro\n\n{doc.BEGIN}\nstale\n{doc.END}\n\n## after\n")
-    run = [sys.executable, "-m", "trainer.config.doc"]
+    run = [sys.executable, "-m", "trainer.base.config.doc"]
     stale = subprocess.run(run + ["--check", str(page)], capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert stale.returncode == 1 and "train.steps: missing from the page" in stale.stderr, stale.stderr
     subprocess.run(run + ["--write", str(page)], check=True, capture_output=True, timeout=120, cwd=ROOT)
@@ -175,12 +175,12 @@ def test_a_default_the_prose_states_is_the_schemas():
 
 
 def test_the_recipe_page_holds_the_generated_table(tmp_path):
-    """docs/recipe.md's table of recipe values is trainer/plan/recipe_doc.py's output (generated from
+    """docs/recipe.md's table of recipe values is trainer/run/resolve/recipe_doc.py's output (generated from
     recipes.py), and the checker fails on a page whose table drifted."""
-    from trainer.plan import recipe_doc
+    from trainer.run.resolve import recipe_doc
     page = ROOT / "docs" / "recipe.md"
     assert recipe_doc.page_part(page.read_text()) == recipe_doc.render(), (
-        "docs/recipe.md's table differs from trainer/plan/recipes.py: python -m trainer.plan.recipe_doc --write")
+        "docs/recipe.md's table differs from trainer/run/resolve/recipes.py: python -m trainer.run.resolve.recipe_doc --write")
     drifted = tmp_path / "recipe.md"
     drifted.write_text(page.read_text().replace("| `data.epochs` | `30` |", "| `data.epochs` | `20` |"))
     assert drifted.read_text() != page.read_text()

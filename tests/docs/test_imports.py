@@ -2,8 +2,8 @@
 the installed package holds.
 
 What is asserted: neither package has an import cycle, even counting imports made for type checkers
-only; trainer/config/ imports nothing else of the package (a leaf); the simulator's engine
-(trainer/sim/) imports only trainer/embedding; training never imports trainer/tools; every module of
+only; trainer/base/config/ imports nothing else of the package (a leaf); the simulator's engine
+(trainer/sparse/sim/) imports only trainer/sparse/embedding; training never imports trainer/tools; every module of
 the two packages imports on its own and none of them loads the repository's benchmarks/ or dev/
 (the lab lives beside the package, not in it). The checker itself is tested on a small package with
 known cycles (module level, inside a function, relative imports, TYPE_CHECKING left out by default).
@@ -48,9 +48,9 @@ def _package(root, files: dict[str, str]) -> str:
 
 def test_config_is_a_leaf():
     graph = check.import_graph(TRAINER)
-    assert "trainer.config" in graph and "trainer.plan.configure" in graph
-    config = {m: deps for m, deps in graph.items() if m == "trainer.config" or m.startswith("trainer.config.")}
-    outside = {m: [d for d in deps if d != "trainer.config" and not d.startswith("trainer.config.")]
+    assert "trainer.base.config" in graph and "trainer.run.resolve.configure" in graph
+    config = {m: deps for m, deps in graph.items() if m == "trainer.base.config" or m.startswith("trainer.base.config.")}
+    outside = {m: [d for d in deps if d != "trainer.base.config" and not d.startswith("trainer.base.config.")]
                for m, deps in config.items()}
     assert not any(outside.values()), outside
 
@@ -58,10 +58,10 @@ def test_config_is_a_leaf():
 def test_data_and_config_share_no_cycle():
     cycles = check.find_cycles(TRAINER)
     for comp in cycles:
-        assert not {"trainer.config", "trainer.data"} & set(comp), comp
+        assert not {"trainer.base.config", "trainer.workload.data"} & set(comp), comp
     graph = check.import_graph(TRAINER)
-    assert "trainer.config" in graph["trainer.data"]  # data uses the schemas, never the reverse
-    assert "trainer.data" in graph["trainer.plan.configure"] and "trainer.config" in graph["trainer.plan.configure"]
+    assert "trainer.base.config" in graph["trainer.workload.data"]  # data uses the schemas, never the reverse
+    assert "trainer.workload.data" in graph["trainer.run.resolve.configure"] and "trainer.base.config" in graph["trainer.run.resolve.configure"]
 
 
 def test_every_import_keeps_to_the_layers():
@@ -113,17 +113,17 @@ def test_every_module_of_the_package_imports_and_none_is_the_lab():
 
 def test_simulator_engine_imports_only_the_embedding():
     graph = check.import_graph(TRAINER)
-    used = {t for m, edges in graph.items() if m.startswith("trainer.sim") for t in edges}
-    outside = {t for t in used if t.startswith("trainer.") and not t.startswith(("trainer.sim", "trainer.embedding"))}
+    used = {t for m, edges in graph.items() if m.startswith("trainer.sparse.sim") for t in edges}
+    outside = {t for t in used if t.startswith("trainer.") and not t.startswith(("trainer.sparse.sim", "trainer.sparse.embedding"))}
     assert outside == set(), outside
-    assert any(t.startswith("trainer.embedding.remote") for t in used)
+    assert any(t.startswith("trainer.sparse.embedding.remote") for t in used)
 
 
 def test_training_never_imports_the_tools():
     graph = check.import_graph(TRAINER)
     users = {m for m, edges in graph.items() if any(t.startswith("trainer.tools") for t in edges)}
     # the command line (python -m trainer) included: the error-line format it shares with the
-    # tools is trainer/core/errors.py's
+    # tools is trainer/base/core/errors.py's
     assert users <= {m for m in graph if m.startswith("trainer.tools")}, users
 
 
@@ -169,12 +169,12 @@ def test_cli_on_the_repository_checks_both_packages():
 
 
 def test_importing_config_loads_nothing_else_of_the_package():
-    code = ("import sys, trainer.config; "
+    code = ("import sys, trainer.base.config; "
             "print(sorted(m for m in sys.modules if m.startswith('trainer.')))")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr
     loaded = ast.literal_eval(proc.stdout.strip())
-    assert "trainer.config" in loaded and all(m.startswith("trainer.config") for m in loaded), loaded
+    assert "trainer.base.config" in loaded and all(m.startswith("trainer.base.config") for m in loaded), loaded
 
 
 def _is_test_module(name: str) -> bool:

@@ -125,8 +125,8 @@ def test_configure_forced_triton_on_cpu(monkeypatch: pytest.MonkeyPatch):
 def test_config_key_validation(monkeypatch: pytest.MonkeyPatch):
     from helpers import make_cfg
 
-    from trainer.config import ConfigError
-    from trainer.plan.configure import load_config
+    from trainer.base.config import ConfigError
+    from trainer.run.resolve.configure import load_config
 
     base = ["data=tiny", "train.device=cpu"]
     assert load_config(make_cfg(base)).kernels.backend == "auto"
@@ -145,8 +145,8 @@ def test_config_key_validation(monkeypatch: pytest.MonkeyPatch):
 def test_config_forced_triton_without_cuda_is_a_config_error(monkeypatch: pytest.MonkeyPatch):
     from helpers import make_cfg
 
-    from trainer.config import ConfigError
-    from trainer.plan.configure import load_config
+    from trainer.base.config import ConfigError
+    from trainer.run.resolve.configure import load_config
 
     forced = ["data=tiny", "train.device=cpu", "kernels.backend=triton"]
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
@@ -234,9 +234,9 @@ def test_triton_backend_parity_two_workers(monkeypatch: pytest.MonkeyPatch):
 def _initial_tables() -> list[Tensor]:
     from helpers import make_cfg
 
-    from trainer.config import table_rows
-    from trainer.plan.configure import load_config
-    from trainer.embedding import init_rows
+    from trainer.base.config import table_rows
+    from trainer.run.resolve.configure import load_config
+    from trainer.sparse.embedding import init_rows
 
     c = load_config(make_cfg(TINY_RUN))
     return [init_rows(c.train.seed, table_rows(c), c.model.embedding_dim, torch.full((n,), t),

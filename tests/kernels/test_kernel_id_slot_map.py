@@ -185,8 +185,8 @@ def test_dynamic_pool_over_the_triton_map_equals_over_the_reference(eviction):
     table on CUDA: the same store over TritonIdSlotMap (interpreted here, compiled on a GPU) and
     over the reference map admits, evicts, reads and updates alike: every slot, row, version and
     counter, through admissions (admit_after 2), evictions of full pools and TTL expiry."""
-    from trainer.embedding.dynamic import DynamicStore
-    from trainer.embedding.sharding import ID_BITS, HashSharding
+    from trainer.sparse.embedding.dynamic.shard import DynamicStore
+    from trainer.sparse.embedding.sharding import ID_BITS, HashSharding
 
     def make(triton: bool) -> DynamicStore:
         st = DynamicStore(HashSharding(2, 6, 1, 0), 3, 7, 0.1, "adagrad", 0.5, 1e-8, torch.device(DEV), 0.1,

@@ -13,9 +13,9 @@ import pytest
 
 from data_helpers import N_TRAIN, prepare_sample
 from helpers import make_cfg
-from trainer.config import table_rows
-from trainer.plan.configure import load_config
-from trainer.data.blocks import CriteoData, memmap_reader
+from trainer.base.config import table_rows
+from trainer.run.resolve.configure import load_config
+from trainer.workload.data.blocks import CriteoData, memmap_reader
 from trainer.tools.baseline import Features, Split, _folds, load_splits
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

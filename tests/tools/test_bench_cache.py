@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from trainer.sim import CacheSimulator
+from trainer.sparse.sim import CacheSimulator
 from trainer.tools import simulate as sim_tools
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

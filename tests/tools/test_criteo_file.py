@@ -14,7 +14,7 @@ import sys
 import numpy as np
 
 from dev import criteo_file
-from trainer.data.criteo import NUM_CAT, NUM_DENSE, parse_chunk, parse_line
+from trainer.workload.data.criteo import NUM_CAT, NUM_DENSE, parse_chunk, parse_line
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 

@@ -112,7 +112,7 @@ def installed(tmp_path_factory) -> Path:
 
 def test_the_wheel_trains_from_any_directory(installed, tmp_path):
     bin_ = installed / "bin"
-    where = _run([str(bin_ / "python"), "-c", "import trainer, trainer.config as c; print(trainer.__file__); "
+    where = _run([str(bin_ / "python"), "-c", "import trainer, trainer.base.config as c; print(trainer.__file__); "
                   "print(c.CONF_DIR)"], cwd=tmp_path).stdout.split()
     assert all(p.startswith(str(installed)) for p in where), where  # the installed copy, its configs
     out = _run(documented("hybrid-trainer model=dcn", bin_dir=str(bin_)), cwd=tmp_path)

@@ -470,7 +470,7 @@ def test_disk_probe_a_line_per_point_and_the_file_deleted(tmp_path):
 def test_disk_probe_reads_through_io_uring_at_each_depth(tmp_path):
     """--ring-depths: the SSD tier's reader against the same file, a line per depth (or the one
     line saying io_uring is refused here)."""
-    from trainer.embedding import uring
+    from trainer.sparse.embedding.store.tier import uring
     proc = subprocess.run([PY, "-m", "benchmarks.disk_probe", "--dir", str(tmp_path), "--size", "2M",
                            "--seconds", "0.2", "--threads", "1", "--ring-depths", "4", "64"],
                           capture_output=True, text=True, env=env(), cwd=ROOT, timeout=120)

@@ -22,8 +22,8 @@ import pytest
 import torch
 
 from trainer.tools import simulate as sim
-from trainer.config import local_batch_size, table_rows
-from trainer.data import SyntheticData
+from trainer.base.config import local_batch_size, table_rows
+from trainer.workload.data import SyntheticData
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SCRIPT = os.path.join(ROOT, "scripts", "simulate_cache.py")
@@ -334,7 +334,7 @@ def test_criteo_dir(tmp_path):
     over = ["data=criteo", f"data.dir={d}", "data.batch_size=32", "cache=lru"]
     trace, spec, cfg = sim.build(over, 2, log=None)
     assert sim.resolve_steps(trace, cfg, None, None) == cfg.train.steps > 1
-    from trainer.data.blocks import CriteoData, memmap_reader
+    from trainer.workload.data.blocks import CriteoData, memmap_reader
     ref = CriteoData(cfg.data, table_rows(cfg), 1, 2, 32, memmap_reader(cfg.data.num_dense))
     for s in range(3):
         assert torch.equal(trace.batch(s, 1)[0], ref.train_batch(s).values)
@@ -361,8 +361,8 @@ def test_announced_push_sizes_are_the_push(policy, pull, push, fraction, monkeyp
     """HetRemote.read announces which rows the step's write will push (HetWire.announce: the push's
     sizes travel during forward/backward); the write must push exactly those rows, whatever the
     evictions, transient rows and due counts, and the simulation's result must not change."""
-    from trainer.embedding.remote.het import Announced
-    from trainer.sim.engine import InProcessHetWire
+    from trainer.sparse.embedding.remote.het import Announced
+    from trainer.sparse.sim.engine import InProcessHetWire
 
     announced, checked = {}, []  # the simulator reads for every worker, then writes for every one
 

@@ -1,4 +1,4 @@
-"""trainer/core/atomic.py, the package's one way to replace a file: whole or not at all (a failure
+"""trainer/base/core/atomic.py, the package's one way to replace a file: whole or not at all (a failure
 leaves the old file and no temporary one), JSON with numpy numbers; and no other module of the
 package renames a file over another (checkpoint/saver.py renames directories: its own protocol)."""
 from __future__ import annotations
@@ -10,7 +10,7 @@ import re
 import numpy as np
 import pytest
 
-from trainer.core.atomic import replacing, write_json_atomic
+from trainer.base.core.atomic import replacing, write_json_atomic
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -43,7 +43,7 @@ def test_no_other_module_replaces_a_file_itself():
     for d, _, files in os.walk(os.path.join(ROOT, "trainer")):
         for name in files:
             rel = os.path.relpath(os.path.join(d, name), ROOT)
-            if name.endswith(".py") and rel not in ("trainer/core/atomic.py", "trainer/checkpoint/saver.py"):
+            if name.endswith(".py") and rel not in ("trainer/base/core/atomic.py", "trainer/run/checkpoint/saver.py"):
                 text = open(os.path.join(d, name)).read()
                 found += [f"{rel}:{text.count(chr(10), 0, m.start()) + 1}" for m in re.finditer(r"os\.replace\(", text)]
-    assert found == [], f"write through trainer/core/atomic.py instead: {found}"
+    assert found == [], f"write through trainer/base/core/atomic.py instead: {found}"

@@ -17,12 +17,12 @@ import torch
 
 from helpers import assert_same_eval, make_cfg, run_single, run_world
 from parity_helpers import WIDE, assert_same_run, owner_version_at
-from trainer.config import ConfigError, table_rows
-from trainer.plan.configure import load_config
-from trainer.embedding.cache import LFU, LRU, LFUPinned, RowCache
-from trainer.embedding.consistency import UNBOUNDED, Bounds, needs_row, push_due
-from trainer.embedding.sharding import RowSharding
-from trainer.embedding.store import init_rows
+from trainer.base.config import ConfigError, table_rows
+from trainer.run.resolve.configure import load_config
+from trainer.sparse.embedding.cache.rows import LFU, LRU, LFUPinned, RowCache
+from trainer.sparse.embedding.cache.consistency import UNBOUNDED, Bounds, needs_row, push_due
+from trainer.sparse.embedding.sharding import RowSharding
+from trainer.sparse.embedding.store.shard import init_rows
 
 BASE = ["data=tiny", "train.steps=24", "data.global_batch_size=48", "data.test_samples=480",
         "data.eval_batch_size=40", "train.threads=1", "train.progress=off"]
@@ -131,14 +131,14 @@ def test_take_due_and_take_all():
 def test_the_direct_map_is_used_only_while_sized_by_the_cache():
     """4 B per id of the whole id space only while that is at most 16 ids per slot: a small cache
     over a big id space gets the hash map (its bytes follow the slots, not the model)."""
-    from trainer.embedding.slotmap import DirectSlotMap
+    from trainer.sparse.embedding.cache.slotmap import DirectSlotMap
     assert isinstance(RowCache([7], 2, LFU(), n_ids=112, local_lr=0.5).map, DirectSlotMap)
     assert not isinstance(RowCache([7], 2, LFU(), n_ids=113, local_lr=0.5).map, DirectSlotMap)
 
 
 def test_cache_works_with_the_kernels_hash_map(monkeypatch):
     """Same behaviour with the id -> slot hash map used when the id space is too big for an array."""
-    import trainer.embedding.slotmap as slotmap
+    import trainer.sparse.embedding.cache.slotmap as slotmap
     monkeypatch.setattr(slotmap, "DIRECT_MAP_MAX_IDS", 0)
     a, b = _cache(LFU(), caps=(3,)), None
     monkeypatch.setattr(slotmap, "DIRECT_MAP_MAX_IDS", 1 << 27)

@@ -20,11 +20,11 @@ import pytest
 import torch
 
 from helpers import Mirror
-from trainer.embedding.cache import _NEVER, TICK_BITS, RowCache, make_policy
-from trainer.embedding.remote import CACHE_COUNTERS, CacheStats, HetWire
-from trainer.embedding.sharding import RowSharding
-from trainer.embedding.store import ShardStore
-from trainer.embedding.types import Pushes
+from trainer.sparse.embedding.cache.rows import _NEVER, TICK_BITS, RowCache, make_policy
+from trainer.sparse.embedding.remote import CACHE_COUNTERS, CacheStats, HetWire
+from trainer.sparse.embedding.sharding import RowSharding
+from trainer.sparse.embedding.store.shard import ShardStore
+from trainer.sparse.embedding.types import Pushes
 
 
 def reference_slots(cache: RowCache, tables: torch.Tensor, step: int) -> torch.Tensor:

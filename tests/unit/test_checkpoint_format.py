@@ -1,4 +1,4 @@
-"""The checkpoint's shard format (trainer/checkpoint/shard_io.py): rows, versions and optimizer state
+"""The checkpoint's shard format (trainer/run/checkpoint/shard_io.py): rows, versions and optimizer state
 reach their new owners at any W; a save and a load hold one piece of the shard at a time, never the
 whole of it; a reader at W' = 2^m W reads 1 / 2^m of one shard, at a divisor of W the shards it takes
 over, at the same W its own; a damaged block is found by the reader that reads it; checkpoints of
@@ -15,10 +15,10 @@ import numpy as np
 import pytest
 import torch
 
-import trainer.checkpoint as ckpt
-from trainer.checkpoint import shard_io
-from trainer.checkpoint.manifest import write_file
-from trainer.embedding import RowSharding, ShardStore
+import trainer.run.checkpoint as ckpt
+from trainer.run.checkpoint import shard_io
+from trainer.run.checkpoint.manifest import write_file
+from trainer.sparse.embedding import RowSharding, ShardStore
 
 ROWS = [97, 1001, 13, 250, 2]
 DIM = 4
@@ -194,7 +194,7 @@ def test_format_1_checkpoints_still_load(tmp_path):
         "optim_sparse": "adagrad", "optim_dense": "adam", "files": files}))
     after = _stores(3, "adagrad")
     schema = {"table_rows": ROWS, "dim": DIM, "model": "dlrm", "optim_sparse": "adagrad", "optim_dense": "adam"}
-    from trainer.comm import LocalCollectives
+    from trainer.base.comm import LocalCollectives
     for s in after:
         assert ckpt.load(LocalCollectives(10), str(root), s, schema)["step"] == 3
     want, got = _by_key(before), _by_key(after)

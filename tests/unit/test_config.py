@@ -8,8 +8,8 @@ import typing
 import pytest
 
 from helpers import make_cfg
-from trainer.config import RENAMED, Config, ConfigError, get_key, local_batch_size, parse, validate_world
-from trainer.plan.configure import load_config
+from trainer.base.config import RENAMED, Config, ConfigError, get_key, local_batch_size, parse, validate_world
+from trainer.run.resolve.configure import load_config
 
 BAD = [
     ("data.batch_size=0", "data.batch_size"),
@@ -214,7 +214,7 @@ def test_every_key_of_the_schema_has_an_out_of_range_case():
 def test_cross_field_rules_of_validation(overrides, key, reason):
     with pytest.raises(ConfigError, match=reason) as err:
         c = load_config(make_cfg(overrides))
-        from trainer.data import make_data
+        from trainer.workload.data import make_data
         make_data(c, 0, 1)  # the carve itself is checked where the rows are known
     assert f"{key}=" in str(err.value)
 
@@ -261,7 +261,7 @@ def test_presets_are_valid(preset):
 def test_mlperf_presets_have_the_mlperf_shape():
     """data=mlperf model=dlrm_mlperf: MLPerf DLRM's 26 tables (Criteo 1TB capped at 40M), d = 128,
     bottom 13-512-256-128, top 1024-1024-512-256-1; the table rows capped by data.max_table_rows."""
-    from trainer.config import table_rows
+    from trainer.base.config import table_rows
     cfg = load_config(make_cfg(["data=mlperf", "model=dlrm_mlperf"]))
     assert len(cfg.data.table_rows) == 26 and cfg.data.num_dense == 13
     assert max(cfg.data.table_rows) == 40_000_000 and sum(cfg.data.table_rows) == 204_184_588
@@ -273,7 +273,7 @@ def test_mlperf_presets_have_the_mlperf_shape():
 
 
 def test_criteo_like_has_kaggle_cardinalities_capped():
-    from trainer.config import table_rows
+    from trainer.base.config import table_rows
     cfg = load_config(make_cfg(["data=criteo_like", "data.max_table_rows=50000"]))
     rows = table_rows(cfg)
     assert len(rows) == 26 and cfg.data.num_dense == 13
@@ -290,7 +290,7 @@ def _cuda(monkeypatch, available: bool) -> None:
 def test_default_device_is_auto_in_the_yaml_and_the_schema():
     """A GPU user's first command trains on the GPU: train.device=auto by default, in
     conf/train/default.yaml and in the dataclass alike, and the default config composes with it."""
-    from trainer.config import TrainConfig
+    from trainer.base.config import TrainConfig
     assert TrainConfig().device == "auto"
     c = load_config(make_cfg([]))
     assert c.train.device == "auto" and c.comm.dist_backend == "auto"
@@ -298,7 +298,7 @@ def test_default_device_is_auto_in_the_yaml_and_the_schema():
 
 @pytest.mark.parametrize("cuda", [False, True], ids=["no-gpu", "gpu"])
 def test_auto_device_is_cuda_exactly_when_a_gpu_is_visible_and_nccl_follows(monkeypatch, cuda):
-    from trainer.config import dist_transport, run_device
+    from trainer.base.config import dist_transport, run_device
     _cuda(monkeypatch, cuda)
     c = load_config(make_cfg(["comm=torch"]))  # composes and validates either way
     want = "cuda" if cuda else "cpu"
@@ -309,7 +309,7 @@ def test_auto_device_is_cuda_exactly_when_a_gpu_is_visible_and_nccl_follows(monk
 
 
 def test_dist_transport_rule():
-    from trainer.config import dist_transport
+    from trainer.base.config import dist_transport
     assert dist_transport("auto", "cuda") == "nccl" and dist_transport("auto", "cpu") == "gloo"
     assert dist_transport("auto", "cuda", gpus_shared=True) == "gloo"  # NCCL refuses two ranks on a GPU
     assert dist_transport("gloo", "cuda") == "gloo" and dist_transport("nccl", "cuda", True) == "nccl"
@@ -336,7 +336,7 @@ def test_the_schema_defaults_are_the_config_python_m_trainer_composes():
     """One default per key: the dataclasses' defaults are exactly what conf/config.yaml's default
     options compose to (before the recipe fills the nulls), so Config() is `python -m trainer`'s
     config and a key an option file leaves out gets the same value it would under the defaults."""
-    from trainer.config import compose
+    from trainer.base.config import compose
     want, got = dataclasses.asdict(Config()), dataclasses.asdict(parse(compose([])))
     diff = {f"{g}.{k}": (want[g][k], got[g][k]) for g in want for k in want[g] if want[g][k] != got[g][k]}
     assert not diff, f"schema default vs conf/ default: {diff}"

@@ -1,5 +1,5 @@
-"""trainer/plan/configure.py: the config every entry point runs with. A file dataset reports its shape
-(trainer.data.resolve) and the entry point fills the config with it; data.epochs becomes
+"""trainer/run/resolve/configure.py: the config every entry point runs with. A file dataset reports its shape
+(trainer.workload.data.resolve) and the entry point fills the config with it; data.epochs becomes
 train.steps only where the world size W is known (load_config(..., world=W), or the Trainer right
 after make_data); make_data itself never writes the config."""
 from __future__ import annotations
@@ -11,13 +11,13 @@ import pytest
 
 from data_helpers import N_TRAIN
 from helpers import make_cfg
-from trainer.comm import LocalCollectives
-from trainer.config import ConfigError, get_key as getattr_key, parse
-from trainer.plan.configure import compose_config, load_config
-from trainer.data import DataShape, make_data, resolve
-from trainer.plan.recipes import (SMALL_DATA_ROWS, TINY_DATA_ROWS, apply_data_steps, choose_recipe, evals_per_epoch,
+from trainer.base.comm import LocalCollectives
+from trainer.base.config import ConfigError, get_key as getattr_key, parse
+from trainer.run.resolve.configure import compose_config, load_config
+from trainer.workload.data import DataShape, make_data, resolve
+from trainer.run.resolve.recipes import (SMALL_DATA_ROWS, TINY_DATA_ROWS, apply_data_steps, choose_recipe, evals_per_epoch,
                              recipe_of)
-from trainer.runner import Trainer
+from trainer.run.runner import Trainer
 
 
 def _criteo(d: str, *extra: str) -> list[str]:  # no validation split: every training row is trained on
@@ -181,5 +181,5 @@ def test_an_explicit_train_steps_wins_over_the_recipes_epochs(prepared, capsys):
 
 
 def derived_rows(c) -> int:
-    from trainer.data import epoch_rows, shape_of
+    from trainer.workload.data import epoch_rows, shape_of
     return epoch_rows(c, shape_of(c))

@@ -15,10 +15,10 @@ import pytest
 
 from data_helpers import N_TRAIN, prepare_sample, sample_lines, write_lines
 from helpers import make_cfg
-from trainer.config import ConfigError
-from trainer.plan.configure import load_config
-from trainer.data.criteo import NUM_CAT, from_block, parse_chunk, parse_line
-from trainer.data.prepare import PrepOptions, prepare
+from trainer.base.config import ConfigError
+from trainer.run.resolve.configure import load_config
+from trainer.workload.data.criteo import NUM_CAT, from_block, parse_chunk, parse_line
+from trainer.workload.data.prepare import PrepOptions, prepare
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SCRIPT = os.path.join(ROOT, "scripts", "prepare_criteo.py")

@@ -12,10 +12,10 @@ import torch
 
 from data_helpers import N_TRAIN, prepare_sample
 from helpers import make_cfg, spawn
-from trainer.plan.configure import load_config
-from trainer.data import make_data
-from trainer.data.blocks import CriteoData
-from trainer.data.criteo import from_block
+from trainer.run.resolve.configure import load_config
+from trainer.workload.data import make_data
+from trainer.workload.data.blocks import CriteoData
+from trainer.workload.data.criteo import from_block
 
 
 @pytest.fixture(scope="module")
@@ -117,8 +117,8 @@ def test_dali_gpu_pipeline_matches_memmap(prepared):
 
 def test_fewer_training_rows_than_workers_is_a_config_error(prepared):
     """64 workers on a split of fewer blocks read rows; fewer rows than workers cannot be split."""
-    from trainer.config import ConfigError
-    from trainer.data.blocks import by_rows, rank_segments
+    from trainer.base.config import ConfigError
+    from trainer.workload.data.blocks import by_rows, rank_segments
     train = _data(prepared, "memmap", 0, 1).train_segs
     shards = [rank_segments(train, r, 64) for r in range(64)]
     assert by_rows(train, 64) and [sum(s.rows for s in m) for m in shards] == [1360 * (r + 1) // 64 - 1360 * r // 64
@@ -149,7 +149,7 @@ def _file_rows(d: str, split: str) -> list[tuple]:
 def _read_rows(rank: int, world: int, runs: list[list[str]]) -> list[dict]:
     """Child body: runs of `python -m trainer comm=torch`, recording the rows of every training
     batch the trainer takes, by step."""
-    from trainer.runner import run
+    from trainer.run.runner import run
     seen: dict[int, list[tuple]] = {}
     take = CriteoData.train_batch
 

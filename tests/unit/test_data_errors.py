@@ -19,11 +19,11 @@ from data_helpers import N_TRAIN, sample_lines, write_lines
 from failure_helpers import ROOT, _env
 from helpers import make_cfg
 
-from trainer.plan.configure import load_config as to_config
-from trainer.data import make_data
-from trainer.data.blocks import memmap_reader
-from trainer.data.criteo import NUM_CAT, CriteoFormatError, parse_chunk
-from trainer.data.prepare import PrepOptions, prepare
+from trainer.run.resolve.configure import load_config as to_config
+from trainer.workload.data import make_data
+from trainer.workload.data.blocks import memmap_reader
+from trainer.workload.data.criteo import NUM_CAT, CriteoFormatError, parse_chunk
+from trainer.workload.data.prepare import PrepOptions, prepare
 
 SCRIPT = os.path.join(ROOT, "scripts", "prepare_criteo.py")
 
@@ -273,7 +273,7 @@ def test_block_damaged_while_training_names_the_file(prepared, tmp_path, loader)
     meta = json.load(open(os.path.join(d, "meta.json")))
     files = [os.path.join(d, b["file"]) for b in meta["splits"]["train"]["blocks"]]
     if loader == "dali":
-        from trainer.data.dali import dali_reader
+        from trainer.workload.data.dali import dali_reader
         reader = dali_reader(13)
     else:
         reader = memmap_reader(13)

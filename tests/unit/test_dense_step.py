@@ -1,16 +1,16 @@
-"""train.cuda_graph=dense (trainer/train/dense_step.py): the dense half of the step as one function of
+"""train.cuda_graph=dense (trainer/step/dense_step.py): the dense half of the step as one function of
 (dense features, pooled rows, labels), captured in a CUDA graph on a GPU. On a CPU the same split
 step runs eagerly, and W = 2 must equal the single process. train.cuda_graph=on runs the whole step
-padded instead (at W = 1 trainer/train/whole_step.py, tests/unit/test_whole_step.py; at W > 1
-trainer/train/padded_step.py, tests/distributed/test_padded_step.py)."""
+padded instead (at W = 1 trainer/step/whole_step.py, tests/unit/test_whole_step.py; at W > 1
+trainer/step/padded_step.py, tests/distributed/test_padded_step.py)."""
 from __future__ import annotations
 
 import pytest
 
 from helpers import make_cfg, run_single, run_world
 from parity_helpers import BASE, assert_same_run
-from trainer.config import ConfigError
-from trainer.plan.configure import load_config
+from trainer.base.config import ConfigError
+from trainer.run.resolve.configure import load_config
 
 SHORT = BASE + ["train.steps=8"]
 
@@ -23,7 +23,7 @@ def test_split_step_two_workers_equal_one_process():
     for res in run_world(2, overrides):
         assert_same_run(ref, res)
         assert res.summary["cuda_graph"]["scope"] == "dense" and res.summary["cuda_graph"]["eager_steps"] == 8
-        assert res.summary["cuda_graph"]["optimizer"]["eager_steps"] == 8  # trainer/train/dense_update.py
+        assert res.summary["cuda_graph"]["optimizer"]["eager_steps"] == 8  # trainer/step/dense_update.py
 
 
 def test_cuda_graph_config():

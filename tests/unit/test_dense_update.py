@@ -1,4 +1,4 @@
-"""DenseUpdate (trainer/train/dense_update.py): the dense optimizer's step as fixed device work.
+"""DenseUpdate (trainer/step/dense_update.py): the dense optimizer's step as fixed device work.
 
 On the CPU it must equal torch.optim's step bit for bit, every optimizer and option the trainer
 builds (build.dense_optimizer), under a schedule that changes the rate every step, across a
@@ -14,7 +14,7 @@ import pytest
 import torch
 from torch.overrides import TorchFunctionMode
 
-from trainer.train.dense_update import DenseUpdate
+from trainer.step.dense_update import DenseUpdate
 
 SHAPES = [(37, 13), (13,), (1031, 7), (1,), (5, 3, 2)]  # odd sizes: the kernels' vector tails
 

@@ -11,16 +11,16 @@ import torch
 
 from dynamic_helpers import CPU, gid, store
 from helpers import Mirror, make_cfg
-from trainer.config import ConfigError
-from trainer.plan.configure import load_config
-from trainer.data.scramble import scramble
-from trainer.embedding.cache import RowCache, make_policy
-from trainer.embedding.consistency import CURRENT_LIFE
-from trainer.embedding.dynamic import LIFE_SHIFT, DynamicStore, dynamic_init_rows
-from trainer.embedding.remote.het import HetWire
-from trainer.embedding.types import Pushes
-from trainer.embedding.pool import SlotPool
-from trainer.embedding.sharding import ID_BITS, HashSharding
+from trainer.base.config import ConfigError
+from trainer.run.resolve.configure import load_config
+from trainer.workload.data.scramble import scramble
+from trainer.sparse.embedding.cache.rows import RowCache, make_policy
+from trainer.sparse.embedding.cache.consistency import CURRENT_LIFE
+from trainer.sparse.embedding.dynamic.shard import LIFE_SHIFT, DynamicStore, dynamic_init_rows
+from trainer.sparse.embedding.remote.het import HetWire
+from trainer.sparse.embedding.types import Pushes
+from trainer.sparse.embedding.dynamic.pool import SlotPool
+from trainer.sparse.embedding.sharding import ID_BITS, HashSharding
 
 
 def test_owner_is_a_hash_of_table_and_id_and_every_rank_agrees():
@@ -355,7 +355,7 @@ def test_a_byte_budget_sets_the_most_rows_per_table_that_fit():
     """embedding.capacity_bytes: the memory plan's rows of the resolved capacity fit the budget,
     one row more per table does not; the resolved config loads again unchanged; too small a
     budget, a disagreeing capacity and fixed tables are refused naming the key."""
-    from trainer.plan.memplan import plan_memory
+    from trainer.run.resolve.memplan import plan_memory
 
     base = ["embedding.kind=dynamic", "checkpoint.enabled=false"]
     for budget in (200_000, 30_000_000):
@@ -386,9 +386,9 @@ def test_raw_ids_keep_criteos_32_bit_values_and_train_dynamic_tables(tmp_path):
     such a directory trains embedding.kind=dynamic (a vocabulary is refused, naming the key), with
     the small-data recipe's validation split."""
     from data_helpers import N_TRAIN, prepare_sample, sample_lines
-    from trainer.data import make_data
-    from trainer.data.criteo import parse_line
-    from trainer.runner import run
+    from trainer.workload.data import make_data
+    from trainer.workload.data.criteo import parse_line
+    from trainer.run.runner import run
 
     from trainer.tools.prepare_criteo import parse_args
     opt = parse_args(["--train", "t.tsv", "--out", "o", "--raw-ids"])
@@ -416,7 +416,7 @@ def test_the_drifting_preset_brings_new_ids_and_moves_popularity():
     """data=drift: a later stretch of the stream holds ids the start never had and the start's most
     read ids fade; the same data without drift stays inside its table; eval is drawn as at
     data.drift_eval_at."""
-    from trainer.data.synthetic import SyntheticData
+    from trainer.workload.data.synthetic import SyntheticData
     c = load_config(make_cfg(["data=drift", "embedding.kind=dynamic", "embedding.capacity=100",
                               "checkpoint.enabled=false", "data.drift_eval_at=200000"]))
     data = SyntheticData(c.data, list(c.data.table_rows), 0, 1, 4096)
@@ -437,9 +437,9 @@ def test_hash_rows_folds_the_dynamic_tables_ids_into_fixed_rows():
     """data.hash_rows=N (fixed tables): the very ids a dynamic table sees (drifting, scrambled),
     each hashed into [0, N) of its table by splitmix64 of (table, id): the same-memory baseline.
     Refused with dynamic tables (and on Criteo: its hashing is prepare_criteo.py's)."""
-    from trainer.config import table_rows
-    from trainer.data import make_data
-    from trainer.core.hashing import mix64
+    from trainer.base.config import table_rows
+    from trainer.workload.data import make_data
+    from trainer.base.core.hashing import mix64
     base = ["data=drift", "checkpoint.enabled=false", "data.batch_size=512"]
     dyn = load_config(make_cfg(base + ["embedding.kind=dynamic", "embedding.capacity=100"]))
     fixed = load_config(make_cfg(base + ["data.hash_rows=300"]))
@@ -458,7 +458,7 @@ def test_hash_rows_folds_the_dynamic_tables_ids_into_fixed_rows():
 
 
 def test_dynamic_tables_train_on_the_drifting_preset_and_evict(tmp_path):
-    from trainer.runner import run
+    from trainer.run.runner import run
     res = run(make_cfg(["data=drift", "embedding.kind=dynamic", "embedding.capacity=1500",
                         "checkpoint.enabled=false", "train.steps=12", "data.test_samples=1024",
                         "train.progress=off", "comm=local"]), str(tmp_path))
@@ -478,7 +478,7 @@ def test_the_memory_plan_counts_the_pool_and_its_bookkeeping():
     """Dynamic tables: the plan's rows are the store's (T x capacity slots of weight, state,
     version, touched) plus the pool's slot ids and scores and a bound on the map's cells (CPU:
     16 B a cell; the map of a full pool never holds more than the bound)."""
-    import trainer.plan.memplan as memplan
+    import trainer.run.resolve.memplan as memplan
     from kernels.id_slot_map_reference import cells_bound
     c = load_config(make_cfg(["data=tiny", "embedding.kind=dynamic", "embedding.capacity=50",
                               "checkpoint.enabled=false", "optim.sparse=rowwise_adagrad", "model.embedding_dim=16"]))

@@ -17,9 +17,9 @@ from helpers import (assert_auc_close, assert_same_eval, eval_label_counts, make
                      train_worker)
 from dynamic_helpers import BASE as DYN, NO_EVICTION, assert_same_ids
 from parity_helpers import assert_same_run, same_model, until_best
-from trainer.comm import LocalCollectives
-from trainer.plan.configure import load_config
-from trainer.runner import Trainer
+from trainer.base.comm import LocalCollectives
+from trainer.run.resolve.configure import load_config
+from trainer.run.runner import Trainer
 
 VAL = ["data.train_samples=960", "data.val_fraction=0.25", "train.eval_every=4", "train.early_stop.patience=0",
        "train.early_stop.min_delta=1"]

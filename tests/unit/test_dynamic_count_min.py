@@ -1,4 +1,4 @@
-"""Count-min admission counting (embedding.admit_counter=count_min; trainer/embedding/admission.py,
+"""Count-min admission counting (embedding.admit_counter=count_min; trainer/sparse/embedding/dynamic/admission.py,
 docs/dynamic.md#admission): the sketch never under-counts, so it admits every id no later than
 exact counting (and exactly as it does without collisions), in memory that stays fixed while the
 distinct ids grow; halving lets old sightings fade; checkpoints keep it (the same W: as saved;
@@ -14,16 +14,16 @@ import torch
 from helpers import make_cfg
 from kernel_helpers import gpu, needs_cuda
 from dynamic_helpers import gid, resume_at_step_8_equals_uninterrupted, store
-from trainer.checkpoint.manifest import CheckpointError
-from trainer.checkpoint.pool_io import read_pool_shard, write_pool_shard
-from trainer.checkpoint.shard_io import shard_dir
-from trainer.comm import LocalCollectives
-from trainer.config import ConfigError
-from trainer.plan.configure import load_config
-from trainer.embedding.admission import Counting
-from trainer.embedding.dynamic import DynamicStore
-from trainer.embedding.sharding import ID_BITS, HashSharding
-from trainer.report import dynamic_summary
+from trainer.run.checkpoint.manifest import CheckpointError
+from trainer.run.checkpoint.pool_io import read_pool_shard, write_pool_shard
+from trainer.run.checkpoint.shard_io import shard_dir
+from trainer.base.comm import LocalCollectives
+from trainer.base.config import ConfigError
+from trainer.run.resolve.configure import load_config
+from trainer.sparse.embedding.dynamic.admission import Counting
+from trainer.sparse.embedding.dynamic.shard import DynamicStore
+from trainer.sparse.embedding.sharding import ID_BITS, HashSharding
+from trainer.run.report import dynamic_summary
 
 
 def sketch(nbytes: int, halve: int = 0) -> Counting:
@@ -273,7 +273,7 @@ def test_the_memory_plan_and_the_summary_report_the_sketchs_bytes():
     """The plan's `admission` part is the sketch a pool holds (count_min_bytes rounded down to
     whole rows); exact counting plans none (it grows with the ids); the dynamic block reports the
     counter, its bytes summed over owners, and 0 B per pending id."""
-    from trainer.plan.memplan import plan_memory
+    from trainer.run.resolve.memplan import plan_memory
     base = ["data=tiny", "embedding.kind=dynamic", "embedding.capacity=50", "checkpoint.enabled=false",
             "embedding.admit_after=2"]
     c = load_config(make_cfg(base + ["embedding.admit_counter=count_min", "embedding.count_min_bytes=10001"]))

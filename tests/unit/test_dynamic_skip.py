@@ -14,11 +14,11 @@ from helpers import make_cfg, spawn
 from dynamic_helpers import BASE as DYN, NO_EVICTION, assert_same_ids, gid, store
 from parity_helpers import assert_same_run
 from skip_helpers import FP16, inject, poison, poison_w1, reference, without
-from trainer.comm import LocalCollectives, make_collectives
-from trainer.plan.configure import load_config
-from trainer.embedding.admission import Counting
-from trainer.report import dynamic_summary
-from trainer.runner import RunResult, Trainer, run
+from trainer.base.comm import LocalCollectives, make_collectives
+from trainer.run.resolve.configure import load_config
+from trainer.sparse.embedding.dynamic.admission import Counting
+from trainer.run.report import dynamic_summary
+from trainer.run.runner import RunResult, Trainer, run
 
 EVICT = ["embedding.capacity=30", "embedding.admit_after=2", "optim=adagrad"]
 SKIP = ["train.nonfinite=skip"]

@@ -1,4 +1,4 @@
-"""train.ensemble (trainer/evaluation/ensemble.py): K members, each a complete run with its own validation slice,
+"""train.ensemble (trainer/run/evaluation/ensemble.py): K members, each a complete run with its own validation slice,
 and the test split scored with the mean of their calibrated logits.
 
 Checked: every member is exactly the run `train.ensemble=1 data.val_slice=j` (same test metrics,
@@ -18,12 +18,12 @@ import numpy as np
 import pytest
 
 from helpers import make_cfg, run_single, run_world
-from trainer.evaluation.ensemble import LOGITS, mean_prediction
-from trainer.config import ConfigError, val_range, val_rows
-from trainer.plan.configure import load_config
-from trainer.data import val_slices
-from trainer.evaluation.metrics import auc_logloss
-from trainer.runner import run
+from trainer.run.evaluation.ensemble import LOGITS, mean_prediction
+from trainer.base.config import ConfigError, val_range, val_rows
+from trainer.run.resolve.configure import load_config
+from trainer.workload.data import val_slices
+from trainer.run.evaluation.metrics import auc_logloss
+from trainer.run.runner import run
 
 QUICK = ["data.epochs=4", "train.early_stop.patience=2", "train.progress=off", "train.tensorboard=false",
          "data.loader=memmap", "train.threads=1"]

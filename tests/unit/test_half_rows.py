@@ -35,12 +35,12 @@ from parity_helpers import assert_same_run
 
 import kernels
 from kernels.rounding import StochasticRounding, random_bits, round_rows, round_stochastic, salt_of
-from trainer.checkpoint import shard_io
-from trainer.checkpoint.manifest import CheckpointError
-from trainer.config import ConfigError
-from trainer.plan.configure import load_config
-from trainer.embedding import RowSharding, ShardStore
-from trainer.embedding.optim import Rounding
+from trainer.run.checkpoint import shard_io
+from trainer.run.checkpoint.manifest import CheckpointError
+from trainer.base.config import ConfigError
+from trainer.run.resolve.configure import load_config
+from trainer.sparse.embedding import RowSharding, ShardStore
+from trainer.sparse.embedding.optim import Rounding
 
 HALF = [torch.float16, torch.bfloat16]
 NAMES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}

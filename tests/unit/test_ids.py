@@ -22,12 +22,12 @@ import torch
 
 from helpers import make_cfg, run_single
 from parity_helpers import assert_same_run
-from trainer.comm import LocalCollectives
-from trainer.config import ConfigError
-from trainer.plan.configure import load_config
-from trainer.data import Batch, GuardedData, IdGuard, IdRangeError
-from trainer.data.synthetic import SyntheticData
-from trainer.runner import RunResult, Trainer
+from trainer.base.comm import LocalCollectives
+from trainer.base.config import ConfigError
+from trainer.run.resolve.configure import load_config
+from trainer.workload.data import Batch, GuardedData, IdGuard, IdRangeError
+from trainer.workload.data.synthetic import SyntheticData
+from trainer.run.runner import RunResult, Trainer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 BASE = ["data=tiny", "train.steps=10", "data.global_batch_size=48", "data.test_samples=480",

@@ -1,16 +1,16 @@
-"""LRU-2's victims (trainer/embedding/lru2.py) and the row cache's shortcuts (tiered.py): each is a
+"""LRU-2's victims (trainer/sparse/embedding/store/lru2.py) and the row cache's shortcuts (tiered.py): each is a
 saving of time only, so each is checked against the plain computation it replaces."""
 from __future__ import annotations
 
 import numpy as np
 import torch
 
-from trainer.embedding.lru2 import SlotUses
-from trainer.embedding.optim import Rounding
-from trainer.embedding.sharding import RowSharding
-from trainer.embedding.store import ShardStore
-from trainer.embedding.tier import DiskTier
-from trainer.embedding.tiered import TieredStore
+from trainer.sparse.embedding.store.lru2 import SlotUses
+from trainer.sparse.embedding.optim import Rounding
+from trainer.sparse.embedding.sharding import RowSharding
+from trainer.sparse.embedding.store.shard import ShardStore
+from trainer.sparse.embedding.store.tier.disk import DiskTier
+from trainer.sparse.embedding.store.tiered import TieredStore
 
 
 def _keys(uses: SlotUses, slots: np.ndarray) -> np.ndarray:

@@ -1,4 +1,4 @@
-"""trainer/plan/memplan.py: every rank knows its bytes before it allocates, rank 0 prints the plan, and a
+"""trainer/run/resolve/memplan.py: every rank knows its bytes before it allocates, rank 0 prints the plan, and a
 config that cannot fit stops every rank with one error line (exit 2) instead of the allocator's
 traceback. The figures are checked against the tensors a run really holds."""
 from __future__ import annotations
@@ -12,10 +12,10 @@ import torch
 from failure_helpers import _env
 from helpers import make_cfg, run_single, spawn
 
-import trainer.plan.memplan as memplan
-from trainer.config import ConfigError
-from trainer.plan.configure import load_config
-from trainer.runner import run
+import trainer.run.resolve.memplan as memplan
+from trainer.base.config import ConfigError
+from trainer.run.resolve.configure import load_config
+from trainer.run.runner import run
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TINY = ["data=tiny", "train.steps=2", "data.global_batch_size=48", "data.test_samples=96", "train.progress=off",
@@ -29,8 +29,8 @@ def test_bytes_per_row_are_the_tensors_of_the_store(optim, state):
     c = load_config(make_cfg(TINY + [f"optim.sparse={optim}", "model.embedding_dim=16"]))
     plan = memplan.plan_memory(c, 2, 1)
     assert plan.bytes_per_row == 16 * 4 + state + 8 + 1
-    from trainer.embedding.sharding import RowSharding
-    from trainer.embedding.store import ShardStore
+    from trainer.sparse.embedding.sharding import RowSharding
+    from trainer.sparse.embedding.store.shard import ShardStore
     s = RowSharding(list(c.data.table_rows), 2, 1)
     store = ShardStore(s, 16, 0, None, optim, 0.1, 1e-8, torch.device("cpu"))
     held = [store.weight, store.version, store.touched, *store.optimizer.state_tensors().values()]
@@ -56,7 +56,7 @@ def test_cache_replica_and_snapshot_are_counted():
 def test_a_dynamic_pools_snapshot_counts_each_slots_id_and_version():
     """Dynamic tables: the best snapshot's part is its tensors: held flag + rows + the kept slot id
     and version (16 B per slot), in memory or with the rows on disk."""
-    from trainer.core.snapshot_rows import SnapshotRows, SnapshotSlots
+    from trainer.base.core.snapshot_rows import SnapshotRows, SnapshotSlots
     c = load_config(make_cfg(TINY + ["embedding.kind=dynamic", "embedding.capacity=50", "data.val_fraction=0.1",
                                      "data.train_samples=960"]))
     plan = memplan.plan_memory(c, 2, 0)
@@ -103,7 +103,7 @@ def test_memory_check_false_and_a_table_that_cannot_fit_is_one_line_exit_2(tmp_p
 
 
 def test_allocating_turns_only_out_of_memory_into_one_line():
-    from trainer.core.errors import TrainingError, allocating
+    from trainer.base.core.errors import TrainingError, allocating
     with pytest.raises(TrainingError, match=r"^out of memory allocating the cache: 1,024 bytes asked for"):
         with allocating("the cache"):
             raise RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate 1024 bytes.")

@@ -6,12 +6,12 @@ import itertools
 import pytest
 import torch
 
-from trainer.config import ModelConfig
-from trainer.models import build_model
-from trainer.models.dcn import DCN
-from trainer.models.deepfm import DeepFM, fm_pairwise
-from trainer.models.dlrm import DLRM
-from trainer.models.wdl import WDL
+from trainer.base.config import ModelConfig
+from trainer.workload.models import build_model
+from trainer.workload.models.dcn import DCN
+from trainer.workload.models.deepfm import DeepFM, fm_pairwise
+from trainer.workload.models.dlrm import DLRM
+from trainer.workload.models.wdl import WDL
 
 B, F, T, D = 5, 4, 3, 8
 
@@ -85,7 +85,7 @@ def test_dlrm_gram_backward_equals_autograd_of_the_formula():
         grads.append([s.grad] + [p.grad.clone() for p in m.parameters()])
     for got, want in zip(*grads):
         torch.testing.assert_close(got, want)
-    from trainer.models.dlrm import _Gram
+    from trainer.workload.models.dlrm import _Gram
     z = torch.randn(B, T + 1, D, dtype=torch.float64, requires_grad=True)
     assert torch.autograd.gradcheck(_Gram.apply, (z,))
 

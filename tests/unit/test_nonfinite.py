@@ -19,11 +19,11 @@ import torch
 from helpers import make_cfg, run_single, spawn
 from parity_helpers import assert_same_run
 from skip_helpers import poison, poison_w1, reference, without
-from trainer.comm import LocalCollectives, make_collectives
-from trainer.config import ConfigError
-from trainer.plan.configure import load_config
-from trainer.embedding.cache import RowCache, make_policy
-from trainer.runner import RunResult, Trainer, TrainingError, run
+from trainer.base.comm import LocalCollectives, make_collectives
+from trainer.base.config import ConfigError
+from trainer.run.resolve.configure import load_config
+from trainer.sparse.embedding.cache.rows import RowCache, make_policy
+from trainer.run.runner import RunResult, Trainer, TrainingError, run
 
 BASE = ["data=tiny", "data.table_rows=[97,3001,13,1250]", "train.steps=14", "data.global_batch_size=48",
         "data.test_samples=480", "data.eval_batch_size=40", "train.threads=1", "train.progress=off"]

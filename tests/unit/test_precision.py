@@ -1,4 +1,4 @@
-"""Mixed precision of the dense model (train.precision, trainer/train/precision.py).
+"""Mixed precision of the dense model (train.precision, trainer/step/precision.py).
 
 - fp32 (the default) runs no autocast and scales nothing: the step is the fp32 step.
 - LossScaler follows torch.amp.GradScaler's scale, step for step, for the same overflows.
@@ -22,12 +22,12 @@ import torch
 from helpers import make_cfg, run_single, run_world, spawn
 from parity_helpers import BASE, assert_same_run
 from skip_helpers import FP16, inject, poison_w1, reference
-from trainer.checkpoint.manifest import step_dir
-from trainer.comm import make_collectives
-from trainer.config import ConfigError, LossScaleConfig
-from trainer.plan.configure import load_config
-from trainer.train.precision import DensePrecision, LossScaler
-from trainer.runner import RunResult, Trainer, run
+from trainer.run.checkpoint.manifest import step_dir
+from trainer.base.comm import make_collectives
+from trainer.base.config import ConfigError, LossScaleConfig
+from trainer.run.resolve.configure import load_config
+from trainer.step.precision import DensePrecision, LossScaler
+from trainer.run.runner import RunResult, Trainer, run
 
 PARITY_TOL = {"bf16": 1e-3, "fp16": 5e-4}  # rtol = atol of W = 2 against W = 1; measured (tiny, adagrad, 24 steps): bf16 1e-4 (losses) / 5e-5 (dense), fp16 3.4e-6 / 3.8e-5
 AUC_TOL = 5e-3  # their eval AUC on the 480 rows; measured: bf16 1.1e-3, fp16 2.6e-5

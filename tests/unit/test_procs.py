@@ -1,4 +1,4 @@
-"""trainer/core/procs.py: /proc/PID/stat read once for the checkpoint lock, the relaunch advice and the
+"""trainer/base/core/procs.py: /proc/PID/stat read once for the checkpoint lock, the relaunch advice and the
 cluster emulation. A process whose name holds spaces and parentheses (the comm field of
 /proc/PID/stat is free text) still gives its state, parent and start time; an exited process is
 told apart from a running one until it is reaped, and is gone after."""
@@ -9,7 +9,7 @@ import shutil
 import subprocess
 import time
 
-from trainer.core import procs
+from trainer.base.core import procs
 
 
 def test_stat_of_a_process_with_an_awkward_name(tmp_path):

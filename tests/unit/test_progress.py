@@ -1,10 +1,10 @@
-"""trainer/core/progress.py: sizes in words, and the line long work says once it is done."""
+"""trainer/base/core/progress.py: sizes in words, and the line long work says once it is done."""
 from __future__ import annotations
 
 import time
 
-from trainer.core import progress
-from trainer.core.progress import SLOW_S, fmt_bytes, say_if_slow
+from trainer.base.core import progress
+from trainer.base.core.progress import SLOW_S, fmt_bytes, say_if_slow
 
 
 def test_fmt_bytes():

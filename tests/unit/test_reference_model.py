@@ -11,11 +11,11 @@ import torch
 import torch.nn.functional as F
 
 from helpers import make_cfg, run_single
-from trainer.config import table_rows
-from trainer.plan.configure import load_config
-from trainer.data import make_data
-from trainer.embedding import init_rows
-from trainer.models import build_model
+from trainer.base.config import table_rows
+from trainer.run.resolve.configure import load_config
+from trainer.workload.data import make_data
+from trainer.sparse.embedding import init_rows
+from trainer.workload.models import build_model
 
 
 def plain_torch_run(overrides: list[str]):

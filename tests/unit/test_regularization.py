@@ -23,10 +23,10 @@ import pytest  # noqa: E402
 from helpers import make_cfg  # noqa: E402
 from kernels import reference as ref  # noqa: E402
 from kernels._triton import has_triton, interpret_enabled  # noqa: E402
-from trainer.config import OptimConfig  # noqa: E402
-from trainer.plan.configure import load_config  # noqa: E402
-from trainer.train.lr import lr_factor  # noqa: E402
-from trainer.models import build_model  # noqa: E402
+from trainer.base.config import OptimConfig  # noqa: E402
+from trainer.run.resolve.configure import load_config  # noqa: E402
+from trainer.step.lr import lr_factor  # noqa: E402
+from trainer.workload.models import build_model  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() and not interpret_enabled() else "cpu"
 needs_triton = pytest.mark.skipif(not has_triton(), reason="triton is not installed on this platform")
@@ -179,11 +179,11 @@ def test_poly_decay_window_formula():
 def test_schedule_sets_every_learning_rate():
     """The dense optimizer and every sparse optimizer instance (owner, replica, HET cache's local
     rule) follow the same factor; a run with warmup moves less in its first step."""
-    from trainer.comm import LocalCollectives
-    from trainer.runner import Trainer
+    from trainer.base.comm import LocalCollectives
+    from trainer.run.runner import Trainer
 
-    from trainer.embedding.remote import HeraldRemote, HetRemote
-    from trainer.embedding.remote.base import CacheStats
+    from trainer.sparse.embedding.remote import HeraldRemote, HetRemote
+    from trainer.sparse.embedding.remote.base import CacheStats
 
     base = ["data=tiny", "train.steps=10", "optim=adam", "optim.warmup_steps=4", "optim.decay=poly",
             "train.progress=off", "comm=local", "optim.sparse_weight_decay=0.01"]
@@ -211,8 +211,8 @@ def test_schedule_sets_every_learning_rate():
 
 
 def _cache_like(t):
-    from trainer.build import _cache_rows
-    from trainer.embedding.cache import RowCache, make_policy
+    from trainer.run.build import _cache_rows
+    from trainer.sparse.embedding.cache.rows import RowCache, make_policy
     return RowCache(_cache_rows(t.c, t.sparse.plan), t.emb.dim, make_policy("lru"), t.emb.sharding.n_ids, 0.05)
 
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from trainer.comm import detect_backend
-from trainer.config import adopt_slurm, launcher_rank
-from trainer.config.load import _first_host, _tasks_here
+from trainer.base.comm import detect_backend
+from trainer.base.config import adopt_slurm, launcher_rank
+from trainer.base.config.load import _first_host, _tasks_here
 
 STEP = {"SLURM_STEP_ID": "0", "SLURM_PROCID": "3", "SLURM_NTASKS": "4", "SLURM_LOCALID": "1",
         "SLURM_NODEID": "1", "SLURM_STEP_TASKS_PER_NODE": "2(x2)", "SLURM_JOB_NODELIST": "gpu[07-08]",

@@ -1,4 +1,4 @@
-"""The best-model snapshot's rows (trainer/core/snapshot_rows.py): in memory or in a file, bit for bit
+"""The best-model snapshot's rows (trainer/base/core/snapshot_rows.py): in memory or in a file, bit for bit
 the same, one window of rows at a time whatever the shard's size; and a whole run with the
 snapshot on disk restores the very model the in-memory snapshot restores."""
 from __future__ import annotations
@@ -10,8 +10,8 @@ import torch
 
 from helpers import run_single
 from parity_helpers import ES, same_model
-from trainer.core import snapshot_rows
-from trainer.core.snapshot_rows import SnapshotRows, in_memory
+from trainer.base.core import snapshot_rows
+from trainer.base.core.snapshot_rows import SnapshotRows, in_memory
 
 
 def _run(kept: SnapshotRows, weight: torch.Tensor, rounds: int, seed: int) -> torch.Tensor:

@@ -10,11 +10,11 @@ What can fail here without a GPU:
   ``device=``, every op mixing the two, every host read, every op whose output size depends on
   device values and every host -> device copy. Each must be at a site of the allow-lists below,
   each entry with the reason it is allowed; a new site fails the test with the list. Every copy
-  must be asynchronous (pinned memory, ``trainer/core/device.py``), and every tensor of the step's
+  must be asynchronous (pinned memory, ``trainer/base/core/device.py``), and every tensor of the step's
   lookup plan must follow the device.
 
 Entries marked TODO are host syncs the algorithm does not need, in code another change owns
-(RowCache in trainer/embedding/cache.py); each names what remains there. HetRemote's read, write
+(RowCache in trainer/sparse/embedding/cache/rows.py); each names what remains there. HetRemote's read, write
 and push announcement (remote/het.py) have none left: their selections take sizes the host knows. Entries marked CPU-ONLY are paths a GPU run does not
 take. Entries marked AUDIT are artefacts of auditing on a CPU (said why); the real GPU behaviour
 of those sites is on the checklist of docs/gpu.md.
@@ -52,24 +52,24 @@ GUARD = ("AUDIT: the data source's id guard (data/ids.py) checks the batch on th
          "tensors for device ones (a CPU .to returns the same tensor). With DALI on GPU the batch "
          "arrives on the device and this is one sync per batch: docs/gpu.md")
 FACTORY_OK: dict[tuple[str, str], str] = {
-    ("trainer/comm/base.py", "exchange_splits_async"): SPLITS_TENSOR,
+    ("trainer/base/comm/base.py", "exchange_splits_async"): SPLITS_TENSOR,
 }
 MIX_OK: dict[tuple[str, str], str] = {
-    ("trainer/comm/torch_dist.py", "_alltoall_start"):
+    ("trainer/base/comm/torch_dist.py", "_alltoall_start"):
         "gloo stages through host memory: the split-size tensor (host by nature, see "
         "exchange_splits_async) meets `out`, made on the process group's device; the audit cannot tell "
         "the group's device from the trainer's",
-    ("trainer/data/ids.py", "values"): GUARD,
-    ("trainer/data/batch.py", "table_index"): GUARD + " (the guard's table_index() of the host batch)",
+    ("trainer/workload/data/ids.py", "values"): GUARD,
+    ("trainer/workload/data/batch.py", "table_index"): GUARD + " (the guard's table_index() of the host batch)",
 }
 INHERENT = "needed by the algorithm"
 CACHE_TODO = ("TODO(cache.py, being vectorised in another change: do not edit here): ")
 HOST_OK: dict[tuple[str, str], str] = {
-    ("trainer/train/pipeline.py", "_end"):
+    ("trainer/step/pipeline.py", "_end"):
         f"{INHERENT}: the step's global loss (recorded every step, checked for NaN/inf; with "
         "train.nonfinite=skip every rank needs it before updating). Possible: read the loss one "
         "step late in stop mode",
-    ("trainer/train/pipeline.py", "_dense_step"):
+    ("trainer/step/pipeline.py", "_dense_step"):
         "torch.optim's step counters (Adam's, Adagrad's .item() inside torch.optim: CPU tensors by "
         "torch's design unless fused/capturable, so no device sync); with train.cuda_graph dense / "
         "on the step is DenseUpdate's, which reads none",
@@ -77,42 +77,42 @@ HOST_OK: dict[tuple[str, str], str] = {
         f"{INHERENT}: the step's global loss read back (TrainPipeline._end's one read, with the stop "
         "signal's flag that rides the same reduction: no extra read or message per step; with "
         "train.precision=fp16 also the ranks' overflow count, in the same read)",
-    ("trainer/embedding/exchange.py", "plan_lookup"):
+    ("trainer/sparse/embedding/exchange.py", "plan_lookup"):
         f"{INHERENT}: the step's one read-back of the plan: unique ids per owner and replicated "
         "([W + 1]), the alltoall split sizes, which also fix every size of the plan",
-    ("trainer/comm/base.py", "_received_splits"): f"{INHERENT}: received alltoall split sizes",
-    ("trainer/embedding/sharding.py", "per_owner"):
+    ("trainer/base/comm/base.py", "_received_splits"): f"{INHERENT}: received alltoall split sizes",
+    ("trainer/sparse/embedding/sharding.py", "per_owner"):
         f"{INHERENT}: the split sizes of HetWire.push_updates_start (read once, when HetWire.announce "
         "sends them ahead of the rows; or in push_updates_start when nothing was announced)",
-    ("trainer/embedding/exchange.py", "serve_settled"):
+    ("trainer/sparse/embedding/exchange.py", "serve_settled"):
         f"{INHERENT}: one read of the settled rows each peer gets from / sends to this rank early "
         "(train.pipeline=ids without a cache: the early row alltoall's split sizes, both "
         "directions in one [2W] vector)",
-    ("trainer/embedding/remote/het.py", "serve"):
+    ("trainer/sparse/embedding/remote/het.py", "serve"):
         f"{INHERENT}: one read of the rows each peer gets from / sends to this rank after the "
         "version check (the row alltoall's split sizes, both directions in one [2W] vector)",
-    ("trainer/embedding/cache.py", "_choose_slots"):
+    ("trainer/sparse/embedding/cache/rows.py", "_choose_slots"):
         CACHE_TODO + "one read of [3T] counts (misses left per table after its free slots, where "
         "each table's victims start, the free slots taken) before a Python loop over the tables "
         "that need victims; a segmented victim choice for all tables (sort by (table, key)) would "
         "read them with the victims' counts",
-    ("trainer/embedding/cache.py", "_victims"): CACHE_TODO + "the last key of each table's "
+    ("trainer/sparse/embedding/cache/rows.py", "_victims"): CACHE_TODO + "the last key of each table's "
         "selection (one read), int(ok.sum()) for a region that runs out; goes with _choose_slots",
-    ("trainer/embedding/slotmap.py", "insert"):
+    ("trainer/sparse/embedding/cache/slotmap.py", "insert"):
         "CPU-ONLY: DirectSlotMap's live counter (int(new.sum())): the direct map is the CPU path "
         "only; on a GPU the cache and Herald's lent rows use the Triton hash map",
-    ("trainer/embedding/slotmap.py", "erase"): "CPU-ONLY: DirectSlotMap, as insert",
-    ("trainer/data/ids.py", "values"): GUARD + " (bool(bad.any()))",
+    ("trainer/sparse/embedding/cache/slotmap.py", "erase"): "CPU-ONLY: DirectSlotMap, as insert",
+    ("trainer/workload/data/ids.py", "values"): GUARD + " (bool(bad.any()))",
 }
 SHAPE_OK: dict[tuple[str, str], str] = {
-    ("trainer/embedding/cache.py", "_evict"): CACHE_TODO + "slots[old >= 0] and live[count > 0]: "
+    ("trainer/sparse/embedding/cache/rows.py", "_evict"): CACHE_TODO + "slots[old >= 0] and live[count > 0]: "
         "masked selections; mask-weighted fixed-size ops (index_fill_ under a mask) need no size",
-    ("trainer/embedding/cache.py", "take_due"): CACHE_TODO + "slots[push_due(...)]: the due slots; "
+    ("trainer/sparse/embedding/cache/rows.py", "take_due"): CACHE_TODO + "slots[push_due(...)]: the due slots; "
         "their count can join the push's split-size read",
-    ("trainer/embedding/cache.py", "record_and_take_due"): CACHE_TODO + "nonzero(push_due(...)) "
+    ("trainer/sparse/embedding/cache/rows.py", "record_and_take_due"): CACHE_TODO + "nonzero(push_due(...)) "
         "where the caller does not know the due count (no push announcement: Horovod, one rank); "
         "with one, HetRemote passes the count and the selection is fixed-size",
-    ("trainer/embedding/cache.py", "versions_of"): CACHE_TODO + "out[hit] = version[slots[hit]]: "
+    ("trainer/sparse/embedding/cache/rows.py", "versions_of"): CACHE_TODO + "out[hit] = version[slots[hit]]: "
         "torch.where over a clamped index_select needs no size",
     ("kernels/reference.py", "first_and_sums"):
         "CPU-ONLY: the owner update's torch reference (sum_repeats, first_and_sums: the first "
@@ -120,17 +120,17 @@ SHAPE_OK: dict[tuple[str, str], str] = {
         "(nonzero); on CUDA kernels.row_update is the Triton segment kernel, which reads nothing "
         "back (the plain-triton configuration audits it)",
 }
-ASYNC_COPY = "pinned host memory, non_blocking (trainer/core/device.py)"
+ASYNC_COPY = "pinned host memory, non_blocking (trainer/base/core/device.py)"
 COPY_OK: dict[tuple[str, str], str] = {
-    ("trainer/data/batch.py", "to"):
+    ("trainer/workload/data/batch.py", "to"):
         f"the step's batch, made on the host by the data source: {ASYNC_COPY}; with "
         "train.pipeline the next batch is made and copied during this step",
-    ("trainer/train/pipeline.py", "batch"):
+    ("trainer/step/pipeline.py", "batch"):
         f"the scheduler's hot slots of the global batch (host: every rank computes them from the "
         f"global view), moved with the batch: {ASYNC_COPY}",
-    ("trainer/embedding/exchange.py", "segment_counts"):
+    ("trainer/sparse/embedding/exchange.py", "segment_counts"):
         f"the alltoall split sizes (host integers) to count rows per peer on the device: {ASYNC_COPY}",
-    ("trainer/embedding/remote/herald.py", "_t"):
+    ("trainer/sparse/embedding/remote/herald.py", "_t"):
         "Herald's sync plan (writebacks, pulls, lends, pushes per worker) is host numpy by design: "
         f"every rank computes the same plan from the global batch; its id lists per step: {ASYNC_COPY}",
 }
@@ -138,10 +138,10 @@ ALLOWED = {"factory": FACTORY_OK, "mix": MIX_OK, "host": HOST_OK, "shape": SHAPE
 # host reads per step at the sites the algorithm needs: one each (the pipelined step plans two
 # steps in one call of train_step: its own lookup was planned a step early, so still one)
 READS_AT_MOST: dict[tuple[str, str], int] = {
-    ("trainer/embedding/exchange.py", "plan_lookup"): 1,
-    ("trainer/embedding/remote/het.py", "serve"): 1,
-    ("trainer/embedding/exchange.py", "serve_settled"): 1,
-    ("trainer/embedding/sharding.py", "per_owner"): 1,
+    ("trainer/sparse/embedding/exchange.py", "plan_lookup"): 1,
+    ("trainer/sparse/embedding/remote/het.py", "serve"): 1,
+    ("trainer/sparse/embedding/exchange.py", "serve_settled"): 1,
+    ("trainer/sparse/embedding/sharding.py", "per_owner"): 1,
 }
 # host syncs per step where no TODO site runs (the cache's do vary with its contents): W = 1 and
 # no cache: the loss and the plan's count read-back (+ the received split sizes at W = 2; + the CPU
@@ -159,9 +159,9 @@ def audit_worker(rank: int, world: int, overrides: list[str],
     """Build the trainer and run WARMUP_STEPS + 1 steps under the audit; return the last step's
     records and, for every lookup plan made in it, the virtual device of each plan tensor.
     Module level: the W > 1 runs call it in spawned ranks."""
-    from trainer.comm import make_collectives
-    from trainer.plan.configure import load_config as to_config
-    from trainer.runner import Trainer
+    from trainer.base.comm import make_collectives
+    from trainer.run.resolve.configure import load_config as to_config
+    from trainer.run.runner import Trainer
 
     comm_key = ["comm=torch"] if world > 1 else ["comm=local"]
     c = to_config(make_cfg(TINY + list(overrides) + comm_key))
@@ -232,7 +232,7 @@ def _check(result: tuple[list[Record], list[dict]], what: str, most_syncs: int |
 
 
 def _batch(device: str):
-    from trainer.data.batch import Batch
+    from trainer.workload.data.batch import Batch
 
     lengths = torch.tensor([[2, 0, 1], [0, 3, 1]])
     b = Batch(torch.zeros(2, 4), torch.arange(7), lengths, torch.zeros(2))
@@ -290,13 +290,13 @@ def test_one_step_w1_mixed_precision(precision: str):
            most_syncs=SYNCS_AT_MOST["w1"])
 
 
-CAPTURED = ("trainer/train/whole_step.py", "trainer/train/dense_step.py", "trainer/train/dense_update.py",
-            "trainer/embedding/padded.py", "trainer/models/")
+CAPTURED = ("trainer/step/whole_step.py", "trainer/step/dense_step.py", "trainer/step/dense_update.py",
+            "trainer/sparse/embedding/padded.py", "trainer/workload/models/")
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 def test_one_step_w1_whole_graph(precision: str):
-    """train.cuda_graph=on at W = 1 (trainer/train/whole_step.py): the step passes the same audit with
+    """train.cuda_graph=on at W = 1 (trainer/step/whole_step.py): the step passes the same audit with
     one host sync, the loss (no plan count read back), and what a CUDA graph captures (the padded
     plan, the gather, the model, the rows' update) makes nothing on the host, mixes nothing, reads
     nothing back and makes no tensor whose size depends on device values. Ragged bags (TINY's
@@ -317,9 +317,9 @@ def sizes_of_two_steps(overrides: list[str], rank: int = 0, world: int = 1) -> t
     """Every op's output sizes (device_audit's `sizes`) in two consecutive steps, and the unique
     ids of each step's batch (they must differ, or the comparison proves nothing). Module level:
     the W > 1 runs call it in spawned ranks."""
-    from trainer.comm import make_collectives
-    from trainer.plan.configure import load_config as to_config
-    from trainer.runner import Trainer
+    from trainer.base.comm import make_collectives
+    from trainer.run.resolve.configure import load_config as to_config
+    from trainer.run.runner import Trainer
 
     comm_key = ["comm=torch"] if world > 1 else ["comm=local"]
     c = to_config(make_cfg(TINY + ["train.steps=5"] + list(overrides) + comm_key))
@@ -363,7 +363,7 @@ def _sizes_worker(rank: int, world: int, overrides: list[str]) -> tuple[list, li
 
 @pytest.mark.dist
 def test_padded_step_makes_no_tensor_sized_by_the_data_at_w2():
-    """train.cuda_graph=on at W = 2 (trainer/train/padded_step.py): on both ranks two steps whose
+    """train.cuda_graph=on at W = 2 (trainer/step/padded_step.py): on both ranks two steps whose
     batches hold different numbers of unique ids make the same tensors, op for op, size for size,
     the alltoalls included (their split sizes are the config's). The eager W = 2 step fails the
     same comparison."""
@@ -381,7 +381,7 @@ def test_one_step_w2_padded():
     nothing back and makes no tensor whose size depends on device values."""
     for rank, (records, plans) in enumerate(spawn(2, audit_worker, ["train.cuda_graph=on", "optim=adagrad"], False)):
         _check((records, plans), f"W=2 cuda_graph=on rank {rank}", most_syncs=1)
-        inside = [r for r in records if r.file.startswith(CAPTURED + ("trainer/train/padded_step.py",))]
+        inside = [r for r in records if r.file.startswith(CAPTURED + ("trainer/step/padded_step.py",))]
         assert not inside, "the padded step must be free of host work:\n" + "\n".join(map(str, inside))
         assert not [r for r in records if r.kind == "shape"], "a tensor sized by device values"
 
@@ -407,10 +407,10 @@ W2_CONFIGS = {
 
 @pytest.mark.parametrize("shortcut", [True, False])
 def test_positions_checks_its_count_on_both_paths(shortcut: bool, monkeypatch: pytest.MonkeyPatch):
-    """trainer.core.device.positions: the CPU shortcut (torch.nonzero) and the device path
+    """trainer.base.core.device.positions: the CPU shortcut (torch.nonzero) and the device path
     (nonzero_static, the one the audit sees) give the same positions and both refuse a wrong count."""
     import kernels.reference
-    import trainer.core.device as device
+    import trainer.base.core.device as device
     monkeypatch.setattr(kernels.reference, "CPU_SHORTCUTS", shortcut)
     mask = torch.tensor([False, True, True, False, True])
     assert device.positions(mask, 3).tolist() == [1, 2, 4]
@@ -450,9 +450,9 @@ def test_cuda_step_syncs_w1(pipeline: str, graph: str, most: int):
     reads the sparse rate on the device, and replayed by the audited step) the loss only."""
     import warnings
 
-    from trainer.comm import make_collectives
-    from trainer.plan.configure import load_config as to_config
-    from trainer.runner import Trainer
+    from trainer.base.comm import make_collectives
+    from trainer.run.resolve.configure import load_config as to_config
+    from trainer.run.runner import Trainer
 
     c = to_config(make_cfg(TINY + ["comm=local", "train.device=cuda", "optim=adagrad",
                                    f"train.pipeline={pipeline}", f"train.cuda_graph={graph}"]))
@@ -486,11 +486,11 @@ def test_criteo_batch_on_the_device_is_made_there(policy: str):
     """DALI's GPU pipeline hands `to_batch` its columns on the device (docs/gpu.md, item 4): the
     id guard, the vocabulary, the folding into the configured tables and the standardisation must
     then make nothing on the host, copy nothing per batch (their constants are copied once:
-    trainer/core/device.py resident) and read back nothing, except policy error's one flag per batch
+    trainer/base/core/device.py resident) and read back nothing, except policy error's one flag per batch
     (a bad batch is refused before anything uses it). Ids out of range under hash are folded."""
-    from trainer.data.blocks import to_batch
-    from trainer.data.ids import IdGuard
-    from trainer.data.vocab import Vocab
+    from trainer.workload.data.blocks import to_batch
+    from trainer.workload.data.ids import IdGuard
+    from trainer.workload.data.vocab import Vocab
 
     b, t, f = 8, 3, 2
 

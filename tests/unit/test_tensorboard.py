@@ -9,7 +9,7 @@ import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from helpers import make_cfg, spawn
-from trainer.runner import run
+from trainer.run.runner import run
 
 BASE = ["data=tiny", "train.steps=12", "train.log_every=4", "train.eval_every=6", "train.progress=off",
         "checkpoint.enabled=false"]
@@ -83,8 +83,8 @@ def test_staleness_histogram_from_counts_equals_one_value_per_read(hist):
     value per read (O(reads so far): it grew with every step of a long run)."""
     import numpy as np
     from torch.utils.tensorboard.summary import make_histogram
-    from trainer.embedding.consistency import HIST_BINS
-    from trainer.report.tensorboard import _bin_value, staleness_histogram
+    from trainer.sparse.embedding.cache.consistency import HIST_BINS
+    from trainer.run.report.tensorboard import _bin_value, staleness_histogram
     values = np.repeat([_bin_value(k) for k in hist], [hist[k] for k in hist])
     want = make_histogram(values, bins=np.arange(HIST_BINS + 1) - 0.5)
     got = staleness_histogram(hist)

@@ -1,4 +1,4 @@
-"""The tier's sequential pieces (trainer/embedding/tier_io.py) against the mapping: records read,
+"""The tier's sequential pieces (trainer/sparse/embedding/store/tier/records.py) against the mapping: records read,
 set and filled around it, in pieces of a few record units (the piece size shrunk, so that every
 range crosses many pieces and ends mid-page), equal what indexing the mapped tensors gives."""
 from __future__ import annotations
@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from trainer.embedding import tier_io
-from trainer.embedding.tier import DiskTier
-from trainer.embedding.tier_io import record_unit
+from trainer.sparse.embedding.store.tier import records as tier_io
+from trainer.sparse.embedding.store.tier.disk import DiskTier
+from trainer.sparse.embedding.store.tier.records import record_unit
 
 N = 10_007  # records of 40 B (weight 5 x fp32, state fp32, version int64, touched; padded): a record unit is 5 pages
 FIELDS = [("weight", (5,), torch.float32), ("state", (), torch.float32), ("version", (), torch.int64),

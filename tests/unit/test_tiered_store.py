@@ -1,4 +1,4 @@
-"""TieredStore (trainer/embedding/tiered.py) against ShardStore, call for call: the same random
+"""TieredStore (trainer/sparse/embedding/store/tiered.py) against ShardStore, call for call: the same random
 sequence of reads, updates (repeated rows, masked, put back) and direct phases on both, with a row
 cache of a few slots, so that every path runs: hits, loads, batched evictions with write-back,
 calls wanting more rows than the cache holds (served by the file), a direct read (the cache
@@ -13,16 +13,16 @@ import numpy as np
 import pytest
 import torch
 
-from trainer.embedding.optim import Rounding
-from trainer.embedding.sharding import RowSharding
-from trainer.embedding.store import ShardStore
-from trainer.embedding import tier as tier_module
-from trainer.embedding import tier_log
-from trainer.embedding import uring
-from trainer.embedding.tier import DiskTier
-from trainer.embedding.slotmap import map_bytes
-from trainer.embedding import tiered
-from trainer.embedding.tiered import SLOT_BOOK_BYTES, TieredStore, cache_slots, log_rows
+from trainer.sparse.embedding.optim import Rounding
+from trainer.sparse.embedding.sharding import RowSharding
+from trainer.sparse.embedding.store.shard import ShardStore
+from trainer.sparse.embedding.store.tier import disk as tier_module
+from trainer.sparse.embedding.store.tier import log as tier_log
+from trainer.sparse.embedding.store.tier import uring
+from trainer.sparse.embedding.store.tier.disk import DiskTier
+from trainer.sparse.embedding.cache.slotmap import map_bytes
+from trainer.sparse.embedding.store import tiered
+from trainer.sparse.embedding.store.tiered import SLOT_BOOK_BYTES, TieredStore, cache_slots, log_rows
 
 ROWS = [300, 157, 41]
 DIM = 8
@@ -293,8 +293,8 @@ def test_a_merge_keeps_the_copies_it_leaves_good():
     match; copies read from the other half stay."""
     from concurrent.futures import Future
 
-    from trainer.embedding.readahead import ReadAheadCopies
-    from trainer.embedding.writelog import code
+    from trainer.sparse.embedding.store.tier.readahead import ReadAheadCopies
+    from trainer.sparse.embedding.store.tier.writelog import code
 
     done = Future()
     done.set_result(torch.arange(24, dtype=torch.uint8).view(6, 4))

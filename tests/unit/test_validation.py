@@ -16,9 +16,9 @@ import torch
 
 from helpers import assert_auc_close, assert_same_eval, eval_label_counts, make_cfg, run_single, run_world
 from parity_helpers import ES, assert_same_run, same_model, until_best
-from trainer.config import ConfigError
-from trainer.plan.configure import load_config
-from trainer.data import make_data
+from trainer.base.config import ConfigError
+from trainer.run.resolve.configure import load_config
+from trainer.workload.data import make_data
 
 
 def _val_aucs(s: dict) -> list[tuple[int, float]]:
@@ -133,7 +133,7 @@ def test_validation_split_is_carved_from_the_training_rows_of_every_source():
 def test_criteo_standardize_uses_the_training_rows_only(prepared):
     """data.standardize (the small recipe's): every split's dense features are (x - mean) / std with
     the statistics of the training rows, the validation tail and the test split left out."""
-    from trainer.data.criteo import from_block
+    from trainer.workload.data.criteo import from_block
     over = ["data=criteo", f"data.dir={prepared}", "data.loader=memmap", "data.shuffle=false", "data.batch_size=1440",
             "data.val_fraction=0.1"]
     on, off = (make_data(load_config(make_cfg(over + [f"data.standardize={v}"])), 0, 1) for v in ("true", "false"))
@@ -153,7 +153,7 @@ def test_criteo_standardize_uses_the_training_rows_only(prepared):
 def test_criteo_val_slice_holds_out_another_slice_of_the_training_rows(prepared):
     """data.val_slice = j: the j-th slice of val_fraction from the end is the validation split, the
     training rows are all the others in file order (dev/recipe_study/val_rotations.py runs one per slice)."""
-    from trainer.data.criteo import from_block
+    from trainer.workload.data.criteo import from_block
     over = ["data=criteo", f"data.dir={prepared}", "data.loader=memmap", "data.shuffle=false", "train.ensemble=1"]
 
     def rows(segs):
@@ -196,7 +196,7 @@ def test_resume_keeps_the_early_stopping_state(tmp_path, capsys):
 def test_fit_temperature_recovers_a_known_scale_and_ignores_row_order():
     from scipy.optimize import minimize_scalar
 
-    from trainer.evaluation.metrics import TEMPERATURES, auc_logloss, fit_temperature
+    from trainer.run.evaluation.metrics import TEMPERATURES, auc_logloss, fit_temperature
 
     rng = np.random.default_rng(0)
     z = rng.normal(0.0, 3.0, 20_000)
@@ -241,7 +241,7 @@ def test_early_stopping_waits_for_min_evals():
     for a few epochs (seen at W = 2 on the sample: AUC 0.45 at the first epoch, lower for three
     more, stopped after 20 steps); no stop comes before min_evals evaluations, and the count is in
     the checkpointed state."""
-    from trainer.evaluation.best import EarlyStopping
+    from trainer.run.evaluation.best import EarlyStopping
 
     def run(min_evals: int, aucs: list[float]) -> EarlyStopping:
         e = EarlyStopping(patience=3, min_delta=0.0, min_evals=min_evals)
@@ -269,12 +269,12 @@ def test_early_stopping_waits_for_min_evals():
 
 @pytest.mark.parametrize("n, decimals", [(7, None), (5_000, 1), (50_000, None)])
 def test_auc_and_logloss_equal_scikit_learns(n, decimals):
-    """trainer.evaluation.metrics computes AUC (average ranks: tied logits count one half) and log loss
+    """trainer.run.evaluation.metrics computes AUC (average ranks: tied logits count one half) and log loss
     itself; both equal scikit-learn's on the probabilities, with ties, float32 logits and rows far
     in the tails; one class: no AUC; no rows: neither."""
     from sklearn.metrics import log_loss, roc_auc_score
 
-    from trainer.evaluation.metrics import auc_logloss
+    from trainer.run.evaluation.metrics import auc_logloss
 
     rng = np.random.default_rng(n)
     z = rng.normal(0.0, 3.0, n)

@@ -1,4 +1,4 @@
-"""data.min_count (trainer/data/vocab.py): the ids seen at least min_count times in the training
+"""data.min_count (trainer/workload/data/vocab.py): the ids seen at least min_count times in the training
 rows keep a row each, every other id (rare in them, or only seen in the validation or test rows)
 shares the out-of-vocabulary row 1, the empty field keeps row 0, and the model's tables have the
 vocabulary's sizes. Checked against a plain-Python count of the prepared blocks."""
@@ -10,10 +10,10 @@ import torch
 
 from data_helpers import reference_vocab
 from helpers import make_cfg, run_world
-from trainer.config import ConfigError
-from trainer.plan.configure import load_config
-from trainer.data import make_data
-from trainer.data.vocab import OOV_ROW, build_vocab
+from trainer.base.config import ConfigError
+from trainer.run.resolve.configure import load_config
+from trainer.workload.data import make_data
+from trainer.workload.data.vocab import OOV_ROW, build_vocab
 
 N_FIT = 1280  # the sample's 1,600 training rows less the 20% validation split
 
@@ -89,7 +89,7 @@ def test_the_recipe_counts_and_other_data_refuse(prepared):
     assert dcn.data.table_rows == [2 + len(k) for k in reference_vocab(prepared, N_FIT, 2)]
     mine = load_config(make_cfg(["data=criteo", f"data.dir={prepared}", "model=dcn", "data.min_count=1"]))
     assert (mine.data.min_count, mine.embedding.init_scale) == (1, 0.0)  # a value given on the command line wins
-    from trainer.plan.recipes import recipe_of
+    from trainer.run.resolve.recipes import recipe_of
     assert recipe_of(dcn).describe(dcn)["overridden"] == {} and recipe_of(mine).describe(mine)["overridden"] == {
         "data.min_count": 1}
     big = load_config(make_cfg(["data=criteo", f"data.dir={prepared}", "train.recipe=large"]))

@@ -1,5 +1,5 @@
-"""train.cuda_graph=on at W = 1 (trainer/train/whole_step.py): the whole step as one function of fixed
-shapes, over a lookup plan padded to a capacity set by the config (trainer/embedding/padded.py).
+"""train.cuda_graph=on at W = 1 (trainer/step/whole_step.py): the whole step as one function of fixed
+shapes, over a lookup plan padded to a capacity set by the config (trainer/sparse/embedding/padded.py).
 On a CPU it runs eagerly and must equal train.cuda_graph=off bit for bit: every loss, dense
 parameter and embedding row, for the four models, SGD / Adagrad / row-wise Adagrad, fp32 and bf16
 autocast, ragged and fixed bags, skipped steps. That no tensor's size follows the data is checked
@@ -11,12 +11,12 @@ import torch
 
 from helpers import make_cfg, run_single
 from parity_helpers import BASE, assert_same_run
-from trainer.config import ConfigError, validate_world
-from trainer.plan.configure import load_config
-from trainer.embedding.exchange import plan_lookup
-from trainer.embedding.padded import padded_plan, unique_capacity
-from trainer.embedding.sharding import RowSharding
-from trainer.runner import RunResult
+from trainer.base.config import ConfigError, validate_world
+from trainer.run.resolve.configure import load_config
+from trainer.sparse.embedding.exchange import plan_lookup
+from trainer.sparse.embedding.padded import padded_plan, unique_capacity
+from trainer.sparse.embedding.sharding import RowSharding
+from trainer.run.runner import RunResult
 
 SHORT = BASE + ["train.steps=8"]
 CASES = {
@@ -128,17 +128,17 @@ def test_whole_step_replays_equal_the_eager_step_on_cuda(precision, schedule, ba
 
 
 def test_memory_plan_counts_the_padded_step():
-    """trainer/plan/memplan.py counts the padded step's [C, d] buffers (workspace, its gradient, the
+    """trainer/run/resolve/memplan.py counts the padded step's [C, d] buffers (workspace, its gradient, the
     update's rows before and after) and its plan, C being the step's own capacity: per table the
     fewer of its ids in a batch (48 samples x 3 ids) and its rows."""
-    import trainer.plan.memplan as memplan
-    from trainer.embedding.padded import PLAN_SLOT_BYTES, REQUEST_SLOT_BYTES
+    import trainer.run.resolve.memplan as memplan
+    from trainer.sparse.embedding.padded import PLAN_SLOT_BYTES, REQUEST_SLOT_BYTES
     c = load_config(make_cfg(BASE + ["train.cuda_graph=on"]))
     slots = unique_capacity(48, 3, [97, 1001, 13, 250])
     assert slots == 97 + 144 + 13 + 144
     d = c.model.embedding_dim
     assert memplan.plan_memory(c, 1, 0).parts["padded step"] == slots * (4 * d * 4 + PLAN_SLOT_BYTES)
-    # W > 1 (trainer/train/padded_step.py): 2 blocks of the slots rank 0 may ask one owner for
+    # W > 1 (trainer/step/padded_step.py): 2 blocks of the slots rank 0 may ask one owner for
     block = unique_capacity(24, 3, [49, 501, 7, 125])
     assert memplan.plan_memory(c, 2, 0).parts["padded step"] == 2 * block * (8 * d * 4 + REQUEST_SLOT_BYTES)
     assert "padded step" not in memplan.plan_memory(load_config(make_cfg(BASE + ["train.cuda_graph=dense"])), 1, 0).parts
@@ -151,7 +151,7 @@ def test_a_smaller_capacity_is_exact_and_stops_the_run_when_exceeded():
     """train.unique_capacity below the bound (398 slots here): with room for every batch's unique
     ids (this run holds at most ~200) the same run bit for bit; with too little the run stops at
     the first such step with one line naming the key (the excess rides the loss's read)."""
-    from trainer.core.errors import TrainingError
+    from trainer.base.core.errors import TrainingError
     extra = ["train.steps=4", "optim=adagrad"]
     ref = run_single(BASE + extra)
     got = run_single(BASE + extra + ["train.cuda_graph=on", "train.unique_capacity=300"])

@@ -19,33 +19,33 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from .comm import Collectives
-from .core.disk import free_share
-from .core.errors import TrainingError, allocating, phase
-from .config import (Config, ConfigError, cache_capacities, needs_global_view, run_device, staleness_bounds,
+from ..base.comm import Collectives
+from ..base.core.disk import free_share
+from ..base.core.errors import TrainingError, allocating, phase
+from ..base.config import (Config, ConfigError, cache_capacities, needs_global_view, run_device, staleness_bounds,
                      table_rows)
-from .data import id_rows
-from .embedding import HybridEmbedding, RowSharding, ShardStore
-from .embedding.admission import Counting
-from .embedding.cache import RowCache, make_policy
-from .embedding.consistency import Bounds
-from .embedding.dynamic import DynamicStore
-from .embedding.optim import Rounding
-from .embedding.remote import Audit, CacheStats, HeraldRemote, HetRemote, HetWire, RemoteRows
-from .embedding.replica import Replica
-from .embedding.sharding import HashSharding, Sharding
-from .embedding.store import row_dtype
-from .embedding.tiered import TieredStore, log_rows, record_fields
-from .embedding.tier import DiskTier, record_layout
-from .embedding.tier_log import log_records
-from .models import build_model
-from .placement import Plan, plan_run
-from .core.progress import fmt_bytes
-from .plan.memplan import available_memory, store_cache_bytes, tier_page_bytes
-from .schedule import Feed
-from .schedule.feed import make_order
-from .schedule.herald import HeraldPlanner, IdSpace
-from .schedule.partition import HeraldPartition
+from ..workload.data import id_rows
+from ..sparse.embedding import HybridEmbedding, RowSharding, ShardStore
+from ..sparse.embedding.dynamic.admission import Counting
+from ..sparse.embedding.cache.rows import RowCache, make_policy
+from ..sparse.embedding.cache.consistency import Bounds
+from ..sparse.embedding.dynamic.shard import DynamicStore
+from ..sparse.embedding.optim import Rounding
+from ..sparse.embedding.remote import Audit, CacheStats, HeraldRemote, HetRemote, HetWire, RemoteRows
+from ..sparse.embedding.replica import Replica
+from ..sparse.embedding.sharding import HashSharding, Sharding
+from ..sparse.embedding.store.shard import row_dtype
+from ..sparse.embedding.store.tiered import TieredStore, log_rows, record_fields
+from ..sparse.embedding.store.tier.disk import DiskTier, record_layout
+from ..sparse.embedding.store.tier.log import log_records
+from ..workload.models import build_model
+from ..sparse.placement import Plan, plan_run
+from ..base.core.progress import fmt_bytes
+from .resolve.memplan import available_memory, store_cache_bytes, tier_page_bytes
+from ..sparse.schedule import Feed
+from ..sparse.schedule.feed import make_order
+from ..sparse.schedule.herald import HeraldPlanner, IdSpace
+from ..sparse.schedule.partition import HeraldPartition
 
 
 def device_of(c: Config) -> torch.device:

@@ -19,7 +19,7 @@ import os
 import time
 from typing import Any
 
-from ..core.atomic import write_json_atomic
+from ..base.core.atomic import write_json_atomic
 
 SUMMARY = "summary.json"
 

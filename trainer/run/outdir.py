@@ -28,9 +28,9 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from ..core.errors import TrainingError, phase
-from ..checkpoint.lock import LEASE_S, DirLock, Guarded
-from ..comm import Collectives
+from ..base.core.errors import TrainingError, phase
+from .checkpoint.lock import LEASE_S, DirLock, Guarded
+from ..base.comm import Collectives
 
 __all__ = ["OUTPUT_DIR", "RECORD_DIR", "SWEEP_DIR", "HeldDir", "claim_out_dir", "hold_sweep_dir", "hydra_record",
            "literal_sweep_dir", "probe_dir"]

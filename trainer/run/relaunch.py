@@ -6,7 +6,7 @@ the step reached, the newest complete checkpoint of this run, and a shell comman
 from it in the same directories. Not "the same command with checkpoint.resume=auto": with the
 default output dir that relaunch gets a new timestamped dir (and a new checkpoint dir in it) and
 starts over. The command is this job's own, found by looking at the processes above this one
-(trainer/core/procs.py reads /proc): torchrun starts its workers as children, horovodrun through a
+(trainer/base/core/procs.py reads /proc): torchrun starts its workers as children, horovodrun through a
 shell, and the nearest ancestor whose arguments end with ours is the launcher to run again, from
 its own working directory. Its checkpoint.resume, checkpoint.dir and hydra.run.dir arguments are
 replaced by the absolute places of this run, quoted for the shell and for Hydra's parser.
@@ -20,10 +20,10 @@ import sys
 from dataclasses import dataclass
 from typing import Optional
 
-from ..core import procs
-from ..checkpoint import latest as latest_checkpoint
-from ..comm import Collectives
-from ..config import Config
+from ..base.core import procs
+from .checkpoint import latest as latest_checkpoint
+from ..base.comm import Collectives
+from ..base.config import Config
 
 __all__ = ["RELAUNCH_KEYS", "Position", "failure_hint", "relaunch_command"]
 

@@ -3,7 +3,7 @@
 The Trainer drives the loop: it asks for one step at a time and decides when to evaluate, stop
 early and save. Everything else is an object it asks: what a rank holds is assembled by build.py
 (dense model + optimizer, the sparse side); a step (its order, its state, the steps in flight and
-the next step's input side, the eager or graph strategy) is trainer/train/pipeline.py's
+the next step's input side, the eager or graph strategy) is trainer/step/pipeline.py's
 (TrainPipeline.progress); evaluations by evaluation/evaluator.py (Evaluator); saves, resume and
 the rescue of a failed save by checkpoint/ (CheckpointManager); what the run reports by report/;
 the advice after a lost worker by run/relaunch.py. A Trainer is a context manager: leaving its
@@ -32,23 +32,23 @@ import kernels
 
 from .evaluation.best import BestSnapshot, EarlyStopping, restore_best
 from .build import build_dense, build_sparse, device_of, sparse_lr
-from .core.errors import TrainingError, phase
-from .core.stop import StopRequested
+from ..base.core.errors import TrainingError, phase
+from ..base.core.stop import StopRequested
 from .checkpoint import CheckpointError, CheckpointManager
-from .comm import CollectiveError, Collectives, make_collectives
-from .config import Config, auto_threads, local_batch_size, validate_world
-from .plan.configure import load_config
-from .data import make_data
+from ..base.comm import CollectiveError, Collectives, make_collectives
+from ..base.config import Config, auto_threads, local_batch_size, validate_world
+from .resolve.configure import load_config
+from ..workload.data import make_data
 from .evaluation.evaluator import EvalInterrupted, Evaluator
-from .train.lr import LrSchedule
-from .plan.memplan import check_memory
-from .run.outdir import HeldDir, claim_out_dir, probe_dir
-from .train.pipeline import TrainPipeline
-from .train.precision import DensePrecision
-from .plan.recipes import announce_recipe, apply_data_steps, recipe_of
-from .run.relaunch import Position, failure_hint
+from ..step.lr import LrSchedule
+from .resolve.memplan import check_memory
+from .outdir import HeldDir, claim_out_dir, probe_dir
+from ..step.pipeline import TrainPipeline
+from ..step.precision import DensePrecision
+from .resolve.recipes import announce_recipe, apply_data_steps, recipe_of
+from .relaunch import Position, failure_hint
 from .report import Reporter, dynamic_summary
-from .run.signals import NOT_EVALUATED, SIGNALS, Stop, agree, announce, stopped_at_start, why_not_saved
+from .signals import NOT_EVALUATED, SIGNALS, Stop, agree, announce, stopped_at_start, why_not_saved
 
 __all__ = ["RunResult", "Trainer", "TrainingError", "run"]
 

@@ -36,9 +36,9 @@ from typing import Any, Iterator, Optional
 
 import torch
 
-from ..core.errors import phase
-from ..comm import Collectives
-from ..config import Config
+from ..base.core.errors import phase
+from ..base.comm import Collectives
+from ..base.config import Config
 from .job import record_exit
 from .relaunch import relaunch_command
 
@@ -129,7 +129,7 @@ class SignalWatch:
 
     def take_values(self, reduced: torch.Tensor, world: int) -> list[float]:
         """take() of a reduced carry() that has more elements after it (fp16's overflow count,
-        trainer/train/precision.py): [global loss, those elements], in one read."""
+        trainer/step/precision.py): [global loss, those elements], in one read."""
         values = reduced.tolist()
         self.agreed = values[1] > 0 if world > 1 else self.received is not None
         return [float(values[0]), *values[2 if world > 1 else 1:]]

@@ -34,9 +34,9 @@ from typing import Any, Optional
 
 import torch
 
-from ..embedding import HybridEmbedding
+from ..sparse.embedding import HybridEmbedding
 from .precision import DensePrecision
-from .step import EagerStep, StepContext, dense_loss
+from .eager import EagerStep, StepContext, dense_loss
 
 __all__ = ["DenseStep"]
 

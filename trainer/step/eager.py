@@ -32,7 +32,7 @@ from typing import Any, Callable, ContextManager, Optional
 import torch
 import torch.nn.functional as F
 
-from ..embedding import HybridEmbedding, InFlightStep
+from ..sparse.embedding import HybridEmbedding, InFlightStep
 from .precision import DensePrecision
 
 __all__ = ["EagerStep", "StepContext", "StepStrategy", "dense_loss"]
@@ -51,7 +51,7 @@ def dense_loss(model: torch.nn.Module, autocast: ContextManager, dense: torch.Te
 @dataclass
 class StepContext:
     """One step's state from its start to its end (TorchRec's TrainPipelineContext): what the
-    stages hand each other. The sparse side's part is the InFlightStep (trainer/embedding/types.py:
+    stages hand each other. The sparse side's part is the InFlightStep (trainer/sparse/embedding/types.py:
     batch, plan, the begun read, the workspace), which the embedding module takes as it is."""
 
     flight: InFlightStep

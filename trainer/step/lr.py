@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from ..config import OptimConfig
+from ..base.config import OptimConfig
 
 
 def lr_factor(step: int, o: OptimConfig, total_steps: int) -> float:

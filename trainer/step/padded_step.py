@@ -46,15 +46,15 @@ import torch
 
 import kernels
 
-from ..comm import Collectives
-from ..config import Config
-from ..data.batch import Batch
-from ..embedding import HybridEmbedding
-from ..embedding.exchange import wire_dtype
-from ..embedding.padded import BagPadding, PaddedRequest, padded_combine, padded_request, unique_capacity
+from ..base.comm import Collectives
+from ..base.config import Config
+from ..workload.data.batch import Batch
+from ..sparse.embedding import HybridEmbedding
+from ..sparse.embedding.exchange import wire_dtype
+from ..sparse.embedding.padded import BagPadding, PaddedRequest, padded_combine, padded_request, unique_capacity
 from .dense_step import DenseStep
 from .precision import DensePrecision
-from .step import StepContext
+from .eager import StepContext
 from .whole_step import CapacityCheck
 
 __all__ = ["PaddedStep"]

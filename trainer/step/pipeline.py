@@ -29,7 +29,7 @@ lookup plan made and its id requests sent; with `ids` and the ranks on several h
 also send the rows of step i+1 that step i's update leaves unchanged (comm.settled_rows), with
 `rows` all of them (one step staler, within the pull bound). Only work that depends on no update
 of step i moves into step i, so the run stays exact (docs/design.md, section 4). Both steps are
-InFlightStep objects (trainer/embedding/types.py): `current`, the step being trained, and `next`,
+InFlightStep objects (trainer/sparse/embedding/types.py): `current`, the step being trained, and `next`,
 the step prepared ahead; HybridEmbedding and the remote-row protocols take them as arguments and
 keep no step of their own. The alltoall count per step (summary.json's alltoall calls per hot /
 cold step): the collectives counter's difference over the step, minus the calls made for the next
@@ -43,22 +43,22 @@ from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import torch
 
-from ..comm import Collectives
-from ..config import Config
-from ..core.device import to_device
-from ..core.errors import TrainingError
-from ..embedding import InFlightStep
+from ..base.comm import Collectives
+from ..base.config import Config
+from ..base.core.device import to_device
+from ..base.core.errors import TrainingError
+from ..sparse.embedding import InFlightStep
 from ..run.signals import SIGNALS
 from .dense_step import DenseStep
 from .dense_update import DenseUpdate
 from .lr import LrSchedule
 from .padded_step import PaddedStep
 from .precision import DensePrecision
-from .step import EagerStep, StepContext, StepStrategy
+from .eager import EagerStep, StepContext, StepStrategy
 from .whole_step import WholeStep
 
 if TYPE_CHECKING:  # the sparse side, as build.py assembles it (a type only: build is above this layer)
-    from ..build import Sparse
+    from ..run.build import Sparse
 
 __all__ = ["TrainPipeline"]
 
@@ -203,7 +203,7 @@ class TrainPipeline:
     # ---- the steps in flight ---------------------------------------------------------------
     def batch(self, step: int) -> tuple[Any, Any]:
         """(this rank's batch on the device, the GlobalStep or None) of `step`. Both copies are
-        asynchronous (pinned host memory, trainer/core/device.py); with train.pipeline the next step's
+        asynchronous (pinned host memory, trainer/base/core/device.py); with train.pipeline the next step's
         batch is made during this step, so its copy overlaps this step's work."""
         batch, info = self.feed.step(step) if self.feed is not None else (self.data.train_batch(step), None)
         if info is not None and info.hot_slots is not None:

@@ -36,8 +36,8 @@ from typing import Any, ContextManager, Optional
 
 import torch
 
-from ..comm import Collectives
-from ..config import Config, LossScaleConfig
+from ..base.comm import Collectives
+from ..base.config import Config, LossScaleConfig
 from ..run.signals import SIGNALS
 
 __all__ = ["AUTOCAST_DTYPES", "DensePrecision", "LossScaler"]

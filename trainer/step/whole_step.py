@@ -47,14 +47,14 @@ import torch
 
 import kernels
 
-from ..core.errors import TrainingError
-from ..comm import Collectives
-from ..config import Config
-from ..data.batch import Batch
+from ..base.core.errors import TrainingError
+from ..base.comm import Collectives
+from ..base.config import Config
+from ..workload.data.batch import Batch
 from .dense_step import _WARMUP
-from ..embedding import HybridEmbedding
-from ..embedding.padded import BagPadding, padded_plan, unique_capacity
-from .step import StepContext, StepStrategy, dense_loss
+from ..sparse.embedding import HybridEmbedding
+from ..sparse.embedding.padded import BagPadding, padded_plan, unique_capacity
+from .eager import StepContext, StepStrategy, dense_loss
 
 __all__ = ["CapacityCheck", "WholeStep"]
 

@@ -14,7 +14,7 @@ the TRAIN split (5 on small data: a single 10% slice of 1,600 rows is 160 rows, 
 by; on large data its last `val_fraction`, like the trainer's tail rule), then the model is refitted
 on the whole training split (the rows the trainer splits into training and validation rows with
 data.val_fraction: the baseline uses them all); the eval split is only scored.
-Metrics come from trainer.evaluation.metrics.auc_logloss, the trainer's own AUC/logloss code.
+Metrics come from trainer.run.evaluation.metrics.auc_logloss, the trainer's own AUC/logloss code.
 scikit-learn (and scipy) come with the `baseline` extra: `pip install 'hybrid-trainer[baseline]'`.
 
 Memory: the splits are loaded whole (4 bytes x 40 per row, plus ~26 x 12 bytes per row for the
@@ -28,11 +28,11 @@ from typing import Any, Optional, Sequence
 
 import numpy as np
 
-from ..config import Config
-from ..plan.configure import compose_config
-from ..data.blocks import split_segments
-from ..data.segment import Segment
-from ..data.criteo import CriteoFormatError, from_block, read_meta
+from ..base.config import Config
+from ..run.resolve.configure import compose_config
+from ..workload.data.blocks import split_segments
+from ..workload.data.segment import Segment
+from ..workload.data.criteo import CriteoFormatError, from_block, read_meta
 from .cli import require_extra
 
 DEFAULT_CS = (0.01, 0.03, 0.1, 0.3, 1.0, 3.0)
@@ -130,7 +130,7 @@ def _fit(x, y: np.ndarray, c: float, solver: str, seed: int):
 
 
 def _score(model, x, y: np.ndarray) -> tuple[Optional[float], Optional[float]]:
-    from ..evaluation.metrics import auc_logloss
+    from ..run.evaluation.metrics import auc_logloss
 
     return auc_logloss(model.decision_function(x), y)
 

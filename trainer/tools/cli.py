@@ -7,7 +7,7 @@ import importlib.util
 import sys
 from typing import Any, Callable
 
-from ..core.errors import error_line
+from ..base.core.errors import error_line
 
 
 # extra -> {module a tool imports: the distribution that provides it}
@@ -35,8 +35,8 @@ def input_errors() -> tuple[type[BaseException], ...]:
     missing extra: their scripts print them and exit with status 2."""
     from hydra.errors import HydraException
 
-    from ..config import ConfigError
-    from ..data.criteo import CriteoFormatError
+    from ..base.config import ConfigError
+    from ..workload.data.criteo import CriteoFormatError
 
     return (ConfigError, CriteoFormatError, HydraException, MissingExtra, ValueError, OSError)
 

@@ -1,6 +1,6 @@
 """Criteo raw TSV (Kaggle train.txt, Terabyte day_N, .gz too) -> blocks + meta.json for training.
 
-The command line over trainer/data/prepare.py (streaming, parallel over cores, resumable per file),
+The command line over trainer/workload/data/prepare.py (streaming, parallel over cores, resumable per file),
 installed as `hybrid-trainer-prepare-criteo` (scripts/prepare_criteo.py in a checkout):
 
     hybrid-trainer-prepare-criteo --train train.txt [--test test.tsv] --out DIR [--hash-rows N | --min-count K | --raw-ids]
@@ -15,8 +15,8 @@ import argparse
 import os
 import sys
 
-from ..data.criteo import NUM_CAT, CriteoFormatError
-from ..data.prepare import PrepOptions, prepare
+from ..workload.data.criteo import NUM_CAT, CriteoFormatError
+from ..workload.data.prepare import PrepOptions, prepare
 
 DEFAULT_HASH_ROWS = 1_000_000
 

@@ -1,8 +1,8 @@
 """The cache simulator's driver (scripts/simulate_cache.py): trace sources, config -> spec, the JSON
-report with Belady's OPT, and Herald's schedule replay. The engine is trainer/sim/.
+report with Belady's OPT, and Herald's schedule replay. The engine is trainer/sparse/sim/.
 
 Why a simulator: the HET cache's value (pulls and pushes saved, bytes, staleness) depends only on
-which ids each worker reads in which step, not on the model. The engine (trainer/sim/) replays a
+which ids each worker reads in which step, not on the model. The engine (trainer/sparse/sim/) replays a
 trace through the SAME objects the trainer uses (plan_lookup, HetRemote / PlainRemote with their
 RowCache and consistency rules, the byte formulas het_wire_bytes / no_cache_wire_bytes) over an
 in-process exchange, which answers "what would policy P, capacity C and bounds (s_pull, s_push)
@@ -65,12 +65,12 @@ from typing import Any, Optional, TextIO
 import numpy as np
 import torch
 
-from ..config import Config, cache_capacities, local_batch_size, needs_global_view, table_rows
-from ..plan.configure import compose_config
-from ..schedule.replay import FeedTrace, spec_from_config
-from ..sim import CacheSimulator, SimSpec, Trace, bound_value, opt_hits_by_table, run_simulation
-from ..embedding.consistency import HIST_BINS
-from ..sim import OWNERS, Owners, belady_hits, next_use  # noqa: F401 (re-exported for the CLI and tests)
+from ..base.config import Config, cache_capacities, local_batch_size, needs_global_view, table_rows
+from ..run.resolve.configure import compose_config
+from ..sparse.schedule.replay import FeedTrace, spec_from_config
+from ..sparse.sim import CacheSimulator, SimSpec, Trace, bound_value, opt_hits_by_table, run_simulation
+from ..sparse.embedding.cache.consistency import HIST_BINS
+from ..sparse.sim import OWNERS, Owners, belady_hits, next_use  # noqa: F401 (re-exported for the CLI and tests)
 
 class TraceError(ValueError):
     """A trace file or trace option is malformed; the message names the file and position."""
@@ -91,7 +91,7 @@ class ConfigTrace:
     def _sources(self, cfg: Config, b: int) -> list[Any]:
         """One data source per worker. Synthetic: one generator, shallow copies differing only in
         rank (the planted-weight table is shared, so W = 64 costs no more memory than W = 1)."""
-        from ..data import SyntheticData, make_data
+        from ..workload.data import SyntheticData, make_data
         if cfg.data.name == "synthetic":
             base = SyntheticData(cfg.data, self.table_rows, 0, self.workers, b)
             return [_with_rank(base, w) for w in range(self.workers)]
@@ -280,11 +280,11 @@ def simulate_schedule(cfg: Config, workers: int, steps: int,
     flush. Counts rows: pulls (rows sent to a reader, lends included), pushes (gradients +
     writebacks), both against the naive baseline (contiguous = random partition of the shuffled
     global batch, every remote read pulled and its gradient pushed every step)."""
-    from ..data import make_data
-    from ..placement import plan_run
-    from ..embedding.sharding import RowSharding
-    from ..schedule.herald import HeraldPlanner, IdSpace
-    from ..schedule.partition import HeraldPartition
+    from ..workload.data import make_data
+    from ..sparse.placement import plan_run
+    from ..sparse.embedding.sharding import RowSharding
+    from ..sparse.schedule.herald import HeraldPlanner, IdSpace
+    from ..sparse.schedule.partition import HeraldPartition
     t0 = time.perf_counter()
     rows = table_rows(cfg)
     data = make_data(cfg, 0, workers)
@@ -346,8 +346,8 @@ def build(overrides: list[str], workers: int, owners: str = "auto", trace_file: 
             raise TraceError("embedding.kind=dynamic: the simulator models fixed tables (rows id mod W); "
                              "simulate dynamic tables' traffic by training them (docs/dynamic.md)")
         if needs_global_view(cfg):  # placement / schedule: the trainer's global feed and its plan
-            from ..data import make_data
-            from ..placement import plan_run
+            from ..workload.data import make_data
+            from ..sparse.placement import plan_run
             data = make_data(cfg, 0, workers)
             plan = plan_run(cfg, data, workers)
             if log is not None and plan.name != "none":

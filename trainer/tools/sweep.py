@@ -39,7 +39,7 @@ import sys
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from ..comm import EMBEDDING_KINDS
+from ..base.comm import EMBEDDING_KINDS
 from ..run.multirun import as_typed
 from .cli import MissingExtra, require_extra
 

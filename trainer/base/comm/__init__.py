@@ -2,7 +2,7 @@
 
 `make_collectives("auto")` picks horovod under horovodrun, torch under torchrun (WORLD_SIZE > 1),
 and local otherwise. `device` is the run's train.device: the transport follows it (nccl when the
-run trains on CUDA, trainer.config.resolve_device / dist_transport).
+run trains on CUDA, trainer.base.config.resolve_device / dist_transport).
 """
 from __future__ import annotations
 

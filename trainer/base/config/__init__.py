@@ -14,14 +14,14 @@ regenerating it, docs/config.md):
 - derive.py: values computed from a config (the run's device and transport, rows per table, cache
   capacities, staleness bounds, batch sizes, the validation split, threads).
 - errors.py: ConfigError and the helpers that raise it naming the key.
-- doc.py: docs/config.md's key reference, generated from schema.py and conf/ (python -m trainer.config.doc).
-This module re-exports their public names: import from trainer.config.
+- doc.py: docs/config.md's key reference, generated from schema.py and conf/ (python -m trainer.base.config.doc).
+This module re-exports their public names: import from trainer.base.config.
 
 A leaf: it imports nothing else of trainer/ (the `kernels` package is outside it), so any module may
 use the schemas. What a file dataset says about itself (dense features, table rows, training rows)
-is read by trainer.data and applied by the entry point (trainer/plan/configure.py: load_config) with the
+is read by trainer.workload.data and applied by the entry point (trainer/run/resolve/configure.py: load_config) with the
 pure helpers here (check_data_source, apply_data_shape, epoch_steps). The values a null key takes
-(the recipes: tuning policy, measured on data) are not here but in trainer/plan/recipes.py; this package
+(the recipes: tuning policy, measured on data) are not here but in trainer/run/resolve/recipes.py; this package
 only names the recipes (RECIPES) and refuses a key left unresolved.
 """
 from __future__ import annotations

@@ -6,9 +6,9 @@ group by its dataclass's docstring, an option by the comment at the top of its c
 page is written from them, so it cannot drift. tests/docs/test_config_docs.py checks that the page holds
 what this module prints, and that the schema's defaults are the values conf/ composes.
 
-    python -m trainer.config.doc                      # print the reference
-    python -m trainer.config.doc --check docs/config.md   # exit 1 (naming the keys) if the page differs
-    python -m trainer.config.doc --write docs/config.md   # rewrite the page's generated part
+    python -m trainer.base.config.doc                      # print the reference
+    python -m trainer.base.config.doc --check docs/config.md   # exit 1 (naming the keys) if the page differs
+    python -m trainer.base.config.doc --write docs/config.md   # rewrite the page's generated part
 
 Here, not in scripts/: it reads only the schema and conf/ (config/ is the package's bottom layer and
 imports nothing else of it), and `python -m` runs it from a checkout or an installed package alike.
@@ -33,8 +33,8 @@ from . import schema
 from .load import CONF_DIR, RENAMED
 from .schema import Config
 
-BEGIN = ("<!-- BEGIN generated reference: written by python -m trainer.config.doc --write from "
-         "trainer/config/schema.py (a key's doc and default) and conf/ (options); edit those, not this part -->")
+BEGIN = ("<!-- BEGIN generated reference: written by python -m trainer.base.config.doc --write from "
+         "trainer/base/config/schema.py (a key's doc and default) and conf/ (options); edit those, not this part -->")
 END = "<!-- END generated reference -->"
 PAGE = "docs/config.md"
 BLOCKS = ("embedding", "kernels", "checkpoint")  # blocks of conf/config.yaml (no group of files)
@@ -184,7 +184,7 @@ def drifts(conf_dir: str = CONF_DIR) -> list[str]:
                     out.append(f"{name}: set in {where}, not a key of the schema")
                 elif is_default and value != known[name].default:
                     out.append(f"{name}: {yaml_value(value)} in {where}, {yaml_value(known[name].default)} "
-                               "in the schema (trainer/config/schema.py)")
+                               "in the schema (trainer/base/config/schema.py)")
     return out
 
 
@@ -213,12 +213,12 @@ def render(conf_dir: str = CONF_DIR) -> str:
         lines.append(f"| [`{g}`](#{g}) | {where} | {_cell(_summary(hints[g]))} |")
     lines += ["", "## Renamed keys", "",
               "An old name still works for one release: given as an override or in a config file, it is read",
-              "as the new key with one warning line (`trainer/config/load.py`'s `RENAMED`).", "",
+              "as the new key with one warning line (`trainer/base/config/load.py`'s `RENAMED`).", "",
               "| old name | new name |", "|---|---|"]
     lines += [f"| `{old}` | `{new}` |" for old, new in RENAMED.items()]
     lines += ["", "## Key reference", "",
               "Every key with its type, its default (what `python -m trainer` composes from `conf/`, and the",
-              "dataclass default in `trainer/config/schema.py`) and its doc. `null` where a recipe fills the",
+              "dataclass default in `trainer/base/config/schema.py`) and its doc. `null` where a recipe fills the",
               "key means \"the recipe's\" ([recipe.md](recipe.md) lists each recipe's values). A group's other",
               "options set the values shown in the last column; a key an option leaves out keeps its default.",
               "`<t>` is a table index (`+cache.tables.0.capacity_rows=100`)."]
@@ -284,7 +284,7 @@ def write(text: str) -> str:
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m trainer.config.doc", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m trainer.base.config.doc", description=__doc__.split("\n\n")[0])
     p.add_argument("--check", metavar="PAGE", nargs="?", const=PAGE, help=f"compare PAGE (default {PAGE})")
     p.add_argument("--write", metavar="PAGE", nargs="?", const=PAGE, help="rewrite PAGE's generated part")
     a = p.parse_args(argv)
@@ -299,7 +299,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         text = open(a.check, encoding="utf-8").read()
         problems = drifts() + page_drifts(text)
         if not problems and page_part(text) != render():
-            problems.append(f"{a.check}: the generated part differs from python -m trainer.config.doc's output")
+            problems.append(f"{a.check}: the generated part differs from python -m trainer.base.config.doc's output")
         for line in problems:
             print(line, file=sys.stderr)
         return 1 if problems else 0

@@ -22,4 +22,4 @@ def _finite(key: str, value: float) -> None:
     _check(math.isfinite(value), key, value, "must be a finite number")
 
 
-_UNRESOLVED = "null (the recipe's) was not resolved: load the config with trainer.plan.configure.load_config"
+_UNRESOLVED = "null (the recipe's) was not resolved: load the config with trainer.run.resolve.configure.load_config"

@@ -16,7 +16,7 @@ def _conf_dir() -> str:
     """The Hydra configs: trainer/conf/ in an installed package (the wheel ships the repository's
     conf/ there: pyproject.toml's package-dir), else conf/ beside the package (a source checkout
     and an editable install)."""
-    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the trainer package
+    here = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the trainer package
     installed = os.path.join(here, "conf")
     return installed if os.path.isfile(os.path.join(installed, "config.yaml")) else \
         os.path.join(os.path.dirname(here), "conf")
@@ -27,7 +27,7 @@ CONF_DIR = _conf_dir()
 
 def compose(overrides: list[str]) -> DictConfig:
     """The composed Hydra config of `python -m trainer <overrides>` (same conf/ dir and defaults),
-    not yet typed: trainer.plan.configure.compose_config gives the validated Config."""
+    not yet typed: trainer.run.resolve.configure.compose_config gives the validated Config."""
     from hydra import compose as hydra_compose, initialize_config_dir
     with initialize_config_dir(config_dir=CONF_DIR, version_base=None):
         return hydra_compose(config_name="config", overrides=renamed_overrides(list(overrides)))
@@ -36,7 +36,7 @@ def compose(overrides: list[str]) -> DictConfig:
 def parse(cfg: Any) -> Config:
     """A Hydra/OmegaConf tree (or a plain dict, or a Config) merged onto the schema, old key names
     moved to their new ones (RENAMED); not yet resolved against the data files nor validated
-    (trainer.plan.configure.load_config does both)."""
+    (trainer.run.resolve.configure.load_config does both)."""
     if isinstance(cfg, Config):
         return cfg
     base = OmegaConf.structured(Config)

@@ -1,10 +1,10 @@
 """The config schema: one dataclass per Hydra group (or block of conf/config.yaml), and the one
 place every key is documented: the comment on its field's line. docs/config.md's key reference is
-generated from these comments and defaults (python -m trainer.config.doc); the defaults are the
+generated from these comments and defaults (python -m trainer.base.config.doc); the defaults are the
 values `python -m trainer` composes from conf/ (tests/docs/test_config_docs.py checks all three agree).
 
 The tuples name each key's allowed values (validate.py checks them). A key whose value a recipe
-fills (null = "the recipe's") says so; the recipes' values are in trainer/plan/recipes.py
+fills (null = "the recipe's") says so; the recipes' values are in trainer/run/resolve/recipes.py
 (docs/recipe.md), not here."""
 from __future__ import annotations
 
@@ -23,17 +23,17 @@ CACHE_POLICIES = ("none", "lru", "lfu", "lfu_pinned")
 KERNEL_BACKENDS = ("auto", "triton", "reference")  # = kernels.BACKENDS
 PLACEMENTS = ("none", "fae", "sca")  # = placement.PLANNERS
 SCHEDULES = ("random", "herald")
-OUT_OF_RANGE = ("error", "hash")  # data.out_of_range (trainer/data/ids.py)
+OUT_OF_RANGE = ("error", "hash")  # data.out_of_range (trainer/workload/data/ids.py)
 NONFINITE = ("stop", "skip")  # train.nonfinite
 ON_SIGNAL = ("save", "stop")  # train.on_signal (trainer/run/signals.py)
 CONSISTENCY_PRESETS = ("bsp", "ssp", "asp")  # consistency.name (conf/consistency/*.yaml)
-LR_DECAYS = ("none", "poly")  # optim.decay (trainer/train/lr.py)
-RECIPES = ("auto", "tiny", "small", "large", "none")  # train.recipe (trainer/plan/recipes.py)
+LR_DECAYS = ("none", "poly")  # optim.decay (trainer/step/lr.py)
+RECIPES = ("auto", "tiny", "small", "large", "none")  # train.recipe (trainer/run/resolve/recipes.py)
 
 
 WIRE_PRECISIONS = ("fp32", "fp16", "bf16")
 TABLE_KINDS = ("fixed", "dynamic")  # embedding.kind
-ADMIT_COUNTERS = ("exact", "count_min")  # embedding.admit_counter (trainer/embedding/admission.py)
+ADMIT_COUNTERS = ("exact", "count_min")  # embedding.admit_counter (trainer/sparse/embedding/dynamic/admission.py)
 EVICTIONS = ("lru", "lfu")  # embedding.eviction
 EMBEDDING_DTYPES = ("fp32", "fp16", "bf16")  # embedding.dtype (= embedding/store.ROW_DTYPES)
 ROUNDINGS = ("stochastic", "nearest")  # embedding.rounding (= embedding/optim.ROUNDINGS)
@@ -41,7 +41,7 @@ SETTLED_ROWS = ("auto", "always", "never")
 DEVICES = ("auto", "cpu", "cuda")  # train.device (resolve_device)
 DIST_BACKENDS = ("auto", "gloo", "nccl")  # comm.dist_backend (dist_transport)
 PIPELINES = ("off", "ids", "rows")
-PRECISIONS = ("fp32", "tf32", "bf16", "fp16")  # train.precision (trainer/train/precision.py)
+PRECISIONS = ("fp32", "tf32", "bf16", "fp16")  # train.precision (trainer/step/precision.py)
 
 
 @dataclass
@@ -87,7 +87,7 @@ class DataConfig:
     epochs: Optional[float] = 0.0  # criteo/movielens: > 0 sets train.steps = ceil(epochs x training rows / global batch); 0 = train.steps stands; null = the recipe's
     standardize: Optional[bool] = None  # criteo: dense features -> (x - mean) / std of the training rows (the first 1M); null = the recipe's
     val_fraction: Optional[float] = None  # the validation split: this share of the training rows, carved from their end (never from the test split; synthetic: needs train_samples > 0); 0 = none; null = the recipe's
-    min_count: Optional[int] = None  # criteo: ids seen fewer times in the training rows share one out-of-vocabulary row per table, and the tables shrink to the ids kept (trainer/data/vocab.py); 0 = off; null = the recipe's
+    min_count: Optional[int] = None  # criteo: ids seen fewer times in the training rows share one out-of-vocabulary row per table, and the tables shrink to the ids kept (trainer/workload/data/vocab.py); 0 = off; null = the recipe's
     val_slice: int = 1  # criteo: which slice of val_fraction of the training rows, counted from the end, is the validation split (1 = the last; dev/recipe_study/val_rotations.py tries others)
     out_of_range: str = "error"  # an id < 0 or >= its table's rows: error (stop, naming table, id and rows) | hash (id mod rows)
     drift: float = 0.0  # synthetic, embedding.kind=dynamic: ids drift by floor(drift x stream position): new ids keep arriving, popularity moves (0 = no drift)
@@ -201,7 +201,7 @@ class KernelsConfig:
 
 @dataclass
 class PlacementConfig:
-    """Which rows are replicated on every worker (hot) instead of sharded (trainer/placement/; conf/placement/)."""
+    """Which rows are replicated on every worker (hot) instead of sharded (trainer/sparse/placement/; conf/placement/)."""
 
     name: str = "none"  # none (every row sharded) | fae (hot rows by budget + hot/cold batches) | sca (cost-model planner)
     budget_bytes: int = 1048576  # per-worker memory for replicated rows (sca: replicated + cached rows), bytes
@@ -258,23 +258,23 @@ class TrainConfig:
     device: str = "auto"  # auto (cuda when a GPU is visible, else cpu: run_device) | cpu | cuda; comm.dist_backend=auto follows it (nccl on cuda, else gloo)
     nonfinite: str = "stop"  # NaN/inf global loss: stop (error naming the step) | skip (drop the batch on every rank, no update anywhere; dynamic tables: the step's admissions, evictions and counts undone too)
     max_skips: int = 10  # nonfinite=skip: stop with an error after this many consecutive skipped steps
-    memory_check: bool = True  # stop at start-up (exit 2) when a rank's memory plan (trainer/plan/memplan.py, docs/operations.md) exceeds the memory it can have; false: warn and start
+    memory_check: bool = True  # stop at start-up (exit 2) when a rank's memory plan (trainer/run/resolve/memplan.py, docs/operations.md) exceeds the memory it can have; false: warn and start
     on_signal: str = "save"  # SIGTERM / SIGINT / SIGUSR1: stop every rank at the next step boundary and save a checkpoint there (save) or not (stop); exit status 128 + the signal
     precision: str = "fp32"  # the dense model's forward and backward: fp32 | tf32 (CUDA's TF32 products) | bf16 | fp16 (autocast; fp32 master weights and optimizer; fp16 with a loss scaler); rows: embedding.dtype
     loss_scale: LossScaleConfig = field(default_factory=lambda: LossScaleConfig())  # precision=fp16's loss scaler
-    cuda_graph: str = "off"  # on: every tensor of the step at a shape fixed by the config, so a GPU can replay it: at W = 1 the whole step from one CUDA graph, lookups padded to a capacity (trainer/train/whole_step.py), at W > 1 the alltoalls padded to fixed blocks per owner, the dense half from a graph (trainer/train/padded_step.py); dense: the dense forward + loss + backward only, from one graph, the sparse half eager (trainer/train/dense_step.py); with both, the dense optimizer's step from a graph of its own (trainer/train/dense_update.py); on a CPU the same functions, eagerly | off
+    cuda_graph: str = "off"  # on: every tensor of the step at a shape fixed by the config, so a GPU can replay it: at W = 1 the whole step from one CUDA graph, lookups padded to a capacity (trainer/step/whole_step.py), at W > 1 the alltoalls padded to fixed blocks per owner, the dense half from a graph (trainer/step/padded_step.py); dense: the dense forward + loss + backward only, from one graph, the sparse half eager (trainer/step/dense_step.py); with both, the dense optimizer's step from a graph of its own (trainer/step/dense_update.py); on a CPU the same functions, eagerly | off
     unique_capacity: int = 0  # cuda_graph=on: slots of the padded lookup plan (W = 1), of the block a rank asks each owner for (W > 1); 0 = the bound (per table min(local batch x data.max_bag, the rows one owner holds): never exceeded); smaller saves memory, work and (W > 1) wire, and a batch with more unique ids stops the run naming this key
     pipeline: str = "ids"  # off (serial step) | ids (the next step's input side + id exchange overlap this step: exact) | rows (also its rows: needs a cache and pull_bound >= 1)
     tensorboard: bool = True  # also write TensorBoard scalars beside metrics.jsonl, to <output dir>/tensorboard (when there is an output dir)
     recipe: str = "auto"  # fills the keys left null: auto (data=criteo: tiny, small or large by its training rows; other data: none) | tiny | small | large | none (docs/recipe.md)
     early_stop: EarlyStopConfig = field(default_factory=lambda: EarlyStopConfig())  # early stopping on validation AUC
     calibrate: Optional[bool] = None  # fit a logit temperature on the validation split for the final test evaluation (AUC unchanged; docs/recipe.md); null = the recipe's
-    ensemble: Optional[int] = None  # train K models, model k validated (and early-stopped, calibrated) on its own validation slice, and test the mean of their predictions (trainer/evaluation/ensemble.py); 1 = one model; null = the recipe's
+    ensemble: Optional[int] = None  # train K models, model k validated (and early-stopped, calibrated) on its own validation slice, and test the mean of their predictions (trainer/run/evaluation/ensemble.py); 1 = one model; null = the recipe's
 
 
 @dataclass
 class CheckpointConfig:
-    """Periodic + final checkpoints (trainer/checkpoint/) and resume, also on another W (a block of
+    """Periodic + final checkpoints (trainer/run/checkpoint/) and resume, also on another W (a block of
     conf/config.yaml)."""
 
     enabled: bool = True  # false: write no checkpoint at all (benchmarks, throwaway runs); resume still works

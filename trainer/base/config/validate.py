@@ -162,7 +162,7 @@ def validate(c: Config) -> None:
 
 
 def _validate_precision(c: Config) -> None:
-    """Mixed precision of the dense model (trainer/train/precision.py)."""
+    """Mixed precision of the dense model (trainer/step/precision.py)."""
     t, s = c.train, c.train.loss_scale
     _one_of("train.precision", t.precision, PRECISIONS)
     _check(s.init > 0, "train.loss_scale.init", s.init, "must be > 0")
@@ -181,7 +181,7 @@ def _validate_precision(c: Config) -> None:
 
 
 def _validate_schedule(c: Config) -> None:
-    """Regularisation and the learning-rate schedule (trainer/train/lr.py)."""
+    """Regularisation and the learning-rate schedule (trainer/step/lr.py)."""
     o = c.optim
     for key, v in (("optim.weight_decay", o.weight_decay), ("optim.sparse_weight_decay", o.sparse_weight_decay)):
         _check(v is not None, key, v, _UNRESOLVED)
@@ -417,7 +417,7 @@ def validate_world(c: Config, world: int) -> None:
 
 def _validate_padded_step(c: Config, world: int) -> None:
     """train.cuda_graph=on pads the step's lookups to fixed shapes (at W = 1 the whole step,
-    trainer/train/whole_step.py; at W > 1 between the collectives, trainer/train/padded_step.py):
+    trainer/step/whole_step.py; at W > 1 between the collectives, trainer/step/padded_step.py):
     what it cannot pad yet is refused, naming the key."""
     e = c.embedding
     why = ("train.cuda_graph=on at W = 1 runs the whole step padded, which " if world == 1 else

@@ -1,5 +1,5 @@
 """A directory's free space, as one rank may count on it: the start-up checks of a disk too small
-(embedding.store=disk's files, trainer/build.py; checkpoint.dir, trainer/checkpoint/manager.py)."""
+(embedding.store=disk's files, trainer/run/build.py; checkpoint.dir, trainer/run/checkpoint/manager.py)."""
 from __future__ import annotations
 
 import os

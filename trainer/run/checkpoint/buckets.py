@@ -30,7 +30,7 @@ import numpy as np
 import torch
 
 if TYPE_CHECKING:
-    from ..embedding.tier import DiskTier
+    from ...sparse.embedding.store.tier.disk import DiskTier
 
 INDEX = np.dtype("<i8")  # a row's position (save) or storage row (load) in a bucket
 

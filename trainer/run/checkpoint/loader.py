@@ -19,9 +19,9 @@ import sys
 import time
 from typing import Any
 
-from ..comm import Collectives
-from ..core.progress import fmt_bytes, say_if_slow
-from ..embedding.store import ShardStore
+from ...base.comm import Collectives
+from ...base.core.progress import fmt_bytes, say_if_slow
+from ...sparse.embedding.store.shard import ShardStore
 from .manifest import (TRAINER_FILE, CheckpointDamaged, CheckpointError, check_schema, check_stream_world,
                        complete_checkpoints, latest, read_file, read_manifest, shard_file, unseen_damage)
 from .pool_io import read_pool_shard

@@ -6,7 +6,7 @@ each other's saves in progress (in one output dir they would mix their metrics a
 directory belongs to one run at a time: rank 0 creates `lock.json`
 (run id, pid, host, the process's start time) with O_EXCL at start-up, and every rank learns the
 outcome (saver.Checkpointer). A second run fails at once naming the holder; a lock whose process is
-gone (same host, pid not running or reused: trainer/core/procs.py reads its start time) is taken over
+gone (same host, pid not running or reused: trainer/base/core/procs.py reads its start time) is taken over
 with a warning, together with that dead run's unfinished saves, so a killed run never keeps the
 directory. Runs that follow one another in the directory continue one job: their saves are ordered
 together (manifest.py's save sequence).
@@ -33,7 +33,7 @@ import weakref
 from dataclasses import dataclass
 from typing import Any, Optional, Pattern
 
-from ..core.procs import pid_namespace, proc_start
+from ...base.core.procs import pid_namespace, proc_start
 from .manifest import WORK_DIR, CheckpointError
 
 LOCK = "lock.json"  # the run that owns a checkpoint dir (see DirLock)

@@ -22,12 +22,12 @@ from typing import Any, Callable, Optional, Protocol
 import torch
 
 from ..evaluation.best import EarlyStopping
-from ..core.errors import phase
-from ..comm import CollectiveError, Collectives
-from ..config import Config, ConfigError
-from ..core.disk import free_share
-from ..core.progress import fmt_bytes
-from ..embedding import HybridEmbedding
+from ...base.core.errors import phase
+from ...base.comm import CollectiveError, Collectives
+from ...base.config import Config, ConfigError
+from ...base.core.disk import free_share
+from ...base.core.progress import fmt_bytes
+from ...sparse.embedding import HybridEmbedding
 from .loader import load, resolve
 from .manifest import CheckpointError, read_manifest, step_dir
 from .saver import Checkpointer
@@ -52,7 +52,7 @@ class Checkpointed(Protocol):
     losses: list[float]  # the global loss of every step so far
     evals: list[dict[str, Any]]  # every evaluation record so far
     early: EarlyStopping
-    precision: Stateful  # train.precision (trainer/train/precision.py; fp16: its loss scaler is saved)
+    precision: Stateful  # train.precision (trainer/step/precision.py; fp16: its loss scaler is saved)
 
 
 @dataclass

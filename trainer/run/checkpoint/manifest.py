@@ -39,7 +39,7 @@ TRAINER_FILE = "trainer.pt"  # rank 0: dense model + optimizer, step, RNG, losse
 SCHEMA_KEYS = ("table_rows", "dim", "model", "optim_sparse", "optim_dense")  # must match to resume
 # data sources whose stream position depended on W in checkpoints written before the key
 # data_order_world existed (Criteo's blocks were split into W shards); today every source's order is
-# the same at any W (trainer/data/order.py) and a save writes data_order_world = null
+# the same at any W (trainer/workload/data/order.py) and a save writes data_order_world = null
 WORLD_BOUND_DATA = ("criteo",)
 STEP_DIR = re.compile(r"^step_(\d+)$")
 WORK_DIR = re.compile(r"^step_(?P<step>\d+)\.(?P<kind>tmp|old)-(?P<run>[0-9a-f]+)-[0-9a-f]+$")  # a save in progress

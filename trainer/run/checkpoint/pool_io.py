@@ -36,9 +36,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..embedding.dynamic import DynamicStore
-from ..embedding.pool import POOL_COUNTERS
-from ..embedding.sharding import ID_BITS
+from ...sparse.embedding.dynamic.shard import DynamicStore
+from ...sparse.embedding.dynamic.pool import POOL_COUNTERS
+from ...sparse.embedding.sharding import ID_BITS
 from .manifest import CheckpointDamaged, CheckpointError
 from .shard_io import PIECE_BYTES, VERSION_DTYPE, Field, _HashedWriter, _to_tensor, _VerifiedFile, fields, \
     saved_dtype, shard_dir, torch_name

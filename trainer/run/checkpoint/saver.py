@@ -23,9 +23,9 @@ import uuid
 from typing import Any
 
 
-from ..comm import CollectiveError, Collectives
-from ..core.progress import fmt_bytes, say_if_slow
-from ..embedding.store import ShardStore
+from ...base.comm import CollectiveError, Collectives
+from ...base.core.progress import fmt_bytes, say_if_slow
+from ...sparse.embedding.store.shard import ShardStore
 from .lock import LEASE_S, DirLock
 from .manifest import (FORMAT_VERSION, TRAINER_FILE, WORK_DIR, CheckpointError,
                        complete_checkpoints, damage_of, damage_seen, damaged_checkpoints, fsync_dir, last_save_seq,

@@ -19,7 +19,7 @@ exactly, to a narrower one by round to nearest (as the initial rows are), and a 
 cannot hold (|value| > 65504) stops the load with a CheckpointError naming the field. The optimizer
 state and the versions never change type.
 
-Row order. Rank r of W owns the ids id = r + q W of every table (trainer/embedding/sharding.py), q
+Row order. Rank r of W owns the ids id = r + q W of every table (trainer/sparse/embedding/sharding.py), q
 in [0, n_t). Its file holds the tables one after the other, and within table t the rows in the
 order of the bit-reversed q (B bits, B = bit_length(n_t - 1)): j = 0, 1, ... 2^B - 1 gives
 q = rev_B(j), skipping q >= n_t. Then the rows with q = c (mod 2^m) are one contiguous range for
@@ -41,9 +41,9 @@ from typing import Any, Callable, Iterator
 import numpy as np
 import torch
 
-from ..core.stop import StopRequested
-from ..embedding.sharding import rows_on_rank
-from ..embedding.store import ShardStore
+from ...base.core.stop import StopRequested
+from ...sparse.embedding.sharding import rows_on_rank
+from ...sparse.embedding.store.shard import ShardStore
 from .buckets import BucketedLoad, bucketed_write
 from .manifest import CheckpointDamaged, CheckpointError
 

@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..embedding.store import ShardStore
+from ...sparse.embedding.store.shard import ShardStore
 from .manifest import CheckpointError
 
 

@@ -38,8 +38,8 @@ from typing import Any, Optional
 
 import torch
 
-from ..core.errors import phase
-from ..core.snapshot_rows import SnapshotRows, SnapshotSlots, in_memory
+from ...base.core.errors import phase
+from ...base.core.snapshot_rows import SnapshotRows, SnapshotSlots, in_memory
 
 
 class EarlyStopping:

@@ -8,7 +8,7 @@ on slice k, so every training row is trained on by 4 members and validates one. 
 members' calibrated logits removes much of that variance (README "Real data": about +0.008
 test AUC over one model on the shared sample).
 
-Each member is a complete run of the trainer (trainer.runner.Trainer) with data.val_slice = its
+Each member is a complete run of the trainer (trainer.run.runner.Trainer) with data.val_slice = its
 slice and its own output directory OUT/member<k>/ (metrics, summary.json, checkpoints, and its
 calibrated test logits in test_logits.npy). With data.min_count > 0 each member counts its own
 vocabulary (its training rows differ), so the members' tables differ in size. Members run one after
@@ -31,11 +31,11 @@ from typing import Any, Callable, Optional
 
 import numpy as np
 
-from ..core.errors import phase
-from ..comm import Collectives
-from ..config import Config
-from ..plan.configure import load_config
-from ..plan.recipes import apply_data_steps
+from ...base.core.errors import phase
+from ...base.comm import Collectives
+from ...base.config import Config
+from ..resolve.configure import load_config
+from ..resolve.recipes import apply_data_steps
 from ..report.writers import write_summary
 from .metrics import auc_logloss
 
@@ -103,7 +103,7 @@ def run_ensemble(c: Config, comm: Collectives, out_dir: Optional[str], make_trai
     builds a member (runner.Trainer, a context manager). recipe: summary.json's `recipe` (the
     caller announced it, recipes.announce_recipe). Returns (the ensemble's summary, the members'
     losses one after the other, the last member's model when return_state)."""
-    from ..data import val_slices
+    from ...workload.data import val_slices
 
     slices = val_slices(c.data, c.train.ensemble)
     rank = comm.rank

@@ -18,9 +18,9 @@ from typing import Any, Callable, ContextManager, Optional
 import numpy as np
 import torch
 
-from ..core.errors import phase
-from ..comm import Collectives
-from ..embedding import HybridEmbedding
+from ...base.core.errors import phase
+from ...base.comm import Collectives
+from ...sparse.embedding import HybridEmbedding
 from .metrics import auc_logloss, fit_temperature
 
 
@@ -37,7 +37,7 @@ class Evaluator:
     def __init__(self, comm: Collectives, model: torch.nn.Module, emb: HybridEmbedding, data: Any,
                  device: torch.device, autocast: Callable[[], ContextManager[Any]] = nullcontext) -> None:
         self.comm, self.model, self.emb, self.data, self.device = comm, model, emb, data, device
-        self.autocast = autocast  # the model's forward context (train.precision: trainer/train/precision.py)
+        self.autocast = autocast  # the model's forward context (train.precision: trainer/step/precision.py)
         self.temperature = 1.0  # logit scale of evaluations (calibrate() sets it before the final one)
         self.test_rows: Optional[np.ndarray] = None  # [n, 2] (logit x temperature, label) of the last test evaluation
         self.interrupt: Optional[Callable[[], bool]] = None

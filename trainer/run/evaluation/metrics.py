@@ -1,5 +1,5 @@
 """Evaluation metrics: exact AUC and log loss, temperature scaling. (What a run writes is
-trainer/report/'s.)
+trainer/run/report/'s.)
 
 Why one module: every accuracy claim the project makes comes out of here, computed the same way
 for every backend and world size.

@@ -6,7 +6,7 @@ every file a run reports in:
 - reporter.py: Reporter (one rank's lines, the summary; collective) and the `dynamic` block;
 - tensorboard.py: the TensorBoard event files;
 - writers.py: metrics.jsonl (JsonlWriter), summary.json (write_summary), the log cut back after a
-  resume (keep_records_until); whole files through trainer/core/atomic.py, the package's one
+  resume (keep_records_until); whole files through trainer/base/core/atomic.py, the package's one
   atomic writer (a sweep's summary.json and Criteo preparation's files use it too).
 """
 from .reporter import Reporter, dynamic_summary

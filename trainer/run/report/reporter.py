@@ -15,15 +15,15 @@ from typing import TYPE_CHECKING, Any, Optional
 import numpy as np
 import torch
 
-from ..comm import EMBEDDING_KINDS, KINDS, Collectives
-from ..config import Config
-from ..core.errors import phase
-from ..embedding.admission import counter_figures
-from ..embedding.consistency import HIST_BINS, UNBOUNDED
-from ..embedding.module import CACHE_COUNTERS
-from ..embedding.pool import POOL_COUNTERS
-from ..embedding.remote import het_wire_bytes
-from ..schedule import HotColdOrder
+from ...base.comm import EMBEDDING_KINDS, KINDS, Collectives
+from ...base.config import Config
+from ...base.core.errors import phase
+from ...sparse.embedding.dynamic.admission import counter_figures
+from ...sparse.embedding.cache.consistency import HIST_BINS, UNBOUNDED
+from ...sparse.embedding.module import CACHE_COUNTERS
+from ...sparse.embedding.dynamic.pool import POOL_COUNTERS
+from ...sparse.embedding.remote import het_wire_bytes
+from ...sparse.schedule import HotColdOrder
 from .tensorboard import TensorBoardWriter
 from .writers import JsonlWriter, keep_records_until, write_summary
 

@@ -8,7 +8,7 @@ from typing import Any, Optional
 
 import numpy as np
 
-from ..embedding.consistency import HIST_BINS
+from ...sparse.embedding.cache.consistency import HIST_BINS
 
 class TensorBoardWriter:
     """train.tensorboard: scalars beside metrics.jsonl (loss, samples/s, bytes per kind, cache hit

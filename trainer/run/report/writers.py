@@ -1,13 +1,13 @@
 """Writing a run's files: metrics.jsonl (one JSON record per line, never ending a run), summary.json
 (whole or not at all, else on stdout), and the log cut back to a resumed step. Whole files are
-written by trainer/core/atomic.py, the package's one way to replace a file."""
+written by trainer/base/core/atomic.py, the package's one way to replace a file."""
 from __future__ import annotations
 
 import json
 import sys
 from typing import Any
 
-from ..core.atomic import jsonable, replacing, write_json_atomic
+from ...base.core.atomic import jsonable, replacing, write_json_atomic
 
 
 class JsonlWriter:

@@ -1,16 +1,16 @@
 """From what the user typed to the validated Config every entry point runs with.
 
-Why a module of its own: the schemas and their checks (trainer/config/) import nothing else of
-the package, while a file dataset's shape can only be read by its data source (trainer/data/).
+Why a module of its own: the schemas and their checks (trainer/base/config/) import nothing else of
+the package, while a file dataset's shape can only be read by its data source (trainer/workload/data/).
 This is the one place that joins the two, in a fixed order:
 
 1. parse: the Hydra tree (or dict, or Config) is merged onto the typed schema;
 2. shape: a file dataset (criteo, movielens) reports its dense features and table rows
-   (trainer.data.shape_of);
+   (trainer.workload.data.shape_of);
 3. recipe: the keys left null (data.epochs, data.val_fraction, data.min_count, train.eval_every,
    train.early_stop.patience / min_evals (epochs, turned into evaluations), model.dropout,
    optim.weight_decay / sparse_weight_decay / warmup_steps / decay, ...) take the values of the
-   recipe in force (trainer/plan/recipes.py: train.recipe, auto picks it from the data); a value the
+   recipe in force (trainer/run/resolve/recipes.py: train.recipe, auto picks it from the data); a value the
    user gave is kept; then the shape fills data.num_dense / data.table_rows (with
    data.min_count > 0, the sizes of the training rows' vocabulary, which depends on the recipe's
    validation split);
@@ -26,10 +26,10 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-from ..config import (Config, ConfigError, apply_data_shape, check_min_count, compose, data_source_error, parse,
+from ...base.config import (Config, ConfigError, apply_data_shape, check_min_count, compose, data_source_error, parse,
                      run_device, validate)
-from ..data import DataShape, epoch_rows, shape_of, vocab_rows
-from ..data.criteo import CriteoFormatError
+from ...workload.data import DataShape, epoch_rows, shape_of, vocab_rows
+from ...workload.data.criteo import CriteoFormatError
 from .recipes import apply_data_steps, apply_recipe, choose_recipe
 
 
@@ -76,7 +76,7 @@ def compose_config(overrides: list[str], world: Optional[int] = None) -> Config:
 
 def _model_rows(c: Config, shape: DataShape) -> list[int]:
     """The tables' rows the model is built with: as stored, or with data.min_count > 0 the sizes
-    of the training rows' vocabulary (trainer/data/vocab.py; it needs the recipe's split keys)."""
+    of the training rows' vocabulary (trainer/workload/data/vocab.py; it needs the recipe's split keys)."""
     if not c.data.min_count:
         return shape.table_rows
     check_min_count(c.data)

@@ -18,9 +18,9 @@ What is counted, per rank (docs/design.md, "bytes per row"):
   (train.early_stop.snapshot, snapshot_rows.in_memory) at most one copy of the rows' weights;
   dynamic tables add each slot's id and version at the snapshot (SNAPSHOT_SLOT_BYTES, 16 B per slot);
 - the batch and the dense model's activations: an estimate (local batch x the widths of the MLPs);
-- the padded step (train.cuda_graph=on at W = 1, trainer/train/whole_step.py): per slot of its padded
+- the padded step (train.cuda_graph=on at W = 1, trainer/step/whole_step.py): per slot of its padded
   plan, the workspace, its gradient and the update's rows before and after (4 x d float32) and
-  the plan (17 B), held between steps by a CUDA graph's pool; at W > 1 (trainer/train/padded_step.py)
+  the plan (17 B), held between steps by a CUDA graph's pool; at W > 1 (trainer/step/padded_step.py)
   per slot of its W blocks, the rows and gradients out and in, the workspace, its gradient, the
   owner's ordered gradients and sums (8 x d float32) and the request's integers (48 B).
 Available: MemAvailable (and the cgroup's limit, when lower) shared by the ranks on this host; on
@@ -34,18 +34,18 @@ from typing import Any
 
 import torch
 
-from ..config import Config, ConfigError, cache_capacities, local_batch_size, table_rows
+from ...base.config import Config, ConfigError, cache_capacities, local_batch_size, table_rows
 from kernels.id_slot_map_reference import cells_bound
-from ..embedding.admission import Counting
-from ..embedding.padded import PLAN_SLOT_BYTES, REQUEST_SLOT_BYTES, unique_capacity
-from ..embedding.pool import pool_slot_bytes
-from ..embedding.sharding import RowSharding
-from ..embedding.slotmap import map_bytes
-from ..embedding.store import VERSION_BYTES, row_dtype
-from ..placement.plan import row_bytes
-from ..placement.sca import slot_bytes
-from ..core.progress import fmt_bytes
-from ..core.snapshot_rows import SNAPSHOT_SLOT_BYTES, in_memory
+from ...sparse.embedding.dynamic.admission import Counting
+from ...sparse.embedding.padded import PLAN_SLOT_BYTES, REQUEST_SLOT_BYTES, unique_capacity
+from ...sparse.embedding.dynamic.pool import pool_slot_bytes
+from ...sparse.embedding.sharding import RowSharding
+from ...sparse.embedding.cache.slotmap import map_bytes
+from ...sparse.embedding.store.shard import VERSION_BYTES, row_dtype
+from ...sparse.placement.plan import row_bytes
+from ...sparse.placement.sca import slot_bytes
+from ...base.core.progress import fmt_bytes
+from ...base.core.snapshot_rows import SNAPSHOT_SLOT_BYTES, in_memory
 
 ADVICE = {"rows": "more workers, embedding.dtype=fp16 or bf16 (half the weight bytes), smaller data.table_rows",
           "cache": "a smaller cache.capacity_fraction or cache.capacity_rows", "cache map": "cache=none",

@@ -1,8 +1,8 @@
-"""docs/recipe.md's table of recipe values, generated from trainer/plan/recipes.py (RECIPE_VALUES and
+"""docs/recipe.md's table of recipe values, generated from trainer/run/resolve/recipes.py (RECIPE_VALUES and
 MODEL_RECIPE_VALUES), so the page cannot drift from the values a run gets.
 
-    python -m trainer.plan.recipe_doc --write    # rewrite the page's generated part
-    python -m trainer.plan.recipe_doc --check    # exit 1 when the page differs
+    python -m trainer.run.resolve.recipe_doc --write    # rewrite the page's generated part
+    python -m trainer.run.resolve.recipe_doc --check    # exit 1 when the page differs
 """
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ from typing import Any, Optional
 
 from .recipes import EVAL_PER_EPOCH, MODEL_RECIPE_VALUES, RECIPE_VALUES, recipe_keys
 
-BEGIN = ("<!-- BEGIN generated recipe table: written by python -m trainer.plan.recipe_doc --write from "
-         "trainer/plan/recipes.py; edit that, not this part -->")
+BEGIN = ("<!-- BEGIN generated recipe table: written by python -m trainer.run.resolve.recipe_doc --write from "
+         "trainer/run/resolve/recipes.py; edit that, not this part -->")
 END = "<!-- END generated recipe table -->"
 PAGE = "docs/recipe.md"
 ORDER = ("tiny", "small", "large", "none")  # the columns: the smallest data first
@@ -63,7 +63,7 @@ def page_part(text: str) -> str:
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m trainer.plan.recipe_doc", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m trainer.run.resolve.recipe_doc", description=__doc__.split("\n\n")[0])
     p.add_argument("--check", metavar="PAGE", nargs="?", const=PAGE, help=f"compare PAGE (default {PAGE})")
     p.add_argument("--write", metavar="PAGE", nargs="?", const=PAGE, help="rewrite PAGE's generated part")
     a = p.parse_args(argv)
@@ -86,7 +86,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         print(f"{path}: {'rewritten' if new != text else 'up to date'}")
         return 0
     if page_part(text) != render():
-        print(f"{path}: the recipe table differs from trainer/plan/recipes.py: python -m trainer.plan.recipe_doc --write",
+        print(f"{path}: the recipe table differs from trainer/run/resolve/recipes.py: python -m trainer.run.resolve.recipe_doc --write",
               file=sys.stderr)
         return 1
     print(f"{path}: up to date")

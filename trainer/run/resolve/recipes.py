@@ -3,13 +3,13 @@
 Why a module of its own: the tuning policy (which optimizer, how many epochs, how often to
 evaluate, how long to wait for a better validation AUC, how many models to average) is measured
 on data (README "Real data", "The recipe per data size") and changes with it, while the schemas
-and their checks (trainer/config/) do not. Every rule about a recipe lives here:
+and their checks (trainer/base/config/) do not. Every rule about a recipe lives here:
 
 - the values: RECIPE_VALUES per recipe (none, large, small, tiny), MODEL_RECIPE_VALUES on top of
   them per model;
 - the choice: train.recipe=auto picks tiny / small / large for data=criteo by the size of its
   training split, none for other data (choose_recipe); recipe_of re-derives it for a loaded config;
-- applying them: apply_recipe fills the null keys (trainer/plan/configure.py calls it while loading a
+- applying them: apply_recipe fills the null keys (trainer/run/resolve/configure.py calls it while loading a
   config); the evaluation cadence "k times per epoch" and the epoch counts of early stopping need
   the world size W, so apply_data_steps finishes them once W is known (the Trainer, tools that
   simulate W workers);
@@ -26,9 +26,9 @@ import sys
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
-from ..config import RECIPES, Config, ConfigError, get_key, local_batch_size
-from ..data import DataShape, shape_of
-from ..data import epoch_rows as rows_per_epoch
+from ...base.config import RECIPES, Config, ConfigError, get_key, local_batch_size
+from ...workload.data import DataShape, shape_of
+from ...workload.data import epoch_rows as rows_per_epoch
 
 SMALL_DATA_ROWS = 1_000_000  # train.recipe=auto: data=criteo with fewer training rows takes the small recipe
 TINY_DATA_ROWS = 100_000  # ... and with fewer than these, the tiny one (small + an ensemble of 5 models)
@@ -60,7 +60,7 @@ RECIPE_VALUES: dict[str, dict[str, Any]] = {
               "optim.name": "adam", "optim.dense": "adam", "optim.sparse": "rowwise_adagrad", "optim.lr": 0.001,
               "optim.sparse_lr": 0.05, "optim.eps": 1e-8},
     # tiny data (README): the small recipe, and an ensemble of 5 models, one per 20% validation slice
-    # (train.ensemble, trainer/evaluation/ensemble.py): on a few thousand rows one model's test AUC moves by ~0.02 with
+    # (train.ensemble, trainer/run/evaluation/ensemble.py): on a few thousand rows one model's test AUC moves by ~0.02 with
     # its validation rows; five cost five trainings, which only tiny data makes cheap
 }
 RECIPE_VALUES["tiny"] = {**RECIPE_VALUES["small"], "train.ensemble": 5}

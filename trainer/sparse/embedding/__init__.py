@@ -4,7 +4,7 @@ from .exchange import RowExchange, plan_lookup
 from .module import HybridEmbedding
 from .optim import make_sparse_optimizer
 from .sharding import RowSharding, Sharding, flat_ids
-from .store import ShardStore, init_rows
+from .store.shard import ShardStore, init_rows
 from .types import GlobalStep, InFlightStep, LookupPlan, Pushes
 
 __all__ = ["GlobalStep", "HybridEmbedding", "InFlightStep", "LookupPlan", "Pushes", "RowExchange", "RowSharding",

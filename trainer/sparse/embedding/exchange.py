@@ -12,10 +12,10 @@ from typing import Callable
 
 import torch
 
-from ..comm import Collectives
-from ..core.device import from_host, positions, select
+from ...base.comm import Collectives
+from ...base.core.device import from_host, positions, select
 from .sharding import Sharding
-from .store import ShardStore
+from .store.shard import ShardStore
 from .types import LookupPlan
 
 

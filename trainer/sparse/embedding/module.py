@@ -20,7 +20,7 @@ or version changes; dynamic tables' admissions, evictions and counts of the step
 What a step holds between those calls (its batch, plan, the remote protocol's begun read and read,
 the workspace) lives in its InFlightStep (types.py), which every call takes:
 this module keeps no step of its own, so the step prepared ahead (train.pipeline) and the step
-being trained are two objects the trainer holds side by side (trainer/train/pipeline.py).
+being trained are two objects the trainer holds side by side (trainer/step/pipeline.py).
 Evaluation (eval_lookup) reads fresh rows from the owners after a flush, so it measures the model
 they hold.
 Half-precision rows (embedding.dtype): the workspace is float32 whatever the rows' type (the
@@ -38,14 +38,14 @@ from typing import Any, Callable
 import torch
 
 import kernels
-from ..comm import Collectives
-from ..data.batch import Batch
-from .dynamic import gather_tables
+from ...base.comm import Collectives
+from ...workload.data.batch import Batch
+from .dynamic.shard import gather_tables
 from .exchange import RowExchange, plan_lookup
 from .remote import CACHE_COUNTERS, Audit, CacheStats, PlainRemote, RemoteRows
 from .replica import Replica
 from .sharding import Sharding
-from .store import ShardStore
+from .store.shard import ShardStore
 from .types import GlobalStep, InFlightStep, LookupPlan, Pushes
 
 __all__ = ["CACHE_COUNTERS", "HybridEmbedding", "InFlightStep", "LookupStats"]
@@ -102,7 +102,7 @@ class HybridEmbedding:
         if replica is not None:
             replica.load_from_owners(comm, store)
         # the step of the last training lookup, as its InFlightStep carries it (the train pipeline's
-        # clock, trainer/train/pipeline.py; this module counts nothing): the cache's LRU ages, the
+        # clock, trainer/step/pipeline.py; this module counts nothing): the cache's LRU ages, the
         # dynamic tables' admissions, the audit's records (a resumed run: the checkpoint's step - 1)
         self.step = -1
         self.undoable = False  # enable_discard(): dynamic tables journal each step's admissions

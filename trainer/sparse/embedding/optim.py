@@ -6,7 +6,7 @@ summed over all workers once per step keeps the state exact, the same as the sin
 reference. Why no formula here: the fused scatter + optimizer kernels (Triton on CUDA tensors, the
 pure-torch reference on CPU, chosen by the kernels dispatch) hold the one implementation of each
 optimizer (torch.optim's formulas, lr_decay = 0); this class only owns the state tensors and the
-hyper-parameters: `lr` (the learning-rate schedule, trainer/train/lr.py, sets it before every step) and
+hyper-parameters: `lr` (the learning-rate schedule, trainer/step/lr.py, sets it before every step) and
 `weight_decay` (coupled L2, applied by the kernel once per updated row).
 
 Half-precision rows (embedding.dtype=fp16|bf16): the state stays float32 whatever the rows' type
@@ -66,7 +66,7 @@ class SparseOptimizer:
         if name not in OPTIMIZERS:
             raise ValueError(f"optim.sparse={name!r} is not one of {sorted(OPTIMIZERS)}")
         self.name, self.weight, self.lr, self.eps, self.init = name, weight, lr, eps, init
-        # a captured step's rate (trainer/train/whole_step.py): one fp32 value on the weight's device that
+        # a captured step's rate (trainer/step/whole_step.py): one fp32 value on the weight's device that
         # the update kernel reads there; its owner fills it with `lr` before every step
         self.lr_on_device: Optional[torch.Tensor] = None
         self.weight_decay = weight_decay

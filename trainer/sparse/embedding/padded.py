@@ -11,22 +11,22 @@ What: `capacity` slots, by default C = the sum over tables of min(local batch x 
 table's rows): the batch never has more unique ids. A smaller capacity (train.unique_capacity)
 saves memory and work; a batch that exceeds it gets a wrong plan (its extra ids clamped to the
 last slot, nothing out of bounds) and a count above the capacity, which the caller reads with
-the loss and stops the run on (trainer/train/whole_step.py). The first `count` slots hold the batch's unique ids in ascending order, the
+the loss and stops the run on (trainer/step/whole_step.py). The first `count` slots hold the batch's unique ids in ascending order, the
 same slots as plan_lookup's (so the workspace, the pooled gather and the rows' gradient are the
 same numbers); the other C - count slots hold storage rows the batch does not touch, all distinct
 (the smallest such rows, found by a search over the sorted ids: fixed-size). Their gradient is
 zero and the owner update is masked there (ShardStore.apply_masked: row, optimizer state, version
 and touched mark written back as they were), so padding changes nothing, and no two slots name
 one row (a masked write-back racing a real one would). Ids at or above `sentinel` are padding
-entries of the batch (ragged bags padded to a fixed length, trainer/train/whole_step.py): they join no
+entries of the batch (ragged bags padded to a fixed length, trainer/step/whole_step.py): they join no
 slot; their entries point at the last slot and carry a zero gradient (a padding slot unless the
 batch holds every row of the shard; then the +0.0 they add can only turn a -0.0 sum into +0.0).
 
 Bytes: per step, the [C] plan (PLAN_SLOT_BYTES a slot) and the caller's [C, d] workspace, its
 gradient and the update's rows, where plan_lookup's were [U]: per batch, never per table row
-(trainer/plan/memplan.py counts them).
+(trainer/run/resolve/memplan.py counts them).
 
-W > 1 (trainer/train/padded_step.py): a rank's request has W blocks of C slots, block w holding the
+W > 1 (trainer/step/padded_step.py): a rank's request has W blocks of C slots, block w holding the
 batch's unique ids owner w holds (ascending: the order plan_lookup sends them in) and then padding
 (the storage row local_rows, which no owner has); C is the same bound per owner (per table the
 fewer of local batch x max bag and the rows rank 0 holds, RowSharding's largest share). The owner
@@ -42,7 +42,7 @@ from typing import Optional
 
 import torch
 
-from ..data.batch import Batch
+from ...workload.data.batch import Batch
 from .exchange import run_starts, sorted_runs
 from .sharding import Sharding, rows_on_rank
 
@@ -148,7 +148,7 @@ def _with_padding_rows(members: torch.Tensor, valid: torch.Tensor, count: torch.
 # ---- W > 1: a request in fixed blocks per owner, and the owner's fixed-size sum ---------------------
 @dataclass
 class PaddedRequest:
-    """A batch's rows asked of every owner in blocks of C slots (W > 1; trainer/train/padded_step.py).
+    """A batch's rows asked of every owner in blocks of C slots (W > 1; trainer/step/padded_step.py).
     ids: [W x C] storage rows, block w for owner w: the batch's unique ids w owns, ascending (the
     order plan_lookup sends them in), in its first slots, then local_rows (no row: padding);
     inverse: [N] workspace slot (w x C + position) of every entry; valid: [W x C] slot holds one

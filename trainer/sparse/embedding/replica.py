@@ -7,7 +7,7 @@ same sparse optimizer step to its own copy, so all copies (values and optimizer 
 identical and equal to the single-process reference: exact, like the dense parameters.
 
 Only the hot rows touched by the step's global batch are reduced: every rank knows the global batch
-(the scheduler's global view, trainer/schedule/feed.py), so the union of touched hot rows is the
+(the scheduler's global view, trainer/sparse/schedule/feed.py), so the union of touched hot rows is the
 same list on every rank and no mask has to travel.
 
 The owners keep their (stale) copies of hot rows; `write_to_owner` copies the replica's values and
@@ -41,9 +41,9 @@ from __future__ import annotations
 
 import torch
 
-from ..comm import Collectives
-from .pool import expired
-from .store import ShardStore
+from ...base.comm import Collectives
+from .dynamic.pool import expired
+from .store.shard import ShardStore
 
 
 class Replica:

@@ -30,8 +30,8 @@ from typing import TypeVar, Union
 import numpy as np
 import torch
 
-from ..core.hashing import mix64
-from ..data.ids import ID_BITS, ID_LIMIT  # dynamic tables: ids in [0, 2^56); gid = (table << ID_BITS) | id
+from ...base.core.hashing import mix64
+from ...workload.data.ids import ID_BITS, ID_LIMIT  # dynamic tables: ids in [0, 2^56); gid = (table << ID_BITS) | id
 
 Ids = TypeVar("Ids", torch.Tensor, np.ndarray)
 Array = Union[torch.Tensor, np.ndarray]

@@ -17,7 +17,7 @@ from typing import Any, Optional
 
 import torch
 
-from .consistency import CURRENT_LIFE
+from .cache.consistency import CURRENT_LIFE
 
 
 @dataclass
@@ -105,7 +105,7 @@ class InFlightStep:
 
     Why one object: a step is begun in one call and finished in others, with train.pipeline even
     across two steps (step i+1's batch, plan and id requests are made during step i). Everything a
-    later call needs travels in this object, handed from call to call (trainer/train/pipeline.py holds the
+    later call needs travels in this object, handed from call to call (trainer/step/pipeline.py holds the
     current one and the one prepared ahead); neither the embedding module nor a remote-row protocol
     keeps a hidden copy of a step.
 
@@ -117,7 +117,7 @@ class InFlightStep:
     read:   what the protocol's read left for its write or discard (RemoteRows.read), once looked up
     ws:     the workspace leaf [U, d] of the training lookup; its .grad holds the row gradients
     alltoalls_ahead: alltoall calls made for this step while the step before it ran (the trainer
-            counts every step's own calls, trainer/train/pipeline.py)
+            counts every step's own calls, trainer/step/pipeline.py)
     """
 
     step: int

@@ -6,7 +6,7 @@ shapes, the optimizer and a per-worker memory budget to a Plan. Plans are checke
 with a clear message when they cannot fit. Planners:
 - none: every row sharded (the default);
 - fae:  FAE's hot embeddings: the most read rows that fit the budget are replicated; with
-        placement.hot_batches the scheduler forms hot batches (trainer/schedule/feed.py);
+        placement.hot_batches the scheduler forms hot batches (trainer/sparse/schedule/feed.py);
 - sca:  the cost-model planner (sca.py): replicate / cache / shard per frequency bucket, by
         predicted bytes per step under the budget.
 Rank 0 plans and broadcasts the plan, so every rank applies the very same plan.

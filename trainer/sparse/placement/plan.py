@@ -13,8 +13,8 @@ from typing import Any, Callable, Optional
 import numpy as np
 import torch
 
-from ..config import ConfigError, local_batch_size
-from ..data import id_rows
+from ...base.config import ConfigError, local_batch_size
+from ...workload.data import id_rows
 from ..embedding.sharding import Sharding
 from .profile import AccessProfile, profile_stream
 

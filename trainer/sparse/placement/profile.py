@@ -14,7 +14,7 @@ from typing import Any, Callable, Optional
 
 import numpy as np
 
-from ..core.stop import StopRequested
+from ...base.core.stop import StopRequested
 from ..embedding.sharding import flat_ids
 
 

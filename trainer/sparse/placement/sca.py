@@ -15,7 +15,7 @@ Two cost models, one cheap and one exact:
    this says: a row read every step costs about the same either way, 2 (W - 1) 4d; replication saves
    the ids and the alltoall, and loses on rows a step touches on few workers.)
 2. Replay ("streamed statistics"): each candidate placement (sharded / cached with a capacity and
-   the configured bounds / replicated) runs through the cache simulator (trainer/sim/: the
+   the configured bounds / replicated) runs through the cache simulator (trainer/sparse/sim/: the
    trainer's own cache, consistency and byte formulas, the trainer's own feed) over the first
    K = placement.plan_steps steps of the run's stream; the run's other steps are extrapolated at the
    rate of the last K/2 replayed steps (warm caches), and the final flush is added. This is the prediction reported, and the one the
@@ -33,7 +33,7 @@ from typing import Any, Optional
 
 import numpy as np
 
-from ..config import Config, cache_capacities, local_batch_size
+from ...base.config import Config, cache_capacities, local_batch_size
 from ..schedule.replay import FeedTrace, spec_from_config
 from ..sim import CacheSimulator
 from .plan import Plan, register

@@ -20,7 +20,7 @@ from typing import Any, Callable, Optional, Protocol
 import numpy as np
 import torch
 
-from ..data.batch import Batch
+from ...workload.data.batch import Batch
 from ..embedding.sharding import flat_ids
 from ..embedding.types import GlobalStep
 

@@ -30,7 +30,7 @@ from typing import Any
 
 import numpy as np
 
-from ..embedding.pool import expired
+from ..embedding.dynamic.pool import expired
 from ..embedding.sharding import Sharding
 from .feed import GlobalBatch, is_member
 from .holders import Holders

@@ -1,4 +1,4 @@
-"""Who holds each row Herald lent (trainer/schedule/herald.py's planner state), kept over the lent
+"""Who holds each row Herald lent (trainer/sparse/schedule/herald.py's planner state), kept over the lent
 rows alone: every rank plans with it, so it must not grow with the model (dynamic tables have
 2^56 ids per table).
 """

@@ -8,7 +8,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..config import Config, cache_capacities, local_batch_size, staleness_bounds, table_rows
+from ...base.config import Config, cache_capacities, local_batch_size, staleness_bounds, table_rows
 from ..sim import SimSpec
 from .feed import Feed, make_order
 
@@ -36,7 +36,7 @@ class FeedTrace:
         self.global_batch = local_batch_size(cfg, workers) * workers
         self.description = f"data={cfg.data.preset} placement={cfg.placement.name}"
         if data is None:
-            from ..data import make_data
+            from ...workload.data import make_data
             data = make_data(cfg, 0, workers)
         self.data = data
         order = make_order(self.data, self.global_batch, np.asarray(hot_flat, np.int64), self.table_rows,

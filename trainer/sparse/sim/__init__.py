@@ -1,4 +1,4 @@
-"""The cache simulator's engine (imports only trainer/embedding): engine.py replays id traces through
+"""The cache simulator's engine (imports only trainer/sparse/embedding): engine.py replays id traces through
 the trainer's own remote-row protocols for W simulated workers; belady.py is Belady's MIN (the OPT
 hit rate)."""
 from .belady import belady_hits, next_use, opt_hits_by_table

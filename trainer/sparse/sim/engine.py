@@ -25,7 +25,7 @@ Owners: "sharded" (the trainer: the run's Sharding decides) or "server" (HET's p
 setting: every row lives outside the workers, so every id is remote for every worker; versions are
 still per row, at the server).
 
-This package imports only trainer/embedding (the driver with config and data sources is
+This package imports only trainer/sparse/embedding (the driver with config and data sources is
 trainer/tools/simulate.py).
 """
 from __future__ import annotations
@@ -37,8 +37,8 @@ from typing import Any, Callable, Optional, Protocol, TextIO
 import numpy as np
 import torch
 
-from ..embedding.cache import RowCache, make_policy
-from ..embedding.consistency import UNBOUNDED, Bounds
+from ..embedding.cache.rows import RowCache, make_policy
+from ..embedding.cache.consistency import UNBOUNDED, Bounds
 from ..embedding.exchange import no_cache_wire_bytes, plan_lookup, wire_dtype
 from ..embedding.remote import CacheStats, HetRemote, PlainRemote, StalenessStats, het_wire_bytes, serve_check
 from ..embedding.sharding import RowSharding, Sharding

@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Optional, Union
 
-from ..config import (Config, ConfigError, DataConfig, check_data_source, data_source_error, epoch_steps,
+from ...base.config import (Config, ConfigError, DataConfig, check_data_source, data_source_error, epoch_steps,
                       local_batch_size, run_device, source_rows, table_rows, val_rows)
 from .batch import Batch
 from .ids import ID_LIMIT, GuardedData, IdGuard, IdRangeError
@@ -26,7 +26,7 @@ __all__ = ["Batch", "DataShape", "GuardedData", "IdGuard", "IdRangeError", "Synt
 @dataclass(frozen=True)
 class DataShape:
     """What a file dataset says about itself; the entry point copies it into the config
-    (trainer/plan/configure.py), so the config never reads files and the data never writes the config."""
+    (trainer/run/resolve/configure.py), so the config never reads files and the data never writes the config."""
 
     num_dense: int  # dense features per sample -> data.num_dense
     table_rows: list[int]  # rows per table as stored, before data.max_table_rows -> data.table_rows
@@ -105,7 +105,7 @@ def val_slices(d: DataConfig, count: int) -> list[int]:
 
 def vocab_rows(d: DataConfig) -> list[int]:
     """data=criteo with data.min_count > 0: rows per table of the training rows' vocabulary
-    (trainer/data/vocab.py), before data.max_table_rows."""
+    (trainer/workload/data/vocab.py), before data.max_table_rows."""
     if d.name != "criteo":
         raise ValueError(f"data.min_count is a data=criteo option, not data={d.name}")
     from .blocks import train_vocab
@@ -129,7 +129,7 @@ def _local_gpu(cfg: Config) -> Optional[int]:
 def make_data(cfg: Config, rank: int, world: int) -> GuardedData:
     """The data source named by cfg.data.name for this rank, behind the id-range guard
     (data.out_of_range, ids.py). It does not touch cfg: the step count data.epochs asks for comes
-    from resolve(cfg, world), applied by the caller (trainer.plan.recipes.apply_data_steps)."""
+    from resolve(cfg, world), applied by the caller (trainer.run.resolve.recipes.apply_data_steps)."""
     data: Any = _make_data(cfg, rank, world)
     if cfg.embedding.kind != "dynamic":
         if cfg.data.hash_rows:  # the same ids as a dynamic table would see, hashed into the rows

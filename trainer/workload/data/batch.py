@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..core.device import to_device
+from ...base.core.device import to_device
 
 
 @dataclass
@@ -64,7 +64,7 @@ class Batch:
 
     def to(self, device: torch.device) -> "Batch":
         """The batch on `device`: from the host through pinned memory, asynchronously
-        (trainer/core/device.py), so the host does not wait for the device's queued work."""
+        (trainer/base/core/device.py), so the host does not wait for the device's queued work."""
         return Batch(to_device(self.dense, device), to_device(self.values, device),
                      to_device(self.lengths, device), to_device(self.labels, device),
                      None if self._tables is None else to_device(self._tables, device), self.bag_length)

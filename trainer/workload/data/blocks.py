@@ -1,7 +1,7 @@
 """A prepared Criteo directory as the trainer's Batch stream: splits, rank shards, row order, batching,
 and the numpy-memmap reference reader.
 
-Why one module around the reader: DALI (trainer/data/dali.py) only reads blocks, one block per
+Why one module around the reader: DALI (trainer/workload/data/dali.py) only reads blocks, one block per
 sample, and picks this rank's blocks with shard_id/num_shards. Everything else (which rows of which
 block belong to a split, the seeded block and row order, how blocks become batches of exactly b
 rows) lives here and is shared by both readers, so the memmap reference differs from DALI only in
@@ -24,8 +24,8 @@ from collections.abc import Iterator
 import numpy as np
 import torch
 
-from ..config import ConfigError, DataConfig, val_range
-from ..core.device import resident
+from ...base.config import ConfigError, DataConfig, val_range
+from ...base.core.device import resident
 from .batch import Batch
 from .criteo import CriteoFormatError, check_block, from_block, raw_ids, read_meta
 from .ids import IdGuard

@@ -20,7 +20,7 @@ Encoding (the rule is written into meta.json):
 
 Block format: one .npy file per block, int32 [n, 1 + 13 + 26]: column 0 the label, columns 1..13 the
 dense float32 values stored bit-for-bit (numpy .view), columns 14..39 the ids. One array per block
-lets DALI's numpy reader deliver a whole block as one sample (trainer/data/dali.py).
+lets DALI's numpy reader deliver a whole block as one sample (trainer/workload/data/dali.py).
 """
 from __future__ import annotations
 

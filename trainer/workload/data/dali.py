@@ -2,11 +2,11 @@
 
 Why DALI: it reads and decodes in its own threads with a prefetch queue, so the next block is ready
 while the current step trains, and the same pipeline runs on GPU on a cluster. Each prepared block
-(int32 [n, 1 + F + T], trainer/data/criteo.py) is one DALI sample; fn.readers.numpy shards the block
+(int32 [n, 1 + F + T], trainer/workload/data/criteo.py) is one DALI sample; fn.readers.numpy shards the block
 list by rank with shard_id/num_shards (stick_to_shard: a rank loops over its own blocks), and the
 pipeline splits a block into labels (cast to float), dense (reinterpreted float32 bits) and ids
 (cast to int64). Row selection, the seeded row shuffle and batching are shared with the memmap
-reference reader (trainer/data/blocks.py).
+reference reader (trainer/workload/data/blocks.py).
 
 device_id=None gives a CPU-only pipeline (machines without a GPU); with a device id the columns are
 produced on that GPU and handed to torch by DLPack without a host copy.

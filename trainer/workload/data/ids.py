@@ -24,7 +24,7 @@ from typing import Any, Iterator
 import numpy as np
 import torch
 
-from ..core.device import resident
+from ...base.core.device import resident
 from .batch import Batch
 
 

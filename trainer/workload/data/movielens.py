@@ -25,7 +25,7 @@ from typing import Iterator, Optional
 import numpy as np
 import torch
 
-from ..config import DataConfig, val_rows
+from ...base.config import DataConfig, val_rows
 from .batch import Batch
 
 FIELDS = ("user_id", "item_id", "age", "gender", "occupation", "zip_code", "release_year", "genre")
@@ -103,7 +103,7 @@ def load(directory: str) -> Table:
 
 
 def shape(directory: Optional[str]) -> tuple[int, list[int]]:
-    """(num_dense, table_rows) of the dataset, for the config (trainer.data.resolve)."""
+    """(num_dense, table_rows) of the dataset, for the config (trainer.workload.data.resolve)."""
     return NUM_DENSE, list(load(locate(directory)).table_rows)
 
 

@@ -28,7 +28,7 @@ from typing import Any, Callable, Iterator, Optional
 
 import numpy as np
 
-from ..core.atomic import replacing, write_json_atomic
+from ...base.core.atomic import replacing, write_json_atomic
 from .criteo import (FORMAT, META, NUM_CAT, NUM_DENSE, REASONS, CriteoFormatError, Encoder,
                      check_block, parse_chunk, to_block)
 

@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..core.hashing import mix64
+from ...base.core.hashing import mix64
 from .batch import Batch
 from .ids import ID_BITS, MappedData
 

@@ -22,7 +22,7 @@ from typing import Iterator, Optional
 import numpy as np
 import torch
 
-from ..config import DataConfig, val_rows
+from ...base.config import DataConfig, val_rows
 from . import rng
 from .batch import Batch
 

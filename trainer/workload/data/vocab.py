@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ..core.device import resident
+from ...base.core.device import resident
 from .criteo import EMPTY_ID, from_block
 from .segment import Segment
 

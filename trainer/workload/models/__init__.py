@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from ..config import ModelConfig
+from ...base.config import ModelConfig
 from .dcn import DCN
 from .deepfm import DeepFM
 from .dlrm import DLRM

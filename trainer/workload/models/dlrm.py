@@ -2,7 +2,7 @@
 pooled embeddings, top MLP to a click logit.
 
 Single-device code: it sees [B, F] dense features and [B, T, d] pooled embeddings and knows
-nothing about sharding or collectives; parallelism is applied from outside (trainer/runner.py).
+nothing about sharding or collectives; parallelism is applied from outside (trainer/run/runner.py).
 """
 from __future__ import annotations
 

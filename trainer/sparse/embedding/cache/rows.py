@@ -36,17 +36,17 @@ copy re-read in another life of its id drops its pending updates (consistency.py
 Undo (train.nonfinite=skip): cache_journal.py (the cache saves each slot it changes first, so a
 step's reads can be rolled back exactly).
 
-Nothing here talks to other workers: the simulator (trainer/sim/) drives the same object.
+Nothing here talks to other workers: the simulator (trainer/sparse/sim/) drives the same object.
 """
 from __future__ import annotations
 
 import torch
 
-from ..core.device import positions
-from .cache_journal import CacheJournal
+from ....base.core.device import positions
+from .journal import CacheJournal
 from .consistency import life_changed, life_of, push_due
 from .slotmap import id_slot_map
-from .types import Pushes
+from ..types import Pushes
 
 _NEVER = torch.iinfo(torch.int64).max  # eviction key of entries that must stay
 # last_use is a use's tick: step << TICK_BITS | its rank among the cache's uses of that step (touch

@@ -37,7 +37,7 @@ from typing import Any, Union
 import torch
 
 import kernels
-from ..core.hashing import mix64
+from ....base.core.hashing import mix64
 
 _COUNT_BITS = 16  # exact: (step << 16) | count
 _GAMMA = -7046029254386353131  # 0x9E3779B97F4A7C15 as int64: splitmix64's increment
@@ -57,7 +57,7 @@ class Counting:
 
     @classmethod
     def of(cls, e: Any) -> Counting:
-        """The counting of an EmbeddingConfig (trainer/config/)."""
+        """The counting of an EmbeddingConfig (trainer/base/config/)."""
         return cls(e.admit_counter, e.count_min_bytes, e.count_min_depth, e.count_min_halve_steps)
 
     def sketch_width(self) -> int:

@@ -45,7 +45,7 @@ import kernels
 from kernels.id_slot_map_reference import cells_bound
 from .admission import Counting, make_counter
 from .pool_journal import PoolJournal
-from .sharding import ID_BITS
+from ..sharding import ID_BITS
 
 POOL_COUNTERS = ("admissions", "evictions", "dropped_grads", "rejected")  # [T] each, per owner
 

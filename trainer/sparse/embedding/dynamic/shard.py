@@ -29,13 +29,13 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..data import rng
+from ....workload.data import rng
 from .admission import Counting
-from .consistency import LIFE_SHIFT, life_of
-from .optim import Rounding
+from ..cache.consistency import LIFE_SHIFT, life_of
+from ..optim import Rounding
 from .pool import SlotPool
-from .sharding import HashSharding
-from .store import ShardStore
+from ..sharding import HashSharding
+from ..store.shard import ShardStore
 
 _S_INIT_DYN = 78
 

@@ -29,7 +29,7 @@ at once (train.pipeline) can never be confused:
 - stats / staleness: its per-table counters (None when it keeps none).
 
 The wire itself is a separate object (the `exchange` each protocol is given), so the simulator
-drives the very same protocol objects through an in-process exchange (trainer/sim/).
+drives the very same protocol objects through an in-process exchange (trainer/sparse/sim/).
 """
 from __future__ import annotations
 
@@ -38,7 +38,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from ..consistency import HIST_BINS, staleness_histogram
+from ..cache.consistency import HIST_BINS, staleness_histogram
 from ..types import LookupPlan, Pushes
 
 CACHE_COUNTERS = ("requested", "hits", "fresh_hits", "pulled", "transient", "pushed_rows",

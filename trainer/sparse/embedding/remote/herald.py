@@ -1,5 +1,5 @@
 """Herald's on-demand synchronisation as a remote-row protocol (the planner is
-trainer/schedule/herald.py; this module moves the rows it decides to move).
+trainer/sparse/schedule/herald.py; this module moves the rows it decides to move).
 
 Why no ids on the wire: every rank computes the same SyncPlan from the global batch, so an owner
 knows which rows each worker pulls, which gradients and writebacks reach it and in which order
@@ -35,9 +35,9 @@ from typing import Any, Callable, Optional
 import numpy as np
 import torch
 
-from ...comm import Collectives
-from ...core.device import from_host
-from ..store import ShardStore
+from ....base.comm import Collectives
+from ....base.core.device import from_host
+from ..store.shard import ShardStore
 from ..types import LookupPlan, Pushes
 from .base import RemoteRows
 from .lent import LentRows

@@ -2,7 +2,7 @@
 
 This file holds the whole HET protocol: the worker side (HetRemote, driving the RowCache of
 cache.py with the two rules of consistency.py) and its wire (HetWire, over alltoall), plus the
-byte formula of that wire. The simulator (trainer/sim/) drives the same HetRemote through an
+byte formula of that wire. The simulator (trainer/sparse/sim/) drives the same HetRemote through an
 in-process exchange that implements HetWire's two calls on one owner-version array.
 
 The wire, per step:
@@ -26,13 +26,13 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from ...comm import Collectives
-from ...core.device import positions, select
-from ..cache import RowCache
-from ..consistency import ABSENT, LIFE_SHIFT, Bounds, life_of, needs_row
+from ....base.comm import Collectives
+from ....base.core.device import positions, select
+from ..cache.rows import RowCache
+from ..cache.consistency import ABSENT, LIFE_SHIFT, Bounds, life_of, needs_row
 from ..exchange import segment_counts, wire_dtype, wire_float
 from ..sharding import Sharding
-from ..store import ShardStore
+from ..store.shard import ShardStore
 from ..types import LookupPlan, Pushes
 from .base import Audit, CacheStats, RemoteRows, StalenessStats
 

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import torch
 
-from ..slotmap import id_slot_map
-from ..store import ShardStore
+from ..cache.slotmap import id_slot_map
+from ..store.shard import ShardStore
 
 
 class LentRows:

@@ -12,7 +12,7 @@ and rounded to nearest; updates are computed in float32 and written back by the 
 holds every half value exactly, so a read loses nothing.
 
 `touched` marks the rows written since it was last cleared (an owner update, a row put back by a
-replica or a holder): the in-memory best-model snapshot (trainer/evaluation/best.py) copies only those rows,
+replica or a holder): the in-memory best-model snapshot (trainer/run/evaluation/best.py) copies only those rows,
 and puts a row it never saw back to its initial value, recomputed from (seed, table, id).
 """
 from __future__ import annotations
@@ -24,12 +24,12 @@ import numpy as np
 import torch
 
 import kernels
-from ..data import rng
-from .optim import Rounding, SparseOptimizer, make_sparse_optimizer
-from .sharding import Sharding
+from ....workload.data import rng
+from ..optim import Rounding, SparseOptimizer, make_sparse_optimizer
+from ..sharding import Sharding
 
 if TYPE_CHECKING:
-    from .tier import DiskTier
+    from .tier.disk import DiskTier
 
 _S_INIT = 77
 ROW_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}  # embedding.dtype

@@ -46,15 +46,15 @@ import time
 import torch
 
 import kernels
-from ..core.progress import fmt_bytes, say_if_slow
-from .optim import SparseOptimizer
+from ....base.core.progress import fmt_bytes, say_if_slow
+from ..optim import SparseOptimizer
 from .lru2 import SlotUses
-from .readahead import ReadAheadCopies
-from .slotmap import DIRECT_IDS_PER_SLOT, id_slot_map, map_bytes
-from .store import ShardStore, _put, _update, _update_masked
-from .tier import DiskTier
+from .tier.readahead import ReadAheadCopies
+from ..cache.slotmap import DIRECT_IDS_PER_SLOT, id_slot_map, map_bytes
+from .shard import ShardStore, _put, _update, _update_masked
+from .tier.disk import DiskTier
 from .tiered_direct import DirectPhases
-from .writelog import WriteLog, code
+from .tier.writelog import WriteLog, code
 
 EVICT_BATCH = 32  # an eviction frees at least 1/EVICT_BATCH of the slots
 SLOT_BOOK_BYTES = 8 + 4 + 4 + 1 + 2  # per slot: its row, its last use and the one before, changed, LRU-2's kept slots (lru2.py)

@@ -47,8 +47,8 @@ from typing import Any, Optional
 import numpy as np
 import torch
 
-from .tier_io import APPEND_BYTES, CHUNK, TierIO, piece_buffer
-from .tier_log import TierLog, log_records
+from .records import APPEND_BYTES, CHUNK, TierIO, piece_buffer
+from .log import TierLog, log_records
 from .uring import open_ring
 
 MADV_RANDOM = 1  # a fault reads its page only (not the kernel's read-around window, 128 KiB)

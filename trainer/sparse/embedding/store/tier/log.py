@@ -19,7 +19,7 @@ from typing import Callable
 import numpy as np
 import torch
 
-from .tier_io import APPEND_BYTES, CHUNK, full_io, record_unit
+from .records import APPEND_BYTES, CHUNK, full_io, record_unit
 
 FALLOC_PUNCH_HOLE = 0x01 | 0x02  # FALLOC_FL_KEEP_SIZE | FALLOC_FL_PUNCH_HOLE
 

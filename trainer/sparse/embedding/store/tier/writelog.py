@@ -36,7 +36,7 @@ from typing import Callable, Optional
 import torch
 
 from kernels.id_slot_map_triton import IdSlotMap
-from .tier import DiskTier
+from .disk import DiskTier
 
 
 def code(v: torch.Tensor) -> torch.Tensor:
