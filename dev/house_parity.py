@@ -60,6 +60,9 @@ def _flat(d, prefix=""):
     if isinstance(d, dict):
         for k, v in d.items():
             yield from _flat(v, f"{prefix}{k}.")
+    elif isinstance(d, list) and any(isinstance(x, (dict, list)) for x in d):
+        for i, v in enumerate(d):
+            yield from _flat(v, f"{prefix}{i}.")
     else:
         yield prefix[:-1], d
 
@@ -94,19 +97,26 @@ def run_one(name: str, world: int, args: list[str], tmp: str, criteo: str) -> di
             if f.endswith(".bin") and f"{os.sep}store" not in folder:
                 with open(os.path.join(folder, f), "rb") as fh:
                     tables[os.path.relpath(os.path.join(folder, f), out)] = _sha(fh.read())
-    summary = dict(_flat(json.load(open(os.path.join(out, "summary.json")))))
+    summary = dict(_flat(json.loads(open(os.path.join(out, "summary.json")).read().replace(tmp, "<tmp>"))))
     return {"run": name, "losses": _sha(json.dumps(losses).encode()), "n_losses": len(losses),
             "tables": tables, "summary": summary}
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out")
-    ap.add_argument("--compare", nargs=2)
-    ap.add_argument("--only", nargs="*")
+    ap = argparse.ArgumentParser(prog="python -m dev.house_parity", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", help="write the runs' lines (with their summaries) to this file")
+    ap.add_argument("--compare", nargs=2, metavar=("BEFORE", "AFTER"), help="compare two --out files")
+    ap.add_argument("--only", nargs="+", metavar="RUN", help=f"run only these ({', '.join(r[0] for r in RUNS)})")
     a = ap.parse_args(argv)
     if a.compare:
+        for f in a.compare:
+            if not os.path.isfile(f):
+                ap.error(f"--compare {f}: no such file")
         return compare(*a.compare)
+    unknown = sorted(set(a.only or ()) - {r[0] for r in RUNS})
+    if unknown:
+        ap.error(f"--only {' '.join(unknown)}: not a run of this set ({', '.join(r[0] for r in RUNS)})")
     tmp = tempfile.mkdtemp(prefix="house-parity-")
     try:
         criteo = prepare_criteo(tmp)
@@ -125,8 +135,10 @@ def main(argv=None) -> int:
     return 0
 
 
-VOLATILE = ("time", "sec", "_s", "wall", "ms", "rate", "rss", "dir", "path", "host", "pid", "date",
-            "available", "started", "ended", "seconds", "elapsed", "peak", "bytes_free")
+# keys that differ between two runs of the same code: clocks, rates, memory and disk readings, and the
+# disk store's byte counts (its read-ahead runs beside the step, so how much it read ahead varies)
+VOLATILE = ("time", "sec", "_s", "wall", "ms", "rate", "rss", "host", "pid", "date", "latency",
+            "available", "started", "ended", "seconds", "elapsed", "peak", "bytes_free", "store.bytes_")
 
 
 def compare(before: str, after: str) -> int:

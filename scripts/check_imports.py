@@ -223,6 +223,58 @@ def layer_violations(graph: Graph, layers: list[tuple[str, ...]], files: dict[st
     return out
 
 
+def floors(graph: Graph, skip: tuple[str, ...] = ("",)) -> dict[str, int]:
+    """The floor each component stands on when its imports stack it (types left out): 0 for a
+    component that imports no other, else one above the highest component it imports. The layers
+    are drawn right when component c of LAYERS[i] stands on floor i (`skip`: the package's own
+    __init__, which imports nothing). A cycle between components is reported by layer_violations."""
+    deps: dict[str, set[str]] = {}
+    for m, edges in graph.items():
+        a = component(m)
+        if a in skip:
+            continue
+        deps.setdefault(a, set()).update(b for b in map(component, edges) if b != a and b not in skip)
+    out: dict[str, int] = {}
+
+    def floor(c: str, seen: tuple[str, ...] = ()) -> int:
+        if c not in out:
+            out[c] = 0 if c in seen else 1 + max((floor(d, seen + (c,)) for d in deps.get(c, ())), default=-1)
+        return out[c]
+
+    for c in deps:
+        floor(c)
+    return out
+
+
+def drawn_wrong(graph: Graph, layers: list[tuple[str, ...]]) -> list[str]:
+    """One line per component whose floor (floors()) is not its layer's index."""
+    got = floors(graph)
+    return [f"component {c!r}: declared layer {i}, its imports stack it on floor {got.get(c)}"
+            for i, names in enumerate(layers) for c in names if c in got and got[c] != i]
+
+
+def api_bypasses(package_dir: str, api: str) -> list[str]:
+    """Imports of a file under package `api` other than the package itself (`from api.x import`,
+    `import api.x`, `from api import x` where x.py is a file of api/): one line per import."""
+    api_dir = os.path.join(os.path.dirname(os.path.abspath(package_dir)), api)
+    files = {f[:-3] for f in os.listdir(api_dir) if f.endswith(".py")} if os.path.isdir(api_dir) else set()
+    out = []
+    for module, path in sorted(module_files(package_dir).items()):
+        with open(path, encoding="utf-8") as f:
+            tree = ast.parse(f.read(), filename=path)
+        for node in _imports(tree, types=True):
+            if isinstance(node, ast.Import):
+                bad = [a.name for a in node.names if a.name.startswith(api + ".")]
+            elif node.level == 0 and node.module and node.module.startswith(api + "."):
+                bad = [node.module]
+            elif node.level == 0 and node.module == api:
+                bad = [f"{api}.{a.name}" for a in node.names if a.name in files]
+            else:
+                bad = []
+            out += [f"{module} imports {b} past {api}/__init__ ({os.path.basename(path)}:{node.lineno})" for b in bad]
+    return out
+
+
 def report(graph: Graph, cycles: list[list[str]], files: dict[str, str], root: str) -> str:
     lines = []
     for i, comp in enumerate(cycles, 1):
@@ -261,13 +313,18 @@ def main(argv: Optional[list[str]] = None) -> int:
         name = os.path.basename(os.path.abspath(d))
         runtime = import_graph(d) if a.types else graph  # type-only imports are exempt from the layers
         wrong = layer_violations(runtime, LAYERS[name], files, root) if name in LAYERS else []
+        if name in LAYERS:
+            wrong += drawn_wrong(runtime, LAYERS[name])
+        if name == "trainer":
+            wrong += api_bypasses(d, "kernels")
         for line in wrong:
             print(f"layer: {line}")
         found += len(wrong)
         if wrong:
             print(f"{name}: {len(wrong)} import(s) against its layers")
         elif name in LAYERS:
-            print(f"{name}: every import within its layers ({len(LAYERS[name])} layers)")
+            print(f"{name}: every import within its layers, each layer on its own floor ({len(LAYERS[name])} layers: "
+                  f"{', '.join('/'.join(c or '__init__' for c in names) for names in LAYERS[name])})")
         if not cycles:
             print(f"{name}: no import cycle among {len(graph)} modules ({edges} import edges)")
             continue

@@ -67,7 +67,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _OURS = tuple(os.path.join(ROOT, d) + os.sep for d in ("trainer", "kernels"))
 # helpers whose caller is the site that matters (every host -> device copy goes through them)
-_PASS_THROUGH = (os.path.join(ROOT, "trainer", "core", "device.py"),)
+_PASS_THROUGH = (os.path.join(ROOT, "trainer", "base", "core", "device.py"),)
 _TORCH = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
 _HERE = os.path.abspath(__file__)
 # torch's public Python wrappers that hand a call to the mode (torch.unique, Tensor.unique, F.*):

@@ -40,7 +40,7 @@ from .base.config import CONF_DIR, ConfigError, adopt_slurm, launcher_rank, rena
 from .base.core.errors import error_line
 from .workload.data import IdRangeError
 from .workload.data.criteo import CriteoFormatError
-from .run.job import record_exit
+from .base.core.signals import record_exit
 from .run.multirun import SWEEP, describe
 from .run.outdir import RECORD_DIR, hold_sweep_dir, hydra_record, literal_sweep_dir
 from .run.signals import STOP_SIGNALS

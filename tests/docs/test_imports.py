@@ -73,6 +73,47 @@ def test_every_import_keeps_to_the_layers():
     assert {check.component(m) for m in files} == placed  # no layer names a component that is gone
 
 
+def test_the_folders_are_the_layers():
+    """trainer/'s top is its tiers: each top folder is one layer of check_imports.LAYERS, the imports
+    stack each on its own floor (base 0 ... tools 5: no tier skips the one under it, none reaches
+    up), at most 7 folders and 3 loose modules."""
+    top = sorted(os.listdir(TRAINER))
+    folders = [d for d in top if os.path.isfile(os.path.join(TRAINER, d, "__init__.py"))]
+    loose = [f for f in top if f.endswith(".py")]
+    assert len(folders) <= 7 and len(loose) <= 3, (folders, loose)
+    layers = check.LAYERS["trainer"]
+    assert {c for names in layers for c in names if c and not c.startswith("__")} == set(folders)
+    graph = check.import_graph(TRAINER)
+    assert check.drawn_wrong(graph, layers) == []
+    floors = check.floors(graph)
+    assert [floors[names[0]] for names in layers] == list(range(len(layers)))
+
+
+def test_floors_are_drawn_from_the_imports(tmp_path):
+    pkg = _package(tmp_path, {
+        "__init__.py": "",
+        "a/__init__.py": "",
+        "b/__init__.py": "from ..a import x\n",
+        "c/__init__.py": "from ..a import x\n",  # skips b: on floor 1, declared 2
+        "a/x.py": "",
+    })
+    graph = check.import_graph(pkg)
+    assert check.floors(graph) == {"a": 0, "b": 1, "c": 1}
+    assert check.drawn_wrong(graph, [("a",), ("b",), ("c",)]) == [
+        "component 'c': declared layer 2, its imports stack it on floor 1"]
+
+
+def test_trainer_calls_the_kernels_through_their_package(tmp_path):
+    """No trainer module imports a file under kernels/ (kernels/__init__ is their public API)."""
+    assert check.api_bypasses(TRAINER, "kernels") == []
+    _package(tmp_path, {"__init__.py": "", "x.py": "from api import sub\nfrom api.sub import f\nimport api\n"})
+    api = tmp_path / "api"
+    api.mkdir()
+    (api / "__init__.py").write_text("")
+    (api / "sub.py").write_text("")
+    assert len(check.api_bypasses(str(tmp_path / "pkg"), "api")) == 2
+
+
 def test_layer_violations_are_reported_with_file_and_line(tmp_path):
     pkg = _package(tmp_path, {
         "__init__.py": "",
@@ -174,7 +215,7 @@ def test_importing_config_loads_nothing_else_of_the_package():
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr
     loaded = ast.literal_eval(proc.stdout.strip())
-    assert "trainer.base.config" in loaded and all(m.startswith("trainer.base.config") for m in loaded), loaded
+    assert "trainer.base.config" in loaded and all(m == "trainer.base" or m.startswith("trainer.base.config") for m in loaded), loaded
 
 
 def _is_test_module(name: str) -> bool:

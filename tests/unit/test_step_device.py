@@ -73,7 +73,7 @@ HOST_OK: dict[tuple[str, str], str] = {
         "torch.optim's step counters (Adam's, Adagrad's .item() inside torch.optim: CPU tensors by "
         "torch's design unless fused/capturable, so no device sync); with train.cuda_graph dense / "
         "on the step is DenseUpdate's, which reads none",
-    ("trainer/run/signals.py", "take_values"):
+    ("trainer/base/core/signals.py", "take_values"):
         f"{INHERENT}: the step's global loss read back (TrainPipeline._end's one read, with the stop "
         "signal's flag that rides the same reduction: no extra read or message per step; with "
         "train.precision=fp16 also the ranks' overflow count, in the same read)",

@@ -14,7 +14,6 @@ from __future__ import annotations
 import os
 import sys
 import tempfile
-from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 import torch
@@ -33,7 +32,7 @@ from ..sparse.embedding.dynamic.shard import DynamicStore
 from ..sparse.embedding.optim import Rounding
 from ..sparse.embedding.remote import Audit, CacheStats, HeraldRemote, HetRemote, HetWire, RemoteRows
 from ..sparse.embedding.replica import Replica
-from ..sparse.embedding.sharding import HashSharding, Sharding
+from ..sparse.embedding.sharding import HashSharding
 from ..sparse.embedding.store.shard import row_dtype
 from ..sparse.embedding.store.tiered import TieredStore, log_rows, record_fields
 from ..sparse.embedding.store.tier.disk import DiskTier, record_layout
@@ -46,6 +45,7 @@ from ..sparse.schedule import Feed
 from ..sparse.schedule.feed import make_order
 from ..sparse.schedule.herald import HeraldPlanner, IdSpace
 from ..sparse.schedule.partition import HeraldPartition
+from ..sparse.side import Sparse
 
 
 def device_of(c: Config) -> torch.device:
@@ -82,18 +82,6 @@ def dense_optimizer(c: Config, params: list[torch.nn.Parameter]) -> torch.optim.
 
 
 # ---- sparse side -----------------------------------------------------------------------------
-@dataclass
-class Sparse:
-    """One rank's sparse side, as assembled by build_sparse."""
-
-    sharding: Sharding
-    emb: HybridEmbedding
-    plan: Plan
-    bounds: Bounds  # the staleness bounds in force (all 0 without a cache: exact)
-    feed: Optional[Feed]  # the scheduler's global view (placement / schedule), else None
-    herald: Optional[HeraldPlanner]
-
-
 def sparse_lr(c: Config) -> float:
     return c.optim.sparse_lr if c.optim.sparse_lr is not None else c.optim.lr
 

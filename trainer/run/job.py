@@ -30,13 +30,13 @@ from __future__ import annotations
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
 from typing import Iterable, Optional, TextIO
 
-EXIT_DIR_ENV = "TRAINER_EXIT_DIR"
+from ..base.core.signals import EXIT_DIR_ENV, record_exit  # noqa: F401  (record_exit: the trainer side of the protocol)
+
 PREEMPTED = 143
 STOP_STATUSES = (128 + signal.SIGTERM, 128 + signal.SIGINT, 128 + signal.SIGUSR1)
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
@@ -46,23 +46,6 @@ _LAUNCHER_EXCEPTION = re.compile(r"(ChildFailedError|SignalException|horovod|Hor
 _LAUNCHER_LINE = re.compile(r"(torch\.distributed\.elastic|torch/distributed/|^Process \d+ exit with status code|"
                             r"^Terminating remaining workers|Sending process \d+ closing signal|"
                             r"^W\d{4} .*(api|elastic)|^\*{10,}|^Setting OMP_NUM_THREADS)")
-
-
-def record_exit(status: int) -> None:
-    """This trainer process exits with `status`: note it in TRAINER_EXIT_DIR (when a job wrapper set
-    it). Async-signal-safe (os.open / os.write only): also called from a signal handler."""
-    where = os.environ.get(EXIT_DIR_ENV)
-    if not where:
-        return
-    try:
-        fd = os.open(os.path.join(where, f"{socket.gethostname()}-{os.getpid()}"),
-                     os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        try:
-            os.write(fd, str(int(status)).encode())
-        finally:
-            os.close(fd)
-    except OSError:
-        pass
 
 
 def job_status(statuses: Iterable[int], launcher: int) -> int:

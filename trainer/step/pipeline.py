@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import replace
-from typing import TYPE_CHECKING, Any, Callable, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -48,7 +48,8 @@ from ..base.config import Config
 from ..base.core.device import to_device
 from ..base.core.errors import TrainingError
 from ..sparse.embedding import InFlightStep
-from ..run.signals import SIGNALS
+from ..sparse.side import Sparse
+from ..base.core.signals import SIGNALS
 from .dense_step import DenseStep
 from .dense_update import DenseUpdate
 from .lr import LrSchedule
@@ -57,8 +58,6 @@ from .precision import DensePrecision
 from .eager import EagerStep, StepContext, StepStrategy
 from .whole_step import WholeStep
 
-if TYPE_CHECKING:  # the sparse side, as build.py assembles it (a type only: build is above this layer)
-    from ..run.build import Sparse
 
 __all__ = ["TrainPipeline"]
 

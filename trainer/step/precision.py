@@ -38,7 +38,7 @@ import torch
 
 from ..base.comm import Collectives
 from ..base.config import Config, LossScaleConfig
-from ..run.signals import SIGNALS
+from ..base.core.signals import SIGNALS
 
 __all__ = ["AUTOCAST_DTYPES", "DensePrecision", "LossScaler"]
 

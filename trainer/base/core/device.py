@@ -24,7 +24,7 @@ import numpy as np
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
-from kernels import reference as _kernels
+import kernels
 
 
 def to_device(t: torch.Tensor, device: torch.device | str) -> torch.Tensor:
@@ -52,7 +52,7 @@ def positions(mask: torch.Tensor, count: int) -> torch.Tensor:
     selection (nonzero_static), so nothing is read back from the device. A wrong count would
     silently drop or pad positions, so it is checked where that costs no read (raised at once on
     the CPU, asynchronously on a GPU)."""
-    if _kernels.CPU_SHORTCUTS and mask.device.type == "cpu":  # torch.nonzero: ~1.7x faster there
+    if kernels.reference.CPU_SHORTCUTS and mask.device.type == "cpu":  # torch.nonzero: ~1.7x faster there
         out = torch.nonzero(mask).squeeze(1)
         if out.numel() != count:
             raise RuntimeError(f"a fixed-size selection's count is not the mask's ({count} != {out.numel()})")

@@ -10,11 +10,12 @@ import math
 import os
 import sys
 from dataclasses import asdict
-from typing import TYPE_CHECKING, Any, Optional
+from typing import Any, Optional
 
 import numpy as np
 import torch
 
+from ...sparse.side import Sparse
 from ...base.comm import EMBEDDING_KINDS, KINDS, Collectives
 from ...base.config import Config
 from ...base.core.errors import phase
@@ -27,8 +28,6 @@ from ...sparse.schedule import HotColdOrder
 from .tensorboard import TensorBoardWriter
 from .writers import JsonlWriter, keep_records_until, write_summary
 
-if TYPE_CHECKING:  # the sparse side, as build.py assembles it (a type only: build is above this layer)
-    from ..build import Sparse
 
 
 class Reporter:

@@ -35,7 +35,7 @@ from typing import Any
 import torch
 
 from ...base.config import Config, ConfigError, cache_capacities, local_batch_size, table_rows
-from kernels.id_slot_map_reference import cells_bound
+from kernels import cells_bound
 from ...sparse.embedding.dynamic.admission import Counting
 from ...sparse.embedding.padded import PLAN_SLOT_BYTES, REQUEST_SLOT_BYTES, unique_capacity
 from ...sparse.embedding.dynamic.pool import pool_slot_bytes

@@ -23,8 +23,7 @@ from typing import Callable, Optional
 import torch
 
 import kernels
-from kernels.reference import OPTIMIZERS
-from kernels.rounding import HALF_DTYPES
+from kernels import HALF_DTYPES, OPTIMIZERS
 
 ROUNDINGS = ("stochastic", "nearest")  # embedding.rounding
 

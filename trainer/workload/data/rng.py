@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from kernels.id_slot_map_reference import splitmix_inplace
+from kernels import splitmix_inplace
 
 _M1 = np.uint64(0xBF58476D1CE4E5B9)
 _M2 = np.uint64(0x94D049BB133111EB)

@@ -14,8 +14,7 @@ from __future__ import annotations
 import torch
 
 import kernels
-from kernels.id_slot_map_reference import cells_bound
-from kernels.id_slot_map_triton import IdSlotMap
+from kernels import IdSlotMap, cells_bound
 
 DIRECT_MAP_MAX_IDS = 1 << 27  # CPU: a direct id -> slot array up to this many ids (512 MiB int32)
 DIRECT_IDS_PER_SLOT = 16  # ... and up to this many ids per slot (4 B each: 64 B per slot)

@@ -42,7 +42,7 @@ from typing import Any, Callable, Optional
 import torch
 
 import kernels
-from kernels.id_slot_map_reference import cells_bound
+from kernels import cells_bound
 from .admission import Counting, make_counter
 from .pool_journal import PoolJournal
 from ..sharding import ID_BITS

@@ -35,7 +35,7 @@ from typing import Callable, Optional
 
 import torch
 
-from kernels.id_slot_map_triton import IdSlotMap
+from kernels import IdSlotMap
 from .disk import DiskTier
 
 
