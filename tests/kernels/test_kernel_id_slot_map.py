@@ -181,7 +181,7 @@ def test_reference_map_duplicate_ids_keep_the_last_value_and_report_the_first():
 @needs_triton
 @pytest.mark.parametrize("eviction", ["lru", "lfu"])
 def test_dynamic_pool_over_the_triton_map_equals_over_the_reference(eviction):
-    """A dynamic table's owner (embedding/dynamic.py) keeps its id -> slot map in the Triton hash
+    """A dynamic table's owner (embedding/dynamic/shard.py) keeps its id -> slot map in the Triton hash
     table on CUDA: the same store over TritonIdSlotMap (interpreted here, compiled on a GPU) and
     over the reference map admits, evicts, reads and updates alike: every slot, row, version and
     counter, through admissions (admit_after 2), evictions of full pools and TTL expiry."""

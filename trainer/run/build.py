@@ -115,7 +115,7 @@ def build_sparse(c: Config, comm: Collectives, data: Any, global_batch: int,
 
 def _make_store(c: Config, comm: Collectives, device: torch.device, resuming: bool = False) -> ShardStore:
     """The owner's shard: fixed tables (RowSharding, row gid div W) or dynamic ones (HashSharding,
-    a pool of embedding.capacity rows per table found by id: embedding/dynamic.py, whose free
+    a pool of embedding.capacity rows per table found by id: embedding/dynamic/shard.py, whose free
     slots start at zeros anyway). resuming: every row comes from a checkpoint (no initial rows)."""
     e = c.embedding
     args = (c.model.embedding_dim, c.train.seed, e.init_scale, c.optim.sparse, sparse_lr(c), c.optim.eps,

@@ -251,7 +251,7 @@ STORES = ("memory", "disk")
 
 
 def _validate_store(c: Config) -> None:
-    """embedding.store=disk (embedding/tier.py) and what it does not support yet: one line each."""
+    """embedding.store=disk (embedding/store/tier/) and what it does not support yet: one line each."""
     e = c.embedding
     _one_of("embedding.store", e.store, STORES)
     _check(e.store_cache_bytes >= 0, "embedding.store_cache_bytes", e.store_cache_bytes,
