@@ -136,9 +136,11 @@ def main(argv=None) -> int:
 
 
 # keys that differ between two runs of the same code: clocks, rates, memory and disk readings, and the
-# disk store's byte counts (its read-ahead runs beside the step, so how much it read ahead varies)
+# disk store's byte counts and page faults (its read-ahead runs beside the step, so how much it read
+# ahead varies) and its temporary directory
 VOLATILE = ("time", "sec", "_s", "wall", "ms", "rate", "rss", "host", "pid", "date", "latency",
-            "available", "started", "ended", "seconds", "elapsed", "peak", "bytes_free", "store.bytes_")
+            "available", "started", "ended", "seconds", "elapsed", "peak", "bytes_free", "store.bytes_",
+            "store.dir", "sync_faults")
 
 
 def compare(before: str, after: str) -> int:
