@@ -302,3 +302,9 @@ class Config:
     schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+
+    # Not a key (unannotated: a class attribute, no dataclass field, so asdict, OmegaConf, == and
+    # docs/config.md ignore it): what loading found beside the keys, the file dataset's shape and
+    # the recipe in force (trainer.run.resolve.recipes.Resolved), set once by
+    # trainer.run.resolve.configure.load_config; None on a config not loaded.
+    resolved = None

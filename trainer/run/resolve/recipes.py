@@ -8,7 +8,8 @@ and their checks (trainer/base/config/) do not. Every rule about a recipe lives 
 - the values: RECIPE_VALUES per recipe (none, large, small, tiny), MODEL_RECIPE_VALUES on top of
   them per model;
 - the choice: train.recipe=auto picks tiny / small / large for data=criteo by the size of its
-  training split, none for other data (choose_recipe); recipe_of re-derives it for a loaded config;
+  training split, none for other data (choose_recipe, called once, by load_config, which carries
+  it on the config with the data's shape: Resolved, c.resolved; recipe_of reads it back);
 - applying them: apply_recipe fills the null keys (trainer/run/resolve/configure.py calls it while loading a
   config); the evaluation cadence "k times per epoch" and the epoch counts of early stopping need
   the world size W, so apply_data_steps finishes them once W is known (the Trainer, tools that
@@ -26,8 +27,8 @@ import sys
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
-from ...base.config import RECIPES, Config, ConfigError, get_key, local_batch_size
-from ...workload.data import DataShape, shape_of
+from ...base.config import RECIPES, Config, ConfigError, epoch_steps, get_key, local_batch_size
+from ...workload.data import DataShape
 from ...workload.data import epoch_rows as rows_per_epoch
 
 SMALL_DATA_ROWS = 1_000_000  # train.recipe=auto: data=criteo with fewer training rows takes the small recipe
@@ -155,12 +156,16 @@ def apply_data_steps(c: Config, world: int) -> None:
     """train.steps = the steps data.epochs asks for with `world` workers (file datasets with
     data.epochs > 0); otherwise train.steps stands. A null train.eval_every becomes the recipe's
     (k times per epoch: ceil(ceil(training rows / global batch) / k), k = evals_per_epoch of the
-    training rows), else 0. c must be validated."""
-    shape = shape_of(c, world)
-    if shape is not None and shape.steps is not None:
-        c.train.steps = shape.steps
+    training rows), else 0. c must be loaded (load_config): the data's shape and the recipe are
+    those it carries (c.resolved), the data is not read again."""
+    done = resolved(c)
+    shape = done.shape
+    if shape is not None and c.data.epochs and c.data.epochs > 0:
+        steps = epoch_steps(c, rows_per_epoch(c, shape), world)
+        if steps is not None:
+            c.train.steps = steps
     if c.train.eval_every is None:
-        per_epoch = (per_epoch_cadence(choose_recipe(c, shape).name)
+        per_epoch = (per_epoch_cadence(done.recipe.name)
                      and bool(c.data.val_fraction))  # the recipe's evaluations are validation ones
         rows = rows_per_epoch(c, shape)
         steps = math.ceil(rows / (local_batch_size(c, world) * world))
@@ -179,7 +184,7 @@ class Recipe:
         derived: what data.epochs gave with `world` workers (c has it applied: apply_data_steps)}."""
         want = recipe_values(self.name, c.model.name)
         values = {k: get_key(c, k) for k in recipe_keys(c.model.name)}
-        k_evals = evals_per_epoch(rows_per_epoch(c, shape_of(c))) if per_epoch_cadence(self.name) else 1
+        k_evals = evals_per_epoch(rows_per_epoch(c, resolved(c).shape)) if per_epoch_cadence(self.name) else 1
         ours = lambda k, v: v == want[k] or (k in EPOCH_COUNTS and v == want[k] * k_evals)  # noqa: E731
         over = {k: v for k, v in values.items() if k in want and want[k] != EVAL_PER_EPOCH and not ours(k, v)}
         if over.get("data.epochs") == 0 and want.get("data.epochs"):  # train.steps given: the epochs not applied
@@ -202,7 +207,7 @@ def derived_values(c: Config, world: int) -> dict[str, str]:
     {"train.steps": "75 (data.epochs=30 x 1,280 training rows / 512 a step)"}; {} without epochs."""
     if not c.data.epochs:
         return {}
-    rows, g = rows_per_epoch(c, shape_of(c)), local_batch_size(c, world) * world
+    rows, g = rows_per_epoch(c, resolved(c).shape), local_batch_size(c, world) * world
     return {"train.steps": f"{c.train.steps} (data.epochs={c.data.epochs:g} x {rows:,} training rows / {g:,} a step)"}
 
 
@@ -227,9 +232,28 @@ def choose_recipe(c: Config, shape: Optional[DataShape]) -> Recipe:
     return Recipe("large", f"data=criteo with {rows:,} training rows >= {SMALL_DATA_ROWS:,}")
 
 
+@dataclass(frozen=True)
+class Resolved:
+    """What loading a config found beside its keys, carried on it as c.resolved (not a key: a
+    class attribute of Config, not a field, so asdict, OmegaConf and == ignore it): the file
+    dataset's shape as read once (None: synthetic data) and the recipe chosen once. Everything
+    after loading (the steps once W is known, the recipe's line and summary) reads these."""
+
+    shape: Optional[DataShape]
+    recipe: Recipe
+
+
+def resolved(c: Config) -> Resolved:
+    """The shape and recipe c was loaded with (trainer.run.resolve.configure.load_config)."""
+    if c.resolved is None:
+        raise ConfigError("the config was not loaded: trainer.run.resolve.configure.load_config resolves "
+                          "its data's shape and recipe")
+    return c.resolved
+
+
 def recipe_of(c: Config) -> Recipe:
-    """The recipe of a loaded config (re-derived from the data: the rule reads only its size)."""
-    return choose_recipe(c, shape_of(c))
+    """The recipe of a loaded config (the one load_config chose)."""
+    return resolved(c).recipe
 
 
 def announce_recipe(c: Config, comm: Any) -> dict[str, Any]:
@@ -245,5 +269,5 @@ def announce_recipe(c: Config, comm: Any) -> dict[str, Any]:
 
 
 __all__ = ["EPOCH_COUNTS", "EVAL_PER_EPOCH", "MODEL_RECIPE_VALUES", "RECIPE_VALUES", "SMALL_DATA_ROWS",
-           "TINY_DATA_ROWS", "DEFAULT_STEPS", "Recipe", "announce_recipe", "apply_data_steps", "apply_recipe", "choose_recipe",
-           "derived_values", "evals_per_epoch", "per_epoch_cadence", "recipe_keys", "recipe_of", "recipe_values"]
+           "TINY_DATA_ROWS", "DEFAULT_STEPS", "Recipe", "Resolved", "announce_recipe", "apply_data_steps", "apply_recipe", "choose_recipe",
+           "derived_values", "evals_per_epoch", "per_epoch_cadence", "recipe_keys", "recipe_of", "recipe_values", "resolved"]
