@@ -10,7 +10,8 @@ regenerating it, docs/config.md):
   `python -m trainer` composes from conf/); the tuples of allowed values.
 - load.py: conf/'s directory, Hydra's composition (compose), the tree parsed onto the schema (parse),
   old key names moved to their new ones (RENAMED).
-- validate.py: every check (validate, validate_world, the data-source checks).
+- validate.py: every check, one function per config block (_validate_<block>) run in order by
+  validate (BLOCK_CHECKS); validate_world; the data-source checks.
 - derive.py: values computed from a config (the run's device and transport, rows per table, cache
   capacities, staleness bounds, batch sizes, the validation split, threads).
 - errors.py: ConfigError and the helpers that raise it naming the key.
