@@ -183,3 +183,20 @@ def test_an_explicit_train_steps_wins_over_the_recipes_epochs(prepared, capsys):
 def derived_rows(c) -> int:
     from trainer.workload.data import epoch_rows, shape_of
     return epoch_rows(c, shape_of(c))
+
+
+def test_the_recipes_optimizers_are_the_conf_optim_presets_they_name():
+    """The optimizer presets are stated once, in conf/optim/*.yaml: a recipe's optim.* values are
+    those of the preset its optim.name names (none and large: optim=sgd, small and tiny: optim=adam;
+    a preset's null sparse_lr (= lr) is a recipe that leaves optim.sparse_lr unset)."""
+    import os
+
+    import yaml
+
+    from trainer.base.config import CONF_DIR
+    from trainer.run.resolve.recipes import RECIPE_VALUES
+    for recipe, values in RECIPE_VALUES.items():
+        with open(os.path.join(CONF_DIR, "optim", f"{values['optim.name']}.yaml")) as f:
+            preset = yaml.safe_load(f)
+        own = {k: values.get(f"optim.{k}") for k in ("name", "dense", "sparse", "lr", "sparse_lr", "eps")}
+        assert own == {k: preset[k] for k in own}, recipe

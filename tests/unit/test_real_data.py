@@ -15,8 +15,8 @@ import pytest
 
 from data_helpers import N_TRAIN, prepare_sample, reference_vocab, train_models
 from helpers import assert_same_eval, run_single, run_world, spawn
+from trainer.base.config import MODELS
 
-MODELS = ("dlrm", "wdl", "deepfm", "dcn")
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 N_TEST = 1999 - N_TRAIN
 

@@ -10,7 +10,8 @@ regenerating it, docs/config.md):
   `python -m trainer` composes from conf/); the tuples of allowed values.
 - load.py: conf/'s directory, Hydra's composition (compose), the tree parsed onto the schema (parse),
   old key names moved to their new ones (RENAMED).
-- validate.py: every check (validate, validate_world, the data-source checks).
+- validate.py: every check, one function per config block (_validate_<block>) run in order by
+  validate (BLOCK_CHECKS); validate_world; the data-source checks.
 - derive.py: values computed from a config (the run's device and transport, rows per table, cache
   capacities, staleness bounds, batch sizes, the validation split, threads).
 - errors.py: ConfigError and the helpers that raise it naming the key.
@@ -18,11 +19,14 @@ regenerating it, docs/config.md):
 This module re-exports their public names: import from trainer.base.config.
 
 A leaf: it imports nothing else of trainer/ (the `kernels` package is outside it), so any module may
-use the schemas. What a file dataset says about itself (dense features, table rows, training rows)
-is read by trainer.workload.data and applied by the entry point (trainer/run/resolve/configure.py: load_config) with the
-pure helpers here (check_data_source, apply_data_shape, epoch_steps). The values a null key takes
-(the recipes: tuning policy, measured on data) are not here but in trainer/run/resolve/recipes.py; this package
-only names the recipes (RECIPES) and refuses a key left unresolved.
+use the schemas. It stays the schema (keys, defaults, checks), not the resolution: the one function
+that returns the resolved config is trainer/run/resolve/configure.py's load_config, since a file
+dataset's shape (dense features, table rows, training rows) can only be read by trainer.workload.data;
+it reads that shape and chooses the recipe once, carries both on the config (Config.resolved, not a
+key) and applies them with the pure helpers here (check_data_source, apply_data_shape, epoch_steps).
+The values a null key takes (the recipes: tuning policy, measured on data) are not here but in
+trainer/run/resolve/recipes.py (one table); this package only names the recipes (RECIPES) and
+refuses a key left unresolved.
 """
 from __future__ import annotations
 

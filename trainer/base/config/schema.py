@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
-MODELS = ("dlrm", "wdl", "deepfm", "dcn")
+MODELS = ("dlrm", "wdl", "deepfm", "dcn")  # model.name (the one list: docs/recipe.md's columns too)
 DATASETS = ("synthetic", "criteo", "movielens")
 FILE_DATASETS = ("criteo", "movielens")  # shape (dense, table rows) comes from the files
 LOADERS = ("dali", "memmap")
@@ -61,7 +61,7 @@ class ModelConfig:
 @dataclass
 class DataConfig:
     """The data: a synthetic Zipf stream or a file dataset (criteo, movielens), batch sizes, and its
-    splits: training, test (data.eval_*: the final evaluation) and validation (data.val_*:
+    splits: training, test (data.test_*: the final evaluation) and validation (data.val_*:
     train.eval_every's evaluations, early stopping) (conf/data/)."""
 
     name: str = "synthetic"  # dataset kind: synthetic | criteo | movielens
@@ -252,7 +252,7 @@ class TrainConfig:
     steps: Optional[int] = None  # training steps (each consumes one global batch); null = the recipe's: data.epochs' steps once W is known (file datasets with data.epochs > 0), else 300. Given while data.epochs is left to the recipe, it wins (data.epochs=0: the recipe's epochs not applied); given beside data.epochs > 0, data.epochs decides (the recipe's line shows the steps it derived)
     seed: int = 0  # seed of the dense and embedding init (and of stochastic rounding)
     log_every: int = 10  # write a metrics.jsonl line every N steps
-    eval_every: Optional[int] = None  # evaluate every N steps too, on the validation split (data.val_fraction) when there is one, else on the test split (data.eval_*); the test split is always evaluated after the last step; 0 = only then; null = the recipe's (resolved once W is known)
+    eval_every: Optional[int] = None  # evaluate every N steps too, on the validation split (data.val_fraction) when there is one, else on the test split (data.test_*); the test split is always evaluated after the last step; 0 = only then; null = the recipe's (resolved once W is known)
     threads: int = 0  # torch threads per rank; 0 = cores / local ranks
     progress: str = "auto"  # progress bar on rank 0: auto (when interactive) | on | off
     device: str = "auto"  # auto (cuda when a GPU is visible, else cpu: run_device) | cpu | cuda; comm.dist_backend=auto follows it (nccl on cuda, else gloo)
@@ -302,3 +302,9 @@ class Config:
     schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+
+    # Not a key (unannotated: a class attribute, no dataclass field, so asdict, OmegaConf, == and
+    # docs/config.md ignore it): what loading found beside the keys, the file dataset's shape and
+    # the recipe in force (trainer.run.resolve.recipes.Resolved), set once by
+    # trainer.run.resolve.configure.load_config; None on a config not loaded.
+    resolved = None

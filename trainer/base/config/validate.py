@@ -1,4 +1,6 @@
-"""Range and cross-field checks of a parsed config, each failing with `key=value: reason`."""
+"""Range and cross-field checks of a parsed config, each failing with `key=value: reason`: one
+function per config block (_validate_<block>; a block's sub-blocks and cross-block rules with it),
+run in BLOCK_CHECKS' order by validate; validate_world: the checks that need W."""
 from __future__ import annotations
 
 import math
@@ -48,14 +50,26 @@ def check_min_count(d: DataConfig) -> None:
 
 
 def validate(c: Config) -> None:
-    """Range and consistency checks that do not depend on the world size."""
-    _one_of("model.name", c.model.name, MODELS)
-    _check(c.model.embedding_dim is not None, "model.embedding_dim", c.model.embedding_dim, _UNRESOLVED)
-    _check(c.model.embedding_dim > 0, "model.embedding_dim", c.model.embedding_dim, "must be > 0")
-    _one_of("model.pooling", c.model.pooling, POOLINGS)
-    _check(c.model.top_mlp is not None, "model.top_mlp", c.model.top_mlp, _UNRESOLVED)
-    for key, widths in (("model.bottom_mlp", c.model.bottom_mlp), ("model.top_mlp", c.model.top_mlp)):
+    """Range and consistency checks that do not depend on the world size: each block's checks
+    (BLOCK_CHECKS) in turn; the first that fails raises, so their order decides which error wins."""
+    for check in BLOCK_CHECKS:
+        check(c)
+
+
+def _validate_model(c: Config) -> None:
+    """model: the architecture, row width, MLP widths, pooling."""
+    m = c.model
+    _one_of("model.name", m.name, MODELS)
+    _check(m.embedding_dim is not None, "model.embedding_dim", m.embedding_dim, _UNRESOLVED)
+    _check(m.embedding_dim > 0, "model.embedding_dim", m.embedding_dim, "must be > 0")
+    _one_of("model.pooling", m.pooling, POOLINGS)
+    _check(m.top_mlp is not None, "model.top_mlp", m.top_mlp, _UNRESOLVED)
+    for key, widths in (("model.bottom_mlp", m.bottom_mlp), ("model.top_mlp", m.top_mlp)):
         _check(all(w > 0 for w in widths), key, widths, "every layer width must be > 0")
+
+
+def _validate_data_source(c: Config) -> None:
+    """data: the source, its shape, ids, batches and reader."""
     d = c.data
     _one_of("data.name", d.name, DATASETS)
     _check(d.num_dense > 0, "data.num_dense", d.num_dense, "must be > 0")
@@ -82,6 +96,11 @@ def validate(c: Config) -> None:
     _check(d.cycle_batches >= 0, "data.cycle_batches", d.cycle_batches, "must be >= 0 (0 = no repeat)")
     _check(d.name == "synthetic" or not d.cycle_batches, "data.cycle_batches", d.cycle_batches,
            "is a synthetic-data option")
+
+
+def _validate_data_splits(c: Config) -> None:
+    """data: the test and validation splits, epochs, the training rows' statistics and vocabulary."""
+    d = c.data
     _check(0 < d.test_fraction < 1, "data.test_fraction", d.test_fraction, "must be in (0, 1)")
     _check(d.epochs is not None, "data.epochs", d.epochs, _UNRESOLVED)
     _check(d.epochs >= 0, "data.epochs", d.epochs, "must be >= 0 (0 = use train.steps)")
@@ -98,10 +117,19 @@ def validate(c: Config) -> None:
     _check(d.val_slice >= 1, "data.val_slice", d.val_slice, "must be >= 1 (1 = the last slice of the training rows)")
     _check(d.val_slice == 1 or (d.name == "criteo" and d.val_fraction > 0), "data.val_slice", d.val_slice,
            "another validation slice than the last is a data=criteo option and needs data.val_fraction > 0")
-    _check(c.model.cross_layers >= 0, "model.cross_layers", c.model.cross_layers, "must be >= 0")
-    _check(c.model.cross_rank >= 0, "model.cross_rank", c.model.cross_rank, "must be >= 0 (0 = full rank)")
-    _check(c.model.dropout is not None, "model.dropout", c.model.dropout, _UNRESOLVED)
-    _check(0 <= c.model.dropout < 1, "model.dropout", c.model.dropout, "must be in [0, 1)")
+
+
+def _validate_model_layers(c: Config) -> None:
+    """model: DCN's cross layers and the MLPs' dropout (checked after the data, as always)."""
+    m = c.model
+    _check(m.cross_layers >= 0, "model.cross_layers", m.cross_layers, "must be >= 0")
+    _check(m.cross_rank >= 0, "model.cross_rank", m.cross_rank, "must be >= 0 (0 = full rank)")
+    _check(m.dropout is not None, "model.dropout", m.dropout, _UNRESOLVED)
+    _check(0 <= m.dropout < 1, "model.dropout", m.dropout, "must be in [0, 1)")
+
+
+def _validate_optim(c: Config) -> None:
+    """optim: the optimizers, their rates and Adagrad's state."""
     o = c.optim
     for key in ("name", "dense", "sparse", "lr", "eps"):
         _check(getattr(o, key) is not None, f"optim.{key}", None, _UNRESOLVED)
@@ -117,7 +145,10 @@ def validate(c: Config) -> None:
     _check(0 <= o.momentum < 1, "optim.momentum", o.momentum, "must be in [0, 1)")
     _check(o.initial_accumulator >= 0, "optim.initial_accumulator", o.initial_accumulator, "must be >= 0")
     _finite("optim.initial_accumulator", o.initial_accumulator)
-    _validate_schedule(c)
+
+
+def _validate_comm(c: Config) -> None:
+    """comm: the backend and its transport (which follows train.device), wire precision, timeout."""
     _one_of("comm.backend", c.comm.backend, BACKENDS)
     _one_of("comm.dist_backend", c.comm.dist_backend, DIST_BACKENDS)
     _one_of("train.device", c.train.device, DEVICES)
@@ -126,19 +157,25 @@ def validate(c: Config) -> None:
     _one_of("comm.settled_rows", c.comm.settled_rows, SETTLED_ROWS)
     _check(c.comm.timeout_s > 0, "comm.timeout_s", c.comm.timeout_s, "must be > 0")
     _finite("comm.timeout_s", c.comm.timeout_s)
-    _check(c.embedding.init_scale is not None, "embedding.init_scale", None, _UNRESOLVED)
-    _check(c.embedding.init_scale >= 0, "embedding.init_scale", c.embedding.init_scale,
-           "must be >= 0 (0 = sqrt(1 / rows) per table)")
-    _finite("embedding.init_scale", c.embedding.init_scale)
-    _one_of("embedding.dtype", c.embedding.dtype, EMBEDDING_DTYPES)
-    _one_of("embedding.rounding", c.embedding.rounding, ROUNDINGS)
-    _validate_cache(c)
-    _validate_dynamic(c)
-    _validate_store(c)
+
+
+def _validate_embedding(c: Config) -> None:
+    """embedding: the rows' init, storage type and rounding (kind: _validate_dynamic, store: _validate_store)."""
+    e = c.embedding
+    _check(e.init_scale is not None, "embedding.init_scale", None, _UNRESOLVED)
+    _check(e.init_scale >= 0, "embedding.init_scale", e.init_scale, "must be >= 0 (0 = sqrt(1 / rows) per table)")
+    _finite("embedding.init_scale", e.init_scale)
+    _one_of("embedding.dtype", e.dtype, EMBEDDING_DTYPES)
+    _one_of("embedding.rounding", e.rounding, ROUNDINGS)
+
+
+def _validate_train(c: Config) -> None:
+    """train: steps, cadences, threads, the step's pipeline, precision (with its loss scale), seeds,
+    non-finite losses, padding, signals."""
     t = c.train
     _check(t.steps > 0, "train.steps", t.steps, "must be > 0")
     _check(t.log_every > 0, "train.log_every", t.log_every, "must be > 0")
-    if t.eval_every is not None:  # null: the recipe's, resolved with W (configure.apply_data_steps)
+    if t.eval_every is not None:  # null: the recipe's, resolved with W (recipes.apply_data_steps)
         _check(t.eval_every >= 0, "train.eval_every", t.eval_every, "must be >= 0")
     _check(t.threads >= 0, "train.threads", t.threads, "must be >= 0 (0 = auto)")
     _one_of("train.progress", t.progress, ("auto", "on", "off"))
@@ -155,10 +192,6 @@ def validate(c: Config) -> None:
     _check(t.max_skips > 0, "train.max_skips", t.max_skips, "must be > 0")
     _check(t.unique_capacity >= 0, "train.unique_capacity", t.unique_capacity, "must be >= 0 (0 = the bound)")
     _one_of("train.on_signal", t.on_signal, ON_SIGNAL)
-    _validate_early_stop(c)
-    _validate_kernels(c)
-    _validate_checkpoint(c)
-    _validate_placement(c)
 
 
 def _validate_precision(c: Config) -> None:
@@ -180,8 +213,8 @@ def _validate_precision(c: Config) -> None:
                "cannot undo (its next step was read before): use train.pipeline=ids or off, or bf16")
 
 
-def _validate_schedule(c: Config) -> None:
-    """Regularisation and the learning-rate schedule (trainer/step/lr.py)."""
+def _validate_lr_schedule(c: Config) -> None:
+    """optim: regularisation and the learning-rate schedule (trainer/step/lr.py)."""
     o = c.optim
     for key, v in (("optim.weight_decay", o.weight_decay), ("optim.sparse_weight_decay", o.sparse_weight_decay)):
         _check(v is not None, key, v, _UNRESOLVED)
@@ -198,7 +231,8 @@ def _validate_schedule(c: Config) -> None:
 
 
 def _validate_early_stop(c: Config) -> None:
-    """Early stopping looks at the validation split only, never at the test split."""
+    """train: the recipe, early stopping, calibration, ensembles. Early stopping looks at the
+    validation split only, never at the test split."""
     t, e = c.train, c.train.early_stop
     _one_of("train.recipe", t.recipe, RECIPES)
     _check(e.patience is not None, "train.early_stop.patience", e.patience, _UNRESOLVED)
@@ -230,6 +264,7 @@ def _validate_early_stop(c: Config) -> None:
 
 
 def _validate_placement(c: Config) -> None:
+    """placement and schedule (herald: with the consistency and cache it works with)."""
     p, s = c.placement, c.schedule
     _one_of("placement.name", p.name, PLACEMENTS)
     _one_of("schedule.name", s.name, SCHEDULES)
@@ -336,6 +371,7 @@ def _validate_admit_counter(e: EmbeddingConfig) -> None:
 
 
 def _validate_checkpoint(c: Config) -> None:
+    """checkpoint: cadence, retention, lease, directories."""
     k = c.checkpoint
     _check(k.every >= 0, "checkpoint.every", k.every, "must be >= 0 (0 = only the final checkpoint)")
     _check(k.keep_last >= 0, "checkpoint.keep_last", k.keep_last, "must be >= 0 (0 = keep all)")
@@ -380,6 +416,7 @@ def _table_key(group: str, key: str, num_tables: int) -> int:
 
 
 def _validate_cache(c: Config) -> None:
+    """cache: the policy and capacities, and per table."""
     k = c.cache
     _one_of("cache.policy", k.policy, CACHE_POLICIES)
     _check(0 <= k.capacity_fraction <= 1, "cache.capacity_fraction", k.capacity_fraction, "must be in [0, 1]")
@@ -394,6 +431,11 @@ def _validate_cache(c: Config) -> None:
         if t.capacity_fraction is not None:
             _check(0 <= t.capacity_fraction <= 1, f"cache.tables.{key}.capacity_fraction",
                    t.capacity_fraction, "must be in [0, 1]")
+
+
+def _validate_consistency(c: Config) -> None:
+    """consistency: the staleness bounds, and per table."""
+    n = len(c.data.table_rows)
     s = c.consistency
     _one_of("consistency.name", s.name, CONSISTENCY_PRESETS)
     for key, v in (("consistency.pull_bound", s.pull_bound), ("consistency.push_bound", s.push_bound)):
@@ -403,6 +445,14 @@ def _validate_cache(c: Config) -> None:
         for name, v in (("pull_bound", t.pull_bound), ("push_bound", t.push_bound)):
             if v is not None:
                 _check(v >= -1, f"consistency.tables.{key}.{name}", v, "must be >= 0, or -1 for unbounded")
+
+
+# validate's order: each block's checks, the first failing one wins (model's layers after the
+# data, the device with the transport it decides, placement with the schedule it works with)
+BLOCK_CHECKS = (_validate_model, _validate_data_source, _validate_data_splits, _validate_model_layers,
+                _validate_optim, _validate_lr_schedule, _validate_comm, _validate_embedding, _validate_cache,
+                _validate_consistency, _validate_dynamic, _validate_store, _validate_train, _validate_early_stop,
+                _validate_kernels, _validate_checkpoint, _validate_placement)
 
 
 def validate_world(c: Config, world: int) -> None:

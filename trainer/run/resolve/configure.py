@@ -5,8 +5,10 @@ the package, while a file dataset's shape can only be read by its data source (t
 This is the one place that joins the two, in a fixed order:
 
 1. parse: the Hydra tree (or dict, or Config) is merged onto the typed schema;
-2. shape: a file dataset (criteo, movielens) reports its dense features and table rows
-   (trainer.workload.data.shape_of);
+2. shape: a file dataset (criteo, movielens) reports its dense features, table rows and training
+   rows (trainer.workload.data.shape_of), and the recipe in force is chosen (recipes.choose_recipe):
+   both once, here, and carried on the config (c.resolved, recipes.Resolved), so nothing after
+   loading reads the data's shape or chooses the recipe again;
 3. recipe: the keys left null (data.epochs, data.val_fraction, data.min_count, train.eval_every,
    train.early_stop.patience / min_evals (epochs, turned into evaluations), model.dropout,
    optim.weight_decay / sparse_weight_decay / warmup_steps / decay, ...) take the values of the
@@ -17,8 +19,8 @@ This is the one place that joins the two, in a fixed order:
 4. validate: ranges and cross-field rules;
 5. steps (only where the world size W is known): data.epochs > 0 turns into train.steps, since the
    number of steps per epoch depends on W (and so does a recipe's per-epoch train.eval_every).
-   The Trainer does this once its collectives are up (recipes.apply_data_steps); tools that
-   simulate W workers pass `world` to load_config.
+   The Trainer does this once its collectives are up (recipes.apply_data_steps, from the carried
+   shape and recipe); tools that simulate W workers pass `world` to load_config.
 
 Errors are ConfigError naming the key (a missing or malformed data directory names data.dir).
 """
@@ -30,15 +32,17 @@ from ...base.config import (Config, ConfigError, apply_data_shape, check_min_cou
                      run_device, validate)
 from ...workload.data import DataShape, epoch_rows, shape_of, vocab_rows
 from ...workload.data.criteo import CriteoFormatError
-from .recipes import apply_data_steps, apply_recipe, choose_recipe
+from .recipes import Resolved, apply_data_steps, apply_recipe, choose_recipe
 
 
 def load_config(cfg: Any, world: Optional[int] = None) -> Config:
     """The validated Config of a Hydra tree, a plain dict or a Config (a Config is updated in place
     and returned). With `world`, train.steps also follows data.epochs for that many workers."""
     conf = parse(cfg)
-    shape = shape_of(conf)
-    apply_recipe(conf, choose_recipe(conf, shape).name, lambda: epoch_rows(conf, shape))
+    shape = shape_of(conf)  # the data is read here and nowhere after: the shape travels on conf
+    recipe = choose_recipe(conf, shape)
+    conf.resolved = Resolved(shape, recipe)
+    apply_recipe(conf, recipe.name, lambda: epoch_rows(conf, shape))
     if shape is not None:
         apply_data_shape(conf, shape.num_dense, _model_rows(conf, shape))
     validate(conf)

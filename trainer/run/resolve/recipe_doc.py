@@ -1,5 +1,5 @@
-"""docs/recipe.md's table of recipe values, generated from trainer/run/resolve/recipes.py (RECIPE_VALUES and
-MODEL_RECIPE_VALUES), so the page cannot drift from the values a run gets.
+"""docs/recipe.md's table of recipe values, generated from trainer/run/resolve/recipes.py (its table: ROWS and
+MODEL_ROWS), so the page cannot drift from the values a run gets.
 
     python -m trainer.run.resolve.recipe_doc --write    # rewrite the page's generated part
     python -m trainer.run.resolve.recipe_doc --check    # exit 1 when the page differs
@@ -11,6 +11,7 @@ import os
 import sys
 from typing import Any, Optional
 
+from ...base.config import MODELS
 from .recipes import EVAL_PER_EPOCH, MODEL_RECIPE_VALUES, RECIPE_VALUES, recipe_keys
 
 BEGIN = ("<!-- BEGIN generated recipe table: written by python -m trainer.run.resolve.recipe_doc --write from "
@@ -18,7 +19,6 @@ BEGIN = ("<!-- BEGIN generated recipe table: written by python -m trainer.run.re
 END = "<!-- END generated recipe table -->"
 PAGE = "docs/recipe.md"
 ORDER = ("tiny", "small", "large", "none")  # the columns: the smallest data first
-MODELS = ("dlrm", "wdl", "deepfm", "dcn")
 
 
 def _value(v: Any) -> str:

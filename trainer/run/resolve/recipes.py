@@ -5,10 +5,11 @@ evaluate, how long to wait for a better validation AUC, how many models to avera
 on data (README "Real data", "The recipe per data size") and changes with it, while the schemas
 and their checks (trainer/base/config/) do not. Every rule about a recipe lives here:
 
-- the values: RECIPE_VALUES per recipe (none, large, small, tiny), MODEL_RECIPE_VALUES on top of
-  them per model;
+- the values: one table, ROWS (a row per key, a column per recipe: none, large, small, tiny) and
+  MODEL_ROWS on top of it per model; RECIPE_VALUES / MODEL_RECIPE_VALUES are its columns;
 - the choice: train.recipe=auto picks tiny / small / large for data=criteo by the size of its
-  training split, none for other data (choose_recipe); recipe_of re-derives it for a loaded config;
+  training split, none for other data (choose_recipe, called once, by load_config, which carries
+  it on the config with the data's shape: Resolved, c.resolved; recipe_of reads it back);
 - applying them: apply_recipe fills the null keys (trainer/run/resolve/configure.py calls it while loading a
   config); the evaluation cadence "k times per epoch" and the epoch counts of early stopping need
   the world size W, so apply_data_steps finishes them once W is known (the Trainer, tools that
@@ -26,8 +27,8 @@ import sys
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
-from ...base.config import RECIPES, Config, ConfigError, get_key, local_batch_size
-from ...workload.data import DataShape, shape_of
+from ...base.config import RECIPES, Config, ConfigError, epoch_steps, get_key, local_batch_size
+from ...workload.data import DataShape
 from ...workload.data import epoch_rows as rows_per_epoch
 
 SMALL_DATA_ROWS = 1_000_000  # train.recipe=auto: data=criteo with fewer training rows takes the small recipe
@@ -37,52 +38,70 @@ RECIPE_EVAL_ROWS = 1_280  # ... or more often: no more than this many training r
 RECIPE_EVALS_PER_EPOCH = 4  # ... up to this many evaluations per epoch (see evals_per_epoch)
 EPOCH_COUNTS = ("train.early_stop.patience", "train.early_stop.min_evals")  # the recipe's count epochs
 DEFAULT_STEPS = 300  # train.steps left null without epochs (and the placeholder until W gives data.epochs' steps)
-_SGD = {"optim.name": "sgd", "optim.dense": "sgd", "optim.sparse": "sgd", "optim.lr": 0.1, "optim.eps": 1e-10}
-_NEUTRAL = {"data.epochs": 0.0, "data.val_fraction": 0.0, "data.standardize": False, "data.min_count": 0,
-            "embedding.init_scale": 0.0, "train.eval_every": 0, "train.early_stop.patience": 0,
-            "train.early_stop.min_evals": 0,
-            "train.calibrate": False, "train.ensemble": 1,
-            "model.dropout": 0.0, **_SGD, "optim.weight_decay": 0.0, "optim.sparse_weight_decay": 0.0,
-            "optim.warmup_steps": 0, "optim.decay": "none"}
-RECIPE_VALUES: dict[str, dict[str, Any]] = {
-    "none": dict(_NEUTRAL),  # every null key at its neutral value (train.steps, no validation, ...)
-    "large": {**_NEUTRAL, "data.epochs": 1.0},  # one epoch: the DLRM Kaggle recipe, right for 45M rows
-    # small data (README "Real data", measured there): dense Adam + row-wise Adagrad rows (the
-    # optim=adam preset), standardised dense features, up to 30 epochs, evaluated once per epoch (up
-    # to 4 times on longer epochs: evals_per_epoch) on a 20% validation split, stopped after 3 epochs
-    # without a new best (never before 10: the two counts are epochs, see apply_recipe), best model tested with
-    # its logits scaled by a temperature fitted on the validation split (train.calibrate)
-    "small": {**_NEUTRAL, "data.epochs": 30.0, "data.val_fraction": 0.2, "data.standardize": True, "data.min_count": 1,
-              "embedding.init_scale": 0.01,
-              "train.eval_every": EVAL_PER_EPOCH, "train.early_stop.patience": 3, "train.early_stop.min_evals": 10,
-              "train.calibrate": True,
-              "train.ensemble": 1,
-              "optim.name": "adam", "optim.dense": "adam", "optim.sparse": "rowwise_adagrad", "optim.lr": 0.001,
-              "optim.sparse_lr": 0.05, "optim.eps": 1e-8},
-    # tiny data (README): the small recipe, and an ensemble of 5 models, one per 20% validation slice
-    # (train.ensemble, trainer/run/evaluation/ensemble.py): on a few thousand rows one model's test AUC moves by ~0.02 with
-    # its validation rows; five cost five trainings, which only tiny data makes cheap
-}
-RECIPE_VALUES["tiny"] = {**RECIPE_VALUES["small"], "train.ensemble": 5}
-
-
-# per-model values on top of a recipe (README "The recipe per data size"): DCN's cross layers, and
-# WDL too (measured later, over 32 splits), did better on tiny data with the rare ids folded into
-# the OOV row, the per-table sqrt(1 / rows) init (larger rows) and rows of 32 (their presets leave
+# The recipes' values: one table. A row per key a recipe fills, a column per recipe (COLUMNS);
+# UNSET: that recipe leaves the key to the preset (optim=auto's null sparse_lr: = lr). none sets
+# every key to its neutral value (train.steps, no validation, the optim=sgd preset); large: one
+# epoch, the DLRM Kaggle recipe, right for 45M rows. small data (README "Real data", measured
+# there): dense Adam + row-wise Adagrad rows (the optim=adam preset), standardised dense features,
+# up to 30 epochs, evaluated once per epoch (up to 4 times on longer epochs: evals_per_epoch) on a
+# 20% validation split, stopped after 3 epochs without a new best (never before 10: the two counts
+# are epochs, see apply_recipe), best model tested with its logits scaled by a temperature fitted
+# on the validation split (train.calibrate). tiny data (README): the small recipe, and an ensemble
+# of 5 models, one per 20% validation slice (train.ensemble, trainer/run/evaluation/ensemble.py):
+# on a few thousand rows one model's test AUC moves by ~0.02 with its validation rows; five cost
+# five trainings, which only tiny data makes cheap. The optimizer rows are the conf/optim presets
+# they name (tests/unit/test_configure.py checks it).
+# Per model, on top (MODEL_ROWS; README "The recipe per data size"): DCN's cross layers, and WDL
+# too (measured later, over 32 splits), did better on tiny data with the rare ids folded into the
+# OOV row, the per-table sqrt(1 / rows) init (larger rows) and rows of 32 (their presets leave
 # model.embedding_dim null; 16 elsewhere) than with the small recipe's values; DLRM's top MLP (its
 # preset leaves it null) is [64, 32] as in the bench workload, and [256, 128] (the other models'
-# deep tower) on tiny and small data, where that width did better
-_DLRM_TOP = {"model.top_mlp": [64, 32]}
-_WIDE_ROWS_RARE_FOLDED = {"data.min_count": 2, "embedding.init_scale": 0.0, "model.embedding_dim": 32}
-_SMALL_DATA_MODELS = {"dcn": _WIDE_ROWS_RARE_FOLDED, "wdl": _WIDE_ROWS_RARE_FOLDED,
-                      "dlrm": {"model.top_mlp": [256, 128]}}
-_OTHER_DATA_MODELS = {"dlrm": _DLRM_TOP, "dcn": {"model.embedding_dim": 16}, "wdl": {"model.embedding_dim": 16}}
-MODEL_RECIPE_VALUES: dict[str, dict[str, dict[str, Any]]] = {
-    "none": _OTHER_DATA_MODELS,
-    "large": _OTHER_DATA_MODELS,
-    "tiny": _SMALL_DATA_MODELS,
-    "small": _SMALL_DATA_MODELS,
+# deep tower) on tiny and small data, where that width did better.
+UNSET = object()
+COLUMNS = ("none", "large", "small", "tiny")
+ROWS: dict[str, tuple[Any, Any, Any, Any]] = {
+    # key                           none     large    small              tiny
+    "data.epochs":                  (0.0,    1.0,     30.0,              30.0),
+    "data.val_fraction":            (0.0,    0.0,     0.2,               0.2),
+    "data.standardize":             (False,  False,   True,              True),
+    "data.min_count":               (0,      0,       1,                 1),
+    "embedding.init_scale":         (0.0,    0.0,     0.01,              0.01),
+    "train.eval_every":             (0,      0,       EVAL_PER_EPOCH,    EVAL_PER_EPOCH),
+    "train.early_stop.patience":    (0,      0,       3,                 3),
+    "train.early_stop.min_evals":   (0,      0,       10,                10),
+    "train.calibrate":              (False,  False,   True,              True),
+    "train.ensemble":               (1,      1,       1,                 5),
+    "model.dropout":                (0.0,    0.0,     0.0,               0.0),
+    "optim.name":                   ("sgd",  "sgd",   "adam",            "adam"),
+    "optim.dense":                  ("sgd",  "sgd",   "adam",            "adam"),
+    "optim.sparse":                 ("sgd",  "sgd",   "rowwise_adagrad", "rowwise_adagrad"),
+    "optim.lr":                     (0.1,    0.1,     0.001,             0.001),
+    "optim.eps":                    (1e-10,  1e-10,   1e-8,              1e-8),
+    "optim.weight_decay":           (0.0,    0.0,     0.0,               0.0),
+    "optim.sparse_weight_decay":    (0.0,    0.0,     0.0,               0.0),
+    "optim.warmup_steps":           (0,      0,       0,                 0),
+    "optim.decay":                  ("none", "none",  "none",            "none"),
+    "optim.sparse_lr":              (UNSET,  UNSET,   0.05,              0.05),
 }
+MODEL_ROWS: dict[tuple[str, str], tuple[Any, Any, Any, Any]] = {
+    # (model, key)                  none      large     small       tiny
+    ("dlrm", "model.top_mlp"):      ([64, 32], [64, 32], [256, 128], [256, 128]),
+    ("dcn", "data.min_count"):      (UNSET,   UNSET,    2,          2),
+    ("dcn", "embedding.init_scale"): (UNSET,  UNSET,    0.0,        0.0),
+    ("dcn", "model.embedding_dim"): (16,      16,       32,         32),
+    ("wdl", "data.min_count"):      (UNSET,   UNSET,    2,          2),
+    ("wdl", "embedding.init_scale"): (UNSET,  UNSET,    0.0,        0.0),
+    ("wdl", "model.embedding_dim"): (16,      16,       32,         32),
+}
+# the table by recipe: {recipe: {key: value}} and {recipe: {model: {key: value}}} (the recipes in
+# COLUMNS' order, the keys in the rows' order)
+RECIPE_VALUES: dict[str, dict[str, Any]] = {
+    r: {k: v[i] for k, v in ROWS.items() if v[i] is not UNSET} for i, r in enumerate(COLUMNS)}
+MODEL_RECIPE_VALUES: dict[str, dict[str, dict[str, Any]]] = {r: {} for r in COLUMNS}
+for (_model, _key), _values in MODEL_ROWS.items():
+    for _recipe, _value in zip(COLUMNS, _values):
+        if _value is not UNSET:
+            MODEL_RECIPE_VALUES[_recipe].setdefault(_model, {})[_key] = _value
 
 
 def evals_per_epoch(epoch_rows: int) -> int:
@@ -155,12 +174,16 @@ def apply_data_steps(c: Config, world: int) -> None:
     """train.steps = the steps data.epochs asks for with `world` workers (file datasets with
     data.epochs > 0); otherwise train.steps stands. A null train.eval_every becomes the recipe's
     (k times per epoch: ceil(ceil(training rows / global batch) / k), k = evals_per_epoch of the
-    training rows), else 0. c must be validated."""
-    shape = shape_of(c, world)
-    if shape is not None and shape.steps is not None:
-        c.train.steps = shape.steps
+    training rows), else 0. c must be loaded (load_config): the data's shape and the recipe are
+    those it carries (c.resolved), the data is not read again."""
+    done = resolved(c)
+    shape = done.shape
+    if shape is not None and c.data.epochs and c.data.epochs > 0:
+        steps = epoch_steps(c, rows_per_epoch(c, shape), world)
+        if steps is not None:
+            c.train.steps = steps
     if c.train.eval_every is None:
-        per_epoch = (per_epoch_cadence(choose_recipe(c, shape).name)
+        per_epoch = (per_epoch_cadence(done.recipe.name)
                      and bool(c.data.val_fraction))  # the recipe's evaluations are validation ones
         rows = rows_per_epoch(c, shape)
         steps = math.ceil(rows / (local_batch_size(c, world) * world))
@@ -179,7 +202,7 @@ class Recipe:
         derived: what data.epochs gave with `world` workers (c has it applied: apply_data_steps)}."""
         want = recipe_values(self.name, c.model.name)
         values = {k: get_key(c, k) for k in recipe_keys(c.model.name)}
-        k_evals = evals_per_epoch(rows_per_epoch(c, shape_of(c))) if per_epoch_cadence(self.name) else 1
+        k_evals = evals_per_epoch(rows_per_epoch(c, resolved(c).shape)) if per_epoch_cadence(self.name) else 1
         ours = lambda k, v: v == want[k] or (k in EPOCH_COUNTS and v == want[k] * k_evals)  # noqa: E731
         over = {k: v for k, v in values.items() if k in want and want[k] != EVAL_PER_EPOCH and not ours(k, v)}
         if over.get("data.epochs") == 0 and want.get("data.epochs"):  # train.steps given: the epochs not applied
@@ -202,7 +225,7 @@ def derived_values(c: Config, world: int) -> dict[str, str]:
     {"train.steps": "75 (data.epochs=30 x 1,280 training rows / 512 a step)"}; {} without epochs."""
     if not c.data.epochs:
         return {}
-    rows, g = rows_per_epoch(c, shape_of(c)), local_batch_size(c, world) * world
+    rows, g = rows_per_epoch(c, resolved(c).shape), local_batch_size(c, world) * world
     return {"train.steps": f"{c.train.steps} (data.epochs={c.data.epochs:g} x {rows:,} training rows / {g:,} a step)"}
 
 
@@ -227,9 +250,28 @@ def choose_recipe(c: Config, shape: Optional[DataShape]) -> Recipe:
     return Recipe("large", f"data=criteo with {rows:,} training rows >= {SMALL_DATA_ROWS:,}")
 
 
+@dataclass(frozen=True)
+class Resolved:
+    """What loading a config found beside its keys, carried on it as c.resolved (not a key: a
+    class attribute of Config, not a field, so asdict, OmegaConf and == ignore it): the file
+    dataset's shape as read once (None: synthetic data) and the recipe chosen once. Everything
+    after loading (the steps once W is known, the recipe's line and summary) reads these."""
+
+    shape: Optional[DataShape]
+    recipe: Recipe
+
+
+def resolved(c: Config) -> Resolved:
+    """The shape and recipe c was loaded with (trainer.run.resolve.configure.load_config)."""
+    if c.resolved is None:
+        raise ConfigError("the config was not loaded: trainer.run.resolve.configure.load_config resolves "
+                          "its data's shape and recipe")
+    return c.resolved
+
+
 def recipe_of(c: Config) -> Recipe:
-    """The recipe of a loaded config (re-derived from the data: the rule reads only its size)."""
-    return choose_recipe(c, shape_of(c))
+    """The recipe of a loaded config (the one load_config chose)."""
+    return resolved(c).recipe
 
 
 def announce_recipe(c: Config, comm: Any) -> dict[str, Any]:
@@ -245,5 +287,5 @@ def announce_recipe(c: Config, comm: Any) -> dict[str, Any]:
 
 
 __all__ = ["EPOCH_COUNTS", "EVAL_PER_EPOCH", "MODEL_RECIPE_VALUES", "RECIPE_VALUES", "SMALL_DATA_ROWS",
-           "TINY_DATA_ROWS", "DEFAULT_STEPS", "Recipe", "announce_recipe", "apply_data_steps", "apply_recipe", "choose_recipe",
-           "derived_values", "evals_per_epoch", "per_epoch_cadence", "recipe_keys", "recipe_of", "recipe_values"]
+           "TINY_DATA_ROWS", "DEFAULT_STEPS", "Recipe", "Resolved", "announce_recipe", "apply_data_steps", "apply_recipe", "choose_recipe",
+           "derived_values", "evals_per_epoch", "per_epoch_cadence", "recipe_keys", "recipe_of", "recipe_values", "resolved"]

@@ -70,9 +70,10 @@ def shape_of(c: Config, world: Optional[int] = None) -> Optional[DataShape]:
 
 def epoch_rows(c: Config, shape: Optional[DataShape]) -> int:
     """Training rows of one epoch (validation rows left out); 0 for an endless synthetic stream.
-    shape: shape_of(c) (None: synthetic data, described by the config)."""
+    shape: shape_of(c) (None: synthetic data, described by the config); its split_rows are not read again."""
     if shape is not None:
-        return train_rows(c.data)
+        n = shape.split_rows if shape.split_rows is not None else split_rows(c.data)
+        return n - val_rows(n, c.data.val_fraction or 0.0)
     n = c.data.train_samples
     return n - val_rows(n, c.data.val_fraction or 0.0) if n > 0 else 0
 
