@@ -144,11 +144,6 @@ class RowCache(CacheJournal):
     def size(self) -> int:
         return int(self.gid.numel())
 
-    def occupancy(self) -> torch.Tensor:
-        """[T] cached rows per table."""
-        live = self.gid >= 0
-        return torch.bincount(self.slot_table[live], minlength=self.num_tables)
-
     # ---- reads ---------------------------------------------------------------------------
     def lookup(self, gids: torch.Tensor) -> torch.Tensor:
         """[n] slot of each gid, -1 when not cached."""
