@@ -32,16 +32,22 @@ HierarchicalKV's design): a row's values, optimizer state, version and touched m
   last STAGED_CALLS reads ahead): a load takes a row's copy when it was read from where the row's
   newest record still is and the files have not changed in place since (`_changed`), else reads
   the record itself.
-- **Direct access** (`weight`, `version`, `touched` and the optimizer's state, as checkpoints and
-  snapshots use them): tiered_direct.py.
+- **Direct phases**: checkpoints, snapshots and whole-table gathers index the shard's arrays
+  (`weight`, `version`, `touched`, the optimizer's state), which are the tier's files, not the
+  slots. Inside `raw(write)` the changed rows are written back first (the log merged into the
+  file, then the changed slots in place), and after a write phase the slots are forgotten (the
+  file may hold newer records than they do); outside it, any access to those attributes empties
+  the cache first (always correct, only slower).
 - **Cost per slot**: the row's bytes (values + state + 8 B version + 1 B mark) + 19 B (row, last
   two uses, changed, ~1.25 B of LRU-2's kept slots) + the map (slotmap.py: 4 B per row of the shard when the log holds 1/4 of the
   rows, else hash cells for the slots and the log's records; cache_slots, log_rows).
 """
 from __future__ import annotations
 
+import contextlib
 import inspect
 import time
+from typing import Iterator
 
 import torch
 
@@ -53,7 +59,6 @@ from .tier.readahead import ReadAheadCopies
 from ..cache.slotmap import DIRECT_IDS_PER_SLOT, id_slot_map, map_bytes
 from .shard import ShardStore, _put, _update, _update_masked
 from .tier.disk import DiskTier
-from .tiered_direct import DirectPhases
 from .tier.writelog import WriteLog, code
 
 EVICT_BATCH = 32  # an eviction frees at least 1/EVICT_BATCH of the slots
@@ -61,6 +66,7 @@ SLOT_BOOK_BYTES = 8 + 4 + 4 + 1 + 2  # per slot: its row, its last use and the o
 LOG_SHARE = 4  # each half of the write-back log holds at most 1/LOG_SHARE of the shard's rows (on disk)
 STAGED_CALLS = 2  # the copies of the last two reads ahead are kept (readahead.py)
 LOG_INDEX_SHARE = 4  # ... while a direct map for them fits in 1/LOG_INDEX_SHARE of the row cache's bytes
+FLUSH_ROWS = 1 << 18  # changed slots copied out and written back at a time (~20 MB at d = 16)
 
 
 def record_fields(dim: int, dtype: torch.dtype, optimizer: str) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
@@ -114,7 +120,7 @@ def _distinct(idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
     return torch.unique(idx, return_inverse=True)
 
 
-class TieredStore(DirectPhases, ShardStore):
+class TieredStore(ShardStore):
     """A ShardStore whose arrays are the tier's files, with `cache_bytes` of rows in RAM in front."""
 
     def __init__(self, *args, tier: DiskTier, cache_bytes: int, **kw) -> None:
@@ -280,6 +286,74 @@ class TieredStore(DirectPhases, ShardStore):
     def _sync_rate(self) -> SparseOptimizer:
         self._opt.lr, self._opt.lr_on_device = self.optimizer.lr, self.optimizer.lr_on_device
         return self._opt
+
+    # ---- direct access to the files' arrays --------------------------------------------------
+    def _direct(name: str):  # noqa: N805 (a property factory for the class body)
+        def get(self):
+            if self._slots_n and not self._in_raw:
+                self._empty()
+            return self.__dict__["_" + name]
+
+        def put(self, value):
+            self.__dict__["_" + name] = value
+        return property(get, put)
+
+    weight = _direct("weight")
+    version = _direct("version")
+    touched = _direct("touched")
+    del _direct
+
+    @contextlib.contextmanager
+    def raw(self, write: bool) -> Iterator[None]:
+        self._flush()
+        outer, self._in_raw = self._in_raw, True  # phases may nest
+        self.tier.sequential(True)  # a phase reads or writes the shard in order
+        try:
+            yield
+        finally:
+            self._in_raw = outer
+            self.tier.sequential(outer)
+            if write:
+                self._changed()
+                if self._nfree < self._slots_n:
+                    self._forget()
+                    self.counts["forgotten"] += 1
+
+    def _empty(self) -> None:
+        """Write every changed row back and forget every slot (the files are then the shard)."""
+        if self._nfree == self._slots_n and self._log.empty:
+            return
+        self._flush()
+        self._forget()
+        self.counts["emptied"] += 1
+
+    def _flush(self) -> None:
+        """Make the file the shard: the log merged into it, then the changed slots written in
+        place (sorted by row, in sequential pieces: tier/disk.py; FLUSH_ROWS of them copied out at a
+        time); the slots stay, unchanged now."""
+        self._log.merge()
+        self._changed()  # the file is written in place
+        slots = torch.nonzero(self._dirty).squeeze(1)
+        if slots.numel():
+            rows, order = torch.sort(self._rid.index_select(0, slots))
+            slots = slots.index_select(0, order)
+            for lo in range(0, rows.numel(), FLUSH_ROWS):
+                self.tier.write(rows[lo:lo + FLUSH_ROWS], self._parts(slots[lo:lo + FLUSH_ROWS]))
+            self._dirty.zero_()
+            self.counts["written"] += slots.numel()
+
+    def _forget(self) -> None:
+        """Free every slot (some are held; their changes are in the file) and drop the log (merged
+        already, or older than what was just written into the file)."""
+        self._changed()
+        self._memo = None
+        self._uses.forget()
+        self._map.erase(self._rid[self._rid >= 0])
+        self._rid.fill_(-1)
+        self._dirty.zero_()
+        self._free = torch.arange(self._slots_n - 1, -1, -1, dtype=torch.int64)
+        self._nfree = self._slots_n
+        self._log.drop()
 
     # ---- the shard's interface -------------------------------------------------------------
     def tick(self, step: int) -> None:
