@@ -17,7 +17,7 @@ from trainer.sparse.embedding.optim import Rounding
 from trainer.sparse.embedding.sharding import RowSharding
 from trainer.sparse.embedding.store.shard import ShardStore
 from trainer.sparse.embedding.store.tier import disk as tier_module
-from trainer.sparse.embedding.store.tier import log as tier_log
+from trainer.sparse.embedding.store.tier import writelog as tier_log
 from trainer.sparse.embedding.store.tier import uring
 from trainer.sparse.embedding.store.tier.disk import DiskTier
 from trainer.sparse.embedding.cache.slotmap import map_bytes
@@ -143,11 +143,16 @@ def _needs_ring() -> None:
         pytest.skip("io_uring is refused here (the kernel, seccomp or kernel.io_uring_disabled): no merge by pages")
 
 
+def _log_of(tier: DiskTier) -> tier_log.WriteLog:
+    """The tier's write-back log alone: its file's appends and merges (no store's map behind it)."""
+    return tier_log.WriteLog(tier, None, lambda: None, lambda *a: None)
+
+
 def _pages_patched(monkeypatch) -> list[int]:
-    """The pages of each piece a merge patches through its pages alone (TierLog._patch_pages), as it goes."""
+    """The pages of each piece a merge patches through its pages alone (WriteLog._patch_pages), as it goes."""
     patched: list[int] = []
-    patch = tier_log.TierLog._patch_pages
-    monkeypatch.setattr(tier_log.TierLog, "_patch_pages", lambda t, f, s, p, r: patched.append(p.size) or patch(t, f, s, p, r))
+    patch = tier_log.WriteLog._patch_pages
+    monkeypatch.setattr(tier_log.WriteLog, "_patch_pages", lambda t, f, s, p, r: patched.append(p.size) or patch(t, f, s, p, r))
     return patched
 
 
@@ -171,27 +176,28 @@ def test_the_log_is_appended_and_merged_into_the_file(tmp_path, monkeypatch, row
     try:
         tier.define(n, [("weight", (5,), torch.float32), ("version", (), torch.int64), ("touched", (), torch.bool)],
                     log_rows=9_000)
+        log = _log_of(tier)
         weight = tier.alloc("weight", (n, 5), torch.float32)
         weight[:] = torch.arange(n, dtype=torch.float32)[:, None]
         rows = rows_of(n)
         vals = torch.randn(rows.numel(), 5)
-        first = [tier.append({"weight": vals[lo:lo + 333], "version": torch.full((vals[lo:lo + 333].shape[0],), 7)})
+        first = [log.append_records({"weight": vals[lo:lo + 333], "version": torch.full((vals[lo:lo + 333].shape[0],), 7)})
                  for lo in range(0, rows.numel(), 333)]
-        assert first == list(range(0, rows.numel(), 333)) and tier.log_end == rows.numel()
-        assert torch.equal(tier.view(tier.log.tensor, "weight", weight)[:rows.numel()], vals)
+        assert first == list(range(0, rows.numel(), 333)) and log.end == rows.numel()
+        assert torch.equal(tier.view(tier.log_file.tensor, "weight", weight)[:rows.numel()], vals)
         at = torch.randperm(rows.numel())  # the newest record of row rows[i] is log record at[i]
-        tier.merge(rows, at)
+        log.merge_records(rows, at)
         want = torch.arange(n, dtype=torch.float32)[:, None].repeat(1, 5)
         want[rows] = vals[at]
         assert torch.equal(weight, want)
         assert torch.equal(tier.alloc("version", (n,), torch.int64)[rows], torch.full((rows.numel(),), 7))
         if pages == "always":
-            assert patched and max(patched) <= len(tier._merge_buf) // tier_log.CHUNK
-        elif pages == "never" or tier._merge_ring is None:
+            assert patched and max(patched) <= len(log._merge_buf) // tier_log.CHUNK
+        elif pages == "never" or tier.merge_ring is None:
             assert not patched
-        tier.reset_half(0)
-        tier.rotate(0)
-        assert tier.log_end == 0 and not tier.view(tier.log.tensor, "weight", weight).any()
+        log.punch_half(0)
+        log.start(0)
+        assert log.end == 0 and not tier.view(tier.log_file.tensor, "weight", weight).any()
     finally:
         tier.close()
 
@@ -205,16 +211,17 @@ def test_a_merge_writes_scattered_rows_by_their_pages_and_dense_ones_by_pieces(t
     tier = DiskTier(str(tmp_path), 0, 1 << 16)
     try:
         tier.define(n, [("weight", (5,), torch.float32), ("version", (), torch.int64)], log_rows=9_000)
+        log = _log_of(tier)
         weight = tier.alloc("weight", (n, 5), torch.float32)
         for rows, scattered in ((torch.arange(5, n, 2500), True), (torch.arange(3000, 9000, 2), False)):
             patched.clear()
-            tier.rotate(0)
+            log.start(0)
             vals = torch.randn(rows.numel(), 5)
-            tier.append({"weight": vals, "version": torch.zeros(rows.numel(), dtype=torch.int64)})
-            tier.merge(rows, torch.arange(rows.numel()))
+            log.append_records({"weight": vals, "version": torch.zeros(rows.numel(), dtype=torch.int64)})
+            log.merge_records(rows, torch.arange(rows.numel()))
             assert torch.equal(weight[rows], vals)
             assert bool(patched) == scattered and sum(patched) <= 2 * rows.numel()
-            tier.reset_half(0)
+            log.punch_half(0)
     finally:
         tier.close()
 

@@ -35,8 +35,8 @@ from ..sparse.embedding.replica import Replica
 from ..sparse.embedding.sharding import HashSharding
 from ..sparse.embedding.store.shard import row_dtype
 from ..sparse.embedding.store.tiered import TieredStore, log_rows, record_fields
-from ..sparse.embedding.store.tier.disk import DiskTier, record_layout
-from ..sparse.embedding.store.tier.log import log_records
+from ..sparse.embedding.store.tier.disk import DiskTier
+from ..sparse.embedding.store.tier.records import log_records, record_layout
 from ..workload.models import build_model
 from ..sparse.placement import Plan, plan_run
 from ..base.core.progress import fmt_bytes

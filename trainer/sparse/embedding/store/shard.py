@@ -80,7 +80,7 @@ class ShardStore:
         written back (default: stochastic, seeded by `seed`). initialise=False: zeros instead of
         the initial rows, for a run about to load every row from a checkpoint (the loader checks
         that it wrote every row this rank owns); hashing the initial rows was half a resume's time.
-        tier: embedding.store=disk, the files every array of the shard lives in (tier.py)."""
+        tier: embedding.store=disk, the files every array of the shard lives in (tier/disk.py)."""
         self.sharding, self.dim = sharding, dim
         self.seed, self.init_scale = seed, init_scale
         self.tier = tier
@@ -92,7 +92,7 @@ class ShardStore:
             weight = (torch.empty if initialise else torch.zeros)(rows, dim, dtype=dtype, device=device)
         for lo in range(0, rows if initialise else 0, _INIT_CHUNK_ROWS):  # one chunk at a time
             idx = torch.arange(lo, min(lo + _INIT_CHUNK_ROWS, rows), dtype=torch.int64)
-            if tier is not None:  # in sequential pieces, around the file's mapping (tier_io.py)
+            if tier is not None:  # in sequential pieces, around the file's mapping (tier/records.py)
                 tier.write(idx, {"weight": self._initial(idx).to(dtype)})
             else:
                 weight[lo:lo + idx.numel()] = self._initial(idx).to(device, dtype)

@@ -1,4 +1,4 @@
-"""embedding.store=disk: the owner's shard in files (tier.py) with a row cache in RAM in front.
+"""embedding.store=disk: the owner's shard in files (tier/disk.py) with a row cache in RAM in front.
 
 Why a row cache: hot ids are scattered over a table, so caching the files' pages keeps ~50 cold
 neighbours in RAM with every hot row and writes back 4 KiB for every 80 B row updated (measured:
@@ -149,7 +149,7 @@ class TieredStore(ShardStore):
         self._dirty = torch.zeros(n, dtype=torch.bool)
         self._free = torch.arange(n - 1, -1, -1, dtype=torch.int64)  # a stack: [:_nfree] are free
         self._nfree = n
-        self._map = id_slot_map(self.sharding.local_rows, n + 2 * self.tier.log_half, "cpu")  # slot, or writelog.code
+        self._map = id_slot_map(self.sharding.local_rows, n + 2 * self.tier.log_rows, "cpu")  # slot, or writelog.code
         self._copies = ReadAheadCopies(self.tier.file.row_bytes, STAGED_CALLS)  # the reads ahead's records
         self._log = WriteLog(self.tier, self._map, self._changed, self._copies.merged)
         self._memo = None  # (call, its rows, their slots, distinct rows) of the last call that loaded them all
@@ -440,8 +440,8 @@ class TieredStore(ShardStore):
         self._log.settle()  # no merge writes the file meanwhile
         self._changed()
         self._t.fill_(value)
-        self.tier.fill("touched", value)  # in sequential pieces, around the mappings (tier_io.py)
-        first = self.tier.log_starts[self._log.half]
+        self.tier.fill("touched", value)  # in sequential pieces, around the mappings (tier/records.py)
+        first = self._log.starts[self._log.half]
         self.tier.fill("touched", value, log=True, lo=first, hi=first + self._log.used)
 
     def store_record(self) -> dict:
