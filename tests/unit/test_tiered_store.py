@@ -22,7 +22,7 @@ from trainer.sparse.embedding.store.tier import uring
 from trainer.sparse.embedding.store.tier.disk import DiskTier
 from trainer.sparse.embedding.cache.slotmap import map_bytes
 from trainer.sparse.embedding.store import tiered
-from trainer.sparse.embedding.store.tiered import SLOT_BOOK_BYTES, TieredStore, cache_slots, log_rows
+from trainer.sparse.embedding.store.tiered import SLOT_BOOK_BYTES, TieredStore, buffer_slots, log_rows
 
 ROWS = [300, 157, 41]
 DIM = 8
@@ -40,7 +40,7 @@ def _stores(tmp_path, optimizer: str, dtype: torch.dtype, slots_bytes: int):
             Rounding("stochastic", 3))
     mem = ShardStore(*args)
     tier = DiskTier(str(tmp_path), 0, 1 << 16)
-    disk = TieredStore(*args, tier=tier, cache_bytes=slots_bytes)
+    disk = TieredStore(*args, tier=tier, buffer_bytes=slots_bytes)
     return mem, disk, tier
 
 
@@ -128,14 +128,14 @@ def test_the_cache_is_sized_by_its_bytes_and_its_map():
     the log holds 1/4 of the rows, which it does while 4 B per row fits in a quarter of the
     budget; else hash cells for the slots and a log sized to a quarter of the budget."""
     assert log_rows(1_000_000, 16_000_000) == 250_000 and map_bytes(1_000_000, 250_000, "cpu") == 4_000_000
-    assert cache_slots(30_000_000, 77, 1_000_000) == (30_000_000 - 4_000_000) // (77 + SLOT_BOOK_BYTES)
+    assert buffer_slots(30_000_000, 77, 1_000_000) == (30_000_000 - 4_000_000) // (77 + SLOT_BOOK_BYTES)
     log = log_rows(1_000_000, 10_000_000)  # 4 MB is more than a quarter: a log of <= 2.5 MB of cells
     assert 1 < log < 62_500 and map_bytes(1_000_000, 2 * log, "cpu") <= 2_500_000 < map_bytes(1_000_000, 2 * log + 2, "cpu")
-    n = cache_slots(10_000_000, 77, 1_000_000)  # the map indexes the slots and both halves of the log
+    n = buffer_slots(10_000_000, 77, 1_000_000)  # the map indexes the slots and both halves of the log
     per = 77 + SLOT_BOOK_BYTES
     assert n * per + map_bytes(1_000_000, n + 2 * log, "cpu") <= 10_000_000 < (n + 1) * per + map_bytes(1_000_000, n + 1 + 2 * log, "cpu")
-    assert cache_slots(1 << 40, 77, 1000) == 1000  # never more slots than rows
-    assert cache_slots(100, 77, 1000) == 1  # at least one
+    assert buffer_slots(1 << 40, 77, 1000) == 1000  # never more slots than rows
+    assert buffer_slots(100, 77, 1000) == 1  # at least one
 
 
 def _needs_ring() -> None:
@@ -350,7 +350,7 @@ def test_rows_read_without_a_read_ahead_leave_no_pages_in_the_process(tmp_path, 
     args = (RowSharding([100_000, 100_000], 1, 0), 16, 3, None, "rowwise_adagrad", 0.05, 1e-8, torch.device("cpu"),
             0.1, 0.0, torch.float32, Rounding("stochastic", 3))
     tier = DiskTier(str(tmp_path), 0, 1 << 16)
-    disk = TieredStore(*args, tier=tier, cache_bytes=1 << 20)
+    disk = TieredStore(*args, tier=tier, buffer_bytes=1 << 20)
     mem = ShardStore(*args)
     try:
         assert tier.file.nbytes >= 16_000_000

@@ -130,7 +130,7 @@ def _make_store(c: Config, comm: Collectives, device: torch.device, resuming: bo
         return ShardStore(sharding, *args, initialise=not resuming)
     tier, rows_bytes = make_tier(c, comm, device, sharding.local_rows)
     try:
-        return TieredStore(sharding, *args, initialise=not resuming, tier=tier, cache_bytes=rows_bytes)
+        return TieredStore(sharding, *args, initialise=not resuming, tier=tier, buffer_bytes=rows_bytes)
     except BaseException:
         if tier is not None:
             tier.close()

@@ -137,7 +137,7 @@ class ShardStore:
     def raw(self, write: bool) -> Iterator[None]:
         """A phase that reads (write=False: a save, a gather of the shard) or also writes (a load,
         a snapshot's restore) `weight`, `version`, `touched` and the optimizer's state directly,
-        not through rows/apply/put. In memory there is nothing to do; a store with a row cache in
+        not through rows/apply/put. In memory there is nothing to do; a store with a row buffer in
         front of them (tiered.py) writes its changed rows back first, and after a write forgets
         what it holds."""
         yield
@@ -240,7 +240,7 @@ class ShardStore:
         _put(self.weight, self.optimizer.state, self.version, self.touched, self.slots(gids), rows, state, updates)
 
 
-# ---- a shard's arithmetic on its arrays (the same on a row cache's: tiered.py) ------------------
+# ---- a shard's arithmetic on its arrays (the same on a row buffer's: tiered.py) ------------------
 def _update(opt: SparseOptimizer, version: torch.Tensor, touched: torch.Tensor, idx: torch.Tensor,
             grads: torch.Tensor, unique: bool, counts: torch.Tensor) -> None:
     """opt's rows idx take grads (summed per row unless unique); versions += counts; touched."""

@@ -1,6 +1,6 @@
 """embedding.store=disk: an owner's shard (rows, optimizer state, versions, touched marks) in a
 file, mapped into memory (records.py: RecordFile), with the write-back log's file beside it; the
-row cache in front of it is tiered.py's, the log's appends and merges writelog.py's (WriteLog,
+row buffer in front of it is tiered.py's, the log's appends and merges writelog.py's (WriteLog,
 which reads and writes the log through this tier: its files, reads ahead and merging thread).
 
 Why a mapped file: every path that reads or writes the shard directly (checkpoints, the best-model
@@ -9,9 +9,9 @@ tensors, so those paths run the very same code. A row's parts are one record (`d
 values, state, version and mark side by side, so reading or writing back a row touches one page.
 A fixed table's row r is record r: no per-row index in RAM.
 
-Pages: the RAM this process holds of the file is the pages it has mapped, at most `cache_bytes`
+Pages: the RAM this process holds of the file is the pages it has mapped, at most `page_bytes`
 (the share of embedding.store_cache_bytes that is not rows); when a read-ahead finds that passed,
-every page is unmapped at once (madvise DONTNEED, one call per file): the row cache holds what the
+every page is unmapped at once (madvise DONTNEED, one call per file): the row buffer holds what the
 steps use, a page is only needed while its rows are copied in or written back, and a dirty page
 unmapped is not lost (the page cache keeps it until the kernel writes it back). The mapping is
 MADV_RANDOM: a fault reads its page only, not the kernel's read-around window (hot ids are spread
@@ -23,7 +23,7 @@ threads reads them, each its share with one torch gather (which faults the pages
 released), so `threads` reads are in flight. `ready` waits for them (the time counted as the
 step's wait on the disk). A page never read ahead is read by a fault on the step's own thread
 (counted: `sync_faults`).
-The log (`log.bin`, the same records, two halves): the row cache's changed rows appended in
+The log (`log.bin`, the same records, two halves): the row buffer's changed rows appended in
 whole-page writes with O_DIRECT (nothing read first, no page kept), then merged into `rows.bin` in
 sequential pieces read and written the same way, beside the steps where the ring reads, on this
 tier's merging thread with a ring of its own (writelog.py).
@@ -70,15 +70,15 @@ class TierStats:
 class DiskTier:
     """The shard's file of one rank, the pages of it held in RAM and the threads reading ahead."""
 
-    def __init__(self, directory: Optional[str], rank: int, cache_bytes: int, total_bytes: int = 0,
+    def __init__(self, directory: Optional[str], rank: int, page_bytes: int, total_bytes: int = 0,
                  threads: int = 16) -> None:
-        """cache_bytes: the pages this process may hold mapped; total_bytes: the whole RAM cache of
+        """page_bytes: the pages this process may hold mapped; total_bytes: the whole RAM share of
         the store (those pages and its rows: what a checkpoint's pieces are sized by)."""
         base = directory or tempfile.gettempdir()
         os.makedirs(base, exist_ok=True)
         self.dir = tempfile.mkdtemp(prefix=f"ht-store-rank{rank}-", dir=base)
-        self.cache_bytes = int(cache_bytes)
-        self.total_bytes = int(total_bytes or cache_bytes)
+        self.page_bytes = int(page_bytes)
+        self.total_bytes = int(total_bytes or page_bytes)
         self.file: Optional[RecordFile] = None  # define() makes it
         self.log_file: Optional[RecordFile] = None  # the write-back log's (define's log_rows records; writelog.py)
         self.log_rows = 0  # records of each half of the log
@@ -254,7 +254,7 @@ class DiskTier:
         self.mapped_bytes -= int(f.mapped[pages].sum()) * CHUNK
         f.mapped[pages] = False
 
-    # ---- the RAM cache ---------------------------------------------------------------------
+    # ---- the pages in RAM, the reads ahead----------------------------------------------------
     def tick(self, step: int) -> None:
         """A new step (its count is the per-step figures' denominator)."""
         self.stats.steps += 1
@@ -271,7 +271,7 @@ class DiskTier:
             return []
         if self._ring is not None:
             return [self._ring_read([(self.log_file if log else self.file, rows)])]
-        if self.mapped_bytes > self.cache_bytes:
+        if self.mapped_bytes > self.page_bytes:
             self._evict(wait=False)
         f = self.log_file if log else self.file
         chunks = f.chunks_of(rows)
@@ -344,7 +344,7 @@ class DiskTier:
             self._lat_n += 1
 
     def _evict(self, wait: bool = True) -> None:
-        """Past the budget, unmap every page (one madvise per file): the row cache holds what the
+        """Past the budget, unmap every page (one madvise per file): the row buffer holds what the
         steps use, and a page is only needed while its rows are copied in or written back.
         wait=False (a read ahead): the unmapping runs on its own thread, beside the step (its cost
         is per page mapped: ~0.45 us, 4 ms a step at 8k pages); a page a thread is reading meanwhile
@@ -390,7 +390,7 @@ class DiskTier:
         lat = np.sort(np.asarray(s.latencies)) * 1e6 if s.latencies else np.zeros(0)
         pct = {f"p{q}_us": (round(float(np.percentile(lat, q)), 1) if lat.size else None) for q in (50, 90, 99)}
         steps = max(s.steps, 1)
-        return {"kind": "disk", "reader": self.reader, "dir": self.dir, "disk_bytes": self.disk_bytes(), "cache_bytes": self.total_bytes, "page_bytes": self.cache_bytes,
+        return {"kind": "disk", "reader": self.reader, "dir": self.dir, "disk_bytes": self.disk_bytes(), "cache_bytes": self.total_bytes, "page_bytes": self.page_bytes,
                 "chunk_bytes": CHUNK, "steps": s.steps,
                 "hit_rate": round(s.chunks_hit / s.chunks_used, 4) if s.chunks_used else None,
                 "chunks_read_per_step": s.chunks_read / steps, "chunks_used_per_step": s.chunks_used / steps,
