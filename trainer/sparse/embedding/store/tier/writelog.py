@@ -92,7 +92,7 @@ class WriteLog:
 
     @property
     def used(self) -> int:
-        """Records appended to the current half since it was last emptied (the tier's append point)."""
+        """Records appended to the current half since it was last emptied (the append point: `end`)."""
         return self.end - self.starts[self.half]
 
     @property
