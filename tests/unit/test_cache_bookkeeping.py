@@ -104,7 +104,7 @@ def test_slot_choice_equals_the_per_table_reference(policy):
     for step in range(1, 120):
         undo = step % 9 == 0
         if undo:
-            cache.begin()
+            cache.journal.begin()
         # a skewed batch: few distinct steps' worth of keys, so equal keys are common
         t = rng.integers(0, len(rows), 60)
         ids = np.minimum(rng.zipf(1.3, 60) - 1, np.asarray(rows)[t] - 1)
@@ -124,7 +124,7 @@ def test_slot_choice_equals_the_per_table_reference(policy):
         placed = got[got >= 0]
         cache.record_updates(torch.cat([slots[hit], placed]), torch.ones(int(hit.sum()) + placed.numel(), 2))
         if undo:
-            cache.rollback()
+            cache.journal.rollback()
             assert_free_tail(cache)
     assert regions_evicting > 50  # the victim path really ran, not only free slots
 

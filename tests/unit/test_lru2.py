@@ -60,7 +60,7 @@ def _store_pair(tmp_path, name: str):
     args = (RowSharding([400, 300], 1, 0), 8, 3, None, "rowwise_adagrad", 0.05, 1e-8, torch.device("cpu"), 0.1, 0.0,
             torch.float32, Rounding("stochastic", 3))
     tier = DiskTier(str(tmp_path / name), 0, 1 << 16)
-    return ShardStore(*args), TieredStore(*args, tier=tier, cache_bytes=12_000), tier
+    return ShardStore(*args), TieredStore(*args, tier=tier, buffer_bytes=12_000), tier
 
 
 def test_an_update_of_the_rows_just_read_changes_nothing_but_time(tmp_path, monkeypatch):

@@ -148,14 +148,14 @@ def test_cache_rollback_restores_every_field_and_the_map():
     cache.record_updates(cache.lookup(torch.tensor([1, 50])), torch.randn(2, 2))  # dirty rows
     fields = RowCache._FIELDS
     before = {f: getattr(cache, f).clone() for f in fields}
-    cache.begin()
+    cache.journal.begin()
     hit = cache.lookup(torch.tensor([2, 3, 51]))
     cache.touch(hit, 1)
     cache.refresh(hit[:1], torch.randn(1, 2), torch.tensor([9]))
     slots, evicted = cache.install(torch.tensor([4, 5, 52, 53]), torch.tensor([0, 0, 1, 1]), torch.randn(4, 2),
                                    torch.tensor([5, 5, 5, 5]), step=1)
     assert len(evicted) == 2 and sorted(evicted.gids.tolist()) == [1, 50]  # the dirty ones went out
-    cache.rollback()
+    cache.journal.rollback()
     for f in fields:
         assert torch.equal(getattr(cache, f), before[f]), f
     ids = torch.arange(100)
@@ -164,4 +164,4 @@ def test_cache_rollback_restores_every_field_and_the_map():
     assert torch.equal(cache.lookup(ids), want)
     assert cache.pending_updates() == 2
     with pytest.raises(RuntimeError, match="without begin"):
-        cache.rollback()
+        cache.journal.rollback()

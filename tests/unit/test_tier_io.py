@@ -90,7 +90,7 @@ def test_fill_sets_one_field_of_a_range(tier):
     tier.fill("state", 9.0, lo=5, hi=5)  # an empty range: nothing
     for name, a in arrays.items():
         assert torch.equal(a, want[name]), name
-    log = tier.view(tier.log.tensor, "touched", arrays["touched"])
+    log = tier.view(tier.log_file.tensor, "touched", arrays["touched"])
     log[:] = True
     tier.release()
     tier.fill("touched", False, log=True, lo=3, hi=1_650)

@@ -17,12 +17,12 @@ from trainer.sparse.embedding.optim import Rounding
 from trainer.sparse.embedding.sharding import RowSharding
 from trainer.sparse.embedding.store.shard import ShardStore
 from trainer.sparse.embedding.store.tier import disk as tier_module
-from trainer.sparse.embedding.store.tier import log as tier_log
+from trainer.sparse.embedding.store.tier import writelog as tier_log
 from trainer.sparse.embedding.store.tier import uring
 from trainer.sparse.embedding.store.tier.disk import DiskTier
 from trainer.sparse.embedding.cache.slotmap import map_bytes
 from trainer.sparse.embedding.store import tiered
-from trainer.sparse.embedding.store.tiered import SLOT_BOOK_BYTES, TieredStore, cache_slots, log_rows
+from trainer.sparse.embedding.store.tiered import SLOT_BOOK_BYTES, TieredStore, buffer_slots, log_rows
 
 ROWS = [300, 157, 41]
 DIM = 8
@@ -40,7 +40,7 @@ def _stores(tmp_path, optimizer: str, dtype: torch.dtype, slots_bytes: int):
             Rounding("stochastic", 3))
     mem = ShardStore(*args)
     tier = DiskTier(str(tmp_path), 0, 1 << 16)
-    disk = TieredStore(*args, tier=tier, cache_bytes=slots_bytes)
+    disk = TieredStore(*args, tier=tier, buffer_bytes=slots_bytes)
     return mem, disk, tier
 
 
@@ -128,14 +128,14 @@ def test_the_cache_is_sized_by_its_bytes_and_its_map():
     the log holds 1/4 of the rows, which it does while 4 B per row fits in a quarter of the
     budget; else hash cells for the slots and a log sized to a quarter of the budget."""
     assert log_rows(1_000_000, 16_000_000) == 250_000 and map_bytes(1_000_000, 250_000, "cpu") == 4_000_000
-    assert cache_slots(30_000_000, 77, 1_000_000) == (30_000_000 - 4_000_000) // (77 + SLOT_BOOK_BYTES)
+    assert buffer_slots(30_000_000, 77, 1_000_000) == (30_000_000 - 4_000_000) // (77 + SLOT_BOOK_BYTES)
     log = log_rows(1_000_000, 10_000_000)  # 4 MB is more than a quarter: a log of <= 2.5 MB of cells
     assert 1 < log < 62_500 and map_bytes(1_000_000, 2 * log, "cpu") <= 2_500_000 < map_bytes(1_000_000, 2 * log + 2, "cpu")
-    n = cache_slots(10_000_000, 77, 1_000_000)  # the map indexes the slots and both halves of the log
+    n = buffer_slots(10_000_000, 77, 1_000_000)  # the map indexes the slots and both halves of the log
     per = 77 + SLOT_BOOK_BYTES
     assert n * per + map_bytes(1_000_000, n + 2 * log, "cpu") <= 10_000_000 < (n + 1) * per + map_bytes(1_000_000, n + 1 + 2 * log, "cpu")
-    assert cache_slots(1 << 40, 77, 1000) == 1000  # never more slots than rows
-    assert cache_slots(100, 77, 1000) == 1  # at least one
+    assert buffer_slots(1 << 40, 77, 1000) == 1000  # never more slots than rows
+    assert buffer_slots(100, 77, 1000) == 1  # at least one
 
 
 def _needs_ring() -> None:
@@ -143,11 +143,16 @@ def _needs_ring() -> None:
         pytest.skip("io_uring is refused here (the kernel, seccomp or kernel.io_uring_disabled): no merge by pages")
 
 
+def _log_of(tier: DiskTier) -> tier_log.WriteLog:
+    """The tier's write-back log alone: its file's appends and merges (no store's map behind it)."""
+    return tier_log.WriteLog(tier, None, lambda: None, lambda *a: None)
+
+
 def _pages_patched(monkeypatch) -> list[int]:
-    """The pages of each piece a merge patches through its pages alone (TierLog._patch_pages), as it goes."""
+    """The pages of each piece a merge patches through its pages alone (WriteLog._patch_pages), as it goes."""
     patched: list[int] = []
-    patch = tier_log.TierLog._patch_pages
-    monkeypatch.setattr(tier_log.TierLog, "_patch_pages", lambda t, f, s, p, r: patched.append(p.size) or patch(t, f, s, p, r))
+    patch = tier_log.WriteLog._patch_pages
+    monkeypatch.setattr(tier_log.WriteLog, "_patch_pages", lambda t, f, s, p, r: patched.append(p.size) or patch(t, f, s, p, r))
     return patched
 
 
@@ -171,27 +176,28 @@ def test_the_log_is_appended_and_merged_into_the_file(tmp_path, monkeypatch, row
     try:
         tier.define(n, [("weight", (5,), torch.float32), ("version", (), torch.int64), ("touched", (), torch.bool)],
                     log_rows=9_000)
+        log = _log_of(tier)
         weight = tier.alloc("weight", (n, 5), torch.float32)
         weight[:] = torch.arange(n, dtype=torch.float32)[:, None]
         rows = rows_of(n)
         vals = torch.randn(rows.numel(), 5)
-        first = [tier.append({"weight": vals[lo:lo + 333], "version": torch.full((vals[lo:lo + 333].shape[0],), 7)})
+        first = [log.append_records({"weight": vals[lo:lo + 333], "version": torch.full((vals[lo:lo + 333].shape[0],), 7)})
                  for lo in range(0, rows.numel(), 333)]
-        assert first == list(range(0, rows.numel(), 333)) and tier.log_end == rows.numel()
-        assert torch.equal(tier.view(tier.log.tensor, "weight", weight)[:rows.numel()], vals)
+        assert first == list(range(0, rows.numel(), 333)) and log.end == rows.numel()
+        assert torch.equal(tier.view(tier.log_file.tensor, "weight", weight)[:rows.numel()], vals)
         at = torch.randperm(rows.numel())  # the newest record of row rows[i] is log record at[i]
-        tier.merge(rows, at)
+        log.merge_records(rows, at)
         want = torch.arange(n, dtype=torch.float32)[:, None].repeat(1, 5)
         want[rows] = vals[at]
         assert torch.equal(weight, want)
         assert torch.equal(tier.alloc("version", (n,), torch.int64)[rows], torch.full((rows.numel(),), 7))
         if pages == "always":
-            assert patched and max(patched) <= len(tier._merge_buf) // tier_log.CHUNK
-        elif pages == "never" or tier._merge_ring is None:
+            assert patched and max(patched) <= len(log._merge_buf) // tier_log.CHUNK
+        elif pages == "never" or tier.merge_ring is None:
             assert not patched
-        tier.reset_half(0)
-        tier.rotate(0)
-        assert tier.log_end == 0 and not tier.view(tier.log.tensor, "weight", weight).any()
+        log.punch_half(0)
+        log.start(0)
+        assert log.end == 0 and not tier.view(tier.log_file.tensor, "weight", weight).any()
     finally:
         tier.close()
 
@@ -205,16 +211,17 @@ def test_a_merge_writes_scattered_rows_by_their_pages_and_dense_ones_by_pieces(t
     tier = DiskTier(str(tmp_path), 0, 1 << 16)
     try:
         tier.define(n, [("weight", (5,), torch.float32), ("version", (), torch.int64)], log_rows=9_000)
+        log = _log_of(tier)
         weight = tier.alloc("weight", (n, 5), torch.float32)
         for rows, scattered in ((torch.arange(5, n, 2500), True), (torch.arange(3000, 9000, 2), False)):
             patched.clear()
-            tier.rotate(0)
+            log.start(0)
             vals = torch.randn(rows.numel(), 5)
-            tier.append({"weight": vals, "version": torch.zeros(rows.numel(), dtype=torch.int64)})
-            tier.merge(rows, torch.arange(rows.numel()))
+            log.append_records({"weight": vals, "version": torch.zeros(rows.numel(), dtype=torch.int64)})
+            log.merge_records(rows, torch.arange(rows.numel()))
             assert torch.equal(weight[rows], vals)
             assert bool(patched) == scattered and sum(patched) <= 2 * rows.numel()
-            tier.reset_half(0)
+            log.punch_half(0)
     finally:
         tier.close()
 
@@ -343,7 +350,7 @@ def test_rows_read_without_a_read_ahead_leave_no_pages_in_the_process(tmp_path, 
     args = (RowSharding([100_000, 100_000], 1, 0), 16, 3, None, "rowwise_adagrad", 0.05, 1e-8, torch.device("cpu"),
             0.1, 0.0, torch.float32, Rounding("stochastic", 3))
     tier = DiskTier(str(tmp_path), 0, 1 << 16)
-    disk = TieredStore(*args, tier=tier, cache_bytes=1 << 20)
+    disk = TieredStore(*args, tier=tier, buffer_bytes=1 << 20)
     mem = ShardStore(*args)
     try:
         assert tier.file.nbytes >= 16_000_000

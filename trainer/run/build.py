@@ -35,8 +35,8 @@ from ..sparse.embedding.replica import Replica
 from ..sparse.embedding.sharding import HashSharding
 from ..sparse.embedding.store.shard import row_dtype
 from ..sparse.embedding.store.tiered import TieredStore, log_rows, record_fields
-from ..sparse.embedding.store.tier.disk import DiskTier, record_layout
-from ..sparse.embedding.store.tier.log import log_records
+from ..sparse.embedding.store.tier.disk import DiskTier
+from ..sparse.embedding.store.tier.records import log_records, record_layout
 from ..workload.models import build_model
 from ..sparse.placement import Plan, plan_run
 from ..base.core.progress import fmt_bytes
@@ -130,7 +130,7 @@ def _make_store(c: Config, comm: Collectives, device: torch.device, resuming: bo
         return ShardStore(sharding, *args, initialise=not resuming)
     tier, rows_bytes = make_tier(c, comm, device, sharding.local_rows)
     try:
-        return TieredStore(sharding, *args, initialise=not resuming, tier=tier, cache_bytes=rows_bytes)
+        return TieredStore(sharding, *args, initialise=not resuming, tier=tier, buffer_bytes=rows_bytes)
     except BaseException:
         if tier is not None:
             tier.close()

@@ -15,7 +15,7 @@ So a save or a load through the disk tier permutes by buckets, an external sort 
   the shard.
 I/O: the shard read (or written) once in order, the buckets written and read once. The shard's
 pieces are read and written around its mapping, a record (all of a row's fields) at a time, in
-sequential pieces (the tier's read_records and write: tier_io.py), not through the mapping field
+sequential pieces (the tier's read_records and write: tier/records.py), not through the mapping field
 by field. Memory: one piece, plus one bucket's rows (a piece's, give or take the rounding). The
 buckets are scratch files in the tier's directory (a local disk), removed when done.
 """

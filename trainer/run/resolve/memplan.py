@@ -174,7 +174,7 @@ def store_cache_bytes(c: Config, available: int | None, disk: int) -> int:
 
 def tier_page_bytes(cache: int) -> int:
     """embedding.store=disk: the part of a RAM cache of `cache` bytes that holds the files' pages
-    being read into the row cache or written back from it (tier.py); the rest holds rows
+    being read into the row buffer or written back from it (store/tier/disk.py); the rest holds rows
     (tiered.py). An eighth, at least 16 MiB (a step's misses and write-backs), at most half."""
     return max(min(16 << 20, cache // 2), cache // 8)
 

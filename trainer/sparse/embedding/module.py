@@ -42,7 +42,7 @@ from ...base.comm import Collectives
 from ...workload.data.batch import Batch
 from .dynamic.shard import gather_tables
 from .exchange import RowExchange, plan_lookup
-from .remote import CACHE_COUNTERS, Audit, CacheStats, PlainRemote, RemoteRows
+from .remote import CACHE_COUNTERS, Audit, PlainRemote, RemoteRows
 from .replica import Replica
 from .sharding import Sharding
 from .store.shard import ShardStore
@@ -111,10 +111,6 @@ class HybridEmbedding:
     def cache(self):
         """The HET cache when the protocol has one (else None)."""
         return getattr(self.remote, "cache", None)
-
-    @property
-    def cache_stats(self) -> CacheStats | None:
-        return self.remote.stats
 
     @property
     def dim(self) -> int:

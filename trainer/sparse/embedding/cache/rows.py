@@ -33,8 +33,9 @@ selection (topk) over their region for victims.
 Lives (dynamic tables): every push carries the life of the copy its updates were made on, and a
 copy re-read in another life of its id drops its pending updates (consistency.py, "Lives").
 
-Undo (train.nonfinite=skip): cache_journal.py (the cache saves each slot it changes first, so a
-step's reads can be rolled back exactly).
+Undo (train.nonfinite=skip): the cache holds a CacheJournal (journal.py) over its per-slot fields,
+its map and its free counts, and saves each slot it changes into it first (`journal.save`), so a
+step's reads can be rolled back exactly (`cache.journal`: begin / commit / rollback).
 
 Nothing here talks to other workers: the simulator (trainer/sparse/sim/) drives the same object.
 """
@@ -113,7 +114,7 @@ def make_policy(name: str, pin_threshold: int = 8) -> CachePolicy:
         raise ValueError(f"cache.policy={name!r} is not one of {sorted(POLICIES)}") from None
 
 
-class RowCache(CacheJournal):
+class RowCache:
     """Cached remote rows of one worker, per-table capacities, one policy."""
 
     def __init__(self, capacities: list[int], dim: int, policy: CachePolicy, n_ids: int,
@@ -136,18 +137,13 @@ class RowCache(CacheJournal):
         self.last_use = torch.full((c,), -1, dtype=torch.int64, device=dev)
         self.map = id_slot_map(n_ids, c, dev)
         self._uses = (-1, 0)  # (step, uses stamped in it so far): the next tick of that step
-        self.init_journal()
+        self.journal = CacheJournal({f: getattr(self, f) for f in self._FIELDS}, self.map, self._free)
 
     _FIELDS = ("gid", "rows", "pending", "version", "count", "freq", "last_use")
 
     @property
     def size(self) -> int:
         return int(self.gid.numel())
-
-    def occupancy(self) -> torch.Tensor:
-        """[T] cached rows per table."""
-        live = self.gid >= 0
-        return torch.bincount(self.slot_table[live], minlength=self.num_tables)
 
     # ---- reads ---------------------------------------------------------------------------
     def lookup(self, gids: torch.Tensor) -> torch.Tensor:
@@ -164,7 +160,7 @@ class RowCache(CacheJournal):
 
     def touch(self, slots: torch.Tensor, step: int) -> None:
         """Mark cached slots [k] (>= 0) as used at `step` (protects them from eviction this step)."""
-        self._save(slots)
+        self.journal.save(slots)
         self.freq.index_add_(0, slots, torch.ones_like(slots))
         self._stamp(slots, step)
 
@@ -184,7 +180,7 @@ class RowCache(CacheJournal):
         the copy was of an earlier life of its id (dynamic tables: consistency.life_changed): then
         they are dropped, never applied to (or pushed into) the new life. Returns [k] the local
         updates dropped per slot (0 where kept; always 0 for fixed tables)."""
-        self._save(slots)
+        self.journal.save(slots)
         pending = self.pending.index_select(0, slots)
         count = self.count.index_select(0, slots)
         gone = life_changed(self.version.index_select(0, slots), versions)
@@ -216,7 +212,7 @@ class RowCache(CacheJournal):
             placed = slots
         if placed_n == 0:
             return slots, Pushes.empty(self.dim, self.rows.device), 0
-        self._save(placed)
+        self.journal.save(placed)
         # only victims held entries; free slots need no eviction pass
         evicted = self._evict(placed) if victims_n else Pushes.empty(self.dim, self.rows.device)
         self.gid.index_copy_(0, placed, gids)

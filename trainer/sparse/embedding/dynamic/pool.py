@@ -31,9 +31,9 @@ outlives its id's life here. The pins are asked for only when a table evicts (O(
 Expiry (embedding.ttl_steps) is not eviction: a copied id expires too, and its copies follow it,
 deciding by the same rule (`expired`) from the same last reads.
 
-Undo (train.nonfinite=skip, fp16's skipped steps): pool_journal.py (the pool saves each slot it
-changes first, the counter each count, so a skipped step's admissions, evictions and counts roll
-back).
+Undo (train.nonfinite=skip, fp16's skipped steps): the pool holds a PoolJournal (pool_journal.py,
+`pool.journal`) and saves into it each slot it changes first, the counter each count, so a skipped
+step's admissions, evictions and counts roll back.
 """
 from __future__ import annotations
 
@@ -73,7 +73,7 @@ def pool_slot_bytes(device: torch.device, slots: int) -> int:
     return -(-16 * cells_bound(max(slots, 1)) // max(slots, 1)) + 24
 
 
-class SlotPool(PoolJournal):
+class SlotPool:
     """Slots of `capacity` rows per table for `num_tables` dynamic tables (see the module docstring)."""
 
     def __init__(self, num_tables: int, capacity: int, admit_after: int, eviction: str,
@@ -106,7 +106,7 @@ class SlotPool(PoolJournal):
         self.stale_copies = 0  # copies that came back to another life of their id, dropped (0: pins hold)
         # callables giving gids (any order, any owner) never to be evicted now (module docstring)
         self.pins: list[Callable[[], torch.Tensor]] = []
-        self.init_journal()
+        self.journal = PoolJournal(self)  # undo within a step (begin / commit / rollback)
 
     def reindex(self) -> None:
         """Rebuild the id -> slot map and the free slots from slot_gid (after a checkpoint load)."""
@@ -119,6 +119,17 @@ class SlotPool(PoolJournal):
             taken = torch.nonzero(self.slot_gid[lo:hi] >= 0).squeeze(1)
             self._free_from[t] = lo + (int(taken[-1]) + 1 if taken.numel() else 0)
             self._holes[t] = torch.nonzero(self.slot_gid[lo:self._free_from[t]] < 0).squeeze(1) + lo
+
+    def cursors(self) -> tuple[list[int], list[torch.Tensor]]:
+        """The free slots' cursors as they are now (copies of the lists; the hole tensors are
+        replaced, never written): what PoolJournal keeps at begin()."""
+        return list(self._free_from), list(self._holes)
+
+    def restore_cursors(self, free_from: list[int], holes: list[torch.Tensor]) -> None:
+        """The free slots' cursors put back (PoolJournal.rollback); the map's remembered answers
+        forgotten (the map changed under them)."""
+        self._memo.clear()
+        self._free_from[:], self._holes[:] = free_from, holes
 
     def lookup(self, gids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(slots [n], -1 where absent; miss [n] bool) of gids (not to be modified: the same
@@ -175,7 +186,7 @@ class SlotPool(PoolJournal):
         u = gids if _ascending(gids) else torch.unique(gids)  # a plan's owned ids are already
         slots_u, miss_u = self.lookup(u)
         hit = slots_u[~miss_u]
-        self._save(hit)
+        self.journal.save(hit)
         reborn = self._expire(u[~miss_u], hit, step) if self.ttl else None
         self.last_use.index_fill_(0, hit, step)
         self.uses.index_add_(0, hit, torch.ones_like(hit))
@@ -211,7 +222,7 @@ class SlotPool(PoolJournal):
         ids, slots = self._place(new, step)
         if not ids.numel():
             return None
-        self._save(slots)
+        self.journal.save(slots)
         self._insert(ids, slots)
         self.slot_gid.index_copy_(0, slots, ids)
         self.last_use.index_fill_(0, slots, step)
@@ -262,7 +273,7 @@ class SlotPool(PoolJournal):
             return free
         victims = self._victims(lo, hi, short, step)
         if victims.numel():
-            self._save(victims)
+            self.journal.save(victims)
             self._memo.clear()
             self.map.erase(self.slot_gid[victims])
             self.slot_gid[victims] = -1

@@ -120,12 +120,12 @@ class DynamicStore(ShardStore):
 
     def begin(self) -> None:
         """Make the coming admissions undoable (a training step whose skip is possible: lookup)."""
-        self.pool.begin()
+        self.pool.journal.begin()
         self._undo, self._undo_clock = [], self.clock
 
     def commit(self) -> None:
         """Keep the admissions made since begin() (the step's update is applied)."""
-        self.pool.commit()
+        self.pool.journal.commit()
         self._undo = None
 
     def rollback(self) -> None:
@@ -140,7 +140,7 @@ class DynamicStore(ShardStore):
             self.touched.index_copy_(0, slots, touched)
             if st is not None:
                 st.index_copy_(0, slots, state)
-        self.pool.rollback()
+        self.pool.journal.rollback()
         self._undo, self.clock = None, self._undo_clock
 
     def rows(self, gids: torch.Tensor) -> torch.Tensor:

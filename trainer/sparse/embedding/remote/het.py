@@ -289,7 +289,7 @@ class HetRemote(RemoteRows):
         """Fill ws's remote positions from the cache, checking versions with the owners."""
         cache, remote = self.cache, plan.remote_ids
         if self.undoable:
-            cache.begin()
+            cache.journal.begin()
         token = token if token is not None else self.begin(plan)
         table = self.sharding.table_of(remote)
         slots, cached_ver = token.slots, token.cached
@@ -360,7 +360,7 @@ class HetRemote(RemoteRows):
         """Local updates of this step: apply to cached copies, push the due, transient and
         evicted-dirty ones; the returned function gives what this rank received as owner."""
         slots, gone, due = read.slots, read.transient, read.due
-        self.cache.commit()
+        self.cache.journal.commit()
         g = grad.index_select(0, plan.remote_pos)
         parts = []
         if gone is None:  # every remote row is cached (the usual case)
@@ -381,7 +381,7 @@ class HetRemote(RemoteRows):
         """Undo the read: installs, evictions (their dirty updates go back into the cache),
         refreshed copies and use counts; the owners changed nothing (version checks only read).
         The push sizes sent ahead are received and dropped (every rank discards the same step)."""
-        self.cache.rollback()
+        self.cache.journal.rollback()
         if read.announced is not None:
             read.announced.handle.wait()
 

@@ -1,4 +1,4 @@
-"""LRU-2 for the row cache's slots (tiered.py): each slot's uses and the choice of those to evict.
+"""LRU-2 for the row buffer's slots (tiered.py): each slot's uses and the choice of those to evict.
 
 A slot keeps the call it was last used in and the use before that in an earlier step (-1: none;
 a call is one read or update of rows, a step starts with its lookup). Its key is (the use before,

@@ -80,7 +80,7 @@ class ShardStore:
         written back (default: stochastic, seeded by `seed`). initialise=False: zeros instead of
         the initial rows, for a run about to load every row from a checkpoint (the loader checks
         that it wrote every row this rank owns); hashing the initial rows was half a resume's time.
-        tier: embedding.store=disk, the files every array of the shard lives in (tier.py)."""
+        tier: embedding.store=disk, the files every array of the shard lives in (tier/disk.py)."""
         self.sharding, self.dim = sharding, dim
         self.seed, self.init_scale = seed, init_scale
         self.tier = tier
@@ -92,7 +92,7 @@ class ShardStore:
             weight = (torch.empty if initialise else torch.zeros)(rows, dim, dtype=dtype, device=device)
         for lo in range(0, rows if initialise else 0, _INIT_CHUNK_ROWS):  # one chunk at a time
             idx = torch.arange(lo, min(lo + _INIT_CHUNK_ROWS, rows), dtype=torch.int64)
-            if tier is not None:  # in sequential pieces, around the file's mapping (tier_io.py)
+            if tier is not None:  # in sequential pieces, around the file's mapping (tier/records.py)
                 tier.write(idx, {"weight": self._initial(idx).to(dtype)})
             else:
                 weight[lo:lo + idx.numel()] = self._initial(idx).to(device, dtype)
@@ -137,7 +137,7 @@ class ShardStore:
     def raw(self, write: bool) -> Iterator[None]:
         """A phase that reads (write=False: a save, a gather of the shard) or also writes (a load,
         a snapshot's restore) `weight`, `version`, `touched` and the optimizer's state directly,
-        not through rows/apply/put. In memory there is nothing to do; a store with a row cache in
+        not through rows/apply/put. In memory there is nothing to do; a store with a row buffer in
         front of them (tiered.py) writes its changed rows back first, and after a write forgets
         what it holds."""
         yield
@@ -240,7 +240,7 @@ class ShardStore:
         _put(self.weight, self.optimizer.state, self.version, self.touched, self.slots(gids), rows, state, updates)
 
 
-# ---- a shard's arithmetic on its arrays (the same on a row cache's: tiered.py) ------------------
+# ---- a shard's arithmetic on its arrays (the same on a row buffer's: tiered.py) ------------------
 def _update(opt: SparseOptimizer, version: torch.Tensor, touched: torch.Tensor, idx: torch.Tensor,
             grads: torch.Tensor, unique: bool, counts: torch.Tensor) -> None:
     """opt's rows idx take grads (summed per row unless unique); versions += counts; touched."""

@@ -1,6 +1,8 @@
-"""embedding.store=disk: the owner's shard in files (tier.py) with a row cache in RAM in front.
+"""embedding.store=disk: the owner's shard in files (tier/disk.py) with a row buffer in RAM in front
+(RAM rows in slots; "cache" names HET's cache, ../cache/; the config key, embedding.store_cache_bytes,
+and summary.json's cache_* keys keep their names).
 
-Why a row cache: hot ids are scattered over a table, so caching the files' pages keeps ~50 cold
+Why a row buffer: hot ids are scattered over a table, so caching the files' pages keeps ~50 cold
 neighbours in RAM with every hot row and writes back 4 KiB for every 80 B row updated (measured:
 0.05 of the in-memory step rate). Here the RAM holds whole rows, by id, in slots (FBGEMM's and
 HierarchicalKV's design): a row's values, optimizer state, version and touched mark.
@@ -8,7 +10,7 @@ HierarchicalKV's design): a row's values, optimizer state, version and touched m
 - **One writable copy of each row**, in a slot, else the newest log record, else the file: a
   slot is loaded when the row is first used (read or written) and appended to the log (when
   changed) as it is evicted. Every read and update goes through the slot when there is one and
-  through the file otherwise (when a single call wants more rows than the cache can give it; the
+  through the file otherwise (when a single call wants more rows than the buffer can give it; the
   log merged first), with the very same arithmetic (store.py's _update, _update_masked, _put): a row's
   updates are elementwise and its duplicate gradients are summed in the same order, so `disk`
   equals `memory` bit for bit.
@@ -16,7 +18,7 @@ HierarchicalKV's design): a row's values, optimizer state, version and touched m
   first (a row used in one step only since it was loaded, first of all), then the least recently
   used; never a row of the call being served; in batches of 1/32 of the slots at once. A
   selection over all slots keeps the smallest keys it saw, and the next evictions choose among
-  those and the rows loaded since while that is exact (lru2.py). At Zipf 1.1 and a cache of 13% of the rows, a simulation
+  those and the rows loaded since while that is exact (lru2.py). At Zipf 1.1 and a buffer of 13% of the rows, a simulation
   of the bench workload loads 0.25 of a step's distinct rows with it, 0.29 with LRU.
 - **Write-back through a log**: an evicted row that changed is appended to the tier's log (whole
   pages straight to the disk, nothing read first) instead of being written in place (a random
@@ -32,16 +34,22 @@ HierarchicalKV's design): a row's values, optimizer state, version and touched m
   last STAGED_CALLS reads ahead): a load takes a row's copy when it was read from where the row's
   newest record still is and the files have not changed in place since (`_changed`), else reads
   the record itself.
-- **Direct access** (`weight`, `version`, `touched` and the optimizer's state, as checkpoints and
-  snapshots use them): tiered_direct.py.
+- **Direct phases**: checkpoints, snapshots and whole-table gathers index the shard's arrays
+  (`weight`, `version`, `touched`, the optimizer's state), which are the tier's files, not the
+  slots. Inside `raw(write)` the changed rows are written back first (the log merged into the
+  file, then the changed slots in place), and after a write phase the slots are forgotten (the
+  file may hold newer records than they do); outside it, any access to those attributes empties
+  the buffer first (always correct, only slower).
 - **Cost per slot**: the row's bytes (values + state + 8 B version + 1 B mark) + 19 B (row, last
   two uses, changed, ~1.25 B of LRU-2's kept slots) + the map (slotmap.py: 4 B per row of the shard when the log holds 1/4 of the
-  rows, else hash cells for the slots and the log's records; cache_slots, log_rows).
+  rows, else hash cells for the slots and the log's records; buffer_slots, log_rows).
 """
 from __future__ import annotations
 
+import contextlib
 import inspect
 import time
+from typing import Iterator
 
 import torch
 
@@ -53,14 +61,14 @@ from .tier.readahead import ReadAheadCopies
 from ..cache.slotmap import DIRECT_IDS_PER_SLOT, id_slot_map, map_bytes
 from .shard import ShardStore, _put, _update, _update_masked
 from .tier.disk import DiskTier
-from .tiered_direct import DirectPhases
 from .tier.writelog import WriteLog, code
 
 EVICT_BATCH = 32  # an eviction frees at least 1/EVICT_BATCH of the slots
 SLOT_BOOK_BYTES = 8 + 4 + 4 + 1 + 2  # per slot: its row, its last use and the one before, changed, LRU-2's kept slots (lru2.py)
 LOG_SHARE = 4  # each half of the write-back log holds at most 1/LOG_SHARE of the shard's rows (on disk)
 STAGED_CALLS = 2  # the copies of the last two reads ahead are kept (readahead.py)
-LOG_INDEX_SHARE = 4  # ... while a direct map for them fits in 1/LOG_INDEX_SHARE of the row cache's bytes
+LOG_INDEX_SHARE = 4  # ... while a direct map for them fits in 1/LOG_INDEX_SHARE of the row buffer's bytes
+FLUSH_ROWS = 1 << 18  # changed slots copied out and written back at a time (~20 MB at d = 16)
 
 
 def record_fields(dim: int, dtype: torch.dtype, optimizer: str) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
@@ -72,7 +80,7 @@ def record_fields(dim: int, dtype: torch.dtype, optimizer: str) -> list[tuple[st
 
 
 def log_rows(local_rows: int, budget: int) -> int:
-    """Records of each half of the write-back log of a shard of local_rows rows behind a row cache
+    """Records of each half of the write-back log of a shard of local_rows rows behind a row buffer
     of `budget` bytes: 1/LOG_SHARE of the rows when their index, a direct map (4 B per row), fits in
     1/LOG_INDEX_SHARE of the budget; else as many as a hash index of that size holds for both
     halves (at least one)."""
@@ -86,8 +94,8 @@ def log_rows(local_rows: int, budget: int) -> int:
     return lo
 
 
-def cache_slots(budget: int, row_bytes: int, local_rows: int) -> int:
-    """Slots a row cache of `budget` bytes holds for a shard of local_rows rows of row_bytes each
+def buffer_slots(budget: int, row_bytes: int, local_rows: int) -> int:
+    """Slots a row buffer of `budget` bytes holds for a shard of local_rows rows of row_bytes each
     (the record's parts): with their bookkeeping and the one map of slots and log records
     (log_rows) counted; never more than the rows, at least one."""
     per, log = row_bytes + SLOT_BOOK_BYTES, log_rows(local_rows, budget)
@@ -98,7 +106,7 @@ def cache_slots(budget: int, row_bytes: int, local_rows: int) -> int:
     return int(lo)
 
 
-PARTS = ("weight", "state", "version", "touched")  # a record's fields, in _cached's order
+PARTS = ("weight", "state", "version", "touched")  # a record's fields, in _buffered's order
 
 
 def _pick(t: torch.Tensor | None, at: torch.Tensor | None) -> torch.Tensor | None:
@@ -114,21 +122,22 @@ def _distinct(idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
     return torch.unique(idx, return_inverse=True)
 
 
-class TieredStore(DirectPhases, ShardStore):
-    """A ShardStore whose arrays are the tier's files, with `cache_bytes` of rows in RAM in front."""
+class TieredStore(ShardStore):
+    """A ShardStore whose arrays are the tier's files, with `buffer_bytes` of rows in RAM in front
+    (the row buffer: slots)."""
 
-    def __init__(self, *args, tier: DiskTier, cache_bytes: int, **kw) -> None:
-        self._slots_n = 0  # no cache until it is built (ShardStore's init writes the files)
+    def __init__(self, *args, tier: DiskTier, buffer_bytes: int, **kw) -> None:
+        self._slots_n = 0  # no buffer until it is built (ShardStore's init writes the files)
         a = inspect.signature(ShardStore.__init__).bind(self, *args, **kw)
         a.apply_defaults()
         p = a.arguments
         local = p["sharding"].local_rows
         t0 = time.monotonic()
-        tier.define(local, record_fields(p["dim"], p["dtype"], p["optimizer"]), log_rows(local, cache_bytes))
+        tier.define(local, record_fields(p["dim"], p["dtype"], p["optimizer"]), log_rows(local, buffer_bytes))
         super().__init__(*args, tier=tier, **kw)
         say_if_slow(t0, lambda took: f"embedding.store=disk: rank {p['sharding'].rank}'s shard, {local:,} rows "
                                      f"({fmt_bytes(tier.disk_bytes())} of files in {tier.dir}), set up in {took:.0f} s")
-        self._build(cache_slots(cache_bytes, self.bytes_per_row()["total"] + 1, local))
+        self._build(buffer_slots(buffer_bytes, self.bytes_per_row()["total"] + 1, local))
 
     def _build(self, n: int) -> None:
         self._slots_n = n
@@ -143,7 +152,7 @@ class TieredStore(DirectPhases, ShardStore):
         self._dirty = torch.zeros(n, dtype=torch.bool)
         self._free = torch.arange(n - 1, -1, -1, dtype=torch.int64)  # a stack: [:_nfree] are free
         self._nfree = n
-        self._map = id_slot_map(self.sharding.local_rows, n + 2 * self.tier.log_half, "cpu")  # slot, or writelog.code
+        self._map = id_slot_map(self.sharding.local_rows, n + 2 * self.tier.log_rows, "cpu")  # slot, or writelog.code
         self._copies = ReadAheadCopies(self.tier.file.row_bytes, STAGED_CALLS)  # the reads ahead's records
         self._log = WriteLog(self.tier, self._map, self._changed, self._copies.merged)
         self._memo = None  # (call, its rows, their slots, distinct rows) of the last call that loaded them all
@@ -159,7 +168,7 @@ class TieredStore(DirectPhases, ShardStore):
     # ---- the slots -------------------------------------------------------------------------
     def _at(self, idx: torch.Tensor) -> torch.Tensor:
         """[n] slots of storage rows idx, loading the rows no slot holds (evicting the least
-        recently used); -1 for those the cache cannot take in this call (more than it holds)."""
+        recently used); -1 for those the buffer cannot take in this call (more than it holds)."""
         call = self._uses.new_call()
         if self._same_rows(idx, call):
             return self._memo[2]
@@ -242,9 +251,9 @@ class TieredStore(DirectPhases, ShardStore):
             recs.index_copy_(0, i, self.tier.read(rows.index_select(0, i), code(where.index_select(0, i)),
                                                   new.index_select(0, i)))
         self.counts["staged"] += got.numel()
-        for name, cached, file in zip(PARTS, self._cached(), self._files()):
+        for name, ram, file in zip(PARTS, self._buffered(), self._files()):
             if file is not None:
-                cached.index_copy_(0, slots, self.tier.view(recs, name, file))
+                ram.index_copy_(0, slots, self.tier.view(recs, name, file))
         self._rid.index_copy_(0, slots, rows)
         self._map.insert(rows, slots)
         self._uses.loaded(slots)
@@ -254,14 +263,14 @@ class TieredStore(DirectPhases, ShardStore):
 
     def _parts(self, slots: torch.Tensor) -> dict[str, torch.Tensor]:
         """{field: values} of slots' rows, the record's fields the shard has."""
-        return {n: c.index_select(0, slots) for n, c, f in zip(PARTS, self._cached(), self._files()) if f is not None}
+        return {n: c.index_select(0, slots) for n, c, f in zip(PARTS, self._buffered(), self._files()) if f is not None}
 
-    def _cached(self) -> tuple:
+    def _buffered(self) -> tuple:
         """The slots' arrays: values, optimizer state (None for SGD), versions, touched marks."""
         return self._w, self._opt.state, self._v, self._t
 
     def _files(self) -> tuple:
-        """The file's arrays, in _cached's order (not the properties: no emptying)."""
+        """The file's arrays, in _buffered's order (not the properties: no emptying)."""
         d = self.__dict__
         return d["_weight"], self.optimizer.state, d["_version"], d["_touched"]
 
@@ -280,6 +289,74 @@ class TieredStore(DirectPhases, ShardStore):
     def _sync_rate(self) -> SparseOptimizer:
         self._opt.lr, self._opt.lr_on_device = self.optimizer.lr, self.optimizer.lr_on_device
         return self._opt
+
+    # ---- direct access to the files' arrays --------------------------------------------------
+    def _direct(name: str):  # noqa: N805 (a property factory for the class body)
+        def get(self):
+            if self._slots_n and not self._in_raw:
+                self._empty()
+            return self.__dict__["_" + name]
+
+        def put(self, value):
+            self.__dict__["_" + name] = value
+        return property(get, put)
+
+    weight = _direct("weight")
+    version = _direct("version")
+    touched = _direct("touched")
+    del _direct
+
+    @contextlib.contextmanager
+    def raw(self, write: bool) -> Iterator[None]:
+        self._flush()
+        outer, self._in_raw = self._in_raw, True  # phases may nest
+        self.tier.sequential(True)  # a phase reads or writes the shard in order
+        try:
+            yield
+        finally:
+            self._in_raw = outer
+            self.tier.sequential(outer)
+            if write:
+                self._changed()
+                if self._nfree < self._slots_n:
+                    self._forget()
+                    self.counts["forgotten"] += 1
+
+    def _empty(self) -> None:
+        """Write every changed row back and forget every slot (the files are then the shard)."""
+        if self._nfree == self._slots_n and self._log.empty:
+            return
+        self._flush()
+        self._forget()
+        self.counts["emptied"] += 1
+
+    def _flush(self) -> None:
+        """Make the file the shard: the log merged into it, then the changed slots written in
+        place (sorted by row, in sequential pieces: tier/disk.py; FLUSH_ROWS of them copied out at a
+        time); the slots stay, unchanged now."""
+        self._log.merge()
+        self._changed()  # the file is written in place
+        slots = torch.nonzero(self._dirty).squeeze(1)
+        if slots.numel():
+            rows, order = torch.sort(self._rid.index_select(0, slots))
+            slots = slots.index_select(0, order)
+            for lo in range(0, rows.numel(), FLUSH_ROWS):
+                self.tier.write(rows[lo:lo + FLUSH_ROWS], self._parts(slots[lo:lo + FLUSH_ROWS]))
+            self._dirty.zero_()
+            self.counts["written"] += slots.numel()
+
+    def _forget(self) -> None:
+        """Free every slot (some are held; their changes are in the file) and drop the log (merged
+        already, or older than what was just written into the file)."""
+        self._changed()
+        self._memo = None
+        self._uses.forget()
+        self._map.erase(self._rid[self._rid >= 0])
+        self._rid.fill_(-1)
+        self._dirty.zero_()
+        self._free = torch.arange(self._slots_n - 1, -1, -1, dtype=torch.int64)
+        self._nfree = self._slots_n
+        self._log.drop()
 
     # ---- the shard's interface -------------------------------------------------------------
     def tick(self, step: int) -> None:
@@ -305,13 +382,13 @@ class TieredStore(DirectPhases, ShardStore):
             self._copies.add(torch.cat([uniq[inlog], uniq[infile]]), torch.cat([where[inlog], where[infile]]), futures)
 
     def _gather(self, idx: torch.Tensor, part: int) -> torch.Tensor:
-        """Values of storage rows idx of one part (_cached's order) from the slots or the file."""
-        cached, file = self._cached()[part], self._files()[part]
+        """Values of storage rows idx of one part (_buffered's order) from the slots or the file."""
+        ram, file = self._buffered()[part], self._files()[part]
         slots, held, cold = self._split(idx)
         if held is None:
-            return cached.index_select(0, slots)
-        out = torch.empty((idx.numel(),) + tuple(cached.shape[1:]), dtype=cached.dtype)
-        out.index_copy_(0, held, cached.index_select(0, slots.index_select(0, held)))
+            return ram.index_select(0, slots)
+        out = torch.empty((idx.numel(),) + tuple(ram.shape[1:]), dtype=ram.dtype)
+        out.index_copy_(0, held, ram.index_select(0, slots.index_select(0, held)))
         if cold.numel():  # their records read as copies (tier.read), not faulted in here
             rows = idx.index_select(0, cold)
             records = self.tier.read(rows, rows, torch.zeros(rows.numel(), dtype=torch.bool))
@@ -331,11 +408,11 @@ class TieredStore(DirectPhases, ShardStore):
         return self._gather(self.slots(gids), 1).reshape(gids.numel(), self.state_width)
 
     def _change(self, idx: torch.Tensor, fn) -> None:
-        """fn(optimizer, arrays (_cached's order), rows of them, positions of idx) on the slots of
+        """fn(optimizer, arrays (_buffered's order), rows of them, positions of idx) on the slots of
         storage rows idx (marked changed), then on the file for the rows no slot can hold."""
         slots, held, cold = self._split(idx)
         s = slots if held is None else slots.index_select(0, held)
-        fn(self._sync_rate(), self._cached(), s, held)
+        fn(self._sync_rate(), self._buffered(), s, held)
         self._dirty.index_fill_(0, s, True)
         if cold.numel():
             self.tier.ready()
@@ -366,8 +443,8 @@ class TieredStore(DirectPhases, ShardStore):
         self._log.settle()  # no merge writes the file meanwhile
         self._changed()
         self._t.fill_(value)
-        self.tier.fill("touched", value)  # in sequential pieces, around the mappings (tier_io.py)
-        first = self.tier.log_starts[self._log.half]
+        self.tier.fill("touched", value)  # in sequential pieces, around the mappings (tier/records.py)
+        first = self._log.starts[self._log.half]
         self.tier.fill("touched", value, log=True, lo=first, hi=first + self._log.used)
 
     def store_record(self) -> dict:

@@ -1,2 +1,3 @@
-"""embedding.store=disk's files: the shard's records on disk (disk.py: DiskTier), how they are read
-and written (records.py, readahead.py, uring.py) and the write-back log (log.py, writelog.py)."""
+"""embedding.store=disk's files: the shard's records on disk (disk.py: DiskTier), one file of
+records and its whole-page I/O (records.py: RecordFile), the reads ahead's copies (readahead.py),
+io_uring (uring.py) and the write-back log (writelog.py: WriteLog)."""

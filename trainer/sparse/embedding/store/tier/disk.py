@@ -1,5 +1,7 @@
 """embedding.store=disk: an owner's shard (rows, optimizer state, versions, touched marks) in a
-file, mapped into memory; the row cache in front of it is tiered.py's.
+file, mapped into memory (records.py: RecordFile), with the write-back log's file beside it; the
+row buffer in front of it is tiered.py's, the log's appends and merges writelog.py's (WriteLog,
+which reads and writes the log through this tier: its files, reads ahead and merging thread).
 
 Why a mapped file: every path that reads or writes the shard directly (checkpoints, the best-model
 snapshot, gathers of whole tables) indexes the same arrays as in memory; mapped, they are still
@@ -7,9 +9,9 @@ tensors, so those paths run the very same code. A row's parts are one record (`d
 values, state, version and mark side by side, so reading or writing back a row touches one page.
 A fixed table's row r is record r: no per-row index in RAM.
 
-Pages: the RAM this process holds of the file is the pages it has mapped, at most `cache_bytes`
+Pages: the RAM this process holds of the file is the pages it has mapped, at most `page_bytes`
 (the share of embedding.store_cache_bytes that is not rows); when a read-ahead finds that passed,
-every page is unmapped at once (madvise DONTNEED, one call per file): the row cache holds what the
+every page is unmapped at once (madvise DONTNEED, one call per file): the row buffer holds what the
 steps use, a page is only needed while its rows are copied in or written back, and a dirty page
 unmapped is not lost (the page cache keeps it until the kernel writes it back). The mapping is
 MADV_RANDOM: a fault reads its page only, not the kernel's read-around window (hot ids are spread
@@ -21,19 +23,18 @@ threads reads them, each its share with one torch gather (which faults the pages
 released), so `threads` reads are in flight. `ready` waits for them (the time counted as the
 step's wait on the disk). A page never read ahead is read by a fault on the step's own thread
 (counted: `sync_faults`).
-The log (`log.bin`, the same records, two halves): the row cache's changed rows appended in
+The log (`log.bin`, the same records, two halves): the row buffer's changed rows appended in
 whole-page writes with O_DIRECT (nothing read first, no page kept), then merged into `rows.bin` in
-sequential pieces read and written the same way, beside the steps where the ring reads (tier_log.py).
+sequential pieces read and written the same way, beside the steps where the ring reads, on this
+tier's merging thread with a ring of its own (writelog.py).
 Whatever reads or writes much of the file at once (the initial rows and state, the changed slots
 written back before a direct phase, a checkpoint's save and load, the snapshot's marks) goes around
-the mapping too, in sequential pieces (tier_io.py).
+the mapping too, in sequential pieces (records.py; `read_records`, `write`, `fill`).
 The files are scratch: created empty (sparse: unwritten rows read zeros) for each run, removed at
 exit; a checkpoint is the only copy of the model that outlives the run.
 """
 from __future__ import annotations
 
-import ctypes
-import mmap
 import os
 import resource
 import shutil
@@ -42,52 +43,16 @@ import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import numpy as np
 import torch
 
-from .records import APPEND_BYTES, CHUNK, TierIO, piece_buffer
-from .log import TierLog, log_records
+from .records import (CHUNK, MADV_DONTNEED, MADV_RANDOM, MADV_SEQUENTIAL, RecordFile, field_view, log_records,
+                      madvise, piece_buffer, record_layout)
 from .uring import open_ring
 
-MADV_RANDOM = 1  # a fault reads its page only (not the kernel's read-around window, 128 KiB)
-MADV_SEQUENTIAL = 2  # a fault reads ahead (a direct phase: sequential)
-MADV_DONTNEED = 4
 LATENCY_SAMPLES = 4096  # prefetch latencies kept for the percentiles (a ring)
-
-_libc = ctypes.CDLL(None, use_errno=True)
-_libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-_libc.madvise.restype = ctypes.c_int
-
-
-def _madvise(addr: int, length: int, advice: int) -> int:
-    """0, or the errno of madvise(addr, length, advice)."""
-    if _libc.madvise(addr, length, advice) == 0:
-        return 0
-    return ctypes.get_errno()
-
-
-@dataclass
-class TierFile:
-    """The shard's file: the mapping, the [rows, record bytes] tensor over it, its pages' state."""
-    row_bytes: int
-    nbytes: int
-    array: Any  # the np.memmap (kept alive: the tensor shares its memory)
-    tensor: torch.Tensor
-    addr: int
-    mapped: np.ndarray = field(default_factory=lambda: np.zeros(0, bool))  # pages we hold mapped
-    path: str = ""
-    fd: int = -1  # the file opened for whole-page reads and writes (O_DIRECT where the file system has it)
-    read_fd: int = -1  # ... opened for the ring's reads of single records (through the page cache)
-
-    def chunks_of(self, rows: np.ndarray) -> np.ndarray:
-        """Sorted distinct chunks holding rows (a row may straddle two)."""
-        first = rows * self.row_bytes // CHUNK
-        last = (rows * self.row_bytes + self.row_bytes - 1) // CHUNK
-        both = first if CHUNK % self.row_bytes == 0 else np.concatenate([first, last])
-        return np.unique(both)
-
 
 @dataclass
 class TierStats:
@@ -102,26 +67,22 @@ class TierStats:
     latencies: list = field(default_factory=list)  # seconds per prefetched run of chunks (a ring)
 
 
-class DiskTier(TierIO, TierLog):
+class DiskTier:
     """The shard's file of one rank, the pages of it held in RAM and the threads reading ahead."""
 
-    def __init__(self, directory: Optional[str], rank: int, cache_bytes: int, total_bytes: int = 0,
+    def __init__(self, directory: Optional[str], rank: int, page_bytes: int, total_bytes: int = 0,
                  threads: int = 16) -> None:
-        """cache_bytes: the pages this process may hold mapped; total_bytes: the whole RAM cache of
+        """page_bytes: the pages this process may hold mapped; total_bytes: the whole RAM share of
         the store (those pages and its rows: what a checkpoint's pieces are sized by)."""
         base = directory or tempfile.gettempdir()
         os.makedirs(base, exist_ok=True)
         self.dir = tempfile.mkdtemp(prefix=f"ht-store-rank{rank}-", dir=base)
-        self.cache_bytes = int(cache_bytes)
-        self.total_bytes = int(total_bytes or cache_bytes)
-        self.file: Optional[TierFile] = None  # define() makes it
-        self.log: Optional[TierFile] = None  # the write-back log (define's log_rows records)
-        self.log_half, self.log_starts = 0, (0, 0)  # records of each half of the log, the halves' first records
-        self.log_end = self.log_limit = 0  # the next record appended, the end of its half
-        self._buf: Optional[mmap.mmap] = None  # the appends' page-aligned buffer
-        self._merge_buf: Optional[mmap.mmap] = None  # the merges' pieces (tier_log.py; tier_io.piece_buffer)
-        self._io_buf: Optional[mmap.mmap] = None  # the other sequential pieces' (tier_io.py)
-        self._tail = b""  # the log's last page as far as it is written (a page-aligned write rewrites it)
+        self.page_bytes = int(page_bytes)
+        self.total_bytes = int(total_bytes or page_bytes)
+        self.file: Optional[RecordFile] = None  # define() makes it
+        self.log_file: Optional[RecordFile] = None  # the write-back log's (define's log_rows records; writelog.py)
+        self.log_rows = 0  # records of each half of the log
+        self._io_buf = None  # the sequential pieces' buffer (records.piece_buffer)
         self._fields: dict[str, tuple[int, int, torch.dtype]] = {}  # name -> (offset, bytes, dtype) in a record
         self.mapped_bytes = 0
         self.stats = TierStats()
@@ -137,8 +98,8 @@ class DiskTier(TierIO, TierLog):
         self._ring = open_ring()  # the reads ahead's copies through io_uring (uring.py); None: the threads read them
         self._ringer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ht-store-ring") if self._ring else None
         self.reader = "io_uring" if self._ring is not None else "threads"
-        self._merge_ring = open_ring(256) if self._ring is not None else None  # the merging thread's (merge_beside)
-        self._merger = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ht-store-merge") if self._merge_ring else None
+        self.merge_ring = open_ring(256) if self._ring is not None else None  # the merging thread's (WriteLog.merge_records_beside)
+        self._merger = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ht-store-merge") if self.merge_ring else None
         self._closed = False
 
     # ---- the files -------------------------------------------------------------------------
@@ -149,33 +110,19 @@ class DiskTier(TierIO, TierLog):
         to its element size, the record padded to the largest one; alloc(name) then returns the
         field's strided view. fields: (name, shape of one row's part, dtype); empty parts skipped.
         log_rows: records of each half of the write-back log (`log.bin`, the same layout;
-        tier_log.py)."""
+        writelog.py)."""
         layout, record = record_layout(fields)
         self._fields = layout
-        self.file = self._open("rows.bin", rows, record)
+        self.file = RecordFile(self.dir, "rows.bin", rows, record)
         if log_rows:
-            self.log = self._open("log.bin", log_records(log_rows, record), record)
-            self.log_half, self.log_starts = log_rows, (0, log_records(log_rows, record) - log_rows)
-            self.rotate(0)
-            self._buf = mmap.mmap(-1, APPEND_BYTES + CHUNK + -(-record // CHUNK) * CHUNK)
-        self._merge_buf, self._io_buf = piece_buffer(record), piece_buffer(record)
-
-    def _open(self, name: str, rows: int, record: int) -> TierFile:
-        """A new sparse file of `rows` records, mapped (MADV_RANDOM)."""
-        path = os.path.join(self.dir, name)
-        nbytes = -(-max(rows * record, 1) // CHUNK) * CHUNK  # whole pages (the log's last one is written whole)
-        with open(path, "wb") as f:
-            f.truncate(nbytes)
-        array = np.memmap(path, dtype=np.uint8, mode="r+", shape=(nbytes,))
-        records = torch.from_numpy(array)[:rows * record].view(rows, record)
-        _madvise(array.ctypes.data, nbytes, MADV_RANDOM)
-        return TierFile(record, nbytes, array, records, array.ctypes.data, np.zeros(-(-nbytes // CHUNK), bool), path,
-                        _open_direct(path), _open_random(path))
+            self.log_file = RecordFile(self.dir, "log.bin", log_records(log_rows, record), record)
+            self.log_rows = log_rows
+        self._io_buf = piece_buffer(record)
 
     def alloc(self, name: str, shape: tuple[int, ...], dtype: torch.dtype, fill: float = 0.0) -> torch.Tensor:
         """The view of field `name` of the records (define) as a tensor of `shape`, every element
         `fill` (0: the sparse file reads zeros, nothing written; else written in sequential pieces:
-        tier_io's fill)."""
+        fill)."""
         row_bytes = int(np.prod(shape[1:], dtype=np.int64)) * torch.empty(0, dtype=dtype).element_size()
         if name not in self._fields:
             raise ValueError(f"tier: {name} is not a field of the records (define: {sorted(self._fields)})")
@@ -183,7 +130,7 @@ class DiskTier(TierIO, TierLog):
         records = self.file.tensor
         if nbytes != row_bytes or fdtype != dtype or shape[0] != records.shape[0]:
             raise ValueError(f"tier: {name} {tuple(shape)} {dtype} is not its record field ({nbytes} B {fdtype})")
-        tensor = _field(records, off, nbytes, dtype, shape)
+        tensor = field_view(records, off, nbytes, dtype, shape)
         if fill:
             self.fill(name, fill)
         return tensor
@@ -192,7 +139,7 @@ class DiskTier(TierIO, TierLog):
         """Field `name` of [n, record bytes] `records` (the file's, the log's, or copies of
         them), shaped as `like` (alloc's view of it) per row."""
         off, nbytes, dtype = self._fields[name]
-        return _field(records, off, nbytes, dtype, (records.shape[0],) + tuple(like.shape[1:]))
+        return field_view(records, off, nbytes, dtype, (records.shape[0],) + tuple(like.shape[1:]))
 
     def read(self, rows: torch.Tensor, at: torch.Tensor, logged: torch.Tensor) -> torch.Tensor:
         """[n, record bytes] copies of records: the log's record at[i] where logged[i], else the
@@ -209,18 +156,105 @@ class DiskTier(TierIO, TierLog):
         return out
 
     def disk_bytes(self) -> int:
-        return sum(f.nbytes for f in (self.file, self.log) if f is not None)
+        return sum(f.nbytes for f in (self.file, self.log_file) if f is not None)
 
     def sequential(self, on: bool) -> None:
         """The mappings read in order (a direct phase: a checkpoint's save or load, a snapshot): a
         fault reads ahead as the kernel does for a file read in order (MADV_SEQUENTIAL; under
         MADV_RANDOM each 4 KiB fault is one read: ~35-45 MB/s in a memory cgroup here), or each
         page by itself again (off: the steps' reads are scattered)."""
-        for f in (self.file, self.log):
+        for f in (self.file, self.log_file):
             if f is not None:
-                _madvise(f.addr, f.nbytes, MADV_SEQUENTIAL if on else MADV_RANDOM)
+                madvise(f.addr, f.nbytes, MADV_SEQUENTIAL if on else MADV_RANDOM)
 
-    # ---- the RAM cache ---------------------------------------------------------------------
+    # ---- sequential pieces (records.py) -----------------------------------------------------
+    def name_of(self, t: torch.Tensor) -> str:
+        """The field whose view of the file's records (alloc's) t is, [rows, ...] as alloc shaped
+        it or flattened to [rows, values]; ValueError for any other tensor."""
+        records = self.file.tensor
+        off = t.data_ptr() - records.data_ptr()
+        size = t.element_size()
+        for name, (foff, nbytes, dtype) in self._fields.items():
+            if foff == off and dtype == t.dtype and t.shape[0] == records.shape[0] and \
+                    (t.shape[0] < 2 or t.stride(0) * size == records.shape[1]) and \
+                    int(np.prod(t.shape[1:], dtype=np.int64)) * size == nbytes:
+                return name
+        raise ValueError(f"tier: a tensor {tuple(t.shape)} {t.dtype} at byte {off} of the records is not one of "
+                         f"the file's fields ({sorted(self._fields)})")
+
+    def read_records(self, lo: int, hi: int) -> torch.Tensor:
+        """[hi - lo, record bytes] copies of the file's records lo..hi-1, read in sequential pieces
+        (the changed slots must be in the file: a direct phase)."""
+        f = self.file
+        rec = f.row_bytes
+        out = torch.empty(hi - lo, rec, dtype=torch.uint8)
+        if hi <= lo:
+            return out
+
+        def copy(first: int) -> Callable[[torch.Tensor], None]:
+            def take(room: torch.Tensor) -> None:
+                a, b = max(lo, first), min(hi, first + room.shape[0])
+                out[a - lo:b - lo] = room[a - first:b - first]
+            return take
+        for base, end in f.pieces(lo, hi):
+            f.rewrite(self._io_buf, base, end, copy(base // rec), write=False)
+        return out
+
+    def write(self, rows: torch.Tensor, parts: dict[str, torch.Tensor]) -> None:
+        """Records `rows` (sorted, distinct) of the file set from `parts` ({field: [n, ...]
+        values}), the other fields kept: each piece of the file that holds some of them read,
+        changed and written back. Nothing of the file stays mapped (what was is unmapped first: it
+        is written around the mapping)."""
+        if rows.numel() == 0:
+            return
+        self._evict()
+        f = self.file
+        rec = f.row_bytes
+        for lo, hi, base, end in f.spans(rows.numpy() * rec):
+            at = rows[lo:hi] - base // rec
+
+            def change(room: torch.Tensor, at=at, a=lo, b=hi) -> None:
+                for name, values in parts.items():
+                    self.view(room, name, values).index_copy_(0, at, values[a:b])
+            f.rewrite(self._io_buf, base, end, change)
+
+    def fill(self, name: str, value: float, log: bool = False, lo: int = 0, hi: int | None = None) -> None:
+        """Field `name` of records lo..hi-1 (default: all) of the file (of the log: `log`) set to
+        `value`, in sequential pieces."""
+        off, nbytes, dtype = self._fields[name]
+        self._evict()  # nothing mapped while the file is written around the mapping
+        f = self.log_file if log else self.file
+        rec = f.row_bytes
+        hi = f.tensor.shape[0] if hi is None else hi
+        if hi <= lo:
+            return
+
+        def change(first: int) -> Callable[[torch.Tensor], None]:
+            def put(room: torch.Tensor) -> None:
+                a, b = max(lo, first) - first, min(hi, first + room.shape[0]) - first
+                room[a:b, off:off + nbytes].view(dtype).fill_(value)
+            return put
+        for base, end in f.pieces(lo, hi):
+            f.rewrite(self._io_buf, base, end, change(base // rec))
+
+    # ---- for the write-back log (writelog.py) ------------------------------------------------
+    def beside(self, fn: Callable[..., Any], *args: Any) -> Future:
+        """fn(*args) on the merging thread (there only where the tier reads through io_uring:
+        `merge_ring` is its ring), the steps going on."""
+        return self._merger.submit(fn, *args)
+
+    def drop_log(self, lo: int, hi: int) -> None:
+        """Bytes [lo, hi) of the log given back (a half merged into the file): the reads in flight
+        finish first (they may be reading it), then a hole is punched (its pages leave the page
+        cache unwritten and the next appends read nothing back) and its pages are no longer held."""
+        self.ready()
+        f = self.log_file
+        f.punch(lo, hi)
+        pages = slice(lo // CHUNK, -(-hi // CHUNK))
+        self.mapped_bytes -= int(f.mapped[pages].sum()) * CHUNK
+        f.mapped[pages] = False
+
+    # ---- the pages in RAM, the reads ahead----------------------------------------------------
     def tick(self, step: int) -> None:
         """A new step (its count is the per-step figures' denominator)."""
         self.stats.steps += 1
@@ -236,10 +270,10 @@ class DiskTier(TierIO, TierLog):
         if rows.size == 0:
             return []
         if self._ring is not None:
-            return [self._ring_read([(self.log if log else self.file, rows)])]
-        if self.mapped_bytes > self.cache_bytes:
+            return [self._ring_read([(self.log_file if log else self.file, rows)])]
+        if self.mapped_bytes > self.page_bytes:
             self._evict(wait=False)
-        f = self.log if log else self.file
+        f = self.log_file if log else self.file
         chunks = f.chunks_of(rows)
         cold = chunks[~f.mapped[chunks]]
         self.stats.chunks_used += chunks.size
@@ -261,10 +295,10 @@ class DiskTier(TierIO, TierLog):
         if self._ring is None:
             return self.prefetch(log_records, log=True) + self.prefetch(file_rows)
         parts = [(f, r.detach().cpu().numpy().astype(np.int64, copy=False)) for f, r in
-                 ((self.log, log_records), (self.file, file_rows)) if r.numel()]
+                 ((self.log_file, log_records), (self.file, file_rows)) if r.numel()]
         return [self._ring_read(parts)] if parts else []
 
-    def _ring_read(self, parts: list[tuple[TierFile, np.ndarray]]) -> Future:
+    def _ring_read(self, parts: list[tuple[RecordFile, np.ndarray]]) -> Future:
         """[n, record bytes] copies of records `rows` of each (f, rows) of parts (files of the same
         records), one after the other, read through the ring by its thread (no page mapped:
         nothing to unmap, nothing counted against the page budget)."""
@@ -310,7 +344,7 @@ class DiskTier(TierIO, TierLog):
             self._lat_n += 1
 
     def _evict(self, wait: bool = True) -> None:
-        """Past the budget, unmap every page (one madvise per file): the row cache holds what the
+        """Past the budget, unmap every page (one madvise per file): the row buffer holds what the
         steps use, and a page is only needed while its rows are copied in or written back.
         wait=False (a read ahead): the unmapping runs on its own thread, beside the step (its cost
         is per page mapped: ~0.45 us, 4 ms a step at 8k pages); a page a thread is reading meanwhile
@@ -320,7 +354,7 @@ class DiskTier(TierIO, TierLog):
         self._unmapped()
         if wait:
             self.ready()
-        files = [f for f in (self.file, self.log) if f is not None]
+        files = [f for f in (self.file, self.log_file) if f is not None]
         for f in files:
             self.stats.evicted += int(f.mapped.sum())
             f.mapped[:] = False
@@ -334,7 +368,7 @@ class DiskTier(TierIO, TierLog):
     @staticmethod
     def _zap(ranges: list[tuple[int, int]]) -> None:
         for addr, nbytes in ranges:
-            _madvise(addr, nbytes, MADV_DONTNEED)
+            madvise(addr, nbytes, MADV_DONTNEED)
 
     def _unmapped(self) -> None:
         """Wait for an unmapping begun beside the step (_evict(wait=False))."""
@@ -356,7 +390,7 @@ class DiskTier(TierIO, TierLog):
         lat = np.sort(np.asarray(s.latencies)) * 1e6 if s.latencies else np.zeros(0)
         pct = {f"p{q}_us": (round(float(np.percentile(lat, q)), 1) if lat.size else None) for q in (50, 90, 99)}
         steps = max(s.steps, 1)
-        return {"kind": "disk", "reader": self.reader, "dir": self.dir, "disk_bytes": self.disk_bytes(), "cache_bytes": self.total_bytes, "page_bytes": self.cache_bytes,
+        return {"kind": "disk", "reader": self.reader, "dir": self.dir, "disk_bytes": self.disk_bytes(), "cache_bytes": self.total_bytes, "page_bytes": self.page_bytes,
                 "chunk_bytes": CHUNK, "steps": s.steps,
                 "hit_rate": round(s.chunks_hit / s.chunks_used, 4) if s.chunks_used else None,
                 "chunks_read_per_step": s.chunks_read / steps, "chunks_used_per_step": s.chunks_used / steps,
@@ -377,68 +411,19 @@ class DiskTier(TierIO, TierLog):
         self._zapper.shutdown(wait=True)
         if self._merger is not None:
             self._merger.shutdown(wait=True, cancel_futures=True)
-            self._merge_ring.close()
-            self._merge_ring = None
+            self.merge_ring.close()
+            self.merge_ring = None
         if self._ringer is not None:
             self._ringer.shutdown(wait=True, cancel_futures=True)
             self._ring.close()
             self._ring = None
         self._unmapping = None
         self._pending = []
-        files, self.file, self.log = (self.file, self.log), None, None
+        files, self.file, self.log_file = (self.file, self.log_file), None, None
         for f in files:
-            if f is None:
-                continue
-            os.close(f.fd)
-            os.close(f.read_fd)
-            f.tensor = torch.empty(0)
-            mm = getattr(f.array, "_mmap", None)
-            f.array = None
-            if mm is not None:
-                try:
-                    mm.close()
-                except (BufferError, ValueError):
-                    pass  # a tensor still shares it: the mapping goes with the process
+            if f is not None:
+                f.close()
         shutil.rmtree(self.dir, ignore_errors=True)
-
-
-def record_layout(fields: list[tuple[str, tuple[int, ...], torch.dtype]]) -> tuple[dict[str, tuple[int, int, torch.dtype]], int]:
-    """({name: (offset, bytes, dtype)}, record bytes) of DiskTier.define's record: each field at an
-    offset aligned to its element size, the record padded to the largest; empty fields left out."""
-    off, align, layout = 0, 1, {}
-    for name, tail, dtype in fields:
-        size = torch.empty(0, dtype=dtype).element_size()
-        nbytes = int(np.prod(tail, dtype=np.int64)) * size
-        if nbytes == 0:
-            continue
-        off = -(-off // size) * size
-        layout[name] = (off, nbytes, dtype)
-        off, align = off + nbytes, max(align, size)
-    return layout, max(-(-off // align) * align, 1)
-
-
-def _open_direct(path: str) -> int:
-    """path opened for reading and writing with O_DIRECT, or without it where the file system
-    refuses it (tmpfs): then through the page cache, with the same results."""
-    try:
-        return os.open(path, os.O_RDWR | getattr(os, "O_DIRECT", 0))
-    except OSError:
-        return os.open(path, os.O_RDWR)
-
-
-def _open_random(path: str) -> int:
-    """path opened for reading single records through the page cache, its read-ahead window off
-    (POSIX_FADV_RANDOM: a read brings its page only, as MADV_RANDOM does for the mapping; without
-    it the ring's reads read ~1.8x the pages)."""
-    fd = os.open(path, os.O_RDONLY)
-    if hasattr(os, "posix_fadvise"):
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
-    return fd
-
-
-def _field(records: torch.Tensor, off: int, nbytes: int, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
-    """The strided view of one field (offset, bytes, dtype) of [rows, record bytes] `records`."""
-    return records[:, off:off + nbytes].view(dtype).view(shape)
 
 
 def _proc_io() -> dict[str, int]:

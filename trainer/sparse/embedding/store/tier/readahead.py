@@ -3,7 +3,7 @@ through io_uring, or by its threads), for TieredStore's loads.
 
 Why keep them: a read ahead faults the records' pages into the page cache, and in a memory
 cgroup the cgroup may reclaim those pages before the step copies the rows into slots, so the step's
-own thread read them again (~260 pages a step at Zipf 1.1, a 25% cache). The threads' gathers
+own thread read them again (~260 pages a step at Zipf 1.1, a 25% row buffer). The threads' gathers
 already produce the records' bytes; keeping them costs ~record bytes per row read ahead, for the
 last `calls` reads ahead (O(batch)).
 

@@ -1,15 +1,17 @@
-"""embedding.store=disk: the tier's records read and written around the mapping, in sequential
-pieces of whole pages (O_DIRECT where the file system has it), for everything that reads or writes
-much of the file at once: the initial rows, the optimizer state's initial value, the changed
-slots written back before a direct phase, a checkpoint's save (`read_records`) and load (`write`),
-the best-model snapshot's marks (`fill`), and the log's merges (tier_log.py).
+"""embedding.store=disk: one file of fixed-size records (RecordFile), mapped into memory and read
+and written around the mapping in sequential pieces of whole pages (O_DIRECT where the file system
+has it). DiskTier (disk.py) holds two of them, `rows.bin` and the write-back log's `log.bin`
+(writelog.py), and everything that reads or writes much of a file at once goes through these
+pieces: the initial rows, the optimizer state's initial value, the changed slots written back
+before a direct phase, a checkpoint's save (`DiskTier.read_records`) and load (`DiskTier.write`),
+the best-model snapshot's marks (`DiskTier.fill`), and the log's merges (WriteLog).
 
 Why not through the mapping: under MADV_RANDOM (the steps' reads are scattered) each 4 KiB fault is
 one read, ~35-45 MB/s in a memory cgroup here, where the pages are no longer in RAM; under
 MADV_SEQUENTIAL faults read ahead but still one page table entry at a time, 23-200 MB/s, and
 every page touched stays mapped (charged to the process's RSS) until it is unmapped. A piece here
 is one read and at most one write of up to APPEND_BYTES, ~1 GB/s, with nothing mapped and nothing
-left in the page cache; memory: one piece buffer (`_io_buf`).
+left in the page cache; memory: one piece buffer (`piece_buffer`) per user.
 
 A piece starts on a page and on a record (a record unit: record_unit), and for scattered rows it
 spans only the pages from its first row to its last, so a few rows cost a few small I/Os, not a
@@ -17,16 +19,33 @@ sweep of the file.
 """
 from __future__ import annotations
 
+import ctypes
 import math
 import mmap
 import os
-from typing import Callable, Iterator
+from typing import Any, Callable, Iterator
 
 import numpy as np
 import torch
 
 CHUNK = mmap.PAGESIZE  # bytes: the unit the file is mapped, read and unmapped in (a page)
 APPEND_BYTES = 4 << 20  # the log is appended, and the file read and written, in I/Os of at most this (or one record unit)
+MADV_RANDOM = 1  # a fault reads its page only (not the kernel's read-around window, 128 KiB)
+MADV_SEQUENTIAL = 2  # a fault reads ahead (a direct phase: sequential)
+MADV_DONTNEED = 4
+FALLOC_PUNCH_HOLE = 0x01 | 0x02  # FALLOC_FL_KEEP_SIZE | FALLOC_FL_PUNCH_HOLE
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+_libc.madvise.restype = ctypes.c_int
+_libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_long, ctypes.c_long]
+
+
+def madvise(addr: int, length: int, advice: int) -> int:
+    """0, or the errno of madvise(addr, length, advice)."""
+    if _libc.madvise(addr, length, advice) == 0:
+        return 0
+    return ctypes.get_errno()
 
 
 def record_unit(record: int) -> int:
@@ -45,83 +64,64 @@ def piece_buffer(record: int) -> mmap.mmap:
     return mmap.mmap(-1, piece_size(record))
 
 
-class TierIO:
-    """DiskTier's sequential pieces (a mixin: the files, the layout and the mappings are DiskTier's)."""
+def log_records(half: int, record: int) -> int:
+    """Records of a log file of two halves of `half` records each, the second starting on a page."""
+    per = record_unit(record) // record
+    return -(-half // per) * per + half
 
-    def name_of(self, t: torch.Tensor) -> str:
-        """The field whose view of the file's records (alloc's) t is, [rows, ...] as alloc shaped
-        it or flattened to [rows, values]; ValueError for any other tensor."""
-        records = self.file.tensor
-        off = t.data_ptr() - records.data_ptr()
-        size = t.element_size()
-        for name, (foff, nbytes, dtype) in self._fields.items():
-            if foff == off and dtype == t.dtype and t.shape[0] == records.shape[0] and \
-                    (t.shape[0] < 2 or t.stride(0) * size == records.shape[1]) and \
-                    int(np.prod(t.shape[1:], dtype=np.int64)) * size == nbytes:
-                return name
-        raise ValueError(f"tier: a tensor {tuple(t.shape)} {t.dtype} at byte {off} of the records is not one of "
-                         f"the file's fields ({sorted(self._fields)})")
 
-    def read_records(self, lo: int, hi: int) -> torch.Tensor:
-        """[hi - lo, record bytes] copies of the file's records lo..hi-1, read in sequential pieces
-        (the changed slots must be in the file: a direct phase)."""
-        f = self.file
-        rec = f.row_bytes
-        out = torch.empty(hi - lo, rec, dtype=torch.uint8)
-        if hi <= lo:
-            return out
+def record_layout(fields: list[tuple[str, tuple[int, ...], torch.dtype]]) -> tuple[dict[str, tuple[int, int, torch.dtype]], int]:
+    """({name: (offset, bytes, dtype)}, record bytes) of DiskTier.define's record: each field at an
+    offset aligned to its element size, the record padded to the largest; empty fields left out."""
+    off, align, layout = 0, 1, {}
+    for name, tail, dtype in fields:
+        size = torch.empty(0, dtype=dtype).element_size()
+        nbytes = int(np.prod(tail, dtype=np.int64)) * size
+        if nbytes == 0:
+            continue
+        off = -(-off // size) * size
+        layout[name] = (off, nbytes, dtype)
+        off, align = off + nbytes, max(align, size)
+    return layout, max(-(-off // align) * align, 1)
 
-        def copy(first: int) -> Callable[[torch.Tensor], None]:
-            def take(room: torch.Tensor) -> None:
-                a, b = max(lo, first), min(hi, first + room.shape[0])
-                out[a - lo:b - lo] = room[a - first:b - first]
-            return take
-        for base, end in self._range(lo, hi):
-            self._rewrite(f, self._io_buf, base, end, copy(base // rec), write=False)
-        return out
 
-    def write(self, rows: torch.Tensor, parts: dict[str, torch.Tensor]) -> None:
-        """Records `rows` (sorted, distinct) of the file set from `parts` ({field: [n, ...]
-        values}), the other fields kept: each piece of the file that holds some of them read,
-        changed and written back. Nothing of the file stays mapped (what was is unmapped first: it
-        is written around the mapping)."""
-        if rows.numel() == 0:
-            return
-        self._evict()
-        f = self.file
-        rec = f.row_bytes
-        for lo, hi, base, end in self._spans(rows.numpy() * rec):
-            at = rows[lo:hi] - base // rec
+def field_view(records: torch.Tensor, off: int, nbytes: int, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+    """The strided view of one field (offset, bytes, dtype) of [rows, record bytes] `records`."""
+    return records[:, off:off + nbytes].view(dtype).view(shape)
 
-            def change(room: torch.Tensor, at=at, a=lo, b=hi) -> None:
-                for name, values in parts.items():
-                    self.view(room, name, values).index_copy_(0, at, values[a:b])
-            self._rewrite(f, self._io_buf, base, end, change)
 
-    def fill(self, name: str, value: float, log: bool = False, lo: int = 0, hi: int | None = None) -> None:
-        """Field `name` of records lo..hi-1 (default: all) of the file (of the log: `log`) set to
-        `value`, in sequential pieces."""
-        off, nbytes, dtype = self._fields[name]
-        self._evict()  # nothing mapped while the file is written around the mapping
-        f = self.log if log else self.file
-        rec = f.row_bytes
-        hi = f.tensor.shape[0] if hi is None else hi
-        if hi <= lo:
-            return
+class RecordFile:
+    """A new sparse file of `rows` records of `row_bytes` (whole pages: the log's last one is
+    written whole), mapped (MADV_RANDOM): the [rows, record bytes] tensor over the mapping, which
+    of its pages are held mapped (`mapped`: the tier's page budget keeps it), and its whole-page
+    reads and writes around the mapping (`pieces`, `spans`, `rewrite`, `punch`)."""
 
-        def change(first: int) -> Callable[[torch.Tensor], None]:
-            def put(room: torch.Tensor) -> None:
-                a, b = max(lo, first) - first, min(hi, first + room.shape[0]) - first
-                room[a:b, off:off + nbytes].view(dtype).fill_(value)
-            return put
-        for base, end in self._range(lo, hi):
-            self._rewrite(f, self._io_buf, base, end, change(base // rec))
+    def __init__(self, directory: str, name: str, rows: int, row_bytes: int) -> None:
+        self.path = os.path.join(directory, name)
+        self.row_bytes = row_bytes
+        self.nbytes = -(-max(rows * row_bytes, 1) // CHUNK) * CHUNK
+        with open(self.path, "wb") as f:
+            f.truncate(self.nbytes)
+        self.array: Any = np.memmap(self.path, dtype=np.uint8, mode="r+", shape=(self.nbytes,))  # kept alive: the tensor shares its memory
+        self.tensor = torch.from_numpy(self.array)[:rows * row_bytes].view(rows, row_bytes)
+        self.addr = self.array.ctypes.data
+        madvise(self.addr, self.nbytes, MADV_RANDOM)
+        self.mapped = np.zeros(-(-self.nbytes // CHUNK), bool)  # pages we hold mapped
+        self.fd = _open_direct(self.path)  # whole-page reads and writes (O_DIRECT where the file system has it)
+        self.read_fd = _open_random(self.path)  # the ring's reads of single records (through the page cache)
 
-    def _spans(self, starts: np.ndarray) -> Iterator[tuple[int, int, int, int]]:
+    def chunks_of(self, rows: np.ndarray) -> np.ndarray:
+        """Sorted distinct chunks holding rows (a row may straddle two)."""
+        first = rows * self.row_bytes // CHUNK
+        last = (rows * self.row_bytes + self.row_bytes - 1) // CHUNK
+        both = first if CHUNK % self.row_bytes == 0 else np.concatenate([first, last])
+        return np.unique(both)
+
+    def spans(self, starts: np.ndarray) -> Iterator[tuple[int, int, int, int]]:
         """(lo, hi, base, end): the records at byte offsets starts[lo:hi] (sorted) lie in the file's
         bytes [base, end), a piece that starts on a record unit, holds at most the piece buffer and
         ends on the page after its last record (scattered rows: a few small pieces)."""
-        rec = self.file.row_bytes
+        rec = self.row_bytes
         unit, size = record_unit(rec), piece_size(rec)
         lo, n = 0, starts.size
         while lo < n:
@@ -130,25 +130,43 @@ class TierIO:
             yield lo, hi, base, -(-(int(starts[hi - 1]) + rec) // CHUNK) * CHUNK
             lo = hi
 
-    def _range(self, lo: int, hi: int) -> Iterator[tuple[int, int]]:
+    def pieces(self, lo: int, hi: int) -> Iterator[tuple[int, int]]:
         """[base, end) byte ranges of the pieces covering every record lo..hi-1 (hi > lo), in order."""
-        rec = self.file.row_bytes
+        rec = self.row_bytes
         unit, size = record_unit(rec), piece_size(rec)
         last = hi * rec
         for base in range(lo * rec // unit * unit, last, size):
             yield base, min(-(-last // CHUNK) * CHUNK, base + size)
 
-    def _rewrite(self, f, buf: mmap.mmap, base: int, end: int, change: Callable[[torch.Tensor], object],
-                 write: bool = True) -> None:
-        """Bytes [base, end) of file f (pages, starting on a record) read into buf, change(their
-        whole records [k, record bytes]) and written back (write): one sequential read and one
-        write, straight to the disk (O_DIRECT) where the file system allows it."""
+    def rewrite(self, buf: mmap.mmap, base: int, end: int, change: Callable[[torch.Tensor], object],
+                write: bool = True) -> None:
+        """Bytes [base, end) (pages, starting on a record) read into buf, change(their whole
+        records [k, record bytes]) and written back (write): one sequential read and one write,
+        straight to the disk (O_DIRECT) where the file system allows it."""
         span = memoryview(buf)[:end - base]
-        full_io(os.preadv, f.fd, span, base, f.path)
-        k = min(f.tensor.shape[0] - base // f.row_bytes, (end - base) // f.row_bytes)
-        change(torch.frombuffer(buf, dtype=torch.uint8)[:k * f.row_bytes].view(k, f.row_bytes))
+        full_io(os.preadv, self.fd, span, base, self.path)
+        k = min(self.tensor.shape[0] - base // self.row_bytes, (end - base) // self.row_bytes)
+        change(torch.frombuffer(buf, dtype=torch.uint8)[:k * self.row_bytes].view(k, self.row_bytes))
         if write:
-            full_io(os.pwritev, f.fd, span, base, f.path)
+            full_io(os.pwritev, self.fd, span, base, self.path)
+
+    def punch(self, lo: int, hi: int) -> None:
+        """Bytes [lo, hi) given back (a hole punched: their pages leave the page cache unwritten and
+        read zeros); where refused, they stay as they are."""
+        _libc.fallocate(self.fd, FALLOC_PUNCH_HOLE, lo, hi - lo)
+
+    def close(self) -> None:
+        """Close the descriptors and drop the mapping (a tensor still sharing it keeps it until exit)."""
+        os.close(self.fd)
+        os.close(self.read_fd)
+        self.tensor = torch.empty(0)
+        mm = getattr(self.array, "_mmap", None)
+        self.array = None
+        if mm is not None:
+            try:
+                mm.close()
+            except (BufferError, ValueError):
+                pass  # a tensor still shares it: the mapping goes with the process
 
 
 def full_io(call, fd: int, view: memoryview, offset: int, path: str) -> None:
@@ -156,3 +174,22 @@ def full_io(call, fd: int, view: memoryview, offset: int, path: str) -> None:
     done = call(fd, [view], offset)
     if done != len(view):
         raise OSError(f"tier: {call.__name__} moved {done} of {len(view)} bytes at {offset} of {path}")
+
+
+def _open_direct(path: str) -> int:
+    """path opened for reading and writing with O_DIRECT, or without it where the file system
+    refuses it (tmpfs): then through the page cache, with the same results."""
+    try:
+        return os.open(path, os.O_RDWR | getattr(os, "O_DIRECT", 0))
+    except OSError:
+        return os.open(path, os.O_RDWR)
+
+
+def _open_random(path: str) -> int:
+    """path opened for reading single records through the page cache, its read-ahead window off
+    (POSIX_FADV_RANDOM: a read brings its page only, as MADV_RANDOM does for the mapping; without
+    it the ring's reads read ~1.8x the pages)."""
+    fd = os.open(path, os.O_RDONLY)
+    if hasattr(os, "posix_fadvise"):
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
+    return fd

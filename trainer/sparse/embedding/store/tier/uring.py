@@ -1,7 +1,7 @@
 """Reads (and writes) of many fixed-size records or pages through io_uring (Linux 5.6+), with
-ctypes and numpy only. The writes are the log's merges of scattered pages (tier_log.py).
+ctypes and numpy only. The writes are the log's merges of scattered pages (writelog.py).
 
-The SSD tier's reads ahead (tier.py) want thousands of 80 B records a step from random places of
+The SSD tier's reads ahead (disk.py) want thousands of 80 B records a step from random places of
 a file. Through the mapping each one is a page fault on a reading thread (~10 µs of CPU per row
 when it misses the page cache, with the unmapping later); through one `pread` each, Python's
 per-call cost holds the GIL. Here a batch of reads is written into the submission ring's entries
