@@ -25,6 +25,7 @@ from ...sparse.embedding.module import CACHE_COUNTERS
 from ...sparse.embedding.dynamic.pool import POOL_COUNTERS
 from ...sparse.embedding.remote import het_wire_bytes
 from ...sparse.schedule import HotColdOrder
+from ...workload.data.source import GuardedSource
 from .tensorboard import TensorBoardWriter
 from .writers import JsonlWriter, keep_records_until, write_summary
 
@@ -33,7 +34,7 @@ from .writers import JsonlWriter, keep_records_until, write_summary
 class Reporter:
     """One rank's reporting: counters summed over ranks, files written by rank 0."""
 
-    def __init__(self, c: Config, comm: Collectives, sparse: Sparse, data: Any, global_batch: int,
+    def __init__(self, c: Config, comm: Collectives, sparse: Sparse, data: GuardedSource, global_batch: int,
                  out_dir: Optional[str]) -> None:
         self.c, self.comm, self.sparse, self.data = c, comm, sparse, data
         self.emb, self.global_batch, self.out_dir = sparse.emb, global_batch, out_dir

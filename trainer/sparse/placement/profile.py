@@ -15,6 +15,7 @@ from typing import Any, Callable, Optional
 import numpy as np
 
 from ...base.core.stop import StopRequested
+from ...workload.data.source import GlobalData
 from ..embedding.sharding import flat_ids
 
 
@@ -51,7 +52,7 @@ class AccessProfile:
                 "reads": int(self.counts.sum())}
 
 
-def profile_stream(data: Any, table_rows: list[int], stream_samples: int, fraction: float,
+def profile_stream(data: GlobalData, table_rows: list[int], stream_samples: int, fraction: float,
                    chunk: int = 1 << 16, interrupt: Optional[Callable[[], bool]] = None) -> AccessProfile:
     """Count reads per row over every k-th of the first `stream_samples` stream positions
     (k = round(1 / fraction)); `data` offers stream_keys(pos) and sample_ids(keys). interrupt():
