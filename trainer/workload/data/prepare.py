@@ -17,7 +17,6 @@ import json
 import os
 import re
 import shutil
-import sys
 import tempfile
 import time
 import zlib
@@ -29,6 +28,7 @@ from typing import Any, Callable, Iterator, Optional
 import numpy as np
 
 from ...base.core.atomic import replacing, write_json_atomic
+from ...base.core.progress import Bar
 from .criteo import (FORMAT, META, NUM_CAT, NUM_DENSE, REASONS, CriteoFormatError, Encoder,
                      check_block, parse_chunk, to_block)
 
@@ -162,32 +162,21 @@ class Workers:
 
 # ---- progress -------------------------------------------------------------------------------------
 class Progress:
-    """A tqdm bar over input bytes (compressed bytes for .gz) with the bad-row count."""
+    """A progress bar over input bytes (compressed bytes for .gz) with the bad-row count."""
 
     def __init__(self, total: int, enabled: bool) -> None:
-        self.bar = None
-        if enabled:
-            from tqdm import tqdm
-            self.bar = tqdm(total=total, unit="B", unit_scale=True, desc="prepare", file=sys.stderr,
-                            dynamic_ncols=True)
+        self.bar = Bar(total, "prepare", enabled, unit="B", unit_scale=True)
         self.bad = 0
 
     def advance(self, nbytes: int, bad: int) -> None:
         self.bad += bad
-        if self.bar is not None:
-            self.bar.update(nbytes)
-            if bad:
-                self.bar.set_postfix(bad_rows=self.bad)
+        self.bar.update(nbytes, {"bad_rows": self.bad} if bad else None)
 
     def note(self, text: str) -> None:
-        if self.bar is not None:
-            self.bar.write(text, file=sys.stderr)
-        else:
-            print(text, file=sys.stderr)
+        self.bar.note(text)
 
     def close(self) -> None:
-        if self.bar is not None:
-            self.bar.close()
+        self.bar.close()
 
 
 def _ordered_with_pos(workers: Workers, fn: Callable[[Any], Any],
