@@ -32,16 +32,8 @@ class AccessProfile:
     ids: np.ndarray
     counts: np.ndarray
 
-    @property
-    def table_starts(self) -> np.ndarray:
-        return np.concatenate([[0], np.cumsum(self.table_rows)[:-1]]).astype(np.int64)
-
     def table_of(self, flat: np.ndarray) -> np.ndarray:
         return np.searchsorted(np.cumsum(self.table_rows), flat, side="right")
-
-    def per_sample(self) -> np.ndarray:
-        """[n] expected reads of each row per sample."""
-        return self.counts / max(self.samples, 1)
 
     def by_frequency(self) -> np.ndarray:
         """Positions into ids/counts, most read first (ties: smaller flat id first)."""
