@@ -273,7 +273,7 @@ def dynamic_summary(comm: Collectives, store: Any) -> dict[str, Any]:
     """The `dynamic` block of metrics.jsonl and summary.json (embedding.kind=dynamic): rows in
     use, admissions, evictions, dropped gradients and rejected admissions, per table and in total,
     summed over the owners, and copies written back to another life of their id (stale_copies,
-    dropped: remote/herald.py); the admission counter's pending ids (count_min: an estimate) and
+    dropped: remote/on_demand.py); the admission counter's pending ids (count_min: an estimate) and
     bytes (admission.counter_figures) (collective: one allreduce)."""
     pool, t = store.pool, store.sharding.num_tables
     figures = counter_figures(pool.admission)

@@ -1,6 +1,6 @@
 """Remote-row protocols: one declared interface (base.RemoteRows), one file per implementation."""
 from .base import CACHE_COUNTERS, Audit, CacheStats, RemoteRows, StalenessStats
-from .herald import HeraldRemote
+from .on_demand import HeraldRemote
 from .het import HetRemote, HetWire, VersionWire, het_wire_bytes, serve_check
 from .lent import LentRows
 from .plain import PlainRemote
