@@ -5,7 +5,8 @@ The package, by concern (docs/design.md, section 8):
 - manifest.py: what a checkpoint is on disk: `step_K` directories, the files, their checksums and
   the manifest written last; which checkpoints are complete and which was saved last;
 - shard_io.py: a rank's shard (rows, versions, optimizer state) as raw arrays written and read in
-  bounded pieces, checksummed per block, laid out so that a reader at another W reads only its rows;
+  bounded pieces, checksummed per block;
+- row_order.py: the order of the rows in a shard's files, so that a reader at another W reads only its rows;
 - state.py: the rank's RNG states, and the reader of format 1's pickled shards;
 - lock.py: one run at a time in a checkpoint.dir (DirLock, taken over from a dead run; the same lock
   guards output and sweep dirs, trainer/run/outdir.py);
