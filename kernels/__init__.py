@@ -42,16 +42,18 @@ from kernels import pooled_gather as _pooled_gather_module
 from kernels import reference
 from kernels import scatter_update as _scatter_update_module
 from kernels._triton import has_triton, interpret_enabled, require_triton
-from kernels.id_slot_map_reference import cells_bound, splitmix_inplace
+from kernels.id_slot_map_reference import (SPLITMIX_GAMMA, SPLITMIX_M1, SPLITMIX_M2, cells_bound, splitmix,
+                                          splitmix_inplace)
 from kernels.id_slot_map_triton import IdSlotMap, TritonIdSlotMap
 from kernels.reference import OPTIMIZERS, ReferenceIdSlotMap
 from kernels.rounding import HALF_DTYPES, StochasticRounding, salt_of
 
 __all__ = [
-    "BACKENDS", "BackendError", "HALF_DTYPES", "IdSlotMap", "OPTIMIZERS", "ReferenceIdSlotMap",
+    "BACKENDS", "BackendError", "HALF_DTYPES", "IdSlotMap", "OPTIMIZERS", "ReferenceIdSlotMap", "SPLITMIX_GAMMA",
+    "SPLITMIX_M1", "SPLITMIX_M2",
     "StochasticRounding", "TritonIdSlotMap", "accumulate_row_grads", "cells_bound", "check_backend",
     "configure", "get_backend", "make_id_slot_map", "pooled_gather", "reference", "row_update",
-    "salt_of", "set_backend", "splitmix_inplace", "triton_available", "use_backend", "use_triton",
+    "salt_of", "set_backend", "splitmix", "splitmix_inplace", "triton_available", "use_backend", "use_triton",
 ]
 
 BACKENDS = ("auto", "triton", "reference")

@@ -36,8 +36,11 @@ from torch import Tensor
 
 from kernels.id_slot_map_triton import EMPTY, TOMBSTONE, IdSlotMap
 
-_MIX1 = np.uint64(0xBF58476D1CE4E5B9)  # splitmix64's multipliers
-_MIX2 = np.uint64(0x94D049BB133111EB)
+# splitmix64: the one definition of its constants (the trainer's torch finaliser, base/core/hashing.py,
+# takes them from here)
+SPLITMIX_GAMMA = np.uint64(0x9E3779B97F4A7C15)  # its increment (the golden ratio)
+SPLITMIX_M1 = np.uint64(0xBF58476D1CE4E5B9)  # its finaliser's multipliers
+SPLITMIX_M2 = np.uint64(0x94D049BB133111EB)
 START_MAX_IDS = 1 << 20  # the table starts sized for at most this many ids (32 MiB of cells)
 
 
@@ -45,12 +48,20 @@ def splitmix_inplace(h: np.ndarray, t: np.ndarray) -> np.ndarray:
     """splitmix64's finaliser of uint64 array h, in h (t: scratch of h's shape; wrapping
     arithmetic, no temporaries). The probe hash here; the counter-based random numbers of the
     trainer's data and initial rows (trainer/workload/data/rng.py) too."""
-    for shift, mul in ((30, _MIX1), (27, _MIX2)):
+    for shift, mul in ((30, SPLITMIX_M1), (27, SPLITMIX_M2)):
         np.right_shift(h, np.uint64(shift), out=t)
         np.bitwise_xor(h, t, out=h)
         np.multiply(h, mul, out=h)
     np.right_shift(h, np.uint64(31), out=t)
     return np.bitwise_xor(h, t, out=h)
+
+
+def splitmix(x: np.ndarray) -> np.ndarray:
+    """splitmix64's finaliser of uint64 values x (an array or a scalar), as a new array (a numpy
+    scalar for a scalar); x is left as it was."""
+    h = np.array(x, dtype=np.uint64)
+    h = splitmix_inplace(h, np.empty_like(h))
+    return h[()] if h.ndim == 0 else h
 
 
 def probe_hash(ids: np.ndarray) -> np.ndarray:

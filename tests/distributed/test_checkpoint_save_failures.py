@@ -39,7 +39,7 @@ def tiny_fs(tmp_path):
 
 def _rank1_fails_in_final_save(rank: int, world: int, overrides: list[str]):
     """Spawned worker: rank 1 raises right after writing its shard of the final checkpoint."""
-    real = ckpt.Checkpointer._write_shard
+    real = ckpt.CheckpointWriter._write_shard
 
     def write_then_fail(self, tmp: str, store):
         out = real(self, tmp, store)
@@ -47,7 +47,7 @@ def _rank1_fails_in_final_save(rank: int, world: int, overrides: list[str]):
             raise OSError("simulated crash of rank 1 after its shard")
         return out
 
-    ckpt.Checkpointer._write_shard = write_then_fail
+    ckpt.CheckpointWriter._write_shard = write_then_fail
     return train_worker(rank, world, overrides, False)
 
 
@@ -157,7 +157,7 @@ def test_peer_lost_after_the_rename_still_names_that_checkpoint(tmp_path, monkey
     from trainer.base.comm import CollectiveError
     from trainer.base.comm.local import LocalCollectives
     root = str(tmp_path / "ck")
-    real_finish, real_bcast = ckpt.Checkpointer._finish, LocalCollectives.broadcast_object
+    real_finish, real_bcast = ckpt.CheckpointWriter._finish, LocalCollectives.broadcast_object
     lost = {"armed": False}
 
     def finish(self, tmp, step, *args):
@@ -170,7 +170,7 @@ def test_peer_lost_after_the_rename_still_names_that_checkpoint(tmp_path, monkey
             raise CollectiveError("collective 'broadcast' failed on rank 0/2 (injected: the peer died)")
         return real_bcast(self, obj, root)
 
-    monkeypatch.setattr(ckpt.Checkpointer, "_finish", finish)
+    monkeypatch.setattr(ckpt.CheckpointWriter, "_finish", finish)
     monkeypatch.setattr(LocalCollectives, "broadcast_object", bcast)
     with pytest.raises(CollectiveError) as err:
         run_single(CLI_BASE + ["train.steps=8", "checkpoint.every=2", "checkpoint.keep_last=0",

@@ -194,8 +194,8 @@ def test_signal_during_start_up_or_an_evaluation_stops_within_a_batch(tmp_path, 
     assert got.summary["stopped"]["step"] == 3 and got.summary["evals"] == []
     assert got.summary["stopped"]["checkpoint"] == ckpt.step_dir(str(tmp_path / "b" / "checkpoints"), 3)
     saves = []
-    real_save = saver.Checkpointer.save
-    monkeypatch.setattr(saver.Checkpointer, "save", lambda self, step, *a: saves.append(step) or real_save(self, step, *a))
+    real_save = saver.CheckpointWriter.save
+    monkeypatch.setattr(saver.CheckpointWriter, "save", lambda self, step, *a: saves.append(step) or real_save(self, step, *a))
     got = run(make_cfg(BASE + ["comm=local"]), out_dir=str(tmp_path / "c"))
     stopped = got.summary["stopped"]
     assert stopped["step"] == 12 and stopped["checkpoint"] == ckpt.step_dir(str(tmp_path / "c" / "checkpoints"), 12)
@@ -374,9 +374,9 @@ def test_sigterm_to_the_command_exits_143_with_a_checkpoint_ends_the_sweep_and_r
 
 SLOW_SAVE = """
 import sys, time
-from trainer.run.checkpoint import Checkpointer
+from trainer.run.checkpoint import CheckpointWriter
 from trainer.run.signals import SIGNALS
-real = Checkpointer._write_shard
+real = CheckpointWriter._write_shard
 DELAY = float(sys.argv.pop(1))  # seconds, the first argument
 
 def slow(self, tmp, store):  # a save that starts after the first signal takes DELAY seconds
@@ -384,7 +384,7 @@ def slow(self, tmp, store):  # a save that starts after the first signal takes D
         time.sleep(DELAY)
     return real(self, tmp, store)
 
-Checkpointer._write_shard = slow
+CheckpointWriter._write_shard = slow
 from trainer.__main__ import cli
 cli()
 """
@@ -499,8 +499,8 @@ LOSE_RANK_1 = """
 import os
 if "RANK" in os.environ:  # a worker: rank 1 dies while the final checkpoint is written, rank 0 writes slowly
     import time
-    from trainer.run.checkpoint import Checkpointer
-    real = Checkpointer._write_shard
+    from trainer.run.checkpoint import CheckpointWriter
+    real = CheckpointWriter._write_shard
 
     def write(self, tmp, store):
         if os.path.basename(tmp).startswith("step_00000020.tmp-"):
@@ -509,7 +509,7 @@ if "RANK" in os.environ:  # a worker: rank 1 dies while the final checkpoint is 
             time.sleep(3)  # torchrun's SIGTERM arrives meanwhile
         return real(self, tmp, store)
 
-    Checkpointer._write_shard = write
+    CheckpointWriter._write_shard = write
 """
 
 

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import trainer.run.checkpoint as ckpt
-from trainer.run.checkpoint import shard_io
+from trainer.run.checkpoint import row_order, shard_io
 from trainer.run.checkpoint.manifest import write_file
 from trainer.sparse.embedding import RowSharding, ShardStore
 
@@ -66,15 +66,15 @@ def _save(stores: list[ShardStore], root) -> tuple[str, dict]:
 
 @pytest.mark.parametrize("n", [1, 2, 3, 5, 8, 9, 100, 1023, 1024, 1025])
 def test_the_row_order_is_q_sorted_by_its_reversed_bits(n):
-    bits = shard_io.order_bits(n)
-    rev = [int(shard_io.bit_reverse(np.array([q]), bits)[0]) if bits else 0 for q in range(n)]
+    bits = row_order.order_bits(n)
+    rev = [int(row_order.bit_reverse(np.array([q]), bits)[0]) if bits else 0 for q in range(n)]
     want = np.array(sorted(range(n), key=lambda q: rev[q]))
-    assert (shard_io.q_in_order(n, 0, n) == want).all()
+    assert (row_order.q_in_order(n, 0, n) == want).all()
     for start, count in ((1, 3), (n // 2, n), (n - 1, 5)):
-        assert (shard_io.q_in_order(n, start, count) == want[start:start + count]).all()
+        assert (row_order.q_in_order(n, start, count) == want[start:start + count]).all()
     for m in range(0, 12):
         for c in range(min(1 << m, 20)):
-            lo, hi = shard_io.q_range(n, m, c)
+            lo, hi = row_order.q_range(n, m, c)
             assert sorted(want[lo:hi].tolist()) == [q for q in range(n) if q % (1 << m) == c % (1 << m)]
 
 

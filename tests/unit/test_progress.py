@@ -22,3 +22,21 @@ def test_slow_work_is_said_once_done_and_quick_work_is_not(capsys, monkeypatch):
     say_if_slow(t0, lambda took: f"a save of 1.0 GB in {took:.1f} s")
     say_if_slow(t0, lambda took: "not this rank", speak=False)
     assert capsys.readouterr().err.splitlines() == [f"[trainer] a save of 1.0 GB in {SLOW_S + 0.5:.1f} s"]
+
+
+def test_bar_counts_on_stderr_and_off_prints_notes_only(capsys):
+    """progress.Bar: a tqdm bar on stderr (steps, bytes), or, disabled, no bar and notes as plain lines."""
+    from trainer.base.core.progress import Bar
+
+    off = Bar(10, "prepare", enabled=False)
+    off.update(3, {"bad_rows": 1})
+    off.note("a note")
+    off.close()
+    assert capsys.readouterr() == ("", "a note\n")
+    on = Bar(10, "train W=1", unit="step", initial=2)
+    on.update(1, {"loss": "0.5000"})
+    assert on.bar.n == 3 and on.bar.postfix == "loss=0.5000"
+    on.note("between")
+    on.close()
+    err = capsys.readouterr().err
+    assert "between" in err and "train W=1" in err and "3/10" in err

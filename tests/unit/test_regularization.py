@@ -176,6 +176,12 @@ def test_poly_decay_window_formula():
     assert lr_factor(3, OptimConfig(warmup_steps=0, decay="none"), 10) == 1.0
 
 
+class _NoWire:
+    """A HET wire that is never called (W = 1: no remote rows): what HetRemote reads at construction."""
+
+    staleness, dynamic, announce = None, False, None
+
+
 def test_schedule_sets_every_learning_rate():
     """The dense optimizer and every sparse optimizer instance (owner, replica, HET cache's local
     rule) follow the same factor; a run with warmup moves less in its first step."""
@@ -188,7 +194,7 @@ def test_schedule_sets_every_learning_rate():
     base = ["data=tiny", "train.steps=10", "optim=adam", "optim.warmup_steps=4", "optim.decay=poly",
             "train.progress=off", "comm=local", "optim.sparse_weight_decay=0.01"]
     het = Trainer(load_config(make_cfg(base + ["cache=lru", "placement=fae"])), LocalCollectives(), None)
-    het.emb.remote = HetRemote(None, het.emb.sharding, _cache_like(het), het.sparse.bounds,
+    het.emb.remote = HetRemote(_NoWire(), het.emb.sharding, _cache_like(het), het.sparse.bounds,
                                CacheStats(len(het.sparse.sharding.table_rows), torch.device("cpu")))  # W = 1 has no remote rows: a cache to schedule
     herald = Trainer(load_config(make_cfg(base + ["cache=lru", "schedule=herald"])), LocalCollectives(), None)
     assert isinstance(herald.emb.remote, HeraldRemote)

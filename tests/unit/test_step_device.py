@@ -130,7 +130,7 @@ COPY_OK: dict[tuple[str, str], str] = {
         f"global view), moved with the batch: {ASYNC_COPY}",
     ("trainer/sparse/embedding/exchange.py", "segment_counts"):
         f"the alltoall split sizes (host integers) to count rows per peer on the device: {ASYNC_COPY}",
-    ("trainer/sparse/embedding/remote/herald.py", "_t"):
+    ("trainer/sparse/embedding/remote/on_demand.py", "_t"):
         "Herald's sync plan (writebacks, pulls, lends, pushes per worker) is host numpy by design: "
         f"every rank computes the same plan from the global batch; its id lists per step: {ASYNC_COPY}",
 }

@@ -14,7 +14,7 @@ from __future__ import annotations
 import os
 import sys
 import tempfile
-from typing import Any, Callable, Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -24,6 +24,7 @@ from ..base.core.errors import TrainingError, allocating, phase
 from ..base.config import (Config, ConfigError, cache_capacities, needs_global_view, run_device, staleness_bounds,
                      table_rows)
 from ..workload.data import id_rows
+from ..workload.data.source import GlobalData
 from ..sparse.embedding import HybridEmbedding, RowSharding, ShardStore
 from ..sparse.embedding.dynamic.admission import Counting
 from ..sparse.embedding.cache.rows import RowCache, make_policy
@@ -86,7 +87,7 @@ def sparse_lr(c: Config) -> float:
     return c.optim.sparse_lr if c.optim.sparse_lr is not None else c.optim.lr
 
 
-def build_sparse(c: Config, comm: Collectives, data: Any, global_batch: int,
+def build_sparse(c: Config, comm: Collectives, data: GlobalData, global_batch: int,
                  device: torch.device, resuming: bool = False,
                  interrupt: Optional[Callable[[], bool]] = None) -> Sparse:
     """Sharding -> store -> plan (+ replica) -> remote-row protocol -> HybridEmbedding -> feed.
@@ -166,7 +167,7 @@ def make_tier(c: Config, comm: Collectives, device: torch.device, local_rows: in
     return DiskTier(e.store_dir, comm.rank, pages, total), total - pages
 
 
-def _make_plan(c: Config, comm: Collectives, data: Any, interrupt: Optional[Callable[[], bool]] = None) -> Plan:
+def _make_plan(c: Config, comm: Collectives, data: GlobalData, interrupt: Optional[Callable[[], bool]] = None) -> Plan:
     """Rank 0 profiles the run's training stream and plans; every rank gets rank 0's plan (or its
     StopRequested, when a stop signal ended the profile)."""
     if c.placement.name == "none":
@@ -209,7 +210,7 @@ def _make_remote(c: Config, comm: Collectives, store: ShardStore, plan: Plan,
                      audit)
 
 
-def _make_feed(c: Config, data: Any, global_batch: int, rank: int, world: int, plan: Plan,
+def _make_feed(c: Config, data: GlobalData, global_batch: int, rank: int, world: int, plan: Plan,
                space: IdSpace, herald: Optional[HeraldPlanner]) -> Feed:
     """The global view: FAE's hot/cold order or the data's own, Herald's partition and sync."""
     rows = id_rows(c)  # dynamic tables: flat ids are the global ids

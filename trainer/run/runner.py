@@ -159,7 +159,7 @@ class Trainer:
                                       lr=self.lr, global_batch=self.global_batch)
         self.losses: list[float] = []
         self.evals: list[dict[str, Any]] = []
-        self.val_rows = int(getattr(self.data, "val_rows", 0))  # validation split (0: none)
+        self.val_rows = int(self.data.val_rows)  # validation split (0: none)
         self.evaluator = Evaluator(comm, self.model, self.emb, self.data, self.device, self.precision.autocast)
         self.evaluator.interrupt = SIGNALS.requested  # a stop request ends an evaluation
         self.early = EarlyStopping(c.train.early_stop.patience, c.train.early_stop.min_delta,

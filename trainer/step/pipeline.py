@@ -49,6 +49,7 @@ from ..base.core.device import to_device
 from ..base.core.errors import TrainingError
 from ..sparse.embedding import InFlightStep
 from ..sparse.side import Sparse
+from ..workload.data.source import DataSource
 from ..base.core.signals import SIGNALS
 from .dense_step import DenseStep
 from .dense_update import DenseUpdate
@@ -67,7 +68,7 @@ class TrainPipeline:
     `saves_after(done)`: whether a checkpoint follows `done` steps (a flush: train.pipeline=rows
     answers no read across it)."""
 
-    def __init__(self, c: Config, comm: Collectives, sparse: Sparse, data: Any, device: torch.device,
+    def __init__(self, c: Config, comm: Collectives, sparse: Sparse, data: DataSource, device: torch.device,
                  saves_after: Callable[[int], bool], *, model: torch.nn.Module, params: list[torch.nn.Parameter],
                  opt: torch.optim.Optimizer, precision: DensePrecision, lr: LrSchedule, global_batch: int) -> None:
         self.c, self.comm, self.data, self.device = c, comm, data, device

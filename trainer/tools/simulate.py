@@ -71,6 +71,7 @@ from ..sparse.schedule.replay import FeedTrace, spec_from_config
 from ..sparse.sim import CacheSimulator, SimSpec, Trace, bound_value, opt_hits_by_table, run_simulation
 from ..sparse.embedding.cache.consistency import HIST_BINS
 from ..sparse.sim import OWNERS, Owners, belady_hits, next_use  # noqa: F401 (re-exported for the CLI and tests)
+from ..workload.data import DataSource, SyntheticData
 
 class TraceError(ValueError):
     """A trace file or trace option is malformed; the message names the file and position."""
@@ -88,7 +89,7 @@ class ConfigTrace:
         self._data = self._sources(cfg, b)
         self.steps = None  # sources loop over epochs; criteo/movielens set train.steps (data.epochs)
 
-    def _sources(self, cfg: Config, b: int) -> list[Any]:
+    def _sources(self, cfg: Config, b: int) -> list[DataSource]:
         """One data source per worker. Synthetic: one generator, shallow copies differing only in
         rank (the planted-weight table is shared, so W = 64 costs no more memory than W = 1)."""
         from ..workload.data import SyntheticData, make_data
@@ -103,7 +104,7 @@ class ConfigTrace:
         return b.values, b.table_index()
 
 
-def _with_rank(data: Any, rank: int) -> Any:
+def _with_rank(data: SyntheticData, rank: int) -> SyntheticData:
     view = copy.copy(data)
     view.rank = rank
     return view

@@ -4,7 +4,15 @@ from __future__ import annotations
 
 import torch
 
-_M1, _M2 = -4658895280553007687, -7723592293110705685  # splitmix64's multipliers as int64
+from kernels import SPLITMIX_M1, SPLITMIX_M2
+
+
+def _as_int64(m: int) -> int:
+    """The int64 of the same 64 bits as the unsigned m."""
+    return m - (1 << 64) if m >= 1 << 63 else m
+
+
+_M1, _M2 = _as_int64(int(SPLITMIX_M1)), _as_int64(int(SPLITMIX_M2))  # splitmix64's multipliers as int64
 
 
 def _shr(x: torch.Tensor, s: int) -> torch.Tensor:

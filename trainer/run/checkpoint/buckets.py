@@ -1,6 +1,6 @@
 """Saves and loads of a shard on disk (embedding.store=disk) without sweeping it once per piece.
 
-Why: a checkpoint's file holds each table's rows in bit-reversed order (shard_io.py), so one piece
+Why: a checkpoint's file holds each table's rows in bit-reversed order (row_order.py), so one piece
 of the file (PIECE_BYTES of rows) takes rows from all over the table: every row of the piece is
 in another page of the shard. With the shard in memory that costs nothing; with the shard on disk
 and a page cache smaller than it, every piece reads (a save) or rewrites (a load) the whole shard.

@@ -5,7 +5,7 @@ Why a lock: two runs writing into one checkpoint dir would replace each other's 
 each other's saves in progress (in one output dir they would mix their metrics and summaries). The
 directory belongs to one run at a time: rank 0 creates `lock.json`
 (run id, pid, host, the process's start time) with O_EXCL at start-up, and every rank learns the
-outcome (saver.Checkpointer). A second run fails at once naming the holder; a lock whose process is
+outcome (saver.CheckpointWriter). A second run fails at once naming the holder; a lock whose process is
 gone (same host, pid not running or reused: trainer/base/core/procs.py reads its start time) is taken over
 with a warning, together with that dead run's unfinished saves, so a killed run never keeps the
 directory. Runs that follow one another in the directory continue one job: their saves are ordered
@@ -87,7 +87,7 @@ def describe_holder(holder: dict[str, Any]) -> str:
 
 class DirLock:
     """One run's ownership of a directory (a checkpoint.dir unless `guards` says otherwise): the
-    file root/lock.json, created with O_EXCL. Only rank 0 holds it (Checkpointer, outdir.py pass
+    file root/lock.json, created with O_EXCL. Only rank 0 holds it (CheckpointWriter, outdir.py pass
     the outcome to every rank)."""
 
     def __init__(self, root: str, run_id: str, guards: Guarded = CHECKPOINT_DIR, lease_s: float = LEASE_S) -> None:

@@ -30,7 +30,7 @@ from ...base.core.progress import fmt_bytes
 from ...sparse.embedding import HybridEmbedding
 from .loader import load, resolve
 from .manifest import CheckpointError, read_manifest, step_dir
-from .saver import Checkpointer
+from .saver import CheckpointWriter
 from .state import rng_state, set_rng_state
 
 
@@ -95,7 +95,7 @@ class CheckpointManager:
     def __init__(self, c: Config, comm: Collectives, out_dir: Optional[str]) -> None:
         self.c, self.comm, self.out_dir = c, comm, out_dir
         self.root = c.checkpoint.dir or (os.path.join(out_dir, "checkpoints") if out_dir else None)
-        self.saver = (Checkpointer(comm, self.root, c.checkpoint.keep_last, c.checkpoint.lock_lease_s)
+        self.saver = (CheckpointWriter(comm, self.root, c.checkpoint.keep_last, c.checkpoint.lock_lease_s)
                       if self.root and c.checkpoint.enabled else None)
         self.last: Optional[str] = None  # this run's newest complete save
         self.last_step: Optional[int] = None  # ... and its step
@@ -150,7 +150,7 @@ class CheckpointManager:
         return {"table_rows": list(run.emb.sharding.table_rows), "dim": c.model.embedding_dim,
                 "model": c.model.name, "optim_sparse": c.optim.sparse, "optim_dense": c.optim.dense}
 
-    def save(self, step: int, run: Checkpointed, into: Optional[Checkpointer] = None) -> str:
+    def save(self, step: int, run: Checkpointed, into: Optional[CheckpointWriter] = None) -> str:
         """Flush the caches, then write checkpoint `step` (after `step` steps) with `into` (default:
         this run's checkpointer). Collective. Rank 0 adds the dense model + optimizer, the step
         (= data position: batches are a function of the step), RNG states, the loss history and
@@ -195,7 +195,7 @@ class CheckpointManager:
         else:
             backup = None
             try:
-                backup = Checkpointer(self.comm, alt, 0, self.c.checkpoint.lock_lease_s)
+                backup = CheckpointWriter(self.comm, alt, 0, self.c.checkpoint.lock_lease_s)
                 out.fallback = self.save(step, run, into=backup)
             except CheckpointError as again:
                 out.fallback_error = f"the fallback save into the output dir {alt} failed too: {again}"

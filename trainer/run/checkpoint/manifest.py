@@ -237,11 +237,6 @@ def write_manifest(tmp: str, manifest: dict[str, Any]) -> None:
         os.fsync(f.fileno())
 
 
-def file_info(digest: torch.Tensor) -> dict[str, Any]:
-    """{"bytes", "sha256"} from one rank's [1 + 32] digest row (see Checkpointer._write_shard)."""
-    return {"bytes": int(digest[0]), "sha256": bytes(digest[1:].tolist()).hex()}
-
-
 def fsync_dir(path: str) -> None:
     try:
         fd = os.open(path, os.O_RDONLY)

@@ -34,7 +34,7 @@ from .pool_io import write_pool_shard
 from .shard_io import shard_dir, write_shard
 
 
-class Checkpointer:
+class CheckpointWriter:
     """Writes step_K checkpoints under root (collective) and rotates them (keep_last; 0 = all).
 
     Created at start-up: rank 0 takes root's lock (DirLock) and every rank gets the outcome, so a

@@ -21,6 +21,7 @@ import torch
 from ...base.core.errors import phase
 from ...base.comm import Collectives
 from ...sparse.embedding import HybridEmbedding
+from ...workload.data.source import DataSource
 from .metrics import auc_logloss, fit_temperature
 
 
@@ -34,7 +35,7 @@ class Evaluator:
     evaluation batch and every rank learns any rank's (one 1-element allreduce per batch), so an
     evaluation ends within one batch of a signal (EvalInterrupted)."""
 
-    def __init__(self, comm: Collectives, model: torch.nn.Module, emb: HybridEmbedding, data: Any,
+    def __init__(self, comm: Collectives, model: torch.nn.Module, emb: HybridEmbedding, data: DataSource,
                  device: torch.device, autocast: Callable[[], ContextManager[Any]] = nullcontext) -> None:
         self.comm, self.model, self.emb, self.data, self.device = comm, model, emb, data, device
         self.autocast = autocast  # the model's forward context (train.precision: trainer/step/precision.py)

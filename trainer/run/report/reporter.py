@@ -19,12 +19,14 @@ from ...sparse.side import Sparse
 from ...base.comm import EMBEDDING_KINDS, KINDS, Collectives
 from ...base.config import Config
 from ...base.core.errors import phase
+from ...base.core.progress import Bar
 from ...sparse.embedding.dynamic.admission import counter_figures
 from ...sparse.embedding.cache.consistency import HIST_BINS, UNBOUNDED
 from ...sparse.embedding.module import CACHE_COUNTERS
 from ...sparse.embedding.dynamic.pool import POOL_COUNTERS
 from ...sparse.embedding.remote import het_wire_bytes
 from ...sparse.schedule import HotColdOrder
+from ...workload.data.source import GuardedSource
 from .tensorboard import TensorBoardWriter
 from .writers import JsonlWriter, keep_records_until, write_summary
 
@@ -33,12 +35,12 @@ from .writers import JsonlWriter, keep_records_until, write_summary
 class Reporter:
     """One rank's reporting: counters summed over ranks, files written by rank 0."""
 
-    def __init__(self, c: Config, comm: Collectives, sparse: Sparse, data: Any, global_batch: int,
+    def __init__(self, c: Config, comm: Collectives, sparse: Sparse, data: GuardedSource, global_batch: int,
                  out_dir: Optional[str]) -> None:
         self.c, self.comm, self.sparse, self.data = c, comm, sparse, data
         self.emb, self.global_batch, self.out_dir = sparse.emb, global_batch, out_dir
         self.metrics, self.tb = JsonlWriter(None), TensorBoardWriter(None)  # no files before start()
-        self.bar = None
+        self.bar: Optional[Bar] = None  # rank 0's progress bar, from start()
 
     # ---- lines during the run -----------------------------------------------------------
     def start(self, start_step: int, resumed_from: Optional[str] = None, saved_world: Optional[int] = None) -> None:
@@ -58,14 +60,11 @@ class Reporter:
                 self.tb = TensorBoardWriter(os.path.join(self.out_dir, "tensorboard"))
         mode = self.c.train.progress
         if self.comm.rank == 0 and (mode == "on" or (mode == "auto" and sys.stderr.isatty())):
-            from tqdm import tqdm
-            self.bar = tqdm(total=self.c.train.steps, initial=start_step, desc=f"train W={self.comm.size}",
-                            unit="step", dynamic_ncols=True)
+            self.bar = Bar(self.c.train.steps, f"train W={self.comm.size}", unit="step", initial=start_step)
 
     def progress(self, loss: float) -> None:
         if self.bar is not None:
-            self.bar.update(1)
-            self.bar.set_postfix(loss=f"{loss:.4f}")
+            self.bar.update(1, {"loss": f"{loss:.4f}"})
 
     def step(self, step: int, loss: float, samples_per_sec: float) -> None:
         """The metrics line of `step` (0-based; the line says step + 1 steps done). Collective."""
@@ -274,7 +273,7 @@ def dynamic_summary(comm: Collectives, store: Any) -> dict[str, Any]:
     """The `dynamic` block of metrics.jsonl and summary.json (embedding.kind=dynamic): rows in
     use, admissions, evictions, dropped gradients and rejected admissions, per table and in total,
     summed over the owners, and copies written back to another life of their id (stale_copies,
-    dropped: remote/herald.py); the admission counter's pending ids (count_min: an estimate) and
+    dropped: remote/on_demand.py); the admission counter's pending ids (count_min: an estimate) and
     bytes (admission.counter_figures) (collective: one allreduce)."""
     pool, t = store.pool, store.sharding.num_tables
     figures = counter_figures(pool.admission)

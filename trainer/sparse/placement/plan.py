@@ -15,6 +15,7 @@ import torch
 
 from ...base.config import ConfigError, local_batch_size
 from ...workload.data import id_rows
+from ...workload.data.source import GlobalData
 from ..embedding.sharding import Sharding
 from .profile import AccessProfile, profile_stream
 
@@ -90,7 +91,7 @@ def make_plan(name: str, profile: AccessProfile | None, **kw: Any) -> Plan:
     raise ConfigError(f"placement.name={name!r}: must be one of {', '.join(PLANNERS)}")
 
 
-def plan_run(c: Any, data: Any, world: int, interrupt: Optional[Callable[[], bool]] = None) -> Plan:
+def plan_run(c: Any, data: GlobalData, world: int, interrupt: Optional[Callable[[], bool]] = None) -> Plan:
     """What rank 0 of a run does (and scripts/plan.py, the simulator): profile the run's training
     stream (`data` offers the global view) and plan with config c's placement for W = world.
     interrupt: a stop request ends the profile (profile_stream)."""

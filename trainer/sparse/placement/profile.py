@@ -15,6 +15,7 @@ from typing import Any, Callable, Optional
 import numpy as np
 
 from ...base.core.stop import StopRequested
+from ...workload.data.source import GlobalData
 from ..embedding.sharding import flat_ids
 
 
@@ -31,16 +32,8 @@ class AccessProfile:
     ids: np.ndarray
     counts: np.ndarray
 
-    @property
-    def table_starts(self) -> np.ndarray:
-        return np.concatenate([[0], np.cumsum(self.table_rows)[:-1]]).astype(np.int64)
-
     def table_of(self, flat: np.ndarray) -> np.ndarray:
         return np.searchsorted(np.cumsum(self.table_rows), flat, side="right")
-
-    def per_sample(self) -> np.ndarray:
-        """[n] expected reads of each row per sample."""
-        return self.counts / max(self.samples, 1)
 
     def by_frequency(self) -> np.ndarray:
         """Positions into ids/counts, most read first (ties: smaller flat id first)."""
@@ -51,7 +44,7 @@ class AccessProfile:
                 "reads": int(self.counts.sum())}
 
 
-def profile_stream(data: Any, table_rows: list[int], stream_samples: int, fraction: float,
+def profile_stream(data: GlobalData, table_rows: list[int], stream_samples: int, fraction: float,
                    chunk: int = 1 << 16, interrupt: Optional[Callable[[], bool]] = None) -> AccessProfile:
     """Count reads per row over every k-th of the first `stream_samples` stream positions
     (k = round(1 / fraction)); `data` offers stream_keys(pos) and sample_ids(keys). interrupt():

@@ -34,6 +34,7 @@ from typing import Any, Optional
 import numpy as np
 
 from ...base.config import Config, cache_capacities, local_batch_size
+from ...workload.data.source import GlobalData
 from ..schedule.replay import FeedTrace, spec_from_config
 from ..sim import CacheSimulator
 from .plan import Plan, register
@@ -66,7 +67,7 @@ def analytic_costs(p: np.ndarray, world: int, local_batch: int, dim: int) -> tup
 
 
 def sca_plan(profile: AccessProfile, budget_bytes: int, per_row: int, config: Config, world: int,
-             data: Any = None, **_: Any) -> Plan:
+             data: Optional[GlobalData] = None, **_: Any) -> Plan:
     """The planner's Plan: replicated rows, cache capacities, predicted bytes per global sample."""
     c, d = config, config.model.embedding_dim
     b = local_batch_size(c, world)
@@ -140,7 +141,7 @@ def _plan_steps(c: Config) -> int:
     return int(max(1, min(c.train.steps, c.placement.plan_steps)))
 
 
-def predict_bytes(c: Config, world: int, plan: Plan, data: Any) -> dict[str, float]:
+def predict_bytes(c: Config, world: int, plan: Plan, data: GlobalData) -> dict[str, float]:
     """Embedding bytes per global sample by kind (+ total) of `plan` over the run's train.steps:
     the first K = plan_steps steps of the run's own feed replayed exactly through the cache
     simulator (caches warming up included), the remaining steps at the rate of the last K/2

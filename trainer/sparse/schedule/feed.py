@@ -15,22 +15,15 @@ same order, so W workers still reproduce it exactly.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Optional, Protocol
+from typing import Any, Callable, Optional
 
 import numpy as np
 import torch
 
 from ...workload.data.batch import Batch
+from ...workload.data.source import GlobalData
 from ..embedding.sharding import flat_ids
 from ..embedding.types import GlobalStep
-
-
-class GlobalData(Protocol):
-    """Random access to the training stream (SyntheticData, MovieLensData)."""
-
-    def stream_keys(self, pos: np.ndarray) -> np.ndarray: ...
-    def sample_ids(self, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]: ...
-    def sample_batch(self, keys: np.ndarray) -> Batch: ...
 
 
 @dataclass

@@ -1,10 +1,10 @@
-"""Herald's location-aware sample partition (Zeng et al.; the on-demand sync is herald.py).
+"""Herald's location-aware sample partition (Zeng et al.; the on-demand sync is embedding/remote/on_demand.py).
 
 Why: every rank sees every global batch's ids (feed.py), so every rank computes the same
 partition from the same inputs and no decision travels.
 
 Partition (HeraldPartition): minimise the distinct (row, worker) reads of rows the worker neither
-owns nor holds (lent by herald.py's on-demand sync). Sample i scores at worker w the ids of i that
+owns nor holds (lent by remote/on_demand.py's sync). Sample i scores at worker w the ids of i that
 are free there (owned, held, and after the first pass also read by the other samples assigned to
 w); samples go to their best worker, highest scores first, exactly B per worker. The best of these
 passes and of the contiguous (random) partition is kept, so Herald is never worse than random on

@@ -3,12 +3,13 @@ simulator spec of a config. Used by the cost-model planner (placement/sca.py) an
 driver (trainer/tools/simulate.py)."""
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional
 
 import numpy as np
 import torch
 
 from ...base.config import Config, cache_capacities, local_batch_size, staleness_bounds, table_rows
+from ...workload.data.source import GlobalData
 from ..sim import SimSpec
 from .feed import Feed, make_order
 
@@ -30,7 +31,7 @@ class FeedTrace:
     its ranks: the order (the data's own, or FAE's hot/cold batches) and the partition (contiguous
     slices, or Herald's). Worker w's batch of step s is exactly rank w's batch of such a run."""
 
-    def __init__(self, cfg: Config, workers: int, hot_flat: np.ndarray, data: Any = None,
+    def __init__(self, cfg: Config, workers: int, hot_flat: np.ndarray, data: Optional[GlobalData] = None,
                  partition: Any = None, sync: Any = None) -> None:
         self.workers, self.table_rows = workers, table_rows(cfg)
         self.global_batch = local_batch_size(cfg, workers) * workers

@@ -148,6 +148,9 @@ class InProcessHetWire:
     at once from the simulator's owner-version array (the simulator never overlaps steps). Pushes are
     returned to the simulator, which applies them to the owners."""
 
+    dynamic = False  # fixed tables' rows only
+    announce = None  # no push sizes sent ahead: the pushes are returned at once
+
     def __init__(self, sim: "CacheSimulator", rank: int) -> None:
         self.sim, self.rank = sim, rank
         self.staleness = sim.staleness  # owner side, shared: the trainer sums it over ranks
@@ -165,6 +168,9 @@ class InProcessHetWire:
         return send, versions, torch.zeros(int(send.sum()), self.sim.row_width)
 
     def serve(self, answered: Any) -> None:
+        pass
+
+    def cancel(self, answered: Any) -> None:
         pass
 
     def result(self, answered: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

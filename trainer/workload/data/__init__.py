@@ -6,20 +6,21 @@ synthetic: generated Zipf data; criteo: blocks prepared by scripts/prepare_crite
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Any, Optional, Union
+from typing import TYPE_CHECKING, Optional, Union
 
 from ...base.config import (Config, ConfigError, DataConfig, check_data_source, data_source_error, epoch_steps,
                       local_batch_size, run_device, source_rows, table_rows, val_rows)
 from .batch import Batch
 from .ids import ID_LIMIT, GuardedData, IdGuard, IdRangeError
 from .scramble import HashedIds, ScrambledIds
+from .source import DataSource, GlobalData, GuardedSource
 from .synthetic import SyntheticData
 
 if TYPE_CHECKING:  # the real-data modules are imported only when selected (DALI is heavy)
     from .blocks import CriteoData
     from .movielens import MovieLensData
 
-__all__ = ["Batch", "DataShape", "GuardedData", "IdGuard", "IdRangeError", "SyntheticData", "epoch_rows", "id_rows",
+__all__ = ["Batch", "DataShape", "DataSource", "GlobalData", "GuardedData", "GuardedSource", "IdGuard", "IdRangeError", "SyntheticData", "epoch_rows", "id_rows",
            "make_data", "resolve", "shape_of", "val_slices", "vocab_rows"]
 
 
@@ -131,7 +132,7 @@ def make_data(cfg: Config, rank: int, world: int) -> GuardedData:
     """The data source named by cfg.data.name for this rank, behind the id-range guard
     (data.out_of_range, ids.py). It does not touch cfg: the step count data.epochs asks for comes
     from resolve(cfg, world), applied by the caller (trainer.run.resolve.recipes.apply_data_steps)."""
-    data: Any = _make_data(cfg, rank, world)
+    data: DataSource = _make_data(cfg, rank, world)
     if cfg.embedding.kind != "dynamic":
         if cfg.data.hash_rows:  # the same ids as a dynamic table would see, hashed into the rows
             data = HashedIds(ScrambledIds(data, cfg.data.seed) if cfg.data.scramble_ids else data, cfg.data.hash_rows)

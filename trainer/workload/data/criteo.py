@@ -31,6 +31,8 @@ from typing import Any
 
 import numpy as np
 
+from kernels import SPLITMIX_GAMMA, splitmix
+
 NUM_DENSE, NUM_CAT = 13, 26
 NUM_FIELDS = 1 + NUM_DENSE + NUM_CAT
 WIDTH = NUM_FIELDS  # int32 columns of a block
@@ -187,10 +189,7 @@ def parse_line(line: str) -> tuple[int, list[float], list[int | None]]:
 def splitmix64(x: np.ndarray) -> np.ndarray:
     """The splitmix64 finaliser: a fast, well-mixed 64-bit hash (uint64 -> uint64)."""
     with np.errstate(over="ignore"):
-        z = x + np.uint64(0x9E3779B97F4A7C15)
-        z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
-        z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
-        return z ^ (z >> np.uint64(31))
+        return splitmix(x + SPLITMIX_GAMMA)
 
 
 def table_salt(t: int) -> np.uint64:

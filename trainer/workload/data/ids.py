@@ -26,6 +26,7 @@ import torch
 
 from ...base.core.device import resident
 from .batch import Batch
+from .source import DataSource
 
 
 ID_BITS = 56  # embedding.kind=dynamic: a table takes any id in [0, 2^ID_BITS) (docs/dynamic.md)
@@ -136,11 +137,15 @@ class MappedData:
     """A data source whose every batch (and global-view id list) passes through map_batch / map_ids
     (a subclass's); every other attribute is the wrapped source's."""
 
-    def __init__(self, data: Any) -> None:
+    def __init__(self, data: DataSource) -> None:
         self._data = data
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._data, name)
+
+    @property
+    def val_rows(self) -> int:
+        return self._data.val_rows
 
     def map_batch(self, b: Batch, where: str) -> Batch:
         raise NotImplementedError
@@ -166,7 +171,7 @@ class MappedData:
 class GuardedData(MappedData):
     """A data source whose every batch (and global-view id list) passes through an IdGuard."""
 
-    def __init__(self, data: Any, guard: IdGuard) -> None:
+    def __init__(self, data: DataSource, guard: IdGuard) -> None:
         super().__init__(data)
         self.guard = guard
 

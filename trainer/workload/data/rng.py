@@ -8,20 +8,10 @@ from __future__ import annotations
 
 import numpy as np
 
+from kernels import SPLITMIX_GAMMA as _GOLD
+from kernels import SPLITMIX_M2 as _M2
+from kernels import splitmix as _mix  # splitmix64's finaliser: a new array (or scalar)
 from kernels import splitmix_inplace
-
-_M1 = np.uint64(0xBF58476D1CE4E5B9)
-_M2 = np.uint64(0x94D049BB133111EB)
-_GOLD = np.uint64(0x9E3779B97F4A7C15)
-
-
-def _mix(x: np.ndarray) -> np.ndarray:
-    """splitmix64 finaliser on uint64 arrays (wrapping arithmetic); a new array (or scalar)."""
-    x = x ^ (x >> np.uint64(30))
-    x = x * _M1
-    x = x ^ (x >> np.uint64(27))
-    x = x * _M2
-    return x ^ (x >> np.uint64(31))
 
 
 def hash64(seed: int, stream: int, index: np.ndarray) -> np.ndarray:

@@ -9,14 +9,13 @@ table merged) with ids spread over the whole space, as production hashes are.
 """
 from __future__ import annotations
 
-from typing import Any
-
 import numpy as np
 import torch
 
 from ...base.core.hashing import mix64
 from .batch import Batch
 from .ids import ID_BITS, MappedData
+from .source import DataSource
 
 _MASK = (1 << ID_BITS) - 1
 _A, _B = 0x9E3779B97F4A7C15 & _MASK | 1, 0xBF58476D1CE4E5B9 & _MASK | 1  # odd: invertible mod 2^56
@@ -39,7 +38,7 @@ def scramble(values: torch.Tensor, table: torch.Tensor, seed: int) -> torch.Tens
 class ScrambledIds(MappedData):
     """A data source whose every batch (and global-view id list) has its ids scrambled."""
 
-    def __init__(self, data: Any, seed: int) -> None:
+    def __init__(self, data: DataSource, seed: int) -> None:
         super().__init__(data)
         self.seed = seed
 
@@ -57,7 +56,7 @@ class HashedIds(MappedData):
     or scrambled ids this is the baseline a dynamic table of N rows is measured against (the same
     rows, so the same memory for the rows)."""
 
-    def __init__(self, data: Any, rows: int) -> None:
+    def __init__(self, data: DataSource, rows: int) -> None:
         super().__init__(data)
         self.rows = rows
 

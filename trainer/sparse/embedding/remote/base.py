@@ -5,7 +5,7 @@ ones go through one `RemoteRows` object chosen by config:
 
 - plain.PlainRemote: no cache; every remote row is pulled and its gradient pushed in the same step;
 - het.HetRemote: HET's cache with per-row version clocks and bounded pull/push staleness;
-- herald.HeraldRemote: Herald's on-demand synchronisation, driven by the scheduler's global plan.
+- on_demand.HeraldRemote: Herald's on-demand synchronisation, driven by the scheduler's global plan.
 
 Every protocol answers the same calls; read/write/flush are collective (every rank calls them for
 the same step), discard communicates nothing. A protocol keeps no state of a step in flight: read

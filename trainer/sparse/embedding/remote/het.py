@@ -22,7 +22,7 @@ row's admission step), and the owner answers from its pool (DynamicStore.check_v
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Protocol
 
 import torch
 
@@ -82,6 +82,27 @@ class HetStep:
         self.announced: Any = None  # this step's push sizes, sent ahead (HetWire.announce)
         self.due: Optional[int] = None  # ... and how many of its cached rows are due
         self.transient_lives: Optional[torch.Tensor] = None  # the life each transient row was read in
+
+
+class VersionWire(Protocol):
+    """What HetRemote calls on its wire: HetWire (training, over alltoall) or the simulator's
+    InProcessHetWire. A check is the wire's own token (request -> serve -> result, or cancel)."""
+
+    staleness: Optional[StalenessStats]  # owner side: the staleness of the reads it let through
+    dynamic: bool  # ids are gids of dynamic tables (versions carry an admission step)
+    # push sizes sent ahead (HetWire.announce); None: the wire sends none (the remote computes none)
+    announce: Optional[Callable[[torch.Tensor, Optional[torch.Tensor]], Optional["Announced"]]]
+
+    def request(self, remote_ids: torch.Tensor, cached_versions: torch.Tensor, splits: list[int],
+                pull_bound: torch.Tensor, counts: Optional[torch.Tensor] = None) -> Any: ...
+
+    def serve(self, check: Any) -> None: ...
+
+    def cancel(self, check: Any) -> None: ...
+
+    def result(self, check: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]: ...
+
+    def push_updates_start(self, pushes: Pushes, announced: Optional["Announced"] = None) -> Callable[[], Pushes]: ...
 
 
 class HetWire:
@@ -254,15 +275,15 @@ class HetRemote(RemoteRows):
     """HET: remote rows come from the cache where fresh enough, the rest through the wire's check;
     row gradients of cached rows stay in the cache until their push is due.
 
-    wire: HetWire (training) or the simulator's in-process exchange (check + push_updates).
+    wire: a VersionWire: HetWire (training) or the simulator's in-process exchange.
     """
 
-    def __init__(self, wire: Any, sharding: Sharding, cache: RowCache, bounds: Bounds,
+    def __init__(self, wire: VersionWire, sharding: Sharding, cache: RowCache, bounds: Bounds,
                  stats: CacheStats, audit: Optional[Audit] = None) -> None:
         self.wire, self.sharding, self.cache = wire, sharding, cache
         self.bounds = bounds.to(cache.rows.device)  # indexed by device tables every step: moved once
         self.stats, self.audit = stats, audit
-        self.staleness = getattr(wire, "staleness", None)
+        self.staleness = wire.staleness
         self.undoable = False  # train.nonfinite=skip: journal each read so discard() can undo it
 
     def enable_undo(self) -> None:
@@ -309,7 +330,7 @@ class HetRemote(RemoteRows):
         stale_slots = pulled_slot.index_select(0, stale)
         dropped = cache.refresh(stale_slots, rows.index_select(0, stale),
                                 versions.index_select(0, pulled.index_select(0, stale)))
-        if getattr(self.wire, "dynamic", False):  # updates of an id's earlier life, dropped with the old copy
+        if self.wire.dynamic:  # updates of an id's earlier life, dropped with the old copy
             self.stats.add("old_life_updates", cache.slot_table.index_select(0, stale_slots), dropped)
         fetched = positions(~was_cached, n_miss)  # misses
         miss = pulled.index_select(0, fetched)
@@ -339,7 +360,7 @@ class HetRemote(RemoteRows):
         """Which rows this step's write will push is known now (the counts of the cached rows,
         the transient ones, the dirty evictions), only their gradients are not: send the sizes
         ahead so the push does not wait for a size exchange (HetWire.announce)."""
-        announce = getattr(self.wire, "announce", None)
+        announce = self.wire.announce
         if announce is None:
             return
         slots, gone = st.slots, st.transient

@@ -1,4 +1,4 @@
-"""The rows Herald lent to this worker (remote/herald.py moves them; this holds them).
+"""The rows Herald lent to this worker (remote/on_demand.py moves them; this holds them).
 
 A lent row is the one copy that is updated while lent: value, optimizer state, the updates applied
 here (its owner advances the row's version by them on writeback) and, for dynamic tables, the life
