@@ -1,5 +1,5 @@
-"""The id -> slot map of a worker's cached or lent rows (RowCache in cache.py, LentRows in
-remote/on_demand.py): one choice between a direct array and a hash map, made here.
+"""The id -> slot map of a worker's cached or lent rows (RowCache in rows.py, LentRows in
+remote/lent.py): one choice between a direct array and a hash map, made here.
 
 Why two kinds: on the CPU, an int32 array over the whole id space is the cheapest map there is
 (one index per lookup, no probing), but it costs 4 bytes per id of the model, cached or not. So it
