@@ -25,6 +25,7 @@ import sys
 import tempfile
 
 from dev import criteo_file
+from trainer.tools.cli import bad_input
 
 STEPS = ["train.steps=24", "train.log_every=1"]
 RUNS: list[tuple[str, int, list[str]]] = [
@@ -112,11 +113,12 @@ def main(argv=None) -> int:
     if a.compare:
         for f in a.compare:
             if not os.path.isfile(f):
-                ap.error(f"--compare {f}: no such file")
+                return bad_input(FileNotFoundError(f"--compare {f}: no such file"))
         return compare(*a.compare)
     unknown = sorted(set(a.only or ()) - {r[0] for r in RUNS})
     if unknown:
-        ap.error(f"--only {' '.join(unknown)}: not a run of this set ({', '.join(r[0] for r in RUNS)})")
+        return bad_input(ValueError(f"--only {' '.join(unknown)}: not a run of this set "
+                                    f"({', '.join(r[0] for r in RUNS)})"))
     tmp = tempfile.mkdtemp(prefix="house-parity-")
     try:
         criteo = prepare_criteo(tmp)

@@ -103,7 +103,7 @@ def mode_collectives(out_dir: str) -> dict:
     torch_env()
     hv = make_collectives("horovod", timeout_s=30)
     tc = make_collectives("torch", timeout_s=30, dist_backend="gloo")
-    res = {"rank": hv.rank, "size": hv.size, "backend_auto": __import__("trainer.base.comm").comm.detect_backend(),
+    res = {"rank": hv.rank, "size": hv.size, "backend_auto": __import__("trainer.base.comm").base.comm.detect_backend(),
            "horovod": sequence(hv), "torch": sequence(tc)}
     tc.close()
     res["timeouts"] = [timeout_probe("alltoall", stall_rank=hv.size - 1),
