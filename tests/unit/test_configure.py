@@ -29,12 +29,11 @@ def test_shape_from_the_files_steps_only_with_world(prepared):
     c = load_config(make_cfg(_criteo(prepared)))
     assert c.data.table_rows == [1000] * 26 and c.data.num_dense == 13
     assert c.train.steps == 7  # W unknown: train.steps stands
-    assert resolve(c) == DataShape(13, [1000] * 26, None, N_TRAIN)
+    assert resolve(c) == DataShape(13, [1000] * 26, split_rows=N_TRAIN)
     for w in (1, 2):
         expect = math.ceil(2.5 * N_TRAIN / (128 * w))
         assert load_config(make_cfg(_criteo(prepared)), world=w).train.steps == expect
         assert compose_config(_criteo(prepared), w).train.steps == expect
-        assert resolve(c, w).steps == expect
     assert c.train.steps == 7  # resolve reads the config, never writes it
 
 
@@ -43,9 +42,9 @@ def test_make_data_leaves_the_config_alone(prepared):
     before = copy.deepcopy(c)
     data = make_data(c, 0, 2)
     assert c == before
-    assert resolve(c, 2).steps == math.ceil(2.5 * data.train_rows / (data.b * 2))
-    apply_data_steps(c, 2)
-    assert c.train.steps == math.ceil(2.5 * N_TRAIN / 256) and c.data == before.data
+    apply_data_steps(c, 2)  # from the shape load_config kept: the rows the data source trains on
+    assert c.train.steps == math.ceil(2.5 * data.train_rows / (data.b * 2)) == math.ceil(2.5 * N_TRAIN / 256)
+    assert c.data == before.data
 
 
 def test_trainer_applies_the_steps_for_its_world(prepared):
@@ -66,7 +65,7 @@ def test_movielens_epochs_follow_its_own_split():
 
 def test_synthetic_data_keeps_train_steps_and_errors_stay_config_errors(prepared):
     c = load_config(make_cfg(["data=tiny", "+data.epochs=3", "train.steps=11"]), world=4)
-    assert c.train.steps == 11 and resolve(c, 4) is None
+    assert c.train.steps == 11 and resolve(c) is None
     with pytest.raises(ConfigError, match=r"data\.global_batch_size=100: must be divisible by the world size 3"):
         load_config(make_cfg(_criteo(prepared, "data.global_batch_size=100")), world=3)
     with pytest.raises(ConfigError, match=r"data\.dir=None"):
@@ -153,7 +152,7 @@ def test_recipe_evaluates_up_to_four_times_per_epoch_on_longer_epochs(prepared):
 
 def test_size_rule_large_data_keeps_one_epoch():
     c = parse(make_cfg(["data=criteo"]))
-    at = lambda rows: choose_recipe(c, DataShape(13, [10] * 26, None, rows))  # noqa: E731
+    at = lambda rows: choose_recipe(c, DataShape(13, [10] * 26, split_rows=rows))  # noqa: E731
     assert at(TINY_DATA_ROWS - 1).name == "tiny" and at(TINY_DATA_ROWS).name == "small"
     assert "99,999 training rows < 100,000" in at(TINY_DATA_ROWS - 1).why
     assert at(SMALL_DATA_ROWS - 1).name == "small" and at(SMALL_DATA_ROWS).name == "large"

@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Optional, Union
 
-from ...base.config import (Config, ConfigError, DataConfig, check_data_source, data_source_error, epoch_steps,
+from ...base.config import (Config, ConfigError, DataConfig, check_data_source, data_source_error,
                       local_batch_size, run_device, source_rows, table_rows, val_rows)
 from .batch import Batch
 from .ids import ID_LIMIT, GuardedData, IdGuard, IdRangeError
@@ -31,14 +31,11 @@ class DataShape:
 
     num_dense: int  # dense features per sample -> data.num_dense
     table_rows: list[int]  # rows per table as stored, before data.max_table_rows -> data.table_rows
-    steps: Optional[int] = None  # train.steps that data.epochs asks for at the W given; None: keep train.steps
     split_rows: Optional[int] = None  # rows of the training split (validation rows included): the recipe's rule
 
 
-def resolve(c: Config, world: Optional[int] = None) -> Optional[DataShape]:
-    """The shape of c's file dataset (criteo, movielens) read from its files; with `world`, also the
-    step count data.epochs asks for with that many workers (it needs the training rows under the
-    data.* split options, so call it with `world` only on a validated config). None for synthetic
+def resolve(c: Config) -> Optional[DataShape]:
+    """The shape of c's file dataset (criteo, movielens) read from its files. None for synthetic
     data: the config itself describes it. Reads c, never writes it. Raises FileNotFoundError /
     ValueError naming the path when the files are missing or malformed."""
     d = c.data
@@ -51,18 +48,15 @@ def resolve(c: Config, world: Optional[int] = None) -> Optional[DataShape]:
         shape = DataShape(*movielens_shape(d.dir))
     else:
         return None
-    shape = replace(shape, split_rows=split_rows(d))
-    if world is None or not d.epochs or d.epochs <= 0:
-        return shape
-    return replace(shape, steps=epoch_steps(c, train_rows(d), world))
+    return replace(shape, split_rows=split_rows(d))
 
 
-def shape_of(c: Config, world: Optional[int] = None) -> Optional[DataShape]:
-    """resolve(c, world), with a dataset that cannot be read (data=criteo without data.dir, missing
+def shape_of(c: Config) -> Optional[DataShape]:
+    """resolve(c), with a dataset that cannot be read (data=criteo without data.dir, missing
     or malformed files) as a ConfigError naming data.dir."""
     check_data_source(c)
     try:
-        return resolve(c, world)
+        return resolve(c)
     except ConfigError:
         raise
     except (OSError, ValueError) as exc:
@@ -131,7 +125,7 @@ def _local_gpu(cfg: Config) -> Optional[int]:
 def make_data(cfg: Config, rank: int, world: int) -> GuardedData:
     """The data source named by cfg.data.name for this rank, behind the id-range guard
     (data.out_of_range, ids.py). It does not touch cfg: the step count data.epochs asks for comes
-    from resolve(cfg, world), applied by the caller (trainer.run.resolve.recipes.apply_data_steps)."""
+    from the shape load_config kept, applied by the caller (trainer.run.resolve.recipes.apply_data_steps)."""
     data: DataSource = _make_data(cfg, rank, world)
     if cfg.embedding.kind != "dynamic":
         if cfg.data.hash_rows:  # the same ids as a dynamic table would see, hashed into the rows
