@@ -124,7 +124,7 @@ def test_a_lost_worker_exits_as_asked_for_kubeflows_exit_code_policy(tmp_path):
     """`--lost-worker-exit 203`: a lost worker (a process's status 3) makes the job exit 203, which
     Kubeflow's restartPolicy ExitCode retries; the other statuses stay, a bad value is refused."""
     def job(opts: list[str], status: int) -> subprocess.CompletedProcess:
-        child = ("import sys; from trainer.run.job import record_exit; "
+        child = ("import sys; from trainer.base.core.signals import record_exit; "
                  f"record_exit({status}); sys.exit({status})")
         return subprocess.run(JOB[:3] + opts + ["--", sys.executable, "-c", child], cwd=tmp_path, env=env(),
                               capture_output=True, text=True, timeout=60)

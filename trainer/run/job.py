@@ -35,7 +35,7 @@ import sys
 import tempfile
 from typing import Iterable, Optional, TextIO
 
-from ..base.core.signals import EXIT_DIR_ENV, record_exit  # noqa: F401  (record_exit: the trainer side of the protocol)
+from ..base.core.signals import EXIT_DIR_ENV
 
 PREEMPTED = 143
 STOP_STATUSES = (128 + signal.SIGTERM, 128 + signal.SIGINT, 128 + signal.SIGUSR1)

@@ -41,10 +41,8 @@ def record_exit(status: int) -> None:
         pass
 
 
-
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
 REPEAT_S = 1.0  # the same signal again within this many seconds is the same request
-NOT_EVALUATED = {"eval_auc": None, "eval_logloss": None, "eval_samples": 0}  # summary.json after a stop
 
 
 class SignalWatch:
