@@ -50,10 +50,8 @@ import kernels
 from ..base.core.errors import TrainingError
 from ..base.comm import Collectives
 from ..base.config import Config
-from ..workload.data.batch import Batch
 from .dense_step import _WARMUP
 from ..sparse.embedding import HybridEmbedding
-from ..sparse.embedding.padded import BagPadding, padded_plan, unique_capacity
 from .eager import StepContext, StepStrategy, dense_loss
 
 __all__ = ["CapacityCheck", "WholeStep"]
@@ -111,13 +109,12 @@ class WholeStep(CapacityCheck):
     def __init__(self, c: Config, comm: Collectives, emb: HybridEmbedding, model: torch.nn.Module,
                  params: list[torch.nn.Parameter], autocast: Callable[..., ContextManager], global_batch: int,
                  device: torch.device) -> None:
-        self.emb, self.store, self.sharding = emb, emb.store, emb.sharding
+        self.emb, self.store = emb, emb.store
         self.model, self.params, self.autocast = model, params, autocast
         self.global_batch = global_batch
-        self.padding = BagPadding(self.sharding, c.data.min_bag, c.data.max_bag)
-        local, rows = global_batch // comm.size, self.sharding.table_rows
-        self.bound = unique_capacity(local, c.data.max_bag, rows)  # never exceeded
-        self.capacity = unique_capacity(local, c.data.max_bag, rows, c.train.unique_capacity)
+        self.sparse = emb.fixed_shapes(c.data.min_bag, c.data.max_bag, global_batch // comm.size,
+                                       c.train.unique_capacity)
+        self.bound, self.capacity = self.sparse.bound, self.sparse.capacity  # the bound: never exceeded
         self.skip = c.train.nonfinite == "skip"
         self.capture = device.type == "cuda"
         # the rate read on the device (Triton's update kernel): one graph for every rate
@@ -135,8 +132,8 @@ class WholeStep(CapacityCheck):
     # ---- the stages (step.py) -------------------------------------------------------------
     def lookup(self, ctx: StepContext) -> None:
         """The padded inputs of the step's function (the lookup is inside it)."""
-        self.store.rounding.step = ctx.step
-        ctx.inputs = self.padding.inputs(ctx.flight.batch)
+        self.emb.clock(ctx.step)
+        ctx.inputs = self.sparse.padding.inputs(ctx.flight.batch)
 
     def forward(self, ctx: StepContext) -> None:
         """The step's function: the loss, the dense gradients, the rows updated (masked)."""
@@ -152,13 +149,7 @@ class WholeStep(CapacityCheck):
                  ) -> tuple[torch.Tensor, list[torch.Tensor], torch.Tensor]:
         """The step's function: (loss, dense gradients, unique count), the rows updated in place
         (warm: a warm-up before the capture, whose update masks every row)."""
-        ids = Batch(dense, values, lengths, labels)
-        plan = padded_plan(self.sharding, self.sharding.global_ids(values, ids.table_index()),
-                           self.capacity, self.padding.sentinel)
-        ws = self.store.local_rows(plan.rows).to(self.store.compute_dtype).requires_grad_()
-        pooled = kernels.pooled_gather(ws, plan.inverse, ids.offsets(), ids.num_tables, mode=self.emb.pooling)
-        if self.padding.ragged:
-            pooled = pooled[:labels.shape[0]]  # the padding's extra sample
+        plan, ws, pooled = self.sparse.whole_rows(dense, values, lengths, labels)
         loss = dense_loss(self.model, self.autocast(cache=cache), dense, pooled, labels, self.global_batch)
         got = torch.autograd.grad(loss, [*self.params, ws], allow_unused=True)
         grads = [g if g is not None else torch.zeros_like(p) for g, p in zip(got[:-1], self.params)]
@@ -167,8 +158,7 @@ class WholeStep(CapacityCheck):
             mask = mask & torch.isfinite(loss)
         # the padding slots' gradient is zero (no entry points there): outside a skip or a warm-up
         # it is zero wherever the mask is False
-        self.store.apply_masked(plan.rows, got[-1] if got[-1] is not None else torch.zeros_like(ws), mask,
-                                zero_outside=not (self.skip or warm))
+        self.sparse.whole_update(plan, got[-1], ws, mask, zero_outside=not (self.skip or warm))
         return loss.detach(), grads, plan.count
 
     # ---- eager or replayed ---------------------------------------------------------------

@@ -237,7 +237,7 @@ class CheckpointManager:
         run.losses, run.evals = list(state["losses"]), list(state["evals"])
         run.early.load(state.get("early_stop"))  # a stopped run stays stopped; patience goes on
         run.precision.load_state_dict(state.get("precision"))  # fp16's loss scale goes on (else a fresh one)
-        run.emb.step = step - 1  # the last step trained (a flush before the next lookup records it)
+        run.emb.clock(step - 1)  # the last step trained (a flush before the next lookup records it)
         self.resumed_from = path
         self.resumed_world = int(read_manifest(path)["world_size"])
         return step

@@ -26,9 +26,11 @@ they hold.
 Half-precision rows (embedding.dtype): the workspace is float32 whatever the rows' type (the
 store's compute_dtype). Rows are upcast as they are copied into it, which is exact, so the model
 reads the stored values; the workspace's gradient, the pushes and the owner's update stay float32
-(the owner rounds only when it writes the updated row back). Before an update this module sets the
-run's rounding clock to the step being applied, so a row's stochastic rounding is keyed by that
-step wherever the row is updated (owner, replica, lent rows).
+(the owner rounds only when it writes the updated row back). A training lookup sets the one step
+clock (clock()), the rounding's key among what reads it, so a row's stochastic rounding is keyed
+by the step being applied wherever the row is updated (owner, replica, lent rows).
+Fixed shapes (train.cuda_graph=on): fixed_shapes() gives this module's other mode (fixed.py), the
+same stages with every size set by the config, which the capturable steps call instead.
 """
 from __future__ import annotations
 
@@ -42,6 +44,7 @@ from ...base.comm import Collectives
 from ...workload.data.batch import Batch
 from .dynamic.shard import gather_tables
 from .exchange import RowExchange, plan_lookup
+from .fixed import FixedShapes
 from .remote import CACHE_COUNTERS, Audit, PlainRemote, RemoteRows
 from .replica import Replica
 from .sharding import Sharding
@@ -107,6 +110,20 @@ class HybridEmbedding:
         self.step = -1
         self.undoable = False  # enable_discard(): dynamic tables journal each step's admissions
 
+    def clock(self, step: int) -> None:
+        """The sparse side's one step clock: the step being trained (its lookup to its update),
+        which the cache's ages, the dynamic tables' admissions, the audit's records and the
+        stochastic rounding of half rows (the store's rounding key: this step's updates round by
+        it wherever a row is updated, owner, replica or lent rows) all read. Set by a training
+        lookup (either mode), and by a resume to the step before the checkpoint's."""
+        self.step = step
+        self.store.rounding.step = step
+
+    def fixed_shapes(self, min_bag: int, max_bag: int, local_batch: int, chosen: int = 0) -> FixedShapes:
+        """This module's fixed-shape mode (fixed.py; train.cuda_graph=on): capacities from the
+        bags' bounds, the local batch and train.unique_capacity (`chosen`, 0: the bound)."""
+        return FixedShapes(self, min_bag, max_bag, local_batch, chosen)
+
     @property
     def cache(self):
         """The HET cache when the protocol has one (else None)."""
@@ -156,7 +173,7 @@ class HybridEmbedding:
             self.prepare(flight)
         batch, info, plan = flight.batch, flight.info, flight.plan
         ws = self._workspace(plan)
-        self.step = flight.step
+        self.clock(flight.step)
         if self.store.dynamic:  # its own ids first; peers' requests when this rank serves them
             for undo in self._journals():  # until apply_gradients (commit) or discard (rollback)
                 undo.begin()
@@ -206,11 +223,10 @@ class HybridEmbedding:
         pushes; the function it returns waits for what this rank receives and updates the owned
         rows (train.pipeline starts the dense allreduce between the two, so it travels behind the
         row gradients while the owners update). Collective, both halves, each called once."""
-        ws, read = self._finish(flight, "apply_gradients")
+        ws, read = self.finish_lookup(flight, "apply_gradients")
         for undo in self._journals():
             undo.commit()
         plan, info = flight.plan, flight.info
-        self.store.rounding.step = flight.step  # half rows: this step's updates round by its key
         grad = ws.grad if ws.grad is not None else torch.zeros_like(ws)
         if self.audit is not None:
             self.audit.grads.index_add_(0, plan.uniq.cpu(), grad.detach().double().cpu())
@@ -233,7 +249,7 @@ class HybridEmbedding:
     def discard(self, flight: InFlightStep) -> None:
         """Drop a looked-up training step instead of applying its gradients. Every rank must call
         it for the same step (the decision is collective); it communicates nothing."""
-        _, read = self._finish(flight, "discard")
+        _, read = self.finish_lookup(flight, "discard")
         if not flight.info.hot:
             self.remote.discard(read)
         for undo in self._journals():
@@ -247,7 +263,7 @@ class HybridEmbedding:
         return [self.store] if self.replica is None else [self.store, self.replica]
 
     @staticmethod
-    def _finish(flight: InFlightStep, what: str) -> tuple[torch.Tensor, Any]:
+    def finish_lookup(flight: InFlightStep, what: str) -> tuple[torch.Tensor, Any]:
         """(workspace, read) of a looked-up step, which is finished from now on (applied or
         discarded once)."""
         if flight.ws is None:

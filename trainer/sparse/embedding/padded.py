@@ -165,14 +165,18 @@ class PaddedRequest:
 
 
 def padded_request(sharding: Sharding, gids: torch.Tensor, capacity: int,
-                   sentinel: Optional[int] = None) -> PaddedRequest:
+                   sentinel: Optional[int] = None, skip: Optional[torch.Tensor] = None) -> PaddedRequest:
     """The request of a batch of fused global ids [N] (ids >= sentinel: padding entries) in W
-    blocks of `capacity` slots. One sort by (owner, id); every size is N, W or W x capacity."""
+    blocks of `capacity` slots; entries where `skip` [N] is True (replicated rows, read from the
+    replica) join no block, as padding entries. One sort by (owner, id); every size is N, W or
+    W x capacity."""
     w, c, n_ids, dev = sharding.world, capacity, sharding.n_ids, gids.device
     past = w * n_ids  # the key of a padding entry: after every real one
     key = sharding.owner(gids) * n_ids + gids
     if sentinel is not None:
         key = torch.where(gids < sentinel, key, past)
+    if skip is not None:
+        key = torch.where(skip, past, key)
     skey, perm = torch.sort(key)
     first = run_starts(skey)
     real = skey < past

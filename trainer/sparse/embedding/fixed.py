@@ -1,0 +1,182 @@
+"""FixedShapes: the sparse half of a training step at shapes the config fixes (train.cuda_graph=on),
+the fixed-shape mode of HybridEmbedding beside its exact-size one (module.py).
+
+Why: the exact-size lookup (exchange.plan_lookup) sizes its plan, its alltoalls and every tensor
+after them by the batch's unique ids, a count read back from the device each step; a CUDA graph
+replays fixed shapes and reads nothing back. Here every size is set by the config: the lookup plan
+is padded to a capacity (padded.py: padded_plan at W = 1, padded_request / padded_combine at W > 1),
+so the steps that capture (trainer/step/whole_step.py at W = 1, padded_step.py at W > 1) call this
+object for the whole sparse half and hold no plan, collective or owner update of their own.
+
+W = 1 (the whole step, one function): `whole_rows` gives the padded plan, the workspace leaf and
+the pooled rows of the padded ids; `whole_update` the owner's masked update (ShardStore.apply_masked).
+The step calls both inside its one function (lookup, model, backward, update: captured whole).
+
+W > 1: `lookup` / `begin_update` / `discard`, HybridEmbedding's stages in fixed shapes.
+  lookup        the request [W x C] (the ids the batch holds of owner w in block w, ascending, then
+                padding) -> alltoall of ids -> each owner reads the [W x C] rows asked of it
+                (padding: any row) -> alltoall of rows -> the workspace [W x C, d] (this rank's own
+                block from its own read, not through the wire, as the exact-size step) -> the
+                pooled gather. Nothing is read back.
+  begin_update  the workspace's gradient leaves ([W x C, d], alltoall); the function it returns sums
+                what each owner received per row (padded_combine: K = min(W x C, its rows) slots;
+                its own block first, then the peers' in rank order: the exact-size step's order,
+                so the same sums) and updates those rows masked, versions advanced by the updates
+                folded in.
+Replicated rows (placement=fae / sca, replica.py): the workspace has a second part, the whole
+replica ([H, d], H the replicated rows: a size the placement fixes), which the entries of
+replicated ids read (they join no owner's block); its gradient and a touched flag per row
+([H, d + 1]) are summed over the ranks by one allreduce, and every rank updates the rows some
+rank touched (a mask: the same rows, sums and arithmetic as the exact-size step's reduce over
+the global batch's hot rows). A hot step (every id of the global batch replicated: the
+scheduler says so on the host) runs no alltoall, as the exact-size step.
+
+Equal results: the same rows, the same sums in the same order and the same optimizer arithmetic
+as the exact-size mode at the same W, bit for bit on a CPU (tests/distributed/test_padded_step.py).
+The capacity, its bound and the cost of the padding are described in padded.py; the counts of a
+step (unique and remote ids) stay on the device (LookupStats.record_on_device).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable, Optional
+
+import torch
+
+import kernels
+
+from ...workload.data.batch import Batch
+from .exchange import wire_dtype
+from .padded import BagPadding, PaddedPlan, PaddedRequest, padded_combine, padded_plan, padded_request, unique_capacity
+from .types import InFlightStep
+
+if TYPE_CHECKING:  # the module holds this object; this one only calls it back
+    from .module import HybridEmbedding
+
+__all__ = ["FixedRead", "FixedShapes"]
+
+
+@dataclass
+class FixedRead:
+    """What a fixed-shape lookup (W > 1) leaves for its update: the request, the storage rows
+    peers asked this rank for ([W x C], by peer), and the replicated rows this rank's batch
+    touched ([H] bool; None without a replica)."""
+
+    request: PaddedRequest
+    served: torch.Tensor
+    touched: Optional[torch.Tensor]
+
+
+class FixedShapes:
+    """The fixed-shape mode of a HybridEmbedding (see the module docstring): capacity C slots per
+    owner (per table the fewer of local batch x max bag and the rows one owner holds: `bound`,
+    never exceeded; train.unique_capacity: a smaller one)."""
+
+    def __init__(self, emb: "HybridEmbedding", min_bag: int, max_bag: int, local_batch: int, chosen: int = 0) -> None:
+        self.emb, self.comm, self.sharding, self.store = emb, emb.comm, emb.sharding, emb.store
+        self.padding = BagPadding(self.sharding, min_bag, max_bag)
+        w, rows = self.comm.size, self.sharding.table_rows
+        self.bound = unique_capacity(local_batch, max_bag, rows, world=w)
+        self.capacity = unique_capacity(local_batch, max_bag, rows, chosen, world=w)
+        c, r = self.capacity, self.comm.rank
+        self.splits = [c] * w
+        self.id_dtype = wire_dtype(self.sharding.local_rows + 1)
+        self.own = slice(r * c, (r + 1) * c)
+        # the owner's entries in the exact-size step's order: its own block, then the peers' by rank
+        blocks = [r] + [p for p in range(w) if p != r]
+        self.order = torch.cat([torch.arange(b * c, (b + 1) * c) for b in blocks]).to(self.store.device)
+
+    # ---- W = 1: the pieces of the whole step's one function --------------------------------
+    def whole_rows(self, dense: torch.Tensor, values: torch.Tensor, lengths: torch.Tensor, labels: torch.Tensor
+                   ) -> tuple[PaddedPlan, torch.Tensor, torch.Tensor]:
+        """(plan, workspace leaf [C, d], pooled rows [B, T, d]) of padded inputs (BagPadding)."""
+        ids = Batch(dense, values, lengths, labels)
+        plan = padded_plan(self.sharding, self.sharding.global_ids(values, ids.table_index()),
+                           self.capacity, self.padding.sentinel)
+        ws = self.store.local_rows(plan.rows).to(self.store.compute_dtype).requires_grad_()
+        pooled = kernels.pooled_gather(ws, plan.inverse, ids.offsets(), ids.num_tables, mode=self.emb.pooling)
+        if self.padding.ragged:
+            pooled = pooled[:labels.shape[0]]  # the padding's extra sample
+        return plan, ws, pooled
+
+    def whole_update(self, plan: PaddedPlan, grad: Optional[torch.Tensor], ws: torch.Tensor, mask: torch.Tensor,
+                     zero_outside: bool) -> None:
+        """The owner's masked update of a padded plan's rows (grad None: no gradient reached them)."""
+        self.store.apply_masked(plan.rows, grad if grad is not None else torch.zeros_like(ws), mask,
+                                zero_outside=zero_outside)
+
+    # ---- W > 1: the stages of a step ---------------------------------------------------------
+    def lookup(self, flight: InFlightStep) -> torch.Tensor:
+        """[B, T, d] pooled rows of a training step; its workspace and read stay in `flight`."""
+        emb, replica = self.emb, self.emb.replica
+        emb.clock(flight.step)
+        dense, values, lengths, labels = self.padding.inputs(flight.batch)
+        ids = Batch(dense, values, lengths, labels)
+        gids = self.sharding.global_ids(values, ids.table_index())
+        slot = replica.find(gids) if replica is not None else None
+        hot = slot >= 0 if slot is not None else None
+        req = padded_request(self.sharding, gids, self.capacity, self.padding.sentinel, skip=hot)
+        if flight.info.hot:  # every id replicated: no owner is asked anything (no alltoall)
+            served = torch.full_like(req.ids, self.sharding.local_rows)
+            ws = torch.zeros(req.ids.numel(), self.store.dim, dtype=self.store.compute_dtype, device=gids.device)
+        else:
+            served, _ = self.comm.alltoall(req.ids.to(self.id_dtype), self.splits, kind="ids",
+                                           recv_splits=self.splits)
+            served = served.long()
+            stored = self._read(served)  # as stored; its own block is what this rank asked itself for
+            got, _ = self.comm.alltoall(stored.to(emb.exchange.row_dtype), self.splits, kind="rows",
+                                        recv_splits=self.splits)
+            ws = got.to(self.store.compute_dtype)
+            ws[self.own] = stored[self.own].to(ws.dtype)  # as the exact-size step: not through the wire
+        inverse, touched, unique = req.inverse, None, req.count
+        if replica is not None:
+            n = len(replica)
+            ws = torch.cat([ws, replica.weight.to(ws.dtype)])
+            inverse = torch.where(hot, req.ids.numel() + slot, inverse)
+            touched = torch.zeros(n + 1, dtype=torch.bool, device=gids.device)
+            touched = touched.scatter_(0, torch.where(hot, slot, n), True)[:n]
+            unique = unique + touched.sum()
+        ws.requires_grad_()
+        pooled = kernels.pooled_gather(ws, inverse, ids.offsets(), ids.num_tables, mode=emb.pooling)
+        flight.ws, flight.read = ws, FixedRead(req, served, touched)
+        own = req.valid[self.own].sum()
+        emb.stats.record_on_device(int(flight.batch.values.numel()), unique, req.count - own)
+        return pooled[:labels.shape[0]] if self.padding.ragged else pooled  # the padding's extra sample
+
+    def _read(self, idx: torch.Tensor) -> torch.Tensor:
+        """Rows of storage rows idx, padding slots (local_rows) reading the last row."""
+        return self.store.local_rows(idx.clamp(max=self.sharding.local_rows - 1))
+
+    def begin_update(self, flight: InFlightStep) -> Callable[[], None]:
+        """The replicated rows reduced and updated, the workspace's owner blocks' gradient sent;
+        the function returned sums and applies what this rank receives as owner (module docstring)."""
+        ws, read = self.emb.finish_lookup(flight, "apply_gradients")
+        grad = ws.grad if ws.grad is not None else torch.zeros_like(ws)
+        blocks = read.request.ids.numel()
+        if read.touched is not None:
+            self._reduce_replica(grad[blocks:], read.touched)
+            grad = grad[:blocks]
+        if flight.info.hot:
+            return lambda: None
+        handle = self.comm.alltoall_async(grad.to(self.emb.exchange.row_dtype), self.splits, kind="grads",
+                                          recv_splits=self.splits)
+
+        def finish() -> None:
+            got = handle.wait()[0].to(grad.dtype)
+            got[self.own] = grad[self.own]  # its own gradients as they are, as the exact-size step
+            combine = padded_combine(read.served.index_select(0, self.order), self.sharding.local_rows)
+            self.store.apply_masked(combine.rows, combine.sums(got.index_select(0, self.order)), combine.valid,
+                                    counts=combine.counts)
+        return finish
+
+    def _reduce_replica(self, grad: torch.Tensor, touched: torch.Tensor) -> None:
+        """The replica's gradient [H, d] and touched flags [H] summed over the ranks (one allreduce);
+        every rank updates the rows some rank touched."""
+        d = grad.shape[1]
+        both = torch.cat([grad, touched.to(grad.dtype).unsqueeze(1)], 1)
+        both = self.comm.allreduce(both, op="sum", kind="replica")
+        self.emb.replica.apply_masked(both[:, :d], both[:, d] > 0)
+
+    def discard(self, flight: InFlightStep) -> None:
+        """A dropped step: nothing changed before its update, the workspace is simply let go."""
+        self.emb.finish_lookup(flight, "discard")
