@@ -29,6 +29,8 @@ CASES = {
     "w2-rowwise-bf16-rows-fp16-wire": (2, ["optim=adagrad", "optim.sparse=rowwise_adagrad", "embedding.dtype=bf16",
                                            "embedding.rounding=nearest", "comm.wire_precision=fp16"]),
     "w2-pipeline-off-wd": (2, ["optim=adagrad", "train.pipeline=off", "optim.weight_decay=0.01"]),
+    # stochastic rounding of half rows: the owner's update runs between the collectives, outside a graph
+    "w2-fp16-rows-stochastic": (2, ["optim=adagrad", "embedding.dtype=fp16", "embedding.rounding=stochastic"]),
     # four contributions to a row of the 13-row table: the owner's sum order shows (its own first)
     "w4-sgd": (4, ["optim=sgd"]),
 }
@@ -146,7 +148,7 @@ def test_the_owner_sums_as_the_eager_update():
 
 @pytest.mark.parametrize("override, key", [
     ("embedding.kind=dynamic", "embedding.kind"), ("cache=lru", "cache.policy"),
-    ("placement=fae", "placement.name"), ("embedding.audit=true", "embedding.audit")])
+    ("embedding.audit=true", "embedding.audit")])
 def test_what_cannot_be_padded_yet_is_refused_at_w2(override, key):
     extra = ["embedding.capacity=64"] if "dynamic" in override else []
     c = load_config(make_cfg(["data=tiny", "train.cuda_graph=on", override] + extra))
@@ -155,6 +157,41 @@ def test_what_cannot_be_padded_yet_is_refused_at_w2(override, key):
     assert "\n" not in str(err.value)
     validate_world(load_config(make_cfg(["data=tiny", "train.cuda_graph=dense", override] + extra)), 2)
 
+
+
+# replicated rows (placement=fae / sca) in fixed shapes: hot steps among the cold ones
+PLACED = ["data=tiny", "data.max_bag=1", "train.steps=24", "data.global_batch_size=48", "data.test_samples=480",
+          "data.eval_batch_size=40", "train.threads=1", "train.progress=off", "placement.window_batches=8"]
+PLACEMENTS = {
+    "w2-fae-sgd": (2, ["placement=fae", "placement.budget_bytes=16000", "optim=sgd"]),
+    "w3-fae-adagrad-ragged": (3, ["placement=fae", "placement.budget_bytes=16000", "optim=adagrad",
+                                  "data.min_bag=0", "data.max_bag=3"]),
+    "w2-fae-adam-pipeline-ids": (2, ["placement=fae", "placement.budget_bytes=16000", "optim=adam",
+                                     "train.pipeline=ids"]),
+    "w3-sca-adagrad": (3, ["placement=sca", "optim=adagrad"]),
+}
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("case", sorted(PLACEMENTS))
+def test_replicated_rows_in_fixed_shapes_equal_the_eager_step(case):
+    """The replica read from its own block of the workspace, its gradient and touched flags summed
+    by one allreduce of fixed size: every loss, row, dense parameter and logit as cuda_graph=off."""
+    world, extra = PLACEMENTS[case]
+    off = run_world(world, PLACED + extra)
+    on = run_world(world, PLACED + extra + ["train.cuda_graph=on"])
+    for a, b in zip(off, on):
+        assert b.losses == a.losses
+        assert_same_run(a, b, rtol=0, atol=0)
+        assert_same_eval(a, b)
+        for key in ("hot_rows", "hot_steps", "alltoalls_in_hot_steps"):
+            assert b.summary["placement"][key] == a.summary["placement"][key]
+        assert b.summary["embedding"]["remote_per_step"] == a.summary["embedding"]["remote_per_step"]
+        assert b.summary["embedding"]["unique_per_step"] == a.summary["embedding"]["unique_per_step"]
+    s = on[0].summary
+    assert s["placement"]["hot_rows"] > 0 and s["bytes"]["replica"] > 0 and s["cuda_graph"]["scope"] == "step"
+    if "fae" in case:
+        assert s["placement"]["hot_steps"] > 0 and s["placement"]["alltoalls_in_hot_steps"] == 0
 
 
 MLPERF = ["data=mlperf", "model=dlrm_mlperf", "data.max_table_rows=2000", "data.global_batch_size=64",

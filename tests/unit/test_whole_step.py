@@ -82,8 +82,7 @@ def test_padded_plan_is_the_eager_plan_in_fixed_slots():
 
 
 @pytest.mark.parametrize("override, key", [
-    ("embedding.kind=dynamic", "embedding.kind"), ("cache=lru", "cache.policy"),
-    ("placement=fae", "placement.name"), ("schedule=herald", "schedule.name"),
+    ("embedding.kind=dynamic", "embedding.kind"), ("schedule=herald", "schedule.name"),
     ("embedding.dtype=fp16", "embedding.rounding"), ("embedding.audit=true", "embedding.audit")])
 def test_what_cannot_be_padded_yet_is_refused_at_w1(override, key):
     extra = ["embedding.capacity=64"] if "dynamic" in override else []
@@ -93,6 +92,32 @@ def test_what_cannot_be_padded_yet_is_refused_at_w1(override, key):
     assert "\n" not in str(err.value)
     validate_world(load_config(make_cfg(["data=tiny", "train.cuda_graph=dense", override] + extra)), 1)  # the dense half only
     validate_world(load_config(make_cfg(["data=tiny", override] + extra)), 1)  # and off: no refusal
+
+
+PLACED = ["data=tiny", "data.max_bag=1", "train.steps=24", "data.global_batch_size=48", "data.test_samples=480",
+          "data.eval_batch_size=40", "train.threads=1", "train.progress=off", "placement.window_batches=8"]
+AT_W1 = {
+    "fae-adagrad": ["placement=fae", "placement.budget_bytes=16000", "optim=adagrad"],
+    "fae-sgd-ragged-skip": ["placement=fae", "placement.budget_bytes=16000", "optim=sgd", "data.min_bag=0",
+                            "data.max_bag=3", "train.nonfinite=skip"],
+    "sca-adam": ["placement=sca", "optim=adam"],
+    # every row is local at W = 1: no cache is built, the bounds bound nothing (as off)
+    "lru-ssp": ["cache=lru", "consistency=ssp", "optim=adagrad"],
+}
+
+
+@pytest.mark.parametrize("case", sorted(AT_W1))
+def test_the_whole_step_with_replicated_rows_or_a_cache_at_w1_equals_the_eager_step(case):
+    """Replicated rows in the workspace's last H rows, the touched ones updated under a mask."""
+    ref = run_single(PLACED + AT_W1[case])
+    got = run_single(PLACED + AT_W1[case] + ["train.cuda_graph=on"])
+    assert got.losses == ref.losses
+    assert_same_run(ref, got, rtol=0, atol=0)
+    for key in ("unique_per_step", "remote_per_step"):
+        assert got.summary["embedding"][key] == ref.summary["embedding"][key]
+    if "placement" in AT_W1[case][0]:  # sca's costs replicate nothing at W = 1 (no wire to save)
+        assert got.summary["placement"]["hot_rows"] == ref.summary["placement"]["hot_rows"] >= ("fae" in case)
+    assert got.summary["cuda_graph"]["scope"] == "step"
 
 
 SCHEDULES = {"constant": ["optim.warmup_steps=0", "optim.decay=none"],

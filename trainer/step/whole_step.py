@@ -137,8 +137,9 @@ class WholeStep(CapacityCheck):
 
     def forward(self, ctx: StepContext) -> None:
         """The step's function: the loss, the dense gradients, the rows updated (masked)."""
-        ctx.loss, ctx.grads, ctx.count = self._run(ctx.inputs)
-        self.emb.stats.record_on_device(int(ctx.flight.batch.values.numel()), ctx.count)
+        ctx.loss, ctx.grads, counts = self._run(ctx.inputs)
+        ctx.count = counts[0]  # the plan's unique ids (the capacity's); counts[1] with the replicated ones
+        self.emb.stats.record_on_device(int(ctx.flight.batch.values.numel()), counts[1])
         self.note_used(ctx.count)
 
     def excess(self, ctx: StepContext) -> torch.Tensor:
@@ -147,19 +148,25 @@ class WholeStep(CapacityCheck):
     def _compute(self, dense: torch.Tensor, values: torch.Tensor, lengths: torch.Tensor,
                  labels: torch.Tensor, cache: bool = True, warm: bool = False
                  ) -> tuple[torch.Tensor, list[torch.Tensor], torch.Tensor]:
-        """The step's function: (loss, dense gradients, unique count), the rows updated in place
-        (warm: a warm-up before the capture, whose update masks every row)."""
-        plan, ws, pooled = self.sparse.whole_rows(dense, values, lengths, labels)
+        """The step's function: (loss, dense gradients, [2] the plan's unique ids and the batch's
+        with the replicated rows), the rows updated in place (warm: a warm-up before the capture,
+        whose update masks every row)."""
+        plan, ws, pooled, touched = self.sparse.whole_rows(dense, values, lengths, labels)
         loss = dense_loss(self.model, self.autocast(cache=cache), dense, pooled, labels, self.global_batch)
         got = torch.autograd.grad(loss, [*self.params, ws], allow_unused=True)
         grads = [g if g is not None else torch.zeros_like(p) for g, p in zip(got[:-1], self.params)]
         mask = torch.zeros_like(plan.valid) if warm else plan.valid
-        if self.skip:
-            mask = mask & torch.isfinite(loss)
+        finite = torch.isfinite(loss) if self.skip else None
+        if finite is not None:
+            mask = mask & finite
+        if warm and touched is not None:
+            finite = torch.zeros_like(finite if finite is not None else mask[0])
         # the padding slots' gradient is zero (no entry points there): outside a skip or a warm-up
         # it is zero wherever the mask is False
-        self.sparse.whole_update(plan, got[-1], ws, mask, zero_outside=not (self.skip or warm))
-        return loss.detach(), grads, plan.count
+        self.sparse.whole_update(plan, got[-1], ws, mask, zero_outside=not (self.skip or warm), touched=touched,
+                                 finite=finite)
+        unique = plan.count if touched is None else plan.count + touched.sum()
+        return loss.detach(), grads, torch.stack([plan.count, unique])
 
     # ---- eager or replayed ---------------------------------------------------------------
     def _run(self, inputs: Inputs) -> tuple[torch.Tensor, list[torch.Tensor], torch.Tensor]:

@@ -11,6 +11,9 @@ object for the whole sparse half and hold no plan, collective or owner update of
 W = 1 (the whole step, one function): `whole_rows` gives the padded plan, the workspace leaf and
 the pooled rows of the padded ids; `whole_update` the owner's masked update (ShardStore.apply_masked).
 The step calls both inside its one function (lookup, model, backward, update: captured whole).
+Replicated rows at W = 1: the workspace's last H rows are the replica; the rows the batch touched
+(a mask) take their gradient, the exact-size mode's reduce at W = 1 (the global batch is this
+rank's: its hot rows are the touched ones, and a sum over one rank is the value itself).
 
 W > 1: `lookup` / `begin_update` / `discard`, HybridEmbedding's stages in fixed shapes.
   lookup        the request [W x C] (the ids the batch holds of owner w in block w, ascending, then
@@ -25,10 +28,13 @@ W > 1: `lookup` / `begin_update` / `discard`, HybridEmbedding's stages in fixed 
                 folded in.
 Replicated rows (placement=fae / sca, replica.py): the workspace has a second part, the whole
 replica ([H, d], H the replicated rows: a size the placement fixes), which the entries of
-replicated ids read (they join no owner's block); its gradient and a touched flag per row
-([H, d + 1]) are summed over the ranks by one allreduce, and every rank updates the rows some
-rank touched (a mask: the same rows, sums and arithmetic as the exact-size step's reduce over
-the global batch's hot rows). A hot step (every id of the global batch replicated: the
+replicated ids read (they join no owner's block). Its gradient is reduced as in the exact-size
+mode: the rows of the global batch's hot rows (the scheduler's feed, on the host before the step:
+no read) are summed over the ranks by one allreduce and every rank updates them alike
+(HybridEmbedding.reduce_replica). That buffer is the exact-size mode's own: the same wire bytes,
+and the same sums at any W (an allreduce's order of addition follows its buffer's length);
+its size follows the batch, which costs no read and no graph, since the collectives run
+between the captured parts at W > 1. A hot step (every id of the global batch replicated: the
 scheduler says so on the host) runs no alltoall, as the exact-size step.
 
 Equal results: the same rows, the same sums in the same order and the same optimizer arithmetic
@@ -48,7 +54,7 @@ import kernels
 from ...workload.data.batch import Batch
 from .exchange import wire_dtype
 from .padded import BagPadding, PaddedPlan, PaddedRequest, padded_combine, padded_plan, padded_request, unique_capacity
-from .types import InFlightStep
+from .types import GlobalStep, InFlightStep
 
 if TYPE_CHECKING:  # the module holds this object; this one only calls it back
     from .module import HybridEmbedding
@@ -60,7 +66,7 @@ __all__ = ["FixedRead", "FixedShapes"]
 class FixedRead:
     """What a fixed-shape lookup (W > 1) leaves for its update: the request, the storage rows
     peers asked this rank for ([W x C], by peer), and the replicated rows this rank's batch
-    touched ([H] bool; None without a replica)."""
+    touched ([H] bool, counted as unique ids; None without a replica)."""
 
     request: PaddedRequest
     served: torch.Tensor
@@ -88,22 +94,48 @@ class FixedShapes:
 
     # ---- W = 1: the pieces of the whole step's one function --------------------------------
     def whole_rows(self, dense: torch.Tensor, values: torch.Tensor, lengths: torch.Tensor, labels: torch.Tensor
-                   ) -> tuple[PaddedPlan, torch.Tensor, torch.Tensor]:
-        """(plan, workspace leaf [C, d], pooled rows [B, T, d]) of padded inputs (BagPadding)."""
+                   ) -> tuple[PaddedPlan, torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+        """(plan, workspace leaf [C (+ H), d], pooled rows [B, T, d], the replicated rows the batch
+        touched [H] bool or None) of padded inputs (BagPadding). With a replica the workspace's
+        last H rows are the replica's, read by the entries of replicated ids."""
         ids = Batch(dense, values, lengths, labels)
-        plan = padded_plan(self.sharding, self.sharding.global_ids(values, ids.table_index()),
-                           self.capacity, self.padding.sentinel)
-        ws = self.store.local_rows(plan.rows).to(self.store.compute_dtype).requires_grad_()
-        pooled = kernels.pooled_gather(ws, plan.inverse, ids.offsets(), ids.num_tables, mode=self.emb.pooling)
+        gids = self.sharding.global_ids(values, ids.table_index())
+        replica = self.emb.replica
+        slot = replica.find(gids) if replica is not None else None
+        hot = slot >= 0 if slot is not None else None
+        sentinel = self.padding.sentinel
+        plan = padded_plan(self.sharding, gids, self.capacity, sentinel, skip=hot)
+        ws = self.store.local_rows(plan.rows).to(self.store.compute_dtype)
+        inverse, touched = plan.inverse, None
+        if replica is not None:
+            ws = torch.cat([ws, replica.weight.to(ws.dtype)])
+            inverse = torch.where(hot, self.capacity + slot, inverse)
+            touched = self._touched(hot, slot)
+        ws.requires_grad_()
+        pooled = kernels.pooled_gather(ws, inverse, ids.offsets(), ids.num_tables, mode=self.emb.pooling)
         if self.padding.ragged:
             pooled = pooled[:labels.shape[0]]  # the padding's extra sample
-        return plan, ws, pooled
+        return plan, ws, pooled, touched
 
     def whole_update(self, plan: PaddedPlan, grad: Optional[torch.Tensor], ws: torch.Tensor, mask: torch.Tensor,
-                     zero_outside: bool) -> None:
-        """The owner's masked update of a padded plan's rows (grad None: no gradient reached them)."""
-        self.store.apply_masked(plan.rows, grad if grad is not None else torch.zeros_like(ws), mask,
-                                zero_outside=zero_outside)
+                     zero_outside: bool, touched: Optional[torch.Tensor] = None,
+                     finite: Optional[torch.Tensor] = None) -> None:
+        """The owner's masked update of a padded plan's rows (grad None: no gradient reached them);
+        with a replica, its rows the batch touched (at W = 1 the global batch's hot rows: the same
+        rows and sums as the exact-size mode's reduce), where `finite` (a device bool, None: always)."""
+        grad = grad if grad is not None else torch.zeros_like(ws)
+        c = self.capacity
+        self.store.apply_masked(plan.rows, grad[:c], mask, zero_outside=zero_outside)
+        if touched is not None:
+            keep = touched if finite is None else touched & finite
+            slots = torch.arange(touched.numel(), dtype=torch.int64, device=touched.device)
+            self.emb.replica.optimizer.step(slots, grad[c:], unique=True, mask=keep)
+
+    def _touched(self, hot: torch.Tensor, slot: torch.Tensor) -> torch.Tensor:
+        """[H] bool: the replicated rows some entry reads (a scatter: fixed-size)."""
+        n = len(self.emb.replica)
+        touched = torch.zeros(n + 1, dtype=torch.bool, device=hot.device)
+        return touched.scatter_(0, torch.where(hot, slot, n), True)[:n]
 
     # ---- W > 1: the stages of a step ---------------------------------------------------------
     def lookup(self, flight: InFlightStep) -> torch.Tensor:
@@ -130,11 +162,9 @@ class FixedShapes:
             ws[self.own] = stored[self.own].to(ws.dtype)  # as the exact-size step: not through the wire
         inverse, touched, unique = req.inverse, None, req.count
         if replica is not None:
-            n = len(replica)
             ws = torch.cat([ws, replica.weight.to(ws.dtype)])
             inverse = torch.where(hot, req.ids.numel() + slot, inverse)
-            touched = torch.zeros(n + 1, dtype=torch.bool, device=gids.device)
-            touched = touched.scatter_(0, torch.where(hot, slot, n), True)[:n]
+            touched = self._touched(hot, slot)
             unique = unique + touched.sum()
         ws.requires_grad_()
         pooled = kernels.pooled_gather(ws, inverse, ids.offsets(), ids.num_tables, mode=emb.pooling)
@@ -154,7 +184,7 @@ class FixedShapes:
         grad = ws.grad if ws.grad is not None else torch.zeros_like(ws)
         blocks = read.request.ids.numel()
         if read.touched is not None:
-            self._reduce_replica(grad[blocks:], read.touched)
+            self._reduce_replica(grad[blocks:], flight.info)
             grad = grad[:blocks]
         if flight.info.hot:
             return lambda: None
@@ -169,13 +199,12 @@ class FixedShapes:
                                     counts=combine.counts)
         return finish
 
-    def _reduce_replica(self, grad: torch.Tensor, touched: torch.Tensor) -> None:
-        """The replica's gradient [H, d] and touched flags [H] summed over the ranks (one allreduce);
-        every rank updates the rows some rank touched."""
-        d = grad.shape[1]
-        both = torch.cat([grad, touched.to(grad.dtype).unsqueeze(1)], 1)
-        both = self.comm.allreduce(both, op="sum", kind="replica")
-        self.emb.replica.apply_masked(both[:, :d], both[:, d] > 0)
+    def _reduce_replica(self, grad: torch.Tensor, info: GlobalStep) -> None:
+        """The replica's gradient [H, d] at the global batch's hot rows (the scheduler's feed: known
+        on the host, the same list on every rank), summed over the ranks and applied as in the
+        exact-size mode (HybridEmbedding.reduce_replica): the same buffer, so the same sums."""
+        union = self.emb.union(info)
+        self.emb.reduce_replica(union, grad.index_select(0, union))
 
     def discard(self, flight: InFlightStep) -> None:
         """A dropped step: nothing changed before its update, the workspace is simply let go."""

@@ -180,7 +180,7 @@ class HybridEmbedding:
             self.store.clock = self.step
             self.store.admit(plan.owned_ids)
             if self.replica is not None:  # the hot ids the global batch reads (replica.py)
-                self.replica.admit(self.comm, self.store, self._union(info))
+                self.replica.admit(self.comm, self.store, self.union(info))
         if info.hot:
             if plan.remote_pos.numel():
                 raise RuntimeError(f"step {self.step}: a hot step holds {plan.remote_pos.numel()} "
@@ -275,7 +275,7 @@ class HybridEmbedding:
     def _reduce_hot(self, plan: LookupPlan, grad: torch.Tensor, info: GlobalStep) -> None:
         """Sum the gradients of the hot rows the global batch touched over all ranks (one
         allreduce of [u, d], kind "replica") and apply them to every replica alike."""
-        union = self._union(info).to(grad.device)  # the runner moved it with the batch: no copy here
+        union = self.union(info).to(grad.device)  # the runner moved it with the batch: no copy here
         buf = torch.zeros(union.numel(), self.dim, dtype=grad.dtype, device=grad.device)
         if plan.hot_slots.numel():
             if union.numel() == 0:
@@ -285,12 +285,18 @@ class HybridEmbedding:
             found = (at < union.numel()) & (union[at.clamp(max=union.numel() - 1)] == plan.hot_slots)
             torch._assert_async(found.all(), "a local hot row is missing from the global step's hot_slots")
             buf.index_copy_(0, at, grad[plan.hot_pos])
+        self.reduce_replica(union, buf)
+
+    def reduce_replica(self, union: torch.Tensor, buf: torch.Tensor) -> None:
+        """The replica's rows `union` [u] (the global batch's hot rows, ascending) take this rank's
+        gradients buf [u, d] summed over the ranks (one allreduce, kind "replica"), on every rank
+        alike. Both modes end their replicated rows' update here."""
         if union.numel():
             buf = self.comm.allreduce(buf, op="sum", kind="replica")
         self.replica.apply(union, buf, self.store)
 
     @staticmethod
-    def _union(info: GlobalStep) -> torch.Tensor:
+    def union(info: GlobalStep) -> torch.Tensor:
         """The replica slots the global batch reads (the scheduler's feed)."""
         if info.hot_slots is None:
             raise RuntimeError("replicated rows need the global step's hot_slots (the scheduler's feed)")

@@ -106,10 +106,15 @@ def unique_capacity(local_batch: int, max_bag: int, table_rows: list[int], chose
 
 
 def padded_plan(sharding: Sharding, gids: torch.Tensor, capacity: int,
-                sentinel: Optional[int] = None) -> PaddedPlan:
+                sentinel: Optional[int] = None, skip: Optional[torch.Tensor] = None) -> PaddedPlan:
     """The plan of a batch of fused global ids [N] (all owned by this rank: W = 1) in `capacity`
-    slots; ids >= sentinel are padding entries. Every size is N or capacity; nothing is read."""
+    slots; ids >= sentinel are padding entries; entries where `skip` [N] holds (replicated rows,
+    read from the replica) join no slot either (their inverse is the caller's to set). Every size
+    is N or capacity; nothing is read."""
     dev, c = gids.device, capacity
+    if skip is not None:  # as padding entries: past every id (the caller gives a sentinel then)
+        sentinel = sentinel if sentinel is not None else sharding.n_ids
+        gids = torch.where(skip, sentinel, gids)
     ids, perm, first = sorted_runs(sharding, gids)
     if sentinel is not None:  # padding entries sort last and start no slot
         first &= ids < sentinel

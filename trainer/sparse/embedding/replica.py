@@ -170,16 +170,6 @@ class Replica:
         if slots.numel():
             self.optimizer.step(slots, grads, unique=True)
 
-    def apply_masked(self, grads: torch.Tensor, mask: torch.Tensor) -> None:
-        """One optimizer step on every replicated row where mask [H] holds, with the gradient
-        summed over workers [H, d] (the fixed-shape mode, fixed.py: the same arithmetic as apply
-        on those rows; the others keep their row and state exactly). Fixed tables only."""
-        if self.dynamic:
-            raise RuntimeError("Replica.apply_masked: dynamic tables' replicas update through apply()")
-        if len(self):
-            slots = torch.arange(len(self), dtype=torch.int64, device=self.weight.device)
-            self.optimizer.step(slots, grads, unique=True, mask=mask)
-
     # ---- owners <-> replica ----------------------------------------------------------------
     def _owned(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(replica slots, gids) of the replicated rows this rank owns."""
