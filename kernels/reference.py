@@ -353,7 +353,7 @@ def row_update(
     stochastic rule (kernels/rounding.py; its keys [n] align with `rows`), or rounded to nearest
     when it is None. The state is whatever dtype it is (the trainer keeps it fp32).
     mask [n] bool (with unique=True only): rows where it is False are left exactly as they are
-    (row and state): the padding rows of a fixed-size update (trainer/sparse/embedding/padded.py).
+    (row and state): the padding rows of a fixed-size update (trainer/sparse/embedding/fixed/padded.py).
     lr may be a one-element fp32 tensor (the Triton kernel reads it on the device); here it is
     read to the host first, so the arithmetic is the float rate's.
     """

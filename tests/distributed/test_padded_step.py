@@ -16,7 +16,7 @@ from kernels.reference import first_and_sums
 from parity_helpers import BASE, assert_same_run
 from trainer.base.config import ConfigError, validate_world
 from trainer.sparse.embedding.exchange import plan_lookup
-from trainer.sparse.embedding.padded import padded_combine, padded_request, unique_capacity
+from trainer.sparse.embedding.fixed.padded import padded_combine, padded_request, unique_capacity
 from trainer.sparse.embedding.sharding import RowSharding
 from trainer.run.resolve.configure import load_config
 

@@ -278,7 +278,7 @@ def test_gpu_sparse_backward(optimizer):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("weight_decay", [0.0, 0.01])
 def test_masked_update_equals_the_update_of_the_live_rows(optimizer, dtype, weight_decay):
-    """row_update(mask=): the padded owner update of a capturable step (trainer/sparse/embedding/padded.py).
+    """row_update(mask=): the padded owner update of a capturable step (trainer/sparse/embedding/fixed/padded.py).
     On the live rows it equals the update of those rows alone, bit for bit, in the reference
     (whose arithmetic the CPU step runs) and within float tolerance in Triton; every masked row
     and its state stay exactly as they were: with weight decay (the reference selects the old

@@ -291,7 +291,7 @@ def test_one_step_w1_mixed_precision(precision: str):
 
 
 CAPTURED = ("trainer/step/whole_step.py", "trainer/step/dense_step.py", "trainer/step/dense_update.py",
-            "trainer/sparse/embedding/padded.py", "trainer/workload/models/")
+            "trainer/sparse/embedding/fixed/padded.py", "trainer/workload/models/")
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])

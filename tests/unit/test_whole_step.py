@@ -1,5 +1,5 @@
 """train.cuda_graph=on at W = 1 (trainer/step/whole_step.py): the whole step as one function of fixed
-shapes, over a lookup plan padded to a capacity set by the config (trainer/sparse/embedding/padded.py).
+shapes, over a lookup plan padded to a capacity set by the config (trainer/sparse/embedding/fixed/padded.py).
 On a CPU it runs eagerly and must equal train.cuda_graph=off bit for bit: every loss, dense
 parameter and embedding row, for the four models, SGD / Adagrad / row-wise Adagrad, fp32 and bf16
 autocast, ragged and fixed bags, skipped steps. That no tensor's size follows the data is checked
@@ -14,7 +14,7 @@ from parity_helpers import BASE, assert_same_run
 from trainer.base.config import ConfigError, validate_world
 from trainer.run.resolve.configure import load_config
 from trainer.sparse.embedding.exchange import plan_lookup
-from trainer.sparse.embedding.padded import padded_plan, unique_capacity
+from trainer.sparse.embedding.fixed.padded import padded_plan, unique_capacity
 from trainer.sparse.embedding.sharding import RowSharding
 from trainer.run.runner import RunResult
 
@@ -157,7 +157,7 @@ def test_memory_plan_counts_the_padded_step():
     update's rows before and after) and its plan, C being the step's own capacity: per table the
     fewer of its ids in a batch (48 samples x 3 ids) and its rows."""
     import trainer.run.resolve.memplan as memplan
-    from trainer.sparse.embedding.padded import PLAN_SLOT_BYTES, REQUEST_SLOT_BYTES
+    from trainer.sparse.embedding.fixed.padded import PLAN_SLOT_BYTES, REQUEST_SLOT_BYTES
     c = load_config(make_cfg(BASE + ["train.cuda_graph=on"]))
     slots = unique_capacity(48, 3, [97, 1001, 13, 250])
     assert slots == 97 + 144 + 13 + 144

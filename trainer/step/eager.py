@@ -22,6 +22,9 @@ The strategies (train.cuda_graph and W choose one, TrainPipeline._choose):
   rows, as one function of fixed shapes, replayed from a CUDA graph;
 - PaddedStep (padded_step.py; cuda_graph=on at W > 1): DenseStep whose sparse half has fixed shapes
   too, the alltoalls padded to blocks per owner.
+The sparse half is the embedding's in every strategy: HybridEmbedding's exact-size mode (EagerStep,
+DenseStep) or its fixed-shape mode (trainer/sparse/embedding/fixed/shapes.py: WholeStep, PaddedStep); no
+strategy holds a lookup plan or a collective of its own.
 On a CPU the graphs' functions run eagerly and equal EagerStep bit for bit.
 """
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """PaddedStep: the W > 1 training step with every tensor between its collectives at a fixed shape
 (train.cuda_graph=on at W > 1): DenseStep (the dense half from one CUDA graph) whose sparse half is
-HybridEmbedding's fixed-shape mode (trainer/sparse/embedding/fixed.py: FixedShapes).
+HybridEmbedding's fixed-shape mode (trainer/sparse/embedding/fixed/shapes.py: FixedShapes).
 
 Why: the exact-size W > 1 step sizes its alltoalls by the batch (the unique ids per owner, read
 back: the split sizes) and every tensor after them by the same counts, so no part of the sparse
@@ -32,6 +32,7 @@ import torch
 from ..base.comm import Collectives
 from ..base.config import Config
 from ..sparse.embedding import HybridEmbedding
+from ..sparse.embedding.fixed.shapes import FixedShapes
 from .dense_step import DenseStep
 from .precision import DensePrecision
 from .eager import StepContext
@@ -50,8 +51,8 @@ class PaddedStep(CapacityCheck, DenseStep):
                  global_batch: int, device: torch.device) -> None:
         DenseStep.__init__(self, emb, model, params, opt, precision, global_batch, device)
         self.comm = comm
-        self.sparse = emb.fixed_shapes(c.data.min_bag, c.data.max_bag, global_batch // comm.size,
-                                       c.train.unique_capacity)
+        self.sparse = FixedShapes(emb, c.data.min_bag, c.data.max_bag, global_batch // comm.size,
+                                  c.train.unique_capacity)
         self.bound, self.capacity = self.sparse.bound, self.sparse.capacity
 
     def excess(self, ctx: StepContext) -> torch.Tensor:

@@ -4,11 +4,12 @@ Why: at W = 1 DenseStep (dense_step.py) leaves the sparse half eager, because it
 on the ids: the lookup plan reads the batch's unique count back every step and sizes the
 workspace, its gradient and the owner update by it (benchmarks/reports/2026-11-26-gpu-step.md:
 those launches and that read are what the GPU waits for). Here the plan is padded to a capacity
-fixed by the config (embedding/padded.py), so everything from the batch's ids to the updated
-rows is one function whose every tensor has a size set by the config, which reads nothing back:
-the lookup plan, the workspace gathered from the shard, the pooled gather, the model's forward
-under autocast, the loss, the backward to the dense parameters and to the workspace, and the
-owner's masked update of the rows (ShardStore.apply_masked). It returns the loss and the dense
+fixed by the config (the embedding's fixed-shape mode, trainer/sparse/embedding/fixed/shapes.py), so
+everything from the batch's ids to the updated rows is one function whose every tensor has a size
+set by the config, which reads nothing back: the lookup plan, the workspace gathered from the
+shard (and the replica, with a placement), the pooled gather, the model's forward under autocast,
+the loss, the backward to the dense parameters and to the workspace, and the owner's masked update
+of the rows (FixedShapes.whole_rows / whole_update: this module holds no sparse arithmetic). It returns the loss and the dense
 gradients; it is a strategy of TrainPipeline (pipeline.py, the stages in step.py), whose end of a
 step follows as for the eager step: the dense allreduce (a copy at W = 1), the dense optimizer's
 step and the loss's one read.
@@ -36,8 +37,9 @@ filled before every step, outside the graph), so one graph serves a warmup and a
 kernels.backend=reference the rate is a constant of the captured arithmetic: the graph is captured
 for one rate, a step whose rate differs from the step before runs eagerly, and the first two
 steps at a new constant rate capture it again. A batch of another shape runs eagerly.
-Refused at W = 1 (config time, validate_world): what cannot be padded yet (dynamic tables, a
-cache, a placement, Herald, stochastic rounding of half rows, the audit).
+Refused at W = 1 (config time, validate_world): what has no fixed-shape mode yet (dynamic tables,
+Herald, stochastic rounding of half rows, the audit; docs/gpu.md). A cache and the consistency
+bounds run: every row is local at W = 1, no cache is built (as with cuda_graph=off).
 """
 from __future__ import annotations
 
@@ -52,6 +54,7 @@ from ..base.comm import Collectives
 from ..base.config import Config
 from .dense_step import _WARMUP
 from ..sparse.embedding import HybridEmbedding
+from ..sparse.embedding.fixed.shapes import FixedShapes
 from .eager import StepContext, StepStrategy, dense_loss
 
 __all__ = ["CapacityCheck", "WholeStep"]
@@ -112,8 +115,8 @@ class WholeStep(CapacityCheck):
         self.emb, self.store = emb, emb.store
         self.model, self.params, self.autocast = model, params, autocast
         self.global_batch = global_batch
-        self.sparse = emb.fixed_shapes(c.data.min_bag, c.data.max_bag, global_batch // comm.size,
-                                       c.train.unique_capacity)
+        self.sparse = FixedShapes(emb, c.data.min_bag, c.data.max_bag, global_batch // comm.size,
+                                  c.train.unique_capacity)
         self.bound, self.capacity = self.sparse.bound, self.sparse.capacity  # the bound: never exceeded
         self.skip = c.train.nonfinite == "skip"
         self.capture = device.type == "cuda"

@@ -37,7 +37,7 @@ import torch
 from ...base.config import Config, ConfigError, cache_capacities, local_batch_size, table_rows
 from kernels import cells_bound
 from ...sparse.embedding.dynamic.admission import Counting
-from ...sparse.embedding.padded import PLAN_SLOT_BYTES, REQUEST_SLOT_BYTES, unique_capacity
+from ...sparse.embedding.fixed.padded import PLAN_SLOT_BYTES, REQUEST_SLOT_BYTES, unique_capacity
 from ...sparse.embedding.dynamic.pool import pool_slot_bytes
 from ...sparse.embedding.sharding import RowSharding
 from ...sparse.embedding.cache.slotmap import map_bytes

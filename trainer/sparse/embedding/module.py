@@ -29,7 +29,7 @@ reads the stored values; the workspace's gradient, the pushes and the owner's up
 (the owner rounds only when it writes the updated row back). A training lookup sets the one step
 clock (clock()), the rounding's key among what reads it, so a row's stochastic rounding is keyed
 by the step being applied wherever the row is updated (owner, replica, lent rows).
-Fixed shapes (train.cuda_graph=on): fixed_shapes() gives this module's other mode (fixed.py), the
+Fixed shapes (train.cuda_graph=on): fixed/shapes.py (FixedShapes) is this module's other mode, the
 same stages with every size set by the config, which the capturable steps call instead.
 """
 from __future__ import annotations
@@ -44,7 +44,6 @@ from ...base.comm import Collectives
 from ...workload.data.batch import Batch
 from .dynamic.shard import gather_tables
 from .exchange import RowExchange, plan_lookup
-from .fixed import FixedShapes
 from .remote import CACHE_COUNTERS, Audit, PlainRemote, RemoteRows
 from .replica import Replica
 from .sharding import Sharding
@@ -118,11 +117,6 @@ class HybridEmbedding:
         lookup (either mode), and by a resume to the step before the checkpoint's."""
         self.step = step
         self.store.rounding.step = step
-
-    def fixed_shapes(self, min_bag: int, max_bag: int, local_batch: int, chosen: int = 0) -> FixedShapes:
-        """This module's fixed-shape mode (fixed.py; train.cuda_graph=on): capacities from the
-        bags' bounds, the local batch and train.unique_capacity (`chosen`, 0: the bound)."""
-        return FixedShapes(self, min_bag, max_bag, local_batch, chosen)
 
     @property
     def cache(self):

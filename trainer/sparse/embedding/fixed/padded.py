@@ -42,9 +42,9 @@ from typing import Optional
 
 import torch
 
-from ...workload.data.batch import Batch
-from .exchange import run_starts, sorted_runs
-from .sharding import Sharding, rows_on_rank
+from ....workload.data.batch import Batch
+from ..exchange import run_starts, sorted_runs
+from ..sharding import Sharding, rows_on_rank
 
 __all__ = ["PLAN_SLOT_BYTES", "REQUEST_SLOT_BYTES", "BagPadding", "PaddedCombine", "PaddedPlan", "PaddedRequest",
            "padded_combine", "padded_plan", "padded_request", "unique_capacity"]

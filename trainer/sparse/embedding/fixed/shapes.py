@@ -1,5 +1,5 @@
 """FixedShapes: the sparse half of a training step at shapes the config fixes (train.cuda_graph=on),
-the fixed-shape mode of HybridEmbedding beside its exact-size one (module.py).
+the fixed-shape mode of HybridEmbedding beside its exact-size one (module.py), which it holds.
 
 Why: the exact-size lookup (exchange.plan_lookup) sizes its plan, its alltoalls and every tensor
 after them by the batch's unique ids, a count read back from the device each step; a CUDA graph
@@ -45,19 +45,17 @@ step (unique and remote ids) stay on the device (LookupStats.record_on_device).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Optional
+from typing import Callable, Optional
 
 import torch
 
 import kernels
 
-from ...workload.data.batch import Batch
-from .exchange import wire_dtype
+from ....workload.data.batch import Batch
+from ..exchange import wire_dtype
+from ..module import HybridEmbedding
+from ..types import GlobalStep, InFlightStep
 from .padded import BagPadding, PaddedPlan, PaddedRequest, padded_combine, padded_plan, padded_request, unique_capacity
-from .types import GlobalStep, InFlightStep
-
-if TYPE_CHECKING:  # the module holds this object; this one only calls it back
-    from .module import HybridEmbedding
 
 __all__ = ["FixedRead", "FixedShapes"]
 
@@ -78,7 +76,7 @@ class FixedShapes:
     owner (per table the fewer of local batch x max bag and the rows one owner holds: `bound`,
     never exceeded; train.unique_capacity: a smaller one)."""
 
-    def __init__(self, emb: "HybridEmbedding", min_bag: int, max_bag: int, local_batch: int, chosen: int = 0) -> None:
+    def __init__(self, emb: HybridEmbedding, min_bag: int, max_bag: int, local_batch: int, chosen: int = 0) -> None:
         self.emb, self.comm, self.sharding, self.store = emb, emb.comm, emb.sharding, emb.store
         self.padding = BagPadding(self.sharding, min_bag, max_bag)
         w, rows = self.comm.size, self.sharding.table_rows
