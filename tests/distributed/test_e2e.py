@@ -72,6 +72,29 @@ def test_torchrun_two_workers_share_one_output_dir(tmp_path):
 
 
 @pytest.mark.dist
+def test_torchrun_fae_with_the_fixed_shape_step_equals_the_eager_step(tmp_path):
+    """`torchrun ... placement=fae train.cuda_graph=on` at W = 2 trains, and its final loss and
+    counters equal train.cuda_graph=off's (docs/gpu.md: the seed systems under cuda_graph=on)."""
+    got = {}
+    for graph in ("off", "on"):
+        out = tmp_path / graph
+        cmd = [os.path.join(BIN, "torchrun"), "--standalone", "--nproc_per_node", "2", "-m", "trainer", "comm=torch",
+               "data.max_bag=1", "train.steps=24", "data.global_batch_size=48", "data.test_samples=480",
+               "data.eval_batch_size=40", "train.progress=off", "placement=fae", "placement.budget_bytes=16000",
+               "placement.window_batches=8", f"train.cuda_graph={graph}", f"hydra.run.dir={out}"]
+        proc = subprocess.run(cmd, cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=600)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        got[graph] = json.loads((out / "summary.json").read_text())
+    off, on = got["off"], got["on"]
+    assert on["final_loss"] == off["final_loss"] and on["eval_auc"] == off["eval_auc"]
+    assert on["embedding"] == off["embedding"]
+    for key in ("hot_rows", "hot_steps", "alltoalls_in_hot_steps"):
+        assert on["placement"][key] == off["placement"][key]
+    assert on["placement"]["hot_rows"] > 0 and on["placement"]["hot_steps"] > 0
+    assert on["cuda_graph"]["scope"] == "step" and off.get("cuda_graph") is None
+
+
+@pytest.mark.dist
 @pytest.mark.parametrize("pipeline,settled", [("off", "auto"), ("ids", "never"), ("ids", "always")])
 def test_bytes_match_analytic_count_of_unique_remote_rows(pipeline, settled):
     """rows/ids/grads bytes == (unique remote rows per rank and step) x row/id size, counted here

@@ -167,6 +167,10 @@ def test_memory_plan_counts_the_padded_step():
     block = unique_capacity(24, 3, [49, 501, 7, 125])
     assert memplan.plan_memory(c, 2, 0).parts["padded step"] == 2 * block * (8 * d * 4 + REQUEST_SLOT_BYTES)
     assert "padded step" not in memplan.plan_memory(load_config(make_cfg(BASE + ["train.cuda_graph=dense"])), 1, 0).parts
+    # a placement adds the replica block (workspace and gradient, fp32) of the rows its budget holds
+    placed = load_config(make_cfg(BASE + ["train.cuda_graph=on", "placement=fae", "placement.budget_bytes=16000"]))
+    hot = 16000 // (d * 4)
+    assert memplan.plan_memory(placed, 1, 0).parts["padded step"] == slots * (4 * d * 4 + PLAN_SLOT_BYTES) + hot * d * 8
     got = run_single(BASE + ["train.cuda_graph=on", "train.steps=1"], return_state=False)
     assert got.summary["cuda_graph"]["unique_capacity"] == got.summary["cuda_graph"]["unique_bound"] == slots
     assert 0 < got.summary["cuda_graph"]["most_slots_used"] < slots  # one-hot-to-3 bags of 48 samples

@@ -162,6 +162,9 @@ def plan_memory(c: Config, world: int, rank: int, device: torch.device = torch.d
                                 world)
         plan.parts["padded step"] = (slots * (4 * d * 4 + PLAN_SLOT_BYTES) if world == 1 else
                                      world * slots * (8 * d * 4 + REQUEST_SLOT_BYTES))
+        if c.placement.name in ("fae", "sca"):  # the replica block: its workspace and gradient, fp32
+            hot = int(c.placement.budget_bytes) // (d * weight_elem(c))  # at most this many rows fit the budget
+            plan.parts["padded step"] += hot * d * 4 * 2
     return plan
 
 
