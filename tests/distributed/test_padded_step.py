@@ -68,23 +68,38 @@ def test_padded_step_equals_one_process():
 
 
 @pytest.mark.dist
-def test_a_block_of_the_most_slots_used_is_exact_and_one_less_stops_the_run():
+@pytest.mark.parametrize("skip", [False, True])
+def test_a_block_of_the_most_slots_used_is_exact_and_a_smaller_one_trains_the_overflow_again(skip):
     """summary.json's most_slots_used (the most unique ids any rank asked one owner for, over the
     ranks) is the smallest block the same run fits in: with it the run is the same bit for bit
-    (and the wire smaller); with one slot less it stops, naming train.unique_capacity."""
-    extra = ["optim=adagrad", "data.min_bag=1", "data.max_bag=3"]
+    (and the wire smaller), with no step trained again. With fewer slots some rank's request
+    overflows: every rank learns it from the ids alltoall (each block carries its requester's
+    excess), masks the step's updates off, and trains the step again in exact sizes: still the
+    same run bit for bit, the steps counted (cuda_graph.overflow_steps), the counters the exact
+    step's. train.nonfinite=skip reads the excess before the backward; stop with the loss."""
+    extra = ["optim=adagrad", "data.min_bag=1", "data.max_bag=3"] + (["train.nonfinite=skip"] if skip else [])
     off = run_world(2, SHORT + extra)
     first = run_world(2, SHORT + extra + ["train.cuda_graph=on"])
     most = first[0].summary["cuda_graph"]["most_slots_used"]
     assert [r.summary["cuda_graph"]["most_slots_used"] for r in first] == [most, most]
     assert 0 < most < first[0].summary["cuda_graph"]["unique_bound"]
+    assert "overflow_steps" not in first[0].summary["cuda_graph"]  # at the bound none can overflow
     fit = run_world(2, SHORT + extra + ["train.cuda_graph=on", f"train.unique_capacity={most}"])
     assert fit[0].summary["cuda_graph"]["unique_capacity"] == most
+    assert fit[0].summary["cuda_graph"]["overflow_steps"] == 0
     assert fit[0].summary["bytes"]["rows"] < first[0].summary["bytes"]["rows"]
     for a, b in zip(off, fit):
         assert_same_run(a, b, rtol=0, atol=0)
-    with pytest.raises(RuntimeError, match=rf"unique ids more than train.unique_capacity={most - 1} slots"):
-        run_world(2, SHORT + extra + ["train.cuda_graph=on", f"train.unique_capacity={most - 1}"])
+    small = most * 3 // 4
+    tight = run_world(2, SHORT + extra + ["train.cuda_graph=on", f"train.unique_capacity={small}"])
+    again = tight[0].summary["cuda_graph"]["overflow_steps"]
+    assert 0 < again <= 10 and [r.summary["cuda_graph"]["overflow_steps"] for r in tight] == [again, again]
+    for a, b in zip(off, tight):
+        assert b.losses == a.losses
+        assert_same_run(a, b, rtol=0, atol=0)
+        assert_same_eval(a, b)
+        for key in ("ids_per_step", "unique_per_step", "remote_per_step"):
+            assert b.summary["embedding"][key] == a.summary["embedding"][key], key
 
 
 def test_the_padded_request_is_the_eager_plan_in_fixed_blocks():
@@ -169,6 +184,9 @@ PLACEMENTS = {
     "w2-fae-adam-pipeline-ids": (2, ["placement=fae", "placement.budget_bytes=16000", "optim=adam",
                                      "train.pipeline=ids"]),
     "w3-sca-adagrad": (3, ["placement=sca", "optim=adagrad"]),
+    # blocks too small for some batches: those steps are masked off and trained again exactly
+    "w2-fae-tight-blocks": (2, ["placement=fae", "placement.budget_bytes=16000", "optim=adagrad",
+                                "train.unique_capacity=12"]),
 }
 
 
@@ -192,6 +210,7 @@ def test_replicated_rows_in_fixed_shapes_equal_the_eager_step(case):
     assert s["placement"]["hot_rows"] > 0 and s["bytes"]["replica"] > 0 and s["cuda_graph"]["scope"] == "step"
     if "fae" in case:
         assert s["placement"]["hot_steps"] > 0 and s["placement"]["alltoalls_in_hot_steps"] == 0
+    assert (s["cuda_graph"].get("overflow_steps", 0) > 0) == ("tight" in case)
 
 
 MLPERF = ["data=mlperf", "model=dlrm_mlperf", "data.max_table_rows=2000", "data.global_batch_size=64",

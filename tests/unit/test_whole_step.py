@@ -176,17 +176,23 @@ def test_memory_plan_counts_the_padded_step():
     assert 0 < got.summary["cuda_graph"]["most_slots_used"] < slots  # one-hot-to-3 bags of 48 samples
 
 
-def test_a_smaller_capacity_is_exact_and_stops_the_run_when_exceeded():
+def test_a_smaller_capacity_is_exact_and_an_overflowing_step_is_trained_again():
     """train.unique_capacity below the bound (398 slots here): with room for every batch's unique
-    ids (this run holds at most ~200) the same run bit for bit; with too little the run stops at
-    the first such step with one line naming the key (the excess rides the loss's read)."""
-    from trainer.base.core.errors import TrainingError
+    ids (this run holds at most ~200) the same run bit for bit, no step trained again; with too
+    little, a step whose plan overflows changes nothing (its update masked by count <= capacity on
+    the device) and is trained again in exact sizes (the excess rides the loss's read): still the
+    same run, the steps counted in cuda_graph.overflow_steps, the counters the exact step's."""
     extra = ["train.steps=4", "optim=adagrad"]
     ref = run_single(BASE + extra)
     got = run_single(BASE + extra + ["train.cuda_graph=on", "train.unique_capacity=300"])
     assert got.summary["cuda_graph"]["unique_capacity"] == 300
+    assert got.summary["cuda_graph"]["overflow_steps"] == 0
     assert got.losses == ref.losses
     assert_same_run(ref, got, rtol=0, atol=0)
-    with pytest.raises(TrainingError, match=r"^step 0: the batch holds \d+ unique ids more than "
-                                            r"train.unique_capacity=50 slots \(per owner at W > 1\); raise it"):
-        run_single(BASE + extra + ["train.cuda_graph=on", "train.unique_capacity=50"])
+    for skip in ([], ["train.nonfinite=skip"]):
+        tight = run_single(BASE + extra + skip + ["train.cuda_graph=on", "train.unique_capacity=50"])
+        assert tight.summary["cuda_graph"]["overflow_steps"] == 4
+        assert tight.losses == ref.losses
+        assert_same_run(ref, tight, rtol=0, atol=0)
+        for key in ("ids_per_step", "unique_per_step", "remote_per_step"):
+            assert tight.summary["embedding"][key] == ref.summary["embedding"][key], key

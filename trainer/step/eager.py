@@ -64,6 +64,7 @@ class StepContext:
     grads: list[torch.Tensor] = field(default_factory=list)  # the dense gradients, in the parameters' order
     rows_grad: Optional[torch.Tensor] = None  # DenseStep: the pooled rows' gradient, for their lookup
     count: Optional[torch.Tensor] = None  # WholeStep: the batch's unique ids (on the device)
+    again: bool = False  # a fixed-shape step that overflowed its capacity: trained again in exact sizes
 
     @property
     def step(self) -> int:
@@ -75,6 +76,7 @@ class StepStrategy:
     has nothing to do in."""
 
     plans_ahead = True  # the step prepared ahead gets its lookup plan and its begun read
+    may_overflow = False  # a fixed-shape step below its bound (whole_step.CapacityCheck)
 
     def lookup(self, ctx: StepContext) -> None:
         raise NotImplementedError

@@ -17,8 +17,10 @@ train.cuda_graph=off at the same W, bit for bit on a CPU (tests/distributed/test
 
 Cost: the wire carries W x C slots each way, not the batch's unique ids: C is by default the
 bound (per table the fewer of local batch x max bag and the rows rank 0 owns), which no batch
-exceeds; train.unique_capacity sets a smaller block (less wire, memory and work), and a batch
-that asks one owner for more stops the run naming the key. train.cuda_graph=dense keeps the
+exceeds; train.unique_capacity sets a smaller block (less wire, memory and work). A request that
+overflows a block on any rank is known to every rank from the ids alltoall (each block carries
+its requester's excess), so every owner masks the step's updates off; the excess rides the loss's
+read, and TrainPipeline trains that step again in exact sizes (cuda_graph.overflow_steps). train.cuda_graph=dense keeps the
 exact-size sparse half (no padding) with the dense half replayed.
 
 Refused (config time, base/config/validate.py): what has no fixed-shape mode yet (docs/gpu.md).

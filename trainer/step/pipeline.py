@@ -77,6 +77,13 @@ class TrainPipeline:
         self.saves_after = saves_after
         self.skip = c.train.nonfinite == "skip"
         self.strategy = self._choose(model, global_batch)
+        # a fixed-shape step that overflowed its capacity is trained again by the exact-size one
+        self.exact: Optional[StepStrategy] = None
+        if self.strategy.may_overflow:
+            self.exact = (EagerStep(self.emb, model, self.params, self.opt, self.precision, global_batch)
+                          if comm.size == 1 else
+                          DenseStep(self.emb, model, self.params, self.opt, self.precision, global_batch, device))
+        self.again = 0  # steps trained again (summary.json's cuda_graph.overflow_steps)
         # the dense optimizer's step from its own graph (dense_update.py) where the step is graphed
         self.dense = DenseUpdate(opt, params, device) if c.train.cuda_graph != "off" else None
         self.plans = self.strategy.plans_ahead  # False: the step prepared ahead is its batch only
@@ -117,21 +124,39 @@ class TrainPipeline:
         self.lr.apply(step)
         ctx = StepContext(self.start(step))
         self.model.train()
+        counts = self.emb.stats.snapshot() if self.exact is not None else None
         self.strategy.lookup(ctx)
         self.prefetch(step)
         self.strategy.forward(ctx)
-        value = self._end(ctx)
+        value = self._end(ctx, self.strategy)
+        if ctx.again:
+            value = self._again(ctx, counts)
         self.finish(ctx.flight)
         return value
 
-    def _end(self, ctx: StepContext) -> float:
+    def _again(self, ctx: StepContext, counts: tuple) -> float:
+        """Some rank's batch needed more slots than train.unique_capacity: the fixed-shape step
+        changed nothing (its updates were masked off on the device, the dense step not taken), and
+        every rank trains the step again through the exact-size sparse half (the same batch, the
+        same rows: the result is the exact step's). Counted in summary.json (cuda_graph.overflow_steps)."""
+        self.again += 1
+        self.strategy.discard(ctx)
+        self.emb.stats.restore(counts)  # the step's counts are the exact step's
+        again = StepContext(ctx.flight)
+        self.exact.lookup(again)
+        self.exact.forward(again)
+        return self._end(again, self.exact)
+
+    def _end(self, ctx: StepContext, strategy: StepStrategy) -> float:
         """The end of every step (the module docstring's 5): returns the global loss."""
-        carry = [self.strategy.carry(ctx, SIGNALS.carry(ctx.loss, self.comm.size))]
+        carry = [strategy.carry(ctx, SIGNALS.carry(ctx.loss, self.comm.size))]
         if self.skip:
-            value = self._take(self.comm.allreduce(carry.pop(), op="sum", kind="dense"), ctx)
+            value = self._take(self.comm.allreduce(carry.pop(), op="sum", kind="dense"), ctx, strategy)
+            if ctx.again:
+                return value
             if not math.isfinite(value):
-                return self._drop(ctx, value)
-        self.strategy.backward(ctx)
+                return self._drop(ctx, value, strategy)
+        strategy.backward(ctx)
         if self.precision.scaler is not None:  # fp16: unscaled, and every rank's overflow known
             taken, overflow = self.precision.agree(self.comm, ctx.grads, ctx.flight.ws.grad,
                                                    carry.pop() if carry else None, ctx.step)
@@ -139,20 +164,27 @@ class TrainPipeline:
                 value = taken
                 self._check_loss(value, ctx.step)
             if overflow:
-                return self._drop(ctx, value)
-        reduced = self._update(ctx, ctx.grads + carry)
+                return self._drop(ctx, value, strategy)
+        reduced = self._update(ctx, strategy, ctx.grads + carry)
+        if carry and strategy.may_overflow:  # the read first: an overflowing step takes no dense step
+            value = self._take(reduced[-1], ctx, strategy)
+            if ctx.again:
+                return value
+            self._dense_step(reduced[:len(self.params)])
+            self._check_loss(value, ctx.step)
+            return value
         self._dense_step(reduced[:len(self.params)])
         if carry:
-            value = self._take(reduced[-1], ctx)
+            value = self._take(reduced[-1], ctx, strategy)
             self._check_loss(value, ctx.step)
         return value
 
-    def _update(self, ctx: StepContext, dense: list[torch.Tensor]) -> list[torch.Tensor]:
+    def _update(self, ctx: StepContext, strategy: StepStrategy, dense: list[torch.Tensor]) -> list[torch.Tensor]:
         """The rows' update and the dense allreduce of `dense` (the gradients, then the loss's
         carry in stop mode); returns it reduced. train.pipeline=off, or rows updated already (the
         whole step): one after the other; else the row gradients leave first, the dense allreduce
         behind them, and it travels while the owners update."""
-        finish = self.strategy.update_rows(ctx)
+        finish = strategy.update_rows(ctx)
         if finish is not None and self.mode == "off":
             finish()
             finish = None
@@ -177,19 +209,21 @@ class TrainPipeline:
         out = self.strategy.summary()
         if out is not None and self.dense is not None:
             out["optimizer"] = self.dense.summary()
+        if out is not None and self.strategy.may_overflow:
+            out["overflow_steps"] = self.again
         return out
 
-    def _take(self, reduced: torch.Tensor, ctx: StepContext) -> float:
+    def _take(self, reduced: torch.Tensor, ctx: StepContext, strategy: StepStrategy) -> float:
         """The global loss of a reduced carry, in one read with the stop signals' flag and the
         strategy's values (which it checks)."""
         value, *values = SIGNALS.take_values(reduced, self.comm.size)
-        self.strategy.check(ctx, values)
+        strategy.check(ctx, values)
         return value
 
-    def _drop(self, ctx: StepContext, value: float) -> float:
+    def _drop(self, ctx: StepContext, value: float, strategy: StepStrategy) -> float:
         """Every rank drops the step (a non-finite loss under train.nonfinite=skip, an fp16
         overflow): nothing changed; the step prepared ahead begins its read again."""
-        self.strategy.discard(ctx)
+        strategy.discard(ctx)
         self.restart_next()  # its cache lookups predate the rollback
         return value
 

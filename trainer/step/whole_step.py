@@ -16,8 +16,11 @@ step and the loss's one read.
 
 The capacity: by default the bound (per table the fewer of local batch x max bag and its rows),
 which no batch exceeds; train.unique_capacity sets a smaller one (less memory and work: the
-padding is most of the slots when bags are multi-hot), and a batch past it stops the run with
-an error naming the key, its excess read with the loss (no other read).
+padding is most of the slots when bags are multi-hot). A batch past it changes nothing (the
+update's mask holds count <= capacity, a device value) and its excess rides the loss's read (no
+other read): TrainPipeline then trains that step again through the exact-size sparse half
+(summary.json's cuda_graph.overflow_steps counts them), so any capacity is exact and a small
+one costs only the rare step run twice.
 
 Ragged bags (data.min_bag < data.max_bag) make the batch's own id count vary: the ids are
 padded to local batch x tables x max bag, the padding entries in one extra bag of an extra
@@ -49,7 +52,6 @@ import torch
 
 import kernels
 
-from ..base.core.errors import TrainingError
 from ..base.comm import Collectives
 from ..base.config import Config
 from .dense_step import _WARMUP
@@ -93,14 +95,17 @@ class CapacityCheck(StepStrategy):
             carry = torch.cat([carry, self.excess(ctx).to(carry.dtype).reshape(1)])
         return carry
 
+    @property
+    def may_overflow(self) -> bool:
+        """A capacity below the bound: a batch may need more slots (TrainPipeline then trains the
+        step again in exact sizes; this step's updates were masked off on the device)."""
+        return self.capacity < self.bound
+
     def check(self, ctx: StepContext, values: list[float]) -> None:
-        """A batch past train.unique_capacity stops the run (its plan dropped ids: the step is
-        wrong, and nothing is saved after it)."""
+        """A batch past train.unique_capacity on any rank (values[0]: the ids past it, summed over
+        the ranks): the step is trained again in exact sizes (ctx.again; nothing changed)."""
         if values and values[0] > 0:
-            raise TrainingError(f"step {ctx.step}: the batch holds {int(values[0])} unique ids more than "
-                                f"train.unique_capacity={self.capacity} slots (per owner at W > 1); raise it "
-                                f"(0: the bound, {self.bound}, is never exceeded; a run at the bound reports the "
-                                f"most its batches need as summary.json's cuda_graph.most_slots_used)")
+            ctx.again = True
 
 
 class WholeStep(CapacityCheck):
@@ -159,15 +164,20 @@ class WholeStep(CapacityCheck):
         got = torch.autograd.grad(loss, [*self.params, ws], allow_unused=True)
         grads = [g if g is not None else torch.zeros_like(p) for g, p in zip(got[:-1], self.params)]
         mask = torch.zeros_like(plan.valid) if warm else plan.valid
-        finite = torch.isfinite(loss) if self.skip else None
-        if finite is not None:
-            mask = mask & finite
-        if warm and touched is not None:
-            finite = torch.zeros_like(finite if finite is not None else mask[0])
-        # the padding slots' gradient is zero (no entry points there): outside a skip or a warm-up
-        # it is zero wherever the mask is False
-        self.sparse.whole_update(plan, got[-1], ws, mask, zero_outside=not (self.skip or warm), touched=touched,
-                                 finite=finite)
+        # the step changes a row only where its loss is finite (skip) and its plan fits the capacity
+        # (below the bound: an overflowing step is trained again in exact sizes, TrainPipeline)
+        keep = torch.isfinite(loss) if self.skip else None
+        if self.capacity < self.bound:
+            fits = plan.count <= self.capacity
+            keep = fits if keep is None else keep & fits
+        if warm:
+            keep = torch.zeros_like(plan.count, dtype=torch.bool)
+        if keep is not None:
+            mask = mask & keep
+        # the padding slots' gradient is zero (no entry points there): where nothing else masks
+        # the update it is zero wherever the mask is False
+        self.sparse.whole_update(plan, got[-1], ws, mask, zero_outside=keep is None, touched=touched,
+                                 finite=keep)
         unique = plan.count if touched is None else plan.count + touched.sum()
         return loss.detach(), grads, torch.stack([plan.count, unique])
 

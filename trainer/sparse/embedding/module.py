@@ -78,6 +78,14 @@ class LookupStats:
         summed = last if self.pending is None else self.pending[2:] + last
         self.pending = torch.cat([last, summed])
 
+    def snapshot(self) -> tuple:
+        """The counts as they are (restore() puts them back: a step trained again)."""
+        return self.ids, self.unique, self.remote, dict(self.totals), self.pending
+
+    def restore(self, saved: tuple) -> None:
+        self.ids, self.unique, self.remote, totals, self.pending = saved
+        self.totals = dict(totals)
+
     def settle(self) -> None:
         """Read the counts kept on the device (one read; a no-op when there are none)."""
         if self.pending is not None:
@@ -281,13 +289,14 @@ class HybridEmbedding:
             buf.index_copy_(0, at, grad[plan.hot_pos])
         self.reduce_replica(union, buf)
 
-    def reduce_replica(self, union: torch.Tensor, buf: torch.Tensor) -> None:
+    def reduce_replica(self, union: torch.Tensor, buf: torch.Tensor, fits: torch.Tensor | None = None) -> None:
         """The replica's rows `union` [u] (the global batch's hot rows, ascending) take this rank's
         gradients buf [u, d] summed over the ranks (one allreduce, kind "replica"), on every rank
-        alike. Both modes end their replicated rows' update here."""
+        alike (fits, a device bool: only where it holds). Both modes end their replicated rows'
+        update here."""
         if union.numel():
             buf = self.comm.allreduce(buf, op="sum", kind="replica")
-        self.replica.apply(union, buf, self.store)
+        self.replica.apply(union, buf, self.store, fits)
 
     @staticmethod
     def union(info: GlobalStep) -> torch.Tensor:

@@ -159,9 +159,15 @@ class Replica:
             self.last.index_copy_(0, union, last)
         self._undo, self._undo_last = None, []
 
-    def apply(self, slots: torch.Tensor, grads: torch.Tensor, store: ShardStore) -> None:
+    def apply(self, slots: torch.Tensor, grads: torch.Tensor, store: ShardStore,
+              fits: torch.Tensor | None = None) -> None:
         """One optimizer step on distinct slots [u] with the gradient summed over workers [u, d];
-        dynamic tables: the rows not admitted drop theirs, counted by their owner (store)."""
+        dynamic tables: the rows not admitted drop theirs, counted by their owner (store).
+        fits: a device bool (the fixed-shape mode's; fixed tables): where False nothing changes."""
+        if fits is not None:
+            if slots.numel():
+                self.optimizer.step(slots, grads, unique=True, mask=fits.expand(slots.numel()))
+            return
         if self.dynamic and slots.numel():
             keep = self.life.index_select(0, slots) > 0
             lost = self.gids.index_select(0, slots[~keep])

@@ -10,8 +10,9 @@ nothing back, so this plan pads the unique ids to a capacity fixed by the config
 What: `capacity` slots, by default C = the sum over tables of min(local batch x max bag, the
 table's rows): the batch never has more unique ids. A smaller capacity (train.unique_capacity)
 saves memory and work; a batch that exceeds it gets a wrong plan (its extra ids clamped to the
-last slot, nothing out of bounds) and a count above the capacity, which the caller reads with
-the loss and stops the run on (trainer/step/whole_step.py). The first `count` slots hold the batch's unique ids in ascending order, the
+last slot, nothing out of bounds) and a count above the capacity: the caller masks the step's
+update with count <= capacity and, reading the excess with the loss, trains the step again in
+exact sizes (trainer/step/pipeline.py). The first `count` slots hold the batch's unique ids in ascending order, the
 same slots as plan_lookup's (so the workspace, the pooled gather and the rows' gradient are the
 same numbers); the other C - count slots hold storage rows the batch does not touch, all distinct
 (the smallest such rows, found by a search over the sorted ids: fixed-size). Their gradient is
@@ -158,7 +159,7 @@ class PaddedRequest:
     order plan_lookup sends them in), in its first slots, then local_rows (no row: padding);
     inverse: [N] workspace slot (w x C + position) of every entry; valid: [W x C] slot holds one
     of the batch's ids; count: [] unique ids; excess: [] ids past a block's capacity, summed over
-    the blocks (> 0: the plan dropped ids, the caller stops the run); largest: [] the most unique
+    the blocks (> 0: the plan dropped ids, the step is trained again in exact sizes); largest: [] the most unique
     ids asked of one owner. On the device, none read."""
 
     ids: torch.Tensor

@@ -69,6 +69,7 @@ class FixedRead:
     request: PaddedRequest
     served: torch.Tensor
     touched: Optional[torch.Tensor]
+    fits: Optional[torch.Tensor] = None  # [] bool: no rank's request overflowed (None: none can)
 
 
 class FixedShapes:
@@ -84,6 +85,11 @@ class FixedShapes:
         self.capacity = unique_capacity(local_batch, max_bag, rows, chosen, world=w)
         c, r = self.capacity, self.comm.rank
         self.splits = [c] * w
+        # below the bound a request may overflow its blocks: each block then carries one slot more,
+        # the requester's excess, so every rank learns on the device whether any rank overflowed
+        # (the step's updates are masked off, and the step is trained again in exact sizes)
+        self.flagged = c < self.bound
+        self.id_splits = [c + 1] * w if self.flagged else self.splits
         self.id_dtype = wire_dtype(self.sharding.local_rows + 1)
         self.own = slice(r * c, (r + 1) * c)
         # the owner's entries in the exact-size step's order: its own block, then the peers' by rank
@@ -120,7 +126,8 @@ class FixedShapes:
                      finite: Optional[torch.Tensor] = None) -> None:
         """The owner's masked update of a padded plan's rows (grad None: no gradient reached them);
         with a replica, its rows the batch touched (at W = 1 the global batch's hot rows: the same
-        rows and sums as the exact-size mode's reduce), where `finite` (a device bool, None: always)."""
+        rows and sums as the exact-size mode's reduce), where `finite` (a device bool: the step's
+        own mask, a finite loss and a plan that fits; None: always)."""
         grad = grad if grad is not None else torch.zeros_like(ws)
         c = self.capacity
         self.store.apply_masked(plan.rows, grad[:c], mask, zero_outside=zero_outside)
@@ -146,13 +153,12 @@ class FixedShapes:
         slot = replica.find(gids) if replica is not None else None
         hot = slot >= 0 if slot is not None else None
         req = padded_request(self.sharding, gids, self.capacity, self.padding.sentinel, skip=hot)
+        fits = None
         if flight.info.hot:  # every id replicated: no owner is asked anything (no alltoall)
             served = torch.full_like(req.ids, self.sharding.local_rows)
             ws = torch.zeros(req.ids.numel(), self.store.dim, dtype=self.store.compute_dtype, device=gids.device)
         else:
-            served, _ = self.comm.alltoall(req.ids.to(self.id_dtype), self.splits, kind="ids",
-                                           recv_splits=self.splits)
-            served = served.long()
+            served, fits = self._ask(req)
             stored = self._read(served)  # as stored; its own block is what this rank asked itself for
             got, _ = self.comm.alltoall(stored.to(emb.exchange.row_dtype), self.splits, kind="rows",
                                         recv_splits=self.splits)
@@ -166,10 +172,25 @@ class FixedShapes:
             unique = unique + touched.sum()
         ws.requires_grad_()
         pooled = kernels.pooled_gather(ws, inverse, ids.offsets(), ids.num_tables, mode=emb.pooling)
-        flight.ws, flight.read = ws, FixedRead(req, served, touched)
+        flight.ws, flight.read = ws, FixedRead(req, served, touched, fits)
         own = req.valid[self.own].sum()
         emb.stats.record_on_device(int(flight.batch.values.numel()), unique, req.count - own)
         return pooled[:labels.shape[0]] if self.padding.ragged else pooled  # the padding's extra sample
+
+    def _ask(self, req: PaddedRequest) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """The ids alltoall: (storage rows peers asked this rank for [W x C], whether no rank's
+        request overflowed its blocks ([] bool on the device; None when no request can))."""
+        ids = req.ids.to(self.id_dtype)
+        if self.flagged:
+            w, c = self.comm.size, self.capacity
+            flag = req.excess.to(ids.dtype).reshape(1, 1).expand(w, 1)
+            ids = torch.cat([ids.reshape(w, c), flag], 1).reshape(-1)
+        got, _ = self.comm.alltoall(ids, self.id_splits, kind="ids", recv_splits=self.id_splits)
+        got = got.long()
+        if not self.flagged:
+            return got, None
+        got = got.reshape(self.comm.size, self.capacity + 1)
+        return got[:, :-1].reshape(-1), (got[:, -1] == 0).all()
 
     def _read(self, idx: torch.Tensor) -> torch.Tensor:
         """Rows of storage rows idx, padding slots (local_rows) reading the last row."""
@@ -182,7 +203,7 @@ class FixedShapes:
         grad = ws.grad if ws.grad is not None else torch.zeros_like(ws)
         blocks = read.request.ids.numel()
         if read.touched is not None:
-            self._reduce_replica(grad[blocks:], flight.info)
+            self._reduce_replica(grad[blocks:], flight.info, read.fits)
             grad = grad[:blocks]
         if flight.info.hot:
             return lambda: None
@@ -193,17 +214,23 @@ class FixedShapes:
             got = handle.wait()[0].to(grad.dtype)
             got[self.own] = grad[self.own]  # its own gradients as they are, as the exact-size step
             combine = padded_combine(read.served.index_select(0, self.order), self.sharding.local_rows)
-            self.store.apply_masked(combine.rows, combine.sums(got.index_select(0, self.order)), combine.valid,
-                                    counts=combine.counts)
+            valid, counts = combine.valid, combine.counts
+            if read.fits is not None:  # an overflowing step changes no row (it is trained again)
+                valid, counts = valid & read.fits, counts * read.fits
+            self.store.apply_masked(combine.rows, combine.sums(got.index_select(0, self.order)), valid,
+                                    counts=counts)
         return finish
 
-    def _reduce_replica(self, grad: torch.Tensor, info: GlobalStep) -> None:
+    def _reduce_replica(self, grad: torch.Tensor, info: GlobalStep, fits: Optional[torch.Tensor]) -> None:
         """The replica's gradient [H, d] at the global batch's hot rows (the scheduler's feed: known
         on the host, the same list on every rank), summed over the ranks and applied as in the
-        exact-size mode (HybridEmbedding.reduce_replica): the same buffer, so the same sums."""
+        exact-size mode (HybridEmbedding.reduce_replica): the same buffer, so the same sums; not
+        applied where a request overflowed (fits False)."""
         union = self.emb.union(info)
-        self.emb.reduce_replica(union, grad.index_select(0, union))
+        self.emb.reduce_replica(union, grad.index_select(0, union), fits)
 
     def discard(self, flight: InFlightStep) -> None:
-        """A dropped step: nothing changed before its update, the workspace is simply let go."""
-        self.emb.finish_lookup(flight, "discard")
+        """A dropped step: nothing changed before its update (or the update was masked off: an
+        overflow), the workspace is simply let go."""
+        if flight.ws is not None:
+            self.emb.finish_lookup(flight, "discard")
