@@ -196,3 +196,16 @@ def test_a_smaller_capacity_is_exact_and_an_overflowing_step_is_trained_again():
         assert_same_run(ref, tight, rtol=0, atol=0)
         for key in ("ids_per_step", "unique_per_step", "remote_per_step"):
             assert tight.summary["embedding"][key] == ref.summary["embedding"][key], key
+
+
+def test_the_measured_capacity_at_w1_is_exact():
+    """train.unique_capacity=-1 (the default) at W = 1: the bound for 16 steps, then what they
+    needed + 10% (the plan's shapes change once: a graph is captured again); the same run."""
+    extra = ["train.steps=30", "optim=adagrad"]
+    ref = run_single(BASE + extra)
+    got = run_single(BASE + extra + ["train.cuda_graph=on"])
+    graph = got.summary["cuda_graph"]
+    assert graph["capacity_rule"] == "measured" and graph["unique_capacity"] < graph["unique_bound"]
+    assert graph["unique_capacity"] >= graph["most_slots_used"] or graph["overflow_steps"] > 0
+    assert got.losses == ref.losses
+    assert_same_run(ref, got, rtol=0, atol=0)

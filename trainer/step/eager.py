@@ -76,7 +76,8 @@ class StepStrategy:
     has nothing to do in."""
 
     plans_ahead = True  # the step prepared ahead gets its lookup plan and its begun read
-    may_overflow = False  # a fixed-shape step below its bound (whole_step.CapacityCheck)
+    may_overflow = False  # a fixed-shape step below its bound, now or once measured (whole_step.CapacityCheck)
+    overflows_now = False  # ... below it now: the loss's read carries the excess
 
     def lookup(self, ctx: StepContext) -> None:
         raise NotImplementedError

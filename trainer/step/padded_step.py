@@ -55,7 +55,6 @@ class PaddedStep(CapacityCheck, DenseStep):
         self.comm = comm
         self.sparse = FixedShapes(emb, c.data.min_bag, c.data.max_bag, global_batch // comm.size,
                                   c.train.unique_capacity)
-        self.bound, self.capacity = self.sparse.bound, self.sparse.capacity
 
     def excess(self, ctx: StepContext) -> torch.Tensor:
         return ctx.inputs.excess
@@ -64,7 +63,6 @@ class PaddedStep(CapacityCheck, DenseStep):
     def lookup(self, ctx: StepContext) -> None:
         ctx.pooled = self.sparse.lookup(ctx.flight)
         ctx.inputs = ctx.flight.read.request  # its excess rides the loss's read (carry)
-        self.note_used(ctx.inputs.largest)
 
     def update_rows(self, ctx: StepContext) -> Optional[Callable[[], None]]:
         """The row gradients leave; the function returned applies what this rank owns."""
@@ -74,12 +72,6 @@ class PaddedStep(CapacityCheck, DenseStep):
         """Nothing changed before the update: the step's workspace is simply dropped."""
         self.sparse.discard(ctx.flight)
         ctx.inputs = None
-
-    def most_used(self) -> int:
-        """The most slots any rank's step asked one owner for (an allgather: summary() is called
-        by every rank)."""
-        mine = torch.tensor([CapacityCheck.most_used(self)], dtype=torch.int64)
-        return int(self.comm.allgather(mine, kind="meta").max())
 
     def summary(self) -> dict[str, Any]:
         return {**DenseStep.summary(self), "scope": "step", **self.capacity_summary()}

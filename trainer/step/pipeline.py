@@ -166,7 +166,7 @@ class TrainPipeline:
             if overflow:
                 return self._drop(ctx, value, strategy)
         reduced = self._update(ctx, strategy, ctx.grads + carry)
-        if carry and strategy.may_overflow:  # the read first: an overflowing step takes no dense step
+        if carry and strategy.overflows_now:  # the read first: an overflowing step takes no dense step
             value = self._take(reduced[-1], ctx, strategy)
             if ctx.again:
                 return value
@@ -209,7 +209,7 @@ class TrainPipeline:
         out = self.strategy.summary()
         if out is not None and self.dense is not None:
             out["optimizer"] = self.dense.summary()
-        if out is not None and self.strategy.may_overflow:
+        if out is not None and self.exact is not None:
             out["overflow_steps"] = self.again
         return out
 

@@ -65,41 +65,44 @@ Inputs = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
 
 
 class CapacityCheck(StepStrategy):
-    """The end of a step padded to a capacity (WholeStep, PaddedStep): the unique ids past it
-    (excess(ctx), on the device) ride the loss's read, summed over the ranks, and stop the run."""
+    """The end of a step padded to a capacity (WholeStep, PaddedStep; the capacity and its
+    statistics are the fixed-shape mode's, `sparse`): the unique ids past it (excess(ctx), on the
+    device) ride the loss's read, summed over the ranks; a step past it is trained again in exact
+    sizes (TrainPipeline)."""
 
-    capacity: int  # the slots chosen (train.unique_capacity, or the bound)
-    bound: int  # the slots no batch exceeds
-    peak: Optional[torch.Tensor] = None  # the most slots a step has needed (on the device)
+    sparse: FixedShapes
+
+    @property
+    def capacity(self) -> int:
+        return self.sparse.capacity
+
+    @property
+    def bound(self) -> int:
+        return self.sparse.bound
 
     def excess(self, ctx: StepContext) -> torch.Tensor:
         raise NotImplementedError
 
-    def note_used(self, used: torch.Tensor) -> None:
-        """A step needed `used` slots (a device value, outside any graph; read once, by summary)."""
-        used = used.reshape(())
-        self.peak = used.clone() if self.peak is None else torch.maximum(self.peak, used)
+    def capacity_summary(self) -> dict[str, Any]:
+        """summary.json's view of the capacity (FixedShapes.summary). Collective at W > 1."""
+        return self.sparse.capacity_summary()
 
-    def capacity_summary(self) -> dict[str, int]:
-        """summary.json's view of the capacity: the slots chosen, the bound, and the most any step
-        needed (a short run's figure is what train.unique_capacity can be set to, with a margin)."""
-        return {"unique_capacity": self.capacity, "unique_bound": self.bound, "most_slots_used": self.most_used()}
-
-    def most_used(self) -> int:
-        """The most slots a step needed on this rank (one read)."""
-        return int(self.peak) if self.peak is not None else 0
+    @property
+    def overflows_now(self) -> bool:
+        return self.capacity < self.bound
 
     def carry(self, ctx: StepContext, carry: torch.Tensor) -> torch.Tensor:
         """The unique ids past the capacity ride the loss's read."""
-        if self.capacity < self.bound:
+        if self.overflows_now:
             carry = torch.cat([carry, self.excess(ctx).to(carry.dtype).reshape(1)])
         return carry
 
     @property
     def may_overflow(self) -> bool:
-        """A capacity below the bound: a batch may need more slots (TrainPipeline then trains the
-        step again in exact sizes; this step's updates were masked off on the device)."""
-        return self.capacity < self.bound
+        """A capacity below the bound, now or once measured: a batch may need more slots
+        (TrainPipeline then trains the step again in exact sizes; this step's updates were
+        masked off on the device)."""
+        return self.capacity < self.bound or self.sparse.measuring
 
     def check(self, ctx: StepContext, values: list[float]) -> None:
         """A batch past train.unique_capacity on any rank (values[0]: the ids past it, summed over
@@ -122,7 +125,6 @@ class WholeStep(CapacityCheck):
         self.global_batch = global_batch
         self.sparse = FixedShapes(emb, c.data.min_bag, c.data.max_bag, global_batch // comm.size,
                                   c.train.unique_capacity)
-        self.bound, self.capacity = self.sparse.bound, self.sparse.capacity  # the bound: never exceeded
         self.skip = c.train.nonfinite == "skip"
         self.capture = device.type == "cuda"
         # the rate read on the device (Triton's update kernel): one graph for every rate
@@ -141,6 +143,8 @@ class WholeStep(CapacityCheck):
     def lookup(self, ctx: StepContext) -> None:
         """The padded inputs of the step's function (the lookup is inside it)."""
         self.emb.clock(ctx.step)
+        if self.sparse.begin_step():  # the capacity measured: the plan's shapes change (once)
+            self.graph = None
         ctx.inputs = self.sparse.padding.inputs(ctx.flight.batch)
 
     def forward(self, ctx: StepContext) -> None:
@@ -148,7 +152,7 @@ class WholeStep(CapacityCheck):
         ctx.loss, ctx.grads, counts = self._run(ctx.inputs)
         ctx.count = counts[0]  # the plan's unique ids (the capacity's); counts[1] with the replicated ones
         self.emb.stats.record_on_device(int(ctx.flight.batch.values.numel()), counts[1])
-        self.note_used(ctx.count)
+        self.sparse.note_used(ctx.count)
 
     def excess(self, ctx: StepContext) -> torch.Tensor:
         return (ctx.count - self.capacity).clamp(min=0)

@@ -190,7 +190,8 @@ def _validate_train(c: Config) -> None:
     _check(t.seed >= 0, "train.seed", t.seed, "must be >= 0")
     _one_of("train.nonfinite", t.nonfinite, NONFINITE)
     _check(t.max_skips > 0, "train.max_skips", t.max_skips, "must be > 0")
-    _check(t.unique_capacity >= 0, "train.unique_capacity", t.unique_capacity, "must be >= 0 (0 = the bound)")
+    _check(t.unique_capacity >= -1, "train.unique_capacity", t.unique_capacity,
+           "must be >= 0 (0 = the bound), or -1 (measured)")
     _one_of("train.on_signal", t.on_signal, ON_SIGNAL)
 
 

@@ -45,7 +45,8 @@ step (unique and remote ids) stay on the device (LookupStats.record_on_device).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Optional
+import math
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -57,7 +58,13 @@ from ..module import HybridEmbedding
 from ..types import GlobalStep, InFlightStep
 from .padded import BagPadding, PaddedPlan, PaddedRequest, padded_combine, padded_plan, padded_request, unique_capacity
 
-__all__ = ["FixedRead", "FixedShapes"]
+__all__ = ["FixedRead", "FixedShapes", "MARGIN", "MEASURE_STEPS"]
+
+# train.unique_capacity < 0: the capacity is the bound for the first MEASURE_STEPS steps, then the
+# most slots they needed on any rank times MARGIN (a later step that needs more is trained again
+# in exact sizes: the margin trades wire for how often that happens)
+MEASURE_STEPS = 16
+MARGIN = 1.1
 
 
 @dataclass
@@ -78,12 +85,21 @@ class FixedShapes:
     never exceeded; train.unique_capacity: a smaller one)."""
 
     def __init__(self, emb: HybridEmbedding, min_bag: int, max_bag: int, local_batch: int, chosen: int = 0) -> None:
+        """chosen: train.unique_capacity (0: the bound; < 0: measured, see begin_step)."""
         self.emb, self.comm, self.sharding, self.store = emb, emb.comm, emb.sharding, emb.store
         self.padding = BagPadding(self.sharding, min_bag, max_bag)
         w, rows = self.comm.size, self.sharding.table_rows
         self.bound = unique_capacity(local_batch, max_bag, rows, world=w)
-        self.capacity = unique_capacity(local_batch, max_bag, rows, chosen, world=w)
-        c, r = self.capacity, self.comm.rank
+        self.rule = "measured" if chosen < 0 else ("set" if chosen > 0 else "bound")
+        self.measuring = chosen < 0  # at the bound for MEASURE_STEPS steps, then what they needed + MARGIN
+        self.steps = 0  # training lookups made (the measuring window's)
+        self.peak: Optional[torch.Tensor] = None  # the most slots a step has needed (on the device)
+        self.resize(unique_capacity(local_batch, max_bag, rows, max(chosen, 0), world=w))
+
+    def resize(self, capacity: int) -> None:
+        """The slots of a block (of the plan at W = 1): every size that follows from them."""
+        self.capacity = c = capacity
+        w, r = self.comm.size, self.comm.rank
         self.splits = [c] * w
         # below the bound a request may overflow its blocks: each block then carries one slot more,
         # the requester's excess, so every rank learns on the device whether any rank overflowed
@@ -95,6 +111,38 @@ class FixedShapes:
         # the owner's entries in the exact-size step's order: its own block, then the peers' by rank
         blocks = [r] + [p for p in range(w) if p != r]
         self.order = torch.cat([torch.arange(b * c, (b + 1) * c) for b in blocks]).to(self.store.device)
+
+    # ---- the capacity's statistics ----------------------------------------------------------
+    def begin_step(self) -> bool:
+        """Before a training step's lookup: with a measured capacity (train.unique_capacity < 0),
+        once MEASURE_STEPS steps have run at the bound, the capacity becomes the most slots they
+        needed on any rank plus MARGIN (collective at W > 1: every rank at the same step). Returns
+        whether the capacity changed."""
+        self.steps += 1
+        if not (self.measuring and self.steps > MEASURE_STEPS):
+            return False
+        self.measuring = False
+        self.resize(min(self.bound, max(1, math.ceil(self.most_used() * MARGIN))))
+        return True
+
+    def note_used(self, used: torch.Tensor) -> None:
+        """A step needed `used` slots (a device value, outside any graph; read by most_used)."""
+        used = used.reshape(())
+        self.peak = used.clone() if self.peak is None else torch.maximum(self.peak, used)
+
+    def most_used(self) -> int:
+        """The most slots a step needed, over the ranks (one read; an allgather at W > 1)."""
+        mine = int(self.peak) if self.peak is not None else 0
+        if self.comm.size == 1:
+            return mine
+        return int(self.comm.allgather(torch.tensor([mine], dtype=torch.int64), kind="meta").max())
+
+    def capacity_summary(self) -> dict[str, Any]:
+        """summary.json's view of the capacity: the slots in force, how they were chosen (bound,
+        set, measured), the bound, and the most any step needed (what train.unique_capacity can
+        be set to, with a margin). Collective at W > 1."""
+        return {"unique_capacity": self.capacity, "capacity_rule": self.rule, "unique_bound": self.bound,
+                "most_slots_used": self.most_used()}
 
     # ---- W = 1: the pieces of the whole step's one function --------------------------------
     def whole_rows(self, dense: torch.Tensor, values: torch.Tensor, lengths: torch.Tensor, labels: torch.Tensor
@@ -147,6 +195,7 @@ class FixedShapes:
         """[B, T, d] pooled rows of a training step; its workspace and read stay in `flight`."""
         emb, replica = self.emb, self.emb.replica
         emb.clock(flight.step)
+        self.begin_step()
         dense, values, lengths, labels = self.padding.inputs(flight.batch)
         ids = Batch(dense, values, lengths, labels)
         gids = self.sharding.global_ids(values, ids.table_index())
@@ -173,6 +222,7 @@ class FixedShapes:
         ws.requires_grad_()
         pooled = kernels.pooled_gather(ws, inverse, ids.offsets(), ids.num_tables, mode=emb.pooling)
         flight.ws, flight.read = ws, FixedRead(req, served, touched, fits)
+        self.note_used(req.largest)
         own = req.valid[self.own].sum()
         emb.stats.record_on_device(int(flight.batch.values.numel()), unique, req.count - own)
         return pooled[:labels.shape[0]] if self.padding.ragged else pooled  # the padding's extra sample
