@@ -66,6 +66,15 @@ PATHS: dict[str, tuple[int, list[str]]] = {
     "w2-fp16-wire": (2, ["comm.wire_precision=fp16", "cache=lfu", "consistency=ssp"]),
     # train.cuda_graph=on at W = 2: the alltoalls padded to fixed blocks (trainer/step/padded_step.py)
     "w2-padded": (2, ["train.cuda_graph=on", "optim=adagrad"]),
+    # the seed systems in fixed shapes (trainer/sparse/embedding/fixed/): replicated rows at W = 2
+    # and in the whole step's graph at W = 1; half rows rounded stochastically from a device salt;
+    # blocks too small for some batches (those steps trained again in exact sizes)
+    "w2-padded-fae": (2, ["train.cuda_graph=on", "placement=fae", "placement.hot_batches=true"]),
+    "w2-padded-sca": (2, ["train.cuda_graph=on", "placement=sca", "optim=adagrad"]),
+    "w2-padded-tight": (2, ["train.cuda_graph=on", "optim=adagrad", "train.unique_capacity=64"]),
+    "whole-fae": (1, ["train.cuda_graph=on", "placement=fae"]),
+    "whole-fp16-stochastic": (1, ["train.cuda_graph=on", "embedding.dtype=fp16", "embedding.rounding=stochastic",
+                                  "optim=adagrad"]),
     # dynamic tables: the pool's map is the Triton hash table on CUDA; small pools evict (LFU with
     # decay, admission after 2 sightings, expiry), the HET cache at a bound, FAE's pinned hot rows
     "dynamic": (1, ["embedding.kind=dynamic", "embedding.capacity=30", "embedding.admit_after=2",

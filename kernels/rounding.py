@@ -50,10 +50,11 @@ _GOLDEN = 0x9E3779B9  # odd constant separating the hash's inputs
 @dataclass(frozen=True)
 class StochasticRounding:
     """How row_update writes half-precision rows: `salt` (32 bits, from the seed and the step:
-    salt_of) and one int64 key per entry of the update's `rows` (entries of one storage row share
-    it); keys live on the rows' device."""
+    salt_of; a Python int, or a one-element int64 tensor on the rows' device holding it, which a
+    CUDA graph reads at each replay) and one int64 key per entry of the update's `rows` (entries of
+    one storage row share it); keys live on the rows' device."""
 
-    salt: int
+    salt: int | Tensor
     keys: Tensor
 
 
@@ -85,9 +86,12 @@ def _mix_t(x: Tensor) -> Tensor:
     return x ^ (x >> 16)
 
 
-def random_bits(salt: int, keys: Tensor, dim: int) -> Tensor:
-    """[n, dim] int64 holding 32 random bits: those of column c of the row with key keys[i]."""
+def random_bits(salt: int | Tensor, keys: Tensor, dim: int) -> Tensor:
+    """[n, dim] int64 holding 32 random bits: those of column c of the row with key keys[i]
+    (salt: an int, or a one-element int64 tensor holding it)."""
     k = keys.long()
+    if isinstance(salt, Tensor):
+        salt = salt.reshape(())
     h = _mix_t((k & MASK32) ^ salt)
     h = _mix_t(h ^ ((k >> 32) & MASK32) ^ _GOLDEN)
     cols = torch.arange(dim, dtype=torch.int64, device=keys.device)

@@ -205,15 +205,18 @@ def _launch_segments(segs: Segments, bag_grad: Tensor, out: Tensor, op: str, *,
     block_n = tile_n if block_n is None else block_n
     dummy = segs.starts
     keys = dummy if rounding is None else rounding.keys.long().contiguous()
+    salt = 0 if rounding is None else rounding.salt
+    # an int with bit 32 set: never an int argument Triton specialises (0, 1); the kernel keeps 32
+    # bits. A tensor: the kernel loads it (a captured step's salt, filled before each replay)
+    salt_arg = salt if isinstance(salt, Tensor) else (1 << 32) | salt
     _segment_kernel[(segs.slot.numel(), cdiv(dim, block_d))](
         bag_grad, segs.slot, segs.starts, segs.ends, segs.bags,
         dummy if segs.coef is None else segs.coef,
         out, dummy if state is None else state, keys,
         dim, out.stride(0), 0 if state is None or state.dim() == 1 else state.stride(0), lr, eps, wd,
-        # bit 32 set: never an int argument Triton specialises (0, 1); the kernel keeps 32 bits
-        (1 << 32) | (0 if rounding is None else rounding.salt),
+        salt_arg,
         HAS_COEF=segs.coef is not None, OP=_OPT_CODE[op], HAS_WD=wd != 0.0, SR=rounding is not None,
-        LR_IN_MEMORY=isinstance(lr, Tensor),
+        LR_IN_MEMORY=isinstance(lr, Tensor), SALT_IN_MEMORY=isinstance(salt, Tensor),
         BF16=out.dtype == torch.bfloat16, BLOCK_N=block_n, BLOCK_D=block_d)
 
 
@@ -261,10 +264,12 @@ def _segment_kernel(grad_ptr, slot_ptr, starts_ptr, ends_ptr, bags_ptr, coef_ptr
                     state_ptr, keys_ptr, dim, stride_out, stride_state, lr, eps, wd, salt,
                     HAS_COEF: tl.constexpr, OP: tl.constexpr, HAS_WD: tl.constexpr,
                     SR: tl.constexpr, BF16: tl.constexpr, BLOCK_N: tl.constexpr,
-                    BLOCK_D: tl.constexpr, LR_IN_MEMORY: tl.constexpr = False):
+                    BLOCK_D: tl.constexpr, LR_IN_MEMORY: tl.constexpr = False,
+                    SALT_IN_MEMORY: tl.constexpr = False):
     """Sum one slot's entry gradients in entry order, then write (OP 0) or optimize (OP 1..3);
     HAS_WD adds coupled L2 (g += wd * w) before the optimizer; LR_IN_MEMORY: lr points at the
-    rate (one fp32 value) instead of being it; SR writes the updated row to the
+    rate (one fp32 value) instead of being it; SALT_IN_MEMORY: salt points at the rounding's salt
+    (one int64) instead of being it; SR writes the updated row to the
     half-precision storage by stochastic rounding (kernels/rounding.py, repeated here inline: a
     jitted kernel cannot call another), keyed by keys[first entry of the segment].
     An empty segment touches nothing (its slot belongs to another program's live segment)."""
@@ -308,6 +313,8 @@ def _segment_kernel(grad_ptr, slot_ptr, starts_ptr, ends_ptr, bags_ptr, coef_ptr
         if SR:
             # e: lowbias32 of (salt, key lo, key hi, column), as kernels/rounding.random_bits
             key = tl.load(keys_ptr + tl.load(bags_ptr + start))
+            if SALT_IN_MEMORY:
+                salt = tl.load(salt)
             h = key.to(tl.uint32) ^ salt.to(tl.uint32)
             h = h ^ (h >> 16)
             h = h * 0x7FEB352D

@@ -178,6 +178,34 @@ def test_row_update_stochastic_rounding_is_the_reference_bit_for_bit(optimizer, 
 
 
 @needs_triton
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("unique", [False, True])
+def test_a_salt_in_device_memory_rounds_as_the_host_salt(dtype, unique):
+    """A captured step reads the rounding's salt from a device value (trainer/sparse/embedding/optim.py:
+    Rounding.on_device): the kernel and the reference give the same bits from it as from the
+    host's int, and it changes with the value (one graph, every step's salt)."""
+    from kernels.rounding import StochasticRounding, salt_of
+
+    idx, grads = _row_grads(24, 40, 33, unique)
+    storage = (rand_storage(40, 33, torch.float32) * 0.1).to(dtype)
+    keys = idx.long() * 1_000_003 + (1 << 33)
+    kw = dict(rows=idx, grads=grads * 1e-2, optimizer="adagrad", lr=0.5, eps=1e-8, unique=unique)
+    state = _opt_state("adagrad", 40, 33) + 0.1
+    host = StochasticRounding(salt_of(7, 123), keys)
+    salt = torch.tensor([salt_of(7, 123)], dtype=torch.int64, device=DEV)
+    for fn in (row_update_triton, ref.row_update):
+        want = _run_row_update(fn, storage, state, **kw, rounding=host)
+        got = _run_row_update(fn, storage, state, **kw, rounding=StochasticRounding(salt, keys))
+        assert torch.equal(got[0].view(torch.int16), want[0].view(torch.int16))
+        salt.fill_(salt_of(7, 124))
+        other = _run_row_update(fn, storage, state, **kw, rounding=StochasticRounding(salt, keys))
+        assert not torch.equal(other[0].view(torch.int16), want[0].view(torch.int16))
+        assert torch.equal(other[0].view(torch.int16), _run_row_update(
+            fn, storage, state, **kw, rounding=StochasticRounding(salt_of(7, 124), keys))[0].view(torch.int16))
+        salt.fill_(salt_of(7, 123))
+
+
+@needs_triton
 @pytest.mark.parametrize("rows", [[3], [5, 5, 5, 5], [9, 1, 4], [7, 2, 7, 0, 2, 7, 9, 0]])
 @pytest.mark.parametrize("optimizer", ["sgd", "rowwise_adagrad"])
 def test_row_update_needs_no_host_count(rows, optimizer):

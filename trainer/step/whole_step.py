@@ -131,6 +131,8 @@ class WholeStep(CapacityCheck):
         self.rate = (torch.zeros(1, dtype=torch.float32, device=device)
                      if self.capture and kernels.use_triton(device) else None)
         self.store.optimizer.lr_on_device = self.rate
+        # half rows rounded stochastically: the step's salt is a device value (one graph, every step)
+        self.store.rounding.on_device(device)
         self.graph: Optional[torch.cuda.CUDAGraph] = None
         self.graph_lr: Optional[float] = None
         self.last_lr: Optional[float] = None

@@ -482,8 +482,5 @@ def _validate_padded_step(c: Config, world: int) -> None:
             ("consistency.name", c.consistency.name, c.consistency.name == "bsp" or world == 1,
              "supports bsp only (the staleness bounds act through the HET cache, which has no fixed-shape mode yet)"),
             ("schedule.name", c.schedule.name, c.schedule.name == "random", "supports schedule=random only"),
-            ("embedding.rounding", e.rounding, e.dtype == "fp32" or e.rounding == "nearest" or world > 1,
-             f"supports half rows (embedding.dtype={e.dtype}) rounded to nearest only (the stochastic key, a host "
-             "value, changes every step and the update is inside the graph)"),
             ("embedding.audit", e.audit, not e.audit, "does not record the audit")):
         _check(ok, key, value, why + what + fallback)

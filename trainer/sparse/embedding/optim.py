@@ -35,20 +35,42 @@ class Rounding:
     """How updated half-precision rows are written back, shared by every optimizer of a run.
 
     rule: "stochastic" (kernels/rounding.py) or "nearest"; seed: the run's (train.seed); step: the
-    training step whose updates are being applied, set by HybridEmbedding before each update
-    (a flush's updates take the last step's), so a row's random bits are a function of (seed,
-    step, row) only: reproducible, and the same at any W and on a resume."""
+    training step whose updates are being applied, set by the sparse side's clock
+    (HybridEmbedding.clock; a flush's updates take the last step's), so a row's random bits are a
+    function of (seed, step, row) only: reproducible, and the same at any W and on a resume.
+    on_device(device): the salt of the step also lives in a device value, refreshed whenever the
+    step is set, and the kernels read it there (a captured step: one graph for every step)."""
 
     def __init__(self, rule: str = "stochastic", seed: int = 0) -> None:
         if rule not in ROUNDINGS:
             raise ValueError(f"embedding.rounding={rule!r} is not one of {', '.join(ROUNDINGS)}")
-        self.rule, self.seed, self.step = rule, seed, 0
+        self.rule, self.seed = rule, seed
+        self.salt: Optional[torch.Tensor] = None  # [1] int64: the step's salt on the device (on_device)
+        self.step = 0
+
+    @property
+    def step(self) -> int:
+        return self._step
+
+    @step.setter
+    def step(self, step: int) -> None:
+        self._step = step
+        if self.salt is not None:
+            self.salt.fill_(kernels.salt_of(self.seed, step))  # a fill: no copy from the host
+
+    def on_device(self, device: torch.device) -> None:
+        """Keep the step's salt in a device value the kernels read (set before each step, outside
+        any graph); the random bits are the same as from the host's salt."""
+        if self.rule == "stochastic" and self.salt is None:
+            self.salt = torch.zeros(1, dtype=torch.int64, device=device)
+            self.step = self._step
 
     def at(self, keys: torch.Tensor) -> Optional[kernels.StochasticRounding]:
         """The kernel's rounding of rows with flat ids `keys` at the current step (None: nearest)."""
         if self.rule != "stochastic":
             return None
-        return kernels.StochasticRounding(kernels.salt_of(self.seed, self.step), keys)
+        return kernels.StochasticRounding(self.salt if self.salt is not None else
+                                          kernels.salt_of(self.seed, self.step), keys)
 
 
 class SparseOptimizer:
