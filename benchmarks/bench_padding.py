@@ -2,7 +2,7 @@
 One JSON line per point (workload x policy x mode).
 
     python -m benchmarks.bench_padding [--workloads bench mlperf] [--policies plain fae sca]
-        [--steps 60] [--world 2] [-- extra trainer overrides]
+        [--steps 60] [--skip 20] [--world 2] [--batch B] [--rows R] [-- extra trainer overrides]
 
 Modes: `off` (the exact-size sparse half: the batch's unique ids on the wire), `bound` (cuda_graph=on
 with train.unique_capacity=0: blocks no batch can overflow) and `measured` (cuda_graph=on with the
@@ -34,9 +34,13 @@ MODES = {"off": ["train.cuda_graph=off"], "bound": ["train.cuda_graph=on", "trai
 KINDS = ("ids", "versions", "rows", "grads", "replica", "dense")
 
 
-def run_overrides(workload: str, policy: str, mode: str, steps: int, skip: int, extra: list[str]) -> list[str]:
+def run_overrides(workload: str, policy: str, mode: str, steps: int, skip: int, extra: list[str],
+                  batch: int | None = None, rows: int | None = None) -> list[str]:
+    """A run's trainer overrides (batch: samples per rank; rows: a cap on every table's rows)."""
     return [*WORKLOADS[workload], *POLICIES[policy], *MODES[mode], f"train.steps={steps}",
-            f"train.log_every={skip}", "data.test_samples=2048", *extra]
+            f"train.log_every={skip}", "data.test_samples=2048",
+            *([f"data.batch_size={batch}"] if batch else []), *([f"data.max_table_rows={rows}"] if rows else []),
+            *extra]
 
 
 def steady_bytes(out: str, skip: int) -> dict[str, float]:
@@ -48,10 +52,11 @@ def steady_bytes(out: str, skip: int) -> dict[str, float]:
     return {k: (last["bytes"].get(k, 0) - first["bytes"].get(k, 0)) / n for k in KINDS}
 
 
-def point(workload: str, policy: str, mode: str, steps: int, skip: int, world: int, extra: list[str]) -> dict:
+def point(a: argparse.Namespace, workload: str, policy: str, mode: str, extra: list[str]) -> dict:
+    steps, skip, world = a.steps, a.skip, a.world
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "run")
-        cmd = trainer_command(world, [*run_overrides(workload, policy, mode, steps, skip, extra),
+        cmd = trainer_command(world, [*run_overrides(workload, policy, mode, steps, skip, extra, a.batch, a.rows),
                                       f"hydra.run.dir={out}"], "torchrun")
         s = run_trainer(cmd, out, cwd=ROOT, env={"PYTHONUNBUFFERED": "1"})
         per = steady_bytes(out, skip)
@@ -76,6 +81,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=60)
     ap.add_argument("--skip", type=int, default=20, help="the steady window starts after this step")
     ap.add_argument("--world", type=int, default=2)
+    ap.add_argument("--batch", type=int, default=None, help="samples per rank (default: the workload's 2,048)")
+    ap.add_argument("--rows", type=int, default=None, help="cap on every table's rows (default: the workload's)")
     a = ap.parse_args(argv)
     try:
         check(a, extra)
@@ -86,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
             base = None
             for m in MODES:
                 print(f"[bench_padding] {w} {p} {m} ...", file=sys.stderr, flush=True)
-                got = point(w, p, m, a.steps, a.skip, a.world, extra)
+                got = point(a, w, p, m, extra)
                 if base is None:
                     base = got
                 got["to_off"] = round(got["bytes_per_step_all"] / base["bytes_per_step_all"], 3) \
@@ -103,10 +110,13 @@ def check(a: argparse.Namespace, extra: list[str]) -> None:
         raise ValueError(f"--world {a.world}: must be >= 2 (the wire is between ranks)")
     if not 0 < a.skip < a.steps:
         raise ValueError(f"--skip {a.skip}: must be > 0 and below --steps {a.steps}")
+    for name in ("batch", "rows"):
+        if getattr(a, name) is not None and getattr(a, name) <= 0:
+            raise ValueError(f"--{name} {getattr(a, name)}: must be > 0")
     for w in a.workloads:
         for p in a.policies:
             for m in MODES:
-                check_trainer(a.world, run_overrides(w, p, m, a.steps, a.skip, extra), "torchrun")
+                check_trainer(a.world, run_overrides(w, p, m, a.steps, a.skip, extra, a.batch, a.rows), "torchrun")
 
 
 def _embedding_ratio(got: dict, base: dict) -> float | None:

@@ -574,6 +574,10 @@ INLINE: dict[str, Entry] = {
     # docs/recipe.md
     "python -m dev.recipe_study.val_rotations DIR": Entry(add=("--slices", "1", "--models", "dlrm", "data.epochs=1"), json_keys=("model",),
                                   timeout=600),
+    # README's performance table: the fixed shapes' wire
+    "python -m benchmarks.bench_padding --workloads bench mlperf":
+        Entry(elsewhere="tests/tools/test_bench_padding.py::test_both_workloads_every_policy_on_the_wire",
+              add=("--steps", "22", "--batch", "64", "--rows", "3000"), timeout=900),
     # benchmarks/README.md and docs/gpu.md
     "python -m benchmarks.bench_kernels --quick": Entry(json_keys=("kernel", "impl", "gbps")),
     "python -m benchmarks.bench_kernels --dims 128 --bags 1 8": Entry(marks=("gpu",), json_keys=("kernel", "impl", "gbps"), timeout=900),
