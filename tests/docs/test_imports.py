@@ -129,6 +129,27 @@ def test_the_data_shape_and_the_recipe_are_resolved_in_one_place():
                      "choose_recipe": ["trainer/run/resolve/configure.py"]}
 
 
+def test_the_step_calls_no_collective_of_the_sparse_side():
+    """The sparse half of a step is the embedding's (trainer/sparse/embedding/: HybridEmbedding, its
+    exact-size mode; fixed/shapes.py, its fixed-shape mode): trainer/step/ keeps the dense half, the
+    precision and the capture, and calls no alltoall, nor a lookup plan or an owner's update."""
+    sparse_only = {"alltoall", "alltoall_async", "exchange_splits_async", "plan_lookup", "padded_plan",
+                   "padded_request", "padded_combine", "apply_masked", "reduce_replica"}
+    found = []
+    step = os.path.join(TRAINER, "step")
+    for f in sorted(os.listdir(step)):
+        if not f.endswith(".py"):
+            continue
+        with open(os.path.join(step, f), encoding="utf-8") as fh:
+            tree = ast.parse(fh.read())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Call):
+                name = getattr(node.func, "id", None) or getattr(node.func, "attr", None)
+                if name in sparse_only:
+                    found.append(f"trainer/step/{f}:{node.lineno}: {name}")
+    assert not found, found
+
+
 def test_floors_are_drawn_from_the_imports(tmp_path):
     pkg = _package(tmp_path, {
         "__init__.py": "",
