@@ -186,7 +186,7 @@ def test_the_owner_sums_as_the_eager_update():
 
 @pytest.mark.parametrize("override, key", [
     ("embedding.kind=dynamic", "embedding.kind"), ("cache=lru", "cache.policy"),
-    ("embedding.audit=true", "embedding.audit")])
+    ("schedule=herald", "schedule.name")])
 def test_what_cannot_be_padded_yet_is_refused_at_w2(override, key):
     extra = ["embedding.capacity=64"] if "dynamic" in override else []
     c = load_config(make_cfg(["data=tiny", "train.cuda_graph=on", override] + extra))
@@ -208,6 +208,8 @@ PLACEMENTS = {
                                      "train.pipeline=ids"]),
     "w3-sca-adagrad": (3, ["placement=sca", "optim=adagrad"]),
     # blocks too small for some batches: those steps are masked off and trained again exactly
+    # the audit's records (every row gradient by id, every owner update with its version)
+    "w2-fae-audit": (2, ["placement=fae", "placement.budget_bytes=16000", "optim=adagrad", "embedding.audit=true"]),
     "w2-fae-tight-blocks": (2, ["placement=fae", "placement.budget_bytes=16000", "optim=adagrad",
                                 "train.unique_capacity=12"]),
 }
@@ -229,6 +231,10 @@ def test_replicated_rows_in_fixed_shapes_equal_the_eager_step(case):
             assert b.summary["placement"][key] == a.summary["placement"][key]
         assert b.summary["embedding"]["remote_per_step"] == a.summary["embedding"]["remote_per_step"]
         assert b.summary["embedding"]["unique_per_step"] == a.summary["embedding"]["unique_per_step"]
+        if "audit" in case:
+            for key in ("reads", "updates", "grads"):
+                assert torch.equal(b.state["audit"][key], a.state["audit"][key]), key
+            assert a.state["audit"]["updates"].shape[0] > 0
     s = on[0].summary
     assert s["placement"]["hot_rows"] > 0 and s["bytes"]["replica"] > 0 and s["cuda_graph"]["scope"] == "step"
     if "fae" in case:

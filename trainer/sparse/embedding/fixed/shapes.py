@@ -252,6 +252,8 @@ class FixedShapes:
         ws, read = self.emb.finish_lookup(flight, "apply_gradients")
         grad = ws.grad if ws.grad is not None else torch.zeros_like(ws)
         blocks = read.request.ids.numel()
+        if self.emb.audit is not None:
+            self._audit_grads(read, grad)
         if read.touched is not None:
             self._reduce_replica(grad[blocks:], flight.info, read.fits)
             grad = grad[:blocks]
@@ -269,7 +271,24 @@ class FixedShapes:
                 valid, counts = valid & read.fits, counts * read.fits
             self.store.apply_masked(combine.rows, combine.sums(got.index_select(0, self.order)), valid,
                                     counts=counts)
+            if self.emb.audit is not None:  # the rows updated, as the exact-size owner records them
+                g, _ = torch.sort(self.sharding.global_of(combine.rows[valid], self.comm.rank))
+                self.emb.audit.update(self.emb.step, g, self.store.versions(self.sharding.local_index(g)))
         return finish
+
+    def _audit_grads(self, read: FixedRead, grad: torch.Tensor) -> None:
+        """embedding.audit (a test tool: it reads back): this step's row gradients by global id, the
+        exact-size mode's record (nothing where a request overflowed: the step is trained again)."""
+        if read.fits is not None and not bool(read.fits):
+            return
+        req, c, audit = read.request, self.capacity, self.emb.audit
+        rows = req.ids.clamp(max=self.sharding.local_rows - 1)
+        gids = torch.cat([self.sharding.global_of(rows[w * c:(w + 1) * c], w) for w in range(self.comm.size)])
+        blocks = gids.numel()
+        audit.grads.index_add_(0, gids[req.valid].cpu(), grad[:blocks][req.valid].detach().double().cpu())
+        if read.touched is not None:
+            hot = read.touched
+            audit.grads.index_add_(0, self.emb.replica.gids[hot].cpu(), grad[blocks:][hot].detach().double().cpu())
 
     def _reduce_replica(self, grad: torch.Tensor, info: GlobalStep, fits: Optional[torch.Tensor]) -> None:
         """The replica's gradient [H, d] at the global batch's hot rows (the scheduler's feed: known
