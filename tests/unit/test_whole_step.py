@@ -85,8 +85,7 @@ def test_padded_plan_is_the_eager_plan_in_fixed_slots():
 
 
 @pytest.mark.parametrize("override, key", [
-    ("embedding.kind=dynamic", "embedding.kind"), ("schedule=herald", "schedule.name"),
-    ("embedding.audit=true", "embedding.audit")])
+    ("embedding.kind=dynamic", "embedding.kind"), ("embedding.audit=true", "embedding.audit")])
 def test_what_cannot_be_padded_yet_is_refused_at_w1(override, key):
     extra = ["embedding.capacity=64"] if "dynamic" in override else []
     c = load_config(make_cfg(["data=tiny", "train.cuda_graph=on", override] + extra))
@@ -106,6 +105,8 @@ AT_W1 = {
     "sca-adam": ["placement=sca", "optim=adam"],
     # every row is local at W = 1: no cache is built, the bounds bound nothing (as off)
     "lru-ssp": ["cache=lru", "consistency=ssp", "optim=adagrad"],
+    # Herald lends nothing at W = 1 (every row is the one worker's): its order of samples only
+    "herald-lru": ["schedule=herald", "cache=lru", "optim=adagrad"],
 }
 
 
