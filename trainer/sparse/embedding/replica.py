@@ -160,13 +160,14 @@ class Replica:
         self._undo, self._undo_last = None, []
 
     def apply(self, slots: torch.Tensor, grads: torch.Tensor, store: ShardStore,
-              fits: torch.Tensor | None = None) -> None:
+              mask: torch.Tensor | None = None) -> None:
         """One optimizer step on distinct slots [u] with the gradient summed over workers [u, d];
         dynamic tables: the rows not admitted drop theirs, counted by their owner (store).
-        fits: a device bool (the fixed-shape mode's; fixed tables): where False nothing changes."""
-        if fits is not None:
+        mask: a device bool, [u] or [] (the fixed-shape mode's; fixed tables): where False the row
+        and its state stay exactly as they are (no size depends on it)."""
+        if mask is not None:
             if slots.numel():
-                self.optimizer.step(slots, grads, unique=True, mask=fits.expand(slots.numel()))
+                self.optimizer.step(slots, grads, unique=True, mask=mask.expand(slots.numel()))
             return
         if self.dynamic and slots.numel():
             keep = self.life.index_select(0, slots) > 0

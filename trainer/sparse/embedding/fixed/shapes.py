@@ -152,17 +152,11 @@ class FixedShapes:
         last H rows are the replica's, read by the entries of replicated ids."""
         ids = Batch(dense, values, lengths, labels)
         gids = self.sharding.global_ids(values, ids.table_index())
-        replica = self.emb.replica
-        slot = replica.find(gids) if replica is not None else None
-        hot = slot >= 0 if slot is not None else None
-        sentinel = self.padding.sentinel
-        plan = padded_plan(self.sharding, gids, self.capacity, sentinel, skip=hot)
-        ws = self.store.local_rows(plan.rows).to(self.store.compute_dtype)
-        inverse, touched = plan.inverse, None
-        if replica is not None:
-            ws = torch.cat([ws, replica.weight.to(ws.dtype)])
-            inverse = torch.where(hot, self.capacity + slot, inverse)
-            touched = self._touched(hot, slot)
+        slot = self._replica_slots(gids)
+        plan = padded_plan(self.sharding, gids, self.capacity, self.padding.sentinel,
+                           skip=None if slot is None else slot >= 0)
+        ws, inverse, touched = self._with_replica(self.store.local_rows(plan.rows).to(self.store.compute_dtype),
+                                                  plan.inverse, slot)
         ws.requires_grad_()
         pooled = kernels.pooled_gather(ws, inverse, ids.offsets(), ids.num_tables, mode=self.emb.pooling)
         if self.padding.ragged:
@@ -180,28 +174,40 @@ class FixedShapes:
         c = self.capacity
         self.store.apply_masked(plan.rows, grad[:c], mask, zero_outside=zero_outside)
         if touched is not None:
-            keep = touched if finite is None else touched & finite
             slots = torch.arange(touched.numel(), dtype=torch.int64, device=touched.device)
-            self.emb.replica.optimizer.step(slots, grad[c:], unique=True, mask=keep)
+            self.emb.replica.apply(slots, grad[c:], self.store, touched if finite is None else touched & finite)
 
-    def _touched(self, hot: torch.Tensor, slot: torch.Tensor) -> torch.Tensor:
-        """[H] bool: the replicated rows some entry reads (a scatter: fixed-size)."""
-        n = len(self.emb.replica)
-        touched = torch.zeros(n + 1, dtype=torch.bool, device=hot.device)
-        return touched.scatter_(0, torch.where(hot, slot, n), True)[:n]
+    # ---- the replica's block of the workspace (placement: fae, sca) ---------------------------
+    def _replica_slots(self, gids: torch.Tensor) -> Optional[torch.Tensor]:
+        """[N] replica slot of every entry, -1 where its row is not replicated (None: no replica)."""
+        return self.emb.replica.find(gids) if self.emb.replica is not None else None
+
+    def _with_replica(self, ws: torch.Tensor, inverse: torch.Tensor, slot: Optional[torch.Tensor]
+                      ) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+        """(workspace, inverse, touched): the whole replica appended to the workspace [n, d] as its
+        last H rows, the entries of replicated rows pointed there, and [H] bool the replicated rows
+        some entry reads (a scatter: fixed-size); without a replica, as they are and None."""
+        if slot is None:
+            return ws, inverse, None
+        replica, hot = self.emb.replica, slot >= 0
+        n = len(replica)
+        touched = torch.zeros(n + 1, dtype=torch.bool, device=slot.device)
+        touched.scatter_(0, torch.where(hot, slot, n), True)
+        return (torch.cat([ws, replica.weight.to(ws.dtype)]), torch.where(hot, ws.shape[0] + slot, inverse),
+                touched[:n])
 
     # ---- W > 1: the stages of a step ---------------------------------------------------------
     def lookup(self, flight: InFlightStep) -> torch.Tensor:
         """[B, T, d] pooled rows of a training step; its workspace and read stay in `flight`."""
-        emb, replica = self.emb, self.emb.replica
+        emb = self.emb
         emb.clock(flight.step)
         self.begin_step()
         dense, values, lengths, labels = self.padding.inputs(flight.batch)
         ids = Batch(dense, values, lengths, labels)
         gids = self.sharding.global_ids(values, ids.table_index())
-        slot = replica.find(gids) if replica is not None else None
-        hot = slot >= 0 if slot is not None else None
-        req = padded_request(self.sharding, gids, self.capacity, self.padding.sentinel, skip=hot)
+        slot = self._replica_slots(gids)
+        req = padded_request(self.sharding, gids, self.capacity, self.padding.sentinel,
+                             skip=None if slot is None else slot >= 0)
         fits = None
         if flight.info.hot:  # every id replicated: no owner is asked anything (no alltoall)
             served = torch.full_like(req.ids, self.sharding.local_rows)
@@ -213,12 +219,8 @@ class FixedShapes:
                                         recv_splits=self.splits)
             ws = got.to(self.store.compute_dtype)
             ws[self.own] = stored[self.own].to(ws.dtype)  # as the exact-size step: not through the wire
-        inverse, touched, unique = req.inverse, None, req.count
-        if replica is not None:
-            ws = torch.cat([ws, replica.weight.to(ws.dtype)])
-            inverse = torch.where(hot, req.ids.numel() + slot, inverse)
-            touched = self._touched(hot, slot)
-            unique = unique + touched.sum()
+        ws, inverse, touched = self._with_replica(ws, req.inverse, slot)
+        unique = req.count if touched is None else req.count + touched.sum()
         ws.requires_grad_()
         pooled = kernels.pooled_gather(ws, inverse, ids.offsets(), ids.num_tables, mode=emb.pooling)
         flight.ws, flight.read = ws, FixedRead(req, served, touched, fits)
