@@ -20,7 +20,10 @@ by train.cuda_graph and W: EagerStep, DenseStep, WholeStep):
      rows' update with the dense allreduce (train.pipeline != off: the allreduce starts behind the
      row gradients and travels while the owners update); the dense optimizer's step (with
      train.cuda_graph dense / on from its own graph: dense_update.py); the loss read and checked
-  6. finish: the step's alltoalls counted
+  6. a fixed-shape step (train.cuda_graph=on) whose batch needed more slots than its capacity on
+     some rank (the excess rides the loss's read; the dense step waits for it) changed nothing, and
+     is trained again by the exact-size strategy (_again: EagerStep at W = 1, DenseStep above)
+  7. finish: the step's alltoalls counted
 
 Why the steps in flight are this object's too (TorchRec's pipeline owns the next batch's input
 distribution the same way): with train.pipeline (default `ids`) two steps are in flight at once.
