@@ -212,6 +212,9 @@ STALE_CASES = {
     "w2-pinned-pull5-push8-pertable": (2, 5, ["cache=lfu_pinned", "cache.pin_threshold=3",
                                                "consistency.pull_bound=5", "consistency.push_bound=8",
                                                "+consistency.tables.1.pull_bound=2"]),
+    # train.cuda_graph=on (the dense half captured, the cache's step in exact sizes): the same bound
+    "w2-lru-pull3-push2-graph-on": (2, 3, ["cache=lru", "consistency=ssp", "consistency.pull_bound=3",
+                                           "consistency.push_bound=2", "train.cuda_graph=on"]),
 }
 
 
@@ -234,6 +237,8 @@ LOST_CASES = {
     "w3-lru-tiny-cache-dirty-evictions": (3, ["cache=lru", "cache.capacity_rows=4",
                                                "consistency.pull_bound=2", "consistency.push_bound=6"]),
     "w2-lfu-asp": (2, ["cache=lfu", "consistency=asp", "cache.capacity_fraction=0.3"]),
+    "w2-lru-dirty-evictions-graph-on": (2, ["cache=lru", "cache.capacity_rows=4", "consistency.pull_bound=2",
+                                            "consistency.push_bound=6", "train.cuda_graph=on"]),
 }
 
 

@@ -58,6 +58,8 @@ class DenseStep(EagerStep):
         self.static_in: tuple[torch.Tensor, ...] = ()
         self.static_out: tuple[torch.Tensor, list[torch.Tensor], torch.Tensor] | None = None
         self.replays = 0  # steps replayed from the graph (summary.json)
+        # train.cuda_graph=on where the sparse side has no fixed-shape mode yet: why (summary.json)
+        self.dense_only: Optional[str] = None
         self.eager_steps = 0  # steps run eagerly (no graph, or a batch of another shape)
 
     def forward(self, ctx: StepContext) -> None:
@@ -112,5 +114,8 @@ class DenseStep(EagerStep):
             self.static_out = self._compute(*self.static_in, cache=False)
 
     def summary(self) -> dict[str, Any]:
-        return {"captured": self.graph is not None, "replays": self.replays, "eager_steps": self.eager_steps,
-                "scope": "dense"}
+        out = {"captured": self.graph is not None, "replays": self.replays, "eager_steps": self.eager_steps,
+               "scope": "dense"}
+        if self.dense_only is not None:
+            out["dense_only"] = self.dense_only
+        return out

@@ -41,6 +41,7 @@ step during it, plus those made for it during the step before.
 from __future__ import annotations
 
 import math
+import sys
 from dataclasses import replace
 from typing import Any, Callable, Optional
 
@@ -51,6 +52,7 @@ from ..base.config import Config
 from ..base.core.device import to_device
 from ..base.core.errors import TrainingError
 from ..sparse.embedding import InFlightStep
+from ..sparse.embedding.fixed.shapes import without_fixed_shapes
 from ..sparse.side import Sparse
 from ..workload.data.source import DataSource
 from ..base.core.signals import SIGNALS
@@ -106,9 +108,20 @@ class TrainPipeline:
 
     def _choose(self, model: torch.nn.Module, global_batch: int) -> StepStrategy:
         """train.cuda_graph=on: at W = 1 the whole step (whole_step.py), at W > 1 the step with
-        fixed shapes between its collectives (padded_step.py); dense: the dense half from one
-        graph (dense_step.py); off: the eager step (step.py)."""
+        fixed shapes between its collectives (padded_step.py), where the sparse side has a
+        fixed-shape mode; where it has none yet (without_fixed_shapes: dynamic tables, the HET
+        cache and Herald at W > 1, the audit at W = 1) the dense half captured and the sparse half
+        in exact sizes, said once here and in summary.json (cuda_graph.dense_only); dense: the
+        dense half from one graph (dense_step.py); off: the eager step (eager.py)."""
         graph = self.c.train.cuda_graph
+        why = without_fixed_shapes(self.emb) if graph == "on" else None
+        if why is not None:
+            if self.comm.rank == 0:
+                print(f"[trainer] train.cuda_graph=on: {why}; the dense half is captured and the sparse half "
+                      "runs in exact sizes (as train.cuda_graph=dense; docs/gpu.md)", file=sys.stderr)
+            step = DenseStep(self.emb, model, self.params, self.opt, self.precision, global_batch, self.device)
+            step.dense_only = why
+            return step
         if graph == "on" and self.comm.size == 1:
             return WholeStep(self.c, self.comm, self.emb, model, self.params, self.precision.autocast,
                              global_batch, self.device)

@@ -40,9 +40,11 @@ filled before every step, outside the graph), so one graph serves a warmup and a
 kernels.backend=reference the rate is a constant of the captured arithmetic: the graph is captured
 for one rate, a step whose rate differs from the step before runs eagerly, and the first two
 steps at a new constant rate capture it again. A batch of another shape runs eagerly.
-Refused at W = 1 (config time, validate_world): what has no fixed-shape mode yet (dynamic tables,
-Herald, stochastic rounding of half rows, the audit; docs/gpu.md). A cache and the consistency
-bounds run: every row is local at W = 1, no cache is built (as with cuda_graph=off).
+Not this step at W = 1: what has no fixed-shape mode yet (dynamic tables, the audit;
+fixed/shapes.py without_fixed_shapes, docs/gpu.md) trains with the dense half captured and the sparse
+half in exact sizes (TrainPipeline chooses DenseStep and says so). A cache and the consistency
+bounds, Herald, stochastic rounding of half rows run here: every row is local at W = 1, no cache is
+built and nothing is lent (as with cuda_graph=off).
 """
 from __future__ import annotations
 

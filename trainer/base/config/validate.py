@@ -462,28 +462,3 @@ def validate_world(c: Config, world: int) -> None:
     for i, n in enumerate(table_rows(c)):
         _check(n >= world, f"data.table_rows[{i}]", n,
                f"has fewer rows than the {world} workers; every worker must own at least one row")
-    if c.train.cuda_graph == "on":
-        _validate_padded_step(c, world)
-
-
-def _validate_padded_step(c: Config, world: int) -> None:
-    """train.cuda_graph=on pads the step's lookups to fixed shapes (at W = 1 the whole step,
-    trainer/step/whole_step.py; at W > 1 between the collectives, trainer/step/padded_step.py):
-    what it cannot pad yet is refused, naming the key."""
-    e = c.embedding
-    why = ("train.cuda_graph=on at W = 1 runs the whole step padded, which " if world == 1 else
-           "train.cuda_graph=on at W > 1 pads the step between its collectives, which ")
-    fallback = "; use train.cuda_graph=off" if world == 1 else "; use train.cuda_graph=dense (the dense half only) or off"
-    for key, value, ok, what in (
-            ("embedding.kind", e.kind, e.kind == "fixed", "supports fixed tables only"),
-            # at W = 1 every row is local: no cache is built and the bounds have nothing to bound
-            ("cache.policy", c.cache.policy, c.cache.policy == "none" or world == 1,
-             "has no fixed-shape mode for the HET cache yet (docs/gpu.md)"),
-            ("consistency.name", c.consistency.name, c.consistency.name == "bsp" or world == 1,
-             "supports bsp only (the staleness bounds act through the HET cache, which has no fixed-shape mode yet)"),
-            # at W = 1 Herald lends nothing (every row is the one worker's): only its order of samples acts
-            ("schedule.name", c.schedule.name, c.schedule.name == "random" or world == 1,
-             "has no fixed-shape mode for Herald's on-demand sync yet (docs/gpu.md)"),
-            ("embedding.audit", e.audit, not e.audit or world > 1,
-             "does not record the audit (its records are host reads, and the update is inside the graph)")):
-        _check(ok, key, value, why + what + fallback)

@@ -55,16 +55,41 @@ import kernels
 from ....workload.data.batch import Batch
 from ..exchange import wire_dtype
 from ..module import HybridEmbedding
+from ..remote import HeraldRemote, HetRemote, PlainRemote
 from ..types import GlobalStep, InFlightStep
 from .padded import BagPadding, PaddedPlan, PaddedRequest, padded_combine, padded_plan, padded_request, unique_capacity
 
-__all__ = ["FixedRead", "FixedShapes", "MARGIN", "MEASURE_STEPS"]
+__all__ = ["FixedRead", "FixedShapes", "MARGIN", "MEASURE_STEPS", "without_fixed_shapes"]
 
 # train.unique_capacity < 0: the capacity is the bound for the first MEASURE_STEPS steps, then the
 # most slots they needed on any rank times MARGIN (a later step that needs more is trained again
 # in exact sizes: the margin trades wire for how often that happens)
 MEASURE_STEPS = 16
 MARGIN = 1.1
+
+
+def without_fixed_shapes(emb: HybridEmbedding) -> Optional[str]:
+    """Why this sparse side has no fixed-shape mode yet (None: it has one). train.cuda_graph=on
+    then captures the dense half only and runs the sparse half in exact sizes (the step of
+    train.cuda_graph=dense), saying so once and in summary.json (cuda_graph.dense_only); the
+    reasons are docs/gpu.md's (the seed systems under train.cuda_graph=on)."""
+    w = emb.comm.size
+    if emb.store.dynamic:
+        return ("dynamic tables (embedding.kind=dynamic): the id map's inserts and the pool's admissions "
+                "and evictions change sizes inside the step")
+    remote = emb.remote
+    if w > 1 and isinstance(remote, HetRemote):  # at W = 1 no row is remote: no protocol acts
+        return ("the HET cache at W > 1 (cache.policy, consistency): its version checks, pulls, installs "
+                "over victims and pushes are sized by counts read back each step")
+    if w > 1 and isinstance(remote, HeraldRemote):
+        return ("Herald's on-demand sync at W > 1 (schedule=herald): its lent rows, writebacks and pulls "
+                "are not padded to fixed blocks yet")
+    if w > 1 and not isinstance(remote, PlainRemote):
+        return f"the remote-row protocol {type(remote).__name__} at W > 1"
+    if w == 1 and emb.audit is not None:
+        return ("the audit (embedding.audit=true) at W = 1: its records are host reads, and the whole "
+                "step's update is inside the graph")
+    return None
 
 
 @dataclass
