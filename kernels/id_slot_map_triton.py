@@ -65,6 +65,19 @@ class IdSlotMap(abc.ABC):
     def erase(self, ids: Tensor) -> Tensor:
         """Remove ids [n]; returns found [n] bool (id was present before)."""
 
+    def insert_where(self, ids: Tensor, slots: Tensor, mask: Tensor) -> None:
+        """insert() of the entries where mask [n] holds (distinct, absent ids: a fixed-shape
+        step's installs). This default selects them, which reads their count back."""
+        keep = torch.nonzero(mask).squeeze(1)
+        if keep.numel():
+            self.insert(ids.index_select(0, keep), slots.index_select(0, keep))
+
+    def erase_where(self, ids: Tensor, mask: Tensor) -> None:
+        """erase() of the entries where mask [n] holds. This default selects them (a read)."""
+        keep = torch.nonzero(mask).squeeze(1)
+        if keep.numel():
+            self.erase(ids.index_select(0, keep))
+
     @abc.abstractmethod
     def items(self) -> Tuple[Tensor, Tensor]:
         """All live (ids [m], slots [m]), in no particular order."""

@@ -71,10 +71,10 @@ def test_torchrun_two_workers_share_one_output_dir(tmp_path):
         assert (summary["device"], summary["transport"]) == ("cpu", "gloo")
 
 
-# issue 71's three: FAE in fixed shapes; the HET cache under ssp and Herald with the dense half only
+# issue 71's three: FAE and the HET cache under ssp in fixed shapes; Herald with the dense half only
 TORCHRUN_ON = {
     "fae": (["placement=fae", "placement.budget_bytes=16000", "placement.window_batches=8"], "step"),
-    "lru-ssp": (["cache=lru", "consistency=ssp"], "dense"),
+    "lru-ssp": (["cache=lru", "consistency=ssp"], "step"),
     "herald": (["schedule=herald", "cache=lru", "placement.window_batches=8"], "dense"),
 }
 

@@ -187,8 +187,6 @@ def test_the_owner_sums_as_the_eager_update():
 # what has no fixed-shape mode yet (without_fixed_shapes): the dense half captured, the sparse
 # half exact-size; the reason is named in summary.json and once on stderr
 DENSE_ONLY = {
-    "w2-lru-ssp": (2, ["cache=lru", "consistency=ssp", "optim=adagrad"], "HET cache"),
-    "w3-lfu-asp-pipeline-ids": (3, ["cache=lfu", "consistency=asp", "optim=sgd", "train.pipeline=ids"], "HET cache"),
     "w2-herald": (2, ["schedule=herald", "cache=lru", "optim=adagrad"], "Herald"),
     "w2-dynamic": (2, ["embedding.kind=dynamic", "embedding.capacity=64", "optim=adagrad"], "dynamic tables"),
 }
@@ -211,11 +209,67 @@ def test_what_has_no_fixed_shapes_yet_runs_dense_only_and_equals_the_eager_step(
         assert_same_eval(a, b)
         for key in ("embedding", "cache", "staleness"):
             assert b.summary.get(key) == a.summary.get(key), key
-    if what == "HET cache":
-        assert on[0].summary["cache"]["hits"] > 0  # the cache really acted
     graph = on[0].summary["cuda_graph"]
     assert graph["scope"] == "dense" and what in graph["dense_only"], graph
     assert "unique_capacity" not in graph and "overflow_steps" not in graph
+
+
+# the HET cache in fixed shapes (fixed/het.py, cache/masked.py): hits, stale copies re-read,
+# installs over victims, transient rows, due pushes and dirty evictions, as the exact step
+HET = {
+    "w2-lru-ssp-adagrad": (2, ["cache=lru", "consistency=ssp", "optim=adagrad"]),
+    "w3-lfu-asp-sgd": (3, ["cache=lfu", "consistency=asp", "optim=sgd"]),
+    "w2-pinned-adam": (2, ["cache=lfu_pinned", "cache.pin_threshold=3", "consistency.pull_bound=5",
+                           "consistency.push_bound=8", "optim=adam"]),
+    # no slot at all: every remote row transient, pushed at once
+    "w3-no-slots": (3, ["cache=lru", "cache.capacity_fraction=0", "consistency=ssp", "optim=adagrad"]),
+    # 4 slots: victims every step, dirty ones pushed; the fp16 wire
+    "w2-tiny-cache-fp16-wire": (2, ["cache=lru", "cache.capacity_rows=4", "consistency.pull_bound=2",
+                                    "consistency.push_bound=6", "optim=adagrad", "comm.wire_precision=fp16"]),
+    "w2-bsp-ragged-audit": (2, ["cache=lru", "consistency=bsp", "optim=adagrad", "data.min_bag=0", "data.max_bag=3",
+                                "embedding.audit=true"]),
+    "w2-fae-lru-ssp": (2, ["cache=lru", "consistency=ssp", "placement=fae", "placement.budget_bytes=16000",
+                           "optim=adagrad", "data.max_bag=1"]),
+    "w4-lru-ssp-pipeline-off": (4, ["cache=lru", "consistency=ssp", "optim=sgd", "train.pipeline=off"]),
+    # blocks too small for some batches: every change of those steps masked off (cache, counters,
+    # staleness records, rows), the steps trained again exactly from the state before them
+    "w2-lru-ssp-tight-blocks": (2, ["cache=lru", "consistency=ssp", "optim=adagrad", "train.unique_capacity=56"]),
+    "w3-tiny-cache-measured-skip": (3, ["cache=lru", "cache.capacity_rows=4", "consistency.pull_bound=2",
+                                        "consistency.push_bound=6", "optim=adagrad", "train.steps=24",
+                                        "train.nonfinite=skip"]),
+}
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("case", sorted(HET))
+def test_het_cache_in_fixed_shapes_equals_the_eager_step(case):
+    """Every loss, row, optimizer state, dense parameter and eval logit as cuda_graph=off, and the
+    cache's counters and the owners' staleness histogram (summary.json) equal too."""
+    world, extra = HET[case]
+    off = run_world(world, SHORT + extra)
+    on = run_world(world, SHORT + extra + ["train.cuda_graph=on"])
+    for a, b in zip(off, on):
+        assert b.losses == a.losses
+        assert_same_run(a, b, rtol=0, atol=0)
+        assert_same_eval(a, b)
+        assert b.summary["cache"] == a.summary["cache"]
+        assert b.summary["embedding"] == a.summary["embedding"]
+        if "audit" in case:  # every remote read and owner update, with its version, as off's
+            for key in ("reads", "updates"):
+                assert torch.equal(b.state["audit"][key], a.state["audit"][key]), key
+    graph, cache = on[0].summary["cuda_graph"], on[0].summary["cache"]
+    assert graph["scope"] == "step" and "dense_only" not in graph
+    if "tight" in case:  # some steps overflowed, not all
+        assert 0 < graph["overflow_steps"] < 10, graph
+    if "measured" in case:  # the blocks shrank after the measuring window
+        assert graph["capacity_rule"] == "measured" and graph["unique_capacity"] < graph["unique_bound"]
+    assert cache["requested"] > 0 and cache["pushed_updates"] > 0
+    if "no-slots" in case:
+        assert cache["transient"] == cache["requested"]
+    elif "tiny" in case:
+        assert cache["evicted_dirty"] > 0 and cache["hits"] > 0
+    if "ssp" in case or "asp" in case or "pinned" in case:
+        assert cache["staleness"]["max"] > 0
 
 
 # replicated rows (placement=fae / sca) in fixed shapes: hot steps among the cold ones

@@ -112,6 +112,10 @@ W2_CASES = {
     "padded-adagrad": (["optim=adagrad", "train.cuda_graph=on"], (5,), 1, ["optim=adagrad"]),
     "cache-ssp-adam": (["optim=adam", "cache=lru", "cache.capacity_fraction=0.05", "consistency=ssp",
                         "consistency.pull_bound=3", "consistency.push_bound=2"], (4, 9), 1, None),
+    # the cache in fixed shapes (fixed/het.py): a dropped step's installs and evictions rolled back
+    "cache-ssp-adam-padded": (["optim=adam", "cache=lru", "cache.capacity_fraction=0.05", "consistency=ssp",
+                               "consistency.pull_bound=3", "consistency.push_bound=2", "train.cuda_graph=on"],
+                              (4, 9), 1, None),
     "herald-lend-adagrad": (["optim=adagrad", "optim.initial_accumulator=1e-4", "schedule=herald", "cache=lru",
                              "cache.capacity_fraction=0.05"], (6,), 1,
                             ["optim=adagrad", "optim.initial_accumulator=1e-4"]),

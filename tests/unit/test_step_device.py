@@ -361,27 +361,37 @@ def _sizes_worker(rank: int, world: int, overrides: list[str]) -> tuple[list, li
     return sizes_of_two_steps(overrides, rank, world)
 
 
+# the plain wire, and the HET cache's (fixed/het.py: version checks, installs over victims, pushes)
+W2_FIXED = {"plain": [], "het-lru-ssp": ["cache=lru", "consistency=ssp"]}  # the CPU's direct id map (slotmap.py)
+
+
 @pytest.mark.dist
-def test_padded_step_makes_no_tensor_sized_by_the_data_at_w2():
+@pytest.mark.parametrize("case", sorted(W2_FIXED))
+def test_padded_step_makes_no_tensor_sized_by_the_data_at_w2(case):
     """train.cuda_graph=on at W = 2 (trainer/step/padded_step.py): on both ranks two steps whose
     batches hold different numbers of unique ids make the same tensors, op for op, size for size,
     the alltoalls included (their split sizes are the config's). The eager W = 2 step fails the
     same comparison."""
-    for rank, (first, second, unique) in enumerate(spawn(2, _sizes_worker, FIXED_BAGS + ["train.cuda_graph=on"])):
+    extra = FIXED_BAGS + W2_FIXED[case]
+    for rank, (first, second, unique) in enumerate(spawn(2, _sizes_worker, extra + ["train.cuda_graph=on"])):
         assert unique[0] != unique[1], f"rank {rank}: both batches hold {unique[0]} unique ids: nothing is compared"
         assert first == second, f"rank {rank}: a size depends on the data: " + _first_difference(first, second)
-    first, second, unique = spawn(2, _sizes_worker, FIXED_BAGS)[0]
+    first, second, unique = spawn(2, _sizes_worker, extra)[0]
     assert unique[0] != unique[1] and first != second, "the eager step's sizes did not follow the data"
 
 
 @pytest.mark.dist
-def test_one_step_w2_padded():
+@pytest.mark.parametrize("case", sorted(W2_FIXED))
+def test_one_step_w2_padded(case):
     """train.cuda_graph=on at W = 2: one host sync per step (the loss), and the padded step's own
-    code (the request, the owners' reads and sums, the update) makes nothing on the host, reads
-    nothing back and makes no tensor whose size depends on device values."""
-    for rank, (records, plans) in enumerate(spawn(2, audit_worker, ["train.cuda_graph=on", "optim=adagrad"], False)):
-        _check((records, plans), f"W=2 cuda_graph=on rank {rank}", most_syncs=1)
-        inside = [r for r in records if r.file.startswith(CAPTURED + ("trainer/step/padded_step.py",))]
+    code (the request, the owners' reads and sums, the update; with the HET cache its version
+    checks, installs and pushes) makes nothing on the host, reads nothing back and makes no tensor
+    whose size depends on device values (the CPU's id map: cache/slotmap.py's masked calls)."""
+    overrides = ["train.cuda_graph=on", "optim=adagrad"] + W2_FIXED[case]
+    for rank, (records, plans) in enumerate(spawn(2, audit_worker, overrides, False)):
+        _check((records, plans), f"W=2 cuda_graph=on {case} rank {rank}", most_syncs=1)
+        inside = [r for r in records if r.file.startswith(CAPTURED + (
+            "trainer/step/padded_step.py", "trainer/sparse/embedding/fixed/", "trainer/sparse/embedding/cache/"))]
         assert not inside, "the padded step must be free of host work:\n" + "\n".join(map(str, inside))
         assert not [r for r in records if r.kind == "shape"], "a tensor sized by device values"
 

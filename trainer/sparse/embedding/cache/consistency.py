@@ -93,11 +93,12 @@ def push_due(local_updates: torch.Tensor, push_bound: torch.Tensor) -> torch.Ten
     return local_updates > push_bound
 
 
-def staleness_histogram(staleness: torch.Tensor, table: torch.Tensor, num_tables: int) -> torch.Tensor:
+def staleness_histogram(staleness: torch.Tensor, table: torch.Tensor, num_tables: int,
+                        mask: torch.Tensor | None = None) -> torch.Tensor:
     """[T, HIST_BINS] counts of read staleness per table (last bin: HIST_BINS - 1 or more), on the
-    staleness' device. Counted into a fixed-size vector: bincount's length depends on the values,
+    staleness' device; mask [n]: the entries counted (None: all). Counted into a fixed-size vector: bincount's length depends on the values,
     which costs a device sync per call."""
     b = staleness.clamp(0, HIST_BINS - 1)
     flat = torch.zeros(num_tables * HIST_BINS, dtype=torch.int64, device=staleness.device)
-    flat.index_add_(0, table * HIST_BINS + b, torch.ones_like(b))
+    flat.index_add_(0, table * HIST_BINS + b, torch.ones_like(b) if mask is None else mask.long())
     return flat.view(num_tables, HIST_BINS)

@@ -128,16 +128,25 @@ class RowCache:
         self._end = torch.tensor(self.bounds[1:], dtype=torch.int64, device=dev)  # [T] region ends
         self._free = caps.clone().to(dev)  # [T] free slots per region: its last ones, [end - free, end)
         c = int(caps.sum())
-        self.rows = torch.zeros(c, dim, device=dev)
-        self.pending = torch.zeros(c, dim, device=dev)
-        self.version = torch.zeros(c, dtype=torch.int64, device=dev)
-        self.count = torch.zeros(c, dtype=torch.int64, device=dev)
-        self.gid = torch.full((c,), -1, dtype=torch.int64, device=dev)
-        self.freq = torch.zeros(c, dtype=torch.int64, device=dev)
-        self.last_use = torch.full((c,), -1, dtype=torch.int64, device=dev)
+        # every per-slot field has one slot more, `dump` = c, past the slots (the fields below are
+        # views of the first c): a fixed-shape step (masked.py) writes its masked-off entries
+        # there instead of selecting the others (a selection's size would be read back); its gid
+        # stays -1, so the journal and the map never see it
+        self.dump = c
+        self.full = {
+            "gid": torch.full((c + 1,), -1, dtype=torch.int64, device=dev),
+            "rows": torch.zeros(c + 1, dim, device=dev),
+            "pending": torch.zeros(c + 1, dim, device=dev),
+            "version": torch.zeros(c + 1, dtype=torch.int64, device=dev),
+            "count": torch.zeros(c + 1, dtype=torch.int64, device=dev),
+            "freq": torch.zeros(c + 1, dtype=torch.int64, device=dev),
+            "last_use": torch.full((c + 1,), -1, dtype=torch.int64, device=dev)}
+        self.gid, self.rows, self.pending = (self.full[f][:c] for f in ("gid", "rows", "pending"))
+        self.version, self.count, self.freq, self.last_use = (self.full[f][:c] for f in
+                                                              ("version", "count", "freq", "last_use"))
         self.map = id_slot_map(n_ids, c, dev)
         self._uses = (-1, 0)  # (step, uses stamped in it so far): the next tick of that step
-        self.journal = CacheJournal({f: getattr(self, f) for f in self._FIELDS}, self.map, self._free)
+        self.journal = CacheJournal({f: self.full[f] for f in self._FIELDS}, self.map, self._free)
 
     _FIELDS = ("gid", "rows", "pending", "version", "count", "freq", "last_use")
 

@@ -32,15 +32,18 @@ class DirectSlotMap(IdSlotMap):
     log's records there)."""
 
     def __init__(self, n_ids: int, device: torch.device | str = "cpu") -> None:
-        self._slot = torch.full((n_ids,), -1, dtype=torch.int32, device=device)
-        self._live = 0
+        # one entry more, past the ids: the masked calls write their masked-off entries there
+        self._full = torch.full((n_ids + 1,), -1, dtype=torch.int32, device=device)
+        self._slot = self._full[:n_ids]
+        self._dump = n_ids
+        self._live = torch.zeros((), dtype=torch.int64, device=device)  # ids held (read by len())
 
     @property
     def device(self) -> torch.device:
         return self._slot.device
 
     def __len__(self) -> int:
-        return self._live
+        return int(self._live)
 
     def lookup(self, ids):
         slots = self._slot.index_select(0, ids).long()
@@ -49,8 +52,21 @@ class DirectSlotMap(IdSlotMap):
     def insert(self, ids, slots):
         new = self._slot.index_select(0, ids) == -1
         self._slot.index_copy_(0, ids, slots.to(torch.int32))
-        self._live += int(new.sum())
+        self._live += new.sum()
         return new
+
+    def insert_where(self, ids, slots, mask):
+        """insert() of the entries where mask holds, at fixed size (no read)."""
+        at = torch.where(mask, ids, self._dump)
+        self._live += (mask & (self._full.index_select(0, at) == -1)).sum()
+        self._full.index_copy_(0, at, slots.to(torch.int32))
+        self._full[self._dump:].fill_(-1)
+
+    def erase_where(self, ids, mask):
+        """erase() of the entries where mask holds, at fixed size (no read)."""
+        at = torch.where(mask, ids, self._dump)
+        self._live -= (mask & (self._full.index_select(0, at) != -1)).sum()
+        self._full.index_fill_(0, at, -1)
 
     def items(self):
         ids = torch.nonzero(self._slot != -1).squeeze(1)
@@ -59,7 +75,7 @@ class DirectSlotMap(IdSlotMap):
     def erase(self, ids):
         found = self._slot.index_select(0, ids) != -1
         self._slot.index_fill_(0, ids, -1)
-        self._live -= int(found.sum())
+        self._live -= found.sum()
         return found
 
 

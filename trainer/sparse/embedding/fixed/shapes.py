@@ -57,6 +57,7 @@ from ..exchange import wire_dtype
 from ..module import HybridEmbedding
 from ..remote import HeraldRemote, HetRemote, PlainRemote
 from ..types import GlobalStep, InFlightStep
+from .het import FixedHet, HetBlocks, owner_sums
 from .padded import BagPadding, PaddedPlan, PaddedRequest, padded_combine, padded_plan, padded_request, unique_capacity
 
 __all__ = ["FixedRead", "FixedShapes", "MARGIN", "MEASURE_STEPS", "without_fixed_shapes"]
@@ -78,13 +79,10 @@ def without_fixed_shapes(emb: HybridEmbedding) -> Optional[str]:
         return ("dynamic tables (embedding.kind=dynamic): the id map's inserts and the pool's admissions "
                 "and evictions change sizes inside the step")
     remote = emb.remote
-    if w > 1 and isinstance(remote, HetRemote):  # at W = 1 no row is remote: no protocol acts
-        return ("the HET cache at W > 1 (cache.policy, consistency): its version checks, pulls, installs "
-                "over victims and pushes are sized by counts read back each step")
     if w > 1 and isinstance(remote, HeraldRemote):
         return ("Herald's on-demand sync at W > 1 (schedule=herald): its lent rows, writebacks and pulls "
                 "are not padded to fixed blocks yet")
-    if w > 1 and not isinstance(remote, PlainRemote):
+    if w > 1 and not isinstance(remote, (PlainRemote, HetRemote)):
         return f"the remote-row protocol {type(remote).__name__} at W > 1"
     if w == 1 and emb.audit is not None:
         return ("the audit (embedding.audit=true) at W = 1: its records are host reads, and the whole "
@@ -102,6 +100,7 @@ class FixedRead:
     served: torch.Tensor
     touched: Optional[torch.Tensor]
     fits: Optional[torch.Tensor] = None  # [] bool: no rank's request overflowed (None: none can)
+    het: Optional[HetBlocks] = None  # the HET cache's read (FixedHet), where the protocol is HET
 
 
 class FixedShapes:
@@ -114,12 +113,17 @@ class FixedShapes:
         self.emb, self.comm, self.sharding, self.store = emb, emb.comm, emb.sharding, emb.store
         self.padding = BagPadding(self.sharding, min_bag, max_bag)
         w, rows = self.comm.size, self.sharding.table_rows
+        het = w > 1 and isinstance(emb.remote, HetRemote)
+        self.het: Optional[FixedHet] = None
         self.bound = unique_capacity(local_batch, max_bag, rows, world=w)
         self.rule = "measured" if chosen < 0 else ("set" if chosen > 0 else "bound")
         self.measuring = chosen < 0  # at the bound for MEASURE_STEPS steps, then what they needed + MARGIN
         self.steps = 0  # training lookups made (the measuring window's)
         self.peak: Optional[torch.Tensor] = None  # the most slots a step has needed (on the device)
         self.resize(unique_capacity(local_batch, max_bag, rows, max(chosen, 0), world=w))
+        if het:  # the HET cache's protocol in the request's blocks (fixed/het.py); None: the plain wire
+            self.het = FixedHet(self.comm, self.store, emb.remote, self.capacity,
+                                [min(local_batch * max_bag, n) for n in rows], emb.exchange.row_dtype)
 
     def resize(self, capacity: int) -> None:
         """The slots of a block (of the plan at W = 1): every size that follows from them."""
@@ -136,6 +140,8 @@ class FixedShapes:
         # the owner's entries in the exact-size step's order: its own block, then the peers' by rank
         blocks = [r] + [p for p in range(w) if p != r]
         self.order = torch.cat([torch.arange(b * c, (b + 1) * c) for b in blocks]).to(self.store.device)
+        if self.het is not None:
+            self.het.resize(c)
 
     # ---- the capacity's statistics ----------------------------------------------------------
     def begin_step(self) -> bool:
@@ -233,10 +239,13 @@ class FixedShapes:
         slot = self._replica_slots(gids)
         req = padded_request(self.sharding, gids, self.capacity, self.padding.sentinel,
                              skip=None if slot is None else slot >= 0)
-        fits = None
+        fits, het = None, None
         if flight.info.hot:  # every id replicated: no owner is asked anything (no alltoall)
             served = torch.full_like(req.ids, self.sharding.local_rows)
             ws = torch.zeros(req.ids.numel(), self.store.dim, dtype=self.store.compute_dtype, device=gids.device)
+        elif self.het is not None:  # the HET cache: version checks, rows and installs in the blocks
+            served = req.ids
+            ws, het, fits = self.het.read(req, emb.step, self.flagged)
         else:
             served, fits = self._ask(req)
             stored = self._read(served)  # as stored; its own block is what this rank asked itself for
@@ -248,7 +257,7 @@ class FixedShapes:
         unique = req.count if touched is None else req.count + touched.sum()
         ws.requires_grad_()
         pooled = kernels.pooled_gather(ws, inverse, ids.offsets(), ids.num_tables, mode=emb.pooling)
-        flight.ws, flight.read = ws, FixedRead(req, served, touched, fits)
+        flight.ws, flight.read = ws, FixedRead(req, served, touched, fits, het)
         self.note_used(req.largest)
         own = req.valid[self.own].sum()
         emb.stats.record_on_device(int(flight.batch.values.numel()), unique, req.count - own)
@@ -286,6 +295,8 @@ class FixedShapes:
             grad = grad[:blocks]
         if flight.info.hot:
             return lambda: None
+        if read.het is not None:
+            return self._het_update(read, grad)
         handle = self.comm.alltoall_async(grad.to(self.emb.exchange.row_dtype), self.splits, kind="grads",
                                           recv_splits=self.splits)
 
@@ -299,9 +310,26 @@ class FixedShapes:
             self.store.apply_masked(combine.rows, combine.sums(got.index_select(0, self.order)), valid,
                                     counts=counts)
             if self.emb.audit is not None:  # the rows updated, as the exact-size owner records them
-                g, _ = torch.sort(self.sharding.global_of(combine.rows[valid], self.comm.rank))
-                self.emb.audit.update(self.emb.step, g, self.store.versions(self.sharding.local_index(g)))
+                self._audit_update(combine.rows[valid])
         return finish
+
+    def _het_update(self, read: FixedRead, grad: torch.Tensor) -> Callable[[], None]:
+        """The HET cache's update (FixedHet.push); the function returned applies what this rank
+        receives as owner, summed per row (own rows first, then by sender), versions advanced by
+        the pushed counts."""
+        pushed = self.het.push(read.request, read.het, grad)
+
+        def finish() -> None:
+            comb = owner_sums(self.store, *pushed())
+            if self.emb.audit is not None:
+                self._audit_update(comb.rows[comb.valid])
+        return finish
+
+    def _audit_update(self, rows: torch.Tensor) -> None:
+        """embedding.audit: the rows this owner updated, with their versions after (as the exact
+        step records them)."""
+        g, _ = torch.sort(self.sharding.global_of(rows, self.comm.rank))
+        self.emb.audit.update(self.emb.step, g, self.store.versions(self.sharding.local_index(g)))
 
     def _audit_grads(self, read: FixedRead, grad: torch.Tensor) -> None:
         """embedding.audit (a test tool: it reads back): this step's row gradients by global id, the
@@ -329,4 +357,6 @@ class FixedShapes:
         """A dropped step: nothing changed before its update (or the update was masked off: an
         overflow), the workspace is simply let go."""
         if flight.ws is not None:
-            self.emb.finish_lookup(flight, "discard")
+            _, read = self.emb.finish_lookup(flight, "discard")
+            if read is not None and read.het is not None and self.het.remote.undoable:
+                self.het.discard()

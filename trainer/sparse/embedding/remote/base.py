@@ -79,21 +79,23 @@ class CacheStats:
         self.t[key].index_add_(0, tables, w)
 
     def reads(self, table: torch.Tensor, hit: torch.Tensor, need: torch.Tensor,
-              transient: torch.Tensor | None) -> None:
+              transient: torch.Tensor | None, mask: torch.Tensor | None = None) -> None:
         """One step's remote reads ([Ur] each): table, cache hit, row pulled, transient (None:
-        none was)."""
+        none was); mask: the entries that are reads (a fixed-shape step's; None: all)."""
         code = (table * 8).add_(hit).add_(need, alpha=2)  # (table, outcome)
         if transient is not None:
             code.add_(transient, alpha=4)
         per = torch.zeros(self.num_tables * 8, dtype=torch.int64, device=table.device)
-        per.index_add_(0, code, torch.ones_like(code))  # fixed size: no count read back
+        per.index_add_(0, code, torch.ones_like(code) if mask is None else mask.long())  # fixed size: no count read back
         # [T, 8] x [8, 5] as a broadcast sum (integer matmul has no CUDA kernel)
         self.all[:len(_READ_COUNTERS)] += (per.view(self.num_tables, 8).unsqueeze(2) * self._read_weights).sum(1).t()
 
-    def pushes(self, table: torch.Tensor, counts: torch.Tensor) -> None:
-        """Rows pushed ([n] table of each) and the updates they carry ([n] counts)."""
-        self.t["pushed_rows"].index_add_(0, table, torch.ones_like(table))
-        self.t["pushed_updates"].index_add_(0, table, counts.to(torch.int64))
+    def pushes(self, table: torch.Tensor, counts: torch.Tensor, mask: torch.Tensor | None = None) -> None:
+        """Rows pushed ([n] table of each) and the updates they carry ([n] counts); mask: the
+        entries that are pushes (None: all)."""
+        ones = torch.ones_like(table) if mask is None else mask.long()
+        self.t["pushed_rows"].index_add_(0, table, ones)
+        self.t["pushed_updates"].index_add_(0, table, counts.to(torch.int64) * ones)
 
     def vector(self) -> torch.Tensor:
         """[len(CACHE_COUNTERS) * T] float64, for one allreduce over ranks."""
@@ -108,10 +110,11 @@ class StalenessStats:
         self.hist = torch.zeros(num_tables, HIST_BINS, dtype=torch.int64, device=device)
         self.max = torch.zeros(num_tables, dtype=torch.int64, device=device)
 
-    def record(self, gap: torch.Tensor, table: torch.Tensor) -> None:
-        """Reads of staleness `gap` [n] (0 where the row was sent) in tables `table` [n]."""
-        self.hist += staleness_histogram(gap, table, self.num_tables)
-        self.max.scatter_reduce_(0, table, gap, reduce="amax")
+    def record(self, gap: torch.Tensor, table: torch.Tensor, mask: torch.Tensor | None = None) -> None:
+        """Reads of staleness `gap` [n] (0 where the row was sent) in tables `table` [n]; mask:
+        the entries that are reads (None: all)."""
+        self.hist += staleness_histogram(gap, table, self.num_tables, mask)
+        self.max.scatter_reduce_(0, table, gap if mask is None else gap * mask, reduce="amax")
 
 
 class Audit:
