@@ -1,7 +1,7 @@
 """What the fixed shapes cost on the wire: train.cuda_graph=on against off, per policy, at W = 2.
 One JSON line per point (workload x policy x mode).
 
-    python -m benchmarks.bench_padding [--workloads bench mlperf] [--policies plain fae sca]
+    python -m benchmarks.bench_padding [--workloads bench mlperf] [--policies plain fae sca het]
         [--steps 60] [--skip 20] [--world 2] [--batch B] [--rows R] [-- extra trainer overrides]
 
 Modes: `off` (the exact-size sparse half: the batch's unique ids on the wire), `bound` (cuda_graph=on
@@ -28,7 +28,8 @@ from benchmarks.bench_train import WORKLOADS
 from trainer.tools.cli import bad_input, input_errors
 from dev.launch import ROOT, check_trainer, run_trainer, trainer_command
 
-POLICIES = {"plain": [], "fae": ["placement=fae"], "sca": ["placement=sca"]}
+# het: the HET cache under ssp (its version checks, pulled rows and pushes in the blocks: fixed/het.py)
+POLICIES = {"plain": [], "fae": ["placement=fae"], "sca": ["placement=sca"], "het": ["cache=lru", "consistency=ssp"]}
 MODES = {"off": ["train.cuda_graph=off"], "bound": ["train.cuda_graph=on", "train.unique_capacity=0"],
          "measured": ["train.cuda_graph=on", "train.unique_capacity=-1"]}
 KINDS = ("ids", "versions", "rows", "grads", "replica", "dense")

@@ -73,6 +73,11 @@ PATHS: dict[str, tuple[int, list[str]]] = {
     "w2-padded-sca": (2, ["train.cuda_graph=on", "placement=sca", "optim=adagrad"]),
     "w2-padded-tight": (2, ["train.cuda_graph=on", "optim=adagrad", "train.unique_capacity=64"]),
     "whole-fae": (1, ["train.cuda_graph=on", "placement=fae"]),
+    # the HET cache in fixed shapes (fixed/het.py, cache/masked.py): on the GPU its id map is the
+    # Triton hash table (its masked inserts and erases select: a read each), the victims' top-k
+    "w2-padded-lru-ssp": (2, ["train.cuda_graph=on", "cache=lru", "consistency=ssp", "optim=adagrad"]),
+    "w2-padded-pinned-tight": (2, ["train.cuda_graph=on", "cache=lfu_pinned", "consistency=asp",
+                                   "cache.capacity_fraction=0.05", "train.unique_capacity=64"]),
     "whole-fp16-stochastic": (1, ["train.cuda_graph=on", "embedding.dtype=fp16", "embedding.rounding=stochastic",
                                   "optim=adagrad"]),
     # dynamic tables: the pool's map is the Triton hash table on CUDA; small pools evict (LFU with

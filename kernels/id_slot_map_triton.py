@@ -139,8 +139,8 @@ class TritonIdSlotMap(IdSlotMap):
             return new.bool()
         self._reserve(ids.numel())
         _insert_kernel[(cdiv(ids.numel(), _BLOCK),)](
-            self._keys, self._vals, ids, slots, new, ids.numel(), self.capacity - 1,
-            EMPTY=EMPTY, NEVER=-3, BLOCK=_BLOCK)
+            self._keys, self._vals, ids, slots, new, new, ids.numel(), self.capacity - 1,
+            EMPTY=EMPTY, NEVER=-3, HAS_MASK=False, BLOCK=_BLOCK)
         self._used_bound += ids.numel()
         return new.bool()
 
@@ -149,9 +149,32 @@ class TritonIdSlotMap(IdSlotMap):
         _, miss = self.lookup(ids)
         if ids.numel():
             _erase_kernel[(cdiv(ids.numel(), _BLOCK),)](
-                self._keys, self._vals, ids, ids.numel(), self.capacity - 1,
-                EMPTY=EMPTY, TOMBSTONE=TOMBSTONE, BLOCK=_BLOCK)
+                self._keys, self._vals, ids, ids, ids.numel(), self.capacity - 1,
+                EMPTY=EMPTY, TOMBSTONE=TOMBSTONE, HAS_MASK=False, BLOCK=_BLOCK)
         return ~miss
+
+    def insert_where(self, ids: Tensor, slots: Tensor, mask: Tensor) -> None:
+        """insert() of the lanes where mask holds, the others skipped inside the kernel: nothing
+        is read back (the load bound counts every lane; a rebuild, when it comes, reads)."""
+        ids, slots = self._prepare(ids), self._prepare(slots)
+        mask = mask.reshape(-1).to(device=self.device, dtype=torch.int8).contiguous()
+        if not ids.numel():
+            return
+        self._reserve(ids.numel())
+        new = torch.zeros_like(ids, dtype=torch.int8)
+        _insert_kernel[(cdiv(ids.numel(), _BLOCK),)](
+            self._keys, self._vals, ids, slots, new, mask, ids.numel(), self.capacity - 1,
+            EMPTY=EMPTY, NEVER=-3, HAS_MASK=True, BLOCK=_BLOCK)
+        self._used_bound += ids.numel()
+
+    def erase_where(self, ids: Tensor, mask: Tensor) -> None:
+        """erase() of the lanes where mask holds, the others skipped inside the kernel (no read)."""
+        ids = self._prepare(ids)
+        mask = mask.reshape(-1).to(device=self.device, dtype=torch.int8).contiguous()
+        if ids.numel():
+            _erase_kernel[(cdiv(ids.numel(), _BLOCK),)](
+                self._keys, self._vals, ids, mask, ids.numel(), self.capacity - 1,
+                EMPTY=EMPTY, TOMBSTONE=TOMBSTONE, HAS_MASK=True, BLOCK=_BLOCK)
 
     def _reserve(self, incoming: int) -> None:
         """Rebuild before an insert of ``incoming`` ids could push the load past max_load."""
@@ -189,11 +212,14 @@ def _lookup_kernel(keys_ptr, vals_ptr, ids_ptr, out_ptr, n, cell_mask,
 
 
 @jit
-def _insert_kernel(keys_ptr, vals_ptr, ids_ptr, new_vals_ptr, new_ptr, n, cell_mask,
-                   EMPTY: tl.constexpr, NEVER: tl.constexpr, BLOCK: tl.constexpr):
-    """Update the id's cell if present, else CAS-claim the first EMPTY cell of its probe chain."""
+def _insert_kernel(keys_ptr, vals_ptr, ids_ptr, new_vals_ptr, new_ptr, mask_ptr, n, cell_mask,
+                   EMPTY: tl.constexpr, NEVER: tl.constexpr, HAS_MASK: tl.constexpr, BLOCK: tl.constexpr):
+    """Update the id's cell if present, else CAS-claim the first EMPTY cell of its probe chain
+    (HAS_MASK: only the lanes whose mask_ptr byte is nonzero)."""
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     active = offs < n
+    if HAS_MASK:
+        active = active & (tl.load(mask_ptr + offs, mask=active, other=0) != 0)
     ids = tl.load(ids_ptr + offs, mask=active, other=0)
     vals = tl.load(new_vals_ptr + offs, mask=active, other=-1)
     h = (ids ^ (ids >> 31)) * -7046029254386353131
@@ -212,11 +238,14 @@ def _insert_kernel(keys_ptr, vals_ptr, ids_ptr, new_vals_ptr, new_ptr, n, cell_m
 
 
 @jit
-def _erase_kernel(keys_ptr, vals_ptr, ids_ptr, n, cell_mask,
-                  EMPTY: tl.constexpr, TOMBSTONE: tl.constexpr, BLOCK: tl.constexpr):
-    """Probe until the id (turn its cell into a TOMBSTONE) or an EMPTY cell."""
+def _erase_kernel(keys_ptr, vals_ptr, ids_ptr, mask_ptr, n, cell_mask,
+                  EMPTY: tl.constexpr, TOMBSTONE: tl.constexpr, HAS_MASK: tl.constexpr, BLOCK: tl.constexpr):
+    """Probe until the id (turn its cell into a TOMBSTONE) or an EMPTY cell (HAS_MASK: only the
+    lanes whose mask_ptr byte is nonzero)."""
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     active = offs < n
+    if HAS_MASK:
+        active = active & (tl.load(mask_ptr + offs, mask=active, other=0) != 0)
     ids = tl.load(ids_ptr + offs, mask=active, other=0)
     h = (ids ^ (ids >> 31)) * -7046029254386353131
     pos = (h ^ (h >> 29)) & cell_mask

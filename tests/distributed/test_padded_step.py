@@ -22,6 +22,20 @@ from trainer.run.resolve.configure import load_config
 
 SHORT = BASE + ["train.steps=10"]
 
+
+def off_and_on(world: int, overrides: list[str], keys: tuple[str, ...] = ()) -> tuple[list, list]:
+    """The run with cuda_graph=off and with on, at `world`: every loss, row, optimizer state, dense
+    parameter and eval logit equal bit for bit, and summary.json's `keys` equal."""
+    off = run_world(world, overrides)
+    on = run_world(world, overrides + ["train.cuda_graph=on"])
+    for a, b in zip(off, on):
+        assert b.losses == a.losses
+        assert_same_run(a, b, rtol=0, atol=0)
+        assert_same_eval(a, b)
+        for key in keys:
+            assert b.summary.get(key) == a.summary.get(key), key
+    return off, on
+
 CASES = {
     "w2-adagrad": (2, ["optim=adagrad"]),
     "w3-sgd-ragged-emptybags": (3, ["optim=sgd", "data.min_bag=0", "data.max_bag=4"]),
@@ -40,13 +54,7 @@ CASES = {
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_padded_step_equals_the_eager_step_bit_for_bit(case):
     world, extra = CASES[case]
-    off = run_world(world, SHORT + extra)
-    on = run_world(world, SHORT + extra + ["train.cuda_graph=on"])
-    for a, b in zip(off, on):
-        assert b.losses == a.losses
-        assert_same_run(a, b, rtol=0, atol=0)
-        assert_same_eval(a, b)
-        assert b.summary["eval_logloss"] == a.summary["eval_logloss"]
+    off, on = off_and_on(world, SHORT + extra, ("eval_logloss",))
     graph = on[0].summary["cuda_graph"]
     assert graph["scope"] == "step" and graph["eager_steps"] == 10 and not graph["captured"]
     assert graph["optimizer"] == {"captured": False, "replays": 0, "eager_steps": 10}
@@ -201,14 +209,7 @@ def test_what_has_no_fixed_shapes_yet_runs_dense_only_and_equals_the_eager_step(
     world, extra, what = DENSE_ONLY[case]
     c = load_config(make_cfg(SHORT + extra + ["train.cuda_graph=on"]))
     validate_world(c, world)  # no refusal
-    off = run_world(world, SHORT + extra)
-    on = run_world(world, SHORT + extra + ["train.cuda_graph=on"])
-    for a, b in zip(off, on):
-        assert b.losses == a.losses
-        assert_same_run(a, b, rtol=0, atol=0)
-        assert_same_eval(a, b)
-        for key in ("embedding", "cache", "staleness"):
-            assert b.summary.get(key) == a.summary.get(key), key
+    _, on = off_and_on(world, SHORT + extra, ("embedding", "cache", "staleness"))
     graph = on[0].summary["cuda_graph"]
     assert graph["scope"] == "dense" and what in graph["dense_only"], graph
     assert "unique_capacity" not in graph and "overflow_steps" not in graph
@@ -246,14 +247,8 @@ def test_het_cache_in_fixed_shapes_equals_the_eager_step(case):
     """Every loss, row, optimizer state, dense parameter and eval logit as cuda_graph=off, and the
     cache's counters and the owners' staleness histogram (summary.json) equal too."""
     world, extra = HET[case]
-    off = run_world(world, SHORT + extra)
-    on = run_world(world, SHORT + extra + ["train.cuda_graph=on"])
+    off, on = off_and_on(world, SHORT + extra, ("cache", "embedding"))
     for a, b in zip(off, on):
-        assert b.losses == a.losses
-        assert_same_run(a, b, rtol=0, atol=0)
-        assert_same_eval(a, b)
-        assert b.summary["cache"] == a.summary["cache"]
-        assert b.summary["embedding"] == a.summary["embedding"]
         if "audit" in case:  # every remote read and owner update, with its version, as off's
             for key in ("reads", "updates"):
                 assert torch.equal(b.state["audit"][key], a.state["audit"][key]), key
@@ -296,12 +291,8 @@ def test_replicated_rows_in_fixed_shapes_equal_the_eager_step(case):
     """The replica read from its own block of the workspace, its gradient and touched flags summed
     by one allreduce of fixed size: every loss, row, dense parameter and logit as cuda_graph=off."""
     world, extra = PLACEMENTS[case]
-    off = run_world(world, PLACED + extra)
-    on = run_world(world, PLACED + extra + ["train.cuda_graph=on"])
+    off, on = off_and_on(world, PLACED + extra)
     for a, b in zip(off, on):
-        assert b.losses == a.losses
-        assert_same_run(a, b, rtol=0, atol=0)
-        assert_same_eval(a, b)
         for key in ("hot_rows", "hot_steps", "alltoalls_in_hot_steps"):
             assert b.summary["placement"][key] == a.summary["placement"][key]
         assert b.summary["embedding"]["remote_per_step"] == a.summary["embedding"]["remote_per_step"]

@@ -212,3 +212,40 @@ def test_dynamic_pool_over_the_triton_map_equals_over_the_reference(eviction):
         assert torch.equal(ref.pool.counters, tri.pool.counters)
     assert int(ref.pool.c["evictions"].sum()) > 5 and int(ref.pool.c["admissions"].sum()) > 12
     assert torch.equal(ref.weight, tri.weight) and ref.pool.pending_ids() == tri.pool.pending_ids()
+
+
+def _masked_factories() -> Iterator[Any]:
+    yield from MAP_FACTORIES
+    from trainer.sparse.embedding.cache.slotmap import DirectSlotMap
+    yield pytest.param(lambda: DirectSlotMap(300, "cpu"), id="direct")
+
+
+@pytest.mark.parametrize("factory", list(_masked_factories()))
+def test_masked_insert_and_erase_touch_only_their_lanes(factory):
+    """insert_where / erase_where (a fixed-shape step's installs and evictions, cache/masked.py):
+    the lanes where the mask holds, as insert / erase of just those; the masked-off lanes (any id,
+    present or not, repeated) change nothing. Every answer is the dict's."""
+    gen = torch.Generator().manual_seed(5)
+    table, model = factory(), {}
+    for step in range(40):
+        n = int(torch.randint(1, 40, (1,), generator=gen))
+        ids = torch.randint(0, 300, (n,), generator=gen)
+        mask = torch.rand(n, generator=gen) < 0.5
+        if step % 2 == 0:  # distinct, absent ids on the lanes that insert
+            keep = {}
+            for i, m in zip(ids.tolist(), mask.tolist()):
+                if m and i not in model and i not in keep:
+                    keep[i] = True
+            mask = torch.tensor([m and i in keep and keep.pop(i) for i, m in zip(ids.tolist(), mask.tolist())])
+            vals = torch.randint(0, 10_000, ids.shape, generator=gen)
+            table.insert_where(ids, vals, mask)
+            model.update((i, v) for i, v, m in zip(ids.tolist(), vals.tolist(), mask.tolist()) if m)
+        else:
+            table.erase_where(ids, mask)
+            for i, m in zip(ids.tolist(), mask.tolist()):
+                if m:
+                    model.pop(i, None)
+        probe = torch.arange(300)
+        slots, miss = table.lookup(probe)
+        assert slots.tolist() == [model.get(i, -1) for i in range(300)], step
+        assert len(table) == len(model)

@@ -27,7 +27,7 @@ def test_both_workloads_every_policy_on_the_wire():
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = [json.loads(x) for x in proc.stdout.splitlines()]
     assert [(x["workload"], x["policy"], x["mode"]) for x in lines] == [
-        (w, p, m) for w in ("bench", "mlperf") for p in ("plain", "fae", "sca") for m in ("off", "bound", "measured")]
+        (w, p, m) for w in ("bench", "mlperf") for p in ("plain", "fae", "sca", "het") for m in ("off", "bound", "measured")]
     for i in range(0, len(lines), 3):
         off, bound, measured = lines[i:i + 3]
         assert all(x["final_loss_equal"] for x in (off, bound, measured)) and off["to_off"] == 1.0
@@ -40,6 +40,8 @@ def test_both_workloads_every_policy_on_the_wire():
             assert measured["bytes_per_step"]["rows"] == 2 * c * d * 4
             assert measured["bytes_per_step"]["ids"] == 2 * (c + 1) * 4  # int32 ids, one slot more: the excess
     assert any(x["hot_rows"] > 0 for x in lines if x["policy"] == "fae")
+    het = [x for x in lines if x["policy"] == "het"]  # the version checks travel both ways
+    assert all(x["bytes_per_step"]["versions"] > 0 for x in het)
 
 
 @pytest.mark.parametrize("args, says", [(["--world", "1"], "--world 1: must be >= 2"),

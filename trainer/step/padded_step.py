@@ -23,7 +23,7 @@ its requester's excess), so every owner masks the step's updates off; the excess
 read, and TrainPipeline trains that step again in exact sizes (cuda_graph.overflow_steps). train.cuda_graph=dense keeps the
 exact-size sparse half (no padding) with the dense half replayed.
 
-Not this step: what has no fixed-shape mode yet (dynamic tables, the HET cache, Herald;
+Not this step: what has no fixed-shape mode yet (dynamic tables, Herald;
 fixed/shapes.py without_fixed_shapes, docs/gpu.md) trains with the dense half captured and the
 sparse half in exact sizes (TrainPipeline chooses DenseStep and says so).
 """

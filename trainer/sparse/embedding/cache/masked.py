@@ -18,8 +18,10 @@ the eviction keys, of which a miss of rank r past the free slots takes entry r -
 are distinct (rows.py, TICK_BITS), so the first j entries of a top-k are the top-j the exact step
 takes. The journal (train.nonfinite=skip) saves the entries' slots, the dump slot among them.
 
-Still a read: the id -> slot map's insert and erase of the masked entries (IdSlotMap.insert_where
-/ erase_where select them, a read back, on the CPU's maps; a masked kernel is the GPU's part).
+The id -> slot map's inserts and erases of the masked entries (IdSlotMap.insert_where /
+erase_where): masked inside the kernels on a GPU (Triton's map) and in place on the CPU's direct
+map; the CPU's reference hash map (large id spaces) selects them, a read it makes anyway (its
+table lives in host memory).
 """
 from __future__ import annotations
 

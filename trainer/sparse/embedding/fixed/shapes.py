@@ -26,6 +26,10 @@ W > 1: `lookup` / `begin_update` / `discard`, HybridEmbedding's stages in fixed 
                 its own block first, then the peers' in rank order: the exact-size step's order,
                 so the same sums) and updates those rows masked, versions advanced by the updates
                 folded in.
+The HET cache (cache.policy, any consistency; fixed/het.py: FixedHet): the ids alltoall carries
+each entry's cached version, the owners answer a version per entry besides the rows, the cache's
+bookkeeping runs masked over the entries (cache/masked.py), and the gradients leave as pushes
+(due, transient and dirty evicted rows with their counts) in blocks per owner.
 Replicated rows (placement=fae / sca, replica.py): the workspace has a second part, the whole
 replica ([H, d], H the replicated rows: a size the placement fixes), which the entries of
 replicated ids read (they join no owner's block). Its gradient is reduced as in the exact-size
