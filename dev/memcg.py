@@ -44,11 +44,10 @@ import time
 from dataclasses import dataclass
 from typing import Mapping, Sequence
 
-from trainer.base.core import procs  # /proc/PID/stat, parsed once (a leaf: the standard library only)
+from trainer.base.core import cgroup, procs  # /proc/PID/stat, parsed once; cgroups (leaves: the standard library only)
+from trainer.base.core.cgroup import CGROUP_ROOT, Hierarchy
 
 PREFIX = "ht-memcg"
-CGROUP_ROOT = "/sys/fs/cgroup"
-V1_DEFAULT_MOUNT = "/sys/fs/cgroup/memory"
 SAMPLE_S = 0.01  # v2 without memory.peak: memory.current is sampled this often while a command runs
 TEARDOWN_S = 10.0
 _UNITS = {"": 1, "b": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
@@ -72,80 +71,13 @@ def parse_size(text: str | int) -> int:
 
 
 # ------------------------------------------------------------------ where the hierarchy is
-@dataclass(frozen=True)
-class Hierarchy:
-    """The memory controller this process sees: its version and the directory of its own cgroup."""
-
-    version: int  # 1 or 2
-    mount: str  # the controller's mount point
-    parent: str  # this process's own cgroup directory: children are made here
-
-
-def _mounts() -> list[tuple[str, str, str, str]]:
-    """(root, mount point, fstype, super options) of each cgroup mount in /proc/self/mountinfo."""
-    out = []
-    try:
-        with open("/proc/self/mountinfo") as f:
-            for line in f:
-                left, _, right = line.partition(" - ")
-                fields, rfields = left.split(), right.split()
-                if len(fields) >= 5 and len(rfields) >= 3 and rfields[0] in ("cgroup", "cgroup2"):
-                    out.append((fields[3], fields[4], rfields[0], rfields[2]))
-    except OSError:
-        pass
-    return out
-
-
-def _own_path(version: int) -> str | None:
-    """This process's cgroup path from /proc/self/cgroup: the memory line (v1) or `0::` (v2)."""
-    try:
-        with open("/proc/self/cgroup") as f:
-            lines = f.read().splitlines()
-    except OSError:
-        return None
-    for line in lines:
-        parts = line.split(":", 2)
-        if len(parts) != 3:
-            continue
-        if version == 2 and parts[0] == "0" and parts[1] == "":
-            return parts[2]
-        if version == 1 and "memory" in parts[1].split(","):
-            return parts[2]
-    return None
-
-
-def _join(mount: str, root: str, path: str) -> str:
-    """The directory of cgroup `path` under a mount of the hierarchy's `root` (a container's mount
-    may show only its own subtree)."""
-    if root not in ("", "/") and (path == root or path.startswith(root.rstrip("/") + "/")):
-        path = path[len(root.rstrip("/")):]
-    return os.path.join(mount, path.lstrip("/")).rstrip("/") or "/"
-
-
-def hierarchy() -> Hierarchy:
+# (trainer/base/core/cgroup.py: the same lookup the memory plan makes for its limit)
+def hierarchy(proc: str = "/proc/self", cgroup_root: str | None = None) -> Hierarchy:
     """The memory controller of this process; MemcgError when there is none."""
-    if not sys.platform.startswith("linux"):
-        raise MemcgError(f"memory cgroups need Linux (this is {sys.platform})")
-    mounts = _mounts()
-    if os.path.exists(os.path.join(CGROUP_ROOT, "cgroup.controllers")):  # the unified hierarchy
-        path = _own_path(2)
-        if path is None:
-            raise MemcgError("/proc/self/cgroup has no cgroup v2 line")
-        root = next((r for r, mp, fs, _ in mounts if fs == "cgroup2" and mp == CGROUP_ROOT), "/")
-        parent = _join(CGROUP_ROOT, root, path)
-        with open(os.path.join(CGROUP_ROOT, "cgroup.controllers")) as f:
-            if "memory" not in f.read().split():
-                raise MemcgError(f"cgroup v2 at {CGROUP_ROOT} has no memory controller")
-        return Hierarchy(2, CGROUP_ROOT, parent)
-    v1 = [(r, mp) for r, mp, fs, opts in mounts if fs == "cgroup" and "memory" in opts.split(",")]
-    root, mount = v1[0] if v1 else ("/", V1_DEFAULT_MOUNT)
-    if not os.path.isfile(os.path.join(mount, "memory.limit_in_bytes")):
-        raise MemcgError(f"no memory cgroup controller: neither {CGROUP_ROOT}/cgroup.controllers (v2) nor "
-                         f"a v1 memory mount ({mount})")
-    path = _own_path(1)
-    if path is None:
-        raise MemcgError("/proc/self/cgroup has no memory line")
-    return Hierarchy(1, mount, _join(mount, root, path))
+    try:
+        return cgroup.hierarchy(proc, cgroup_root or CGROUP_ROOT)
+    except cgroup.CgroupError as exc:
+        raise MemcgError(str(exc)) from None
 
 
 def _next_seq() -> int:

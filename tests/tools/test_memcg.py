@@ -13,6 +13,7 @@ import textwrap
 import pytest
 
 from dev import memcg
+from trainer.base.core import cgroup
 
 MIB = 1 << 20
 
@@ -50,11 +51,13 @@ def test_v2_layout_and_files_as_the_kernel_writes_them(tmp_path, monkeypatch):
     root = tmp_path / "cgroup"
     (root / "job" / "me").mkdir(parents=True)
     (root / "cgroup.controllers").write_text("cpuset cpu io memory pids\n")
+    proc = tmp_path / "proc"
+    proc.mkdir()
+    (proc / "cgroup").write_text("0::/outer/job/me\n")
+    (proc / "mountinfo").write_text(f"30 25 0:26 /outer {root} rw,nosuid - cgroup2 cgroup2 rw\n")
     monkeypatch.setattr(memcg, "CGROUP_ROOT", str(root))
-    monkeypatch.setattr(memcg, "_mounts", lambda: [("/outer", str(root), "cgroup2", "rw")])
-    monkeypatch.setattr(memcg, "_own_path", lambda version: {2: "/outer/job/me", 1: None}[version])
-    assert memcg.hierarchy() == memcg.Hierarchy(2, str(root), str(root / "job" / "me"))
-    assert memcg._join("/m", "/", "/a/b") == "/m/a/b" and memcg._join("/m", "/a", "/a") == "/m"
+    assert memcg.hierarchy(str(proc)) == memcg.Hierarchy(2, str(root), str(root / "job" / "me"))
+    assert cgroup.join("/m", "/", "/a/b") == "/m/a/b" and cgroup.join("/m", "/a", "/a") == "/m"
     cg = memcg.MemoryCgroup(64 * MIB)
     cg.path, cg.version = str(root / "job" / "me"), 2
     d = root / "job" / "me"

@@ -25,8 +25,9 @@ What is counted, per rank (docs/design.md, "bytes per row"):
   owner's ordered gradients and sums (8 x d float32) and the request's integers (48 B); with the
   HET cache (fixed/het.py) 6 x d float32 and HET_ENTRY_BYTES more per entry, and the dirty
   evictions' block. Not with what runs the dense half only (dynamic tables, Herald at W > 1).
-Available: MemAvailable (and the cgroup's limit, when lower) shared by the ranks on this host; on
-a GPU, the device's free memory.
+Available: MemAvailable, or the room the process's memory cgroup leaves when it is less (v1 or v2,
+the own cgroup and its ancestors: base/core/cgroup.py), shared by the ranks on this host; on a
+GPU, the device's free memory.
 """
 from __future__ import annotations
 
@@ -39,6 +40,7 @@ import torch
 from ...base.config import Config, ConfigError, cache_capacities, local_batch_size, table_rows
 from kernels import cells_bound
 from ...sparse.embedding.dynamic.admission import Counting
+from ...base.core.cgroup import memory_room
 from ...sparse.embedding.fixed.het import HET_ENTRY_BYTES
 from ...sparse.embedding.fixed.padded import PLAN_SLOT_BYTES, REQUEST_SLOT_BYTES, unique_capacity
 from ...sparse.embedding.dynamic.pool import pool_slot_bytes
@@ -200,9 +202,9 @@ def available_memory(device: torch.device, local_ranks: int | None) -> tuple[int
         free, _ = torch.cuda.mem_get_info(device)
         return int(free), f"free on {device}"
     avail, source = _meminfo("MemAvailable"), "MemAvailable"
-    limit = _cgroup_room()
-    if limit is not None and (avail is None or limit < avail):
-        avail, source = limit, "the cgroup's memory.max less its use"
+    room = memory_room()  # the process's own memory cgroup, v1 or v2 (base/core/cgroup.py)
+    if room is not None and (avail is None or room.bytes < avail):
+        avail, source = room.bytes, f"the memory cgroup {room.where}'s limit {fmt_bytes(room.limit)} less its use"
     if avail is None:
         return None, "available memory unknown"
     n = max(local_ranks or 1, 1)
@@ -218,18 +220,6 @@ def _meminfo(key: str) -> int | None:
     except OSError:
         pass
     return None
-
-
-def _cgroup_room() -> int | None:
-    try:
-        with open("/sys/fs/cgroup/memory.max") as f:
-            limit = f.read().strip()
-        if limit == "max":
-            return None
-        with open("/sys/fs/cgroup/memory.current") as f:
-            return int(limit) - int(f.read().strip())
-    except (OSError, ValueError):
-        return None
 
 
 def check_memory(c: Config, comm: Any, device: torch.device) -> MemoryPlan:
