@@ -378,3 +378,15 @@ def test_old_key_name_still_works_and_warns_once(old, new, value, capfd, monkeyp
 
 def test_every_renamed_key_is_tested():
     assert sorted(o[0] for o in OLD_NAMES) == sorted(RENAMED)
+
+
+@pytest.mark.parametrize("override, says", [
+    ("+train.nosuch=1", "train.nosuch: no such key in train (docs/config.md lists every key)"),
+    ("+nosuch=1", "nosuch: no such key in the config"),
+    ("model.embedding_dim=abc", "model.embedding_dim: Value 'abc' of type 'str' could not be converted to Integer")])
+def test_an_unknown_key_or_a_wrong_type_is_one_line_naming_the_key(override, says):
+    """OmegaConf's errors (4 lines each: the key, the reference and object types) become one line
+    that names the key, as every other config error."""
+    with pytest.raises(ConfigError) as err:
+        load_config(make_cfg([override]))
+    assert str(err.value).startswith(says) and "\n" not in str(err.value), str(err.value)

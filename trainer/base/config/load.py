@@ -7,6 +7,7 @@ import sys
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import ConfigKeyError
 
 from .errors import ConfigError
 from .schema import Config
@@ -47,8 +48,21 @@ def parse(cfg: Any) -> Config:
         return OmegaConf.to_object(merged)
     except ConfigError:
         raise
-    except Exception as exc:  # omegaconf errors already name full_key
-        raise ConfigError(f"invalid config: {exc}") from exc
+    except Exception as exc:  # omegaconf's errors: one line naming the key
+        raise ConfigError(_one_line(exc)) from exc
+
+
+def _one_line(exc: Exception) -> str:
+    """An OmegaConf error as one line naming its key: `train.nosuch: no such key ...` or
+    `model.embedding_dim: Value 'abc' of type 'str' could not be converted to Integer`."""
+    key = getattr(exc, "full_key", None)
+    msg = (str(getattr(exc, "msg", None) or exc).strip().splitlines() or [type(exc).__name__])[0]
+    if not key:
+        return f"invalid config: {msg}"
+    if isinstance(exc, ConfigKeyError):
+        section = key.rsplit(".", 1)[0] if "." in key else "the config"
+        return f"{key}: no such key in {section} (docs/config.md lists every key)"
+    return f"{key}: {msg}"
 
 
 # keys renamed: old name -> new name. An old name still works for one release: an override or a config
