@@ -183,6 +183,34 @@ def test_bad_checkpoint_config_names_the_key(override, key):
         load_config(make_cfg(BASE + [override]))
 
 
+@pytest.mark.parametrize("damage", ["truncated", "flipped"])
+def test_a_save_over_a_checkpoint_whose_shard_fails_its_checksum_moves_it_aside(tmp_path, capsys, damage):
+    """A shard file of step 6 truncated or with one byte changed (its manifest reads): the run that
+    saves step 6 again (resumed from step 4) moves the damaged step 6 aside with one line naming
+    the file, never writes over it; the new step 6 is complete and resume=auto continues it."""
+    root = str(tmp_path / "ck")
+    common = BASE + ["optim=adagrad", f"checkpoint.dir={root}"]
+    run_single(common + ["train.steps=6", "checkpoint.every=2"], return_state=False)
+    bad = _step(root, 6)
+    weight = os.path.join(bad, ckpt.shard_dir(0, 1), "weight.bin")
+    data = bytearray(open(weight, "rb").read())
+    if damage == "truncated":
+        data = data[:len(data) // 2]
+    else:
+        data[len(data) // 3] ^= 0x40
+    open(weight, "wb").write(bytes(data))
+    capsys.readouterr()
+    run_single(common + ["train.steps=6", "checkpoint.every=2", f"checkpoint.resume={_step(root, 4)}"],
+               return_state=False)
+    aside = [n for n in os.listdir(root) if n.startswith("step_00000006.damaged-")]
+    assert len(aside) == 1, os.listdir(root)
+    assert open(os.path.join(root, aside[0], ckpt.shard_dir(0, 1), "weight.bin"), "rb").read() == bytes(data)
+    err = capsys.readouterr().err
+    assert err.count(f"[trainer] warning: {bad} was damaged (checkpoint file {weight} fails its checksum") == 1, err
+    res = run_single(common + ["train.steps=8", "checkpoint.resume=auto"], return_state=False)
+    assert res.summary["resumed_from"] == bad and res.summary["start_step"] == 6
+
+
 def test_a_save_of_a_damaged_checkpoints_step_moves_it_aside(tmp_path, capsys):
     """The run the error advises (checkpoint.resume=<step 4>) saves step 6 again: the damaged step 6
     the error named is not overwritten but moved aside under a name that says so, with its files

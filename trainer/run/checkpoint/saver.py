@@ -27,11 +27,11 @@ from ...base.comm import CollectiveError, Collectives
 from ...base.core.progress import fmt_bytes, say_if_slow
 from ...sparse.embedding.store.shard import ShardStore
 from .lock import LEASE_S, DirLock
-from .manifest import (FORMAT_VERSION, TRAINER_FILE, WORK_DIR, CheckpointError,
+from .manifest import (FORMAT_VERSION, TRAINER_FILE, WORK_DIR, CheckpointDamaged, CheckpointError,
                        complete_checkpoints, damage_of, damage_seen, damaged_checkpoints, fsync_dir, last_save_seq,
-                       step_dir, write_file, write_manifest)
+                       read_manifest, step_dir, write_file, write_manifest)
 from .pool_io import write_pool_shard
-from .shard_io import shard_dir, write_shard
+from .shard_io import files_damage, shard_dir, write_shard
 
 
 class CheckpointWriter:
@@ -148,12 +148,13 @@ class CheckpointWriter:
 
     def _publish(self, tmp: str, final: str) -> None:
         """Rename tmp to final. An existing final from an older branch of the job is replaced; a
-        damaged one (no readable manifest: an error may have named it for the user to inspect) is
-        never replaced nor deleted: it moves aside to `<final>.damaged-<time>`, said in one line."""
+        damaged one (no readable manifest, or a file failing its checksum: an error may have named
+        it for the user to inspect) is never replaced nor deleted: it moves aside to
+        `<final>.damaged-<time>`, said in one line."""
         old = None
-        if os.path.exists(final) and damage_of(final) is not None:
+        why = self._damage(final) if os.path.exists(final) else None
+        if why is not None:
             aside = f"{final}.damaged-{time.strftime('%Y%m%dT%H%M%S')}-{uuid.uuid4().hex[:6]}"
-            why = damage_of(final)
             os.replace(final, aside)
             print(f"[trainer] warning: {final} was damaged ({why}); moved aside to {aside}, kept for you to "
                   f"inspect or delete, and this save takes its name", file=sys.stderr)
@@ -169,6 +170,18 @@ class CheckpointWriter:
         fsync_dir(os.path.dirname(final))
         if old is not None:
             shutil.rmtree(old, ignore_errors=True)
+
+    @staticmethod
+    def _damage(path: str) -> str | None:
+        """What is wrong with the checkpoint at path: its manifest (damage_of), else its files
+        checked against it (shard_io.files_damage: read whole, in pieces); None: it is intact."""
+        why = damage_of(path)
+        if why is not None:
+            return why
+        try:
+            return files_damage(path, read_manifest(path))
+        except CheckpointError as exc:  # another format version: not ours to judge, replaced as before
+            return None if not isinstance(exc, CheckpointDamaged) else str(exc)
 
     def _old_name(self, path: str) -> str:
         """This run's work name for a checkpoint on its way out (WORK_DIR's `.old-` form)."""

@@ -265,6 +265,42 @@ class _VerifiedFile:
         self.f.close()
 
 
+def files_damage(ckpt: str, manifest: dict[str, Any]) -> str | None:
+    """What is wrong with the files of a checkpoint whose manifest reads (one missing, of another
+    size, or failing its sha256: the trainer file whole, a shard's block index and every block), or
+    None when every file checks. Each file is read in BLOCK pieces (no copy of a shard); a save
+    over an existing step asks it (saver.py), so a damaged checkpoint is moved aside, never
+    overwritten."""
+    for name, want in (manifest.get("files") or {}).items():
+        path = os.path.join(ckpt, name)
+        try:
+            h, size = hashlib.sha256(), 0
+            with open(path, "rb") as f:
+                while chunk := f.read(BLOCK):
+                    h.update(chunk)
+                    size += len(chunk)
+        except OSError as exc:
+            return f"{path} cannot be read: {exc}"
+        if size != want.get("bytes") or h.hexdigest() != want.get("sha256"):
+            return f"{path} fails its checksum ({size} bytes, the manifest says {want.get('bytes')})"
+    for shard, info in (manifest.get("shards") or {}).items():
+        for part in ("fields", "pending"):
+            for k, want in (info.get(part) or {}).items():
+                if not isinstance(want, dict) or "blocks_sha256" not in want:
+                    continue
+                path = os.path.join(ckpt, shard, f"{k}.bin")
+                try:
+                    f = _VerifiedFile(path, want, {"bytes_read": 0})
+                    try:
+                        for lo in range(0, f.size, PIECE_BYTES):
+                            f.read(lo, min(lo + PIECE_BYTES, f.size))
+                    finally:
+                        f.close()
+                except (CheckpointDamaged, OSError) as exc:
+                    return str(exc)
+    return None
+
+
 def _plan(saved_world: int, rank: int, world: int) -> list[tuple[int, int, int]]:
     """What rank `rank` of `world` reads of a checkpoint saved at `saved_world`: (saved rank r, m,
     c): from shard r, the rows with q = c (mod 2^m) of every table (m = -1: every row, kept by
