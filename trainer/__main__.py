@@ -126,7 +126,12 @@ def main(cfg: DictConfig) -> None:
             signal.signal(s, signal.SIG_IGN)
     if result.rank == 0:
         keys = ("world_size", "steps", "samples_per_sec", "final_loss", "eval_auc", "bytes_per_sample")
-        print(json.dumps({k: result.summary[k] for k in keys}))
+        line = {k: result.summary[k] for k in keys}
+        members = (result.summary.get("ensemble") or {}).get("members")
+        if members:  # an ensemble's steps are its members' together: say so
+            line["members"] = len(members)
+            line["steps_per_member"] = [m["steps"] for m in members]
+        print(json.dumps(line))
         print(f"summary: {os.path.join(used or out_dir, 'summary.json')}")
 
 

@@ -141,3 +141,19 @@ def test_command_refuses_both_names_and_runs_the_old_one(tmp_path):
     assert old.stderr.count("train.bag is deprecated, use train.ensemble (train.bag=1 -> train.ensemble=1)") == 1
     s = json.loads((out / "summary.json").read_text())
     assert s["config"]["train"]["ensemble"] == 1 and "bag" not in s["config"]["train"]
+
+
+def test_the_final_line_says_members_and_their_steps(prepared, tmp_path):
+    """`python -m trainer ... train.ensemble=2`: the one JSON line at the end gives the members and
+    each member's steps beside the steps of all of them together (summary.json's `steps`)."""
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env.pop("RANK", None)
+    out = tmp_path / "run"
+    done = subprocess.run([sys.executable, "-m", "trainer", *_over(prepared, "train.ensemble=2"), f"hydra.run.dir={out}"],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    line = json.loads(done.stdout.strip().splitlines()[-2])
+    s = json.loads((out / "summary.json").read_text())
+    assert line["members"] == 2 and line["steps_per_member"] == [m["steps"] for m in s["ensemble"]["members"]]
+    assert line["steps"] == sum(line["steps_per_member"]) == s["steps"]
