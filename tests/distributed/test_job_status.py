@@ -69,17 +69,58 @@ def test_the_filter_holds_the_launchers_lines_back():
     assert sorted(shown.getvalue().splitlines()) == sorted(TORCHRUN_FAILURE.splitlines())
 
 
-def _signalled_job(cmd: list[str], out: str, cwd: str) -> subprocess.CompletedProcess:
-    """Start the job through the wrapper, SIGTERM the wrapper (as a scheduler does) once a few steps
-    ran, and wait for it."""
+def _signalled_job(cmd: list[str], out: str, cwd: str, signum: int = signal.SIGTERM) -> subprocess.CompletedProcess:
+    """Start the job through the wrapper, signal the wrapper (as a scheduler does: TERM, or Slurm's
+    --signal=USR1) once a few steps ran, and wait for it."""
     proc = subprocess.Popen(JOB + cmd, cwd=cwd, env=env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     t0 = time.monotonic()
     while trained_steps(out) < 3:
         assert proc.poll() is None and time.monotonic() - t0 < 180, proc.communicate()[1][-3000:]
         time.sleep(0.05)
-    proc.send_signal(signal.SIGTERM)
+    proc.send_signal(signum)
     stdout, stderr = proc.communicate(timeout=180)
     return subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
+
+
+def _running_with(marker: str) -> list[int]:
+    """Pids of running processes whose command line holds marker (a run's own output directory)."""
+    from trainer.base.core import procs
+    return [int(p) for p in os.listdir("/proc") if p.isdigit() and int(p) != os.getpid()
+            and marker in " ".join(procs.cmdline(int(p)) or []) and not (procs.stat(int(p)) or procs.ProcStat("X", 0, "")).exited]
+
+
+@pytest.mark.dist
+def test_usr1_to_the_wrapper_under_torchrun_stops_every_worker_with_a_checkpoint(tmp_path):
+    """SIGUSR1 to `python -m trainer.run.job -- torchrun ...` (Slurm's --signal=USR1@T): torchrun,
+    which has no USR1 handler, gets TERM and stops its workers, which save; the wrapper exits 143
+    within a minute with both workers ended and none left running."""
+    out = str(tmp_path / "out")
+    cmd = [sys.executable, TORCHRUN, "--standalone", "--nproc_per_node", "2", "-m", "trainer", "comm=torch",
+           *ARGS, "train.steps=100000", f"hydra.run.dir={out}"]
+    t0 = time.monotonic()
+    stopped = _signalled_job(cmd, out, str(tmp_path), signal.SIGUSR1)
+    assert stopped.returncode == 143, stopped.stderr[-3000:]
+    last = stopped.stderr.strip().splitlines()[-1]
+    assert last.startswith("[job] preempted (exit 143; 2 trainer process(es) ended: 143, 143;"), last
+    assert time.monotonic() - t0 < 180 and _running_with(out) == []
+    s = json.load(open(os.path.join(out, "summary.json")))
+    assert s["stopped"]["checkpoint"] and os.path.isdir(s["stopped"]["checkpoint"])
+
+
+def test_the_wrapper_forwards_usr1_to_a_launcher_as_term_and_stops_stragglers(tmp_path):
+    """USR1 becomes TERM for torchrun and horovodrun only; a process its command left behind gets
+    the grace, then TERM (one line)."""
+    from trainer.run import job
+    assert job.is_launcher(["torchrun", "--standalone"]) and job.is_launcher([sys.executable, "/x/bin/horovodrun"])
+    assert job.is_launcher([sys.executable, "-m", "torch.distributed.run"]) and not job.is_launcher([sys.executable, "-m", "trainer"])
+    assert job.forwarded(signal.SIGUSR1, True) == signal.SIGTERM and job.forwarded(signal.SIGUSR1, False) == signal.SIGUSR1
+    assert job.forwarded(signal.SIGINT, True) == signal.SIGINT
+    # a command that exits at once, leaving a sleeper in its group
+    done = subprocess.run(JOB[:-1] + ["--grace", "1", "--", "sh", "-c", "sleep 600 & echo started"], env=env(),
+                          capture_output=True, text=True, timeout=120)
+    assert "outlived the launcher" in done.stderr and done.stdout.strip() == "started", done.stderr
+    assert not [p for p in os.listdir("/proc") if p.isdigit() and (open(f"/proc/{p}/cmdline", "rb").read()
+                                                                  if os.path.exists(f"/proc/{p}/cmdline") else b"") == b"sleep\x00600\x00"]
 
 
 def _check_preempted_then_requeued(cmd: list[str], out: str, cwd: str) -> None:

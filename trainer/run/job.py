@@ -20,7 +20,12 @@ job's:
 `restartPolicy: ExitCode` restarts a pod that exits 128-255 and fails the job for 1-127, and a lost
 worker is worth a restart (deploy/k8s/ uses 203: 200 + 3, no signal's number).
 
-The signals the wrapper receives (TERM, INT, USR1) go to COMMAND. The launcher's own tracebacks and
+The signals the wrapper receives (TERM, INT, USR1) go to COMMAND, in a form it handles: a launcher
+(torchrun, horovodrun) gets USR1 as TERM (torchrun has no USR1 handler: it would die and leave its
+workers running; on TERM it stops its workers, which save and exit as on USR1). COMMAND runs in a
+process group of its own; when it has ended, a process of that group still running (a worker its
+launcher left behind) gets STRAGGLER_GRACE_S (30 s; `--grace S` before the `--`) to end, then TERM,
+then KILL, said in one line: the wrapper never exits leaving a worker behind. The launcher's own tracebacks and
 failure tables are held back and shown only for status 1; the trainer's lines pass through as they
 come. A process on another host writes into that host's TRAINER_EXIT_DIR (the same path, if it
 exists there), so the status counts the processes on this host and, on a shared file system, all.
@@ -33,11 +38,16 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
+import time
 from typing import Iterable, Optional, TextIO
 
+from ..base.core import procs
 from ..base.core.signals import EXIT_DIR_ENV
 
 PREEMPTED = 143
+LAUNCHERS = ("torchrun", "horovodrun", "torch.distributed.run", "torch.distributed.launch")
+STRAGGLER_GRACE_S = 30.0  # a worker that outlives its launcher: this long to end (its save), then TERM, KILL
 STOP_STATUSES = (128 + signal.SIGTERM, 128 + signal.SIGINT, 128 + signal.SIGUSR1)
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
 OUTCOMES = {0: "complete", PREEMPTED: "preempted", 2: "bad config or input", 3: "a worker was lost", 1: "failed"}
@@ -109,12 +119,65 @@ class LauncherFilter:
         self.out.flush()
 
 
+def _feed(stream: TextIO, filt: LauncherFilter) -> None:
+    for line in stream:
+        filt.feed(line)
+
+
+def is_launcher(args: list[str]) -> bool:
+    """COMMAND starts a launcher (torchrun, horovodrun; as a program, a script run by python, or
+    `python -m torch.distributed.run`)."""
+    return any(os.path.basename(a) in LAUNCHERS or a in LAUNCHERS for a in args[:3])
+
+
+def forwarded(signum: int, launcher: bool) -> int:
+    """The signal COMMAND gets for `signum` (module docstring): USR1 as TERM to a launcher."""
+    return signal.SIGTERM if launcher and signum == signal.SIGUSR1 else signum
+
+
+def stop_stragglers(pgid: int, grace: float = STRAGGLER_GRACE_S) -> int:
+    """After COMMAND ended: the processes of its group still running get `grace` seconds to end,
+    then TERM, then KILL (one line says so); returns how many there were."""
+    left = procs.group(pgid)
+    if not left:
+        return 0
+    end = time.monotonic() + grace
+    while left and time.monotonic() < end:
+        time.sleep(0.2)
+        left = procs.group(pgid)
+    if not left:
+        return 0
+    print(f"[job] {len(left)} process(es) outlived the launcher ({', '.join(map(str, left))}): stopping them",
+          file=sys.stderr)
+    for sig, wait in ((signal.SIGTERM, 10.0), (signal.SIGKILL, 5.0)):
+        try:
+            os.killpg(pgid, sig)
+        except ProcessLookupError:
+            break
+        end = time.monotonic() + wait
+        while procs.group(pgid) and time.monotonic() < end:
+            time.sleep(0.1)
+        if not procs.group(pgid):
+            break
+    return len(left)
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
-    lost_worker = 3
-    if args[:1] and args[0].split("=", 1)[0] == "--lost-worker-exit":
+    lost_worker, grace = 3, STRAGGLER_GRACE_S
+    while args[:1] and args[0].split("=", 1)[0] in ("--lost-worker-exit", "--grace"):
         opt = args.pop(0)
+        name = opt.split("=", 1)[0]
         value = opt.split("=", 1)[1] if "=" in opt else (args.pop(0) if args else "")
+        if name == "--grace":
+            try:
+                grace = float(value)
+                if not grace >= 0:
+                    raise ValueError
+            except ValueError:
+                print(f"error: --grace {value}: must be seconds >= 0", file=sys.stderr)
+                return 2
+            continue
         if not value.isdigit() or not 3 <= int(value) <= 255 or int(value) == PREEMPTED:
             print(f"error: --lost-worker-exit {value}: must be an exit status from 3 to 255, not 143", file=sys.stderr)
             return 2
@@ -127,17 +190,22 @@ def main(argv: Optional[list[str]] = None) -> int:
     with tempfile.TemporaryDirectory(prefix="trainer-exit-") as where:
         try:
             proc = subprocess.Popen(args, env={**os.environ, EXIT_DIR_ENV: where}, stderr=subprocess.PIPE,
-                                    text=True, bufsize=1, errors="replace")
+                                    text=True, bufsize=1, errors="replace", process_group=0)
         except OSError as exc:
             print(f"error: {args[0]}: cannot be run ({exc.strerror or exc})", file=sys.stderr)
             return 2
+        launched = is_launcher(args)
         for s in FORWARDED:
-            signal.signal(s, lambda signum, frame: proc.send_signal(signum))
+            signal.signal(s, lambda signum, frame: proc.send_signal(forwarded(signum, launched)))
         filt = LauncherFilter(sys.stderr)
         assert proc.stderr is not None
-        for line in proc.stderr:
-            filt.feed(line)
+        # read on a thread: a worker its launcher left behind holds the pipe open, and the wrapper
+        # must see the launcher end to stop it (stop_stragglers), not wait for the pipe's end
+        reader = threading.Thread(target=_feed, args=(proc.stderr, filt), daemon=True)
+        reader.start()
         launcher = proc.wait()
+        stop_stragglers(proc.pid, grace)
+        reader.join(timeout=30)
         statuses = []
         for name in os.listdir(where):
             try:

@@ -18,7 +18,7 @@ import os
 from dataclasses import dataclass
 from typing import Optional
 
-__all__ = ["ProcStat", "cmdline", "cwd", "pid_namespace", "proc_start", "stat"]
+__all__ = ["ProcStat", "cmdline", "cwd", "group", "pid_namespace", "proc_start", "stat"]
 
 
 @dataclass(frozen=True)
@@ -28,6 +28,7 @@ class ProcStat:
     state: str  # R running, S sleeping, D disk wait, Z zombie (exited, not reaped), X dead, ...
     ppid: int  # the parent's pid
     start: str  # start time in clock ticks since boot (field 22): with the pid, names one process
+    pgrp: int = 0  # its process group
 
     @property
     def exited(self) -> bool:
@@ -40,7 +41,7 @@ def stat(pid: int) -> Optional[ProcStat]:
     try:
         with open(f"/proc/{pid}/stat") as f:
             fields = f.read().rsplit(")", 1)[1].split()  # after comm: state is field 3
-        return ProcStat(fields[0], int(fields[1]), fields[19])
+        return ProcStat(fields[0], int(fields[1]), fields[19], int(fields[2]))
     except (OSError, IndexError, ValueError):
         return None
 
@@ -74,3 +75,17 @@ def pid_namespace() -> Optional[str]:
         return os.readlink("/proc/self/ns/pid")
     except OSError:
         return None
+
+
+def group(pgid: int) -> list[int]:
+    """The running (not exited) processes of process group pgid, by pid ([] without /proc)."""
+    try:
+        pids = [int(d) for d in os.listdir("/proc") if d.isdigit()]
+    except OSError:
+        return []
+    out = []
+    for pid in sorted(pids):
+        st = stat(pid)
+        if st is not None and st.pgrp == pgid and not st.exited:
+            out.append(pid)
+    return out
