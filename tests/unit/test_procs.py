@@ -42,3 +42,20 @@ def test_this_process():
     assert me.state == "R" and me.ppid == os.getppid()
     assert procs.proc_start(os.getpid()) == me.start
     assert procs.pid_namespace() == os.readlink("/proc/self/ns/pid")
+
+
+def test_a_process_group_lists_its_running_members():
+    """procs.group: a child started in a group of its own is that group's one member, and gone
+    from it once it ended (a zombie is not running)."""
+    child = subprocess.Popen(["sleep", "30"], process_group=0)
+    try:
+        assert procs.group(child.pid) == [child.pid] and procs.stat(child.pid).pgrp == child.pid
+        assert os.getpid() in procs.group(os.getpgrp())
+        child.kill()
+        deadline = time.monotonic() + 10
+        while procs.group(child.pid) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert procs.group(child.pid) == []
+    finally:
+        child.kill()
+        child.wait()
