@@ -383,7 +383,7 @@ def test_every_renamed_key_is_tested():
 @pytest.mark.parametrize("override, says", [
     ("+train.nosuch=1", "train.nosuch: no such key in train (docs/config.md lists every key)"),
     ("+nosuch=1", "nosuch: no such key in the config"),
-    ("model.embedding_dim=abc", "model.embedding_dim: Value 'abc' of type 'str' could not be converted to Integer")])
+    ("model.embedding_dim=abc", "model.embedding_dim=abc: Value 'abc' of type 'str' could not be converted to Integer")])
 def test_an_unknown_key_or_a_wrong_type_is_one_line_naming_the_key(override, says):
     """OmegaConf's errors (4 lines each: the key, the reference and object types) become one line
     that names the key, as every other config error."""

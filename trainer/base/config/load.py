@@ -54,7 +54,7 @@ def parse(cfg: Any) -> Config:
 
 def _one_line(exc: Exception) -> str:
     """An OmegaConf error as one line naming its key: `train.nosuch: no such key ...` or
-    `model.embedding_dim: Value 'abc' of type 'str' could not be converted to Integer`."""
+    `model.embedding_dim=abc: Value 'abc' of type 'str' could not be converted to Integer`."""
     key = getattr(exc, "full_key", None)
     msg = (str(getattr(exc, "msg", None) or exc).strip().splitlines() or [type(exc).__name__])[0]
     if not key:
@@ -62,7 +62,8 @@ def _one_line(exc: Exception) -> str:
     if isinstance(exc, ConfigKeyError):
         section = key.rsplit(".", 1)[0] if "." in key else "the config"
         return f"{key}: no such key in {section} (docs/config.md lists every key)"
-    return f"{key}: {msg}"
+    value = getattr(exc, "value", None)
+    return f"{key}={value}: {msg}" if value is not None else f"{key}: {msg}"
 
 
 # keys renamed: old name -> new name. An old name still works for one release: an override or a config
