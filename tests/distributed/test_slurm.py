@@ -30,7 +30,7 @@ from docs_registry import documented
 from helpers import free_port
 from hvd_launch import ROOT, tail, torchrun
 from multihost_helpers import assert_same_model, assert_same_training
-from slurm_helpers import SlurmCluster, require_slurm
+from slurm_helpers import CRED_EXPIRE_S, SlurmCluster, require_slurm
 
 pytestmark = [pytest.mark.dist, pytest.mark.xdist_group("slurm")]
 SHORT = ["data.test_samples=512", "train.progress=off"]  # what the registry's entries add, and the reference
@@ -85,9 +85,11 @@ def test_srun_one_task_per_rank_equals_torchrun(cluster, tmp_path):
 
 
 def _requeued(cluster, job: str, count: int) -> None:
-    """Wait until the job was requeued `count` times, then let it start at once (a requeued job may
-    start only once its credential expired: cred_expire)."""
+    """Wait until the job was requeued `count` times, then, once its old credential has expired
+    (cred_expire after the requeue revoked it: a start before that is killed, "Job credential
+    revoked", and the job FAILS), let it start at once instead of at Slurm's later begin time."""
     cluster.wait(job, lambda i: int(i.get("Restarts", "0")) >= count, timeout=120, what=f"requeued {count}x")
+    time.sleep(CRED_EXPIRE_S + 1)
     cluster.run(["scontrol", "update", f"JobId={job}", "StartTime=now"], check=False)
 
 
