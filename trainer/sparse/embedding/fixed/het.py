@@ -54,11 +54,10 @@ HET_ENTRY_BYTES = 72
 @dataclass
 class HetBlocks:
     """What a fixed-shape HET read leaves for its update ([E] each, E = W x C): each entry's cache
-    slot (-1: none, or transient), transient flag, gid and table, and the dirty evictions."""
+    slot (-1: none, or transient), transient flag and table, and the dirty evictions."""
 
     slots: torch.Tensor
     transient: torch.Tensor
-    gids: torch.Tensor
     tables: torch.Tensor
     evicted: Evicted
     fits: torch.Tensor  # [] bool: no rank's request overflowed (else nothing is pushed or applied)
@@ -150,7 +149,7 @@ class FixedHet:
         if self.remote.audit is not None:  # a test tool: it reads back (nothing where masked off)
             keep = torch.nonzero(remote).squeeze(1)
             self.remote.audit.read(step, gids[keep], torch.where(need, versions, cached)[keep])
-        return ws, HetBlocks(slots, transient, gids, tables, evicted, ok), fits
+        return ws, HetBlocks(slots, transient, tables, evicted, ok), fits
 
     def discard(self) -> None:
         """A dropped step (train.nonfinite=skip): the cache as it was before the read (the owners
