@@ -42,9 +42,9 @@ from ..cache.masked import Evicted, MaskedCache
 from ..exchange import wire_dtype
 from ..remote.het import HetRemote, _pack_rows, _unpack_rows, serve_check
 from ..store.shard import ShardStore
-from .padded import PaddedCombine, PaddedRequest, padded_combine
+from .padded import PaddedRequest
 
-__all__ = ["HET_ENTRY_BYTES", "FixedHet", "HetBlocks", "owner_sums"]
+__all__ = ["HET_ENTRY_BYTES", "FixedHet", "HetBlocks"]
 
 # per request entry: its gid, table, slot, cached version, served row and version, reply, count,
 # due / hit / need / transient flags (8 x 8 B + 4 x 1 B, rounded)
@@ -214,14 +214,3 @@ class FixedHet:
             idx = torch.where(head[:, 1] > 0, head[:, 0], rows_n).index_select(0, self.order)
             return idx, head[:, 1].index_select(0, self.order), recv.index_select(0, self.order)
         return finish
-
-
-def owner_sums(store: ShardStore, idx: torch.Tensor, counts: torch.Tensor, grads: torch.Tensor) -> PaddedCombine:
-    """The owner's update of the pushed entries (storage rows idx [M], local_rows: none), summed
-    per row in entry order, versions advanced by the counts; returns the slots (the rows updated:
-    rows where valid, for the audit)."""
-    comb = padded_combine(idx, store.sharding.local_rows)
-    k = comb.rows.numel()
-    advance = torch.zeros(k + 1, dtype=torch.int64, device=idx.device).index_add_(0, comb.slot, counts)[:k]
-    store.apply_masked(comb.rows, comb.sums(grads), comb.valid, counts=advance)
-    return comb

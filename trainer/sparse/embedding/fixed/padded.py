@@ -46,9 +46,10 @@ import torch
 from ....workload.data.batch import Batch
 from ..exchange import run_starts, sorted_runs
 from ..sharding import Sharding, rows_on_rank
+from ..store.shard import ShardStore
 
 __all__ = ["PLAN_SLOT_BYTES", "REQUEST_SLOT_BYTES", "BagPadding", "PaddedCombine", "PaddedPlan", "PaddedRequest",
-           "padded_combine", "padded_plan", "padded_request", "unique_capacity"]
+           "owner_sums", "padded_combine", "padded_plan", "padded_request", "unique_capacity"]
 
 PLAN_SLOT_BYTES = 8 + 8 + 1  # a slot's row (int64), its gap count for the search (int64), valid (bool)
 # W > 1, a slot of a rank's W blocks: its request id and the id served (int64 each), the owner's
@@ -238,3 +239,15 @@ def padded_combine(idx: torch.Tensor, local_rows: int) -> PaddedCombine:
     slot = torch.empty_like(seg).scatter_(0, perm, torch.where(real, seg, k))
     counts = torch.zeros(k + 1, dtype=torch.int64, device=dev).index_add_(0, slot, torch.ones_like(slot))
     return PaddedCombine(rows, slot, valid, counts[:k])
+
+
+def owner_sums(store: ShardStore, idx: torch.Tensor, counts: torch.Tensor, grads: torch.Tensor) -> PaddedCombine:
+    """The owner's update of the entries it received (storage rows idx [M], local_rows: none),
+    summed per row in entry order (padded_combine), versions advanced by the entries' counts [M]
+    (1 each for the plain step's gradients; the pushed updates for the HET cache's); returns the
+    slots (the rows updated: rows where valid, for the audit)."""
+    comb = padded_combine(idx, store.sharding.local_rows)
+    k = comb.rows.numel()
+    advance = torch.zeros(k + 1, dtype=torch.int64, device=idx.device).index_add_(0, comb.slot, counts)[:k]
+    store.apply_masked(comb.rows, comb.sums(grads), comb.valid, counts=advance)
+    return comb

@@ -61,8 +61,9 @@ from ..exchange import wire_dtype
 from ..module import HybridEmbedding
 from ..remote import HeraldRemote, HetRemote, PlainRemote
 from ..types import GlobalStep, InFlightStep
-from .het import FixedHet, HetBlocks, owner_sums
-from .padded import BagPadding, PaddedPlan, PaddedRequest, padded_combine, padded_plan, padded_request, unique_capacity
+from .het import FixedHet, HetBlocks
+from .padded import (BagPadding, PaddedPlan, PaddedRequest, owner_sums, padded_plan, padded_request,
+                     unique_capacity)
 
 __all__ = ["FixedRead", "FixedShapes", "MARGIN", "MEASURE_STEPS", "without_fixed_shapes"]
 
@@ -307,14 +308,13 @@ class FixedShapes:
         def finish() -> None:
             got = handle.wait()[0].to(grad.dtype)
             got[self.own] = grad[self.own]  # its own gradients as they are, as the exact-size step
-            combine = padded_combine(read.served.index_select(0, self.order), self.sharding.local_rows)
-            valid, counts = combine.valid, combine.counts
+            served = read.served
             if read.fits is not None:  # an overflowing step changes no row (it is trained again)
-                valid, counts = valid & read.fits, counts * read.fits
-            self.store.apply_masked(combine.rows, combine.sums(got.index_select(0, self.order)), valid,
-                                    counts=counts)
+                served = torch.where(read.fits, served, self.sharding.local_rows)
+            served = served.index_select(0, self.order)
+            comb = owner_sums(self.store, served, torch.ones_like(served), got.index_select(0, self.order))
             if self.emb.audit is not None:  # the rows updated, as the exact-size owner records them
-                self._audit_update(combine.rows[valid])
+                self._audit_update(comb.rows[comb.valid])
         return finish
 
     def _het_update(self, read: FixedRead, grad: torch.Tensor) -> Callable[[], None]:
