@@ -59,8 +59,7 @@ class DirectSlotMap(IdSlotMap):
         """insert() of the entries where mask holds, at fixed size (no read)."""
         at = torch.where(mask, ids, self._dump)
         self._live += (mask & (self._full.index_select(0, at) == -1)).sum()
-        self._full.index_copy_(0, at, slots.to(torch.int32))
-        self._full[self._dump:].fill_(-1)
+        self._full.index_copy_(0, at, slots.to(torch.int32))  # the dump entry: never looked up
 
     def erase_where(self, ids, mask):
         """erase() of the entries where mask holds, at fixed size (no read)."""
