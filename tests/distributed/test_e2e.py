@@ -71,11 +71,11 @@ def test_torchrun_two_workers_share_one_output_dir(tmp_path):
         assert (summary["device"], summary["transport"]) == ("cpu", "gloo")
 
 
-# issue 71's three: FAE and the HET cache under ssp in fixed shapes; Herald with the dense half only
+# FAE, the HET cache under ssp and Herald, each in fixed shapes (docs/gpu.md)
 TORCHRUN_ON = {
     "fae": (["placement=fae", "placement.budget_bytes=16000", "placement.window_batches=8"], "step"),
     "lru-ssp": (["cache=lru", "consistency=ssp"], "step"),
-    "herald": (["schedule=herald", "cache=lru", "placement.window_batches=8"], "dense"),
+    "herald": (["schedule=herald", "cache=lru", "placement.window_batches=8"], "step"),
 }
 
 

@@ -195,7 +195,6 @@ def test_the_owner_sums_as_the_eager_update():
 # what has no fixed-shape mode yet (without_fixed_shapes): the dense half captured, the sparse
 # half exact-size; the reason is named in summary.json and once on stderr
 DENSE_ONLY = {
-    "w2-herald": (2, ["schedule=herald", "cache=lru", "optim=adagrad"], "Herald"),
     "w2-dynamic": (2, ["embedding.kind=dynamic", "embedding.capacity=64", "optim=adagrad"], "dynamic tables"),
 }
 
@@ -213,6 +212,45 @@ def test_what_has_no_fixed_shapes_yet_runs_dense_only_and_equals_the_eager_step(
     graph = on[0].summary["cuda_graph"]
     assert graph["scope"] == "dense" and what in graph["dense_only"], graph
     assert "unique_capacity" not in graph and "overflow_steps" not in graph
+
+
+# Herald at W > 1 in fixed shapes: its sync (writebacks, pulls, lends, pushes) sized by the plan on
+# the host, the rows into the request's blocks; a rank whose request does not fit (the plan counts
+# it on the host) makes that lookup in exact sizes, never training a step twice
+HERALD = {
+    "w2-adagrad": (2, ["optim=adagrad"]),
+    "w3-sgd-ragged-audit": (3, ["optim=sgd", "data.min_bag=0", "data.max_bag=3", "embedding.audit=true"]),
+    # 4 lent rows a worker: evictions and writebacks every step
+    "w2-few-lent-adam-pipeline-off": (2, ["optim=adam", "cache.capacity_rows=4", "train.pipeline=off"]),
+    "w2-tight-blocks": (2, ["optim=adagrad", "train.unique_capacity=64"]),
+    "w3-measured-skip": (3, ["optim=adagrad", "train.steps=24", "train.nonfinite=skip"]),
+    "w2-fae": (2, ["placement=fae", "placement.budget_bytes=16000", "optim=adagrad", "data.max_bag=1"]),
+}
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("case", sorted(HERALD))
+def test_herald_in_fixed_shapes_equals_the_eager_step(case):
+    """Every loss, row, optimizer state, dense parameter and eval logit as cuda_graph=off, and
+    Herald's counters (pulls, pushes, writebacks, lends) and the lookup counts equal too."""
+    world, extra = HERALD[case]
+    off, on = off_and_on(world, SHORT + ["schedule=herald", "cache=lru"] + extra, ("embedding",))
+    for a, b in zip(off, on):
+        if "audit" in case:
+            for key in ("reads", "updates", "grads"):
+                assert torch.equal(b.state["audit"][key], a.state["audit"][key]), key
+    for a, b in zip(off, on):
+        assert b.summary["placement"]["schedule"] == a.summary["placement"]["schedule"]
+    graph, sched = on[0].summary["cuda_graph"], on[0].summary["placement"]["schedule"]
+    assert graph["scope"] == "step" and "dense_only" not in graph, graph
+    assert sched["pulls"] > 0 and sched["writebacks"] > 0 and sched["lend_pulls"] > 0, sched
+    exact = graph["exact_size_lookups"]
+    if "tight" in case:  # some lookups did not fit, not all; none was trained twice
+        assert 0 < exact < 10 * world and graph["overflow_steps"] == 0, graph
+    elif "measured" in case:
+        assert graph["capacity_rule"] == "measured" and graph["unique_capacity"] < graph["unique_bound"]
+    else:
+        assert exact == 0
 
 
 # the HET cache in fixed shapes (fixed/het.py, cache/masked.py): hits, stale copies re-read,

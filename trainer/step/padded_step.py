@@ -23,7 +23,7 @@ its requester's excess), so every owner masks the step's updates off; the excess
 read, and TrainPipeline trains that step again in exact sizes (cuda_graph.overflow_steps). train.cuda_graph=dense keeps the
 exact-size sparse half (no padding) with the dense half replayed.
 
-Not this step: what has no fixed-shape mode yet (dynamic tables, Herald;
+Not this step: what has no fixed-shape mode yet (dynamic tables;
 fixed/shapes.py without_fixed_shapes, docs/gpu.md) trains with the dense half captured and the
 sparse half in exact sizes (TrainPipeline chooses DenseStep and says so).
 """
@@ -59,12 +59,12 @@ class PaddedStep(CapacityCheck, DenseStep):
                                   c.train.unique_capacity)
 
     def excess(self, ctx: StepContext) -> torch.Tensor:
-        return ctx.inputs.excess
+        return ctx.inputs
 
     # ---- the stages ------------------------------------------------------------------------
     def lookup(self, ctx: StepContext) -> None:
         ctx.pooled = self.sparse.lookup(ctx.flight)
-        ctx.inputs = ctx.flight.read.request  # its excess rides the loss's read (carry)
+        ctx.inputs = self.sparse.excess(ctx.flight)  # rides the loss's read (carry)
 
     def update_rows(self, ctx: StepContext) -> Optional[Callable[[], None]]:
         """The row gradients leave; the function returned applies what this rank owns."""

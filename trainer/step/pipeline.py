@@ -109,8 +109,8 @@ class TrainPipeline:
     def _choose(self, model: torch.nn.Module, global_batch: int) -> StepStrategy:
         """train.cuda_graph=on: at W = 1 the whole step (whole_step.py), at W > 1 the step with
         fixed shapes between its collectives (padded_step.py), where the sparse side has a
-        fixed-shape mode; where it has none yet (without_fixed_shapes: dynamic tables, Herald
-        at W > 1, the audit at W = 1) the dense half captured and the sparse half
+        fixed-shape mode; where it has none yet (without_fixed_shapes: dynamic tables, the
+        audit at W = 1) the dense half captured and the sparse half
         in exact sizes, said once here and in summary.json (cuda_graph.dense_only); dense: the
         dense half from one graph (dense_step.py); off: the eager step (eager.py)."""
         graph = self.c.train.cuda_graph

@@ -99,6 +99,10 @@ class SyncPlan:
     expired:      lent rows read this step after more than embedding.ttl_steps steps unread (sorted,
                   every worker's): their id starts a new life at its owner now, so a copy read is
                   read again from the owner and a copy written back goes back to nothing
+    reads:        [W, W] the distinct rows (not replicated) worker w reads of owner o's: whether
+                  w's request fits blocks of a fixed capacity, known before the step (the
+                  fixed-shape mode, embedding/fixed/shapes.py, trains a step that does not fit in
+                  exact sizes instead: Herald's sync cannot be trained twice)
     """
 
     writeback: list[np.ndarray]
@@ -108,6 +112,7 @@ class SyncPlan:
     keep: list[np.ndarray]
     push: list[np.ndarray]
     expired: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+    reads: np.ndarray = field(default_factory=lambda: np.zeros((0, 0), np.int64))
 
 
 class HeraldPlanner:
@@ -140,6 +145,8 @@ class HeraldPlanner:
         plan = self._per_worker(step, g, w, owner, h, excl, wb)
         self.returning = np.concatenate(plan.writeback)
         plan.expired = ended
+        plan.reads = np.zeros((self.world, self.world), np.int64)
+        np.add.at(plan.reads, (w, owner), 1)
         self._count(plan)
         return plan
 

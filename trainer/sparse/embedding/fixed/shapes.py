@@ -30,6 +30,11 @@ The HET cache (cache.policy, any consistency; fixed/het.py: FixedHet): the ids a
 each entry's cached version, the owners answer a version per entry besides the rows, the cache's
 bookkeeping runs masked over the entries (cache/masked.py), and the gradients leave as pushes
 (due, transient and dirty evicted rows with their counts) in blocks per owner.
+Herald (schedule=herald): its sync is sized by the SyncPlan on the host (no padding needed to know
+it before the step); the rows it brings fill the request's slots, the lent rows' updates and the
+pushes take their gradients from them, and the owner sums its own block then the pushes by sender.
+A rank whose request does not fit its blocks (SyncPlan.reads, on the host) makes that lookup in
+exact sizes: Herald's sync moves rows, so its step is never trained twice.
 Replicated rows (placement=fae / sca, replica.py): the workspace has a second part, the whole
 replica ([H, d], H the replicated rows: a size the placement fixes), which the entries of
 replicated ids read (they join no owner's block). Its gradient is reduced as in the exact-size
@@ -84,10 +89,7 @@ def without_fixed_shapes(emb: HybridEmbedding) -> Optional[str]:
         return ("dynamic tables (embedding.kind=dynamic): the id map's inserts and the pool's admissions "
                 "and evictions change sizes inside the step")
     remote = emb.remote
-    if w > 1 and isinstance(remote, HeraldRemote):
-        return ("Herald's on-demand sync at W > 1 (schedule=herald): its lent rows, writebacks and pulls "
-                "are not padded to fixed blocks yet")
-    if w > 1 and not isinstance(remote, (PlainRemote, HetRemote)):
+    if w > 1 and not isinstance(remote, (PlainRemote, HetRemote, HeraldRemote)):
         return f"the remote-row protocol {type(remote).__name__} at W > 1"
     if w == 1 and emb.audit is not None:
         return ("the audit (embedding.audit=true) at W = 1: its records are host reads, and the whole "
@@ -106,6 +108,7 @@ class FixedRead:
     touched: Optional[torch.Tensor]
     fits: Optional[torch.Tensor] = None  # [] bool: no rank's request overflowed (None: none can)
     het: Optional[HetBlocks] = None  # the HET cache's read (FixedHet), where the protocol is HET
+    sync: Any = None  # Herald's SyncPlan of the step, where the protocol is Herald's
 
 
 class FixedShapes:
@@ -120,6 +123,8 @@ class FixedShapes:
         w, rows = self.comm.size, self.sharding.table_rows
         het = w > 1 and isinstance(emb.remote, HetRemote)
         self.het: Optional[FixedHet] = None
+        self.herald = w > 1 and isinstance(emb.remote, HeraldRemote)
+        self.exact_lookups = 0  # Herald's steps whose request did not fit its blocks (lookup)
         self.bound = unique_capacity(local_batch, max_bag, rows, world=w)
         self.rule = "measured" if chosen < 0 else ("set" if chosen > 0 else "bound")
         self.measuring = chosen < 0  # at the bound for MEASURE_STEPS steps, then what they needed + MARGIN
@@ -145,6 +150,10 @@ class FixedShapes:
         # the owner's entries in the exact-size step's order: its own block, then the peers' by rank
         blocks = [r] + [p for p in range(w) if p != r]
         self.order = torch.cat([torch.arange(b * c, (b + 1) * c) for b in blocks]).to(self.store.device)
+        # a slot's key, block x (local_rows + 1) + its storage row: ascending over the request
+        # (each block's rows ascend, its padding local_rows last), so a gid's slot is one search
+        self.block_base = (torch.arange(w, device=self.store.device).repeat_interleave(c)
+                           * (self.sharding.local_rows + 1))
         if self.het is not None:
             self.het.resize(c)
 
@@ -168,17 +177,28 @@ class FixedShapes:
 
     def most_used(self) -> int:
         """The most slots a step needed, over the ranks (one read; an allgather at W > 1)."""
-        mine = int(self.peak) if self.peak is not None else 0
+        return self._over_ranks()[0]
+
+    def _over_ranks(self) -> tuple[int, int]:
+        """(the most slots a step needed on any rank, Herald's exact-size lookups summed over the
+        ranks): one read, an allgather at W > 1."""
+        mine = [int(self.peak) if self.peak is not None else 0, self.exact_lookups]
         if self.comm.size == 1:
-            return mine
-        return int(self.comm.allgather(torch.tensor([mine], dtype=torch.int64), kind="meta").max())
+            return mine[0], mine[1]
+        got = self.comm.allgather(torch.tensor([mine], dtype=torch.int64), kind="meta")
+        return int(got[:, 0].max()), int(got[:, 1].sum())
 
     def capacity_summary(self) -> dict[str, Any]:
         """summary.json's view of the capacity: the slots in force, how they were chosen (bound,
         set, measured), the bound, and the most any step needed (what train.unique_capacity can
-        be set to, with a margin). Collective at W > 1."""
-        return {"unique_capacity": self.capacity, "capacity_rule": self.rule, "unique_bound": self.bound,
-                "most_slots_used": self.most_used()}
+        be set to, with a margin); under Herald, the lookups (summed over the ranks) whose request
+        did not fit and that were made in exact sizes. Collective at W > 1."""
+        most, exact = self._over_ranks()
+        out = {"unique_capacity": self.capacity, "capacity_rule": self.rule, "unique_bound": self.bound,
+               "most_slots_used": most}
+        if self.herald:
+            out["exact_size_lookups"] = exact
+        return out
 
     # ---- W = 1: the pieces of the whole step's one function --------------------------------
     def whole_rows(self, dense: torch.Tensor, values: torch.Tensor, lengths: torch.Tensor, labels: torch.Tensor
@@ -234,10 +254,20 @@ class FixedShapes:
 
     # ---- W > 1: the stages of a step ---------------------------------------------------------
     def lookup(self, flight: InFlightStep) -> torch.Tensor:
-        """[B, T, d] pooled rows of a training step; its workspace and read stay in `flight`."""
+        """[B, T, d] pooled rows of a training step; its workspace and read stay in `flight`.
+        Herald: a request that does not fit the blocks (the SyncPlan counts it on the host) is
+        made in exact sizes instead (HybridEmbedding.lookup), by this rank only: its sync moves
+        rows between owners and holders, so its step is never trained twice; both modes read and
+        update the same rows with the same sums."""
         emb = self.emb
         emb.clock(flight.step)
         self.begin_step()
+        if self.herald and not flight.info.hot:
+            need = int(flight.info.sync.reads[self.comm.rank].max())
+            if need > self.capacity:
+                self.exact_lookups += 1
+                self.note_used(torch.tensor(need, device=self.store.device))
+                return emb.lookup(flight)
         dense, values, lengths, labels = self.padding.inputs(flight.batch)
         ids = Batch(dense, values, lengths, labels)
         gids = self.sharding.global_ids(values, ids.table_index())
@@ -251,6 +281,9 @@ class FixedShapes:
         elif self.het is not None:  # the HET cache: version checks, rows and installs in the blocks
             served = req.ids
             ws, het, fits = self.het.read(req, emb.step, self.flagged)
+        elif self.herald:  # Herald's sync (its wire sized by the plan, on the host), into the blocks
+            served = req.ids
+            ws = self._herald_read(req, flight.info.sync)
         else:
             served, fits = self._ask(req)
             stored = self._read(served)  # as stored; its own block is what this rank asked itself for
@@ -262,7 +295,8 @@ class FixedShapes:
         unique = req.count if touched is None else req.count + touched.sum()
         ws.requires_grad_()
         pooled = kernels.pooled_gather(ws, inverse, ids.offsets(), ids.num_tables, mode=emb.pooling)
-        flight.ws, flight.read = ws, FixedRead(req, served, touched, fits, het)
+        flight.ws = ws
+        flight.read = FixedRead(req, served, touched, fits, het, flight.info.sync if self.herald else None)
         self.note_used(req.largest)
         own = req.valid[self.own].sum()
         emb.stats.record_on_device(int(flight.batch.values.numel()), unique, req.count - own)
@@ -283,13 +317,47 @@ class FixedShapes:
         got = got.reshape(self.comm.size, self.capacity + 1)
         return got[:, :-1].reshape(-1), (got[:, -1] == 0).all()
 
+    def excess(self, flight: InFlightStep) -> torch.Tensor:
+        """[] the ids past the blocks of the step just looked up, on the device (0 for a Herald
+        step made in exact sizes)."""
+        if isinstance(flight.read, FixedRead):
+            return flight.read.request.excess
+        return torch.zeros((), dtype=torch.int64, device=self.store.device)
+
+    def _herald_read(self, req: PaddedRequest, sync: Any) -> torch.Tensor:
+        """The workspace [W x C, d] of a Herald step whose request fits: the step's writebacks,
+        pulls and lends (HeraldRemote.fetch, as the exact-size read), the remote rows into their
+        request slots, then this rank's own block from its shard (after the writebacks: some of
+        its rows may just have come back); padding slots read zeros or any row (no gradient
+        leaves them)."""
+        src, rows = self.emb.remote.fetch(sync)
+        ws = torch.zeros(req.ids.numel(), self.store.dim, dtype=self.store.compute_dtype, device=rows.device)
+        ws.index_copy_(0, self._slots(req, src), rows.to(ws.dtype))
+        ws[self.own] = self._read(req.ids[self.own]).to(ws.dtype)
+        remote = req.count - req.valid[self.own].sum()
+        torch._assert_async((req.excess == 0) & (remote == src.numel()),
+                            "herald: the plan and this rank's batch disagree on its remote rows")
+        return ws
+
+    def _slots(self, req: PaddedRequest, gids: torch.Tensor) -> torch.Tensor:
+        """[k] request slots of gids [k] (each asked in the request: checked on the device, no read)."""
+        keys = self.block_base + req.ids
+        want = self.sharding.owner(gids) * (self.sharding.local_rows + 1) + self.sharding.local_index(gids)
+        pos = torch.searchsorted(keys, want).clamp_(max=keys.numel() - 1)
+        torch._assert_async((keys.index_select(0, pos) == want).all(),
+                            "herald: the plan and this rank's batch disagree on its remote rows")
+        return pos
+
     def _read(self, idx: torch.Tensor) -> torch.Tensor:
         """Rows of storage rows idx, padding slots (local_rows) reading the last row."""
         return self.store.local_rows(idx.clamp(max=self.sharding.local_rows - 1))
 
     def begin_update(self, flight: InFlightStep) -> Callable[[], None]:
         """The replicated rows reduced and updated, the workspace's owner blocks' gradient sent;
-        the function returned sums and applies what this rank receives as owner (module docstring)."""
+        the function returned sums and applies what this rank receives as owner (module docstring).
+        A Herald step made in exact sizes (lookup) is updated by the exact-size mode."""
+        if not isinstance(flight.read, FixedRead):
+            return self.emb.begin_update(flight)
         ws, read = self.emb.finish_lookup(flight, "apply_gradients")
         grad = ws.grad if ws.grad is not None else torch.zeros_like(ws)
         blocks = read.request.ids.numel()
@@ -302,6 +370,8 @@ class FixedShapes:
             return lambda: None
         if read.het is not None:
             return self._het_update(read, grad)
+        if read.sync is not None:
+            return self._herald_update(read, grad)
         handle = self.comm.alltoall_async(grad.to(self.emb.exchange.row_dtype), self.splits, kind="grads",
                                           recv_splits=self.splits)
 
@@ -325,6 +395,23 @@ class FixedShapes:
 
         def finish() -> None:
             comb = owner_sums(self.store, *pushed())
+            if self.emb.audit is not None:
+                self._audit_update(comb.rows[comb.valid])
+        return finish
+
+    def _herald_update(self, read: FixedRead, grad: torch.Tensor) -> Callable[[], None]:
+        """Herald's update (HeraldRemote.send: the lent rows' local updates, the pushes, with
+        their gradients from the request's slots); the function returned sums this rank's own
+        block and the pushes it receives per row (own first, then by sender: the exact-size
+        owner's order) and applies them."""
+        req = read.request
+        pushed = self.emb.remote.send(read.sync, lambda gids: grad.index_select(0, self._slots(req, gids)))
+        own, own_grad = req.ids[self.own], grad[self.own]
+
+        def finish() -> None:
+            got = pushed()
+            idx = torch.cat([own, self.sharding.local_index(got.gids)])
+            comb = owner_sums(self.store, idx, torch.ones_like(idx), torch.cat([own_grad, got.grads.to(grad.dtype)]))
             if self.emb.audit is not None:
                 self._audit_update(comb.rows[comb.valid])
         return finish
@@ -360,7 +447,9 @@ class FixedShapes:
     def discard(self, flight: InFlightStep) -> None:
         """A dropped step: nothing changed before its update (or the update was masked off: an
         overflow), the workspace is simply let go."""
-        if flight.ws is not None:
+        if flight.ws is not None and not isinstance(flight.read, FixedRead):
+            self.emb.discard(flight)  # a Herald step made in exact sizes
+        elif flight.ws is not None:
             _, read = self.emb.finish_lookup(flight, "discard")
             if read is not None and read.het is not None and self.het.remote.undoable:
                 self.het.discard()

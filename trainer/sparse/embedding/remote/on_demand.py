@@ -186,6 +186,19 @@ class HeraldRemote(RemoteRows):
 
     def read(self, plan: LookupPlan, ws: torch.Tensor, step: int, sync: Any = None, token: Any = None) -> Any:
         """Returns the step's SyncPlan: its write pushes and updates what the plan says."""
+        src, rows = self.fetch(sync)
+        if src.numel() != plan.remote_ids.numel():
+            raise RuntimeError("herald: the plan and this rank's batch disagree on its remote rows")
+        at = self._positions(src, plan.remote_ids)
+        ws.index_copy_(0, plan.remote_pos, rows.index_select(0, at).to(ws.dtype))
+        return sync
+
+    def fetch(self, sync: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        """(gids [n], rows [n, d] as stored): the remote rows this rank reads in the step of
+        `sync` (its SyncPlan), once every writeback, pull and lend of the step is done: the
+        pulled rows, then its own copies (sync.pull[rank], then sync.local[rank]). Both modes'
+        read: the exact-size one places them by its plan, the fixed-shape one (fixed/shapes.py)
+        into its request's slots. Collective."""
         if sync is None:
             raise RuntimeError("schedule=herald: a training step needs the global SyncPlan")
         r = self.sh.rank
@@ -212,12 +225,7 @@ class HeraldRemote(RemoteRows):
                 self._take_fresh(sync, got, lives, want[r], fresh, local_rows)
         else:
             self.lent.install(pull.index_select(0, lend), rows.index_select(0, lend), state)
-        src = torch.cat([pull, local])
-        at = self._positions(src, plan.remote_ids)
-        if src.numel() != plan.remote_ids.numel():
-            raise RuntimeError("herald: the plan and this rank's batch disagree on its remote rows")
-        ws.index_copy_(0, plan.remote_pos, torch.cat([rows, local_rows]).index_select(0, at).to(ws.dtype))
-        return sync
+        return torch.cat([pull, local]), torch.cat([rows, local_rows])
 
     def _take_fresh(self, sync: Any, got: torch.Tensor, lives: torch.Tensor, want: np.ndarray,
                     fresh: np.ndarray, local_rows: torch.Tensor) -> None:
@@ -235,17 +243,25 @@ class HeraldRemote(RemoteRows):
                           lives.index_select(0, at.index_select(0, k)))
 
     def write_start(self, plan: LookupPlan, grad: torch.Tensor, read: Any) -> Callable[[], Pushes]:
-        sync = read
-        r, remote, g = self.sh.rank, plan.remote_ids, grad[plan.remote_pos]
+        remote, g = plan.remote_ids, grad[plan.remote_pos]
+        return self.send(read, lambda gids: g.index_select(0, self._positions(remote, gids)))
+
+    def send(self, sync: Any, grads_of: Callable[[torch.Tensor], torch.Tensor]) -> Callable[[], Pushes]:
+        """write_start given the step's SyncPlan and the row gradients of any of its remote gids
+        (grads_of(gids [k]) -> [k, d]; both modes' write: the exact-size one finds them by its
+        plan, the fixed-shape one in its request's slots): the lent rows this rank holds take
+        their local update, the pushes leave; the function returned waits for what this rank
+        receives as owner. Collective."""
+        r = self.sh.rank
         own = torch.cat([self._t(sync.local[r][sync.keep[r]]), self._t(sync.pull[r][sync.lend[r]])])
-        self.lent.update(self.lent.find(own), g.index_select(0, self._positions(remote, own)))
+        self.lent.update(self.lent.find(own), grads_of(own))
         push = self._t(sync.push[r])
         got_ids, recv = self._to_me(sync.push)
         if sum(x.size for x in sync.push) == 0:
             empty = Pushes.empty(self.store.dim, self.dev)
             return lambda: empty
-        handle = self.comm.alltoall_async(g.index_select(0, self._positions(remote, push)),
-                                          self._splits(sync.push[r]), kind="grads", recv_splits=recv)
+        handle = self.comm.alltoall_async(grads_of(push), self._splits(sync.push[r]), kind="grads",
+                                          recv_splits=recv)
         ids = self._t(got_ids)
         return lambda: Pushes.single(ids, handle.wait()[0])
 
