@@ -1,7 +1,7 @@
 """What the fixed shapes cost on the wire: train.cuda_graph=on against off, per policy, at W = 2.
 One JSON line per point (workload x policy x mode).
 
-    python -m benchmarks.bench_padding [--workloads bench mlperf] [--policies plain fae sca het]
+    python -m benchmarks.bench_padding [--workloads bench mlperf] [--policies plain fae sca het herald]
         [--steps 60] [--skip 20] [--world 2] [--batch B] [--rows R] [-- extra trainer overrides]
 
 Modes: `off` (the exact-size sparse half: the batch's unique ids on the wire), `bound` (cuda_graph=on
@@ -28,8 +28,10 @@ from benchmarks.bench_train import WORKLOADS
 from trainer.tools.cli import bad_input, input_errors
 from dev.launch import ROOT, check_trainer, run_trainer, trainer_command
 
-# het: the HET cache under ssp (its version checks, pulled rows and pushes in the blocks: fixed/het.py)
-POLICIES = {"plain": [], "fae": ["placement=fae"], "sca": ["placement=sca"], "het": ["cache=lru", "consistency=ssp"]}
+# het: the HET cache under ssp (its version checks, pulled rows and pushes in the blocks: fixed/het.py);
+# herald: Herald's partition and on-demand sync (its wire sized by the host's plan in both modes)
+POLICIES = {"plain": [], "fae": ["placement=fae"], "sca": ["placement=sca"], "het": ["cache=lru", "consistency=ssp"],
+            "herald": ["schedule=herald", "cache=lru"]}
 MODES = {"off": ["train.cuda_graph=off"], "bound": ["train.cuda_graph=on", "train.unique_capacity=0"],
          "measured": ["train.cuda_graph=on", "train.unique_capacity=-1"]}
 KINDS = ("ids", "versions", "rows", "grads", "replica", "dense")
@@ -67,6 +69,7 @@ def point(a: argparse.Namespace, workload: str, policy: str, mode: str, extra: l
             "bytes_per_step_all": round(sum(per.values()), 1),
             "unique_capacity": graph.get("unique_capacity"), "unique_bound": graph.get("unique_bound"),
             "most_slots_used": graph.get("most_slots_used"), "overflow_steps": graph.get("overflow_steps"),
+            "exact_size_lookups": graph.get("exact_size_lookups"),
             "hot_rows": (s.get("placement") or {}).get("hot_rows", 0),
             "remote_per_step": s["embedding"]["remote_per_step"], "final_loss": s["final_loss"],
             "samples_per_sec": round(s["samples_per_sec"], 1)}

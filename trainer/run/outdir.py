@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from ..base.core.errors import TrainingError, phase
-from .checkpoint.lock import LEASE_S, DirLock, Guarded
+from .checkpoint.lock import LEASE_S, DirLock, Guarded, lock_in_rounds
 from ..base.comm import Collectives
 
 __all__ = ["OUTPUT_DIR", "RECORD_DIR", "SWEEP_DIR", "HeldDir", "claim_out_dir", "hold_sweep_dir", "hydra_record",
@@ -63,11 +63,15 @@ def claim_out_dir(comm: Collectives, out_dir: Optional[str], record: Optional[di
     warning for a dead holder's lock taken over is printed by rank 0. Collective."""
     held = HeldDir(None)
 
-    def take() -> Optional[str]:
+    def make() -> Optional[DirLock]:
         path = probe_dir(out_dir)
-        if path is None:
+        return None if path is None else DirLock(path, uuid.uuid4().hex[:12], OUTPUT_DIR, lease_s)
+
+    def then(lock: Optional[DirLock]) -> Optional[str]:
+        if lock is None:
             return None
-        lock = _take(path, OUTPUT_DIR, lease_s)
+        _say(lock)
+        path = lock.root
         try:
             for name, text in (record or {}).items():
                 _write(os.path.join(path, name), text)
@@ -79,7 +83,7 @@ def claim_out_dir(comm: Collectives, out_dir: Optional[str], record: Optional[di
         return path
 
     with phase(comm, "other"):
-        held.path = comm.root_decides(take, TrainingError)
+        held.path = lock_in_rounds(comm, make, then, TrainingError)
     return held
 
 
@@ -163,6 +167,11 @@ def _take(path: str, guards: Guarded, lease_s: float = LEASE_S) -> DirLock:
     run's output dir); a dead holder's lock taken over is said on stderr."""
     lock = DirLock(path, uuid.uuid4().hex[:12], guards, lease_s)
     lock.acquire()
+    _say(lock)
+    return lock
+
+
+def _say(lock: DirLock) -> None:
+    """A dead holder's lock taken over, said on stderr."""
     for note in lock.notes:
         print(f"[trainer] warning: {note}", file=sys.stderr)
-    return lock

@@ -283,7 +283,7 @@ class CheckpointConfig:
     keep_last: int = 3  # complete checkpoints kept; older ones are deleted after a new one is complete (0 = keep all)
     resume: Optional[str] = None  # null = start fresh | auto = newest complete checkpoint in dir (none: fresh) | PATH of a step_K dir
     space_check: bool = True  # stop at start-up (exit 2) when checkpoint.dir's free space cannot hold one more checkpoint (each rank's shard, rank 0's dense model and optimizer; the ranks of a host share its disk); false: start anyway (a save that fails keeps the model elsewhere)
-    lock_lease_s: float = 60.0  # the dir's lock is a lease: the run refreshes it every lease / 4 s; a lock from another host or container not refreshed for this long is stale and taken over (one warning), so a restarted pod or container needs no person
+    lock_lease_s: float = 60.0  # the dir's lock is a lease: the run refreshes it every lease / 4 s; a lock from another host or container is watched (said once): refused when its holder refreshes it, taken over (one warning) once not refreshed for this long, so a restarted pod or container gets in on its first try
 
 
 @dataclass

@@ -69,6 +69,15 @@ def cwd(pid: int) -> Optional[str]:
         return None
 
 
+def boot_id() -> Optional[str]:
+    """This machine's boot (a new random id at every boot; None where there is no /proc)."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            return f.read().strip() or None
+    except OSError:
+        return None
+
+
 def pid_namespace() -> Optional[str]:
     """This process's pid namespace (containers on one host can share a host name, not pids)."""
     try:

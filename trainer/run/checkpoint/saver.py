@@ -26,7 +26,7 @@ from typing import Any
 from ...base.comm import CollectiveError, Collectives
 from ...base.core.progress import fmt_bytes, say_if_slow
 from ...sparse.embedding.store.shard import ShardStore
-from .lock import LEASE_S, DirLock
+from .lock import LEASE_S, DirLock, lock_in_rounds
 from .manifest import (FORMAT_VERSION, TRAINER_FILE, WORK_DIR, CheckpointDamaged, CheckpointError,
                        complete_checkpoints, damage_of, damage_seen, damaged_checkpoints, fsync_dir, last_save_seq,
                        read_manifest, step_dir, write_file, write_manifest)
@@ -49,14 +49,13 @@ class CheckpointWriter:
         # the failure message must name it (CheckpointManager.save)
         self.completed: str | None = None
         self.lock: DirLock | None = None
-        self.run_id, notes = comm.root_decides(self._lock, CheckpointError)
+        self.run_id, notes = lock_in_rounds(
+            comm, lambda: DirLock(self.root, uuid.uuid4().hex[:12], lease_s=self.lease_s), self._held, CheckpointError)
         for note in notes if comm.rank == 0 else []:
             print(f"[trainer] warning: {note}", file=sys.stderr)
 
-    def _lock(self) -> tuple[str, list[str]]:
-        """Rank 0: take root's lock; (run id, warnings for the user)."""
-        lock = DirLock(self.root, uuid.uuid4().hex[:12], lease_s=self.lease_s)
-        lock.acquire()
+    def _held(self, lock: DirLock) -> tuple[str, list[str]]:
+        """Rank 0, root's lock taken: (run id, warnings for the user)."""
         self.lock = lock
         return lock.run_id, lock.notes
 
