@@ -15,10 +15,12 @@ can use it without loading torch or the rest of the package. Every function answ
 from __future__ import annotations
 
 import os
+import socket
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Optional
 
-__all__ = ["ProcStat", "cmdline", "cwd", "group", "pid_namespace", "proc_start", "stat"]
+__all__ = ["ProcStat", "alive", "boot_id", "cmdline", "cwd", "group", "identity", "pid_namespace", "proc_start",
+           "stat"]
 
 
 @dataclass(frozen=True)
@@ -76,6 +78,37 @@ def boot_id() -> Optional[str]:
             return f.read().strip() or None
     except OSError:
         return None
+
+
+def identity() -> dict[str, Any]:
+    """This process as a holder of something (a directory's lock, a store's scratch folder): its
+    host, the machine's boot, its PID namespace, pid and start time. `alive` reads it back."""
+    pid = os.getpid()
+    return {"host": socket.gethostname(), "boot_id": boot_id(), "pid_ns": pid_namespace(), "pid": pid,
+            "proc_start": proc_start(pid)}
+
+
+def alive(holder: dict[str, Any]) -> Optional[bool]:
+    """Is the process an `identity` names running? None when it cannot be known from here
+    (another host, or another PID namespace: a container); False also when this host has booted
+    since (another boot id), or when its pid runs a process started at another time."""
+    if holder.get("host") != socket.gethostname():
+        return None
+    if holder.get("boot_id") not in (None, boot_id()):
+        return False
+    if holder.get("pid_ns") != pid_namespace():
+        return None
+    pid = int(holder.get("pid", -1))
+    if os.path.isdir("/proc/self"):
+        start, want = proc_start(pid), holder.get("proc_start")
+        return start is not None and (want is None or start == want)  # a reused pid: dead
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:
+        return True
+    return True
 
 
 def pid_namespace() -> Optional[str]:

@@ -43,7 +43,7 @@ import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Pattern
 
-from ...base.core.procs import boot_id, pid_namespace, proc_start
+from ...base.core.procs import alive as _alive, boot_id, identity, pid_namespace, proc_start
 from .manifest import WORK_DIR, CheckpointError
 
 LOCK = "lock.json"  # the run that owns a checkpoint dir (see DirLock)
@@ -54,28 +54,6 @@ WATCH_S = 0.5  # how often a holder that may be dead is looked at again while it
 ROUND_S = 10.0  # the longest one verdict of rank 0 waits for a lease (lock_in_rounds)
 _HELD: dict[str, str] = {}  # lock path -> run id of the locks this process holds now
 _REFRESH: dict[str, threading.Event] = {}  # lock path -> the stop event of its refresher
-
-
-def _alive(holder: dict[str, Any]) -> bool | None:
-    """Is the lock holder's process running? None when it cannot be known from here (another
-    host, or another pid namespace: a container)."""
-    if holder.get("host") != socket.gethostname():
-        return None
-    if holder.get("boot_id") not in (None, boot_id()):  # this host has restarted since: gone
-        return False
-    if holder.get("pid_ns") != pid_namespace():
-        return None
-    pid = int(holder.get("pid", -1))
-    if os.path.isdir("/proc/self"):
-        start, want = proc_start(pid), holder.get("proc_start")
-        return start is not None and (want is None or start == want)  # a reused pid: dead
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except OSError:
-        return True
-    return True
 
 
 @dataclass(frozen=True)
@@ -123,10 +101,8 @@ class DirLock:
             os.makedirs(self.root, exist_ok=True)
         except OSError as exc:
             raise error(f"{name} {self.root} cannot be created: {exc}") from exc
-        me = {"run_id": self.run_id, "pid": os.getpid(), "host": socket.gethostname(), "boot_id": boot_id(),
-              "pid_ns": pid_namespace(), "proc_start": proc_start(os.getpid()),
-              "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "command": " ".join(sys.argv)[:300],
-              "lease_s": self.lease_s}
+        me = {"run_id": self.run_id, **identity(), "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+              "command": " ".join(sys.argv)[:300], "lease_s": self.lease_s}
         start = time.monotonic()
         deadline = start + ACQUIRE_S
         while time.monotonic() < deadline:

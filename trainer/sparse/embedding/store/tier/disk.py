@@ -31,13 +31,13 @@ Whatever reads or writes much of the file at once (the initial rows and state, t
 written back before a direct phase, a checkpoint's save and load, the snapshot's marks) goes around
 the mapping too, in sequential pieces (records.py; `read_records`, `write`, `fill`).
 The files are scratch: created empty (sparse: unwritten rows read zeros) for each run, removed at
-exit; a checkpoint is the only copy of the model that outlives the run.
+exit; a checkpoint is the only copy of the model that outlives the run. Their folder names its
+owner, and a killed run's is removed by the next start on that store_dir (scratch.py).
 """
 from __future__ import annotations
 
 import os
 import resource
-import shutil
 import tempfile
 import threading
 import time
@@ -50,6 +50,7 @@ import torch
 
 from .records import (CHUNK, MADV_DONTNEED, MADV_RANDOM, MADV_SEQUENTIAL, RecordFile, field_view, log_records,
                       madvise, piece_buffer, record_layout)
+from .scratch import ScratchDir
 from .uring import open_ring
 
 LATENCY_SAMPLES = 4096  # prefetch latencies kept for the percentiles (a ring)
@@ -74,9 +75,8 @@ class DiskTier:
                  threads: int = 16) -> None:
         """page_bytes: the pages this process may hold mapped; total_bytes: the whole RAM share of
         the store (those pages and its rows: what a checkpoint's pieces are sized by)."""
-        base = directory or tempfile.gettempdir()
-        os.makedirs(base, exist_ok=True)
-        self.dir = tempfile.mkdtemp(prefix=f"ht-store-rank{rank}-", dir=base)
+        self.scratch = ScratchDir(directory or tempfile.gettempdir(), rank)  # dead runs' folders reaped first
+        self.dir = self.scratch.path
         self.page_bytes = int(page_bytes)
         self.total_bytes = int(total_bytes or page_bytes)
         self.file: Optional[RecordFile] = None  # define() makes it
@@ -423,7 +423,7 @@ class DiskTier:
         for f in files:
             if f is not None:
                 f.close()
-        shutil.rmtree(self.dir, ignore_errors=True)
+        self.scratch.close()
 
 
 def _proc_io() -> dict[str, int]:
