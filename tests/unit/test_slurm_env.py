@@ -58,3 +58,24 @@ def test_the_first_host_of_a_host_list(nodelist, first):
 def test_the_tasks_on_a_node():
     assert [_tasks_here("2(x3),1", i) for i in range(4)] == [2, 2, 2, 1]
     assert _tasks_here("4", 0) == 4
+
+
+def test_threads_follow_the_cpus_a_rank_may_use(monkeypatch):
+    """train.threads=0: a Slurm task's own CPUs (SLURM_CPUS_PER_TASK), else this process's
+    affinity capped by a Slurm step's CPUs on the node, divided among the host's ranks; never 0.
+    (Two one-CPU Slurm nodes on one host gave each task both cores: twice the threads the cores
+    hold, 10-15x slower than torchrun.)"""
+    import os
+    from helpers import make_cfg
+    from trainer.base.config import auto_threads
+    from trainer.run.resolve.configure import load_config
+    c = load_config(make_cfg([]))
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(8)))
+    assert auto_threads(c, {}) == 8 and auto_threads(c, {"LOCAL_WORLD_SIZE": "2"}) == 4
+    assert auto_threads(c, {"SLURM_STEP_ID": "0", "SLURM_CPUS_ON_NODE": "1", "LOCAL_WORLD_SIZE": "1"}) == 1
+    assert auto_threads(c, {"SLURM_STEP_ID": "0", "SLURM_CPUS_ON_NODE": "4", "LOCAL_WORLD_SIZE": "2"}) == 2
+    assert auto_threads(c, {"SLURM_STEP_ID": "0", "SLURM_CPUS_PER_TASK": "3", "LOCAL_WORLD_SIZE": "2"}) == 3
+    assert auto_threads(c, {"SLURM_CPUS_ON_NODE": "1"}) == 8  # the batch shell: not a step's share
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0})  # taskset / a cpuset of one core
+    assert auto_threads(c, {"LOCAL_WORLD_SIZE": "4"}) == 1
+    assert auto_threads(load_config(make_cfg(["train.threads=5"])), {}) == 5

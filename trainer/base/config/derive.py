@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 import os
-from typing import Optional
+from typing import Mapping, Optional
 
 from .errors import _check
 from .schema import FILE_DATASETS, Config, TableCacheConfig
@@ -125,9 +125,21 @@ def local_batch_size(c: Config, world: int) -> int:
     return g // world
 
 
-def auto_threads(c: Config) -> int:
-    """torch threads per rank: the configured value, or cores / local ranks."""
+def auto_threads(c: Config, env: Optional[Mapping[str, str]] = None) -> int:
+    """torch threads per rank: the configured value, or the CPUs this rank may use: a Slurm task's
+    own (SLURM_CPUS_PER_TASK), else the CPUs this process may run on (its affinity: taskset, a
+    container's cpuset), no more than a Slurm step's share of the node (SLURM_CPUS_ON_NODE), divided
+    among this host's ranks (LOCAL_WORLD_SIZE, which srun's tasks take from Slurm: load.adopt_slurm).
+    More threads than CPUs make every rank's steps wait on the others' (a Slurm node's cores the
+    job was not given, or two ranks' threads on one core)."""
     if c.train.threads > 0:
         return c.train.threads
-    local = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("HOROVOD_LOCAL_SIZE", "1")))
-    return max(1, (os.cpu_count() or 1) // max(local, 1))
+    env = os.environ if env is None else env
+    step = "SLURM_STEP_ID" in env
+    if step and env.get("SLURM_CPUS_PER_TASK", "").isdigit():
+        return max(1, int(env["SLURM_CPUS_PER_TASK"]))
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    if step and env.get("SLURM_CPUS_ON_NODE", "").isdigit():
+        cpus = min(cpus, int(env["SLURM_CPUS_ON_NODE"]))
+    local = int(env.get("LOCAL_WORLD_SIZE", env.get("HOROVOD_LOCAL_SIZE", "1")))
+    return max(1, cpus // max(local, 1))

@@ -253,7 +253,7 @@ class TrainConfig:
     seed: int = 0  # seed of the dense and embedding init (and of stochastic rounding)
     log_every: int = 10  # write a metrics.jsonl line every N steps
     eval_every: Optional[int] = None  # evaluate every N steps too, on the validation split (data.val_fraction) when there is one, else on the test split (data.test_*); the test split is always evaluated after the last step; 0 = only then; null = the recipe's (resolved once W is known)
-    threads: int = 0  # torch threads per rank; 0 = cores / local ranks
+    threads: int = 0  # torch threads per rank; 0 = the CPUs this rank may use (its affinity, a Slurm step's share of the node, SLURM_CPUS_PER_TASK) / local ranks
     progress: str = "auto"  # progress bar on rank 0: auto (when interactive) | on | off
     device: str = "auto"  # auto (cuda when a GPU is visible, else cpu: run_device) | cpu | cuda; comm.dist_backend=auto follows it (nccl on cuda, else gloo)
     nonfinite: str = "stop"  # NaN/inf global loss: stop (error naming the step) | skip (drop the batch on every rank, no update anywhere; dynamic tables: the step's admissions, evictions and counts undone too)

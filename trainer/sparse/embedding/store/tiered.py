@@ -222,8 +222,8 @@ class TieredStore(ShardStore):
             return
         victims = torch.from_numpy(cand)
         changed = self._dirty.index_select(0, victims)
+        self._append(victims[changed])  # the log will (first: a full disk changes nothing)
         self._map.erase(self._rid.index_select(0, victims[~changed]))  # the file has them
-        self._append(victims[changed])  # the log will
         self._rid.index_fill_(0, victims, -1)
         self._free[self._nfree:self._nfree + victims.numel()] = victims
         self._nfree += victims.numel()

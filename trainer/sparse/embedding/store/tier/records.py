@@ -20,6 +20,7 @@ sweep of the file.
 from __future__ import annotations
 
 import ctypes
+import errno
 import math
 import mmap
 import os
@@ -27,6 +28,9 @@ from typing import Any, Callable, Iterator
 
 import numpy as np
 import torch
+
+from .....base.core.errors import TrainingError
+from .....base.core.progress import fmt_bytes
 
 CHUNK = mmap.PAGESIZE  # bytes: the unit the file is mapped, read and unmapped in (a page)
 APPEND_BYTES = 4 << 20  # the log is appended, and the file read and written, in I/Os of at most this (or one record unit)
@@ -170,10 +174,45 @@ class RecordFile:
 
 
 def full_io(call, fd: int, view: memoryview, offset: int, path: str) -> None:
-    """os.preadv / os.pwritev of all of `view` at `offset`, or OSError."""
-    done = call(fd, [view], offset)
+    """os.preadv / os.pwritev of all of `view` at `offset`, or OSError (StoreFull where the disk
+    of the store's files is full)."""
+    done = 0
+    try:
+        while done < len(view):  # a short write is followed by the error that cut it (a full disk)
+            moved = call(fd, [view[done:]], offset + done)
+            if moved <= 0:
+                break
+            done += moved
+    except OSError as exc:
+        if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+            raise StoreFull(os.path.dirname(path), path, len(view)) from exc
+        raise
     if done != len(view):
         raise OSError(f"tier: {call.__name__} moved {done} of {len(view)} bytes at {offset} of {path}")
+
+
+class StoreFull(TrainingError):
+    """The disk of embedding.store_dir is full (ENOSPC or the quota): one line naming the folder,
+    the file, its disk's free space and what the store's files take there."""
+
+    def __init__(self, folder: str, path: str, nbytes: int) -> None:
+        size = written = 0
+        for name in os.listdir(folder) if os.path.isdir(folder) else ():
+            try:
+                st = os.stat(os.path.join(folder, name))
+            except OSError:
+                continue
+            size, written = size + st.st_size, written + st.st_blocks * 512
+        try:
+            st = os.statvfs(folder)
+            free = fmt_bytes(st.f_bavail * st.f_frsize)
+        except OSError:
+            free = "?"
+        super().__init__(
+            f"embedding.store_dir {os.path.dirname(folder)}: no space left on its disk ({free} free) writing "
+            f"{fmt_bytes(nbytes)} into {path}; this rank's store files there take up to {fmt_bytes(size)} "
+            f"({fmt_bytes(written)} written so far): free space on that disk or set embedding.store_dir to one "
+            "with room, then resume from the newest checkpoint (checkpoint.resume=auto)")
 
 
 def _open_direct(path: str) -> int:
