@@ -206,6 +206,10 @@ REGISTRY: dict[str, Entry] = {
     "srun --nodes=2 --ntasks-per-node=1 .venv/bin/python -m trainer comm=torch hydra.run.dir=runs/srun":
         Entry(elsewhere="tests/distributed/test_slurm.py::test_srun_one_task_per_rank_equals_torchrun",
               add=("train.steps=12", "data.test_samples=512", "train.progress=off")),
+    ".venv/bin/python -m dev.slurmcluster -- srun --nodes=2 --ntasks-per-node=1 --export=ALL,MASTER_ADDR=127.0.0.1 "
+    ".venv/bin/python -m trainer comm=torch train.steps=20 hydra.run.dir=runs/srun-local":
+        Entry(elsewhere="tests/distributed/test_slurm.py::test_slurm_on_one_machine_as_the_docs_show_it",
+              add=("data.test_samples=512", "train.progress=off")),
     "sbatch --array=0-1 scripts/slurm/sweep.sbatch consistency.pull_bound=0,4 cache=lfu hydra.sweep.dir=multirun/stale-slurm":
         Entry(elsewhere="tests/distributed/test_slurm.py::test_an_array_job_sweeps_the_staleness_bound_and_plot_sweep_plots_it",
               add=("train.steps=12", "data.test_samples=512", "train.progress=off")),

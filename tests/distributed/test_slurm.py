@@ -43,15 +43,17 @@ def cluster():
         yield c
 
 
-def _scratch(tmp_path, cluster) -> tuple[str, dict]:
+def _scratch(tmp_path, cluster=None) -> tuple[str, dict]:
     """A directory to submit from (the checkout's scripts/ and .venv linked in, as a user's checkout
     has them) and the clients' environment: this checkout's trainer on PYTHONPATH (the venv's
     editable install may be another checkout's); MASTER_ADDR for srun alone, because the test's node
     names (n1, n2) do not resolve (a cluster's do; train.sbatch takes the node's NodeAddr)."""
     d = str(tmp_path)
-    os.symlink(os.path.join(ROOT, "scripts"), os.path.join(d, "scripts"))
+    for name in ("scripts", "dev"):
+        os.symlink(os.path.join(ROOT, name), os.path.join(d, name))
     os.symlink(sys.prefix, os.path.join(d, ".venv"))
-    return d, cluster.env({"PYTHONPATH": ROOT, "PYTHONUNBUFFERED": "1"})
+    extra = {"PYTHONPATH": ROOT, "PYTHONUNBUFFERED": "1"}
+    return d, (cluster.env(extra) if cluster is not None else {**os.environ, **extra})
 
 
 def _submit(cluster, argv: list[str], cwd: str, env: dict) -> str:
@@ -154,15 +156,58 @@ def test_an_array_job_sweeps_the_staleness_bound_and_plot_sweep_plots_it(cluster
         assert time.monotonic() - t0 < 240, p.stdout + cluster.log()
         time.sleep(0.2)
     sweep = os.path.join(cwd, "multirun", "stale-slurm")
+    got = {}
     for task, bound in enumerate((0, 4)):
         info = cluster.job(f"{array}_{task}")
         assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", info
-        s = json.load(open(os.path.join(sweep, f"bound{bound}", "summary.json")))
+        s = got[bound] = json.load(open(os.path.join(sweep, f"bound{bound}", "summary.json")))
         assert s["config"]["consistency"]["pull_bound"] == s["config"]["consistency"]["push_bound"] == bound
-        assert s["config"]["cache"]["policy"] == "lfu"
+        assert s["config"]["cache"]["policy"] == "lfu" and s["world_size"] == 2, s["world_size"]
+    # every point at W = 2: the bound acts (copies read behind the others' updates at 4, never at 0)
+    assert got[0]["cache"]["staleness"]["max"] == 0 < got[4]["cache"]["staleness"]["max"] <= 4
+    assert got[0]["final_loss"] != got[4]["final_loss"]
+    one = _submit(cluster, ["sbatch", "--array=0", "--nodes=1", "scripts/slurm/sweep.sbatch", "consistency.pull_bound=0,4",
+                            "hydra.sweep.dir=multirun/stale-one"], cwd, env)  # a point at W = 1: refused
+    info = cluster.wait(f"{one}_0", lambda i: i.get("JobState") in ("FAILED", "COMPLETED"), timeout=120, what="ended")
+    assert info["JobState"] == "FAILED" and info["ExitCode"] == "2:0", info
+    out = open(os.path.join(cwd, f"slurm-stale-{one}_0.out")).read()
+    assert "every point needs W >= 2" in out and not os.path.exists(os.path.join(cwd, "multirun", "stale-one")), out
     plot = subprocess.run(documented(".venv/bin/python scripts/plot_sweep.py multirun/stale-slurm --out stale-slurm.png"),
                           cwd=cwd, env=env, capture_output=True, text=True, timeout=120)
     assert plot.returncode == 0, plot.stderr[-3000:]
     line = json.loads(plot.stdout.strip().splitlines()[-1])
     assert sorted(p["x"] for p in line["points"]) == [0, 4], line
     assert line["chosen"] is not None and os.path.getsize(os.path.join(cwd, "stale-slurm.png")) > 1000
+
+
+def test_slurm_on_one_machine_as_the_docs_show_it(tmp_path):
+    """docs/running.md's way to try Slurm without a cluster: dev/slurmcluster.py starts a real one on
+    this host, runs the srun job against it at W = 2 (each task's threads its node's one CPU), and
+    stops it (no daemon left, its directory gone)."""
+    require_slurm()
+    cwd, env = _scratch(tmp_path)
+    env["MASTER_PORT"] = str(free_port())
+    got = subprocess.run(documented(".venv/bin/python -m dev.slurmcluster -- srun --nodes=2 --ntasks-per-node=1 "
+                                    "--export=ALL,MASTER_ADDR=127.0.0.1 .venv/bin/python -m trainer comm=torch "
+                                    "train.steps=20 hydra.run.dir=runs/srun-local"),
+                         cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
+    assert got.returncode == 0, tail(got)
+    conf = re.search(r"export SLURM_CONF=(\S+)", got.stdout).group(1)
+    assert not os.path.exists(os.path.dirname(conf))  # the cluster's directory removed
+    s = json.load(open(os.path.join(cwd, "runs", "srun-local", "summary.json")))
+    assert s["world_size"] == 2 and s["threads"] == 1 and s["steps"] == 20, s
+
+
+def test_bench_slurm_puts_srun_beside_torchrun(tmp_path):
+    """benchmarks/bench_slurm.py, shrunk: one srun and one torchrun job, a line each and the ratio."""
+    require_slurm()
+    got = subprocess.run([sys.executable, "-m", "benchmarks.bench_slurm", "--steps", "4", "--repeats", "1", "--",
+                          "data.max_table_rows=1000", "data.batch_size=64", "data.test_samples=128"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert got.returncode == 0, tail(got)
+    lines = [json.loads(x) for x in got.stdout.splitlines()]
+    assert [x.get("launcher") for x in lines[:2]] == ["srun", "torchrun"] and all(x["world_size"] == 2 for x in lines[:2])
+    assert lines[2]["srun_to_torchrun"] > 0
+    bad = subprocess.run([sys.executable, "-m", "benchmarks.bench_slurm", "--steps", "0"], cwd=ROOT,
+                         capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and bad.stderr.startswith("error: --steps 0"), bad.stderr

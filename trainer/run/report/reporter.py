@@ -176,6 +176,7 @@ class Reporter:
         skipped = [i for i, v in enumerate(losses) if not math.isfinite(v)]
         out = {
             "world_size": self.comm.size,
+            "threads": torch.get_num_threads(),  # rank 0's torch threads (train.threads; 0: the CPUs it may use)
             "output_dir": self.out_dir,
             "backend": type(self.comm).__name__,
             "steps": end,  # the steps trained (fewer than train.steps after an early stop or a failed save)
