@@ -78,6 +78,11 @@ PATHS: dict[str, tuple[int, list[str]]] = {
     "w2-padded-lru-ssp": (2, ["train.cuda_graph=on", "cache=lru", "consistency=ssp", "optim=adagrad"]),
     "w2-padded-pinned-tight": (2, ["train.cuda_graph=on", "cache=lfu_pinned", "consistency=asp",
                                    "cache.capacity_fraction=0.05", "train.unique_capacity=64"]),
+    # Herald in fixed shapes: its sync sized by the host's plan, the rows into the request's blocks;
+    # tight blocks: some ranks' lookups made in exact sizes (never a step trained twice)
+    "w2-padded-herald": (2, ["train.cuda_graph=on", "schedule=herald", "cache=lru", "optim=adagrad"]),
+    "w2-padded-herald-tight": (2, ["train.cuda_graph=on", "schedule=herald", "cache=lru", "optim=adagrad",
+                                   "train.unique_capacity=64"]),
     "whole-fp16-stochastic": (1, ["train.cuda_graph=on", "embedding.dtype=fp16", "embedding.rounding=stochastic",
                                   "optim=adagrad"]),
     # dynamic tables: the pool's map is the Triton hash table on CUDA; small pools evict (LFU with

@@ -144,16 +144,8 @@ class MaskedCache:
         none = torch.full((n,), -1, dtype=torch.int64, device=dev)
         if c.size == 0:
             return none, torch.zeros(n, dtype=torch.bool, device=dev)
-        key = torch.where(miss, tables, t_)
-        need = torch.zeros(t_ + 1, dtype=torch.int64, device=dev).index_add_(0, key, torch.ones_like(key))[:t_]
-        order = torch.argsort(key, stable=True)
-        first = torch.cat([torch.cumsum(need, 0) - need, need.new_zeros(1)])
-        rank = torch.empty_like(order)
-        rank[order] = torch.arange(n, device=dev) - first.index_select(0, key.index_select(0, order))
+        out, rank, _, _, need, took = c.free_placement(torch.where(miss, tables, t_))
         tab = tables.clamp(max=t_ - 1)
-        free = c._free.index_select(0, tab)
-        out = torch.where(miss & (rank < free), c._end.index_select(0, tab) - free + rank, none)
-        took = torch.minimum(need, c._free)
         short = need - took
         victim = torch.zeros(n, dtype=torch.bool, device=dev)
         if self.with_k:

@@ -317,16 +317,7 @@ class RowCache:
         out = torch.full((n,), -1, dtype=torch.int64, device=tables.device)
         if n == 0 or self.size == 0:
             return out, 0, 0
-        # misses per table, counted into a fixed [T] (bincount's length would depend on the values)
-        need = torch.zeros(self.num_tables, dtype=torch.int64, device=tables.device)
-        need.index_add_(0, tables, torch.ones_like(tables))
-        order = torch.argsort(tables, stable=True)  # misses grouped by table, in order
-        first = torch.cumsum(need, 0) - need  # [T] where each table's misses start in `order`
-        rank = torch.empty_like(order)  # rank of each miss among its table's misses
-        rank[order] = torch.arange(n, device=tables.device) - first.index_select(0, tables[order])
-        free = self._free.index_select(0, tables)
-        out = torch.where(rank < free, self._end.index_select(0, tables) - free + rank, out)
-        took = torch.minimum(need, self._free)
+        out, _, order, first, need, took = self.free_placement(tables)
         # one host read: per table, the misses left after the free slots, where its victims'
         # misses start in `order`, and the free slots taken
         t_ = self.num_tables
@@ -344,6 +335,27 @@ class RowCache:
                 victims_n = victims_t.numel()
         self._free -= took
         return out, placed + victims_n, victims_n
+
+    def free_placement(self, key: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """The free slots of misses: key [n] the table of each miss (num_tables: no miss, an entry
+        a fixed-shape step masks off: cache/masked.py). A table's misses take its free slots (its
+        region's tail) lowest first, in the order they come. Returns (slot [n], -1 where none is
+        free or no miss; rank [n] of each miss among its table's; order [n] the misses grouped by
+        table, in order; first [T] where each table's misses start in `order`; need [T] misses per
+        table; took [T] free slots they take). Every size is n or T (counts into a fixed [T + 1]:
+        bincount's length would depend on the values); the caller takes `took` from _free."""
+        t_, n, dev = self.num_tables, key.numel(), key.device
+        need = torch.zeros(t_ + 1, dtype=torch.int64, device=dev).index_add_(0, key, torch.ones_like(key))
+        order = torch.argsort(key, stable=True)
+        first = torch.cumsum(need, 0) - need
+        rank = torch.empty_like(order)
+        rank[order] = torch.arange(n, device=dev) - first.index_select(0, key.index_select(0, order))
+        tab = key.clamp(max=t_ - 1)
+        free = self._free.index_select(0, tab)
+        slot = torch.where((key < t_) & (rank < free), self._end.index_select(0, tab) - free + rank,
+                           torch.full_like(key, -1))
+        need = need[:t_]
+        return slot, rank, order, first[:t_], need, torch.minimum(need, self._free)
 
     def _victims(self, short: list[int], free: list[int], step: int) -> list[tuple[int, torch.Tensor]]:
         """(table, its victims) for every table t with short[t] > 0 misses left over once its
