@@ -38,6 +38,7 @@ MADV_RANDOM = 1  # a fault reads its page only (not the kernel's read-around win
 MADV_SEQUENTIAL = 2  # a fault reads ahead (a direct phase: sequential)
 MADV_DONTNEED = 4
 FALLOC_PUNCH_HOLE = 0x01 | 0x02  # FALLOC_FL_KEEP_SIZE | FALLOC_FL_PUNCH_HOLE
+FALLOC_ZERO_RANGE = 0x01 | 0x10  # FALLOC_FL_KEEP_SIZE | FALLOC_FL_ZERO_RANGE: zeros, the blocks kept
 
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
@@ -106,6 +107,10 @@ class RecordFile:
         self.nbytes = -(-max(rows * row_bytes, 1) // CHUNK) * CHUNK
         with open(self.path, "wb") as f:
             f.truncate(self.nbytes)
+            # the file's blocks taken now (ext4, xfs, tmpfs: fallocate), so a disk that cannot hold
+            # the store fails here, with nothing trained, and never under a write of a later step
+            # (another writer filling the disk meanwhile); where refused, it stays sparse
+            self.reserved = _reserve(f.fileno(), 0, self.nbytes, self.path)
         self.array: Any = np.memmap(self.path, dtype=np.uint8, mode="r+", shape=(self.nbytes,))  # kept alive: the tensor shares its memory
         self.tensor = torch.from_numpy(self.array)[:rows * row_bytes].view(rows, row_bytes)
         self.addr = self.array.ctypes.data
@@ -155,9 +160,15 @@ class RecordFile:
             full_io(os.pwritev, self.fd, span, base, self.path)
 
     def punch(self, lo: int, hi: int) -> None:
-        """Bytes [lo, hi) given back (a hole punched: their pages leave the page cache unwritten and
-        read zeros); where refused, they stay as they are."""
+        """Bytes [lo, hi) zeroed: their pages leave the page cache unwritten and read zeros. A
+        reserved file keeps its blocks (FALLOC_FL_ZERO_RANGE; where the file system has no such
+        call, a hole punched and the blocks taken again at once: StoreFull if another writer took
+        them meanwhile); where refused, they stay as they are."""
+        if self.reserved and _libc.fallocate(self.fd, FALLOC_ZERO_RANGE, lo, hi - lo) == 0:
+            return
         _libc.fallocate(self.fd, FALLOC_PUNCH_HOLE, lo, hi - lo)
+        if self.reserved:
+            _reserve(self.fd, lo, hi - lo, self.path)
 
     def close(self) -> None:
         """Close the descriptors and drop the mapping (a tensor still sharing it keeps it until exit)."""
@@ -189,6 +200,20 @@ def full_io(call, fd: int, view: memoryview, offset: int, path: str) -> None:
         raise
     if done != len(view):
         raise OSError(f"tier: {call.__name__} moved {done} of {len(view)} bytes at {offset} of {path}")
+
+
+def _reserve(fd: int, offset: int, length: int, path: str) -> bool:
+    """Take the blocks of bytes [offset, offset + length) of a file (fallocate, mode 0: they read
+    zeros, the size unchanged within it): True; False where the file system refuses the call;
+    StoreFull where its disk has no room for them."""
+    if length <= 0:
+        return True
+    if _libc.fallocate(fd, 0, offset, length) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.ENOSPC, errno.EDQUOT):
+        raise StoreFull(os.path.dirname(path), path, length)
+    return False
 
 
 class StoreFull(TrainingError):
