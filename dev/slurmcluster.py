@@ -233,6 +233,7 @@ def main(argv: list[str]) -> int:
     if why is not None:
         print(f"error: {why}", file=sys.stderr)
         return 2
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # a TERM stops the daemons too (the with block)
     with SlurmCluster() as c:
         print(f"export SLURM_CONF={c.conf}   # nodes {', '.join(NODES)}: sbatch / srun / squeue against it", flush=True)
         if cmd:

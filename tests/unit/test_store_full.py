@@ -43,9 +43,10 @@ def _fill(path: str) -> None:
 
 def test_a_disk_filled_mid_run_stops_nothing(tmp_path, small_disk):
     """The store's blocks were taken at its start: the run writes rows back, rotates and merges its
-    log (a half zeroed, its blocks taken again) on a full disk and ends complete."""
+    log (a half zeroed, its blocks taken again) on a full disk, saves its checkpoints (the saves'
+    buckets in the checkpoint's directory) and ends complete."""
     run = _popen(tmp_path, "data=bench", "data.max_table_rows=5000", "optim=adagrad", "embedding.store=disk",
-                 f"embedding.store_dir={small_disk}", "embedding.store_cache_bytes=4000000", "checkpoint.enabled=false",
+                 f"embedding.store_dir={small_disk}", "embedding.store_cache_bytes=4000000", "checkpoint.every=20",
                  "train.steps=60", "train.log_every=10", f"hydra.run.dir={tmp_path}/out")
     try:
         _wait_for(run, lambda: glob.glob(os.path.join(small_disk, "ht-store-rank0-*", "rows.bin")), "the store's file")
@@ -57,6 +58,9 @@ def test_a_disk_filled_mid_run_stops_nothing(tmp_path, small_disk):
             run.kill()
             run.communicate()
     assert run.returncode == 0, err[-3000:]
+    # the saves' buckets (a record and a key a row) went into the checkpoint's own directory
+    assert err.count("its buckets need") == 1 and "they go into" in err, err[-3000:]
+    assert os.path.isdir(tmp_path / "out" / "checkpoints" / "step_00000060")
     s = __import__("json").load(open(tmp_path / "out" / "summary.json"))
     assert s["steps"] == 60 and s["store"]["rows_written_per_step"] > 0 and s["store"]["log_merges"] > 0, s["store"]
     assert os.listdir(small_disk) == ["filler"]  # the run's store folder removed

@@ -23,11 +23,15 @@ from __future__ import annotations
 
 import os
 import shutil
+import sys
 import tempfile
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Callable, Optional
 
 import numpy as np
 import torch
+
+from ...base.core.disk import free_share
+from ...base.core.progress import fmt_bytes
 
 if TYPE_CHECKING:
     from ...sparse.embedding.store.tier.disk import DiskTier
@@ -111,18 +115,20 @@ def from_raw(arr: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
 
 def bucketed_write(first: int, n: int, rows_per_piece: int, bits: int, first_j: Callable[[int], int],
                    bit_reverse: Callable[[np.ndarray, int], np.ndarray], tensors: dict[str, torch.Tensor],
-                   tier: "DiskTier", emit: Callable[[str, np.ndarray], None]) -> None:
+                   tier: "DiskTier", emit: Callable[[str, np.ndarray], None], spare: Optional[str] = None) -> None:
     """One table segment's rows (storage rows first..first+n) in the checkpoint's file order,
     emitted piece by piece: emit(field, raw values) per field and piece, in file order. tensors:
     the fields saved, the tier's views of its records; first_j(p): the j (bit-reversed position) of
     file row p; a row q's j is rev_bits(q). The buckets hold whole records (one file and one
-    gather per piece, not one per field); each field is taken from them as the bucket is emitted."""
+    gather per piece, not one per field); each field is taken from them as the bucket is emitted.
+    They go beside the shard's files, or into `spare` (the save's own directory) when that disk
+    has not the room for them (another writer filled it): said once on stderr."""
     k = -(-n // rows_per_piece)
     bounds = np.array([first_j(p * rows_per_piece) for p in range(k)] + [1 << bits], dtype=np.int64)
     flats = {name: as_2d(t) for name, t in tensors.items()}
     fields = {name: tier.name_of(t) for name, t in flats.items()}
     rec = tier.file.row_bytes
-    buckets = Buckets(tier.dir, k, ["records"])
+    buckets = Buckets(_bucket_dir(tier.dir, n * (rec + INDEX.itemsize), spare), k, ["records"])
     try:
         for lo in range(0, n, rows_per_piece):  # the shard in order, a piece of rows at a time
             q = np.arange(lo, min(lo + rows_per_piece, n), dtype=np.int64)
@@ -136,6 +142,21 @@ def bucketed_write(first: int, n: int, rows_per_piece: int, bits: int, first_j: 
                 emit(name, np.ascontiguousarray(raw(tier.view(records, fields[name], f))))
     finally:
         buckets.close()
+
+
+def _bucket_dir(where: str, need: int, spare: Optional[str]) -> str:
+    """`where` when its disk has `need` bytes free, else `spare` (said once a store folder)."""
+    free = free_share(where, 1)
+    if spare is None or free >= need:
+        return where
+    if where not in _SAID:  # once a run (a save's directory is new each time)
+        _SAID.add(where)
+        print(f"[trainer] checkpoint save: embedding.store_dir {os.path.dirname(where)} has {fmt_bytes(free)} free, "
+              f"its buckets need {fmt_bytes(need)}: they go into {spare} instead", file=sys.stderr, flush=True)
+    return spare
+
+
+_SAID: set = set()  # the store folders whose buckets went elsewhere, said
 
 
 class BucketedLoad:

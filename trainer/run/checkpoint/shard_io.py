@@ -195,7 +195,7 @@ def write_shard(directory: str, store: ShardStore,
             for _, first, n in segments:
                 bits = order_bits(n)
                 bucketed_write(first, n, rows_per_piece, bits, lambda p: first_j(n, bits, p), bit_reverse,
-                               {field.name: flat for field, flat, _ in parts}, store.tier, emit)
+                               {field.name: flat for field, flat, _ in parts}, store.tier, emit, spare=directory)
             segments = []
         for _, first, n in segments:
             for start in range(0, n, rows_per_piece):
