@@ -25,6 +25,7 @@ import time
 import uuid
 from typing import Any, Optional
 
+from .....base.core.atomic import replacing
 from .....base.core.procs import alive, identity
 
 PREFIX = "ht-store-rank"
@@ -105,10 +106,8 @@ def _read_owner(path: str) -> Optional[dict[str, Any]]:
 
 
 def _write_owner(path: str, owner: dict[str, Any]) -> None:
-    tmp = f"{path}.tmp"
-    with open(tmp, "w") as f:
+    with replacing(path) as f:
         json.dump(owner, f)
-    os.replace(tmp, path)
 
 
 def _age(path: str) -> float:
