@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import errno
 import glob
+import json
 import os
 import subprocess
 import time
@@ -14,6 +15,7 @@ import time
 import pytest
 from failure_helpers import _popen, _wait_for
 
+from trainer.base.core.procs import identity
 from trainer.sparse.embedding.store.tier import records
 
 
@@ -61,7 +63,7 @@ def test_a_disk_filled_mid_run_stops_nothing(tmp_path, small_disk):
     # the saves' buckets (a record and a key a row) went into the checkpoint's own directory
     assert err.count("its buckets need") == 1 and "they go into" in err, err[-3000:]
     assert os.path.isdir(tmp_path / "out" / "checkpoints" / "step_00000060")
-    s = __import__("json").load(open(tmp_path / "out" / "summary.json"))
+    s = json.load(open(tmp_path / "out" / "summary.json"))
     assert s["steps"] == 60 and s["store"]["rows_written_per_step"] > 0 and s["store"]["log_merges"] > 0, s["store"]
     assert os.listdir(small_disk) == ["filler"]  # the run's store folder removed
 
@@ -92,3 +94,23 @@ def test_a_write_on_a_full_disk_names_the_store_dir(tmp_path):
         with pytest.raises(records.StoreFull, match=rf"embedding.store_dir {tmp_path}: no space left on its disk "
                                                     rf"\(.* free\) writing 8\.2 kB into {path}"):
             records.full_io(call, 0, memoryview(bytearray(8192)), 0, path)
+
+
+def test_a_dead_runs_folder_is_reaped_before_the_free_space_is_counted(tmp_path, small_disk):
+    """A killed run's folder holding most of the disk: the next start removes it first, so its room
+    counts as free and the run (whose shard would not fit beside it) trains."""
+    dead = os.path.join(small_disk, "ht-store-rank0-dead")
+    os.makedirs(dead)
+    dead_pid = subprocess.Popen(["true"])
+    dead_pid.wait()
+    with open(os.path.join(dead, "owner.json"), "w") as f:
+        json.dump({**identity(), "pid": dead_pid.pid, "lease_s": 60.0}, f)
+    with open(os.path.join(dead, "rows.bin"), "wb") as f:
+        f.write(b"\1" * (30 << 20))  # 30 MB of the 40: the new shard (~20 MB) would not fit beside it
+    run = _popen(tmp_path, "data=bench", "data.max_table_rows=5000", "optim=adagrad", "embedding.store=disk",
+                 f"embedding.store_dir={small_disk}", "checkpoint.enabled=false", "train.steps=4",
+                 f"hydra.run.dir={tmp_path}/out")
+    _, err = run.communicate(timeout=300)
+    assert run.returncode == 0, err[-3000:]
+    assert err.count("removed 1 store folder(s) of runs that are gone (ht-store-rank0-dead)") == 1, err[-3000:]
+    assert os.listdir(small_disk) == []

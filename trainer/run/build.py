@@ -38,6 +38,7 @@ from ..sparse.embedding.store.shard import row_dtype
 from ..sparse.embedding.store.tiered import TieredStore, log_rows, record_fields
 from ..sparse.embedding.store.tier.disk import DiskTier
 from ..sparse.embedding.store.tier.records import log_records, record_layout
+from ..sparse.embedding.store.tier.scratch import reap
 from ..workload.models import build_model
 from ..sparse.placement import Plan, plan_run
 from ..base.core.progress import fmt_bytes
@@ -158,6 +159,7 @@ def make_tier(c: Config, comm: Collectives, device: torch.device, local_rows: in
     need = files + scratch
     where = e.store_dir or tempfile.gettempdir()
     os.makedirs(where, exist_ok=True)
+    reap(where)  # dead runs' folders first: their room counts as free
     free = free_share(where, comm.local_size)
     if need > free:
         also = f" (its files {fmt_bytes(files)}, a checkpoint's save or load {fmt_bytes(scratch)} of scratch)" if scratch else ""

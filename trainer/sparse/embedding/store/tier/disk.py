@@ -75,7 +75,7 @@ class DiskTier:
                  threads: int = 16) -> None:
         """page_bytes: the pages this process may hold mapped; total_bytes: the whole RAM share of
         the store (those pages and its rows: what a checkpoint's pieces are sized by)."""
-        self.scratch = ScratchDir(directory or tempfile.gettempdir(), rank)  # dead runs' folders reaped first
+        self.scratch = ScratchDir(directory or tempfile.gettempdir(), rank)
         self.dir = self.scratch.path
         self.page_bytes = int(page_bytes)
         self.total_bytes = int(total_bytes or page_bytes)

@@ -6,8 +6,8 @@ when the run ends; a run killed hard (SIGKILL, the OOM killer, a node's power) c
 and nothing else would: each killed run left its GBs for good. So each folder holds `owner.json`,
 its process's identity (trainer/base/core/procs.py: host, boot id, PID namespace, pid, start time:
 the directory lock's), refreshed every lease / 4 seconds by a daemon thread while the run lives,
-and every store=disk start on that store_dir first removes the folders whose owner is dead, with one
-line: on this host and namespace, the process named is not running (or this host has booted
+and every store=disk start on that store_dir first removes the folders whose owner is dead (before
+it counts the free space: their room is the new run's), with one line: on this host and namespace, the process named is not running (or this host has booted
 since); elsewhere (another container on a shared volume), its owner.json has not been refreshed for
 longer than its lease. A folder without owner.json older than a lease (a run killed between making
 it and writing the file, or made by an older version) is dead too. A folder is renamed before it is
@@ -34,12 +34,12 @@ LEASE_S = 60.0  # a folder whose owner cannot be checked from here and has not r
 
 
 class ScratchDir:
-    """One rank's scratch folder under `base` (made at once, its dead neighbours reaped first);
-    close() stops the refresher and removes it."""
+    """One rank's scratch folder under `base`, made at once (its dead neighbours are reaped by the
+    start, before it counts the free space: trainer/run/build.py make_tier); close() stops the
+    refresher and removes it."""
 
     def __init__(self, base: str, rank: int, lease_s: float = LEASE_S) -> None:
         os.makedirs(base, exist_ok=True)
-        self.reaped, self.freed = reap(base)
         self.path = tempfile.mkdtemp(prefix=f"{PREFIX}{rank}-", dir=base)
         _write_owner(os.path.join(self.path, OWNER), {**identity(), "lease_s": float(lease_s)})
         self._stop = threading.Event()
