@@ -19,8 +19,8 @@ import socket
 from dataclasses import dataclass
 from typing import Any, Optional
 
-__all__ = ["ProcStat", "alive", "boot_id", "cmdline", "cwd", "group", "identity", "pid_namespace", "proc_start",
-           "stat"]
+__all__ = ["ProcStat", "alive", "boot_id", "cmdline", "cwd", "group", "identity", "is_me", "pid_namespace",
+           "proc_start", "stat"]
 
 
 @dataclass(frozen=True)
@@ -86,6 +86,13 @@ def identity() -> dict[str, Any]:
     pid = os.getpid()
     return {"host": socket.gethostname(), "boot_id": boot_id(), "pid_ns": pid_namespace(), "pid": pid,
             "proc_start": proc_start(pid)}
+
+
+def is_me(holder: dict[str, Any]) -> bool:
+    """Does the `identity` name this very process? (A holder written before boot_id and proc_start
+    were recorded matches on the rest.)"""
+    return all(holder.get(k) == v or (k in ("boot_id", "proc_start") and holder.get(k) is None)
+               for k, v in identity().items())
 
 
 def alive(holder: dict[str, Any]) -> Optional[bool]:

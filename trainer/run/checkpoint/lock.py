@@ -34,7 +34,6 @@ import gc
 import json
 import os
 import shutil
-import socket
 import sys
 import threading
 import time
@@ -43,7 +42,8 @@ import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Pattern
 
-from ...base.core.procs import alive as _alive, boot_id, identity, pid_namespace, proc_start
+from ...base.core.holder import age as _age, keep_fresh, mtime as _mtime, read_holder as _read_lock
+from ...base.core.procs import alive as _alive, identity, is_me
 from .manifest import WORK_DIR, CheckpointError
 
 LOCK = "lock.json"  # the run that owns a checkpoint dir (see DirLock)
@@ -153,9 +153,7 @@ class DirLock:
                     self.notes.append(f"{name} {self.root}: took over the lock file {self.path}, which was empty "
                                       f"or unreadable for {age:.0f} s (a run killed while writing it)")
                 return False
-        mine = (holder.get("host") == socket.gethostname() and holder.get("pid") == os.getpid()
-                and holder.get("pid_ns") == pid_namespace() and holder.get("boot_id") in (None, boot_id())
-                and holder.get("proc_start") in (None, proc_start(os.getpid())))
+        mine = is_me(holder)
         if mine and holder.get("run_id") in _HELD.values():
             gc.collect()  # a run of this process that ended, not yet collected, releases its lock
             if holder.get("run_id") in _HELD.values():
@@ -228,34 +226,11 @@ class DirLock:
             self._release()
 
 
-def _read_lock(path: str) -> dict[str, Any] | None:
-    try:
-        with open(path) as f:
-            data = json.load(f)
-    except (OSError, ValueError):
-        return None
-    return data if isinstance(data, dict) else None
-
-
 def _unlink(path: str) -> None:
     try:
         os.unlink(path)
     except OSError:
         pass
-
-
-def _age(path: str) -> float | None:
-    """Seconds since the lock file was last written or refreshed (None: it is gone)."""
-    mtime = _mtime(path)
-    return None if mtime is None else max(0.0, time.time() - mtime)
-
-
-def _mtime(path: str) -> float | None:
-    """When the lock file was last written or refreshed (None: it is gone)."""
-    try:
-        return os.stat(path).st_mtime
-    except OSError:
-        return None
 
 
 def lock_in_rounds(comm: Any, make: Callable[[], Optional[DirLock]], then: Callable[[Optional[DirLock]], Any],
@@ -282,18 +257,8 @@ def lock_in_rounds(comm: Any, make: Callable[[], Optional[DirLock]], then: Calla
 
 def _start_refresher(path: str, run_id: str, every: float) -> None:
     """A daemon thread that touches the lock every `every` seconds while it is this run's."""
-    stop = threading.Event()
-    _REFRESH[path] = stop
-
-    def refresh() -> None:
-        while not stop.wait(every):
-            if _HELD.get(path) != run_id or (_read_lock(path) or {}).get("run_id") != run_id:
-                return
-            try:
-                os.utime(path)
-            except OSError:
-                return
-    threading.Thread(target=refresh, name=f"lock-lease {path}", daemon=True).start()
+    _REFRESH[path] = keep_fresh(path, every, lambda: _HELD.get(path) == run_id
+                                and (_read_lock(path) or {}).get("run_id") == run_id)
 
 
 def _release_lock(path: str, run_id: str) -> None:

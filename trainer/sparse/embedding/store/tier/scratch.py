@@ -20,12 +20,10 @@ import os
 import shutil
 import sys
 import tempfile
-import threading
-import time
 import uuid
-from typing import Any, Optional
 
 from .....base.core.atomic import replacing
+from .....base.core.holder import age, keep_fresh, read_holder
 from .....base.core.procs import alive, identity
 
 PREFIX = "ht-store-rank"
@@ -41,17 +39,10 @@ class ScratchDir:
     def __init__(self, base: str, rank: int, lease_s: float = LEASE_S) -> None:
         os.makedirs(base, exist_ok=True)
         self.path = tempfile.mkdtemp(prefix=f"{PREFIX}{rank}-", dir=base)
-        _write_owner(os.path.join(self.path, OWNER), {**identity(), "lease_s": float(lease_s)})
-        self._stop = threading.Event()
-        owner, every = os.path.join(self.path, OWNER), lease_s / 4
-
-        def refresh() -> None:
-            while not self._stop.wait(every):
-                try:
-                    os.utime(owner)
-                except OSError:
-                    return
-        threading.Thread(target=refresh, name=f"store-owner {self.path}", daemon=True).start()
+        owner = os.path.join(self.path, OWNER)
+        with replacing(owner) as f:
+            json.dump({**identity(), "lease_s": float(lease_s)}, f)
+        self._stop = keep_fresh(owner, lease_s / 4)
 
     def close(self) -> None:
         self._stop.set()
@@ -87,34 +78,13 @@ def reap(base: str) -> tuple[list[str], int]:
 
 def _dead(path: str) -> bool:
     owner_file = os.path.join(path, OWNER)
-    owner = _read_owner(owner_file)
+    owner = read_holder(owner_file)
     if owner is None:  # being made right now, or killed before it was written (or an older version's)
-        return _age(path) > LEASE_S
+        return (age(path) or 0.0) > LEASE_S
     live = alive(owner)
     if live is not None:
         return not live
-    return _age(owner_file) > float(owner.get("lease_s", LEASE_S))
-
-
-def _read_owner(path: str) -> Optional[dict[str, Any]]:
-    try:
-        with open(path) as f:
-            data = json.load(f)
-    except (OSError, ValueError):
-        return None
-    return data if isinstance(data, dict) else None
-
-
-def _write_owner(path: str, owner: dict[str, Any]) -> None:
-    with replacing(path) as f:
-        json.dump(owner, f)
-
-
-def _age(path: str) -> float:
-    try:
-        return max(0.0, time.time() - os.stat(path).st_mtime)
-    except OSError:
-        return 0.0
+    return (age(owner_file) or 0.0) > float(owner.get("lease_s", LEASE_S))
 
 
 def _disk_bytes(path: str) -> int:
