@@ -332,16 +332,20 @@ class FixedShapes:
         leaves them)."""
         src, rows = self.emb.remote.fetch(sync)
         ws = torch.zeros(req.ids.numel(), self.store.dim, dtype=self.store.compute_dtype, device=rows.device)
-        ws.index_copy_(0, self._slots(req, src), rows.to(ws.dtype))
+        ws.index_copy_(0, self._slots(self._keys(req), src), rows.to(ws.dtype))
         ws[self.own] = self._read(req.ids[self.own]).to(ws.dtype)
         remote = req.count - req.valid[self.own].sum()
         torch._assert_async((req.excess == 0) & (remote == src.numel()),
                             "herald: the plan and this rank's batch disagree on its remote rows")
         return ws
 
-    def _slots(self, req: PaddedRequest, gids: torch.Tensor) -> torch.Tensor:
-        """[k] request slots of gids [k] (each asked in the request: checked on the device, no read)."""
-        keys = self.block_base + req.ids
+    def _keys(self, req: PaddedRequest) -> torch.Tensor:
+        """[W x C] each request slot's key, block x (local_rows + 1) + its storage row: ascending."""
+        return self.block_base + req.ids
+
+    def _slots(self, keys: torch.Tensor, gids: torch.Tensor) -> torch.Tensor:
+        """[k] request slots of gids [k] given the request's keys (_keys; each gid asked in the
+        request: checked on the device, no read)."""
         want = self.sharding.owner(gids) * (self.sharding.local_rows + 1) + self.sharding.local_index(gids)
         pos = torch.searchsorted(keys, want).clamp_(max=keys.numel() - 1)
         torch._assert_async((keys.index_select(0, pos) == want).all(),
@@ -404,8 +408,8 @@ class FixedShapes:
         their gradients from the request's slots); the function returned sums this rank's own
         block and the pushes it receives per row (own first, then by sender: the exact-size
         owner's order) and applies them."""
-        req = read.request
-        pushed = self.emb.remote.send(read.sync, lambda gids: grad.index_select(0, self._slots(req, gids)))
+        req, keys = read.request, self._keys(read.request)  # one search each for the lent rows and the pushes
+        pushed = self.emb.remote.send(read.sync, lambda gids: grad.index_select(0, self._slots(keys, gids)))
         own, own_grad = req.ids[self.own], grad[self.own]
 
         def finish() -> None:

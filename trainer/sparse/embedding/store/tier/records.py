@@ -29,6 +29,7 @@ from typing import Any, Callable, Iterator
 import numpy as np
 import torch
 
+from .....base.core.disk import free_share
 from .....base.core.errors import TrainingError
 from .....base.core.progress import fmt_bytes
 
@@ -229,8 +230,7 @@ class StoreFull(TrainingError):
                 continue
             size, written = size + st.st_size, written + st.st_blocks * 512
         try:
-            st = os.statvfs(folder)
-            free = fmt_bytes(st.f_bavail * st.f_frsize)
+            free = fmt_bytes(free_share(folder, 1))
         except OSError:
             free = "?"
         super().__init__(
