@@ -237,7 +237,7 @@ def test_the_tier_unmaps_beside_the_step(tmp_path, monkeypatch):
         tier.define(n, [("weight", (5,), torch.float32), ("version", (), torch.int64)])
         weight = tier.alloc("weight", (n, 5), torch.float32, fill=1.0)
         weight[::7] = 3.0
-        tier.release()
+        tier.reseal()  # written through the mapping: the sums made current
         rows = torch.arange(0, n, 97)
         got = []
         for lo in (0, 100, 200, 300):  # each read ahead maps ~100 pages: past the budget of 16

@@ -25,7 +25,7 @@ from .checkpoint import latest as latest_checkpoint
 from ..base.comm import Collectives
 from ..base.config import Config
 
-__all__ = ["RELAUNCH_KEYS", "Position", "failure_hint", "relaunch_command"]
+__all__ = ["RELAUNCH_KEYS", "Position", "continue_hint", "failure_hint", "relaunch_command"]
 
 
 @dataclass
@@ -46,6 +46,13 @@ def failure_hint(c: Config, comm: Collectives, at: Optional[Position], out_dir: 
         else "outside the training loop"
     head = (f"rank {comm.rank}/{comm.size} stopped {where}: a worker died or stalled (comm.timeout_s="
             f"{c.comm.timeout_s:g}).")
+    return f"{head} {continue_hint(c, comm, at, out_dir, sep=chr(10) + '    ')}"
+
+
+def continue_hint(c: Config, comm: Collectives, at: Optional[Position], out_dir: Optional[str],
+                  sep: str = " ") -> str:
+    """The newest complete checkpoint of this run (or that there is none) and the command that
+    continues from it (after `sep`); at / out_dir as failure_hint's."""
     try:
         if at is not None:
             out, root, last = at.out_dir, at.ckpt_dir, at.last
@@ -59,13 +66,13 @@ def failure_hint(c: Config, comm: Collectives, at: Optional[Position], out_dir: 
                 last = latest_checkpoint(root)
         command = relaunch_command(last, root, out, size=comm.size)
     except Exception as exc:  # noqa: BLE001 - the hint must never hide the failure itself
-        return f"{head} (no relaunch command: {type(exc).__name__}: {exc})"
+        return f"(no relaunch command: {type(exc).__name__}: {exc})"
     if last is not None:
         what = f"The newest complete checkpoint of this run is {os.path.abspath(last)}; to continue from it, run:"
     else:
         what = ("No checkpoint of this run is complete yet (checkpoint.every=N saves every N steps); "
                 "to run it again from the start in the same directories, run:")
-    return f"{head} {what}\n    {command}"
+    return f"{what}{sep}{command}"
 
 
 RELAUNCH_KEYS = ("checkpoint.resume", "checkpoint.dir", "hydra.run.dir")  # replaced in the command

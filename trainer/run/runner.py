@@ -32,7 +32,7 @@ import kernels
 
 from .evaluation.best import BestSnapshot, EarlyStopping, restore_best
 from .build import build_dense, build_sparse, device_of, sparse_lr
-from ..base.core.errors import TrainingError, phase
+from ..base.core.errors import ResumeAdvised, TrainingError, phase
 from ..base.core.stop import StopRequested
 from .checkpoint import CheckpointError, CheckpointManager
 from ..base.comm import CollectiveError, Collectives, make_collectives
@@ -46,7 +46,7 @@ from .outdir import HeldDir, claim_out_dir, probe_dir
 from ..step.pipeline import TrainPipeline
 from ..step.precision import DensePrecision
 from .resolve.recipes import announce_recipe, apply_data_steps, recipe_of
-from .relaunch import Position, failure_hint
+from .relaunch import Position, continue_hint, failure_hint
 from .report import Reporter, dynamic_summary
 from .signals import NOT_EVALUATED, SIGNALS, Stop, agree, announce, stopped_at_start, why_not_saved
 
@@ -103,6 +103,9 @@ def _run(cfg: Any, out_dir: str | None, return_state: bool, comm: Collectives | 
     except CollectiveError as exc:  # a peer died or stalled: say where we were and how to go on
         at = trainer.position() if trainer is not None else None
         raise CollectiveError(f"{exc}\n{failure_hint(config, comm, at, out_dir)}") from exc
+    except ResumeAdvised as exc:  # the store's disk full or damaged: which checkpoint continues the run
+        at = trainer.position() if trainer is not None else None
+        raise TrainingError(f"{exc}. {continue_hint(config, comm, at, out_dir)}") from exc
     finally:
         held.release()
         if own:

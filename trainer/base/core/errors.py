@@ -15,6 +15,12 @@ class TrainingError(RuntimeError):
     """Training cannot go on (non-finite loss, no device, ...); the message names the step."""
 
 
+class ResumeAdvised(TrainingError):
+    """Training cannot go on in this process, but the run continues from its newest checkpoint
+    once the cause is fixed (a full or damaged store_dir): the runner appends which checkpoint
+    that is and the command that continues from it."""
+
+
 @contextmanager
 def phase(comm: "Collectives", name: str) -> Iterator[None]:
     """Count the bytes sent inside the block under phase `name` (train / eval / other)."""

@@ -157,6 +157,7 @@ class TieredStore(ShardStore):
         self._log = WriteLog(self.tier, self._map, self._changed, self._copies.merged)
         self._memo = None  # (call, its rows, their slots, distinct rows) of the last call that loaded them all
         self._in_raw = False
+        self._unsealed = False  # the file was written through the mapping: its sums are stale (tier/seal.py)
         self.counts = {"used": 0, "hit": 0, "loaded": 0, "staged": 0, "from_log": 0, "written": 0, "evicted": 0, "bypassed": 0,
                        "emptied": 0, "forgotten": 0}
 
@@ -169,6 +170,7 @@ class TieredStore(ShardStore):
     def _at(self, idx: torch.Tensor) -> torch.Tensor:
         """[n] slots of storage rows idx, loading the rows no slot holds (evicting the least
         recently used); -1 for those the buffer cannot take in this call (more than it holds)."""
+        self._sealed()
         call = self._uses.new_call()
         if self._same_rows(idx, call):
             return self._memo[2]
@@ -295,6 +297,7 @@ class TieredStore(ShardStore):
         def get(self):
             if self._slots_n and not self._in_raw:
                 self._empty()
+                self._unsealed = True  # the caller may write the file through it
             return self.__dict__["_" + name]
 
         def put(self, value):
@@ -306,9 +309,18 @@ class TieredStore(ShardStore):
     touched = _direct("touched")
     del _direct
 
+    def _sealed(self) -> None:
+        """Before the file is read again: its records' sums made current where it was written
+        through the mapping (a direct write phase, or its arrays handed out outside one)."""
+        if self._unsealed:
+            self._unsealed = False
+            self.tier.reseal()
+
     @contextlib.contextmanager
     def raw(self, write: bool) -> Iterator[None]:
+        self._sealed()
         self._flush()
+        self._unsealed |= write  # written through the mapping from now on: resealed before a read (_sealed)
         outer, self._in_raw = self._in_raw, True  # phases may nest
         self.tier.sequential(True)  # a phase reads or writes the shard in order
         try:
@@ -318,6 +330,7 @@ class TieredStore(ShardStore):
             self.tier.sequential(outer)
             if write:
                 self._changed()
+                self._unsealed = True
                 if self._nfree < self._slots_n:
                     self._forget()
                     self.counts["forgotten"] += 1
@@ -375,6 +388,7 @@ class TieredStore(ShardStore):
 
     def prefetch_local(self, local_idx: torch.Tensor) -> None:
         if local_idx.numel():
+            self._sealed()
             uniq = _distinct(local_idx)[0]
             where, _ = self._map.lookup(uniq)
             inlog, infile = where <= -2, where == -1
@@ -416,7 +430,10 @@ class TieredStore(ShardStore):
         self._dirty.index_fill_(0, s, True)
         if cold.numel():
             self.tier.ready()
-            fn(self.optimizer, self._files(), idx.index_select(0, cold), cold)
+            rows = idx.index_select(0, cold)
+            self.tier.check_rows(rows)
+            fn(self.optimizer, self._files(), rows, cold)
+            self.tier.reseal_rows(rows)
             self.tier.release()  # the pages the update faulted in leave the process (such calls are rare)
 
     def apply(self, gids: torch.Tensor, grads: torch.Tensor, unique: bool = False,
@@ -440,6 +457,7 @@ class TieredStore(ShardStore):
 
     def mark_all_touched(self, value: bool) -> None:
         """The slots' marks and the file's alike: nothing to write back, nothing forgotten."""
+        self._sealed()  # fill checks the records' sums
         self._log.settle()  # no merge writes the file meanwhile
         self._changed()
         self._t.fill_(value)

@@ -51,6 +51,7 @@ import torch
 from .records import (CHUNK, MADV_DONTNEED, MADV_RANDOM, MADV_SEQUENTIAL, RecordFile, field_view, log_records,
                       madvise, piece_buffer, record_layout)
 from .scratch import ScratchDir
+from .seal import FIELD as SUM_FIELD, Seal
 from .uring import open_ring
 
 LATENCY_SAMPLES = 4096  # prefetch latencies kept for the percentiles (a ring)
@@ -84,6 +85,7 @@ class DiskTier:
         self.log_rows = 0  # records of each half of the log
         self._io_buf = None  # the sequential pieces' buffer (records.piece_buffer)
         self._fields: dict[str, tuple[int, int, torch.dtype]] = {}  # name -> (offset, bytes, dtype) in a record
+        self.seal: Optional[Seal] = None  # each record's checksum (seal.py; define)
         self.mapped_bytes = 0
         self.stats = TierStats()
         self.threads = max(1, threads)
@@ -110,9 +112,11 @@ class DiskTier:
         to its element size, the record padded to the largest one; alloc(name) then returns the
         field's strided view. fields: (name, shape of one row's part, dtype); empty parts skipped.
         log_rows: records of each half of the write-back log (`log.bin`, the same layout;
-        writelog.py)."""
-        layout, record = record_layout(fields)
+        writelog.py). A last field, `sum`, is the record's checksum (seal.py): stamped by every
+        write around the mapping, checked by every read from the disk."""
+        layout, record = record_layout(list(fields) + [SUM_FIELD])
         self._fields = layout
+        self.seal = Seal(record, layout[SUM_FIELD[0]][0])
         self.file = RecordFile(self.dir, "rows.bin", rows, record)
         if log_rows:
             self.log_file = RecordFile(self.dir, "log.bin", log_records(log_rows, record), record)
@@ -194,6 +198,7 @@ class DiskTier:
         def copy(first: int) -> Callable[[torch.Tensor], None]:
             def take(room: torch.Tensor) -> None:
                 a, b = max(lo, first), min(hi, first + room.shape[0])
+                self.seal.check(room[a - first:b - first], lambda i: (f.path, a + i))
                 out[a - lo:b - lo] = room[a - first:b - first]
             return take
         for base, end in f.pieces(lo, hi):
@@ -216,6 +221,7 @@ class DiskTier:
             def change(room: torch.Tensor, at=at, a=lo, b=hi) -> None:
                 for name, values in parts.items():
                     self.view(room, name, values).index_copy_(0, at, values[a:b])
+                self.seal.stamp_rows(room, at)
             f.rewrite(self._io_buf, base, end, change)
 
     def fill(self, name: str, value: float, log: bool = False, lo: int = 0, hi: int | None = None) -> None:
@@ -232,10 +238,42 @@ class DiskTier:
         def change(first: int) -> Callable[[torch.Tensor], None]:
             def put(room: torch.Tensor) -> None:
                 a, b = max(lo, first) - first, min(hi, first + room.shape[0]) - first
+                self.seal.check(room[a:b], lambda i: (f.path, first + a + i))  # a fault is never sealed over
                 room[a:b, off:off + nbytes].view(dtype).fill_(value)
+                self.seal.stamp(room[a:b])
             return put
         for base, end in f.pieces(lo, hi):
             f.rewrite(self._io_buf, base, end, change(base // rec))
+
+    # ---- the records' checksums (seal.py) -----------------------------------------------------
+    def reseal(self) -> int:
+        """Every record of the file given the sum of its bytes as they are now, after a phase that
+        wrote it through the mapping (what it changed is not known here): read in sequential
+        pieces, and only a piece with a record whose sum changed written back. Returns the records
+        resealed."""
+        self._evict()  # nothing mapped while the file is written around the mapping
+        f, n = self.file, self.file.tensor.shape[0]
+        done = 0
+
+        def stamp(room: torch.Tensor) -> bool:
+            nonlocal done
+            bad = self.seal.bad(room)
+            self.seal.stamp_rows(room, bad)
+            done += bad.numel()
+            return bad.numel() > 0
+        for base, end in f.pieces(0, n):
+            f.rewrite(self._io_buf, base, end, stamp, write=None)
+        return done
+
+    def check_rows(self, rows: torch.Tensor) -> None:
+        """StoreCorrupt unless the file's records `rows` carry their sums (read through the
+        mapping: rows about to be changed there)."""
+        self.seal.check(self.file.tensor.index_select(0, rows), lambda i: (self.file.path, int(rows[i])))
+
+    def reseal_rows(self, rows: torch.Tensor) -> None:
+        """The file's records `rows` given their sums, through the mapping (rows just changed there)."""
+        records = self.file.tensor
+        self.seal.carried(records).index_copy_(0, rows, self.seal.sums(records.index_select(0, rows)))
 
     # ---- for the write-back log (writelog.py) ------------------------------------------------
     def beside(self, fn: Callable[..., Any], *args: Any) -> Future:
@@ -313,6 +351,7 @@ class DiskTier:
             t0 = time.perf_counter()
             self._ring.read(fds, offsets, rec, out.data_ptr(), path)
             self._latency(time.perf_counter() - t0)
+            self.seal.check(out, lambda i: _which(parts, i))
             return out
         fut = self._ringer.submit(read)
         self._pending.append(fut)
@@ -333,6 +372,8 @@ class DiskTier:
         t0 = time.perf_counter()
         got = records.index_select(0, rows)
         self._latency(time.perf_counter() - t0)
+        path = self.file.path if records.data_ptr() == self.file.tensor.data_ptr() else self.log_file.path
+        self.seal.check(got, lambda i: (path, int(rows[i])))
         return got
 
     def _latency(self, took: float) -> None:
@@ -424,6 +465,16 @@ class DiskTier:
             if f is not None:
                 f.close()
         self.scratch.close()
+
+
+def _which(parts: list[tuple[RecordFile, np.ndarray]], i: int) -> tuple[str, int]:
+    """(file, record) of position i of the records read for `parts` ((file, records) one after
+    the other)."""
+    for f, rows in parts:
+        if i < rows.size:
+            return f.path, int(rows[i])
+        i -= rows.size
+    raise IndexError(i)
 
 
 def _proc_io() -> dict[str, int]:

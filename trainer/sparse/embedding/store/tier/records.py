@@ -30,7 +30,7 @@ import numpy as np
 import torch
 
 from .....base.core.disk import free_share
-from .....base.core.errors import TrainingError
+from .....base.core.errors import ResumeAdvised
 from .....base.core.progress import fmt_bytes
 
 CHUNK = mmap.PAGESIZE  # bytes: the unit the file is mapped, read and unmapped in (a page)
@@ -149,15 +149,16 @@ class RecordFile:
             yield base, min(-(-last // CHUNK) * CHUNK, base + size)
 
     def rewrite(self, buf: mmap.mmap, base: int, end: int, change: Callable[[torch.Tensor], object],
-                write: bool = True) -> None:
+                write: bool | None = True) -> None:
         """Bytes [base, end) (pages, starting on a record) read into buf, change(their whole
-        records [k, record bytes]) and written back (write): one sequential read and one write,
-        straight to the disk (O_DIRECT) where the file system allows it."""
+        records [k, record bytes]) and written back (write; None: where change returned true):
+        one sequential read and one write, straight to the disk (O_DIRECT) where the file system
+        allows it."""
         span = memoryview(buf)[:end - base]
         full_io(os.preadv, self.fd, span, base, self.path)
         k = min(self.tensor.shape[0] - base // self.row_bytes, (end - base) // self.row_bytes)
-        change(torch.frombuffer(buf, dtype=torch.uint8)[:k * self.row_bytes].view(k, self.row_bytes))
-        if write:
+        changed = change(torch.frombuffer(buf, dtype=torch.uint8)[:k * self.row_bytes].view(k, self.row_bytes))
+        if write or (write is None and changed):
             full_io(os.pwritev, self.fd, span, base, self.path)
 
     def punch(self, lo: int, hi: int) -> None:
@@ -217,7 +218,7 @@ def _reserve(fd: int, offset: int, length: int, path: str) -> bool:
     return False
 
 
-class StoreFull(TrainingError):
+class StoreFull(ResumeAdvised):
     """The disk of embedding.store_dir is full (ENOSPC or the quota): one line naming the folder,
     the file, its disk's free space and what the store's files take there."""
 

@@ -220,6 +220,7 @@ class WriteLog:
             k = min(step, n - lo)
             for name, values in parts.items():
                 self.tier.view(staged[:k], name, values).copy_(values[lo:lo + k])
+            self.tier.seal.stamp(staged[:k])
             start = self.end * rec
             page = start // CHUNK * CHUNK
             head = start - page  # the last page's bytes already in the log
@@ -256,6 +257,7 @@ class WriteLog:
             def read() -> torch.Tensor:
                 out = torch.empty(at_piece.numel(), rec, dtype=torch.uint8)
                 ring.read(log.read_fd, at_piece.numpy() * rec, rec, out.data_ptr(), log.path)
+                self.tier.seal.check(out, lambda i: (log.path, int(at_piece[i])))
                 return out
             return read
         return self.tier.beside(self._merge, rows, at, begin)
