@@ -42,7 +42,7 @@ LAYERS: dict[str, list[tuple[str, ...]]] = {"trainer": [
     ("sparse",),                   # 2 the sparse side: embedding/, placement/ (FAE, SCA), schedule/ (Herald), sim/
     ("step",),                     # 3 the step: its order, strategies, precision, the dense optimizer's graph
     ("run",),                      # 4 a run: assembly (build), the Trainer, resolve/, checkpoint/, evaluation/, report/, its life
-    ("tools", "__main__", ""),     # 5 the entry points: the command line, the user tools
+    ("serving", "tools", "__main__", ""),  # 5 the entry points: the command line, the user tools, export and predict
 ]}
 
 

@@ -111,6 +111,18 @@ def _trained_on_the_run_device(cwd: Path, out: str = "") -> None:
         assert s["transport"] == ("nccl" if gpu and torch.cuda.device_count() >= 2 else "gloo"), s["transport"]
 
 
+def _scores_are_the_runs_test_auc(cwd: Path, out: str = "") -> None:
+    """docs/serving.md: the scores of DIR's test rows (TEST.tsv: the same rows) have the run's test AUC."""
+    import numpy as np
+    from trainer.run.evaluation.metrics import auc_logloss
+    scores = np.loadtxt(cwd / "scores.txt")
+    labels = np.array([float(line.split("\t", 1)[0]) for line in (cwd / "TEST.tsv").read_text().splitlines()])
+    s = json.loads((cwd / "runs/criteo/summary.json").read_text())
+    assert scores.shape == labels.shape == (s["eval_samples"],), (scores.shape, labels.shape, s["eval_samples"])
+    auc = auc_logloss(np.log(scores) - np.log1p(-scores), labels)[0]
+    assert abs(auc - s["eval_auc"]) <= 1e-6, (auc, s["eval_auc"])
+
+
 TRAINER = dict(json_keys=TRAINER_LINE, summary=True)
 W2 = ("train.steps=4", "data.test_samples=512", "checkpoint.enabled=false")
 
@@ -227,6 +239,12 @@ REGISTRY: dict[str, Entry] = {
         Entry(writes_dir=True, files=("DIR/meta.json",)),
     ".venv/bin/python -m trainer data=criteo data.dir=DIR":
         Entry(add=("data.epochs=1",), check=_recipe_and_test_split, **TRAINER),
+    # docs/serving.md: train, export, predict the test rows (their AUC: the run's test AUC)
+    ".venv/bin/python -m trainer data=criteo data.dir=DIR train.ensemble=1 train.early_stop.restore_best=false hydra.run.dir=runs/criteo":
+        Entry(add=("data.epochs=1",), files=("runs/criteo/summary.json",), **TRAINER),
+    ".venv/bin/python -m trainer.serving export runs/criteo --out my-model": Entry(files=("my-model/artifact.json",)),
+    ".venv/bin/python -m trainer.serving predict my-model --input TEST.tsv --out scores.txt":
+        Entry(rows=(("TEST.tsv", 1600, 1999),), files=("scores.txt",), check=_scores_are_the_runs_test_auc),
     ".venv/bin/python scripts/baseline_lr.py DIR": Entry(json_keys=("eval_auc", "eval_logloss", "C")),
     # docs/running.md: both lines at once, each in its emulated host (named host1, host2)
     # docs/running.md's elastic recipe: one line on every node (a lost node killed, then back)

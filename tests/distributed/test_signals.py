@@ -272,18 +272,18 @@ def _signalled_in_load(rank: int, world: int, overrides: list[str], out: str, si
     """Spawned worker (or this process): rank `signalled` receives SIGTERM at its first read of the
     checkpoint it resumes (the next read sees it)."""
     from trainer.run.checkpoint import shard_io
-    real = shard_io._VerifiedFile.read
+    real = shard_io.VerifiedFile.read
 
     def read(self, lo, hi):
         if rank == signalled:
             os.kill(os.getpid(), signal.SIGTERM)
         return real(self, lo, hi)
 
-    shard_io._VerifiedFile.read = read
+    shard_io.VerifiedFile.read = read
     try:
         got = run(make_cfg(overrides + (["comm=torch"] if world > 1 else ["comm=local"])), out_dir=out)
     finally:
-        shard_io._VerifiedFile.read = real
+        shard_io.VerifiedFile.read = real
     return {"summary": got.summary, "losses": got.losses}
 
 

@@ -130,7 +130,7 @@ def test_save_and_load_hold_one_piece_never_the_shard(tmp_path, monkeypatch):
     monkeypatch.setattr(shard_io, "PIECE_BYTES", 2048)
     monkeypatch.setattr(shard_io, "BLOCK", 512)
     largest = {"write": 0, "read": 0}
-    real_write, real_read = shard_io._HashedWriter.write, shard_io._VerifiedFile.read
+    real_write, real_read = shard_io._HashedWriter.write, shard_io.VerifiedFile.read
 
     def write(self, data):
         largest["write"] = max(largest["write"], len(data))
@@ -141,7 +141,7 @@ def test_save_and_load_hold_one_piece_never_the_shard(tmp_path, monkeypatch):
         return real_read(self, lo, hi)
 
     monkeypatch.setattr(shard_io._HashedWriter, "write", write)
-    monkeypatch.setattr(shard_io._VerifiedFile, "read", read)
+    monkeypatch.setattr(shard_io.VerifiedFile, "read", read)
     before = _stores(1, "adagrad")
     _randomise(before)
     path, manifest = _save(before, tmp_path)

@@ -179,3 +179,17 @@ def test_random_bytes_over_a_running_ranks_rows_stop_it_naming_the_file_and_the_
     command = m.group(2).replace("train.steps=4000", f"train.steps={saved + 10}")
     done = subprocess.run(command, shell=True, env=_env(), capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
+
+
+def test_a_file_system_that_cannot_reserve_is_said_once(tmp_path, monkeypatch, capsys):
+    """Where fallocate is refused the files stay sparse and a full disk would stop the run at a
+    later write: the start says so, once, naming the store_dir."""
+    from trainer.sparse.embedding.store.tier import records
+    monkeypatch.setattr(records, "_reserve", lambda *a: False)
+    t = DiskTier(str(tmp_path), 3, 1 << 16)
+    try:
+        t.define(1_000, FIELDS, log_rows=100)
+    finally:
+        t.close()
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "does not reserve blocks" in err[0] and str(tmp_path) in err[0] and "rank 3" in err[0], err

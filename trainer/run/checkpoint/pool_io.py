@@ -40,7 +40,7 @@ from ...sparse.embedding.dynamic.shard import DynamicStore
 from ...sparse.embedding.dynamic.pool import POOL_COUNTERS
 from ...sparse.embedding.sharding import ID_BITS
 from .manifest import CheckpointDamaged, CheckpointError
-from .shard_io import PIECE_BYTES, VERSION_DTYPE, Field, _HashedWriter, _to_tensor, _VerifiedFile, fields, \
+from .shard_io import PIECE_BYTES, VERSION_DTYPE, Field, _HashedWriter, _to_tensor, VerifiedFile, fields, \
     saved_dtype, shard_dir, torch_name
 
 _POOL = ("slot_gid", "last_use", "uses")
@@ -115,7 +115,7 @@ def read_pool_shard(ckpt: str, manifest: dict[str, Any], store: DynamicStore, co
     name, info = names[s.rank], infos[s.rank]
     n = store.weight.shape[0]
     for fname, meta in info["fields"].items():
-        f = _VerifiedFile(os.path.join(ckpt, name, f"{fname}.bin"), meta, counter)
+        f = VerifiedFile(os.path.join(ckpt, name, f"{fname}.bin"), meta, counter)
         try:
             dtype, width = np.dtype(meta["dtype"]), meta["width"]
             rb = dtype.itemsize * width
@@ -142,7 +142,7 @@ def read_pool_shard(ckpt: str, manifest: dict[str, Any], store: DynamicStore, co
 def _columns(ckpt: str, name: str, info: dict[str, Any], names: tuple[str, ...], counter: dict[str, int]):
     """Pieces (lo, {field: [m, width] tensor}) of the named fields of a saved shard, PIECE_BYTES of
     the widest at a time, every block verified."""
-    files = {k: _VerifiedFile(os.path.join(ckpt, name, f"{k}.bin"), info["fields"][k], counter) for k in names}
+    files = {k: VerifiedFile(os.path.join(ckpt, name, f"{k}.bin"), info["fields"][k], counter) for k in names}
     try:
         metas = {k: info["fields"][k] for k in names}
         widths = {k: np.dtype(m["dtype"]).itemsize * m["width"] for k, m in metas.items()}
@@ -267,7 +267,7 @@ def _read_counts(ckpt: str, shards: list[tuple[str, dict[str, Any]]], store: Dyn
 
 
 def _read_all(path: str, meta: dict[str, Any], counter: dict[str, int]) -> torch.Tensor:
-    f = _VerifiedFile(path, meta, counter)
+    f = VerifiedFile(path, meta, counter)
     try:
         return torch.from_numpy(np.frombuffer(f.read(0, meta["bytes"]), dtype=np.dtype(meta["dtype"])).copy())
     finally:

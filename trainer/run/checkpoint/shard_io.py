@@ -219,7 +219,7 @@ def write_shard(directory: str, store: ShardStore,
 # Reading
 
 
-class _VerifiedFile:
+class VerifiedFile:
     """A field file of a saved shard, read by byte ranges whose blocks are checked against its
     block index (itself checked against the manifest) the first time they are read. counter: the
     load's context, shared by its files: "bytes_read" (added to), and optionally "interrupt", asked
@@ -290,7 +290,7 @@ def files_damage(ckpt: str, manifest: dict[str, Any]) -> str | None:
                     continue
                 path = os.path.join(ckpt, shard, f"{k}.bin")
                 try:
-                    f = _VerifiedFile(path, want, {"bytes_read": 0})
+                    f = VerifiedFile(path, want, {"bytes_read": 0})
                     try:
                         for lo in range(0, f.size, PIECE_BYTES):
                             f.read(lo, min(lo + PIECE_BYTES, f.size))
@@ -348,7 +348,7 @@ def _read_shards(ckpt: str, manifest: dict[str, Any], store: ShardStore, counter
         if set(info["fields"]) != set(want):
             raise CheckpointError(f"{os.path.join(ckpt, name)}: saved fields {sorted(info['fields'])} do not "
                                   f"match this run's {sorted(want)} (another sparse optimizer?)")
-        files = {k: _VerifiedFile(os.path.join(ckpt, name, f"{k}.bin"), v, counter) for k, v in info["fields"].items()}
+        files = {k: VerifiedFile(os.path.join(ckpt, name, f"{k}.bin"), v, counter) for k, v in info["fields"].items()}
         try:
             loaded += _read_one(files, info, table_rows, saved_world, r, m, c, store, want, sink)
         finally:
@@ -370,7 +370,7 @@ def _pieces(table_rows: list[int], saved_world: int, r: int, m: int, c: int,
         seg_start += n
 
 
-def _read_piece(files: dict[str, _VerifiedFile], info: dict[str, Any], first: int,
+def _read_piece(files: dict[str, VerifiedFile], info: dict[str, Any], first: int,
                 count: int) -> dict[str, torch.Tensor]:
     """Rows first..first+count-1 of every field file, verified, as tensors of their saved dtype."""
     out = {}
@@ -386,7 +386,7 @@ def _read_piece(files: dict[str, _VerifiedFile], info: dict[str, Any], first: in
 _read_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shard-read")
 
 
-def _read_one(files: dict[str, _VerifiedFile], info: dict[str, Any], table_rows: list[int], saved_world: int,
+def _read_one(files: dict[str, VerifiedFile], info: dict[str, Any], table_rows: list[int], saved_world: int,
               r: int, m: int, c: int, store: ShardStore, want: dict[str, torch.Tensor],
               sink: BucketedLoad | None = None) -> int:
     """The rows of shard r this rank takes. The next piece is read and verified in a thread (file

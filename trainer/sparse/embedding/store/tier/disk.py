@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import os
 import resource
+import sys
 import tempfile
 import threading
 import time
@@ -77,6 +78,7 @@ class DiskTier:
         """page_bytes: the pages this process may hold mapped; total_bytes: the whole RAM share of
         the store (those pages and its rows: what a checkpoint's pieces are sized by)."""
         self.scratch = ScratchDir(directory or tempfile.gettempdir(), rank)
+        self.rank = rank
         self.dir = self.scratch.path
         self.page_bytes = int(page_bytes)
         self.total_bytes = int(total_bytes or page_bytes)
@@ -122,6 +124,11 @@ class DiskTier:
             self.log_file = RecordFile(self.dir, "log.bin", log_records(log_rows, record), record)
             self.log_rows = log_rows
         self._io_buf = piece_buffer(record)
+        if not all(f.reserved for f in (self.file, self.log_file) if f is not None):
+            print(f"[trainer] embedding.store_dir {os.path.dirname(self.dir)}: its file system does not reserve "
+                  f"blocks (fallocate refused), so rank {self.rank}'s store files stay sparse: should that "
+                  "disk fill during the run, the next write of the store stops it (exit 2) and the steps since the "
+                  "last checkpoint are lost", file=sys.stderr)
 
     def alloc(self, name: str, shape: tuple[int, ...], dtype: torch.dtype, fill: float = 0.0) -> torch.Tensor:
         """The view of field `name` of the records (define) as a tensor of `shape`, every element

@@ -1,0 +1,88 @@
+"""A checkpoint's shards merged into one row-major file per table, in the order of the table's ids.
+
+Where a row is: rank r of the saving W owns ids r + qW of every table, and its shard's weight.bin
+holds the tables one after the other, each in the bit-reversed order of q
+(trainer/run/checkpoint/row_order.py). So table t's rows come from every shard's segment of it.
+
+Memory: the output is built in windows of ids [a, b) of at most `window_bytes` of rows; for each
+window every shard's segment is read in sequential pieces (each verified against the checkpoint's
+block hashes as it is read) and the rows whose ids fall in the window are kept. A table that fits
+the window (the default 1 GiB: 16M rows at d = 16) is one pass over its rows; a bigger one is one
+pass per window, so peak memory is one window plus one piece, whatever the model's size.
+"""
+from __future__ import annotations
+
+import os
+import warnings
+from typing import Any, Callable
+
+import numpy as np
+import torch
+
+from ..run.checkpoint.row_order import q_in_order
+from ..run.checkpoint.shard_io import PIECE_BYTES, VerifiedFile, saved_dtype, shard_dir
+from ..sparse.embedding.sharding import rows_on_rank
+
+WINDOW_BYTES = 1 << 30
+
+# numpy dtype a table file is written in, per tensor dtype (bfloat16: its raw 2 bytes)
+NUMPY = {torch.float32: np.dtype("<f4"), torch.float16: np.dtype("<f2"), torch.bfloat16: np.dtype("<u2")}
+
+
+def merge_table(ckpt: str, manifest: dict[str, Any], t: int, out_path: str, window_bytes: int = WINDOW_BYTES,
+                progress: Callable[[int], None] | None = None) -> dict[str, Any]:
+    """Table t of checkpoint ckpt into the .npy file out_path ([rows_t, d], row i = id i); returns
+    {"rows", "width", "dtype"}. progress(rows) is called after each window."""
+    world, table_rows = int(manifest["world_size"]), [int(n) for n in manifest["table_rows"]]
+    info0 = manifest["shards"][shard_dir(0, world)]["fields"]["weight"]
+    width, dtype = int(info0["width"]), saved_dtype(info0)
+    file_dtype = np.dtype(info0["dtype"])
+    rows = table_rows[t]
+    row_bytes = width * file_dtype.itemsize
+    out = np.lib.format.open_memmap(out_path, mode="w+", dtype=file_dtype, shape=(rows, width))
+    per_window = max(1, window_bytes // row_bytes)
+    per_piece = max(1, PIECE_BYTES // row_bytes)
+    counter = {"bytes_read": 0}
+    files = {}
+    try:
+        for r in range(world):
+            name = shard_dir(r, world)
+            files[r] = VerifiedFile(os.path.join(ckpt, name, "weight.bin"),
+                                    manifest["shards"][name]["fields"]["weight"], counter)
+        for a in range(0, rows, per_window):
+            b = min(rows, a + per_window)
+            window = np.zeros((b - a, width), file_dtype)
+            for r in range(world):
+                n = rows_on_rank(rows, r, world)
+                first = sum(rows_on_rank(table_rows[u], r, world) for u in range(t))  # the segment's first row
+                lo_q, hi_q = max(0, -(-(a - r) // world)), max(0, -(-(b - r) // world))
+                if lo_q >= min(hi_q, n):
+                    continue
+                for start in range(0, n, per_piece):
+                    count = min(per_piece, n - start)
+                    q = q_in_order(n, start, count)
+                    keep = (q >= lo_q) & (q < hi_q)
+                    if not keep.any():
+                        continue
+                    lo = (first + start) * row_bytes
+                    raw = np.frombuffer(files[r].read(lo, lo + count * row_bytes), file_dtype).reshape(count, width)
+                    window[r + q[keep] * world - a] = raw[keep]
+            out[a:b] = window
+            out.flush()
+            if progress is not None:
+                progress(b)
+    finally:
+        for f in files.values():
+            f.close()
+        del out
+    return {"rows": rows, "width": width, "dtype": str(dtype).removeprefix("torch.")}
+
+
+def load_table(path: str, dtype: str) -> torch.Tensor:
+    """A table file, memory-mapped (read-only: nothing is read until used), as a [rows, d] tensor
+    of its tensor dtype."""
+    array = np.load(path, mmap_mode="r")
+    with warnings.catch_warnings():  # torch warns that the mapping is read-only: nothing writes it
+        warnings.simplefilter("ignore", UserWarning)
+        t = torch.from_numpy(array)
+    return t.view(torch.bfloat16) if dtype == "bfloat16" else t
