@@ -29,7 +29,7 @@ from ..run.checkpoint.manifest import read_file
 from ..workload.models import build_model
 from .artifact import DENSE, ServingError, table_file, write_manifest, writing
 from .preprocess import export_preprocessing
-from .tables import WINDOW_BYTES, merge_table
+from .tables import ROWS_AS, WINDOW_BYTES, merge_table
 
 EXAMPLE_BATCH = 4  # the batch the program is traced with; its batch dimension is dynamic
 
@@ -64,9 +64,12 @@ def find_checkpoint(source: str, checkpoint: Optional[str] = None) -> str:
 
 
 def export(source: str, out: str, checkpoint: Optional[str] = None, window_bytes: int = WINDOW_BYTES,
-           say=print) -> dict[str, Any]:
+           rows_as: str = "saved", say=print) -> dict[str, Any]:
     """Export the run (or checkpoint) `source` into the new directory `out`; returns the manifest.
-    say(line): progress lines (stderr by the command line)."""
+    rows_as: the tables' rows as saved, fp16 or int8 (row-wise; tables.merge_table). say(line):
+    progress lines (stderr by the command line)."""
+    if rows_as not in ROWS_AS:
+        raise ServingError(f"--rows {rows_as}: one of {', '.join(ROWS_AS)}")
     ckpt = find_checkpoint(source, checkpoint)
     try:
         manifest = read_manifest(ckpt)
@@ -94,7 +97,7 @@ def export(source: str, out: str, checkpoint: Optional[str] = None, window_bytes
         for t, rows in enumerate(tables):
             try:
                 infos.append({"file": table_file(t), **merge_table(ckpt, manifest, t, os.path.join(tmp, table_file(t)),
-                                                                   window_bytes)})
+                                                                   window_bytes, rows_as)})
             except CheckpointError as exc:
                 raise ServingError(f"{exc} (nothing was exported)") from exc
             say(f"[export] table {t + 1}/{len(tables)}: {rows:,} rows ({time.monotonic() - t0:.0f} s)")

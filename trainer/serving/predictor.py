@@ -20,7 +20,7 @@ import kernels
 from ..step.precision import AUTOCAST_DTYPES
 from .artifact import ServingError, read_manifest
 from .preprocess import RawRows
-from .tables import load_table
+from .tables import TableRows
 
 
 class Predictor:
@@ -33,8 +33,8 @@ class Predictor:
         m = self.manifest["model"]
         self.num_dense, self.num_tables, self.dim = int(m["num_dense"]), int(m["num_tables"]), int(m["embedding_dim"])
         self.pooling, self.autocast = m["pooling"], AUTOCAST_DTYPES.get(m.get("precision", "fp32"))
-        self.tables = [load_table(os.path.join(directory, t["file"]), t["dtype"]) for t in self.manifest["tables"]]
-        self.rows = torch.tensor([t.shape[0] for t in self.tables], dtype=torch.int64)
+        self.tables = [TableRows(directory, t) for t in self.manifest["tables"]]
+        self.rows = torch.tensor([t.num_rows for t in self.tables], dtype=torch.int64)
         self.program = torch.export.load(os.path.join(directory, m["dense"])).module()
         self.raw = RawRows(directory, [int(t["rows"]) for t in self.manifest["tables"]]) \
             if self.manifest.get("preprocess") else None
@@ -53,31 +53,42 @@ class Predictor:
             if ids.shape != (b, t):
                 raise ServingError(f"ids of shape {tuple(ids.shape)}: the model takes [B, {t}] (one id per table) "
                                    "for B dense rows, or flat ids with lengths")
-            lengths = torch.ones(b, t, dtype=torch.int64)
+            self._check(ids, self.rows.expand(b, t), torch.arange(t).expand(b, t))
+            # one row per bag: its sum and its mean are the row itself (what pooled_gather gives, bit for bit)
+            pooled = torch.stack([self.tables[k].rows(ids[:, k]) for k in range(t)], 1)
+            return self._dense(dense, pooled)
         lengths = torch.as_tensor(lengths, dtype=torch.int64)
         if lengths.shape != (b, t) or int(lengths.sum()) != ids.numel():
             raise ServingError(f"lengths of shape {tuple(lengths.shape)} summing to {int(lengths.sum())} for "
                                f"{ids.numel()} ids: [B, {t}] bag sizes whose sum is the number of ids")
         ids = ids.reshape(-1)
         table = torch.arange(t).repeat(b).repeat_interleave(lengths.reshape(-1))  # each id's table
-        rows = self.rows.index_select(0, table)
-        bad = (ids < 0) | (ids >= rows)
-        if bool(bad.any()):
-            i = int(torch.nonzero(bad)[0])
-            raise ServingError(f"id {int(ids[i])} of table {int(table[i])} is outside its {int(rows[i]):,} rows "
-                               f"({int(bad.sum())} such ids in the batch)")
+        self._check(ids, self.rows.index_select(0, table), table)
         ws = torch.empty(ids.numel(), self.dim, dtype=torch.float32)
         for k in range(t):
             at = torch.nonzero(table == k).squeeze(1)
             if at.numel():
-                ws.index_copy_(0, at, self.tables[k].index_select(0, ids.index_select(0, at)).to(torch.float32))
+                ws.index_copy_(0, at, self.tables[k].rows(ids.index_select(0, at)))
         offsets = torch.zeros(b * t + 1, dtype=torch.int64)
         torch.cumsum(lengths.reshape(-1), 0, out=offsets[1:])
         pooled = kernels.pooled_gather(ws, torch.arange(ids.numel()), offsets, t, mode=self.pooling)
+        return self._dense(dense, pooled)
+
+    def _dense(self, dense: torch.Tensor, pooled: torch.Tensor) -> torch.Tensor:
+        """The dense program's logits, under the run's autocast where it had one."""
         if self.autocast is None:
             return self.program(dense, pooled).float()
         with torch.autocast("cpu", dtype=self.autocast):
             return self.program(dense, pooled).float()
+
+    @staticmethod
+    def _check(ids: torch.Tensor, rows: torch.Tensor, table: torch.Tensor) -> None:
+        """ServingError unless every id is inside its table's rows (rows, table: each id's)."""
+        bad = (ids < 0) | (ids >= rows)
+        if bool(bad.any()):
+            i = tuple(int(x) for x in torch.nonzero(bad)[0])
+            raise ServingError(f"id {int(ids[i])} of table {int(table[i])} is outside its {int(rows[i]):,} rows "
+                               f"({int(bad.sum())} such ids in the batch)")
 
     def score(self, dense, ids, lengths: Optional[torch.Tensor] = None) -> torch.Tensor:
         """[B] probabilities (the sigmoid of the logits)."""

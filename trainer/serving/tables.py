@@ -25,21 +25,29 @@ from ..sparse.embedding.sharding import rows_on_rank
 
 WINDOW_BYTES = 1 << 30
 
-# numpy dtype a table file is written in, per tensor dtype (bfloat16: its raw 2 bytes)
-NUMPY = {torch.float32: np.dtype("<f4"), torch.float16: np.dtype("<f2"), torch.bfloat16: np.dtype("<u2")}
+
+
+ROWS_AS = ("saved", "fp16", "int8")  # export --rows: as trained, half floats, or row-wise 8-bit codes
 
 
 def merge_table(ckpt: str, manifest: dict[str, Any], t: int, out_path: str, window_bytes: int = WINDOW_BYTES,
-                progress: Callable[[int], None] | None = None) -> dict[str, Any]:
+                rows_as: str = "saved", progress: Callable[[int], None] | None = None) -> dict[str, Any]:
     """Table t of checkpoint ckpt into the .npy file out_path ([rows_t, d], row i = id i); returns
-    {"rows", "width", "dtype"}. progress(rows) is called after each window."""
+    its manifest entry {"rows", "width", "dtype"[, "qparams"]}. rows_as: the rows as saved, as
+    float16 (round to nearest), or int8 (row-wise: codes 0..255 in out_path, uint8, and each
+    row's (scale, bias) float32 in out_path's `.qparams.npy` twin: value = code x scale + bias, as
+    inference systems store tables; quantize_rows). progress(rows) is called after each window."""
     world, table_rows = int(manifest["world_size"]), [int(n) for n in manifest["table_rows"]]
     info0 = manifest["shards"][shard_dir(0, world)]["fields"]["weight"]
     width, dtype = int(info0["width"]), saved_dtype(info0)
     file_dtype = np.dtype(info0["dtype"])
     rows = table_rows[t]
     row_bytes = width * file_dtype.itemsize
-    out = np.lib.format.open_memmap(out_path, mode="w+", dtype=file_dtype, shape=(rows, width))
+    out_dtype = {"saved": file_dtype, "fp16": np.dtype("<f2"), "int8": np.dtype("u1")}[rows_as]
+    out = np.lib.format.open_memmap(out_path, mode="w+", dtype=out_dtype, shape=(rows, width))
+    qpath = out_path[:-len(".npy")] + ".qparams.npy"
+    qparams = np.lib.format.open_memmap(qpath, mode="w+", dtype=np.float32, shape=(rows, 2)) \
+        if rows_as == "int8" else None
     per_window = max(1, window_bytes // row_bytes)
     per_piece = max(1, PIECE_BYTES // row_bytes)
     counter = {"bytes_read": 0}
@@ -67,15 +75,68 @@ def merge_table(ckpt: str, manifest: dict[str, Any], t: int, out_path: str, wind
                     lo = (first + start) * row_bytes
                     raw = np.frombuffer(files[r].read(lo, lo + count * row_bytes), file_dtype).reshape(count, width)
                     window[r + q[keep] * world - a] = raw[keep]
-            out[a:b] = window
+            if rows_as == "saved":
+                out[a:b] = window
+            else:
+                values = _as_tensor(window, dtype).float()
+                if rows_as == "fp16":
+                    out[a:b] = values.half().numpy()
+                else:
+                    codes, qp = quantize_rows(values)
+                    out[a:b], qparams[a:b] = codes.numpy(), qp.numpy()
+                    qparams.flush()
             out.flush()
             if progress is not None:
                 progress(b)
     finally:
         for f in files.values():
             f.close()
-        del out
-    return {"rows": rows, "width": width, "dtype": str(dtype).removeprefix("torch.")}
+        del out, qparams
+    saved = str(dtype).removeprefix("torch.")
+    entry = {"rows": rows, "width": width, "dtype": {"saved": saved, "fp16": "float16", "int8": "int8_rowwise"}[rows_as],
+             "trained_dtype": saved}
+    if rows_as == "int8":
+        entry["qparams"] = os.path.basename(qpath)
+    return entry
+
+
+def quantize_rows(values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Row-wise 8-bit codes of [n, d] float32 rows: (codes [n, d] uint8, [n, 2] (scale, bias)
+    float32), bias = the row's least value, scale = its range / 255 (a constant row: scale 0,
+    every code 0), code = round((value - bias) / scale): each value within scale / 2 of
+    code x scale + bias."""
+    lo, hi = values.min(1).values, values.max(1).values
+    scale = (hi - lo) / 255.0
+    safe = torch.where(scale > 0, scale, torch.ones_like(scale))
+    codes = torch.round((values - lo[:, None]) / safe[:, None]).clamp_(0, 255).to(torch.uint8)
+    return codes, torch.stack([scale, lo], 1)
+
+
+def _as_tensor(array: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
+    t = torch.from_numpy(np.ascontiguousarray(array))
+    return t.view(torch.bfloat16) if dtype == torch.bfloat16 else t
+
+
+class TableRows:
+    """One table of an artifact, memory-mapped: rows(ids) -> [n, d] float32 (dequantized for
+    int8 rows: code x scale + bias)."""
+
+    def __init__(self, directory: str, entry: dict[str, Any]) -> None:
+        self.table = load_table(os.path.join(directory, entry["file"]), entry["dtype"])
+        q = entry.get("qparams")
+        self.qparams = None if q is None else load_table(os.path.join(directory, os.path.dirname(entry["file"]), q),
+                                                         "float32")
+
+    @property
+    def num_rows(self) -> int:
+        return int(self.table.shape[0])
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        got = self.table.index_select(0, ids)
+        if self.qparams is None:
+            return got.to(torch.float32)
+        qp = self.qparams.index_select(0, ids)
+        return got.to(torch.float32) * qp[:, :1] + qp[:, 1:]
 
 
 def load_table(path: str, dtype: str) -> torch.Tensor:
