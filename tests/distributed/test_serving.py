@@ -259,3 +259,43 @@ def test_bench_predict_a_line_per_point(capsys):
     assert bench_predict.main(["--repeat", "0"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error: --repeat 0")
+
+
+def test_the_dense_model_for_other_runtimes(tmp_path, capsys):
+    """--aoti (a C++ compiler: Debian's here) and --onnx (where onnx and onnxscript are installed;
+    run through onnxruntime where that is): the same logits as the torch.export program; without
+    what they need, one line, exit 2, before anything is written."""
+    import importlib.util
+    import shutil
+    out = str(tmp_path / "run")
+    run(make_cfg([*BASE, "model=dcn", f"hydra.run.dir={out}"]), out_dir=out)
+    capsys.readouterr()
+    onnx_here = all(importlib.util.find_spec(m) is not None for m in ("onnx", "onnxscript"))
+    if not shutil.which("c++") and not shutil.which("g++"):
+        pytest.skip("no C++ compiler on PATH: AOTInductor cannot compile here")
+    art = str(tmp_path / "art")
+    assert export_main([out, "--out", art, "--aoti", *(["--onnx"] if onnx_here else [])]) == 0, capsys.readouterr().err
+    p = Predictor(art)
+    g = torch.Generator().manual_seed(1)
+    dense, pooled = torch.randn(11, p.num_dense, generator=g), torch.randn(11, p.num_tables, p.dim, generator=g)
+    want = p.program(dense, pooled)
+    package = torch._inductor.aoti_load_package(os.path.join(art, p.manifest["model"]["aoti"]))
+    with torch.no_grad():
+        assert (package(dense, pooled) - want).abs().max() <= 1e-5
+    if not onnx_here:
+        import trainer.serving.export as ex
+        real = importlib.util.find_spec
+        try:
+            ex.importlib.util.find_spec = lambda name, *a: None if name in ("onnx", "onnxscript") else real(name, *a)
+            assert export_main([out, "--out", str(tmp_path / "b"), "--onnx"]) == 2
+        finally:
+            ex.importlib.util.find_spec = real
+        assert "needs the onnx and onnxscript" in capsys.readouterr().err and not os.path.exists(tmp_path / "b")
+        pytest.skip("onnx and onnxscript are not installed: --onnx is refused in one line (checked); its export not run")
+    import onnx
+    onnx.checker.check_model(onnx.load(os.path.join(art, p.manifest["model"]["onnx"])))
+    if importlib.util.find_spec("onnxruntime") is not None:
+        import onnxruntime
+        s = onnxruntime.InferenceSession(os.path.join(art, p.manifest["model"]["onnx"]))
+        got = s.run(None, {"dense": dense.numpy(), "sparse": pooled.numpy()})[0]
+        assert np.abs(got - want.detach().numpy()).max() <= 1e-5

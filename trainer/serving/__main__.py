@@ -29,12 +29,15 @@ def export_main(argv: Optional[list[str]] = None) -> int:
                     help="rows of a table held in memory at a time while merging the shards (MB)")
     ap.add_argument("--rows", default="saved", choices=["saved", "fp16", "int8"],
                     help="the tables' rows: as trained (default), float16, or int8 codes with a scale and bias per row")
+    ap.add_argument("--onnx", action="store_true", help="also the dense model as ONNX (dense.onnx; needs onnx, onnxscript)")
+    ap.add_argument("--aoti", action="store_true",
+                    help="also the dense model as an AOTInductor package (dense.aoti.pt2; needs a C++ compiler)")
     a = ap.parse_args(argv)
     from .export import export, say_stderr
     try:
         if a.window_mb < 1:
             raise ServingError(f"--window-mb {a.window_mb}: must be >= 1")
-        export(a.run, a.out, a.checkpoint, a.window_mb << 20, a.rows, say=say_stderr)
+        export(a.run, a.out, a.checkpoint, a.window_mb << 20, a.rows, a.onnx, a.aoti, say=say_stderr)
     except ERRORS as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -15,8 +15,11 @@ Not yet (refused in one line): dynamic tables (their rows are found through an i
 """
 from __future__ import annotations
 
+import contextlib
+import importlib.util
 import json
 import os
+import shutil
 import sys
 import time
 from typing import Any, Optional
@@ -31,6 +34,7 @@ from .artifact import DENSE, ServingError, table_file, write_manifest, writing
 from .preprocess import export_preprocessing
 from .tables import ROWS_AS, WINDOW_BYTES, merge_table
 
+ONNX, AOTI = "dense.onnx", "dense.aoti.pt2"
 EXAMPLE_BATCH = 4  # the batch the program is traced with; its batch dimension is dynamic
 
 
@@ -64,12 +68,14 @@ def find_checkpoint(source: str, checkpoint: Optional[str] = None) -> str:
 
 
 def export(source: str, out: str, checkpoint: Optional[str] = None, window_bytes: int = WINDOW_BYTES,
-           rows_as: str = "saved", say=print) -> dict[str, Any]:
+           rows_as: str = "saved", onnx: bool = False, aoti: bool = False, say=print) -> dict[str, Any]:
     """Export the run (or checkpoint) `source` into the new directory `out`; returns the manifest.
-    rows_as: the tables' rows as saved, fp16 or int8 (row-wise; tables.merge_table). say(line):
+    rows_as: the tables' rows as saved, fp16 or int8 (row-wise; tables.merge_table). onnx / aoti:
+    the dense model also as ONNX (dense.onnx) / an AOTInductor package (dense.aoti.pt2). say(line):
     progress lines (stderr by the command line)."""
     if rows_as not in ROWS_AS:
         raise ServingError(f"--rows {rows_as}: one of {', '.join(ROWS_AS)}")
+    _can_write_runtimes(onnx, aoti)
     ckpt = find_checkpoint(source, checkpoint)
     try:
         manifest = read_manifest(ckpt)
@@ -93,6 +99,7 @@ def export(source: str, out: str, checkpoint: Optional[str] = None, window_bytes
     with writing(out) as tmp:
         program = _export_dense(model, c.data.num_dense, len(tables), c.model.embedding_dim)
         torch.export.save(program, os.path.join(tmp, DENSE))
+        runtimes = _other_runtimes(program, tmp, onnx, aoti, say)
         infos = []
         for t, rows in enumerate(tables):
             try:
@@ -104,7 +111,7 @@ def export(source: str, out: str, checkpoint: Optional[str] = None, window_bytes
         prep = export_preprocessing(c, tmp)
         body = {"model": {"name": c.model.name, "num_dense": c.data.num_dense, "num_tables": len(tables),
                           "embedding_dim": c.model.embedding_dim, "pooling": c.model.pooling,
-                          "precision": c.train.precision, "dense": DENSE},
+                          "precision": c.train.precision, "dense": DENSE, **runtimes},
                 "tables": infos,
                 "ids": ("the trainer's ids: a batch's ids after its data's preprocessing "
                         f"(data.name={c.data.name}), one id per row of each table's file"),
@@ -123,6 +130,36 @@ def _export_dense(model: torch.nn.Module, num_dense: int, num_tables: int, dim: 
     example = (torch.zeros(EXAMPLE_BATCH, num_dense), torch.zeros(EXAMPLE_BATCH, num_tables, dim))
     with torch.no_grad():
         return torch.export.export(model, example, dynamic_shapes=({0: batch}, {0: batch}))
+
+
+def _can_write_runtimes(onnx: bool, aoti: bool) -> None:
+    """ServingError, before anything is read or written, when --onnx or --aoti cannot be done here."""
+    missing = [m for m in ("onnx", "onnxscript") if importlib.util.find_spec(m) is None]
+    if onnx and missing:
+        raise ServingError(f"--onnx needs the {' and '.join(missing)} package(s) (pip install onnx onnxscript); "
+                           "nothing was exported")
+    if aoti and not any(shutil.which(cc) for cc in ("c++", "g++", "clang++")):
+        raise ServingError("--aoti compiles the dense model with a C++ compiler, and none is on PATH (c++, g++, "
+                           "clang++); nothing was exported")
+
+
+def _other_runtimes(program: Any, tmp: str, onnx: bool, aoti: bool, say) -> dict[str, str]:
+    """The dense program also as ONNX and as an AOTInductor package, where asked: their files."""
+    files = {}
+    shapes = ({0: torch.export.Dim("batch", min=1)}, {0: torch.export.Dim("batch", min=1)})
+    if onnx:
+        t0 = time.monotonic()
+        example = tuple(torch.zeros(x.shape) for x in program.example_inputs[0])
+        with contextlib.redirect_stdout(sys.stderr):  # the exporter's progress lines
+            torch.onnx.export(program, example, os.path.join(tmp, ONNX), dynamo=True, dynamic_shapes=shapes)
+        files["onnx"] = ONNX
+        say(f"[export] the dense model as ONNX: {ONNX} ({time.monotonic() - t0:.0f} s)")
+    if aoti:
+        t0 = time.monotonic()
+        torch._inductor.aoti_compile_and_package(program, package_path=os.path.join(tmp, AOTI))
+        files["aoti"] = AOTI
+        say(f"[export] the dense model as an AOTInductor package: {AOTI} ({time.monotonic() - t0:.0f} s)")
+    return files
 
 
 def _say_evaluated(source: str, step: int, say) -> None:
