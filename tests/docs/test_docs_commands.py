@@ -101,9 +101,12 @@ def _key_value(arg: str) -> tuple[str, str]:
 
 
 def _lower(old: str, new: str) -> bool:
-    """new is the same kind of value as old, and no larger (lists: a subset)."""
+    """new is the same kind of value as old, and no larger (lists: a subset; a flag's values
+    separated by spaces are a list too)."""
     if "," in old or "," in new:
         return set(new.split(",")) <= set(old.split(","))
+    if " " in old.strip() or " " in new.strip():
+        return set(new.split()) <= set(old.split())
     try:
         return float(new) <= float(old)
     except ValueError:

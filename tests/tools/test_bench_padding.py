@@ -18,9 +18,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 
 @pytest.mark.dist
-def test_both_workloads_every_policy_on_the_wire():
-    """The README's command, shrunk as tests/docs_registry.py says (22 steps of 64 samples per rank,
-    tables of at most 3,000 rows): one line per workload x policy x mode, every final loss equal to
+def test_every_policy_on_the_wire():
+    """The README's command, shrunk as tests/docs_registry.py says (the bench workload only: the
+    MLPerf shape runs the same code at d = 128; 22 steps of 64 samples per rank, tables of at most
+    3,000 rows): one line per policy x mode, every final loss equal to
     off's, the bound's blocks the widest wire and the measured ones between (Herald: the same wire
     in every mode)."""
     cmd = documented("python -m benchmarks.bench_padding --workloads bench mlperf")
@@ -28,7 +29,7 @@ def test_both_workloads_every_policy_on_the_wire():
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = [json.loads(x) for x in proc.stdout.splitlines()]
     assert [(x["workload"], x["policy"], x["mode"]) for x in lines] == [
-        (w, p, m) for w in ("bench", "mlperf") for p in ("plain", "fae", "sca", "het", "herald")
+        (w, p, m) for w in ("bench",) for p in ("plain", "fae", "sca", "het", "herald")
         for m in ("off", "bound", "measured")]
     for i in range(0, len(lines), 3):
         off, bound, measured = lines[i:i + 3]
@@ -43,7 +44,7 @@ def test_both_workloads_every_policy_on_the_wire():
             continue
         assert bound["embedding_to_off"] > measured["embedding_to_off"] >= 1.0
         if measured["overflow_steps"] == 0 and measured["policy"] == "plain":  # W blocks of C rows, fp32
-            c, d = measured["unique_capacity"], 16 if measured["workload"] == "bench" else 128
+            c, d = measured["unique_capacity"], 16
             assert measured["bytes_per_step"]["rows"] == 2 * c * d * 4
             assert measured["bytes_per_step"]["ids"] == 2 * (c + 1) * 4  # int32 ids, one slot more: the excess
     assert any(x["hot_rows"] > 0 for x in lines if x["policy"] == "fae")

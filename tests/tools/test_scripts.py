@@ -54,7 +54,7 @@ REAL_RUNS = {
     "benchmarks/bench_data.py": "",
     "benchmarks/bench_kernels.py": "tools/test_bench_kernels.py::test_bench_kernels_quick_cpu",
     "benchmarks/bench_net.py": "tools/test_bench_net.py::test_repeat_interleaves_rounds_and_phases_time_every_rank_step_by_step",
-    "benchmarks/bench_padding.py": "tools/test_bench_padding.py::test_both_workloads_every_policy_on_the_wire",
+    "benchmarks/bench_padding.py": "tools/test_bench_padding.py::test_every_policy_on_the_wire",
     "benchmarks/bench_placement.py": "",
     "benchmarks/disk_probe.py": "",
     "benchmarks/bench_store.py": "",
