@@ -46,7 +46,7 @@ def failure_hint(c: Config, comm: Collectives, at: Optional[Position], out_dir: 
         else "outside the training loop"
     head = (f"rank {comm.rank}/{comm.size} stopped {where}: a worker died or stalled (comm.timeout_s="
             f"{c.comm.timeout_s:g}).")
-    return f"{head} {continue_hint(c, comm, at, out_dir, sep=chr(10) + '    ')}"
+    return f"{head} {continue_hint(c, comm, at, out_dir, sep=COMMAND_LINE)}"
 
 
 def continue_hint(c: Config, comm: Collectives, at: Optional[Position], out_dir: Optional[str],
@@ -75,6 +75,7 @@ def continue_hint(c: Config, comm: Collectives, at: Optional[Position], out_dir:
     return f"{what}{sep}{command}"
 
 
+COMMAND_LINE = "\n    "  # the command on its own indented line, after a lost worker (copied from a log)
 RELAUNCH_KEYS = ("checkpoint.resume", "checkpoint.dir", "hydra.run.dir")  # replaced in the command
 
 

@@ -113,7 +113,10 @@ def quantize_rows(values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _as_tensor(array: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
-    t = torch.from_numpy(np.ascontiguousarray(array))
+    """A table file's rows (numpy) as a tensor of their tensor dtype (bfloat16: viewed from its raw 2 bytes)."""
+    with warnings.catch_warnings():  # torch warns of a read-only array (a mapping): nothing writes it
+        warnings.simplefilter("ignore", UserWarning)
+        t = torch.from_numpy(array)
     return t.view(torch.bfloat16) if dtype == torch.bfloat16 else t
 
 
@@ -142,8 +145,4 @@ class TableRows:
 def load_table(path: str, dtype: str) -> torch.Tensor:
     """A table file, memory-mapped (read-only: nothing is read until used), as a [rows, d] tensor
     of its tensor dtype."""
-    array = np.load(path, mmap_mode="r")
-    with warnings.catch_warnings():  # torch warns that the mapping is read-only: nothing writes it
-        warnings.simplefilter("ignore", UserWarning)
-        t = torch.from_numpy(array)
-    return t.view(torch.bfloat16) if dtype == "bfloat16" else t
+    return _as_tensor(np.load(path, mmap_mode="r"), torch.bfloat16 if dtype == "bfloat16" else torch.float32)

@@ -279,8 +279,7 @@ class DiskTier:
 
     def reseal_rows(self, rows: torch.Tensor) -> None:
         """The file's records `rows` given their sums, through the mapping (rows just changed there)."""
-        records = self.file.tensor
-        self.seal.carried(records).index_copy_(0, rows, self.seal.sums(records.index_select(0, rows)))
+        self.seal.stamp_rows(self.file.tensor, rows)
 
     # ---- for the write-back log (writelog.py) ------------------------------------------------
     def beside(self, fn: Callable[..., Any], *args: Any) -> Future:
@@ -328,7 +327,7 @@ class DiskTier:
             self.mapped_bytes += cold.size * CHUNK
             self.stats.chunks_read += cold.size
         part = -(-rows.size // self.threads)
-        futures = [self._pool.submit(self._touch, f.tensor, torch.from_numpy(rows[lo:lo + part]))
+        futures = [self._pool.submit(self._touch, f, torch.from_numpy(rows[lo:lo + part]))
                    for lo in range(0, rows.size, part)]
         self._pending.extend(futures)
         return futures
@@ -374,13 +373,13 @@ class DiskTier:
             fut.result()
         self.stats.wait_s += time.perf_counter() - t0
 
-    def _touch(self, records: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-        """Read `records[rows]` (a thread of the pool), timing the read; the copy."""
+    def _touch(self, f: RecordFile, rows: torch.Tensor) -> torch.Tensor:
+        """Read file f's records `rows` through its mapping (a thread of the pool), timing the
+        read; the copy, its checksums checked."""
         t0 = time.perf_counter()
-        got = records.index_select(0, rows)
+        got = f.tensor.index_select(0, rows)
         self._latency(time.perf_counter() - t0)
-        path = self.file.path if records.data_ptr() == self.file.tensor.data_ptr() else self.log_file.path
-        self.seal.check(got, lambda i: (path, int(rows[i])))
+        self.seal.check(got, lambda i: (f.path, int(rows[i])))
         return got
 
     def _latency(self, took: float) -> None:
