@@ -2,12 +2,15 @@
 One JSON line per point (workload x policy x mode).
 
     python -m benchmarks.bench_padding [--workloads bench mlperf] [--policies plain fae sca het herald]
-        [--steps 60] [--skip 20] [--world 2] [--batch B] [--rows R] [-- extra trainer overrides]
+        [--modes off bound measured] [--steps 60] [--skip 20] [--world 2] [--batch B] [--rows R]
+        [-- extra trainer overrides]
 
 Modes: `off` (the exact-size sparse half: the batch's unique ids on the wire), `bound` (cuda_graph=on
 with train.unique_capacity=0: blocks no batch can overflow) and `measured` (cuda_graph=on with the
 default train.unique_capacity=-1: the bound for the first 16 steps, then what they needed + 10%, an
-overflowing step trained again in exact sizes). Each run is W ranks under torchrun on this machine
+overflowing step trained again in exact sizes; the HET cache's reply and push blocks follow every 16
+steps: its traffic settles only once the cache is full, so measure it past that, e.g. --steps 200 --skip
+100). `off` always runs, first: the ratios' base. Each run is W ranks under torchrun on this machine
 (one torch thread each); the bytes are the collectives' exact counters, rank 0's, per step over the
 steady window (the steps after `--skip`, 20 by default: past the measuring), by kind (ids, rows,
 grads, replica, versions, dense) and in all; each line gives its ratio to `off`'s, the
@@ -69,7 +72,7 @@ def point(a: argparse.Namespace, workload: str, policy: str, mode: str, extra: l
             "bytes_per_step_all": round(sum(per.values()), 1),
             "unique_capacity": graph.get("unique_capacity"), "unique_bound": graph.get("unique_bound"),
             "most_slots_used": graph.get("most_slots_used"), "overflow_steps": graph.get("overflow_steps"),
-            "exact_size_lookups": graph.get("exact_size_lookups"),
+            "exact_size_lookups": graph.get("exact_size_lookups"), "het_blocks": graph.get("het_blocks"),
             "hot_rows": (s.get("placement") or {}).get("hot_rows", 0),
             "remote_per_step": s["embedding"]["remote_per_step"], "final_loss": s["final_loss"],
             "samples_per_sec": round(s["samples_per_sec"], 1)}
@@ -82,6 +85,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m benchmarks.bench_padding", description=__doc__.splitlines()[0])
     ap.add_argument("--workloads", nargs="+", default=["bench"], choices=sorted(WORKLOADS))
     ap.add_argument("--policies", nargs="+", default=list(POLICIES), choices=list(POLICIES))
+    ap.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES),
+                    help="which modes (off always runs, first: the ratios' base)")
     ap.add_argument("--steps", type=int, default=60)
     ap.add_argument("--skip", type=int, default=20, help="the steady window starts after this step")
     ap.add_argument("--world", type=int, default=2)
@@ -95,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
     for w in a.workloads:
         for p in a.policies:
             base = None
-            for m in MODES:
+            for m in modes(a):
                 print(f"[bench_padding] {w} {p} {m} ...", file=sys.stderr, flush=True)
                 got = point(a, w, p, m, extra)
                 if base is None:
@@ -119,8 +124,13 @@ def check(a: argparse.Namespace, extra: list[str]) -> None:
             raise ValueError(f"--{name} {getattr(a, name)}: must be > 0")
     for w in a.workloads:
         for p in a.policies:
-            for m in MODES:
+            for m in modes(a):
                 check_trainer(a.world, run_overrides(w, p, m, a.steps, a.skip, extra, a.batch, a.rows), "torchrun")
+
+
+def modes(a: argparse.Namespace) -> list[str]:
+    """The modes to run, in MODES' order, off first."""
+    return [m for m in MODES if m == "off" or m in a.modes]
 
 
 def _embedding_ratio(got: dict, base: dict) -> float | None:

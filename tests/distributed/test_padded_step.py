@@ -305,6 +305,34 @@ def test_het_cache_in_fixed_shapes_equals_the_eager_step(case):
         assert cache["staleness"]["max"] > 0
 
 
+# the HET cache's reply and push blocks follow the traffic (fixed/het.py): a request block that
+# always fits (set at the bound), a margin below 1 so that some windows' blocks are too small for
+# later steps' rows or pushes: those steps change nothing, are trained again exactly, and the blocks grow
+FOLLOW = {
+    "w2-lru-ssp-adagrad": (2, ["cache=lru", "consistency=ssp", "optim=adagrad"]),
+    "w3-tiny-cache-audit": (3, ["cache=lru", "cache.capacity_rows=6", "consistency.pull_bound=2",
+                                "consistency.push_bound=3", "optim=sgd", "embedding.audit=true"]),
+}
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("case", sorted(FOLLOW))
+def test_het_reply_and_push_blocks_follow_the_traffic_and_an_overflow_is_trained_again(case):
+    world, extra = FOLLOW[case]
+    run = BASE + extra + ["train.steps=40", "train.unique_capacity=100000", "train.capacity_margin=0.75"]
+    off, on = off_and_on(world, run, ("cache", "embedding"))
+    for a, b in zip(off, on):
+        if "audit" in case:
+            for key in ("reads", "updates"):
+                assert torch.equal(b.state["audit"][key], a.state["audit"][key]), key
+    graph = on[0].summary["cuda_graph"]
+    blocks = graph["het_blocks"]
+    assert graph["capacity_rule"] == "set" and graph["unique_capacity"] == graph["unique_bound"]
+    assert blocks["pull_slots"] < blocks["pull_bound"] and blocks["push_slots"] < blocks["push_bound"], blocks
+    assert 0 < graph["overflow_steps"] < 40, graph
+    assert on[0].summary["cache"]["pushed_updates"] > 0 and on[0].summary["cache"]["hits"] > 0
+
+
 # replicated rows (placement=fae / sca) in fixed shapes: hot steps among the cold ones
 PLACED = ["data=tiny", "data.max_bag=1", "train.steps=24", "data.global_batch_size=48", "data.test_samples=480",
           "data.eval_batch_size=40", "train.threads=1", "train.progress=off", "placement.window_batches=8"]

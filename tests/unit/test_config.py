@@ -55,6 +55,7 @@ BAD = [
     ("data.cycle_batches=-2", "data.cycle_batches"),
     ("train.cuda_graph=sometimes", "train.cuda_graph"),
     ("train.unique_capacity=-2", "train.unique_capacity"),
+    ("train.capacity_margin=0", "train.capacity_margin"),
     ("embedding.lfu_half_life=-1", "embedding.lfu_half_life"),
     ("embedding.ttl_steps=-1", "embedding.ttl_steps"),
     ("+data.test_fraction=0", "data.test_fraction"),

@@ -56,7 +56,7 @@ class PaddedStep(CapacityCheck, DenseStep):
         DenseStep.__init__(self, emb, model, params, opt, precision, global_batch, device)
         self.comm = comm
         self.sparse = FixedShapes(emb, c.data.min_bag, c.data.max_bag, global_batch // comm.size,
-                                  c.train.unique_capacity)
+                                  c.train.unique_capacity, c.train.capacity_margin)
 
     def excess(self, ctx: StepContext) -> torch.Tensor:
         return ctx.inputs
@@ -72,7 +72,7 @@ class PaddedStep(CapacityCheck, DenseStep):
 
     def discard(self, ctx: StepContext) -> None:
         """Nothing changed before the update: the step's workspace is simply dropped."""
-        self.sparse.discard(ctx.flight)
+        self.sparse.discard(ctx.flight, ctx.again)
         ctx.inputs = None
 
     def summary(self) -> dict[str, Any]:

@@ -91,7 +91,7 @@ class CapacityCheck(StepStrategy):
 
     @property
     def overflows_now(self) -> bool:
-        return self.capacity < self.bound
+        return self.sparse.can_overflow
 
     def carry(self, ctx: StepContext, carry: torch.Tensor) -> torch.Tensor:
         """The unique ids past the capacity ride the loss's read."""
@@ -104,7 +104,8 @@ class CapacityCheck(StepStrategy):
         """A capacity below the bound, now or once measured: a batch may need more slots
         (TrainPipeline then trains the step again in exact sizes; this step's updates were
         masked off on the device)."""
-        return self.capacity < self.bound or self.sparse.measuring
+        follows = self.sparse.het is not None and self.sparse.rule != "bound"  # the HET blocks (fixed/het.py)
+        return self.sparse.can_overflow or self.sparse.measuring or follows
 
     def check(self, ctx: StepContext, values: list[float]) -> None:
         """A batch past train.unique_capacity on any rank (values[0]: the ids past it, summed over
@@ -126,7 +127,7 @@ class WholeStep(CapacityCheck):
         self.model, self.params, self.autocast = model, params, autocast
         self.global_batch = global_batch
         self.sparse = FixedShapes(emb, c.data.min_bag, c.data.max_bag, global_batch // comm.size,
-                                  c.train.unique_capacity)
+                                  c.train.unique_capacity, c.train.capacity_margin)
         self.skip = c.train.nonfinite == "skip"
         self.capture = device.type == "cuda"
         # the rate read on the device (Triton's update kernel): one graph for every rate

@@ -192,6 +192,7 @@ def _validate_train(c: Config) -> None:
     _check(t.max_skips > 0, "train.max_skips", t.max_skips, "must be > 0")
     _check(t.unique_capacity >= -1, "train.unique_capacity", t.unique_capacity,
            "must be >= 0 (0 = the bound), or -1 (measured)")
+    _check(t.capacity_margin > 0, "train.capacity_margin", t.capacity_margin, "must be > 0")
     _one_of("train.on_signal", t.on_signal, ON_SIGNAL)
 
 

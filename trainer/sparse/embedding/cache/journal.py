@@ -30,6 +30,11 @@ class CacheJournal:
         self._saved = []
         self._saved_free = self.free.clone()
 
+    @property
+    def open(self) -> bool:
+        """Whether changes are being saved (begin() .. commit() or rollback())."""
+        return self._saved is not None
+
     def commit(self) -> None:
         """Keep the changes made since begin() (drop what was saved)."""
         self._saved, self._saved_free = None, None

@@ -169,6 +169,14 @@ class MaskedCache:
         c._free -= took
         return out, victim
 
+    def due_after_record(self, slots: torch.Tensor, cached: torch.Tensor, push_bound: torch.Tensor) -> torch.Tensor:
+        """[n] bool: the cached entries whose updates record_and_take_due will push (known before
+        the gradients are; changes nothing)."""
+        at = self._at(slots, cached)
+        count = self.cache.full["count"].index_select(0, at) + 1
+        bound = push_bound.to(slots.device).index_select(0, self.slot_table.index_select(0, at))
+        return cached & (count > bound)
+
     # ---- writes --------------------------------------------------------------------------
     def record_and_take_due(self, slots: torch.Tensor, cached: torch.Tensor, grads: torch.Tensor,
                             push_bound: torch.Tensor
@@ -178,6 +186,7 @@ class MaskedCache:
         updates taken)."""
         c = self.cache
         at = self._at(slots, cached)
+        c.journal.save(at)  # a push block that overflows undoes the step (FixedHet: the journal is open)
         f = c.full
         if c.rows.device.type == "cpu":  # as RowCache._update_copies
             f["rows"].index_copy_(0, at, f["rows"].index_select(0, at).add_(grads, alpha=-c.local_lr))

@@ -73,8 +73,9 @@ from .padded import (BagPadding, PaddedPlan, PaddedRequest, owner_sums, padded_p
 __all__ = ["FixedRead", "FixedShapes", "MARGIN", "MEASURE_STEPS", "without_fixed_shapes"]
 
 # train.unique_capacity < 0: the capacity is the bound for the first MEASURE_STEPS steps, then the
-# most slots they needed on any rank times MARGIN (a later step that needs more is trained again
-# in exact sizes: the margin trades wire for how often that happens)
+# most slots they needed on any rank times train.capacity_margin (a later step that needs more is
+# trained again in exact sizes: the margin trades wire for how often that happens); the HET cache's
+# reply and push blocks follow every window of MEASURE_STEPS steps (fixed/het.py)
 MEASURE_STEPS = 16
 MARGIN = 1.1
 
@@ -116,8 +117,10 @@ class FixedShapes:
     owner (per table the fewer of local batch x max bag and the rows one owner holds: `bound`,
     never exceeded; train.unique_capacity: a smaller one)."""
 
-    def __init__(self, emb: HybridEmbedding, min_bag: int, max_bag: int, local_batch: int, chosen: int = 0) -> None:
-        """chosen: train.unique_capacity (0: the bound; < 0: measured, see begin_step)."""
+    def __init__(self, emb: HybridEmbedding, min_bag: int, max_bag: int, local_batch: int, chosen: int = 0,
+                 margin: float = MARGIN) -> None:
+        """chosen: train.unique_capacity (0: the bound; < 0: measured, see begin_step); margin:
+        train.capacity_margin."""
         self.emb, self.comm, self.sharding, self.store = emb, emb.comm, emb.sharding, emb.store
         self.padding = BagPadding(self.sharding, min_bag, max_bag)
         w, rows = self.comm.size, self.sharding.table_rows
@@ -127,8 +130,10 @@ class FixedShapes:
         self.exact_lookups = 0  # Herald's steps whose request did not fit its blocks (lookup)
         self.bound = unique_capacity(local_batch, max_bag, rows, world=w)
         self.rule = "measured" if chosen < 0 else ("set" if chosen > 0 else "bound")
-        self.measuring = chosen < 0  # at the bound for MEASURE_STEPS steps, then what they needed + MARGIN
+        self.measuring = chosen < 0  # at the bound for MEASURE_STEPS steps, then what they needed x the margin
+        self.margin = margin
         self.steps = 0  # training lookups made (the measuring window's)
+        self.regrow = False  # a step overflowed: the HET blocks follow what it needed at the next step
         self.peak: Optional[torch.Tensor] = None  # the most slots a step has needed (on the device)
         self.resize(unique_capacity(local_batch, max_bag, rows, max(chosen, 0), world=w))
         if het:  # the HET cache's protocol in the request's blocks (fixed/het.py); None: the plain wire
@@ -157,47 +162,71 @@ class FixedShapes:
         if self.het is not None:
             self.het.resize(c)
 
+    @property
+    def can_overflow(self) -> bool:
+        """A block below its bound now: a step may not fit (its excess rides the loss's read)."""
+        het = self.het is not None and (self.het.pull_flagged or self.het.push_flagged)
+        return self.flagged or het
+
+    def _size(self, most: int, bound: int) -> int:
+        return min(bound, max(1, math.ceil(most * self.margin)))
+
     # ---- the capacity's statistics ----------------------------------------------------------
     def begin_step(self) -> bool:
         """Before a training step's lookup: with a measured capacity (train.unique_capacity < 0),
         once MEASURE_STEPS steps have run at the bound, the capacity becomes the most slots they
-        needed on any rank plus MARGIN (collective at W > 1: every rank at the same step). Returns
+        needed on any rank times the margin (collective at W > 1: every rank at the same step).
+        The HET cache's reply and push blocks (below the bound: measured or set capacities) follow
+        every window of MEASURE_STEPS steps, and the step after one that overflowed. Returns
         whether the capacity changed."""
         self.steps += 1
-        if not (self.measuring and self.steps > MEASURE_STEPS):
+        window = self.steps > MEASURE_STEPS and self.steps % MEASURE_STEPS == 1
+        follow = self.het is not None and self.rule != "bound" and (window or self.regrow)
+        if not (self.measuring and self.steps > MEASURE_STEPS) and not follow:
             return False
-        self.measuring = False
-        self.resize(min(self.bound, max(1, math.ceil(self.most_used() * MARGIN))))
-        return True
+        most, _, pulled, pushed = self._over_ranks()
+        changed = self.measuring
+        if self.measuring:
+            self.measuring = False
+            self.resize(self._size(most, self.bound))
+        if follow:
+            het = self.het
+            pull, push = self._size(pulled, het.pull_bound), self._size(pushed, het.push_bound)
+            if self.regrow and not window:  # after an overflow the blocks only grow
+                pull, push = max(pull, het.pull_slots), max(push, het.push_slots)
+            het.resize(self.capacity, pull, push)
+            het.peaks, self.regrow = None, False
+        return changed
 
     def note_used(self, used: torch.Tensor) -> None:
         """A step needed `used` slots (a device value, outside any graph; read by most_used)."""
         used = used.reshape(())
         self.peak = used.clone() if self.peak is None else torch.maximum(self.peak, used)
 
-    def most_used(self) -> int:
-        """The most slots a step needed, over the ranks (one read; an allgather at W > 1)."""
-        return self._over_ranks()[0]
-
-    def _over_ranks(self) -> tuple[int, int]:
+    def _over_ranks(self) -> tuple[int, int, int, int]:
         """(the most slots a step needed on any rank, Herald's exact-size lookups summed over the
-        ranks): one read, an allgather at W > 1."""
-        mine = [int(self.peak) if self.peak is not None else 0, self.exact_lookups]
+        ranks, the most rows an owner sent a requester and pushes a sender sent an owner in one
+        step of the HET blocks' window): one read, an allgather at W > 1."""
+        het = self.het.peaks if self.het is not None and self.het.peaks is not None else None
+        mine = [int(self.peak) if self.peak is not None else 0, self.exact_lookups,
+                *(het.tolist() if het is not None else [0, 0])]
         if self.comm.size == 1:
-            return mine[0], mine[1]
+            return mine[0], mine[1], mine[2], mine[3]
         got = self.comm.allgather(torch.tensor([mine], dtype=torch.int64), kind="meta")
-        return int(got[:, 0].max()), int(got[:, 1].sum())
+        return int(got[:, 0].max()), int(got[:, 1].sum()), int(got[:, 2].max()), int(got[:, 3].max())
 
     def capacity_summary(self) -> dict[str, Any]:
         """summary.json's view of the capacity: the slots in force, how they were chosen (bound,
         set, measured), the bound, and the most any step needed (what train.unique_capacity can
         be set to, with a margin); under Herald, the lookups (summed over the ranks) whose request
         did not fit and that were made in exact sizes. Collective at W > 1."""
-        most, exact = self._over_ranks()
+        most, exact, _, _ = self._over_ranks()
         out = {"unique_capacity": self.capacity, "capacity_rule": self.rule, "unique_bound": self.bound,
                "most_slots_used": most}
         if self.herald:
             out["exact_size_lookups"] = exact
+        if self.het is not None:
+            out["het_blocks"] = self.het.blocks()
         return out
 
     # ---- W = 1: the pieces of the whole step's one function --------------------------------
@@ -261,6 +290,8 @@ class FixedShapes:
         update the same rows with the same sums."""
         emb = self.emb
         emb.clock(flight.step)
+        if self.het is not None:
+            self.het.settle()
         self.begin_step()
         if self.herald and not flight.info.hot:
             need = int(flight.info.sync.reads[self.comm.rank].max())
@@ -321,7 +352,8 @@ class FixedShapes:
         """[] the ids past the blocks of the step just looked up, on the device (0 for a Herald
         step made in exact sizes)."""
         if isinstance(flight.read, FixedRead):
-            return flight.read.request.excess
+            het = flight.read.het
+            return flight.read.request.excess + (het.excess if het is not None else 0)
         return torch.zeros((), dtype=torch.int64, device=self.store.device)
 
     def _herald_read(self, req: PaddedRequest, sync: Any) -> torch.Tensor:
@@ -448,12 +480,15 @@ class FixedShapes:
         union = self.emb.union(info)
         self.emb.reduce_replica(union, grad.index_select(0, union), fits)
 
-    def discard(self, flight: InFlightStep) -> None:
-        """A dropped step: nothing changed before its update (or the update was masked off: an
-        overflow), the workspace is simply let go."""
+    def discard(self, flight: InFlightStep, again: bool = False) -> None:
+        """A dropped step (again: one trained again, a block overflowed): nothing changed before
+        its update, or the update was masked off; the HET cache's changes are undone."""
+        if again:
+            self.regrow = True
         if flight.ws is not None and not isinstance(flight.read, FixedRead):
             self.emb.discard(flight)  # a Herald step made in exact sizes
-        elif flight.ws is not None:
-            _, read = self.emb.finish_lookup(flight, "discard")
-            if read is not None and read.het is not None and self.het.remote.undoable:
-                self.het.discard()
+            return
+        # a step trained again was updated already (its update masked off): its read is gone
+        read = self.emb.finish_lookup(flight, "discard")[1] if flight.ws is not None else None
+        if self.het is not None and (read is None or read.het is not None):
+            self.het.discard(again)
