@@ -78,6 +78,10 @@ PATHS: dict[str, tuple[int, list[str]]] = {
     "w2-padded-lru-ssp": (2, ["train.cuda_graph=on", "cache=lru", "consistency=ssp", "optim=adagrad"]),
     "w2-padded-pinned-tight": (2, ["train.cuda_graph=on", "cache=lfu_pinned", "consistency=asp",
                                    "cache.capacity_fraction=0.05", "train.unique_capacity=64"]),
+    # the reply and push blocks following the traffic, a margin below 1: rows and pushes past them
+    # (the cache's journal undoes those steps, which are trained again)
+    "w2-padded-het-follow": (2, ["train.cuda_graph=on", "cache=lru", "consistency=ssp", "optim=adagrad",
+                                 "train.unique_capacity=100000", "train.capacity_margin=0.75"]),
     # Herald in fixed shapes: its sync sized by the host's plan, the rows into the request's blocks;
     # tight blocks: some ranks' lookups made in exact sizes (never a step trained twice)
     "w2-padded-herald": (2, ["train.cuda_graph=on", "schedule=herald", "cache=lru", "optim=adagrad"]),

@@ -5,6 +5,7 @@ The README's command, shrunk: one JSON line per workload x policy x mode, the fi
 input as one error line with status 2 before any run starts."""
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import subprocess
@@ -60,3 +61,11 @@ def test_bad_input_is_one_line(args, says, capsys):
     assert bench_padding.main(args) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error: ") and says in err[0]
+
+
+def test_modes_run_off_first_as_the_ratios_base():
+    """--modes picks modes in their fixed order; off always runs, first (every ratio is against it)."""
+    ns = lambda modes: argparse.Namespace(modes=modes)  # noqa: E731
+    assert bench_padding.modes(ns(["measured"])) == ["off", "measured"]
+    assert bench_padding.modes(ns(["measured", "bound"])) == ["off", "bound", "measured"]
+    assert bench_padding.modes(ns(list(bench_padding.MODES))) == ["off", "bound", "measured"]
