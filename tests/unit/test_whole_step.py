@@ -167,6 +167,7 @@ def test_memory_plan_counts_the_padded_step():
     update's rows before and after) and its plan, C being the step's own capacity: per table the
     fewer of its ids in a batch (48 samples x 3 ids) and its rows."""
     import trainer.run.resolve.memplan as memplan
+    from trainer.sparse.embedding.fixed.het import HET_ENTRY_BYTES, JOURNAL_SLOT_BYTES
     from trainer.sparse.embedding.fixed.padded import PLAN_SLOT_BYTES, REQUEST_SLOT_BYTES
     c = load_config(make_cfg(BASE + ["train.cuda_graph=on"]))
     slots = unique_capacity(48, 3, [97, 1001, 13, 250])
@@ -177,6 +178,17 @@ def test_memory_plan_counts_the_padded_step():
     block = unique_capacity(24, 3, [49, 501, 7, 125])
     assert memplan.plan_memory(c, 2, 0).parts["padded step"] == 2 * block * (8 * d * 4 + REQUEST_SLOT_BYTES)
     assert "padded step" not in memplan.plan_memory(load_config(make_cfg(BASE + ["train.cuda_graph=dense"])), 1, 0).parts
+    # the HET cache's blocks at W = 2 (fixed/het.py): its entries and the dirty evictions' block, and
+    # where its push blocks follow the traffic (the default) the journal that undoes an overflowing step
+    plain = 2 * block * (8 * d * 4 + REQUEST_SLOT_BYTES)
+    het = plain + 2 * block * (6 * d * 4 + HET_ENTRY_BYTES) + 2 * block * (4 * d * 4 + 24)
+    at_bound = load_config(make_cfg(BASE + ["train.cuda_graph=on", "cache=lru", "train.unique_capacity=0"]))
+    assert memplan.plan_memory(at_bound, 2, 0).parts["padded step"] == het
+    follows = load_config(make_cfg(BASE + ["train.cuda_graph=on", "cache=lru"]))
+    assert memplan.plan_memory(follows, 2, 0).parts["padded step"] == het + 2 * block * 4 * (JOURNAL_SLOT_BYTES + 2 * d * 4)
+    # Herald (its own protocol, whatever the cache of its lent rows): the plain blocks
+    herald = load_config(make_cfg(BASE + ["train.cuda_graph=on", "schedule=herald", "cache=lru"]))
+    assert memplan.plan_memory(herald, 2, 0).parts["padded step"] == plain
     # a placement adds the replica block (workspace and gradient, fp32) of the rows its budget holds
     placed = load_config(make_cfg(BASE + ["train.cuda_graph=on", "placement=fae", "placement.budget_bytes=16000"]))
     hot = 16000 // (d * 4)

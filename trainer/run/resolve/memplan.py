@@ -24,7 +24,9 @@ What is counted, per rank (docs/design.md, "bytes per row"):
   per slot of its W blocks, the rows and gradients out and in, the workspace, its gradient, the
   owner's ordered gradients and sums (8 x d float32) and the request's integers (48 B); with the
   HET cache (fixed/het.py) 6 x d float32 and HET_ENTRY_BYTES more per entry, and the dirty
-  evictions' block. Not with what runs the dense half only (dynamic tables, Herald at W > 1).
+  evictions' block (the blocks at their bound: the first steps'); where its push blocks follow
+  the traffic (train.unique_capacity != 0) the cache's journal of the step, 4 saves of each entry's
+  slot (JOURNAL_SLOT_BYTES + 2 x d float32 each). Not with what runs the dense half only (dynamic tables).
 Available: MemAvailable, or the room the process's memory cgroup leaves when it is less (v1 or v2,
 the own cgroup and its ancestors: base/core/cgroup.py), shared by the ranks on this host; on a
 GPU, the device's free memory.
@@ -41,7 +43,7 @@ from ...base.config import Config, ConfigError, cache_capacities, local_batch_si
 from kernels import cells_bound
 from ...sparse.embedding.dynamic.admission import Counting
 from ...base.core.cgroup import memory_room
-from ...sparse.embedding.fixed.het import HET_ENTRY_BYTES
+from ...sparse.embedding.fixed.het import HET_ENTRY_BYTES, JOURNAL_SLOT_BYTES
 from ...sparse.embedding.fixed.padded import PLAN_SLOT_BYTES, REQUEST_SLOT_BYTES, unique_capacity
 from ...sparse.embedding.dynamic.pool import pool_slot_bytes
 from ...sparse.embedding.sharding import RowSharding
@@ -162,11 +164,12 @@ def plan_memory(c: Config, world: int, rank: int, device: torch.device = torch.d
     widths = [c.data.num_dense] + list(c.model.bottom_mlp) + list(c.model.top_mlp or []) + [d * len(rows)]
     ids_per_sample = len(rows) * max(c.data.max_bag, 1)
     plan.parts["batch"] = local_batch_size(c, world) * (sum(widths) * 4 * 4 + ids_per_sample * 8 * 4)
-    # the fixed-shape mode (fixed/shapes.py without_fixed_shapes: not with dynamic tables, Herald
-    # at W > 1 or the audit at W = 1, which run the dense half only)
-    fixed = not dynamic and not (world > 1 and c.schedule.name == "herald") and not (world == 1 and c.embedding.audit)
+    # the fixed-shape mode (fixed/shapes.py without_fixed_shapes: not with dynamic tables or the
+    # audit at W = 1, which run the dense half only)
+    fixed = not dynamic and not (world == 1 and c.embedding.audit)
     if c.train.cuda_graph == "on" and fixed:
-        het = world > 1 and c.cache.policy != "none"  # the HET cache's blocks
+        herald = c.schedule.name == "herald" and c.schedule.on_demand_sync  # Herald's protocol, not HET's
+        het = world > 1 and c.cache.policy != "none" and not herald  # the HET cache's blocks
         slots = unique_capacity(local_batch_size(c, world), max(c.data.max_bag, 1), rows, c.train.unique_capacity,
                                 world)
         plan.parts["padded step"] = (slots * (4 * d * 4 + PLAN_SLOT_BYTES) if world == 1 else
@@ -176,6 +179,8 @@ def plan_memory(c: Config, world: int, rank: int, device: torch.device = torch.d
             # (W - 1) x C entries more for the dirty evictions (fixed/het.py)
             evicts = world * (world - 1) * slots
             plan.parts["padded step"] += world * slots * (6 * d * 4 + HET_ENTRY_BYTES) + evicts * (4 * d * 4 + 24)
+            if c.train.unique_capacity != 0:  # the journal that undoes a step whose push block overflows
+                plan.parts["padded step"] += world * slots * 4 * (JOURNAL_SLOT_BYTES + 2 * d * 4)
         if c.placement.name in ("fae", "sca"):  # the replica block: its workspace and gradient, fp32
             hot = int(c.placement.budget_bytes) // (d * weight_elem(c))  # at most this many rows fit the budget
             plan.parts["padded step"] += hot * d * 4 * 2

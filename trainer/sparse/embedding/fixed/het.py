@@ -52,11 +52,14 @@ from ..remote.het import HetRemote, _pack_rows, _unpack_rows, serve_check
 from ..store.shard import ShardStore
 from .padded import PaddedRequest
 
-__all__ = ["HET_ENTRY_BYTES", "FixedHet", "HetBlocks"]
+__all__ = ["HET_ENTRY_BYTES", "JOURNAL_SLOT_BYTES", "FixedHet", "HetBlocks"]
 
 # per request entry: its gid, table, slot, cached version, served row and version, reply, count,
 # due / hit / need / transient flags (8 x 8 B + 4 x 1 B, rounded)
 HET_ENTRY_BYTES = 72
+# per slot the cache's journal saves (journal.py): the slot, its gid, version, count, freq and
+# last_use (8 B each), besides its row and pending gradient
+JOURNAL_SLOT_BYTES = 48
 
 
 @dataclass
