@@ -209,13 +209,17 @@ class FixedHet:
         excess = past + (per - self.push_slots).clamp(min=0).sum()
         return ws, HetBlocks(slots, transient, tables, evicted, ok, excess), fits
 
+    def _evictions(self, evicted: Evicted) -> tuple[torch.Tensor, torch.Tensor]:
+        """(owner of each dirty eviction [n], W where the entry is none; [W + 1] of them per owner,
+        the last the none)."""
+        w = self.comm.size
+        owner = torch.where(evicted.valid, self.sharding.owner(evicted.gids.clamp(min=0)), w)
+        return owner, torch.zeros(w + 1, dtype=torch.int64, device=owner.device).index_add_(0, owner, torch.ones_like(owner))
+
     def _push_counts(self, pushed: torch.Tensor, evicted: Evicted) -> torch.Tensor:
         """[W] the pushes to each owner: the request's pushed entries of its block, then the
         dirty evictions of rows it holds."""
-        w = self.comm.size
-        owner = torch.where(evicted.valid, self.sharding.owner(evicted.gids.clamp(min=0)), w)
-        ev = torch.zeros(w + 1, dtype=torch.int64, device=owner.device).index_add_(0, owner, torch.ones_like(owner))
-        return pushed.reshape(w, self.capacity).sum(1) + ev[:w]
+        return pushed.reshape(self.comm.size, self.capacity).sum(1) + self._evictions(evicted)[1][:-1]
 
     def settle(self) -> None:
         """Before a step's lookup: the step before it is final (its journal and counters kept)."""
@@ -267,9 +271,8 @@ class FixedHet:
         ahead = pushed.reshape(w, c).long()
         pos = torch.cumsum(ahead, 1) - 1  # [W, C] place of each pushed entry in its owner's block
         n = ahead.sum(1)  # [W]
-        owner = torch.where(ev.valid, sh.owner(ev.gids.clamp(min=0)), w)
+        owner, per = self._evictions(ev)
         order = torch.argsort(owner, stable=True)
-        per = torch.zeros(w + 1, dtype=torch.int64, device=dev).index_add_(0, owner, torch.ones_like(owner))
         start = torch.cumsum(per, 0) - per
         rank_ev = torch.empty_like(order)
         rank_ev[order] = torch.arange(owner.numel(), device=dev) - start.index_select(0, owner.index_select(0, order))
@@ -289,7 +292,7 @@ class FixedHet:
         g = g[:dump].reshape(w, q, -1)
         m = q
         if self.push_flagged:  # one more entry per block: this sender's pushes past the slots
-            past = (self._push_counts(pushed, ev) - q).clamp(min=0).sum()
+            past = (n + per[:w] - q).clamp(min=0).sum()
             flag = torch.stack([past, torch.zeros_like(past)]).reshape(1, 1, 2).expand(w, 1, 2)
             head = torch.cat([head, flag], 1)
             g = torch.cat([g, g.new_zeros(w, 1, g.shape[2])], 1)
