@@ -182,11 +182,11 @@ class FixedShapes:
         self.steps += 1
         window = self.steps > MEASURE_STEPS and self.steps % MEASURE_STEPS == 1
         follow = self.het is not None and self.rule != "bound" and (window or self.regrow)
-        if not (self.measuring and self.steps > MEASURE_STEPS) and not follow:
+        measured = self.measuring and self.steps > MEASURE_STEPS
+        if not measured and not follow:
             return False
         most, _, pulled, pushed = self._over_ranks()
-        changed = self.measuring
-        if self.measuring:
+        if measured:
             self.measuring = False
             self.resize(self._size(most, self.bound))
         if follow:
@@ -196,7 +196,7 @@ class FixedShapes:
                 pull, push = max(pull, het.pull_slots), max(push, het.push_slots)
             het.resize(self.capacity, pull, push)
             het.peaks, self.regrow = None, False
-        return changed
+        return measured
 
     def note_used(self, used: torch.Tensor) -> None:
         """A step needed `used` slots (a device value, outside any graph; read by most_used)."""
