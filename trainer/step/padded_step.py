@@ -71,7 +71,8 @@ class PaddedStep(CapacityCheck, DenseStep):
         return self.sparse.begin_update(ctx.flight)
 
     def discard(self, ctx: StepContext) -> None:
-        """Nothing changed before the update: the step's workspace is simply dropped."""
+        """The step dropped, or trained again (ctx.again): its workspace is let go, and the HET
+        cache's changes undone (FixedShapes.discard)."""
         self.sparse.discard(ctx.flight, ctx.again)
         ctx.inputs = None
 

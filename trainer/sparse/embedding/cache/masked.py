@@ -86,6 +86,10 @@ class MaskedCache:
         torch._assert_async(self.uses <= 1 << TICK_BITS, "cache: more uses in one step than the eviction keys hold")
         self.cache._uses = (-1, 0)  # the exact-size calls' own count does not know these
 
+    def _push_bound(self, at: torch.Tensor, push_bound: torch.Tensor) -> torch.Tensor:
+        """[n] the push bound of each slot's table (push_bound [T])."""
+        return push_bound.to(at.device).index_select(0, self.slot_table.index_select(0, at))
+
     # ---- reads ---------------------------------------------------------------------------
     def lookup(self, gids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """[n] slot of each masked entry's gid (-1: not cached, or masked off)."""
@@ -174,7 +178,7 @@ class MaskedCache:
         the gradients are; changes nothing)."""
         at = self._at(slots, cached)
         count = self.cache.full["count"].index_select(0, at) + 1
-        bound = push_bound.to(slots.device).index_select(0, self.slot_table.index_select(0, at))
+        bound = self._push_bound(at, push_bound)
         return cached & (count > bound)
 
     # ---- writes --------------------------------------------------------------------------
@@ -194,7 +198,7 @@ class MaskedCache:
             f["rows"].index_add_(0, at, grads, alpha=-c.local_lr)
         pending = f["pending"].index_select(0, at).add_(grads)
         count = f["count"].index_select(0, at).add_(1)
-        bound = push_bound.to(slots.device).index_select(0, self.slot_table.index_select(0, at))
+        bound = self._push_bound(at, push_bound)
         due = cached & (count > bound)
         gid = f["gid"].index_select(0, at)
         f["pending"].index_copy_(0, at, pending.masked_fill(due.unsqueeze(1), 0.0))
